@@ -1,0 +1,126 @@
+//! `sandboxes/<id>/lock.json`: the lease that says which instance runs a
+//! sandbox, the fencing epoch, and the attach intent.
+
+use chrono::{DateTime, Duration, Utc};
+use serde::{Deserialize, Serialize};
+
+use super::{API_VERSION, ApiObject, ExtraFields, InstanceId};
+
+/// The lease document.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Lease {
+    #[serde(rename = "apiVersion")]
+    pub api_version: String,
+    /// The instance that runs the sandbox, or `null` when nobody does.
+    #[serde(default)]
+    pub holder: Option<InstanceId>,
+    /// Increments on every acquisition; the fencing token.
+    #[serde(default)]
+    pub epoch: u64,
+    #[serde(default)]
+    pub acquired_at: Option<DateTime<Utc>>,
+    #[serde(default)]
+    pub renewed_at: Option<DateTime<Utc>>,
+    pub lease_duration_s: u64,
+    /// The attach intent: which instance wants to run the sandbox next.
+    #[serde(default)]
+    pub wanted_by: Option<AttachIntent>,
+    #[serde(flatten)]
+    pub extra: ExtraFields,
+}
+
+/// "Instance X wants this sandbox", written by the API layer when a client
+/// attaches on an instance that does not hold the sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AttachIntent {
+    pub instance: InstanceId,
+    pub requested_at: DateTime<Utc>,
+    /// After this instant the intent is stale and ignored.
+    pub expires_at: DateTime<Utc>,
+    #[serde(flatten)]
+    pub extra: ExtraFields,
+}
+
+/// Longest lease an operator may configure.
+pub const MAX_LEASE_DURATION_S: u64 = 3600;
+
+impl Lease {
+    /// A lease nobody holds yet.
+    pub fn unheld(lease_duration_s: u64) -> Self {
+        Self {
+            api_version: API_VERSION.to_owned(),
+            holder: None,
+            epoch: 0,
+            acquired_at: None,
+            renewed_at: None,
+            lease_duration_s,
+            wanted_by: None,
+            extra: ExtraFields::new(),
+        }
+    }
+
+    pub fn duration(&self) -> Duration {
+        Duration::seconds(i64::try_from(self.lease_duration_s).unwrap_or(i64::MAX / 1000))
+    }
+
+    /// When the holder's lease runs out (`renewed_at + lease_duration_s`), by the
+    /// writer's clock. `None` when nobody holds it.
+    pub fn expires_at(&self) -> Option<DateTime<Utc>> {
+        self.holder.as_ref()?;
+        let renewed = self.renewed_at.or(self.acquired_at)?;
+        renewed.checked_add_signed(self.duration())
+    }
+
+    /// True if another instance may take the lease at `now`: nobody holds it, or
+    /// the holder has not renewed for the lease duration plus `skew_tolerance`
+    /// (the clock disagreement between instances this deployment tolerates).
+    pub fn is_free(&self, now: DateTime<Utc>, skew_tolerance: Duration) -> bool {
+        match self.expires_at() {
+            None => true,
+            Some(expires) => expires + skew_tolerance <= now,
+        }
+    }
+
+    pub fn is_held_by(&self, instance: &InstanceId) -> bool {
+        self.holder.as_ref() == Some(instance)
+    }
+
+    /// The live attach intent at `now`, if any.
+    pub fn live_intent(&self, now: DateTime<Utc>) -> Option<&AttachIntent> {
+        self.wanted_by
+            .as_ref()
+            .filter(|intent| intent.expires_at > now)
+    }
+}
+
+impl ApiObject for Lease {
+    const KIND: &'static str = "lock.json";
+
+    fn api_version(&self) -> &str {
+        &self.api_version
+    }
+
+    fn validate(&self) -> Result<(), (String, String)> {
+        if self.lease_duration_s == 0 || self.lease_duration_s > MAX_LEASE_DURATION_S {
+            return Err((
+                "lease_duration_s".to_owned(),
+                format!("must be between 1 and {MAX_LEASE_DURATION_S} seconds"),
+            ));
+        }
+        if self.holder.is_some() && self.renewed_at.is_none() && self.acquired_at.is_none() {
+            return Err((
+                "renewed_at".to_owned(),
+                "a held lease needs renewed_at or acquired_at".to_owned(),
+            ));
+        }
+        if let Some(intent) = &self.wanted_by {
+            if intent.expires_at < intent.requested_at {
+                return Err((
+                    "wanted_by.expires_at".to_owned(),
+                    "is before wanted_by.requested_at".to_owned(),
+                ));
+            }
+        }
+        Ok(())
+    }
+}

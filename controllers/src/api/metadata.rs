@@ -1,0 +1,285 @@
+//! `sandboxes/<id>/metadata.json`: a sandbox's desired state (`spec`) and
+//! observed state (`status`).
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use super::{API_VERSION, ApiObject, ExtraFields, InstanceId, SandboxId};
+
+/// The whole document.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxMetadata {
+    #[serde(rename = "apiVersion")]
+    pub api_version: String,
+    pub sandbox_id: SandboxId,
+    pub created_at: DateTime<Utc>,
+    pub spec: SandboxSpec,
+    #[serde(default)]
+    pub status: SandboxStatus,
+    #[serde(flatten)]
+    pub extra: ExtraFields,
+}
+
+/// What should be true. Written by the API layer and by operators.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxSpec {
+    pub desired_state: DesiredState,
+    /// Seconds without client activity before the sandbox is stopped; `null`
+    /// means never.
+    #[serde(default)]
+    pub idle_timeout: Option<u64>,
+    #[serde(default)]
+    pub enable_checkpoint: bool,
+    #[serde(default)]
+    pub enable_sandbox_handoff: bool,
+    #[serde(default)]
+    pub enable_idle_timeout_auto_checkpoint: bool,
+    #[serde(default)]
+    pub filesystem_snapshot_name: Option<String>,
+    /// SHA-256 (hex) of the sandbox token. The token itself is never stored.
+    pub token_sha256: String,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(flatten)]
+    pub extra: ExtraFields,
+}
+
+/// The state an operator or the API asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DesiredState {
+    Running,
+    Checkpointed,
+    Deleted,
+}
+
+/// What is true, as last observed. Written by controllers only.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SandboxStatus {
+    #[serde(default)]
+    pub phase: Phase,
+    #[serde(default)]
+    pub holder: Option<InstanceId>,
+    /// The lease epoch of the last writer: fencing refuses writers below it.
+    #[serde(default)]
+    pub epoch: u64,
+    /// The metadata generation whose spec the controllers last acted on.
+    #[serde(default)]
+    pub observed_generation: Option<i64>,
+    #[serde(default)]
+    pub latest_checkpoint: Option<CheckpointRef>,
+    #[serde(default)]
+    pub latest_snapshot: Option<SnapshotRef>,
+    #[serde(default)]
+    pub conditions: Vec<Condition>,
+    #[serde(default)]
+    pub last_error: Option<String>,
+    #[serde(flatten)]
+    pub extra: ExtraFields,
+}
+
+/// The lifecycle phase.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Phase {
+    #[default]
+    Pending,
+    Creating,
+    Running,
+    Checkpointing,
+    Checkpointed,
+    Restoring,
+    Deleting,
+    /// Tombstone: the sandbox is gone; garbage collection removes the objects.
+    Deleted,
+    Failed,
+}
+
+/// Where the newest good checkpoint is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointRef {
+    pub bucket: String,
+    /// Object key of the image, `sandbox_checkpoints/<checkpoint_id>/checkpoint.img`.
+    pub path: String,
+    /// Lease epoch of the holder that wrote it.
+    pub epoch: u64,
+    pub sha256: String,
+    pub size: u64,
+    pub created_at: DateTime<Utc>,
+    /// The user's name for a named checkpoint, if any.
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(flatten)]
+    pub extra: ExtraFields,
+}
+
+/// The newest filesystem snapshot taken of this sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotRef {
+    pub name: String,
+    pub bucket: String,
+    pub path: String,
+    pub sha256: String,
+    pub size: u64,
+    pub created_at: DateTime<Utc>,
+    #[serde(flatten)]
+    pub extra: ExtraFields,
+}
+
+/// A Kubernetes-style condition (`type`, `status`, `reason`, `message`,
+/// `lastTransitionTime`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Condition {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub status: ConditionStatus,
+    #[serde(default)]
+    pub reason: String,
+    #[serde(default)]
+    pub message: String,
+    #[serde(rename = "lastTransitionTime")]
+    pub last_transition_time: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ConditionStatus {
+    True,
+    False,
+    Unknown,
+}
+
+impl SandboxMetadata {
+    /// A new sandbox's document: desired running, nothing observed yet.
+    pub fn new(sandbox_id: SandboxId, created_at: DateTime<Utc>, token_sha256: String) -> Self {
+        Self {
+            api_version: API_VERSION.to_owned(),
+            sandbox_id,
+            created_at,
+            spec: SandboxSpec {
+                desired_state: DesiredState::Running,
+                idle_timeout: None,
+                enable_checkpoint: false,
+                enable_sandbox_handoff: false,
+                enable_idle_timeout_auto_checkpoint: false,
+                filesystem_snapshot_name: None,
+                token_sha256,
+                labels: BTreeMap::new(),
+                extra: ExtraFields::new(),
+            },
+            status: SandboxStatus::default(),
+            extra: ExtraFields::new(),
+        }
+    }
+}
+
+impl SandboxStatus {
+    /// Sets a condition, moving `lastTransitionTime` only when its status changes.
+    pub fn set_condition(
+        &mut self,
+        kind: &str,
+        status: ConditionStatus,
+        reason: &str,
+        message: &str,
+        now: DateTime<Utc>,
+    ) {
+        match self.conditions.iter_mut().find(|c| c.kind == kind) {
+            Some(existing) => {
+                if existing.status != status {
+                    existing.last_transition_time = now;
+                }
+                existing.status = status;
+                reason.clone_into(&mut existing.reason);
+                message.clone_into(&mut existing.message);
+            }
+            None => self.conditions.push(Condition {
+                kind: kind.to_owned(),
+                status,
+                reason: reason.to_owned(),
+                message: message.to_owned(),
+                last_transition_time: now,
+            }),
+        }
+    }
+
+    pub fn condition(&self, kind: &str) -> Option<&Condition> {
+        self.conditions.iter().find(|c| c.kind == kind)
+    }
+}
+
+impl ApiObject for SandboxMetadata {
+    const KIND: &'static str = "metadata.json";
+
+    fn api_version(&self) -> &str {
+        &self.api_version
+    }
+
+    fn validate(&self) -> Result<(), (String, String)> {
+        if !is_sha256_hex(&self.spec.token_sha256) {
+            return Err(field(
+                "spec.token_sha256",
+                "expected 64 lowercase hex digits",
+            ));
+        }
+        if self.spec.idle_timeout == Some(0) {
+            return Err(field(
+                "spec.idle_timeout",
+                "must be a positive number of seconds, or null for no timeout",
+            ));
+        }
+        if let Some(name) = &self.spec.filesystem_snapshot_name {
+            if !is_resource_name(name) {
+                return Err(field("spec.filesystem_snapshot_name", RESOURCE_NAME_RULE));
+            }
+        }
+        if let Some(checkpoint) = &self.status.latest_checkpoint {
+            if !is_sha256_hex(&checkpoint.sha256) {
+                return Err(field(
+                    "status.latest_checkpoint.sha256",
+                    "expected 64 lowercase hex digits",
+                ));
+            }
+            if crate::store::ObjectKey::new(checkpoint.path.as_str()).is_err() {
+                return Err(field(
+                    "status.latest_checkpoint.path",
+                    "not a valid object key",
+                ));
+            }
+            if checkpoint.epoch > self.status.epoch {
+                return Err(field(
+                    "status.latest_checkpoint.epoch",
+                    "is higher than status.epoch",
+                ));
+            }
+        }
+        if let Some(snapshot) = &self.status.latest_snapshot {
+            if !is_resource_name(&snapshot.name) {
+                return Err(field("status.latest_snapshot.name", RESOURCE_NAME_RULE));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The charset and length of user-chosen names (snapshots, checkpoints).
+pub const RESOURCE_NAME_RULE: &str = "expected 1-63 characters of lowercase letters, digits, '-' and '_', starting with a letter or digit";
+
+/// True for an acceptable snapshot or checkpoint name.
+pub fn is_resource_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_lowercase() || c.is_ascii_digit())
+        && name.len() <= 63
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_')
+}
+
+/// True for a lowercase hex SHA-256 digest.
+pub fn is_sha256_hex(value: &str) -> bool {
+    value.len() == 64
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+fn field(path: &str, message: &str) -> (String, String) {
+    (path.to_owned(), message.to_owned())
+}

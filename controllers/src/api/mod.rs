@@ -1,0 +1,36 @@
+//! The API objects: the JSON documents in the bucket that instances and
+//! operators read and write.
+//!
+//! Two objects per sandbox, in the spirit of Kubernetes resources:
+//! - `sandboxes/<id>/metadata.json` ([`SandboxMetadata`]): `spec` is the desired
+//!   state (API layer and operators write it), `status` the observed state
+//!   (controllers write it).
+//! - `sandboxes/<id>/lock.json` ([`Lease`]): who runs the sandbox now, the
+//!   fencing epoch, and the attach intent `wanted_by`.
+//!
+//! Both carry `apiVersion`, are pretty-printed (people read and edit them), and
+//! keep fields they do not know: an operator's note survives every controller's
+//! read-modify-write. Decoding errors name the offending field (`spec.desired_state`).
+//! `docs/operations.md` documents every field.
+
+mod codec;
+mod ids;
+mod lease;
+mod metadata;
+
+pub use codec::{ApiObject, DecodeError, decode, encode};
+pub use ids::{InstanceId, InvalidId, SandboxId};
+pub use lease::{AttachIntent, Lease};
+pub use metadata::{
+    CheckpointRef, Condition, ConditionStatus, DesiredState, Phase, SandboxMetadata, SandboxSpec,
+    SandboxStatus, SnapshotRef,
+};
+
+/// The `apiVersion` of every object this version writes and understands.
+pub const API_VERSION: &str = "sandboxd.dev/v1";
+
+/// Unknown fields, kept verbatim so read-modify-write never drops them.
+pub type ExtraFields = serde_json::Map<String, serde_json::Value>;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,362 @@
+//! Lease operations over the Store: acquire, renew, release, detect loss, and
+//! write the attach intent.
+//!
+//! Every operation is a read-modify-write of `lock.json` under its generation,
+//! so two instances never both believe a write of theirs won. Time comes from
+//! the injected [`Clock`]; instances' clocks may disagree, so a lease counts as
+//! expired for a taker only `skew_tolerance` after its holder's own expiry, and
+//! a holder treats itself as unsafe `skew_tolerance` *before* it.
+//!
+//! # Guarantees
+//! - Acquisition increments `epoch`: each holder gets a unique, increasing
+//!   fencing token.
+//! - Release writes `holder: null` and keeps the epoch and any intent; the lock
+//!   object is never deleted (the emulator ignores conditional deletes).
+//! - A live `wanted_by` naming another instance blocks acquisition: the instance
+//!   a client asked for gets the sandbox, not whoever polls first.
+//!
+//! # Errors
+//! An unreadable `lock.json` (an operator's typo) is reported as
+//! [`LeaseError::Invalid`] and never overwritten.
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Duration, Utc};
+
+use crate::api::{
+    AttachIntent, DecodeError, ExtraFields, InstanceId, Lease, SandboxId, decode, encode,
+};
+use crate::clock::Clock;
+use crate::fencing::MAX_CONFLICT_RETRIES;
+use crate::layout::lock_key;
+use crate::store::{Generation, PutMode, Store, StoreError};
+
+/// Lease timing for one deployment.
+#[derive(Debug, Clone)]
+pub struct LeaseConfig {
+    /// How long a lease lasts without renewal.
+    pub duration: Duration,
+    /// The largest clock disagreement between instances that is tolerated.
+    pub skew_tolerance: Duration,
+    /// How long an attach intent stays live.
+    pub intent_ttl: Duration,
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        Self {
+            duration: Duration::seconds(30),
+            skew_tolerance: Duration::seconds(5),
+            intent_ttl: Duration::seconds(60),
+        }
+    }
+}
+
+/// Proof that this instance held a sandbox's lease at `epoch`, as of `renewed_at`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldLease {
+    pub sandbox: SandboxId,
+    pub epoch: u64,
+    pub renewed_at: DateTime<Utc>,
+    pub generation: Generation,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    #[error("sandbox {sandbox} is held by {holder} until {expires_at}")]
+    HeldByOther {
+        sandbox: SandboxId,
+        holder: InstanceId,
+        expires_at: DateTime<Utc>,
+    },
+    #[error("sandbox {sandbox} is wanted by instance {instance} until {expires_at}")]
+    WantedByOther {
+        sandbox: SandboxId,
+        instance: InstanceId,
+        expires_at: DateTime<Utc>,
+    },
+    #[error(
+        "lease of sandbox {sandbox} at epoch {epoch} was lost (now holder {holder:?}, epoch {current_epoch})"
+    )]
+    Lost {
+        sandbox: SandboxId,
+        epoch: u64,
+        holder: Option<InstanceId>,
+        current_epoch: u64,
+    },
+    #[error("sandbox {sandbox} has no lock.json")]
+    Missing { sandbox: SandboxId },
+    #[error("lock.json of sandbox {sandbox} is invalid: {source}")]
+    Invalid {
+        sandbox: SandboxId,
+        source: DecodeError,
+    },
+    #[error("lock.json of sandbox {sandbox} kept changing under {attempts} attempts to write it")]
+    Contended { sandbox: SandboxId, attempts: usize },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// What a read-modify-write step decided.
+enum Step<T> {
+    Write(Lease, T),
+    Done(T),
+}
+
+/// Lease operations on behalf of one instance.
+#[derive(Debug, Clone)]
+pub struct Leases {
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    instance: InstanceId,
+    config: LeaseConfig,
+}
+
+impl Leases {
+    pub fn new(
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        instance: InstanceId,
+        config: LeaseConfig,
+    ) -> Self {
+        Self {
+            store,
+            clock,
+            instance,
+            config,
+        }
+    }
+
+    pub fn instance(&self) -> &InstanceId {
+        &self.instance
+    }
+
+    pub fn config(&self) -> &LeaseConfig {
+        &self.config
+    }
+
+    /// Reads the lease, if the sandbox has one.
+    pub async fn read(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<Option<(Lease, Generation)>, LeaseError> {
+        match self.store.get(&lock_key(sandbox)).await {
+            Ok(current) => {
+                let lease =
+                    decode::<Lease>(&current.data).map_err(|source| LeaseError::Invalid {
+                        sandbox: sandbox.clone(),
+                        source,
+                    })?;
+                Ok(Some((lease, current.generation)))
+            }
+            Err(StoreError::NotFound { .. }) => Ok(None),
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    /// Takes the lease: creates it, or takes it over when it is free or expired,
+    /// with `epoch + 1`. Holding it already is not an error (same epoch back).
+    /// Clears `wanted_by` when it names this instance (the intent is fulfilled).
+    pub async fn acquire(&self, sandbox: &SandboxId) -> Result<HeldLease, LeaseError> {
+        self.modify(sandbox, |existing, now| {
+            let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
+            if lease.is_held_by(&self.instance) {
+                return Ok(Step::Done(lease.epoch));
+            }
+            if !lease.is_free(now, self.config.skew_tolerance) {
+                let holder = lease
+                    .holder
+                    .clone()
+                    .unwrap_or_else(|| self.instance.clone());
+                return Err(LeaseError::HeldByOther {
+                    sandbox: sandbox.clone(),
+                    holder,
+                    expires_at: lease.expires_at().unwrap_or(now),
+                });
+            }
+            if let Some(intent) = lease.live_intent(now) {
+                if intent.instance != self.instance {
+                    return Err(LeaseError::WantedByOther {
+                        sandbox: sandbox.clone(),
+                        instance: intent.instance.clone(),
+                        expires_at: intent.expires_at,
+                    });
+                }
+            }
+            if lease
+                .wanted_by
+                .as_ref()
+                .is_some_and(|intent| intent.instance == self.instance || intent.expires_at <= now)
+            {
+                lease.wanted_by = None;
+            }
+            lease.holder = Some(self.instance.clone());
+            lease.epoch += 1;
+            lease.acquired_at = Some(now);
+            lease.renewed_at = Some(now);
+            lease.lease_duration_s = self.duration_secs();
+            let epoch = lease.epoch;
+            Ok(Step::Write(lease, epoch))
+        })
+        .await
+        .and_then(|(epoch, lease, generation)| self.held(sandbox, epoch, &lease, generation))
+    }
+
+    /// Extends a held lease. Fails with `Lost` if another instance took it or an
+    /// operator cleared the holder.
+    pub async fn renew(&self, held: &HeldLease) -> Result<HeldLease, LeaseError> {
+        self.modify(&held.sandbox, |existing, now| {
+            let mut lease = self.still_mine(held, existing)?;
+            lease.renewed_at = Some(now);
+            Ok(Step::Write(lease, ()))
+        })
+        .await
+        .and_then(|((), lease, generation)| {
+            self.held(&held.sandbox, held.epoch, &lease, generation)
+        })
+    }
+
+    /// Gives the lease up: `holder: null`, epoch and intent kept. Releasing a lease
+    /// already lost is reported as `Lost` (nothing is written).
+    pub async fn release(&self, held: &HeldLease) -> Result<(), LeaseError> {
+        self.modify(&held.sandbox, |existing, _now| {
+            let mut lease = self.still_mine(held, existing)?;
+            lease.holder = None;
+            Ok(Step::Write(lease, ()))
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// Checks, with one read, that the lease is still ours at the same epoch.
+    pub async fn check(&self, held: &HeldLease) -> Result<Lease, LeaseError> {
+        let existing = self.read(&held.sandbox).await?.map(|(lease, _)| lease);
+        self.still_mine(held, existing)
+    }
+
+    /// True while this instance may act on `held` without renewing: its lease
+    /// runs until `renewed_at + duration`, minus the tolerated clock skew.
+    pub fn is_safe(&self, held: &HeldLease) -> bool {
+        self.clock.now() < held.renewed_at + self.config.duration - self.config.skew_tolerance
+    }
+
+    /// Writes the attach intent `wanted_by = this instance`, valid for the
+    /// configured TTL. Creates an unheld lock if the sandbox has none.
+    pub async fn request_attach(&self, sandbox: &SandboxId) -> Result<AttachIntent, LeaseError> {
+        self.modify(sandbox, |existing, now| {
+            let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
+            let intent = AttachIntent {
+                instance: self.instance.clone(),
+                requested_at: now,
+                expires_at: now + self.config.intent_ttl,
+                extra: ExtraFields::new(),
+            };
+            lease.wanted_by = Some(intent.clone());
+            Ok(Step::Write(lease, intent))
+        })
+        .await
+        .map(|(intent, _, _)| intent)
+    }
+
+    /// Withdraws this instance's attach intent, if it is still the current one.
+    pub async fn withdraw_attach(&self, sandbox: &SandboxId) -> Result<(), LeaseError> {
+        self.modify(sandbox, |existing, _now| match existing {
+            Some(mut lease)
+                if lease
+                    .wanted_by
+                    .as_ref()
+                    .is_some_and(|intent| intent.instance == self.instance) =>
+            {
+                lease.wanted_by = None;
+                Ok(Step::Write(lease, ()))
+            }
+            _ => Ok(Step::Done(())),
+        })
+        .await
+        .map(|_| ())
+    }
+
+    fn fresh_lease(&self) -> Lease {
+        Lease::unheld(self.duration_secs())
+    }
+
+    fn duration_secs(&self) -> u64 {
+        u64::try_from(self.config.duration.num_seconds())
+            .unwrap_or(1)
+            .max(1)
+    }
+
+    fn still_mine(&self, held: &HeldLease, existing: Option<Lease>) -> Result<Lease, LeaseError> {
+        let Some(lease) = existing else {
+            return Err(LeaseError::Missing {
+                sandbox: held.sandbox.clone(),
+            });
+        };
+        if lease.is_held_by(&self.instance) && lease.epoch == held.epoch {
+            Ok(lease)
+        } else {
+            Err(LeaseError::Lost {
+                sandbox: held.sandbox.clone(),
+                epoch: held.epoch,
+                holder: lease.holder,
+                current_epoch: lease.epoch,
+            })
+        }
+    }
+
+    fn held(
+        &self,
+        sandbox: &SandboxId,
+        epoch: u64,
+        lease: &Lease,
+        generation: Generation,
+    ) -> Result<HeldLease, LeaseError> {
+        Ok(HeldLease {
+            sandbox: sandbox.clone(),
+            epoch,
+            renewed_at: lease.renewed_at.unwrap_or_else(|| self.clock.now()),
+            generation,
+        })
+    }
+
+    /// The read-modify-write loop on `lock.json`: `decide` sees the current lease
+    /// (or `None`) and the time, and returns what to write; a lost race re-reads.
+    async fn modify<T>(
+        &self,
+        sandbox: &SandboxId,
+        mut decide: impl FnMut(Option<Lease>, DateTime<Utc>) -> Result<Step<T>, LeaseError>,
+    ) -> Result<(T, Lease, Generation), LeaseError> {
+        let key = lock_key(sandbox);
+        for _ in 0..MAX_CONFLICT_RETRIES {
+            let current = self.read(sandbox).await?;
+            let (existing, mode) = match current {
+                Some((lease, generation)) => (Some(lease), PutMode::Update(generation)),
+                None => (None, PutMode::Create),
+            };
+            let unchanged = existing.clone();
+            match decide(existing, self.clock.now())? {
+                Step::Done(value) => {
+                    let generation = match mode {
+                        PutMode::Update(generation) => generation,
+                        _ => Generation(0),
+                    };
+                    let lease = unchanged.unwrap_or_else(|| self.fresh_lease());
+                    return Ok((value, lease, generation));
+                }
+                Step::Write(lease, value) => match self.store.put(&key, encode(&lease), mode).await
+                {
+                    Ok(generation) => return Ok((value, lease, generation)),
+                    Err(StoreError::PreconditionFailed { .. }) => continue,
+                    Err(err) => return Err(err.into()),
+                },
+            }
+        }
+        Err(LeaseError::Contended {
+            sandbox: sandbox.clone(),
+            attempts: MAX_CONFLICT_RETRIES,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

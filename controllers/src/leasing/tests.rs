@@ -1,0 +1,394 @@
+//! Lease behaviour on the in-memory store with manual clocks.
+
+use std::sync::Arc;
+
+use chrono::Duration;
+
+use super::*;
+use crate::api::{SandboxMetadata, decode};
+use crate::fencing::{FenceError, fenced_update};
+use crate::layout::metadata_key;
+use crate::testing::{Fault, ManualClock, MemoryStore};
+
+fn sandbox() -> SandboxId {
+    SandboxId::parse("0123456789abcdef0123456789abcdef").unwrap()
+}
+
+fn instance(name: &str) -> InstanceId {
+    InstanceId::parse(name).unwrap()
+}
+
+fn leases(store: &Arc<MemoryStore>, clock: &ManualClock, name: &str) -> Leases {
+    Leases::new(
+        store.clone(),
+        Arc::new(clock.clone()),
+        instance(name),
+        LeaseConfig {
+            duration: Duration::seconds(30),
+            skew_tolerance: Duration::seconds(5),
+            intent_ttl: Duration::seconds(60),
+        },
+    )
+}
+
+async fn stored_lease(store: &MemoryStore) -> Lease {
+    decode(&store.get(&lock_key(&sandbox())).await.unwrap().data).unwrap()
+}
+
+#[tokio::test]
+async fn first_acquire_creates_the_lease_at_epoch_one() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let a = leases(&store, &clock, "a");
+    let held = a.acquire(&sandbox()).await.unwrap();
+    assert_eq!(held.epoch, 1);
+    let lease = stored_lease(&store).await;
+    assert_eq!(lease.holder, Some(instance("a")));
+    assert_eq!(lease.renewed_at, Some(clock.now()));
+    // Acquiring again is idempotent: same epoch, no new write.
+    let generation = store.get(&lock_key(&sandbox())).await.unwrap().generation;
+    assert_eq!(a.acquire(&sandbox()).await.unwrap().epoch, 1);
+    assert_eq!(
+        store.get(&lock_key(&sandbox())).await.unwrap().generation,
+        generation
+    );
+}
+
+#[tokio::test]
+async fn a_held_lease_refuses_others_until_it_expires() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let a = leases(&store, &clock, "a");
+    let b = leases(&store, &clock, "b");
+    let held_a = a.acquire(&sandbox()).await.unwrap();
+
+    let err = b.acquire(&sandbox()).await.unwrap_err();
+    assert!(
+        matches!(err, LeaseError::HeldByOther { ref holder, .. } if *holder == instance("a")),
+        "{err}"
+    );
+
+    // Renewing moves the expiry.
+    clock.advance(Duration::seconds(20));
+    let held_a = a.renew(&held_a).await.unwrap();
+    clock.advance(Duration::seconds(20));
+    assert!(
+        b.acquire(&sandbox()).await.is_err(),
+        "renewed 20 s ago, lease is 30 s"
+    );
+
+    // Expiry alone is not enough: the skew tolerance must pass too.
+    clock.advance(Duration::seconds(12)); // 32 s after the renewal
+    assert!(b.acquire(&sandbox()).await.is_err());
+    clock.advance(Duration::seconds(3)); // 35 s: expired + 5 s tolerance
+    let held_b = b.acquire(&sandbox()).await.unwrap();
+    assert_eq!(held_b.epoch, held_a.epoch + 1);
+
+    // The old holder finds out it lost the lease and cannot write it.
+    assert!(matches!(
+        a.renew(&held_a).await,
+        Err(LeaseError::Lost {
+            current_epoch: 2,
+            ..
+        })
+    ));
+    assert!(matches!(
+        a.release(&held_a).await,
+        Err(LeaseError::Lost { .. })
+    ));
+    assert!(matches!(
+        a.check(&held_a).await,
+        Err(LeaseError::Lost { .. })
+    ));
+    assert_eq!(stored_lease(&store).await.holder, Some(instance("b")));
+}
+
+#[tokio::test]
+async fn release_clears_the_holder_and_keeps_the_object_and_epoch() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let a = leases(&store, &clock, "a");
+    let b = leases(&store, &clock, "b");
+    let held = a.acquire(&sandbox()).await.unwrap();
+    a.release(&held).await.unwrap();
+    let lease = stored_lease(&store).await;
+    assert_eq!(lease.holder, None);
+    assert_eq!(lease.epoch, 1);
+    // Free at once, no expiry wait.
+    assert_eq!(b.acquire(&sandbox()).await.unwrap().epoch, 2);
+}
+
+#[tokio::test]
+async fn an_attach_intent_reserves_the_sandbox_for_the_asking_instance() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let a = leases(&store, &clock, "a");
+    let b = leases(&store, &clock, "b");
+    let c = leases(&store, &clock, "c");
+    let held = a.acquire(&sandbox()).await.unwrap();
+
+    let intent = b.request_attach(&sandbox()).await.unwrap();
+    assert_eq!(intent.expires_at, clock.now() + Duration::seconds(60));
+    // The holder renews: the intent survives its writes.
+    let held = a.renew(&held).await.unwrap();
+    assert_eq!(
+        stored_lease(&store).await.wanted_by.unwrap().instance,
+        instance("b")
+    );
+
+    a.release(&held).await.unwrap();
+    assert!(matches!(
+        c.acquire(&sandbox()).await,
+        Err(LeaseError::WantedByOther { .. })
+    ));
+    let held_b = b.acquire(&sandbox()).await.unwrap();
+    assert_eq!(held_b.epoch, 2);
+    assert_eq!(
+        stored_lease(&store).await.wanted_by,
+        None,
+        "fulfilled intent is cleared"
+    );
+}
+
+#[tokio::test]
+async fn a_stale_intent_stops_blocking() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let b = leases(&store, &clock, "b");
+    let c = leases(&store, &clock, "c");
+    b.request_attach(&sandbox()).await.unwrap();
+    assert!(c.acquire(&sandbox()).await.is_err());
+    clock.advance(Duration::seconds(61));
+    assert_eq!(c.acquire(&sandbox()).await.unwrap().epoch, 1);
+    assert_eq!(
+        stored_lease(&store).await.wanted_by,
+        None,
+        "expired intent is cleared"
+    );
+}
+
+#[tokio::test]
+async fn withdrawing_an_intent_only_removes_ones_own() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let b = leases(&store, &clock, "b");
+    let c = leases(&store, &clock, "c");
+    b.request_attach(&sandbox()).await.unwrap();
+    c.withdraw_attach(&sandbox()).await.unwrap();
+    assert_eq!(
+        stored_lease(&store).await.wanted_by.unwrap().instance,
+        instance("b")
+    );
+    b.withdraw_attach(&sandbox()).await.unwrap();
+    assert_eq!(stored_lease(&store).await.wanted_by, None);
+}
+
+#[tokio::test]
+async fn instances_whose_clocks_disagree_by_three_seconds_never_overlap() {
+    let store = Arc::new(MemoryStore::new());
+    let clock_a = ManualClock::new();
+    let clock_b = clock_a.skewed(Duration::seconds(3)); // B runs 3 s ahead
+    let a = leases(&store, &clock_a, "a");
+    let b = leases(&store, &clock_b, "b");
+    let advance = |secs| {
+        clock_a.advance(Duration::seconds(secs));
+        clock_b.advance(Duration::seconds(secs));
+    };
+
+    let mut held = a.acquire(&sandbox()).await.unwrap();
+    // A renews every 10 s, as a holder does at a third of the lease. By B's
+    // fast clock the lease is never expired, so B never takes over.
+    for _ in 0..6 {
+        advance(10);
+        assert!(a.is_safe(&held));
+        assert!(b.acquire(&sandbox()).await.is_err());
+        held = a.renew(&held).await.unwrap();
+    }
+
+    // A stops renewing (crash or pause). A's own view: unsafe after 25 s, so it
+    // stops acting before anyone else may take over.
+    advance(26);
+    assert!(!a.is_safe(&held));
+    // B's clock runs 3 s ahead, so B sees the expiry 3 s early, but the 5 s
+    // tolerance holds B off until A's +32 (30 - 3 + 5): 7 s after A stopped.
+    assert!(b.acquire(&sandbox()).await.is_err());
+    advance(5); // A's +31
+    assert!(b.acquire(&sandbox()).await.is_err());
+    advance(1); // A's +32
+    let held_b = b.acquire(&sandbox()).await.unwrap();
+    assert_eq!(held_b.epoch, 2);
+
+    // A's clock running behind cannot revive its claim.
+    assert!(matches!(a.renew(&held).await, Err(LeaseError::Lost { .. })));
+}
+
+#[tokio::test]
+async fn an_operator_clearing_the_holder_makes_the_holder_see_the_loss() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let a = leases(&store, &clock, "a");
+    let held = a.acquire(&sandbox()).await.unwrap();
+    let current = store.get(&lock_key(&sandbox())).await.unwrap();
+    let edited = String::from_utf8(current.data.to_vec())
+        .unwrap()
+        .replace("\"holder\": \"a\"", "\"holder\": null");
+    store
+        .put(
+            &lock_key(&sandbox()),
+            edited.into(),
+            PutMode::Update(current.generation),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        a.check(&held).await,
+        Err(LeaseError::Lost { holder: None, .. })
+    ));
+    assert!(matches!(a.renew(&held).await, Err(LeaseError::Lost { .. })));
+}
+
+#[tokio::test]
+async fn an_invalid_lock_is_reported_by_field_and_never_overwritten() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let a = leases(&store, &clock, "a");
+    let text = "{\n  \"apiVersion\": \"sandboxd.dev/v1\",\n  \"holder\": null,\n  \"epoch\": \"three\",\n  \"lease_duration_s\": 30\n}\n";
+    store
+        .put(&lock_key(&sandbox()), text.into(), PutMode::Create)
+        .await
+        .unwrap();
+    let err = a.acquire(&sandbox()).await.unwrap_err();
+    match &err {
+        LeaseError::Invalid { source, .. } => assert_eq!(source.field(), Some("epoch")),
+        other => panic!("expected Invalid, got {other}"),
+    }
+    assert!(err.to_string().contains("epoch"), "{err}");
+    assert_eq!(store.get(&lock_key(&sandbox())).await.unwrap().data, text);
+}
+
+#[tokio::test]
+async fn of_ten_concurrent_acquirers_exactly_one_wins() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let attempts = (0..10).map(|i| {
+        let leases = leases(&store, &clock, &format!("i{i}"));
+        tokio::spawn(async move { leases.acquire(&sandbox()).await })
+    });
+    let results = futures::future::join_all(attempts).await;
+    let winners = results
+        .into_iter()
+        .filter(|r| matches!(r, Ok(Ok(_))))
+        .count();
+    assert_eq!(winners, 1);
+    assert_eq!(stored_lease(&store).await.epoch, 1);
+}
+
+#[tokio::test]
+async fn an_acquire_whose_response_was_lost_is_recognised_on_retry() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let a = leases(&store, &clock, "a");
+    // The read succeeds, the write lands but its response is lost.
+    store.inject([Fault::Pass, Fault::LostResponse]);
+    let err = a.acquire(&sandbox()).await.unwrap_err();
+    assert!(
+        matches!(err, LeaseError::Store(ref e) if e.is_transient()),
+        "{err}"
+    );
+    let held = a.acquire(&sandbox()).await.unwrap();
+    assert_eq!(
+        held.epoch, 1,
+        "the retry sees its own earlier write, no second epoch"
+    );
+}
+
+#[tokio::test]
+async fn fenced_updates_refuse_writers_with_an_older_epoch() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let key = metadata_key(&sandbox());
+    let mut metadata = SandboxMetadata::new(sandbox(), clock.now(), "ab".repeat(32));
+    metadata.status.epoch = 3;
+    store
+        .put(&key, encode(&metadata), PutMode::Create)
+        .await
+        .unwrap();
+
+    let stale = fenced_update::<SandboxMetadata, String, _>(store.as_ref(), &key, 2, |m| {
+        m.status.last_error = Some("from a zombie".into());
+        Ok(())
+    })
+    .await;
+    assert!(matches!(
+        stale,
+        Err(FenceError::Fenced {
+            recorded: 3,
+            writer: 2,
+            ..
+        })
+    ));
+
+    let (written, _) = fenced_update::<SandboxMetadata, String, _>(store.as_ref(), &key, 4, |m| {
+        m.status.last_error = Some("from the new holder".into());
+        Ok(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(written.status.epoch, 4);
+    let stored: SandboxMetadata = decode(&store.get(&key).await.unwrap().data).unwrap();
+    assert_eq!(stored.status.epoch, 4);
+    assert_eq!(
+        stored.status.last_error.as_deref(),
+        Some("from the new holder")
+    );
+
+    // Now epoch 3 is stale too.
+    assert!(
+        fenced_update::<SandboxMetadata, String, _>(store.as_ref(), &key, 3, |_| Ok(()))
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test]
+async fn fenced_updates_retry_a_lost_race_and_recheck_the_fence() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let key = metadata_key(&sandbox());
+    let metadata = SandboxMetadata::new(sandbox(), clock.now(), "ab".repeat(32));
+    store
+        .put(&key, encode(&metadata), PutMode::Create)
+        .await
+        .unwrap();
+
+    // The first attempt's change runs, then a newer holder writes before our put.
+    let mut first = true;
+    let racing_store = store.clone();
+    let result = fenced_update::<SandboxMetadata, String, _>(store.as_ref(), &key, 1, |_| {
+        if first {
+            first = false;
+            let mut newer = metadata.clone();
+            newer.status.epoch = 2;
+            let current = futures::executor::block_on(racing_store.get(&key)).unwrap();
+            futures::executor::block_on(racing_store.put(
+                &key,
+                encode(&newer),
+                PutMode::Update(current.generation),
+            ))
+            .unwrap();
+        }
+        Ok(())
+    })
+    .await;
+    assert!(
+        matches!(
+            result,
+            Err(FenceError::Fenced {
+                recorded: 2,
+                writer: 1,
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+}
