@@ -1,1 +1,11 @@
+//! The sandbox server: adapters for the controllers' ports and the binaries'
+//! building blocks.
+//!
+//! `controllers` owns the API objects, the ports and the reconcile logic; this
+//! crate plugs real things into the ports (GCS, a local directory, gVisor) and
+//! serves HTTP. Dependencies point one way, from here to `controllers`.
 
+pub mod config;
+pub mod server;
+pub mod store;
+pub mod telemetry;

@@ -1,1 +1,73 @@
-fn main() {}
+//! `sandboxd`: the sandbox server.
+
+use clap::{Parser, Subcommand};
+use controllers::api::InstanceId;
+use sandboxd::config::ServeArgs;
+use sandboxd::server::{self, AppState};
+use sandboxd::{store, telemetry};
+
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    about = "Stateful gVisor code sandboxes, coordinated through a bucket"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the server.
+    Serve(ServeArgs),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let Command::Serve(args) = Cli::parse().command;
+    telemetry::init(&args.log)?;
+    let instance = match &args.instance_id {
+        Some(id) => InstanceId::parse(id)?,
+        None => InstanceId::parse(&format!("sandboxd-{}", uuid::Uuid::new_v4().simple()))?,
+    };
+    let layout = args.storage.layout();
+    let metadata_store = store::open(&layout.metadata).await?;
+    let addr = args.listen_addr();
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|err| anyhow::anyhow!("cannot listen on {addr}: {err}"))?;
+    tracing::info!(%addr, %instance, storage = ?layout, "sandboxd listening");
+    server::run(
+        listener,
+        AppState {
+            instance,
+            metadata_store,
+        },
+        shutdown_signal(),
+    )
+    .await?;
+    tracing::info!("sandboxd stopped");
+    Ok(())
+}
+
+/// Completes on SIGTERM (Cloud Run's shutdown) or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(err) => {
+                tracing::warn!(%err, "cannot watch SIGTERM; only Ctrl-C stops the server");
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

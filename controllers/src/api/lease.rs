@@ -113,13 +113,13 @@ impl ApiObject for Lease {
                 "a held lease needs renewed_at or acquired_at".to_owned(),
             ));
         }
-        if let Some(intent) = &self.wanted_by {
-            if intent.expires_at < intent.requested_at {
-                return Err((
-                    "wanted_by.expires_at".to_owned(),
-                    "is before wanted_by.requested_at".to_owned(),
-                ));
-            }
+        if let Some(intent) = &self.wanted_by
+            && intent.expires_at < intent.requested_at
+        {
+            return Err((
+                "wanted_by.expires_at".to_owned(),
+                "is before wanted_by.requested_at".to_owned(),
+            ));
         }
         Ok(())
     }

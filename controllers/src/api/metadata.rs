@@ -227,10 +227,10 @@ impl ApiObject for SandboxMetadata {
                 "must be a positive number of seconds, or null for no timeout",
             ));
         }
-        if let Some(name) = &self.spec.filesystem_snapshot_name {
-            if !is_resource_name(name) {
-                return Err(field("spec.filesystem_snapshot_name", RESOURCE_NAME_RULE));
-            }
+        if let Some(name) = &self.spec.filesystem_snapshot_name
+            && !is_resource_name(name)
+        {
+            return Err(field("spec.filesystem_snapshot_name", RESOURCE_NAME_RULE));
         }
         if let Some(checkpoint) = &self.status.latest_checkpoint {
             if !is_sha256_hex(&checkpoint.sha256) {
@@ -252,10 +252,10 @@ impl ApiObject for SandboxMetadata {
                 ));
             }
         }
-        if let Some(snapshot) = &self.status.latest_snapshot {
-            if !is_resource_name(&snapshot.name) {
-                return Err(field("status.latest_snapshot.name", RESOURCE_NAME_RULE));
-            }
+        if let Some(snapshot) = &self.status.latest_snapshot
+            && !is_resource_name(&snapshot.name)
+        {
+            return Err(field("status.latest_snapshot.name", RESOURCE_NAME_RULE));
         }
         Ok(())
     }

@@ -174,14 +174,14 @@ impl Leases {
                     expires_at: lease.expires_at().unwrap_or(now),
                 });
             }
-            if let Some(intent) = lease.live_intent(now) {
-                if intent.instance != self.instance {
-                    return Err(LeaseError::WantedByOther {
-                        sandbox: sandbox.clone(),
-                        instance: intent.instance.clone(),
-                        expires_at: intent.expires_at,
-                    });
-                }
+            if let Some(intent) = lease.live_intent(now)
+                && intent.instance != self.instance
+            {
+                return Err(LeaseError::WantedByOther {
+                    sandbox: sandbox.clone(),
+                    instance: intent.instance.clone(),
+                    expires_at: intent.expires_at,
+                });
             }
             if lease
                 .wanted_by

@@ -50,6 +50,31 @@ pub enum PutMode {
     Update(Generation),
 }
 
+impl PutMode {
+    /// Checks this precondition against the generation currently stored under
+    /// `key` (`None`: no object). Backends that evaluate preconditions
+    /// themselves (the in-memory and local ones) share this.
+    pub fn check(self, key: &ObjectKey, current: Option<Generation>) -> Result<(), StoreError> {
+        match (self, current) {
+            (Self::Create, Some(existing)) => Err(StoreError::precondition(
+                key,
+                format!("expected no object, found generation {existing}"),
+            )),
+            (Self::Update(expected), Some(existing)) if expected != existing => {
+                Err(StoreError::precondition(
+                    key,
+                    format!("expected generation {expected}, found {existing}"),
+                ))
+            }
+            (Self::Update(expected), None) => Err(StoreError::precondition(
+                key,
+                format!("expected generation {expected}, found no object"),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// An object's bytes together with the generation they were read at.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Versioned {

@@ -65,27 +65,7 @@ impl MemoryStore {
             return Err(StoreError::transient(key, "injected fault"));
         }
         let current = state.objects.get(key).map(|object| object.generation);
-        match (mode, current) {
-            (PutMode::Create, Some(existing)) => {
-                return Err(StoreError::precondition(
-                    key,
-                    format!("expected no object, found generation {existing}"),
-                ));
-            }
-            (PutMode::Update(expected), Some(existing)) if expected != existing => {
-                return Err(StoreError::precondition(
-                    key,
-                    format!("expected generation {expected}, found {existing}"),
-                ));
-            }
-            (PutMode::Update(expected), None) => {
-                return Err(StoreError::precondition(
-                    key,
-                    format!("expected generation {expected}, found no object"),
-                ));
-            }
-            _ => {}
-        }
+        mode.check(key, current)?;
         state.next_generation += 1;
         let generation = Generation(state.next_generation);
         state

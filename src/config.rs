@@ -1,0 +1,195 @@
+//! Configuration from flags and environment variables, in one place.
+//!
+//! Variable names follow the earlier Python server (`SANDBOX_METADATA_BUCKET`,
+//! `SANDBOX_CHECKPOINT_BUCKET`, `FILESYSTEM_SNAPSHOT_BUCKET`, their `*_MOUNT_PATH`
+//! variants, `PORT`, `LOG_LEVEL`) so existing deployments carry over. Parsing is
+//! clap's; turning the parsed values into decisions (which store for which
+//! artifact, which address to listen on) is plain functions tested without
+//! touching the process environment. `docs/configuration.md` lists everything.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+
+/// Default listen address when neither `--listen` nor `PORT` is given.
+pub const DEFAULT_LISTEN: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 8080);
+
+/// Where the bucket objects live.
+#[derive(Debug, Clone, Args)]
+pub struct StorageArgs {
+    /// Directory of the embedded local store, used for every artifact that has
+    /// no bucket or mount path configured.
+    #[arg(long, env = "SANDBOXD_DATA_DIR", default_value = "sandboxd-data")]
+    pub data_dir: PathBuf,
+    /// GCS bucket for sandbox metadata and leases.
+    #[arg(long, env = "SANDBOX_METADATA_BUCKET")]
+    pub metadata_bucket: Option<String>,
+    /// A mounted directory (e.g. GCS FUSE) for metadata; wins over the bucket.
+    #[arg(long, env = "SANDBOX_METADATA_MOUNT_PATH")]
+    pub metadata_mount_path: Option<PathBuf>,
+    /// GCS bucket for checkpoint images.
+    #[arg(long, env = "SANDBOX_CHECKPOINT_BUCKET")]
+    pub checkpoint_bucket: Option<String>,
+    #[arg(long, env = "SANDBOX_CHECKPOINT_MOUNT_PATH")]
+    pub checkpoint_mount_path: Option<PathBuf>,
+    /// GCS bucket for filesystem snapshots.
+    #[arg(long, env = "FILESYSTEM_SNAPSHOT_BUCKET")]
+    pub snapshot_bucket: Option<String>,
+    #[arg(long, env = "FILESYSTEM_SNAPSHOT_MOUNT_PATH")]
+    pub snapshot_mount_path: Option<PathBuf>,
+    /// A fake-gcs-server to use instead of GCS (`127.0.0.3:80` or a URL).
+    #[arg(long, env = "STORAGE_EMULATOR_HOST")]
+    pub storage_emulator_host: Option<String>,
+}
+
+/// Where one kind of artifact is stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreLocation {
+    /// A directory: a mount path, or the embedded default.
+    Directory(PathBuf),
+    /// A GCS bucket, possibly on an emulator.
+    Bucket {
+        bucket: String,
+        emulator_host: Option<String>,
+    },
+}
+
+/// The three artifact kinds the design separates (seed 003).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageLayout {
+    pub metadata: StoreLocation,
+    pub checkpoints: StoreLocation,
+    pub snapshots: StoreLocation,
+}
+
+impl StorageArgs {
+    /// Decides each artifact's location: mount path, else bucket, else the
+    /// local data directory.
+    pub fn layout(&self) -> StorageLayout {
+        let choose = |mount: &Option<PathBuf>, bucket: &Option<String>| match (mount, bucket) {
+            (Some(path), _) => StoreLocation::Directory(path.clone()),
+            (None, Some(bucket)) => StoreLocation::Bucket {
+                bucket: bucket.clone(),
+                emulator_host: self.storage_emulator_host.clone(),
+            },
+            (None, None) => StoreLocation::Directory(self.data_dir.clone()),
+        };
+        StorageLayout {
+            metadata: choose(&self.metadata_mount_path, &self.metadata_bucket),
+            checkpoints: choose(&self.checkpoint_mount_path, &self.checkpoint_bucket),
+            snapshots: choose(&self.snapshot_mount_path, &self.snapshot_bucket),
+        }
+    }
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line with Cloud Logging's `severity` field.
+    Json,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Log filter (`info`, `sandboxd=debug,info`, ...).
+    #[arg(long, env = "LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// `sandboxd serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on; defaults to 0.0.0.0:$PORT when PORT is set (Cloud
+    /// Run), else 127.0.0.1:8080.
+    #[arg(long, env = "SANDBOXD_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// The port Cloud Run assigns.
+    #[arg(long, env = "PORT")]
+    pub port: Option<u16>,
+    /// This instance's id in leases; defaults to a random one per process.
+    #[arg(long, env = "SANDBOXD_INSTANCE_ID")]
+    pub instance_id: Option<String>,
+    #[command(flatten)]
+    pub storage: StorageArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+impl ServeArgs {
+    pub fn listen_addr(&self) -> SocketAddr {
+        match (self.listen, self.port) {
+            (Some(addr), _) => addr,
+            (None, Some(port)) => {
+                SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::UNSPECIFIED), port)
+            }
+            (None, None) => DEFAULT_LISTEN,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(args: &[&str]) -> ServeArgs {
+        Cli::try_parse_from(std::iter::once("sandboxd").chain(args.iter().copied()))
+            .unwrap()
+            .serve
+    }
+
+    #[test]
+    fn mount_path_wins_over_bucket_and_bucket_over_local() {
+        let args = parse(&[
+            "--metadata-bucket",
+            "meta",
+            "--metadata-mount-path",
+            "/mnt/meta",
+            "--checkpoint-bucket",
+            "ckpt",
+            "--storage-emulator-host",
+            "127.0.0.3:80",
+            "--data-dir",
+            "/var/lib/sandboxd",
+        ]);
+        let layout = args.storage.layout();
+        assert_eq!(
+            layout.metadata,
+            StoreLocation::Directory("/mnt/meta".into())
+        );
+        assert_eq!(
+            layout.checkpoints,
+            StoreLocation::Bucket {
+                bucket: "ckpt".into(),
+                emulator_host: Some("127.0.0.3:80".into())
+            }
+        );
+        assert_eq!(
+            layout.snapshots,
+            StoreLocation::Directory("/var/lib/sandboxd".into())
+        );
+    }
+
+    #[test]
+    fn listen_address_prefers_flag_then_port() {
+        assert_eq!(
+            parse(&["--listen", "127.0.0.1:9000"]).listen_addr().port(),
+            9000
+        );
+        let from_port = parse(&["--port", "8081"]).listen_addr();
+        assert_eq!(from_port, "0.0.0.0:8081".parse().unwrap());
+    }
+}

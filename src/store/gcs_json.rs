@@ -1,0 +1,165 @@
+//! List and delete over the GCS JSON API.
+//!
+//! The official crate offers these only on its gRPC `StorageControl` client,
+//! which fake-gcs-server does not speak; this small helper does them over HTTP
+//! with the same credentials, so production and tests take the same path.
+
+use std::fmt;
+
+use controllers::store::{Generation, LIST_PAGE_SIZE, ListPage, ObjectInfo, ObjectKey, StoreError};
+use google_cloud_auth::credentials::{CacheableResource, Credentials};
+use http::{Extensions, HeaderMap};
+use serde::Deserialize;
+
+/// A JSON-API client for one endpoint.
+#[derive(Clone)]
+pub struct JsonApi {
+    http: reqwest::Client,
+    base: String,
+    credentials: Credentials,
+}
+
+impl fmt::Debug for JsonApi {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JsonApi")
+            .field("base", &self.base)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ListResponse {
+    #[serde(default)]
+    items: Vec<ListItem>,
+    next_page_token: Option<String>,
+}
+
+/// GCS encodes 64-bit numbers as strings in JSON.
+#[derive(Deserialize)]
+struct ListItem {
+    name: String,
+    size: String,
+    generation: String,
+}
+
+impl JsonApi {
+    /// `endpoint` is the service root (`https://storage.googleapis.com`).
+    pub fn new(endpoint: &str, credentials: Credentials) -> Self {
+        Self {
+            http: reqwest::Client::new(),
+            base: format!("{}/storage/v1", endpoint.trim_end_matches('/')),
+            credentials,
+        }
+    }
+
+    async fn auth_headers(&self, what: &str) -> Result<HeaderMap, StoreError> {
+        match self.credentials.headers(Extensions::new()).await {
+            Ok(CacheableResource::New { data, .. }) => Ok(data),
+            Ok(CacheableResource::NotModified) => Ok(HeaderMap::new()),
+            Err(err) if err.is_transient() => Err(StoreError::transient(what, err)),
+            Err(err) => Err(StoreError::other(what, format!("credentials: {err}"))),
+        }
+    }
+
+    /// One page of `GET /b/{bucket}/o?prefix=…&pageToken=…`.
+    pub async fn list(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        page_token: Option<&str>,
+    ) -> Result<ListPage, StoreError> {
+        let what = format!("gs://{bucket}/{prefix}");
+        let max_results = LIST_PAGE_SIZE.to_string();
+        let mut query = vec![
+            ("prefix", prefix),
+            ("maxResults", max_results.as_str()),
+            ("fields", "items(name,size,generation),nextPageToken"),
+        ];
+        if let Some(token) = page_token {
+            query.push(("pageToken", token));
+        }
+        let response = self
+            .http
+            .get(format!("{}/b/{bucket}/o", self.base))
+            .headers(self.auth_headers(&what).await?)
+            .query(&query)
+            .send()
+            .await
+            .map_err(|err| transport_error(&what, &err))?;
+        let response = check_status(&what, response).await?;
+        let body: ListResponse = response
+            .json()
+            .await
+            .map_err(|err| StoreError::other(&what, format!("unreadable listing: {err}")))?;
+        let mut objects = Vec::with_capacity(body.items.len());
+        for item in body.items {
+            let parse = |field: &str, value: &str| {
+                value.parse::<i64>().map_err(|_| {
+                    StoreError::other(
+                        &item.name,
+                        format!("listing has a non-numeric {field} {value:?}"),
+                    )
+                })
+            };
+            let size = parse("size", &item.size)?;
+            let generation = parse("generation", &item.generation)?;
+            // Objects written by other tools may have names we do not accept as keys.
+            let Ok(key) = ObjectKey::new(item.name.as_str()) else {
+                tracing::debug!(
+                    name = item.name,
+                    "listing skips an object whose name is not a valid key"
+                );
+                continue;
+            };
+            objects.push(ObjectInfo {
+                key,
+                size: u64::try_from(size).unwrap_or(0),
+                generation: Generation(generation),
+            });
+        }
+        Ok(ListPage {
+            objects,
+            next_page_token: body.next_page_token.filter(|token| !token.is_empty()),
+        })
+    }
+
+    /// `DELETE /b/{bucket}/o/{object}`.
+    pub async fn delete(&self, bucket: &str, key: &ObjectKey) -> Result<(), StoreError> {
+        // Keys contain only [A-Za-z0-9._-/]; only '/' needs escaping in a path segment.
+        let object = key.as_str().replace('/', "%2F");
+        let response = self
+            .http
+            .delete(format!("{}/b/{bucket}/o/{object}", self.base))
+            .headers(self.auth_headers(key.as_str()).await?)
+            .send()
+            .await
+            .map_err(|err| transport_error(key.as_str(), &err))?;
+        check_status(key.as_str(), response).await.map(drop)
+    }
+}
+
+fn transport_error(what: &str, err: &reqwest::Error) -> StoreError {
+    StoreError::transient(what, format!("request failed: {err}"))
+}
+
+async fn check_status(
+    what: &str,
+    response: reqwest::Response,
+) -> Result<reqwest::Response, StoreError> {
+    let status = response.status();
+    if status.is_success() {
+        return Ok(response);
+    }
+    let body = response.text().await.unwrap_or_default();
+    let detail = format!(
+        "HTTP {status}: {}",
+        body.chars().take(300).collect::<String>()
+    );
+    Err(match status.as_u16() {
+        404 => StoreError::not_found(what),
+        412 => StoreError::precondition(what, detail),
+        408 | 429 | 500..=599 => StoreError::transient(what, detail),
+        _ => StoreError::other(what, detail),
+    })
+}

@@ -1,0 +1,34 @@
+//! Store adapters: the local directory (the embedded default) and GCS.
+//!
+//! Both implement `controllers::store::Store` and pass the same conformance
+//! suite (`tests/store_conformance.rs`) as the in-memory test store.
+
+mod gcs;
+mod gcs_json;
+mod local;
+
+pub use gcs::{GCS_ENDPOINT, GcsConfig, GcsStore, RetrySettings, emulator_endpoint};
+pub use local::LocalStore;
+
+use std::sync::Arc;
+
+use controllers::store::{Store, StoreError};
+
+use crate::config::StoreLocation;
+
+/// Opens the store at `location`.
+pub async fn open(location: &StoreLocation) -> Result<Arc<dyn Store>, StoreError> {
+    Ok(match location {
+        StoreLocation::Directory(path) => Arc::new(LocalStore::open(path.clone())?),
+        StoreLocation::Bucket {
+            bucket,
+            emulator_host,
+        } => {
+            let mut config = GcsConfig::new(bucket.clone());
+            if let Some(host) = emulator_host {
+                config = config.with_emulator_host(host);
+            }
+            Arc::new(GcsStore::connect(config).await?)
+        }
+    })
+}

