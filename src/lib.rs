@@ -6,6 +6,7 @@
 //! serves HTTP. Dependencies point one way, from here to `controllers`.
 
 pub mod config;
+pub mod ctl;
 pub mod server;
 pub mod store;
 pub mod telemetry;

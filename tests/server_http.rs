@@ -1,7 +1,11 @@
 //! The HTTP surface on the embedded local store: the router in-process, and the
 //! real `sandboxd serve` binary as the README starts it.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests fail by panicking")]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests fail by panicking"
+)]
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -32,7 +36,10 @@ async fn status_root_and_readiness_answer_like_the_earlier_server() {
         let _ = stopped.await;
     }));
 
-    assert_eq!(get_json(&format!("http://{addr}/status")).await, (200, json!({"status": "ok"})));
+    assert_eq!(
+        get_json(&format!("http://{addr}/status")).await,
+        (200, json!({"status": "ok"}))
+    );
     assert_eq!(
         get_json(&format!("http://{addr}/")).await,
         (200, json!({"message": "Server is running"}))
@@ -63,7 +70,10 @@ async fn readiness_reports_an_unreachable_store() {
     tokio::spawn(server::run(listener, state, std::future::pending()));
     let (code, body) = get_json(&format!("http://{addr}/readyz")).await;
     assert_eq!(code, 503, "{body}");
-    assert!(body["error"].as_str().unwrap().contains("sandboxes/"), "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("sandboxes/"),
+        "{body}"
+    );
     // Liveness does not depend on the store.
     assert_eq!(get_json(&format!("http://{addr}/status")).await.0, 200);
 }
@@ -99,7 +109,9 @@ async fn the_readme_command_serves_status_on_the_embedded_store() {
     let body = loop {
         match reqwest::get(format!("http://127.0.0.1:{port}/status")).await {
             Ok(response) => break response.json::<Value>().await.unwrap(),
-            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
             Err(err) => panic!("sandboxd did not come up: {err}"),
         }
     };
