@@ -102,6 +102,64 @@ pub struct LogArgs {
     pub log_format: LogFormat,
 }
 
+/// How sandboxes run (gVisor through runsc).
+#[derive(Debug, Clone, Args)]
+pub struct RuntimeArgs {
+    /// The runsc binary.
+    #[arg(long, env = "RUNSC_BIN", default_value = "runsc")]
+    pub runsc: PathBuf,
+    /// runsc platform: `ptrace` works everywhere; `systrap` needs a recent runsc.
+    #[arg(long, env = "RUNSC_PLATFORM", default_value = "ptrace")]
+    pub runsc_platform: String,
+    /// This server's runsc state and working files (bundles, images in transit).
+    /// Containers left here by a crashed server are deleted at startup, so give
+    /// every server process on a machine its own directory.
+    #[arg(long, env = "SANDBOXD_RUNTIME_DIR", default_value = "/run/sandboxd")]
+    pub runtime_dir: PathBuf,
+    /// Root filesystem of every sandbox (read-only; writes stay in sandbox memory).
+    #[arg(long, env = "SANDBOX_ROOTFS", default_value = "/")]
+    pub rootfs: PathBuf,
+    /// Python interpreter inside the rootfs.
+    #[arg(long, env = "SANDBOX_PYTHON", default_value = "/usr/bin/python3")]
+    pub sandbox_python: String,
+    /// Memory limit per sandbox in MiB (0: none).
+    #[arg(long, env = "SANDBOX_MEMORY_LIMIT_MB", default_value_t = 2048)]
+    pub sandbox_memory_mb: u64,
+    /// CPU limit per sandbox in cores (0: none).
+    #[arg(long, env = "SANDBOX_CPU_LIMIT", default_value_t = 1.0)]
+    pub sandbox_cpus: f64,
+    /// Most processes user code may run at once (RLIMIT_NPROC).
+    #[arg(long, env = "SANDBOX_MAX_PROCESSES", default_value_t = 256)]
+    pub sandbox_max_processes: u64,
+    /// Size of each sandbox's /tmp (memory-backed) in MiB.
+    #[arg(long, env = "SANDBOX_TMP_SIZE_MB", default_value_t = 512)]
+    pub sandbox_tmp_mb: u64,
+}
+
+impl RuntimeArgs {
+    /// The runsc wrapper and bundle these settings describe.
+    pub fn gvisor(&self, checkpoint_bucket: String) -> crate::runtime::GvisorConfig {
+        crate::runtime::GvisorConfig {
+            runsc: crate::runtime::Runsc {
+                binary: self.runsc.clone(),
+                root: self.runtime_dir.join("runsc"),
+                platform: self.runsc_platform.clone(),
+            },
+            state_dir: self.runtime_dir.join("state"),
+            bundle: crate::runtime::BundleSpec {
+                rootfs: self.rootfs.clone(),
+                python: self.sandbox_python.clone(),
+                memory_limit_bytes: (self.sandbox_memory_mb > 0)
+                    .then_some(self.sandbox_memory_mb << 20),
+                cpu_limit: (self.sandbox_cpus > 0.0).then_some(self.sandbox_cpus),
+                max_processes: self.sandbox_max_processes,
+                tmp_size_mb: self.sandbox_tmp_mb,
+            },
+            checkpoint_bucket,
+        }
+    }
+}
+
 /// `sandboxd serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {

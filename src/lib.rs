@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod ctl;
+pub mod runtime;
 pub mod server;
 pub mod store;
 pub mod telemetry;

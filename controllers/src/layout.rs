@@ -23,6 +23,36 @@ pub fn lock_key(id: &SandboxId) -> ObjectKey {
     key(format!("{SANDBOXES_PREFIX}{id}/lock.json"))
 }
 
+/// Prefix of every checkpoint's directory.
+pub const CHECKPOINTS_PREFIX: &str = "sandbox_checkpoints/";
+/// Prefix of every filesystem snapshot's directory.
+pub const SNAPSHOTS_PREFIX: &str = "filesystem_snapshots/";
+
+/// `sandbox_checkpoints/<checkpoint_id>/checkpoint.img`; the id is a fresh
+/// 32-hex-digit name, so images are write-once.
+pub fn checkpoint_image_key(checkpoint_id: &SandboxId) -> ObjectKey {
+    key(format!(
+        "{CHECKPOINTS_PREFIX}{checkpoint_id}/checkpoint.img"
+    ))
+}
+
+/// `sandbox_checkpoints/<checkpoint_id>/manifest.json`
+pub fn checkpoint_manifest_key(checkpoint_id: &SandboxId) -> ObjectKey {
+    key(format!("{CHECKPOINTS_PREFIX}{checkpoint_id}/manifest.json"))
+}
+
+/// `filesystem_snapshots/<name>/archive.tar.gz`, or `None` for an invalid name.
+pub fn snapshot_archive_key(name: &str) -> Option<ObjectKey> {
+    crate::api::is_resource_name(name)
+        .then(|| key(format!("{SNAPSHOTS_PREFIX}{name}/archive.tar.gz")))
+}
+
+/// `filesystem_snapshots/<name>/manifest.json`, or `None` for an invalid name.
+pub fn snapshot_manifest_key(name: &str) -> Option<ObjectKey> {
+    crate::api::is_resource_name(name)
+        .then(|| key(format!("{SNAPSHOTS_PREFIX}{name}/manifest.json")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -13,6 +13,7 @@ pub mod clock;
 pub mod fencing;
 pub mod layout;
 pub mod leasing;
+pub mod runtime;
 pub mod store;
 
 #[cfg(any(test, feature = "testing"))]

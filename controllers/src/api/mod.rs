@@ -16,14 +16,16 @@
 mod codec;
 mod ids;
 mod lease;
+mod manifest;
 mod metadata;
 
 pub use codec::{ApiObject, DecodeError, decode, encode};
 pub use ids::{InstanceId, InvalidId, SandboxId};
 pub use lease::{AttachIntent, Lease};
+pub use manifest::{BlobDigest, CheckpointManifest, SnapshotManifest};
 pub use metadata::{
-    CheckpointRef, Condition, ConditionStatus, DesiredState, Phase, SandboxMetadata, SandboxSpec,
-    SandboxStatus, SnapshotRef,
+    CheckpointRef, Condition, ConditionStatus, DesiredState, Phase, RESOURCE_NAME_RULE,
+    SandboxMetadata, SandboxSpec, SandboxStatus, SnapshotRef, is_resource_name, is_sha256_hex,
 };
 
 /// The `apiVersion` of every object this version writes and understands.

@@ -1,0 +1,157 @@
+//! The `SandboxRuntime` port: what the controllers need from whatever runs
+//! sandboxes (gVisor in production, a fake in the controllers' tests).
+//!
+//! A runtime runs sandboxes on this host only. Moving one between hosts is the
+//! controllers' business: they call `checkpoint` here, record the returned
+//! manifest, and `restore` it on the other host.
+//!
+//! # Guarantees an implementation gives
+//! - One execution at a time per sandbox: `exec` while one runs fails with
+//!   [`RuntimeError::ExecutionInProgress`].
+//! - An [`Execution`]'s event stream ends with exactly one `Exited`.
+//! - `checkpoint` either returns a manifest whose image is in the store and the
+//!   local sandbox gone, or an error with the sandbox still running (or, if the
+//!   runtime itself failed mid-way, gone with [`RuntimeError::Lost`]).
+//! - `restore` verifies the image's size and SHA-256 before using it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+use crate::api::{CheckpointManifest, SandboxId, SnapshotManifest};
+use crate::store::StoreError;
+
+/// What to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    /// `bash -c CODE` in a fresh process.
+    Bash(String),
+    /// `python3 -u -c CODE` in a fresh process.
+    Python(String),
+    /// CODE as a cell of the sandbox's persistent Python session, whose
+    /// globals survive between executions and across checkpoint/restore.
+    PythonSession(String),
+}
+
+/// An execution request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecRequest {
+    pub command: Command,
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<String>,
+}
+
+impl ExecRequest {
+    pub fn new(command: Command) -> Self {
+        Self {
+            command,
+            env: BTreeMap::new(),
+            cwd: None,
+        }
+    }
+}
+
+/// What an execution produces, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecEvent {
+    Stdout(Bytes),
+    Stderr(Bytes),
+    /// The process ended: its exit code, or 128 + signal.
+    Exited(i32),
+}
+
+/// Controls a running execution.
+#[async_trait]
+pub trait ExecControl: Send + Sync + fmt::Debug {
+    async fn write_stdin(&self, data: Bytes) -> Result<(), RuntimeError>;
+    async fn close_stdin(&self) -> Result<(), RuntimeError>;
+    /// Kills the execution's whole process tree.
+    async fn kill(&self) -> Result<(), RuntimeError>;
+}
+
+/// A started execution.
+#[derive(Debug)]
+pub struct Execution {
+    pub events: mpsc::Receiver<ExecEvent>,
+    pub control: Box<dyn ExecControl>,
+}
+
+/// How to create a sandbox.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CreateOptions {
+    /// Populate the filesystem from this snapshot.
+    pub snapshot_name: Option<String>,
+}
+
+/// How to checkpoint a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointRequest {
+    /// A fresh id: images are write-once.
+    pub checkpoint_id: SandboxId,
+    /// The holder's lease epoch, recorded in the manifest.
+    pub epoch: u64,
+    pub name: Option<String>,
+    /// Kill a running execution first instead of refusing.
+    pub force: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("sandbox {0} is not running on this host")]
+    NotFound(SandboxId),
+    #[error("sandbox {0} already runs on this host")]
+    AlreadyExists(SandboxId),
+    #[error("sandbox {0} has an execution in progress")]
+    ExecutionInProgress(SandboxId),
+    #[error("the checkpoint image {key} is corrupt: {detail}")]
+    CorruptImage { key: String, detail: String },
+    #[error("the checkpoint cannot be restored on this host: {0}")]
+    Incompatible(String),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// The sandbox died or was destroyed while the operation ran.
+    #[error("sandbox {sandbox} was lost: {detail}")]
+    Lost { sandbox: SandboxId, detail: String },
+    #[error("runtime failure: {0}")]
+    Failed(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Runs sandboxes on this host.
+#[async_trait]
+pub trait SandboxRuntime: Send + Sync + fmt::Debug {
+    async fn create(
+        &self,
+        sandbox: &SandboxId,
+        options: &CreateOptions,
+    ) -> Result<(), RuntimeError>;
+    async fn exec(
+        &self,
+        sandbox: &SandboxId,
+        request: ExecRequest,
+    ) -> Result<Execution, RuntimeError>;
+    /// Checkpoints to the store and removes the local sandbox.
+    async fn checkpoint(
+        &self,
+        sandbox: &SandboxId,
+        request: CheckpointRequest,
+    ) -> Result<CheckpointManifest, RuntimeError>;
+    /// Restores a checkpoint taken anywhere, verifying it first.
+    async fn restore(
+        &self,
+        sandbox: &SandboxId,
+        manifest: &CheckpointManifest,
+    ) -> Result<(), RuntimeError>;
+    /// Saves the files user code created or changed under `name`.
+    async fn snapshot_filesystem(
+        &self,
+        sandbox: &SandboxId,
+        name: &str,
+    ) -> Result<SnapshotManifest, RuntimeError>;
+    async fn destroy(&self, sandbox: &SandboxId) -> Result<(), RuntimeError>;
+    fn is_running(&self, sandbox: &SandboxId) -> bool;
+}

@@ -1,0 +1,648 @@
+# sandboxd agent: PID 1 inside every sandbox.
+#
+# The host talks to it over the agent's own stdin/stdout, one JSON object per
+# line. Those are the init process's stdio, which runsc hands over to the
+# restoring caller on `runsc restore`, so the channel survives checkpoint and
+# restore with no socket, no bind mount and no `runsc exec` on the hot path.
+#
+# User code never holds a host file descriptor: every execution gets pipes made
+# here, inside the sandbox, and the agent relays their bytes. (An exec'd process
+# holding host pipes at checkpoint time makes every later restore fail.) As PID 1
+# the agent also reaps every orphan.
+#
+# host -> agent: {"op": ...}   agent -> host: {"ev": ...}   bytes are base64.
+import base64
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+
+VERSION = 1
+READ_CHUNK = 65536
+SEL = selectors.DefaultSelector()
+START_TIME = time.time()
+
+OUT = 1
+IN = 0
+
+REPL_SOURCE = r'''
+import os, sys, traceback
+cmd_fd, done_fd = int(sys.argv[1]), int(sys.argv[2])
+cmd = os.fdopen(cmd_fd, "rb", buffering=0)
+done = os.fdopen(done_fd, "wb", buffering=0)
+namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+def report():
+    kind, value, tb = sys.exc_info()
+    traceback.print_exception(kind, value, tb.tb_next if tb is not None else None)
+def read_exact(n):
+    buf = b""
+    while len(buf) < n:
+        part = cmd.read(n - len(buf))
+        if not part:
+            sys.exit(0)
+        buf += part
+    return buf
+while True:
+    size = int(read_exact(10).decode(), 16)
+    code = read_exact(size).decode("utf-8", "replace")
+    status = 0
+    try:
+        exec(compile(code, "<cell>", "exec"), namespace)
+    except SystemExit as exit:
+        status = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+    except KeyboardInterrupt:
+        status = 130
+        report()
+    except BaseException:
+        status = 1
+        report()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    done.write(b"%d\n" % status)
+'''
+
+
+def emit(event):
+    data = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(OUT, view)
+        except BlockingIOError:
+            time.sleep(0.001)
+            continue
+        except BrokenPipeError:
+            return
+        view = view[written:]
+
+
+def b64(data):
+    return base64.b64encode(data).decode("ascii")
+
+
+def exit_code(status):
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status)
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return 255
+
+
+def set_nonblocking(fd):
+    os.set_blocking(fd, False)
+
+
+class Execution:
+    """One execution: a process (or a persistent-session cell) and its pipes."""
+
+    def __init__(self, exec_id, pid, stdin_fd, out_fds, session=None):
+        self.id = exec_id
+        self.pid = pid
+        self.stdin_fd = stdin_fd
+        self.stdin_pending = b""
+        self.stdin_close_requested = False
+        self.out_fds = dict(out_fds)  # fd -> stream number (1 or 2)
+        self.session = session
+        self.finished = False
+        for fd in self.out_fds:
+            set_nonblocking(fd)
+            SEL.register(fd, selectors.EVENT_READ, ("out", self))
+        if stdin_fd is not None:
+            set_nonblocking(stdin_fd)
+
+    def pump(self, fd):
+        stream = self.out_fds.get(fd)
+        if stream is None:
+            return
+        try:
+            data = os.read(fd, READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            emit({"ev": "out", "id": self.id, "fd": stream, "data": b64(data)})
+        elif self.session is None:
+            self.close_out(fd)
+
+    def drain(self):
+        for fd in list(self.out_fds):
+            while True:
+                try:
+                    data = os.read(fd, READ_CHUNK)
+                except (BlockingIOError, OSError):
+                    break
+                if not data:
+                    break
+                emit({"ev": "out", "id": self.id, "fd": self.out_fds[fd], "data": b64(data)})
+
+    def close_out(self, fd):
+        if fd in self.out_fds:
+            del self.out_fds[fd]
+            try:
+                SEL.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            os.close(fd)
+
+    def write_stdin(self, data):
+        if self.stdin_fd is None:
+            return
+        self.stdin_pending += data
+        self.flush_stdin()
+
+    def flush_stdin(self):
+        while self.stdin_pending and self.stdin_fd is not None:
+            try:
+                written = os.write(self.stdin_fd, self.stdin_pending)
+            except BlockingIOError:
+                self.watch_stdin(True)
+                return
+            except OSError:
+                self.stdin_pending = b""
+                break
+            self.stdin_pending = self.stdin_pending[written:]
+        self.watch_stdin(False)
+        if self.stdin_close_requested and self.session is None:
+            self.close_stdin_now()
+
+    def watch_stdin(self, on):
+        if self.stdin_fd is None:
+            return
+        try:
+            if on:
+                SEL.register(self.stdin_fd, selectors.EVENT_WRITE, ("stdin", self))
+            else:
+                SEL.unregister(self.stdin_fd)
+        except (KeyError, ValueError):
+            pass
+
+    def close_stdin(self):
+        self.stdin_close_requested = True
+        if not self.stdin_pending:
+            self.close_stdin_now()
+
+    def close_stdin_now(self):
+        if self.session is not None or self.stdin_fd is None:
+            return  # a persistent session keeps its stdin open across cells
+        self.watch_stdin(False)
+        os.close(self.stdin_fd)
+        self.stdin_fd = None
+
+    def finish(self, code):
+        if self.finished:
+            return
+        self.finished = True
+        self.drain()
+        if self.session is None:
+            for fd in list(self.out_fds):
+                self.close_out(fd)
+            self.stdin_pending = b""
+            self.stdin_close_requested = True
+            self.close_stdin_now()
+        EXECS.pop(self.id, None)
+        emit({"ev": "exit", "id": self.id, "code": code})
+
+
+class PythonSession:
+    """A persistent Python interpreter whose globals survive between cells."""
+
+    def __init__(self):
+        self.proc = None
+
+    def ensure(self):
+        if self.proc is not None and self.alive:
+            return
+        cmd_r, self.cmd_w = os.pipe()
+        self.done_r, done_w = os.pipe()
+        in_r, self.stdin_fd = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [PYTHON, "-u", "-c", REPL_SOURCE, str(cmd_r), str(done_w)],
+            stdin=in_r, stdout=out_w, stderr=err_w, pass_fds=(cmd_r, done_w),
+            close_fds=True, start_new_session=True, cwd=HOME, env=user_env({}),
+            user=UID, group=GID, extra_groups=[])
+        for fd in (cmd_r, done_w, in_r, out_w, err_w):
+            os.close(fd)
+        self.proc.returncode = None
+        set_nonblocking(self.done_r)
+        SEL.register(self.done_r, selectors.EVENT_READ, ("done", self))
+        self.out = {out_r: 1, err_r: 2}
+        self.current = None
+        self.done_buffer = b""
+        self.alive = True
+        PIDS[self.proc.pid] = self
+
+    def run(self, exec_id, code):
+        self.ensure()
+        execution = Execution(exec_id, self.proc.pid, self.stdin_fd, self.out, session=self)
+        self.current = execution
+        data = code.encode()
+        os.write(self.cmd_w, b"%010x" % len(data) + data)
+        return execution
+
+    def on_done(self):
+        try:
+            data = os.read(self.done_r, 4096)
+        except BlockingIOError:
+            return
+        self.done_buffer += data
+        while b"\n" in self.done_buffer:
+            line, self.done_buffer = self.done_buffer.split(b"\n", 1)
+            if self.current is not None:
+                execution, self.current = self.current, None
+                unregister_outputs(execution)
+                execution.finish(int(line or b"1"))
+
+    def on_exit(self, code):
+        # The interpreter died (os._exit, a crash, a kill): the session restarts
+        # on the next cell; the running cell ends with the interpreter's code.
+        for fd in (self.done_r, self.cmd_w, self.stdin_fd, *self.out):
+            try:
+                SEL.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+        if self.current is not None:
+            execution, self.current = self.current, None
+            execution.drain()
+            execution.session = None
+            execution.out_fds = {}
+            execution.finish(code)
+        for fd in (self.done_r, self.cmd_w, self.stdin_fd, *self.out):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.alive = False
+        self.proc.returncode = code
+        self.proc = None
+
+
+def unregister_outputs(execution):
+    for fd in list(execution.out_fds):
+        try:
+            SEL.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+
+
+EXECS = {}
+PIDS = {}  # main pid -> Execution or PythonSession
+SESSION = PythonSession()
+# Set by the host in argv[1] (JSON): the interpreter for Python code, the user
+# code runs as (non-root, so RLIMIT_NPROC applies), its home and environment.
+CONFIG = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+PYTHON = CONFIG.get("python", "/usr/bin/python3")
+UID = CONFIG.get("uid", 1000)
+GID = CONFIG.get("gid", 1000)
+HOME = CONFIG.get("home", "/home/sandbox")
+BASE_ENV = CONFIG.get("env", {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": HOME})
+
+
+def prepare_home():
+    os.makedirs(HOME, exist_ok=True)
+    os.chown(HOME, UID, GID)
+    os.chmod(HOME, 0o755)
+
+
+def user_env(extra):
+    env = dict(BASE_ENV)
+    env.update(extra)
+    return env
+
+
+def start_exec(msg):
+    exec_id = msg["id"]
+    if EXECS:
+        emit({"ev": "error", "id": exec_id, "message": "another execution is running"})
+        return
+    if msg.get("session"):
+        execution = SESSION.run(exec_id, msg["code"])
+        EXECS[exec_id] = execution
+        emit({"ev": "started", "id": exec_id, "pid": execution.pid})
+        return
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            msg["argv"], stdin=in_r, stdout=out_w, stderr=err_w, close_fds=True,
+            start_new_session=True, cwd=msg.get("cwd") or HOME, env=user_env(msg.get("env") or {}),
+            user=UID, group=GID, extra_groups=[])
+    except OSError as err:
+        for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+            os.close(fd)
+        emit({"ev": "error", "id": exec_id, "message": "cannot start %s: %s" % (msg["argv"][0], err)})
+        return
+    for fd in (in_r, out_w, err_w):
+        os.close(fd)
+    # Reaped by the agent's own loop (it is PID 1), never by Popen.
+    proc.returncode = 0
+    stdin_fd, out_fds = in_w, {out_r: 1, err_r: 2}
+    execution = Execution(exec_id, proc.pid, stdin_fd, out_fds)
+    EXECS[exec_id] = execution
+    PIDS[proc.pid] = execution
+    emit({"ev": "started", "id": exec_id, "pid": proc.pid})
+
+
+def descendants(root_pid):
+    """Pids of root_pid's process tree (by parent links in /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry, "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        for child in children.get(pid, []):
+            tree.append(child)
+            todo.append(child)
+    return tree
+
+
+def kill_tree(pid):
+    for victim in [pid] + descendants(pid):
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def kill_exec(exec_id):
+    execution = EXECS.get(exec_id)
+    if execution is None:
+        return
+    if execution.session is not None:
+        os.kill(execution.pid, signal.SIGINT)
+        deadline = time.time() + 1.0
+        while exec_id in EXECS and time.time() < deadline:
+            loop_once(0.05)
+        if exec_id not in EXECS:
+            return
+    kill_tree(execution.pid)
+
+
+def host_fd_holders():
+    holders = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            for fd in os.listdir("/proc/%s/fd" % entry):
+                if os.readlink("/proc/%s/fd/%s" % (entry, fd)).startswith("host:"):
+                    holders.append(int(entry))
+                    break
+        except OSError:
+            continue
+    return holders
+
+
+def prepare_checkpoint(msg):
+    if EXECS and not msg.get("force"):
+        emit({"ev": "error", "id": msg["id"], "message": "an execution is running"})
+        return
+    for exec_id in list(EXECS):
+        kill_tree(EXECS[exec_id].pid)
+    deadline = time.time() + 2.0
+    while EXECS and time.time() < deadline:
+        loop_once(0.05)
+    holders = host_fd_holders()
+    for pid in holders:
+        kill_tree(pid)
+    emit({"ev": "ready", "id": msg["id"], "killed_host_fd_holders": holders,
+          "running": list(EXECS)})
+
+
+class ChunkWriter:
+    def __init__(self, exec_id):
+        self.id = exec_id
+        self.size = 0
+
+    def write(self, data):
+        if data:
+            self.size += len(data)
+            emit({"ev": "chunk", "id": self.id, "data": b64(bytes(data))})
+        return len(data)
+
+    def flush(self):
+        pass
+
+
+def archive(msg):
+    since = msg.get("since", START_TIME)
+    writer = ChunkWriter(msg["id"])
+    count = 0
+    with tarfile.open(fileobj=writer, mode="w|gz") as tar:
+        for top in msg["paths"]:
+            for dirpath, dirnames, filenames in os.walk(top):
+                for name in sorted(dirnames) + sorted(filenames):
+                    path = os.path.join(dirpath, name)
+                    try:
+                        st = os.lstat(path)
+                    except OSError:
+                        continue
+                    if max(st.st_mtime, st.st_ctime) < since:
+                        continue
+                    if not (os.path.isfile(path) or os.path.islink(path) or os.path.isdir(path)):
+                        continue
+                    tar.add(path, arcname=path.lstrip("/"), recursive=False)
+                    count += 1
+    emit({"ev": "done", "id": msg["id"], "size": writer.size, "entries": count})
+
+
+EXTRACTS = {}
+
+
+def extract_chunk(msg):
+    path = "/tmp/.sandboxd-extract-%s" % msg["id"]
+    with open(path, "ab") as target:
+        target.write(base64.b64decode(msg["data"]))
+
+
+def extract_end(msg):
+    path = "/tmp/.sandboxd-extract-%s" % msg["id"]
+    count = 0
+    try:
+        with tarfile.open(path, mode="r:gz") as tar:
+            for member in tar:
+                name = member.name
+                if name.startswith("/") or ".." in name.split("/"):
+                    continue
+                if not (member.isfile() or member.isdir() or member.issym()):
+                    continue
+                tar.extract(member, "/", set_attrs=True)
+                count += 1
+    except (OSError, tarfile.TarError) as err:
+        emit({"ev": "error", "id": msg["id"], "message": "cannot extract the snapshot: %s" % err})
+        return
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    emit({"ev": "done", "id": msg["id"], "entries": count})
+
+
+def handle(msg):
+    op = msg.get("op")
+    if op == "exec":
+        start_exec(msg)
+    elif op == "stdin":
+        execution = EXECS.get(msg["id"])
+        if execution is not None:
+            execution.write_stdin(base64.b64decode(msg["data"]))
+    elif op == "stdin_close":
+        execution = EXECS.get(msg["id"])
+        if execution is not None:
+            execution.close_stdin()
+    elif op == "kill":
+        kill_exec(msg["id"])
+    elif op == "ping":
+        emit({"ev": "pong", "id": msg.get("id"), "version": VERSION, "running": list(EXECS)})
+    elif op == "prepare_checkpoint":
+        prepare_checkpoint(msg)
+    elif op == "archive":
+        archive(msg)
+    elif op == "extract_chunk":
+        extract_chunk(msg)
+    elif op == "extract_end":
+        extract_end(msg)
+    else:
+        emit({"ev": "error", "id": msg.get("id"), "message": "unknown op %r" % op})
+
+
+def reap():
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        owner = PIDS.pop(pid, None)
+        if isinstance(owner, Execution):
+            owner.finish(exit_code(status))
+        elif isinstance(owner, PythonSession):
+            owner.on_exit(exit_code(status))
+
+
+COMMANDS = []
+COMMANDS_LOCK = threading.Lock()
+COMMAND_WAKE = os.pipe()
+
+
+def read_commands_forever():
+    """Reads host commands with blocking reads on a thread of its own.
+
+    After a restore, epoll readiness on the init's host stdio (which runsc
+    swaps for the restoring caller's) is not reliable, but blocking reads are;
+    so this thread reads and hands whole lines to the main loop through an
+    in-sandbox pipe.
+    """
+    pending = bytearray()
+    while True:
+        try:
+            data = os.read(IN, READ_CHUNK)
+        except InterruptedError:
+            continue
+        except OSError:
+            data = b""
+        if not data:
+            # The host closed our stdin (it is gone, or this sandbox is being
+            # checkpointed). A restore hands us a new one at the same fd.
+            time.sleep(0.05)
+            continue
+        pending.extend(data)
+        lines = []
+        while True:
+            newline = pending.find(b"\n")
+            if newline < 0:
+                break
+            lines.append(bytes(pending[:newline]))
+            del pending[:newline + 1]
+        if lines:
+            with COMMANDS_LOCK:
+                COMMANDS.extend(lines)
+            os.write(COMMAND_WAKE[1], b"x")
+
+
+def run_commands():
+    try:
+        os.read(COMMAND_WAKE[0], 4096)
+    except BlockingIOError:
+        pass
+    with COMMANDS_LOCK:
+        lines = COMMANDS[:]
+        del COMMANDS[:]
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            msg = json.loads(line)
+        except ValueError as err:
+            emit({"ev": "error", "id": None, "message": "bad command: %s" % err})
+            continue
+        try:
+            handle(msg)
+        except Exception as err:  # never let one bad command kill PID 1
+            emit({"ev": "error", "id": msg.get("id"), "message": "%s: %s" % (type(err).__name__, err)})
+
+
+def loop_once(timeout):
+    for key, _ in SEL.select(timeout):
+        kind, owner = key.data
+        if kind == "cmd":
+            run_commands()
+        elif kind == "out":
+            owner.pump(key.fd)
+        elif kind == "stdin":
+            owner.flush_stdin()
+        elif kind == "done":
+            owner.on_done()
+        elif kind == "sig":
+            try:
+                os.read(key.fd, 4096)
+            except OSError:
+                pass
+    reap()
+
+
+def main():
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    SEL.register(wake_r, selectors.EVENT_READ, ("sig", None))
+    os.set_blocking(COMMAND_WAKE[0], False)
+    SEL.register(COMMAND_WAKE[0], selectors.EVENT_READ, ("cmd", None))
+    threading.Thread(target=read_commands_forever, daemon=True).start()
+    prepare_home()
+    emit({"ev": "hello", "version": VERSION, "pid": os.getpid()})
+    while True:
+        loop_once(1.0)
+
+
+main()

@@ -1,0 +1,305 @@
+//! The host's end of the agent channel: JSON lines over the init process's
+//! stdin and stdout (see `agent.py` for why stdio).
+//!
+//! One writer (commands, serialised by a mutex) and one reader task that routes
+//! each event by its `id`: execution output to that execution's channel, replies
+//! to the request waiting for them, archive chunks to their sink. When the agent
+//! goes away (the sandbox stopped or was checkpointed) every waiter is told.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use bytes::Bytes;
+use controllers::runtime::ExecEvent;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, oneshot};
+
+/// Capacity of an execution's event channel (backpressure to the agent).
+const EXEC_CHANNEL: usize = 256;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("the sandbox agent is gone")]
+    Gone,
+    #[error("the sandbox agent did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("the sandbox agent refused: {0}")]
+    Refused(String),
+    #[error("cannot talk to the sandbox agent: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+#[derive(Default)]
+struct Routes {
+    replies: HashMap<String, oneshot::Sender<Result<Value, String>>>,
+    execs: HashMap<String, mpsc::Sender<ExecEvent>>,
+    chunks: HashMap<String, mpsc::Sender<Bytes>>,
+    gone: bool,
+}
+
+/// A connection to one sandbox's agent.
+pub struct AgentConnection {
+    writer: tokio::sync::Mutex<pipe::Sender>,
+    routes: Arc<Mutex<Routes>>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for AgentConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentConnection").finish_non_exhaustive()
+    }
+}
+
+impl AgentConnection {
+    /// Starts routing events read from `events`; commands go to `commands`.
+    /// The returned receiver gets the agent's `hello` (sent once at boot).
+    pub fn start(
+        commands: pipe::Sender,
+        events: pipe::Receiver,
+    ) -> (Arc<Self>, oneshot::Receiver<Value>) {
+        let routes = Arc::new(Mutex::new(Routes::default()));
+        let (hello_tx, hello_rx) = oneshot::channel();
+        tokio::spawn(read_events(events, routes.clone(), hello_tx));
+        let connection = Arc::new(Self {
+            writer: tokio::sync::Mutex::new(commands),
+            routes,
+            next_id: std::sync::atomic::AtomicU64::new(1),
+        });
+        (connection, hello_rx)
+    }
+
+    /// A fresh request id.
+    pub fn new_id(&self, prefix: &str) -> String {
+        let n = self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("{prefix}{n}")
+    }
+
+    fn routes(&self) -> std::sync::MutexGuard<'_, Routes> {
+        self.routes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn is_gone(&self) -> bool {
+        self.routes().gone
+    }
+
+    /// Sends one command.
+    pub async fn send(&self, command: &Value) -> Result<(), AgentError> {
+        if self.is_gone() {
+            return Err(AgentError::Gone);
+        }
+        let mut line = serde_json::to_vec(command).map_err(std::io::Error::other)?;
+        line.push(b'\n');
+        let mut writer = self.writer.lock().await;
+        writer
+            .write_all(&line)
+            .await
+            .map_err(|err| match err.kind() {
+                std::io::ErrorKind::BrokenPipe => AgentError::Gone,
+                _ => AgentError::Io(err),
+            })
+    }
+
+    /// Sends a command with `id` and waits for the reply that carries it.
+    pub async fn request(&self, command: Value, timeout: Duration) -> Result<Value, AgentError> {
+        let id = self.new_id("r");
+        self.request_with_id(&id, command, timeout).await
+    }
+
+    /// Like [`Self::request`], under an id the caller chose (and may have used
+    /// for earlier commands of the same operation).
+    pub async fn request_with_id(
+        &self,
+        id: &str,
+        mut command: Value,
+        timeout: Duration,
+    ) -> Result<Value, AgentError> {
+        command["id"] = json!(id);
+        let reply = self.expect_reply(id)?;
+        self.send(&command).await?;
+        wait_reply(reply, timeout).await
+    }
+
+    fn expect_reply(
+        &self,
+        id: &str,
+    ) -> Result<oneshot::Receiver<Result<Value, String>>, AgentError> {
+        let (tx, rx) = oneshot::channel();
+        let mut routes = self.routes();
+        if routes.gone {
+            return Err(AgentError::Gone);
+        }
+        routes.replies.insert(id.to_owned(), tx);
+        Ok(rx)
+    }
+
+    /// Starts an execution; returns its event stream once the agent started it.
+    pub async fn start_exec(
+        &self,
+        id: &str,
+        mut command: Value,
+    ) -> Result<mpsc::Receiver<ExecEvent>, AgentError> {
+        command["id"] = json!(id);
+        let (tx, rx) = mpsc::channel(EXEC_CHANNEL);
+        let started = self.expect_reply(id)?;
+        self.routes().execs.insert(id.to_owned(), tx);
+        self.send(&command).await?;
+        match wait_reply(started, Duration::from_secs(30)).await {
+            Ok(_) => Ok(rx),
+            Err(err) => {
+                self.routes().execs.remove(id);
+                Err(err)
+            }
+        }
+    }
+
+    /// Starts an archive; chunks arrive on the returned stream, then the final
+    /// reply (`done` or `error`) on the oneshot.
+    pub async fn start_archive(
+        &self,
+        mut command: Value,
+    ) -> Result<
+        (
+            mpsc::Receiver<Bytes>,
+            oneshot::Receiver<Result<Value, String>>,
+        ),
+        AgentError,
+    > {
+        let id = self.new_id("a");
+        command["id"] = json!(id);
+        let (tx, rx) = mpsc::channel(64);
+        let done = self.expect_reply(&id)?;
+        self.routes().chunks.insert(id.clone(), tx);
+        self.send(&command).await?;
+        Ok((rx, done))
+    }
+}
+
+async fn wait_reply(
+    reply: oneshot::Receiver<Result<Value, String>>,
+    timeout: Duration,
+) -> Result<Value, AgentError> {
+    match tokio::time::timeout(timeout, reply).await {
+        Ok(Ok(Ok(value))) => Ok(value),
+        Ok(Ok(Err(message))) => Err(AgentError::Refused(message)),
+        Ok(Err(_)) => Err(AgentError::Gone),
+        Err(_) => Err(AgentError::Timeout(timeout)),
+    }
+}
+
+/// Reads the agent's events until it goes away, routing each.
+async fn read_events(
+    events: pipe::Receiver,
+    routes: Arc<Mutex<Routes>>,
+    hello: oneshot::Sender<Value>,
+) {
+    let mut hello = Some(hello);
+    let mut lines = BufReader::with_capacity(256 * 1024, events).lines();
+    loop {
+        let line = match lines.next_line().await {
+            Ok(Some(line)) => line,
+            Ok(None) => break,
+            Err(err) => {
+                tracing::warn!(%err, "reading from the sandbox agent failed");
+                break;
+            }
+        };
+        let event: Value = match serde_json::from_str(&line) {
+            Ok(event) => event,
+            Err(err) => {
+                tracing::warn!(%err, line = %line.chars().take(200).collect::<String>(), "unreadable agent event");
+                continue;
+            }
+        };
+        route(&routes, &mut hello, event).await;
+    }
+    // The agent is gone: release every waiter. Executions still running end
+    // as killed (the sandbox stopped under them).
+    let execs = {
+        let mut routes = routes.lock().unwrap_or_else(PoisonError::into_inner);
+        routes.gone = true;
+        routes.replies.clear();
+        routes.chunks.clear();
+        std::mem::take(&mut routes.execs)
+    };
+    for (_, exec) in execs {
+        let _ = exec.send(ExecEvent::Exited(137)).await;
+    }
+}
+
+async fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>>, event: Value) {
+    let kind = event["ev"].as_str().unwrap_or_default().to_owned();
+    let id = event["id"].as_str().unwrap_or_default().to_owned();
+    let lock = || routes.lock().unwrap_or_else(PoisonError::into_inner);
+    match kind.as_str() {
+        "hello" => {
+            if let Some(hello) = hello.take() {
+                let _ = hello.send(event);
+            }
+        }
+        "out" => {
+            let data = decode(&event);
+            let sender = lock().execs.get(&id).cloned();
+            if let Some(sender) = sender {
+                let item = if event["fd"] == 2 {
+                    ExecEvent::Stderr(data)
+                } else {
+                    ExecEvent::Stdout(data)
+                };
+                let _ = sender.send(item).await;
+            }
+        }
+        "exit" => {
+            let sender = lock().execs.remove(&id);
+            if let Some(sender) = sender {
+                let code = event["code"]
+                    .as_i64()
+                    .and_then(|c| i32::try_from(c).ok())
+                    .unwrap_or(-1);
+                let _ = sender.send(ExecEvent::Exited(code)).await;
+            }
+        }
+        "chunk" => {
+            let sender = lock().chunks.get(&id).cloned();
+            if let Some(sender) = sender {
+                let _ = sender.send(decode(&event)).await;
+            }
+        }
+        "error" => {
+            let message = event["message"]
+                .as_str()
+                .unwrap_or("unknown error")
+                .to_owned();
+            let mut routes = lock();
+            routes.execs.remove(&id);
+            routes.chunks.remove(&id);
+            match routes.replies.remove(&id) {
+                Some(reply) => {
+                    let _ = reply.send(Err(message));
+                }
+                None => tracing::warn!(%message, "sandbox agent error"),
+            }
+        }
+        _ => {
+            // started, pong, ready, done: the reply to a request.
+            let mut routes = lock();
+            if kind == "done" {
+                routes.chunks.remove(&id);
+            }
+            if let Some(reply) = routes.replies.remove(&id) {
+                let _ = reply.send(Ok(event));
+            }
+        }
+    }
+}
+
+fn decode(event: &Value) -> Bytes {
+    let text = event["data"].as_str().unwrap_or_default();
+    BASE64.decode(text).map(Bytes::from).unwrap_or_default()
+}

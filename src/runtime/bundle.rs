@@ -1,0 +1,104 @@
+//! The OCI bundle (`config.json`) every sandbox runs from.
+//!
+//! Checkpoint and restore hosts must agree on the mounts, the root's read-only
+//! flag and the files open at checkpoint time, so the bundle is a pure function
+//! of the configuration: same configuration, same bundle, on every host. The
+//! init process is the agent (`agent.py`, passed inline with `python3 -c`, so
+//! no file has to exist in the sandbox for it).
+
+use std::path::Path;
+
+use serde_json::json;
+
+/// Uid and gid user code runs as: non-root, so RLIMIT_NPROC applies to it.
+pub const SANDBOX_UID: u32 = 1000;
+/// Home and default working directory of user code.
+pub const SANDBOX_HOME: &str = "/home/sandbox";
+
+/// The agent's source, embedded in the binary.
+pub const AGENT_SOURCE: &str = include_str!("agent.py");
+
+/// What varies between deployments.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BundleSpec {
+    /// The root filesystem: mounted read-only, with writes kept in sandbox memory.
+    pub rootfs: std::path::PathBuf,
+    /// The Python interpreter inside the rootfs (runs the agent and user code).
+    pub python: String,
+    pub memory_limit_bytes: Option<u64>,
+    /// CPU limit in cores (1.5 = one and a half).
+    pub cpu_limit: Option<f64>,
+    /// RLIMIT_NPROC for user code.
+    pub max_processes: u64,
+    /// Size of the `/tmp` tmpfs in MiB.
+    pub tmp_size_mb: u64,
+}
+
+impl BundleSpec {
+    /// The `config.json` document.
+    pub fn config(&self) -> serde_json::Value {
+        let path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+        let agent_config = json!({
+            "python": self.python,
+            "uid": SANDBOX_UID,
+            "gid": SANDBOX_UID,
+            "home": SANDBOX_HOME,
+            "env": {
+                "PATH": path,
+                "HOME": SANDBOX_HOME,
+                "USER": "sandbox",
+                "LANG": "C.UTF-8",
+                "PYTHONUNBUFFERED": "1",
+            },
+        });
+        let mut resources = serde_json::Map::new();
+        if let Some(bytes) = self.memory_limit_bytes {
+            resources.insert("memory".into(), json!({ "limit": bytes }));
+        }
+        if let Some(cores) = self.cpu_limit {
+            let period: u64 = 100_000;
+            let quota = (cores * period as f64).round() as i64;
+            resources.insert("cpu".into(), json!({ "quota": quota, "period": period }));
+        }
+        json!({
+            "ociVersion": "1.0.0",
+            "process": {
+                "terminal": false,
+                "user": {"uid": 0, "gid": 0},
+                "args": [self.python, "-c", AGENT_SOURCE, agent_config.to_string()],
+                "env": [format!("PATH={path}"), "LANG=C.UTF-8", "PYTHONUNBUFFERED=1"],
+                "cwd": "/",
+                "capabilities": {
+                    "bounding": ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SETGID", "CAP_SETUID"],
+                    "effective": ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SETGID", "CAP_SETUID"],
+                    "permitted": ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SETGID", "CAP_SETUID"],
+                    "inheritable": [],
+                },
+                "rlimits": [
+                    {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
+                    {"type": "RLIMIT_NPROC", "hard": self.max_processes, "soft": self.max_processes},
+                ],
+            },
+            "root": {"path": self.rootfs, "readonly": false},
+            "hostname": "sandbox",
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+                {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+                {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+                 "options": ["nosuid", "nodev", "mode=1777", format!("size={}m", self.tmp_size_mb)]},
+            ],
+            "linux": {
+                "namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}, {"type": "network"}],
+                "resources": resources,
+            },
+        })
+    }
+
+    /// Writes `config.json` into `dir`.
+    pub fn write(&self, dir: &Path) -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let text = serde_json::to_vec_pretty(&self.config()).map_err(std::io::Error::other)?;
+        std::fs::write(dir.join("config.json"), text)
+    }
+}

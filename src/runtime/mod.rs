@@ -1,0 +1,16 @@
+//! The sandbox runtime on real gVisor: the `runsc` CLI wrapped ([`runsc`]), the
+//! OCI bundle ([`bundle`]), the in-sandbox agent and the host's channel to it
+//! ([`agent`], `agent.py`), checkpoint images ([`images`]), and
+//! [`GvisorRuntime`], which implements the controllers' `SandboxRuntime` port.
+//! `../shared/reference/gvisor-runsc.md` records the runsc behaviour all of this
+//! is built around.
+
+pub mod agent;
+pub mod bundle;
+mod gvisor;
+pub mod images;
+pub mod runsc;
+
+pub use bundle::BundleSpec;
+pub use gvisor::{GvisorConfig, GvisorRuntime};
+pub use runsc::Runsc;

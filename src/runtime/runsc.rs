@@ -1,0 +1,193 @@
+//! The `runsc` command line, wrapped: one method per subcommand we use, every
+//! call with the same global flags, failures as errors carrying runsc's stderr.
+//!
+//! Global flags on every call (`../shared/reference/gvisor-runsc.md`):
+//! `--root` (this server's own state directory), `--platform`, `--network=none`
+//! and `--overlay2=root:memory` (writes to the root filesystem stay in sandbox
+//! memory and are saved in checkpoints).
+
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+
+use tokio::process::Command;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunscError {
+    #[error("cannot start `{command}`: {source}")]
+    Spawn {
+        command: String,
+        source: std::io::Error,
+    },
+    #[error("`{command}` failed ({status}): {stderr}")]
+    Failed {
+        command: String,
+        status: String,
+        stderr: String,
+    },
+}
+
+/// The stdio an init process gets: our agent channel and a log file.
+#[derive(Debug)]
+pub struct InitStdio {
+    pub stdin: OwnedFd,
+    pub stdout: OwnedFd,
+    pub stderr: std::fs::File,
+}
+
+/// A configured `runsc`.
+#[derive(Debug, Clone)]
+pub struct Runsc {
+    pub binary: PathBuf,
+    pub root: PathBuf,
+    pub platform: String,
+}
+
+impl Runsc {
+    fn command(&self, args: &[&str]) -> (Command, String) {
+        let mut command = Command::new(&self.binary);
+        command
+            .arg("--root")
+            .arg(&self.root)
+            .arg(format!("--platform={}", self.platform))
+            .arg("--network=none")
+            .arg("--overlay2=root:memory")
+            .args(args)
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        let text = format!("runsc {}", args.join(" "));
+        (command, text)
+    }
+
+    async fn run(&self, mut command: Command, text: String) -> Result<Output, RunscError> {
+        let output = command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .output()
+            .await
+            .map_err(|source| RunscError::Spawn {
+                command: text.clone(),
+                source,
+            })?;
+        if output.status.success() {
+            Ok(output)
+        } else {
+            Err(RunscError::Failed {
+                command: text,
+                status: output.status.to_string(),
+                stderr: last_lines(&String::from_utf8_lossy(&output.stderr)),
+            })
+        }
+    }
+
+    /// Runs a detached container whose init gets `stdio`. The init keeps the
+    /// pipes after runsc returns; its stderr (and runsc's) goes to the log file.
+    async fn detached(
+        &self,
+        args: &[&str],
+        stdio: InitStdio,
+        log: &Path,
+    ) -> Result<(), RunscError> {
+        let (mut command, text) = self.command(args);
+        command
+            .stdin(Stdio::from(stdio.stdin))
+            .stdout(Stdio::from(stdio.stdout))
+            .stderr(Stdio::from(stdio.stderr));
+        let status = command.status().await.map_err(|source| RunscError::Spawn {
+            command: text.clone(),
+            source,
+        })?;
+        if status.success() {
+            Ok(())
+        } else {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            Err(RunscError::Failed {
+                command: text,
+                status: status.to_string(),
+                stderr: last_lines(&log),
+            })
+        }
+    }
+
+    pub async fn run_detached(
+        &self,
+        bundle: &Path,
+        id: &str,
+        stdio: InitStdio,
+        log: &Path,
+    ) -> Result<(), RunscError> {
+        let bundle = bundle.to_string_lossy();
+        self.detached(&["run", "--detach", "--bundle", &bundle, id], stdio, log)
+            .await
+    }
+
+    pub async fn restore_detached(
+        &self,
+        bundle: &Path,
+        image_dir: &Path,
+        id: &str,
+        stdio: InitStdio,
+        log: &Path,
+    ) -> Result<(), RunscError> {
+        let bundle = bundle.to_string_lossy();
+        let image = image_dir.to_string_lossy();
+        let args = [
+            "restore",
+            "--detach",
+            "--image-path",
+            &image,
+            "--bundle",
+            &bundle,
+            id,
+        ];
+        self.detached(&args, stdio, log).await
+    }
+
+    /// Writes `checkpoint.img` into `image_dir` and stops the container.
+    pub async fn checkpoint(&self, id: &str, image_dir: &Path) -> Result<(), RunscError> {
+        let image = image_dir.to_string_lossy();
+        let (command, text) = self.command(&["checkpoint", "--image-path", &image, id]);
+        self.run(command, text).await.map(drop)
+    }
+
+    /// Kills and removes a container; takes about 2 s here.
+    pub async fn delete_force(&self, id: &str) -> Result<(), RunscError> {
+        let (command, text) = self.command(&["delete", "--force", id]);
+        self.run(command, text).await.map(drop)
+    }
+
+    /// The ids of every container under this root.
+    pub async fn list(&self) -> Result<Vec<String>, RunscError> {
+        let (command, text) = self.command(&["list", "--format", "json"]);
+        let output = self.run(command, text.clone()).await?;
+        let parsed: Option<Vec<serde_json::Value>> = serde_json::from_slice(&output.stdout)
+            .map_err(|err| RunscError::Failed {
+                command: text,
+                status: "0".to_owned(),
+                stderr: format!("unreadable output: {err}"),
+            })?;
+        Ok(parsed
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|c| c["id"].as_str().map(str::to_owned))
+            .collect())
+    }
+
+    /// The first line of `runsc --version`.
+    pub async fn version(&self) -> Result<String, RunscError> {
+        let mut command = Command::new(&self.binary);
+        command.arg("--version");
+        let output = self.run(command, "runsc --version".to_owned()).await?;
+        Ok(String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned())
+    }
+}
+
+/// The end of a long error output: runsc puts the cause last.
+fn last_lines(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines[lines.len().saturating_sub(5)..].join(" | ")
+}

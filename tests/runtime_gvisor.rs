@@ -1,0 +1,574 @@
+//! The gVisor runtime against real `runsc` (CI installs it; without it these
+//! tests fail, they never skip).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests fail by panicking"
+)]
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use controllers::api::{CheckpointManifest, SandboxId};
+use controllers::runtime::{
+    CheckpointRequest, Command, CreateOptions, ExecEvent, ExecRequest, Execution, RuntimeError,
+    SandboxRuntime,
+};
+use controllers::store::Store;
+use sandboxd::runtime::{BundleSpec, GvisorConfig, GvisorRuntime, Runsc};
+use sandboxd::store::LocalStore;
+
+/// One runtime "host": its own runsc root and state directory.
+struct Host {
+    runtime: GvisorRuntime,
+    _dir: tempfile::TempDir,
+}
+
+async fn host(store: Arc<dyn Store>) -> Host {
+    let dir = tempfile::tempdir().unwrap();
+    let config = GvisorConfig {
+        runsc: Runsc {
+            binary: "runsc".into(),
+            root: dir.path().join("runsc"),
+            platform: "ptrace".into(),
+        },
+        state_dir: dir.path().join("state"),
+        bundle: BundleSpec {
+            rootfs: "/".into(),
+            python: "/usr/bin/python3".into(),
+            memory_limit_bytes: Some(1 << 30),
+            cpu_limit: Some(1.0),
+            max_processes: 64,
+            tmp_size_mb: 256,
+        },
+        checkpoint_bucket: "local".into(),
+    };
+    let runtime = GvisorRuntime::start(config, store.clone(), store)
+        .await
+        .expect("runsc must be installed (apt-get install -y runsc)");
+    Host { runtime, _dir: dir }
+}
+
+fn shared_store(dir: &Path) -> Arc<dyn Store> {
+    Arc::new(LocalStore::open(dir).unwrap())
+}
+
+fn new_id() -> SandboxId {
+    SandboxId::parse(&uuid::Uuid::new_v4().simple().to_string()).unwrap()
+}
+
+struct Outcome {
+    stdout: String,
+    stderr: String,
+    code: i32,
+    /// When each stdout chunk arrived, relative to the start.
+    stdout_times: Vec<Duration>,
+}
+
+async fn finish(mut execution: Execution) -> Outcome {
+    let started = Instant::now();
+    let (mut stdout, mut stderr, mut stdout_times) = (Vec::new(), Vec::new(), Vec::new());
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(60), execution.events.recv())
+            .await
+            .expect("execution timed out")
+            .expect("event stream ended without Exited");
+        match event {
+            ExecEvent::Stdout(data) => {
+                stdout.extend_from_slice(&data);
+                stdout_times.push(started.elapsed());
+            }
+            ExecEvent::Stderr(data) => stderr.extend_from_slice(&data),
+            ExecEvent::Exited(code) => {
+                return Outcome {
+                    stdout: String::from_utf8_lossy(&stdout).into_owned(),
+                    stderr: String::from_utf8_lossy(&stderr).into_owned(),
+                    code,
+                    stdout_times,
+                };
+            }
+        }
+    }
+}
+
+async fn run(runtime: &GvisorRuntime, sandbox: &SandboxId, command: Command) -> Outcome {
+    finish(
+        runtime
+            .exec(sandbox, ExecRequest::new(command))
+            .await
+            .unwrap(),
+    )
+    .await
+}
+
+fn bash(code: &str) -> Command {
+    Command::Bash(code.to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_streams_separately_and_in_order_as_produced() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = host(shared_store(dir.path())).await;
+    let id = new_id();
+    h.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+    let code = "import sys, time\nfor i in range(5):\n    print('out', i, flush=True)\n    print('err', i, file=sys.stderr, flush=True)\n    time.sleep(0.2)\n";
+    let outcome = run(&h.runtime, &id, Command::Python(code.into())).await;
+    assert_eq!(outcome.code, 0, "{}", outcome.stderr);
+    assert_eq!(outcome.stdout, "out 0\nout 1\nout 2\nout 3\nout 4\n");
+    assert_eq!(outcome.stderr, "err 0\nerr 1\nerr 2\nerr 3\nerr 4\n");
+    let first = outcome.stdout_times[0];
+    let last = *outcome.stdout_times.last().unwrap();
+    assert!(
+        last - first >= Duration::from_millis(600),
+        "output must stream, not arrive at the end: {:?}",
+        outcome.stdout_times
+    );
+    h.runtime.destroy(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdin_is_written_as_it_arrives_and_eof_is_delivered() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = host(shared_store(dir.path())).await;
+    let id = new_id();
+    h.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+
+    let mut execution = h
+        .runtime
+        .exec(
+            &id,
+            ExecRequest::new(Command::Python(
+                "while True:\n    line = input()\n    print(line[::-1], flush=True)\n".into(),
+            )),
+        )
+        .await
+        .unwrap();
+    for word in ["hello", "sandbox"] {
+        execution
+            .control
+            .write_stdin(Bytes::from(format!("{word}\n")))
+            .await
+            .unwrap();
+        let event = tokio::time::timeout(Duration::from_secs(10), execution.events.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        let expected: String = word.chars().rev().collect();
+        assert_eq!(
+            event,
+            ExecEvent::Stdout(Bytes::from(format!("{expected}\n"))),
+            "echo of {word}"
+        );
+    }
+    execution.control.close_stdin().await.unwrap();
+    let outcome = finish(execution).await;
+    assert_eq!(
+        outcome.code, 1,
+        "input() raises EOFError at end of stdin: {}",
+        outcome.stderr
+    );
+    assert!(outcome.stderr.contains("EOFError"), "{}", outcome.stderr);
+
+    // cat copies stdin to stdout and exits 0 at EOF.
+    let execution = h
+        .runtime
+        .exec(&id, ExecRequest::new(bash("cat")))
+        .await
+        .unwrap();
+    execution
+        .control
+        .write_stdin(Bytes::from_static(b"piped through\n"))
+        .await
+        .unwrap();
+    execution.control.close_stdin().await.unwrap();
+    let outcome = finish(execution).await;
+    assert_eq!(
+        (outcome.code, outcome.stdout.as_str()),
+        (0, "piped through\n")
+    );
+    h.runtime.destroy(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exit_codes_pass_through() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = host(shared_store(dir.path())).await;
+    let id = new_id();
+    h.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(run(&h.runtime, &id, bash("true")).await.code, 0);
+    assert_eq!(
+        run(
+            &h.runtime,
+            &id,
+            Command::Python("import sys; sys.exit(3)".into())
+        )
+        .await
+        .code,
+        3
+    );
+    assert_eq!(run(&h.runtime, &id, bash("kill -9 $$")).await.code, 137);
+    assert_eq!(run(&h.runtime, &id, bash("exit 7")).await.code, 7);
+    let outcome = run(&h.runtime, &id, bash("id -u; echo $HOME; pwd")).await;
+    assert_eq!(
+        outcome.stdout, "1000\n/home/sandbox\n/home/sandbox\n",
+        "user code runs unprivileged in its home"
+    );
+    h.runtime.destroy(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_ends_the_whole_process_tree_and_one_execution_runs_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = host(shared_store(dir.path())).await;
+    let id = new_id();
+    h.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+    let mut execution = h
+        .runtime
+        .exec(
+            &id,
+            ExecRequest::new(bash("sleep 1000 & sleep 1001 & echo started; wait")),
+        )
+        .await
+        .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(10), execution.events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first, ExecEvent::Stdout(Bytes::from_static(b"started\n")));
+
+    let second = h.runtime.exec(&id, ExecRequest::new(bash("true"))).await;
+    assert!(
+        matches!(second, Err(RuntimeError::ExecutionInProgress(_))),
+        "{second:?}"
+    );
+    let refused = h
+        .runtime
+        .checkpoint(
+            &id,
+            CheckpointRequest {
+                checkpoint_id: new_id(),
+                epoch: 1,
+                name: None,
+                force: false,
+            },
+        )
+        .await;
+    assert!(
+        matches!(refused, Err(RuntimeError::ExecutionInProgress(_))),
+        "{refused:?}"
+    );
+
+    let killed_at = Instant::now();
+    execution.control.kill().await.unwrap();
+    let outcome = finish(execution).await;
+    assert_eq!(outcome.code, 137);
+    assert!(killed_at.elapsed() < Duration::from_secs(5));
+    let left = run(
+        &h.runtime,
+        &id,
+        Command::Python("import os\nprint(sum(1 for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/comm').read().strip() == 'sleep'))".into()),
+    )
+    .await;
+    assert_eq!(
+        left.stdout.trim(),
+        "0",
+        "no sleep survives the kill: {}",
+        left.stderr
+    );
+    h.runtime.destroy(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn process_count_is_limited_for_user_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = host(shared_store(dir.path())).await;
+    let id = new_id();
+    h.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+    // The limit is 64 processes; try to fork 100 and see where it stops.
+    let code = "import os, signal, time\npids, error = [], None\nfor _ in range(100):\n    try:\n        pid = os.fork()\n    except OSError as e:\n        error = e.errno\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n    pids.append(pid)\nprint(len(pids), error)\nfor pid in pids:\n    os.kill(pid, signal.SIGKILL)\n    os.waitpid(pid, 0)\n";
+    let outcome = run(&h.runtime, &id, Command::Python(code.into())).await;
+    let fields: Vec<&str> = outcome.stdout.split_whitespace().collect();
+    assert_eq!(fields.len(), 2, "{} {}", outcome.stdout, outcome.stderr);
+    let forked: u64 = fields[0].parse().unwrap();
+    assert!(
+        forked <= 64,
+        "RLIMIT_NPROC must stop user code at 64 processes, forked {forked}"
+    );
+    assert_eq!(fields[1], "11", "fork fails with EAGAIN");
+    h.runtime.destroy(&id).await.unwrap();
+}
+
+async fn checkpoint(h: &Host, id: &SandboxId) -> CheckpointManifest {
+    h.runtime
+        .checkpoint(
+            id,
+            CheckpointRequest {
+                checkpoint_id: new_id(),
+                epoch: 4,
+                name: Some("before-move".into()),
+                force: false,
+            },
+        )
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_restores_on_another_host_with_processes_files_and_python_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = shared_store(dir.path());
+    let a = host(store.clone()).await;
+    let b = host(store.clone()).await;
+    let id = new_id();
+    a.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+
+    let setup = run(&a.runtime, &id, bash(
+        "echo kept > ~/notes.txt; head -c 1000000 /dev/urandom > /tmp/blob; sha256sum /tmp/blob | cut -d' ' -f1; \
+         nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 &",
+    ))
+    .await;
+    assert_eq!(setup.code, 0, "{}", setup.stderr);
+    let blob_sha = setup.stdout.trim().to_owned();
+    assert_eq!(
+        run(
+            &a.runtime,
+            &id,
+            Command::PythonSession("x = 41\nimport math".into())
+        )
+        .await
+        .code,
+        0
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before: u64 = run(&a.runtime, &id, bash("cat /tmp/counter"))
+        .await
+        .stdout
+        .trim()
+        .parse()
+        .unwrap();
+
+    let manifest = checkpoint(&a, &id).await;
+    assert!(!a.runtime.is_running(&id));
+    assert_eq!(manifest.epoch, 4);
+    assert_eq!(manifest.name.as_deref(), Some("before-move"));
+    assert_eq!(manifest.image.sha256.len(), 64);
+    assert!(
+        manifest.runsc_version.starts_with("runsc version"),
+        "{}",
+        manifest.runsc_version
+    );
+    assert!(!manifest.cpu_features.is_empty());
+
+    // Another "host": another runsc root, state directory and container id.
+    b.runtime.restore(&id, &manifest).await.unwrap();
+    assert!(b.runtime.is_running(&id));
+    let python = run(
+        &b.runtime,
+        &id,
+        Command::PythonSession("print(x + 1, math.pi > 3)".into()),
+    )
+    .await;
+    assert_eq!(python.stdout, "42 True\n", "{}", python.stderr);
+    let files = run(
+        &b.runtime,
+        &id,
+        bash("cat ~/notes.txt; sha256sum /tmp/blob | cut -d' ' -f1"),
+    )
+    .await;
+    assert_eq!(files.stdout, format!("kept\n{blob_sha}\n"));
+    let after: u64 = run(&b.runtime, &id, bash("cat /tmp/counter"))
+        .await
+        .stdout
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        after >= before,
+        "the counter continues from where it was ({before} -> {after})"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let later: u64 = run(&b.runtime, &id, bash("cat /tmp/counter"))
+        .await
+        .stdout
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        later > after,
+        "the background process keeps running after restore ({after} -> {later})"
+    );
+    b.runtime.destroy(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_checkpoint_kills_the_running_execution_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = shared_store(dir.path());
+    let h = host(store.clone()).await;
+    let id = new_id();
+    h.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+    let execution = h
+        .runtime
+        .exec(&id, ExecRequest::new(bash("sleep 500 & sleep 600")))
+        .await
+        .unwrap();
+    let manifest = h
+        .runtime
+        .checkpoint(
+            &id,
+            CheckpointRequest {
+                checkpoint_id: new_id(),
+                epoch: 1,
+                name: None,
+                force: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(finish(execution).await.code, 137);
+    h.runtime.restore(&id, &manifest).await.unwrap();
+    let left = run(&h.runtime, &id, Command::Python("import os\nprint(sum(1 for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/comm').read().strip() == 'sleep'))".into())).await;
+    assert_eq!(left.stdout.trim(), "0");
+    h.runtime.destroy(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_or_truncated_image_is_refused_before_runsc_sees_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = shared_store(dir.path());
+    let h = host(store.clone()).await;
+    let id = new_id();
+    h.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+    let manifest = checkpoint(&h, &id).await;
+    let image_path = dir.path().join(&manifest.image.key);
+    let original = std::fs::read(&image_path).unwrap();
+
+    // Flip bytes in the middle: runsc itself would restore this silently.
+    let mut corrupted = original.clone();
+    let middle = corrupted.len() / 2;
+    for byte in &mut corrupted[middle..middle + 64] {
+        *byte ^= 0xff;
+    }
+    std::fs::write(&image_path, &corrupted).unwrap();
+    let err = h.runtime.restore(&id, &manifest).await.unwrap_err();
+    assert!(matches!(err, RuntimeError::CorruptImage { .. }), "{err}");
+    assert!(err.to_string().contains("checksum mismatch"), "{err}");
+    assert!(!h.runtime.is_running(&id), "nothing half-restored");
+
+    std::fs::write(&image_path, &original[..original.len() / 2]).unwrap();
+    let err = h.runtime.restore(&id, &manifest).await.unwrap_err();
+    assert!(err.to_string().contains("size mismatch"), "{err}");
+
+    std::fs::remove_file(&image_path).unwrap();
+    let err = h.runtime.restore(&id, &manifest).await.unwrap_err();
+    assert!(err.to_string().contains("not found"), "{err}");
+
+    // Intact again: it restores.
+    std::fs::write(&image_path, &original).unwrap();
+    h.runtime.restore(&id, &manifest).await.unwrap();
+    assert_eq!(
+        run(&h.runtime, &id, bash("echo alive")).await.stdout,
+        "alive\n"
+    );
+    h.runtime.destroy(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_from_a_host_with_other_cpu_features_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = shared_store(dir.path());
+    let h = host(store.clone()).await;
+    let id = new_id();
+    h.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+    let mut manifest = checkpoint(&h, &id).await;
+    manifest.cpu_features.push("imaginary_feature".into());
+    let err = h.runtime.restore(&id, &manifest).await.unwrap_err();
+    assert!(matches!(err, RuntimeError::Incompatible(_)), "{err}");
+    assert!(err.to_string().contains("imaginary_feature"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filesystem_snapshot_seeds_a_new_sandbox() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = shared_store(dir.path());
+    let h = host(store.clone()).await;
+    let source = new_id();
+    h.runtime
+        .create(&source, &CreateOptions::default())
+        .await
+        .unwrap();
+    let made = run(&h.runtime, &source, bash("mkdir -p ~/project/src && echo 'print(6*7)' > ~/project/src/main.py && echo scratch > /tmp/scratch.txt")).await;
+    assert_eq!(made.code, 0, "{}", made.stderr);
+    let manifest = h
+        .runtime
+        .snapshot_filesystem(&source, "my-project")
+        .await
+        .unwrap();
+    assert!(manifest.entries >= 3, "{manifest:?}");
+
+    for bad in ["../escape", "UPPER", "", "a/b"] {
+        let err = h
+            .runtime
+            .snapshot_filesystem(&source, bad)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RuntimeError::Invalid(_)), "{bad:?}: {err}");
+    }
+
+    let copy = new_id();
+    h.runtime
+        .create(
+            &copy,
+            &CreateOptions {
+                snapshot_name: Some("my-project".into()),
+            },
+        )
+        .await
+        .unwrap();
+    let outcome = run(&h.runtime, &copy, bash("python3 ~/project/src/main.py; cat /tmp/scratch.txt; python3 -c 'import os; print(os.stat(os.path.expanduser(\"~/project/src/main.py\")).st_uid)'")).await;
+    assert_eq!(outcome.stdout, "42\nscratch\n1000\n", "{}", outcome.stderr);
+
+    let err = h
+        .runtime
+        .create(
+            &new_id(),
+            &CreateOptions {
+                snapshot_name: Some("no-such-snapshot".into()),
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no-such-snapshot"), "{err}");
+    h.runtime.destroy(&source).await.unwrap();
+    h.runtime.destroy(&copy).await.unwrap();
+}
