@@ -572,3 +572,50 @@ async fn a_filesystem_snapshot_seeds_a_new_sandbox() {
     h.runtime.destroy(&source).await.unwrap();
     h.runtime.destroy(&copy).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_removes_containers_a_crashed_server_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = shared_store(dir.path());
+    let root = tempfile::tempdir().unwrap();
+    let config = |state: &str| GvisorConfig {
+        runsc: Runsc {
+            binary: "runsc".into(),
+            root: root.path().join("runsc"),
+            platform: "ptrace".into(),
+        },
+        state_dir: root.path().join(state),
+        bundle: BundleSpec {
+            rootfs: "/".into(),
+            python: "/usr/bin/python3".into(),
+            memory_limit_bytes: None,
+            cpu_limit: None,
+            max_processes: 64,
+            tmp_size_mb: 64,
+        },
+        checkpoint_bucket: "local".into(),
+    };
+    let crashed = GvisorRuntime::start(config("state"), store.clone(), store.clone())
+        .await
+        .unwrap();
+    crashed
+        .create(&new_id(), &CreateOptions::default())
+        .await
+        .unwrap();
+    // The server "crashes": its runtime is dropped without destroying anything.
+    drop(crashed);
+    let runsc = config("state").runsc;
+    assert_eq!(
+        runsc.list().await.unwrap().len(),
+        1,
+        "the container outlives the crashed server"
+    );
+
+    let _restarted = GvisorRuntime::start(config("state"), store.clone(), store)
+        .await
+        .unwrap();
+    assert!(
+        runsc.list().await.unwrap().is_empty(),
+        "startup deleted the leftover container"
+    );
+}

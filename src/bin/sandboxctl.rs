@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use controllers::api::SandboxId;
-use sandboxd::config::StorageArgs;
+use sandboxd::config::{RuntimeArgs, StorageArgs};
 use sandboxd::{ctl, store};
 
 #[derive(Debug, Parser)]
@@ -29,6 +29,19 @@ enum Command {
         /// The sandbox id (32 lowercase hex digits).
         id: String,
     },
+    /// Measure the gVisor runtime on this machine: create, exec round trips,
+    /// checkpoint and restore; prints medians and JSON. Needs root and runsc.
+    #[command(after_help = "Example:\n  sandboxctl bench-runtime --runs 20 --sizes-mb 50,500")]
+    BenchRuntime {
+        /// Samples per operation.
+        #[arg(long, default_value_t = 20)]
+        runs: usize,
+        /// Sandbox memory sizes (MB) for checkpoint and restore.
+        #[arg(long, value_delimiter = ',', default_values_t = [50, 500])]
+        sizes_mb: Vec<u64>,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
 }
 
 /// Exit codes scripts can rely on.
@@ -39,11 +52,40 @@ const EXIT_STORAGE: u8 = 4;
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::BenchRuntime {
+        runs,
+        sizes_mb,
+        runtime,
+    } = &cli.command
+    {
+        let mut args = runtime.clone();
+        if std::env::var_os("SANDBOXD_RUNTIME_DIR").is_none()
+            && args.runtime_dir == std::path::Path::new("/run/sandboxd")
+        {
+            // Never share (and so clean up) a running server's containers.
+            args.runtime_dir = "/run/sandboxd-bench".into();
+        }
+        return match sandboxd::bench::runtime_benchmarks(
+            args.gvisor("bench".into()),
+            *runs,
+            sizes_mb,
+        )
+        .await
+        {
+            Ok(results) => {
+                print!("{}", sandboxd::bench::render(&results));
+                println!("{}", sandboxd::bench::to_json(&results));
+                ExitCode::SUCCESS
+            }
+            Err(err) => fail(EXIT_STORAGE, &format!("benchmark failed: {err:#}")),
+        };
+    }
     let store = match store::open(&cli.storage.layout().metadata).await {
         Ok(store) => store,
         Err(err) => return fail(EXIT_STORAGE, &err.to_string()),
     };
     match cli.command {
+        Command::BenchRuntime { .. } => ExitCode::SUCCESS,
         Command::List => match ctl::list_rows(store.as_ref(), chrono::Utc::now()).await {
             Ok(rows) => {
                 print!("{}", ctl::render_table(&rows));

@@ -229,8 +229,7 @@ class PythonSession:
         self.proc = subprocess.Popen(
             [PYTHON, "-u", "-c", REPL_SOURCE, str(cmd_r), str(done_w)],
             stdin=in_r, stdout=out_w, stderr=err_w, pass_fds=(cmd_r, done_w),
-            close_fds=True, start_new_session=True, cwd=HOME, env=user_env({}),
-            user=UID, group=GID, extra_groups=[])
+            close_fds=True, start_new_session=True, cwd=HOME, env=user_env({}))
         for fd in (cmd_r, done_w, in_r, out_w, err_w):
             os.close(fd)
         self.proc.returncode = None
@@ -308,10 +307,20 @@ HOME = CONFIG.get("home", "/home/sandbox")
 BASE_ENV = CONFIG.get("env", {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": HOME})
 
 
-def prepare_home():
+def drop_privileges():
+    """Creates the user's home as root, then becomes the user for good.
+
+    Everything the agent starts then runs as the user without a setuid per
+    execution, which would stop subprocess from using vfork (about 25 ms more
+    per execution under ptrace). The agent still reaps (PID 1), can kill every
+    process of its user and read their /proc entries.
+    """
     os.makedirs(HOME, exist_ok=True)
     os.chown(HOME, UID, GID)
     os.chmod(HOME, 0o755)
+    os.setgroups([])
+    os.setgid(GID)
+    os.setuid(UID)
 
 
 def user_env(extra):
@@ -336,8 +345,7 @@ def start_exec(msg):
     try:
         proc = subprocess.Popen(
             msg["argv"], stdin=in_r, stdout=out_w, stderr=err_w, close_fds=True,
-            start_new_session=True, cwd=msg.get("cwd") or HOME, env=user_env(msg.get("env") or {}),
-            user=UID, group=GID, extra_groups=[])
+            start_new_session=True, cwd=msg.get("cwd") or HOME, env=user_env(msg.get("env") or {}))
     except OSError as err:
         for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
             os.close(fd)
@@ -639,7 +647,7 @@ def main():
     os.set_blocking(COMMAND_WAKE[0], False)
     SEL.register(COMMAND_WAKE[0], selectors.EVENT_READ, ("cmd", None))
     threading.Thread(target=read_commands_forever, daemon=True).start()
-    prepare_home()
+    drop_privileges()
     emit({"ev": "hello", "version": VERSION, "pid": os.getpid()})
     while True:
         loop_once(1.0)
