@@ -18,7 +18,6 @@ import selectors
 import signal
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 
@@ -456,6 +455,7 @@ class ChunkWriter:
 
 
 def archive(msg):
+    import tarfile  # only snapshots need it: keep it off the boot path
     since = msg.get("since", START_TIME)
     writer = ChunkWriter(msg["id"])
     count = 0
@@ -489,6 +489,7 @@ def extract_chunk(msg):
 def extract_end(msg):
     path = "/tmp/.sandboxd-extract-%s" % msg["id"]
     count = 0
+    import tarfile
     try:
         with tarfile.open(path, mode="r:gz") as tar:
             for member in tar:

@@ -65,7 +65,8 @@ impl BundleSpec {
             "process": {
                 "terminal": false,
                 "user": {"uid": 0, "gid": 0},
-                "args": [self.python, "-c", AGENT_SOURCE, agent_config.to_string()],
+                // -S: the agent needs no site-packages; skipping them saves boot time.
+                "args": [self.python, "-S", "-c", AGENT_SOURCE, agent_config.to_string()],
                 "env": [format!("PATH={path}"), "LANG=C.UTF-8", "PYTHONUNBUFFERED=1"],
                 "cwd": "/",
                 "capabilities": {
