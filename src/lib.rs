@@ -5,6 +5,7 @@
 //! crate plugs real things into the ports (GCS, a local directory, gVisor) and
 //! serves HTTP. Dependencies point one way, from here to `controllers`.
 
+pub mod api;
 pub mod bench;
 pub mod config;
 pub mod ctl;

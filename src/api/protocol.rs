@@ -1,0 +1,433 @@
+//! The wire protocol of the earlier Python server, which its Python and
+//! TypeScript clients speak (`../shared/reference/upstream-wire-contract.md`):
+//! client frames parsed with the upstream's precedence, server frames written
+//! byte-for-byte as the clients expect (compact JSON, exact status strings).
+//!
+//! Departures from upstream, all invisible to its clients:
+//! - a malformed frame (binary, not JSON, not an object, too large), an unknown
+//!   `action` or a missing field is a [`FrameError`] answered with an `error`
+//!   event, never a dropped connection;
+//! - `checkpoint` takes an optional `name` (named checkpoints);
+//! - an execution may ask for the persistent Python session
+//!   (`"language": "python", "session": true`);
+//! - `exit_code` is a new server event sent before `SANDBOX_EXECUTION_DONE`.
+
+use serde_json::{Map, Value, json};
+
+/// Largest client frame accepted (code and stdin chunks included).
+pub const MAX_FRAME_BYTES: usize = 1 << 20;
+
+/// Default `idle_timeout` when the init message has none (upstream's default).
+pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 300;
+
+/// Every status string the server sends, verbatim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Status {
+    Creating,
+    Running,
+    Restoring,
+    NotFound,
+    InUse,
+    CreationError,
+    RestoreError,
+    PermissionDenialError,
+    Error,
+    Deleting,
+    Deleted,
+    Killing,
+    Killed,
+    KillError,
+    ExecutionRunning,
+    ExecutionDone,
+    ExecutionError,
+    ExecutionUnsupportedLanguageError,
+    ExecutionForceKilled,
+    ExecutionForceKillError,
+    StdinError,
+    Checkpointing,
+    Checkpointed,
+    CheckpointError,
+    ExecutionInProgressError,
+    FilesystemSnapshotCreating,
+    FilesystemSnapshotCreated,
+    FilesystemSnapshotError,
+    LockAcquiring,
+    LockAcquired,
+    LockReleaseRequested,
+    LockRenewalError,
+    LockReleasing,
+    LockReleased,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Creating => "SANDBOX_CREATING",
+            Self::Running => "SANDBOX_RUNNING",
+            Self::Restoring => "SANDBOX_RESTORING",
+            Self::NotFound => "SANDBOX_NOT_FOUND",
+            Self::InUse => "SANDBOX_IN_USE",
+            Self::CreationError => "SANDBOX_CREATION_ERROR",
+            Self::RestoreError => "SANDBOX_RESTORE_ERROR",
+            Self::PermissionDenialError => "SANDBOX_PERMISSION_DENIAL_ERROR",
+            Self::Error => "SANDBOX_ERROR",
+            Self::Deleting => "SANDBOX_DELETING",
+            Self::Deleted => "SANDBOX_DELETED",
+            Self::Killing => "SANDBOX_KILLING",
+            Self::Killed => "SANDBOX_KILLED",
+            Self::KillError => "SANDBOX_KILL_ERROR",
+            Self::ExecutionRunning => "SANDBOX_EXECUTION_RUNNING",
+            Self::ExecutionDone => "SANDBOX_EXECUTION_DONE",
+            Self::ExecutionError => "SANDBOX_EXECUTION_ERROR",
+            Self::ExecutionUnsupportedLanguageError => {
+                "SANDBOX_EXECUTION_UNSUPPORTED_LANGUAGE_ERROR"
+            }
+            Self::ExecutionForceKilled => "SANDBOX_EXECUTION_FORCE_KILLED",
+            Self::ExecutionForceKillError => "SANDBOX_EXECUTION_FORCE_KILL_ERROR",
+            Self::StdinError => "SANDBOX_STDIN_ERROR",
+            Self::Checkpointing => "SANDBOX_CHECKPOINTING",
+            Self::Checkpointed => "SANDBOX_CHECKPOINTED",
+            Self::CheckpointError => "SANDBOX_CHECKPOINT_ERROR",
+            Self::ExecutionInProgressError => "SANDBOX_EXECUTION_IN_PROGRESS_ERROR",
+            Self::FilesystemSnapshotCreating => "SANDBOX_FILESYSTEM_SNAPSHOT_CREATING",
+            Self::FilesystemSnapshotCreated => "SANDBOX_FILESYSTEM_SNAPSHOT_CREATED",
+            Self::FilesystemSnapshotError => "SANDBOX_FILESYSTEM_SNAPSHOT_ERROR",
+            Self::LockAcquiring => "SANDBOX_LOCK_ACQUIRING",
+            Self::LockAcquired => "SANDBOX_LOCK_ACQUIRED",
+            Self::LockReleaseRequested => "SANDBOX_LOCK_RELEASE_REQUESTED",
+            Self::LockRenewalError => "SANDBOX_LOCK_RENEWAL_ERROR",
+            Self::LockReleasing => "SANDBOX_LOCK_RELEASING",
+            Self::LockReleased => "SANDBOX_LOCK_RELEASED",
+        }
+    }
+}
+
+/// A frame the server sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServerFrame {
+    /// `{"event":"status_update","status":S}`, with `message` on errors.
+    Status {
+        status: Status,
+        message: Option<String>,
+    },
+    /// `{"event":"sandbox_id","sandbox_id":…,"sandbox_token":…}` (create only).
+    SandboxId {
+        sandbox_id: String,
+        sandbox_token: String,
+    },
+    Stdout(String),
+    Stderr(String),
+    /// `{"event":"error","message":…}`: always right after an error status.
+    Error(String),
+    /// Extension: `{"event":"exit_code","exit_code":N}` before EXECUTION_DONE.
+    ExitCode(i32),
+}
+
+impl ServerFrame {
+    pub fn status(status: Status) -> Self {
+        Self::Status {
+            status,
+            message: None,
+        }
+    }
+
+    pub fn status_with(status: Status, message: impl Into<String>) -> Self {
+        Self::Status {
+            status,
+            message: Some(message.into()),
+        }
+    }
+
+    /// The frame as compact JSON text.
+    pub fn to_text(&self) -> String {
+        let value = match self {
+            Self::Status {
+                status,
+                message: None,
+            } => json!({"event": "status_update", "status": status.as_str()}),
+            Self::Status {
+                status,
+                message: Some(message),
+            } => json!({"event": "status_update", "status": status.as_str(), "message": message}),
+            Self::SandboxId {
+                sandbox_id,
+                sandbox_token,
+            } => {
+                json!({"event": "sandbox_id", "sandbox_id": sandbox_id, "sandbox_token": sandbox_token})
+            }
+            Self::Stdout(data) => json!({"event": "stdout", "data": data}),
+            Self::Stderr(data) => json!({"event": "stderr", "data": data}),
+            Self::Error(message) => json!({"event": "error", "message": message}),
+            Self::ExitCode(code) => json!({"event": "exit_code", "exit_code": code}),
+        };
+        value.to_string()
+    }
+}
+
+/// The init message of `/create`. Unknown fields are ignored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InitMessage {
+    /// `None`: never expires (the client sent 0 or null).
+    pub idle_timeout_s: Option<u64>,
+    pub enable_checkpoint: bool,
+    pub enable_idle_timeout_auto_checkpoint: bool,
+    pub enable_sandbox_handoff: bool,
+    pub filesystem_snapshot_name: Option<String>,
+}
+
+/// The languages an execution may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Language {
+    Python,
+    Bash,
+}
+
+/// A client frame after setup, by upstream's precedence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientFrame {
+    Checkpoint {
+        name: Option<String>,
+    },
+    SnapshotFilesystem {
+        name: String,
+    },
+    KillProcess,
+    KillSandbox,
+    Stdin {
+        data: String,
+    },
+    Reconnect,
+    Exec {
+        language: Language,
+        code: String,
+        session: bool,
+    },
+}
+
+/// Why a client frame was refused, with the status to answer it with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("binary frames are not supported; send JSON text frames")]
+    Binary,
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")]
+    TooLarge(usize),
+    #[error("frame is not valid JSON: {0}")]
+    NotJson(String),
+    #[error("frame must be a JSON object")]
+    NotObject,
+    #[error(
+        "unknown action {0:?}; expected checkpoint, snapshot_filesystem, kill_process, kill_sandbox or reconnect"
+    )]
+    UnknownAction(String),
+    #[error("Unsupported language: {0}. Supported languages are: python, bash")]
+    UnsupportedLanguage(String),
+    #[error(
+        "Invalid message format. 'language' and 'code' fields are required. Supported languages are: python, bash"
+    )]
+    MissingCode,
+    #[error("Invalid stdin message format. 'data' field is required.")]
+    MissingStdinData,
+    #[error("snapshot_filesystem needs a string 'name'")]
+    MissingSnapshotName,
+    #[error("field {field:?} must be {expected}")]
+    WrongType {
+        field: &'static str,
+        expected: &'static str,
+    },
+}
+
+impl FrameError {
+    /// The status that answers this error on the wire (none for frames that are
+    /// not requests at all: those get only an `error` event).
+    pub fn status(&self) -> Option<Status> {
+        match self {
+            Self::UnsupportedLanguage(_) => Some(Status::ExecutionUnsupportedLanguageError),
+            Self::MissingCode => Some(Status::ExecutionError),
+            Self::MissingStdinData => Some(Status::StdinError),
+            Self::MissingSnapshotName => Some(Status::FilesystemSnapshotError),
+            _ => None,
+        }
+    }
+}
+
+/// Parses a text frame into a JSON object.
+fn object(text: &str) -> Result<Map<String, Value>, FrameError> {
+    if text.len() > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge(text.len()));
+    }
+    match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(FrameError::NotObject),
+        Err(err) => Err(FrameError::NotJson(err.to_string())),
+    }
+}
+
+fn optional_bool(map: &Map<String, Value>, field: &'static str) -> Result<bool, FrameError> {
+    match map.get(field) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(value)) => Ok(*value),
+        Some(_) => Err(FrameError::WrongType {
+            field,
+            expected: "a boolean",
+        }),
+    }
+}
+
+fn optional_string(
+    map: &Map<String, Value>,
+    field: &'static str,
+) -> Result<Option<String>, FrameError> {
+    match map.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(value)) => Ok(Some(value.clone())),
+        Some(_) => Err(FrameError::WrongType {
+            field,
+            expected: "a string",
+        }),
+    }
+}
+
+impl InitMessage {
+    /// Parses the first frame of `/create`.
+    pub fn parse(text: &str) -> Result<Self, FrameError> {
+        let map = object(text)?;
+        let idle_timeout_s = match map.get("idle_timeout") {
+            None => Some(DEFAULT_IDLE_TIMEOUT_S),
+            Some(Value::Null) => None,
+            Some(Value::Number(n)) => match n.as_u64() {
+                Some(0) => None,
+                Some(seconds) => Some(seconds),
+                None => {
+                    return Err(FrameError::WrongType {
+                        field: "idle_timeout",
+                        expected: "a non-negative integer number of seconds",
+                    });
+                }
+            },
+            Some(_) => {
+                return Err(FrameError::WrongType {
+                    field: "idle_timeout",
+                    expected: "a non-negative integer number of seconds",
+                });
+            }
+        };
+        Ok(Self {
+            idle_timeout_s,
+            enable_checkpoint: optional_bool(&map, "enable_checkpoint")?,
+            enable_idle_timeout_auto_checkpoint: optional_bool(
+                &map,
+                "enable_idle_timeout_auto_checkpoint",
+            )?,
+            enable_sandbox_handoff: optional_bool(&map, "enable_sandbox_handoff")?,
+            filesystem_snapshot_name: optional_string(&map, "filesystem_snapshot_name")?,
+        })
+    }
+}
+
+impl ClientFrame {
+    /// Parses a text frame received after setup.
+    pub fn parse(text: &str) -> Result<Self, FrameError> {
+        let map = object(text)?;
+        match map.get("action") {
+            Some(Value::String(action)) => return Self::action(action, &map),
+            Some(Value::Null) | None => {}
+            Some(_) => {
+                return Err(FrameError::WrongType {
+                    field: "action",
+                    expected: "a string",
+                });
+            }
+        }
+        if map.get("event").and_then(Value::as_str) == Some("stdin") {
+            return match map.get("data") {
+                Some(Value::String(data)) => Ok(Self::Stdin { data: data.clone() }),
+                _ => Err(FrameError::MissingStdinData),
+            };
+        }
+        let language = match map.get("language") {
+            Some(Value::String(language)) if language == "python" => Language::Python,
+            Some(Value::String(language)) if language == "bash" => Language::Bash,
+            Some(Value::String(language)) => {
+                return Err(FrameError::UnsupportedLanguage(format!("'{language}'")));
+            }
+            Some(other) => return Err(FrameError::UnsupportedLanguage(other.to_string())),
+            None => return Err(FrameError::UnsupportedLanguage("'None'".to_owned())),
+        };
+        let code = match map.get("code") {
+            Some(Value::String(code)) => code.clone(),
+            _ => return Err(FrameError::MissingCode),
+        };
+        let session = optional_bool(&map, "session")? && language == Language::Python;
+        Ok(Self::Exec {
+            language,
+            code,
+            session,
+        })
+    }
+
+    fn action(action: &str, map: &Map<String, Value>) -> Result<Self, FrameError> {
+        match action {
+            "checkpoint" => Ok(Self::Checkpoint {
+                name: optional_string(map, "name")?,
+            }),
+            "snapshot_filesystem" => match map.get("name") {
+                Some(Value::String(name)) => Ok(Self::SnapshotFilesystem { name: name.clone() }),
+                _ => Err(FrameError::MissingSnapshotName),
+            },
+            "kill_process" => Ok(Self::KillProcess),
+            "kill_sandbox" => Ok(Self::KillSandbox),
+            "reconnect" => Ok(Self::Reconnect),
+            other => Err(FrameError::UnknownAction(other.chars().take(64).collect())),
+        }
+    }
+}
+
+/// Decodes a byte stream as UTF-8 incrementally: a character split across
+/// chunks is held back until its last byte arrives; invalid bytes become
+/// U+FFFD. (Upstream dropped a whole stream when a chunk split a character.)
+#[derive(Debug, Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// Decodes what can be decoded of `pending + chunk`.
+    pub fn push(&mut self, chunk: &[u8]) -> String {
+        self.pending.extend_from_slice(chunk);
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(text) => {
+                    out.push_str(text);
+                    self.pending.clear();
+                    return out;
+                }
+                Err(err) => {
+                    let valid = err.valid_up_to();
+                    out.push_str(&String::from_utf8_lossy(&self.pending[..valid]));
+                    match err.error_len() {
+                        // An incomplete character at the end: wait for more.
+                        None => {
+                            self.pending.drain(..valid);
+                            return out;
+                        }
+                        Some(bad) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            self.pending.drain(..valid + bad);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Flushes what is left at the end of the stream.
+    pub fn finish(&mut self) -> String {
+        let rest = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        rest
+    }
+}
+
+#[cfg(test)]
+mod tests;

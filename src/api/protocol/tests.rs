@@ -1,0 +1,209 @@
+//! Frame parsing and writing against the contract's exact shapes.
+
+use super::*;
+
+#[test]
+fn server_frames_are_compact_json_with_exact_strings() {
+    assert_eq!(
+        ServerFrame::status(Status::Running).to_text(),
+        r#"{"event":"status_update","status":"SANDBOX_RUNNING"}"#
+    );
+    assert_eq!(
+        ServerFrame::status_with(Status::CreationError, "boom").to_text(),
+        r#"{"event":"status_update","message":"boom","status":"SANDBOX_CREATION_ERROR"}"#
+    );
+    assert_eq!(
+        ServerFrame::SandboxId {
+            sandbox_id: "abc".into(),
+            sandbox_token: "tok".into()
+        }
+        .to_text(),
+        r#"{"event":"sandbox_id","sandbox_id":"abc","sandbox_token":"tok"}"#
+    );
+    assert_eq!(
+        ServerFrame::Stdout("hi\n".into()).to_text(),
+        r#"{"data":"hi\n","event":"stdout"}"#
+    );
+    assert_eq!(
+        ServerFrame::ExitCode(3).to_text(),
+        r#"{"event":"exit_code","exit_code":3}"#
+    );
+    assert_eq!(Status::LockAcquiring.as_str(), "SANDBOX_LOCK_ACQUIRING");
+    assert_eq!(
+        Status::ExecutionUnsupportedLanguageError.as_str(),
+        "SANDBOX_EXECUTION_UNSUPPORTED_LANGUAGE_ERROR"
+    );
+}
+
+#[test]
+fn init_messages_of_both_clients_parse_with_upstream_defaults() {
+    // Python client: only truthy keys besides idle_timeout.
+    let python = InitMessage::parse(r#"{"idle_timeout": 60, "enable_checkpoint": true}"#).unwrap();
+    assert_eq!(python.idle_timeout_s, Some(60));
+    assert!(python.enable_checkpoint && !python.enable_sandbox_handoff);
+    // JS client: every boolean, snapshot only when given.
+    let js = InitMessage::parse(
+        r#"{"idle_timeout":60,"enable_checkpoint":false,"enable_sandbox_handoff":false,"filesystem_snapshot_name":"snap","enable_idle_timeout_auto_checkpoint":false}"#,
+    )
+    .unwrap();
+    assert_eq!(js.filesystem_snapshot_name.as_deref(), Some("snap"));
+    assert_eq!(
+        InitMessage::parse("{}").unwrap().idle_timeout_s,
+        Some(DEFAULT_IDLE_TIMEOUT_S)
+    );
+    assert_eq!(
+        InitMessage::parse(r#"{"idle_timeout": 0}"#)
+            .unwrap()
+            .idle_timeout_s,
+        None
+    );
+    assert_eq!(
+        InitMessage::parse(r#"{"idle_timeout": null}"#)
+            .unwrap()
+            .idle_timeout_s,
+        None
+    );
+    assert!(matches!(
+        InitMessage::parse(r#"{"idle_timeout": "soon"}"#),
+        Err(FrameError::WrongType {
+            field: "idle_timeout",
+            ..
+        })
+    ));
+    assert!(matches!(
+        InitMessage::parse("[1,2]"),
+        Err(FrameError::NotObject)
+    ));
+}
+
+#[test]
+fn client_frames_follow_upstream_precedence() {
+    assert_eq!(
+        ClientFrame::parse(r#"{"action":"checkpoint"}"#).unwrap(),
+        ClientFrame::Checkpoint { name: None }
+    );
+    assert_eq!(
+        ClientFrame::parse(r#"{"action":"checkpoint","name":"before-upgrade"}"#).unwrap(),
+        ClientFrame::Checkpoint {
+            name: Some("before-upgrade".into())
+        }
+    );
+    assert_eq!(
+        ClientFrame::parse(r#"{"action":"snapshot_filesystem","name":"s"}"#).unwrap(),
+        ClientFrame::SnapshotFilesystem { name: "s".into() }
+    );
+    assert_eq!(
+        ClientFrame::parse(r#"{"action":"kill_process"}"#).unwrap(),
+        ClientFrame::KillProcess
+    );
+    assert_eq!(
+        ClientFrame::parse(r#"{"action":"kill_sandbox"}"#).unwrap(),
+        ClientFrame::KillSandbox
+    );
+    assert_eq!(
+        ClientFrame::parse(r#"{"action":"reconnect"}"#).unwrap(),
+        ClientFrame::Reconnect
+    );
+    assert_eq!(
+        ClientFrame::parse(r#"{"event":"stdin","data":"one\n"}"#).unwrap(),
+        ClientFrame::Stdin {
+            data: "one\n".into()
+        }
+    );
+    // An action wins over everything else in the frame.
+    assert_eq!(
+        ClientFrame::parse(r#"{"action":"kill_process","language":"bash","code":"x"}"#).unwrap(),
+        ClientFrame::KillProcess
+    );
+    assert_eq!(
+        ClientFrame::parse(r#"{"language":"bash","code":"echo hi"}"#).unwrap(),
+        ClientFrame::Exec {
+            language: Language::Bash,
+            code: "echo hi".into(),
+            session: false
+        }
+    );
+    assert_eq!(
+        ClientFrame::parse(r#"{"language":"python","code":"x=1","session":true}"#).unwrap(),
+        ClientFrame::Exec {
+            language: Language::Python,
+            code: "x=1".into(),
+            session: true
+        }
+    );
+}
+
+#[test]
+fn bad_frames_get_clear_errors_and_the_contract_statuses() {
+    let err = ClientFrame::parse(r#"{"language":"ruby","code":"puts 1"}"#).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "Unsupported language: 'ruby'. Supported languages are: python, bash"
+    );
+    assert_eq!(
+        err.status(),
+        Some(Status::ExecutionUnsupportedLanguageError)
+    );
+    let err = ClientFrame::parse(r#"{"language":"bash"}"#).unwrap_err();
+    assert_eq!(err.status(), Some(Status::ExecutionError));
+    assert!(err.to_string().starts_with("Invalid message format."));
+    let err = ClientFrame::parse(r#"{"event":"stdin"}"#).unwrap_err();
+    assert_eq!(err.status(), Some(Status::StdinError));
+    assert_eq!(
+        err.to_string(),
+        "Invalid stdin message format. 'data' field is required."
+    );
+    let err = ClientFrame::parse(r#"{"action":"frobnicate"}"#).unwrap_err();
+    assert!(matches!(err, FrameError::UnknownAction(ref a) if a == "frobnicate"));
+    assert_eq!(err.status(), None);
+    assert!(matches!(
+        ClientFrame::parse("not json"),
+        Err(FrameError::NotJson(_))
+    ));
+    assert!(matches!(
+        ClientFrame::parse("[1,2]"),
+        Err(FrameError::NotObject)
+    ));
+    assert!(matches!(
+        ClientFrame::parse("42"),
+        Err(FrameError::NotObject)
+    ));
+    let huge = format!(
+        r#"{{"language":"bash","code":"{}"}}"#,
+        "x".repeat(MAX_FRAME_BYTES)
+    );
+    assert!(matches!(
+        ClientFrame::parse(&huge),
+        Err(FrameError::TooLarge(_))
+    ));
+    assert!(matches!(
+        ClientFrame::parse(r#"{"action":"snapshot_filesystem"}"#),
+        Err(FrameError::MissingSnapshotName)
+    ));
+    assert!(matches!(
+        ClientFrame::parse(r#"{"action":7}"#),
+        Err(FrameError::WrongType { .. })
+    ));
+}
+
+#[test]
+fn utf8_split_across_chunks_is_kept_and_invalid_bytes_are_replaced() {
+    let text = format!("a{}", "é".repeat(600));
+    let bytes = text.as_bytes();
+    let mut stream = Utf8Stream::default();
+    let mut out = String::new();
+    for chunk in bytes.chunks(1024).flat_map(|c| c.chunks(7)) {
+        out.push_str(&stream.push(chunk));
+    }
+    out.push_str(&stream.finish());
+    assert_eq!(out, text);
+
+    let mut stream = Utf8Stream::default();
+    assert_eq!(
+        stream.push(b"ok \xff\xfe then \xe2\x82"),
+        "ok \u{fffd}\u{fffd} then "
+    );
+    assert_eq!(stream.push(b"\xac!"), "€!");
+    assert_eq!(stream.push(b"\xe2"), "");
+    assert_eq!(stream.finish(), "\u{fffd}");
+}
