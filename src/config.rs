@@ -176,6 +176,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub storage: StorageArgs,
     #[command(flatten)]
+    pub runtime: RuntimeArgs,
+    #[command(flatten)]
     pub log: LogArgs,
 }
 

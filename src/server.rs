@@ -7,10 +7,11 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use controllers::api::InstanceId;
 use controllers::layout::SANDBOXES_PREFIX;
+use controllers::runtime::SandboxRuntime;
 use controllers::store::Store;
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -20,6 +21,9 @@ use tokio::net::TcpListener;
 pub struct AppState {
     pub instance: InstanceId,
     pub metadata_store: Arc<dyn Store>,
+    /// `None` when runsc is unusable here: the server still answers health
+    /// checks, reports itself unready, and refuses work with a clear error.
+    pub runtime: Option<Arc<dyn SandboxRuntime>>,
 }
 
 /// The router, apart from `main`, so tests can drive it.
@@ -29,6 +33,7 @@ pub fn app(state: AppState) -> Router {
         .route("/status", get(status))
         .route("/healthz", get(status))
         .route("/readyz", get(readyz))
+        .route("/execute", post(crate::api::execute::execute))
         .with_state(state)
 }
 
@@ -51,8 +56,16 @@ async fn status() -> Json<serde_json::Value> {
     Json(json!({"status": "ok"}))
 }
 
-/// Ready when the metadata store answers a listing.
+/// Ready when the sandbox runtime works and the metadata store answers a listing.
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
+    if state.runtime.is_none() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(
+                json!({"status": "unavailable", "error": "the sandbox runtime (runsc) is not available"}),
+            ),
+        );
+    }
     match state.metadata_store.list_page(SANDBOXES_PREFIX, None).await {
         Ok(_) => (
             StatusCode::OK,

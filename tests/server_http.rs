@@ -7,6 +7,8 @@
     reason = "tests fail by panicking"
 )]
 
+mod support;
+
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,6 +30,7 @@ async fn status_root_and_readiness_answer_like_the_earlier_server() {
     let state = AppState {
         instance: InstanceId::parse("test-instance").unwrap(),
         metadata_store: Arc::new(LocalStore::open(dir.path()).unwrap()),
+        runtime: Some(Arc::new(support::runtime(dir.path()).await)),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -61,9 +64,11 @@ async fn readiness_reports_an_unreachable_store() {
         .unwrap();
     let mut config = GcsConfig::new("nowhere").with_emulator_host(&host.to_string());
     config.retry.max_retries = 0;
+    let dir = tempfile::tempdir().unwrap();
     let state = AppState {
         instance: InstanceId::parse("test-instance").unwrap(),
         metadata_store: Arc::new(GcsStore::connect(config).await.unwrap()),
+        runtime: Some(Arc::new(support::runtime(dir.path()).await)),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -76,6 +81,30 @@ async fn readiness_reports_an_unreachable_store() {
     );
     // Liveness does not depend on the store.
     assert_eq!(get_json(&format!("http://{addr}/status")).await.0, 200);
+}
+
+#[tokio::test]
+async fn without_a_runtime_the_server_is_alive_but_not_ready_and_refuses_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = AppState {
+        instance: InstanceId::parse("test-instance").unwrap(),
+        metadata_store: Arc::new(LocalStore::open(dir.path()).unwrap()),
+        runtime: None,
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(server::run(listener, state, std::future::pending()));
+    assert_eq!(get_json(&format!("http://{addr}/status")).await.0, 200);
+    let (code, body) = get_json(&format!("http://{addr}/readyz")).await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("runsc"), "{body}");
+    let response = reqwest::Client::new()
+        .post(format!("http://{addr}/execute?language=bash"))
+        .body("echo hi")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 503);
 }
 
 struct Server(Child);
@@ -97,6 +126,8 @@ async fn the_readme_command_serves_status_on_the_embedded_store() {
     let server = Server(
         Command::new(env!("CARGO_BIN_EXE_sandboxd"))
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .arg("--runtime-dir")
+            .arg(dir.path().join("runtime"))
             .current_dir(dir.path())
             .env_remove("SANDBOX_METADATA_BUCKET")
             .env_remove("PORT")

@@ -2,7 +2,11 @@
 
 use clap::{Parser, Subcommand};
 use controllers::api::InstanceId;
-use sandboxd::config::ServeArgs;
+use std::sync::Arc;
+
+use controllers::runtime::SandboxRuntime;
+use sandboxd::config::{ServeArgs, StoreLocation};
+use sandboxd::runtime::GvisorRuntime;
 use sandboxd::server::{self, AppState};
 use sandboxd::{store, telemetry};
 
@@ -32,6 +36,28 @@ async fn main() -> anyhow::Result<()> {
     };
     let layout = args.storage.layout();
     let metadata_store = store::open(&layout.metadata).await?;
+    let checkpoint_store = store::open(&layout.checkpoints).await?;
+    let snapshot_store = store::open(&layout.snapshots).await?;
+    let checkpoint_bucket = match &layout.checkpoints {
+        StoreLocation::Bucket { bucket, .. } => bucket.clone(),
+        StoreLocation::Directory(path) => path.display().to_string(),
+    };
+    let runtime = match GvisorRuntime::start(
+        args.runtime.gvisor(checkpoint_bucket),
+        checkpoint_store,
+        snapshot_store,
+    )
+    .await
+    {
+        Ok(runtime) => {
+            tracing::info!(runsc = runtime.runsc_version(), "sandbox runtime ready");
+            Some(Arc::new(runtime) as Arc<dyn SandboxRuntime>)
+        }
+        Err(err) => {
+            tracing::error!(%err, "the sandbox runtime is unavailable; serving health checks only (install runsc and run as root)");
+            None
+        }
+    };
     let addr = args.listen_addr();
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -42,6 +68,7 @@ async fn main() -> anyhow::Result<()> {
         AppState {
             instance,
             metadata_store,
+            runtime,
         },
         shutdown_signal(),
     )

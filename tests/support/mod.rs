@@ -182,3 +182,30 @@ pub async fn gcs_fixture() -> Fixture {
         guard: None,
     }
 }
+
+/// A gVisor runtime with its own runsc root and state under `dir`, storing
+/// checkpoints and snapshots in a local store under `dir/store`.
+pub async fn runtime(dir: &std::path::Path) -> sandboxd::runtime::GvisorRuntime {
+    use sandboxd::runtime::{BundleSpec, GvisorConfig, GvisorRuntime, Runsc};
+    let store: Arc<dyn Store> = Arc::new(LocalStore::open(dir.join("store")).expect("local store"));
+    let config = GvisorConfig {
+        runsc: Runsc {
+            binary: "runsc".into(),
+            root: dir.join("runsc"),
+            platform: "ptrace".into(),
+        },
+        state_dir: dir.join("state"),
+        bundle: BundleSpec {
+            rootfs: "/".into(),
+            python: "/usr/bin/python3".into(),
+            memory_limit_bytes: Some(1 << 30),
+            cpu_limit: Some(1.0),
+            max_processes: 128,
+            tmp_size_mb: 256,
+        },
+        checkpoint_bucket: "local".into(),
+    };
+    GvisorRuntime::start(config, store.clone(), store)
+        .await
+        .expect("runsc must be installed (apt-get install -y runsc) and usable (root)")
+}
