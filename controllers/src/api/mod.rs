@@ -36,3 +36,6 @@ pub type ExtraFields = serde_json::Map<String, serde_json::Value>;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+pub(crate) mod fuzz_tests;

@@ -3,6 +3,8 @@
 
 mod manual_clock;
 mod memory_store;
+mod mutation;
 
 pub use manual_clock::ManualClock;
 pub use memory_store::{Fault, MemoryStore};
+pub use mutation::mutate;

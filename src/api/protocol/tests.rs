@@ -207,3 +207,58 @@ fn utf8_split_across_chunks_is_kept_and_invalid_bytes_are_replaced() {
     assert_eq!(stream.push(b"\xe2"), "");
     assert_eq!(stream.finish(), "\u{fffd}");
 }
+
+#[test]
+fn mutated_frames_never_panic() {
+    use rand::SeedableRng;
+    let seeds = [
+        r#"{"language":"python","code":"print(1)","session":true}"#,
+        r#"{"event":"stdin","data":"one\n"}"#,
+        r#"{"action":"snapshot_filesystem","name":"s"}"#,
+        r#"{"action":"checkpoint","name":"n"}"#,
+        r#"{"idle_timeout": 60, "enable_checkpoint": true, "filesystem_snapshot_name": "x"}"#,
+    ];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut parsed = 0;
+    for i in 0..20_000 {
+        let input = controllers::testing::mutate(&mut rng, seeds[i % seeds.len()].as_bytes());
+        let text = String::from_utf8_lossy(&input);
+        if ClientFrame::parse(&text).is_ok() {
+            parsed += 1;
+        }
+        let _ = InitMessage::parse(&text);
+    }
+    assert!(
+        parsed > 100,
+        "mutations must sometimes stay valid ({parsed})"
+    );
+}
+
+#[test]
+fn streamed_decoding_equals_decoding_the_whole_for_random_bytes() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    for _ in 0..2_000 {
+        let len = rng.random_range(0..64);
+        // Mostly UTF-8 text with multi-byte characters, with random bytes mixed in.
+        let mut bytes = Vec::with_capacity(len * 2);
+        for _ in 0..len {
+            match rng.random_range(0..4) {
+                0 => bytes.extend_from_slice("é".as_bytes()),
+                1 => bytes.extend_from_slice("€".as_bytes()),
+                2 => bytes.push(rng.random()),
+                _ => bytes.push(b'a'),
+            }
+        }
+        let mut stream = Utf8Stream::default();
+        let mut out = String::new();
+        let mut rest = &bytes[..];
+        while !rest.is_empty() {
+            let n = rng.random_range(1..=rest.len().min(5));
+            out.push_str(&stream.push(&rest[..n]));
+            rest = &rest[n..];
+        }
+        out.push_str(&stream.finish());
+        assert_eq!(out, String::from_utf8_lossy(&bytes), "{bytes:?}");
+    }
+}
