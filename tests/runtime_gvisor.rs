@@ -158,14 +158,22 @@ async fn stdin_is_written_as_it_arrives_and_eof_is_delivered() {
             .write_stdin(Bytes::from(format!("{word}\n")))
             .await
             .unwrap();
-        let event = tokio::time::timeout(Duration::from_secs(10), execution.events.recv())
-            .await
-            .unwrap()
-            .unwrap();
+        // print() may arrive as two writes ("olleh", "\n"): read up to the newline.
+        let mut line = Vec::new();
+        while !line.ends_with(b"\n") {
+            let event = tokio::time::timeout(Duration::from_secs(10), execution.events.recv())
+                .await
+                .unwrap()
+                .unwrap();
+            match event {
+                ExecEvent::Stdout(data) => line.extend_from_slice(&data),
+                other => panic!("expected stdout, got {other:?}"),
+            }
+        }
         let expected: String = word.chars().rev().collect();
         assert_eq!(
-            event,
-            ExecEvent::Stdout(Bytes::from(format!("{expected}\n"))),
+            String::from_utf8(line).unwrap(),
+            format!("{expected}\n"),
             "echo of {word}"
         );
     }

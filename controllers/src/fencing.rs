@@ -57,6 +57,10 @@ pub enum FenceError<E: fmt::Debug + fmt::Display> {
 /// Reads `key`, checks the fence, applies `change`, stamps `writer_epoch` and
 /// writes it back under the read generation. Retries on a lost race, re-checking
 /// the fence each time. Returns the written object and its new generation.
+///
+/// `change` must be idempotent (set fields, do not increment them): after a lost
+/// response the store may report a precondition failure for this call's own
+/// write, and the retry then applies `change` to a document that already has it.
 pub async fn fenced_update<T, E, F>(
     store: &dyn Store,
     key: &ObjectKey,

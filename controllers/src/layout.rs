@@ -41,10 +41,12 @@ pub fn checkpoint_manifest_key(checkpoint_id: &SandboxId) -> ObjectKey {
     key(format!("{CHECKPOINTS_PREFIX}{checkpoint_id}/manifest.json"))
 }
 
-/// `filesystem_snapshots/<name>/archive.tar.gz`, or `None` for an invalid name.
-pub fn snapshot_archive_key(name: &str) -> Option<ObjectKey> {
+/// `filesystem_snapshots/<name>/<archive_id>.tar.gz`, or `None` for an invalid
+/// name. Every snapshot gets a fresh archive id, so two snapshots taken under
+/// one name never overwrite each other's bytes; the manifest names the current one.
+pub fn snapshot_archive_key(name: &str, archive_id: &SandboxId) -> Option<ObjectKey> {
     crate::api::is_resource_name(name)
-        .then(|| key(format!("{SNAPSHOTS_PREFIX}{name}/archive.tar.gz")))
+        .then(|| key(format!("{SNAPSHOTS_PREFIX}{name}/{archive_id}.tar.gz")))
 }
 
 /// `filesystem_snapshots/<name>/manifest.json`, or `None` for an invalid name.

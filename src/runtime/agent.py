@@ -30,8 +30,11 @@ OUT = 1
 IN = 0
 
 REPL_SOURCE = r'''
-import os, sys, traceback
+import os, signal, sys, traceback
 cmd_fd, done_fd = int(sys.argv[1]), int(sys.argv[2])
+# An interrupt (the host's kill) only ever stops a running cell; between
+# cells it is ignored, so a late kill cannot end the session.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 cmd = os.fdopen(cmd_fd, "rb", buffering=0)
 done = os.fdopen(done_fd, "wb", buffering=0)
 namespace = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -51,6 +54,7 @@ while True:
     code = read_exact(size).decode("utf-8", "replace")
     status = 0
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         exec(compile(code, "<cell>", "exec"), namespace)
     except SystemExit as exit:
         status = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
@@ -60,6 +64,7 @@ while True:
     except BaseException:
         status = 1
         report()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -132,15 +137,22 @@ class Execution:
         elif self.session is None:
             self.close_out(fd)
 
-    def drain(self):
+    def drain(self, limit=1 << 20):
+        """Reads what is already in the pipes, up to `limit` bytes per pipe.
+
+        Bounded: a background process that keeps writing after the main one
+        exited must not keep PID 1 busy forever.
+        """
         for fd in list(self.out_fds):
-            while True:
+            taken = 0
+            while taken < limit:
                 try:
                     data = os.read(fd, READ_CHUNK)
                 except (BlockingIOError, OSError):
                     break
                 if not data:
                     break
+                taken += len(data)
                 emit({"ev": "out", "id": self.id, "fd": self.out_fds[fd], "data": b64(data)})
 
     def close_out(self, fd):
@@ -207,6 +219,10 @@ class Execution:
             self.stdin_pending = b""
             self.stdin_close_requested = True
             self.close_stdin_now()
+        else:
+            # The session's stdin outlives the cell: drop what this cell left.
+            self.stdin_pending = b""
+            self.watch_stdin(False)
         EXECS.pop(self.id, None)
         emit({"ev": "exit", "id": self.id, "code": code})
 
@@ -320,6 +336,11 @@ def drop_privileges():
     os.setgroups([])
     os.setgid(GID)
     os.setuid(UID)
+    try:  # keep user code (same uid) out of /proc/1: the agent's host stdio
+        import ctypes
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except Exception:
+        pass
 
 
 def user_env(extra):
@@ -399,6 +420,9 @@ def kill_exec(exec_id):
     if execution is None:
         return
     if execution.session is not None:
+        SESSION.on_done()  # the cell may have finished already
+        if exec_id not in EXECS:
+            return
         os.kill(execution.pid, signal.SIGINT)
         deadline = time.time() + 1.0
         while exec_id in EXECS and time.time() < deadline:
@@ -454,6 +478,20 @@ class ChunkWriter:
         pass
 
 
+def add_member(tar, path):
+    """Adds one file, directory or symlink. Regular files are always stored
+    whole: a hard-link member would be skipped on extraction."""
+    import tarfile
+    info = tar.gettarinfo(path, arcname=path.lstrip("/"))
+    if os.path.isfile(path) and not os.path.islink(path):
+        info.type = tarfile.REGTYPE
+        info.linkname = ""
+        with open(path, "rb") as data:
+            tar.addfile(info, data)
+    else:
+        tar.addfile(info)
+
+
 def archive(msg):
     import tarfile  # only snapshots need it: keep it off the boot path
     since = msg.get("since", START_TIME)
@@ -472,12 +510,12 @@ def archive(msg):
                         continue
                     if not (os.path.isfile(path) or os.path.islink(path) or os.path.isdir(path)):
                         continue
-                    tar.add(path, arcname=path.lstrip("/"), recursive=False)
+                    try:
+                        add_member(tar, path)
+                    except OSError:
+                        continue  # unreadable or gone meanwhile: not the user's
                     count += 1
     emit({"ev": "done", "id": msg["id"], "size": writer.size, "entries": count})
-
-
-EXTRACTS = {}
 
 
 def extract_chunk(msg):
@@ -498,7 +536,10 @@ def extract_end(msg):
                     continue
                 if not (member.isfile() or member.isdir() or member.issym()):
                     continue
-                tar.extract(member, "/", set_attrs=True)
+                # Members were checked above; newer Pythons would otherwise
+                # apply their default filter (and refuse absolute symlinks).
+                trusted = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+                tar.extract(member, "/", set_attrs=True, **trusted)
                 count += 1
     except (OSError, tarfile.TarError) as err:
         emit({"ev": "error", "id": msg["id"], "message": "cannot extract the snapshot: %s" % err})

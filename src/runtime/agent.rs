@@ -19,9 +19,6 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot};
 
-/// Capacity of an execution's event channel (backpressure to the agent).
-const EXEC_CHANNEL: usize = 256;
-
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     #[error("the sandbox agent is gone")]
@@ -37,14 +34,19 @@ pub enum AgentError {
 #[derive(Default)]
 struct Routes {
     replies: HashMap<String, oneshot::Sender<Result<Value, String>>>,
-    execs: HashMap<String, mpsc::Sender<ExecEvent>>,
+    /// Unbounded on purpose: the reader must never wait on one slow consumer,
+    /// or replies (kill, ping, checkpoint) would queue behind its output. The
+    /// consumers (API sessions) bound what they keep.
+    execs: HashMap<String, mpsc::UnboundedSender<ExecEvent>>,
     chunks: HashMap<String, mpsc::Sender<Bytes>>,
     gone: bool,
 }
 
 /// A connection to one sandbox's agent.
 pub struct AgentConnection {
-    writer: tokio::sync::Mutex<pipe::Sender>,
+    /// Whole command lines for the writer task: queuing a line cannot be
+    /// interrupted half-way, so a cancelled caller never corrupts the stream.
+    lines: mpsc::UnboundedSender<Vec<u8>>,
     routes: Arc<Mutex<Routes>>,
     next_id: std::sync::atomic::AtomicU64,
 }
@@ -65,8 +67,10 @@ impl AgentConnection {
         let routes = Arc::new(Mutex::new(Routes::default()));
         let (hello_tx, hello_rx) = oneshot::channel();
         tokio::spawn(read_events(events, routes.clone(), hello_tx));
+        let (lines, queued) = mpsc::unbounded_channel();
+        tokio::spawn(write_commands(commands, queued, routes.clone()));
         let connection = Arc::new(Self {
-            writer: tokio::sync::Mutex::new(commands),
+            lines,
             routes,
             next_id: std::sync::atomic::AtomicU64::new(1),
         });
@@ -96,14 +100,7 @@ impl AgentConnection {
         }
         let mut line = serde_json::to_vec(command).map_err(std::io::Error::other)?;
         line.push(b'\n');
-        let mut writer = self.writer.lock().await;
-        writer
-            .write_all(&line)
-            .await
-            .map_err(|err| match err.kind() {
-                std::io::ErrorKind::BrokenPipe => AgentError::Gone,
-                _ => AgentError::Io(err),
-            })
+        self.lines.send(line).map_err(|_| AgentError::Gone)
     }
 
     /// Sends a command with `id` and waits for the reply that carries it.
@@ -144,9 +141,9 @@ impl AgentConnection {
         &self,
         id: &str,
         mut command: Value,
-    ) -> Result<mpsc::Receiver<ExecEvent>, AgentError> {
+    ) -> Result<mpsc::UnboundedReceiver<ExecEvent>, AgentError> {
         command["id"] = json!(id);
-        let (tx, rx) = mpsc::channel(EXEC_CHANNEL);
+        let (tx, rx) = mpsc::unbounded_channel();
         let started = self.expect_reply(id)?;
         self.routes().execs.insert(id.to_owned(), tx);
         self.send(&command).await?;
@@ -229,7 +226,24 @@ async fn read_events(
         std::mem::take(&mut routes.execs)
     };
     for (_, exec) in execs {
-        let _ = exec.send(ExecEvent::Exited(137)).await;
+        let _ = exec.send(ExecEvent::Exited(137));
+    }
+}
+
+/// Writes queued command lines to the agent, in order, until it goes away.
+async fn write_commands(
+    mut commands: pipe::Sender,
+    mut queued: mpsc::UnboundedReceiver<Vec<u8>>,
+    routes: Arc<Mutex<Routes>>,
+) {
+    while let Some(line) = queued.recv().await {
+        if let Err(err) = commands.write_all(&line).await {
+            if err.kind() != std::io::ErrorKind::BrokenPipe {
+                tracing::warn!(%err, "writing to the sandbox agent failed");
+            }
+            routes.lock().unwrap_or_else(PoisonError::into_inner).gone = true;
+            return;
+        }
     }
 }
 
@@ -252,7 +266,7 @@ async fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>
                 } else {
                     ExecEvent::Stdout(data)
                 };
-                let _ = sender.send(item).await;
+                let _ = sender.send(item);
             }
         }
         "exit" => {
@@ -262,7 +276,7 @@ async fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>
                     .as_i64()
                     .and_then(|c| i32::try_from(c).ok())
                     .unwrap_or(-1);
-                let _ = sender.send(ExecEvent::Exited(code)).await;
+                let _ = sender.send(ExecEvent::Exited(code));
             }
         }
         "chunk" => {

@@ -10,7 +10,7 @@
 //! `runsc delete` takes about 2 s here; nobody waits for it: it runs in the
 //! background after a checkpoint or a destroy.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -77,6 +77,8 @@ pub struct GvisorRuntime {
     checkpoints: Arc<dyn Store>,
     snapshots: Arc<dyn Store>,
     sandboxes: Mutex<HashMap<SandboxId, Arc<LocalSandbox>>>,
+    /// Ids being created or restored right now, so two cannot race.
+    reserved: Mutex<HashSet<SandboxId>>,
     runsc_version: String,
     cpu_features: Vec<String>,
 }
@@ -126,6 +128,7 @@ impl GvisorRuntime {
             checkpoints,
             snapshots,
             sandboxes: Mutex::new(HashMap::new()),
+            reserved: Mutex::new(HashSet::new()),
             runsc_version,
             cpu_features: host_cpu_features(),
         })
@@ -192,7 +195,10 @@ impl GvisorRuntime {
                     .await
             }
         };
-        launched.map_err(|err| RuntimeError::Failed(err.to_string()))?;
+        if let Err(err) = launched {
+            self.delete_in_background(container_id.to_owned(), dir.to_owned());
+            return Err(RuntimeError::Failed(err.to_string()));
+        }
         let commands =
             pipe::Sender::from_owned_fd(OwnedFd::from(command_writer)).map_err(failed)?;
         let events = pipe::Receiver::from_owned_fd(OwnedFd::from(event_reader)).map_err(failed)?;
@@ -237,12 +243,17 @@ impl GvisorRuntime {
         self.sandboxes().insert(sandbox.clone(), Arc::new(local));
     }
 
-    fn claim(&self, sandbox: &SandboxId) -> Result<(), RuntimeError> {
-        if self.sandboxes().contains_key(sandbox) {
-            Err(RuntimeError::AlreadyExists(sandbox.clone()))
-        } else {
-            Ok(())
+    /// Reserves `sandbox` for a create or restore; the reservation ends when the
+    /// returned guard drops (after `register` on success).
+    fn claim(&self, sandbox: &SandboxId) -> Result<Reservation<'_>, RuntimeError> {
+        let mut reserved = self.reserved.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.sandboxes().contains_key(sandbox) || !reserved.insert(sandbox.clone()) {
+            return Err(RuntimeError::AlreadyExists(sandbox.clone()));
         }
+        Ok(Reservation {
+            runtime: self,
+            sandbox: sandbox.clone(),
+        })
     }
 
     /// `runsc delete --force` and directory removal, not awaited.
@@ -326,6 +337,22 @@ impl GvisorRuntime {
     }
 }
 
+/// A create or restore in progress for one sandbox id.
+struct Reservation<'a> {
+    runtime: &'a GvisorRuntime,
+    sandbox: SandboxId,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.runtime
+            .reserved
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.sandbox);
+    }
+}
+
 /// Controls one execution through the agent.
 #[derive(Debug)]
 struct AgentExecControl {
@@ -357,6 +384,26 @@ impl ExecControl for AgentExecControl {
     }
 }
 
+/// Creates an object that must not exist yet. A precondition failure whose
+/// object holds exactly these bytes was this call's own write, retried after a
+/// lost response: success.
+async fn create_idempotent(
+    store: &dyn Store,
+    key: &controllers::store::ObjectKey,
+    data: Bytes,
+) -> Result<(), controllers::store::StoreError> {
+    match store.put(key, data.clone(), PutMode::Create).await {
+        Ok(_) => Ok(()),
+        Err(err @ controllers::store::StoreError::PreconditionFailed { .. }) => {
+            match store.get(key).await {
+                Ok(existing) if existing.data == data => Ok(()),
+                _ => Err(err),
+            }
+        }
+        Err(err) => Err(err),
+    }
+}
+
 fn exec_command(request: &ExecRequest, python: &str) -> Value {
     let mut command = match &request.command {
         Command::Bash(code) => json!({"op": "exec", "argv": ["bash", "-c", code]}),
@@ -380,7 +427,7 @@ impl SandboxRuntime for GvisorRuntime {
         sandbox: &SandboxId,
         options: &CreateOptions,
     ) -> Result<(), RuntimeError> {
-        self.claim(sandbox)?;
+        let _reservation = self.claim(sandbox)?;
         let (container_id, dir) = self.new_container()?;
         let agent = self.launch(sandbox, &container_id, &dir, None).await?;
         if let Some(name) = &options.snapshot_name
@@ -434,18 +481,26 @@ impl SandboxRuntime for GvisorRuntime {
         // Relay, so the execution slot frees the moment the exit is seen.
         let (tx, rx) = mpsc::channel(64);
         let slot = local.current_exec.clone();
+        let relay_id = id.clone();
         tokio::spawn(async move {
+            // Frees the slot only if it still names this execution.
+            let release = || {
+                let mut current = slot.lock().unwrap_or_else(PoisonError::into_inner);
+                if current.as_deref() == Some(relay_id.as_str()) {
+                    *current = None;
+                }
+            };
             while let Some(event) = agent_events.recv().await {
                 let exited = matches!(event, ExecEvent::Exited(_));
                 if exited {
-                    *slot.lock().unwrap_or_else(PoisonError::into_inner) = None;
+                    release();
                 }
                 let _ = tx.send(event).await;
                 if exited {
-                    break;
+                    return;
                 }
             }
-            *slot.lock().unwrap_or_else(PoisonError::into_inner) = None;
+            release();
         });
         Ok(Execution {
             events: rx,
@@ -549,13 +604,12 @@ impl SandboxRuntime for GvisorRuntime {
                 cpu_features: self.cpu_features.clone(),
                 extra: ExtraFields::new(),
             };
-            self.checkpoints
-                .put(
-                    &checkpoint_manifest_key(&request.checkpoint_id),
-                    encode(&manifest),
-                    PutMode::Create,
-                )
-                .await?;
+            create_idempotent(
+                self.checkpoints.as_ref(),
+                &checkpoint_manifest_key(&request.checkpoint_id),
+                encode(&manifest),
+            )
+            .await?;
             Ok::<_, RuntimeError>(manifest)
         }
         .await;
@@ -565,16 +619,27 @@ impl SandboxRuntime for GvisorRuntime {
                 Ok(manifest)
             }
             Err(err) => {
-                // Keep the image on disk: it is the only copy of the sandbox.
-                tracing::error!(%err, image = %image.display(), "checkpoint upload failed; image kept");
-                let runsc = self.config.runsc.clone();
-                let container = local.container_id.clone();
-                tokio::spawn(async move { runsc.delete_force(&container).await });
+                // Keep the image: it is the only copy of the sandbox. It goes
+                // where startup cleanup does not reach.
+                let kept = self
+                    .config
+                    .state_dir
+                    .join("orphaned-checkpoints")
+                    .join(format!("{}-{}.img", sandbox, request.checkpoint_id));
+                let moved = match kept.parent() {
+                    Some(parent) => tokio::fs::create_dir_all(parent)
+                        .await
+                        .and(tokio::fs::rename(&image, &kept).await),
+                    None => Err(std::io::Error::other("no parent directory")),
+                };
+                let kept_at = if moved.is_ok() { kept } else { image.clone() };
+                tracing::error!(%err, image = %kept_at.display(), "checkpoint upload failed; image kept");
+                self.delete_in_background(local.container_id.clone(), local.dir.clone());
                 Err(RuntimeError::Lost {
                     sandbox: sandbox.clone(),
                     detail: format!(
                         "the checkpoint could not be stored ({err}); the image is kept at {}",
-                        image.display()
+                        kept_at.display()
                     ),
                 })
             }
@@ -587,7 +652,7 @@ impl SandboxRuntime for GvisorRuntime {
         sandbox: &SandboxId,
         manifest: &CheckpointManifest,
     ) -> Result<(), RuntimeError> {
-        self.claim(sandbox)?;
+        let _reservation = self.claim(sandbox)?;
         check_cpu_features(&manifest.cpu_features, &self.cpu_features)?;
         let key = controllers::store::ObjectKey::new(manifest.image.key.as_str())
             .map_err(|err| RuntimeError::Invalid(err.to_string()))?;
@@ -637,7 +702,9 @@ impl SandboxRuntime for GvisorRuntime {
                 controllers::api::RESOURCE_NAME_RULE
             ))
         };
-        let archive_key = snapshot_archive_key(name).ok_or_else(invalid)?;
+        let archive_id = SandboxId::parse(&uuid::Uuid::new_v4().simple().to_string())
+            .map_err(|err| RuntimeError::Failed(err.to_string()))?;
+        let archive_key = snapshot_archive_key(name, &archive_id).ok_or_else(invalid)?;
         let manifest_key = snapshot_manifest_key(name).ok_or_else(invalid)?;
         let local = self.get(sandbox)?;
         let (mut chunks, done) = local
@@ -650,12 +717,18 @@ impl SandboxRuntime for GvisorRuntime {
             .state_dir
             .join(format!("snapshot-{}.tar.gz", uuid::Uuid::new_v4().simple()));
         let io = |err: std::io::Error| RuntimeError::Failed(format!("writing the snapshot: {err}"));
-        let mut file = tokio::fs::File::create(&path).await.map_err(io)?;
-        while let Some(chunk) = chunks.recv().await {
-            file.write_all(&chunk).await.map_err(io)?;
+        let written = async {
+            let mut file = tokio::fs::File::create(&path).await?;
+            while let Some(chunk) = chunks.recv().await {
+                file.write_all(&chunk).await?;
+            }
+            file.flush().await
         }
-        file.flush().await.map_err(io)?;
-        drop(file);
+        .await;
+        if let Err(err) = written {
+            let _ = tokio::fs::remove_file(&path).await;
+            return Err(io(err));
+        }
         let result = async {
             let reply = done
                 .await

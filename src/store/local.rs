@@ -27,8 +27,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use bytes::Bytes;
 use controllers::store::{
-    BlobReader, BlobSource, Generation, LIST_PAGE_SIZE, ListPage, ObjectInfo, ObjectKey, PutMode,
-    Store, StoreError, Versioned, validate_prefix,
+    BlobReader, BlobSource, Generation, ListPage, ObjectInfo, ObjectKey, PutMode, Store,
+    StoreError, Versioned, validate_prefix,
 };
 
 /// Where the local store keeps its own files, inside the root.
@@ -51,7 +51,29 @@ impl LocalStore {
             fs::create_dir_all(&dir).map_err(|err| store.io_error(dir.display(), err))?;
         }
         store.remove_stale_temp_files();
+        store.check_timestamp_precision()?;
         Ok(store)
+    }
+
+    /// Generations need nanosecond modification times; find out at open time,
+    /// not after an object was already replaced.
+    fn check_timestamp_precision(&self) -> Result<(), StoreError> {
+        let probe = self.new_temp_path();
+        let wanted = UNIX_EPOCH + Duration::from_nanos(1_700_000_000_123_456_789);
+        let result = File::create(&probe)
+            .and_then(|file| file.set_modified(wanted))
+            .and_then(|()| fs::metadata(&probe))
+            .and_then(|metadata| metadata.modified());
+        let _ = fs::remove_file(&probe);
+        match result {
+            Ok(stored) if stored == wanted => Ok(()),
+            Ok(_) => Err(StoreError::other(
+                self.root.display(),
+                "this filesystem does not keep nanosecond modification times, \
+                 which the local store needs for generations",
+            )),
+            Err(err) => Err(self.io_error(self.root.display(), err)),
+        }
     }
 
     pub fn root(&self) -> &Path {
@@ -280,16 +302,7 @@ impl LocalStore {
             }
         }
         objects.sort_by(|a, b| a.key.cmp(&b.key));
-        let next_page_token = if objects.len() > LIST_PAGE_SIZE {
-            objects.truncate(LIST_PAGE_SIZE);
-            objects.last().map(|last| last.key.to_string())
-        } else {
-            None
-        };
-        Ok(ListPage {
-            objects,
-            next_page_token,
-        })
+        Ok(ListPage::from_sorted(objects))
     }
 
     /// Runs blocking filesystem work off the async runtime.

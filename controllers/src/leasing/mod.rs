@@ -155,13 +155,17 @@ impl Leases {
     }
 
     /// Takes the lease: creates it, or takes it over when it is free or expired,
-    /// with `epoch + 1`. Holding it already is not an error (same epoch back).
+    /// with `epoch + 1`. Holding it already is not an error: it is renewed and
+    /// the same epoch comes back.
     /// Clears `wanted_by` when it names this instance (the intent is fulfilled).
     pub async fn acquire(&self, sandbox: &SandboxId) -> Result<HeldLease, LeaseError> {
         self.modify(sandbox, |existing, now| {
             let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
             if lease.is_held_by(&self.instance) {
-                return Ok(Step::Done(lease.epoch));
+                // Already ours: renew rather than trust a possibly expired lease.
+                lease.renewed_at = Some(now);
+                let epoch = lease.epoch;
+                return Ok(Step::Write(lease, epoch));
             }
             if !lease.is_free(now, self.config.skew_tolerance) {
                 let holder = lease
@@ -314,7 +318,10 @@ impl Leases {
         Ok(HeldLease {
             sandbox: sandbox.clone(),
             epoch,
-            renewed_at: lease.renewed_at.unwrap_or_else(|| self.clock.now()),
+            renewed_at: lease
+                .renewed_at
+                .or(lease.acquired_at)
+                .unwrap_or(chrono::DateTime::<Utc>::UNIX_EPOCH),
             generation,
         })
     }

@@ -97,6 +97,24 @@ pub struct ListPage {
     pub next_page_token: Option<String>,
 }
 
+impl ListPage {
+    /// A page from key-ordered objects that start after the page token: the
+    /// first [`LIST_PAGE_SIZE`] of them, with a token if more follow. Backends
+    /// that list by themselves (in-memory, local) share this.
+    pub fn from_sorted(mut objects: Vec<ObjectInfo>) -> Self {
+        let next_page_token = if objects.len() > LIST_PAGE_SIZE {
+            objects.truncate(LIST_PAGE_SIZE);
+            objects.last().map(|last| last.key.to_string())
+        } else {
+            None
+        };
+        Self {
+            objects,
+            next_page_token,
+        }
+    }
+}
+
 /// A boxed byte stream, as blob downloads return it.
 pub type BlobReader = Pin<Box<dyn AsyncRead + Send>>;
 

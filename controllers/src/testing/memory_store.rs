@@ -125,7 +125,7 @@ impl Store for MemoryStore {
         {
             return Err(StoreError::transient(prefix, "injected fault"));
         }
-        let mut objects: Vec<ObjectInfo> = state
+        let objects: Vec<ObjectInfo> = state
             .objects
             .iter()
             .filter(|(key, _)| key.as_str().starts_with(prefix))
@@ -141,16 +141,7 @@ impl Store for MemoryStore {
                 generation: object.generation,
             })
             .collect();
-        let next_page_token = if objects.len() > LIST_PAGE_SIZE {
-            objects.truncate(LIST_PAGE_SIZE);
-            objects.last().map(|last| last.key.to_string())
-        } else {
-            None
-        };
-        Ok(ListPage {
-            objects,
-            next_page_token,
-        })
+        Ok(ListPage::from_sorted(objects))
     }
 
     async fn delete(&self, key: &ObjectKey) -> Result<(), StoreError> {
