@@ -627,3 +627,20 @@ async fn startup_removes_containers_a_crashed_server_left() {
         "startup deleted the leftover container"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_memory_limit_from_config_applies_inside_the_sandbox() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = host(shared_store(dir.path())).await; // configured with 1 GiB
+    let id = new_id();
+    h.runtime.create(&id, &CreateOptions::default()).await.unwrap();
+    let outcome = run(&h.runtime, &id, bash("grep MemTotal /proc/meminfo")).await;
+    let kib: u64 = outcome
+        .stdout
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{}", outcome.stdout));
+    assert_eq!(kib, 1 << 20, "MemTotal shows the 1 GiB limit");
+    h.runtime.destroy(&id).await.unwrap();
+}
