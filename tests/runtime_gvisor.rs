@@ -7,6 +7,8 @@
     reason = "tests fail by panicking"
 )]
 
+mod support;
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,6 +21,9 @@ use controllers::runtime::{
 };
 use controllers::store::Store;
 use sandboxd::runtime::{BundleSpec, GvisorConfig, GvisorRuntime, Runsc};
+
+/// Python that prints how many `sleep` processes exist in the sandbox.
+const COUNT_SLEEPS: &str = "import os\nprint(sum(1 for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/comm').read().strip() == 'sleep'))";
 use sandboxd::store::LocalStore;
 
 /// One runtime "host": its own runsc root and state directory.
@@ -29,26 +34,7 @@ struct Host {
 
 async fn host(store: Arc<dyn Store>) -> Host {
     let dir = tempfile::tempdir().unwrap();
-    let config = GvisorConfig {
-        runsc: Runsc {
-            binary: "runsc".into(),
-            root: dir.path().join("runsc"),
-            platform: "ptrace".into(),
-        },
-        state_dir: dir.path().join("state"),
-        bundle: BundleSpec {
-            rootfs: "/".into(),
-            python: "/usr/bin/python3".into(),
-            memory_limit_bytes: Some(1 << 30),
-            cpu_limit: Some(1.0),
-            max_processes: 64,
-            tmp_size_mb: 256,
-        },
-        checkpoint_bucket: "local".into(),
-    };
-    let runtime = GvisorRuntime::start(config, store.clone(), store)
-        .await
-        .expect("runsc must be installed (apt-get install -y runsc)");
+    let runtime = support::runtime_with_store(dir.path(), store).await;
     Host { runtime, _dir: dir }
 }
 
@@ -286,12 +272,7 @@ async fn kill_ends_the_whole_process_tree_and_one_execution_runs_at_a_time() {
     let outcome = finish(execution).await;
     assert_eq!(outcome.code, 137);
     assert!(killed_at.elapsed() < Duration::from_secs(5));
-    let left = run(
-        &h.runtime,
-        &id,
-        Command::Python("import os\nprint(sum(1 for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/comm').read().strip() == 'sleep'))".into()),
-    )
-    .await;
+    let left = run(&h.runtime, &id, Command::Python(COUNT_SLEEPS.into())).await;
     assert_eq!(
         left.stdout.trim(),
         "0",
@@ -459,7 +440,7 @@ async fn a_forced_checkpoint_kills_the_running_execution_first() {
         .unwrap();
     assert_eq!(finish(execution).await.code, 137);
     h.runtime.restore(&id, &manifest).await.unwrap();
-    let left = run(&h.runtime, &id, Command::Python("import os\nprint(sum(1 for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/comm').read().strip() == 'sleep'))".into())).await;
+    let left = run(&h.runtime, &id, Command::Python(COUNT_SLEEPS.into())).await;
     assert_eq!(left.stdout.trim(), "0");
     h.runtime.destroy(&id).await.unwrap();
 }
@@ -633,7 +614,10 @@ async fn the_memory_limit_from_config_applies_inside_the_sandbox() {
     let dir = tempfile::tempdir().unwrap();
     let h = host(shared_store(dir.path())).await; // configured with 1 GiB
     let id = new_id();
-    h.runtime.create(&id, &CreateOptions::default()).await.unwrap();
+    h.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
     let outcome = run(&h.runtime, &id, bash("grep MemTotal /proc/meminfo")).await;
     let kib: u64 = outcome
         .stdout

@@ -186,8 +186,18 @@ pub async fn gcs_fixture() -> Fixture {
 /// A gVisor runtime with its own runsc root and state under `dir`, storing
 /// checkpoints and snapshots in a local store under `dir/store`.
 pub async fn runtime(dir: &std::path::Path) -> sandboxd::runtime::GvisorRuntime {
-    use sandboxd::runtime::{BundleSpec, GvisorConfig, GvisorRuntime, Runsc};
     let store: Arc<dyn Store> = Arc::new(LocalStore::open(dir.join("store")).expect("local store"));
+    runtime_with_store(dir, store).await
+}
+
+/// A gVisor runtime with its own runsc root and state under `dir` (one "host"),
+/// keeping checkpoints and snapshots in `store` (which hosts may share).
+/// Sandboxes get 1 GiB, one CPU and 64 processes.
+pub async fn runtime_with_store(
+    dir: &std::path::Path,
+    store: Arc<dyn Store>,
+) -> sandboxd::runtime::GvisorRuntime {
+    use sandboxd::runtime::{BundleSpec, GvisorConfig, GvisorRuntime, Runsc};
     let config = GvisorConfig {
         runsc: Runsc {
             binary: "runsc".into(),
@@ -200,7 +210,7 @@ pub async fn runtime(dir: &std::path::Path) -> sandboxd::runtime::GvisorRuntime 
             python: "/usr/bin/python3".into(),
             memory_limit_bytes: Some(1 << 30),
             cpu_limit: Some(1.0),
-            max_processes: 128,
+            max_processes: 64,
             tmp_size_mb: 256,
         },
         checkpoint_bucket: "local".into(),
