@@ -151,6 +151,7 @@ pub async fn runtime_benchmarks(
         results.push(checkpoint);
         results.push(restore);
     }
+    runtime.settle().await;
     let _ = tokio::fs::remove_dir_all(&store_dir).await;
     Ok(results)
 }

@@ -31,6 +31,7 @@ async fn server(dir: &std::path::Path) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn execute_streams_merged_output_as_text() {
     let dir = tempfile::tempdir().unwrap();
+    let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
     let base = server(dir.path()).await;
     let http = reqwest::Client::new();
 
@@ -64,6 +65,7 @@ async fn execute_streams_merged_output_as_text() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn execute_json_reports_streams_and_exit_code() {
     let dir = tempfile::tempdir().unwrap();
+    let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
     let base = server(dir.path()).await;
     let body: Value = reqwest::Client::new()
         .post(format!("{base}/execute?language=bash&format=json"))
@@ -82,6 +84,7 @@ async fn execute_json_reports_streams_and_exit_code() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn execute_rejects_bad_requests_with_422() {
     let dir = tempfile::tempdir().unwrap();
+    let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
     let base = server(dir.path()).await;
     let http = reqwest::Client::new();
     for (query, body, needle) in [

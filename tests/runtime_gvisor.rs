@@ -29,13 +29,18 @@ use sandboxd::store::LocalStore;
 /// One runtime "host": its own runsc root and state directory.
 struct Host {
     runtime: GvisorRuntime,
+    _cleanup: support::RunscCleanup,
     _dir: tempfile::TempDir,
 }
 
 async fn host(store: Arc<dyn Store>) -> Host {
     let dir = tempfile::tempdir().unwrap();
     let runtime = support::runtime_with_store(dir.path(), store).await;
-    Host { runtime, _dir: dir }
+    Host {
+        runtime,
+        _cleanup: support::RunscCleanup(dir.path().join("runsc")),
+        _dir: dir,
+    }
 }
 
 fn shared_store(dir: &Path) -> Arc<dyn Store> {
@@ -567,6 +572,7 @@ async fn startup_removes_containers_a_crashed_server_left() {
     let dir = tempfile::tempdir().unwrap();
     let store = shared_store(dir.path());
     let root = tempfile::tempdir().unwrap();
+    let _cleanup = support::RunscCleanup(root.path().join("runsc"));
     let config = |state: &str| GvisorConfig {
         runsc: Runsc {
             binary: "runsc".into(),

@@ -27,6 +27,7 @@ async fn get_json(url: &str) -> (u16, Value) {
 #[tokio::test]
 async fn status_root_and_readiness_answer_like_the_earlier_server() {
     let dir = tempfile::tempdir().unwrap();
+    let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
     let state = AppState {
         instance: InstanceId::parse("test-instance").unwrap(),
         metadata_store: Arc::new(LocalStore::open(dir.path()).unwrap()),
@@ -65,6 +66,7 @@ async fn readiness_reports_an_unreachable_store() {
     let mut config = GcsConfig::new("nowhere").with_emulator_host(&host.to_string());
     config.retry.max_retries = 0;
     let dir = tempfile::tempdir().unwrap();
+    let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
     let state = AppState {
         instance: InstanceId::parse("test-instance").unwrap(),
         metadata_store: Arc::new(GcsStore::connect(config).await.unwrap()),

@@ -79,6 +79,8 @@ pub struct GvisorRuntime {
     sandboxes: Mutex<HashMap<SandboxId, Arc<LocalSandbox>>>,
     /// Ids being created or restored right now, so two cannot race.
     reserved: Mutex<HashSet<SandboxId>>,
+    /// Background `runsc delete`s still running; [`GvisorRuntime::settle`] waits for them.
+    deletions: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     runsc_version: String,
     cpu_features: Vec<String>,
 }
@@ -129,6 +131,7 @@ impl GvisorRuntime {
             snapshots,
             sandboxes: Mutex::new(HashMap::new()),
             reserved: Mutex::new(HashSet::new()),
+            deletions: Mutex::new(Vec::new()),
             runsc_version,
             cpu_features: host_cpu_features(),
         })
@@ -259,12 +262,38 @@ impl GvisorRuntime {
     /// `runsc delete --force` and directory removal, not awaited.
     fn delete_in_background(&self, container_id: String, dir: PathBuf) {
         let runsc = self.config.runsc.clone();
-        tokio::spawn(async move {
+        let handle = tokio::spawn(async move {
             if let Err(err) = runsc.delete_force(&container_id).await {
                 tracing::warn!(container = %container_id, %err, "runsc delete failed");
             }
             let _ = tokio::fs::remove_dir_all(&dir).await;
         });
+        let mut deletions = self
+            .deletions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        deletions.retain(|task| !task.is_finished());
+        deletions.push(handle);
+    }
+
+    /// Destroys every sandbox still running here and waits until all
+    /// background deletions are done: for a clean shutdown (a process that
+    /// exits with deletions in flight leaves containers behind until the next
+    /// start under the same runsc root cleans them up).
+    pub async fn settle(&self) {
+        let running: Vec<SandboxId> = self.sandboxes().keys().cloned().collect();
+        for sandbox in running {
+            let _ = self.destroy(&sandbox).await;
+        }
+        let pending = std::mem::take(
+            &mut *self
+                .deletions
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for task in pending {
+            let _ = task.await;
+        }
     }
 
     /// Streams a snapshot archive into a fresh sandbox's agent, which unpacks it.

@@ -219,3 +219,35 @@ pub async fn runtime_with_store(
         .await
         .expect("runsc must be installed (apt-get install -y runsc) and usable (root)")
 }
+
+/// Deletes every container under a runsc root when dropped, also when the test
+/// panics: tests end before the runtime's background deletions finish, and
+/// their runsc root (a temp dir) disappears with them, which would leave the
+/// sandboxes running for good. Declare it after the temp dir it points into,
+/// so it drops first.
+pub struct RunscCleanup(pub std::path::PathBuf);
+
+impl Drop for RunscCleanup {
+    fn drop(&mut self) {
+        let root = self.0.as_os_str();
+        let Ok(output) = Command::new("runsc")
+            .arg("--root")
+            .arg(root)
+            .args(["list", "--format", "json"])
+            .output()
+        else {
+            return;
+        };
+        let containers: Vec<serde_json::Value> =
+            serde_json::from_slice(&output.stdout).unwrap_or_default();
+        for id in containers.iter().filter_map(|c| c["id"].as_str()) {
+            let _ = Command::new("runsc")
+                .arg("--root")
+                .arg(root)
+                .args(["delete", "--force", id])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
