@@ -42,7 +42,7 @@ async fn main() -> anyhow::Result<()> {
         StoreLocation::Bucket { bucket, .. } => bucket.clone(),
         StoreLocation::Directory(path) => path.display().to_string(),
     };
-    let runtime = match GvisorRuntime::start(
+    let gvisor = match GvisorRuntime::start(
         args.runtime.gvisor(checkpoint_bucket),
         checkpoint_store,
         snapshot_store,
@@ -51,13 +51,16 @@ async fn main() -> anyhow::Result<()> {
     {
         Ok(runtime) => {
             tracing::info!(runsc = runtime.runsc_version(), "sandbox runtime ready");
-            Some(Arc::new(runtime) as Arc<dyn SandboxRuntime>)
+            Some(Arc::new(runtime))
         }
         Err(err) => {
             tracing::error!(%err, "the sandbox runtime is unavailable; serving health checks only (install runsc and run as root)");
             None
         }
     };
+    let runtime = gvisor
+        .clone()
+        .map(|runtime| runtime as Arc<dyn SandboxRuntime>);
     let addr = args.listen_addr();
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -73,6 +76,11 @@ async fn main() -> anyhow::Result<()> {
         shutdown_signal(),
     )
     .await?;
+    if let Some(gvisor) = gvisor {
+        // Only ephemeral sandboxes exist so far (POST /execute): remove them
+        // and wait for runsc, so none outlives the server.
+        gvisor.settle().await;
+    }
     tracing::info!("sandboxd stopped");
     Ok(())
 }
