@@ -43,6 +43,18 @@ async fn host(store: Arc<dyn Store>) -> Host {
     }
 }
 
+/// A host of its own with one fresh sandbox (the temp dir holds its store).
+async fn one_sandbox() -> (tempfile::TempDir, Host, SandboxId) {
+    let dir = tempfile::tempdir().unwrap();
+    let h = host(shared_store(dir.path())).await;
+    let id = new_id();
+    h.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+    (dir, h, id)
+}
+
 fn shared_store(dir: &Path) -> Arc<dyn Store> {
     Arc::new(LocalStore::open(dir).unwrap())
 }
@@ -101,13 +113,7 @@ fn bash(code: &str) -> Command {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn output_streams_separately_and_in_order_as_produced() {
-    let dir = tempfile::tempdir().unwrap();
-    let h = host(shared_store(dir.path())).await;
-    let id = new_id();
-    h.runtime
-        .create(&id, &CreateOptions::default())
-        .await
-        .unwrap();
+    let (_dir, h, id) = one_sandbox().await;
     let code = "import sys, time\nfor i in range(5):\n    print('out', i, flush=True)\n    print('err', i, file=sys.stderr, flush=True)\n    time.sleep(0.2)\n";
     let outcome = run(&h.runtime, &id, Command::Python(code.into())).await;
     assert_eq!(outcome.code, 0, "{}", outcome.stderr);
@@ -125,13 +131,7 @@ async fn output_streams_separately_and_in_order_as_produced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stdin_is_written_as_it_arrives_and_eof_is_delivered() {
-    let dir = tempfile::tempdir().unwrap();
-    let h = host(shared_store(dir.path())).await;
-    let id = new_id();
-    h.runtime
-        .create(&id, &CreateOptions::default())
-        .await
-        .unwrap();
+    let (_dir, h, id) = one_sandbox().await;
 
     let mut execution = h
         .runtime
@@ -199,13 +199,7 @@ async fn stdin_is_written_as_it_arrives_and_eof_is_delivered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exit_codes_pass_through() {
-    let dir = tempfile::tempdir().unwrap();
-    let h = host(shared_store(dir.path())).await;
-    let id = new_id();
-    h.runtime
-        .create(&id, &CreateOptions::default())
-        .await
-        .unwrap();
+    let (_dir, h, id) = one_sandbox().await;
     assert_eq!(run(&h.runtime, &id, bash("true")).await.code, 0);
     assert_eq!(
         run(
@@ -229,13 +223,7 @@ async fn exit_codes_pass_through() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_ends_the_whole_process_tree_and_one_execution_runs_at_a_time() {
-    let dir = tempfile::tempdir().unwrap();
-    let h = host(shared_store(dir.path())).await;
-    let id = new_id();
-    h.runtime
-        .create(&id, &CreateOptions::default())
-        .await
-        .unwrap();
+    let (_dir, h, id) = one_sandbox().await;
     let mut execution = h
         .runtime
         .exec(
@@ -289,13 +277,7 @@ async fn kill_ends_the_whole_process_tree_and_one_execution_runs_at_a_time() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_count_is_limited_for_user_code() {
-    let dir = tempfile::tempdir().unwrap();
-    let h = host(shared_store(dir.path())).await;
-    let id = new_id();
-    h.runtime
-        .create(&id, &CreateOptions::default())
-        .await
-        .unwrap();
+    let (_dir, h, id) = one_sandbox().await;
     // The limit is 64 processes; try to fork 100 and see where it stops.
     let code = "import os, signal, time\npids, error = [], None\nfor _ in range(100):\n    try:\n        pid = os.fork()\n    except OSError as e:\n        error = e.errno\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n    pids.append(pid)\nprint(len(pids), error)\nfor pid in pids:\n    os.kill(pid, signal.SIGKILL)\n    os.waitpid(pid, 0)\n";
     let outcome = run(&h.runtime, &id, Command::Python(code.into())).await;

@@ -59,10 +59,7 @@ async fn status_root_and_readiness_answer_like_the_earlier_server() {
 #[tokio::test]
 async fn readiness_reports_an_unreachable_store() {
     // A loopback address with nothing on port 80: the store cannot be reached.
-    let host = (121..=250)
-        .map(|n| std::net::Ipv4Addr::new(127, 0, 0, n))
-        .find(|ip| std::net::TcpListener::bind((*ip, 80)).is_ok())
-        .unwrap();
+    let host = support::free_loopback(121..=250);
     let mut config = GcsConfig::new("nowhere").with_emulator_host(&host.to_string());
     config.retry.max_retries = 0;
     let dir = tempfile::tempdir().unwrap();

@@ -10,7 +10,6 @@
 
 mod support;
 
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -129,10 +128,7 @@ async fn an_edit_through_the_http_api_defeats_a_stale_compare_and_swap() {
 #[tokio::test]
 async fn an_unreachable_endpoint_fails_with_a_transient_error() {
     // A loopback address with nothing on port 80.
-    let host = (121..=250)
-        .map(|n| Ipv4Addr::new(127, 0, 0, n))
-        .find(|ip| TcpListener::bind(SocketAddr::from((*ip, 80))).is_ok())
-        .unwrap();
+    let host = support::free_loopback(121..=250);
     let mut config = GcsConfig::new("nowhere").with_emulator_host(&format!("{host}:80"));
     config.retry = support::test_retries();
     let store = GcsStore::connect(config).await.unwrap();

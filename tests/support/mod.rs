@@ -69,14 +69,17 @@ pub fn emulator() -> &'static Emulator {
     EMULATOR.get_or_init(start_emulator)
 }
 
-fn start_emulator() -> Emulator {
-    let binary = emulator_binary();
-    let host = (3..=120)
+/// A loopback address in `range` (127.0.0.N) with nothing listening on port 80.
+pub fn free_loopback(range: std::ops::RangeInclusive<u8>) -> Ipv4Addr {
+    range
         .map(|n| Ipv4Addr::new(127, 0, 0, n))
         .find(|ip| TcpListener::bind(SocketAddr::from((*ip, 80))).is_ok())
-        .expect(
-            "no loopback address with a free port 80 (the emulator needs port 80: run as root)",
-        );
+        .expect("no loopback address with a free port 80 (binding port 80 needs root)")
+}
+
+fn start_emulator() -> Emulator {
+    let binary = emulator_binary();
+    let host = free_loopback(3..=120);
     let mut child = Command::new("bash")
         .args([
             "-c",
