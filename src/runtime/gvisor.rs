@@ -570,6 +570,14 @@ impl SandboxRuntime for GvisorRuntime {
             )
             .await;
         match prepared {
+            // Anything still listed as running would be frozen mid-way.
+            Ok(reply)
+                if reply["running"]
+                    .as_array()
+                    .is_some_and(|running| !running.is_empty()) =>
+            {
+                return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
+            }
             Ok(_) => {}
             Err(AgentError::Refused(_)) => {
                 return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
@@ -590,9 +598,17 @@ impl SandboxRuntime for GvisorRuntime {
             .checkpoint(&local.container_id, &image_dir)
             .await
         {
-            // A checkpoint that fails inside the sentry stops the container.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            if local.agent.is_gone() {
+            // A checkpoint that fails inside the sentry stops the container:
+            // ask runsc whether it still runs.
+            let still_running = matches!(
+                self.config
+                    .runsc
+                    .state(&local.container_id)
+                    .await
+                    .as_deref(),
+                Ok("running")
+            );
+            if !still_running {
                 self.sandboxes().remove(sandbox);
                 self.delete_in_background(local.container_id.clone(), local.dir.clone());
                 return Err(RuntimeError::Lost {

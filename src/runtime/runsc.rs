@@ -156,6 +156,19 @@ impl Runsc {
         self.run(command, text).await.map(drop)
     }
 
+    /// The container's status as runsc reports it (`running`, `stopped`, …).
+    pub async fn state(&self, id: &str) -> Result<String, RunscError> {
+        let (command, text) = self.command(&["state", id]);
+        let output = self.run(command, text.clone()).await?;
+        let state: serde_json::Value =
+            serde_json::from_slice(&output.stdout).map_err(|err| RunscError::Failed {
+                command: text,
+                status: "0".to_owned(),
+                stderr: format!("unreadable output: {err}"),
+            })?;
+        Ok(state["status"].as_str().unwrap_or_default().to_owned())
+    }
+
     /// The ids of every container under this root.
     pub async fn list(&self) -> Result<Vec<String>, RunscError> {
         let (command, text) = self.command(&["list", "--format", "json"]);
