@@ -399,14 +399,7 @@ async fn a_checkpoint_restores_on_another_host_with_processes_files_and_python_s
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forced_checkpoint_kills_the_running_execution_first() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = shared_store(dir.path());
-    let h = host(store.clone()).await;
-    let id = new_id();
-    h.runtime
-        .create(&id, &CreateOptions::default())
-        .await
-        .unwrap();
+    let (_dir, h, id) = one_sandbox().await;
     let execution = h
         .runtime
         .exec(&id, ExecRequest::new(bash("sleep 500 & sleep 600")))
@@ -434,14 +427,7 @@ async fn a_forced_checkpoint_kills_the_running_execution_first() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_or_truncated_image_is_refused_before_runsc_sees_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = shared_store(dir.path());
-    let h = host(store.clone()).await;
-    let id = new_id();
-    h.runtime
-        .create(&id, &CreateOptions::default())
-        .await
-        .unwrap();
+    let (dir, h, id) = one_sandbox().await;
     let manifest = checkpoint(&h, &id).await;
     let image_path = dir.path().join(&manifest.image.key);
     let original = std::fs::read(&image_path).unwrap();
@@ -478,14 +464,7 @@ async fn a_corrupted_or_truncated_image_is_refused_before_runsc_sees_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_image_from_a_host_with_other_cpu_features_is_refused_by_name() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = shared_store(dir.path());
-    let h = host(store.clone()).await;
-    let id = new_id();
-    h.runtime
-        .create(&id, &CreateOptions::default())
-        .await
-        .unwrap();
+    let (_dir, h, id) = one_sandbox().await;
     let mut manifest = checkpoint(&h, &id).await;
     manifest.cpu_features.push("imaginary_feature".into());
     let err = h.runtime.restore(&id, &manifest).await.unwrap_err();
