@@ -49,10 +49,8 @@ impl Series {
     }
 }
 
-fn new_id() -> anyhow::Result<SandboxId> {
-    Ok(SandboxId::parse(
-        &uuid::Uuid::new_v4().simple().to_string(),
-    )?)
+fn new_id() -> SandboxId {
+    SandboxId::from_u128(uuid::Uuid::new_v4().as_u128())
 }
 
 async fn timed_exec(
@@ -85,7 +83,7 @@ pub async fn runtime_benchmarks(
 
     let mut create = Series::new("create -> ready");
     for _ in 0..runs {
-        let id = new_id()?;
+        let id = new_id();
         let started = Instant::now();
         runtime.create(&id, &CreateOptions::default()).await?;
         create.samples.push(started.elapsed());
@@ -95,7 +93,7 @@ pub async fn runtime_benchmarks(
     }
     results.push(create);
 
-    let id = new_id()?;
+    let id = new_id();
     runtime.create(&id, &CreateOptions::default()).await?;
     let cases = [
         ("exec bash -c 'echo hi'", Command::Bash("echo hi".into())),
@@ -121,7 +119,7 @@ pub async fn runtime_benchmarks(
     runtime.destroy(&id).await?;
 
     for &size in sizes_mb {
-        let id = new_id()?;
+        let id = new_id();
         runtime.create(&id, &CreateOptions::default()).await?;
         let allocate = format!("import os\nheld = bytearray(os.urandom(1 << 20)) * {size}\n");
         timed_exec(&runtime, &id, Command::PythonSession(allocate)).await?;
@@ -129,7 +127,7 @@ pub async fn runtime_benchmarks(
         let mut restore = Series::new(format!("restore {size} MB (store + verify + runsc)"));
         for _ in 0..runs {
             let request = CheckpointRequest {
-                checkpoint_id: new_id()?,
+                checkpoint_id: new_id(),
                 epoch: 1,
                 name: None,
                 force: false,

@@ -76,10 +76,7 @@ pub async fn execute(
             );
         }
     };
-    let id = match SandboxId::parse(&uuid::Uuid::new_v4().simple().to_string()) {
-        Ok(id) => id,
-        Err(err) => return detail(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()),
-    };
+    let id = SandboxId::from_u128(uuid::Uuid::new_v4().as_u128());
     if let Err(err) = runtime.create(&id, &CreateOptions::default()).await {
         tracing::error!(sandbox = %id, %err, "execute: cannot create a sandbox");
         return detail(

@@ -747,8 +747,7 @@ impl SandboxRuntime for GvisorRuntime {
                 controllers::api::RESOURCE_NAME_RULE
             ))
         };
-        let archive_id = SandboxId::parse(&uuid::Uuid::new_v4().simple().to_string())
-            .map_err(|err| RuntimeError::Failed(err.to_string()))?;
+        let archive_id = SandboxId::from_u128(uuid::Uuid::new_v4().as_u128());
         let archive_key = snapshot_archive_key(name, &archive_id).ok_or_else(invalid)?;
         let manifest_key = snapshot_manifest_key(name).ok_or_else(invalid)?;
         let local = self.get(sandbox)?;

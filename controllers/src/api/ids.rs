@@ -38,9 +38,9 @@ impl SandboxId {
         }
     }
 
-    /// Wraps a freshly generated UUIDv4 in simple (dashless) form.
-    pub fn from_uuid_simple(simple: &str) -> Result<Self, InvalidId> {
-        Self::parse(simple)
+    /// The id of a random 128-bit value (a UUIDv4's bits): always valid.
+    pub fn from_u128(value: u128) -> Self {
+        Self(format!("{value:032x}"))
     }
 
     pub fn as_str(&self) -> &str {
@@ -130,6 +130,14 @@ mod tests {
             "0123456789abcdef0123456789abcdef0",
         ] {
             assert!(SandboxId::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn ids_from_random_values_are_valid() {
+        for value in [0, 1, u128::MAX] {
+            let id = SandboxId::from_u128(value);
+            assert_eq!(SandboxId::parse(id.as_str()).unwrap(), id);
         }
     }
 
