@@ -41,6 +41,15 @@ pub fn checkpoint_manifest_key(checkpoint_id: &SandboxId) -> ObjectKey {
     key(format!("{CHECKPOINTS_PREFIX}{checkpoint_id}/manifest.json"))
 }
 
+/// The checkpoint id in an image key written by [`checkpoint_image_key`];
+/// `None` for any other string (an operator may have edited it).
+pub fn checkpoint_id_of_image(image_key: &str) -> Option<SandboxId> {
+    let id = image_key
+        .strip_prefix(CHECKPOINTS_PREFIX)?
+        .strip_suffix("/checkpoint.img")?;
+    SandboxId::parse(id).ok()
+}
+
 /// `filesystem_snapshots/<name>/<archive_id>.tar.gz`, or `None` for an invalid
 /// name. Every snapshot gets a fresh archive id, so two snapshots taken under
 /// one name never overwrite each other's bytes; the manifest names the current one.
@@ -70,5 +79,19 @@ mod tests {
             lock_key(&id).as_str(),
             "sandboxes/0123456789abcdef0123456789abcdef/lock.json"
         );
+    }
+
+    #[test]
+    fn a_checkpoint_id_round_trips_through_its_image_key() {
+        let id = SandboxId::from_u128(42);
+        assert_eq!(
+            checkpoint_id_of_image(checkpoint_image_key(&id).as_str()),
+            Some(id)
+        );
+        assert_eq!(
+            checkpoint_id_of_image("sandbox_checkpoints/../x/checkpoint.img"),
+            None
+        );
+        assert_eq!(checkpoint_id_of_image("elsewhere/checkpoint.img"), None);
     }
 }

@@ -14,6 +14,7 @@ pub mod fencing;
 pub mod layout;
 pub mod leasing;
 pub mod runtime;
+pub mod sandboxes;
 pub mod store;
 
 #[cfg(any(test, feature = "testing"))]

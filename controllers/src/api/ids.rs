@@ -43,6 +43,11 @@ impl SandboxId {
         Self(format!("{value:032x}"))
     }
 
+    /// A fresh id from 128 bits of the OS-seeded CSPRNG.
+    pub fn random() -> Self {
+        Self::from_u128(rand::random::<u128>())
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }

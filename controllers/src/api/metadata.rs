@@ -42,8 +42,24 @@ pub struct SandboxSpec {
     pub token_sha256: String,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// The name given to the checkpoint taken because `desired_state` became
+    /// `checkpointed` (a named checkpoint can be restored by name later).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_name: Option<String>,
+    /// One-shot request to restore a named checkpoint instead of the latest the
+    /// next time the sandbox starts. Honoured once: `status.last_restore_request`
+    /// records the `requested_at` it served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_request: Option<RestoreRequest>,
     #[serde(flatten)]
     pub extra: ExtraFields,
+}
+
+/// Restore the checkpoint called `checkpoint` (see `status.named_checkpoints`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RestoreRequest {
+    pub checkpoint: String,
+    pub requested_at: DateTime<Utc>,
 }
 
 /// The state an operator or the API asks for.
@@ -70,6 +86,12 @@ pub struct SandboxStatus {
     pub observed_generation: Option<i64>,
     #[serde(default)]
     pub latest_checkpoint: Option<CheckpointRef>,
+    /// Every named checkpoint, by name (the latest one with a name wins).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub named_checkpoints: BTreeMap<String, CheckpointRef>,
+    /// `spec.restore_request.requested_at` of the last restore request served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_restore_request: Option<DateTime<Utc>>,
     #[serde(default)]
     pub latest_snapshot: Option<SnapshotRef>,
     #[serde(default)]
@@ -165,6 +187,8 @@ impl SandboxMetadata {
                 filesystem_snapshot_name: None,
                 token_sha256,
                 labels: BTreeMap::new(),
+                checkpoint_name: None,
+                restore_request: None,
                 extra: ExtraFields::new(),
             },
             status: SandboxStatus::default(),
@@ -231,6 +255,16 @@ impl ApiObject for SandboxMetadata {
             && !is_resource_name(name)
         {
             return Err(field("spec.filesystem_snapshot_name", RESOURCE_NAME_RULE));
+        }
+        if let Some(name) = &self.spec.checkpoint_name
+            && !is_resource_name(name)
+        {
+            return Err(field("spec.checkpoint_name", RESOURCE_NAME_RULE));
+        }
+        if let Some(request) = &self.spec.restore_request
+            && !is_resource_name(&request.checkpoint)
+        {
+            return Err(field("spec.restore_request.checkpoint", RESOURCE_NAME_RULE));
         }
         if let Some(checkpoint) = &self.status.latest_checkpoint {
             if !is_sha256_hex(&checkpoint.sha256) {

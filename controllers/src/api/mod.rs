@@ -25,7 +25,8 @@ pub use lease::{AttachIntent, Lease};
 pub use manifest::{BlobDigest, CheckpointManifest, SnapshotManifest};
 pub use metadata::{
     CheckpointRef, Condition, ConditionStatus, DesiredState, Phase, RESOURCE_NAME_RULE,
-    SandboxMetadata, SandboxSpec, SandboxStatus, SnapshotRef, is_resource_name, is_sha256_hex,
+    RestoreRequest, SandboxMetadata, SandboxSpec, SandboxStatus, SnapshotRef, is_resource_name,
+    is_sha256_hex,
 };
 
 /// The `apiVersion` of every object this version writes and understands.

@@ -1,10 +1,12 @@
-//! Test doubles for the ports: an in-memory Store with fault injection and a
-//! manual clock. Behind the `testing` feature; never in the server binary.
+//! Test doubles for the ports: an in-memory Store with fault injection, a
+//! fake sandbox runtime and a manual clock. Behind the `testing` feature; never in the server binary.
 
+mod fake_runtime;
 mod manual_clock;
 mod memory_store;
 mod mutation;
 
+pub use fake_runtime::FakeRuntime;
 pub use manual_clock::ManualClock;
 pub use memory_store::{Fault, MemoryStore};
 pub use mutation::mutate;

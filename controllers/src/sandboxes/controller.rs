@@ -1,0 +1,303 @@
+//! The sandbox controller of one instance: the work queue, its worker loop,
+//! and the narrow surface the API layer may use. That surface writes intents
+//! (spec fields, the lease's `wanted_by`) and queues a reconcile; it never
+//! creates, checkpoints or restores a sandbox itself. Executions and
+//! filesystem snapshots pass through to the runtime, but only for a sandbox
+//! this instance holds.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::sync::broadcast;
+
+use crate::api::{
+    DesiredState, RestoreRequest, SandboxId, SandboxMetadata, SandboxSpec, SnapshotRef, decode,
+    encode,
+};
+use crate::fencing::MAX_CONFLICT_RETRIES;
+use crate::layout::metadata_key;
+use crate::leasing::LeaseError;
+use crate::runtime::{ExecRequest, Execution, RuntimeError};
+use crate::store::{PutMode, StoreError};
+
+use super::progress::{Progress, ProgressBus};
+use super::reconciler::{ReconcileError, Reconciler, Requeue};
+use super::workqueue::WorkQueue;
+
+/// Longest back-off between failed reconciles of one sandbox.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("sandbox {0} does not exist")]
+    NotFound(SandboxId),
+    #[error("sandbox {0} does not run on this instance")]
+    NotHere(SandboxId),
+    #[error("sandbox {0} already exists")]
+    AlreadyExists(SandboxId),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    #[error(transparent)]
+    Reconcile(#[from] ReconcileError),
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error("{0} kept changing under concurrent writers; try again")]
+    Contended(String),
+}
+
+/// The controller: share it behind an `Arc`.
+#[derive(Debug)]
+pub struct SandboxController {
+    reconciler: Arc<Reconciler>,
+    queue: WorkQueue,
+    bus: ProgressBus,
+}
+
+impl SandboxController {
+    /// `bus` must be the one the reconciler emits on.
+    pub fn new(reconciler: Reconciler, bus: ProgressBus) -> Arc<Self> {
+        Arc::new(Self {
+            reconciler: Arc::new(reconciler),
+            queue: WorkQueue::default(),
+            bus,
+        })
+    }
+
+    pub fn reconciler(&self) -> &Reconciler {
+        &self.reconciler
+    }
+
+    /// Runs the worker loop: each queued sandbox is reconciled in its own task,
+    /// one reconcile per sandbox at a time, failures retried with back-off.
+    pub fn spawn_workers(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let controller = Arc::clone(self);
+        tokio::spawn(async move {
+            let failures = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<
+                SandboxId,
+                u32,
+            >::new()));
+            loop {
+                let sandbox = controller.queue.next().await;
+                let controller = Arc::clone(&controller);
+                let failures = Arc::clone(&failures);
+                tokio::spawn(async move {
+                    let outcome = controller.reconciler.reconcile(&sandbox).await;
+                    controller.queue.done(&sandbox);
+                    let mut failures = failures
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    match outcome {
+                        Ok(requeue) => {
+                            failures.remove(&sandbox);
+                            if let Requeue::After(delay) = requeue {
+                                controller.queue.add_after(&sandbox, delay);
+                            }
+                        }
+                        Err(err) => {
+                            let count = failures.entry(sandbox.clone()).or_insert(0);
+                            *count = count.saturating_add(1);
+                            let delay = backoff(*count);
+                            tracing::warn!(%sandbox, %err, retry_in = ?delay, "reconcile failed");
+                            controller.queue.add_after(&sandbox, delay);
+                        }
+                    }
+                });
+            }
+        })
+    }
+
+    /// Queues a reconcile of `sandbox` now.
+    pub fn enqueue(&self, sandbox: &SandboxId) {
+        self.queue.add(sandbox);
+    }
+
+    /// The reconciler's progress on `sandbox`, from now on.
+    pub fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<Progress> {
+        self.bus.subscribe(sandbox)
+    }
+
+    pub fn is_held_here(&self, sandbox: &SandboxId) -> bool {
+        self.reconciler.held(sandbox).is_some()
+    }
+
+    pub fn held_sandboxes(&self) -> Vec<SandboxId> {
+        self.reconciler.held_sandboxes()
+    }
+
+    pub async fn read(&self, sandbox: &SandboxId) -> Result<Option<SandboxMetadata>, ControlError> {
+        Ok(self.reconciler.read_metadata(sandbox).await?)
+    }
+
+    /// Records a new sandbox (desired running) and asks for it here.
+    pub async fn create(&self, metadata: &SandboxMetadata) -> Result<(), ControlError> {
+        let sandbox = &metadata.sandbox_id;
+        match self
+            .reconciler
+            .metadata_store()
+            .put(&metadata_key(sandbox), encode(metadata), PutMode::Create)
+            .await
+        {
+            Ok(_) => {}
+            Err(StoreError::PreconditionFailed { .. }) => {
+                return Err(ControlError::AlreadyExists(sandbox.clone()));
+            }
+            Err(err) => return Err(err.into()),
+        }
+        self.reconciler.leases().request_attach(sandbox).await?;
+        self.enqueue(sandbox);
+        Ok(())
+    }
+
+    /// Asks for `sandbox` to run here, from the checkpoint named `checkpoint`
+    /// if given (else the latest).
+    pub async fn request_here(
+        &self,
+        sandbox: &SandboxId,
+        checkpoint: Option<&str>,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), ControlError> {
+        self.update_spec(sandbox, |spec| {
+            spec.desired_state = DesiredState::Running;
+            if let Some(name) = checkpoint {
+                spec.restore_request = Some(RestoreRequest {
+                    checkpoint: name.to_owned(),
+                    requested_at: now,
+                });
+            }
+        })
+        .await?;
+        self.reconciler.leases().request_attach(sandbox).await?;
+        self.enqueue(sandbox);
+        Ok(())
+    }
+
+    /// Withdraws this instance's wish to run `sandbox` (its client gave up).
+    pub async fn withdraw_request(&self, sandbox: &SandboxId) -> Result<(), ControlError> {
+        self.reconciler.leases().withdraw_attach(sandbox).await?;
+        Ok(())
+    }
+
+    /// Asks for `sandbox` to be checkpointed (under `name`, if given) or deleted.
+    pub async fn request_state(
+        &self,
+        sandbox: &SandboxId,
+        desired: DesiredState,
+        checkpoint_name: Option<&str>,
+    ) -> Result<(), ControlError> {
+        self.update_spec(sandbox, |spec| {
+            spec.desired_state = desired;
+            if desired == DesiredState::Checkpointed {
+                spec.checkpoint_name = checkpoint_name.map(str::to_owned);
+            }
+        })
+        .await?;
+        self.enqueue(sandbox);
+        Ok(())
+    }
+
+    /// Read-modify-write of the spec under the object's generation.
+    async fn update_spec(
+        &self,
+        sandbox: &SandboxId,
+        mut change: impl FnMut(&mut SandboxSpec),
+    ) -> Result<(), ControlError> {
+        let store = self.reconciler.metadata_store();
+        let key = metadata_key(sandbox);
+        for _ in 0..MAX_CONFLICT_RETRIES {
+            let current = match store.get(&key).await {
+                Ok(current) => current,
+                Err(StoreError::NotFound { .. }) => {
+                    return Err(ControlError::NotFound(sandbox.clone()));
+                }
+                Err(err) => return Err(err.into()),
+            };
+            let mut metadata: SandboxMetadata =
+                decode(&current.data).map_err(|err| ReconcileError::Invalid {
+                    key: key.to_string(),
+                    detail: err.to_string(),
+                })?;
+            let before = metadata.spec.clone();
+            change(&mut metadata.spec);
+            if metadata.spec == before {
+                return Ok(());
+            }
+            match store
+                .put(&key, encode(&metadata), PutMode::Update(current.generation))
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(StoreError::PreconditionFailed { .. }) => continue,
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Err(ControlError::Contended(key.to_string()))
+    }
+
+    /// Starts an execution in a sandbox held here.
+    pub async fn exec(
+        &self,
+        sandbox: &SandboxId,
+        request: ExecRequest,
+    ) -> Result<Execution, ControlError> {
+        if !self.is_held_here(sandbox) {
+            return Err(ControlError::NotHere(sandbox.clone()));
+        }
+        Ok(self.reconciler.runtime().exec(sandbox, request).await?)
+    }
+
+    /// Saves the sandbox's changed files as snapshot `name` and records it in
+    /// `status.latest_snapshot`.
+    pub async fn snapshot_filesystem(
+        &self,
+        sandbox: &SandboxId,
+        name: &str,
+    ) -> Result<SnapshotRef, ControlError> {
+        let held = self
+            .reconciler
+            .held(sandbox)
+            .ok_or_else(|| ControlError::NotHere(sandbox.clone()))?;
+        let manifest = self
+            .reconciler
+            .runtime()
+            .snapshot_filesystem(sandbox, name)
+            .await?;
+        let reference = SnapshotRef {
+            name: manifest.name.clone(),
+            bucket: self.reconciler.snapshot_bucket().to_owned(),
+            path: manifest.archive.key.clone(),
+            sha256: manifest.archive.sha256.clone(),
+            size: manifest.archive.size,
+            created_at: manifest.created_at,
+            extra: crate::api::ExtraFields::new(),
+        };
+        let recorded = reference.clone();
+        let written =
+            crate::fencing::fenced_update::<SandboxMetadata, std::convert::Infallible, _>(
+                self.reconciler.metadata_store().as_ref(),
+                &metadata_key(sandbox),
+                held.epoch,
+                |metadata| {
+                    metadata.status.latest_snapshot = Some(recorded.clone());
+                    Ok(())
+                },
+            )
+            .await;
+        if let Err(err) = written {
+            // The snapshot exists; only its mention in the metadata is missing.
+            tracing::warn!(%sandbox, %err, "cannot record the snapshot in metadata.json");
+        }
+        Ok(reference)
+    }
+}
+
+/// Exponential back-off with jitter: 0.5 s, 1 s, 2 s … up to 30 s.
+fn backoff(failures: u32) -> Duration {
+    let base = Duration::from_millis(500)
+        .saturating_mul(1 << failures.saturating_sub(1).min(6))
+        .min(MAX_BACKOFF);
+    let jitter = rand::rng().random_range(0.8..1.2);
+    base.mul_f64(jitter)
+}

@@ -1,0 +1,17 @@
+//! The sandbox lifecycle controller: a level-triggered reconcile loop per
+//! instance that converges each sandbox's actual state (running here,
+//! checkpointed, deleted) to the desired state written in the bucket by the
+//! API layer and by operators (`DESIGN.md` §4).
+
+mod controller;
+mod progress;
+mod reconciler;
+mod workqueue;
+
+pub use controller::{ControlError, SandboxController};
+pub use progress::{Operation, Progress, ProgressBus};
+pub use reconciler::{ReconcileError, Reconciler, ReconcilerConfig, ReconcilerParts, Requeue};
+pub use workqueue::WorkQueue;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,763 @@
+//! One reconcile pass for one sandbox on this instance: read desired state
+//! (`metadata.json` spec, the lease's `wanted_by`) and observed state (the
+//! lease, the local runtime), take ONE step toward desired, record it with a
+//! fenced write, and say when to look again (`DESIGN.md` §4).
+//!
+//! The steps, for sandbox S on this instance I:
+//! - I holds S but the lease names another holder or epoch: I lost S; stop it
+//!   without writing anything.
+//! - `desired_state: deleted`: destroy, tombstone (`phase: Deleted`), release.
+//! - `desired_state: checkpointed` and I hold S: checkpoint, record it as
+//!   `status.latest_checkpoint`, release.
+//! - `desired_state: running`, I hold S: renew the lease when due; if another
+//!   instance wants S, hand it over (checkpoint and release).
+//! - `desired_state: running`, `wanted_by: I`, lease free: acquire, then
+//!   restore the requested or latest checkpoint, or create S if it never ran.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use crate::api::{
+    CheckpointManifest, CheckpointRef, DesiredState, ExtraFields, Lease, Phase, SandboxId,
+    SandboxMetadata, SandboxStatus, decode,
+};
+use crate::clock::Clock;
+use crate::fencing::{FenceError, fenced_update};
+use crate::layout::{checkpoint_id_of_image, checkpoint_manifest_key, metadata_key};
+use crate::leasing::{HeldLease, LeaseError, Leases};
+use crate::runtime::{CheckpointRequest, CreateOptions, RuntimeError, SandboxRuntime};
+use crate::store::{Store, StoreError};
+
+use super::progress::{Operation, Progress, ProgressBus};
+
+/// Timing of the reconciler.
+#[derive(Debug, Clone)]
+pub struct ReconcilerConfig {
+    /// How often a held sandbox is looked at (lease renewal, operator edits).
+    pub resync_interval: Duration,
+    /// How often an instance waiting for another's lease looks again.
+    pub acquire_poll: Duration,
+    /// How soon a checkpoint refused for a running execution is tried again.
+    pub checkpoint_retry: Duration,
+}
+
+impl Default for ReconcilerConfig {
+    fn default() -> Self {
+        Self {
+            resync_interval: Duration::from_secs(10),
+            acquire_poll: Duration::from_millis(500),
+            checkpoint_retry: Duration::from_secs(2),
+        }
+    }
+}
+
+/// When to reconcile the sandbox again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requeue {
+    /// Only when something happens (an intent, an operator's edit noticed by
+    /// the caller).
+    Never,
+    After(Duration),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    #[error("{0}")]
+    Fence(String),
+    #[error("{key} is not a valid document: {detail}")]
+    Invalid { key: String, detail: String },
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+}
+
+impl From<FenceError<Infallible>> for ReconcileError {
+    fn from(err: FenceError<Infallible>) -> Self {
+        match err {
+            FenceError::Store(err) => Self::Store(err),
+            FenceError::Invalid { key, source } => Self::Invalid {
+                key,
+                detail: source.to_string(),
+            },
+            other => Self::Fence(other.to_string()),
+        }
+    }
+}
+
+/// The reconciler of one instance, with the leases it holds.
+#[derive(Debug)]
+pub struct Reconciler {
+    metadata: Arc<dyn Store>,
+    checkpoints: Arc<dyn Store>,
+    checkpoint_bucket: String,
+    snapshot_bucket: String,
+    runtime: Arc<dyn SandboxRuntime>,
+    leases: Leases,
+    clock: Arc<dyn Clock>,
+    bus: ProgressBus,
+    config: ReconcilerConfig,
+    held: Mutex<HashMap<SandboxId, HeldLease>>,
+}
+
+/// The ports and settings a [`Reconciler`] is built from.
+#[derive(Debug, Clone)]
+pub struct ReconcilerParts {
+    pub metadata: Arc<dyn Store>,
+    pub checkpoints: Arc<dyn Store>,
+    /// Recorded in `status.latest_checkpoint.bucket`.
+    pub checkpoint_bucket: String,
+    /// Recorded in `status.latest_snapshot.bucket`.
+    pub snapshot_bucket: String,
+    pub runtime: Arc<dyn SandboxRuntime>,
+    pub leases: Leases,
+    pub clock: Arc<dyn Clock>,
+    pub bus: ProgressBus,
+    pub config: ReconcilerConfig,
+}
+
+impl Reconciler {
+    pub fn new(parts: ReconcilerParts) -> Self {
+        Self {
+            metadata: parts.metadata,
+            checkpoints: parts.checkpoints,
+            checkpoint_bucket: parts.checkpoint_bucket,
+            snapshot_bucket: parts.snapshot_bucket,
+            runtime: parts.runtime,
+            leases: parts.leases,
+            clock: parts.clock,
+            bus: parts.bus,
+            config: parts.config,
+            held: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn runtime(&self) -> &Arc<dyn SandboxRuntime> {
+        &self.runtime
+    }
+
+    pub fn snapshot_bucket(&self) -> &str {
+        &self.snapshot_bucket
+    }
+
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    pub fn leases(&self) -> &Leases {
+        &self.leases
+    }
+
+    pub fn metadata_store(&self) -> &Arc<dyn Store> {
+        &self.metadata
+    }
+
+    /// The lease this instance holds on `sandbox`, if it runs here.
+    pub fn held(&self, sandbox: &SandboxId) -> Option<HeldLease> {
+        self.held_map().get(sandbox).cloned()
+    }
+
+    /// Every sandbox this instance holds.
+    pub fn held_sandboxes(&self) -> Vec<SandboxId> {
+        self.held_map().keys().cloned().collect()
+    }
+
+    fn held_map(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, HeldLease>> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn forget(&self, sandbox: &SandboxId) {
+        self.held_map().remove(sandbox);
+    }
+
+    fn emit(&self, sandbox: &SandboxId, event: Progress) {
+        self.bus.emit(sandbox, event);
+    }
+
+    /// Reads `metadata.json`; `None` if it does not exist.
+    pub async fn read_metadata(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<Option<SandboxMetadata>, ReconcileError> {
+        let key = metadata_key(sandbox);
+        match self.metadata.get(&key).await {
+            Ok(object) => decode(&object.data)
+                .map(Some)
+                .map_err(|err| ReconcileError::Invalid {
+                    key: key.to_string(),
+                    detail: err.to_string(),
+                }),
+            Err(StoreError::NotFound { .. }) => Ok(None),
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    /// Writes `status` fields under `epoch`, refusing if a newer holder wrote.
+    async fn write_status(
+        &self,
+        sandbox: &SandboxId,
+        epoch: u64,
+        mut change: impl FnMut(&mut SandboxStatus),
+    ) -> Result<SandboxMetadata, ReconcileError> {
+        let (written, _) = fenced_update::<SandboxMetadata, Infallible, _>(
+            self.metadata.as_ref(),
+            &metadata_key(sandbox),
+            epoch,
+            |metadata| {
+                change(&mut metadata.status);
+                Ok(())
+            },
+        )
+        .await?;
+        Ok(written)
+    }
+
+    /// One step toward the desired state of `sandbox`.
+    #[tracing::instrument(skip(self), fields(instance = %self.leases.instance()))]
+    pub async fn reconcile(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
+        let metadata = match self.read_metadata(sandbox).await {
+            Ok(Some(metadata)) => metadata,
+            Ok(None) => {
+                // Deleted from the bucket (garbage collection, an operator):
+                // nothing may keep running.
+                if self.held(sandbox).is_some() {
+                    self.stop_lost(sandbox, "its metadata.json was deleted")
+                        .await;
+                }
+                return Ok(Requeue::Never);
+            }
+            Err(err) => {
+                if let ReconcileError::Invalid { .. } = &err {
+                    // An operator's typo: report it to whoever waits, keep
+                    // running what runs, and look again later.
+                    self.emit(
+                        sandbox,
+                        Progress::Failed {
+                            operation: Operation::Restore,
+                            message: err.to_string(),
+                        },
+                    );
+                }
+                return Err(err);
+            }
+        };
+        let lease = self.leases.read(sandbox).await?.map(|(lease, _)| lease);
+        if let Some(held) = self.held(sandbox) {
+            return self.reconcile_held(sandbox, &metadata, lease, held).await;
+        }
+        match metadata.spec.desired_state {
+            DesiredState::Deleted => self.tombstone_unheld(sandbox, &metadata, lease).await,
+            DesiredState::Checkpointed => Ok(Requeue::Never),
+            DesiredState::Running => self.start_if_wanted(sandbox, &metadata, lease).await,
+        }
+    }
+
+    async fn reconcile_held(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+        lease: Option<Lease>,
+        held: HeldLease,
+    ) -> Result<Requeue, ReconcileError> {
+        let still_ours = lease
+            .as_ref()
+            .is_some_and(|l| l.is_held_by(self.leases.instance()) && l.epoch == held.epoch);
+        if !still_ours {
+            let holder = lease
+                .and_then(|l| l.holder.map(|h| h.to_string()))
+                .unwrap_or_else(|| "nobody".to_owned());
+            self.stop_lost(
+                sandbox,
+                &format!("the lease was taken over (holder now {holder})"),
+            )
+            .await;
+            return Ok(Requeue::Never);
+        }
+        if !self.runtime.is_running(sandbox) {
+            self.forget(sandbox);
+            let _ = self.leases.release(&held).await;
+            let message = "the sandbox stopped unexpectedly on this instance".to_owned();
+            self.write_status(sandbox, held.epoch, |status| {
+                status.phase = Phase::Failed;
+                status.holder = None;
+                status.last_error = Some(message.clone());
+            })
+            .await?;
+            self.emit(sandbox, Progress::Lost { message });
+            return Ok(Requeue::Never);
+        }
+        match metadata.spec.desired_state {
+            DesiredState::Deleted => self.delete_held(sandbox, metadata, held).await,
+            DesiredState::Checkpointed => {
+                if !metadata.spec.enable_checkpoint {
+                    let message = format!("Sandbox {sandbox} is not configured for checkpointing.");
+                    self.write_status(sandbox, held.epoch, |status| {
+                        status.last_error = Some(message.clone());
+                    })
+                    .await?;
+                    self.emit(
+                        sandbox,
+                        Progress::Failed {
+                            operation: Operation::Checkpoint,
+                            message,
+                        },
+                    );
+                    return self.keep_running(sandbox, held).await;
+                }
+                self.checkpoint_and_release(sandbox, metadata, held, false)
+                    .await
+            }
+            DesiredState::Running => {
+                let now = self.clock.now();
+                let wanted_elsewhere = lease
+                    .as_ref()
+                    .and_then(|l| l.live_intent(now))
+                    .is_some_and(|intent| &intent.instance != self.leases.instance());
+                if wanted_elsewhere && metadata.spec.enable_checkpoint {
+                    self.emit(sandbox, Progress::LockReleaseRequested);
+                    return self
+                        .checkpoint_and_release(sandbox, metadata, held, true)
+                        .await;
+                }
+                self.keep_running(sandbox, held).await
+            }
+        }
+    }
+
+    /// Renews the lease when a resync interval has passed since the last renewal.
+    async fn keep_running(
+        &self,
+        sandbox: &SandboxId,
+        held: HeldLease,
+    ) -> Result<Requeue, ReconcileError> {
+        let interval = chrono::Duration::from_std(self.config.resync_interval)
+            .unwrap_or(chrono::Duration::seconds(10));
+        if self.clock.now() < held.renewed_at + interval {
+            return Ok(Requeue::After(self.config.resync_interval));
+        }
+        match self.leases.renew(&held).await {
+            Ok(renewed) => {
+                self.held_map().insert(sandbox.clone(), renewed);
+                Ok(Requeue::After(self.config.resync_interval))
+            }
+            Err(LeaseError::Lost { .. } | LeaseError::Missing { .. }) => {
+                self.stop_lost(sandbox, "the lease was taken over").await;
+                Ok(Requeue::Never)
+            }
+            Err(err) => {
+                if !self.leases.is_safe(&held) {
+                    // Past the lease we can vouch for: another instance may
+                    // start it; two copies must never run.
+                    self.stop_lost(sandbox, &format!("the lease could not be renewed: {err}"))
+                        .await;
+                    return Ok(Requeue::Never);
+                }
+                Err(err.into())
+            }
+        }
+    }
+
+    /// Stops a sandbox this instance no longer owns, writing nothing.
+    async fn stop_lost(&self, sandbox: &SandboxId, why: &str) {
+        tracing::warn!(%sandbox, why, "stopping a sandbox this instance lost");
+        self.forget(sandbox);
+        if let Err(err) = self.runtime.destroy(sandbox).await
+            && !matches!(err, RuntimeError::NotFound(_))
+        {
+            tracing::error!(%sandbox, %err, "cannot destroy a lost sandbox");
+        }
+        self.emit(
+            sandbox,
+            Progress::Lost {
+                message: format!("Sandbox {sandbox} stopped on this instance: {why}"),
+            },
+        );
+    }
+
+    async fn delete_held(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+        held: HeldLease,
+    ) -> Result<Requeue, ReconcileError> {
+        let handoff = metadata.spec.enable_sandbox_handoff;
+        self.emit(sandbox, Progress::Deleting);
+        match self.runtime.destroy(sandbox).await {
+            Ok(()) | Err(RuntimeError::NotFound(_)) => {}
+            Err(err) => {
+                self.emit(
+                    sandbox,
+                    Progress::Failed {
+                        operation: Operation::Delete,
+                        message: err.to_string(),
+                    },
+                );
+                return Err(err.into());
+            }
+        }
+        self.forget(sandbox);
+        self.write_status(sandbox, held.epoch, |status| {
+            status.phase = Phase::Deleted;
+            status.holder = None;
+        })
+        .await?;
+        if handoff {
+            self.emit(sandbox, Progress::LockReleasing);
+        }
+        self.leases.release(&held).await?;
+        if handoff {
+            self.emit(sandbox, Progress::LockReleased);
+        }
+        self.emit(sandbox, Progress::Deleted);
+        Ok(Requeue::Never)
+    }
+
+    /// `desired_state: deleted` on a sandbox nobody runs: write the tombstone
+    /// under a lease of our own so no holder is overwritten.
+    async fn tombstone_unheld(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+        lease: Option<Lease>,
+    ) -> Result<Requeue, ReconcileError> {
+        if metadata.status.phase == Phase::Deleted {
+            self.emit(sandbox, Progress::Deleted);
+            return Ok(Requeue::Never);
+        }
+        let now = self.clock.now();
+        if let Some(lease) = &lease
+            && !lease.is_free(now, self.leases.config().skew_tolerance)
+        {
+            // Its holder converges it; check again once the lease could expire.
+            return Ok(Requeue::After(self.config.resync_interval));
+        }
+        let held = match self.leases.acquire(sandbox).await {
+            Ok(held) => held,
+            Err(LeaseError::HeldByOther { .. } | LeaseError::WantedByOther { .. }) => {
+                return Ok(Requeue::After(self.config.acquire_poll));
+            }
+            Err(err) => return Err(err.into()),
+        };
+        self.emit(sandbox, Progress::Deleting);
+        self.write_status(sandbox, held.epoch, |status| {
+            status.phase = Phase::Deleted;
+            status.holder = None;
+        })
+        .await?;
+        self.leases.release(&held).await?;
+        self.emit(sandbox, Progress::Deleted);
+        Ok(Requeue::Never)
+    }
+
+    /// Checkpoints a held sandbox, records the checkpoint, and releases it.
+    async fn checkpoint_and_release(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+        mut held: HeldLease,
+        force: bool,
+    ) -> Result<Requeue, ReconcileError> {
+        let handoff = metadata.spec.enable_sandbox_handoff;
+        if !self.leases.is_safe(&held) {
+            held = self.leases.renew(&held).await?;
+            self.held_map().insert(sandbox.clone(), held.clone());
+        }
+        self.emit(sandbox, Progress::Checkpointing);
+        let name = match metadata.spec.desired_state {
+            DesiredState::Checkpointed => metadata.spec.checkpoint_name.clone(),
+            _ => None,
+        };
+        let request = CheckpointRequest {
+            checkpoint_id: SandboxId::random(),
+            epoch: held.epoch,
+            name: name.clone(),
+            force,
+        };
+        let manifest = match self.runtime.checkpoint(sandbox, request).await {
+            Ok(manifest) => manifest,
+            Err(RuntimeError::ExecutionInProgress(_)) => {
+                self.emit(sandbox, Progress::ExecutionInProgress);
+                return Ok(Requeue::After(self.config.checkpoint_retry));
+            }
+            Err(RuntimeError::Lost { detail, .. }) => {
+                self.forget(sandbox);
+                self.emit(sandbox, Progress::Deleting);
+                let message = format!("Failed to checkpoint sandbox {sandbox}: {detail}");
+                self.write_status(sandbox, held.epoch, |status| {
+                    status.phase = Phase::Failed;
+                    status.holder = None;
+                    status.last_error = Some(message.clone());
+                })
+                .await?;
+                let _ = self.leases.release(&held).await;
+                self.emit(sandbox, Progress::Deleted);
+                self.emit(
+                    sandbox,
+                    Progress::Failed {
+                        operation: Operation::Checkpoint,
+                        message,
+                    },
+                );
+                return Ok(Requeue::Never);
+            }
+            Err(err) => {
+                let message = format!("Failed to checkpoint sandbox {sandbox}: {err}");
+                self.write_status(sandbox, held.epoch, |status| {
+                    status.last_error = Some(message.clone());
+                })
+                .await?;
+                self.emit(
+                    sandbox,
+                    Progress::Failed {
+                        operation: Operation::Checkpoint,
+                        message,
+                    },
+                );
+                return Err(err.into());
+            }
+        };
+        // The runtime removed the local sandbox with the checkpoint.
+        self.forget(sandbox);
+        self.emit(sandbox, Progress::Deleting);
+        let reference = CheckpointRef {
+            bucket: self.checkpoint_bucket.clone(),
+            path: manifest.image.key.clone(),
+            epoch: held.epoch,
+            sha256: manifest.image.sha256.clone(),
+            size: manifest.image.size,
+            created_at: manifest.created_at,
+            name: name.clone(),
+            extra: ExtraFields::new(),
+        };
+        self.write_status(sandbox, held.epoch, |status| {
+            status.phase = Phase::Checkpointed;
+            status.holder = None;
+            status.latest_checkpoint = Some(reference.clone());
+            if let Some(name) = &name {
+                status
+                    .named_checkpoints
+                    .insert(name.clone(), reference.clone());
+            }
+            status.last_error = None;
+        })
+        .await?;
+        if handoff {
+            self.emit(sandbox, Progress::LockReleasing);
+        }
+        if let Err(err) = self.leases.release(&held).await {
+            // The checkpoint is recorded; an unreleased lease only delays the
+            // next holder until it expires.
+            tracing::warn!(%sandbox, %err, "cannot release the lease after a checkpoint");
+        }
+        if handoff {
+            self.emit(sandbox, Progress::LockReleased);
+        }
+        self.emit(sandbox, Progress::Deleted);
+        self.emit(
+            sandbox,
+            Progress::Checkpointed {
+                image: manifest.image.key,
+            },
+        );
+        Ok(Requeue::Never)
+    }
+
+    /// `desired_state: running` and not here: start it if this instance wants it.
+    async fn start_if_wanted(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+        lease: Option<Lease>,
+    ) -> Result<Requeue, ReconcileError> {
+        let now = self.clock.now();
+        let wanted_here = lease
+            .as_ref()
+            .and_then(|l| l.live_intent(now))
+            .is_some_and(|intent| &intent.instance == self.leases.instance());
+        if !wanted_here {
+            return Ok(Requeue::Never);
+        }
+        let handoff = metadata.spec.enable_sandbox_handoff;
+        if handoff {
+            self.emit(sandbox, Progress::LockAcquiring);
+        }
+        let held = match self.leases.acquire(sandbox).await {
+            Ok(held) => held,
+            Err(LeaseError::HeldByOther { .. }) => {
+                // The holder hands it over (or its lease expires): look again soon.
+                return Ok(Requeue::After(self.config.acquire_poll));
+            }
+            Err(LeaseError::WantedByOther { instance, .. }) => {
+                self.emit(
+                    sandbox,
+                    Progress::Failed {
+                        operation: Operation::Restore,
+                        message: format!("instance {instance} asked for the sandbox meanwhile"),
+                    },
+                );
+                return Ok(Requeue::Never);
+            }
+            Err(err) => return Err(err.into()),
+        };
+        if handoff {
+            self.emit(sandbox, Progress::LockAcquired);
+        }
+        match self.start(sandbox, metadata, &held).await {
+            Ok(()) => {
+                self.held_map().insert(sandbox.clone(), held.clone());
+                self.emit(sandbox, Progress::Running { epoch: held.epoch });
+                Ok(Requeue::After(self.config.resync_interval))
+            }
+            Err((operation, message)) => {
+                tracing::warn!(%sandbox, ?operation, %message, "cannot start the sandbox");
+                let _ = self.runtime.destroy(sandbox).await;
+                let recorded = self
+                    .write_status(sandbox, held.epoch, |status| {
+                        if operation == Operation::Create {
+                            status.phase = Phase::Failed;
+                        }
+                        status.holder = None;
+                        status.last_error = Some(message.clone());
+                    })
+                    .await;
+                let _ = self.leases.release(&held).await;
+                let _ = self.leases.withdraw_attach(sandbox).await;
+                self.emit(sandbox, Progress::Failed { operation, message });
+                recorded.map(|_| Requeue::Never)
+            }
+        }
+    }
+
+    /// Creates or restores the sandbox under a freshly acquired lease and
+    /// records it as running here.
+    async fn start(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+        held: &HeldLease,
+    ) -> Result<(), (Operation, String)> {
+        let restore_request = metadata
+            .spec
+            .restore_request
+            .as_ref()
+            .filter(|r| metadata.status.last_restore_request != Some(r.requested_at));
+        let source = match restore_request {
+            Some(request) => match metadata.status.named_checkpoints.get(&request.checkpoint) {
+                Some(found) => Some(found.clone()),
+                None => {
+                    return Err((
+                        Operation::Restore,
+                        format!(
+                            "Failed to restore sandbox {sandbox}: no checkpoint named {:?}",
+                            request.checkpoint
+                        ),
+                    ));
+                }
+            },
+            None => metadata.status.latest_checkpoint.clone(),
+        };
+        let instance = self.leases.instance().clone();
+        let served_request = restore_request.map(|r| r.requested_at);
+        let operation = match (&source, metadata.status.phase) {
+            (Some(_), _) => Operation::Restore,
+            (None, Phase::Pending | Phase::Creating) => Operation::Create,
+            (None, _) => {
+                return Err((
+                    Operation::Restore,
+                    format!(
+                        "Failed to restore sandbox {sandbox}: it has no checkpoint to restore \
+                         (its instance stopped while it ran)"
+                    ),
+                ));
+            }
+        };
+        let fail = |err: String| {
+            let verb = match operation {
+                Operation::Create => "Failed to create gVisor container",
+                _ => "Failed to restore sandbox",
+            };
+            (operation, format!("{verb} {sandbox}: {err}"))
+        };
+        let phase = match operation {
+            Operation::Create => Phase::Creating,
+            _ => Phase::Restoring,
+        };
+        self.write_status(sandbox, held.epoch, |status| {
+            status.phase = phase;
+            status.holder = Some(instance.clone());
+        })
+        .await
+        .map_err(|err| fail(err.to_string()))?;
+        match &source {
+            Some(reference) => {
+                self.emit(sandbox, Progress::Restoring);
+                let manifest = self
+                    .load_manifest(reference)
+                    .await
+                    .map_err(|err| fail(err.to_string()))?;
+                self.runtime
+                    .restore(sandbox, &manifest)
+                    .await
+                    .map_err(|err| fail(err.to_string()))?;
+            }
+            None => {
+                let options = CreateOptions {
+                    snapshot_name: metadata.spec.filesystem_snapshot_name.clone(),
+                };
+                self.runtime
+                    .create(sandbox, &options)
+                    .await
+                    .map_err(|err| fail(err.to_string()))?;
+            }
+        }
+        self.write_status(sandbox, held.epoch, |status| {
+            status.phase = Phase::Running;
+            status.holder = Some(instance.clone());
+            status.last_error = None;
+            if served_request.is_some() {
+                status.last_restore_request = served_request;
+            }
+        })
+        .await
+        .map_err(|err| fail(err.to_string()))?;
+        Ok(())
+    }
+
+    /// Reads the manifest of a recorded checkpoint and checks it describes
+    /// the same image (an operator may have edited the reference).
+    async fn load_manifest(
+        &self,
+        reference: &CheckpointRef,
+    ) -> Result<CheckpointManifest, ReconcileError> {
+        let invalid = |detail: String| ReconcileError::Invalid {
+            key: "status.latest_checkpoint".to_owned(),
+            detail,
+        };
+        let checkpoint_id = checkpoint_id_of_image(&reference.path).ok_or_else(|| {
+            invalid(format!(
+                "path {:?} is not a checkpoint image key",
+                reference.path
+            ))
+        })?;
+        let key = checkpoint_manifest_key(&checkpoint_id);
+        let object = self.checkpoints.get(&key).await?;
+        let manifest: CheckpointManifest =
+            decode(&object.data).map_err(|err| ReconcileError::Invalid {
+                key: key.to_string(),
+                detail: err.to_string(),
+            })?;
+        if manifest.image.key != reference.path
+            || manifest.image.sha256 != reference.sha256
+            || manifest.image.size != reference.size
+        {
+            return Err(invalid(format!(
+                "{key} describes a different image than the recorded checkpoint"
+            )));
+        }
+        Ok(manifest)
+    }
+}

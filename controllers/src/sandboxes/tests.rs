@@ -1,0 +1,414 @@
+//! The reconciler on the in-memory store, the fake runtime and a manual clock:
+//! each test drives reconcile passes by hand and checks the bucket's JSON, the
+//! runtime and the progress events.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use chrono::Duration;
+use tokio::sync::broadcast;
+
+use super::*;
+use crate::api::{
+    DesiredState, InstanceId, Lease, Phase, SandboxId, SandboxMetadata, decode, encode,
+};
+use crate::layout::{lock_key, metadata_key};
+use crate::leasing::{LeaseConfig, Leases};
+use crate::runtime::{Command, ExecRequest};
+use crate::store::{PutMode, Store};
+use crate::testing::{FakeRuntime, ManualClock, MemoryStore};
+
+const TOKEN_HASH: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+
+struct Instance {
+    controller: Arc<SandboxController>,
+    runtime: FakeRuntime,
+}
+
+struct World {
+    store: Arc<MemoryStore>,
+    clock: ManualClock,
+}
+
+impl World {
+    fn new() -> Self {
+        Self {
+            store: Arc::new(MemoryStore::new()),
+            clock: ManualClock::new(),
+        }
+    }
+
+    fn instance(&self, name: &str) -> Instance {
+        let runtime = FakeRuntime::new(self.store.clone());
+        let bus = ProgressBus::default();
+        let leases = Leases::new(
+            self.store.clone(),
+            Arc::new(self.clock.clone()),
+            InstanceId::parse(name).unwrap(),
+            LeaseConfig {
+                duration: Duration::seconds(30),
+                skew_tolerance: Duration::seconds(5),
+                intent_ttl: Duration::seconds(60),
+            },
+        );
+        let reconciler = Reconciler::new(ReconcilerParts {
+            metadata: self.store.clone(),
+            checkpoints: self.store.clone(),
+            checkpoint_bucket: "test-bucket".to_owned(),
+            snapshot_bucket: "test-bucket".to_owned(),
+            runtime: Arc::new(runtime.clone()),
+            leases,
+            clock: Arc::new(self.clock.clone()),
+            bus: bus.clone(),
+            config: ReconcilerConfig::default(),
+        });
+        Instance {
+            controller: SandboxController::new(reconciler, bus),
+            runtime,
+        }
+    }
+
+    async fn metadata(&self, id: &SandboxId) -> SandboxMetadata {
+        decode(&self.store.get(&metadata_key(id)).await.unwrap().data).unwrap()
+    }
+
+    async fn lease(&self, id: &SandboxId) -> Lease {
+        decode(&self.store.get(&lock_key(id)).await.unwrap().data).unwrap()
+    }
+}
+
+impl Instance {
+    async fn reconcile(&self, id: &SandboxId) -> Result<Requeue, ReconcileError> {
+        self.controller.reconciler().reconcile(id).await
+    }
+
+    async fn create(&self, world: &World) -> SandboxId {
+        let id = SandboxId::random();
+        let mut metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
+        metadata.spec.enable_checkpoint = true;
+        self.controller.create(&metadata).await.unwrap();
+        self.reconcile(&id).await.unwrap();
+        id
+    }
+
+    async fn run(&self, id: &SandboxId, code: &str) {
+        let mut execution = self
+            .controller
+            .exec(id, ExecRequest::new(Command::Bash(code.into())))
+            .await
+            .unwrap();
+        while execution.events.recv().await.is_some() {}
+    }
+}
+
+fn drain(events: &mut broadcast::Receiver<Progress>) -> Vec<Progress> {
+    let mut seen = Vec::new();
+    while let Ok(event) = events.try_recv() {
+        seen.push(event);
+    }
+    seen
+}
+
+use crate::clock::Clock;
+
+#[tokio::test]
+async fn create_runs_the_sandbox_under_a_new_lease() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = SandboxId::random();
+    let mut events = a.controller.subscribe(&id);
+    let metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
+    a.controller.create(&metadata).await.unwrap();
+    let requeue = a.reconcile(&id).await.unwrap();
+
+    assert!(matches!(requeue, Requeue::After(_)));
+    assert_eq!(drain(&mut events), vec![Progress::Running { epoch: 1 }]);
+    assert!(a.runtime.memory(&id).is_some());
+    let status = world.metadata(&id).await.status;
+    assert_eq!(status.phase, Phase::Running);
+    assert_eq!(status.holder.unwrap().as_str(), "a");
+    assert_eq!(status.epoch, 1);
+    let lease = world.lease(&id).await;
+    assert_eq!(lease.holder.unwrap().as_str(), "a");
+    assert!(lease.wanted_by.is_none(), "the fulfilled intent is cleared");
+    assert_eq!(a.runtime.counts(), (1, 0));
+}
+
+#[tokio::test]
+async fn a_second_create_with_the_same_id_is_refused() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    let again = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
+    assert!(matches!(
+        a.controller.create(&again).await,
+        Err(ControlError::AlreadyExists(_))
+    ));
+}
+
+#[tokio::test]
+async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "x=1").await;
+
+    let mut events = a.controller.subscribe(&id);
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, Some("first"))
+        .await
+        .unwrap();
+    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
+    let seen = drain(&mut events);
+    assert_eq!(
+        seen[..3],
+        [
+            Progress::Checkpointing,
+            Progress::Deleting,
+            Progress::Deleted
+        ]
+    );
+    assert!(matches!(seen[3], Progress::Checkpointed { .. }));
+    assert!(a.runtime.memory(&id).is_none());
+    let status = world.metadata(&id).await.status;
+    assert_eq!(status.phase, Phase::Checkpointed);
+    assert_eq!(status.holder, None);
+    let latest = status.latest_checkpoint.unwrap();
+    assert_eq!(latest.name.as_deref(), Some("first"));
+    assert_eq!(status.named_checkpoints["first"], latest);
+    assert_eq!(world.lease(&id).await.holder, None);
+
+    // Another instance restores it: same memory, next epoch.
+    let b = world.instance("b");
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["x=1".to_owned()]);
+    let status = world.metadata(&id).await.status;
+    assert_eq!((status.phase, status.epoch), (Phase::Running, 2));
+    assert_eq!(b.runtime.counts(), (0, 1));
+}
+
+#[tokio::test]
+async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "one").await;
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, Some("early"))
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    a.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    a.run(&id, "two").await;
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+
+    // Ask for the early one by name.
+    a.controller
+        .request_here(&id, Some("early"), world.clock.now())
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(a.runtime.memory(&id).unwrap(), vec!["one".to_owned()]);
+
+    // The request was one-shot: the next checkpoint/restore uses the latest.
+    a.run(&id, "three").await;
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    world.clock.advance(Duration::seconds(1));
+    a.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(
+        a.runtime.memory(&id).unwrap(),
+        vec!["one".to_owned(), "three".to_owned()]
+    );
+}
+
+#[tokio::test]
+async fn an_unknown_checkpoint_name_fails_the_restore_and_keeps_the_sandbox() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    let mut events = a.controller.subscribe(&id);
+    a.controller
+        .request_here(&id, Some("nope"), world.clock.now())
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    let seen = drain(&mut events);
+    assert!(
+        matches!(&seen[..], [Progress::Failed { operation: Operation::Restore, message }] if message.contains("nope")),
+        "{seen:?}"
+    );
+    let metadata = world.metadata(&id).await;
+    assert_eq!(metadata.status.phase, Phase::Checkpointed);
+    assert!(metadata.status.latest_checkpoint.is_some());
+    assert_eq!(world.lease(&id).await.holder, None);
+}
+
+#[tokio::test]
+async fn another_instance_asking_gets_the_sandbox_handed_over() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.run(&id, "state").await;
+
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    // B waits: A holds a live lease.
+    assert!(matches!(b.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert!(b.runtime.memory(&id).is_none());
+    let mut events = a.controller.subscribe(&id);
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(drain(&mut events)[0], Progress::LockReleaseRequested);
+    b.reconcile(&id).await.unwrap();
+    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
+    assert!(a.runtime.memory(&id).is_none());
+    assert_eq!(world.metadata(&id).await.status.epoch, 2);
+}
+
+#[tokio::test]
+async fn a_holder_that_lost_its_lease_stops_without_writing() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    // An operator hands the lease to someone else.
+    let mut lease = world.lease(&id).await;
+    lease.holder = Some(InstanceId::parse("c").unwrap());
+    lease.epoch += 1;
+    world
+        .store
+        .put(&lock_key(&id), encode(&lease), PutMode::Overwrite)
+        .await
+        .unwrap();
+    let before = world.store.get(&metadata_key(&id)).await.unwrap();
+    let mut events = a.controller.subscribe(&id);
+
+    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
+    assert!(matches!(drain(&mut events)[..], [Progress::Lost { .. }]));
+    assert!(a.runtime.memory(&id).is_none());
+    assert!(!a.controller.is_held_here(&id));
+    let after = world.store.get(&metadata_key(&id)).await.unwrap();
+    assert_eq!(
+        before.generation, after.generation,
+        "a loser writes nothing"
+    );
+}
+
+#[tokio::test]
+async fn delete_destroys_tombstones_and_releases() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    let mut events = a.controller.subscribe(&id);
+    a.controller
+        .request_state(&id, DesiredState::Deleted, None)
+        .await
+        .unwrap();
+    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
+    assert_eq!(
+        drain(&mut events),
+        vec![Progress::Deleting, Progress::Deleted]
+    );
+    assert!(a.runtime.memory(&id).is_none());
+    assert_eq!(world.metadata(&id).await.status.phase, Phase::Deleted);
+    assert_eq!(world.lease(&id).await.holder, None);
+}
+
+#[tokio::test]
+async fn a_checkpoint_waits_for_a_running_execution() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    let execution = a
+        .controller
+        .exec(&id, ExecRequest::new(Command::Bash("hold".into())))
+        .await
+        .unwrap();
+    let mut events = a.controller.subscribe(&id);
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert_eq!(
+        drain(&mut events),
+        vec![Progress::Checkpointing, Progress::ExecutionInProgress]
+    );
+    assert!(a.runtime.memory(&id).is_some());
+    execution.control.kill().await.unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(world.metadata(&id).await.status.phase, Phase::Checkpointed);
+}
+
+#[tokio::test]
+async fn invalid_json_from_an_operator_is_reported_and_changes_nothing() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    world
+        .store
+        .put(
+            &metadata_key(&id),
+            Bytes::from_static(b"{\"apiVersion\": \"sandboxd.dev/v1\", oops"),
+            PutMode::Overwrite,
+        )
+        .await
+        .unwrap();
+    let err = a.reconcile(&id).await.unwrap_err();
+    assert!(err.to_string().contains("metadata.json"), "{err}");
+    assert!(a.runtime.memory(&id).is_some(), "the sandbox keeps running");
+    assert!(a.controller.is_held_here(&id));
+}
+
+#[tokio::test]
+async fn a_sandbox_that_died_is_marked_failed_and_released() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.runtime.crash(&id);
+    let mut events = a.controller.subscribe(&id);
+    a.reconcile(&id).await.unwrap();
+    assert!(matches!(drain(&mut events)[..], [Progress::Lost { .. }]));
+    let metadata = world.metadata(&id).await;
+    assert_eq!(metadata.status.phase, Phase::Failed);
+    assert_eq!(world.lease(&id).await.holder, None);
+}
+
+#[tokio::test]
+async fn the_lease_is_renewed_once_per_resync_interval() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    let first = world.lease(&id).await.renewed_at;
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(world.lease(&id).await.renewed_at, first, "not due yet");
+    world.clock.advance(Duration::seconds(11));
+    a.reconcile(&id).await.unwrap();
+    assert!(world.lease(&id).await.renewed_at > first);
+}

@@ -1,0 +1,282 @@
+//! A fake `SandboxRuntime` for the controllers' tests: a sandbox is a list of
+//! the Bash commands it ran (its "memory"), a checkpoint stores that list as the
+//! image, and a restore brings it back, so tests can see state survive moves.
+//!
+//! An execution of `hold` keeps running until killed (to test refusals).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use chrono::Utc;
+use sha2_free::sha256_hex;
+use tokio::sync::mpsc;
+
+use crate::api::{
+    BlobDigest, CheckpointManifest, ExtraFields, SandboxId, SnapshotManifest, encode,
+};
+use crate::layout::{checkpoint_image_key, checkpoint_manifest_key};
+use crate::runtime::{
+    CheckpointRequest, Command, CreateOptions, ExecControl, ExecEvent, ExecRequest, Execution,
+    RuntimeError, SandboxRuntime,
+};
+use crate::store::{PutMode, Store};
+
+#[derive(Debug, Default)]
+struct FakeSandbox {
+    memory: Vec<String>,
+    running_exec: Option<mpsc::Sender<ExecEvent>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    sandboxes: HashMap<SandboxId, FakeSandbox>,
+    creates: u64,
+    restores: u64,
+}
+
+/// The fake runtime of one simulated host.
+#[derive(Debug, Clone)]
+pub struct FakeRuntime {
+    checkpoints: Arc<dyn Store>,
+    state: Arc<Mutex<State>>,
+}
+
+impl FakeRuntime {
+    pub fn new(checkpoints: Arc<dyn Store>) -> Self {
+        Self {
+            checkpoints,
+            state: Arc::default(),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// What the sandbox ran so far, if it runs here.
+    pub fn memory(&self, sandbox: &SandboxId) -> Option<Vec<String>> {
+        self.state()
+            .sandboxes
+            .get(sandbox)
+            .map(|s| s.memory.clone())
+    }
+
+    /// How many sandboxes were created and restored here.
+    pub fn counts(&self) -> (u64, u64) {
+        let state = self.state();
+        (state.creates, state.restores)
+    }
+
+    /// Simulates the sandbox dying under the runtime.
+    pub fn crash(&self, sandbox: &SandboxId) {
+        self.state().sandboxes.remove(sandbox);
+    }
+}
+
+#[derive(Debug)]
+struct FakeControl {
+    runtime: FakeRuntime,
+    sandbox: SandboxId,
+}
+
+#[async_trait]
+impl ExecControl for FakeControl {
+    async fn write_stdin(&self, _data: Bytes) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+    async fn close_stdin(&self) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+    async fn kill(&self) -> Result<(), RuntimeError> {
+        let sender = {
+            let mut state = self.runtime.state();
+            state
+                .sandboxes
+                .get_mut(&self.sandbox)
+                .and_then(|s| s.running_exec.take())
+        };
+        if let Some(sender) = sender {
+            let _ = sender.send(ExecEvent::Exited(137)).await;
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl SandboxRuntime for FakeRuntime {
+    async fn create(
+        &self,
+        sandbox: &SandboxId,
+        _options: &CreateOptions,
+    ) -> Result<(), RuntimeError> {
+        let mut state = self.state();
+        if state.sandboxes.contains_key(sandbox) {
+            return Err(RuntimeError::AlreadyExists(sandbox.clone()));
+        }
+        state
+            .sandboxes
+            .insert(sandbox.clone(), FakeSandbox::default());
+        state.creates += 1;
+        Ok(())
+    }
+
+    async fn exec(
+        &self,
+        sandbox: &SandboxId,
+        request: ExecRequest,
+    ) -> Result<Execution, RuntimeError> {
+        let code = match request.command {
+            Command::Bash(code) | Command::Python(code) | Command::PythonSession(code) => code,
+        };
+        let (sender, events) = mpsc::channel(16);
+        {
+            let mut state = self.state();
+            let fake = state
+                .sandboxes
+                .get_mut(sandbox)
+                .ok_or_else(|| RuntimeError::NotFound(sandbox.clone()))?;
+            if fake.running_exec.is_some() {
+                return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
+            }
+            fake.memory.push(code.clone());
+            if code == "hold" {
+                fake.running_exec = Some(sender.clone());
+            }
+        }
+        if code != "hold" {
+            let _ = sender.try_send(ExecEvent::Stdout(Bytes::from(format!("{code}\n"))));
+            let _ = sender.try_send(ExecEvent::Exited(0));
+        }
+        Ok(Execution {
+            events,
+            control: Box::new(FakeControl {
+                runtime: self.clone(),
+                sandbox: sandbox.clone(),
+            }),
+        })
+    }
+
+    async fn checkpoint(
+        &self,
+        sandbox: &SandboxId,
+        request: CheckpointRequest,
+    ) -> Result<CheckpointManifest, RuntimeError> {
+        let memory = {
+            let state = self.state();
+            let fake = state
+                .sandboxes
+                .get(sandbox)
+                .ok_or_else(|| RuntimeError::NotFound(sandbox.clone()))?;
+            if fake.running_exec.is_some() && !request.force {
+                return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
+            }
+            fake.memory.clone()
+        };
+        let image = Bytes::from(memory.join("\n"));
+        let image_key = checkpoint_image_key(&request.checkpoint_id);
+        self.checkpoints
+            .put(&image_key, image.clone(), PutMode::Create)
+            .await?;
+        let manifest = CheckpointManifest {
+            api_version: CheckpointManifest::api_version(),
+            checkpoint_id: request.checkpoint_id.to_string(),
+            sandbox_id: sandbox.clone(),
+            epoch: request.epoch,
+            name: request.name,
+            created_at: Utc::now(),
+            image: BlobDigest {
+                key: image_key.to_string(),
+                size: image.len() as u64,
+                sha256: sha256_hex(&image),
+            },
+            runsc_version: "fake".to_owned(),
+            platform: "fake".to_owned(),
+            cpu_features: Vec::new(),
+            extra: ExtraFields::new(),
+        };
+        self.checkpoints
+            .put(
+                &checkpoint_manifest_key(&request.checkpoint_id),
+                encode(&manifest),
+                PutMode::Create,
+            )
+            .await?;
+        self.state().sandboxes.remove(sandbox);
+        Ok(manifest)
+    }
+
+    async fn restore(
+        &self,
+        sandbox: &SandboxId,
+        manifest: &CheckpointManifest,
+    ) -> Result<(), RuntimeError> {
+        let key = crate::store::ObjectKey::new(manifest.image.key.as_str())
+            .map_err(|err| RuntimeError::Invalid(err.to_string()))?;
+        let image = self.checkpoints.get(&key).await?.data;
+        if sha256_hex(&image) != manifest.image.sha256 {
+            return Err(RuntimeError::CorruptImage {
+                key: key.to_string(),
+                detail: "sha256 mismatch".to_owned(),
+            });
+        }
+        let text = String::from_utf8_lossy(&image);
+        let memory = if text.is_empty() {
+            Vec::new()
+        } else {
+            text.split('\n').map(str::to_owned).collect()
+        };
+        let mut state = self.state();
+        if state.sandboxes.contains_key(sandbox) {
+            return Err(RuntimeError::AlreadyExists(sandbox.clone()));
+        }
+        state.sandboxes.insert(
+            sandbox.clone(),
+            FakeSandbox {
+                memory,
+                running_exec: None,
+            },
+        );
+        state.restores += 1;
+        Ok(())
+    }
+
+    async fn snapshot_filesystem(
+        &self,
+        sandbox: &SandboxId,
+        _name: &str,
+    ) -> Result<SnapshotManifest, RuntimeError> {
+        Err(RuntimeError::Invalid(format!(
+            "the fake runtime takes no snapshots ({sandbox})"
+        )))
+    }
+
+    async fn destroy(&self, sandbox: &SandboxId) -> Result<(), RuntimeError> {
+        match self.state().sandboxes.remove(sandbox) {
+            Some(_) => Ok(()),
+            None => Err(RuntimeError::NotFound(sandbox.clone())),
+        }
+    }
+
+    fn is_running(&self, sandbox: &SandboxId) -> bool {
+        self.state().sandboxes.contains_key(sandbox)
+    }
+}
+
+/// A dependency-free digest is not worth it here: the fake only needs a
+/// stable fingerprint with the right shape (64 lowercase hex digits).
+mod sha2_free {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+
+    pub fn sha256_hex(data: &[u8]) -> String {
+        let mut out = String::with_capacity(64);
+        for round in 0u8..4 {
+            let mut hasher = DefaultHasher::new();
+            round.hash(&mut hasher);
+            data.hash(&mut hasher);
+            out.push_str(&format!("{:016x}", hasher.finish()));
+        }
+        out
+    }
+}
