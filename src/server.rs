@@ -10,8 +10,13 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use controllers::api::InstanceId;
+use controllers::clock::{Clock, SystemClock};
 use controllers::layout::SANDBOXES_PREFIX;
+use controllers::leasing::{LeaseConfig, Leases};
 use controllers::runtime::SandboxRuntime;
+use controllers::sandboxes::{
+    ProgressBus, Reconciler, ReconcilerConfig, ReconcilerParts, SandboxController,
+};
 use controllers::store::Store;
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -24,6 +29,74 @@ pub struct AppState {
     /// `None` when runsc is unusable here: the server still answers health
     /// checks, reports itself unready, and refuses work with a clear error.
     pub runtime: Option<Arc<dyn SandboxRuntime>>,
+    /// The sandbox controller (absent with the runtime).
+    pub controller: Option<Arc<SandboxController>>,
+    /// The sandboxes this instance serves, as the sessions see them.
+    pub live: Arc<crate::api::live::LiveSandboxes>,
+    pub features: Features,
+}
+
+/// What this server can do, as the init message's checks see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Features {
+    pub checkpoint: bool,
+    pub snapshot: bool,
+}
+
+/// The parts an instance is built from.
+#[derive(Debug, Clone)]
+pub struct Parts {
+    pub instance: InstanceId,
+    pub metadata_store: Arc<dyn Store>,
+    pub checkpoint_store: Arc<dyn Store>,
+    /// Names recorded in `metadata.json` for checkpoints and snapshots.
+    pub checkpoint_bucket: String,
+    pub snapshot_bucket: String,
+    pub runtime: Option<Arc<dyn SandboxRuntime>>,
+    pub lease: LeaseConfig,
+    pub reconciler: ReconcilerConfig,
+}
+
+impl AppState {
+    /// Wires the controller to the stores and the runtime and starts its
+    /// workers (when there is a runtime).
+    pub fn assemble(parts: Parts) -> Self {
+        let controller = parts.runtime.as_ref().map(|runtime| {
+            let bus = ProgressBus::default();
+            let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+            let leases = Leases::new(
+                Arc::clone(&parts.metadata_store),
+                Arc::clone(&clock),
+                parts.instance.clone(),
+                parts.lease.clone(),
+            );
+            let reconciler = Reconciler::new(ReconcilerParts {
+                metadata: Arc::clone(&parts.metadata_store),
+                checkpoints: Arc::clone(&parts.checkpoint_store),
+                checkpoint_bucket: parts.checkpoint_bucket.clone(),
+                snapshot_bucket: parts.snapshot_bucket.clone(),
+                runtime: Arc::clone(runtime),
+                leases,
+                clock,
+                bus: bus.clone(),
+                config: parts.reconciler.clone(),
+            });
+            let controller = SandboxController::new(reconciler, bus);
+            controller.spawn_workers();
+            controller
+        });
+        Self {
+            instance: parts.instance,
+            metadata_store: parts.metadata_store,
+            runtime: parts.runtime,
+            controller,
+            live: Arc::default(),
+            features: Features {
+                checkpoint: true,
+                snapshot: true,
+            },
+        }
+    }
 }
 
 /// The router, apart from `main`, so tests can drive it.
@@ -34,6 +107,8 @@ pub fn app(state: AppState) -> Router {
         .route("/healthz", get(status))
         .route("/readyz", get(readyz))
         .route("/execute", post(crate::api::execute::execute))
+        .route("/create", get(crate::api::connect::create))
+        .route("/attach/{sandbox_id}", get(crate::api::connect::attach))
         .with_state(state)
 }
 

@@ -11,17 +11,16 @@ mod support;
 
 use std::sync::Arc;
 
-use controllers::api::InstanceId;
-use sandboxd::server::{self, AppState};
+use sandboxd::server;
 use sandboxd::store::LocalStore;
 use serde_json::Value;
 
 async fn server(dir: &std::path::Path) -> String {
-    let state = AppState {
-        instance: InstanceId::parse("test-instance").unwrap(),
-        metadata_store: Arc::new(LocalStore::open(dir.join("meta")).unwrap()),
-        runtime: Some(Arc::new(support::runtime(dir).await)),
-    };
+    let state = support::app_state(
+        "test-instance",
+        Arc::new(LocalStore::open(dir.join("meta")).unwrap()),
+        Some(Arc::new(support::runtime(dir).await)),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(server::run(listener, state, std::future::pending()));

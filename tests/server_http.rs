@@ -13,8 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use controllers::api::InstanceId;
-use sandboxd::server::{self, AppState};
+use sandboxd::server;
 use sandboxd::store::{GcsConfig, GcsStore, LocalStore};
 use serde_json::{Value, json};
 
@@ -28,11 +27,11 @@ async fn get_json(url: &str) -> (u16, Value) {
 async fn status_root_and_readiness_answer_like_the_earlier_server() {
     let dir = tempfile::tempdir().unwrap();
     let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
-    let state = AppState {
-        instance: InstanceId::parse("test-instance").unwrap(),
-        metadata_store: Arc::new(LocalStore::open(dir.path()).unwrap()),
-        runtime: Some(Arc::new(support::runtime(dir.path()).await)),
-    };
+    let state = support::app_state(
+        "test-instance",
+        Arc::new(LocalStore::open(dir.path()).unwrap()),
+        Some(Arc::new(support::runtime(dir.path()).await)),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -64,11 +63,11 @@ async fn readiness_reports_an_unreachable_store() {
     config.retry.max_retries = 0;
     let dir = tempfile::tempdir().unwrap();
     let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
-    let state = AppState {
-        instance: InstanceId::parse("test-instance").unwrap(),
-        metadata_store: Arc::new(GcsStore::connect(config).await.unwrap()),
-        runtime: Some(Arc::new(support::runtime(dir.path()).await)),
-    };
+    let state = support::app_state(
+        "test-instance",
+        Arc::new(GcsStore::connect(config).await.unwrap()),
+        Some(Arc::new(support::runtime(dir.path()).await)),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(server::run(listener, state, std::future::pending()));
@@ -85,11 +84,11 @@ async fn readiness_reports_an_unreachable_store() {
 #[tokio::test]
 async fn without_a_runtime_the_server_is_alive_but_not_ready_and_refuses_work() {
     let dir = tempfile::tempdir().unwrap();
-    let state = AppState {
-        instance: InstanceId::parse("test-instance").unwrap(),
-        metadata_store: Arc::new(LocalStore::open(dir.path()).unwrap()),
-        runtime: None,
-    };
+    let state = support::app_state(
+        "test-instance",
+        Arc::new(LocalStore::open(dir.path()).unwrap()),
+        None,
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(server::run(listener, state, std::future::pending()));

@@ -1,5 +1,12 @@
-//! The client-facing API: the wire protocol of the earlier server's clients
-//! (WebSocket handling on top of it follows with the API work).
+//! The client-facing API: the wire protocol of the earlier server's clients,
+//! its WebSocket endpoints (`/create`, `/attach/{id}`) and `POST /execute`.
+//! This layer writes intents and waits for the controller; it never creates,
+//! checkpoints or restores a sandbox by itself.
 
+pub mod connect;
 pub mod execute;
+pub mod live;
+pub mod output;
 pub mod protocol;
+pub mod session;
+pub mod token;

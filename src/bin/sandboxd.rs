@@ -4,10 +4,12 @@ use clap::{Parser, Subcommand};
 use controllers::api::InstanceId;
 use std::sync::Arc;
 
+use controllers::leasing::LeaseConfig;
 use controllers::runtime::SandboxRuntime;
+use controllers::sandboxes::ReconcilerConfig;
 use sandboxd::config::{ServeArgs, StoreLocation};
 use sandboxd::runtime::GvisorRuntime;
-use sandboxd::server::{self, AppState};
+use sandboxd::server::{self, AppState, Parts};
 use sandboxd::{store, telemetry};
 
 #[derive(Debug, Parser)]
@@ -38,13 +40,14 @@ async fn main() -> anyhow::Result<()> {
     let metadata_store = store::open(&layout.metadata).await?;
     let checkpoint_store = store::open(&layout.checkpoints).await?;
     let snapshot_store = store::open(&layout.snapshots).await?;
-    let checkpoint_bucket = match &layout.checkpoints {
+    let bucket_name = |location: &StoreLocation| match location {
         StoreLocation::Bucket { bucket, .. } => bucket.clone(),
         StoreLocation::Directory(path) => path.display().to_string(),
     };
+    let checkpoint_bucket = bucket_name(&layout.checkpoints);
     let gvisor = match GvisorRuntime::start(
-        args.runtime.gvisor(checkpoint_bucket),
-        checkpoint_store,
+        args.runtime.gvisor(checkpoint_bucket.clone()),
+        Arc::clone(&checkpoint_store),
         snapshot_store,
     )
     .await
@@ -68,11 +71,16 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(%addr, %instance, storage = ?layout, "sandboxd listening");
     server::run(
         listener,
-        AppState {
+        AppState::assemble(Parts {
             instance,
             metadata_store,
+            checkpoint_store,
+            checkpoint_bucket,
+            snapshot_bucket: bucket_name(&layout.snapshots),
             runtime,
-        },
+            lease: LeaseConfig::default(),
+            reconciler: ReconcilerConfig::default(),
+        }),
         shutdown_signal(),
     )
     .await?;

@@ -254,3 +254,39 @@ impl Drop for RunscCleanup {
         }
     }
 }
+
+/// An instance's state: `store` holds metadata, checkpoints and snapshots;
+/// `runtime` is `None` to play a host without runsc.
+pub fn app_state(
+    instance: &str,
+    store: Arc<dyn Store>,
+    runtime: Option<Arc<dyn controllers::runtime::SandboxRuntime>>,
+) -> sandboxd::server::AppState {
+    use controllers::leasing::LeaseConfig;
+    use controllers::sandboxes::ReconcilerConfig;
+    sandboxd::server::AppState::assemble(sandboxd::server::Parts {
+        instance: controllers::api::InstanceId::parse(instance).expect("instance id"),
+        metadata_store: Arc::clone(&store),
+        checkpoint_store: store,
+        checkpoint_bucket: "test".to_owned(),
+        snapshot_bucket: "test".to_owned(),
+        runtime,
+        lease: LeaseConfig::default(),
+        reconciler: ReconcilerConfig::default(),
+    })
+}
+
+/// Serves `state` on a free loopback port until the test ends; returns
+/// `127.0.0.1:PORT`.
+pub async fn serve(state: sandboxd::server::AppState) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("local addr");
+    tokio::spawn(sandboxd::server::run(
+        listener,
+        state,
+        std::future::pending(),
+    ));
+    addr.to_string()
+}

@@ -1,0 +1,386 @@
+//! `WS /create` and `WS /attach/{id}?sandbox_token=`: the handshakes that end
+//! with `SANDBOX_RUNNING` and an attached [`Session`], in the order and with
+//! the close codes of upstream-wire-contract §3.1–3.4.
+//!
+//! Both only write intents (a new `metadata.json`; `desired_state: running`
+//! and the lease's `wanted_by`) and wait for the controller's progress. The
+//! attach checks the token (hash, constant time) BEFORE anything is restored
+//! (upstream restored first, bug B6) and takes the one attach slot before it
+//! subscribes to the sandbox's events (a rejected attach steals nothing, B7).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ws::{WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use controllers::api::{DesiredState, Phase, SandboxId, SandboxMetadata, is_resource_name};
+use controllers::sandboxes::{Operation, Progress, SandboxController};
+use tokio::sync::broadcast;
+use tracing::Instrument;
+
+use super::live::{LiveSandbox, SandboxOptions};
+use super::protocol::{InitMessage, MAX_FRAME_BYTES, ServerFrame, Status};
+use super::session::{CLOSE_FATAL, CLOSE_UNAVAILABLE, Out, Session, next_text};
+use super::token;
+use crate::server::AppState;
+
+/// How long a create or restore may take before the client is told it failed.
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Frames larger than this drop the connection (the library's limit); frames
+/// between [`MAX_FRAME_BYTES`] and this get an `error` event.
+const MAX_MESSAGE_BYTES: usize = 4 * MAX_FRAME_BYTES;
+
+pub async fn create(ws: WebSocketUpgrade, State(state): State<AppState>) -> Response {
+    ws.max_message_size(MAX_MESSAGE_BYTES)
+        .on_upgrade(move |socket| serve_create(socket, state))
+}
+
+pub async fn attach(
+    ws: WebSocketUpgrade,
+    Path(sandbox_id): Path<String>,
+    Query(params): Query<HashMap<String, String>>,
+    State(state): State<AppState>,
+) -> Response {
+    // Upstream rejects the upgrade when the parameter is absent (HTTP 403).
+    let Some(token) = params.get("sandbox_token").cloned() else {
+        return (
+            StatusCode::FORBIDDEN,
+            "the sandbox_token query parameter is required",
+        )
+            .into_response();
+    };
+    let checkpoint = params.get("checkpoint").cloned();
+    ws.max_message_size(MAX_MESSAGE_BYTES)
+        .on_upgrade(move |socket| serve_attach(socket, state, sandbox_id, token, checkpoint))
+}
+
+/// Waits for the controller to start the sandbox here, relaying lock and
+/// restore progress. `Err` carries the operation that failed and why.
+async fn await_running(
+    out: &Out,
+    progress: &mut broadcast::Receiver<Progress>,
+    handoff: bool,
+    restoring_sent: bool,
+) -> Result<(), (Operation, String)> {
+    let wait = async {
+        loop {
+            match progress.recv().await {
+                Ok(Progress::Running { .. }) => return Ok(()),
+                Ok(Progress::LockAcquiring) if handoff => {
+                    out.status(Status::LockAcquiring).await;
+                }
+                Ok(Progress::LockAcquired) if handoff => {
+                    out.status(Status::LockAcquired).await;
+                }
+                Ok(Progress::Restoring) if !restoring_sent => {
+                    out.status(Status::Restoring).await;
+                }
+                Ok(Progress::Failed { operation, message }) => return Err((operation, message)),
+                Ok(Progress::Lost { message }) => return Err((Operation::Restore, message)),
+                Ok(Progress::Deleted) => {
+                    return Err((Operation::Restore, "the sandbox was deleted".to_owned()));
+                }
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => {
+                    return Err((Operation::Restore, "the controller stopped".to_owned()));
+                }
+            }
+        }
+    };
+    match tokio::time::timeout(START_TIMEOUT, wait).await {
+        Ok(outcome) => outcome,
+        Err(_) => Err((
+            Operation::Restore,
+            format!("timed out after {} s", START_TIMEOUT.as_secs()),
+        )),
+    }
+}
+
+fn controller_or_error(state: &AppState) -> Result<Arc<SandboxController>, String> {
+    state
+        .controller
+        .clone()
+        .ok_or_else(|| "the sandbox runtime (runsc) is not available on this server".to_owned())
+}
+
+async fn serve_create(socket: WebSocket, state: AppState) {
+    let (out, mut stream) = Out::spawn(socket);
+    let init = match next_text(&mut stream).await {
+        None => return,
+        Some(text) => text.and_then(|text| InitMessage::parse(&text)),
+    };
+    out.status(Status::Creating).await;
+    let fail = |message: String| {
+        let out = out.clone();
+        async move {
+            out.error(Status::CreationError, &message).await;
+            out.close(CLOSE_FATAL).await;
+        }
+    };
+    let init = match init {
+        Ok(init) => init,
+        Err(err) => {
+            return fail(format!("Invalid init message: {err}")).await;
+        }
+    };
+    if let Err(message) = check_features(&init, &state) {
+        return fail(message).await;
+    }
+    let controller = match controller_or_error(&state) {
+        Ok(controller) => controller,
+        Err(message) => return fail(message).await,
+    };
+    let id = SandboxId::random();
+    let sandbox_token = token::generate();
+    let now = chrono::Utc::now();
+    let mut metadata = SandboxMetadata::new(id.clone(), now, token::digest(&sandbox_token));
+    metadata.spec.idle_timeout = init.idle_timeout_s;
+    metadata.spec.enable_checkpoint = init.enable_checkpoint;
+    metadata.spec.enable_sandbox_handoff = init.enable_sandbox_handoff;
+    metadata.spec.enable_idle_timeout_auto_checkpoint = init.enable_idle_timeout_auto_checkpoint;
+    metadata.spec.filesystem_snapshot_name = init.filesystem_snapshot_name.clone();
+
+    let Ok((live, attachment)) = state.live.attach(&id) else {
+        return fail(format!("sandbox id {id} is already in use")).await;
+    };
+    let mut progress = controller.subscribe(&id);
+    if let Err(err) = controller.create(&metadata).await {
+        state.live.detach(&live, attachment);
+        return fail(format!("Failed to create gVisor container: {err}")).await;
+    }
+    if let Err((_, message)) =
+        await_running(&out, &mut progress, init.enable_sandbox_handoff, true).await
+    {
+        state.live.detach(&live, attachment);
+        return fail(message).await;
+    }
+    state
+        .live
+        .started(&live, SandboxOptions::of(&metadata), &controller);
+    let sent = out
+        .send(ServerFrame::SandboxId {
+            sandbox_id: id.to_string(),
+            sandbox_token,
+        })
+        .await
+        && out.status(Status::Running).await;
+    if !sent {
+        // The client left before it learnt the id: nobody can ever attach.
+        let _ = controller
+            .request_state(&id, DesiredState::Deleted, None)
+            .await;
+        state.live.detach(&live, attachment);
+        return;
+    }
+    tracing::info!(sandbox = %id, "sandbox created");
+    run_session(
+        state, controller, id, out, stream, live, attachment, progress,
+    )
+    .await;
+}
+
+/// The init message's feature checks, with upstream's messages.
+fn check_features(init: &InitMessage, state: &AppState) -> Result<(), String> {
+    if init.enable_checkpoint && !state.features.checkpoint {
+        return Err("Checkpointing is not enabled on the server.".to_owned());
+    }
+    if let Some(name) = &init.filesystem_snapshot_name {
+        if !state.features.snapshot {
+            return Err("Filesystem snapshot is not enabled on the server.".to_owned());
+        }
+        if !is_resource_name(name) {
+            return Err(format!(
+                "Failed to create gVisor container: invalid filesystem snapshot name {name:?}: {}",
+                controllers::api::RESOURCE_NAME_RULE
+            ));
+        }
+    }
+    if init.enable_sandbox_handoff && !init.enable_checkpoint {
+        return Err("Sandbox handoff requires checkpointing to be enabled.".to_owned());
+    }
+    if init.enable_idle_timeout_auto_checkpoint && !init.enable_checkpoint {
+        return Err(
+            "Idle timeout auto checkpoint requires checkpointing to be enabled.".to_owned(),
+        );
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments, reason = "the parts of one handshake")]
+async fn run_session(
+    state: AppState,
+    controller: Arc<SandboxController>,
+    id: SandboxId,
+    out: Out,
+    stream: futures::stream::SplitStream<WebSocket>,
+    live: Arc<LiveSandbox>,
+    attachment: u64,
+    progress: broadcast::Receiver<Progress>,
+) {
+    let session = Session::new(id, out, live, attachment, controller, state.features);
+    let span =
+        tracing::info_span!("session", sandbox = %session.id, attachment = session.attachment);
+    session
+        .run(stream, progress, Arc::clone(&state.live))
+        .instrument(span)
+        .await;
+}
+
+async fn serve_attach(
+    socket: WebSocket,
+    state: AppState,
+    raw_id: String,
+    token: String,
+    checkpoint: Option<String>,
+) {
+    let (out, stream) = Out::spawn(socket);
+    let fatal = |status: Status, message: String| {
+        let out = out.clone();
+        async move {
+            out.error(status, &message).await;
+            out.close(CLOSE_FATAL).await;
+        }
+    };
+    let not_found = || {
+        let out = out.clone();
+        async move {
+            out.status(Status::NotFound).await;
+            out.close(CLOSE_UNAVAILABLE).await;
+        }
+    };
+    if token.is_empty() {
+        return fatal(
+            Status::PermissionDenialError,
+            "Sandbox token is missing.".to_owned(),
+        )
+        .await;
+    }
+    // An id that is not ours cannot exist: never let it near a key or path.
+    let Ok(id) = SandboxId::parse(&raw_id) else {
+        return not_found().await;
+    };
+    let controller = match controller_or_error(&state) {
+        Ok(controller) => controller,
+        Err(message) => return fatal(Status::Error, message).await,
+    };
+    let metadata = match controller.read(&id).await {
+        Ok(Some(metadata)) => metadata,
+        Ok(None) => return not_found().await,
+        Err(err) => {
+            return fatal(
+                Status::RestoreError,
+                format!("Failed to restore sandbox {id}: {err}"),
+            )
+            .await;
+        }
+    };
+    if !token::matches(&token, &metadata.spec.token_sha256) {
+        return fatal(
+            Status::PermissionDenialError,
+            "Invalid sandbox token.".to_owned(),
+        )
+        .await;
+    }
+    if metadata.spec.desired_state == DesiredState::Deleted
+        || metadata.status.phase == Phase::Deleted
+    {
+        return not_found().await;
+    }
+    if let Some(name) = &checkpoint
+        && !is_resource_name(name)
+    {
+        return fatal(
+            Status::RestoreError,
+            format!(
+                "Failed to restore sandbox {id}: invalid checkpoint name {name:?}: {}",
+                controllers::api::RESOURCE_NAME_RULE
+            ),
+        )
+        .await;
+    }
+    let Ok((live, attachment)) = state.live.attach(&id) else {
+        out.status(Status::InUse).await;
+        out.close(CLOSE_UNAVAILABLE).await;
+        return;
+    };
+    let mut progress = controller.subscribe(&id);
+    let runs_here = controller.is_held_here(&id) && checkpoint.is_none();
+    if !runs_here && !metadata.spec.enable_checkpoint {
+        // It cannot move here: to this instance it does not exist (upstream).
+        state.live.detach(&live, attachment);
+        return not_found().await;
+    }
+    if !runs_here
+        && let Err(message) = restore(
+            &state,
+            &controller,
+            &out,
+            &mut progress,
+            &metadata,
+            checkpoint.as_deref(),
+        )
+        .await
+    {
+        state.live.detach(&live, attachment);
+        return fatal(Status::RestoreError, message).await;
+    }
+    state
+        .live
+        .started(&live, SandboxOptions::of(&metadata), &controller);
+    if !out.status(Status::Running).await {
+        state.live.detach(&live, attachment);
+        return;
+    }
+    tracing::info!(sandbox = %id, restored = !runs_here, "attached");
+    run_session(
+        state, controller, id, out, stream, live, attachment, progress,
+    )
+    .await;
+}
+
+/// Asks for the sandbox here and waits until it runs.
+async fn restore(
+    state: &AppState,
+    controller: &Arc<SandboxController>,
+    out: &Out,
+    progress: &mut broadcast::Receiver<Progress>,
+    metadata: &SandboxMetadata,
+    checkpoint: Option<&str>,
+) -> Result<(), String> {
+    let id = &metadata.sandbox_id;
+    let failed = |detail: String| {
+        if detail.starts_with("Failed to restore") {
+            detail
+        } else {
+            format!("Failed to restore sandbox {id}: {detail}")
+        }
+    };
+    if controller.is_held_here(id) {
+        // A named checkpoint replaces the running sandbox: checkpoint the
+        // current state first, like any other move.
+        return Err(failed(
+            "it is running; checkpoint it before restoring a named checkpoint".to_owned(),
+        ));
+    }
+    if !state.features.checkpoint {
+        return Err(failed(
+            "checkpointing is not enabled on this server".to_owned(),
+        ));
+    }
+    out.status(Status::Restoring).await;
+    controller
+        .request_here(id, checkpoint, chrono::Utc::now())
+        .await
+        .map_err(|err| failed(err.to_string()))?;
+    match await_running(out, progress, metadata.spec.enable_sandbox_handoff, true).await {
+        Ok(()) => Ok(()),
+        Err((_, message)) => {
+            let _ = controller.withdraw_request(id).await;
+            Err(failed(message))
+        }
+    }
+}

@@ -1,0 +1,268 @@
+//! The API layer's view of the sandboxes this instance serves: who is attached
+//! (one socket per sandbox), the current execution and its output, and the
+//! idle timer. None of it is durable: it is rebuilt when a sandbox starts here.
+//!
+//! The idle timer counts from the last client activity or the end of the last
+//! execution, never runs out while an execution runs (upstream counted only
+//! from create/attach, bug B1), and on expiry writes an intent (checkpointed or
+//! deleted) for the controller to carry out.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use controllers::api::{DesiredState, SandboxId, SandboxMetadata};
+use controllers::sandboxes::{Progress, SandboxController};
+use tokio::time::Instant;
+
+use super::output::ExecutionState;
+
+/// What the session needs to know about the sandbox's options.
+#[derive(Debug, Clone, Default)]
+pub struct SandboxOptions {
+    pub idle_timeout: Option<Duration>,
+    pub enable_checkpoint: bool,
+    pub auto_checkpoint: bool,
+    pub handoff: bool,
+}
+
+impl SandboxOptions {
+    pub fn of(metadata: &SandboxMetadata) -> Self {
+        Self {
+            idle_timeout: metadata.spec.idle_timeout.map(Duration::from_secs),
+            enable_checkpoint: metadata.spec.enable_checkpoint,
+            auto_checkpoint: metadata.spec.enable_idle_timeout_auto_checkpoint,
+            handoff: metadata.spec.enable_sandbox_handoff,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    attached: Option<u64>,
+    execution: Option<Arc<ExecutionState>>,
+    last_activity: Instant,
+    options: SandboxOptions,
+    started: bool,
+}
+
+/// One sandbox served by this instance.
+#[derive(Debug)]
+pub struct LiveSandbox {
+    pub id: SandboxId,
+    inner: Mutex<Inner>,
+}
+
+impl LiveSandbox {
+    fn inner(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn options(&self) -> SandboxOptions {
+        self.inner().options.clone()
+    }
+
+    /// Records client activity (resets the idle timer).
+    pub fn touch(&self) {
+        self.inner().last_activity = Instant::now();
+    }
+
+    /// The current (or last) execution.
+    pub fn execution(&self) -> Option<Arc<ExecutionState>> {
+        self.inner().execution.clone()
+    }
+
+    pub fn execution_running(&self) -> bool {
+        self.inner()
+            .execution
+            .as_ref()
+            .is_some_and(|execution| execution.is_running())
+    }
+
+    /// Installs a new execution unless one is running (then `None`).
+    pub fn begin_execution(
+        &self,
+        start: impl FnOnce() -> Arc<ExecutionState>,
+    ) -> Option<Arc<ExecutionState>> {
+        let mut inner = self.inner();
+        if inner.execution.as_ref().is_some_and(|e| e.is_running()) {
+            return None;
+        }
+        let execution = start();
+        inner.execution = Some(Arc::clone(&execution));
+        inner.last_activity = Instant::now();
+        Some(execution)
+    }
+
+    /// True while `attachment` is the attached socket.
+    pub fn is_attached_by(&self, attachment: u64) -> bool {
+        self.inner().attached == Some(attachment)
+    }
+}
+
+/// Every sandbox served here, by id.
+#[derive(Debug, Default)]
+pub struct LiveSandboxes {
+    sandboxes: Mutex<HashMap<SandboxId, Arc<LiveSandbox>>>,
+    next_attachment: AtomicU64,
+}
+
+/// Why an attach was refused.
+#[derive(Debug, PartialEq, Eq)]
+pub struct InUse;
+
+impl LiveSandboxes {
+    fn map(&self) -> MutexGuard<'_, HashMap<SandboxId, Arc<LiveSandbox>>> {
+        self.sandboxes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn get(&self, id: &SandboxId) -> Option<Arc<LiveSandbox>> {
+        self.map().get(id).cloned()
+    }
+
+    /// Makes `attachment`'s socket the only one attached to `id` (creating the
+    /// entry if needed), or refuses if another socket is attached.
+    pub fn attach(&self, id: &SandboxId) -> Result<(Arc<LiveSandbox>, u64), InUse> {
+        let attachment = self.next_attachment.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut map = self.map();
+        let live = map.entry(id.clone()).or_insert_with(|| {
+            Arc::new(LiveSandbox {
+                id: id.clone(),
+                inner: Mutex::new(Inner {
+                    attached: None,
+                    execution: None,
+                    last_activity: Instant::now(),
+                    options: SandboxOptions::default(),
+                    started: false,
+                }),
+            })
+        });
+        let mut inner = live.inner();
+        if inner.attached.is_some() {
+            return Err(InUse);
+        }
+        inner.attached = Some(attachment);
+        inner.last_activity = Instant::now();
+        drop(inner);
+        Ok((Arc::clone(live), attachment))
+    }
+
+    /// Detaches `attachment`; forgets the entry if the sandbox never started
+    /// here (a failed restore or create).
+    pub fn detach(&self, live: &LiveSandbox, attachment: u64) {
+        let mut map = self.map();
+        let mut inner = live.inner();
+        if inner.attached == Some(attachment) {
+            inner.attached = None;
+            inner.last_activity = Instant::now();
+        }
+        if !inner.started && inner.attached.is_none() {
+            drop(inner);
+            if map
+                .get(&live.id)
+                .is_some_and(|l| std::ptr::eq(l.as_ref(), live))
+            {
+                map.remove(&live.id);
+            }
+        }
+    }
+
+    fn forget(&self, live: &LiveSandbox) {
+        let mut map = self.map();
+        if map
+            .get(&live.id)
+            .is_some_and(|l| std::ptr::eq(l.as_ref(), live))
+        {
+            map.remove(&live.id);
+        }
+    }
+
+    /// Marks the sandbox as running here with `options`, and starts the task
+    /// that expires it when idle and forgets it when it leaves this instance.
+    pub fn started(
+        self: &Arc<Self>,
+        live: &Arc<LiveSandbox>,
+        options: SandboxOptions,
+        controller: &Arc<SandboxController>,
+    ) {
+        {
+            let mut inner = live.inner();
+            if inner.started {
+                inner.options = options;
+                return;
+            }
+            inner.started = true;
+            inner.options = options;
+            inner.last_activity = Instant::now();
+        }
+        let registry = Arc::clone(self);
+        let live = Arc::clone(live);
+        let controller = Arc::clone(controller);
+        tokio::spawn(async move { registry.watch(live, controller).await });
+    }
+
+    /// Runs while the sandbox is here: expires it when idle, forgets it when
+    /// it is checkpointed, deleted or lost.
+    async fn watch(&self, live: Arc<LiveSandbox>, controller: Arc<SandboxController>) {
+        let mut progress = controller.subscribe(&live.id);
+        let mut expired = false;
+        loop {
+            let deadline = {
+                let inner = live.inner();
+                inner
+                    .options
+                    .idle_timeout
+                    .map(|timeout| inner.last_activity + timeout)
+            };
+            let sleep = async {
+                match deadline {
+                    Some(deadline) if !expired => tokio::time::sleep_until(deadline).await,
+                    _ => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                event = progress.recv() => match event {
+                    Ok(Progress::Deleted | Progress::Checkpointed { .. } | Progress::Lost { .. }) => break,
+                    Ok(_) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                },
+                () = sleep => {
+                    if !controller.is_held_here(&live.id) {
+                        break;
+                    }
+                    let (idle_for, running, options) = {
+                        let inner = live.inner();
+                        (inner.last_activity.elapsed(), inner.execution.as_ref().is_some_and(|e| e.is_running()), inner.options.clone())
+                    };
+                    let Some(timeout) = options.idle_timeout else { continue };
+                    if running {
+                        // Never expire under a running execution; its end counts as activity.
+                        live.touch();
+                        continue;
+                    }
+                    if idle_for < timeout {
+                        continue;
+                    }
+                    let desired = if options.auto_checkpoint && options.enable_checkpoint {
+                        DesiredState::Checkpointed
+                    } else {
+                        DesiredState::Deleted
+                    };
+                    tracing::info!(sandbox = %live.id, ?desired, idle_s = idle_for.as_secs(), "idle timeout");
+                    match controller.request_state(&live.id, desired, None).await {
+                        Ok(()) => expired = true,
+                        Err(err) => {
+                            tracing::warn!(sandbox = %live.id, %err, "cannot record the idle timeout; retrying");
+                            tokio::time::sleep(Duration::from_secs(5)).await;
+                        }
+                    }
+                }
+            }
+        }
+        self.forget(&live);
+    }
+}

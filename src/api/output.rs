@@ -1,0 +1,348 @@
+//! One execution's output, owned by the sandbox rather than by a socket: a pump
+//! task reads the runtime's events into a bounded log whether or not a client
+//! is attached, and the attached session streams the log out. A client that
+//! drops mid-execution and comes back with `reconnect` gets what it missed.
+//!
+//! Guarantees on the wire: `SANDBOX_EXECUTION_DONE` exactly once, after the
+//! extension event `exit_code`; after a `kill_process`, `FORCE_KILLED` comes
+//! before `DONE` (upstream raced them, bug B4); UTF-8 split across chunks is
+//! decoded whole (bug B2). The log keeps at most [`MAX_BUFFERED_BYTES`] of
+//! undelivered output: beyond that the oldest is dropped and the reader is told
+//! how much, on stderr.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use controllers::runtime::{ExecControl, ExecEvent, Execution};
+use tokio::sync::{Notify, mpsc};
+
+use super::protocol::{ServerFrame, Status, Utf8Stream};
+
+/// Undelivered output kept per execution.
+pub const MAX_BUFFERED_BYTES: usize = 8 << 20;
+
+/// How long the pump waits for a kill in progress to report FORCE_KILLED.
+const KILL_REPORT_WAIT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Default)]
+struct Log {
+    frames: VecDeque<ServerFrame>,
+    bytes: usize,
+    dropped_bytes: usize,
+    /// DONE is in the log: nothing more will be added.
+    finished: bool,
+    /// A kill_process is between "asked" and "reported".
+    killing: bool,
+}
+
+/// A running or finished execution.
+#[derive(Debug)]
+pub struct ExecutionState {
+    log: Mutex<Log>,
+    changed: Notify,
+    control: Box<dyn ExecControl>,
+}
+
+fn frame_bytes(frame: &ServerFrame) -> usize {
+    match frame {
+        ServerFrame::Stdout(data) | ServerFrame::Stderr(data) => data.len(),
+        _ => 0,
+    }
+}
+
+impl ExecutionState {
+    /// Starts pumping `execution`'s events; `on_exit` runs once it has ended.
+    pub fn start(execution: Execution, on_exit: impl FnOnce() + Send + 'static) -> Arc<Self> {
+        let state = Arc::new(Self {
+            log: Mutex::new(Log::default()),
+            changed: Notify::new(),
+            control: execution.control,
+        });
+        tokio::spawn(Arc::clone(&state).pump(execution.events, on_exit));
+        state
+    }
+
+    fn log(&self) -> MutexGuard<'_, Log> {
+        self.log.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn push(&self, frame: ServerFrame) {
+        {
+            let mut log = self.log();
+            log.bytes += frame_bytes(&frame);
+            log.frames.push_back(frame);
+            while log.bytes > MAX_BUFFERED_BYTES {
+                let Some(position) = log
+                    .frames
+                    .iter()
+                    .position(|f| matches!(f, ServerFrame::Stdout(_) | ServerFrame::Stderr(_)))
+                else {
+                    break;
+                };
+                if let Some(dropped) = log.frames.remove(position) {
+                    let size = frame_bytes(&dropped);
+                    log.bytes -= size;
+                    log.dropped_bytes += size;
+                }
+            }
+        }
+        self.changed.notify_waiters();
+    }
+
+    async fn pump(
+        self: Arc<Self>,
+        mut events: mpsc::Receiver<ExecEvent>,
+        on_exit: impl FnOnce() + Send + 'static,
+    ) {
+        let mut stdout = Utf8Stream::default();
+        let mut stderr = Utf8Stream::default();
+        let mut exit_code = None;
+        while let Some(event) = events.recv().await {
+            match event {
+                ExecEvent::Stdout(chunk) => {
+                    let text = stdout.push(&chunk);
+                    if !text.is_empty() {
+                        self.push(ServerFrame::Stdout(text));
+                    }
+                }
+                ExecEvent::Stderr(chunk) => {
+                    let text = stderr.push(&chunk);
+                    if !text.is_empty() {
+                        self.push(ServerFrame::Stderr(text));
+                    }
+                }
+                ExecEvent::Exited(code) => {
+                    exit_code = Some(code);
+                    break;
+                }
+            }
+        }
+        for (rest, frame) in [
+            (
+                stdout.finish(),
+                ServerFrame::Stdout as fn(String) -> ServerFrame,
+            ),
+            (stderr.finish(), ServerFrame::Stderr),
+        ] {
+            if !rest.is_empty() {
+                self.push(frame(rest));
+            }
+        }
+        // A kill in progress reports FORCE_KILLED first.
+        let deadline = tokio::time::Instant::now() + KILL_REPORT_WAIT;
+        loop {
+            let changed = self.changed.notified();
+            if !self.log().killing || tokio::time::Instant::now() >= deadline {
+                break;
+            }
+            let _ = tokio::time::timeout_at(deadline, changed).await;
+        }
+        match exit_code {
+            Some(code) => self.push(ServerFrame::ExitCode(code)),
+            None => self.push(ServerFrame::Stderr(
+                "[sandboxd] the execution ended without an exit status (the sandbox stopped)\n"
+                    .to_owned(),
+            )),
+        }
+        {
+            let mut log = self.log();
+            log.frames
+                .push_back(ServerFrame::status(Status::ExecutionDone));
+            log.finished = true;
+        }
+        self.changed.notify_waiters();
+        on_exit();
+    }
+
+    /// True until the execution has ended (DONE is in the log).
+    pub fn is_running(&self) -> bool {
+        !self.log().finished
+    }
+
+    /// True while the log holds frames nobody has read.
+    pub fn has_undelivered(&self) -> bool {
+        !self.log().frames.is_empty()
+    }
+
+    pub async fn write_stdin(&self, data: bytes::Bytes) -> Result<(), String> {
+        self.control
+            .write_stdin(data)
+            .await
+            .map_err(|err| err.to_string())
+    }
+
+    /// Kills the execution and reports it in order: `FORCE_KILLED` (or
+    /// `FORCE_KILL_ERROR`) before `DONE`. Returns false if it had already
+    /// ended, in which case the caller answers directly.
+    pub async fn kill(&self) -> bool {
+        {
+            let mut log = self.log();
+            if log.finished {
+                return false;
+            }
+            log.killing = true;
+        }
+        let outcome = self.control.kill().await;
+        match outcome {
+            Ok(()) => self.push(ServerFrame::status(Status::ExecutionForceKilled)),
+            Err(err) => {
+                self.push(ServerFrame::status_with(
+                    Status::ExecutionForceKillError,
+                    err.to_string(),
+                ));
+                self.push(ServerFrame::Error(format!(
+                    "Failed to kill the process: {err}"
+                )));
+            }
+        }
+        self.log().killing = false;
+        self.changed.notify_waiters();
+        true
+    }
+
+    /// Takes the frames to send next, waiting for some if there are none.
+    /// Returns an empty batch once DONE has been taken.
+    pub async fn next_batch(&self) -> Vec<ServerFrame> {
+        loop {
+            let changed = self.changed.notified();
+            {
+                let mut log = self.log();
+                if !log.frames.is_empty() {
+                    let mut batch = Vec::with_capacity(log.frames.len() + 1);
+                    if log.dropped_bytes > 0 {
+                        batch.push(ServerFrame::Stderr(format!(
+                            "[sandboxd] {} bytes of output were dropped: nobody read them and \
+                             the replay buffer keeps {MAX_BUFFERED_BYTES} bytes\n",
+                            log.dropped_bytes
+                        )));
+                        log.dropped_bytes = 0;
+                    }
+                    batch.extend(log.frames.drain(..));
+                    log.bytes = 0;
+                    return batch;
+                }
+                if log.finished {
+                    return Vec::new();
+                }
+            }
+            changed.await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use async_trait::async_trait;
+    use bytes::Bytes;
+    use controllers::runtime::RuntimeError;
+
+    #[derive(Debug)]
+    struct Killable(mpsc::Sender<ExecEvent>);
+
+    #[async_trait]
+    impl ExecControl for Killable {
+        async fn write_stdin(&self, _data: Bytes) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+        async fn close_stdin(&self) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+        async fn kill(&self) -> Result<(), RuntimeError> {
+            // The process dies at once; the report must still come first.
+            let _ = self.0.send(ExecEvent::Exited(137)).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            Ok(())
+        }
+    }
+
+    fn start() -> (mpsc::Sender<ExecEvent>, Arc<ExecutionState>) {
+        let (sender, events) = mpsc::channel(1024);
+        let state = ExecutionState::start(
+            Execution {
+                events,
+                control: Box::new(Killable(sender.clone())),
+            },
+            || {},
+        );
+        (sender, state)
+    }
+
+    async fn all_frames(state: &ExecutionState) -> Vec<ServerFrame> {
+        let mut frames = Vec::new();
+        loop {
+            let batch = state.next_batch().await;
+            if batch.is_empty() {
+                return frames;
+            }
+            frames.extend(batch);
+        }
+    }
+
+    #[tokio::test]
+    async fn force_killed_comes_before_done_even_when_the_exit_arrives_first() {
+        let (_sender, state) = start();
+        assert!(state.kill().await);
+        let frames = all_frames(&state).await;
+        assert_eq!(
+            frames,
+            vec![
+                ServerFrame::status(Status::ExecutionForceKilled),
+                ServerFrame::ExitCode(137),
+                ServerFrame::status(Status::ExecutionDone),
+            ]
+        );
+        assert!(
+            !state.kill().await,
+            "a finished execution is not killed twice"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_character_split_between_chunks_arrives_whole() {
+        let (sender, state) = start();
+        let text = "a".to_owned() + &"é".repeat(600);
+        for chunk in text.as_bytes().chunks(1024) {
+            sender
+                .send(ExecEvent::Stdout(Bytes::copy_from_slice(chunk)))
+                .await
+                .unwrap();
+        }
+        sender.send(ExecEvent::Exited(0)).await.unwrap();
+        let stdout: String = all_frames(&state)
+            .await
+            .into_iter()
+            .filter_map(|f| match f {
+                ServerFrame::Stdout(data) => Some(data),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(stdout, text);
+    }
+
+    #[tokio::test]
+    async fn undelivered_output_is_bounded_and_the_loss_is_reported() {
+        let (sender, state) = start();
+        let chunk = Bytes::from(vec![b'x'; 64 << 10]);
+        let total = MAX_BUFFERED_BYTES * 2;
+        for _ in 0..total / chunk.len() {
+            sender.send(ExecEvent::Stdout(chunk.clone())).await.unwrap();
+        }
+        sender.send(ExecEvent::Exited(0)).await.unwrap();
+        while state.is_running() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let frames = all_frames(&state).await;
+        let ServerFrame::Stderr(notice) = &frames[0] else {
+            panic!("expected the loss notice first, got {:?}", frames[0]);
+        };
+        assert!(notice.contains("bytes of output were dropped"), "{notice}");
+        let kept: usize = frames[1..].iter().map(frame_bytes).sum();
+        assert!(kept <= MAX_BUFFERED_BYTES, "kept {kept}");
+        assert_eq!(
+            frames.last(),
+            Some(&ServerFrame::status(Status::ExecutionDone))
+        );
+    }
+}
