@@ -159,6 +159,8 @@ pub struct Session {
     pub controller: Arc<SandboxController>,
     pub features: Features,
     checkpoint_requested: AtomicBool,
+    /// The controller is checkpointing (for the client, the idle timer or a move).
+    checkpointing: AtomicBool,
     kill_requested: AtomicBool,
     streamer: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
@@ -180,6 +182,7 @@ impl Session {
             controller,
             features,
             checkpoint_requested: AtomicBool::new(false),
+            checkpointing: AtomicBool::new(false),
             kill_requested: AtomicBool::new(false),
             streamer: std::sync::Mutex::new(None),
         })
@@ -274,6 +277,7 @@ impl Session {
             Progress::LockReleasing | Progress::LockReleased => {}
             Progress::Restoring | Progress::Running { .. } => {}
             Progress::Checkpointing => {
+                self.checkpointing.store(true, Ordering::Release);
                 if !self.checkpoint_requested.load(Ordering::Acquire) {
                     out.status(Status::Checkpointing).await;
                 }
@@ -288,7 +292,7 @@ impl Session {
                     out.close(CLOSE_NORMAL).await;
                     return true;
                 }
-                if !self.checkpoint_requested.load(Ordering::Acquire) {
+                if !self.checkpointing.load(Ordering::Acquire) {
                     // Deleted by idle expiry or an operator: nothing to attach to.
                     out.close(CLOSE_NORMAL).await;
                     return true;
@@ -300,6 +304,7 @@ impl Session {
                 return true;
             }
             Progress::ExecutionInProgress => {
+                self.checkpointing.store(false, Ordering::Release);
                 if self.checkpoint_requested.swap(false, Ordering::AcqRel) {
                     out.error(
                         Status::ExecutionInProgressError,
@@ -311,9 +316,14 @@ impl Session {
             }
             Progress::Failed { operation, message } => match operation {
                 Operation::Checkpoint => {
+                    self.checkpointing.store(false, Ordering::Release);
                     out.error(Status::CheckpointError, &message).await;
-                    if self.checkpoint_requested.swap(false, Ordering::AcqRel) {
+                    let requested = self.checkpoint_requested.swap(false, Ordering::AcqRel);
+                    let gone = !self.controller.is_held_here(&self.id);
+                    if requested && !gone {
                         self.cancel_checkpoint().await;
+                    }
+                    if requested || gone {
                         out.close(CLOSE_FATAL).await;
                         return true;
                     }

@@ -290,3 +290,4 @@ pub async fn serve(state: sandboxd::server::AppState) -> String {
     ));
     addr.to_string()
 }
+pub mod ws;

@@ -1,0 +1,263 @@
+//! A real WebSocket client (tokio-tungstenite) speaking the upstream wire
+//! protocol, and servers on real runsc to point it at.
+//!
+//! Frames are read back as short strings so tests can compare whole
+//! sequences: a status is its string (`SANDBOX_RUNNING`), other events are
+//! `stdout:<data>`, `stderr:<data>`, `error:<message>`, `exit_code:<n>`,
+//! `sandbox_id`, and the end of the socket is `close:<code>`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use controllers::store::Store;
+use futures::{SinkExt, StreamExt};
+use sandboxd::server::AppState;
+use sandboxd::store::LocalStore;
+use serde_json::Value;
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::protocol::Message;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+/// How long a test waits for one frame (runsc on a busy 2-core machine).
+const FRAME_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One server instance on real runsc, with everything it needs kept alive.
+pub struct Server {
+    pub addr: String,
+    pub state: AppState,
+    pub store: Arc<dyn Store>,
+    _cleanup: super::RunscCleanup,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    /// A server with its own directory store.
+    pub async fn start() -> Self {
+        let store_dir = tempfile::tempdir().expect("temp dir");
+        let store: Arc<dyn Store> =
+            Arc::new(LocalStore::open(store_dir.path().join("store")).expect("local store"));
+        let mut server = Self::sharing("instance-a", store, |_| {}).await;
+        server._dir = store_dir;
+        server
+    }
+
+    /// A server named `instance` on `store` (which other servers may share),
+    /// with `adjust` applied to its state before it serves.
+    pub async fn sharing(
+        instance: &str,
+        store: Arc<dyn Store>,
+        adjust: impl FnOnce(&mut AppState),
+    ) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let cleanup = super::RunscCleanup(dir.path().join("runsc"));
+        let runtime = super::runtime_with_store(dir.path(), Arc::clone(&store)).await;
+        let mut state = super::app_state(instance, Arc::clone(&store), Some(Arc::new(runtime)));
+        adjust(&mut state);
+        let addr = super::serve(state.clone()).await;
+        Self {
+            addr,
+            state,
+            store,
+            _cleanup: cleanup,
+            _dir: dir,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("ws://{}{path}", self.addr)
+    }
+
+    pub async fn connect(&self, path: &str) -> Ws {
+        Ws::connect(&self.url(path)).await
+    }
+
+    /// `/create` with `init`; returns the client after `SANDBOX_RUNNING` and
+    /// the sandbox's id and token.
+    pub async fn create(&self, init: Value) -> (Ws, String, String) {
+        let mut ws = self.connect("/create").await;
+        ws.send(init).await;
+        let mut id = None;
+        let mut token = None;
+        loop {
+            let frame = ws.next_value().await;
+            if frame["event"] == "sandbox_id" {
+                id = frame["sandbox_id"].as_str().map(str::to_owned);
+                token = frame["sandbox_token"].as_str().map(str::to_owned);
+            }
+            if frame["status"] == "SANDBOX_RUNNING" {
+                break;
+            }
+            assert!(
+                frame["status"] != "SANDBOX_CREATION_ERROR",
+                "create failed: {frame}"
+            );
+        }
+        (
+            ws,
+            id.expect("sandbox_id before SANDBOX_RUNNING"),
+            token.expect("a token"),
+        )
+    }
+
+    pub async fn attach(&self, id: &str, token: &str) -> Ws {
+        self.connect(&format!("/attach/{id}?sandbox_token={token}"))
+            .await
+    }
+}
+
+/// A client socket.
+pub struct Ws {
+    stream: WebSocketStream<MaybeTlsStream<TcpStream>>,
+    closed: bool,
+}
+
+impl Ws {
+    pub async fn connect(url: &str) -> Self {
+        Self::try_connect(url, None)
+            .await
+            .unwrap_or_else(|err| panic!("cannot connect to {url}: {err}"))
+    }
+
+    /// Connects, optionally sending a `Cookie` header as the clients replay it.
+    pub async fn try_connect(
+        url: &str,
+        cookie: Option<&str>,
+    ) -> Result<Self, tokio_tungstenite::tungstenite::Error> {
+        let mut request = url.into_client_request()?;
+        if let Some(cookie) = cookie {
+            request
+                .headers_mut()
+                .insert("cookie", cookie.parse().expect("cookie header"));
+        }
+        let (stream, _response) = tokio_tungstenite::connect_async(request).await?;
+        Ok(Self {
+            stream,
+            closed: false,
+        })
+    }
+
+    pub async fn send(&mut self, frame: Value) {
+        self.send_raw(Message::text(frame.to_string())).await;
+    }
+
+    pub async fn send_raw(&mut self, message: Message) {
+        self.stream.send(message).await.expect("send a frame");
+    }
+
+    /// The next frame as JSON; panics on a close or a timeout.
+    pub async fn next_value(&mut self) -> Value {
+        loop {
+            match self.next_message().await {
+                Some(Message::Text(text)) => {
+                    return serde_json::from_str(text.as_str()).expect("server frames are JSON");
+                }
+                Some(Message::Close(frame)) => panic!("socket closed: {frame:?}"),
+                Some(_) => {}
+                None => panic!("socket ended"),
+            }
+        }
+    }
+
+    async fn next_message(&mut self) -> Option<Message> {
+        match tokio::time::timeout(FRAME_TIMEOUT, self.stream.next()).await {
+            Ok(Some(Ok(message))) => Some(message),
+            Ok(Some(Err(_)) | None) => None,
+            Err(_) => panic!("no frame within {FRAME_TIMEOUT:?}"),
+        }
+    }
+
+    /// The next frame in short form (see the module docs).
+    pub async fn next(&mut self) -> String {
+        if self.closed {
+            panic!("reading past the close");
+        }
+        loop {
+            match self.next_message().await {
+                Some(Message::Text(text)) => {
+                    let frame: Value =
+                        serde_json::from_str(text.as_str()).expect("server frames are JSON");
+                    return short(&frame);
+                }
+                Some(Message::Close(frame)) => {
+                    self.closed = true;
+                    return format!("close:{}", frame.map_or(0, |f| u16::from(f.code)));
+                }
+                Some(_) => {}
+                None => {
+                    self.closed = true;
+                    return "close:none".to_owned();
+                }
+            }
+        }
+    }
+
+    /// Frames up to and including the first for which `stop` holds.
+    pub async fn until(&mut self, stop: impl Fn(&str) -> bool) -> Vec<String> {
+        let mut frames = Vec::new();
+        loop {
+            let frame = self.next().await;
+            let done = stop(&frame) || frame.starts_with("close:");
+            frames.push(frame);
+            if done {
+                return frames;
+            }
+        }
+    }
+
+    /// Frames up to and including `status`.
+    pub async fn until_status(&mut self, status: &str) -> Vec<String> {
+        self.until(|frame| frame == status).await
+    }
+
+    /// Frames up to and including the close.
+    pub async fn until_close(&mut self) -> Vec<String> {
+        self.until(|_| false).await
+    }
+
+    /// Runs `code` and returns its frames through `SANDBOX_EXECUTION_DONE`,
+    /// with consecutive stdout (and stderr) chunks merged.
+    pub async fn exec(&mut self, language: &str, code: &str) -> Vec<String> {
+        self.send(serde_json::json!({"language": language, "code": code}))
+            .await;
+        merge_chunks(self.until_status("SANDBOX_EXECUTION_DONE").await)
+    }
+
+    /// Nothing arrives for `quiet`.
+    pub async fn expect_silence(&mut self, quiet: Duration) {
+        if let Ok(Some(Ok(message))) = tokio::time::timeout(quiet, self.stream.next()).await {
+            panic!("expected silence, got {message:?}");
+        }
+    }
+}
+
+/// Merges consecutive `stdout:`/`stderr:` frames of the same stream.
+pub fn merge_chunks(frames: Vec<String>) -> Vec<String> {
+    let mut merged: Vec<String> = Vec::new();
+    for frame in frames {
+        let stream = ["stdout:", "stderr:"]
+            .into_iter()
+            .find(|prefix| frame.starts_with(prefix));
+        if let (Some(prefix), Some(last)) = (stream, merged.last_mut())
+            && last.starts_with(prefix)
+        {
+            last.push_str(&frame[prefix.len()..]);
+            continue;
+        }
+        merged.push(frame);
+    }
+    merged
+}
+
+fn short(frame: &Value) -> String {
+    let text = |key: &str| frame[key].as_str().unwrap_or_default().to_owned();
+    match frame["event"].as_str() {
+        Some("status_update") => text("status"),
+        Some("stdout") => format!("stdout:{}", text("data")),
+        Some("stderr") => format!("stderr:{}", text("data")),
+        Some("error") => format!("error:{}", text("message")),
+        Some("exit_code") => format!("exit_code:{}", frame["exit_code"]),
+        Some("sandbox_id") => "sandbox_id".to_owned(),
+        _ => panic!("a server frame without a known event: {frame}"),
+    }
+}
