@@ -173,6 +173,10 @@ pub struct ServeArgs {
     /// This instance's id in leases; defaults to a random one per process.
     #[arg(long, env = "SANDBOXD_INSTANCE_ID")]
     pub instance_id: Option<String>,
+    /// Seconds granted on SIGTERM to checkpoint (or delete) the sandboxes
+    /// running here; Cloud Run allows 10 in all.
+    #[arg(long, env = "SANDBOXD_SHUTDOWN_GRACE_S", default_value_t = 8)]
+    pub shutdown_grace_s: u64,
     #[command(flatten)]
     pub storage: StorageArgs,
     #[command(flatten)]

@@ -106,6 +106,7 @@ pub fn app(state: AppState) -> Router {
         .route("/status", get(status))
         .route("/healthz", get(status))
         .route("/readyz", get(readyz))
+        .route("/list", get(list))
         .route("/execute", post(crate::api::execute::execute))
         .route("/create", get(crate::api::connect::create))
         .route("/attach/{sandbox_id}", get(crate::api::connect::attach))
@@ -129,6 +130,29 @@ async fn root() -> Json<serde_json::Value> {
 
 async fn status() -> Json<serde_json::Value> {
     Json(json!({"status": "ok"}))
+}
+
+/// The sandboxes running on this instance (upstream listed runsc's default
+/// root, which never held its sandboxes: bug B15). `containers` keeps
+/// upstream's key, as a text table; `sandboxes` is the same as objects.
+async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let mut ids = state
+        .controller
+        .as_ref()
+        .map(|controller| controller.held_sandboxes())
+        .unwrap_or_default();
+    ids.sort();
+    let mut table = String::from("SANDBOX_ID                        ATTACHED  EXECUTING\n");
+    let mut sandboxes = Vec::with_capacity(ids.len());
+    for id in ids {
+        let live = state.live.get(&id);
+        let attached = live.as_ref().is_some_and(|live| live.is_attached());
+        let executing = live.as_ref().is_some_and(|live| live.execution_running());
+        table.push_str(&format!("{id}  {attached:<8}  {executing}\n"));
+        sandboxes
+            .push(json!({"sandbox_id": id, "attached": attached, "execution_running": executing}));
+    }
+    Json(json!({"containers": table, "sandboxes": sandboxes}))
 }
 
 /// Ready when the sandbox runtime works and the metadata store answers a listing.

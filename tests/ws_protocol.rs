@@ -790,3 +790,28 @@ async fn a_checkpoint_taken_by_one_server_is_restored_by_another() {
     assert_eq!(stored.status.holder.unwrap().as_str(), "instance-b");
     assert_eq!(stored.status.epoch, 2);
 }
+
+// ---- /list (B15) -----------------------------------------------------------------------
+
+#[tokio::test]
+async fn list_shows_the_sandboxes_running_here_b15() {
+    let server = Server::start().await;
+    let (mut ws, id, _) = server.create(json!({})).await;
+    ws.send(json!({"language": "bash", "code": "sleep 2"}))
+        .await;
+    assert_eq!(ws.next().await, "SANDBOX_EXECUTION_RUNNING");
+    let listed: serde_json::Value = reqwest::get(format!("http://{}/list", server.addr))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        listed["containers"].as_str().unwrap().contains(&id),
+        "{listed}"
+    );
+    assert_eq!(
+        listed["sandboxes"],
+        json!([{"sandbox_id": id, "attached": true, "execution_running": true}])
+    );
+}

@@ -95,6 +95,11 @@ impl LiveSandbox {
         Some(execution)
     }
 
+    /// True while a socket is attached.
+    pub fn is_attached(&self) -> bool {
+        self.inner().attached.is_some()
+    }
+
     /// True while `attachment` is the attached socket.
     pub fn is_attached_by(&self, attachment: u64) -> bool {
         self.inner().attached == Some(attachment)

@@ -69,24 +69,39 @@ async fn main() -> anyhow::Result<()> {
         .await
         .map_err(|err| anyhow::anyhow!("cannot listen on {addr}: {err}"))?;
     tracing::info!(%addr, %instance, storage = ?layout, "sandboxd listening");
-    server::run(
-        listener,
-        AppState::assemble(Parts {
-            instance,
-            metadata_store,
-            checkpoint_store,
-            checkpoint_bucket,
-            snapshot_bucket: bucket_name(&layout.snapshots),
-            runtime,
-            lease: LeaseConfig::default(),
-            reconciler: ReconcilerConfig::default(),
-        }),
-        shutdown_signal(),
-    )
-    .await?;
+    let state = AppState::assemble(Parts {
+        instance,
+        metadata_store,
+        checkpoint_store,
+        checkpoint_bucket,
+        snapshot_bucket: bucket_name(&layout.snapshots),
+        runtime,
+        lease: LeaseConfig::default(),
+        reconciler: ReconcilerConfig::default(),
+    });
+    let controller = state.controller.clone();
+    // WebSocket sessions outlive `run` (upgraded connections are detached);
+    // the drain below ends them with the sandboxes they serve.
+    server::run(listener, state, shutdown_signal()).await?;
+    if let Some(controller) = controller {
+        let grace = std::time::Duration::from_secs(args.shutdown_grace_s);
+        let held = controller.held_sandboxes().len();
+        tracing::info!(
+            held,
+            grace_s = grace.as_secs(),
+            "shutting down: checkpointing the sandboxes held here"
+        );
+        let left = controller.drain(grace).await;
+        if left > 0 {
+            tracing::warn!(
+                left,
+                "shutdown grace ran out; these sandboxes are lost since their last checkpoint"
+            );
+        }
+    }
     if let Some(gvisor) = gvisor {
-        // Only ephemeral sandboxes exist so far (POST /execute): remove them
-        // and wait for runsc, so none outlives the server.
+        // Remove what is left (ephemeral /execute sandboxes, any the drain
+        // could not save) and wait for runsc, so none outlives the server.
         gvisor.settle().await;
     }
     tracing::info!("sandboxd stopped");

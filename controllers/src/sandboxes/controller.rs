@@ -236,6 +236,31 @@ impl SandboxController {
         Err(ControlError::Contended(key.to_string()))
     }
 
+    /// Shutdown: asks for every sandbox held here to be checkpointed (or
+    /// deleted, if it cannot be), forcing checkpoints past running executions,
+    /// and waits until none is held or `grace` has passed. Returns how many
+    /// were still held at the end.
+    pub async fn drain(&self, grace: Duration) -> usize {
+        self.reconciler.start_draining();
+        let deadline = tokio::time::Instant::now() + grace;
+        for sandbox in self.held_sandboxes() {
+            let desired = match self.read(&sandbox).await {
+                Ok(Some(metadata)) if metadata.spec.enable_checkpoint => DesiredState::Checkpointed,
+                _ => DesiredState::Deleted,
+            };
+            if let Err(err) = self.request_state(&sandbox, desired, None).await {
+                tracing::warn!(%sandbox, %err, "cannot ask for the sandbox to stop at shutdown");
+            }
+        }
+        loop {
+            let left = self.held_sandboxes().len();
+            if left == 0 || tokio::time::Instant::now() >= deadline {
+                return left;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Starts an execution in a sandbox held here.
     pub async fn exec(
         &self,

@@ -102,6 +102,8 @@ pub struct Reconciler {
     bus: ProgressBus,
     config: ReconcilerConfig,
     held: Mutex<HashMap<SandboxId, HeldLease>>,
+    /// Shutting down: checkpoints kill running executions instead of waiting.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 /// The ports and settings a [`Reconciler`] is built from.
@@ -133,7 +135,14 @@ impl Reconciler {
             bus: parts.bus,
             config: parts.config,
             held: Mutex::new(HashMap::new()),
+            draining: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// From now on checkpoints do not wait for running executions.
+    pub fn start_draining(&self) {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     pub fn runtime(&self) -> &Arc<dyn SandboxRuntime> {
@@ -475,7 +484,7 @@ impl Reconciler {
             checkpoint_id: SandboxId::random(),
             epoch: held.epoch,
             name: name.clone(),
-            force,
+            force: force || self.draining.load(std::sync::atomic::Ordering::Acquire),
         };
         let manifest = match self.runtime.checkpoint(sandbox, request).await {
             Ok(manifest) => manifest,
