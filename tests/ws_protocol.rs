@@ -815,3 +815,86 @@ async fn list_shows_the_sandboxes_running_here_b15() {
         json!([{"sandbox_id": id, "attached": true, "execution_running": true}])
     );
 }
+
+// ---- §3.4 restore failures ---------------------------------------------------------------
+
+async fn checkpointed(server: &Server) -> (String, String) {
+    let (mut ws, id, token) = server
+        .create(json!({"idle_timeout": 60, "enable_checkpoint": true}))
+        .await;
+    ws.send(json!({"action": "checkpoint"})).await;
+    assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
+    (id, token)
+}
+
+#[tokio::test]
+async fn invalid_json_written_by_an_operator_is_a_clear_restore_error() {
+    let server = Server::start().await;
+    let (id, token) = checkpointed(&server).await;
+    let key = metadata_key(&SandboxId::parse(&id).unwrap());
+    server
+        .store
+        .put(
+            &key,
+            bytes::Bytes::from_static(b"{\"apiVersion\": \"sandboxd.dev/v1\", \"spec\": "),
+            controllers::store::PutMode::Overwrite,
+        )
+        .await
+        .unwrap();
+    let mut ws = server.attach(&id, &token).await;
+    let frames = ws.until_close().await;
+    assert_eq!(frames[0], "SANDBOX_RESTORE_ERROR", "{frames:?}");
+    assert!(frames[1].contains("metadata.json"), "{frames:?}");
+    assert_eq!(frames[2], "close:4000");
+}
+
+#[tokio::test]
+async fn a_corrupt_checkpoint_image_is_refused_and_the_record_kept() {
+    let server = Server::start().await;
+    let (id, token) = checkpointed(&server).await;
+    let before = metadata(&server, &id).await;
+    let image = before.status.latest_checkpoint.clone().unwrap().path;
+    let key = controllers::store::ObjectKey::new(image.as_str()).unwrap();
+    let mut bytes = server.store.get(&key).await.unwrap().data.to_vec();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0xff;
+    server
+        .store
+        .put(&key, bytes.into(), controllers::store::PutMode::Overwrite)
+        .await
+        .unwrap();
+
+    let mut ws = server.attach(&id, &token).await;
+    let frames = ws.until_close().await;
+    assert_eq!(
+        frames[..2],
+        strings(&["SANDBOX_RESTORING", "SANDBOX_RESTORE_ERROR"]),
+        "{frames:?}"
+    );
+    assert!(frames[2].contains("corrupt"), "{frames:?}");
+    assert_eq!(frames[3], "close:4000");
+    let after = metadata(&server, &id).await;
+    assert_eq!(after.status.phase, Phase::Checkpointed);
+    assert_eq!(
+        after.status.latest_checkpoint,
+        before.status.latest_checkpoint
+    );
+    assert!(
+        server
+            .state
+            .controller
+            .as_ref()
+            .unwrap()
+            .held_sandboxes()
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn pings_are_answered() {
+    let server = Server::start().await;
+    let (mut ws, _, _) = server.create(json!({})).await;
+    ws.send_raw(Message::Ping(bytes::Bytes::from_static(b"hi")))
+        .await;
+    assert!(ws.next_pong().await);
+}

@@ -223,6 +223,11 @@ impl Ws {
         merge_chunks(self.until_status("SANDBOX_EXECUTION_DONE").await)
     }
 
+    /// True when the next message is a pong.
+    pub async fn next_pong(&mut self) -> bool {
+        matches!(self.next_message().await, Some(Message::Pong(_)))
+    }
+
     /// Nothing arrives for `quiet`.
     pub async fn expect_silence(&mut self, quiet: Duration) {
         if let Ok(Some(Ok(message))) = tokio::time::timeout(quiet, self.stream.next()).await {

@@ -624,11 +624,15 @@ impl Reconciler {
             Err((operation, message)) => {
                 tracing::warn!(%sandbox, ?operation, %message, "cannot start the sandbox");
                 let _ = self.runtime.destroy(sandbox).await;
+                let previous_phase = metadata.status.phase;
                 let recorded = self
                     .write_status(sandbox, held.epoch, |status| {
-                        if operation == Operation::Create {
-                            status.phase = Phase::Failed;
-                        }
+                        // A failed restore leaves the checkpoint as it was:
+                        // the next attach may try again.
+                        status.phase = match operation {
+                            Operation::Create => Phase::Failed,
+                            _ => previous_phase,
+                        };
                         status.holder = None;
                         status.last_error = Some(message.clone());
                     })

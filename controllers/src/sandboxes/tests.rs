@@ -263,7 +263,7 @@ async fn an_unknown_checkpoint_name_fails_the_restore_and_keeps_the_sandbox() {
         "{seen:?}"
     );
     let metadata = world.metadata(&id).await;
-    assert_eq!(metadata.status.phase, Phase::Checkpointed);
+    assert_eq!(metadata.status.phase, Phase::Checkpointed, "not left Restoring");
     assert!(metadata.status.latest_checkpoint.is_some());
     assert_eq!(world.lease(&id).await.holder, None);
 }
