@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::api::{
-    CheckpointManifest, CheckpointRef, DesiredState, ExtraFields, Lease, Phase, SandboxId,
-    SandboxMetadata, SandboxStatus, decode,
+    CheckpointManifest, CheckpointRef, ConditionStatus, DesiredState, ExtraFields, Lease, Phase,
+    SandboxId, SandboxMetadata, SandboxStatus, decode,
 };
 use crate::clock::Clock;
 use crate::fencing::{FenceError, fenced_update};
@@ -205,6 +205,16 @@ impl Reconciler {
         }
     }
 
+    /// Sets the `Ready` condition.
+    fn ready(&self, status: &mut SandboxStatus, ready: bool, reason: &str, message: &str) {
+        let value = if ready {
+            ConditionStatus::True
+        } else {
+            ConditionStatus::False
+        };
+        status.set_condition("Ready", value, reason, message, self.clock.now());
+    }
+
     /// Writes `status` fields under `epoch`, refusing if a newer holder wrote.
     async fn write_status(
         &self,
@@ -294,6 +304,7 @@ impl Reconciler {
                 status.phase = Phase::Failed;
                 status.holder = None;
                 status.last_error = Some(message.clone());
+                self.ready(status, false, "Failed", &message);
             })
             .await?;
             self.emit(sandbox, Progress::Lost { message });
@@ -412,6 +423,7 @@ impl Reconciler {
         self.write_status(sandbox, held.epoch, |status| {
             status.phase = Phase::Deleted;
             status.holder = None;
+            self.ready(status, false, "Deleted", "");
         })
         .await?;
         if handoff {
@@ -455,6 +467,7 @@ impl Reconciler {
         self.write_status(sandbox, held.epoch, |status| {
             status.phase = Phase::Deleted;
             status.holder = None;
+            self.ready(status, false, "Deleted", "");
         })
         .await?;
         self.leases.release(&held).await?;
@@ -500,6 +513,7 @@ impl Reconciler {
                     status.phase = Phase::Failed;
                     status.holder = None;
                     status.last_error = Some(message.clone());
+                    self.ready(status, false, "Failed", &message);
                 })
                 .await?;
                 let _ = self.leases.release(&held).await;
@@ -552,6 +566,7 @@ impl Reconciler {
                     .insert(name.clone(), reference.clone());
             }
             status.last_error = None;
+            self.ready(status, false, "Checkpointed", "");
         })
         .await?;
         if handoff {
@@ -633,6 +648,11 @@ impl Reconciler {
                             Operation::Create => Phase::Failed,
                             _ => previous_phase,
                         };
+                        let reason = match operation {
+                            Operation::Create => "Failed",
+                            _ => "RestoreFailed",
+                        };
+                        self.ready(status, false, reason, &message);
                         status.holder = None;
                         status.last_error = Some(message.clone());
                     })
@@ -731,6 +751,7 @@ impl Reconciler {
             status.phase = Phase::Running;
             status.holder = Some(instance.clone());
             status.last_error = None;
+            self.ready(status, true, "Running", "");
             if served_request.is_some() {
                 status.last_restore_request = served_request;
             }

@@ -128,6 +128,14 @@ async fn create_runs_the_sandbox_under_a_new_lease() {
     assert_eq!(status.phase, Phase::Running);
     assert_eq!(status.holder.unwrap().as_str(), "a");
     assert_eq!(status.epoch, 1);
+    let ready = world
+        .metadata(&id)
+        .await
+        .status
+        .condition("Ready")
+        .cloned()
+        .unwrap();
+    assert_eq!(ready.status, crate::api::ConditionStatus::True);
     let lease = world.lease(&id).await;
     assert_eq!(lease.holder.unwrap().as_str(), "a");
     assert!(lease.wanted_by.is_none(), "the fulfilled intent is cleared");
@@ -263,7 +271,11 @@ async fn an_unknown_checkpoint_name_fails_the_restore_and_keeps_the_sandbox() {
         "{seen:?}"
     );
     let metadata = world.metadata(&id).await;
-    assert_eq!(metadata.status.phase, Phase::Checkpointed, "not left Restoring");
+    assert_eq!(
+        metadata.status.phase,
+        Phase::Checkpointed,
+        "not left Restoring"
+    );
     assert!(metadata.status.latest_checkpoint.is_some());
     assert_eq!(world.lease(&id).await.holder, None);
 }
