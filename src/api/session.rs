@@ -195,6 +195,7 @@ impl Session {
         mut progress: broadcast::Receiver<Progress>,
         registry: Arc<LiveSandboxes>,
     ) {
+        self.controller.client_attached(&self.id, true);
         loop {
             tokio::select! {
                 frame = next_text(&mut stream) => {
@@ -219,6 +220,7 @@ impl Session {
         }
         self.stop_streamer();
         registry.detach(&self.live, self.attachment);
+        self.controller.client_attached(&self.id, false);
         tracing::debug!(sandbox = %self.id, "session detached");
     }
 

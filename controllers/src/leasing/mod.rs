@@ -53,12 +53,14 @@ impl Default for LeaseConfig {
 }
 
 /// Proof that this instance held a sandbox's lease at `epoch`, as of `renewed_at`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct HeldLease {
     pub sandbox: SandboxId,
     pub epoch: u64,
     pub renewed_at: DateTime<Utc>,
     pub generation: Generation,
+    /// The lease as this instance last wrote or read it at `generation`.
+    pub lease: Lease,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -220,6 +222,30 @@ impl Leases {
         })
     }
 
+    /// Renews with ONE write and no read: rewrites the lease as last seen, with
+    /// the generation as precondition. `Ok(None)` means the lock changed since
+    /// (an attach intent, an operator, another holder): do a full read.
+    /// This is what keeps an idle held sandbox cheap in storage operations.
+    pub async fn renew_unchanged(&self, held: &HeldLease) -> Result<Option<HeldLease>, LeaseError> {
+        let mut lease = held.lease.clone();
+        lease.renewed_at = Some(self.clock.now());
+        match self
+            .store
+            .put(
+                &lock_key(&held.sandbox),
+                encode(&lease),
+                PutMode::Update(held.generation),
+            )
+            .await
+        {
+            Ok(generation) => self
+                .held(&held.sandbox, held.epoch, &lease, generation)
+                .map(Some),
+            Err(StoreError::PreconditionFailed { .. }) => Ok(None),
+            Err(err) => Err(err.into()),
+        }
+    }
+
     /// Gives the lease up: `holder: null`, epoch and intent kept. Releasing a lease
     /// already lost is reported as `Lost` (nothing is written).
     pub async fn release(&self, held: &HeldLease) -> Result<(), LeaseError> {
@@ -323,6 +349,7 @@ impl Leases {
                 .or(lease.acquired_at)
                 .unwrap_or(chrono::DateTime::<Utc>::UNIX_EPOCH),
             generation,
+            lease: lease.clone(),
         })
     }
 

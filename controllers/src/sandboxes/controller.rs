@@ -97,6 +97,7 @@ impl SandboxController {
                             }
                         }
                         Err(err) => {
+                            controller.reconciler.want_full_pass(&sandbox);
                             let count = failures.entry(sandbox.clone()).or_insert(0);
                             *count = count.saturating_add(1);
                             let delay = backoff(*count);
@@ -109,9 +110,20 @@ impl SandboxController {
         })
     }
 
-    /// Queues a reconcile of `sandbox` now.
+    /// Queues a full reconcile of `sandbox` now (after writing an intent).
     pub fn enqueue(&self, sandbox: &SandboxId) {
+        self.reconciler.want_full_pass(sandbox);
         self.queue.add(sandbox);
+    }
+
+    /// A client attached to (`true`) or left a sandbox held here. A sandbox
+    /// whose client left is watched closely for a while: the client may be
+    /// reconnecting through another instance.
+    pub fn client_attached(&self, sandbox: &SandboxId, attached: bool) {
+        self.reconciler.client_attached(sandbox, attached);
+        if !attached {
+            self.queue.add(sandbox);
+        }
     }
 
     /// The reconciler's progress on `sandbox`, from now on.

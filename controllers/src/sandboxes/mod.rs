@@ -10,7 +10,9 @@ mod workqueue;
 
 pub use controller::{ControlError, SandboxController};
 pub use progress::{Operation, Progress, ProgressBus};
-pub use reconciler::{ReconcileError, Reconciler, ReconcilerConfig, ReconcilerParts, Requeue};
+pub use reconciler::{
+    HandoffPolicy, ReconcileError, Reconciler, ReconcilerConfig, ReconcilerParts, Requeue,
+};
 pub use workqueue::WorkQueue;
 
 #[cfg(test)]

@@ -14,7 +14,9 @@
 //! - `desired_state: running`, `wanted_by: I`, lease free: acquire, then
 //!   restore the requested or latest checkpoint, or create S if it never ran.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+
+use chrono::{DateTime, Utc};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -32,25 +34,65 @@ use crate::store::{Store, StoreError};
 
 use super::progress::{Operation, Progress, ProgressBus};
 
-/// Timing of the reconciler.
+/// What a holder does when another instance asks for a sandbox whose
+/// execution is still running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HandoffPolicy {
+    /// Kill the execution and move the sandbox at once (the earlier server's
+    /// behaviour): the new client gets its sandbox fast, the execution is lost.
+    #[default]
+    Force,
+    /// Let the execution finish first; the attach waits (up to its timeout).
+    Wait,
+}
+
+/// Timing and policy of the reconciler. The defaults keep an idle held
+/// sandbox at about 300 storage operations an hour (one lease write every
+/// 15 s, one full read every 2 min) while a freshly detached one, whose client
+/// may be reconnecting elsewhere, is watched every half second.
 #[derive(Debug, Clone)]
 pub struct ReconcilerConfig {
-    /// How often a held sandbox is looked at (lease renewal, operator edits).
+    /// How often a held sandbox gets a full pass (re-reads metadata: operator
+    /// edits take effect within this).
     pub resync_interval: Duration,
+    /// How often a held lease is renewed (one conditional write).
+    pub renew_interval: Duration,
+    /// How often the lock of a held sandbox whose client just left is read,
+    /// to notice an attach on another instance quickly.
+    pub detached_poll: Duration,
+    /// For how long after the client left that fast polling lasts.
+    pub detached_window: Duration,
     /// How often an instance waiting for another's lease looks again.
     pub acquire_poll: Duration,
     /// How soon a checkpoint refused for a running execution is tried again.
     pub checkpoint_retry: Duration,
+    pub handoff: HandoffPolicy,
+    /// Superseded unnamed checkpoints kept per sandbox besides the latest;
+    /// older ones are deleted.
+    pub keep_checkpoints: usize,
 }
 
 impl Default for ReconcilerConfig {
     fn default() -> Self {
         Self {
-            resync_interval: Duration::from_secs(10),
-            acquire_poll: Duration::from_millis(500),
+            resync_interval: Duration::from_secs(120),
+            renew_interval: Duration::from_secs(15),
+            detached_poll: Duration::from_millis(500),
+            detached_window: Duration::from_secs(60),
+            acquire_poll: Duration::from_millis(250),
             checkpoint_retry: Duration::from_secs(2),
+            handoff: HandoffPolicy::Force,
+            keep_checkpoints: 2,
         }
     }
+}
+
+/// Per held sandbox: when its last full pass was, and since when its client
+/// is away (`None`: attached, or never told).
+#[derive(Debug, Clone, Copy)]
+struct Watch {
+    last_full_pass: DateTime<Utc>,
+    detached_since: Option<DateTime<Utc>>,
 }
 
 /// When to reconcile the sandbox again.
@@ -89,6 +131,10 @@ impl From<FenceError<Infallible>> for ReconcileError {
     }
 }
 
+fn chrono_duration(duration: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(duration).unwrap_or(chrono::Duration::MAX)
+}
+
 /// The reconciler of one instance, with the leases it holds.
 #[derive(Debug)]
 pub struct Reconciler {
@@ -102,6 +148,9 @@ pub struct Reconciler {
     bus: ProgressBus,
     config: ReconcilerConfig,
     held: Mutex<HashMap<SandboxId, HeldLease>>,
+    watches: Mutex<HashMap<SandboxId, Watch>>,
+    /// Sandboxes whose next pass must be a full one (an intent was written).
+    full_pass_wanted: Mutex<HashSet<SandboxId>>,
     /// Shutting down: checkpoints kill running executions instead of waiting.
     draining: std::sync::atomic::AtomicBool,
 }
@@ -135,6 +184,8 @@ impl Reconciler {
             bus: parts.bus,
             config: parts.config,
             held: Mutex::new(HashMap::new()),
+            watches: Mutex::new(HashMap::new()),
+            full_pass_wanted: Mutex::new(HashSet::new()),
             draining: std::sync::atomic::AtomicBool::new(false),
         }
     }
@@ -181,6 +232,34 @@ impl Reconciler {
 
     fn forget(&self, sandbox: &SandboxId) {
         self.held_map().remove(sandbox);
+        self.watch_map().remove(sandbox);
+    }
+
+    fn watch_map(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, Watch>> {
+        self.watches.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The next pass of `sandbox` reads everything (an intent was written).
+    pub fn want_full_pass(&self, sandbox: &SandboxId) {
+        self.full_pass_wanted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sandbox.clone());
+    }
+
+    fn take_full_pass_wanted(&self, sandbox: &SandboxId) -> bool {
+        self.full_pass_wanted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(sandbox)
+    }
+
+    /// The API layer's news: a client attached to (or left) a sandbox held here.
+    pub fn client_attached(&self, sandbox: &SandboxId, attached: bool) {
+        let now = self.clock.now();
+        if let Some(watch) = self.watch_map().get_mut(sandbox) {
+            watch.detached_since = if attached { None } else { Some(now) };
+        }
     }
 
     fn emit(&self, sandbox: &SandboxId, event: Progress) {
@@ -235,9 +314,86 @@ impl Reconciler {
         Ok(written)
     }
 
-    /// One step toward the desired state of `sandbox`.
+    /// One step toward the desired state of `sandbox`. A held sandbox with
+    /// nothing new gets a light pass (lease upkeep, maybe one lock read); a
+    /// full pass reads metadata and lock and decides.
     #[tracing::instrument(skip(self), fields(instance = %self.leases.instance()))]
     pub async fn reconcile(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
+        let full_wanted = self.take_full_pass_wanted(sandbox);
+        let watch = self.watch_map().get(sandbox).copied();
+        if !full_wanted
+            && let Some(held) = self.held(sandbox)
+            && let Some(watch) = watch
+            && self.clock.now()
+                < watch.last_full_pass + chrono_duration(self.config.resync_interval)
+            && self.runtime.is_running(sandbox)
+        {
+            if let Some(requeue) = self.light_pass(sandbox, held, watch).await? {
+                return Ok(requeue);
+            }
+        }
+        let outcome = self.full_pass(sandbox).await;
+        if let Some(watch) = self.watch_map().get_mut(sandbox) {
+            watch.last_full_pass = self.clock.now();
+        }
+        outcome
+    }
+
+    /// Lease upkeep for a held sandbox nothing happened to. `None`: something
+    /// changed, do a full pass.
+    async fn light_pass(
+        &self,
+        sandbox: &SandboxId,
+        held: HeldLease,
+        watch: Watch,
+    ) -> Result<Option<Requeue>, ReconcileError> {
+        let now = self.clock.now();
+        let watching = watch
+            .detached_since
+            .is_some_and(|since| now < since + chrono_duration(self.config.detached_window));
+        if watching {
+            let lease = self.leases.read(sandbox).await?.map(|(lease, _)| lease);
+            let ours = lease
+                .as_ref()
+                .is_some_and(|l| l.is_held_by(self.leases.instance()) && l.epoch == held.epoch);
+            let wanted_elsewhere = lease
+                .as_ref()
+                .and_then(|l| l.live_intent(now))
+                .is_some_and(|intent| &intent.instance != self.leases.instance());
+            if !ours || wanted_elsewhere {
+                return Ok(None);
+            }
+        }
+        let mut renewed_at = held.renewed_at;
+        if now >= held.renewed_at + chrono_duration(self.config.renew_interval) {
+            match self.leases.renew_unchanged(&held).await {
+                Ok(Some(renewed)) => {
+                    renewed_at = renewed.renewed_at;
+                    self.held_map().insert(sandbox.clone(), renewed);
+                }
+                // The lock changed: an intent, an operator, a new holder.
+                Ok(None) => return Ok(None),
+                Err(err) => {
+                    if !self.leases.is_safe(&held) {
+                        self.stop_lost(sandbox, &format!("the lease could not be renewed: {err}"))
+                            .await;
+                        return Ok(Some(Requeue::Never));
+                    }
+                    return Err(err.into());
+                }
+            }
+        }
+        let until = |at: DateTime<Utc>| (at - now).to_std().unwrap_or(Duration::ZERO);
+        let mut next = until(renewed_at + chrono_duration(self.config.renew_interval)).min(until(
+            watch.last_full_pass + chrono_duration(self.config.resync_interval),
+        ));
+        if watching {
+            next = next.min(self.config.detached_poll);
+        }
+        Ok(Some(Requeue::After(next.max(Duration::from_millis(10)))))
+    }
+
+    async fn full_pass(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
         let metadata = match self.read_metadata(sandbox).await {
             Ok(Some(metadata)) => metadata,
             Ok(None) => {
@@ -339,8 +495,9 @@ impl Reconciler {
                     .is_some_and(|intent| &intent.instance != self.leases.instance());
                 if wanted_elsewhere && metadata.spec.enable_checkpoint {
                     self.emit(sandbox, Progress::LockReleaseRequested);
+                    let force = self.config.handoff == HandoffPolicy::Force;
                     return self
-                        .checkpoint_and_release(sandbox, metadata, held, true)
+                        .checkpoint_and_release(sandbox, metadata, held, force)
                         .await;
                 }
                 self.keep_running(sandbox, held).await
@@ -348,21 +505,43 @@ impl Reconciler {
         }
     }
 
-    /// Renews the lease when a resync interval has passed since the last renewal.
+    /// Renews the lease when due, and says when to look again.
     async fn keep_running(
         &self,
         sandbox: &SandboxId,
         held: HeldLease,
     ) -> Result<Requeue, ReconcileError> {
-        let interval = chrono::Duration::from_std(self.config.resync_interval)
-            .unwrap_or(chrono::Duration::seconds(10));
-        if self.clock.now() < held.renewed_at + interval {
-            return Ok(Requeue::After(self.config.resync_interval));
+        let renew_every = chrono_duration(self.config.renew_interval);
+        let now = self.clock.now();
+        let next_pass = |renewed_at: DateTime<Utc>| {
+            let watching = self
+                .watch_map()
+                .get(sandbox)
+                .and_then(|w| w.detached_since)
+                .is_some_and(|since| now < since + chrono_duration(self.config.detached_window));
+            let until_renewal = (renewed_at + renew_every - now)
+                .to_std()
+                .unwrap_or(Duration::ZERO)
+                .max(Duration::from_millis(10));
+            if watching {
+                until_renewal.min(self.config.detached_poll)
+            } else {
+                until_renewal
+            }
+        };
+        if now < held.renewed_at + renew_every {
+            return Ok(Requeue::After(next_pass(held.renewed_at)));
         }
-        match self.leases.renew(&held).await {
+        let renewed = match self.leases.renew_unchanged(&held).await {
+            Ok(Some(renewed)) => Ok(renewed),
+            Ok(None) => self.leases.renew(&held).await,
+            Err(err) => Err(err),
+        };
+        match renewed {
             Ok(renewed) => {
+                let renewed_at = renewed.renewed_at;
                 self.held_map().insert(sandbox.clone(), renewed);
-                Ok(Requeue::After(self.config.resync_interval))
+                Ok(Requeue::After(next_pass(renewed_at)))
             }
             Err(LeaseError::Lost { .. } | LeaseError::Missing { .. }) => {
                 self.stop_lost(sandbox, "the lease was taken over").await;
@@ -503,6 +682,8 @@ impl Reconciler {
             Ok(manifest) => manifest,
             Err(RuntimeError::ExecutionInProgress(_)) => {
                 self.emit(sandbox, Progress::ExecutionInProgress);
+                // Not a steady state: the retry must decide again in full.
+                self.want_full_pass(sandbox);
                 return Ok(Requeue::After(self.config.checkpoint_retry));
             }
             Err(RuntimeError::Lost { detail, .. }) => {
@@ -633,8 +814,15 @@ impl Reconciler {
         match self.start(sandbox, metadata, &held).await {
             Ok(()) => {
                 self.held_map().insert(sandbox.clone(), held.clone());
+                self.watch_map().insert(
+                    sandbox.clone(),
+                    Watch {
+                        last_full_pass: self.clock.now(),
+                        detached_since: None,
+                    },
+                );
                 self.emit(sandbox, Progress::Running { epoch: held.epoch });
-                Ok(Requeue::After(self.config.resync_interval))
+                Ok(Requeue::After(self.config.renew_interval))
             }
             Err((operation, message)) => {
                 tracing::warn!(%sandbox, ?operation, %message, "cannot start the sandbox");

@@ -288,6 +288,8 @@ async fn another_instance_asking_gets_the_sandbox_handed_over() {
     let id = a.create(&world).await;
     a.run(&id, "state").await;
 
+    // A's client left: A watches the lock closely.
+    a.controller.client_attached(&id, false);
     b.controller
         .request_here(&id, None, world.clock.now())
         .await
@@ -320,6 +322,8 @@ async fn a_holder_that_lost_its_lease_stops_without_writing() {
         .unwrap();
     let before = world.store.get(&metadata_key(&id)).await.unwrap();
     let mut events = a.controller.subscribe(&id);
+    // Noticed at the next renewal: its conditional write fails.
+    world.clock.advance(Duration::seconds(16));
 
     assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
     assert!(matches!(drain(&mut events)[..], [Progress::Lost { .. }]));
@@ -392,6 +396,9 @@ async fn invalid_json_from_an_operator_is_reported_and_changes_nothing() {
         )
         .await
         .unwrap();
+    // Between full passes only the lease is looked after.
+    assert!(a.reconcile(&id).await.is_ok());
+    world.clock.advance(Duration::seconds(121));
     let err = a.reconcile(&id).await.unwrap_err();
     assert!(err.to_string().contains("metadata.json"), "{err}");
     assert!(a.runtime.memory(&id).is_some(), "the sandbox keeps running");
@@ -413,14 +420,39 @@ async fn a_sandbox_that_died_is_marked_failed_and_released() {
 }
 
 #[tokio::test]
-async fn the_lease_is_renewed_once_per_resync_interval() {
+async fn the_lease_is_renewed_once_per_renew_interval_with_one_write() {
     let world = World::new();
     let a = world.instance("a");
     let id = a.create(&world).await;
     let first = world.lease(&id).await.renewed_at;
     a.reconcile(&id).await.unwrap();
     assert_eq!(world.lease(&id).await.renewed_at, first, "not due yet");
-    world.clock.advance(Duration::seconds(11));
+    world.clock.advance(Duration::seconds(16));
+    let operations = world.store.operations();
     a.reconcile(&id).await.unwrap();
+    let used = world.store.operations() - operations;
     assert!(world.lease(&id).await.renewed_at > first);
+    assert_eq!(used, 1, "one conditional write, no read");
+}
+
+#[tokio::test]
+async fn an_attach_intent_is_noticed_by_the_renewal_even_with_the_client_attached() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert!(a.runtime.memory(&id).is_some(), "not before the renewal");
+    world.clock.advance(Duration::seconds(16));
+    a.reconcile(&id).await.unwrap();
+    assert!(
+        a.runtime.memory(&id).is_none(),
+        "handed over at the renewal"
+    );
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some());
 }
