@@ -327,10 +327,9 @@ impl Reconciler {
             && self.clock.now()
                 < watch.last_full_pass + chrono_duration(self.config.resync_interval)
             && self.runtime.is_running(sandbox)
+            && let Some(requeue) = self.light_pass(sandbox, held, watch).await?
         {
-            if let Some(requeue) = self.light_pass(sandbox, held, watch).await? {
-                return Ok(requeue);
-            }
+            return Ok(requeue);
         }
         let outcome = self.full_pass(sandbox).await;
         if let Some(watch) = self.watch_map().get_mut(sandbox) {
