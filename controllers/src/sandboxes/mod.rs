@@ -16,4 +16,6 @@ pub use reconciler::{
 pub use workqueue::WorkQueue;
 
 #[cfg(test)]
+mod simulation;
+#[cfg(test)]
 mod tests;

@@ -48,6 +48,11 @@ impl MemoryStore {
         self.lock().faults.extend(faults);
     }
 
+    /// Removes and returns the faults not yet used.
+    pub fn take_faults(&self) -> Vec<Fault> {
+        self.lock().faults.drain(..).collect()
+    }
+
     /// How many operations were attempted so far.
     pub fn operations(&self) -> u64 {
         self.lock().operations

@@ -1,0 +1,510 @@
+//! Deterministic simulation of several instances converging the same
+//! sandboxes: one in-memory store, a fake runtime per instance, one manual
+//! clock, and a seeded schedule of reconcile passes, client intents,
+//! executions, clock jumps past the lease, crashes, pauses (zombie holders)
+//! and storage faults (transient errors, lost responses that still landed).
+//!
+//! After every step the invariants must hold:
+//! 1. never two instances running a sandbox while both can vouch for their
+//!    lease (a paused zombie may still run it, but its lease has expired);
+//! 2. `status.epoch` and `status.latest_checkpoint.epoch` never go down: a
+//!    newer checkpoint pointer is never overwritten by a lower epoch;
+//! 3. every acknowledged checkpoint stays covered: the recorded latest
+//!    checkpoint is at least as new and is restorable (manifest and image
+//!    present, digest matching).
+//!
+//! CI runs 1,000 seeds; `SIM_SEEDS=10000 cargo test -p controllers --release
+//! --features testing -- --ignored simulation_soak` runs more.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use chrono::Duration;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::broadcast;
+
+use super::*;
+use crate::api::{DesiredState, InstanceId, Lease, SandboxId, SandboxMetadata, decode};
+use crate::clock::Clock;
+use crate::layout::{checkpoint_id_of_image, checkpoint_manifest_key, lock_key, metadata_key};
+use crate::leasing::{LeaseConfig, Leases};
+use crate::runtime::{Command, ExecRequest, SandboxRuntime};
+use crate::store::Store;
+use crate::testing::{FakeRuntime, Fault, ManualClock, MemoryStore};
+
+/// One node's view of the shared store: after a countdown set by a pause, its
+/// operations block until the pause ends, so a reconcile pass can stop halfway
+/// (a holder frozen between reading its lease and writing its checkpoint).
+#[derive(Debug)]
+struct GatedStore {
+    inner: Arc<MemoryStore>,
+    /// Operations left before blocking; negative: not pausing.
+    countdown: std::sync::atomic::AtomicI64,
+    open: tokio::sync::watch::Receiver<bool>,
+}
+
+impl GatedStore {
+    async fn gate(&self) {
+        use std::sync::atomic::Ordering;
+        let left = self.countdown.load(Ordering::Acquire);
+        if left > 0 {
+            self.countdown.fetch_sub(1, Ordering::AcqRel);
+            return;
+        }
+        if left == 0 {
+            let mut open = self.open.clone();
+            let _ = open.wait_for(|open| *open).await;
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for GatedStore {
+    async fn get(
+        &self,
+        key: &crate::store::ObjectKey,
+    ) -> Result<crate::store::Versioned, crate::store::StoreError> {
+        self.gate().await;
+        self.inner.get(key).await
+    }
+    async fn put(
+        &self,
+        key: &crate::store::ObjectKey,
+        data: bytes::Bytes,
+        mode: crate::store::PutMode,
+    ) -> Result<crate::store::Generation, crate::store::StoreError> {
+        self.gate().await;
+        self.inner.put(key, data, mode).await
+    }
+    async fn list_page(
+        &self,
+        prefix: &str,
+        page_token: Option<String>,
+    ) -> Result<crate::store::ListPage, crate::store::StoreError> {
+        self.gate().await;
+        self.inner.list_page(prefix, page_token).await
+    }
+    async fn delete(&self, key: &crate::store::ObjectKey) -> Result<(), crate::store::StoreError> {
+        self.gate().await;
+        self.inner.delete(key).await
+    }
+    async fn upload_blob(
+        &self,
+        key: &crate::store::ObjectKey,
+        source: crate::store::BlobSource,
+    ) -> Result<crate::store::ObjectInfo, crate::store::StoreError> {
+        self.gate().await;
+        self.inner.upload_blob(key, source).await
+    }
+    async fn download_blob(
+        &self,
+        key: &crate::store::ObjectKey,
+    ) -> Result<crate::store::BlobReader, crate::store::StoreError> {
+        self.gate().await;
+        self.inner.download_blob(key).await
+    }
+}
+
+const TOKEN_HASH: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+const STEPS: usize = 150;
+const SANDBOXES: u128 = 2;
+
+struct Node {
+    controller: Arc<SandboxController>,
+    runtime: FakeRuntime,
+    /// Skips its turns until this step (a paused process).
+    paused_until: usize,
+    progress: Vec<broadcast::Receiver<Progress>>,
+    store: Arc<GatedStore>,
+    open: tokio::sync::watch::Sender<bool>,
+    /// A reconcile pass frozen by the pause, finished when it ends.
+    frozen: Option<tokio::task::JoinHandle<()>>,
+}
+
+struct Sim {
+    rng: StdRng,
+    store: Arc<MemoryStore>,
+    clock: ManualClock,
+    nodes: Vec<Node>,
+    next_name: usize,
+    sandboxes: Vec<SandboxId>,
+    /// Highest epochs seen per sandbox: (status.epoch, latest_checkpoint.epoch).
+    seen: HashMap<SandboxId, (u64, u64)>,
+    /// Epoch of the newest acknowledged checkpoint per sandbox.
+    acknowledged: HashMap<SandboxId, u64>,
+    lease: LeaseConfig,
+}
+
+impl Sim {
+    fn new(seed: u64) -> Self {
+        let mut sim = Self {
+            rng: StdRng::seed_from_u64(seed),
+            store: Arc::new(MemoryStore::new()),
+            clock: ManualClock::new(),
+            nodes: Vec::new(),
+            next_name: 0,
+            sandboxes: (1..=SANDBOXES).map(SandboxId::from_u128).collect(),
+            seen: HashMap::new(),
+            acknowledged: HashMap::new(),
+            lease: LeaseConfig::default(),
+        };
+        for _ in 0..3 {
+            let node = sim.node();
+            sim.nodes.push(node);
+        }
+        sim
+    }
+
+    fn node(&mut self) -> Node {
+        self.next_name += 1;
+        let name = format!("node-{}", self.next_name);
+        let (open, open_receiver) = tokio::sync::watch::channel(true);
+        let store = Arc::new(GatedStore {
+            inner: self.store.clone(),
+            countdown: std::sync::atomic::AtomicI64::new(-1),
+            open: open_receiver,
+        });
+        let runtime = FakeRuntime::new(store.clone());
+        let bus = ProgressBus::default();
+        let leases = Leases::new(
+            store.clone(),
+            Arc::new(self.clock.clone()),
+            InstanceId::parse(&name).unwrap(),
+            self.lease.clone(),
+        );
+        let reconciler = Reconciler::new(ReconcilerParts {
+            metadata: store.clone(),
+            checkpoints: store.clone(),
+            checkpoint_bucket: "sim".into(),
+            snapshot_bucket: "sim".into(),
+            runtime: Arc::new(runtime.clone()),
+            leases,
+            clock: Arc::new(self.clock.clone()),
+            bus: bus.clone(),
+            config: ReconcilerConfig::default(),
+        });
+        let controller = SandboxController::new(reconciler, bus);
+        let progress = self
+            .sandboxes
+            .iter()
+            .map(|id| controller.subscribe(id))
+            .collect();
+        Node {
+            controller,
+            runtime,
+            paused_until: 0,
+            progress,
+            store,
+            open,
+            frozen: None,
+        }
+    }
+
+    async fn setup(&mut self) {
+        for id in self.sandboxes.clone() {
+            let mut metadata =
+                SandboxMetadata::new(id.clone(), self.clock.now(), TOKEN_HASH.into());
+            metadata.spec.enable_checkpoint = true;
+            metadata.spec.enable_sandbox_handoff = true;
+            let node = self.rng.random_range(0..self.nodes.len());
+            self.nodes[node].controller.create(&metadata).await.unwrap();
+            let _ = self.nodes[node]
+                .controller
+                .reconciler()
+                .reconcile(&id)
+                .await;
+        }
+    }
+
+    fn pick_sandbox(&mut self) -> SandboxId {
+        let index = self.rng.random_range(0..self.sandboxes.len());
+        self.sandboxes[index].clone()
+    }
+
+    /// Ends the pauses due at `step`: the frozen pass resumes and finishes.
+    async fn wake(&mut self, step: usize) {
+        for node in &mut self.nodes {
+            if node.paused_until <= step {
+                node.store
+                    .countdown
+                    .store(-1, std::sync::atomic::Ordering::Release);
+                let _ = node.open.send(true);
+                if let Some(frozen) = node.frozen.take() {
+                    let _ = frozen.await;
+                }
+            }
+        }
+    }
+
+    async fn step(&mut self, step: usize) {
+        self.wake(step).await;
+        let node = self.rng.random_range(0..self.nodes.len());
+        let awake = self.nodes[node].paused_until <= step;
+        let id = self.pick_sandbox();
+        let controller = Arc::clone(&self.nodes[node].controller);
+        match self.rng.random_range(0..100) {
+            0..40 if awake => {
+                let _ = controller.reconciler().reconcile(&id).await;
+            }
+            40..52 if awake => {
+                let _ = controller.request_here(&id, None, self.clock.now()).await;
+            }
+            52..58 if awake => {
+                let _ = controller
+                    .request_state(&id, DesiredState::Checkpointed, None)
+                    .await;
+            }
+            58..60 if awake => {
+                let _ = controller
+                    .request_state(&id, DesiredState::Deleted, None)
+                    .await;
+            }
+            60..64 if awake => {
+                let _ = controller
+                    .request_state(&id, DesiredState::Running, None)
+                    .await;
+            }
+            64..72 if awake => {
+                if let Ok(mut execution) = controller
+                    .exec(&id, ExecRequest::new(Command::Bash(format!("step {step}"))))
+                    .await
+                {
+                    while execution.events.recv().await.is_some() {}
+                }
+            }
+            72..76 if awake => {
+                let attached = self.rng.random_bool(0.5);
+                controller.client_attached(&id, attached);
+            }
+            76..84 => self
+                .clock
+                .advance(Duration::milliseconds(self.rng.random_range(0..20_000))),
+            84..87 => self
+                .clock
+                .advance(Duration::seconds(self.rng.random_range(30..70))),
+            87..90 => {
+                // A crash: the process and its sandboxes vanish; a new one
+                // (new instance id, as a restarted server gets) takes its place.
+                if let Some(frozen) = self.nodes[node].frozen.take() {
+                    frozen.abort();
+                }
+                let fresh = self.node();
+                self.nodes[node] = fresh;
+            }
+            90..94 if awake => {
+                // Freeze the node partway through a pass on `id`.
+                let countdown = self.rng.random_range(0..6);
+                let target = &mut self.nodes[node];
+                target.paused_until = step + self.rng.random_range(5..40);
+                let _ = target.open.send(false);
+                target
+                    .store
+                    .countdown
+                    .store(countdown, std::sync::atomic::Ordering::Release);
+                let pass_controller = Arc::clone(&target.controller);
+                let pass_id = id.clone();
+                target.frozen = Some(tokio::spawn(async move {
+                    let _ = pass_controller.reconciler().reconcile(&pass_id).await;
+                }));
+                // Let the pass run up to its gate.
+                for _ in 0..8 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            94..100 => {
+                let fault = if self.rng.random_bool(0.5) {
+                    Fault::Transient
+                } else {
+                    Fault::LostResponse
+                };
+                let skip = self.rng.random_range(0..3);
+                self.store
+                    .inject(std::iter::repeat_n(Fault::Pass, skip).chain([fault]));
+            }
+            _ => {}
+        }
+    }
+
+    async fn check(&mut self, seed: u64, step: usize) {
+        let faults = self.store.take_faults();
+        self.collect_acknowledgements().await;
+        for id in self.sandboxes.clone() {
+            // 1. One vouching runner at most.
+            let runners: Vec<usize> = (0..self.nodes.len())
+                .filter(|&n| {
+                    let node = &self.nodes[n];
+                    node.runtime.is_running(&id)
+                        && node.controller.reconciler().held(&id).is_some_and(|held| {
+                            node.controller.reconciler().leases().is_safe(&held)
+                        })
+                })
+                .collect();
+            assert!(
+                runners.len() <= 1,
+                "seed {seed} step {step}: {id} runs on {runners:?} with valid leases"
+            );
+            // 2. Epochs never go down.
+            let Ok(object) = self.store.get(&metadata_key(&id)).await else {
+                continue;
+            };
+            let metadata: SandboxMetadata = decode(&object.data).unwrap();
+            let checkpoint_epoch = metadata
+                .status
+                .latest_checkpoint
+                .as_ref()
+                .map_or(0, |c| c.epoch);
+            let (seen_epoch, seen_checkpoint) = self.seen.get(&id).copied().unwrap_or((0, 0));
+            assert!(
+                metadata.status.epoch >= seen_epoch,
+                "seed {seed} step {step}: {id} status.epoch went from {seen_epoch} to {}",
+                metadata.status.epoch
+            );
+            assert!(
+                checkpoint_epoch >= seen_checkpoint,
+                "seed {seed} step {step}: {id} checkpoint epoch went from {seen_checkpoint} to {checkpoint_epoch}"
+            );
+            self.seen
+                .insert(id.clone(), (metadata.status.epoch, checkpoint_epoch));
+            // 3. Acknowledged checkpoints stay covered and restorable.
+            if let Some(&acknowledged) = self.acknowledged.get(&id) {
+                let latest = metadata
+                    .status
+                    .latest_checkpoint
+                    .as_ref()
+                    .unwrap_or_else(|| {
+                        panic!("seed {seed} step {step}: {id} lost its acknowledged checkpoint")
+                    });
+                assert!(
+                    latest.epoch >= acknowledged,
+                    "seed {seed} step {step}: {id} points at epoch {} below acknowledged {acknowledged}",
+                    latest.epoch
+                );
+                let checkpoint = checkpoint_id_of_image(&latest.path).unwrap();
+                let manifest = decode(
+                    &self
+                        .store
+                        .get(&checkpoint_manifest_key(&checkpoint))
+                        .await
+                        .unwrap()
+                        .data,
+                )
+                .unwrap();
+                let scratch = FakeRuntime::new(self.store.clone());
+                scratch
+                    .restore(&SandboxId::from_u128(u128::MAX), &manifest)
+                    .await
+                    .unwrap_or_else(|err| {
+                        panic!(
+                            "seed {seed} step {step}: {id} latest checkpoint unrestorable: {err}"
+                        )
+                    });
+            }
+        }
+        self.store.inject(faults);
+    }
+
+    /// The checkpoints acknowledged since the last call, with their epochs.
+    async fn collect_acknowledgements(&mut self) {
+        let mut images = Vec::new();
+        for node in &mut self.nodes {
+            for (index, receiver) in node.progress.iter_mut().enumerate() {
+                while let Ok(event) = receiver.try_recv() {
+                    if let Progress::Checkpointed { image } = event {
+                        images.push((self.sandboxes[index].clone(), image));
+                    }
+                }
+            }
+        }
+        for (id, image) in images {
+            let checkpoint = checkpoint_id_of_image(&image).unwrap();
+            let manifest: crate::api::CheckpointManifest = decode(
+                &self
+                    .store
+                    .get(&checkpoint_manifest_key(&checkpoint))
+                    .await
+                    .unwrap()
+                    .data,
+            )
+            .unwrap();
+            let epoch = self.acknowledged.entry(id).or_insert(0);
+            *epoch = (*epoch).max(manifest.epoch);
+        }
+    }
+
+    async fn lock(&self, id: &SandboxId) -> Option<Lease> {
+        let object = self.store.get(&lock_key(id)).await.ok()?;
+        decode(&object.data).ok()
+    }
+}
+
+async fn run_seed(seed: u64) {
+    let mut sim = Sim::new(seed);
+    sim.setup().await;
+    for step in 0..STEPS {
+        sim.step(step).await;
+        sim.check(seed, step).await;
+    }
+    // Heal: faults off, everyone awake, the lease long expired; one instance
+    // asks for each sandbox. It must end up running in exactly one place or
+    // be reported with a reason.
+    sim.store.take_faults();
+    for node in &mut sim.nodes {
+        node.paused_until = 0;
+    }
+    sim.wake(usize::MAX).await;
+    sim.clock.advance(Duration::seconds(120));
+    for id in sim.sandboxes.clone() {
+        let _ = sim.nodes[0]
+            .controller
+            .request_state(&id, DesiredState::Running, None)
+            .await;
+        let _ = sim.nodes[0]
+            .controller
+            .request_here(&id, None, sim.clock.now())
+            .await;
+        for _ in 0..6 {
+            for node in &sim.nodes {
+                let _ = node.controller.reconciler().reconcile(&id).await;
+            }
+            sim.clock.advance(Duration::seconds(1));
+        }
+        let running: Vec<usize> = (0..sim.nodes.len())
+            .filter(|&n| sim.nodes[n].runtime.is_running(&id))
+            .collect();
+        assert!(
+            running.len() <= 1,
+            "seed {seed}: {id} runs on {running:?} after healing"
+        );
+        let metadata: SandboxMetadata =
+            decode(&sim.store.get(&metadata_key(&id)).await.unwrap().data).unwrap();
+        if running.is_empty() && metadata.status.phase != crate::api::Phase::Deleted {
+            assert!(
+                metadata.status.last_error.is_some()
+                    || metadata.spec.desired_state != DesiredState::Running,
+                "seed {seed}: {id} neither runs nor says why: {:?} lock {:?}",
+                metadata.status,
+                sim.lock(&id).await
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_thousand_seeded_schedules_keep_the_invariants() {
+    for seed in 0..1000 {
+        run_seed(seed).await;
+    }
+}
+
+#[tokio::test]
+#[ignore = "soak: SIM_SEEDS=10000 cargo test -p controllers --release --features testing -- --ignored simulation_soak"]
+async fn simulation_soak() {
+    let seeds: u64 = std::env::var("SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10_000);
+    for seed in 0..seeds {
+        run_seed(seed).await;
+    }
+}
