@@ -182,7 +182,73 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub runtime: RuntimeArgs,
     #[command(flatten)]
+    pub control: ControlArgs,
+    #[command(flatten)]
     pub log: LogArgs,
+}
+
+/// What a holder does with a running execution when another instance asks for
+/// the sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum HandoffArg {
+    /// Kill it and move at once (the earlier server's behaviour).
+    Force,
+    /// Let it finish; the attach waits.
+    Wait,
+}
+
+/// Leases and the reconcile loop.
+#[derive(Debug, Clone, Args)]
+pub struct ControlArgs {
+    /// Lease duration: how long a dead instance keeps its sandboxes before
+    /// another may take them over.
+    #[arg(long, env = "SANDBOXD_LEASE_DURATION_S", default_value_t = 30)]
+    pub lease_duration_s: u64,
+    /// Tolerated clock difference between instances.
+    #[arg(long, env = "SANDBOXD_CLOCK_SKEW_S", default_value_t = 5)]
+    pub clock_skew_s: u64,
+    /// Lease renewal interval (one conditional write per held sandbox); must
+    /// be well under the duration minus the skew.
+    #[arg(long, env = "SANDBOXD_RENEW_INTERVAL_S", default_value_t = 15)]
+    pub renew_interval_s: u64,
+    /// Full re-read of each held sandbox's metadata (operator edits take
+    /// effect within this).
+    #[arg(long, env = "SANDBOXD_RESYNC_INTERVAL_S", default_value_t = 120)]
+    pub resync_interval_s: u64,
+    #[arg(long, env = "SANDBOXD_HANDOFF_RUNNING_EXECUTION", value_enum, default_value_t = HandoffArg::Force)]
+    pub handoff_running_execution: HandoffArg,
+    /// Superseded unnamed checkpoints kept per sandbox besides the latest.
+    #[arg(long, env = "SANDBOXD_KEEP_CHECKPOINTS", default_value_t = 2)]
+    pub keep_checkpoints: usize,
+    /// How long a deleted sandbox's tombstone stays before its objects go.
+    #[arg(long, env = "SANDBOXD_TOMBSTONE_RETENTION_S", default_value_t = 600)]
+    pub tombstone_retention_s: u64,
+}
+
+impl ControlArgs {
+    pub fn lease(&self) -> controllers::leasing::LeaseConfig {
+        let seconds = |s: u64| chrono::Duration::seconds(i64::try_from(s).unwrap_or(i64::MAX));
+        controllers::leasing::LeaseConfig {
+            duration: seconds(self.lease_duration_s.max(1)),
+            skew_tolerance: seconds(self.clock_skew_s),
+            ..controllers::leasing::LeaseConfig::default()
+        }
+    }
+
+    pub fn reconciler(&self) -> controllers::sandboxes::ReconcilerConfig {
+        use std::time::Duration;
+        controllers::sandboxes::ReconcilerConfig {
+            renew_interval: Duration::from_secs(self.renew_interval_s.max(1)),
+            resync_interval: Duration::from_secs(self.resync_interval_s.max(1)),
+            handoff: match self.handoff_running_execution {
+                HandoffArg::Force => controllers::sandboxes::HandoffPolicy::Force,
+                HandoffArg::Wait => controllers::sandboxes::HandoffPolicy::Wait,
+            },
+            keep_checkpoints: self.keep_checkpoints,
+            tombstone_retention: Duration::from_secs(self.tombstone_retention_s),
+            ..controllers::sandboxes::ReconcilerConfig::default()
+        }
+    }
 }
 
 impl ServeArgs {

@@ -4,9 +4,7 @@ use clap::{Parser, Subcommand};
 use controllers::api::InstanceId;
 use std::sync::Arc;
 
-use controllers::leasing::LeaseConfig;
 use controllers::runtime::SandboxRuntime;
-use controllers::sandboxes::ReconcilerConfig;
 use sandboxd::config::{ServeArgs, StoreLocation};
 use sandboxd::runtime::GvisorRuntime;
 use sandboxd::server::{self, AppState, Parts};
@@ -76,8 +74,8 @@ async fn main() -> anyhow::Result<()> {
         checkpoint_bucket,
         snapshot_bucket: bucket_name(&layout.snapshots),
         runtime,
-        lease: LeaseConfig::default(),
-        reconciler: ReconcilerConfig::default(),
+        lease: args.control.lease(),
+        reconciler: args.control.reconciler(),
     });
     let controller = state.controller.clone();
     // WebSocket sessions outlive `run` (upgraded connections are detached);

@@ -86,6 +86,10 @@ pub struct SandboxStatus {
     pub observed_generation: Option<i64>,
     #[serde(default)]
     pub latest_checkpoint: Option<CheckpointRef>,
+    /// Superseded unnamed checkpoints still kept, newest first (older ones
+    /// are deleted).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub previous_checkpoints: Vec<CheckpointRef>,
     /// Every named checkpoint, by name (the latest one with a name wins).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub named_checkpoints: BTreeMap<String, CheckpointRef>,

@@ -27,7 +27,9 @@ use crate::api::{
 };
 use crate::clock::Clock;
 use crate::fencing::{FenceError, fenced_update};
-use crate::layout::{checkpoint_id_of_image, checkpoint_manifest_key, metadata_key};
+use crate::layout::{
+    checkpoint_id_of_image, checkpoint_image_key, checkpoint_manifest_key, lock_key, metadata_key,
+};
 use crate::leasing::{HeldLease, LeaseError, Leases};
 use crate::runtime::{CheckpointRequest, CreateOptions, RuntimeError, SandboxRuntime};
 use crate::store::{Store, StoreError};
@@ -70,6 +72,9 @@ pub struct ReconcilerConfig {
     /// Superseded unnamed checkpoints kept per sandbox besides the latest;
     /// older ones are deleted.
     pub keep_checkpoints: usize,
+    /// How long a deleted sandbox's tombstone stays before its objects
+    /// (metadata, lock, checkpoints) are removed.
+    pub tombstone_retention: Duration,
 }
 
 impl Default for ReconcilerConfig {
@@ -83,6 +88,7 @@ impl Default for ReconcilerConfig {
             checkpoint_retry: Duration::from_secs(2),
             handoff: HandoffPolicy::Force,
             keep_checkpoints: 2,
+            tombstone_retention: Duration::from_secs(600),
         }
     }
 }
@@ -612,7 +618,7 @@ impl Reconciler {
             self.emit(sandbox, Progress::LockReleased);
         }
         self.emit(sandbox, Progress::Deleted);
-        Ok(Requeue::Never)
+        Ok(Requeue::After(self.config.tombstone_retention))
     }
 
     /// `desired_state: deleted` on a sandbox nobody runs: write the tombstone
@@ -625,7 +631,7 @@ impl Reconciler {
     ) -> Result<Requeue, ReconcileError> {
         if metadata.status.phase == Phase::Deleted {
             self.emit(sandbox, Progress::Deleted);
-            return Ok(Requeue::Never);
+            return self.purge_if_due(sandbox, metadata).await;
         }
         let now = self.clock.now();
         if let Some(lease) = &lease
@@ -650,7 +656,7 @@ impl Reconciler {
         .await?;
         self.leases.release(&held).await?;
         self.emit(sandbox, Progress::Deleted);
-        Ok(Requeue::Never)
+        Ok(Requeue::After(self.config.tombstone_retention))
     }
 
     /// Checkpoints a held sandbox, records the checkpoint, and releases it.
@@ -736,19 +742,46 @@ impl Reconciler {
             name: name.clone(),
             extra: ExtraFields::new(),
         };
-        self.write_status(sandbox, held.epoch, |status| {
-            status.phase = Phase::Checkpointed;
-            status.holder = None;
-            status.latest_checkpoint = Some(reference.clone());
-            if let Some(name) = &name {
-                status
-                    .named_checkpoints
-                    .insert(name.clone(), reference.clone());
-            }
-            status.last_error = None;
-            self.ready(status, false, "Checkpointed", "");
-        })
-        .await?;
+        let keep = self.config.keep_checkpoints;
+        let mut superseded = Vec::new();
+        let recorded = self
+            .write_status(sandbox, held.epoch, |status| {
+                superseded.clear();
+                let previous = status.latest_checkpoint.replace(reference.clone());
+                if let Some(previous) = previous
+                    && previous.path != reference.path
+                {
+                    status
+                        .previous_checkpoints
+                        .retain(|c| c.path != previous.path);
+                    status.previous_checkpoints.insert(0, previous);
+                }
+                if status.previous_checkpoints.len() > keep {
+                    superseded = status.previous_checkpoints.split_off(keep);
+                }
+                if let Some(name) = &name {
+                    status
+                        .named_checkpoints
+                        .insert(name.clone(), reference.clone());
+                }
+                status.phase = Phase::Checkpointed;
+                status.holder = None;
+                status.last_error = None;
+                self.ready(status, false, "Checkpointed", "");
+            })
+            .await?;
+        let still_named = |path: &str| {
+            recorded
+                .status
+                .named_checkpoints
+                .values()
+                .any(|c| c.path == path)
+        };
+        let unreferenced: Vec<CheckpointRef> = superseded
+            .into_iter()
+            .filter(|c| !still_named(&c.path))
+            .collect();
+        self.delete_checkpoints(&unreferenced).await;
         if handoff {
             self.emit(sandbox, Progress::LockReleasing);
         }
@@ -946,6 +979,57 @@ impl Reconciler {
         .await
         .map_err(|err| fail(err.to_string()))?;
         Ok(())
+    }
+
+    /// Deletes checkpoint images and manifests nothing points at any more.
+    /// Failures only leave garbage behind; they are logged.
+    async fn delete_checkpoints(&self, checkpoints: &[CheckpointRef]) {
+        for checkpoint in checkpoints {
+            let Some(id) = checkpoint_id_of_image(&checkpoint.path) else {
+                continue;
+            };
+            for key in [checkpoint_image_key(&id), checkpoint_manifest_key(&id)] {
+                match self.checkpoints.delete(&key).await {
+                    Ok(()) | Err(StoreError::NotFound { .. }) => {}
+                    Err(err) => tracing::warn!(%key, %err, "cannot delete a superseded checkpoint"),
+                }
+            }
+        }
+    }
+
+    /// Removes a tombstoned sandbox's objects once its retention has passed.
+    async fn purge_if_due(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+    ) -> Result<Requeue, ReconcileError> {
+        let retention = chrono_duration(self.config.tombstone_retention);
+        let deleted_at = metadata
+            .status
+            .condition("Ready")
+            .filter(|c| c.reason == "Deleted")
+            .map_or(metadata.created_at, |c| c.last_transition_time);
+        let now = self.clock.now();
+        if now < deleted_at + retention {
+            return Ok(Requeue::After(
+                (deleted_at + retention - now)
+                    .to_std()
+                    .unwrap_or(Duration::ZERO),
+            ));
+        }
+        let status = &metadata.status;
+        let mut checkpoints: Vec<CheckpointRef> = status.previous_checkpoints.clone();
+        checkpoints.extend(status.latest_checkpoint.clone());
+        checkpoints.extend(status.named_checkpoints.values().cloned());
+        self.delete_checkpoints(&checkpoints).await;
+        for key in [lock_key(sandbox), metadata_key(sandbox)] {
+            match self.metadata.delete(&key).await {
+                Ok(()) | Err(StoreError::NotFound { .. }) => {}
+                Err(err) => return Err(err.into()),
+            }
+        }
+        tracing::info!(%sandbox, "purged a deleted sandbox's objects");
+        Ok(Requeue::Never)
     }
 
     /// Reads the manifest of a recorded checkpoint and checks it describes

@@ -337,7 +337,7 @@ async fn a_holder_that_lost_its_lease_stops_without_writing() {
 }
 
 #[tokio::test]
-async fn delete_destroys_tombstones_and_releases() {
+async fn delete_destroys_tombstones_releases_and_purges_later() {
     let world = World::new();
     let a = world.instance("a");
     let id = a.create(&world).await;
@@ -346,7 +346,8 @@ async fn delete_destroys_tombstones_and_releases() {
         .request_state(&id, DesiredState::Deleted, None)
         .await
         .unwrap();
-    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
+    let retention = std::time::Duration::from_secs(600);
+    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::After(retention));
     assert_eq!(
         drain(&mut events),
         vec![Progress::Deleting, Progress::Deleted]
@@ -354,6 +355,13 @@ async fn delete_destroys_tombstones_and_releases() {
     assert!(a.runtime.memory(&id).is_none());
     assert_eq!(world.metadata(&id).await.status.phase, Phase::Deleted);
     assert_eq!(world.lease(&id).await.holder, None);
+    // The tombstone stays for the retention, then everything goes.
+    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert!(world.store.get(&metadata_key(&id)).await.is_ok());
+    world.clock.advance(Duration::seconds(601));
+    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
+    assert!(world.store.get(&metadata_key(&id)).await.is_err());
+    assert!(world.store.get(&lock_key(&id)).await.is_err());
 }
 
 #[tokio::test]
@@ -455,4 +463,59 @@ async fn an_attach_intent_is_noticed_by_the_renewal_even_with_the_client_attache
     );
     b.reconcile(&id).await.unwrap();
     assert!(b.runtime.memory(&id).is_some());
+}
+
+#[tokio::test]
+async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    let mut images = Vec::new();
+    for (round, name) in [Some("keep-me"), None, None, None, None]
+        .into_iter()
+        .enumerate()
+    {
+        a.run(&id, &format!("round {round}")).await;
+        a.controller
+            .request_state(&id, DesiredState::Checkpointed, name)
+            .await
+            .unwrap();
+        a.reconcile(&id).await.unwrap();
+        images.push(
+            world
+                .metadata(&id)
+                .await
+                .status
+                .latest_checkpoint
+                .unwrap()
+                .path,
+        );
+        world.clock.advance(Duration::seconds(1));
+        a.controller
+            .request_here(&id, None, world.clock.now())
+            .await
+            .unwrap();
+        a.reconcile(&id).await.unwrap();
+    }
+    let status = world.metadata(&id).await.status;
+    let previous: Vec<&str> = status
+        .previous_checkpoints
+        .iter()
+        .map(|c| c.path.as_str())
+        .collect();
+    assert_eq!(
+        previous,
+        vec![images[3].as_str(), images[2].as_str()],
+        "newest first, two kept"
+    );
+    let exists = |path: &str| {
+        let key = crate::store::ObjectKey::new(path).unwrap();
+        let store = world.store.clone();
+        async move { store.get(&key).await.is_ok() }
+    };
+    assert!(exists(&images[0]).await, "the named checkpoint stays");
+    assert!(!exists(&images[1]).await, "the oldest unnamed one is gone");
+    for kept in &images[2..] {
+        assert!(exists(kept).await);
+    }
 }
