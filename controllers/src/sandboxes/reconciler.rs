@@ -155,6 +155,8 @@ pub struct Reconciler {
     config: ReconcilerConfig,
     held: Mutex<HashMap<SandboxId, HeldLease>>,
     watches: Mutex<HashMap<SandboxId, Watch>>,
+    /// Sandboxes this instance is waiting to acquire (LOCK_ACQUIRING was said).
+    acquiring: Mutex<HashSet<SandboxId>>,
     /// Sandboxes whose next pass must be a full one (an intent was written).
     full_pass_wanted: Mutex<HashSet<SandboxId>>,
     /// Shutting down: checkpoints kill running executions instead of waiting.
@@ -192,6 +194,7 @@ impl Reconciler {
             held: Mutex::new(HashMap::new()),
             watches: Mutex::new(HashMap::new()),
             full_pass_wanted: Mutex::new(HashSet::new()),
+            acquiring: Mutex::new(HashSet::new()),
             draining: std::sync::atomic::AtomicBool::new(false),
         }
     }
@@ -819,10 +822,22 @@ impl Reconciler {
             return Ok(Requeue::Never);
         }
         let handoff = metadata.spec.enable_sandbox_handoff;
-        if handoff {
+        let first_try = self
+            .acquiring
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sandbox.clone());
+        if handoff && first_try {
             self.emit(sandbox, Progress::LockAcquiring);
         }
-        let held = match self.leases.acquire(sandbox).await {
+        let acquired = self.leases.acquire(sandbox).await;
+        if !matches!(acquired, Err(LeaseError::HeldByOther { .. })) {
+            self.acquiring
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(sandbox);
+        }
+        let held = match acquired {
             Ok(held) => held,
             Err(LeaseError::HeldByOther { .. }) => {
                 // The holder hands it over (or its lease expires): look again soon.
