@@ -17,7 +17,7 @@ use controllers::runtime::SandboxRuntime;
 use controllers::sandboxes::{
     ProgressBus, Reconciler, ReconcilerConfig, ReconcilerParts, SandboxController,
 };
-use controllers::store::Store;
+use controllers::store::{CountingStore, Operation, OperationCounts, Store};
 use serde_json::json;
 use tokio::net::TcpListener;
 
@@ -34,6 +34,8 @@ pub struct AppState {
     /// The sandboxes this instance serves, as the sessions see them.
     pub live: Arc<crate::api::live::LiveSandboxes>,
     pub features: Features,
+    /// Storage operations made by this instance (metadata and checkpoints).
+    pub store_operations: Arc<OperationCounts>,
 }
 
 /// What this server can do, as the init message's checks see it.
@@ -60,7 +62,16 @@ pub struct Parts {
 impl AppState {
     /// Wires the controller to the stores and the runtime and starts its
     /// workers (when there is a runtime).
-    pub fn assemble(parts: Parts) -> Self {
+    pub fn assemble(mut parts: Parts) -> Self {
+        let store_operations = Arc::new(OperationCounts::default());
+        parts.metadata_store = Arc::new(CountingStore::new(
+            parts.metadata_store,
+            Arc::clone(&store_operations),
+        ));
+        parts.checkpoint_store = Arc::new(CountingStore::new(
+            parts.checkpoint_store,
+            Arc::clone(&store_operations),
+        ));
         let controller = parts.runtime.as_ref().map(|runtime| {
             let bus = ProgressBus::default();
             let clock: Arc<dyn Clock> = Arc::new(SystemClock);
@@ -95,6 +106,7 @@ impl AppState {
                 checkpoint: true,
                 snapshot: true,
             },
+            store_operations,
         }
     }
 }
@@ -107,6 +119,7 @@ pub fn app(state: AppState) -> Router {
         .route("/healthz", get(status))
         .route("/readyz", get(readyz))
         .route("/list", get(list))
+        .route("/metrics", get(metrics))
         .route("/execute", post(crate::api::execute::execute))
         .route("/create", get(crate::api::connect::create))
         .route("/attach/{sandbox_id}", get(crate::api::connect::attach))
@@ -148,11 +161,46 @@ async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
         let live = state.live.get(&id);
         let attached = live.as_ref().is_some_and(|live| live.is_attached());
         let executing = live.as_ref().is_some_and(|live| live.execution_running());
+        let operations = state.store_operations.for_sandbox(id.as_str());
         table.push_str(&format!("{id}  {attached:<8}  {executing}\n"));
-        sandboxes
-            .push(json!({"sandbox_id": id, "attached": attached, "execution_running": executing}));
+        sandboxes.push(json!({
+            "sandbox_id": id,
+            "attached": attached,
+            "execution_running": executing,
+            "store_operations": operations,
+        }));
     }
     Json(json!({"containers": table, "sandboxes": sandboxes}))
+}
+
+/// Prometheus text: storage operations by kind, sandboxes held here.
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    let mut text = String::from(
+        "# HELP sandboxd_store_operations_total Storage operations (GCS requests) made by this instance.\n\
+         # TYPE sandboxd_store_operations_total counter\n",
+    );
+    for operation in Operation::ALL {
+        text.push_str(&format!(
+            "sandboxd_store_operations_total{{op=\"{}\"}} {}\n",
+            operation.as_str(),
+            state.store_operations.count(operation)
+        ));
+    }
+    let held = state
+        .controller
+        .as_ref()
+        .map_or(0, |controller| controller.held_sandboxes().len());
+    text.push_str(&format!(
+        "# HELP sandboxd_sandboxes_held Sandboxes running on this instance.\n\
+         # TYPE sandboxd_sandboxes_held gauge\nsandboxd_sandboxes_held {held}\n"
+    ));
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        text,
+    )
 }
 
 /// Ready when the sandbox runtime works and the metadata store answers a listing.

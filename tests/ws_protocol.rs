@@ -812,7 +812,20 @@ async fn list_shows_the_sandboxes_running_here_b15() {
     );
     assert_eq!(
         listed["sandboxes"],
-        json!([{"sandbox_id": id, "attached": true, "execution_running": true}])
+        json!([{"sandbox_id": id, "attached": true, "execution_running": true,
+                "store_operations": listed["sandboxes"][0]["store_operations"]}])
+    );
+    assert!(listed["sandboxes"][0]["store_operations"].as_u64().unwrap() >= 4);
+    let metrics = reqwest::get(format!("http://{}/metrics", server.addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("sandboxd_sandboxes_held 1"), "{metrics}");
+    assert!(
+        metrics.contains("sandboxd_store_operations_total{op=\"put\"}"),
+        "{metrics}"
     );
 }
 

@@ -16,6 +16,8 @@ pub use reconciler::{
 pub use workqueue::WorkQueue;
 
 #[cfg(test)]
+mod economy;
+#[cfg(test)]
 mod simulation;
 #[cfg(test)]
 mod tests;

@@ -82,9 +82,9 @@ impl Default for ReconcilerConfig {
         Self {
             resync_interval: Duration::from_secs(120),
             renew_interval: Duration::from_secs(15),
-            detached_poll: Duration::from_millis(500),
+            detached_poll: Duration::from_millis(250),
             detached_window: Duration::from_secs(60),
-            acquire_poll: Duration::from_millis(250),
+            acquire_poll: Duration::from_millis(100),
             checkpoint_retry: Duration::from_secs(2),
             handoff: HandoffPolicy::Force,
             keep_checkpoints: 2,

@@ -14,8 +14,10 @@
 //! Nothing here relies on a conditional delete, because fake-gcs-server ignores
 //! the precondition on DELETE: callers release and tombstone by writing instead.
 
+mod counting;
 mod key;
 
+pub use counting::{CountingStore, Operation, OperationCounts};
 pub use key::{InvalidKey, ObjectKey};
 
 use std::fmt;

@@ -1,0 +1,158 @@
+//! A `Store` wrapper that counts operations, by kind and by sandbox: storage
+//! operations cost money on GCS, and the reconcile loop's economy (how many an
+//! idle sandbox costs per hour) is a target the benchmarks check.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use super::{
+    BlobReader, BlobSource, Generation, ListPage, ObjectInfo, ObjectKey, PutMode, Store,
+    StoreError, Versioned,
+};
+use crate::layout::SANDBOXES_PREFIX;
+
+/// Operation kinds, as GCS bills them roughly: reads, writes, lists, deletes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Operation {
+    Get,
+    Put,
+    List,
+    Delete,
+    Upload,
+    Download,
+}
+
+impl Operation {
+    pub const ALL: [Self; 6] = [
+        Self::Get,
+        Self::Put,
+        Self::List,
+        Self::Delete,
+        Self::Upload,
+        Self::Download,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Get => "get",
+            Self::Put => "put",
+            Self::List => "list",
+            Self::Delete => "delete",
+            Self::Upload => "upload",
+            Self::Download => "download",
+        }
+    }
+}
+
+/// The counters, shareable between stores (metadata and checkpoints).
+#[derive(Debug, Default)]
+pub struct OperationCounts {
+    by_kind: [AtomicU64; 6],
+    by_sandbox: Mutex<HashMap<String, u64>>,
+}
+
+impl OperationCounts {
+    fn record(&self, operation: Operation, key: Option<&str>) {
+        let index = Operation::ALL
+            .iter()
+            .position(|o| *o == operation)
+            .unwrap_or(0);
+        self.by_kind[index].fetch_add(1, Ordering::Relaxed);
+        if let Some(sandbox) = key
+            .and_then(|key| key.strip_prefix(SANDBOXES_PREFIX))
+            .and_then(|rest| rest.split('/').next())
+        {
+            *self
+                .by_sandbox
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(sandbox.to_owned())
+                .or_insert(0) += 1;
+        }
+    }
+
+    pub fn count(&self, operation: Operation) -> u64 {
+        let index = Operation::ALL
+            .iter()
+            .position(|o| *o == operation)
+            .unwrap_or(0);
+        self.by_kind[index].load(Ordering::Relaxed)
+    }
+
+    pub fn total(&self) -> u64 {
+        Operation::ALL.iter().map(|o| self.count(*o)).sum()
+    }
+
+    /// Operations on `sandboxes/<id>/…` objects for one sandbox.
+    pub fn for_sandbox(&self, sandbox: &str) -> u64 {
+        self.by_sandbox
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(sandbox)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// Counts every operation on `inner`.
+#[derive(Debug)]
+pub struct CountingStore {
+    inner: Arc<dyn Store>,
+    counts: Arc<OperationCounts>,
+}
+
+impl CountingStore {
+    pub fn new(inner: Arc<dyn Store>, counts: Arc<OperationCounts>) -> Self {
+        Self { inner, counts }
+    }
+}
+
+#[async_trait]
+impl Store for CountingStore {
+    async fn get(&self, key: &ObjectKey) -> Result<Versioned, StoreError> {
+        self.counts.record(Operation::Get, Some(key.as_str()));
+        self.inner.get(key).await
+    }
+
+    async fn put(
+        &self,
+        key: &ObjectKey,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<Generation, StoreError> {
+        self.counts.record(Operation::Put, Some(key.as_str()));
+        self.inner.put(key, data, mode).await
+    }
+
+    async fn list_page(
+        &self,
+        prefix: &str,
+        page_token: Option<String>,
+    ) -> Result<ListPage, StoreError> {
+        self.counts.record(Operation::List, None);
+        self.inner.list_page(prefix, page_token).await
+    }
+
+    async fn delete(&self, key: &ObjectKey) -> Result<(), StoreError> {
+        self.counts.record(Operation::Delete, Some(key.as_str()));
+        self.inner.delete(key).await
+    }
+
+    async fn upload_blob(
+        &self,
+        key: &ObjectKey,
+        source: BlobSource,
+    ) -> Result<ObjectInfo, StoreError> {
+        self.counts.record(Operation::Upload, Some(key.as_str()));
+        self.inner.upload_blob(key, source).await
+    }
+
+    async fn download_blob(&self, key: &ObjectKey) -> Result<BlobReader, StoreError> {
+        self.counts.record(Operation::Download, Some(key.as_str()));
+        self.inner.download_blob(key).await
+    }
+}
