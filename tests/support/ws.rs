@@ -137,6 +137,32 @@ impl Ws {
         })
     }
 
+    /// Connects and returns the upgrade response's `Set-Cookie`, as the
+    /// clients read it (to replay it on reconnects).
+    pub async fn connect_for_cookie(url: &str, cookie: Option<&str>) -> (Self, Option<String>) {
+        let mut request = url.into_client_request().expect("request");
+        if let Some(cookie) = cookie {
+            request
+                .headers_mut()
+                .insert("cookie", cookie.parse().expect("cookie header"));
+        }
+        let (stream, response) = tokio_tungstenite::connect_async(request)
+            .await
+            .unwrap_or_else(|err| panic!("cannot connect to {url}: {err}"));
+        let set_cookie = response
+            .headers()
+            .get("set-cookie")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        (
+            Self {
+                stream,
+                closed: false,
+            },
+            set_cookie,
+        )
+    }
+
     pub async fn send(&mut self, frame: Value) {
         self.send_raw(Message::text(frame.to_string())).await;
     }
