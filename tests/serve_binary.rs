@@ -12,67 +12,19 @@
 
 mod support;
 
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
 use serde_json::json;
+use support::process::{Launch, ServerProcess};
 use support::ws::Ws;
 
-struct ServerProcess {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Starts the binary in `cwd` (its default data directory lands there) with
-/// its runsc state under `runtime_dir`, and waits until it is ready.
-async fn start(cwd: &Path, runtime_dir: &Path) -> ServerProcess {
-    let addr = format!("127.0.0.1:{}", free_port());
-    let child = Command::new(env!("CARGO_BIN_EXE_sandboxd"))
-        .args(["serve", "--listen", &addr, "--runtime-dir"])
-        .arg(runtime_dir)
-        .current_dir(cwd)
-        .env("LOG_LEVEL", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let server = ServerProcess { child, addr };
-    let started = Instant::now();
-    loop {
-        if let Ok(response) = reqwest::get(format!("http://{}/readyz", server.addr)).await
-            && response.status().is_success()
-        {
-            return server;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "sandboxd did not become ready"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+/// The binary in `dir/readme` with no storage flags: its embedded default.
+async fn start(dir: &std::path::Path) -> ServerProcess {
+    Launch::new("readme", dir).start().await
 }
 
 #[tokio::test]
 async fn the_readme_server_creates_checkpoints_restores_and_saves_on_sigterm_b12() {
     let dir = tempfile::tempdir().unwrap();
-    let runtime_dir = dir.path().join("run");
-    let _cleanup = support::RunscCleanup(runtime_dir.join("runsc"));
-    let server = start(dir.path(), &runtime_dir).await;
+    let server = start(dir.path()).await;
     let url = |path: &str| format!("ws://{}{path}", server.addr);
 
     let mut ws = Ws::connect(&url("/create")).await;
@@ -91,7 +43,7 @@ async fn the_readme_server_creates_checkpoints_restores_and_saves_on_sigterm_b12
     assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
     assert!(
         dir.path()
-            .join("sandboxd-data/sandboxes")
+            .join("readme/sandboxd-data/sandboxes")
             .join(&id)
             .join("metadata.json")
             .exists(),
@@ -110,24 +62,15 @@ async fn the_readme_server_creates_checkpoints_restores_and_saves_on_sigterm_b12
     assert_eq!(frames[1], "stdout:2\n");
 
     // SIGTERM with the client attached: checkpointed and told so.
-    let pid = server.child.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    let mut server = server;
+    server.signal("-TERM");
     let frames = ws.until_close().await;
     assert!(
         frames.contains(&"SANDBOX_CHECKPOINTED".to_owned()),
         "{frames:?}"
     );
-    let mut server = server;
-    let status = server.child.wait().unwrap();
-    assert!(status.success(), "sandboxd exited with {status}");
 
-    let restarted = start(dir.path(), &runtime_dir).await;
+    let restarted = start(dir.path()).await;
     let attach = format!("ws://{}/attach/{id}?sandbox_token={token}", restarted.addr);
     let mut ws = Ws::connect(&attach).await;
     ws.until_status("SANDBOX_RUNNING").await;
