@@ -190,6 +190,14 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         .controller
         .as_ref()
         .map_or(0, |controller| controller.held_sandboxes().len());
+    let errors = state
+        .controller
+        .as_ref()
+        .map_or(0, |controller| controller.reconcile_errors());
+    text.push_str(&format!(
+        "# HELP sandboxd_reconcile_errors_total Failed reconcile passes (storage errors, invalid documents; each is logged with its reason).\n\
+         # TYPE sandboxd_reconcile_errors_total counter\nsandboxd_reconcile_errors_total {errors}\n"
+    ));
     text.push_str(&format!(
         "# HELP sandboxd_sandboxes_held Sandboxes running on this instance.\n\
          # TYPE sandboxd_sandboxes_held gauge\nsandboxd_sandboxes_held {held}\n"

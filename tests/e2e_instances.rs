@@ -267,3 +267,28 @@ async fn an_operator_edit_in_the_bucket_takes_effect_and_bad_json_is_left_alone(
     ws.until_status("SANDBOX_RUNNING").await;
     assert_eq!(stdout_of(&mut ws, "bash", "cat /tmp/k").await, "kept\n");
 }
+
+#[tokio::test]
+async fn a_running_execution_is_force_killed_by_a_handoff_and_reported() {
+    let (_dir, _bucket, servers) = servers(&["kill-a", "kill-b"]).await;
+    let (mut ws, id, token) = servers[0].create(init()).await;
+    ws.send(json!({"language": "bash", "code": "echo begun; sleep 600"}))
+        .await;
+    assert_eq!(
+        ws.until(|f| f.starts_with("stdout:")).await,
+        ["SANDBOX_EXECUTION_RUNNING", "stdout:begun\n"]
+    );
+    let mut moved = servers[1].attach(&id, &token).await;
+    let old = ws.until_close().await;
+    let position = |status: &str| old.iter().position(|f| f == status).unwrap_or(usize::MAX);
+    assert!(
+        position("SANDBOX_LOCK_RELEASE_REQUESTED") < position("SANDBOX_EXECUTION_FORCE_KILLED")
+            && position("SANDBOX_EXECUTION_FORCE_KILLED") < position("SANDBOX_EXECUTION_DONE")
+            && position("SANDBOX_EXECUTION_DONE") < position("SANDBOX_CHECKPOINTED"),
+        "{old:?}"
+    );
+    assert_eq!(
+        moved.until_status("SANDBOX_RUNNING").await.last().unwrap(),
+        "SANDBOX_RUNNING"
+    );
+}

@@ -34,6 +34,9 @@ struct Log {
     finished: bool,
     /// A kill_process is between "asked" and "reported".
     killing: bool,
+    /// The controller is about to kill it (a forced checkpoint for a handoff
+    /// or a shutdown): report FORCE_KILLED when it ends.
+    forced: bool,
 }
 
 /// A running or finished execution.
@@ -138,6 +141,9 @@ impl ExecutionState {
             }
             let _ = tokio::time::timeout_at(deadline, changed).await;
         }
+        if std::mem::take(&mut self.log().forced) {
+            self.push(ServerFrame::status(Status::ExecutionForceKilled));
+        }
         match exit_code {
             Some(code) => self.push(ServerFrame::ExitCode(code)),
             None => self.push(ServerFrame::Stderr(
@@ -199,6 +205,15 @@ impl ExecutionState {
         self.log().killing = false;
         self.changed.notify_waiters();
         true
+    }
+
+    /// The controller will kill this execution (or, with `false`, changed its
+    /// mind): its end is then reported as FORCE_KILLED, as upstream's handoff did.
+    pub fn expect_forced_kill(&self, expected: bool) {
+        let mut log = self.log();
+        if !log.finished {
+            log.forced = expected;
+        }
     }
 
     /// Takes the frames to send next, waiting for some if there are none.

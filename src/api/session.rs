@@ -280,6 +280,9 @@ impl Session {
             Progress::Restoring | Progress::Running { .. } => {}
             Progress::Checkpointing => {
                 self.checkpointing.store(true, Ordering::Release);
+                if let Some(execution) = self.live.execution() {
+                    execution.expect_forced_kill(true);
+                }
                 if !self.checkpoint_requested.load(Ordering::Acquire) {
                     out.status(Status::Checkpointing).await;
                 }
@@ -307,6 +310,9 @@ impl Session {
             }
             Progress::ExecutionInProgress => {
                 self.checkpointing.store(false, Ordering::Release);
+                if let Some(execution) = self.live.execution() {
+                    execution.expect_forced_kill(false);
+                }
                 if self.checkpoint_requested.swap(false, Ordering::AcqRel) {
                     out.error(
                         Status::ExecutionInProgressError,
@@ -419,9 +425,15 @@ impl Session {
             }
         };
         let live = Arc::clone(&self.live);
-        let started = self
-            .live
-            .begin_execution(move || ExecutionState::start(execution, move || live.touch()));
+        let controller = Arc::clone(&self.controller);
+        let id = self.id.clone();
+        let started = self.live.begin_execution(move || {
+            ExecutionState::start(execution, move || {
+                live.touch();
+                // A checkpoint may be waiting for this execution to end.
+                controller.poke(&id);
+            })
+        });
         match started {
             Some(execution) => {
                 self.out.status(Status::ExecutionRunning).await;

@@ -54,6 +54,7 @@ pub struct SandboxController {
     reconciler: Arc<Reconciler>,
     queue: WorkQueue,
     bus: ProgressBus,
+    reconcile_errors: std::sync::atomic::AtomicU64,
 }
 
 impl SandboxController {
@@ -63,6 +64,7 @@ impl SandboxController {
             reconciler: Arc::new(reconciler),
             queue: WorkQueue::default(),
             bus,
+            reconcile_errors: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -97,6 +99,9 @@ impl SandboxController {
                             }
                         }
                         Err(err) => {
+                            controller
+                                .reconcile_errors
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             controller.reconciler.want_full_pass(&sandbox);
                             let count = failures.entry(sandbox.clone()).or_insert(0);
                             *count = count.saturating_add(1);
@@ -114,6 +119,18 @@ impl SandboxController {
     pub fn enqueue(&self, sandbox: &SandboxId) {
         self.reconciler.want_full_pass(sandbox);
         self.queue.add(sandbox);
+    }
+
+    /// Something local happened to `sandbox` (an execution ended): look at
+    /// it soon. Costs nothing in storage unless a step is due.
+    pub fn poke(&self, sandbox: &SandboxId) {
+        self.queue.add(sandbox);
+    }
+
+    /// Failed reconcile passes so far (each is logged with its reason).
+    pub fn reconcile_errors(&self) -> u64 {
+        self.reconcile_errors
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A client attached to (`true`) or left a sandbox held here. A sandbox
