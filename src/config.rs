@@ -220,6 +220,10 @@ pub struct ControlArgs {
     /// Superseded unnamed checkpoints kept per sandbox besides the latest.
     #[arg(long, env = "SANDBOXD_KEEP_CHECKPOINTS", default_value_t = 2)]
     pub keep_checkpoints: usize,
+    /// Checkpoint held checkpointable sandboxes this often, between
+    /// executions (0: never); bounds what a crash of this instance loses.
+    #[arg(long, env = "SANDBOXD_CHECKPOINT_INTERVAL_S", default_value_t = 0)]
+    pub checkpoint_interval_s: u64,
     /// How long a deleted sandbox's tombstone stays before its objects go.
     #[arg(long, env = "SANDBOXD_TOMBSTONE_RETENTION_S", default_value_t = 600)]
     pub tombstone_retention_s: u64,
@@ -246,6 +250,8 @@ impl ControlArgs {
             },
             keep_checkpoints: self.keep_checkpoints,
             tombstone_retention: Duration::from_secs(self.tombstone_retention_s),
+            checkpoint_interval: (self.checkpoint_interval_s > 0)
+                .then(|| Duration::from_secs(self.checkpoint_interval_s)),
             ..controllers::sandboxes::ReconcilerConfig::default()
         }
     }

@@ -292,3 +292,37 @@ async fn a_running_execution_is_force_killed_by_a_handoff_and_reported() {
         "SANDBOX_RUNNING"
     );
 }
+
+#[tokio::test]
+async fn with_periodic_checkpoints_a_crash_loses_at_most_one_interval() {
+    let dir = tempfile::tempdir().unwrap();
+    let bucket = support::create_bucket().await;
+    let mut a = Launch::new("periodic-a", dir.path())
+        .on_bucket(&bucket)
+        .fast_leases()
+        .with_args(&["--checkpoint-interval-s", "2"])
+        .start()
+        .await;
+    let b = Launch::new("periodic-b", dir.path())
+        .on_bucket(&bucket)
+        .fast_leases()
+        .start()
+        .await;
+    let (mut ws, id, token) = a.create(init()).await;
+    ws.exec("bash", "echo periodic > /tmp/p").await;
+    session(&mut ws, "kept = 'memory too'").await;
+    // Idle long enough for a periodic checkpoint (2 s, noticed within a renewal).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        stdout_of(&mut ws, "bash", "cat /tmp/p").await,
+        "periodic\n",
+        "still serving"
+    );
+    a.signal("-KILL");
+
+    let mut ws = b.attach(&id, &token).await;
+    let frames = ws.until_status("SANDBOX_RUNNING").await;
+    assert_eq!(frames.last().unwrap(), "SANDBOX_RUNNING", "{frames:?}");
+    assert_eq!(stdout_of(&mut ws, "bash", "cat /tmp/p").await, "periodic\n");
+    assert_eq!(session(&mut ws, "print(kept)").await, "memory too\n");
+}

@@ -84,6 +84,11 @@ impl Launch {
         self
     }
 
+    pub fn with_args(mut self, args: &[&str]) -> Self {
+        self.args.extend(args.iter().map(|a| (*a).to_owned()));
+        self
+    }
+
     pub async fn start(self) -> ServerProcess {
         let port = self.port.unwrap_or_else(free_port);
         let addr = format!("127.0.0.1:{port}");

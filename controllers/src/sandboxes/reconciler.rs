@@ -75,6 +75,10 @@ pub struct ReconcilerConfig {
     /// How long a deleted sandbox's tombstone stays before its objects
     /// (metadata, lock, checkpoints) are removed.
     pub tombstone_retention: Duration,
+    /// Checkpoint held checkpointable sandboxes this often (between
+    /// executions), bounding what a crash of this instance can lose. Each
+    /// costs a checkpoint and a restore (about a second of pause).
+    pub checkpoint_interval: Option<Duration>,
 }
 
 impl Default for ReconcilerConfig {
@@ -89,6 +93,7 @@ impl Default for ReconcilerConfig {
             handoff: HandoffPolicy::Force,
             keep_checkpoints: 2,
             tombstone_retention: Duration::from_secs(600),
+            checkpoint_interval: None,
         }
     }
 }
@@ -99,6 +104,10 @@ impl Default for ReconcilerConfig {
 struct Watch {
     last_full_pass: DateTime<Utc>,
     detached_since: Option<DateTime<Utc>>,
+    /// Created with `enable_checkpoint` (periodic checkpoints apply).
+    checkpointable: bool,
+    /// When it was last checkpointed or started here.
+    last_checkpoint: DateTime<Utc>,
 }
 
 /// When to reconcile the sandbox again.
@@ -338,6 +347,7 @@ impl Reconciler {
             && self.runtime.is_running(sandbox)
             && let Some(requeue) = self.light_pass(sandbox, held, watch).await?
         {
+            self.checkpoint_if_due(sandbox).await?;
             return Ok(requeue);
         }
         let outcome = self.full_pass(sandbox).await;
@@ -345,6 +355,109 @@ impl Reconciler {
             watch.last_full_pass = self.clock.now();
         }
         outcome
+    }
+
+    /// Runs a periodic checkpoint when one is due (after a light pass: the
+    /// lease is fresh).
+    async fn checkpoint_if_due(&self, sandbox: &SandboxId) -> Result<(), ReconcileError> {
+        let Some(interval) = self.config.checkpoint_interval else {
+            return Ok(());
+        };
+        let watch = self.watch_map().get(sandbox).copied();
+        if let (Some(held), Some(watch)) = (self.held(sandbox), watch)
+            && watch.checkpointable
+            && self.clock.now() >= watch.last_checkpoint + chrono_duration(interval)
+            && self.runtime.is_running(sandbox)
+            && self.leases.is_safe(&held)
+        {
+            self.periodic_checkpoint(sandbox, held).await?;
+        }
+        Ok(())
+    }
+
+    /// Checkpoints a held sandbox in place (checkpoint, record, restore
+    /// here, lease kept), so a crash of this instance loses at most one
+    /// interval. Skipped while an execution runs. Silent to the client.
+    async fn periodic_checkpoint(
+        &self,
+        sandbox: &SandboxId,
+        held: HeldLease,
+    ) -> Result<(), ReconcileError> {
+        let request = CheckpointRequest {
+            checkpoint_id: SandboxId::random(),
+            epoch: held.epoch,
+            name: None,
+            force: false,
+        };
+        let manifest = match self.runtime.checkpoint(sandbox, request).await {
+            Ok(manifest) => manifest,
+            Err(RuntimeError::ExecutionInProgress(_)) => return Ok(()),
+            Err(err) => {
+                tracing::warn!(%sandbox, %err, "periodic checkpoint failed");
+                if !self.runtime.is_running(sandbox) {
+                    self.stop_lost(sandbox, &format!("a periodic checkpoint failed: {err}"))
+                        .await;
+                }
+                return Ok(());
+            }
+        };
+        let reference = CheckpointRef {
+            bucket: self.checkpoint_bucket.clone(),
+            path: manifest.image.key.clone(),
+            epoch: held.epoch,
+            sha256: manifest.image.sha256.clone(),
+            size: manifest.image.size,
+            created_at: manifest.created_at,
+            name: None,
+            extra: ExtraFields::new(),
+        };
+        let keep = self.config.keep_checkpoints;
+        let mut superseded = Vec::new();
+        let recorded = self
+            .write_status(sandbox, held.epoch, |status| {
+                superseded.clear();
+                let previous = status.latest_checkpoint.replace(reference.clone());
+                if let Some(previous) = previous
+                    && previous.path != reference.path
+                {
+                    status
+                        .previous_checkpoints
+                        .retain(|c| c.path != previous.path);
+                    status.previous_checkpoints.insert(0, previous);
+                }
+                if status.previous_checkpoints.len() > keep {
+                    superseded = status.previous_checkpoints.split_off(keep);
+                }
+            })
+            .await;
+        let restored = self.runtime.restore(sandbox, &manifest).await;
+        match (recorded, restored) {
+            (Ok(recorded), Ok(())) => {
+                let named: Vec<&str> = recorded
+                    .status
+                    .named_checkpoints
+                    .values()
+                    .map(|c| c.path.as_str())
+                    .collect();
+                superseded.retain(|c| !named.contains(&c.path.as_str()));
+                self.delete_checkpoints(&superseded).await;
+                if let Some(watch) = self.watch_map().get_mut(sandbox) {
+                    watch.last_checkpoint = self.clock.now();
+                }
+                tracing::info!(%sandbox, size = manifest.image.size, "periodic checkpoint");
+                Ok(())
+            }
+            (recorded, restored) => {
+                let detail = match (&recorded, &restored) {
+                    (Err(err), _) => format!("recording it failed: {err}"),
+                    (_, Err(err)) => format!("restoring it failed: {err}"),
+                    _ => String::new(),
+                };
+                self.stop_lost(sandbox, &format!("after a periodic checkpoint, {detail}"))
+                    .await;
+                Ok(())
+            }
+        }
     }
 
     /// Lease upkeep for a held sandbox nothing happened to. `None`: something
@@ -866,6 +979,8 @@ impl Reconciler {
                     Watch {
                         last_full_pass: self.clock.now(),
                         detached_since: None,
+                        checkpointable: metadata.spec.enable_checkpoint,
+                        last_checkpoint: self.clock.now(),
                     },
                 );
                 self.emit(sandbox, Progress::Running { epoch: held.epoch });

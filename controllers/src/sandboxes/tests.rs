@@ -39,6 +39,10 @@ impl World {
     }
 
     fn instance(&self, name: &str) -> Instance {
+        self.instance_with(name, ReconcilerConfig::default())
+    }
+
+    fn instance_with(&self, name: &str, config: ReconcilerConfig) -> Instance {
         let runtime = FakeRuntime::new(self.store.clone());
         let bus = ProgressBus::default();
         let leases = Leases::new(
@@ -60,7 +64,7 @@ impl World {
             leases,
             clock: Arc::new(self.clock.clone()),
             bus: bus.clone(),
-            config: ReconcilerConfig::default(),
+            config,
         });
         Instance {
             controller: SandboxController::new(reconciler, bus),
@@ -518,4 +522,42 @@ async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay
     for kept in &images[2..] {
         assert!(exists(kept).await);
     }
+}
+
+#[tokio::test]
+async fn periodic_checkpoints_bound_what_a_crash_loses() {
+    let world = World::new();
+    let a = world.instance_with(
+        "a",
+        ReconcilerConfig {
+            checkpoint_interval: Some(std::time::Duration::from_secs(60)),
+            ..ReconcilerConfig::default()
+        },
+    );
+    let id = a.create(&world).await;
+    a.run(&id, "saved").await;
+    let mut events = a.controller.subscribe(&id);
+    world.clock.advance(Duration::seconds(61));
+    a.reconcile(&id).await.unwrap();
+    assert!(drain(&mut events).is_empty(), "silent to the client");
+    assert_eq!(
+        a.runtime.memory(&id).unwrap(),
+        vec!["saved".to_owned()],
+        "still running here"
+    );
+    let status = world.metadata(&id).await.status;
+    assert_eq!(status.phase, Phase::Running);
+    assert!(status.latest_checkpoint.is_some());
+    a.run(&id, "lost").await;
+
+    // A dies; B takes over after the lease and gets the periodic checkpoint.
+    a.runtime.crash(&id);
+    let b = world.instance("b");
+    world.clock.advance(Duration::seconds(40));
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["saved".to_owned()]);
 }
