@@ -12,59 +12,12 @@
 
 mod support;
 
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::json;
-use support::process::{Launch, ServerProcess, free_port};
+use support::process::Launch;
+use support::proxy::Proxy;
 use support::ws::Ws;
-
-struct Proxy {
-    child: Child,
-    port: u16,
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// HAProxy with `deploy/local/haproxy.cfg.template`, in front of `servers`.
-async fn proxy(dir: &std::path::Path, servers: &[&ServerProcess]) -> Proxy {
-    let template = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/local/haproxy.cfg.template"),
-    )
-    .unwrap();
-    let port = free_port();
-    let lines: String = servers
-        .iter()
-        .map(|s| format!("    server {0} {1} cookie {0} maxconn 1\n", s.name, s.addr))
-        .collect();
-    let config = template
-        .replace("@PORT@", &port.to_string())
-        .replace("@SERVERS@\n", &lines);
-    let path = dir.join("haproxy.cfg");
-    std::fs::write(&path, config).unwrap();
-    let child = Command::new("haproxy")
-        .arg("-f")
-        .arg(&path)
-        .arg("-db")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("haproxy is installed (apt-get install -y haproxy; .ci/run does it)");
-    let started = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "haproxy did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Proxy { child, port }
-}
 
 /// The instance name inside a `GAESA=<name>; path=/` header value.
 fn instance_of(set_cookie: &str) -> String {
@@ -90,7 +43,7 @@ async fn affinity_holds_with_the_cookie_and_a_miss_moves_the_sandbox() {
         .fast_leases()
         .start()
         .await;
-    let proxy = proxy(dir.path(), &[&a, &b]).await;
+    let proxy = Proxy::start(dir.path(), &[&a, &b]).await;
     let base = format!("ws://127.0.0.1:{}", proxy.port);
 
     let (mut ws, set_cookie) = Ws::connect_for_cookie(&format!("{base}/create"), None).await;

@@ -291,4 +291,5 @@ pub async fn serve(state: sandboxd::server::AppState) -> String {
     addr.to_string()
 }
 pub mod process;
+pub mod proxy;
 pub mod ws;

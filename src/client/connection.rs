@@ -1,0 +1,353 @@
+//! The connection driver: one task per sandbox that owns the WebSocket, routes
+//! server frames to the current process or to the sandbox, and when the
+//! connection drops, reconnects (with the affinity cookie, back-off, and a
+//! `reconnect` action for the replay) while buffering outgoing frames.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures::{SinkExt, StreamExt};
+use serde_json::Value;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::protocol::Message;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+use super::error::ClientError;
+
+pub(crate) type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
+
+/// How long reconnecting is tried before giving up.
+const RECONNECT_FOR: Duration = Duration::from_secs(120);
+
+/// A server frame, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Event {
+    Status {
+        status: String,
+        message: Option<String>,
+    },
+    Stdout(String),
+    Stderr(String),
+    ExitCode(i32),
+    Error(String),
+    SandboxId {
+        id: String,
+        token: String,
+    },
+    /// The connection ended for good (with why).
+    Closed(String),
+}
+
+impl Event {
+    pub(crate) fn parse(text: &str) -> Result<Self, ClientError> {
+        let frame: Value = serde_json::from_str(text)
+            .map_err(|err| ClientError::Protocol(format!("a frame is not JSON: {err}")))?;
+        let text = |key: &str| frame[key].as_str().unwrap_or_default().to_owned();
+        Ok(match frame["event"].as_str() {
+            Some("status_update") => Self::Status {
+                status: text("status"),
+                message: frame["message"].as_str().map(str::to_owned),
+            },
+            Some("stdout") => Self::Stdout(text("data")),
+            Some("stderr") => Self::Stderr(text("data")),
+            Some("error") => Self::Error(text("message")),
+            Some("exit_code") => Self::ExitCode(
+                frame["exit_code"]
+                    .as_i64()
+                    .and_then(|code| i32::try_from(code).ok())
+                    .unwrap_or(-1),
+            ),
+            Some("sandbox_id") => Self::SandboxId {
+                id: text("sandbox_id"),
+                token: text("sandbox_token"),
+            },
+            other => {
+                return Err(ClientError::Protocol(format!(
+                    "unknown event {other:?} in {frame}"
+                )));
+            }
+        })
+    }
+}
+
+/// The affinity cookie: the `name=value` of the last `Set-Cookie` seen.
+#[derive(Debug, Default)]
+pub(crate) struct CookieJar(Mutex<Option<String>>);
+
+impl CookieJar {
+    fn get(&self) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set(&self, header: &str) {
+        // Keep the pair, not the attributes (`; path=/`): that is what a
+        // browser would send back.
+        let pair = header.split(';').next().unwrap_or(header).trim().to_owned();
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(pair);
+    }
+}
+
+/// Opens a WebSocket to `url`, sending the jar's cookie and keeping the new one.
+pub(crate) async fn open(url: &str, jar: &CookieJar) -> Result<Socket, ClientError> {
+    let connect_error = |detail: String| ClientError::Connect {
+        url: url.to_owned(),
+        detail,
+    };
+    let mut request = url
+        .into_client_request()
+        .map_err(|err| connect_error(err.to_string()))?;
+    if let Some(cookie) = jar.get()
+        && let Ok(value) = cookie.parse()
+    {
+        request.headers_mut().insert("cookie", value);
+    }
+    let (socket, response) = tokio_tungstenite::connect_async(request)
+        .await
+        .map_err(|err| connect_error(err.to_string()))?;
+    if let Some(set_cookie) = response
+        .headers()
+        .get("set-cookie")
+        .and_then(|value| value.to_str().ok())
+    {
+        jar.set(set_cookie);
+    }
+    Ok(socket)
+}
+
+/// Reads the next frame; `Err` with the reason when the socket ends.
+pub(crate) async fn next_event(socket: &mut Socket) -> Result<Event, String> {
+    loop {
+        match socket.next().await {
+            Some(Ok(Message::Text(text))) => {
+                return Event::parse(text.as_str()).map_err(|err| err.to_string());
+            }
+            Some(Ok(Message::Close(frame))) => {
+                return Err(frame.map_or_else(
+                    || "closed".to_owned(),
+                    |f| format!("closed with {}", u16::from(f.code)),
+                ));
+            }
+            Some(Ok(_)) => {}
+            Some(Err(err)) => return Err(err.to_string()),
+            None => return Err("connection lost".to_owned()),
+        }
+    }
+}
+
+/// State shared by the driver and the handles.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub jar: CookieJar,
+    /// `…/attach/<id>?sandbox_token=…`: where to reconnect.
+    pub attach_url: String,
+    pub reconnect: AtomicBool,
+    /// The user asked for a checkpoint: its CHECKPOINTED ends the session.
+    pub user_checkpoint: AtomicBool,
+    /// The current process's event channel, if an execution is active.
+    pub process: Mutex<Option<mpsc::UnboundedSender<Event>>>,
+    pub sandbox_events: mpsc::UnboundedSender<Event>,
+}
+
+impl Shared {
+    /// Makes `sender` the current process's channel unless one is active
+    /// (one execution at a time, as the server allows).
+    pub fn claim_process(&self, sender: mpsc::UnboundedSender<Event>) -> bool {
+        let mut process = self.process.lock().unwrap_or_else(PoisonError::into_inner);
+        if process.as_ref().is_some_and(|p| !p.is_closed()) {
+            return false;
+        }
+        *process = Some(sender);
+        true
+    }
+
+    pub fn set_process(&self, sender: Option<mpsc::UnboundedSender<Event>>) {
+        *self.process.lock().unwrap_or_else(PoisonError::into_inner) = sender;
+    }
+
+    fn process(&self) -> Option<mpsc::UnboundedSender<Event>> {
+        self.process
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// Which handle the last status went to (the `error` event follows it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Process,
+    Sandbox,
+}
+
+fn is_execution_status(status: &str) -> bool {
+    (status.starts_with("SANDBOX_EXECUTION_") && status != "SANDBOX_EXECUTION_IN_PROGRESS_ERROR")
+        || status == "SANDBOX_STDIN_ERROR"
+}
+
+fn route(shared: &Shared, event: Event, last: &mut Route) {
+    let to_process = match &event {
+        Event::Status { status, .. } => {
+            if ClientError::is_fatal(status) || status == "SANDBOX_KILLED" {
+                shared.reconnect.store(false, Ordering::Release);
+            }
+            // DELETED then CHECKPOINTED without our asking: the sandbox was
+            // moved (a handoff, a drained instance), not ended: follow it.
+            if status == "SANDBOX_CHECKPOINTED" && !shared.user_checkpoint.load(Ordering::Acquire) {
+                shared.reconnect.store(true, Ordering::Release);
+            }
+            is_execution_status(status)
+        }
+        Event::Stdout(_) | Event::Stderr(_) | Event::ExitCode(_) => true,
+        Event::Error(_) => *last == Route::Process,
+        Event::SandboxId { .. } | Event::Closed(_) => false,
+    };
+    let done = matches!(&event, Event::Status { status, .. } if status == "SANDBOX_EXECUTION_DONE");
+    if to_process && let Some(process) = shared.process() {
+        *last = Route::Process;
+        let _ = process.send(event);
+        if done {
+            shared.set_process(None);
+        }
+        return;
+    }
+    *last = Route::Sandbox;
+    let _ = shared.sandbox_events.send(event);
+}
+
+/// Runs the connection until the handle goes away or reconnecting is over.
+pub(crate) async fn drive(
+    mut socket: Socket,
+    shared: Arc<Shared>,
+    mut outgoing: mpsc::UnboundedReceiver<String>,
+) {
+    let mut pending: VecDeque<String> = VecDeque::new();
+    let mut last = Route::Sandbox;
+    loop {
+        while let Some(frame) = pending.pop_front() {
+            if socket.send(Message::text(frame.clone())).await.is_err() {
+                pending.push_front(frame);
+                break;
+            }
+        }
+        let why = loop {
+            tokio::select! {
+                event = next_event(&mut socket) => match event {
+                    Ok(event) => route(&shared, event, &mut last),
+                    Err(why) => break why,
+                },
+                frame = outgoing.recv() => match frame {
+                    Some(frame) => {
+                        if socket.send(Message::text(frame.clone())).await.is_err() {
+                            pending.push_back(frame);
+                        }
+                    }
+                    None => {
+                        // The handle is gone: close politely.
+                        let _ = socket.close(None).await;
+                        return;
+                    }
+                },
+            }
+        };
+        if !shared.reconnect.load(Ordering::Acquire) {
+            finish(&shared, why);
+            return;
+        }
+        tracing::debug!(%why, "connection lost; reconnecting");
+        match reconnect(&shared, &mut outgoing, &mut pending).await {
+            Ok(new_socket) => socket = new_socket,
+            Err(err) => {
+                finish(&shared, err.to_string());
+                return;
+            }
+        }
+    }
+}
+
+fn finish(shared: &Shared, why: String) {
+    if let Some(process) = shared.process() {
+        let _ = process.send(Event::Closed(why.clone()));
+    }
+    shared.set_process(None);
+    let _ = shared.sandbox_events.send(Event::Closed(why));
+}
+
+/// Re-attaches with back-off until `SANDBOX_RUNNING`, then asks for the replay.
+async fn reconnect(
+    shared: &Shared,
+    outgoing: &mut mpsc::UnboundedReceiver<String>,
+    pending: &mut VecDeque<String>,
+) -> Result<Socket, ClientError> {
+    let started = tokio::time::Instant::now();
+    let mut delay = Duration::from_millis(100);
+    loop {
+        // Frames written meanwhile (stdin) wait for the new connection.
+        while let Ok(frame) = outgoing.try_recv() {
+            pending.push_back(frame);
+        }
+        if started.elapsed() > RECONNECT_FOR {
+            return Err(ClientError::Closed(format!(
+                "could not reconnect within {} s",
+                RECONNECT_FOR.as_secs()
+            )));
+        }
+        match open(&shared.attach_url, &shared.jar).await {
+            Ok(mut socket) => loop {
+                match next_event(&mut socket).await {
+                    Ok(Event::Status { status, .. }) if status == "SANDBOX_RUNNING" => {
+                        socket
+                            .send(Message::text(r#"{"action":"reconnect"}"#))
+                            .await
+                            .map_err(|err| ClientError::Closed(err.to_string()))?;
+                        return Ok(socket);
+                    }
+                    Ok(Event::Status { status, message }) if ClientError::is_fatal(&status) => {
+                        return Err(ClientError::from_status(&status, message.as_deref()));
+                    }
+                    // RESTORING, lock progress, IN_USE (the old connection is
+                    // not noticed yet: try again): keep reading or retry.
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            },
+            Err(err) => tracing::debug!(%err, "reconnect attempt failed"),
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cookie_jar_keeps_the_pair_not_the_attributes() {
+        let jar = CookieJar::default();
+        jar.set("GAESA=abc123; expires=Tue, 01 Dec 2026 00:00:00 GMT; path=/");
+        assert_eq!(jar.get().as_deref(), Some("GAESA=abc123"));
+    }
+
+    #[test]
+    fn frames_decode_into_events() {
+        assert_eq!(
+            Event::parse(r#"{"event":"status_update","status":"SANDBOX_RUNNING"}"#).unwrap(),
+            Event::Status {
+                status: "SANDBOX_RUNNING".into(),
+                message: None
+            }
+        );
+        assert_eq!(
+            Event::parse(r#"{"event":"exit_code","exit_code":3}"#).unwrap(),
+            Event::ExitCode(3)
+        );
+        assert!(Event::parse("[1]").is_err());
+    }
+}

@@ -1,0 +1,109 @@
+//! The client's errors: one variant per failure a caller may want to handle,
+//! each with the server's own message when it sent one.
+
+/// What went wrong talking to a sandbox server.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot connect to {url}: {detail}")]
+    Connect { url: String, detail: String },
+    #[error("the sandbox does not exist")]
+    NotFound,
+    #[error("another client is attached to the sandbox")]
+    InUse,
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
+    #[error("the sandbox could not be created: {0}")]
+    Creation(String),
+    #[error("the sandbox could not be restored: {0}")]
+    Restore(String),
+    #[error("the checkpoint failed: {0}")]
+    Checkpoint(String),
+    #[error("an execution is in progress: {0}")]
+    ExecutionInProgress(String),
+    #[error("the filesystem snapshot failed: {0}")]
+    Snapshot(String),
+    #[error("the execution failed: {0}")]
+    Execution(String),
+    #[error("the sandbox could not be killed: {0}")]
+    Kill(String),
+    /// Any other error status (`SANDBOX_ERROR`, lock renewal, ...).
+    #[error("{status}: {message}")]
+    Server { status: String, message: String },
+    #[error("the connection closed ({0})")]
+    Closed(String),
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+}
+
+impl ClientError {
+    /// The typed error for an error status, with the server's message (or
+    /// the status itself when it sent none).
+    pub fn from_status(status: &str, message: Option<&str>) -> Self {
+        let message = message.unwrap_or(status).to_owned();
+        match status {
+            "SANDBOX_NOT_FOUND" => Self::NotFound,
+            "SANDBOX_IN_USE" => Self::InUse,
+            "SANDBOX_PERMISSION_DENIAL_ERROR" => Self::PermissionDenied(message),
+            "SANDBOX_CREATION_ERROR" => Self::Creation(message),
+            "SANDBOX_RESTORE_ERROR" => Self::Restore(message),
+            "SANDBOX_CHECKPOINT_ERROR" => Self::Checkpoint(message),
+            "SANDBOX_EXECUTION_IN_PROGRESS_ERROR" => Self::ExecutionInProgress(message),
+            "SANDBOX_FILESYSTEM_SNAPSHOT_ERROR" => Self::Snapshot(message),
+            "SANDBOX_KILL_ERROR" => Self::Kill(message),
+            "SANDBOX_EXECUTION_ERROR"
+            | "SANDBOX_EXECUTION_UNSUPPORTED_LANGUAGE_ERROR"
+            | "SANDBOX_EXECUTION_FORCE_KILL_ERROR"
+            | "SANDBOX_STDIN_ERROR" => Self::Execution(message),
+            _ => Self::Server {
+                status: status.to_owned(),
+                message,
+            },
+        }
+    }
+
+    /// Errors after which reconnecting cannot help (the upstream clients'
+    /// "fatal" list).
+    pub fn is_fatal(status: &str) -> bool {
+        matches!(
+            status,
+            "SANDBOX_ERROR"
+                | "SANDBOX_NOT_FOUND"
+                | "SANDBOX_CREATION_ERROR"
+                | "SANDBOX_CHECKPOINT_ERROR"
+                | "SANDBOX_RESTORE_ERROR"
+                | "SANDBOX_DELETED"
+                | "SANDBOX_LOCK_RENEWAL_ERROR"
+                | "SANDBOX_PERMISSION_DENIAL_ERROR"
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_map_to_typed_errors_with_the_servers_message() {
+        assert_eq!(
+            ClientError::from_status(
+                "SANDBOX_PERMISSION_DENIAL_ERROR",
+                Some("Invalid sandbox token.")
+            ),
+            ClientError::PermissionDenied("Invalid sandbox token.".into())
+        );
+        assert_eq!(
+            ClientError::from_status("SANDBOX_NOT_FOUND", None),
+            ClientError::NotFound
+        );
+        assert_eq!(
+            ClientError::from_status("SANDBOX_RESTORE_ERROR", None),
+            ClientError::Restore("SANDBOX_RESTORE_ERROR".into())
+        );
+        assert!(matches!(
+            ClientError::from_status("SANDBOX_SOMETHING_NEW", Some("x")),
+            ClientError::Server { .. }
+        ));
+    }
+}

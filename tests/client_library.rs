@@ -1,0 +1,279 @@
+//! The Rust client library against real servers on runsc: the whole API, a
+//! connection cut mid-execution (the output still arrives complete), and an
+//! instance going away behind the local affinity proxy (the sandbox moves and
+//! the client carries on without noticing).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests fail by panicking"
+)]
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sandboxd::client::{AttachOptions, ClientError, CreateOptions, Language, OutputChunk, Sandbox};
+use support::process::Launch;
+use support::ws::Server;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+fn checkpointable() -> CreateOptions {
+    CreateOptions {
+        idle_timeout_s: Some(300),
+        enable_checkpoint: true,
+        enable_sandbox_handoff: true,
+        ..CreateOptions::default()
+    }
+}
+
+#[tokio::test]
+async fn the_library_drives_the_whole_api() {
+    let server = Server::start().await;
+    let url = format!("http://{}", server.addr);
+    let sandbox = Sandbox::create(&url, checkpointable()).await.unwrap();
+
+    let output = sandbox
+        .exec(Language::Bash, "echo out; echo err >&2; exit 4")
+        .await
+        .unwrap()
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(
+        (output.stdout.as_str(), output.stderr.as_str()),
+        ("out\n", "err\n")
+    );
+    assert_eq!(output.status.code, Some(4));
+
+    let mut process = sandbox
+        .exec(Language::Python, "print(input()[::-1])")
+        .await
+        .unwrap();
+    process.write_stdin("olleh\n").unwrap();
+    assert_eq!(
+        process.next().await.unwrap(),
+        Some(OutputChunk::Stdout("hello\n".into()))
+    );
+    assert!(process.wait().await.unwrap().success());
+
+    let process = sandbox.exec(Language::Bash, "sleep 600").await.unwrap();
+    process.kill().unwrap();
+    let status = process.wait().await.unwrap();
+    assert!(status.killed, "{status:?}");
+
+    sandbox
+        .exec(Language::PythonSession, "total = 40")
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    sandbox.snapshot_filesystem("client-snap").await.unwrap();
+    assert!(matches!(
+        sandbox.snapshot_filesystem("Not Valid").await,
+        Err(ClientError::Snapshot(message)) if message.contains("invalid snapshot name")
+    ));
+    sandbox.checkpoint(Some("first")).await.unwrap();
+    let (id, token) = (sandbox.id().to_owned(), sandbox.token().to_owned());
+    drop(sandbox);
+
+    let sandbox = Sandbox::attach(&url, &id, &token, AttachOptions::default())
+        .await
+        .unwrap();
+    let output = sandbox
+        .exec(Language::PythonSession, "print(total + 2)")
+        .await
+        .unwrap()
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.stdout, "42\n");
+    sandbox.kill().await.unwrap();
+
+    assert_eq!(
+        Sandbox::attach(&url, &id, &token, AttachOptions::default())
+            .await
+            .unwrap_err(),
+        ClientError::NotFound
+    );
+    assert!(matches!(
+        Sandbox::attach(&url, &SandboxIdText::fresh(), "x", AttachOptions::default()).await,
+        Err(ClientError::NotFound)
+    ));
+}
+
+struct SandboxIdText;
+impl SandboxIdText {
+    fn fresh() -> String {
+        controllers::api::SandboxId::random().to_string()
+    }
+}
+
+#[tokio::test]
+async fn typed_errors_carry_the_servers_message() {
+    let server = Server::start().await;
+    let url = format!("ws://{}", server.addr);
+    let err = Sandbox::create(
+        &url,
+        CreateOptions {
+            enable_sandbox_handoff: true,
+            ..CreateOptions::default()
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        err,
+        ClientError::Creation("Sandbox handoff requires checkpointing to be enabled.".into())
+    );
+    let sandbox = Sandbox::create(&url, CreateOptions::default())
+        .await
+        .unwrap();
+    let err = Sandbox::attach(&url, sandbox.id(), "wrong", AttachOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ClientError::PermissionDenied("Invalid sandbox token.".into())
+    );
+}
+
+/// A TCP forwarder whose connections the test can cut, like a network drop.
+struct Cutter {
+    addr: String,
+    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    _accept: JoinHandle<()>,
+}
+
+impl Cutter {
+    async fn to(target: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let connections: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let tracked = Arc::clone(&connections);
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let target = target.clone();
+                let handle = tokio::spawn(async move {
+                    if let Ok(mut outbound) = TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                tracked.lock().unwrap().push(handle);
+            }
+        });
+        Self {
+            addr,
+            connections,
+            _accept: accept,
+        }
+    }
+
+    fn cut(&self) {
+        for connection in self.connections.lock().unwrap().drain(..) {
+            connection.abort();
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_cut_connection_mid_execution_still_delivers_all_the_output() {
+    let server = Server::start().await;
+    let cutter = Cutter::to(server.addr.clone()).await;
+    let sandbox = Sandbox::create(&format!("ws://{}", cutter.addr), checkpointable())
+        .await
+        .unwrap();
+    let mut process = sandbox
+        .exec(
+            Language::Bash,
+            "echo line1; sleep 1; for i in $(seq 2 200); do echo line$i; done; sleep 0.5; echo end",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        process.next().await.unwrap(),
+        Some(OutputChunk::Stdout("line1\n".into()))
+    );
+    cutter.cut();
+    // Stdin written while disconnected is kept for the new connection.
+    process.write_stdin("ignored\n").unwrap();
+    let mut rest = String::new();
+    while let Some(chunk) = process.next().await.unwrap() {
+        if let OutputChunk::Stdout(data) = chunk {
+            rest.push_str(&data);
+        }
+    }
+    let expected: String = (2..=200).map(|i| format!("line{i}\n")).collect::<String>() + "end\n";
+    assert_eq!(rest, expected);
+    // And the sandbox is still usable through the new connection.
+    let output = sandbox
+        .exec(Language::Bash, "echo after")
+        .await
+        .unwrap()
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.stdout, "after\n");
+}
+
+#[tokio::test]
+async fn an_instance_going_away_behind_the_proxy_is_invisible_to_the_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let bucket = support::create_bucket().await;
+    let a = Launch::new("lib-a", dir.path())
+        .on_bucket(&bucket)
+        .fast_leases()
+        .start()
+        .await;
+    let b = Launch::new("lib-b", dir.path())
+        .on_bucket(&bucket)
+        .fast_leases()
+        .start()
+        .await;
+    let proxy = support::proxy::Proxy::start(dir.path(), &[&a, &b]).await;
+    let sandbox = Sandbox::create(&proxy.url(), checkpointable())
+        .await
+        .unwrap();
+    sandbox
+        .exec(Language::PythonSession, "where = 'remembered'")
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    // Which instance got it? Stop that one (Cloud Run scaling in): it drains.
+    let listed = |server: &support::process::ServerProcess| {
+        let url = format!("http://{}/list", server.addr);
+        async move {
+            reqwest::get(url)
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()["sandboxes"]
+                .as_array()
+                .map_or(0, Vec::len)
+        }
+    };
+    let (mut home, other) = if listed(&a).await == 1 {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    home.signal("-TERM");
+    // The library reconnects through the proxy, lands on the other instance,
+    // which restores the drained checkpoint.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let output = sandbox
+        .exec(Language::PythonSession, "print(where)")
+        .await
+        .unwrap()
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.stdout, "remembered\n");
+    assert_eq!(listed(&other).await, 1);
+}
