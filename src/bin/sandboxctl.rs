@@ -1,17 +1,26 @@
-//! `sandboxctl`: operator verbs on the bucket (GCS or the local store).
+//! `sandboxctl`: user verbs against a server (`run`, `create`, `attach`,
+//! `checkpoint`, `snapshot`, `kill`) and operator verbs on the bucket's
+//! documents (`list`, `get`, `describe`, `edit`, `evict`, `delete`,
+//! `break-lease`, `gc`).
+//!
+//! Exit codes: user verbs `run`/`attach` pass the process's exit code through;
+//! otherwise 0 success, 1 the server refused or failed, 2 invalid input,
+//! 3 not found, 4 storage error, 5 conflict (a concurrent change), 6 cancelled.
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use controllers::api::SandboxId;
+use sandboxd::client::{ClientError, CreateOptions, Language};
 use sandboxd::config::{RuntimeArgs, StorageArgs};
-use sandboxd::{ctl, store};
+use sandboxd::ctl::{self, OperatorError, UserCommand};
+use sandboxd::store;
 
 #[derive(Debug, Parser)]
 #[command(
     version,
-    about = "Inspect and manage sandboxes through their documents in the bucket",
-    after_help = "Examples:\n  sandboxctl list\n  sandboxctl --metadata-bucket my-sandboxes get 3f9c0d4e5a6b7c8d9e0f1a2b3c4d5e6f"
+    about = "Use sandboxes through a server, and manage them through their documents in the bucket",
+    after_help = "Examples:\n  sandboxctl run python 'print(1)'\n  sandboxctl list\n  sandboxctl --metadata-bucket my-sandboxes describe 3f9c0d4e5a6b7c8d9e0f1a2b3c4d5e6f"
 )]
 struct Cli {
     #[command(flatten)]
@@ -20,14 +29,152 @@ struct Cli {
     command: Command,
 }
 
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Lang {
+    Python,
+    Bash,
+    /// The sandbox's persistent Python session.
+    PythonSession,
+}
+
+impl From<Lang> for Language {
+    fn from(lang: Lang) -> Self {
+        match lang {
+            Lang::Python => Self::Python,
+            Lang::Bash => Self::Bash,
+            Lang::PythonSession => Self::PythonSession,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Format {
+    Json,
+    Yaml,
+}
+
+#[derive(Debug, clap::Args)]
+struct Server {
+    /// The server (ws://, wss://, http:// or https://).
+    #[arg(long, env = "SANDBOXD_URL", default_value = "ws://127.0.0.1:8080")]
+    url: String,
+}
+
+#[derive(Debug, clap::Args)]
+struct Target {
+    /// The sandbox id.
+    id: String,
+    /// Its token (as `create` printed it).
+    #[arg(long, env = "SANDBOX_TOKEN")]
+    token: String,
+    #[command(flatten)]
+    server: Server,
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run one script in a fresh sandbox, stream its output, exit with its code.
+    #[command(
+        after_help = "Examples:\n  sandboxctl run python 'print(1)'\n  sandboxctl run bash 'exit 3'; echo $?   # 3\n  echo 'print(2)' | sandboxctl run python -"
+    )]
+    Run {
+        language: Lang,
+        /// The code, or `-` to read it from stdin.
+        code: String,
+        #[command(flatten)]
+        server: Server,
+    },
+    /// Create a sandbox and print its id and token as JSON (it stays until idle).
+    #[command(after_help = "Example:\n  sandboxctl create --checkpoint --idle-timeout 600")]
+    Create {
+        /// Seconds without activity before it stops (0: never).
+        #[arg(long, default_value_t = 300)]
+        idle_timeout: u64,
+        /// Make it checkpointable (and so movable between instances).
+        #[arg(long)]
+        checkpoint: bool,
+        /// Start from this filesystem snapshot.
+        #[arg(long)]
+        snapshot: Option<String>,
+        #[command(flatten)]
+        server: Server,
+    },
+    /// Run a command in an existing sandbox interactively: stdin passed
+    /// through, Ctrl-C kills the command (not the sandbox), its exit code returned.
+    #[command(
+        after_help = "Examples:\n  sandboxctl attach ID --token T            # an interactive bash\n  sandboxctl attach ID --token T --language python-session 'print(x)'\n  sandboxctl attach ID --token T --checkpoint before-upgrade 'ls /tmp'"
+    )]
+    Attach {
+        #[command(flatten)]
+        target: Target,
+        /// Restore this named checkpoint instead of the latest.
+        #[arg(long)]
+        checkpoint: Option<String>,
+        #[arg(long, value_enum, default_value_t = Lang::Bash)]
+        language: Lang,
+        /// What to run (default: an interactive bash).
+        #[arg(default_value = "exec bash -i")]
+        code: String,
+    },
+    /// Checkpoint a sandbox (optionally under a name); it is restored on attach.
+    #[command(after_help = "Example:\n  sandboxctl checkpoint ID --token T before-upgrade")]
+    Checkpoint {
+        #[command(flatten)]
+        target: Target,
+        name: Option<String>,
+    },
+    /// Save a sandbox's changed files as a named filesystem snapshot.
+    #[command(after_help = "Example:\n  sandboxctl snapshot ID --token T base-env")]
+    Snapshot {
+        #[command(flatten)]
+        target: Target,
+        name: String,
+    },
+    /// Destroy a sandbox.
+    #[command(after_help = "Example:\n  sandboxctl kill ID --token T")]
+    Kill {
+        #[command(flatten)]
+        target: Target,
+    },
     /// Table of every sandbox: id, phase, holder, epoch, wanted_by, age, last checkpoint size.
+    #[command(after_help = "Example:\n  sandboxctl --metadata-bucket my-sandboxes list")]
     List,
-    /// Both documents of one sandbox (metadata.json and lock.json) with their generations, as JSON.
+    /// Both documents of one sandbox with their generations.
+    #[command(after_help = "Examples:\n  sandboxctl get ID\n  sandboxctl get ID -o yaml")]
     Get {
-        /// The sandbox id (32 lowercase hex digits).
         id: String,
+        #[arg(short, long, value_enum, default_value_t = Format::Json)]
+        output: Format,
+    },
+    /// Spec beside status, conditions, lease timing, checkpoints.
+    #[command(after_help = "Example:\n  sandboxctl describe ID")]
+    Describe { id: String },
+    /// Edit metadata.json in $EDITOR; validated, written with compare-and-swap.
+    #[command(after_help = "Example:\n  EDITOR=nano sandboxctl edit ID")]
+    Edit { id: String },
+    /// Ask the holder to checkpoint and release the sandbox (desired_state: checkpointed).
+    #[command(after_help = "Example:\n  sandboxctl evict ID")]
+    Evict { id: String },
+    /// Ask for the sandbox to be destroyed (desired_state: deleted).
+    #[command(after_help = "Example:\n  sandboxctl delete ID")]
+    Delete { id: String },
+    /// Free a stuck lease (holder: null): the old holder stops the sandbox.
+    #[command(after_help = "Example:\n  sandboxctl break-lease ID --yes")]
+    BreakLease {
+        id: String,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Remove old tombstones and checkpoints nothing points at.
+    #[command(after_help = "Example:\n  sandboxctl gc --dry-run")]
+    Gc {
+        /// Only report what would be removed.
+        #[arg(long)]
+        dry_run: bool,
+        /// Age (seconds) below which nothing is collected.
+        #[arg(long, default_value_t = 600)]
+        older_than_s: i64,
     },
     /// Measure the gVisor runtime on this machine: create, exec round trips,
     /// checkpoint and restore; prints medians and JSON. Needs root and runsc.
@@ -44,7 +191,7 @@ enum Command {
     },
 }
 
-/// Exit codes scripts can rely on.
+const EXIT_REFUSED: u8 = 1;
 const EXIT_USAGE: u8 = 2;
 const EXIT_NOT_FOUND: u8 = 3;
 const EXIT_STORAGE: u8 = 4;
@@ -52,58 +199,128 @@ const EXIT_STORAGE: u8 = 4;
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    let user = match &cli.command {
+        Command::Run {
+            language,
+            code,
+            server,
+        } => {
+            let code = if code == "-" {
+                let mut text = String::new();
+                if let Err(err) = std::io::Read::read_to_string(&mut std::io::stdin(), &mut text) {
+                    return fail(
+                        EXIT_USAGE,
+                        &format!("cannot read the code from stdin: {err}"),
+                    );
+                }
+                text
+            } else {
+                code.clone()
+            };
+            Some(UserCommand::Run {
+                url: server.url.clone(),
+                language: (*language).into(),
+                code,
+            })
+        }
+        Command::Create {
+            idle_timeout,
+            checkpoint,
+            snapshot,
+            server,
+        } => Some(UserCommand::Create {
+            url: server.url.clone(),
+            options: CreateOptions {
+                idle_timeout_s: (*idle_timeout > 0).then_some(*idle_timeout),
+                enable_checkpoint: *checkpoint,
+                enable_sandbox_handoff: *checkpoint,
+                enable_idle_timeout_auto_checkpoint: false,
+                filesystem_snapshot_name: snapshot.clone(),
+            },
+        }),
+        Command::Attach {
+            target,
+            checkpoint,
+            language,
+            code,
+        } => Some(UserCommand::Attach {
+            url: target.server.url.clone(),
+            id: target.id.clone(),
+            token: target.token.clone(),
+            checkpoint: checkpoint.clone(),
+            language: (*language).into(),
+            code: code.clone(),
+        }),
+        Command::Checkpoint { target, name } => Some(UserCommand::Checkpoint {
+            url: target.server.url.clone(),
+            id: target.id.clone(),
+            token: target.token.clone(),
+            name: name.clone(),
+        }),
+        Command::Snapshot { target, name } => Some(UserCommand::Snapshot {
+            url: target.server.url.clone(),
+            id: target.id.clone(),
+            token: target.token.clone(),
+            name: name.clone(),
+        }),
+        Command::Kill { target } => Some(UserCommand::Kill {
+            url: target.server.url.clone(),
+            id: target.id.clone(),
+            token: target.token.clone(),
+        }),
+        _ => None,
+    };
+    if let Some(user) = user {
+        return match ctl::run_user_command(user).await {
+            Ok(code) => ExitCode::from(code),
+            Err(err @ ClientError::NotFound) => fail(EXIT_NOT_FOUND, &err.to_string()),
+            Err(err @ ClientError::Invalid(_)) => fail(EXIT_USAGE, &err.to_string()),
+            Err(err) => fail(EXIT_REFUSED, &err.to_string()),
+        };
+    }
     if let Command::BenchRuntime {
         runs,
         sizes_mb,
         runtime,
     } = &cli.command
     {
-        let mut args = runtime.clone();
-        if std::env::var_os("SANDBOXD_RUNTIME_DIR").is_none()
-            && args.runtime_dir == std::path::Path::new("/run/sandboxd")
-        {
-            // Never share (and so clean up) a running server's containers.
-            args.runtime_dir = "/run/sandboxd-bench".into();
-        }
-        return match sandboxd::bench::runtime_benchmarks(
-            args.gvisor("bench".into()),
-            *runs,
-            sizes_mb,
-        )
-        .await
-        {
-            Ok(results) => {
-                print!("{}", sandboxd::bench::render(&results));
-                println!("{}", sandboxd::bench::to_json(&results));
-                ExitCode::SUCCESS
-            }
-            Err(err) => fail(EXIT_STORAGE, &format!("benchmark failed: {err:#}")),
-        };
+        return bench(*runs, sizes_mb, runtime).await;
     }
-    let store = match store::open(&cli.storage.layout().metadata).await {
+    let layout = cli.storage.layout();
+    let store = match store::open(&layout.metadata).await {
         Ok(store) => store,
         Err(err) => return fail(EXIT_STORAGE, &err.to_string()),
     };
+    let now = chrono::Utc::now();
+    let report = |result: Result<String, OperatorError>| match result {
+        Ok(message) => {
+            println!("{}", message.trim_end());
+            ExitCode::SUCCESS
+        }
+        Err(err) => fail(err.exit_code(), &err.to_string()),
+    };
     match cli.command {
-        Command::BenchRuntime { .. } => ExitCode::SUCCESS,
-        Command::List => match ctl::list_rows(store.as_ref(), chrono::Utc::now()).await {
+        Command::List => match ctl::list_rows(store.as_ref(), now).await {
             Ok(rows) => {
                 print!("{}", ctl::render_table(&rows));
                 ExitCode::SUCCESS
             }
             Err(err) => fail(EXIT_STORAGE, &err.to_string()),
         },
-        Command::Get { id } => {
+        Command::Get { id, output } => {
             let sandbox = match SandboxId::parse(&id) {
                 Ok(sandbox) => sandbox,
                 Err(err) => return fail(EXIT_USAGE, &err.to_string()),
             };
             match ctl::describe_json(store.as_ref(), &sandbox).await {
                 Ok(value) => {
-                    println!(
-                        "{}",
-                        serde_json::to_string_pretty(&value).unwrap_or_default()
-                    );
+                    match output {
+                        Format::Json => println!(
+                            "{}",
+                            serde_json::to_string_pretty(&value).unwrap_or_default()
+                        ),
+                        Format::Yaml => print!("{}", ctl::to_yaml(&value)),
+                    }
                     ExitCode::SUCCESS
                 }
                 Err(err @ controllers::store::StoreError::NotFound { .. }) => {
@@ -112,6 +329,89 @@ async fn main() -> ExitCode {
                 Err(err) => fail(EXIT_STORAGE, &err.to_string()),
             }
         }
+        Command::Describe { id } => report(ctl::describe(store.as_ref(), &id, now).await),
+        Command::Edit { id } => {
+            let editor = std::env::var("VISUAL")
+                .or_else(|_| std::env::var("EDITOR"))
+                .unwrap_or_else(|_| "vi".to_owned());
+            report(ctl::edit(store.as_ref(), &id, &editor, &std::env::temp_dir()).await)
+        }
+        Command::Evict { id } => report(ctl::evict(store.as_ref(), &id).await),
+        Command::Delete { id } => report(ctl::delete(store.as_ref(), &id).await),
+        Command::BreakLease { id, yes } => {
+            if !yes && !confirm(&id) {
+                return fail(OperatorError::Cancelled.exit_code(), "cancelled");
+            }
+            report(ctl::break_lease(store.as_ref(), &id).await)
+        }
+        Command::Gc {
+            dry_run,
+            older_than_s,
+        } => {
+            let checkpoints = match store::open(&layout.checkpoints).await {
+                Ok(store) => store,
+                Err(err) => return fail(EXIT_STORAGE, &err.to_string()),
+            };
+            match ctl::gc(
+                store.as_ref(),
+                checkpoints.as_ref(),
+                chrono::Duration::seconds(older_than_s),
+                now,
+                dry_run,
+            )
+            .await
+            {
+                Ok(found) => {
+                    let verb = if dry_run { "would remove" } else { "removed" };
+                    for id in &found.tombstones {
+                        println!("{verb} deleted sandbox {id}");
+                    }
+                    for id in &found.orphan_checkpoints {
+                        println!("{verb} unreferenced checkpoint {id}");
+                    }
+                    println!(
+                        "{} tombstones, {} checkpoints{}",
+                        found.tombstones.len(),
+                        found.orphan_checkpoints.len(),
+                        if dry_run {
+                            " (dry run: nothing removed)"
+                        } else {
+                            ""
+                        }
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(err) => fail(err.exit_code(), &err.to_string()),
+            }
+        }
+        _ => ExitCode::SUCCESS,
+    }
+}
+
+/// Asks the operator to type the id back.
+fn confirm(id: &str) -> bool {
+    eprint!(
+        "Breaking the lease of {id} makes its holder stop it; the next attach restores its latest checkpoint.\nType the sandbox id to confirm: "
+    );
+    let mut answer = String::new();
+    std::io::stdin().read_line(&mut answer).is_ok() && answer.trim() == id
+}
+
+async fn bench(runs: usize, sizes_mb: &[u64], runtime: &RuntimeArgs) -> ExitCode {
+    let mut args = runtime.clone();
+    if std::env::var_os("SANDBOXD_RUNTIME_DIR").is_none()
+        && args.runtime_dir == std::path::Path::new("/run/sandboxd")
+    {
+        // Never share (and so clean up) a running server's containers.
+        args.runtime_dir = "/run/sandboxd-bench".into();
+    }
+    match sandboxd::bench::runtime_benchmarks(args.gvisor("bench".into()), runs, sizes_mb).await {
+        Ok(results) => {
+            print!("{}", sandboxd::bench::render(&results));
+            println!("{}", sandboxd::bench::to_json(&results));
+            ExitCode::SUCCESS
+        }
+        Err(err) => fail(EXIT_STORAGE, &format!("benchmark failed: {err:#}")),
     }
 }
 

@@ -27,5 +27,6 @@ mod sandbox;
 
 pub use error::ClientError;
 pub use sandbox::{
-    AttachOptions, CreateOptions, ExitStatus, Language, Output, OutputChunk, Process, Sandbox,
+    AttachOptions, CreateOptions, ExitStatus, Language, Output, OutputChunk, Process,
+    ProcessHandle, Sandbox,
 };

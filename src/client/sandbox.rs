@@ -361,18 +361,22 @@ impl Process {
         }
     }
 
+    /// A handle for stdin and kill that another task can hold while this
+    /// one reads the output.
+    pub fn handle(&self) -> ProcessHandle {
+        ProcessHandle {
+            outgoing: self.outgoing.clone(),
+        }
+    }
+
     /// Writes to the process's stdin (buffered while reconnecting).
     pub fn write_stdin(&self, data: &str) -> Result<(), ClientError> {
-        self.outgoing
-            .send(json!({"event": "stdin", "data": data}).to_string())
-            .map_err(|_| ClientError::Closed("the connection is gone".into()))
+        self.handle().write_stdin(data)
     }
 
     /// Kills the process (its whole tree); the sandbox stays.
     pub fn kill(&self) -> Result<(), ClientError> {
-        self.outgoing
-            .send(json!({"action": "kill_process"}).to_string())
-            .map_err(|_| ClientError::Closed("the connection is gone".into()))
+        self.handle().kill()
     }
 
     /// Waits for the end, discarding output not read yet.
@@ -403,5 +407,27 @@ impl Process {
             code: self.exit_code,
             killed: self.killed,
         }
+    }
+}
+
+/// Stdin and kill for a running [`Process`], usable from another task.
+#[derive(Debug, Clone)]
+pub struct ProcessHandle {
+    outgoing: mpsc::UnboundedSender<String>,
+}
+
+impl ProcessHandle {
+    /// Writes to the process's stdin (buffered while reconnecting).
+    pub fn write_stdin(&self, data: &str) -> Result<(), ClientError> {
+        self.outgoing
+            .send(json!({"event": "stdin", "data": data}).to_string())
+            .map_err(|_| ClientError::Closed("the connection is gone".into()))
+    }
+
+    /// Kills the process (its whole tree); the sandbox stays.
+    pub fn kill(&self) -> Result<(), ClientError> {
+        self.outgoing
+            .send(json!({"action": "kill_process"}).to_string())
+            .map_err(|_| ClientError::Closed("the connection is gone".into()))
     }
 }

@@ -1,6 +1,13 @@
-//! Operator verbs over the bucket, as `sandboxctl` runs them. The logic lives
-//! here (library) so tests drive it without spawning the binary.
+//! `sandboxctl`'s verbs. The logic lives here (library) so tests drive it
+//! without spawning the binary: operator verbs over the bucket's documents,
+//! user verbs through the client library.
 
 mod inventory;
+mod operator;
+mod user;
+mod yaml;
 
 pub use inventory::{SandboxRow, describe_json, list_rows, render_table};
+pub use operator::{GcReport, OperatorError, break_lease, delete, describe, edit, evict, gc};
+pub use user::{UserCommand, run_user_command};
+pub use yaml::to_yaml;
