@@ -134,9 +134,27 @@ pub struct RuntimeArgs {
     /// Size of each sandbox's /tmp (memory-backed) in MiB.
     #[arg(long, env = "SANDBOX_TMP_SIZE_MB", default_value_t = 512)]
     pub sandbox_tmp_mb: u64,
+    /// Pin the CPU features sandboxes see (comma-separated `/proc/cpuinfo`
+    /// flags, e.g. the common set of Cloud Run's machine types), so
+    /// checkpoints restore across hosts; needs a runsc that honours
+    /// `dev.gvisor.internal.cpufeatures`. Unset: the host's own.
+    #[arg(long, env = "SANDBOXD_CPU_FEATURES")]
+    pub cpu_features: Option<String>,
 }
 
 impl RuntimeArgs {
+    /// The pinned CPU feature list, if configured.
+    pub fn pinned_cpu_features(&self) -> Option<Vec<String>> {
+        let features: Vec<String> = self
+            .cpu_features
+            .as_deref()?
+            .split(',')
+            .map(|f| f.trim().to_owned())
+            .filter(|f| !f.is_empty())
+            .collect();
+        (!features.is_empty()).then_some(features)
+    }
+
     /// The runsc wrapper and bundle these settings describe.
     pub fn gvisor(&self, checkpoint_bucket: String) -> crate::runtime::GvisorConfig {
         crate::runtime::GvisorConfig {
@@ -154,6 +172,7 @@ impl RuntimeArgs {
                 cpu_limit: (self.sandbox_cpus > 0.0).then_some(self.sandbox_cpus),
                 max_processes: self.sandbox_max_processes,
                 tmp_size_mb: self.sandbox_tmp_mb,
+                cpu_features: self.pinned_cpu_features(),
             },
             checkpoint_bucket,
         }

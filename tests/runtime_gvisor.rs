@@ -548,6 +548,7 @@ async fn startup_removes_containers_a_crashed_server_left() {
             cpu_limit: None,
             max_processes: 64,
             tmp_size_mb: 64,
+            cpu_features: None,
         },
         checkpoint_bucket: "local".into(),
     };
@@ -594,4 +595,75 @@ async fn the_memory_limit_from_config_applies_inside_the_sandbox() {
         .unwrap_or_else(|| panic!("{}", outcome.stdout));
     assert_eq!(kib, 1 << 20, "MemTotal shows the 1 GiB limit");
     h.runtime.destroy(&id).await.unwrap();
+}
+
+fn pinned_config(root: &Path, features: Vec<String>) -> GvisorConfig {
+    GvisorConfig {
+        runsc: Runsc {
+            binary: "runsc".into(),
+            root: root.join("runsc"),
+            platform: "ptrace".into(),
+        },
+        state_dir: root.join("state"),
+        bundle: BundleSpec {
+            rootfs: "/".into(),
+            python: "/usr/bin/python3".into(),
+            memory_limit_bytes: None,
+            cpu_limit: None,
+            max_processes: 64,
+            tmp_size_mb: 64,
+            cpu_features: Some(features),
+        },
+        checkpoint_bucket: "local".into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pinned_cpu_features_are_recorded_and_must_exist_on_the_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = shared_store(dir.path());
+    let root = tempfile::tempdir().unwrap();
+    let _cleanup = support::RunscCleanup(root.path().join("runsc"));
+    let host = sandboxd::runtime::host_cpu_features();
+    let pinned: Vec<String> = host.iter().take(6).cloned().collect();
+    let runtime = GvisorRuntime::start(
+        pinned_config(root.path(), pinned.clone()),
+        store.clone(),
+        store.clone(),
+    )
+    .await
+    .unwrap();
+    let id = new_id();
+    runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+    let manifest = runtime
+        .checkpoint(
+            &id,
+            CheckpointRequest {
+                checkpoint_id: new_id(),
+                epoch: 1,
+                name: None,
+                force: false,
+            },
+        )
+        .await
+        .unwrap();
+    let mut expected = pinned;
+    expected.sort();
+    assert_eq!(
+        manifest.cpu_features, expected,
+        "the pinned set, not the host's"
+    );
+    runtime.settle().await;
+
+    let err = GvisorRuntime::start(
+        pinned_config(root.path(), vec!["imaginary_feature".into()]),
+        store.clone(),
+        store,
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("imaginary_feature"), "{err}");
 }

@@ -32,7 +32,14 @@ pub struct BundleSpec {
     pub max_processes: u64,
     /// Size of the `/tmp` tmpfs in MiB.
     pub tmp_size_mb: u64,
+    /// CPU features sandboxes see, pinned with the OCI annotation
+    /// `dev.gvisor.internal.cpufeatures` (runsc versions that support it), so
+    /// checkpoints restore on any host with at least these. `None`: the host's.
+    pub cpu_features: Option<Vec<String>>,
 }
+
+/// The OCI annotation that pins the CPU features of a sandbox.
+pub const CPU_FEATURES_ANNOTATION: &str = "dev.gvisor.internal.cpufeatures";
 
 impl BundleSpec {
     /// The `config.json` document.
@@ -60,8 +67,13 @@ impl BundleSpec {
             let quota = (cores * period as f64).round() as i64;
             resources.insert("cpu".into(), json!({ "quota": quota, "period": period }));
         }
+        let annotations = match &self.cpu_features {
+            Some(features) => json!({ CPU_FEATURES_ANNOTATION: features.join(",") }),
+            None => json!({}),
+        };
         json!({
             "ociVersion": "1.0.0",
+            "annotations": annotations,
             "process": {
                 "terminal": false,
                 "user": {"uid": 0, "gid": 0},

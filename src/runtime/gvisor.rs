@@ -125,6 +125,19 @@ impl GvisorRuntime {
         tokio::fs::create_dir_all(&containers)
             .await
             .map_err(|err| failed("cannot create the containers directory", &err))?;
+        // With pinned features, checkpoints record the pinned set (what the
+        // sandbox saw); this host must have all of it.
+        let cpu_features = match &config.bundle.cpu_features {
+            Some(pinned) => {
+                let mut pinned = pinned.clone();
+                pinned.sort();
+                pinned.dedup();
+                check_cpu_features(&pinned, &host_cpu_features())
+                    .map_err(|err| RuntimeError::Failed(format!("SANDBOXD_CPU_FEATURES: {err}")))?;
+                pinned
+            }
+            None => host_cpu_features(),
+        };
         Ok(Self {
             config,
             checkpoints,
@@ -133,7 +146,7 @@ impl GvisorRuntime {
             reserved: Mutex::new(HashSet::new()),
             deletions: Mutex::new(Vec::new()),
             runsc_version,
-            cpu_features: host_cpu_features(),
+            cpu_features,
         })
     }
 

@@ -13,4 +13,5 @@ pub mod runsc;
 
 pub use bundle::BundleSpec;
 pub use gvisor::{GvisorConfig, GvisorRuntime};
+pub use images::host_cpu_features;
 pub use runsc::Runsc;

@@ -215,6 +215,7 @@ pub async fn runtime_with_store(
             cpu_limit: Some(1.0),
             max_processes: 64,
             tmp_size_mb: 256,
+            cpu_features: None,
         },
         checkpoint_bucket: "local".into(),
     };
