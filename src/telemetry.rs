@@ -1,7 +1,18 @@
-//! Logging setup: human-readable text locally, JSON with Cloud Logging's
-//! `severity` field in production.
+//! Logging setup: human-readable text locally; in production one JSON object
+//! per line in Cloud Logging's structured format: `severity` (DEBUG, INFO,
+//! WARNING, ERROR), `message`, `time`, the event's fields, and the fields of
+//! every enclosing span, so a line logged inside a reconcile or a session
+//! carries its `sandbox` id.
 
+use std::fmt;
+
+use serde_json::{Map, Value};
+use tracing::field::{Field, Visit};
+use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::fmt::format::{JsonFields, Writer};
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, FormattedFields};
+use tracing_subscriber::registry::LookupSpan;
 
 use crate::config::{LogArgs, LogFormat};
 
@@ -14,13 +25,126 @@ pub fn init(args: &LogArgs) -> anyhow::Result<()> {
         .with_writer(std::io::stderr);
     let installed = match args.log_format {
         LogFormat::Text => builder.try_init(),
-        // Cloud Logging reads `severity`; the JSON formatter's `level` is mapped
-        // by the logging agent's structured-log parser on Cloud Run.
         LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
+            .fmt_fields(JsonFields::new())
+            .event_format(CloudLoggingJson)
             .try_init(),
     };
     installed.map_err(|err| anyhow::anyhow!("cannot install the log subscriber: {err}"))
+}
+
+/// Cloud Logging's severity names.
+pub fn severity(level: &Level) -> &'static str {
+    match *level {
+        Level::ERROR => "ERROR",
+        Level::WARN => "WARNING",
+        Level::INFO => "INFO",
+        Level::DEBUG | Level::TRACE => "DEBUG",
+    }
+}
+
+/// One JSON object per event, with `severity` and the spans' fields.
+#[derive(Debug, Clone, Copy)]
+pub struct CloudLoggingJson;
+
+struct Fields<'a>(&'a mut Map<String, Value>);
+
+impl Visit for Fields<'_> {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().to_owned(), Value::from(value));
+    }
+    fn record_i64(&mut self, field: &Field, value: i64) {
+        self.0.insert(field.name().to_owned(), Value::from(value));
+    }
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        self.0.insert(field.name().to_owned(), Value::from(value));
+    }
+    fn record_bool(&mut self, field: &Field, value: bool) {
+        self.0.insert(field.name().to_owned(), Value::from(value));
+    }
+    fn record_f64(&mut self, field: &Field, value: f64) {
+        self.0.insert(field.name().to_owned(), Value::from(value));
+    }
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        self.0
+            .insert(field.name().to_owned(), Value::from(format!("{value:?}")));
+    }
+}
+
+impl<S, N> FormatEvent<S, N> for CloudLoggingJson
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> fmt::Result {
+        let metadata = event.metadata();
+        let mut line = Map::new();
+        line.insert("severity".into(), severity(metadata.level()).into());
+        line.insert(
+            "time".into(),
+            chrono::Utc::now()
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+                .into(),
+        );
+        line.insert("target".into(), metadata.target().into());
+        // Span fields first (outermost to innermost), then the event's own.
+        if let Some(scope) = ctx.event_scope() {
+            for span in scope.from_root() {
+                if let Some(fields) = span.extensions().get::<FormattedFields<N>>()
+                    && let Ok(Value::Object(fields)) =
+                        serde_json::from_str::<Value>(fields.as_str())
+                {
+                    line.extend(fields);
+                }
+            }
+        }
+        event.record(&mut Fields(&mut line));
+        writeln!(writer, "{}", Value::Object(line))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Clone, Default)]
+    struct Buffer(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Buffer {
+        fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(data);
+            Ok(data.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn lines_are_json_with_severity_and_the_spans_sandbox_id() {
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .fmt_fields(JsonFields::new())
+            .event_format(CloudLoggingJson)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!("reconcile", sandbox = "0123abcd");
+            let _entered = span.enter();
+            tracing::warn!(attempt = 2, "lease renewal failed");
+        });
+        let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+        let line: Value = serde_json::from_str(text.trim()).unwrap();
+        assert_eq!(line["severity"], "WARNING");
+        assert_eq!(line["message"], "lease renewal failed");
+        assert_eq!(line["sandbox"], "0123abcd");
+        assert_eq!(line["attempt"], 2);
+    }
 }

@@ -79,3 +79,34 @@ async fn the_readme_server_creates_checkpoints_restores_and_saves_on_sigterm_b12
     let frames = support::ws::merge_chunks(ws.until_status("SANDBOX_EXECUTION_DONE").await);
     assert_eq!(frames[1], "stdout:3\n");
 }
+
+#[tokio::test]
+async fn json_logs_carry_severity_and_the_sandbox_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Launch::new("json-logs", dir.path())
+        .with_args(&["--log-format", "json", "--log-level", "info"])
+        .start()
+        .await;
+    let (mut ws, id, _) = server.create(json!({"idle_timeout": 60})).await;
+    ws.exec("bash", "true").await;
+    drop(server);
+    let log = std::fs::read_to_string(dir.path().join("json-logs/sandboxd.log")).unwrap();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|line| {
+            serde_json::from_str(line).unwrap_or_else(|err| panic!("not JSON ({err}): {line}"))
+        })
+        .collect();
+    assert!(!lines.is_empty());
+    for line in &lines {
+        let severity = line["severity"].as_str().unwrap_or_default();
+        assert!(
+            ["DEBUG", "INFO", "WARNING", "ERROR"].contains(&severity),
+            "{line}"
+        );
+    }
+    assert!(
+        lines.iter().any(|line| line["sandbox"] == id.as_str()),
+        "a line about the sandbox names it:\n{log}"
+    );
+}

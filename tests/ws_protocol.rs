@@ -911,3 +911,40 @@ async fn pings_are_answered() {
         .await;
     assert!(ws.next_pong().await);
 }
+
+// ---- /metrics after create, exec, checkpoint, restore ----------------------------------
+
+#[tokio::test]
+async fn metrics_expose_operations_durations_and_sizes() {
+    let server = Server::start().await;
+    let (mut ws, id, token) = server
+        .create(json!({"idle_timeout": 60, "enable_checkpoint": true}))
+        .await;
+    ws.exec("bash", "echo x").await;
+    ws.send(json!({"action": "checkpoint"})).await;
+    ws.until_close().await;
+    let mut ws = server.attach(&id, &token).await;
+    ws.until_status("SANDBOX_RUNNING").await;
+    let metrics = reqwest::get(format!("http://{}/metrics", server.addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let value = |series: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{series} missing in:\n{metrics}"))
+    };
+    assert_eq!(value("sandboxd_creates_total "), 1.0);
+    assert_eq!(value("sandboxd_checkpoint_seconds_count "), 1.0);
+    assert_eq!(value("sandboxd_restore_seconds_count "), 1.0);
+    assert_eq!(value("sandboxd_handoff_in_seconds_count "), 1.0);
+    assert!(value("sandboxd_checkpoint_bytes_total ") > 1000.0);
+    assert!(value("sandboxd_checkpoint_seconds_sum ") > 0.0);
+    assert_eq!(value("sandboxd_sandboxes{phase=\"running\"} "), 1.0);
+    assert!(value("sandboxd_store_operations_total{op=\"put\"} ") >= 5.0);
+    assert!(value("sandboxd_store_operations_total{op=\"upload\"} ") >= 1.0);
+    assert_eq!(value("sandboxd_reconcile_errors_total "), 0.0);
+}

@@ -5,9 +5,10 @@ use controllers::api::InstanceId;
 use std::sync::Arc;
 
 use controllers::runtime::SandboxRuntime;
+use controllers::store::OperationCounts;
 use sandboxd::config::{ServeArgs, StoreLocation};
 use sandboxd::runtime::GvisorRuntime;
-use sandboxd::server::{self, AppState, Parts};
+use sandboxd::server::{self, AppState, Parts, counted};
 use sandboxd::{store, telemetry};
 
 #[derive(Debug, Parser)]
@@ -35,9 +36,11 @@ async fn main() -> anyhow::Result<()> {
         None => InstanceId::parse(&format!("sandboxd-{}", uuid::Uuid::new_v4().simple()))?,
     };
     let layout = args.storage.layout();
+    // Every storage operation is counted (`/metrics`), the runtime's uploads too.
+    let store_operations = Arc::new(OperationCounts::default());
     let metadata_store = store::open(&layout.metadata).await?;
-    let checkpoint_store = store::open(&layout.checkpoints).await?;
-    let snapshot_store = store::open(&layout.snapshots).await?;
+    let checkpoint_store = counted(store::open(&layout.checkpoints).await?, &store_operations);
+    let snapshot_store = counted(store::open(&layout.snapshots).await?, &store_operations);
     let bucket_name = |location: &StoreLocation| match location {
         StoreLocation::Bucket { bucket, .. } => bucket.clone(),
         StoreLocation::Directory(path) => path.display().to_string(),
@@ -76,6 +79,7 @@ async fn main() -> anyhow::Result<()> {
         runtime,
         lease: args.control.lease(),
         reconciler: args.control.reconciler(),
+        store_operations,
     });
     let controller = state.controller.clone();
     // WebSocket sessions outlive `run` (upgraded connections are detached);

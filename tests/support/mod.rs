@@ -263,17 +263,29 @@ pub fn app_state(
     store: Arc<dyn Store>,
     runtime: Option<Arc<dyn controllers::runtime::SandboxRuntime>>,
 ) -> sandboxd::server::AppState {
+    app_state_counted(instance, store, runtime, Arc::default())
+}
+
+/// As [`app_state`], with storage operations counted into `counts` (give the
+/// runtime's store the same counts to include its uploads).
+pub fn app_state_counted(
+    instance: &str,
+    store: Arc<dyn Store>,
+    runtime: Option<Arc<dyn controllers::runtime::SandboxRuntime>>,
+    counts: Arc<controllers::store::OperationCounts>,
+) -> sandboxd::server::AppState {
     use controllers::leasing::LeaseConfig;
     use controllers::sandboxes::ReconcilerConfig;
     sandboxd::server::AppState::assemble(sandboxd::server::Parts {
         instance: controllers::api::InstanceId::parse(instance).expect("instance id"),
         metadata_store: Arc::clone(&store),
-        checkpoint_store: store,
+        checkpoint_store: sandboxd::server::counted(store, &counts),
         checkpoint_bucket: "test".to_owned(),
         snapshot_bucket: "test".to_owned(),
         runtime,
         lease: LeaseConfig::default(),
         reconciler: ReconcilerConfig::default(),
+        store_operations: counts,
     })
 }
 

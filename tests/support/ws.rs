@@ -51,8 +51,18 @@ impl Server {
     ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let cleanup = super::RunscCleanup(dir.path().join("runsc"));
-        let runtime = super::runtime_with_store(dir.path(), Arc::clone(&store)).await;
-        let mut state = super::app_state(instance, Arc::clone(&store), Some(Arc::new(runtime)));
+        let counts = Arc::new(controllers::store::OperationCounts::default());
+        let runtime = super::runtime_with_store(
+            dir.path(),
+            sandboxd::server::counted(Arc::clone(&store), &counts),
+        )
+        .await;
+        let mut state = super::app_state_counted(
+            instance,
+            Arc::clone(&store),
+            Some(Arc::new(runtime)),
+            counts,
+        );
         adjust(&mut state);
         let addr = super::serve(state.clone()).await;
         Self {

@@ -4,11 +4,13 @@
 //! API layer and by operators (`DESIGN.md` §4).
 
 mod controller;
+mod metrics;
 mod progress;
 mod reconciler;
 mod workqueue;
 
 pub use controller::{ControlError, SandboxController};
+pub use metrics::{Histogram, Metrics};
 pub use progress::{Operation, Progress, ProgressBus};
 pub use reconciler::{
     HandoffPolicy, ReconcileError, Reconciler, ReconcilerConfig, ReconcilerParts, Requeue,

@@ -168,6 +168,7 @@ pub struct Reconciler {
     acquiring: Mutex<HashSet<SandboxId>>,
     /// Sandboxes whose next pass must be a full one (an intent was written).
     full_pass_wanted: Mutex<HashSet<SandboxId>>,
+    metrics: Arc<super::metrics::Metrics>,
     /// Shutting down: checkpoints kill running executions instead of waiting.
     draining: std::sync::atomic::AtomicBool,
 }
@@ -205,7 +206,12 @@ impl Reconciler {
             full_pass_wanted: Mutex::new(HashSet::new()),
             acquiring: Mutex::new(HashSet::new()),
             draining: std::sync::atomic::AtomicBool::new(false),
+            metrics: Arc::default(),
         }
+    }
+
+    pub fn metrics(&self) -> &super::metrics::Metrics {
+        &self.metrics
     }
 
     /// From now on checkpoints do not wait for running executions.
@@ -617,9 +623,14 @@ impl Reconciler {
                 if wanted_elsewhere && metadata.spec.enable_checkpoint {
                     self.emit(sandbox, Progress::LockReleaseRequested);
                     let force = self.config.handoff == HandoffPolicy::Force;
-                    return self
+                    let started = std::time::Instant::now();
+                    let outcome = self
                         .checkpoint_and_release(sandbox, metadata, held, force)
                         .await;
+                    if outcome.is_ok() && self.held(sandbox).is_none() {
+                        self.metrics.handoff_out_seconds.observe(started.elapsed());
+                    }
+                    return outcome;
                 }
                 self.keep_running(sandbox, held).await
             }
@@ -684,6 +695,7 @@ impl Reconciler {
     /// Stops a sandbox this instance no longer owns, writing nothing.
     async fn stop_lost(&self, sandbox: &SandboxId, why: &str) {
         tracing::warn!(%sandbox, why, "stopping a sandbox this instance lost");
+        super::metrics::Metrics::add(&self.metrics.lost, 1);
         self.forget(sandbox);
         if let Err(err) = self.runtime.destroy(sandbox).await
             && !matches!(err, RuntimeError::NotFound(_))
@@ -706,6 +718,7 @@ impl Reconciler {
     ) -> Result<Requeue, ReconcileError> {
         let handoff = metadata.spec.enable_sandbox_handoff;
         self.emit(sandbox, Progress::Deleting);
+        super::metrics::Metrics::add(&self.metrics.deletes, 1);
         match self.runtime.destroy(sandbox).await {
             Ok(()) | Err(RuntimeError::NotFound(_)) => {}
             Err(err) => {
@@ -799,8 +812,15 @@ impl Reconciler {
             name: name.clone(),
             force: force || self.draining.load(std::sync::atomic::Ordering::Acquire),
         };
+        let checkpoint_started = std::time::Instant::now();
         let manifest = match self.runtime.checkpoint(sandbox, request).await {
-            Ok(manifest) => manifest,
+            Ok(manifest) => {
+                self.metrics
+                    .checkpoint_seconds
+                    .observe(checkpoint_started.elapsed());
+                super::metrics::Metrics::add(&self.metrics.checkpoint_bytes, manifest.image.size);
+                manifest
+            }
             Err(RuntimeError::ExecutionInProgress(_)) => {
                 self.emit(sandbox, Progress::ExecutionInProgress);
                 // Not a steady state: the retry must decide again in full.
@@ -971,7 +991,26 @@ impl Reconciler {
         if handoff {
             self.emit(sandbox, Progress::LockAcquired);
         }
-        match self.start(sandbox, metadata, &held).await {
+        let started = std::time::Instant::now();
+        let outcome = self.start(sandbox, metadata, &held).await;
+        match &outcome {
+            Ok(operation) => {
+                match operation {
+                    Operation::Create => super::metrics::Metrics::add(&self.metrics.creates, 1),
+                    _ => self.metrics.restore_seconds.observe(started.elapsed()),
+                }
+                if *operation == Operation::Restore
+                    && let Some(intent) = lease.as_ref().and_then(|l| l.wanted_by.as_ref())
+                {
+                    let waited = (self.clock.now() - intent.requested_at)
+                        .to_std()
+                        .unwrap_or_default();
+                    self.metrics.handoff_in_seconds.observe(waited);
+                }
+            }
+            Err(_) => super::metrics::Metrics::add(&self.metrics.failures, 1),
+        }
+        match outcome.map(|_| ()) {
             Ok(()) => {
                 self.held_map().insert(sandbox.clone(), held.clone());
                 self.watch_map().insert(
@@ -1022,7 +1061,7 @@ impl Reconciler {
         sandbox: &SandboxId,
         metadata: &SandboxMetadata,
         held: &HeldLease,
-    ) -> Result<(), (Operation, String)> {
+    ) -> Result<Operation, (Operation, String)> {
         let restore_request = metadata
             .spec
             .restore_request
@@ -1108,7 +1147,7 @@ impl Reconciler {
         })
         .await
         .map_err(|err| fail(err.to_string()))?;
-        Ok(())
+        Ok(operation)
     }
 
     /// Deletes checkpoint images and manifests nothing points at any more.
