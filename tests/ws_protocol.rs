@@ -948,3 +948,84 @@ async fn metrics_expose_operations_durations_and_sizes() {
     assert!(value("sandboxd_store_operations_total{op=\"upload\"} ") >= 1.0);
     assert_eq!(value("sandboxd_reconcile_errors_total "), 0.0);
 }
+
+// ---- many clients attaching one sandbox at once -----------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_many_simultaneous_attaches_across_instances_exactly_one_wins() {
+    let dir = tempfile::tempdir().unwrap();
+    let store: std::sync::Arc<dyn controllers::store::Store> =
+        std::sync::Arc::new(sandboxd::store::LocalStore::open(dir.path()).unwrap());
+    let a = Server::sharing("instance-a", std::sync::Arc::clone(&store), |_| {}).await;
+    let b = Server::sharing("instance-b", std::sync::Arc::clone(&store), |_| {}).await;
+    let (mut ws, id, token) = a
+        .create(json!({"idle_timeout": 60, "enable_checkpoint": true}))
+        .await;
+    ws.send(json!({"action": "checkpoint"})).await;
+    ws.until_close().await;
+
+    let mut attempts = Vec::new();
+    for i in 0..8 {
+        let server_addr = if i % 2 == 0 {
+            a.addr.clone()
+        } else {
+            b.addr.clone()
+        };
+        let url = format!("ws://{server_addr}/attach/{id}?sandbox_token={token}");
+        attempts.push(tokio::spawn(async move {
+            let mut ws = Ws::connect(&url).await;
+            let frames = ws.until(|f| f == "SANDBOX_RUNNING").await;
+            (frames, ws)
+        }));
+    }
+    let mut winners = 0;
+    let mut keep = Vec::new();
+    for attempt in attempts {
+        let (frames, ws) = attempt.await.unwrap();
+        if frames.last().unwrap() == "SANDBOX_RUNNING" {
+            winners += 1;
+            keep.push(ws);
+        } else {
+            let last = frames.last().unwrap();
+            assert!(last == "close:1011" || last == "close:4000", "{frames:?}");
+            assert!(
+                frames
+                    .iter()
+                    .any(|f| f == "SANDBOX_IN_USE" || f == "SANDBOX_RESTORE_ERROR"),
+                "a clear status: {frames:?}"
+            );
+        }
+    }
+    // An attach through another instance moves the sandbox (the previous
+    // client's socket may be dead), so more than one may see RUNNING in turn;
+    // in the end exactly one client holds it and the others were told.
+    assert!(winners >= 1);
+    let mut alive = 0;
+    for mut ws in keep {
+        ws.try_send(json!({"language": "bash", "code": "true"}))
+            .await;
+        let frames = ws
+            .until(|f| f == "SANDBOX_EXECUTION_DONE" || f.starts_with("close:"))
+            .await;
+        if frames.last().unwrap() == "SANDBOX_EXECUTION_DONE" {
+            alive += 1;
+        } else {
+            assert!(
+                frames.contains(&"SANDBOX_CHECKPOINTED".to_owned()),
+                "moved away, and told: {frames:?}"
+            );
+        }
+    }
+    assert_eq!(alive, 1, "exactly one client holds the sandbox in the end");
+    let running = [&a, &b]
+        .iter()
+        .filter(|s| {
+            s.state
+                .controller
+                .as_ref()
+                .unwrap()
+                .is_held_here(&SandboxId::parse(&id).unwrap())
+        })
+        .count();
+    assert_eq!(running, 1);
+}

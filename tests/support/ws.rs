@@ -177,6 +177,11 @@ impl Ws {
         self.send_raw(Message::text(frame.to_string())).await;
     }
 
+    /// Sends, ignoring a socket the server already closed.
+    pub async fn try_send(&mut self, frame: Value) {
+        let _ = self.stream.send(Message::text(frame.to_string())).await;
+    }
+
     pub async fn send_raw(&mut self, message: Message) {
         self.stream.send(message).await.expect("send a frame");
     }
