@@ -2,7 +2,8 @@
 //! sandboxes: one in-memory store, a fake runtime per instance, one manual
 //! clock, and a seeded schedule of reconcile passes, client intents,
 //! executions, clock jumps past the lease, crashes, pauses (zombie holders)
-//! and storage faults (transient errors, lost responses that still landed).
+//! and storage faults (transient errors, lost responses that still landed),
+//! each instance's clock off by up to ±2 s (the tolerance is 5 s).
 //!
 //! After every step the invariants must hold:
 //! 1. never two instances running a sandbox while both can vouch for their
@@ -159,6 +160,9 @@ impl Sim {
     fn node(&mut self) -> Node {
         self.next_name += 1;
         let name = format!("node-{}", self.next_name);
+        // Hosts' clocks disagree, within the tolerated skew (5 s).
+        let skew_ms = self.rng.random_range(-2_000..=2_000);
+        let clock: Arc<dyn Clock> = Arc::new(self.clock.offset(Duration::milliseconds(skew_ms)));
         let (open, open_receiver) = tokio::sync::watch::channel(true);
         let store = Arc::new(GatedStore {
             inner: self.store.clone(),
@@ -169,7 +173,7 @@ impl Sim {
         let bus = ProgressBus::default();
         let leases = Leases::new(
             store.clone(),
-            Arc::new(self.clock.clone()),
+            clock.clone(),
             InstanceId::parse(&name).unwrap(),
             self.lease.clone(),
         );
@@ -180,7 +184,7 @@ impl Sim {
             snapshot_bucket: "sim".into(),
             runtime: Arc::new(runtime.clone()),
             leases,
-            clock: Arc::new(self.clock.clone()),
+            clock,
             bus: bus.clone(),
             config: ReconcilerConfig::default(),
         });

@@ -34,6 +34,15 @@ impl ManualClock {
         Self::at(self.now() + offset)
     }
 
+    /// A view of this clock that is always `offset` ahead (or behind): it
+    /// follows later advances, like two hosts' clocks that disagree.
+    pub fn offset(&self, offset: Duration) -> OffsetClock {
+        OffsetClock {
+            base: self.clone(),
+            offset,
+        }
+    }
+
     pub fn advance(&self, by: Duration) {
         *self.now.lock().unwrap_or_else(PoisonError::into_inner) += by;
     }
@@ -52,5 +61,18 @@ impl Default for ManualClock {
 impl Clock for ManualClock {
     fn now(&self) -> DateTime<Utc> {
         *self.now.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A [`ManualClock`] seen with a constant offset.
+#[derive(Debug, Clone)]
+pub struct OffsetClock {
+    base: ManualClock,
+    offset: Duration,
+}
+
+impl crate::clock::Clock for OffsetClock {
+    fn now(&self) -> DateTime<Utc> {
+        crate::clock::Clock::now(&self.base) + self.offset
     }
 }

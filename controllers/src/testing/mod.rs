@@ -7,6 +7,6 @@ mod memory_store;
 mod mutation;
 
 pub use fake_runtime::FakeRuntime;
-pub use manual_clock::ManualClock;
+pub use manual_clock::{ManualClock, OffsetClock};
 pub use memory_store::{Fault, MemoryStore};
 pub use mutation::mutate;
