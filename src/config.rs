@@ -243,6 +243,10 @@ pub struct ControlArgs {
     /// executions (0: never); bounds what a crash of this instance loses.
     #[arg(long, env = "SANDBOXD_CHECKPOINT_INTERVAL_S", default_value_t = 0)]
     pub checkpoint_interval_s: u64,
+    /// Fault tests only: abort the process at this step of a handoff
+    /// (handoff:before-checkpoint, handoff:after-upload, handoff:after-record).
+    #[arg(long, env = "SANDBOXD_FAILPOINT", hide = true)]
+    pub failpoint: Option<String>,
     /// How long a deleted sandbox's tombstone stays before its objects go.
     #[arg(long, env = "SANDBOXD_TOMBSTONE_RETENTION_S", default_value_t = 600)]
     pub tombstone_retention_s: u64,
@@ -269,6 +273,7 @@ impl ControlArgs {
             },
             keep_checkpoints: self.keep_checkpoints,
             tombstone_retention: Duration::from_secs(self.tombstone_retention_s),
+            failpoint: self.failpoint.clone(),
             checkpoint_interval: (self.checkpoint_interval_s > 0)
                 .then(|| Duration::from_secs(self.checkpoint_interval_s)),
             ..controllers::sandboxes::ReconcilerConfig::default()

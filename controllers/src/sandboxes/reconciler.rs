@@ -75,6 +75,10 @@ pub struct ReconcilerConfig {
     /// How long a deleted sandbox's tombstone stays before its objects
     /// (metadata, lock, checkpoints) are removed.
     pub tombstone_retention: Duration,
+    /// Fault tests only: abort the process at this step of a handoff
+    /// (`handoff:before-checkpoint`, `handoff:after-upload`,
+    /// `handoff:after-record`), as a crash there would.
+    pub failpoint: Option<String>,
     /// Checkpoint held checkpointable sandboxes this often (between
     /// executions), bounding what a crash of this instance can lose. Each
     /// costs a checkpoint and a restore (about a second of pause).
@@ -94,6 +98,7 @@ impl Default for ReconcilerConfig {
             keep_checkpoints: 2,
             tombstone_retention: Duration::from_secs(600),
             checkpoint_interval: None,
+            failpoint: None,
         }
     }
 }
@@ -788,6 +793,17 @@ impl Reconciler {
         Ok(Requeue::After(self.config.tombstone_retention))
     }
 
+    /// Fault tests: dies here if told to (a handoff only, not a client's
+    /// checkpoint).
+    fn failpoint(&self, metadata: &SandboxMetadata, step: &str) {
+        if metadata.spec.desired_state == DesiredState::Running
+            && self.config.failpoint.as_deref() == Some(step)
+        {
+            tracing::error!(step, "failpoint reached: aborting the process");
+            std::process::abort();
+        }
+    }
+
     /// Checkpoints a held sandbox, records the checkpoint, and releases it.
     async fn checkpoint_and_release(
         &self,
@@ -812,9 +828,11 @@ impl Reconciler {
             name: name.clone(),
             force: force || self.draining.load(std::sync::atomic::Ordering::Acquire),
         };
+        self.failpoint(metadata, "handoff:before-checkpoint");
         let checkpoint_started = std::time::Instant::now();
         let manifest = match self.runtime.checkpoint(sandbox, request).await {
             Ok(manifest) => {
+                self.failpoint(metadata, "handoff:after-upload");
                 self.metrics
                     .checkpoint_seconds
                     .observe(checkpoint_started.elapsed());
@@ -918,6 +936,7 @@ impl Reconciler {
             .filter(|c| !still_named(&c.path))
             .collect();
         self.delete_checkpoints(&unreferenced).await;
+        self.failpoint(metadata, "handoff:after-record");
         if handoff {
             self.emit(sandbox, Progress::LockReleasing);
         }
