@@ -23,6 +23,11 @@ pub struct Series {
 }
 
 impl Series {
+    /// An empty series called `name`.
+    pub fn named(name: impl Into<String>) -> Self {
+        Self::new(name)
+    }
+
     fn new(name: impl Into<String>) -> Self {
         Self {
             name: name.into(),

