@@ -201,15 +201,23 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
     let sandbox = Sandbox::create(&url_a, CreateOptions::default()).await?;
     for _ in 0..bench.runs {
         let started = Instant::now();
-        let created = Sandbox::create(&url_a, CreateOptions::default()).await?;
+        let created = Sandbox::create(&url_a, CreateOptions::default())
+            .await
+            .context("create")?;
         create.samples.push(started.elapsed());
-        created.kill().await?;
+        created.kill().await.context("kill")?;
         for (language, code, target) in [
             (Language::Bash, "echo hi", &mut bash),
             (Language::Python, "print(1)", &mut python),
         ] {
             let started = Instant::now();
-            sandbox.exec(language, code).await?.wait().await?;
+            sandbox
+                .exec(language, code)
+                .await
+                .context("exec")?
+                .wait()
+                .await
+                .context("wait")?;
             target.samples.push(started.elapsed());
         }
     }

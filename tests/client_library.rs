@@ -277,3 +277,23 @@ async fn an_instance_going_away_behind_the_proxy_is_invisible_to_the_client() {
     assert_eq!(output.stdout, "remembered\n");
     assert_eq!(listed(&other).await, 1);
 }
+
+#[tokio::test]
+async fn back_to_back_executions_never_lose_the_next_ones_output() {
+    // Regression: the driver cleared the process slot after routing DONE,
+    // and could clear the NEXT execution's slot when the caller was quicker.
+    let server = Server::start().await;
+    let sandbox = Sandbox::create(&format!("ws://{}", server.addr), CreateOptions::default())
+        .await
+        .unwrap();
+    for i in 0..40 {
+        let output = sandbox
+            .exec(Language::Bash, &format!("echo {i}"))
+            .await
+            .unwrap()
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(output.stdout, format!("{i}\n"));
+    }
+}

@@ -167,6 +167,16 @@ impl Shared {
         true
     }
 
+    fn clear_process_if(&self, ended: &mpsc::UnboundedSender<Event>) {
+        let mut process = self.process.lock().unwrap_or_else(PoisonError::into_inner);
+        if process
+            .as_ref()
+            .is_some_and(|current| current.same_channel(ended))
+        {
+            *process = None;
+        }
+    }
+
     pub fn set_process(&self, sender: Option<mpsc::UnboundedSender<Event>>) {
         *self.process.lock().unwrap_or_else(PoisonError::into_inner) = sender;
     }
@@ -213,7 +223,9 @@ fn route(shared: &Shared, event: Event, last: &mut Route) {
         *last = Route::Process;
         let _ = process.send(event);
         if done {
-            shared.set_process(None);
+            // Only this process's channel: the next exec may already have
+            // claimed the slot (the caller saw DONE and moved on).
+            shared.clear_process_if(&process);
         }
         return;
     }
