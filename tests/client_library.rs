@@ -80,9 +80,25 @@ async fn the_library_drives_the_whole_api() {
     let (id, token) = (sandbox.id().to_owned(), sandbox.token().to_owned());
     drop(sandbox);
 
-    let sandbox = Sandbox::attach(&url, &id, &token, AttachOptions::default())
-        .await
-        .unwrap();
+    let seen = Arc::new(Mutex::new(Vec::<String>::new()));
+    let recorder = Arc::clone(&seen);
+    let options = AttachOptions {
+        progress: sandboxd::client::Progress::new(move |status| {
+            recorder.lock().unwrap().push(status.to_owned());
+        }),
+        ..AttachOptions::default()
+    };
+    let sandbox = Sandbox::attach(&url, &id, &token, options).await.unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [
+            "SANDBOX_RESTORING",
+            "SANDBOX_LOCK_ACQUIRING",
+            "SANDBOX_LOCK_ACQUIRED",
+            "SANDBOX_RUNNING"
+        ],
+        "progress is reported while the server restores"
+    );
     let output = sandbox
         .exec(Language::PythonSession, "print(total + 2)")
         .await

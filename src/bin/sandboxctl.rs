@@ -258,6 +258,7 @@ async fn main() -> ExitCode {
                 enable_sandbox_handoff: *checkpoint,
                 enable_idle_timeout_auto_checkpoint: false,
                 filesystem_snapshot_name: snapshot.clone(),
+                ..CreateOptions::default()
             },
         }),
         Command::Attach {

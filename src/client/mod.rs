@@ -28,5 +28,5 @@ mod sandbox;
 pub use error::ClientError;
 pub use sandbox::{
     AttachOptions, CreateOptions, ExitStatus, Language, Output, OutputChunk, Process,
-    ProcessHandle, Sandbox,
+    ProcessHandle, Progress, Sandbox,
 };

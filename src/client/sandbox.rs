@@ -13,6 +13,34 @@ use super::error::ClientError;
 /// How long an operation (create, restore, checkpoint) may take.
 const OPERATION_TIMEOUT: Duration = Duration::from_secs(180);
 
+/// Called with each status the server reports while an operation is under
+/// way (`SANDBOX_RESTORING`, lock progress, `SANDBOX_CHECKPOINTING`, ...), for
+/// progress displays.
+#[derive(Clone, Default)]
+pub struct Progress(Option<Arc<dyn Fn(&str) + Send + Sync>>);
+
+impl Progress {
+    pub fn new(report: impl Fn(&str) + Send + Sync + 'static) -> Self {
+        Self(Some(Arc::new(report)))
+    }
+
+    fn report(&self, status: &str) {
+        if let Some(report) = &self.0 {
+            report(status);
+        }
+    }
+}
+
+impl std::fmt::Debug for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Progress(..)"
+        } else {
+            "Progress(none)"
+        })
+    }
+}
+
 /// Options of `/create` (the init message).
 #[derive(Debug, Clone, Default)]
 pub struct CreateOptions {
@@ -22,6 +50,7 @@ pub struct CreateOptions {
     pub enable_sandbox_handoff: bool,
     pub enable_idle_timeout_auto_checkpoint: bool,
     pub filesystem_snapshot_name: Option<String>,
+    pub progress: Progress,
 }
 
 /// Options of `/attach`.
@@ -29,6 +58,7 @@ pub struct CreateOptions {
 pub struct AttachOptions {
     /// Restore this named checkpoint instead of the latest.
     pub checkpoint: Option<String>,
+    pub progress: Progress,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +108,7 @@ pub struct Sandbox {
     shared: Arc<Shared>,
     outgoing: mpsc::UnboundedSender<String>,
     events: tokio::sync::Mutex<mpsc::UnboundedReceiver<Event>>,
+    progress: Progress,
 }
 
 fn ws_base(url: &str) -> String {
@@ -93,13 +124,19 @@ fn ws_base(url: &str) -> String {
 
 /// Reads the handshake until `SANDBOX_RUNNING`; the id and token if the
 /// server sent them.
-async fn handshake(socket: &mut Socket) -> Result<Option<(String, String)>, ClientError> {
+async fn handshake(
+    socket: &mut Socket,
+    progress: &Progress,
+) -> Result<Option<(String, String)>, ClientError> {
     let mut ids = None;
     let wait = async {
         loop {
             match next_event(socket).await {
                 Ok(Event::SandboxId { id, token }) => ids = Some((id, token)),
-                Ok(Event::Status { status, .. }) if status == "SANDBOX_RUNNING" => return Ok(()),
+                Ok(Event::Status { status, .. }) if status == "SANDBOX_RUNNING" => {
+                    progress.report(&status);
+                    return Ok(());
+                }
                 Ok(Event::Status { status, message })
                     if status.ends_with("_ERROR")
                         || status == "SANDBOX_NOT_FOUND"
@@ -119,6 +156,7 @@ async fn handshake(socket: &mut Socket) -> Result<Option<(String, String)>, Clie
                     };
                     return Err(ClientError::from_status(&status, message.as_deref()));
                 }
+                Ok(Event::Status { status, .. }) => progress.report(&status),
                 Ok(_) => {}
                 Err(why) => return Err(ClientError::Closed(why)),
             }
@@ -152,10 +190,12 @@ impl Sandbox {
             ))
             .await
             .map_err(|err| ClientError::Closed(err.to_string()))?;
-        let (id, token) = handshake(&mut socket)
+        let (id, token) = handshake(&mut socket, &options.progress)
             .await?
             .ok_or_else(|| ClientError::Protocol("no sandbox_id before SANDBOX_RUNNING".into()))?;
-        Ok(Self::start(base, id, token, jar, socket))
+        let mut sandbox = Self::start(base, id, token, jar, socket);
+        sandbox.progress = options.progress;
+        Ok(sandbox)
     }
 
     /// Attaches to an existing sandbox (restoring it here if needed).
@@ -172,14 +212,10 @@ impl Sandbox {
             target.push_str(&format!("&checkpoint={name}"));
         }
         let mut socket = open(&target, &jar).await?;
-        handshake(&mut socket).await?;
-        Ok(Self::start(
-            base,
-            id.to_owned(),
-            token.to_owned(),
-            jar,
-            socket,
-        ))
+        handshake(&mut socket, &options.progress).await?;
+        let mut sandbox = Self::start(base, id.to_owned(), token.to_owned(), jar, socket);
+        sandbox.progress = options.progress;
+        Ok(sandbox)
     }
 
     fn start(base: String, id: String, token: String, jar: CookieJar, socket: Socket) -> Self {
@@ -200,6 +236,7 @@ impl Sandbox {
             shared,
             outgoing,
             events: tokio::sync::Mutex::new(events),
+            progress: Progress::default(),
         }
     }
 
@@ -269,6 +306,7 @@ impl Sandbox {
                     }
                     Some(Event::Closed(why)) => return Err(ClientError::Closed(why)),
                     None => return Err(ClientError::Closed("the connection is gone".into())),
+                    Some(Event::Status { status, .. }) => self.progress.report(&status),
                     Some(_) => {}
                 }
             }

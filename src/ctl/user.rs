@@ -7,8 +7,40 @@ use std::io::Write as _;
 use tokio::io::AsyncReadExt;
 
 use crate::client::{
-    AttachOptions, ClientError, CreateOptions, Language, OutputChunk, Process, Sandbox,
+    AttachOptions, ClientError, CreateOptions, Language, OutputChunk, Process, Progress, Sandbox,
 };
+
+/// Progress on stderr while the server works (restoring, waiting for the lock,
+/// checkpointing), when stderr is a terminal: one line, updated in place.
+fn progress() -> Progress {
+    use std::io::IsTerminal as _;
+    if !std::io::stderr().is_terminal() {
+        return Progress::default();
+    }
+    let started = std::time::Instant::now();
+    Progress::new(move |status| {
+        let label = status
+            .trim_start_matches("SANDBOX_")
+            .replace('_', " ")
+            .to_lowercase();
+        let end = if status == "SANDBOX_RUNNING" || status == "SANDBOX_CHECKPOINTED" {
+            "\n"
+        } else {
+            ""
+        };
+        eprint!(
+            "\r\x1b[2K[{:5.1} s] {label}{end}",
+            started.elapsed().as_secs_f64()
+        );
+    })
+}
+
+fn attach_options(checkpoint: Option<String>) -> AttachOptions {
+    AttachOptions {
+        checkpoint,
+        progress: progress(),
+    }
+}
 
 /// One user verb, parsed.
 #[derive(Debug, Clone)]
@@ -70,7 +102,8 @@ pub async fn run_user_command(command: UserCommand) -> Result<u8, ClientError> {
             let _ = sandbox.kill().await;
             code
         }
-        UserCommand::Create { url, options } => {
+        UserCommand::Create { url, mut options } => {
+            options.progress = progress();
             let sandbox = Sandbox::create(&url, options).await?;
             println!(
                 "{}",
@@ -86,7 +119,7 @@ pub async fn run_user_command(command: UserCommand) -> Result<u8, ClientError> {
             language,
             code,
         } => {
-            let sandbox = Sandbox::attach(&url, &id, &token, AttachOptions { checkpoint }).await?;
+            let sandbox = Sandbox::attach(&url, &id, &token, attach_options(checkpoint)).await?;
             let process = sandbox.exec(language, &code).await?;
             stream(process, true).await
         }
@@ -96,7 +129,7 @@ pub async fn run_user_command(command: UserCommand) -> Result<u8, ClientError> {
             token,
             name,
         } => {
-            let sandbox = Sandbox::attach(&url, &id, &token, AttachOptions::default()).await?;
+            let sandbox = Sandbox::attach(&url, &id, &token, attach_options(None)).await?;
             sandbox.checkpoint(name.as_deref()).await?;
             eprintln!(
                 "checkpointed {id}{}",
@@ -110,13 +143,13 @@ pub async fn run_user_command(command: UserCommand) -> Result<u8, ClientError> {
             token,
             name,
         } => {
-            let sandbox = Sandbox::attach(&url, &id, &token, AttachOptions::default()).await?;
+            let sandbox = Sandbox::attach(&url, &id, &token, attach_options(None)).await?;
             sandbox.snapshot_filesystem(&name).await?;
             eprintln!("filesystem snapshot {name} saved");
             Ok(0)
         }
         UserCommand::Kill { url, id, token } => {
-            let sandbox = Sandbox::attach(&url, &id, &token, AttachOptions::default()).await?;
+            let sandbox = Sandbox::attach(&url, &id, &token, attach_options(None)).await?;
             sandbox.kill().await?;
             eprintln!("killed {id}");
             Ok(0)
