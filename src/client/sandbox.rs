@@ -17,7 +17,9 @@ const OPERATION_TIMEOUT: Duration = Duration::from_secs(180);
 /// way (`SANDBOX_RESTORING`, lock progress, `SANDBOX_CHECKPOINTING`, ...), for
 /// progress displays.
 #[derive(Clone, Default)]
-pub struct Progress(Option<Arc<dyn Fn(&str) + Send + Sync>>);
+pub struct Progress(Option<Arc<ReportFn>>);
+
+type ReportFn = dyn Fn(&str) + Send + Sync;
 
 impl Progress {
     pub fn new(report: impl Fn(&str) + Send + Sync + 'static) -> Self {
