@@ -120,7 +120,12 @@ impl AgentConnection {
         command["id"] = json!(id);
         let reply = self.expect_reply(id)?;
         self.send(&command).await?;
-        wait_reply(reply, timeout).await
+        let outcome = wait_reply(reply, timeout).await;
+        if matches!(outcome, Err(AgentError::Timeout(_))) {
+            // A reply that never came must not keep its route forever.
+            self.routes().replies.remove(id);
+        }
+        outcome
     }
 
     fn expect_reply(

@@ -310,7 +310,13 @@ impl Store for GcsStore {
                 let spool = std::env::temp_dir()
                     .join(format!("sandboxd-upload-{}", uuid::Uuid::new_v4().simple()));
                 let spooled = async {
-                    let mut file = tokio::fs::File::create(&spool).await?;
+                    // Owner-only: the bytes may be a sandbox's memory.
+                    let mut file = tokio::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .mode(0o600)
+                        .open(&spool)
+                        .await?;
                     tokio::io::copy(&mut reader, &mut file).await?;
                     file.sync_all().await
                 }
