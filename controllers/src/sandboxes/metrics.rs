@@ -70,9 +70,41 @@ pub struct Metrics {
     pub lost: AtomicU64,
     pub deletes: AtomicU64,
     pub failures: AtomicU64,
+    /// Sandboxes in a transition here right now, by phase.
+    transitions: Mutex<std::collections::HashMap<String, &'static str>>,
+}
+
+/// Marks a sandbox as in a transition (`creating`, `restoring`,
+/// `checkpointing`, `deleting`) until dropped.
+#[derive(Debug)]
+pub struct InTransition<'a> {
+    metrics: &'a Metrics,
+    sandbox: String,
+}
+
+impl Drop for InTransition<'_> {
+    fn drop(&mut self) {
+        self.metrics
+            .transitions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.sandbox);
+    }
 }
 
 impl Metrics {
+    /// Counts `sandbox` under `phase` while the guard lives.
+    pub fn in_transition(&self, sandbox: &str, phase: &'static str) -> InTransition<'_> {
+        self.transitions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sandbox.to_owned(), phase);
+        InTransition {
+            metrics: self,
+            sandbox: sandbox.to_owned(),
+        }
+    }
+
     pub fn add(counter: &AtomicU64, value: u64) {
         counter.fetch_add(value, Ordering::Relaxed);
     }
@@ -87,10 +119,24 @@ impl Metrics {
                 value.load(Ordering::Relaxed)
             );
         };
+        let transitions = self
+            .transitions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let in_phase = |phase: &str| transitions.values().filter(|p| **p == phase).count();
+        let running = held.saturating_sub(in_phase("checkpointing") + in_phase("deleting"));
         let _ = writeln!(
             out,
-            "# HELP sandboxd_sandboxes Sandboxes on this instance by phase.\n# TYPE sandboxd_sandboxes gauge\nsandboxd_sandboxes{{phase=\"running\"}} {held}"
+            "# HELP sandboxd_sandboxes Sandboxes on this instance by phase.\n# TYPE sandboxd_sandboxes gauge\nsandboxd_sandboxes{{phase=\"running\"}} {running}"
         );
+        for phase in ["creating", "restoring", "checkpointing", "deleting"] {
+            let _ = writeln!(
+                out,
+                "sandboxd_sandboxes{{phase=\"{phase}\"}} {}",
+                in_phase(phase)
+            );
+        }
         counter(
             &mut out,
             "sandboxd_creates_total",
@@ -142,5 +188,27 @@ impl Metrics {
             "Sandboxes taken over here: attach intent to running.",
         );
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sandboxes_are_counted_by_phase_and_histograms_are_cumulative() {
+        let metrics = Metrics::default();
+        let checkpointing = metrics.in_transition("a", "checkpointing");
+        let _restoring = metrics.in_transition("b", "restoring");
+        metrics.checkpoint_seconds.observe(Duration::from_millis(300));
+        let text = metrics.render(3);
+        assert!(text.contains("sandboxd_sandboxes{phase=\"running\"} 2"), "{text}");
+        assert!(text.contains("sandboxd_sandboxes{phase=\"checkpointing\"} 1"), "{text}");
+        assert!(text.contains("sandboxd_sandboxes{phase=\"restoring\"} 1"), "{text}");
+        assert!(text.contains("sandboxd_checkpoint_seconds_bucket{le=\"0.25\"} 0"), "{text}");
+        assert!(text.contains("sandboxd_checkpoint_seconds_bucket{le=\"0.5\"} 1"), "{text}");
+        assert!(text.contains("sandboxd_checkpoint_seconds_bucket{le=\"+Inf\"} 1"), "{text}");
+        drop(checkpointing);
+        assert!(metrics.render(3).contains("sandboxd_sandboxes{phase=\"running\"} 3"));
     }
 }

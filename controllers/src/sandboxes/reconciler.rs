@@ -722,6 +722,7 @@ impl Reconciler {
         held: HeldLease,
     ) -> Result<Requeue, ReconcileError> {
         let handoff = metadata.spec.enable_sandbox_handoff;
+        let _transition = self.metrics.in_transition(sandbox.as_str(), "deleting");
         self.emit(sandbox, Progress::Deleting);
         super::metrics::Metrics::add(&self.metrics.deletes, 1);
         match self.runtime.destroy(sandbox).await {
@@ -813,6 +814,9 @@ impl Reconciler {
         force: bool,
     ) -> Result<Requeue, ReconcileError> {
         let handoff = metadata.spec.enable_sandbox_handoff;
+        let _transition = self
+            .metrics
+            .in_transition(sandbox.as_str(), "checkpointing");
         if !self.leases.is_safe(&held) {
             held = self.leases.renew(&held).await?;
             self.held_map().insert(sandbox.clone(), held.clone());
@@ -1127,6 +1131,14 @@ impl Reconciler {
             Operation::Create => Phase::Creating,
             _ => Phase::Restoring,
         };
+        let _transition = self.metrics.in_transition(
+            sandbox.as_str(),
+            if operation == Operation::Create {
+                "creating"
+            } else {
+                "restoring"
+            },
+        );
         self.write_status(sandbox, held.epoch, |status| {
             status.phase = phase;
             status.holder = Some(instance.clone());
