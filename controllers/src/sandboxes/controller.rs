@@ -198,6 +198,7 @@ impl SandboxController {
             }
         })
         .await?;
+        self.reconciler.mark_waiting(sandbox);
         self.reconciler.leases().request_attach(sandbox).await?;
         self.enqueue(sandbox);
         Ok(())

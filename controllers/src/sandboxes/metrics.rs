@@ -200,15 +200,39 @@ mod tests {
         let metrics = Metrics::default();
         let checkpointing = metrics.in_transition("a", "checkpointing");
         let _restoring = metrics.in_transition("b", "restoring");
-        metrics.checkpoint_seconds.observe(Duration::from_millis(300));
+        metrics
+            .checkpoint_seconds
+            .observe(Duration::from_millis(300));
         let text = metrics.render(3);
-        assert!(text.contains("sandboxd_sandboxes{phase=\"running\"} 2"), "{text}");
-        assert!(text.contains("sandboxd_sandboxes{phase=\"checkpointing\"} 1"), "{text}");
-        assert!(text.contains("sandboxd_sandboxes{phase=\"restoring\"} 1"), "{text}");
-        assert!(text.contains("sandboxd_checkpoint_seconds_bucket{le=\"0.25\"} 0"), "{text}");
-        assert!(text.contains("sandboxd_checkpoint_seconds_bucket{le=\"0.5\"} 1"), "{text}");
-        assert!(text.contains("sandboxd_checkpoint_seconds_bucket{le=\"+Inf\"} 1"), "{text}");
+        assert!(
+            text.contains("sandboxd_sandboxes{phase=\"running\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sandboxd_sandboxes{phase=\"checkpointing\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sandboxd_sandboxes{phase=\"restoring\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sandboxd_checkpoint_seconds_bucket{le=\"0.25\"} 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sandboxd_checkpoint_seconds_bucket{le=\"0.5\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sandboxd_checkpoint_seconds_bucket{le=\"+Inf\"} 1"),
+            "{text}"
+        );
         drop(checkpointing);
-        assert!(metrics.render(3).contains("sandboxd_sandboxes{phase=\"running\"} 3"));
+        assert!(
+            metrics
+                .render(3)
+                .contains("sandboxd_sandboxes{phase=\"running\"} 3")
+        );
     }
 }

@@ -169,6 +169,8 @@ pub struct Reconciler {
     config: ReconcilerConfig,
     held: Mutex<HashMap<SandboxId, HeldLease>>,
     watches: Mutex<HashMap<SandboxId, Watch>>,
+    /// Sandboxes a client here waits for (an attach intent was written).
+    waiting: Mutex<HashSet<SandboxId>>,
     /// Sandboxes this instance is waiting to acquire (LOCK_ACQUIRING was said).
     acquiring: Mutex<HashSet<SandboxId>>,
     /// Sandboxes whose next pass must be a full one (an intent was written).
@@ -210,6 +212,7 @@ impl Reconciler {
             watches: Mutex::new(HashMap::new()),
             full_pass_wanted: Mutex::new(HashSet::new()),
             acquiring: Mutex::new(HashSet::new()),
+            waiting: Mutex::new(HashSet::new()),
             draining: std::sync::atomic::AtomicBool::new(false),
             metrics: Arc::default(),
         }
@@ -278,6 +281,21 @@ impl Reconciler {
 
     fn take_full_pass_wanted(&self, sandbox: &SandboxId) -> bool {
         self.full_pass_wanted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(sandbox)
+    }
+
+    /// A client here waits for `sandbox` to start (its intent was written).
+    pub fn mark_waiting(&self, sandbox: &SandboxId) {
+        self.waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sandbox.clone());
+    }
+
+    fn take_waiting(&self, sandbox: &SandboxId) -> bool {
+        self.waiting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(sandbox)
@@ -975,6 +993,27 @@ impl Reconciler {
             .and_then(|l| l.live_intent(now))
             .is_some_and(|intent| &intent.instance == self.leases.instance());
         if !wanted_here {
+            // Someone here waits for it, but the intent is gone (another
+            // instance's attach replaced it, or it expired): tell them now
+            // rather than let them wait for a start that will not come.
+            if self.take_waiting(sandbox) {
+                let message = match lease.as_ref().and_then(|l| l.live_intent(now)) {
+                    Some(intent) => format!(
+                        "instance {} asked for the sandbox meanwhile",
+                        intent.instance
+                    ),
+                    None => {
+                        "the attach request expired before the sandbox could be started".to_owned()
+                    }
+                };
+                self.emit(
+                    sandbox,
+                    Progress::Failed {
+                        operation: Operation::Restore,
+                        message,
+                    },
+                );
+            }
             return Ok(Requeue::Never);
         }
         let handoff = metadata.spec.enable_sandbox_handoff;
@@ -1014,6 +1053,7 @@ impl Reconciler {
         if handoff {
             self.emit(sandbox, Progress::LockAcquired);
         }
+        self.take_waiting(sandbox);
         let started = std::time::Instant::now();
         let outcome = self.start(sandbox, metadata, &held).await;
         match &outcome {

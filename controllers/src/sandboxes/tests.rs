@@ -561,3 +561,33 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
     b.reconcile(&id).await.unwrap();
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["saved".to_owned()]);
 }
+
+#[tokio::test]
+async fn a_waiting_attach_whose_intent_was_replaced_is_told_at_once() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    let mut waiting_on_a = a.controller.subscribe(&id);
+    a.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    // A client on B asks too, replacing A's intent before A acted on it.
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert!(
+        matches!(&drain(&mut waiting_on_a)[..], [Progress::Failed { operation: Operation::Restore, message }] if message.contains("instance b")),
+        "A's waiting client learns it lost the race"
+    );
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some());
+}
