@@ -163,7 +163,7 @@ async fn an_attach_on_another_instance_moves_files_processes_and_memory() {
 
 #[tokio::test]
 async fn after_a_crash_the_other_instance_restores_the_last_checkpoint() {
-    let (_dir, _bucket, mut servers) = servers(&["crash-a", "crash-b"]).await;
+    let (_dir, bucket, mut servers) = servers(&["crash-a", "crash-b"]).await;
     let (mut ws, id, token) = servers[0].create(init()).await;
     ws.exec("bash", "echo v1 > /tmp/v").await;
     ws.send(json!({"action": "checkpoint"})).await;
@@ -175,15 +175,33 @@ async fn after_a_crash_the_other_instance_restores_the_last_checkpoint() {
     let (_plain_ws, plain_id, plain_token) = servers[0].create(init()).await;
 
     servers[0].signal("-KILL");
-    let started = Instant::now();
+    // The dead holder's lease is still in the bucket: B must wait it out.
+    let lock = |bucket: String, id: String| async move {
+        serde_json::from_str::<Value>(
+            &read_object(&bucket, &format!("sandboxes/{id}/lock.json")).await,
+        )
+        .unwrap()
+    };
+    let before = lock(bucket.clone(), id.clone()).await;
+    assert_eq!(before["holder"], "crash-a", "{before}");
     let b = &servers[1];
     let mut ws = b.attach(&id, &token).await;
     let frames = ws.until_status("SANDBOX_RUNNING").await;
     assert_eq!(frames.last().unwrap(), "SANDBOX_RUNNING", "{frames:?}");
-    let waited = started.elapsed();
+    let after = lock(bucket.clone(), id.clone()).await;
+    assert_eq!(after["holder"], "crash-b");
+    assert_eq!(
+        after["epoch"].as_u64(),
+        before["epoch"].as_u64().map(|e| e + 1),
+        "taken over, not shared"
+    );
+    let acquired =
+        chrono::DateTime::parse_from_rfc3339(after["acquired_at"].as_str().unwrap()).unwrap();
+    let renewed =
+        chrono::DateTime::parse_from_rfc3339(before["renewed_at"].as_str().unwrap()).unwrap();
     assert!(
-        waited >= Duration::from_secs(3),
-        "took over before the lease expired: {waited:?}"
+        acquired >= renewed + chrono::Duration::seconds(6),
+        "acquired only after the dead holder's lease expired ({renewed} + 6 s): {acquired}"
     );
     assert_eq!(stdout_of(&mut ws, "bash", "cat /tmp/v").await, "v1\n");
 
@@ -204,7 +222,7 @@ async fn after_a_crash_the_other_instance_restores_the_last_checkpoint() {
 
 #[tokio::test]
 async fn sigterm_drains_to_a_checkpoint_the_other_instance_restores_at_once() {
-    let (_dir, _bucket, mut servers) = servers(&["term-a", "term-b"]).await;
+    let (_dir, bucket, mut servers) = servers(&["term-a", "term-b"]).await;
     let (mut ws, id, token) = servers[0].create(init()).await;
     ws.exec("bash", "echo drained > /tmp/d").await;
     servers[0].signal("-TERM");
@@ -214,14 +232,13 @@ async fn sigterm_drains_to_a_checkpoint_the_other_instance_restores_at_once() {
             .contains(&"SANDBOX_CHECKPOINTED".to_owned())
     );
 
-    let started = Instant::now();
+    // Drained means released: no lease to wait out.
+    let lock: Value =
+        serde_json::from_str(&read_object(&bucket, &format!("sandboxes/{id}/lock.json")).await)
+            .unwrap();
+    assert_eq!(lock["holder"], Value::Null, "released at shutdown: {lock}");
     let mut ws = servers[1].attach(&id, &token).await;
     ws.until_status("SANDBOX_RUNNING").await;
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "a drained sandbox needs no lease expiry: {:?}",
-        started.elapsed()
-    );
     assert_eq!(stdout_of(&mut ws, "bash", "cat /tmp/d").await, "drained\n");
 }
 
