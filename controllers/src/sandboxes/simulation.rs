@@ -480,8 +480,15 @@ async fn run_seed(seed: u64) {
             running.len() <= 1,
             "seed {seed}: {id} runs on {running:?} after healing"
         );
-        let metadata: SandboxMetadata =
-            decode(&sim.store.get(&metadata_key(&id)).await.unwrap().data).unwrap();
+        let Ok(object) = sim.store.get(&metadata_key(&id)).await else {
+            // Deleted, and its tombstone purged after the retention: gone.
+            assert!(
+                running.is_empty(),
+                "seed {seed}: {id} was purged but runs on {running:?}"
+            );
+            continue;
+        };
+        let metadata: SandboxMetadata = decode(&object.data).unwrap();
         if running.is_empty() && metadata.status.phase != crate::api::Phase::Deleted {
             assert!(
                 metadata.status.last_error.is_some()
