@@ -92,7 +92,8 @@ async fn session(ws: &mut support::ws::Ws, code: &str) -> String {
         .to_owned()
 }
 
-const START_COUNTER: &str = "setsid nohup bash -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 </dev/null & echo started";
+// The counter replaces its file atomically: a reader never sees it half-written.
+const START_COUNTER: &str = "setsid nohup bash -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 </dev/null & echo started";
 
 #[tokio::test]
 async fn an_attach_on_another_instance_moves_files_processes_and_memory() {
