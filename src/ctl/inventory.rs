@@ -167,7 +167,8 @@ pub fn render_table(rows: &[SandboxRow]) -> String {
     out
 }
 
-fn age(now: DateTime<Utc>, then: DateTime<Utc>) -> String {
+/// `now - then` in a short human form (`42s`, `7m`, `3h`, `2d`).
+pub(super) fn age(now: DateTime<Utc>, then: DateTime<Utc>) -> String {
     let secs = (now - then).num_seconds().max(0);
     match secs {
         s if s < 120 => format!("{s}s"),

@@ -8,6 +8,8 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
+
+use super::inventory::age as ago;
 use controllers::api::{DesiredState, Lease, SandboxId, SandboxMetadata, decode, encode};
 use controllers::layout::{
     CHECKPOINTS_PREFIX, SANDBOXES_PREFIX, checkpoint_id_of_image, lock_key, metadata_key,
@@ -260,16 +262,6 @@ pub async fn describe(
         let _ = writeln!(out, "  (none)");
     }
     Ok(out)
-}
-
-fn ago(now: DateTime<Utc>, then: DateTime<Utc>) -> String {
-    let secs = (now - then).num_seconds().max(0);
-    match secs {
-        s if s < 120 => format!("{s}s"),
-        s if s < 7200 => format!("{}m", s / 60),
-        s if s < 172_800 => format!("{}h", s / 3600),
-        s => format!("{}d", s / 86_400),
-    }
 }
 
 /// Sets `spec.desired_state` with one compare-and-swap.

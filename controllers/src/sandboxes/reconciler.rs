@@ -151,6 +151,38 @@ impl From<FenceError<Infallible>> for ReconcileError {
     }
 }
 
+/// Makes `reference` the latest checkpoint, moving the previous latest into
+/// `previous_checkpoints` (newest first, `keep` kept). Returns what fell off.
+/// Idempotent: applying it again (a retried write) changes nothing more.
+fn record_latest(
+    status: &mut SandboxStatus,
+    reference: &CheckpointRef,
+    keep: usize,
+) -> Vec<CheckpointRef> {
+    let previous = status.latest_checkpoint.replace(reference.clone());
+    if let Some(previous) = previous
+        && previous.path != reference.path
+    {
+        status
+            .previous_checkpoints
+            .retain(|c| c.path != previous.path);
+        status.previous_checkpoints.insert(0, previous);
+    }
+    if status.previous_checkpoints.len() > keep {
+        status.previous_checkpoints.split_off(keep)
+    } else {
+        Vec::new()
+    }
+}
+
+/// The superseded checkpoints no named checkpoint still points at.
+fn unreferenced(superseded: Vec<CheckpointRef>, status: &SandboxStatus) -> Vec<CheckpointRef> {
+    superseded
+        .into_iter()
+        .filter(|c| !status.named_checkpoints.values().any(|n| n.path == c.path))
+        .collect()
+}
+
 fn chrono_duration(duration: Duration) -> chrono::Duration {
     chrono::Duration::from_std(duration).unwrap_or(chrono::Duration::MAX)
 }
@@ -430,46 +462,19 @@ impl Reconciler {
                 return Ok(());
             }
         };
-        let reference = CheckpointRef {
-            bucket: self.checkpoint_bucket.clone(),
-            path: manifest.image.key.clone(),
-            epoch: held.epoch,
-            sha256: manifest.image.sha256.clone(),
-            size: manifest.image.size,
-            created_at: manifest.created_at,
-            name: None,
-            extra: ExtraFields::new(),
-        };
+        let reference = self.checkpoint_ref(&manifest, held.epoch, None);
         let keep = self.config.keep_checkpoints;
         let mut superseded = Vec::new();
         let recorded = self
             .write_status(sandbox, held.epoch, |status| {
-                superseded.clear();
-                let previous = status.latest_checkpoint.replace(reference.clone());
-                if let Some(previous) = previous
-                    && previous.path != reference.path
-                {
-                    status
-                        .previous_checkpoints
-                        .retain(|c| c.path != previous.path);
-                    status.previous_checkpoints.insert(0, previous);
-                }
-                if status.previous_checkpoints.len() > keep {
-                    superseded = status.previous_checkpoints.split_off(keep);
-                }
+                superseded = record_latest(status, &reference, keep);
             })
             .await;
         let restored = self.runtime.restore(sandbox, &manifest).await;
         match (recorded, restored) {
             (Ok(recorded), Ok(())) => {
-                let named: Vec<&str> = recorded
-                    .status
-                    .named_checkpoints
-                    .values()
-                    .map(|c| c.path.as_str())
-                    .collect();
-                superseded.retain(|c| !named.contains(&c.path.as_str()));
-                self.delete_checkpoints(&superseded).await;
+                self.delete_checkpoints(&unreferenced(superseded, &recorded.status))
+                    .await;
                 if let Some(watch) = self.watch_map().get_mut(sandbox) {
                     watch.last_checkpoint = self.clock.now();
                 }
@@ -908,33 +913,12 @@ impl Reconciler {
         // The runtime removed the local sandbox with the checkpoint.
         self.forget(sandbox);
         self.emit(sandbox, Progress::Deleting);
-        let reference = CheckpointRef {
-            bucket: self.checkpoint_bucket.clone(),
-            path: manifest.image.key.clone(),
-            epoch: held.epoch,
-            sha256: manifest.image.sha256.clone(),
-            size: manifest.image.size,
-            created_at: manifest.created_at,
-            name: name.clone(),
-            extra: ExtraFields::new(),
-        };
+        let reference = self.checkpoint_ref(&manifest, held.epoch, name.clone());
         let keep = self.config.keep_checkpoints;
         let mut superseded = Vec::new();
         let recorded = self
             .write_status(sandbox, held.epoch, |status| {
-                superseded.clear();
-                let previous = status.latest_checkpoint.replace(reference.clone());
-                if let Some(previous) = previous
-                    && previous.path != reference.path
-                {
-                    status
-                        .previous_checkpoints
-                        .retain(|c| c.path != previous.path);
-                    status.previous_checkpoints.insert(0, previous);
-                }
-                if status.previous_checkpoints.len() > keep {
-                    superseded = status.previous_checkpoints.split_off(keep);
-                }
+                superseded = record_latest(status, &reference, keep);
                 if let Some(name) = &name {
                     status
                         .named_checkpoints
@@ -946,18 +930,8 @@ impl Reconciler {
                 self.ready(status, false, "Checkpointed", "");
             })
             .await?;
-        let still_named = |path: &str| {
-            recorded
-                .status
-                .named_checkpoints
-                .values()
-                .any(|c| c.path == path)
-        };
-        let unreferenced: Vec<CheckpointRef> = superseded
-            .into_iter()
-            .filter(|c| !still_named(&c.path))
-            .collect();
-        self.delete_checkpoints(&unreferenced).await;
+        self.delete_checkpoints(&unreferenced(superseded, &recorded.status))
+            .await;
         self.failpoint(metadata, "handoff:after-record");
         if handoff {
             self.emit(sandbox, Progress::LockReleasing);
@@ -1219,6 +1193,25 @@ impl Reconciler {
         .await
         .map_err(|err| fail(err.to_string()))?;
         Ok(operation)
+    }
+
+    /// The record of a checkpoint the runtime just took.
+    fn checkpoint_ref(
+        &self,
+        manifest: &CheckpointManifest,
+        epoch: u64,
+        name: Option<String>,
+    ) -> CheckpointRef {
+        CheckpointRef {
+            bucket: self.checkpoint_bucket.clone(),
+            path: manifest.image.key.clone(),
+            epoch,
+            sha256: manifest.image.sha256.clone(),
+            size: manifest.image.size,
+            created_at: manifest.created_at,
+            name,
+            extra: ExtraFields::new(),
+        }
     }
 
     /// Deletes checkpoint images and manifests nothing points at any more.
