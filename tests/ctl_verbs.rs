@@ -100,6 +100,7 @@ async fn populate(store: Arc<dyn Store>) {
         runsc_version: "test".into(),
         platform: "ptrace".into(),
         cpu_features: Vec::new(),
+        network: Default::default(),
         extra: ExtraFields::new(),
     };
     store

@@ -506,6 +506,7 @@ async fn a_filesystem_snapshot_seeds_a_new_sandbox() {
             &copy,
             &CreateOptions {
                 snapshot_name: Some("my-project".into()),
+                ..CreateOptions::default()
             },
         )
         .await
@@ -519,6 +520,7 @@ async fn a_filesystem_snapshot_seeds_a_new_sandbox() {
             &new_id(),
             &CreateOptions {
                 snapshot_name: Some("no-such-snapshot".into()),
+                ..CreateOptions::default()
             },
         )
         .await

@@ -84,6 +84,8 @@ pub struct Execution {
 pub struct CreateOptions {
     /// Populate the filesystem from this snapshot.
     pub snapshot_name: Option<String>,
+    /// The sandbox's network (`none` by default).
+    pub network: crate::api::NetworkMode,
 }
 
 /// How to checkpoint a sandbox.

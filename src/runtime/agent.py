@@ -463,6 +463,63 @@ def prepare_checkpoint(msg):
           "running": list(EXECS)})
 
 
+# TCP states in /proc/net/tcp that hold no connection: LISTEN, CLOSE.
+IDLE_TCP_STATES = ("0A", "07")
+
+
+def is_loopback_hex(address):
+    """True for a /proc/net/tcp{,6} address on loopback (127/8, ::1, ::ffff:127/8)."""
+    host = address.split(":")[0]
+    if len(host) == 8:
+        return host[6:8] == "7F"
+    return host == "00000000000000000000000001000000" or (
+        host[:24] == "0000000000000000FFFF0000" and host[30:32] == "7F")
+
+
+def external_tcp():
+    """(inode, remote) of every TCP socket connected to something off loopback."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) < 10 or fields[3] in IDLE_TCP_STATES or is_loopback_hex(fields[2]):
+                continue
+            found.append((fields[9], fields[2]))
+    return found
+
+
+def close_connections(msg):
+    """Ends every process holding a connection off loopback: this runsc cannot
+    checkpoint a sandbox with one open (the host turns the closes into resets)."""
+    inodes = {"socket:[%s]" % inode for inode, _ in external_tcp()}
+    owners = set()
+    if inodes:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                for fd in os.listdir("/proc/%s/fd" % entry):
+                    if os.readlink("/proc/%s/fd/%s" % (entry, fd)) in inodes:
+                        owners.add(int(entry))
+                        break
+            except OSError:
+                continue
+    for pid in owners:
+        kill_tree(pid)
+    deadline = time.time() + 1.0
+    while owners and time.time() < deadline:
+        loop_once(0.05)
+        if not external_tcp():
+            break
+    emit({"ev": "ready", "id": msg["id"], "killed": sorted(owners),
+          "remaining": [remote for _, remote in external_tcp()]})
+
+
 class ChunkWriter:
     def __init__(self, exec_id):
         self.id = exec_id
@@ -570,6 +627,8 @@ def handle(msg):
         emit({"ev": "pong", "id": msg.get("id"), "version": VERSION, "running": list(EXECS)})
     elif op == "prepare_checkpoint":
         prepare_checkpoint(msg)
+    elif op == "close_connections":
+        close_connections(msg)
     elif op == "archive":
         archive(msg)
     elif op == "extract_chunk":

@@ -38,12 +38,26 @@ pub struct BundleSpec {
     pub cpu_features: Option<Vec<String>>,
 }
 
+/// What an `egress` sandbox's bundle adds: the network namespace runsc joins
+/// and the `resolv.conf` mounted over the rootfs's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BundleNetwork {
+    pub netns: std::path::PathBuf,
+    pub resolv_conf: std::path::PathBuf,
+}
+
 /// The OCI annotation that pins the CPU features of a sandbox.
 pub const CPU_FEATURES_ANNOTATION: &str = "dev.gvisor.internal.cpufeatures";
 
 impl BundleSpec {
-    /// The `config.json` document.
+    /// The `config.json` document of a `none` sandbox.
     pub fn config(&self) -> serde_json::Value {
+        self.config_with(None)
+    }
+
+    /// The `config.json` document; `network` for an `egress` sandbox (a
+    /// checkpoint restores only into a bundle of the same kind).
+    pub fn config_with(&self, network: Option<&BundleNetwork>) -> serde_json::Value {
         let path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
         let agent_config = json!({
             "python": self.python,
@@ -71,6 +85,21 @@ impl BundleSpec {
             Some(features) => json!({ CPU_FEATURES_ANNOTATION: features.join(",") }),
             None => json!({}),
         };
+        let mut mounts = json!([
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=1777", format!("size={}m", self.tmp_size_mb)]},
+        ]);
+        let mut network_namespace = json!({"type": "network"});
+        if let Some(network) = network {
+            if let Some(list) = mounts.as_array_mut() {
+                list.push(json!({"destination": "/etc/resolv.conf", "type": "bind",
+                    "source": network.resolv_conf, "options": ["rbind", "ro"]}));
+            }
+            network_namespace = json!({"type": "network", "path": network.netns});
+        }
         json!({
             "ociVersion": "1.0.0",
             "annotations": annotations,
@@ -94,15 +123,9 @@ impl BundleSpec {
             },
             "root": {"path": self.rootfs, "readonly": false},
             "hostname": "sandbox",
-            "mounts": [
-                {"destination": "/proc", "type": "proc", "source": "proc"},
-                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
-                {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
-                {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-                 "options": ["nosuid", "nodev", "mode=1777", format!("size={}m", self.tmp_size_mb)]},
-            ],
+            "mounts": mounts,
             "linux": {
-                "namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}, {"type": "network"}],
+                "namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}, network_namespace],
                 "resources": resources,
             },
         })
@@ -110,8 +133,14 @@ impl BundleSpec {
 
     /// Writes `config.json` into `dir`.
     pub fn write(&self, dir: &Path) -> std::io::Result<()> {
+        self.write_with(dir, None)
+    }
+
+    /// Writes `config.json` (with `network`, see [`Self::config_with`]) into `dir`.
+    pub fn write_with(&self, dir: &Path, network: Option<&BundleNetwork>) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
-        let text = serde_json::to_vec_pretty(&self.config()).map_err(std::io::Error::other)?;
+        let text = serde_json::to_vec_pretty(&self.config_with(network))
+            .map_err(std::io::Error::other)?;
         std::fs::write(dir.join("config.json"), text)
     }
 }

@@ -22,8 +22,8 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
 use chrono::Utc;
 use controllers::api::{
-    API_VERSION, BlobDigest, CheckpointManifest, ExtraFields, SandboxId, SnapshotManifest, decode,
-    encode, is_resource_name,
+    API_VERSION, BlobDigest, CheckpointManifest, ExtraFields, NetworkMode, SandboxId,
+    SnapshotManifest, decode, encode, is_resource_name,
 };
 use controllers::layout::{
     checkpoint_image_key, checkpoint_manifest_key, snapshot_archive_key, snapshot_manifest_key,
@@ -39,9 +39,10 @@ use tokio::net::unix::pipe;
 use tokio::sync::mpsc;
 
 use super::agent::{AgentConnection, AgentError};
-use super::bundle::{BundleSpec, SANDBOX_HOME};
+use super::bundle::{BundleNetwork, BundleSpec, SANDBOX_HOME};
+use super::network::{self, HostNetwork, NetworkConfig, SandboxNetwork};
 use super::images::{check_cpu_features, download_verified, host_cpu_features, sha256_file};
-use super::runsc::{InitStdio, Runsc};
+use super::runsc::{InitStdio, LaunchNetwork, Runsc};
 
 /// How long a new or restored agent may take to answer.
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -68,6 +69,8 @@ struct LocalSandbox {
     agent: Arc<AgentConnection>,
     /// The id of the running execution, if any.
     current_exec: Arc<Mutex<Option<String>>>,
+    /// `egress` sandboxes: their namespace, veth, address and rules here.
+    network: Option<SandboxNetwork>,
 }
 
 /// The gVisor runtime.
@@ -83,6 +86,8 @@ pub struct GvisorRuntime {
     deletions: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     runsc_version: String,
     cpu_features: Vec<String>,
+    /// Set by [`GvisorRuntime::with_network`]: `egress` sandboxes allowed.
+    network: Option<Arc<HostNetwork>>,
 }
 
 impl GvisorRuntime {
@@ -147,7 +152,42 @@ impl GvisorRuntime {
             deletions: Mutex::new(Vec::new()),
             runsc_version,
             cpu_features,
+            network: None,
         })
+    }
+
+    /// Enables `egress` sandboxes (`src/runtime/network/`): removes the
+    /// networking a crashed run left and prepares the host.
+    pub async fn with_network(mut self, config: NetworkConfig) -> Result<Self, RuntimeError> {
+        let network = HostNetwork::start(config, &self.config.state_dir, &self.runsc_version)
+            .await
+            .map_err(|err| RuntimeError::Failed(format!("sandbox networking: {err}")))?;
+        self.network = Some(Arc::new(network));
+        Ok(self)
+    }
+
+    /// Sets up the host side of a sandbox's network (`None` for `none`).
+    async fn attach_network(
+        &self,
+        mode: NetworkMode,
+    ) -> Result<Option<SandboxNetwork>, RuntimeError> {
+        match (mode, &self.network) {
+            (NetworkMode::None, _) => Ok(None),
+            (NetworkMode::Egress, None) => Err(RuntimeError::Invalid(
+                "network mode egress is not enabled on this server".to_owned(),
+            )),
+            (NetworkMode::Egress, Some(host)) => host
+                .attach()
+                .await
+                .map(Some)
+                .map_err(|err| RuntimeError::Failed(err.to_string())),
+        }
+    }
+
+    async fn detach_network(&self, network: Option<SandboxNetwork>) {
+        if let (Some(network), Some(host)) = (network, &self.network) {
+            host.detach(&network).await;
+        }
     }
 
     pub fn runsc_version(&self) -> &str {
@@ -167,14 +207,41 @@ impl GvisorRuntime {
             .ok_or_else(|| RuntimeError::NotFound(sandbox.clone()))
     }
 
-    fn new_container(&self) -> Result<(String, PathBuf), RuntimeError> {
+    fn new_container(
+        &self,
+        network: Option<&SandboxNetwork>,
+    ) -> Result<(String, PathBuf), RuntimeError> {
         let id = format!("sbx{}", uuid::Uuid::new_v4().simple());
         let dir = self.config.state_dir.join("containers").join(&id);
+        let failed = |err: std::io::Error| {
+            RuntimeError::Failed(format!("cannot write the bundle: {err}"))
+        };
+        let bundle_network = match (network, &self.network) {
+            (Some(network), Some(host)) => {
+                let resolv_conf = dir.join("resolv.conf");
+                std::fs::create_dir_all(&dir).map_err(failed)?;
+                std::fs::write(&resolv_conf, host.resolv_conf()).map_err(failed)?;
+                Some(BundleNetwork {
+                    netns: network.netns_path(),
+                    resolv_conf,
+                })
+            }
+            _ => None,
+        };
         self.config
             .bundle
-            .write(&dir.join("bundle"))
-            .map_err(|err| RuntimeError::Failed(format!("cannot write the bundle: {err}")))?;
+            .write_with(&dir.join("bundle"), bundle_network.as_ref())
+            .map_err(failed)?;
         Ok((id, dir))
+    }
+
+    fn launch_network(&self, network: Option<&SandboxNetwork>) -> LaunchNetwork {
+        match (network, &self.network) {
+            (Some(_), Some(host)) => LaunchNetwork::Sandbox {
+                wrap: host.wrap_runsc(),
+            },
+            _ => LaunchNetwork::None,
+        }
     }
 
     /// Starts (`image_dir: None`) or restores a container and connects to its agent.
@@ -184,7 +251,9 @@ impl GvisorRuntime {
         container_id: &str,
         dir: &Path,
         image_dir: Option<&Path>,
+        network: Option<&SandboxNetwork>,
     ) -> Result<Arc<AgentConnection>, RuntimeError> {
+        let launch_network = self.launch_network(network);
         let failed = |err: std::io::Error| {
             RuntimeError::Failed(format!("cannot set up the agent channel: {err}"))
         };
@@ -201,13 +270,13 @@ impl GvisorRuntime {
             None => {
                 self.config
                     .runsc
-                    .run_detached(&bundle, container_id, stdio, &log)
+                    .run_detached(&bundle, container_id, launch_network, stdio, &log)
                     .await
             }
             Some(image) => {
                 self.config
                     .runsc
-                    .restore_detached(&bundle, image, container_id, stdio, &log)
+                    .restore_detached(&bundle, image, container_id, launch_network, stdio, &log)
                     .await
             }
         };
@@ -249,12 +318,14 @@ impl GvisorRuntime {
         container_id: String,
         dir: PathBuf,
         agent: Arc<AgentConnection>,
+        network: Option<SandboxNetwork>,
     ) {
         let local = LocalSandbox {
             container_id,
             dir,
             agent,
             current_exec: Arc::new(Mutex::new(None)),
+            network,
         };
         self.sandboxes().insert(sandbox.clone(), Arc::new(local));
     }
@@ -274,12 +345,27 @@ impl GvisorRuntime {
 
     /// `runsc delete --force` and directory removal, not awaited.
     fn delete_in_background(&self, container_id: String, dir: PathBuf) {
+        self.delete_and_detach_in_background(container_id, dir, None);
+    }
+
+    /// Like [`Self::delete_in_background`], then removes the sandbox's network
+    /// and frees its address.
+    fn delete_and_detach_in_background(
+        &self,
+        container_id: String,
+        dir: PathBuf,
+        network: Option<SandboxNetwork>,
+    ) {
         let runsc = self.config.runsc.clone();
+        let host = self.network.clone();
         let handle = tokio::spawn(async move {
             if let Err(err) = runsc.delete_force(&container_id).await {
                 tracing::warn!(container = %container_id, %err, "runsc delete failed");
             }
             let _ = tokio::fs::remove_dir_all(&dir).await;
+            if let (Some(network), Some(host)) = (network, host) {
+                host.detach(&network).await;
+            }
         });
         let mut deletions = self
             .deletions
@@ -377,6 +463,48 @@ impl GvisorRuntime {
             .map_err(agent_error)?;
         Ok(())
     }
+
+    /// Downloads and verifies the image, then restores it into a new container.
+    async fn restore_into(
+        &self,
+        sandbox: &SandboxId,
+        manifest: &CheckpointManifest,
+        key: &controllers::store::ObjectKey,
+        network: Option<&SandboxNetwork>,
+    ) -> Result<(String, PathBuf, Arc<AgentConnection>), RuntimeError> {
+        let (container_id, dir) = self.new_container(network)?;
+        let image_dir = dir.join("restore");
+        tokio::fs::create_dir_all(&image_dir).await.map_err(|err| {
+            RuntimeError::Failed(format!("cannot create {}: {err}", image_dir.display()))
+        })?;
+        let verified = download_verified(
+            self.checkpoints.as_ref(),
+            key,
+            &image_dir.join("checkpoint.img"),
+            &manifest.image.sha256,
+            manifest.image.size,
+        )
+        .await;
+        if let Err(err) = verified {
+            let _ = tokio::fs::remove_dir_all(&dir).await;
+            return Err(err);
+        }
+        let agent = match self
+            .launch(sandbox, &container_id, &dir, Some(&image_dir), network)
+            .await
+        {
+            Ok(agent) => agent,
+            Err(RuntimeError::Failed(detail)) => {
+                let _ = tokio::fs::remove_dir_all(&dir).await;
+                return Err(RuntimeError::Incompatible(detail));
+            }
+            Err(err) => return Err(err),
+        };
+        // runsc restores eagerly: the image is no longer needed.
+        let _ = tokio::fs::remove_dir_all(&image_dir).await;
+        Ok((container_id, dir, agent))
+    }
+
 }
 
 /// A create or restore in progress for one sandbox id.
@@ -470,15 +598,29 @@ impl SandboxRuntime for GvisorRuntime {
         options: &CreateOptions,
     ) -> Result<(), RuntimeError> {
         let _reservation = self.claim(sandbox)?;
-        let (container_id, dir) = self.new_container()?;
-        let agent = self.launch(sandbox, &container_id, &dir, None).await?;
+        let network = self.attach_network(options.network).await?;
+        let started = async {
+            let (container_id, dir) = self.new_container(network.as_ref())?;
+            let agent = self
+                .launch(sandbox, &container_id, &dir, None, network.as_ref())
+                .await?;
+            Ok::<_, RuntimeError>((container_id, dir, agent))
+        }
+        .await;
+        let (container_id, dir, agent) = match started {
+            Ok(started) => started,
+            Err(err) => {
+                self.detach_network(network).await;
+                return Err(err);
+            }
+        };
         if let Some(name) = &options.snapshot_name
             && let Err(err) = self.populate_from_snapshot(&agent, name).await
         {
-            self.delete_in_background(container_id, dir);
+            self.delete_and_detach_in_background(container_id, dir, network);
             return Err(err);
         }
-        self.register(sandbox, container_id, dir, agent);
+        self.register(sandbox, container_id, dir, agent, network);
         Ok(())
     }
 
@@ -602,6 +744,11 @@ impl SandboxRuntime for GvisorRuntime {
             }
         }
 
+        if let (Some(network), Some(host)) = (&local.network, &self.network) {
+            network::checkpoint::quiesce(host, network, &local.agent)
+                .await
+                .map_err(|err| RuntimeError::Failed(format!("cannot checkpoint now: {err}")))?;
+        }
         let image_dir = local
             .dir
             .join(format!("checkpoint-{}", request.checkpoint_id));
@@ -623,13 +770,20 @@ impl SandboxRuntime for GvisorRuntime {
             );
             if !still_running {
                 self.sandboxes().remove(sandbox);
-                self.delete_in_background(local.container_id.clone(), local.dir.clone());
+                self.delete_and_detach_in_background(
+                    local.container_id.clone(),
+                    local.dir.clone(),
+                    local.network.clone(),
+                );
                 return Err(RuntimeError::Lost {
                     sandbox: sandbox.clone(),
                     detail: format!("checkpoint failed and stopped the sandbox: {err}"),
                 });
             }
             let _ = tokio::fs::remove_dir_all(&image_dir).await;
+            if let Some(network) = &local.network {
+                network::checkpoint::resume(network).await;
+            }
             return Err(RuntimeError::Failed(format!(
                 "checkpoint failed, sandbox still running: {err}"
             )));
@@ -660,6 +814,11 @@ impl SandboxRuntime for GvisorRuntime {
                 runsc_version: self.runsc_version.clone(),
                 platform: self.config.runsc.platform.clone(),
                 cpu_features: self.cpu_features.clone(),
+                network: if local.network.is_some() {
+                    NetworkMode::Egress
+                } else {
+                    NetworkMode::None
+                },
                 extra: ExtraFields::new(),
             };
             create_idempotent(
@@ -673,7 +832,11 @@ impl SandboxRuntime for GvisorRuntime {
         .await;
         match upload {
             Ok(manifest) => {
-                self.delete_in_background(local.container_id.clone(), local.dir.clone());
+                self.delete_and_detach_in_background(
+                    local.container_id.clone(),
+                    local.dir.clone(),
+                    local.network.clone(),
+                );
                 Ok(manifest)
             }
             Err(err) => {
@@ -692,7 +855,11 @@ impl SandboxRuntime for GvisorRuntime {
                 };
                 let kept_at = if moved.is_ok() { kept } else { image.clone() };
                 tracing::error!(%err, image = %kept_at.display(), "checkpoint upload failed; image kept");
-                self.delete_in_background(local.container_id.clone(), local.dir.clone());
+                self.delete_and_detach_in_background(
+                    local.container_id.clone(),
+                    local.dir.clone(),
+                    local.network.clone(),
+                );
                 Err(RuntimeError::Lost {
                     sandbox: sandbox.clone(),
                     detail: format!(
@@ -714,38 +881,24 @@ impl SandboxRuntime for GvisorRuntime {
         check_cpu_features(&manifest.cpu_features, &self.cpu_features)?;
         let key = controllers::store::ObjectKey::new(manifest.image.key.as_str())
             .map_err(|err| RuntimeError::Invalid(err.to_string()))?;
-        let (container_id, dir) = self.new_container()?;
-        let image_dir = dir.join("restore");
-        tokio::fs::create_dir_all(&image_dir).await.map_err(|err| {
-            RuntimeError::Failed(format!("cannot create {}: {err}", image_dir.display()))
-        })?;
-        let verified = download_verified(
-            self.checkpoints.as_ref(),
-            &key,
-            &image_dir.join("checkpoint.img"),
-            &manifest.image.sha256,
-            manifest.image.size,
-        )
-        .await;
-        if let Err(err) = verified {
-            let _ = tokio::fs::remove_dir_all(&dir).await;
-            return Err(err);
-        }
-        let agent = match self
-            .launch(sandbox, &container_id, &dir, Some(&image_dir))
-            .await
-        {
-            Ok(agent) => agent,
-            Err(RuntimeError::Failed(detail)) => {
-                let _ = tokio::fs::remove_dir_all(&dir).await;
-                return Err(RuntimeError::Incompatible(detail));
-            }
-            Err(err) => return Err(err),
+        // A fresh namespace and address on this host, whatever the old ones were.
+        let network = match self.attach_network(manifest.network).await {
+            Err(RuntimeError::Invalid(detail)) => return Err(RuntimeError::Incompatible(detail)),
+            other => other?,
         };
-        // runsc restores eagerly: the image is no longer needed.
-        let _ = tokio::fs::remove_dir_all(&image_dir).await;
-        self.register(sandbox, container_id, dir, agent);
-        Ok(())
+        let restored = self
+            .restore_into(sandbox, manifest, &key, network.as_ref())
+            .await;
+        match restored {
+            Ok((container_id, dir, agent)) => {
+                self.register(sandbox, container_id, dir, agent, network);
+                Ok(())
+            }
+            Err(err) => {
+                self.detach_network(network).await;
+                Err(err)
+            }
+        }
     }
 
     #[tracing::instrument(skip(self), fields(sandbox = %sandbox))]

@@ -1,6 +1,7 @@
 //! The sandbox runtime on real gVisor: the `runsc` CLI wrapped ([`runsc`]), the
 //! OCI bundle ([`bundle`]), the in-sandbox agent and the host's channel to it
-//! ([`agent`], `agent.py`), checkpoint images ([`images`]), and
+//! ([`agent`], `agent.py`), checkpoint images ([`images`]), `egress` sandbox
+//! networking ([`network`]), and
 //! [`GvisorRuntime`], which implements the controllers' `SandboxRuntime` port.
 //! `../shared/reference/gvisor-runsc.md` records the runsc behaviour all of this
 //! is built around.
@@ -9,9 +10,11 @@ pub mod agent;
 pub mod bundle;
 mod gvisor;
 pub mod images;
+pub mod network;
 pub mod runsc;
 
-pub use bundle::BundleSpec;
+pub use bundle::{BundleNetwork, BundleSpec};
 pub use gvisor::{GvisorConfig, GvisorRuntime};
 pub use images::host_cpu_features;
-pub use runsc::Runsc;
+pub use network::{NetnsWorkaround, NetworkConfig};
+pub use runsc::{LaunchNetwork, Runsc};

@@ -4,7 +4,9 @@
 //! Global flags on every call (`../shared/reference/gvisor-runsc.md`):
 //! `--root` (this server's own state directory), `--platform`, `--network=none`
 //! and `--overlay2=root:memory` (writes to the root filesystem stay in sandbox
-//! memory and are saved in checkpoints).
+//! memory and are saved in checkpoints). `egress` sandboxes start and restore
+//! with `--network=sandbox` instead ([`LaunchNetwork`]), on this runsc inside
+//! the `/proc/sys/net` wrapper (`network::NetnsWorkaround`).
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -35,6 +37,20 @@ pub struct InitStdio {
     pub stderr: std::fs::File,
 }
 
+/// The network a container starts or restores with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaunchNetwork {
+    /// Loopback only.
+    None,
+    /// gVisor's netstack on the namespace the bundle names. `wrap`: run runsc
+    /// in a private mount namespace with a tmpfs over `/proc/sys/net` (runsc
+    /// before 2024-07-31 otherwise takes every namespace for the root one).
+    Sandbox { wrap: bool },
+}
+
+/// Runs the rest of the command line with `/proc/sys/net` hidden.
+const HIDE_PROC_SYS_NET: &str = "mount -t tmpfs none /proc/sys/net && exec \"$0\" \"$@\"";
+
 /// A configured `runsc`.
 #[derive(Debug, Clone)]
 pub struct Runsc {
@@ -45,12 +61,29 @@ pub struct Runsc {
 
 impl Runsc {
     fn command(&self, args: &[&str]) -> (Command, String) {
-        let mut command = Command::new(&self.binary);
+        self.command_with(args, LaunchNetwork::None)
+    }
+
+    fn command_with(&self, args: &[&str], network: LaunchNetwork) -> (Command, String) {
+        let mut command = match network {
+            LaunchNetwork::Sandbox { wrap: true } => {
+                let mut wrapper = Command::new("unshare");
+                wrapper
+                    .args(["-m", "--propagation", "private", "sh", "-c", HIDE_PROC_SYS_NET])
+                    .arg(&self.binary);
+                wrapper
+            }
+            _ => Command::new(&self.binary),
+        };
+        let network_flag = match network {
+            LaunchNetwork::None => "--network=none",
+            LaunchNetwork::Sandbox { .. } => "--network=sandbox",
+        };
         command
             .arg("--root")
             .arg(&self.root)
             .arg(format!("--platform={}", self.platform))
-            .arg("--network=none")
+            .arg(network_flag)
             .arg("--overlay2=root:memory")
             .args(args)
             .stdin(Stdio::null())
@@ -85,10 +118,11 @@ impl Runsc {
     async fn detached(
         &self,
         args: &[&str],
+        network: LaunchNetwork,
         stdio: InitStdio,
         log: &Path,
     ) -> Result<(), RunscError> {
-        let (mut command, text) = self.command(args);
+        let (mut command, text) = self.command_with(args, network);
         command
             .stdin(Stdio::from(stdio.stdin))
             .stdout(Stdio::from(stdio.stdout))
@@ -113,12 +147,13 @@ impl Runsc {
         &self,
         bundle: &Path,
         id: &str,
+        network: LaunchNetwork,
         stdio: InitStdio,
         log: &Path,
     ) -> Result<(), RunscError> {
         let bundle = bundle.to_string_lossy();
-        self.detached(&["run", "--detach", "--bundle", &bundle, id], stdio, log)
-            .await
+        let args = ["run", "--detach", "--bundle", &bundle, id];
+        self.detached(&args, network, stdio, log).await
     }
 
     pub async fn restore_detached(
@@ -126,6 +161,7 @@ impl Runsc {
         bundle: &Path,
         image_dir: &Path,
         id: &str,
+        network: LaunchNetwork,
         stdio: InitStdio,
         log: &Path,
     ) -> Result<(), RunscError> {
@@ -140,7 +176,7 @@ impl Runsc {
             &bundle,
             id,
         ];
-        self.detached(&args, stdio, log).await
+        self.detached(&args, network, stdio, log).await
     }
 
     /// Writes `checkpoint.img` into `image_dir` and stops the container.

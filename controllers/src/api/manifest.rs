@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use super::metadata::is_resource_name;
-use super::{API_VERSION, ApiObject, ExtraFields, SandboxId, is_sha256_hex};
+use super::{API_VERSION, ApiObject, ExtraFields, NetworkMode, SandboxId, is_sha256_hex};
 
 /// A stored blob: its key, size and SHA-256.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,6 +35,10 @@ pub struct CheckpointManifest {
     /// cannot report the set it exposes). A restore host must have all of them.
     #[serde(default)]
     pub cpu_features: Vec<String>,
+    /// The sandbox's network mode: a restore sets the same kind of network up
+    /// (with the restoring host's own address). Absent: `none`.
+    #[serde(default, skip_serializing_if = "NetworkMode::is_none")]
+    pub network: NetworkMode,
     #[serde(flatten)]
     pub extra: ExtraFields,
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::{API_VERSION, ApiObject, ExtraFields, InstanceId, SandboxId};
+use super::{API_VERSION, ApiObject, ExtraFields, InstanceId, NetworkMode, SandboxId};
 
 /// The whole document.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,6 +38,9 @@ pub struct SandboxSpec {
     pub enable_idle_timeout_auto_checkpoint: bool,
     #[serde(default)]
     pub filesystem_snapshot_name: Option<String>,
+    /// Chosen at create; absent in older documents, which means `none`.
+    #[serde(default, skip_serializing_if = "NetworkMode::is_none")]
+    pub network: NetworkMode,
     /// SHA-256 (hex) of the sandbox token. The token itself is never stored.
     pub token_sha256: String,
     #[serde(default)]
@@ -189,6 +192,7 @@ impl SandboxMetadata {
                 enable_sandbox_handoff: false,
                 enable_idle_timeout_auto_checkpoint: false,
                 filesystem_snapshot_name: None,
+                network: NetworkMode::None,
                 token_sha256,
                 labels: BTreeMap::new(),
                 checkpoint_name: None,

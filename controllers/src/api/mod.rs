@@ -18,11 +18,13 @@ mod ids;
 mod lease;
 mod manifest;
 mod metadata;
+mod network;
 
 pub use codec::{ApiObject, DecodeError, decode, encode};
 pub use ids::{InstanceId, InvalidId, SandboxId};
 pub use lease::{AttachIntent, Lease};
 pub use manifest::{BlobDigest, CheckpointManifest, SnapshotManifest};
+pub use network::{NetworkMode, UnknownNetworkMode};
 pub use metadata::{
     CheckpointRef, Condition, ConditionStatus, DesiredState, Phase, RESOURCE_NAME_RULE,
     RestoreRequest, SandboxMetadata, SandboxSpec, SandboxStatus, SnapshotRef, is_resource_name,

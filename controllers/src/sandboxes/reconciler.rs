@@ -1174,6 +1174,7 @@ impl Reconciler {
             None => {
                 let options = CreateOptions {
                     snapshot_name: metadata.spec.filesystem_snapshot_name.clone(),
+                    network: metadata.spec.network,
                 };
                 self.runtime
                     .create(sandbox, &options)

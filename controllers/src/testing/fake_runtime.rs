@@ -194,6 +194,7 @@ impl SandboxRuntime for FakeRuntime {
             runsc_version: "fake".to_owned(),
             platform: "fake".to_owned(),
             cpu_features: Vec::new(),
+            network: Default::default(),
             extra: ExtraFields::new(),
         };
         self.checkpoints

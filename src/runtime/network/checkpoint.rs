@@ -1,0 +1,96 @@
+//! Making an `egress` sandbox safe to checkpoint on this runsc.
+//!
+//! runsc 20221219 refuses to save a TCP endpoint in a connected state (any
+//! state but LISTEN and CLOSE towards a non-loopback peer), and the refusal
+//! stops the container: the sandbox would be lost. So before `runsc
+//! checkpoint`:
+//! 1. the firewall quiesces the sandbox ([`firewall::quiesce`]): its TCP
+//!    segments are answered with resets, so a connection closed now ends at
+//!    once instead of lingering, and no new one can open;
+//! 2. the agent kills the processes that hold connections (their sockets
+//!    close, the resets finish them);
+//! 3. conntrack shows what the sandbox can no longer: TIME_WAIT and FIN_WAIT
+//!    endpoints left by earlier closes, which gVisor keeps for 60 s and which
+//!    ignore resets. If they do not clear within the configured wait, the
+//!    checkpoint is refused and the sandbox goes on, its network restored.
+//!
+//! Newer runsc has `--net-disconnect-ok` (default true since 2024), which
+//! saves such endpoints as disconnected instead of failing, and
+//! `--allow-connected-on-save`; with it none of this is needed, but it is
+//! harmless.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::conntrack::{lingering, read_table};
+use super::{HostNetwork, NetworkError, SandboxNetwork, firewall};
+use crate::runtime::agent::AgentConnection;
+
+/// How often the quiet check runs while waiting.
+const POLL: Duration = Duration::from_millis(200);
+
+/// Quiesces the sandbox and waits until no TCP endpoint is left in it. On
+/// error the sandbox's network is back to normal.
+#[tracing::instrument(skip_all, fields(slot = sandbox.slot.index))]
+pub async fn quiesce(
+    network: &HostNetwork,
+    sandbox: &SandboxNetwork,
+    agent: &AgentConnection,
+) -> Result<(), NetworkError> {
+    let slot = sandbox.slot.index;
+    firewall::quiesce(slot).await?;
+    let result = wait_until_quiet(network, sandbox, agent).await;
+    if result.is_err() {
+        resume(sandbox).await;
+    }
+    result
+}
+
+/// Undoes [`quiesce`] (the checkpoint did not happen; the sandbox goes on).
+pub async fn resume(sandbox: &SandboxNetwork) {
+    if let Err(err) = firewall::unquiesce(sandbox.slot.index).await {
+        tracing::warn!(%err, "could not lift the checkpoint quiesce rules");
+    }
+}
+
+async fn wait_until_quiet(
+    network: &HostNetwork,
+    sandbox: &SandboxNetwork,
+    agent: &AgentConnection,
+) -> Result<(), NetworkError> {
+    let started = Instant::now();
+    let deadline = started + network.config().checkpoint_wait;
+    loop {
+        let reply = agent
+            .request(json!({"op": "close_connections"}), Duration::from_secs(10))
+            .await
+            .map_err(|err| NetworkError::NotQuiet(format!("closing connections: {err}")))?;
+        if let Some(killed) = reply["killed"].as_array().filter(|k| !k.is_empty()) {
+            tracing::info!(?killed, "killed processes holding connections for the checkpoint");
+        }
+        let open = reply["remaining"].as_array().map_or(0, Vec::len);
+        let lingering = lingering(&read_table(), sandbox.slot.sandbox);
+        if open == 0 && lingering.is_empty() {
+            tracing::debug!(waited_ms = started.elapsed().as_millis() as u64, "sandbox network quiet");
+            return Ok(());
+        }
+        let now = Instant::now();
+        let longest = lingering.iter().map(|l| l.clears_in).max().unwrap_or_default();
+        if now >= deadline || now + longest > deadline {
+            let detail: Vec<String> = lingering
+                .iter()
+                .map(|l| format!("{} to {}", l.state, l.remote))
+                .collect();
+            return Err(NetworkError::NotQuiet(format!(
+                "the sandbox still has {} open and {} closing TCP connections ({}); this runsc \
+                 cannot checkpoint them, retry in {} s",
+                open,
+                lingering.len(),
+                detail.join(", "),
+                longest.as_secs().max(1)
+            )));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
