@@ -139,8 +139,8 @@ impl BundleSpec {
     /// Writes `config.json` (with `network`, see [`Self::config_with`]) into `dir`.
     pub fn write_with(&self, dir: &Path, network: Option<&BundleNetwork>) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
-        let text = serde_json::to_vec_pretty(&self.config_with(network))
-            .map_err(std::io::Error::other)?;
+        let text =
+            serde_json::to_vec_pretty(&self.config_with(network)).map_err(std::io::Error::other)?;
         std::fs::write(dir.join("config.json"), text)
     }
 }

@@ -40,8 +40,8 @@ use tokio::sync::mpsc;
 
 use super::agent::{AgentConnection, AgentError};
 use super::bundle::{BundleNetwork, BundleSpec, SANDBOX_HOME};
-use super::network::{self, HostNetwork, NetworkConfig, SandboxNetwork};
 use super::images::{check_cpu_features, download_verified, host_cpu_features, sha256_file};
+use super::network::{self, HostNetwork, NetworkConfig, SandboxNetwork};
 use super::runsc::{InitStdio, LaunchNetwork, Runsc};
 
 /// How long a new or restored agent may take to answer.
@@ -213,9 +213,8 @@ impl GvisorRuntime {
     ) -> Result<(String, PathBuf), RuntimeError> {
         let id = format!("sbx{}", uuid::Uuid::new_v4().simple());
         let dir = self.config.state_dir.join("containers").join(&id);
-        let failed = |err: std::io::Error| {
-            RuntimeError::Failed(format!("cannot write the bundle: {err}"))
-        };
+        let failed =
+            |err: std::io::Error| RuntimeError::Failed(format!("cannot write the bundle: {err}"));
         let bundle_network = match (network, &self.network) {
             (Some(network), Some(host)) => {
                 let resolv_conf = dir.join("resolv.conf");
@@ -504,7 +503,6 @@ impl GvisorRuntime {
         let _ = tokio::fs::remove_dir_all(&image_dir).await;
         Ok((container_id, dir, agent))
     }
-
 }
 
 /// A create or restore in progress for one sandbox id.

@@ -69,7 +69,14 @@ impl Runsc {
             LaunchNetwork::Sandbox { wrap: true } => {
                 let mut wrapper = Command::new("unshare");
                 wrapper
-                    .args(["-m", "--propagation", "private", "sh", "-c", HIDE_PROC_SYS_NET])
+                    .args([
+                        "-m",
+                        "--propagation",
+                        "private",
+                        "sh",
+                        "-c",
+                        HIDE_PROC_SYS_NET,
+                    ])
                     .arg(&self.binary);
                 wrapper
             }

@@ -24,12 +24,12 @@ pub use codec::{ApiObject, DecodeError, decode, encode};
 pub use ids::{InstanceId, InvalidId, SandboxId};
 pub use lease::{AttachIntent, Lease};
 pub use manifest::{BlobDigest, CheckpointManifest, SnapshotManifest};
-pub use network::{NetworkMode, UnknownNetworkMode};
 pub use metadata::{
     CheckpointRef, Condition, ConditionStatus, DesiredState, Phase, RESOURCE_NAME_RULE,
     RestoreRequest, SandboxMetadata, SandboxSpec, SandboxStatus, SnapshotRef, is_resource_name,
     is_sha256_hex,
 };
+pub use network::{NetworkMode, UnknownNetworkMode};
 
 /// The `apiVersion` of every object this version writes and understands.
 pub const API_VERSION: &str = "sandboxd.dev/v1";

@@ -4,10 +4,10 @@
 //!
 //! A slot is taken by creating its lease file with `O_EXCL` in a directory
 //! shared by every server on the host; the kernel makes that atomic, so no
-//! lock is needed. The file names its owner (pid, the process's start time and
-//! the runtime's state directory), which is how startup recognises slots a
-//! crashed server left behind: owner dead, or owned by the directory the
-//! starting runtime now uses. Slots are searched from a cursor that moves on
+//! lock is needed. The file names its owner (pid, the process's start time, a
+//! random instance id and the runtime's state directory), which is how startup
+//! recognises slots a crashed server left behind: owner dead, or an earlier
+//! instance in the state directory the starting runtime now uses. Slots are searched from a cursor that moves on
 //! after each allocation, so a freed address is not reused at once (stale
 //! conntrack entries of its last user fade first).
 
@@ -54,6 +54,8 @@ pub struct LeaseOwner {
     /// Start time of the process (clock ticks since boot): tells a live owner
     /// from a later process that reused its pid.
     pub start_time: u64,
+    /// Random per runtime instance: tells instances in one process apart.
+    pub instance: u64,
     /// The state directory of the owning runtime.
     pub runtime: String,
 }
@@ -65,19 +67,24 @@ impl LeaseOwner {
         Self {
             pid,
             start_time: process_start_time(pid).unwrap_or(0),
+            instance: uuid::Uuid::new_v4().as_u64_pair().0,
             runtime: runtime.to_string_lossy().into_owned(),
         }
     }
 
     fn to_line(&self) -> String {
-        format!("{} {} {}\n", self.pid, self.start_time, self.runtime)
+        format!(
+            "{} {} {} {}\n",
+            self.pid, self.start_time, self.instance, self.runtime
+        )
     }
 
     fn parse(text: &str) -> Option<Self> {
-        let mut parts = text.trim_end_matches('\n').splitn(3, ' ');
+        let mut parts = text.trim_end_matches('\n').splitn(4, ' ');
         Some(Self {
             pid: parts.next()?.parse().ok()?,
             start_time: parts.next()?.parse().ok()?,
+            instance: parts.next()?.parse().ok()?,
             runtime: parts.next()?.to_owned(),
         })
     }
@@ -106,7 +113,11 @@ pub struct AddressPool {
 }
 
 impl AddressPool {
-    pub fn open(range: Ipv4Cidr, leases: PathBuf, owner: LeaseOwner) -> Result<Self, AllocatorError> {
+    pub fn open(
+        range: Ipv4Cidr,
+        leases: PathBuf,
+        owner: LeaseOwner,
+    ) -> Result<Self, AllocatorError> {
         if range.prefix() > SLOT_PREFIX {
             return Err(AllocatorError::RangeTooSmall(range));
         }
@@ -164,7 +175,8 @@ impl AddressPool {
                 .open(self.lease_path(index));
             match created {
                 Ok(mut file) => {
-                    file.write_all(self.owner.to_line().as_bytes()).map_err(io)?;
+                    file.write_all(self.owner.to_line().as_bytes())
+                        .map_err(io)?;
                     if let Some(slot) = self.slot(index) {
                         return Ok(slot);
                     }
@@ -217,8 +229,7 @@ impl AddressPool {
             .into_iter()
             .filter_map(|(index, owner)| {
                 let owner = owner?;
-                let ours_from_before =
-                    owner.runtime == self.owner.runtime && owner != self.owner;
+                let ours_from_before = owner.runtime == self.owner.runtime && owner != self.owner;
                 (ours_from_before || !owner.is_alive()).then_some(index)
             })
             .collect())
@@ -255,12 +266,14 @@ mod tests {
         assert_eq!(slot.sandbox, Ipv4Addr::new(10, 231, 0, 6));
         assert!(p.slot(16_384).is_none());
         assert!(p.slot(16_383).is_some());
-        assert!(AddressPool::open(
-            "10.0.0.0/31".parse().expect("range"),
-            dir.path().join("x"),
-            LeaseOwner::current(Path::new("/a")),
-        )
-        .is_err());
+        assert!(
+            AddressPool::open(
+                "10.0.0.0/31".parse().expect("range"),
+                dir.path().join("x"),
+                LeaseOwner::current(Path::new("/a")),
+            )
+            .is_err()
+        );
     }
 
     #[test]
@@ -287,11 +300,17 @@ mod tests {
         }
         assert_eq!(seen.len(), 64);
         let err = a.allocate().expect_err("a /24 has 64 slots");
-        assert!(matches!(err, AllocatorError::Exhausted { slots: 64, .. }), "{err}");
+        assert!(
+            matches!(err, AllocatorError::Exhausted { slots: 64, .. }),
+            "{err}"
+        );
         // Freed slots come back.
         a.release(7);
         b.release(9);
-        let mut again = [a.allocate().expect("freed").index, b.allocate().expect("freed").index];
+        let mut again = [
+            a.allocate().expect("freed").index,
+            b.allocate().expect("freed").index,
+        ];
         again.sort_unstable();
         assert_eq!(again, [7, 9]);
     }
@@ -303,8 +322,10 @@ mod tests {
         let live = p.allocate().expect("slot").index;
         let leases = dir.path().join("leases");
         // A crashed earlier run of this runtime, a dead process, a live other runtime.
-        std::fs::write(leases.join("40"), format!("{} 1 /mine\n", std::process::id())).expect("write");
-        std::fs::write(leases.join("41"), "4294967 5 /other\n").expect("write");
+        let mut earlier = LeaseOwner::current(Path::new("/mine"));
+        earlier.instance ^= 1;
+        std::fs::write(leases.join("40"), earlier.to_line()).expect("write");
+        std::fs::write(leases.join("41"), "4294967 5 9 /other\n").expect("write");
         let other = LeaseOwner::current(Path::new("/other"));
         std::fs::write(leases.join("42"), other.to_line()).expect("write");
         let stale = p.stale_leases().expect("leases");

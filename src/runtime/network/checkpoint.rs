@@ -67,16 +67,26 @@ async fn wait_until_quiet(
             .await
             .map_err(|err| NetworkError::NotQuiet(format!("closing connections: {err}")))?;
         if let Some(killed) = reply["killed"].as_array().filter(|k| !k.is_empty()) {
-            tracing::info!(?killed, "killed processes holding connections for the checkpoint");
+            tracing::info!(
+                ?killed,
+                "killed processes holding connections for the checkpoint"
+            );
         }
         let open = reply["remaining"].as_array().map_or(0, Vec::len);
         let lingering = lingering(&read_table(), sandbox.slot.sandbox);
         if open == 0 && lingering.is_empty() {
-            tracing::debug!(waited_ms = started.elapsed().as_millis() as u64, "sandbox network quiet");
+            tracing::debug!(
+                waited_ms = started.elapsed().as_millis() as u64,
+                "sandbox network quiet"
+            );
             return Ok(());
         }
         let now = Instant::now();
-        let longest = lingering.iter().map(|l| l.clears_in).max().unwrap_or_default();
+        let longest = lingering
+            .iter()
+            .map(|l| l.clears_in)
+            .max()
+            .unwrap_or_default();
         if now >= deadline || now + longest > deadline {
             let detail: Vec<String> = lingering
                 .iter()

@@ -41,7 +41,11 @@ fn package_of(program: &str) -> &'static str {
 }
 
 /// Runs `program args…` (with `input` on stdin), returning its stdout.
-pub async fn run(program: &str, args: &[&str], input: Option<&str>) -> Result<String, CommandError> {
+pub async fn run(
+    program: &str,
+    args: &[&str],
+    input: Option<&str>,
+) -> Result<String, CommandError> {
     let text = format!("{program} {}", args.join(" "));
     let missing = |source| CommandError::Missing {
         program: program.to_owned(),

@@ -125,7 +125,10 @@ ipv4     2 udp      17 20 src=10.231.0.6 dst=10.255.255.53 sport=5000 dport=53 s
         // another sandbox's.
         assert_eq!(
             summary,
-            vec![("TIME_WAIT", "198.51.100.2:9000"), ("LAST_ACK", "198.51.100.2:80")]
+            vec![
+                ("TIME_WAIT", "198.51.100.2:9000"),
+                ("LAST_ACK", "198.51.100.2:80")
+            ]
         );
         assert!(found[0].clears_in <= NETSTACK_LINGER);
         assert_eq!(found[1].clears_in, Duration::from_secs(20));

@@ -48,7 +48,10 @@ mod tests {
         let text = "# comment\nnameserver 127.0.0.53\nnameserver 10.255.255.53\nnameserver ::1\nsearch x\nnameserver 169.254.169.254\n";
         assert_eq!(
             nameservers_from_resolv_conf(text),
-            vec![Ipv4Addr::new(10, 255, 255, 53), Ipv4Addr::new(169, 254, 169, 254)]
+            vec![
+                Ipv4Addr::new(10, 255, 255, 53),
+                Ipv4Addr::new(169, 254, 169, 254)
+            ]
         );
         let conf = resolv_conf(&[Ipv4Addr::new(10, 0, 0, 2)]);
         assert!(conf.contains("nameserver 10.0.0.2\n"), "{conf}");

@@ -62,7 +62,10 @@ pub async fn ensure_base() -> Result<(), CommandError> {
         {
             return Err(err);
         }
-        if iptables(&["-t", table, "-C", parent, "-j", chain]).await.is_err() {
+        if iptables(&["-t", table, "-C", parent, "-j", chain])
+            .await
+            .is_err()
+        {
             iptables(&["-t", table, "-I", parent, "1", "-j", chain]).await?;
         }
     }
@@ -74,7 +77,11 @@ pub fn sandbox_rules(slot: &Slot, policy: &DestinationPolicy, nameservers: &[Ipv
     let index = slot.index;
     let veth = veth_name(index);
     let tag = comment(index);
-    let (egress, reply, host) = (chain(index, "EGRESS"), chain(index, "REPLY"), chain(index, "HOST"));
+    let (egress, reply, host) = (
+        chain(index, "EGRESS"),
+        chain(index, "REPLY"),
+        chain(index, "HOST"),
+    );
     let mut out = String::from("*filter\n");
     for name in [&egress, &reply, &host] {
         out.push_str(&format!(":{name} - [0:0]\n"));
@@ -133,13 +140,46 @@ pub async fn install(
 /// packet towards it is dropped.
 pub async fn quiesce(slot: u32) -> Result<(), CommandError> {
     let (egress, reply) = (chain(slot, "EGRESS"), chain(slot, "REPLY"));
-    iptables(&["-I", &egress, "1", "-m", "comment", "--comment", QUIESCE_COMMENT, "-j", "DROP"]).await?;
     iptables(&[
-        "-I", &egress, "1", "-p", "tcp", "-m", "comment", "--comment", QUIESCE_COMMENT, "-j", "REJECT",
-        "--reject-with", "tcp-reset",
+        "-I",
+        &egress,
+        "1",
+        "-m",
+        "comment",
+        "--comment",
+        QUIESCE_COMMENT,
+        "-j",
+        "DROP",
     ])
     .await?;
-    iptables(&["-I", &reply, "1", "-m", "comment", "--comment", QUIESCE_COMMENT, "-j", "DROP"]).await?;
+    iptables(&[
+        "-I",
+        &egress,
+        "1",
+        "-p",
+        "tcp",
+        "-m",
+        "comment",
+        "--comment",
+        QUIESCE_COMMENT,
+        "-j",
+        "REJECT",
+        "--reject-with",
+        "tcp-reset",
+    ])
+    .await?;
+    iptables(&[
+        "-I",
+        &reply,
+        "1",
+        "-m",
+        "comment",
+        "--comment",
+        QUIESCE_COMMENT,
+        "-j",
+        "DROP",
+    ])
+    .await?;
     Ok(())
 }
 
@@ -149,7 +189,8 @@ pub async fn unquiesce(slot: u32) -> Result<(), CommandError> {
     let saved = iptables_save("filter").await?;
     for line in saved.lines() {
         let ours = line.contains(QUIESCE_COMMENT)
-            && (line.starts_with(&format!("-A {egress} ")) || line.starts_with(&format!("-A {reply} ")));
+            && (line.starts_with(&format!("-A {egress} "))
+                || line.starts_with(&format!("-A {reply} ")));
         if ours {
             delete_rule("filter", line).await;
         }
@@ -167,7 +208,10 @@ async fn delete_rule(table: &str, line: &str) {
         return;
     };
     let mut args = vec!["-t".to_owned(), table.to_owned(), "-D".to_owned()];
-    args.extend(spec.split_whitespace().map(|word| word.trim_matches('"').to_owned()));
+    args.extend(
+        spec.split_whitespace()
+            .map(|word| word.trim_matches('"').to_owned()),
+    );
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     if let Err(err) = iptables(&args).await {
         // Another server may have removed it first.
@@ -208,14 +252,18 @@ pub async fn remove(slot: u32) -> Result<(), CommandError> {
         let saved = iptables_save(table).await?;
         for line in saved.lines() {
             if line.starts_with("-A ") && line.contains(&format!("\"{}\"", comment(slot)))
-                || line.starts_with("-A ") && line.contains(&format!("--comment {} ", comment(slot)))
+                || line.starts_with("-A ")
+                    && line.contains(&format!("--comment {} ", comment(slot)))
             {
                 delete_rule(table, line).await;
             }
         }
         for role in ["EGRESS", "REPLY", "HOST"] {
             let name = chain(slot, role);
-            if saved.lines().any(|line| line.starts_with(&format!(":{name} "))) {
+            if saved
+                .lines()
+                .any(|line| line.starts_with(&format!(":{name} ")))
+            {
                 let _ = iptables(&["-t", table, "-F", &name]).await;
                 if let Err(err) = iptables(&["-t", table, "-X", &name]).await {
                     tracing::warn!(slot, %err, "could not delete a sandbox chain");
@@ -248,11 +296,17 @@ mod tests {
             deny: vec!["203.0.113.0/24".parse().expect("cidr")],
         };
         let rules = sandbox_rules(&slot, &policy, &[Ipv4Addr::new(169, 254, 169, 254)]);
-        let position = |needle: &str| rules.find(needle).unwrap_or_else(|| panic!("{needle} in {rules}"));
+        let position = |needle: &str| {
+            rules
+                .find(needle)
+                .unwrap_or_else(|| panic!("{needle} in {rules}"))
+        };
         assert!(position("--dport 53 -j ACCEPT") < position("-d 169.254.169.254/32 -j DROP"));
         assert!(position("-d 169.254.169.254/32 -j DROP") < position("-d 203.0.113.0/24 -j DROP"));
         assert!(position("-d 203.0.113.0/24 -j DROP") < position("-A SANDBOXD-7-EGRESS -j ACCEPT"));
-        assert!(rules.contains("-A SANDBOXD-FORWARD -i sbxd7 -m comment --comment sandboxd:7 -j SANDBOXD-7-EGRESS"));
+        assert!(rules.contains(
+            "-A SANDBOXD-FORWARD -i sbxd7 -m comment --comment sandboxd:7 -j SANDBOXD-7-EGRESS"
+        ));
         assert!(rules.contains("-A SANDBOXD-POSTROUTING -s 10.231.0.30/32 -m comment --comment sandboxd:7 -j MASQUERADE"));
         assert!(rules.contains("-A SANDBOXD-7-HOST -j DROP"));
     }
@@ -262,10 +316,15 @@ mod tests {
         assert_eq!(slot_of(":SANDBOXD-12-EGRESS - [0:0]"), Some(12));
         assert_eq!(slot_of(":SANDBOXD-FORWARD - [0:0]"), None);
         assert_eq!(
-            slot_of("-A SANDBOXD-FORWARD -i sbxd3 -m comment --comment \"sandboxd:3\" -j SANDBOXD-3-EGRESS"),
+            slot_of(
+                "-A SANDBOXD-FORWARD -i sbxd3 -m comment --comment \"sandboxd:3\" -j SANDBOXD-3-EGRESS"
+            ),
             Some(3)
         );
-        assert_eq!(slot_of("-A SANDBOXD-3-EGRESS -m comment --comment \"sandboxd:quiesce\" -j DROP"), None);
+        assert_eq!(
+            slot_of("-A SANDBOXD-3-EGRESS -m comment --comment \"sandboxd:quiesce\" -j DROP"),
+            None
+        );
         assert_eq!(slot_of("-A FORWARD -j SANDBOXD-FORWARD"), None);
     }
 }

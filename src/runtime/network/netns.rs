@@ -59,10 +59,7 @@ async fn create_steps(slot: &Slot) -> Result<(), CommandError> {
     .await?;
     // No IPv6 on the host side: the sandbox must not reach host services over
     // link-local IPv6, which the IPv4 firewall does not see.
-    let _ = std::fs::write(
-        format!("/proc/sys/net/ipv6/conf/{veth}/disable_ipv6"),
-        "1",
-    );
+    let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{veth}/disable_ipv6"), "1");
     ip(&["addr", "add", &host, "dev", &veth]).await?;
     ip(&["link", "set", &veth, "up"]).await?;
     ip(&["-n", &netns, "addr", "add", &sandbox, "dev", "eth0"]).await?;
