@@ -1,0 +1,501 @@
+//! `egress` sandbox networking against real runsc, `ip` and `iptables` (CI
+//! installs them; without them these tests fail, they never skip).
+//!
+//! There is no outside network here, so the tests build one: a network
+//! namespace "world" behind a veth from the host, holding 198.51.100.2 (an
+//! allowed destination), 203.0.113.2 (in a denied CIDR) and 169.254.169.254
+//! (a stand-in metadata server), each serving TCP, plus a DNS responder. The
+//! host itself reaches all three (checked, so a refusal inside a sandbox is
+//! the firewall's doing), and a listener on the host stands for the host's
+//! own services. Tests share the host's tables and the world, so they run
+//! one at a time under [`NETWORK`].
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests fail by panicking"
+)]
+
+mod support;
+
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command as HostCommand, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use controllers::api::{NetworkMode, SandboxId};
+use controllers::runtime::{
+    CheckpointRequest, Command, CreateOptions, ExecEvent, ExecRequest, SandboxRuntime,
+};
+use controllers::store::Store;
+use sandboxd::runtime::network::Ipv4Cidr;
+use sandboxd::runtime::{GvisorRuntime, NetnsWorkaround, NetworkConfig};
+use sandboxd::store::LocalStore;
+
+/// One test at a time: they share iptables, the world and the lease directory.
+static NETWORK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const WORLD_NETNS: &str = "sbxtest-world";
+const WORLD_VETH: &str = "sbxtw0";
+const ALLOWED: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+const DENIED: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+const METADATA: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
+/// Answers "hello from the world" and closes (the peer closes first).
+const HELLO_PORT: u16 = 8001;
+/// Reads until the client closes (the sandbox closes first).
+const HOLD_PORT: u16 = 8002;
+/// Every runtime of this test binary leases addresses here.
+const LEASE_DIR: &str = "/run/sandboxd-network-tests";
+
+const WORLD_SERVER: &str = r#"
+import socket, struct, threading
+def hello():
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", 8001)); s.listen(64)
+    while True:
+        c, _ = s.accept(); c.sendall(b"hello from the world\n"); c.close()
+def hold():
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", 8002)); s.listen(64)
+    def serve(c):
+        c.sendall(b"holding\n")
+        try:
+            while c.recv(4096): pass
+        finally: c.close()
+    while True:
+        c, _ = s.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
+def dns():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("198.51.100.2", 53))
+    while True:
+        q, peer = s.recvfrom(512)
+        end = q.index(b"\0", 12) + 5
+        answer = b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04" + socket.inet_aton("198.51.100.2")
+        qtype = q[end - 4:end - 2]
+        count = b"\x00\x01" if qtype == b"\x00\x01" else b"\x00\x00"
+        s.sendto(q[:2] + b"\x81\x80" + q[4:6] + count + b"\x00\x00\x00\x00" + q[12:end] + (answer if count == b"\x00\x01" else b""), peer)
+for f in (hello, hold, dns):
+    threading.Thread(target=f, daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
+"#;
+
+fn sh(command: &str) -> String {
+    let output = HostCommand::new("sh").args(["-c", command]).output().unwrap();
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn must(command: &str) {
+    let output = HostCommand::new("sh").args(["-c", command]).output().unwrap();
+    assert!(
+        output.status.success(),
+        "`{command}` failed: {} (needs root, iproute2 and iptables)",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// The fake outside world; removed on drop.
+struct World {
+    server: Child,
+}
+
+impl World {
+    fn start() -> Self {
+        remove_world();
+        must(&format!(
+            "ip netns add {WORLD_NETNS} && \
+             ip link add {WORLD_VETH} type veth peer name w0 netns {WORLD_NETNS} && \
+             ip addr add 198.51.100.1/24 dev {WORLD_VETH} && ip addr add 203.0.113.1/24 dev {WORLD_VETH} && \
+             ip link set {WORLD_VETH} up && \
+             ip -n {WORLD_NETNS} addr add 198.51.100.2/24 dev w0 && ip -n {WORLD_NETNS} addr add 203.0.113.2/24 dev w0 && \
+             ip -n {WORLD_NETNS} addr add 169.254.169.254/32 dev w0 && \
+             ip -n {WORLD_NETNS} link set w0 up && ip -n {WORLD_NETNS} link set lo up && \
+             ip -n {WORLD_NETNS} route add default via 198.51.100.1 && \
+             ip route add 169.254.169.254/32 via 198.51.100.2 dev {WORLD_VETH}"
+        ));
+        let mut server = HostCommand::new("ip")
+            .args(["netns", "exec", WORLD_NETNS, "python3", "-c", WORLD_SERVER])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(server.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(line.trim(), "ready", "the world's servers did not start");
+        // The host reaches every world address: a refusal in a sandbox is the firewall's.
+        for address in [ALLOWED, DENIED, METADATA] {
+            let mut stream = TcpStream::connect_timeout(
+                &SocketAddr::from((address, HELLO_PORT)),
+                Duration::from_secs(2),
+            )
+            .unwrap_or_else(|err| panic!("the host cannot reach {address}: {err}"));
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut stream, &mut text).unwrap();
+            assert_eq!(text, "hello from the world\n");
+        }
+        World { server }
+    }
+}
+
+fn remove_world() {
+    let _ = sh(&format!(
+        "ip netns pids {WORLD_NETNS} 2>/dev/null | xargs -r kill -9; ip netns delete {WORLD_NETNS} 2>/dev/null; ip link delete {WORLD_VETH} 2>/dev/null"
+    ));
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        remove_world();
+    }
+}
+
+fn network_config(checkpoint_wait: Duration) -> NetworkConfig {
+    NetworkConfig {
+        range: "10.231.0.0/16".parse().unwrap(),
+        allow: vec![],
+        deny: vec![Ipv4Cidr::new(Ipv4Addr::new(203, 0, 113, 0), 24).unwrap()],
+        nameservers: vec![ALLOWED],
+        lease_dir: LEASE_DIR.into(),
+        netns_workaround: NetnsWorkaround::Auto,
+        checkpoint_wait,
+    }
+}
+
+/// One runtime "host" with networking: its own runsc root and state directory.
+struct Host {
+    runtime: GvisorRuntime,
+    _cleanup: support::RunscCleanup,
+    dir: tempfile::TempDir,
+}
+
+async fn host_in(dir: tempfile::TempDir, store: Arc<dyn Store>) -> Host {
+    let runtime = support::runtime_with_store(dir.path(), store)
+        .await
+        .with_network(network_config(Duration::from_secs(3)))
+        .await
+        .expect("sandbox networking must start (root, iproute2, iptables)");
+    Host {
+        runtime,
+        _cleanup: support::RunscCleanup(dir.path().join("runsc")),
+        dir,
+    }
+}
+
+async fn host(store: Arc<dyn Store>) -> Host {
+    host_in(tempfile::tempdir().unwrap(), store).await
+}
+
+fn store(dir: &Path) -> Arc<dyn Store> {
+    Arc::new(LocalStore::open(dir).unwrap())
+}
+
+fn new_id() -> SandboxId {
+    SandboxId::parse(&uuid::Uuid::new_v4().simple().to_string()).unwrap()
+}
+
+fn egress() -> CreateOptions {
+    CreateOptions {
+        network: NetworkMode::Egress,
+        ..CreateOptions::default()
+    }
+}
+
+/// Runs Python in the sandbox; stdout, with stderr on failure.
+async fn python(runtime: &GvisorRuntime, sandbox: &SandboxId, code: &str) -> String {
+    let mut execution = runtime
+        .exec(sandbox, ExecRequest::new(Command::Python(code.to_owned())))
+        .await
+        .unwrap();
+    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(60), execution.events.recv())
+            .await
+            .expect("execution timed out")
+            .expect("event stream ended without Exited");
+        match event {
+            ExecEvent::Stdout(data) => stdout.extend_from_slice(&data),
+            ExecEvent::Stderr(data) => stderr.extend_from_slice(&data),
+            ExecEvent::Exited(code) => {
+                assert_eq!(code, 0, "{}", String::from_utf8_lossy(&stderr));
+                return String::from_utf8_lossy(&stdout).trim().to_owned();
+            }
+        }
+    }
+}
+
+const PROBE: &str = r#"
+import socket, struct
+def probe(host, port, timeout=3):
+    try:
+        s = socket.create_connection((host, port), timeout=timeout)
+        data = s.recv(100).decode().strip()
+        s.close()
+        return "ok " + data
+    except socket.timeout:
+        return "timeout"
+    except OSError as e:
+        return "error " + (e.strerror or str(e))
+def gateway():
+    for line in open("/proc/net/route").read().splitlines()[1:]:
+        f = line.split()
+        if f[1] == "00000000":
+            return socket.inet_ntoa(struct.pack("<L", int(f[2], 16)))
+"#;
+
+/// What connecting to `host:port` from the sandbox gives: `ok <first line>`,
+/// `timeout` or `error <reason>`.
+async fn probe(runtime: &GvisorRuntime, sandbox: &SandboxId, host: &str, port: u16) -> String {
+    let target = if host == "gateway" {
+        "gateway()".to_owned()
+    } else {
+        format!("{host:?}")
+    };
+    python(
+        runtime,
+        sandbox,
+        &format!("{PROBE}\nprint(probe({target}, {port}))"),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_reaches_the_outside_by_name_and_none_does_not() {
+    let _serial = NETWORK.lock().await;
+    let _world = World::start();
+    let dir = tempfile::tempdir().unwrap();
+    let h = host(store(dir.path())).await;
+    let (open, closed) = (new_id(), new_id());
+    h.runtime.create(&open, &egress()).await.unwrap();
+    h.runtime
+        .create(&closed, &CreateOptions::default())
+        .await
+        .unwrap();
+
+    let reached = probe(&h.runtime, &open, "198.51.100.2", HELLO_PORT).await;
+    assert_eq!(reached, "ok hello from the world");
+    // DNS: the configured nameserver, through the sandbox's own resolv.conf.
+    let resolv = python(&h.runtime, &open, "print(open('/etc/resolv.conf').read())").await;
+    assert!(resolv.contains("nameserver 198.51.100.2"), "{resolv}");
+    let by_name = probe(&h.runtime, &open, "world.test", HELLO_PORT).await;
+    assert_eq!(by_name, "ok hello from the world");
+
+    let isolated = probe(&h.runtime, &closed, "198.51.100.2", HELLO_PORT).await;
+    assert!(isolated.starts_with("error"), "a none sandbox got: {isolated}");
+
+    h.runtime.settle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_denied_cidrs_and_the_host_itself_are_unreachable() {
+    let _serial = NETWORK.lock().await;
+    let _world = World::start();
+    // A service on the host, reachable from the host itself.
+    let listener = TcpListener::bind("0.0.0.0:0").unwrap();
+    let host_port = listener.local_addr().unwrap().port();
+    TcpStream::connect(("127.0.0.1", host_port)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let h = host(store(dir.path())).await;
+    let id = new_id();
+    h.runtime.create(&id, &egress()).await.unwrap();
+
+    let control = probe(&h.runtime, &id, "198.51.100.2", HELLO_PORT).await;
+    assert_eq!(control, "ok hello from the world");
+    let metadata = probe(&h.runtime, &id, "169.254.169.254", HELLO_PORT).await;
+    assert_eq!(metadata, "timeout", "the metadata server answered a sandbox");
+    let denied = probe(&h.runtime, &id, "203.0.113.2", HELLO_PORT).await;
+    assert_eq!(denied, "timeout", "a denied CIDR answered a sandbox");
+    let own_host = probe(&h.runtime, &id, "gateway", host_port).await;
+    assert_eq!(own_host, "timeout", "the host's own service answered a sandbox");
+
+    h.runtime.settle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_sandbox_moves_to_another_runtime_with_connections_open_and_works_there() {
+    let _serial = NETWORK.lock().await;
+    let _world = World::start();
+    let dir = tempfile::tempdir().unwrap();
+    let shared = store(dir.path());
+    let a = host(shared.clone()).await;
+    let b = host(shared.clone()).await;
+    let id = new_id();
+    a.runtime.create(&id, &egress()).await.unwrap();
+    let address_before = python(&a.runtime, &id, &format!("{PROBE}\nprint(gateway())")).await;
+    // State to carry over, and a background process with an open connection.
+    python(
+        &a.runtime,
+        &id,
+        &format!(
+            "open('/tmp/marker', 'w').write('carried')\n\
+             import subprocess\n\
+             subprocess.Popen(['python3', '-c', 'import socket, time\\ns = socket.create_connection((\"198.51.100.2\", {HOLD_PORT}))\\ns.recv(10)\\ntime.sleep(600)'], start_new_session=True)\n\
+             import time\n\
+             time.sleep(1)"
+        ),
+    )
+    .await;
+    let connections = python(
+        &a.runtime,
+        &id,
+        "print(sum(1 for l in open('/proc/net/tcp').read().splitlines()[1:] if l.split()[3] == '01'))",
+    )
+    .await;
+    assert_eq!(connections, "1", "the background connection is not open");
+
+    let started = Instant::now();
+    let manifest = a
+        .runtime
+        .checkpoint(
+            &id,
+            CheckpointRequest {
+                checkpoint_id: new_id(),
+                epoch: 1,
+                name: None,
+                force: false,
+            },
+        )
+        .await
+        .expect("an egress sandbox with an open connection checkpoints");
+    let checkpoint_took = started.elapsed();
+    assert_eq!(manifest.network, NetworkMode::Egress);
+    assert!(!a.runtime.is_running(&id));
+
+    b.runtime.restore(&id, &manifest).await.unwrap();
+    let marker = python(&b.runtime, &id, "print(open('/tmp/marker').read())").await;
+    assert_eq!(marker, "carried");
+    let reached = probe(&b.runtime, &id, "198.51.100.2", HELLO_PORT).await;
+    assert_eq!(reached, "ok hello from the world", "no network after restore");
+    let denied = probe(&b.runtime, &id, "203.0.113.2", HELLO_PORT).await;
+    assert_eq!(denied, "timeout", "the restored sandbox escaped the policy");
+    let address_after = python(&b.runtime, &id, &format!("{PROBE}\nprint(gateway())")).await;
+    eprintln!(
+        "checkpoint with an open connection took {checkpoint_took:?}; gateway {address_before} -> {address_after}"
+    );
+    a.runtime.settle().await;
+    b.runtime.settle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_this_runsc_would_fail_is_refused_and_the_sandbox_keeps_running() {
+    let _serial = NETWORK.lock().await;
+    let _world = World::start();
+    let dir = tempfile::tempdir().unwrap();
+    let h = host(store(dir.path())).await;
+    let id = new_id();
+    h.runtime.create(&id, &egress()).await.unwrap();
+    // The sandbox closes first: its netstack keeps a TIME_WAIT endpoint for
+    // 60 s, which this runsc cannot save and which no reset removes.
+    python(
+        &h.runtime,
+        &id,
+        &format!(
+            "import socket\ns = socket.create_connection(('198.51.100.2', {HOLD_PORT}))\ns.recv(10)\ns.close()\nimport time\ntime.sleep(0.5)"
+        ),
+    )
+    .await;
+    let err = h
+        .runtime
+        .checkpoint(
+            &id,
+            CheckpointRequest {
+                checkpoint_id: new_id(),
+                epoch: 1,
+                name: None,
+                force: false,
+            },
+        )
+        .await
+        .expect_err("a checkpoint now would stop the sandbox");
+    let message = err.to_string();
+    assert!(message.contains("TIME_WAIT") && message.contains("retry in"), "{message}");
+    assert!(h.runtime.is_running(&id), "the refused checkpoint lost the sandbox");
+    let reached = probe(&h.runtime, &id, "198.51.100.2", HELLO_PORT).await;
+    assert_eq!(reached, "ok hello from the world", "the network stayed quiesced");
+    h.runtime.settle().await;
+}
+
+/// Our namespaces, veths and iptables lines (rules and chains) on this host.
+fn host_resources() -> (usize, usize, usize) {
+    let netns = sh("ip netns list").lines().filter(|l| l.starts_with("sandboxd-")).count();
+    let veths = sh("ip -o link show")
+        .lines()
+        .filter(|l| l.split(':').nth(1).is_some_and(|n| n.trim().starts_with("sbxd")))
+        .count();
+    let rules = sh("iptables-save")
+        .lines()
+        .filter(|l| {
+            l.contains("sandboxd:")
+                || l.strip_prefix(":SANDBOXD-")
+                    .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+        })
+        .count();
+    (netns, veths, rules)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_creates_and_destroys_leave_nothing_behind() {
+    let _serial = NETWORK.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let h = host(store(dir.path())).await;
+    let before = host_resources();
+    let leases_before = std::fs::read_dir(LEASE_DIR).unwrap().count();
+    for _round in 0..5 {
+        let ids: Vec<SandboxId> = (0..4).map(|_| new_id()).collect();
+        let options = egress();
+        let creates = ids.iter().map(|id| h.runtime.create(id, &options));
+        for created in futures::future::join_all(creates).await {
+            created.unwrap();
+        }
+        // (Earlier rounds may still be tearing down in the background.)
+        let during = host_resources();
+        assert!(during.0 >= before.0 + 4, "one namespace per sandbox");
+        assert!(during.1 >= before.1 + 4, "one veth per sandbox");
+        for id in &ids {
+            h.runtime.destroy(id).await.unwrap();
+        }
+    }
+    h.runtime.settle().await;
+    assert_eq!(host_resources(), before, "(namespaces, veths, iptables lines)");
+    assert_eq!(std::fs::read_dir(LEASE_DIR).unwrap().count(), leases_before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_removes_what_a_crashed_server_left() {
+    let _serial = NETWORK.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let shared = store(dir.path());
+    let before = host_resources();
+    // A server that dies with an egress sandbox running: nothing cleaned up.
+    let crashed = host(shared.clone()).await;
+    let id = new_id();
+    crashed.runtime.create(&id, &egress()).await.unwrap();
+    let Host {
+        runtime,
+        dir: state,
+        _cleanup: cleanup,
+    } = crashed;
+    std::mem::forget(runtime);
+    // runsc containers of the crashed run go when this test ends, whatever happens.
+    let _cleanup = cleanup;
+    // And resources nobody leases, as a crash between steps could leave.
+    must(
+        "ip netns add sandboxd-16001 && ip link add sbxd16002 type veth peer name sbxtp16002 && \
+         iptables -w -N SANDBOXD-16003-EGRESS && \
+         iptables -w -A SANDBOXD-FORWARD -i sbxd16003 -m comment --comment sandboxd:16003 -j SANDBOXD-16003-EGRESS && \
+         iptables -w -t nat -A SANDBOXD-POSTROUTING -s 10.231.250.14/32 -m comment --comment sandboxd:16003 -j MASQUERADE",
+    );
+    let leftover = host_resources();
+    assert_eq!(leftover.0, before.0 + 2);
+    assert_eq!(leftover.1, before.1 + 2);
+    assert!(leftover.2 > before.2 + 5);
+
+    // The next server in the same state directory.
+    let restarted = host_in(state, shared).await;
+    assert_eq!(host_resources(), before, "(namespaces, veths, iptables lines)");
+    restarted.runtime.settle().await;
+}
