@@ -978,7 +978,11 @@ impl SandboxRuntime for GvisorRuntime {
             .sandboxes()
             .remove(sandbox)
             .ok_or_else(|| RuntimeError::NotFound(sandbox.clone()))?;
-        self.delete_in_background(local.container_id.clone(), local.dir.clone());
+        self.delete_and_detach_in_background(
+            local.container_id.clone(),
+            local.dir.clone(),
+            local.network.clone(),
+        );
         Ok(())
     }
 
