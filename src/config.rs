@@ -201,6 +201,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub runtime: RuntimeArgs,
     #[command(flatten)]
+    pub network: NetworkArgs,
+    #[command(flatten)]
     pub control: ControlArgs,
     #[command(flatten)]
     pub log: LogArgs,
@@ -293,6 +295,112 @@ impl ServeArgs {
     }
 }
 
+/// Sandbox networking (`docs/configuration.md`, "Sandbox networking").
+#[derive(Debug, Clone, Args)]
+pub struct NetworkArgs {
+    /// Network modes a create may ask for (comma-separated: `none`, `egress`).
+    /// `none` is always allowed; `egress` needs root, `ip` and `iptables`.
+    #[arg(long, env = "SANDBOXD_NETWORK_MODES", default_value = "none")]
+    pub network_modes: String,
+    /// Private IPv4 range egress sandboxes get their addresses from (a /30 each).
+    #[arg(long, env = "SANDBOXD_NETWORK_RANGE", default_value = crate::runtime::network::DEFAULT_RANGE)]
+    pub network_range: String,
+    /// Only these destination CIDRs (comma-separated); empty: any not denied.
+    #[arg(long, env = "SANDBOXD_NETWORK_ALLOW", default_value = "")]
+    pub network_allow: String,
+    /// Never these destination CIDRs (comma-separated); wins over the allow
+    /// list. 169.254.169.254 and the sandbox range are always denied.
+    #[arg(long, env = "SANDBOXD_NETWORK_DENY", default_value = "")]
+    pub network_deny: String,
+    /// Sandboxes' DNS servers (comma-separated IPv4); default: the host's
+    /// non-loopback `/etc/resolv.conf` nameservers.
+    #[arg(long, env = "SANDBOXD_NETWORK_NAMESERVERS")]
+    pub network_nameservers: Option<String>,
+    /// Address leases, shared by every server on the host.
+    #[arg(long, env = "SANDBOXD_NETWORK_LEASE_DIR", default_value = crate::runtime::network::DEFAULT_LEASE_DIR)]
+    pub network_lease_dir: PathBuf,
+    /// Run `runsc run|restore` of egress sandboxes with `/proc/sys/net`
+    /// hidden (runsc before 2024-07-31 needs it on kernels 6.x); `auto`
+    /// decides from `runsc --version`.
+    #[arg(long, env = "SANDBOXD_RUNSC_NETNS_WORKAROUND", value_enum, default_value_t = NetnsWorkaroundArg::Auto)]
+    pub runsc_netns_workaround: NetnsWorkaroundArg,
+    /// Longest wait, in seconds, for an egress sandbox's closed connections
+    /// to clear before a checkpoint is refused (this runsc cannot save them).
+    #[arg(long, env = "SANDBOXD_NETWORK_CHECKPOINT_WAIT_S", default_value_t = 5)]
+    pub network_checkpoint_wait_s: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum NetnsWorkaroundArg {
+    Auto,
+    Always,
+    Never,
+}
+
+impl NetworkArgs {
+    /// The allowed modes, `none` always among them.
+    pub fn modes(&self) -> Result<Vec<controllers::api::NetworkMode>, String> {
+        let mut modes = vec![controllers::api::NetworkMode::None];
+        for name in self.network_modes.split(',').map(str::trim) {
+            if name.is_empty() {
+                continue;
+            }
+            let mode = name
+                .parse()
+                .map_err(|err| format!("SANDBOXD_NETWORK_MODES: {err}"))?;
+            if !modes.contains(&mode) {
+                modes.push(mode);
+            }
+        }
+        Ok(modes)
+    }
+
+    /// The runtime's networking when `egress` is allowed, else `None`.
+    pub fn config(&self) -> Result<Option<crate::runtime::NetworkConfig>, String> {
+        use crate::runtime::network::{dns, policy::parse_cidr_list};
+        if !self
+            .modes()?
+            .contains(&controllers::api::NetworkMode::Egress)
+        {
+            return Ok(None);
+        }
+        let range = self
+            .network_range
+            .parse()
+            .map_err(|err| format!("SANDBOXD_NETWORK_RANGE: {err}"))?;
+        let allow = parse_cidr_list(&self.network_allow)
+            .map_err(|err| format!("SANDBOXD_NETWORK_ALLOW: {err}"))?;
+        let deny = parse_cidr_list(&self.network_deny)
+            .map_err(|err| format!("SANDBOXD_NETWORK_DENY: {err}"))?;
+        let nameservers = match &self.network_nameservers {
+            None => dns::host_nameservers(),
+            Some(list) => list
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(|s| {
+                    s.parse().map_err(|_| {
+                        format!("SANDBOXD_NETWORK_NAMESERVERS: {s:?} is not an IPv4 address")
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        Ok(Some(crate::runtime::NetworkConfig {
+            range,
+            allow,
+            deny,
+            nameservers,
+            lease_dir: self.network_lease_dir.clone(),
+            netns_workaround: match self.runsc_netns_workaround {
+                NetnsWorkaroundArg::Auto => crate::runtime::NetnsWorkaround::Auto,
+                NetnsWorkaroundArg::Always => crate::runtime::NetnsWorkaround::Always,
+                NetnsWorkaroundArg::Never => crate::runtime::NetnsWorkaround::Never,
+            },
+            checkpoint_wait: std::time::Duration::from_secs(self.network_checkpoint_wait_s),
+        }))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;
@@ -341,6 +449,46 @@ mod tests {
             layout.snapshots,
             StoreLocation::Directory("/var/lib/sandboxd".into())
         );
+    }
+
+    #[test]
+    fn network_defaults_to_none_and_egress_settings_are_checked() {
+        let default = parse(&[]);
+        assert_eq!(
+            default.network.modes().unwrap(),
+            vec![controllers::api::NetworkMode::None]
+        );
+        assert_eq!(default.network.config().unwrap(), None);
+        let egress = parse(&[
+            "--network-modes",
+            "none,egress",
+            "--network-deny",
+            "203.0.113.0/24",
+            "--network-nameservers",
+            "10.0.0.2",
+        ]);
+        let config = egress.network.config().unwrap().unwrap();
+        assert_eq!(config.range.to_string(), "10.231.0.0/16");
+        assert_eq!(config.deny.len(), 1);
+        assert_eq!(config.nameservers, vec![Ipv4Addr::new(10, 0, 0, 2)]);
+        for bad in [
+            &["--network-modes", "bridge"][..],
+            &[
+                "--network-modes",
+                "egress",
+                "--network-range",
+                "10.0.0.0/33",
+            ][..],
+            &["--network-modes", "egress", "--network-allow", "x"][..],
+            &[
+                "--network-modes",
+                "egress",
+                "--network-nameservers",
+                "dns.google",
+            ][..],
+        ] {
+            assert!(parse(bad).network.config().is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -43,6 +43,8 @@ pub struct AppState {
 pub struct Features {
     pub checkpoint: bool,
     pub snapshot: bool,
+    /// Creates may ask for `"network": "egress"` (the runtime has networking).
+    pub network_egress: bool,
 }
 
 /// The parts an instance is built from.
@@ -106,6 +108,7 @@ impl AppState {
             features: Features {
                 checkpoint: true,
                 snapshot: true,
+                network_egress: false,
             },
             store_operations,
         }

@@ -81,12 +81,18 @@ threading.Event().wait()
 "#;
 
 fn sh(command: &str) -> String {
-    let output = HostCommand::new("sh").args(["-c", command]).output().unwrap();
+    let output = HostCommand::new("sh")
+        .args(["-c", command])
+        .output()
+        .unwrap();
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 fn must(command: &str) {
-    let output = HostCommand::new("sh").args(["-c", command]).output().unwrap();
+    let output = HostCommand::new("sh")
+        .args(["-c", command])
+        .output()
+        .unwrap();
     assert!(
         output.status.success(),
         "`{command}` failed: {} (needs root, iproute2 and iptables)",
@@ -285,7 +291,10 @@ async fn egress_reaches_the_outside_by_name_and_none_does_not() {
     assert_eq!(by_name, "ok hello from the world");
 
     let isolated = probe(&h.runtime, &closed, "198.51.100.2", HELLO_PORT).await;
-    assert!(isolated.starts_with("error"), "a none sandbox got: {isolated}");
+    assert!(
+        isolated.starts_with("error"),
+        "a none sandbox got: {isolated}"
+    );
 
     h.runtime.settle().await;
 }
@@ -306,11 +315,17 @@ async fn metadata_denied_cidrs_and_the_host_itself_are_unreachable() {
     let control = probe(&h.runtime, &id, "198.51.100.2", HELLO_PORT).await;
     assert_eq!(control, "ok hello from the world");
     let metadata = probe(&h.runtime, &id, "169.254.169.254", HELLO_PORT).await;
-    assert_eq!(metadata, "timeout", "the metadata server answered a sandbox");
+    assert_eq!(
+        metadata, "timeout",
+        "the metadata server answered a sandbox"
+    );
     let denied = probe(&h.runtime, &id, "203.0.113.2", HELLO_PORT).await;
     assert_eq!(denied, "timeout", "a denied CIDR answered a sandbox");
     let own_host = probe(&h.runtime, &id, "gateway", host_port).await;
-    assert_eq!(own_host, "timeout", "the host's own service answered a sandbox");
+    assert_eq!(
+        own_host, "timeout",
+        "the host's own service answered a sandbox"
+    );
 
     h.runtime.settle().await;
 }
@@ -369,7 +384,10 @@ async fn egress_sandbox_moves_to_another_runtime_with_connections_open_and_works
     let marker = python(&b.runtime, &id, "print(open('/tmp/marker').read())").await;
     assert_eq!(marker, "carried");
     let reached = probe(&b.runtime, &id, "198.51.100.2", HELLO_PORT).await;
-    assert_eq!(reached, "ok hello from the world", "no network after restore");
+    assert_eq!(
+        reached, "ok hello from the world",
+        "no network after restore"
+    );
     let denied = probe(&b.runtime, &id, "203.0.113.2", HELLO_PORT).await;
     assert_eq!(denied, "timeout", "the restored sandbox escaped the policy");
     let address_after = python(&b.runtime, &id, &format!("{PROBE}\nprint(gateway())")).await;
@@ -412,19 +430,35 @@ async fn a_checkpoint_this_runsc_would_fail_is_refused_and_the_sandbox_keeps_run
         .await
         .expect_err("a checkpoint now would stop the sandbox");
     let message = err.to_string();
-    assert!(message.contains("TIME_WAIT") && message.contains("retry in"), "{message}");
-    assert!(h.runtime.is_running(&id), "the refused checkpoint lost the sandbox");
+    assert!(
+        message.contains("TIME_WAIT") && message.contains("retry in"),
+        "{message}"
+    );
+    assert!(
+        h.runtime.is_running(&id),
+        "the refused checkpoint lost the sandbox"
+    );
     let reached = probe(&h.runtime, &id, "198.51.100.2", HELLO_PORT).await;
-    assert_eq!(reached, "ok hello from the world", "the network stayed quiesced");
+    assert_eq!(
+        reached, "ok hello from the world",
+        "the network stayed quiesced"
+    );
     h.runtime.settle().await;
 }
 
 /// Our namespaces, veths and iptables lines (rules and chains) on this host.
 fn host_resources() -> (usize, usize, usize) {
-    let netns = sh("ip netns list").lines().filter(|l| l.starts_with("sandboxd-")).count();
+    let netns = sh("ip netns list")
+        .lines()
+        .filter(|l| l.starts_with("sandboxd-"))
+        .count();
     let veths = sh("ip -o link show")
         .lines()
-        .filter(|l| l.split(':').nth(1).is_some_and(|n| n.trim().starts_with("sbxd")))
+        .filter(|l| {
+            l.split(':')
+                .nth(1)
+                .is_some_and(|n| n.trim().starts_with("sbxd"))
+        })
         .count();
     let rules = sh("iptables-save")
         .lines()
@@ -460,7 +494,11 @@ async fn twenty_creates_and_destroys_leave_nothing_behind() {
         }
     }
     h.runtime.settle().await;
-    assert_eq!(host_resources(), before, "(namespaces, veths, iptables lines)");
+    assert_eq!(
+        host_resources(),
+        before,
+        "(namespaces, veths, iptables lines)"
+    );
     assert_eq!(std::fs::read_dir(LEASE_DIR).unwrap().count(), leases_before);
 }
 
@@ -496,6 +534,10 @@ async fn startup_removes_what_a_crashed_server_left() {
 
     // The next server in the same state directory.
     let restarted = host_in(state, shared).await;
-    assert_eq!(host_resources(), before, "(namespaces, veths, iptables lines)");
+    assert_eq!(
+        host_resources(),
+        before,
+        "(namespaces, veths, iptables lines)"
+    );
     restarted.runtime.settle().await;
 }

@@ -133,6 +133,42 @@ async fn create_errors_when_the_server_lacks_a_feature() {
         create_error(&server, json!({"filesystem_snapshot_name": "snap"})).await,
         creation_error("Filesystem snapshot is not enabled on the server.")
     );
+    assert_eq!(
+        create_error(&server, json!({"network": "egress"})).await,
+        creation_error(
+            "Network mode egress is not enabled on the server (SANDBOXD_NETWORK_MODES)."
+        )
+    );
+}
+
+#[tokio::test]
+async fn the_network_option_is_checked_and_reaches_the_runtime() {
+    let frames = create_error(&Server::start().await, json!({"network": "bridge"})).await;
+    assert_eq!(frames[1], "SANDBOX_CREATION_ERROR");
+    assert!(
+        frames[2].contains("Invalid init message") && frames[2].contains("network"),
+        "{frames:?}"
+    );
+    // Allowed by the server, but this runtime was started without networking:
+    // the runtime itself refuses, so the option did reach it.
+    let dir = tempfile::tempdir().unwrap();
+    let store: std::sync::Arc<dyn controllers::store::Store> =
+        std::sync::Arc::new(sandboxd::store::LocalStore::open(dir.path()).unwrap());
+    let server = Server::sharing("instance-a", store, |state| {
+        state.features.network_egress = true;
+    })
+    .await;
+    let frames = create_error(&server, json!({"network": "egress"})).await;
+    assert_eq!(frames[1], "SANDBOX_CREATION_ERROR", "{frames:?}");
+    assert!(
+        frames[2].contains("network mode egress is not enabled on this server"),
+        "{frames:?}"
+    );
+    let (_ws, id, _token) = server.create(json!({"network": "none"})).await;
+    assert_eq!(
+        metadata(&server, &id).await.spec.network,
+        controllers::api::NetworkMode::None
+    );
 }
 
 #[tokio::test]

@@ -143,6 +143,7 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     metadata.spec.enable_sandbox_handoff = init.enable_sandbox_handoff;
     metadata.spec.enable_idle_timeout_auto_checkpoint = init.enable_idle_timeout_auto_checkpoint;
     metadata.spec.filesystem_snapshot_name = init.filesystem_snapshot_name.clone();
+    metadata.spec.network = init.network;
 
     let Ok((live, attachment)) = state.live.attach(&id) else {
         return fail(format!("sandbox id {id} is already in use")).await;
@@ -198,6 +199,11 @@ fn check_features(init: &InitMessage, state: &AppState) -> Result<(), String> {
                 controllers::api::RESOURCE_NAME_RULE
             ));
         }
+    }
+    if init.network == controllers::api::NetworkMode::Egress && !state.features.network_egress {
+        return Err(
+            "Network mode egress is not enabled on the server (SANDBOXD_NETWORK_MODES).".to_owned(),
+        );
     }
     if init.enable_sandbox_handoff && !init.enable_checkpoint {
         return Err("Sandbox handoff requires checkpointing to be enabled.".to_owned());

@@ -10,7 +10,8 @@
 //! - `checkpoint` takes an optional `name` (named checkpoints);
 //! - an execution may ask for the persistent Python session
 //!   (`"language": "python", "session": true`);
-//! - `exit_code` is a new server event sent before `SANDBOX_EXECUTION_DONE`.
+//! - `exit_code` is a new server event sent before `SANDBOX_EXECUTION_DONE`;
+//! - the init message takes an optional `network` (`none` or `egress`).
 
 use serde_json::{Map, Value, json};
 
@@ -173,6 +174,8 @@ pub struct InitMessage {
     pub enable_idle_timeout_auto_checkpoint: bool,
     pub enable_sandbox_handoff: bool,
     pub filesystem_snapshot_name: Option<String>,
+    /// Extension: `"network": "none" | "egress"` (absent: `none`).
+    pub network: controllers::api::NetworkMode,
 }
 
 /// The languages an execution may use.
@@ -320,6 +323,13 @@ impl InitMessage {
             )?,
             enable_sandbox_handoff: optional_bool(&map, "enable_sandbox_handoff")?,
             filesystem_snapshot_name: optional_string(&map, "filesystem_snapshot_name")?,
+            network: match optional_string(&map, "network")? {
+                None => controllers::api::NetworkMode::None,
+                Some(name) => name.parse().map_err(|_| FrameError::WrongType {
+                    field: "network",
+                    expected: "\"none\" or \"egress\"",
+                })?,
+            },
         })
     }
 }

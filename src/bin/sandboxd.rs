@@ -46,6 +46,7 @@ async fn main() -> anyhow::Result<()> {
         StoreLocation::Directory(path) => path.display().to_string(),
     };
     let checkpoint_bucket = bucket_name(&layout.checkpoints);
+    let network = args.network.config().map_err(anyhow::Error::msg)?;
     let gvisor = match GvisorRuntime::start(
         args.runtime.gvisor(checkpoint_bucket.clone()),
         Arc::clone(&checkpoint_store),
@@ -55,6 +56,11 @@ async fn main() -> anyhow::Result<()> {
     {
         Ok(runtime) => {
             tracing::info!(runsc = runtime.runsc_version(), "sandbox runtime ready");
+            // Egress was asked for: without it the server must not start.
+            let runtime = match network.clone() {
+                Some(config) => runtime.with_network(config).await?,
+                None => runtime,
+            };
             Some(Arc::new(runtime))
         }
         Err(err) => {
@@ -70,7 +76,7 @@ async fn main() -> anyhow::Result<()> {
         .await
         .map_err(|err| anyhow::anyhow!("cannot listen on {addr}: {err}"))?;
     tracing::info!(%addr, %instance, storage = ?layout, "sandboxd listening");
-    let state = AppState::assemble(Parts {
+    let mut state = AppState::assemble(Parts {
         instance,
         metadata_store,
         checkpoint_store,
@@ -81,6 +87,7 @@ async fn main() -> anyhow::Result<()> {
         reconciler: args.control.reconciler(),
         store_operations,
     });
+    state.features.network_egress = network.is_some() && gvisor.is_some();
     let controller = state.controller.clone();
     // WebSocket sessions outlive `run` (upgraded connections are detached);
     // the drain below ends them with the sandboxes they serve.

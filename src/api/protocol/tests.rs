@@ -47,6 +47,7 @@ fn init_messages_of_both_clients_parse_with_upstream_defaults() {
     )
     .unwrap();
     assert_eq!(js.filesystem_snapshot_name.as_deref(), Some("snap"));
+    assert_eq!(js.network, controllers::api::NetworkMode::None);
     assert_eq!(
         InitMessage::parse("{}").unwrap().idle_timeout_s,
         Some(DEFAULT_IDLE_TIMEOUT_S)
@@ -260,5 +261,19 @@ fn streamed_decoding_equals_decoding_the_whole_for_random_bytes() {
         }
         out.push_str(&stream.finish());
         assert_eq!(out, String::from_utf8_lossy(&bytes), "{bytes:?}");
+    }
+}
+
+#[test]
+fn the_init_network_option_is_none_egress_or_an_error() {
+    use controllers::api::NetworkMode;
+    let parse = |text: &str| InitMessage::parse(text).map(|init| init.network);
+    assert_eq!(parse("{}"), Ok(NetworkMode::None));
+    assert_eq!(parse(r#"{"network": null}"#), Ok(NetworkMode::None));
+    assert_eq!(parse(r#"{"network": "none"}"#), Ok(NetworkMode::None));
+    assert_eq!(parse(r#"{"network": "egress"}"#), Ok(NetworkMode::Egress));
+    for bad in [r#"{"network": "bridge"}"#, r#"{"network": true}"#] {
+        let err = parse(bad).unwrap_err();
+        assert!(err.to_string().contains("network"), "{err}");
     }
 }
