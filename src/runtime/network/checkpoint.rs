@@ -14,10 +14,9 @@
 //!    ignore resets. If they do not clear within the configured wait, the
 //!    checkpoint is refused and the sandbox goes on, its network restored.
 //!
-//! Newer runsc has `--net-disconnect-ok` (default true since 2024), which
-//! saves such endpoints as disconnected instead of failing, and
-//! `--allow-connected-on-save`; with it none of this is needed, but it is
-//! harmless.
+//! Current runsc has `--net-disconnect-ok` (open connections are reset at
+//! save instead of failing it) and `--allow-connected-on-save`; with it none
+//! of this is needed, but it is harmless.
 
 use std::time::{Duration, Instant};
 
