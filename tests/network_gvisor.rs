@@ -49,15 +49,15 @@ const HOLD_PORT: u16 = 8002;
 const LEASE_DIR: &str = "/run/sandboxd-network-tests";
 
 const WORLD_SERVER: &str = r#"
-import socket, struct, threading
-def hello():
+import socket, threading
+def listen(port):
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", 8001)); s.listen(64)
+    s.bind(("0.0.0.0", port)); s.listen(64)
+    return s
+def hello(s):
     while True:
         c, _ = s.accept(); c.sendall(b"hello from the world\n"); c.close()
-def hold():
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", 8002)); s.listen(64)
+def hold(s):
     def serve(c):
         c.sendall(b"holding\n")
         try:
@@ -65,17 +65,17 @@ def hold():
         finally: c.close()
     while True:
         c, _ = s.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
-def dns():
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("198.51.100.2", 53))
+def dns(s):
     while True:
         q, peer = s.recvfrom(512)
         end = q.index(b"\0", 12) + 5
         answer = b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04" + socket.inet_aton("198.51.100.2")
-        qtype = q[end - 4:end - 2]
-        count = b"\x00\x01" if qtype == b"\x00\x01" else b"\x00\x00"
-        s.sendto(q[:2] + b"\x81\x80" + q[4:6] + count + b"\x00\x00\x00\x00" + q[12:end] + (answer if count == b"\x00\x01" else b""), peer)
-for f in (hello, hold, dns):
-    threading.Thread(target=f, daemon=True).start()
+        a = q[end - 4:end - 2] == b"\x00\x01"
+        s.sendto(q[:2] + b"\x81\x80" + q[4:6] + (b"\x00\x01" if a else b"\x00\x00") + b"\x00\x00\x00\x00" + q[12:end] + (answer if a else b""), peer)
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); udp.bind(("198.51.100.2", 53))
+# Every socket is bound before "ready".
+for f, s in ((hello, listen(8001)), (hold, listen(8002)), (dns, udp)):
+    threading.Thread(target=f, args=(s,), daemon=True).start()
 print("ready", flush=True)
 threading.Event().wait()
 "#;
@@ -119,14 +119,16 @@ impl World {
              ip -n {WORLD_NETNS} route add default via 198.51.100.1 && \
              ip route add 169.254.169.254/32 via 198.51.100.2 dev {WORLD_VETH}"
         ));
-        let mut server = HostCommand::new("ip")
-            .args(["netns", "exec", WORLD_NETNS, "python3", "-c", WORLD_SERVER])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut world = World {
+            server: HostCommand::new("ip")
+                .args(["netns", "exec", WORLD_NETNS, "python3", "-c", WORLD_SERVER])
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        };
         let mut line = String::new();
         std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(server.stdout.take().unwrap()),
+            &mut std::io::BufReader::new(world.server.stdout.take().unwrap()),
             &mut line,
         )
         .unwrap();
@@ -142,7 +144,7 @@ impl World {
             std::io::Read::read_to_string(&mut stream, &mut text).unwrap();
             assert_eq!(text, "hello from the world\n");
         }
-        World { server }
+        world
     }
 }
 
@@ -540,4 +542,88 @@ async fn startup_removes_what_a_crashed_server_left() {
         "(namespaces, veths, iptables lines)"
     );
     restarted.runtime.settle().await;
+}
+
+/// The stdout of one execution over a WebSocket.
+async fn ws_stdout(ws: &mut support::ws::Ws, code: &str) -> String {
+    let frames = support::ws::merge_chunks(ws.exec("python", code).await);
+    frames
+        .iter()
+        .find_map(|f| f.strip_prefix("stdout:"))
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handoff_between_server_processes_brings_the_network_back() {
+    use support::process::Launch;
+    let _serial = NETWORK.lock().await;
+    let _world = World::start();
+    let dir = tempfile::tempdir().unwrap();
+    let bucket = support::create_bucket().await;
+    let network = [
+        "--network-modes",
+        "none,egress",
+        "--network-deny",
+        "203.0.113.0/24",
+        "--network-nameservers",
+        "198.51.100.2",
+        "--network-lease-dir",
+        LEASE_DIR,
+    ];
+    let mut a = Launch::new("net-a", dir.path())
+        .on_bucket(&bucket)
+        .fast_leases()
+        .with_args(&network)
+        .start()
+        .await;
+    let mut b = Launch::new("net-b", dir.path())
+        .on_bucket(&bucket)
+        .fast_leases()
+        .with_args(&network)
+        .start()
+        .await;
+    // (Starting removed whatever earlier, killed runs left.)
+    let before = host_resources();
+    let init = serde_json::json!({
+        "idle_timeout": 300, "enable_checkpoint": true, "enable_sandbox_handoff": true,
+        "network": "egress",
+    });
+    let (mut ws, id, token) = a.create(init).await;
+    let probe_world = format!("{PROBE}\nprint(probe('world.test', {HELLO_PORT}))");
+    assert_eq!(
+        ws_stdout(&mut ws, &probe_world).await,
+        "ok hello from the world"
+    );
+    // A connection held open by a background process when the handoff comes.
+    let hold = format!(
+        "import subprocess\nsubprocess.Popen(['python3', '-c', 'import socket, time\\ns = socket.create_connection((\"198.51.100.2\", {HOLD_PORT}))\\ns.recv(10)\\ntime.sleep(600)'], start_new_session=True)\nimport time\ntime.sleep(1)\nprint('holding')"
+    );
+    assert_eq!(ws_stdout(&mut ws, &hold).await, "holding");
+    drop(ws);
+
+    let mut ws = b.attach(&id, &token).await;
+    let frames = ws.until_status("SANDBOX_RUNNING").await;
+    assert_eq!(
+        frames.last().map(String::as_str),
+        Some("SANDBOX_RUNNING"),
+        "{frames:?}"
+    );
+    assert_eq!(
+        ws_stdout(&mut ws, &probe_world).await,
+        "ok hello from the world",
+        "no network after the handoff"
+    );
+    let denied = format!("{PROBE}\nprint(probe('203.0.113.2', {HELLO_PORT}))");
+    assert_eq!(ws_stdout(&mut ws, &denied).await, "timeout");
+
+    // Shutdown drains (checkpoints) the sandbox: both servers leave the host clean.
+    b.signal("-TERM");
+    a.signal("-TERM");
+    assert_eq!(
+        host_resources(),
+        before,
+        "(namespaces, veths, iptables lines)"
+    );
 }

@@ -71,16 +71,21 @@ pub fn lingering(table: &str, address: Ipv4Addr) -> Vec<Lingering> {
                 words.get(9)?.strip_prefix("dport=")?
             );
             let clears_in = match state.as_str() {
-                // Nothing left in the sandbox (or still owned: the agent sees those).
-                "CLOSE" | "NONE" | "ESTABLISHED" => return None,
+                // Nothing left in the sandbox, or an endpoint a socket still
+                // owns (the agent sees and closes those): a connecting socket
+                // closed by its owner leaves nothing behind, and a half-closed
+                // one becomes LAST_ACK once closed. Conntrack keeps these
+                // entries long after the sandbox forgot them.
+                "CLOSE" | "NONE" | "ESTABLISHED" | "SYN_SENT" | "SYN_SENT2" | "SYN_RECV"
+                | "CLOSE_WAIT" => return None,
                 // The peer closed first: the sandbox never entered TIME_WAIT.
                 "TIME_WAIT" if mark & SANDBOX_FIRST_FIN_MARK == 0 => return None,
                 "TIME_WAIT" | "FIN_WAIT" => {
                     let age = state_timeout(&state)?.saturating_sub(left);
                     NETSTACK_LINGER.saturating_sub(Duration::from_secs(age))
                 }
-                // SYN_SENT, SYN_RECV, CLOSE_WAIT, LAST_ACK, CLOSING: transient
-                // once the sandbox's packets are answered with resets.
+                // LAST_ACK, CLOSING: transient once the sandbox's packets are
+                // answered with resets.
                 _ => Duration::from_secs(left),
             };
             (!clears_in.is_zero()).then_some(Lingering {
@@ -110,6 +115,7 @@ ipv4     2 tcp      6 9 CLOSE src=10.231.0.6 dst=198.51.100.2 sport=21224 dport=
 ipv4     2 tcp      6 20 LAST_ACK src=10.231.0.6 dst=198.51.100.2 sport=21225 dport=80 src=198.51.100.2 dst=198.51.100.1 sport=80 dport=21225 [ASSURED] mark=0 zone=0 use=2
 ipv4     2 tcp      6 50 TIME_WAIT src=10.231.0.6 dst=198.51.100.2 sport=21226 dport=9000 src=198.51.100.2 dst=198.51.100.1 sport=9000 dport=21226 [ASSURED] mark=2097152 zone=0 use=2
 ipv4     2 tcp      6 119 TIME_WAIT src=10.231.0.10 dst=198.51.100.2 sport=1 dport=9000 src=198.51.100.2 dst=198.51.100.1 sport=9000 dport=1 [ASSURED] mark=2097152 zone=0 use=2
+ipv4     2 tcp      6 110 SYN_SENT src=10.231.0.6 dst=198.51.100.9 sport=21227 dport=9000 [UNREPLIED] src=198.51.100.9 dst=198.51.100.1 sport=9000 dport=21227 mark=0 zone=0 use=2
 ipv4     2 udp      17 20 src=10.231.0.6 dst=10.255.255.53 sport=5000 dport=53 src=10.255.255.53 dst=192.0.2.2 sport=53 dport=5000 mark=0 zone=0 use=2
 ";
 
@@ -121,8 +127,8 @@ ipv4     2 udp      17 20 src=10.231.0.6 dst=10.255.255.53 sport=5000 dport=53 s
             .map(|l| (l.state.as_str(), l.remote.as_str()))
             .collect();
         // The young TIME_WAIT the sandbox started, and the LAST_ACK; not the
-        // peer-first TIME_WAIT, the old one, the live or closed ones, UDP or
-        // another sandbox's.
+        // peer-first TIME_WAIT, the old one, the live, connecting or closed
+        // ones, UDP or another sandbox's.
         assert_eq!(
             summary,
             vec![
