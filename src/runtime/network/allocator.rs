@@ -228,11 +228,24 @@ impl AddressPool {
             .leases()?
             .into_iter()
             .filter_map(|(index, owner)| {
-                let owner = owner?;
+                let Some(owner) = owner else {
+                    // Unreadable: being written now, or its writer died
+                    // between creating and writing it.
+                    return self.unreadable_for_long(index).then_some(index);
+                };
                 let ours_from_before = owner.runtime == self.owner.runtime && owner != self.owner;
                 (ours_from_before || !owner.is_alive()).then_some(index)
             })
             .collect())
+    }
+
+    /// An unreadable lease older than a minute: no writer takes that long.
+    fn unreadable_for_long(&self, index: u32) -> bool {
+        std::fs::metadata(self.lease_path(index))
+            .and_then(|meta| meta.modified())
+            .ok()
+            .and_then(|modified| modified.elapsed().ok())
+            .is_some_and(|age| age > std::time::Duration::from_secs(60))
     }
 
     /// True if some live runtime holds `index`.

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::conntrack::{lingering, read_table};
+use super::conntrack::{Lingering, lingering, read_table};
 use super::{HostNetwork, NetworkError, SandboxNetwork, firewall};
 use crate::runtime::agent::AgentConnection;
 
@@ -38,6 +38,12 @@ pub async fn quiesce(
     agent: &AgentConnection,
 ) -> Result<(), NetworkError> {
     let slot = sandbox.slot.index;
+    // A TIME_WAIT that cannot clear in time: refuse before killing anything.
+    let wait = network.config().checkpoint_wait;
+    let early = lingering(&read_table(), sandbox.slot.sandbox);
+    if early.iter().any(|l| l.clears_in > wait) {
+        return Err(not_quiet(0, &early));
+    }
     firewall::quiesce(slot).await?;
     let result = wait_until_quiet(network, sandbox, agent).await;
     if result.is_err() {
@@ -87,19 +93,27 @@ async fn wait_until_quiet(
             .max()
             .unwrap_or_default();
         if now >= deadline || now + longest > deadline {
-            let detail: Vec<String> = lingering
-                .iter()
-                .map(|l| format!("{} to {}", l.state, l.remote))
-                .collect();
-            return Err(NetworkError::NotQuiet(format!(
-                "the sandbox still has {} open and {} closing TCP connections ({}); this runsc \
-                 cannot checkpoint them, retry in {} s",
-                open,
-                lingering.len(),
-                detail.join(", "),
-                longest.as_secs().max(1)
-            )));
+            return Err(not_quiet(open, &lingering));
         }
         tokio::time::sleep(POLL).await;
     }
+}
+
+fn not_quiet(open: usize, lingering: &[Lingering]) -> NetworkError {
+    let longest = lingering
+        .iter()
+        .map(|l| l.clears_in)
+        .max()
+        .unwrap_or_default();
+    let detail: Vec<String> = lingering
+        .iter()
+        .map(|l| format!("{} to {}", l.state, l.remote))
+        .collect();
+    NetworkError::NotQuiet(format!(
+        "the sandbox still has {open} open and {} closing TCP connections ({}); this runsc \
+         cannot checkpoint them, retry in {} s",
+        lingering.len(),
+        detail.join(", "),
+        longest.as_secs().max(1)
+    ))
 }

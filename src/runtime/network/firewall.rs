@@ -86,6 +86,11 @@ pub fn sandbox_rules(slot: &Slot, policy: &DestinationPolicy, nameservers: &[Ipv
     for name in [&egress, &reply, &host] {
         out.push_str(&format!(":{name} - [0:0]\n"));
     }
+    // Only its own source address leaves (no spoofing another sandbox).
+    out.push_str(&format!(
+        "-A {egress} ! -s {}/32 -j DROP\n-A {host} ! -s {}/32 -j DROP\n",
+        slot.sandbox, slot.sandbox
+    ));
     out.push_str(&format!(
         "-A {egress} -p tcp --tcp-flags FIN FIN -m connmark ! --mark {PEER_FIN_MARK:#x}/{PEER_FIN_MARK:#x} -j CONNMARK --or-mark {SANDBOX_FIRST_FIN_MARK:#x}\n"
     ));
@@ -309,6 +314,10 @@ mod tests {
         ));
         assert!(rules.contains("-A SANDBOXD-POSTROUTING -s 10.231.0.30/32 -m comment --comment sandboxd:7 -j MASQUERADE"));
         assert!(rules.contains("-A SANDBOXD-7-HOST -j DROP"));
+        assert!(
+            position("-A SANDBOXD-7-EGRESS ! -s 10.231.0.30/32 -j DROP")
+                < position("--dport 53 -j ACCEPT")
+        );
     }
 
     #[test]

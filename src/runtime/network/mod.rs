@@ -100,7 +100,7 @@ pub struct NetworkConfig {
 pub enum NetworkError {
     #[error(transparent)]
     Allocator(#[from] AllocatorError),
-    #[error("setting up sandbox networking: {0}")]
+    #[error(transparent)]
     Command(#[from] CommandError),
     #[error("cannot enable IPv4 forwarding: {0}")]
     Forwarding(std::io::Error),
