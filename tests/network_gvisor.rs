@@ -445,6 +445,34 @@ async fn a_checkpoint_this_runsc_would_fail_is_refused_and_the_sandbox_keeps_run
         reached, "ok hello from the world",
         "the network stayed quiesced"
     );
+
+    // Once gVisor's 60 s are over, the same sandbox checkpoints (and restores):
+    // the guard's estimate is long enough, or this runsc would have failed
+    // the checkpoint and the sandbox would be reported lost here.
+    let retry_in: u64 = message
+        .split("retry in ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|seconds| seconds.parse().ok())
+        .expect("the refusal says when to retry");
+    assert!(retry_in <= 62, "{message}");
+    tokio::time::sleep(Duration::from_secs(retry_in + 1)).await;
+    let manifest = h
+        .runtime
+        .checkpoint(
+            &id,
+            CheckpointRequest {
+                checkpoint_id: new_id(),
+                epoch: 1,
+                name: None,
+                force: false,
+            },
+        )
+        .await
+        .expect("the checkpoint succeeds once the TIME_WAIT is over");
+    h.runtime.restore(&id, &manifest).await.unwrap();
+    let reached = probe(&h.runtime, &id, "198.51.100.2", HELLO_PORT).await;
+    assert_eq!(reached, "ok hello from the world");
     h.runtime.settle().await;
 }
 
