@@ -95,3 +95,25 @@ mod tests {
         assert_eq!(checkpoint_id_of_image("elsewhere/checkpoint.img"), None);
     }
 }
+
+/// Prefix of every synced workspace's directory.
+pub const WORKSPACES_PREFIX: &str = "workspaces/";
+
+/// `workspaces/<id>/sandbox-state`: the workspace's committed state file (the
+/// sandbox-side name, `.sandbox-state`, is not a valid key: segments cannot
+/// start with a dot). `None` for an invalid workspace name.
+pub fn workspace_state_key(workspace: &str) -> Option<ObjectKey> {
+    crate::api::is_resource_name(workspace)
+        .then(|| key(format!("{WORKSPACES_PREFIX}{workspace}/sandbox-state")))
+}
+
+/// `workspaces/<id>/files/<md5>`: one file content, stored once per checksum.
+/// `None` for an invalid workspace name or checksum.
+pub fn workspace_blob_key(workspace: &str, md5: &str) -> Option<ObjectKey> {
+    let is_md5 = md5.len() == 32
+        && md5
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    (crate::api::is_resource_name(workspace) && is_md5)
+        .then(|| key(format!("{WORKSPACES_PREFIX}{workspace}/files/{md5}")))
+}

@@ -173,6 +173,18 @@ pub struct InitMessage {
     pub enable_idle_timeout_auto_checkpoint: bool,
     pub enable_sandbox_handoff: bool,
     pub filesystem_snapshot_name: Option<String>,
+    /// Sync `/workspace` with the store (an extension: upstream clients never
+    /// send it).
+    pub workspace: Option<WorkspaceRequest>,
+}
+
+/// The init message's workspace options: `enable_workspace_sync`,
+/// `workspace_id` (default: the sandbox id; naming one enables sync),
+/// `workspace_template`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkspaceRequest {
+    pub id: Option<String>,
+    pub template: Option<String>,
 }
 
 /// The languages an execution may use.
@@ -320,8 +332,25 @@ impl InitMessage {
             )?,
             enable_sandbox_handoff: optional_bool(&map, "enable_sandbox_handoff")?,
             filesystem_snapshot_name: optional_string(&map, "filesystem_snapshot_name")?,
+            workspace: workspace_request(&map)?,
         })
     }
+}
+
+fn workspace_request(map: &Map<String, Value>) -> Result<Option<WorkspaceRequest>, FrameError> {
+    let enabled = optional_bool(map, "enable_workspace_sync")?;
+    let id = optional_string(map, "workspace_id")?;
+    let template = optional_string(map, "workspace_template")?;
+    if !enabled && id.is_none() {
+        if template.is_some() {
+            return Err(FrameError::WrongType {
+                field: "workspace_template",
+                expected: "absent unless enable_workspace_sync is true or workspace_id is given",
+            });
+        }
+        return Ok(None);
+    }
+    Ok(Some(WorkspaceRequest { id, template }))
 }
 
 impl ClientFrame {

@@ -39,7 +39,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::mpsc;
 
 use super::agent::{AgentConnection, AgentError};
-use super::bundle::{BundleSpec, SANDBOX_HOME};
+use super::bundle::{BundleSpec, SANDBOX_HOME, WORKSPACE_DIR};
 use super::images::{check_cpu_features, download_verified, host_cpu_features, sha256_file};
 use super::runsc::{InitStdio, Runsc};
 
@@ -47,7 +47,7 @@ use super::runsc::{InitStdio, Runsc};
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Directories a filesystem snapshot saves: everything user code (uid 1000)
 /// can write.
-const SNAPSHOT_PATHS: [&str; 3] = [SANDBOX_HOME, "/tmp", "/var/tmp"];
+const SNAPSHOT_PATHS: [&str; 4] = [SANDBOX_HOME, WORKSPACE_DIR, "/tmp", "/var/tmp"];
 
 /// Everything the gVisor runtime needs to know.
 #[derive(Debug, Clone)]
@@ -158,6 +158,11 @@ impl GvisorRuntime {
         self.sandboxes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The agent of a sandbox running here.
+    pub(super) fn agent_of(&self, sandbox: &SandboxId) -> Result<Arc<AgentConnection>, RuntimeError> {
+        Ok(Arc::clone(&self.get(sandbox)?.agent))
     }
 
     fn get(&self, sandbox: &SandboxId) -> Result<Arc<LocalSandbox>, RuntimeError> {

@@ -10,6 +10,7 @@ pub mod bundle;
 mod gvisor;
 pub mod images;
 pub mod runsc;
+mod workspace_access;
 
 pub use bundle::BundleSpec;
 pub use gvisor::{GvisorConfig, GvisorRuntime};

@@ -25,7 +25,8 @@ pub use lease::{AttachIntent, Lease};
 pub use manifest::{BlobDigest, CheckpointManifest, SnapshotManifest};
 pub use metadata::{
     CheckpointRef, Condition, ConditionStatus, DesiredState, Phase, RESOURCE_NAME_RULE,
-    RestoreRequest, SandboxMetadata, SandboxSpec, SandboxStatus, SnapshotRef, is_resource_name,
+    DEFAULT_WORKSPACE_TEMPLATE, RestoreRequest, SandboxMetadata, SandboxSpec, SandboxStatus,
+    SnapshotRef, WorkspaceSpec, is_resource_name,
     is_sha256_hex,
 };
 
