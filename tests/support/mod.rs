@@ -291,7 +291,7 @@ pub fn app_state_counted(
 }
 
 /// As [`app_state_counted`] on a real gVisor runtime with workspace sync into
-/// `workspaces` (counted into `counts` too) under the built-in templates.
+/// `workspaces` under the built-in templates.
 pub fn app_state_with_workspaces(
     instance: &str,
     store: Arc<dyn Store>,
@@ -303,7 +303,7 @@ pub fn app_state_with_workspaces(
     use controllers::leasing::LeaseConfig;
     use controllers::sandboxes::ReconcilerConfig;
     let sync = sandboxd::workspace::WorkspaceSync::new(
-        sandboxd::server::counted(workspaces, &counts),
+        workspaces,
         Arc::clone(&gvisor) as Arc<dyn sandboxd::workspace::WorkspaceFiles>,
         sandboxd::workspace::SyncLimits::default(),
         spool,
