@@ -351,7 +351,8 @@ async fn after_a_crash_between_checkpoints_the_workspace_has_the_last_finished_e
     let mut init = init();
     init["workspace_id"] = json!("crash-proof");
     let (mut ws, id, token) = servers[0].create(init).await;
-    ws.exec("bash", "echo v1 > /workspace/v && echo v1 > /tmp/v").await;
+    ws.exec("bash", "echo v1 > /workspace/v && echo v1 > /tmp/v")
+        .await;
     ws.send(json!({"action": "checkpoint"})).await;
     assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
     let mut ws = servers[0].attach(&id, &token).await;
@@ -362,10 +363,9 @@ async fn after_a_crash_between_checkpoints_the_workspace_has_the_last_finished_e
         "echo v2 > /workspace/v && echo v2 > /tmp/v && mkdir -p /workspace/out && echo new > /workspace/out/result",
     )
     .await;
-    let state: Value = serde_json::from_str(
-        &read_object(&bucket, "workspaces/crash-proof/sandbox-state").await,
-    )
-    .unwrap();
+    let state: Value =
+        serde_json::from_str(&read_object(&bucket, "workspaces/crash-proof/sandbox-state").await)
+            .unwrap();
     assert_eq!(state["files"].as_array().unwrap().len(), 2, "{state}");
     servers[0].signal("-KILL");
 

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use controllers::store::{ObjectKey, Operation, OperationCounts, Store};
 use sandboxd::server::counted;
 use sandboxd::store::LocalStore;
-use sandboxd::workspace::WorkspaceMetrics;
+use sandboxd::workspace::{SyncLimits, WorkspaceMetrics};
 use serde_json::{Value, json};
 use support::ws::{Server, Ws};
 
@@ -27,13 +27,21 @@ struct Fixture {
     _dir: tempfile::TempDir,
 }
 
+/// Small limits, so the tests can cross them.
+const LIMITS: SyncLimits = SyncLimits {
+    max_file_bytes: 1 << 20,
+    max_total_bytes: 4 << 20,
+    timeout: std::time::Duration::from_secs(60),
+    stale_threshold_s: 3600,
+};
+
 async fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn Store> = Arc::new(LocalStore::open(dir.path().join("store")).unwrap());
     let raw: Arc<dyn Store> = Arc::new(LocalStore::open(dir.path().join("workspaces")).unwrap());
     let workspace_ops = Arc::new(OperationCounts::default());
     let workspaces = counted(Arc::clone(&raw), &workspace_ops);
-    let server = Server::with_workspaces("ws-a", store, workspaces, Arc::default()).await;
+    let server = Server::with_workspaces("ws-a", store, workspaces, Arc::default(), LIMITS).await;
     Fixture {
         server,
         workspaces: raw,
@@ -120,14 +128,26 @@ async fn files_written_in_one_sandbox_appear_in_a_new_sandbox_with_the_same_work
         .find(|f| f["path"] == "src/deep/blob.bin")
         .unwrap();
     assert_eq!(blob["size"], 300_000);
-    assert_eq!(blob["checksum"].as_str().unwrap(), blob_md5.split_whitespace().next().unwrap());
+    assert_eq!(
+        blob["checksum"].as_str().unwrap(),
+        blob_md5.split_whitespace().next().unwrap()
+    );
     assert_eq!(counter(&fx.metrics().files_uploaded), 3);
 
     // A brand-new sandbox given the same workspace finds the files.
     let (mut second, _, _) = fx.create(json!({"workspace_id": "project-1"})).await;
-    assert_eq!(stdout_of(&mut second, "cat /workspace/src/main.py").await, "hello\n");
-    assert_eq!(stdout_of(&mut second, "md5sum < /workspace/src/deep/blob.bin").await, blob_md5);
-    assert_eq!(stdout_of(&mut second, "cat '/workspace/a file ü.txt'").await, "with space\n");
+    assert_eq!(
+        stdout_of(&mut second, "cat /workspace/src/main.py").await,
+        "hello\n"
+    );
+    assert_eq!(
+        stdout_of(&mut second, "md5sum < /workspace/src/deep/blob.bin").await,
+        blob_md5
+    );
+    assert_eq!(
+        stdout_of(&mut second, "cat '/workspace/a file ü.txt'").await,
+        "with space\n"
+    );
     assert_eq!(counter(&fx.metrics().files_downloaded), 3);
     // The sandbox's own state file records what it synced.
     let local: Value =
@@ -151,20 +171,36 @@ async fn files_written_in_one_sandbox_appear_in_a_new_sandbox_with_the_same_work
 async fn a_second_sync_of_an_unchanged_tree_uploads_nothing() {
     let fx = fixture().await;
     let (mut ws, _, _) = fx.create(json!({"workspace_id": "steady"})).await;
-    stdout_of(&mut ws, "for i in 1 2 3 4 5; do echo $i > /workspace/f$i; done").await;
+    stdout_of(
+        &mut ws,
+        "for i in 1 2 3 4 5; do echo $i > /workspace/f$i; done",
+    )
+    .await;
     assert_eq!(counter(&fx.metrics().files_uploaded), 5);
     let ops_before = fx.operations();
     let unchanged_before = counter(&fx.metrics().syncs_unchanged);
 
     // Executions that change nothing in /workspace: no upload, no request.
-    stdout_of(&mut ws, "cat /workspace/f1 > /dev/null; echo outside > /tmp/x").await;
+    stdout_of(
+        &mut ws,
+        "cat /workspace/f1 > /dev/null; echo outside > /tmp/x",
+    )
+    .await;
     stdout_of(&mut ws, "touch /workspace/f2").await; // mtime only: same content
     assert_eq!(counter(&fx.metrics().files_uploaded), 5);
     assert_eq!(counter(&fx.metrics().syncs_unchanged), unchanged_before + 2);
-    assert_eq!(fx.operations(), ops_before, "an unchanged sync made storage requests");
+    assert_eq!(
+        fx.operations(),
+        ops_before,
+        "an unchanged sync made storage requests"
+    );
 
     // One changed file: exactly one upload; a copy of existing content: none.
-    stdout_of(&mut ws, "echo changed > /workspace/f3 && cp /workspace/f1 /workspace/f1-copy").await;
+    stdout_of(
+        &mut ws,
+        "echo changed > /workspace/f3 && cp /workspace/f1 /workspace/f1-copy",
+    )
+    .await;
     assert_eq!(counter(&fx.metrics().files_uploaded), 6);
     let state = fx.remote_state("steady").await;
     assert_eq!(paths(&state), ["f1", "f1-copy", "f2", "f3", "f4", "f5"]);
@@ -175,7 +211,11 @@ async fn a_deleted_file_is_deleted_on_the_other_side() {
     let fx = fixture().await;
     let init = json!({"workspace_id": "shared", "enable_checkpoint": true});
     let (mut a, a_id, a_token) = fx.create(init.clone()).await;
-    stdout_of(&mut a, "echo keep > /workspace/keep && mkdir /workspace/d && echo bye > /workspace/d/gone").await;
+    stdout_of(
+        &mut a,
+        "echo keep > /workspace/keep && mkdir /workspace/d && echo bye > /workspace/d/gone",
+    )
+    .await;
     // A leaves (checkpointed with both files in its image).
     a.send(json!({"action": "checkpoint"})).await;
     assert_eq!(a.until_close().await.last().unwrap(), "close:1000");
@@ -184,15 +224,27 @@ async fn a_deleted_file_is_deleted_on_the_other_side() {
     let (mut b, _, _) = fx.create(json!({"workspace_id": "shared"})).await;
     stdout_of(&mut b, "rm /workspace/d/gone && rmdir /workspace/d").await;
     assert_eq!(paths(&fx.remote_state("shared").await), ["keep"]);
-    let contents = fx.workspaces.list_all("workspaces/shared/files/").await.unwrap();
-    assert_eq!(contents.len(), 1, "the deleted file's content was not released: {contents:?}");
+    let contents = fx
+        .workspaces
+        .list_all("workspaces/shared/files/")
+        .await
+        .unwrap();
+    assert_eq!(
+        contents.len(),
+        1,
+        "the deleted file's content was not released: {contents:?}"
+    );
 
     // A comes back from its checkpoint (which still holds the file): the cold
     // start sync deletes it there too, and keeps the other.
     let mut a = fx.server.attach(&a_id, &a_token).await;
     a.until_status("SANDBOX_RUNNING").await;
     assert_eq!(
-        stdout_of(&mut a, "find /workspace -mindepth 1 -not -name .sandbox-state").await,
+        stdout_of(
+            &mut a,
+            "find /workspace -mindepth 1 -not -name .sandbox-state"
+        )
+        .await,
         "/workspace/keep\n"
     );
     assert!(counter(&fx.metrics().files_deleted) >= 1);
@@ -217,22 +269,35 @@ async fn symlinks_escaping_the_workspace_and_oversized_or_bad_state_are_refused(
         {"path": "../../etc/cron.d/x", "checksum": "d41d8cd98f00b204e9800998ecf8427e", "size": 0, "modified_at": 1}
     ]});
     fx.workspaces
-        .put(&key, evil.to_string().into(), controllers::store::PutMode::Overwrite)
+        .put(
+            &key,
+            evil.to_string().into(),
+            controllers::store::PutMode::Overwrite,
+        )
         .await
         .unwrap();
     let mut create = fx.server.connect("/create").await;
     create.send(json!({"workspace_id": "evil"})).await;
     let frames = create.until_close().await;
-    assert!(frames.contains(&"SANDBOX_CREATION_ERROR".to_owned()), "{frames:?}");
     assert!(
-        frames.iter().any(|f| f.contains("invalid") && f.contains("workspaces/evil/sandbox-state")),
+        frames.contains(&"SANDBOX_CREATION_ERROR".to_owned()),
+        "{frames:?}"
+    );
+    assert!(
+        frames
+            .iter()
+            .any(|f| f.contains("invalid") && f.contains("workspaces/evil/sandbox-state")),
         "{frames:?}"
     );
     let bad_md5 = json!({"version": "1.0", "last_synced_at": 1, "files": [
         {"path": "x", "checksum": "not-an-md5", "size": 0, "modified_at": 1}
     ]});
     fx.workspaces
-        .put(&key, bad_md5.to_string().into(), controllers::store::PutMode::Overwrite)
+        .put(
+            &key,
+            bad_md5.to_string().into(),
+            controllers::store::PutMode::Overwrite,
+        )
         .await
         .unwrap();
     let mut create = fx.server.connect("/create").await;
@@ -244,14 +309,26 @@ async fn symlinks_escaping_the_workspace_and_oversized_or_bad_state_are_refused(
     // Bad options are refused before anything is created.
     for (init, needle) in [
         (json!({"workspace_id": "../x"}), "invalid workspace_id"),
-        (json!({"workspace_id": "ok", "workspace_template": "nope"}), "unknown workspace_template"),
-        (json!({"workspace_template": "default"}), "workspace_template"),
-        (json!({"enable_workspace_sync": "yes"}), "enable_workspace_sync"),
+        (
+            json!({"workspace_id": "ok", "workspace_template": "nope"}),
+            "unknown workspace_template",
+        ),
+        (
+            json!({"workspace_template": "default"}),
+            "workspace_template",
+        ),
+        (
+            json!({"enable_workspace_sync": "yes"}),
+            "enable_workspace_sync",
+        ),
     ] {
         let mut create = fx.server.connect("/create").await;
         create.send(init.clone()).await;
         let frames = create.until_close().await;
-        assert!(frames.iter().any(|f| f.contains(needle)), "{init}: {frames:?}");
+        assert!(
+            frames.iter().any(|f| f.contains(needle)),
+            "{init}: {frames:?}"
+        );
     }
 }
 
@@ -261,4 +338,40 @@ async fn enable_workspace_sync_without_a_name_uses_the_sandbox_id() {
     let (mut ws, id, _) = fx.create(json!({"enable_workspace_sync": true})).await;
     stdout_of(&mut ws, "echo mine > /workspace/f").await;
     assert_eq!(paths(&fx.remote_state(&id).await), ["f"]);
+}
+
+#[tokio::test]
+async fn size_limits_leave_large_files_out_and_a_failed_sync_is_counted_not_fatal() {
+    let fx = fixture().await;
+    let (mut ws, _, _) = fx.create(json!({"workspace_id": "limits"})).await;
+    stdout_of(
+        &mut ws,
+        "head -c 2000000 /dev/zero > /workspace/too-big && echo small > /workspace/small",
+    )
+    .await;
+    assert_eq!(paths(&fx.remote_state("limits").await), ["small"]);
+    assert!(counter(&fx.metrics().files_refused) >= 1);
+
+    // Over the workspace limit: the sync fails, the execution still ends
+    // normally, the failure is counted, and the bucket keeps its last state.
+    let frames = ws
+        .exec(
+            "bash",
+            "for i in 1 2 3 4 5; do head -c 900000 /dev/urandom > /workspace/part$i; done; echo written",
+        )
+        .await;
+    assert!(
+        frames.contains(&"stdout:written\n".to_owned()),
+        "{frames:?}"
+    );
+    assert_eq!(frames.last().unwrap(), "SANDBOX_EXECUTION_DONE");
+    assert_eq!(counter(&fx.metrics().after_exec_failures), 1);
+    assert_eq!(paths(&fx.remote_state("limits").await), ["small"]);
+
+    // Back under the limit: the next execution's sync succeeds.
+    stdout_of(&mut ws, "rm /workspace/part4 /workspace/part5").await;
+    assert_eq!(
+        paths(&fx.remote_state("limits").await),
+        ["part1", "part2", "part3", "small"]
+    );
 }

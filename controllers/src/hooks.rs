@@ -29,7 +29,11 @@ pub struct HookError(pub String);
 pub trait LifecycleHooks: Send + Sync + fmt::Debug {
     /// The sandbox now runs here (created or restored), not yet reported
     /// running. An error fails the start: the sandbox is destroyed here.
-    async fn on_cold_start(&self, _sandbox: &SandboxId, _spec: &SandboxSpec) -> Result<(), HookError> {
+    async fn on_cold_start(
+        &self,
+        _sandbox: &SandboxId,
+        _spec: &SandboxSpec,
+    ) -> Result<(), HookError> {
         Ok(())
     }
 

@@ -161,7 +161,10 @@ impl GvisorRuntime {
     }
 
     /// The agent of a sandbox running here.
-    pub(super) fn agent_of(&self, sandbox: &SandboxId) -> Result<Arc<AgentConnection>, RuntimeError> {
+    pub(super) fn agent_of(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<Arc<AgentConnection>, RuntimeError> {
         Ok(Arc::clone(&self.get(sandbox)?.agent))
     }
 

@@ -59,7 +59,11 @@ struct ScanReply {
 
 #[async_trait]
 impl WorkspaceFiles for GvisorRuntime {
-    async fn scan(&self, sandbox: &SandboxId, request: ScanRequest) -> Result<LocalScan, FilesError> {
+    async fn scan(
+        &self,
+        sandbox: &SandboxId,
+        request: ScanRequest,
+    ) -> Result<LocalScan, FilesError> {
         let agent = self.workspace_agent(sandbox)?;
         let reply = agent
             .request(
@@ -176,10 +180,13 @@ impl WorkspaceFiles for GvisorRuntime {
         let mut buffer = vec![0u8; WRITE_CHUNK];
         let mut total: u64 = 0;
         loop {
-            let n = data.read(&mut buffer).await.map_err(|source| FilesError::Io {
-                path: entry.path.clone(),
-                source,
-            })?;
+            let n = data
+                .read(&mut buffer)
+                .await
+                .map_err(|source| FilesError::Io {
+                    path: entry.path.clone(),
+                    source,
+                })?;
             if n == 0 {
                 break;
             }

@@ -63,7 +63,11 @@ pub enum FilesError {
 /// File access inside one sandbox's workspace.
 #[async_trait]
 pub trait WorkspaceFiles: Send + Sync + std::fmt::Debug {
-    async fn scan(&self, sandbox: &SandboxId, request: ScanRequest) -> Result<LocalScan, FilesError>;
+    async fn scan(
+        &self,
+        sandbox: &SandboxId,
+        request: ScanRequest,
+    ) -> Result<LocalScan, FilesError>;
 
     /// Copies one file's bytes to `dest` on the host.
     async fn read_file(

@@ -168,8 +168,14 @@ impl WorkspaceHooks {
             return;
         };
         let (actions, failures) = match point {
-            "after_exec" => (&binding.template.after_exec, &self.metrics().after_exec_failures),
-            _ => (&binding.template.terminate, &self.metrics().terminate_failures),
+            "after_exec" => (
+                &binding.template.after_exec,
+                &self.metrics().after_exec_failures,
+            ),
+            _ => (
+                &binding.template.terminate,
+                &self.metrics().terminate_failures,
+            ),
         };
         if actions.is_empty() {
             return;
@@ -185,7 +191,11 @@ impl WorkspaceHooks {
 
 #[async_trait]
 impl LifecycleHooks for WorkspaceHooks {
-    async fn on_cold_start(&self, sandbox: &SandboxId, spec: &SandboxSpec) -> Result<(), HookError> {
+    async fn on_cold_start(
+        &self,
+        sandbox: &SandboxId,
+        spec: &SandboxSpec,
+    ) -> Result<(), HookError> {
         let Some(workspace) = &spec.workspace else {
             self.bindings().remove(sandbox);
             return Ok(());
@@ -195,7 +205,11 @@ impl LifecycleHooks for WorkspaceHooks {
             return Err(HookError(format!(
                 "unknown workspace template {:?} (this server knows {})",
                 workspace.template,
-                self.templates.keys().cloned().collect::<Vec<_>>().join(", ")
+                self.templates
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )));
         };
         let binding = Arc::new(Binding {

@@ -36,20 +36,62 @@ impl WorkspaceMetrics {
     /// Prometheus text.
     pub fn render(&self) -> String {
         let counters: [(&str, &AtomicU64); 14] = [
-            ("sandboxd_workspace_syncs_total{direction=\"down\"}", &self.syncs_down),
-            ("sandboxd_workspace_syncs_total{direction=\"up\"}", &self.syncs_up),
-            ("sandboxd_workspace_syncs_total{direction=\"up_unchanged\"}", &self.syncs_unchanged),
-            ("sandboxd_workspace_files_total{op=\"uploaded\"}", &self.files_uploaded),
-            ("sandboxd_workspace_files_total{op=\"downloaded\"}", &self.files_downloaded),
-            ("sandboxd_workspace_files_total{op=\"deleted\"}", &self.files_deleted),
-            ("sandboxd_workspace_files_total{op=\"hashed\"}", &self.files_hashed),
-            ("sandboxd_workspace_files_total{op=\"refused\"}", &self.files_refused),
-            ("sandboxd_workspace_objects_deleted_total", &self.objects_deleted),
-            ("sandboxd_workspace_bytes_total{op=\"uploaded\"}", &self.bytes_uploaded),
-            ("sandboxd_workspace_bytes_total{op=\"downloaded\"}", &self.bytes_downloaded),
-            ("sandboxd_workspace_hook_failures_total{point=\"cold_start\"}", &self.cold_start_failures),
-            ("sandboxd_workspace_hook_failures_total{point=\"after_exec\"}", &self.after_exec_failures),
-            ("sandboxd_workspace_hook_failures_total{point=\"terminate\"}", &self.terminate_failures),
+            (
+                "sandboxd_workspace_syncs_total{direction=\"down\"}",
+                &self.syncs_down,
+            ),
+            (
+                "sandboxd_workspace_syncs_total{direction=\"up\"}",
+                &self.syncs_up,
+            ),
+            (
+                "sandboxd_workspace_syncs_total{direction=\"up_unchanged\"}",
+                &self.syncs_unchanged,
+            ),
+            (
+                "sandboxd_workspace_files_total{op=\"uploaded\"}",
+                &self.files_uploaded,
+            ),
+            (
+                "sandboxd_workspace_files_total{op=\"downloaded\"}",
+                &self.files_downloaded,
+            ),
+            (
+                "sandboxd_workspace_files_total{op=\"deleted\"}",
+                &self.files_deleted,
+            ),
+            (
+                "sandboxd_workspace_files_total{op=\"hashed\"}",
+                &self.files_hashed,
+            ),
+            (
+                "sandboxd_workspace_files_total{op=\"refused\"}",
+                &self.files_refused,
+            ),
+            (
+                "sandboxd_workspace_objects_deleted_total",
+                &self.objects_deleted,
+            ),
+            (
+                "sandboxd_workspace_bytes_total{op=\"uploaded\"}",
+                &self.bytes_uploaded,
+            ),
+            (
+                "sandboxd_workspace_bytes_total{op=\"downloaded\"}",
+                &self.bytes_downloaded,
+            ),
+            (
+                "sandboxd_workspace_hook_failures_total{point=\"cold_start\"}",
+                &self.cold_start_failures,
+            ),
+            (
+                "sandboxd_workspace_hook_failures_total{point=\"after_exec\"}",
+                &self.after_exec_failures,
+            ),
+            (
+                "sandboxd_workspace_hook_failures_total{point=\"terminate\"}",
+                &self.terminate_failures,
+            ),
         ];
         let mut text = String::from(
             "# HELP sandboxd_workspace_syncs_total Workspace syncs by direction.\n\

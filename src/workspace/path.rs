@@ -77,14 +77,29 @@ mod tests {
 
     #[test]
     fn accepts_ordinary_relative_paths() {
-        for ok in ["a", "src/main.py", "dir with space/ü.txt", ".hidden/x", "a..b"] {
+        for ok in [
+            "a",
+            "src/main.py",
+            "dir with space/ü.txt",
+            ".hidden/x",
+            "a..b",
+        ] {
             assert!(WorkspacePath::new(ok).is_ok(), "{ok}");
         }
     }
 
     #[test]
     fn refuses_paths_that_could_leave_the_root() {
-        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a/./b", "a//b", "a/", "a\0b"] {
+        for bad in [
+            "",
+            "/etc/passwd",
+            "../x",
+            "a/../../x",
+            "a/./b",
+            "a//b",
+            "a/",
+            "a\0b",
+        ] {
             assert!(WorkspacePath::new(bad).is_err(), "{bad:?}");
         }
         assert!(WorkspacePath::new(&"a".repeat(256)).is_err());

@@ -153,7 +153,8 @@ pub fn plan_down(remote: &StateFile, synced: &[String], actual: &StateFile) -> D
         }
     }
     for path in synced {
-        if !remote_by_path.contains_key(path.as_str()) && actual_by_path.contains_key(path.as_str()) {
+        if !remote_by_path.contains_key(path.as_str()) && actual_by_path.contains_key(path.as_str())
+        {
             plan.delete.push(path.clone());
         }
     }
@@ -260,9 +261,16 @@ mod tests {
         let actual = state(&[("a", 'a'), ("copy1", 'n'), ("copy2", 'n'), ("renamed", 'o')]);
         let plan = plan_up(&actual, &remote);
         let uploaded: Vec<_> = plan.upload.iter().map(|f| f.path.as_str()).collect();
-        assert_eq!(uploaded, ["copy1"], "same content twice, and a rename, upload once / nothing");
+        assert_eq!(
+            uploaded,
+            ["copy1"],
+            "same content twice, and a rename, upload once / nothing"
+        );
         assert_eq!(plan.removed, ["old"]);
-        assert!(plan.unreferenced.is_empty(), "the renamed file still uses 'o'");
+        assert!(
+            plan.unreferenced.is_empty(),
+            "the renamed file still uses 'o'"
+        );
         assert!(!plan.is_noop());
     }
 
@@ -304,17 +312,26 @@ mod tests {
             ok.replace("\"a\"", "\"../etc/passwd\""),
             ok.replace("\"a\"", "\"/etc/passwd\""),
             ok.replace("\"a\"", "\"a//b\""),
-            ok.replace("0123456789abcdef0123456789abcdef", "0123456789ABCDEF0123456789ABCDEF"),
+            ok.replace(
+                "0123456789abcdef0123456789abcdef",
+                "0123456789ABCDEF0123456789ABCDEF",
+            ),
             ok.replace("0123456789abcdef0123456789abcdef", "abc"),
             ok.replace("\"size\":1", "\"size\":11"),
             format!("{ok},{ok}"),
         ] {
             assert!(
-                matches!(StateFile::parse(with(&bad, "1.0").as_bytes(), 10), Err(StateError::Entry { .. })),
+                matches!(
+                    StateFile::parse(with(&bad, "1.0").as_bytes(), 10),
+                    Err(StateError::Entry { .. })
+                ),
                 "{bad} was accepted"
             );
         }
-        assert!(matches!(StateFile::parse(b"{not json", 10), Err(StateError::Malformed(_))));
+        assert!(matches!(
+            StateFile::parse(b"{not json", 10),
+            Err(StateError::Malformed(_))
+        ));
     }
 
     #[test]

@@ -59,7 +59,9 @@ pub enum SyncError {
         #[source]
         source: StateError,
     },
-    #[error("the workspace state names {path:?}, whose content {checksum} is missing from the store")]
+    #[error(
+        "the workspace state names {path:?}, whose content {checksum} is missing from the store"
+    )]
     MissingContent { path: String, checksum: String },
     #[error("workspace storage: {0}")]
     Store(#[from] StoreError),
@@ -279,8 +281,12 @@ impl WorkspaceSync {
                 WorkspaceMetrics::add(&self.metrics.syncs_unchanged, 1);
                 return Ok((remote, report));
             }
-            let mut stored: std::collections::BTreeSet<String> =
-                remote.state.files.iter().map(|f| f.checksum.clone()).collect();
+            let mut stored: std::collections::BTreeSet<String> = remote
+                .state
+                .files
+                .iter()
+                .map(|f| f.checksum.clone())
+                .collect();
             for entry in &plan.upload {
                 let uploaded = self.upload(sandbox, workspace, entry).await?;
                 stored.insert(uploaded.checksum.clone());
@@ -387,7 +393,9 @@ impl WorkspaceSync {
                 Ok(()) | Err(StoreError::NotFound { .. }) => {
                     WorkspaceMetrics::add(&self.metrics.objects_deleted, 1);
                 }
-                Err(err) => tracing::warn!(%key, %err, "cannot delete an unreferenced workspace object"),
+                Err(err) => {
+                    tracing::warn!(%key, %err, "cannot delete an unreferenced workspace object")
+                }
             }
         }
     }

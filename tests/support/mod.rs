@@ -299,13 +299,14 @@ pub fn app_state_with_workspaces(
     workspaces: Arc<dyn Store>,
     counts: Arc<controllers::store::OperationCounts>,
     spool: std::path::PathBuf,
+    limits: sandboxd::workspace::SyncLimits,
 ) -> sandboxd::server::AppState {
     use controllers::leasing::LeaseConfig;
     use controllers::sandboxes::ReconcilerConfig;
     let sync = sandboxd::workspace::WorkspaceSync::new(
         workspaces,
         Arc::clone(&gvisor) as Arc<dyn sandboxd::workspace::WorkspaceFiles>,
-        sandboxd::workspace::SyncLimits::default(),
+        limits,
         spool,
         Arc::default(),
     );

@@ -81,6 +81,7 @@ impl Server {
         store: Arc<dyn Store>,
         workspaces: Arc<dyn Store>,
         counts: Arc<controllers::store::OperationCounts>,
+        limits: sandboxd::workspace::SyncLimits,
     ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let cleanup = super::RunscCleanup(dir.path().join("runsc"));
@@ -96,6 +97,7 @@ impl Server {
             workspaces,
             counts,
             dir.path().to_path_buf(),
+            limits,
         );
         let addr = super::serve(state.clone()).await;
         Self {

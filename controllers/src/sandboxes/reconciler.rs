@@ -27,11 +27,11 @@ use crate::api::{
 };
 use crate::clock::Clock;
 use crate::fencing::{FenceError, fenced_update};
+use crate::hooks::{LifecycleHooks, NoHooks};
 use crate::layout::{
     checkpoint_id_of_image, checkpoint_image_key, checkpoint_manifest_key, lock_key, metadata_key,
 };
 use crate::leasing::{HeldLease, LeaseError, Leases};
-use crate::hooks::{LifecycleHooks, NoHooks};
 use crate::runtime::{CheckpointRequest, CreateOptions, RuntimeError, SandboxRuntime};
 use crate::store::{Store, StoreError};
 
