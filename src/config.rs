@@ -39,6 +39,12 @@ pub struct StorageArgs {
     pub snapshot_bucket: Option<String>,
     #[arg(long, env = "FILESYSTEM_SNAPSHOT_MOUNT_PATH")]
     pub snapshot_mount_path: Option<PathBuf>,
+    /// GCS bucket for synced workspaces; unset: the checkpoint bucket's
+    /// (under `workspaces/`), or the local store.
+    #[arg(long, env = "SANDBOX_WORKSPACE_BUCKET")]
+    pub workspace_bucket: Option<String>,
+    #[arg(long, env = "SANDBOX_WORKSPACE_MOUNT_PATH")]
+    pub workspace_mount_path: Option<PathBuf>,
     /// A fake-gcs-server to use instead of GCS (`127.0.0.3:80` or a URL).
     #[arg(long, env = "STORAGE_EMULATOR_HOST")]
     pub storage_emulator_host: Option<String>,
@@ -62,6 +68,7 @@ pub struct StorageLayout {
     pub metadata: StoreLocation,
     pub checkpoints: StoreLocation,
     pub snapshots: StoreLocation,
+    pub workspaces: StoreLocation,
 }
 
 impl StorageArgs {
@@ -80,6 +87,12 @@ impl StorageArgs {
             metadata: choose(&self.metadata_mount_path, &self.metadata_bucket),
             checkpoints: choose(&self.checkpoint_mount_path, &self.checkpoint_bucket),
             snapshots: choose(&self.snapshot_mount_path, &self.snapshot_bucket),
+            // Workspaces follow the checkpoints when not configured: on Cloud
+            // Run a local directory would not outlive the instance.
+            workspaces: match (&self.workspace_mount_path, &self.workspace_bucket) {
+                (None, None) => choose(&self.checkpoint_mount_path, &self.checkpoint_bucket),
+                (mount, bucket) => choose(mount, bucket),
+            },
         }
     }
 }
@@ -205,7 +218,52 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub control: ControlArgs,
     #[command(flatten)]
+    pub workspace: WorkspaceArgs,
+    #[command(flatten)]
     pub log: LogArgs,
+}
+
+/// Workspace sync (`docs/workspaces.md`).
+#[derive(Debug, Clone, Args)]
+pub struct WorkspaceArgs {
+    /// Offer workspace sync to clients (`enable_workspace_sync` at create).
+    #[arg(long, env = "SANDBOXD_WORKSPACE_SYNC", default_value_t = true, action = clap::ArgAction::Set)]
+    pub workspace_sync: bool,
+    /// Seconds after which the checksums a sandbox's `.sandbox-state` records
+    /// are recomputed rather than trusted.
+    #[arg(long, env = "SANDBOX_SYNC_STALE_THRESHOLD", default_value_t = 3600)]
+    pub sync_stale_threshold_s: u64,
+    /// Largest file synced, in MiB (larger ones are left out and logged).
+    #[arg(long, env = "SANDBOXD_WORKSPACE_MAX_FILE_MB", default_value_t = 100)]
+    pub workspace_max_file_mb: u64,
+    /// Largest workspace synced, in MiB (a larger one fails its sync).
+    #[arg(long, env = "SANDBOXD_WORKSPACE_MAX_TOTAL_MB", default_value_t = 1024)]
+    pub workspace_max_total_mb: u64,
+    /// Longest a single sync may take, in seconds.
+    #[arg(long, env = "SANDBOXD_WORKSPACE_SYNC_TIMEOUT_S", default_value_t = 120)]
+    pub workspace_sync_timeout_s: u64,
+    /// Extra hook templates, JSON: `{"name": {"cold_start": ["sync_down"],
+    /// "after_exec": ["sync_up"], "terminate": ["sync_up"]}}`.
+    #[arg(long, env = "SANDBOXD_WORKSPACE_TEMPLATES")]
+    pub workspace_templates: Option<String>,
+}
+
+impl WorkspaceArgs {
+    pub fn limits(&self) -> crate::workspace::SyncLimits {
+        crate::workspace::SyncLimits {
+            max_file_bytes: self.workspace_max_file_mb.saturating_mul(1 << 20),
+            max_total_bytes: self.workspace_max_total_mb.saturating_mul(1 << 20),
+            timeout: std::time::Duration::from_secs(self.workspace_sync_timeout_s.max(1)),
+            stale_threshold_s: self.sync_stale_threshold_s,
+        }
+    }
+
+    /// The hook templates: built-ins plus the configured ones.
+    pub fn templates(
+        &self,
+    ) -> Result<std::collections::BTreeMap<String, crate::workspace::HookTemplate>, String> {
+        crate::workspace::hooks::templates_with(self.workspace_templates.as_deref())
+    }
 }
 
 /// What a holder does with a running execution when another instance asks for

@@ -11,6 +11,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use controllers::api::InstanceId;
 use controllers::clock::{Clock, SystemClock};
+use controllers::hooks::LifecycleHooks;
 use controllers::layout::SANDBOXES_PREFIX;
 use controllers::leasing::{LeaseConfig, Leases};
 use controllers::runtime::SandboxRuntime;
@@ -20,6 +21,8 @@ use controllers::sandboxes::{
 use controllers::store::{CountingStore, Operation, OperationCounts, Store};
 use serde_json::json;
 use tokio::net::TcpListener;
+
+use crate::workspace::WorkspaceHooks;
 
 /// What every request handler can reach.
 #[derive(Debug, Clone)]
@@ -36,6 +39,8 @@ pub struct AppState {
     pub features: Features,
     /// Storage operations made by this instance (metadata and checkpoints).
     pub store_operations: Arc<OperationCounts>,
+    /// Workspace sync (`None`: not configured on this server).
+    pub workspace_hooks: Option<Arc<WorkspaceHooks>>,
 }
 
 /// What this server can do, as the init message's checks see it.
@@ -62,6 +67,8 @@ pub struct Parts {
     /// Where storage operations are counted; give the runtime's stores the
     /// same counts (wrap them with [`counted`]) so uploads are included.
     pub store_operations: Arc<OperationCounts>,
+    /// Workspace sync hooks, if the server syncs workspaces.
+    pub workspace_hooks: Option<Arc<WorkspaceHooks>>,
 }
 
 /// `store`, counting its operations into `counts`.
@@ -95,6 +102,10 @@ impl AppState {
                 bus: bus.clone(),
                 config: parts.reconciler.clone(),
             });
+            let reconciler = match &parts.workspace_hooks {
+                Some(hooks) => reconciler.with_hooks(Arc::clone(hooks) as Arc<dyn LifecycleHooks>),
+                None => reconciler,
+            };
             let controller = SandboxController::new(reconciler, bus);
             controller.spawn_workers();
             controller
@@ -111,6 +122,7 @@ impl AppState {
                 network_egress: false,
             },
             store_operations,
+            workspace_hooks: parts.workspace_hooks,
         }
     }
 }
@@ -200,6 +212,9 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         .map_or(0, |controller| controller.reconcile_errors());
     if let Some(controller) = &state.controller {
         text.push_str(&controller.reconciler().metrics().render(held));
+    }
+    if let Some(hooks) = &state.workspace_hooks {
+        text.push_str(&hooks.metrics().render());
     }
     text.push_str(&format!(
         "# HELP sandboxd_reconcile_errors_total Failed reconcile passes (storage errors, invalid documents; each is logged with its reason).\n\

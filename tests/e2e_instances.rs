@@ -344,3 +344,38 @@ async fn with_periodic_checkpoints_a_crash_loses_at_most_one_interval() {
     assert_eq!(stdout_of(&mut ws, "bash", "cat /tmp/p").await, "periodic\n");
     assert_eq!(session(&mut ws, "print(kept)").await, "memory too\n");
 }
+
+#[tokio::test]
+async fn after_a_crash_between_checkpoints_the_workspace_has_the_last_finished_executions_files() {
+    let (_dir, bucket, mut servers) = servers(&["wcrash-a", "wcrash-b"]).await;
+    let mut init = init();
+    init["workspace_id"] = json!("crash-proof");
+    let (mut ws, id, token) = servers[0].create(init).await;
+    ws.exec("bash", "echo v1 > /workspace/v && echo v1 > /tmp/v")
+        .await;
+    ws.send(json!({"action": "checkpoint"})).await;
+    assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
+    let mut ws = servers[0].attach(&id, &token).await;
+    ws.until_status("SANDBOX_RUNNING").await;
+    // Finished after the checkpoint, then the instance dies without another.
+    ws.exec(
+        "bash",
+        "echo v2 > /workspace/v && echo v2 > /tmp/v && mkdir -p /workspace/out && echo new > /workspace/out/result",
+    )
+    .await;
+    let state: Value =
+        serde_json::from_str(&read_object(&bucket, "workspaces/crash-proof/sandbox-state").await)
+            .unwrap();
+    assert_eq!(state["files"].as_array().unwrap().len(), 2, "{state}");
+    servers[0].signal("-KILL");
+
+    let mut ws = servers[1].attach(&id, &token).await;
+    let frames = ws.until_status("SANDBOX_RUNNING").await;
+    assert_eq!(frames.last().unwrap(), "SANDBOX_RUNNING", "{frames:?}");
+    // The checkpoint's memory and /tmp are from before; /workspace is not.
+    assert_eq!(stdout_of(&mut ws, "bash", "cat /tmp/v").await, "v1\n");
+    assert_eq!(
+        stdout_of(&mut ws, "bash", "cat /workspace/v /workspace/out/result").await,
+        "v2\nnew\n"
+    );
+}

@@ -64,6 +64,28 @@ pub fn snapshot_manifest_key(name: &str) -> Option<ObjectKey> {
         .then(|| key(format!("{SNAPSHOTS_PREFIX}{name}/manifest.json")))
 }
 
+/// Prefix of every synced workspace's directory.
+pub const WORKSPACES_PREFIX: &str = "workspaces/";
+
+/// `workspaces/<id>/sandbox-state`: the workspace's committed state file (the
+/// sandbox-side name, `.sandbox-state`, is not a valid key: segments cannot
+/// start with a dot). `None` for an invalid workspace name.
+pub fn workspace_state_key(workspace: &str) -> Option<ObjectKey> {
+    crate::api::is_resource_name(workspace)
+        .then(|| key(format!("{WORKSPACES_PREFIX}{workspace}/sandbox-state")))
+}
+
+/// `workspaces/<id>/files/<md5>`: one file content, stored once per checksum.
+/// `None` for an invalid workspace name or checksum.
+pub fn workspace_blob_key(workspace: &str, md5: &str) -> Option<ObjectKey> {
+    let is_md5 = md5.len() == 32
+        && md5
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    (crate::api::is_resource_name(workspace) && is_md5)
+        .then(|| key(format!("{WORKSPACES_PREFIX}{workspace}/files/{md5}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,5 +115,22 @@ mod tests {
             None
         );
         assert_eq!(checkpoint_id_of_image("elsewhere/checkpoint.img"), None);
+    }
+
+    #[test]
+    fn workspace_keys_refuse_bad_names_and_checksums() {
+        assert_eq!(
+            workspace_blob_key("proj", "d41d8cd98f00b204e9800998ecf8427e")
+                .unwrap()
+                .as_str(),
+            "workspaces/proj/files/d41d8cd98f00b204e9800998ecf8427e"
+        );
+        assert!(workspace_blob_key("proj", "../../x").is_none());
+        assert!(workspace_blob_key("Proj", "d41d8cd98f00b204e9800998ecf8427e").is_none());
+        assert!(workspace_state_key("../x").is_none());
+        assert_eq!(
+            workspace_state_key("proj").unwrap().as_str(),
+            "workspaces/proj/sandbox-state"
+        );
     }
 }

@@ -16,13 +16,16 @@ use axum::extract::ws::{WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use controllers::api::{DesiredState, Phase, SandboxId, SandboxMetadata, is_resource_name};
+use controllers::api::{
+    DEFAULT_WORKSPACE_TEMPLATE, DesiredState, Phase, SandboxId, SandboxMetadata, WorkspaceSpec,
+    is_resource_name,
+};
 use controllers::sandboxes::{Operation, Progress, SandboxController};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
 use super::live::{LiveSandbox, SandboxOptions};
-use super::protocol::{InitMessage, MAX_FRAME_BYTES, ServerFrame, Status};
+use super::protocol::{InitMessage, MAX_FRAME_BYTES, ServerFrame, Status, WorkspaceRequest};
 use super::session::{CLOSE_FATAL, CLOSE_UNAVAILABLE, Out, Session, next_text};
 use super::token;
 use crate::server::AppState;
@@ -144,6 +147,14 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     metadata.spec.enable_idle_timeout_auto_checkpoint = init.enable_idle_timeout_auto_checkpoint;
     metadata.spec.filesystem_snapshot_name = init.filesystem_snapshot_name.clone();
     metadata.spec.network = init.network;
+    metadata.spec.workspace = init.workspace.as_ref().map(|request| WorkspaceSpec {
+        id: request.id.clone().unwrap_or_else(|| id.to_string()),
+        template: request
+            .template
+            .clone()
+            .unwrap_or_else(|| DEFAULT_WORKSPACE_TEMPLATE.to_owned()),
+        extra: controllers::api::ExtraFields::new(),
+    });
 
     let Ok((live, attachment)) = state.live.attach(&id) else {
         return fail(format!("sandbox id {id} is already in use")).await;
@@ -205,6 +216,9 @@ fn check_features(init: &InitMessage, state: &AppState) -> Result<(), String> {
             "Network mode egress is not enabled on the server (SANDBOXD_NETWORK_MODES).".to_owned(),
         );
     }
+    if let Some(workspace) = &init.workspace {
+        check_workspace(workspace, state)?;
+    }
     if init.enable_sandbox_handoff && !init.enable_checkpoint {
         return Err("Sandbox handoff requires checkpointing to be enabled.".to_owned());
     }
@@ -212,6 +226,29 @@ fn check_features(init: &InitMessage, state: &AppState) -> Result<(), String> {
         return Err(
             "Idle timeout auto checkpoint requires checkpointing to be enabled.".to_owned(),
         );
+    }
+    Ok(())
+}
+
+/// A workspace the server can sync, under a template it knows.
+fn check_workspace(request: &WorkspaceRequest, state: &AppState) -> Result<(), String> {
+    let Some(hooks) = &state.workspace_hooks else {
+        return Err("Workspace sync is not enabled on the server.".to_owned());
+    };
+    if let Some(id) = &request.id
+        && !is_resource_name(id)
+    {
+        return Err(format!(
+            "Failed to create gVisor container: invalid workspace_id {id:?}: {}",
+            controllers::api::RESOURCE_NAME_RULE
+        ));
+    }
+    if let Some(template) = &request.template
+        && !hooks.has_template(template)
+    {
+        return Err(format!(
+            "Failed to create gVisor container: unknown workspace_template {template:?}"
+        ));
     }
     Ok(())
 }

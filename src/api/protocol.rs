@@ -176,6 +176,18 @@ pub struct InitMessage {
     pub filesystem_snapshot_name: Option<String>,
     /// Extension: `"network": "none" | "egress"` (absent: `none`).
     pub network: controllers::api::NetworkMode,
+    /// Sync `/workspace` with the store (an extension: upstream clients never
+    /// send it).
+    pub workspace: Option<WorkspaceRequest>,
+}
+
+/// The init message's workspace options: `enable_workspace_sync`,
+/// `workspace_id` (default: the sandbox id; naming one enables sync),
+/// `workspace_template`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkspaceRequest {
+    pub id: Option<String>,
+    pub template: Option<String>,
 }
 
 /// The languages an execution may use.
@@ -330,8 +342,25 @@ impl InitMessage {
                     expected: "\"none\" or \"egress\"",
                 })?,
             },
+            workspace: workspace_request(&map)?,
         })
     }
+}
+
+fn workspace_request(map: &Map<String, Value>) -> Result<Option<WorkspaceRequest>, FrameError> {
+    let enabled = optional_bool(map, "enable_workspace_sync")?;
+    let id = optional_string(map, "workspace_id")?;
+    let template = optional_string(map, "workspace_template")?;
+    if !enabled && id.is_none() {
+        if template.is_some() {
+            return Err(FrameError::WrongType {
+                field: "workspace_template",
+                expected: "absent unless enable_workspace_sync is true or workspace_id is given",
+            });
+        }
+        return Ok(None);
+    }
+    Ok(Some(WorkspaceRequest { id, template }))
 }
 
 impl ClientFrame {

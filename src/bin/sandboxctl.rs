@@ -96,6 +96,12 @@ enum Command {
         /// Start from this filesystem snapshot.
         #[arg(long)]
         snapshot: Option<String>,
+        /// Sync /workspace with this workspace (shared by name).
+        #[arg(long)]
+        workspace: Option<String>,
+        /// The workspace's hook template (default, download-only, upload-only, …).
+        #[arg(long, requires = "workspace")]
+        workspace_template: Option<String>,
         #[command(flatten)]
         server: Server,
     },
@@ -249,6 +255,8 @@ async fn main() -> ExitCode {
             idle_timeout,
             checkpoint,
             snapshot,
+            workspace,
+            workspace_template,
             server,
         } => Some(UserCommand::Create {
             url: server.url.clone(),
@@ -258,6 +266,8 @@ async fn main() -> ExitCode {
                 enable_sandbox_handoff: *checkpoint,
                 enable_idle_timeout_auto_checkpoint: false,
                 filesystem_snapshot_name: snapshot.clone(),
+                workspace_id: workspace.clone(),
+                workspace_template: workspace_template.clone(),
                 ..CreateOptions::default()
             },
         }),

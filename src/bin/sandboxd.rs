@@ -9,6 +9,7 @@ use controllers::store::OperationCounts;
 use sandboxd::config::{ServeArgs, StoreLocation};
 use sandboxd::runtime::GvisorRuntime;
 use sandboxd::server::{self, AppState, Parts, counted};
+use sandboxd::workspace::{WorkspaceFiles, WorkspaceHooks, WorkspaceSync};
 use sandboxd::{store, telemetry};
 
 #[derive(Debug, Parser)]
@@ -71,6 +72,21 @@ async fn main() -> anyhow::Result<()> {
     let runtime = gvisor
         .clone()
         .map(|runtime| runtime as Arc<dyn SandboxRuntime>);
+    let workspace_hooks = match (&gvisor, args.workspace.workspace_sync) {
+        (Some(gvisor), true) => {
+            let templates = args.workspace.templates().map_err(anyhow::Error::msg)?;
+            let store = counted(store::open(&layout.workspaces).await?, &store_operations);
+            let sync = WorkspaceSync::new(
+                store,
+                Arc::clone(gvisor) as Arc<dyn WorkspaceFiles>,
+                args.workspace.limits(),
+                args.runtime.runtime_dir.clone(),
+                Arc::default(),
+            );
+            Some(Arc::new(WorkspaceHooks::new(Arc::new(sync), templates)))
+        }
+        _ => None,
+    };
     let addr = args.listen_addr();
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -86,6 +102,7 @@ async fn main() -> anyhow::Result<()> {
         lease: args.control.lease(),
         reconciler: args.control.reconciler(),
         store_operations,
+        workspace_hooks,
     });
     state.features.network_egress = network.is_some() && gvisor.is_some();
     let controller = state.controller.clone();

@@ -52,6 +52,11 @@ pub struct CreateOptions {
     pub enable_sandbox_handoff: bool,
     pub enable_idle_timeout_auto_checkpoint: bool,
     pub filesystem_snapshot_name: Option<String>,
+    /// Sync `/workspace` with this workspace (sandboxes given the same name
+    /// share its files; see docs/workspaces.md).
+    pub workspace_id: Option<String>,
+    /// The workspace's hook template (`default` when unset).
+    pub workspace_template: Option<String>,
     pub progress: Progress,
 }
 
@@ -184,6 +189,12 @@ impl Sandbox {
         });
         if let Some(name) = &options.filesystem_snapshot_name {
             init["filesystem_snapshot_name"] = json!(name);
+        }
+        if let Some(workspace) = &options.workspace_id {
+            init["workspace_id"] = json!(workspace);
+        }
+        if let Some(template) = &options.workspace_template {
+            init["workspace_template"] = json!(template);
         }
         use futures::SinkExt;
         socket

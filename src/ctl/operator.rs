@@ -170,6 +170,17 @@ pub async fn describe(
             ),
             String::new(),
         ),
+        (
+            format!(
+                "workspace: {}",
+                or_dash(
+                    spec.workspace
+                        .as_ref()
+                        .map(|w| format!("{} (template {})", w.id, w.template))
+                )
+            ),
+            String::new(),
+        ),
     ];
     for (left, right) in rows {
         let _ = writeln!(out, "  {left:<38}{right}");

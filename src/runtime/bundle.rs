@@ -14,6 +14,9 @@ use serde_json::json;
 pub const SANDBOX_UID: u32 = 1000;
 /// Home and default working directory of user code.
 pub const SANDBOX_HOME: &str = "/home/sandbox";
+/// The directory a synced workspace lives in (created, owned by the user, in
+/// every sandbox).
+pub const WORKSPACE_DIR: &str = "/workspace";
 
 /// The agent's source, embedded in the binary.
 pub const AGENT_SOURCE: &str = include_str!("agent.py");
@@ -64,6 +67,7 @@ impl BundleSpec {
             "uid": SANDBOX_UID,
             "gid": SANDBOX_UID,
             "home": SANDBOX_HOME,
+            "workspace": WORKSPACE_DIR,
             "env": {
                 "PATH": path,
                 "HOME": SANDBOX_HOME,

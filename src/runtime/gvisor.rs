@@ -39,7 +39,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::mpsc;
 
 use super::agent::{AgentConnection, AgentError};
-use super::bundle::{BundleNetwork, BundleSpec, SANDBOX_HOME};
+use super::bundle::{BundleNetwork, BundleSpec, SANDBOX_HOME, WORKSPACE_DIR};
 use super::images::{check_cpu_features, download_verified, host_cpu_features, sha256_file};
 use super::network::{self, HostNetwork, NetworkConfig, SandboxNetwork};
 use super::runsc::{InitStdio, LaunchNetwork, Runsc};
@@ -48,7 +48,7 @@ use super::runsc::{InitStdio, LaunchNetwork, Runsc};
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Directories a filesystem snapshot saves: everything user code (uid 1000)
 /// can write.
-const SNAPSHOT_PATHS: [&str; 3] = [SANDBOX_HOME, "/tmp", "/var/tmp"];
+const SNAPSHOT_PATHS: [&str; 4] = [SANDBOX_HOME, WORKSPACE_DIR, "/tmp", "/var/tmp"];
 
 /// Everything the gVisor runtime needs to know.
 #[derive(Debug, Clone)]
@@ -198,6 +198,14 @@ impl GvisorRuntime {
         self.sandboxes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The agent of a sandbox running here.
+    pub(super) fn agent_of(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<Arc<AgentConnection>, RuntimeError> {
+        Ok(Arc::clone(&self.get(sandbox)?.agent))
     }
 
     fn get(&self, sandbox: &SandboxId) -> Result<Arc<LocalSandbox>, RuntimeError> {

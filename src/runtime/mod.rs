@@ -12,6 +12,7 @@ mod gvisor;
 pub mod images;
 pub mod network;
 pub mod runsc;
+mod workspace_access;
 
 pub use bundle::{BundleNetwork, BundleSpec};
 pub use gvisor::{GvisorConfig, GvisorRuntime};

@@ -286,6 +286,43 @@ pub fn app_state_counted(
         lease: LeaseConfig::default(),
         reconciler: ReconcilerConfig::default(),
         store_operations: counts,
+        workspace_hooks: None,
+    })
+}
+
+/// As [`app_state_counted`] on a real gVisor runtime with workspace sync into
+/// `workspaces` under the built-in templates.
+pub fn app_state_with_workspaces(
+    instance: &str,
+    store: Arc<dyn Store>,
+    gvisor: Arc<sandboxd::runtime::GvisorRuntime>,
+    workspaces: Arc<dyn Store>,
+    counts: Arc<controllers::store::OperationCounts>,
+    spool: std::path::PathBuf,
+    limits: sandboxd::workspace::SyncLimits,
+) -> sandboxd::server::AppState {
+    use controllers::leasing::LeaseConfig;
+    use controllers::sandboxes::ReconcilerConfig;
+    let sync = sandboxd::workspace::WorkspaceSync::new(
+        workspaces,
+        Arc::clone(&gvisor) as Arc<dyn sandboxd::workspace::WorkspaceFiles>,
+        limits,
+        spool,
+        Arc::default(),
+    );
+    let templates = sandboxd::workspace::hooks::templates_with(None).expect("templates");
+    let hooks = sandboxd::workspace::WorkspaceHooks::new(Arc::new(sync), templates);
+    sandboxd::server::AppState::assemble(sandboxd::server::Parts {
+        instance: controllers::api::InstanceId::parse(instance).expect("instance id"),
+        metadata_store: Arc::clone(&store),
+        checkpoint_store: sandboxd::server::counted(store, &counts),
+        checkpoint_bucket: "test".to_owned(),
+        snapshot_bucket: "test".to_owned(),
+        runtime: Some(gvisor),
+        lease: LeaseConfig::default(),
+        reconciler: ReconcilerConfig::default(),
+        store_operations: counts,
+        workspace_hooks: Some(Arc::new(hooks)),
     })
 }
 

@@ -74,6 +74,41 @@ impl Server {
         }
     }
 
+    /// A server on `store` that syncs workspaces into `workspaces`, counting
+    /// every storage operation into `counts`.
+    pub async fn with_workspaces(
+        instance: &str,
+        store: Arc<dyn Store>,
+        workspaces: Arc<dyn Store>,
+        counts: Arc<controllers::store::OperationCounts>,
+        limits: sandboxd::workspace::SyncLimits,
+    ) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let cleanup = super::RunscCleanup(dir.path().join("runsc"));
+        let runtime = super::runtime_with_store(
+            dir.path(),
+            sandboxd::server::counted(Arc::clone(&store), &counts),
+        )
+        .await;
+        let state = super::app_state_with_workspaces(
+            instance,
+            Arc::clone(&store),
+            Arc::new(runtime),
+            workspaces,
+            counts,
+            dir.path().to_path_buf(),
+            limits,
+        );
+        let addr = super::serve(state.clone()).await;
+        Self {
+            addr,
+            state,
+            store,
+            _cleanup: cleanup,
+            _dir: dir,
+        }
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("ws://{}{path}", self.addr)
     }

@@ -54,8 +54,32 @@ pub struct SandboxSpec {
     /// records the `requested_at` it served.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_request: Option<RestoreRequest>,
+    /// Keep `/workspace` in sync with the bucket (`DESIGN.md` §6); absent means
+    /// no sync.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<WorkspaceSpec>,
     #[serde(flatten)]
     pub extra: ExtraFields,
+}
+
+/// A synced workspace: `/workspace` mirrored incrementally to `workspaces/<id>/`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkspaceSpec {
+    /// The workspace's name. Sandboxes given the same name share its files
+    /// (one at a time: see `docs/workspaces.md`).
+    pub id: String,
+    /// Which set of lifecycle hooks runs (a template the server defines).
+    #[serde(default = "default_workspace_template")]
+    pub template: String,
+    #[serde(flatten)]
+    pub extra: ExtraFields,
+}
+
+/// The template a workspace gets when none is named.
+pub const DEFAULT_WORKSPACE_TEMPLATE: &str = "default";
+
+fn default_workspace_template() -> String {
+    DEFAULT_WORKSPACE_TEMPLATE.to_owned()
 }
 
 /// Restore the checkpoint called `checkpoint` (see `status.named_checkpoints`).
@@ -197,6 +221,7 @@ impl SandboxMetadata {
                 labels: BTreeMap::new(),
                 checkpoint_name: None,
                 restore_request: None,
+                workspace: None,
                 extra: ExtraFields::new(),
             },
             status: SandboxStatus::default(),
@@ -273,6 +298,14 @@ impl ApiObject for SandboxMetadata {
             && !is_resource_name(&request.checkpoint)
         {
             return Err(field("spec.restore_request.checkpoint", RESOURCE_NAME_RULE));
+        }
+        if let Some(workspace) = &self.spec.workspace {
+            if !is_resource_name(&workspace.id) {
+                return Err(field("spec.workspace.id", RESOURCE_NAME_RULE));
+            }
+            if !is_resource_name(&workspace.template) {
+                return Err(field("spec.workspace.template", RESOURCE_NAME_RULE));
+            }
         }
         if let Some(checkpoint) = &self.status.latest_checkpoint {
             if !is_sha256_hex(&checkpoint.sha256) {

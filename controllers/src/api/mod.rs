@@ -25,9 +25,9 @@ pub use ids::{InstanceId, InvalidId, SandboxId};
 pub use lease::{AttachIntent, Lease};
 pub use manifest::{BlobDigest, CheckpointManifest, SnapshotManifest};
 pub use metadata::{
-    CheckpointRef, Condition, ConditionStatus, DesiredState, Phase, RESOURCE_NAME_RULE,
-    RestoreRequest, SandboxMetadata, SandboxSpec, SandboxStatus, SnapshotRef, is_resource_name,
-    is_sha256_hex,
+    CheckpointRef, Condition, ConditionStatus, DEFAULT_WORKSPACE_TEMPLATE, DesiredState, Phase,
+    RESOURCE_NAME_RULE, RestoreRequest, SandboxMetadata, SandboxSpec, SandboxStatus, SnapshotRef,
+    WorkspaceSpec, is_resource_name, is_sha256_hex,
 };
 pub use network::{NetworkMode, UnknownNetworkMode};
 

@@ -300,7 +300,16 @@ impl SandboxController {
         if !self.is_held_here(sandbox) {
             return Err(ControlError::NotHere(sandbox.clone()));
         }
-        Ok(self.reconciler.runtime().exec(sandbox, request).await?)
+        let execution = self.reconciler.runtime().exec(sandbox, request).await?;
+        let hooks = self.reconciler.hooks();
+        if hooks.wants_after_exec(sandbox) {
+            return Ok(crate::hooks::run_after_exec(
+                execution,
+                Arc::clone(hooks),
+                sandbox.clone(),
+            ));
+        }
+        Ok(execution)
     }
 
     /// Saves the sandbox's changed files as snapshot `name` and records it in

@@ -27,6 +27,7 @@ use crate::api::{
 };
 use crate::clock::Clock;
 use crate::fencing::{FenceError, fenced_update};
+use crate::hooks::{LifecycleHooks, NoHooks};
 use crate::layout::{
     checkpoint_id_of_image, checkpoint_image_key, checkpoint_manifest_key, lock_key, metadata_key,
 };
@@ -210,6 +211,7 @@ pub struct Reconciler {
     metrics: Arc<super::metrics::Metrics>,
     /// Shutting down: checkpoints kill running executions instead of waiting.
     draining: std::sync::atomic::AtomicBool,
+    hooks: Arc<dyn LifecycleHooks>,
 }
 
 /// The ports and settings a [`Reconciler`] is built from.
@@ -247,7 +249,18 @@ impl Reconciler {
             waiting: Mutex::new(HashSet::new()),
             draining: std::sync::atomic::AtomicBool::new(false),
             metrics: Arc::default(),
+            hooks: Arc::new(NoHooks),
         }
+    }
+
+    /// Runs `hooks` at the sandboxes' lifecycle points (none by default).
+    pub fn with_hooks(mut self, hooks: Arc<dyn LifecycleHooks>) -> Self {
+        self.hooks = hooks;
+        self
+    }
+
+    pub fn hooks(&self) -> &Arc<dyn LifecycleHooks> {
+        &self.hooks
     }
 
     pub fn metrics(&self) -> &super::metrics::Metrics {
@@ -297,6 +310,7 @@ impl Reconciler {
     fn forget(&self, sandbox: &SandboxId) {
         self.held_map().remove(sandbox);
         self.watch_map().remove(sandbox);
+        self.hooks.forget(sandbox);
     }
 
     fn watch_map(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, Watch>> {
@@ -748,6 +762,9 @@ impl Reconciler {
         let _transition = self.metrics.in_transition(sandbox.as_str(), "deleting");
         self.emit(sandbox, Progress::Deleting);
         super::metrics::Metrics::add(&self.metrics.deletes, 1);
+        if self.runtime.is_running(sandbox) {
+            self.hooks.on_terminate(sandbox).await;
+        }
         match self.runtime.destroy(sandbox).await {
             Ok(()) | Err(RuntimeError::NotFound(_)) => {}
             Err(err) => {
@@ -1181,6 +1198,13 @@ impl Reconciler {
                     .await
                     .map_err(|err| fail(err.to_string()))?;
             }
+        }
+        if let Err(err) = self.hooks.on_cold_start(sandbox, &metadata.spec).await {
+            self.hooks.forget(sandbox);
+            if let Err(destroy) = self.runtime.destroy(sandbox).await {
+                tracing::warn!(%sandbox, %destroy, "cannot destroy a sandbox whose cold start hook failed");
+            }
+            return Err(fail(format!("the cold start hook failed: {err}")));
         }
         self.write_status(sandbox, held.epoch, |status| {
             status.phase = Phase::Running;

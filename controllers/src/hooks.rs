@@ -1,0 +1,94 @@
+//! Lifecycle hooks: work that runs at fixed points of a sandbox's life on the
+//! instance that holds it (seed 004), such as syncing its workspace.
+//!
+//! The reconciler and the controller call the hooks; what they do is the
+//! server's business (the workspace sync lives in the server crate, which has
+//! the runtime's file access and the workspace store). Criticality is decided
+//! by the hook point, not by each hook:
+//!
+//! | point | when | on failure |
+//! |---|---|---|
+//! | cold start | the sandbox was created or restored here, before it is reported running | the start fails (the client gets the error) |
+//! | after exec | an execution ended, before its exit is reported | logged and counted by the hook; the exit is reported normally |
+//! | terminate | the sandbox is about to be destroyed for good | logged and counted; the deletion goes on |
+
+use std::fmt;
+
+use async_trait::async_trait;
+
+use crate::api::{SandboxId, SandboxSpec};
+use crate::runtime::{ExecEvent, Execution};
+
+/// Why a critical hook failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct HookError(pub String);
+
+/// The hooks an instance runs. Every method has a do-nothing default.
+#[async_trait]
+pub trait LifecycleHooks: Send + Sync + fmt::Debug {
+    /// The sandbox now runs here (created or restored), not yet reported
+    /// running. An error fails the start: the sandbox is destroyed here.
+    async fn on_cold_start(
+        &self,
+        _sandbox: &SandboxId,
+        _spec: &SandboxSpec,
+    ) -> Result<(), HookError> {
+        Ok(())
+    }
+
+    /// Whether [`Self::after_exec`] must run for this sandbox's executions;
+    /// when false their events are not relayed through the hooks at all.
+    fn wants_after_exec(&self, _sandbox: &SandboxId) -> bool {
+        false
+    }
+
+    /// An execution ended; its exit is reported when this returns.
+    /// Non-critical: an implementation logs and counts its own failures.
+    async fn after_exec(&self, _sandbox: &SandboxId) {}
+
+    /// The sandbox is about to be destroyed for good (deleted). Non-critical.
+    async fn on_terminate(&self, _sandbox: &SandboxId) {}
+
+    /// The sandbox left this instance (checkpointed away, lost or destroyed):
+    /// forget whatever was kept for it.
+    fn forget(&self, _sandbox: &SandboxId) {}
+}
+
+/// No hooks at all: the default.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoHooks;
+
+impl LifecycleHooks for NoHooks {}
+
+/// Relays an execution's events, running the after-exec hook between the
+/// process's end and the report of its exit, so a client that saw the exit
+/// knows the hook (e.g. the workspace upload) has run.
+pub fn run_after_exec(
+    mut execution: Execution,
+    hooks: std::sync::Arc<dyn LifecycleHooks>,
+    sandbox: SandboxId,
+) -> Execution {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        while let Some(event) = execution.events.recv().await {
+            if let ExecEvent::Exited(_) = event {
+                hooks.after_exec(&sandbox).await;
+            }
+            if tx.send(event).await.is_err() {
+                // Nobody listens any more; the hook still ran above if the
+                // process had ended. Keep draining so the runtime never blocks.
+                while let Some(event) = execution.events.recv().await {
+                    if let ExecEvent::Exited(_) = event {
+                        hooks.after_exec(&sandbox).await;
+                    }
+                }
+                return;
+            }
+        }
+    });
+    Execution {
+        events: rx,
+        control: execution.control,
+    }
+}

@@ -1,0 +1,250 @@
+//! [`WorkspaceFiles`] on gVisor: every file operation is an agent command
+//! (`ws_*` in `agent.py`), run inside the sandbox as its user, so the host
+//! never resolves a path the sandbox controls.
+
+use std::path::Path;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use controllers::api::SandboxId;
+use controllers::runtime::RuntimeError;
+use controllers::store::BlobReader;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::agent::{AgentConnection, AgentError};
+use super::bundle::WORKSPACE_DIR;
+use super::gvisor::GvisorRuntime;
+use crate::workspace::files::{
+    Copied, FilesError, LocalScan, Refused, ScanRequest, WorkspaceFiles,
+};
+use crate::workspace::state::FileEntry;
+
+/// How long one agent file command may take (a scan hashes every changed file).
+const FILE_OP_TIMEOUT: Duration = Duration::from_secs(120);
+/// Raw bytes per `ws_write_chunk` (base64 makes the line a third larger).
+const WRITE_CHUNK: usize = 192 * 1024;
+
+fn agent_error(err: AgentError) -> FilesError {
+    match err {
+        AgentError::Refused(message) => FilesError::Refused(message),
+        other => FilesError::Agent(other.to_string()),
+    }
+}
+
+impl GvisorRuntime {
+    fn workspace_agent(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<std::sync::Arc<AgentConnection>, FilesError> {
+        self.agent_of(sandbox).map_err(|err| match err {
+            RuntimeError::NotFound(id) => FilesError::NotRunning(id),
+            other => FilesError::Agent(other.to_string()),
+        })
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct ScanReply {
+    files: Vec<FileEntry>,
+    #[serde(default)]
+    refused: Vec<Refused>,
+    #[serde(default)]
+    synced: Vec<String>,
+    #[serde(default)]
+    hashed: u64,
+}
+
+#[async_trait]
+impl WorkspaceFiles for GvisorRuntime {
+    async fn scan(
+        &self,
+        sandbox: &SandboxId,
+        request: ScanRequest,
+    ) -> Result<LocalScan, FilesError> {
+        let agent = self.workspace_agent(sandbox)?;
+        let reply = agent
+            .request(
+                json!({
+                    "op": "ws_scan",
+                    "root": WORKSPACE_DIR,
+                    "max_file_bytes": request.max_file_bytes,
+                    "max_total_bytes": request.max_total_bytes,
+                    "stale_s": request.stale_threshold_s,
+                }),
+                FILE_OP_TIMEOUT,
+            )
+            .await
+            .map_err(agent_error)?;
+        let parsed: ScanReply = serde_json::from_value(reply)
+            .map_err(|err| FilesError::Agent(format!("malformed scan reply: {err}")))?;
+        // The agent is inside the sandbox: treat what it reports as untrusted.
+        let mut refused = parsed.refused;
+        let files = parsed
+            .files
+            .into_iter()
+            .filter(|file| {
+                let problem = crate::workspace::path::WorkspacePath::new(&file.path)
+                    .err()
+                    .map(|err| err.to_string())
+                    .or_else(|| {
+                        (!crate::workspace::path::is_md5_hex(&file.checksum))
+                            .then(|| "not an md5 checksum".to_owned())
+                    });
+                match problem {
+                    Some(reason) => {
+                        refused.push(Refused {
+                            path: file.path.clone(),
+                            reason,
+                        });
+                        false
+                    }
+                    None => true,
+                }
+            })
+            .collect();
+        Ok(LocalScan {
+            files,
+            refused,
+            synced: parsed.synced,
+            hashed: parsed.hashed,
+        })
+    }
+
+    async fn read_file(
+        &self,
+        sandbox: &SandboxId,
+        path: &str,
+        max_bytes: u64,
+        dest: &Path,
+    ) -> Result<Copied, FilesError> {
+        let agent = self.workspace_agent(sandbox)?;
+        let io = |source| FilesError::Io {
+            path: dest.display().to_string(),
+            source,
+        };
+        // Owner-only: the bytes are the user's files.
+        let mut file = tokio::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(dest)
+            .await
+            .map_err(io)?;
+        let (mut chunks, done) = agent
+            .start_archive(json!({
+                "op": "ws_read",
+                "root": WORKSPACE_DIR,
+                "path": path,
+                "max_file_bytes": max_bytes,
+            }))
+            .await
+            .map_err(agent_error)?;
+        let mut written: u64 = 0;
+        while let Some(chunk) = chunks.recv().await {
+            written += chunk.len() as u64;
+            if written > max_bytes {
+                return Err(FilesError::Refused(format!(
+                    "{path:?} is larger than the {max_bytes}-byte file limit"
+                )));
+            }
+            file.write_all(&chunk).await.map_err(io)?;
+        }
+        file.flush().await.map_err(io)?;
+        let reply: Value = match tokio::time::timeout(FILE_OP_TIMEOUT, done).await {
+            Ok(Ok(Ok(reply))) => reply,
+            Ok(Ok(Err(message))) => return Err(FilesError::Refused(message)),
+            Ok(Err(_)) => return Err(FilesError::Agent("the sandbox agent is gone".into())),
+            Err(_) => return Err(FilesError::Agent("the file read timed out".into())),
+        };
+        let checksum = reply["checksum"].as_str().unwrap_or_default().to_owned();
+        let size = reply["size"].as_u64().unwrap_or(u64::MAX);
+        if size != written || !crate::workspace::path::is_md5_hex(&checksum) {
+            return Err(FilesError::Agent(format!(
+                "{path:?}: the sandbox reported {size} bytes and checksum {checksum:?}, {written} bytes arrived"
+            )));
+        }
+        Ok(Copied { checksum, size })
+    }
+
+    async fn write_file(
+        &self,
+        sandbox: &SandboxId,
+        entry: &FileEntry,
+        mut data: BlobReader,
+    ) -> Result<(), FilesError> {
+        let agent = self.workspace_agent(sandbox)?;
+        let id = agent.new_id("w");
+        let mut buffer = vec![0u8; WRITE_CHUNK];
+        let mut total: u64 = 0;
+        loop {
+            let n = data
+                .read(&mut buffer)
+                .await
+                .map_err(|source| FilesError::Io {
+                    path: entry.path.clone(),
+                    source,
+                })?;
+            if n == 0 {
+                break;
+            }
+            total += n as u64;
+            if total > entry.size {
+                return Err(FilesError::Refused(format!(
+                    "{:?}: the stored content is larger than the {} bytes its state records",
+                    entry.path, entry.size
+                )));
+            }
+            agent
+                .send(&json!({
+                    "op": "ws_write_chunk",
+                    "id": id,
+                    "root": WORKSPACE_DIR,
+                    "data": BASE64.encode(&buffer[..n]),
+                }))
+                .await
+                .map_err(agent_error)?;
+        }
+        agent
+            .request_with_id(
+                &id,
+                json!({
+                    "op": "ws_write_end",
+                    "root": WORKSPACE_DIR,
+                    "path": entry.path,
+                    "checksum": entry.checksum,
+                    "modified_at": entry.modified_at,
+                }),
+                FILE_OP_TIMEOUT,
+            )
+            .await
+            .map_err(agent_error)?;
+        Ok(())
+    }
+
+    async fn delete_files(&self, sandbox: &SandboxId, paths: &[String]) -> Result<u64, FilesError> {
+        let agent = self.workspace_agent(sandbox)?;
+        let reply = agent
+            .request(
+                json!({"op": "ws_delete", "root": WORKSPACE_DIR, "paths": paths}),
+                FILE_OP_TIMEOUT,
+            )
+            .await
+            .map_err(agent_error)?;
+        Ok(reply["deleted"].as_u64().unwrap_or(0))
+    }
+
+    async fn write_state(&self, sandbox: &SandboxId, content: String) -> Result<(), FilesError> {
+        let agent = self.workspace_agent(sandbox)?;
+        agent
+            .request(
+                json!({"op": "ws_state", "root": WORKSPACE_DIR, "content": content}),
+                FILE_OP_TIMEOUT,
+            )
+            .await
+            .map_err(agent_error)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,25 @@
+//! Persistent workspaces (seed 004): `/workspace` in a sandbox, synced
+//! incrementally to `workspaces/<id>/` in the workspace store, so its files
+//! survive the sandbox itself — a new sandbox given the same workspace finds
+//! them, and a crash between checkpoints keeps the last finished execution's.
+//!
+//! - [`state`]: the `.sandbox-state` format and the plans computed from two
+//!   states (pure).
+//! - [`path`]: checks on untrusted paths.
+//! - [`files`]: the port into a sandbox's files (the gVisor runtime's agent).
+//! - [`sync`]: one sync down or up against the store, with its limits.
+//! - [`hooks`]: which syncs run at which lifecycle point (templates), wired to
+//!   the controllers' [`controllers::hooks::LifecycleHooks`].
+//! - [`metrics`]: counters for `/metrics`.
+
+pub mod files;
+pub mod hooks;
+pub mod metrics;
+pub mod path;
+pub mod state;
+pub mod sync;
+
+pub use files::WorkspaceFiles;
+pub use hooks::{HookAction, HookTemplate, WorkspaceHooks};
+pub use metrics::WorkspaceMetrics;
+pub use sync::{SyncLimits, WorkspaceSync};

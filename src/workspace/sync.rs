@@ -1,0 +1,406 @@
+//! One sync of one sandbox's workspace against the store.
+//!
+//! Objects under `workspaces/<id>/`: `files/<md5>` holds each distinct content
+//! once (write-once: a name is its checksum), `sandbox-state` names the files.
+//! A sync up uploads missing contents first, then commits the new state with
+//! a conditional write, then deletes contents nothing references any more; a
+//! sync down reads the state and fetches only what the sandbox lacks. Any
+//! interruption leaves the last committed state whole and every content it
+//! names present; the worst left behind is an unreferenced object, which the
+//! next sync up of that content reuses.
+//!
+//! Two sandboxes writing one workspace at once do not corrupt it (the state
+//! write is a compare-and-swap; the loser re-plans against the winner's state),
+//! but the last writer decides each file: a workspace is meant for one
+//! sandbox at a time.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use controllers::api::SandboxId;
+use controllers::layout::{workspace_blob_key, workspace_state_key};
+use controllers::store::{BlobSource, Generation, PutMode, Store, StoreError};
+
+use super::files::{FilesError, LocalScan, ScanRequest, WorkspaceFiles};
+use super::metrics::WorkspaceMetrics;
+use super::state::{FileEntry, StateError, StateFile, plan_down, plan_up};
+
+/// Bounds on what a sync moves and how long it may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncLimits {
+    pub max_file_bytes: u64,
+    pub max_total_bytes: u64,
+    /// One whole sync (down or up).
+    pub timeout: Duration,
+    /// `SANDBOX_SYNC_STALE_THRESHOLD`: checksums a sandbox's state file recorded
+    /// more than this long ago are recomputed instead of trusted.
+    pub stale_threshold_s: u64,
+}
+
+impl Default for SyncLimits {
+    fn default() -> Self {
+        Self {
+            max_file_bytes: 100 << 20,
+            max_total_bytes: 1 << 30,
+            timeout: Duration::from_secs(120),
+            stale_threshold_s: 3600,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("invalid workspace name {0:?}")]
+    InvalidName(String),
+    #[error("the workspace state in the store is invalid ({key}): {source}; nothing was changed")]
+    InvalidState {
+        key: String,
+        #[source]
+        source: StateError,
+    },
+    #[error(
+        "the workspace state names {path:?}, whose content {checksum} is missing from the store"
+    )]
+    MissingContent { path: String, checksum: String },
+    #[error("workspace storage: {0}")]
+    Store(#[from] StoreError),
+    #[error("workspace files: {0}")]
+    Files(#[from] FilesError),
+    #[error("the workspace sync did not finish within {0:?}")]
+    Timeout(Duration),
+    #[error("the workspace state kept changing under this sync (another sandbox writes it)")]
+    Contended,
+}
+
+/// The store's state as this host last saw it, with its generation (`None`:
+/// no state stored yet).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteState {
+    pub state: StateFile,
+    pub generation: Option<Generation>,
+}
+
+/// What one sync did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    pub uploaded: u64,
+    pub downloaded: u64,
+    pub deleted: u64,
+    pub unchanged: u64,
+    pub refused: u64,
+}
+
+/// Syncs workspaces between sandboxes and the store.
+#[derive(Debug)]
+pub struct WorkspaceSync {
+    store: Arc<dyn Store>,
+    files: Arc<dyn WorkspaceFiles>,
+    limits: SyncLimits,
+    /// Host directory for contents in transit.
+    spool_dir: PathBuf,
+    metrics: Arc<WorkspaceMetrics>,
+}
+
+/// Attempts at committing a state against concurrent writers.
+const COMMIT_ATTEMPTS: usize = 4;
+
+impl WorkspaceSync {
+    pub fn new(
+        store: Arc<dyn Store>,
+        files: Arc<dyn WorkspaceFiles>,
+        limits: SyncLimits,
+        spool_dir: PathBuf,
+        metrics: Arc<WorkspaceMetrics>,
+    ) -> Self {
+        Self {
+            store,
+            files,
+            limits,
+            spool_dir,
+            metrics,
+        }
+    }
+
+    pub fn metrics(&self) -> &Arc<WorkspaceMetrics> {
+        &self.metrics
+    }
+
+    fn scan_request(&self) -> ScanRequest {
+        ScanRequest {
+            max_file_bytes: self.limits.max_file_bytes,
+            max_total_bytes: self.limits.max_total_bytes,
+            stale_threshold_s: self.limits.stale_threshold_s,
+        }
+    }
+
+    /// Reads the store's state (one GET).
+    pub async fn read_remote(&self, workspace: &str) -> Result<RemoteState, SyncError> {
+        let key = workspace_state_key(workspace)
+            .ok_or_else(|| SyncError::InvalidName(workspace.to_owned()))?;
+        match self.store.get(&key).await {
+            Ok(object) => {
+                let state = StateFile::parse(&object.data, self.limits.max_file_bytes).map_err(
+                    |source| SyncError::InvalidState {
+                        key: key.to_string(),
+                        source,
+                    },
+                )?;
+                Ok(RemoteState {
+                    state,
+                    generation: Some(object.generation),
+                })
+            }
+            Err(StoreError::NotFound { .. }) => Ok(RemoteState {
+                state: StateFile::empty(),
+                generation: None,
+            }),
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    async fn scan(&self, sandbox: &SandboxId) -> Result<(StateFile, LocalScan), SyncError> {
+        let scan = self.files.scan(sandbox, self.scan_request()).await?;
+        WorkspaceMetrics::add(&self.metrics.files_hashed, scan.hashed);
+        for refused in &scan.refused {
+            tracing::warn!(%sandbox, path = %refused.path, reason = %refused.reason, "workspace file not synced");
+        }
+        WorkspaceMetrics::add(&self.metrics.files_refused, scan.refused.len() as u64);
+        Ok((StateFile::new(now(), scan.files.clone()), scan))
+    }
+
+    /// Brings the store's files into the sandbox (cold start).
+    #[tracing::instrument(skip(self), fields(%sandbox, workspace))]
+    pub async fn sync_down(
+        &self,
+        sandbox: &SandboxId,
+        workspace: &str,
+    ) -> Result<(RemoteState, SyncReport), SyncError> {
+        let limit = self.limits.timeout;
+        tokio::time::timeout(limit, self.sync_down_inner(sandbox, workspace))
+            .await
+            .map_err(|_| SyncError::Timeout(limit))?
+    }
+
+    async fn sync_down_inner(
+        &self,
+        sandbox: &SandboxId,
+        workspace: &str,
+    ) -> Result<(RemoteState, SyncReport), SyncError> {
+        let remote = self.read_remote(workspace).await?;
+        let (actual, scan) = self.scan(sandbox).await?;
+        let plan = plan_down(&remote.state, &scan.synced, &actual);
+        let mut report = SyncReport {
+            unchanged: plan.unchanged as u64,
+            refused: scan.refused.len() as u64,
+            ..SyncReport::default()
+        };
+        for entry in &plan.download {
+            self.download(sandbox, workspace, entry).await?;
+            report.downloaded += 1;
+            WorkspaceMetrics::add(&self.metrics.files_downloaded, 1);
+            WorkspaceMetrics::add(&self.metrics.bytes_downloaded, entry.size);
+        }
+        if !plan.delete.is_empty() {
+            report.deleted = self.files.delete_files(sandbox, &plan.delete).await?;
+            WorkspaceMetrics::add(&self.metrics.files_deleted, report.deleted);
+        }
+        if !plan.download.is_empty() || !plan.delete.is_empty() || scan.synced.is_empty() {
+            let local = StateFile::new(now(), remote.state.files.clone());
+            self.files.write_state(sandbox, local.to_json()).await?;
+        }
+        WorkspaceMetrics::add(&self.metrics.syncs_down, 1);
+        tracing::info!(
+            downloaded = report.downloaded,
+            deleted = report.deleted,
+            unchanged = report.unchanged,
+            "workspace synced down"
+        );
+        Ok((remote, report))
+    }
+
+    async fn download(
+        &self,
+        sandbox: &SandboxId,
+        workspace: &str,
+        entry: &FileEntry,
+    ) -> Result<(), SyncError> {
+        let key = workspace_blob_key(workspace, &entry.checksum)
+            .ok_or_else(|| SyncError::InvalidName(workspace.to_owned()))?;
+        let reader = match self.store.download_blob(&key).await {
+            Ok(reader) => reader,
+            Err(StoreError::NotFound { .. }) => {
+                return Err(SyncError::MissingContent {
+                    path: entry.path.clone(),
+                    checksum: entry.checksum.clone(),
+                });
+            }
+            Err(err) => return Err(err.into()),
+        };
+        self.files.write_file(sandbox, entry, reader).await?;
+        Ok(())
+    }
+
+    /// Sends the sandbox's changes to the store (after an execution, on
+    /// terminate). `known` is the store's state as last seen here: when the
+    /// sandbox's files match it, the sync makes no storage request at all.
+    #[tracing::instrument(skip(self, known), fields(%sandbox, workspace))]
+    pub async fn sync_up(
+        &self,
+        sandbox: &SandboxId,
+        workspace: &str,
+        known: Option<RemoteState>,
+    ) -> Result<(RemoteState, SyncReport), SyncError> {
+        let limit = self.limits.timeout;
+        tokio::time::timeout(limit, self.sync_up_inner(sandbox, workspace, known))
+            .await
+            .map_err(|_| SyncError::Timeout(limit))?
+    }
+
+    async fn sync_up_inner(
+        &self,
+        sandbox: &SandboxId,
+        workspace: &str,
+        known: Option<RemoteState>,
+    ) -> Result<(RemoteState, SyncReport), SyncError> {
+        let state_key = workspace_state_key(workspace)
+            .ok_or_else(|| SyncError::InvalidName(workspace.to_owned()))?;
+        let (mut actual, scan) = self.scan(sandbox).await?;
+        let mut remote = match known {
+            Some(known) => known,
+            None => self.read_remote(workspace).await?,
+        };
+        let mut report = SyncReport {
+            refused: scan.refused.len() as u64,
+            ..SyncReport::default()
+        };
+        for _ in 0..COMMIT_ATTEMPTS {
+            let plan = plan_up(&actual, &remote.state);
+            report.unchanged = plan.unchanged as u64;
+            if plan.is_noop() {
+                WorkspaceMetrics::add(&self.metrics.syncs_unchanged, 1);
+                return Ok((remote, report));
+            }
+            let mut stored: std::collections::BTreeSet<String> = remote
+                .state
+                .files
+                .iter()
+                .map(|f| f.checksum.clone())
+                .collect();
+            for entry in &plan.upload {
+                let uploaded = self.upload(sandbox, workspace, entry).await?;
+                stored.insert(uploaded.checksum.clone());
+                if uploaded.checksum != entry.checksum || uploaded.size != entry.size {
+                    // Changed between the scan and the read: record what was sent.
+                    if let Some(listed) = actual.files.iter_mut().find(|f| f.path == entry.path) {
+                        listed.checksum = uploaded.checksum;
+                        listed.size = uploaded.size;
+                    }
+                }
+                report.uploaded += 1;
+            }
+            if actual.files.iter().any(|f| !stored.contains(&f.checksum)) {
+                // A file changed between the scan and its upload, and another
+                // path still names the old content: plan again.
+                continue;
+            }
+            let next = StateFile::new(now(), actual.files.clone());
+            let mode = match remote.generation {
+                Some(generation) => PutMode::Update(generation),
+                None => PutMode::Create,
+            };
+            match self
+                .store
+                .put(&state_key, next.to_json().into(), mode)
+                .await
+            {
+                Ok(generation) => {
+                    report.deleted = plan.removed.len() as u64;
+                    let committed = RemoteState {
+                        state: next,
+                        generation: Some(generation),
+                    };
+                    self.release(workspace, &plan.unreferenced, &committed.state)
+                        .await;
+                    self.files
+                        .write_state(sandbox, committed.state.to_json())
+                        .await?;
+                    WorkspaceMetrics::add(&self.metrics.syncs_up, 1);
+                    tracing::info!(
+                        uploaded = report.uploaded,
+                        removed = report.deleted,
+                        unchanged = report.unchanged,
+                        "workspace synced up"
+                    );
+                    return Ok((committed, report));
+                }
+                Err(StoreError::PreconditionFailed { .. }) => {
+                    // Someone else committed meanwhile: plan again on theirs.
+                    remote = self.read_remote(workspace).await?;
+                    actual = StateFile::new(now(), actual.files);
+                }
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Err(SyncError::Contended)
+    }
+
+    /// Uploads one file's content under its checksum (the one of the bytes
+    /// actually read, returned).
+    async fn upload(
+        &self,
+        sandbox: &SandboxId,
+        workspace: &str,
+        entry: &FileEntry,
+    ) -> Result<super::files::Copied, SyncError> {
+        let spool = self
+            .spool_dir
+            .join(format!("workspace-{}", uuid::Uuid::new_v4().simple()));
+        let result = async {
+            let copied = self
+                .files
+                .read_file(sandbox, &entry.path, self.limits.max_file_bytes, &spool)
+                .await?;
+            let key = workspace_blob_key(workspace, &copied.checksum).ok_or_else(|| {
+                SyncError::Files(FilesError::Refused(format!(
+                    "invalid checksum {:?} for {:?}",
+                    copied.checksum, entry.path
+                )))
+            })?;
+            self.store
+                .upload_blob(&key, BlobSource::File(spool.clone()))
+                .await?;
+            WorkspaceMetrics::add(&self.metrics.files_uploaded, 1);
+            WorkspaceMetrics::add(&self.metrics.bytes_uploaded, copied.size);
+            Ok::<_, SyncError>(copied)
+        }
+        .await;
+        let _ = tokio::fs::remove_file(&spool).await;
+        result
+    }
+
+    /// Deletes contents the committed state no longer references. Failures
+    /// only leave garbage behind: logged, never fatal.
+    async fn release(&self, workspace: &str, unreferenced: &[String], committed: &StateFile) {
+        for checksum in unreferenced {
+            if committed.files.iter().any(|f| &f.checksum == checksum) {
+                continue;
+            }
+            let Some(key) = workspace_blob_key(workspace, checksum) else {
+                continue;
+            };
+            match self.store.delete(&key).await {
+                Ok(()) | Err(StoreError::NotFound { .. }) => {
+                    WorkspaceMetrics::add(&self.metrics.objects_deleted, 1);
+                }
+                Err(err) => {
+                    tracing::warn!(%key, %err, "cannot delete an unreferenced workspace object")
+                }
+            }
+        }
+    }
+}
+
+fn now() -> i64 {
+    chrono::Utc::now().timestamp()
+}
