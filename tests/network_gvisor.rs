@@ -278,11 +278,18 @@ async fn egress_reaches_the_outside_by_name_and_none_does_not() {
     let dir = tempfile::tempdir().unwrap();
     let h = host(store(dir.path())).await;
     let (open, closed) = (new_id(), new_id());
+    let started = Instant::now();
     h.runtime.create(&open, &egress()).await.unwrap();
+    let egress_took = started.elapsed();
+    let started = Instant::now();
     h.runtime
         .create(&closed, &CreateOptions::default())
         .await
         .unwrap();
+    eprintln!(
+        "create: egress {egress_took:?}, none {:?}",
+        started.elapsed()
+    );
 
     let reached = probe(&h.runtime, &open, "198.51.100.2", HELLO_PORT).await;
     assert_eq!(reached, "ok hello from the world");

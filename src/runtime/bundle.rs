@@ -148,3 +148,61 @@ impl BundleSpec {
         std::fs::write(dir.join("config.json"), text)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> BundleSpec {
+        BundleSpec {
+            rootfs: "/".into(),
+            python: "/usr/bin/python3".into(),
+            memory_limit_bytes: None,
+            cpu_limit: None,
+            max_processes: 64,
+            tmp_size_mb: 64,
+            cpu_features: None,
+        }
+    }
+
+    #[test]
+    fn a_none_bundle_has_a_fresh_network_namespace_and_no_extra_mount() {
+        let config = spec().config();
+        let namespaces = config["linux"]["namespaces"]
+            .as_array()
+            .expect("namespaces");
+        assert!(namespaces.contains(&json!({"type": "network"})));
+        let mounts = config["mounts"].as_array().expect("mounts");
+        assert_eq!(mounts.len(), 4);
+        assert!(
+            mounts
+                .iter()
+                .all(|m| m["destination"] != "/etc/resolv.conf")
+        );
+    }
+
+    #[test]
+    fn an_egress_bundle_joins_its_namespace_and_mounts_its_resolv_conf() {
+        let network = BundleNetwork {
+            netns: "/var/run/netns/sandboxd-7".into(),
+            resolv_conf: "/run/x/resolv.conf".into(),
+        };
+        let config = spec().config_with(Some(&network));
+        let namespaces = config["linux"]["namespaces"]
+            .as_array()
+            .expect("namespaces");
+        assert!(
+            namespaces.contains(&json!({"type": "network", "path": "/var/run/netns/sandboxd-7"}))
+        );
+        let mounts = config["mounts"].as_array().expect("mounts");
+        assert!(
+            mounts.contains(&json!({"destination": "/etc/resolv.conf", "type": "bind",
+            "source": "/run/x/resolv.conf", "options": ["rbind", "ro"]}))
+        );
+        // Everything else is the same as a none sandbox's.
+        let mut plain = spec().config();
+        plain["linux"]["namespaces"] = config["linux"]["namespaces"].clone();
+        plain["mounts"] = config["mounts"].clone();
+        assert_eq!(plain, config);
+    }
+}
