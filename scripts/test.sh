@@ -22,6 +22,12 @@ if ! command -v haproxy >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq haproxy
 fi
 
+# tests/network_gvisor.rs builds namespaces, veths and iptables rules (egress sandboxes).
+if ! command -v iptables >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then
+  [ "$(id -u)" = 0 ] || need_root_for iptables "apt-get install -y iptables iproute2"
+  apt-get update -qq && apt-get install -y -qq iptables iproute2
+fi
+
 # tests/deploy_files.rs parses the Cloud Run YAML with PyYAML.
 if ! python3 -c 'import yaml' 2>/dev/null; then
   pip install --quiet pyyaml || need_root_for PyYAML "pip install pyyaml"
