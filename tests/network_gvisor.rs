@@ -662,3 +662,41 @@ async fn a_handoff_between_server_processes_brings_the_network_back() {
         "(namespaces, veths, iptables lines)"
     );
 }
+
+#[tokio::test]
+async fn a_server_asked_for_egress_it_cannot_provide_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandboxd"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--runtime-dir"])
+        .arg(dir.path().join("run"))
+        .args([
+            "--network-modes",
+            "none,egress",
+            "--network-range",
+            "10.231.0.0/31",
+        ])
+        .env("SANDBOXD_DATA_DIR", dir.path().join("data"))
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success(), "the server started anyway");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("10.231.0.0/31"), "{stderr}");
+    let bad_mode = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandboxd"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--network-modes",
+            "bridge",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(!bad_mode.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad_mode.stderr).contains("bridge"),
+        "{}",
+        String::from_utf8_lossy(&bad_mode.stderr)
+    );
+}
