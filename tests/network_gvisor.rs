@@ -675,7 +675,7 @@ async fn a_server_asked_for_egress_it_cannot_provide_refuses_to_start() {
             "--network-range",
             "10.231.0.0/31",
         ])
-        .env("SANDBOXD_DATA_DIR", dir.path().join("data"))
+        .current_dir(dir.path())
         .output()
         .await
         .unwrap();
@@ -690,6 +690,7 @@ async fn a_server_asked_for_egress_it_cannot_provide_refuses_to_start() {
             "--network-modes",
             "bridge",
         ])
+        .current_dir(dir.path())
         .output()
         .await
         .unwrap();
