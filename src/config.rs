@@ -239,6 +239,9 @@ pub struct WorkspaceArgs {
     /// Largest workspace synced, in MiB (a larger one fails its sync).
     #[arg(long, env = "SANDBOXD_WORKSPACE_MAX_TOTAL_MB", default_value_t = 1024)]
     pub workspace_max_total_mb: u64,
+    /// Most files a synced workspace may hold (a larger one fails its sync).
+    #[arg(long, env = "SANDBOXD_WORKSPACE_MAX_FILES", default_value_t = 100_000)]
+    pub workspace_max_files: u64,
     /// Longest a single sync may take, in seconds.
     #[arg(long, env = "SANDBOXD_WORKSPACE_SYNC_TIMEOUT_S", default_value_t = 120)]
     pub workspace_sync_timeout_s: u64,
@@ -253,6 +256,7 @@ impl WorkspaceArgs {
         crate::workspace::SyncLimits {
             max_file_bytes: self.workspace_max_file_mb.saturating_mul(1 << 20),
             max_total_bytes: self.workspace_max_total_mb.saturating_mul(1 << 20),
+            max_files: self.workspace_max_files,
             timeout: std::time::Duration::from_secs(self.workspace_sync_timeout_s.max(1)),
             stale_threshold_s: self.sync_stale_threshold_s,
         }

@@ -31,6 +31,7 @@ struct Fixture {
 const LIMITS: SyncLimits = SyncLimits {
     max_file_bytes: 1 << 20,
     max_total_bytes: 4 << 20,
+    max_files: 1000,
     timeout: std::time::Duration::from_secs(60),
     stale_threshold_s: 3600,
 };
@@ -374,4 +375,49 @@ async fn size_limits_leave_large_files_out_and_a_failed_sync_is_counted_not_fata
         paths(&fx.remote_state("limits").await),
         ["part1", "part2", "part3", "small"]
     );
+}
+
+#[tokio::test]
+async fn a_sync_up_never_removes_what_this_sandbox_did_not_delete() {
+    let fx = fixture().await;
+    let (mut first, _, _) = fx.create(json!({"workspace_id": "keep"})).await;
+    stdout_of(&mut first, "echo a > /workspace/a && echo b > /workspace/b").await;
+
+    // An upload-only sandbox never fetched them: its syncs must not delete them.
+    let (mut writer, _, _) = fx
+        .create(json!({"workspace_id": "keep", "workspace_template": "upload-only"}))
+        .await;
+    assert_eq!(stdout_of(&mut writer, "find /workspace -name a").await, "");
+    stdout_of(&mut writer, "echo c > /workspace/c").await;
+    assert_eq!(paths(&fx.remote_state("keep").await), ["a", "b", "c"]);
+
+    // A file the scan leaves out (grown past the file limit) is not a deletion:
+    // the stored version stays.
+    stdout_of(&mut first, "head -c 2000000 /dev/zero >> /workspace/b").await;
+    assert_eq!(paths(&fx.remote_state("keep").await), ["a", "b", "c"]);
+    let (mut reader, _, _) = fx.create(json!({"workspace_id": "keep"})).await;
+    assert_eq!(stdout_of(&mut reader, "cat /workspace/b").await, "b\n");
+}
+
+#[tokio::test]
+async fn a_restore_follows_a_file_that_became_a_directory() {
+    let fx = fixture().await;
+    let init = json!({"workspace_id": "shape", "enable_checkpoint": true});
+    let (mut a, a_id, a_token) = fx.create(init).await;
+    stdout_of(&mut a, "echo file > /workspace/x").await;
+    a.send(json!({"action": "checkpoint"})).await;
+    assert_eq!(a.until_close().await.last().unwrap(), "close:1000");
+
+    let (mut b, _, _) = fx.create(json!({"workspace_id": "shape"})).await;
+    stdout_of(
+        &mut b,
+        "rm /workspace/x && mkdir /workspace/x && echo inside > /workspace/x/y",
+    )
+    .await;
+    assert_eq!(paths(&fx.remote_state("shape").await), ["x/y"]);
+
+    let mut a = fx.server.attach(&a_id, &a_token).await;
+    let frames = a.until_status("SANDBOX_RUNNING").await;
+    assert_eq!(frames.last().unwrap(), "SANDBOX_RUNNING", "{frames:?}");
+    assert_eq!(stdout_of(&mut a, "cat /workspace/x/y").await, "inside\n");
 }

@@ -8,7 +8,7 @@
 //!
 //! | point | when | on failure |
 //! |---|---|---|
-//! | cold start | the sandbox was created or restored here, before it is reported running | the start fails (the client gets the error) |
+//! | cold start | the sandbox was created or restored here, before it is reported running | the start fails (the client gets the error), if the hook says so |
 //! | after exec | an execution ended, before its exit is reported | logged and counted by the hook; the exit is reported normally |
 //! | terminate | the sandbox is about to be destroyed for good | logged and counted; the deletion goes on |
 
@@ -19,6 +19,15 @@ use async_trait::async_trait;
 use crate::api::{SandboxId, SandboxSpec};
 use crate::runtime::{ExecEvent, Execution};
 
+/// How the sandbox came to run here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColdStart {
+    /// A new sandbox.
+    Created,
+    /// Restored from a checkpoint (after a move, a crash or a stop).
+    Restored,
+}
+
 /// Why a critical hook failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -28,11 +37,14 @@ pub struct HookError(pub String);
 #[async_trait]
 pub trait LifecycleHooks: Send + Sync + fmt::Debug {
     /// The sandbox now runs here (created or restored), not yet reported
-    /// running. An error fails the start: the sandbox is destroyed here.
+    /// running. An error fails the start: the sandbox is destroyed here (its
+    /// checkpoint stays). The implementation decides what is worth failing a
+    /// restore for: a restored sandbox has its own files.
     async fn on_cold_start(
         &self,
         _sandbox: &SandboxId,
         _spec: &SandboxSpec,
+        _start: ColdStart,
     ) -> Result<(), HookError> {
         Ok(())
     }

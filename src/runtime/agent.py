@@ -683,10 +683,13 @@ def ws_scan(msg):
     root = msg["root"]
     max_file = msg.get("max_file_bytes")
     max_total = msg.get("max_total_bytes")
+    scanned_at = time.time()
     synced_at, cached = read_local_state(root)
-    synced = sorted(cached)
-    if time.time() - synced_at > msg.get("stale_s", 3600):
+    synced = [cached[path] for path in sorted(cached)]
+    if scanned_at - synced_at > msg.get("stale_s", 3600):
         cached = {}
+    max_files = msg.get("max_files")
+    sweep_sync_temps(root)
     files, refused = [], []
     total = 0
     hashed = 0
@@ -721,6 +724,10 @@ def ws_scan(msg):
                 continue
             if not stat_module.S_ISREG(st.st_mode):
                 continue
+            if max_files is not None and len(files) >= max_files:
+                emit({"ev": "error", "id": msg["id"],
+                      "message": "the workspace holds more than the %d-file limit" % max_files})
+                return
             if max_file is not None and st.st_size > max_file:
                 refused.append({"path": rel, "reason": "larger than the %d-byte file limit" % max_file})
                 continue
@@ -738,12 +745,42 @@ def ws_scan(msg):
             else:
                 try:
                     checksum = md5_file(full)
-                except OSError:
-                    continue  # gone or unreadable meanwhile
+                except FileNotFoundError:
+                    continue  # gone meanwhile
+                except OSError as err:
+                    refused.append({"path": rel, "reason": "unreadable: %s" % err.strerror})
+                    continue
                 hashed += 1
             files.append({"path": rel, "checksum": checksum, "size": st.st_size, "modified_at": modified})
     emit({"ev": "done", "id": msg["id"], "files": files, "refused": refused, "hashed": hashed,
-          "synced": synced})
+          "synced": synced, "scanned_at": int(scanned_at)})
+
+
+def sweep_sync_temps(root):
+    """Removes temporary files of downloads that never finished (the host gave
+    up, or a checkpoint cut them off)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    active = {SYNC_TEMP_PREFIX + str(write_id) for write_id in WRITES}
+    for name in names:
+        if name.startswith(SYNC_TEMP_PREFIX) and name not in active:
+            try:
+                os.unlink(os.path.join(root, name))
+            except OSError:
+                pass
+
+
+def ws_write_abort(msg):
+    write = WRITES.pop(msg["id"], None)
+    if write is not None:
+        write[0].close()
+        try:
+            os.unlink(write[2])
+        except OSError:
+            pass
+    emit({"ev": "done", "id": msg["id"]})
 
 
 def ws_read(msg):
@@ -869,6 +906,7 @@ WORKSPACE_OPS = {
     "ws_read": ws_read,
     "ws_write_chunk": ws_write_chunk,
     "ws_write_end": ws_write_end,
+    "ws_write_abort": ws_write_abort,
     "ws_delete": ws_delete,
     "ws_state": ws_state,
 }

@@ -51,10 +51,22 @@ struct ScanReply {
     files: Vec<FileEntry>,
     #[serde(default)]
     refused: Vec<Refused>,
+    /// The sandbox's own state file's entries: user code can write that file,
+    /// so each entry is checked and the malformed ones ignored.
     #[serde(default)]
-    synced: Vec<String>,
+    synced: Vec<Value>,
     #[serde(default)]
     hashed: u64,
+    #[serde(default)]
+    scanned_at: i64,
+}
+
+/// A valid entry of the sandbox's state file, or `None`.
+fn synced_entry(value: Value) -> Option<FileEntry> {
+    let entry: FileEntry = serde_json::from_value(value).ok()?;
+    let valid = crate::workspace::path::WorkspacePath::new(&entry.path).is_ok()
+        && crate::workspace::path::is_md5_hex(&entry.checksum);
+    valid.then_some(entry)
 }
 
 #[async_trait]
@@ -72,6 +84,7 @@ impl WorkspaceFiles for GvisorRuntime {
                     "root": WORKSPACE_DIR,
                     "max_file_bytes": request.max_file_bytes,
                     "max_total_bytes": request.max_total_bytes,
+                    "max_files": request.max_files,
                     "stale_s": request.stale_threshold_s,
                 }),
                 FILE_OP_TIMEOUT,
@@ -108,8 +121,9 @@ impl WorkspaceFiles for GvisorRuntime {
         Ok(LocalScan {
             files,
             refused,
-            synced: parsed.synced,
+            synced: parsed.synced.into_iter().filter_map(synced_entry).collect(),
             hashed: parsed.hashed,
+            scanned_at: parsed.scanned_at,
         })
     }
 
@@ -143,8 +157,10 @@ impl WorkspaceFiles for GvisorRuntime {
             .await
             .map_err(agent_error)?;
         let mut written: u64 = 0;
+        let mut digest = md5::Context::new();
         while let Some(chunk) = chunks.recv().await {
             written += chunk.len() as u64;
+            digest.consume(&chunk);
             if written > max_bytes {
                 return Err(FilesError::Refused(format!(
                     "{path:?} is larger than the {max_bytes}-byte file limit"
@@ -161,12 +177,18 @@ impl WorkspaceFiles for GvisorRuntime {
         };
         let checksum = reply["checksum"].as_str().unwrap_or_default().to_owned();
         let size = reply["size"].as_u64().unwrap_or(u64::MAX);
-        if size != written || !crate::workspace::path::is_md5_hex(&checksum) {
+        // The checksum that names the stored content is the host's own.
+        let received = format!("{:x}", digest.finalize());
+        if size != written || checksum != received {
             return Err(FilesError::Agent(format!(
-                "{path:?}: the sandbox reported {size} bytes and checksum {checksum:?}, {written} bytes arrived"
+                "{path:?}: the sandbox reported {size} bytes with md5 {checksum:?}; \
+                 {written} bytes with md5 {received} arrived"
             )));
         }
-        Ok(Copied { checksum, size })
+        Ok(Copied {
+            checksum: received,
+            size,
+        })
     }
 
     async fn write_file(
@@ -177,51 +199,14 @@ impl WorkspaceFiles for GvisorRuntime {
     ) -> Result<(), FilesError> {
         let agent = self.workspace_agent(sandbox)?;
         let id = agent.new_id("w");
-        let mut buffer = vec![0u8; WRITE_CHUNK];
-        let mut total: u64 = 0;
-        loop {
-            let n = data
-                .read(&mut buffer)
-                .await
-                .map_err(|source| FilesError::Io {
-                    path: entry.path.clone(),
-                    source,
-                })?;
-            if n == 0 {
-                break;
-            }
-            total += n as u64;
-            if total > entry.size {
-                return Err(FilesError::Refused(format!(
-                    "{:?}: the stored content is larger than the {} bytes its state records",
-                    entry.path, entry.size
-                )));
-            }
-            agent
-                .send(&json!({
-                    "op": "ws_write_chunk",
-                    "id": id,
-                    "root": WORKSPACE_DIR,
-                    "data": BASE64.encode(&buffer[..n]),
-                }))
-                .await
-                .map_err(agent_error)?;
+        let result = send_file(&agent, &id, entry, &mut data).await;
+        if result.is_err() {
+            // Drop the half-written temporary file in the sandbox.
+            let _ = agent
+                .request_with_id(&id, json!({"op": "ws_write_abort"}), FILE_OP_TIMEOUT)
+                .await;
         }
-        agent
-            .request_with_id(
-                &id,
-                json!({
-                    "op": "ws_write_end",
-                    "root": WORKSPACE_DIR,
-                    "path": entry.path,
-                    "checksum": entry.checksum,
-                    "modified_at": entry.modified_at,
-                }),
-                FILE_OP_TIMEOUT,
-            )
-            .await
-            .map_err(agent_error)?;
-        Ok(())
+        result
     }
 
     async fn delete_files(&self, sandbox: &SandboxId, paths: &[String]) -> Result<u64, FilesError> {
@@ -247,4 +232,59 @@ impl WorkspaceFiles for GvisorRuntime {
             .map_err(agent_error)?;
         Ok(())
     }
+}
+
+/// Streams one download into the sandbox as `ws_write_chunk`s, then asks the
+/// agent to check and rename it.
+async fn send_file(
+    agent: &AgentConnection,
+    id: &str,
+    entry: &FileEntry,
+    data: &mut BlobReader,
+) -> Result<(), FilesError> {
+    let mut buffer = vec![0u8; WRITE_CHUNK];
+    let mut total: u64 = 0;
+    loop {
+        let n = data
+            .read(&mut buffer)
+            .await
+            .map_err(|source| FilesError::Io {
+                path: entry.path.clone(),
+                source,
+            })?;
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+        if total > entry.size {
+            return Err(FilesError::Refused(format!(
+                "{:?}: the stored content is larger than the {} bytes its state records",
+                entry.path, entry.size
+            )));
+        }
+        agent
+            .send(&json!({
+                "op": "ws_write_chunk",
+                "id": id,
+                "root": WORKSPACE_DIR,
+                "data": BASE64.encode(&buffer[..n]),
+            }))
+            .await
+            .map_err(agent_error)?;
+    }
+    agent
+        .request_with_id(
+            id,
+            json!({
+                "op": "ws_write_end",
+                "root": WORKSPACE_DIR,
+                "path": entry.path,
+                "checksum": entry.checksum,
+                "modified_at": entry.modified_at,
+            }),
+            FILE_OP_TIMEOUT,
+        )
+        .await
+        .map_err(agent_error)?;
+    Ok(())
 }

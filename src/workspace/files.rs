@@ -15,6 +15,7 @@ use super::state::FileEntry;
 pub struct ScanRequest {
     pub max_file_bytes: u64,
     pub max_total_bytes: u64,
+    pub max_files: u64,
     /// Checksums in a local state older than this are recomputed.
     pub stale_threshold_s: u64,
 }
@@ -31,8 +32,11 @@ pub struct Refused {
 pub struct LocalScan {
     pub files: Vec<FileEntry>,
     pub refused: Vec<Refused>,
-    /// Paths the sandbox's own `.sandbox-state` lists (synced before).
-    pub synced: Vec<String>,
+    /// What the sandbox's own `.sandbox-state` lists (synced before).
+    pub synced: Vec<FileEntry>,
+    /// Unix seconds when the scan started: the next scan trusts a recorded
+    /// checksum only for files modified before this second.
+    pub scanned_at: i64,
     /// Files whose md5 had to be computed (not reused from the state file).
     pub hashed: u64,
 }

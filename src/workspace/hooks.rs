@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use async_trait::async_trait;
 use controllers::api::{SandboxId, SandboxSpec};
-use controllers::hooks::{HookError, LifecycleHooks};
+use controllers::hooks::{ColdStart, HookError, LifecycleHooks};
 use serde::Deserialize;
 
 use super::metrics::WorkspaceMetrics;
@@ -195,6 +195,7 @@ impl LifecycleHooks for WorkspaceHooks {
         &self,
         sandbox: &SandboxId,
         spec: &SandboxSpec,
+        start: ColdStart,
     ) -> Result<(), HookError> {
         let Some(workspace) = &spec.workspace else {
             self.bindings().remove(sandbox);
@@ -219,10 +220,18 @@ impl LifecycleHooks for WorkspaceHooks {
         });
         if let Err(err) = self.run(sandbox, &binding, &template.cold_start).await {
             WorkspaceMetrics::add(&self.metrics().cold_start_failures, 1);
-            return Err(HookError(format!(
+            let message = format!(
                 "syncing workspace {:?} into the sandbox: {err}",
                 workspace.id
-            )));
+            );
+            if start == ColdStart::Created {
+                return Err(HookError(message));
+            }
+            // A restored sandbox has its own files (as of its checkpoint):
+            // failing it would lock its user out for as long as the store's
+            // side stays broken. It runs; later syncs up carry on.
+            tracing::warn!(%sandbox, %message, "workspace sync on restore failed; the sandbox runs with its checkpoint's files");
+            *binding.known.lock().await = None;
         }
         self.bindings().insert(sandbox.clone(), binding);
         Ok(())

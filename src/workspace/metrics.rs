@@ -19,6 +19,8 @@ pub struct WorkspaceMetrics {
     pub files_hashed: AtomicU64,
     /// Symlinks, oversized files and bad names left out of a sync.
     pub files_refused: AtomicU64,
+    /// Contents a stored state named that were missing (files skipped).
+    pub missing_contents: AtomicU64,
     pub cold_start_failures: AtomicU64,
     pub after_exec_failures: AtomicU64,
     pub terminate_failures: AtomicU64,
@@ -35,7 +37,7 @@ impl WorkspaceMetrics {
 
     /// Prometheus text.
     pub fn render(&self) -> String {
-        let counters: [(&str, &AtomicU64); 14] = [
+        let counters: [(&str, &AtomicU64); 15] = [
             (
                 "sandboxd_workspace_syncs_total{direction=\"down\"}",
                 &self.syncs_down,
@@ -67,6 +69,10 @@ impl WorkspaceMetrics {
             (
                 "sandboxd_workspace_files_total{op=\"refused\"}",
                 &self.files_refused,
+            ),
+            (
+                "sandboxd_workspace_files_total{op=\"missing\"}",
+                &self.missing_contents,
             ),
             (
                 "sandboxd_workspace_objects_deleted_total",

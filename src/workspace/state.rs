@@ -129,35 +129,67 @@ impl StateFile {
 /// What a sync down does to the sandbox's workspace.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct DownPlan {
-    /// New or changed remotely: fetch these.
+    /// Changed remotely since this sandbox last synced them (or never synced
+    /// here): fetch these.
     pub download: Vec<FileEntry>,
-    /// Synced before (in the local state) and gone remotely: delete these.
+    /// Synced before, unchanged here since, and gone remotely: delete these.
     pub delete: Vec<String>,
+    /// Changed here since the last sync and not remotely: kept as they are
+    /// (the next sync up sends them).
+    pub kept_local: Vec<String>,
     /// Equal on both sides.
     pub unchanged: usize,
+    /// The sandbox's state file once the plan is carried out.
+    pub local_after: Vec<FileEntry>,
 }
 
-/// Compares the bucket's state with what the sandbox holds (`actual`, a fresh
-/// scan) and what it last synced (`synced`, the paths of its own state file):
-/// download what is new or differs, delete what was synced before and is gone
-/// remotely, leave the rest (files created locally since the last sync stay;
-/// the next sync up sends them).
-pub fn plan_down(remote: &StateFile, synced: &[String], actual: &StateFile) -> DownPlan {
+/// A three-way comparison of the bucket's state (`remote`), what the sandbox
+/// holds now (`actual`, a fresh scan) and what it last synced (`synced`, its
+/// own state file): a file moves only where the other side changed it since
+/// the last sync, so a restored sandbox neither loses the files a later
+/// execution elsewhere stored nor the ones it changed itself after its last
+/// successful sync. When both sides changed a file, the bucket's wins.
+pub fn plan_down(remote: &StateFile, synced: &[FileEntry], actual: &StateFile) -> DownPlan {
     let actual_by_path = actual.by_path();
     let remote_by_path = remote.by_path();
+    let mut local: BTreeMap<&str, &FileEntry> =
+        synced.iter().map(|f| (f.path.as_str(), f)).collect();
+    let synced_by_path = local.clone();
     let mut plan = DownPlan::default();
     for entry in &remote.files {
-        match actual_by_path.get(entry.path.as_str()) {
-            Some(have) if have.checksum == entry.checksum => plan.unchanged += 1,
-            _ => plan.download.push(entry.clone()),
+        let have = actual_by_path.get(entry.path.as_str());
+        let was = synced_by_path.get(entry.path.as_str());
+        match (have, was) {
+            (Some(have), _) if have.checksum == entry.checksum => {
+                plan.unchanged += 1;
+                local.insert(&entry.path, have);
+            }
+            (_, Some(was)) if was.checksum == entry.checksum => {
+                // Not changed remotely since our last sync: ours is newer.
+                plan.kept_local.push(entry.path.clone());
+            }
+            _ => {
+                plan.download.push(entry.clone());
+                local.insert(&entry.path, entry);
+            }
         }
     }
-    for path in synced {
-        if !remote_by_path.contains_key(path.as_str()) && actual_by_path.contains_key(path.as_str())
-        {
-            plan.delete.push(path.clone());
+    for was in synced {
+        if remote_by_path.contains_key(was.path.as_str()) {
+            continue;
+        }
+        match actual_by_path.get(was.path.as_str()) {
+            Some(have) if have.checksum == was.checksum => {
+                plan.delete.push(was.path.clone());
+                local.remove(was.path.as_str());
+            }
+            Some(_) => plan.kept_local.push(was.path.clone()),
+            None => {
+                local.remove(was.path.as_str());
+            }
         }
     }
+    plan.local_after = local.into_values().cloned().collect();
     plan
 }
 
@@ -166,31 +198,46 @@ pub fn plan_down(remote: &StateFile, synced: &[String], actual: &StateFile) -> D
 pub struct UpPlan {
     /// Content the bucket does not hold yet (by checksum): upload these.
     pub upload: Vec<FileEntry>,
-    /// Paths the bucket's state lists and the sandbox no longer has.
+    /// The bucket's state after this sync.
+    pub next: Vec<FileEntry>,
+    /// Paths the bucket lists and this sync removes.
     pub removed: Vec<String>,
     /// Checksums the new state no longer references: their objects can go.
     pub unreferenced: Vec<String>,
     pub unchanged: usize,
+    /// True when `next` names the same contents as the bucket's state.
+    pub noop: bool,
 }
 
 impl UpPlan {
     pub fn is_noop(&self) -> bool {
-        self.upload.is_empty() && self.removed.is_empty()
+        self.noop
     }
 }
 
-/// Compares a fresh scan with the bucket's state. Content is stored once per
-/// checksum, so a renamed or copied file uploads nothing.
-pub fn plan_up(actual: &StateFile, remote: &StateFile) -> UpPlan {
+/// A three-way comparison of a fresh scan (`actual`) with the bucket's state
+/// (`remote`) and what this sandbox last synced (`synced`). A path leaves the
+/// bucket only when this sandbox synced it, no longer has it, and nobody
+/// changed it remotely since; paths the sandbox never saw (another sandbox's
+/// additions, a fresh sandbox's first sync) and paths the scan left out
+/// (`refused`: too large, unreadable, a symlink now) stay as they are.
+/// Content is stored once per checksum, so a renamed or copied file uploads
+/// nothing.
+pub fn plan_up(
+    actual: &StateFile,
+    remote: &StateFile,
+    synced: &[FileEntry],
+    refused: &std::collections::BTreeSet<String>,
+) -> UpPlan {
+    use std::collections::BTreeSet;
     let remote_by_path = remote.by_path();
-    let remote_sums: std::collections::BTreeSet<&str> =
-        remote.files.iter().map(|f| f.checksum.as_str()).collect();
-    let actual_paths: std::collections::BTreeSet<&str> =
-        actual.files.iter().map(|f| f.path.as_str()).collect();
-    let actual_sums: std::collections::BTreeSet<&str> =
-        actual.files.iter().map(|f| f.checksum.as_str()).collect();
+    let actual_by_path = actual.by_path();
+    let synced_by_path: BTreeMap<&str, &FileEntry> =
+        synced.iter().map(|f| (f.path.as_str(), f)).collect();
+    let remote_sums: BTreeSet<&str> = remote.files.iter().map(|f| f.checksum.as_str()).collect();
     let mut plan = UpPlan::default();
-    let mut queued = std::collections::BTreeSet::new();
+    let mut queued = BTreeSet::new();
+    let mut next: Vec<FileEntry> = Vec::new();
     for entry in &actual.files {
         let same = remote_by_path
             .get(entry.path.as_str())
@@ -202,18 +249,31 @@ pub fn plan_up(actual: &StateFile, remote: &StateFile) -> UpPlan {
         {
             plan.upload.push(entry.clone());
         }
+        next.push(entry.clone());
     }
-    plan.removed = remote
-        .files
-        .iter()
-        .filter(|f| !actual_paths.contains(f.path.as_str()))
-        .map(|f| f.path.clone())
-        .collect();
+    for entry in &remote.files {
+        if actual_by_path.contains_key(entry.path.as_str()) {
+            continue;
+        }
+        let deleted_here = !refused.contains(&entry.path)
+            && synced_by_path
+                .get(entry.path.as_str())
+                .is_some_and(|was| was.checksum == entry.checksum);
+        if deleted_here {
+            plan.removed.push(entry.path.clone());
+        } else {
+            next.push(entry.clone());
+        }
+    }
+    let next_sums: BTreeSet<&str> = next.iter().map(|f| f.checksum.as_str()).collect();
     plan.unreferenced = remote_sums
         .iter()
-        .filter(|sum| !actual_sums.contains(*sum))
+        .filter(|sum| !next_sums.contains(*sum))
         .map(|sum| (*sum).to_owned())
         .collect();
+    let next = StateFile::new(remote.last_synced_at, next);
+    plan.noop = next.same_content(remote);
+    plan.next = next.files;
     plan
 }
 
@@ -234,59 +294,106 @@ mod tests {
         StateFile::new(1_000, files.iter().map(|(p, s)| entry(p, *s)).collect())
     }
 
+    fn synced(files: &[(&str, char)]) -> Vec<FileEntry> {
+        state(files).files
+    }
+
+    fn names(entries: &[FileEntry]) -> Vec<&str> {
+        entries.iter().map(|f| f.path.as_str()).collect()
+    }
+
     #[test]
-    fn down_fetches_new_and_changed_deletes_removed_and_keeps_unsynced_local_files() {
-        let remote = state(&[("a", 'a'), ("b", 'c'), ("new", 'e')]);
-        let synced = ["a".to_owned(), "b".to_owned(), "gone".to_owned()];
-        let actual = state(&[("a", 'a'), ("b", 'b'), ("gone", 'd'), ("fresh", 'f')]);
-        let plan = plan_down(&remote, &synced, &actual);
-        let fetched: Vec<_> = plan.download.iter().map(|f| f.path.as_str()).collect();
-        assert_eq!(fetched, ["b", "new"]);
-        assert_eq!(plan.delete, ["gone"]);
+    fn down_fetches_remote_changes_deletes_remote_deletions_and_keeps_local_changes() {
+        let remote = state(&[("a", 'a'), ("b", 'c'), ("new", 'e'), ("mine", 'm')]);
+        let was = synced(&[
+            ("a", 'a'),
+            ("b", 'b'),
+            ("gone", 'd'),
+            ("edited", 'x'),
+            ("mine", 'm'),
+        ]);
+        let actual = state(&[
+            ("a", 'a'),
+            ("b", 'b'),
+            ("gone", 'd'),
+            ("edited", 'y'),
+            ("mine", 'n'),
+            ("fresh", 'f'),
+        ]);
+        let plan = plan_down(&remote, &was, &actual);
+        assert_eq!(
+            names(&plan.download),
+            ["b", "new"],
+            "changed remotely since the last sync"
+        );
+        assert_eq!(plan.delete, ["gone"], "deleted remotely, unchanged here");
+        assert_eq!(
+            plan.kept_local,
+            ["mine", "edited"],
+            "changed here after the last sync: ours is newer"
+        );
         assert_eq!(plan.unchanged, 1);
+        assert_eq!(
+            names(&plan.local_after),
+            ["a", "b", "edited", "mine", "new"]
+        );
+    }
+
+    #[test]
+    fn down_into_a_new_sandbox_fetches_everything() {
+        let remote = state(&[("a", 'a'), ("d/b", 'b')]);
+        let plan = plan_down(&remote, &[], &StateFile::empty());
+        assert_eq!(names(&plan.download), ["a", "d/b"]);
+        assert!(plan.delete.is_empty());
     }
 
     #[test]
     fn down_of_an_equal_tree_does_nothing() {
         let tree = state(&[("a", 'a'), ("d/b", 'b')]);
-        let synced = ["a".to_owned(), "d/b".to_owned()];
-        let plan = plan_down(&tree, &synced, &tree);
+        let plan = plan_down(&tree, &tree.files, &tree);
         assert!(plan.download.is_empty() && plan.delete.is_empty());
         assert_eq!(plan.unchanged, 2);
     }
 
     #[test]
-    fn up_uploads_each_new_content_once_and_lists_removals() {
-        let remote = state(&[("a", 'a'), ("old", 'o')]);
+    fn up_uploads_each_new_content_once_and_removes_what_this_sandbox_deleted() {
+        let remote = state(&[("a", 'a'), ("old", 'o'), ("gone", 'g')]);
+        let was = synced(&[("a", 'a'), ("old", 'o'), ("gone", 'g')]);
         let actual = state(&[("a", 'a'), ("copy1", 'n'), ("copy2", 'n'), ("renamed", 'o')]);
-        let plan = plan_up(&actual, &remote);
-        let uploaded: Vec<_> = plan.upload.iter().map(|f| f.path.as_str()).collect();
+        let plan = plan_up(&actual, &remote, &was, &Default::default());
         assert_eq!(
-            uploaded,
+            names(&plan.upload),
             ["copy1"],
             "same content twice, and a rename, upload once / nothing"
         );
-        assert_eq!(plan.removed, ["old"]);
-        assert!(
-            plan.unreferenced.is_empty(),
+        assert_eq!(plan.removed, ["gone", "old"]);
+        assert_eq!(
+            plan.unreferenced,
+            ["g".repeat(32)],
             "the renamed file still uses 'o'"
         );
         assert!(!plan.is_noop());
     }
 
     #[test]
-    fn up_of_an_unchanged_tree_is_a_noop() {
-        let tree = state(&[("a", 'a'), ("b", 'b')]);
-        let plan = plan_up(&tree, &tree);
+    fn up_keeps_paths_this_sandbox_never_saw_or_left_out() {
+        // Another sandbox added "theirs"; "big" was refused by the scan here;
+        // "changed" was modified remotely after this sandbox synced it.
+        let remote = state(&[("theirs", 't'), ("big", 'b'), ("changed", 'c')]);
+        let was = synced(&[("big", 'b'), ("changed", 'x')]);
+        let refused = ["big".to_owned()].into_iter().collect();
+        let plan = plan_up(&StateFile::empty(), &remote, &was, &refused);
+        assert!(plan.removed.is_empty(), "{:?}", plan.removed);
         assert!(plan.is_noop());
-        assert_eq!(plan.unchanged, 2);
+        assert!(plan.unreferenced.is_empty());
     }
 
     #[test]
-    fn up_releases_content_nobody_references() {
-        let remote = state(&[("a", 'a'), ("b", 'b')]);
-        let actual = state(&[("a", 'a')]);
-        assert_eq!(plan_up(&actual, &remote).unreferenced, ["b".repeat(32)]);
+    fn up_of_an_unchanged_tree_is_a_noop() {
+        let tree = state(&[("a", 'a'), ("b", 'b')]);
+        let plan = plan_up(&tree, &tree, &tree.files, &Default::default());
+        assert!(plan.is_noop());
+        assert_eq!(plan.unchanged, 2);
     }
 
     #[test]

@@ -31,6 +31,8 @@ use super::state::{FileEntry, StateError, StateFile, plan_down, plan_up};
 pub struct SyncLimits {
     pub max_file_bytes: u64,
     pub max_total_bytes: u64,
+    /// Most files a workspace may hold (bounds a scan's reply).
+    pub max_files: u64,
     /// One whole sync (down or up).
     pub timeout: Duration,
     /// `SANDBOX_SYNC_STALE_THRESHOLD`: checksums a sandbox's state file recorded
@@ -43,6 +45,7 @@ impl Default for SyncLimits {
         Self {
             max_file_bytes: 100 << 20,
             max_total_bytes: 1 << 30,
+            max_files: 100_000,
             timeout: Duration::from_secs(120),
             stale_threshold_s: 3600,
         }
@@ -113,6 +116,7 @@ impl WorkspaceSync {
         spool_dir: PathBuf,
         metrics: Arc<WorkspaceMetrics>,
     ) -> Self {
+        sweep_spool(&spool_dir);
         Self {
             store,
             files,
@@ -130,6 +134,7 @@ impl WorkspaceSync {
         ScanRequest {
             max_file_bytes: self.limits.max_file_bytes,
             max_total_bytes: self.limits.max_total_bytes,
+            max_files: self.limits.max_files,
             stale_threshold_s: self.limits.stale_threshold_s,
         }
     }
@@ -187,7 +192,7 @@ impl WorkspaceSync {
         sandbox: &SandboxId,
         workspace: &str,
     ) -> Result<(RemoteState, SyncReport), SyncError> {
-        let remote = self.read_remote(workspace).await?;
+        let mut remote = self.read_remote(workspace).await?;
         let (actual, scan) = self.scan(sandbox).await?;
         let plan = plan_down(&remote.state, &scan.synced, &actual);
         let mut report = SyncReport {
@@ -195,28 +200,90 @@ impl WorkspaceSync {
             refused: scan.refused.len() as u64,
             ..SyncReport::default()
         };
-        for entry in &plan.download {
-            self.download(sandbox, workspace, entry).await?;
-            report.downloaded += 1;
-            WorkspaceMetrics::add(&self.metrics.files_downloaded, 1);
-            WorkspaceMetrics::add(&self.metrics.bytes_downloaded, entry.size);
-        }
+        // Deletions first: a path may turn from a file into a directory.
         if !plan.delete.is_empty() {
             report.deleted = self.files.delete_files(sandbox, &plan.delete).await?;
             WorkspaceMetrics::add(&self.metrics.files_deleted, report.deleted);
         }
-        if !plan.download.is_empty() || !plan.delete.is_empty() || scan.synced.is_empty() {
-            let local = StateFile::new(now(), remote.state.files.clone());
-            self.files.write_state(sandbox, local.to_json()).await?;
+        let mut missing = Vec::new();
+        for entry in &plan.download {
+            match self.download(sandbox, workspace, entry).await {
+                Ok(()) => {
+                    report.downloaded += 1;
+                    WorkspaceMetrics::add(&self.metrics.files_downloaded, 1);
+                    WorkspaceMetrics::add(&self.metrics.bytes_downloaded, entry.size);
+                }
+                Err(SyncError::MissingContent { path, checksum }) => {
+                    tracing::warn!(%path, %checksum, "workspace content missing from the store; the file is skipped");
+                    missing.push(path);
+                }
+                Err(err) => return Err(err),
+            }
         }
+        let mut local_after = plan.local_after;
+        if !missing.is_empty() {
+            WorkspaceMetrics::add(&self.metrics.missing_contents, missing.len() as u64);
+            local_after.retain(|f| !missing.contains(&f.path));
+            remote = self.repair(workspace, remote, &missing).await;
+        }
+        let local = StateFile::new(scan.scanned_at, local_after);
+        self.files.write_state(sandbox, local.to_json()).await?;
         WorkspaceMetrics::add(&self.metrics.syncs_down, 1);
         tracing::info!(
             downloaded = report.downloaded,
             deleted = report.deleted,
             unchanged = report.unchanged,
+            kept_local = plan.kept_local.len(),
             "workspace synced down"
         );
         Ok((remote, report))
+    }
+
+    /// Drops entries whose content is missing from the stored state, so a
+    /// sandbox that still has those files uploads them again at its next sync
+    /// (they are then new to the store). Best effort: a conflict leaves it to
+    /// the next sync down.
+    async fn repair(
+        &self,
+        workspace: &str,
+        remote: RemoteState,
+        missing: &[String],
+    ) -> RemoteState {
+        let Some(key) = workspace_state_key(workspace) else {
+            return remote;
+        };
+        let Some(generation) = remote.generation else {
+            return remote;
+        };
+        let files = remote
+            .state
+            .files
+            .iter()
+            .filter(|f| !missing.contains(&f.path))
+            .cloned()
+            .collect();
+        let repaired = StateFile::new(remote.state.last_synced_at, files);
+        match self
+            .store
+            .put(&key, repaired.to_json().into(), PutMode::Update(generation))
+            .await
+        {
+            Ok(generation) => {
+                tracing::warn!(
+                    workspace,
+                    ?missing,
+                    "workspace state repaired: entries without content dropped"
+                );
+                RemoteState {
+                    state: repaired,
+                    generation: Some(generation),
+                }
+            }
+            Err(err) => {
+                tracing::warn!(workspace, %err, "cannot repair the workspace state");
+                remote
+            }
+        }
     }
 
     async fn download(
@@ -274,8 +341,10 @@ impl WorkspaceSync {
             refused: scan.refused.len() as u64,
             ..SyncReport::default()
         };
+        let refused: std::collections::BTreeSet<String> =
+            scan.refused.iter().map(|r| r.path.clone()).collect();
         for _ in 0..COMMIT_ATTEMPTS {
-            let plan = plan_up(&actual, &remote.state);
+            let plan = plan_up(&actual, &remote.state, &scan.synced, &refused);
             report.unchanged = plan.unchanged as u64;
             if plan.is_noop() {
                 WorkspaceMetrics::add(&self.metrics.syncs_unchanged, 1);
@@ -287,24 +356,27 @@ impl WorkspaceSync {
                 .iter()
                 .map(|f| f.checksum.clone())
                 .collect();
+            let mut next_files = plan.next.clone();
             for entry in &plan.upload {
                 let uploaded = self.upload(sandbox, workspace, entry).await?;
                 stored.insert(uploaded.checksum.clone());
                 if uploaded.checksum != entry.checksum || uploaded.size != entry.size {
                     // Changed between the scan and the read: record what was sent.
-                    if let Some(listed) = actual.files.iter_mut().find(|f| f.path == entry.path) {
-                        listed.checksum = uploaded.checksum;
-                        listed.size = uploaded.size;
+                    for listed in actual.files.iter_mut().chain(next_files.iter_mut()) {
+                        if listed.path == entry.path {
+                            listed.checksum.clone_from(&uploaded.checksum);
+                            listed.size = uploaded.size;
+                        }
                     }
                 }
                 report.uploaded += 1;
             }
-            if actual.files.iter().any(|f| !stored.contains(&f.checksum)) {
+            if next_files.iter().any(|f| !stored.contains(&f.checksum)) {
                 // A file changed between the scan and its upload, and another
                 // path still names the old content: plan again.
                 continue;
             }
-            let next = StateFile::new(now(), actual.files.clone());
+            let next = StateFile::new(now(), next_files);
             let mode = match remote.generation {
                 Some(generation) => PutMode::Update(generation),
                 None => PutMode::Create,
@@ -322,9 +394,9 @@ impl WorkspaceSync {
                     };
                     self.release(workspace, &plan.unreferenced, &committed.state)
                         .await;
-                    self.files
-                        .write_state(sandbox, committed.state.to_json())
-                        .await?;
+                    // The sandbox's own state records what it has, as of the scan.
+                    let local = StateFile::new(scan.scanned_at, actual.files.clone());
+                    self.files.write_state(sandbox, local.to_json()).await?;
                     WorkspaceMetrics::add(&self.metrics.syncs_up, 1);
                     tracing::info!(
                         uploaded = report.uploaded,
@@ -337,7 +409,6 @@ impl WorkspaceSync {
                 Err(StoreError::PreconditionFailed { .. }) => {
                     // Someone else committed meanwhile: plan again on theirs.
                     remote = self.read_remote(workspace).await?;
-                    actual = StateFile::new(now(), actual.files);
                 }
                 Err(err) => return Err(err.into()),
             }
@@ -353,13 +424,15 @@ impl WorkspaceSync {
         workspace: &str,
         entry: &FileEntry,
     ) -> Result<super::files::Copied, SyncError> {
-        let spool = self
-            .spool_dir
-            .join(format!("workspace-{}", uuid::Uuid::new_v4().simple()));
-        let result = async {
+        let spool = SpoolFile(
+            self.spool_dir
+                .join(format!("{SPOOL_PREFIX}{}", uuid::Uuid::new_v4().simple())),
+        );
+        let spool = &spool.0;
+        async {
             let copied = self
                 .files
-                .read_file(sandbox, &entry.path, self.limits.max_file_bytes, &spool)
+                .read_file(sandbox, &entry.path, self.limits.max_file_bytes, spool)
                 .await?;
             let key = workspace_blob_key(workspace, &copied.checksum).ok_or_else(|| {
                 SyncError::Files(FilesError::Refused(format!(
@@ -368,15 +441,13 @@ impl WorkspaceSync {
                 )))
             })?;
             self.store
-                .upload_blob(&key, BlobSource::File(spool.clone()))
+                .upload_blob(&key, BlobSource::File(spool.to_path_buf()))
                 .await?;
             WorkspaceMetrics::add(&self.metrics.files_uploaded, 1);
             WorkspaceMetrics::add(&self.metrics.bytes_uploaded, copied.size);
             Ok::<_, SyncError>(copied)
         }
-        .await;
-        let _ = tokio::fs::remove_file(&spool).await;
-        result
+        .await
     }
 
     /// Deletes contents the committed state no longer references. Failures
@@ -397,6 +468,35 @@ impl WorkspaceSync {
                     tracing::warn!(%key, %err, "cannot delete an unreferenced workspace object")
                 }
             }
+        }
+    }
+}
+
+/// Name prefix of the host files contents pass through.
+const SPOOL_PREFIX: &str = "workspace-spool-";
+
+/// A spooled content on the host, removed when dropped, also when a sync is
+/// cancelled by its timeout mid-way.
+struct SpoolFile(PathBuf);
+
+impl Drop for SpoolFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Removes spool files a crashed server left in `dir`.
+fn sweep_spool(dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with(SPOOL_PREFIX)
+        {
+            let _ = std::fs::remove_file(entry.path());
         }
     }
 }

@@ -27,7 +27,7 @@ use crate::api::{
 };
 use crate::clock::Clock;
 use crate::fencing::{FenceError, fenced_update};
-use crate::hooks::{LifecycleHooks, NoHooks};
+use crate::hooks::{ColdStart, LifecycleHooks, NoHooks};
 use crate::layout::{
     checkpoint_id_of_image, checkpoint_image_key, checkpoint_manifest_key, lock_key, metadata_key,
 };
@@ -1199,7 +1199,15 @@ impl Reconciler {
                     .map_err(|err| fail(err.to_string()))?;
             }
         }
-        if let Err(err) = self.hooks.on_cold_start(sandbox, &metadata.spec).await {
+        let start = match operation {
+            Operation::Create => ColdStart::Created,
+            _ => ColdStart::Restored,
+        };
+        if let Err(err) = self
+            .hooks
+            .on_cold_start(sandbox, &metadata.spec, start)
+            .await
+        {
             self.hooks.forget(sandbox);
             if let Err(destroy) = self.runtime.destroy(sandbox).await {
                 tracing::warn!(%sandbox, %destroy, "cannot destroy a sandbox whose cold start hook failed");

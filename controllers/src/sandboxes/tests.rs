@@ -638,11 +638,12 @@ impl crate::hooks::LifecycleHooks for RecordingHooks {
         &self,
         sandbox: &SandboxId,
         spec: &crate::api::SandboxSpec,
+        start: crate::hooks::ColdStart,
     ) -> Result<(), crate::hooks::HookError> {
         let running = self.runtime.memory(sandbox).is_some();
         let workspace = spec.workspace.as_ref().map(|w| w.id.clone());
         self.record(format!(
-            "cold_start running={running} workspace={workspace:?}"
+            "cold_start {start:?} running={running} workspace={workspace:?}"
         ));
         if self.fail_cold_start {
             return Err(crate::hooks::HookError("the bucket is on fire".into()));
@@ -689,7 +690,7 @@ async fn hooks_run_at_cold_start_after_each_execution_and_on_terminate() {
     a.reconcile(&id).await.unwrap();
     assert_eq!(
         hooks.calls(),
-        ["cold_start running=true workspace=Some(\"proj\")"]
+        ["cold_start Created running=true workspace=Some(\"proj\")"]
     );
 
     // The hook has run by the time the exit is reported.
