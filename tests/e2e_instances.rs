@@ -350,6 +350,7 @@ async fn after_a_crash_between_checkpoints_the_workspace_has_the_last_finished_e
     let (_dir, bucket, mut servers) = servers(&["wcrash-a", "wcrash-b"]).await;
     let mut init = init();
     init["workspace_id"] = json!("crash-proof");
+    init["workspace_token"] = json!("crash-proof-token-0123456789");
     let (mut ws, id, token) = servers[0].create(init).await;
     ws.exec("bash", "echo v1 > /workspace/v && echo v1 > /tmp/v")
         .await;

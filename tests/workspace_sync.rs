@@ -27,6 +27,9 @@ struct Fixture {
     _dir: tempfile::TempDir,
 }
 
+/// The secret that owns the tests' named workspaces.
+const TOKEN: &str = "test-workspace-token-0123456789";
+
 /// Small limits, so the tests can cross them.
 const LIMITS: SyncLimits = SyncLimits {
     max_file_bytes: 1 << 20,
@@ -107,7 +110,9 @@ fn counter(value: &std::sync::atomic::AtomicU64) -> u64 {
 #[tokio::test]
 async fn files_written_in_one_sandbox_appear_in_a_new_sandbox_with_the_same_workspace() {
     let fx = fixture().await;
-    let (mut first, _, _) = fx.create(json!({"workspace_id": "project-1"})).await;
+    let (mut first, _, _) = fx
+        .create(json!({"workspace_id": "project-1", "workspace_token": TOKEN}))
+        .await;
     stdout_of(
         &mut first,
         "mkdir -p /workspace/src/deep && echo hello > /workspace/src/main.py \
@@ -136,7 +141,9 @@ async fn files_written_in_one_sandbox_appear_in_a_new_sandbox_with_the_same_work
     assert_eq!(counter(&fx.metrics().files_uploaded), 3);
 
     // A brand-new sandbox given the same workspace finds the files.
-    let (mut second, _, _) = fx.create(json!({"workspace_id": "project-1"})).await;
+    let (mut second, _, _) = fx
+        .create(json!({"workspace_id": "project-1", "workspace_token": TOKEN}))
+        .await;
     assert_eq!(
         stdout_of(&mut second, "cat /workspace/src/main.py").await,
         "hello\n"
@@ -157,7 +164,9 @@ async fn files_written_in_one_sandbox_appear_in_a_new_sandbox_with_the_same_work
     assert_eq!(paths(&local), paths(&state));
 
     // Another workspace name starts empty; no workspace means no /workspace sync.
-    let (mut other, _, _) = fx.create(json!({"workspace_id": "project-2"})).await;
+    let (mut other, _, _) = fx
+        .create(json!({"workspace_id": "project-2", "workspace_token": TOKEN}))
+        .await;
     // (`ls` cannot stat paths under this old runsc: `find` can.)
     assert_eq!(
         stdout_of(&mut other, "find /workspace -mindepth 1").await,
@@ -171,7 +180,9 @@ async fn files_written_in_one_sandbox_appear_in_a_new_sandbox_with_the_same_work
 #[tokio::test]
 async fn a_second_sync_of_an_unchanged_tree_uploads_nothing() {
     let fx = fixture().await;
-    let (mut ws, _, _) = fx.create(json!({"workspace_id": "steady"})).await;
+    let (mut ws, _, _) = fx
+        .create(json!({"workspace_id": "steady", "workspace_token": TOKEN}))
+        .await;
     stdout_of(
         &mut ws,
         "for i in 1 2 3 4 5; do echo $i > /workspace/f$i; done",
@@ -210,7 +221,8 @@ async fn a_second_sync_of_an_unchanged_tree_uploads_nothing() {
 #[tokio::test]
 async fn a_deleted_file_is_deleted_on_the_other_side() {
     let fx = fixture().await;
-    let init = json!({"workspace_id": "shared", "enable_checkpoint": true});
+    let init =
+        json!({"workspace_id": "shared", "workspace_token": TOKEN, "enable_checkpoint": true});
     let (mut a, a_id, a_token) = fx.create(init.clone()).await;
     stdout_of(
         &mut a,
@@ -222,7 +234,9 @@ async fn a_deleted_file_is_deleted_on_the_other_side() {
     assert_eq!(a.until_close().await.last().unwrap(), "close:1000");
 
     // B deletes one of them: the bucket's state drops it and its content goes.
-    let (mut b, _, _) = fx.create(json!({"workspace_id": "shared"})).await;
+    let (mut b, _, _) = fx
+        .create(json!({"workspace_id": "shared", "workspace_token": TOKEN}))
+        .await;
     stdout_of(&mut b, "rm /workspace/d/gone && rmdir /workspace/d").await;
     assert_eq!(paths(&fx.remote_state("shared").await), ["keep"]);
     let contents = fx
@@ -254,7 +268,9 @@ async fn a_deleted_file_is_deleted_on_the_other_side() {
 #[tokio::test]
 async fn symlinks_escaping_the_workspace_and_oversized_or_bad_state_are_refused() {
     let fx = fixture().await;
-    let (mut ws, _, _) = fx.create(json!({"workspace_id": "safety"})).await;
+    let (mut ws, _, _) = fx
+        .create(json!({"workspace_id": "safety", "workspace_token": TOKEN}))
+        .await;
     stdout_of(
         &mut ws,
         "ln -s /etc/passwd /workspace/passwd && ln -s / /workspace/root && echo ok > /workspace/real",
@@ -278,7 +294,9 @@ async fn symlinks_escaping_the_workspace_and_oversized_or_bad_state_are_refused(
         .await
         .unwrap();
     let mut create = fx.server.connect("/create").await;
-    create.send(json!({"workspace_id": "evil"})).await;
+    create
+        .send(json!({"workspace_id": "evil", "workspace_token": TOKEN}))
+        .await;
     let frames = create.until_close().await;
     assert!(
         frames.contains(&"SANDBOX_CREATION_ERROR".to_owned()),
@@ -302,16 +320,21 @@ async fn symlinks_escaping_the_workspace_and_oversized_or_bad_state_are_refused(
         .await
         .unwrap();
     let mut create = fx.server.connect("/create").await;
-    create.send(json!({"workspace_id": "evil"})).await;
+    create
+        .send(json!({"workspace_id": "evil", "workspace_token": TOKEN}))
+        .await;
     let frames = create.until_close().await;
     assert!(frames.iter().any(|f| f.contains("(an MD5)")), "{frames:?}");
     assert!(counter(&fx.metrics().cold_start_failures) >= 2);
 
     // Bad options are refused before anything is created.
     for (init, needle) in [
-        (json!({"workspace_id": "../x"}), "invalid workspace_id"),
         (
-            json!({"workspace_id": "ok", "workspace_template": "nope"}),
+            json!({"workspace_id": "../x", "workspace_token": TOKEN}),
+            "invalid workspace_id",
+        ),
+        (
+            json!({"workspace_id": "ok", "workspace_token": TOKEN, "workspace_template": "nope"}),
             "unknown workspace_template",
         ),
         (
@@ -344,7 +367,9 @@ async fn enable_workspace_sync_without_a_name_uses_the_sandbox_id() {
 #[tokio::test]
 async fn size_limits_leave_large_files_out_and_a_failed_sync_is_counted_not_fatal() {
     let fx = fixture().await;
-    let (mut ws, _, _) = fx.create(json!({"workspace_id": "limits"})).await;
+    let (mut ws, _, _) = fx
+        .create(json!({"workspace_id": "limits", "workspace_token": TOKEN}))
+        .await;
     stdout_of(
         &mut ws,
         "head -c 2000000 /dev/zero > /workspace/too-big && echo small > /workspace/small",
@@ -380,12 +405,14 @@ async fn size_limits_leave_large_files_out_and_a_failed_sync_is_counted_not_fata
 #[tokio::test]
 async fn a_sync_up_never_removes_what_this_sandbox_did_not_delete() {
     let fx = fixture().await;
-    let (mut first, _, _) = fx.create(json!({"workspace_id": "keep"})).await;
+    let (mut first, _, _) = fx
+        .create(json!({"workspace_id": "keep", "workspace_token": TOKEN}))
+        .await;
     stdout_of(&mut first, "echo a > /workspace/a && echo b > /workspace/b").await;
 
     // An upload-only sandbox never fetched them: its syncs must not delete them.
     let (mut writer, _, _) = fx
-        .create(json!({"workspace_id": "keep", "workspace_template": "upload-only"}))
+        .create(json!({"workspace_id": "keep", "workspace_token": TOKEN, "workspace_template": "upload-only"}))
         .await;
     assert_eq!(stdout_of(&mut writer, "find /workspace -name a").await, "");
     stdout_of(&mut writer, "echo c > /workspace/c").await;
@@ -395,20 +422,25 @@ async fn a_sync_up_never_removes_what_this_sandbox_did_not_delete() {
     // the stored version stays.
     stdout_of(&mut first, "head -c 2000000 /dev/zero >> /workspace/b").await;
     assert_eq!(paths(&fx.remote_state("keep").await), ["a", "b", "c"]);
-    let (mut reader, _, _) = fx.create(json!({"workspace_id": "keep"})).await;
+    let (mut reader, _, _) = fx
+        .create(json!({"workspace_id": "keep", "workspace_token": TOKEN}))
+        .await;
     assert_eq!(stdout_of(&mut reader, "cat /workspace/b").await, "b\n");
 }
 
 #[tokio::test]
 async fn a_restore_follows_a_file_that_became_a_directory() {
     let fx = fixture().await;
-    let init = json!({"workspace_id": "shape", "enable_checkpoint": true});
+    let init =
+        json!({"workspace_id": "shape", "workspace_token": TOKEN, "enable_checkpoint": true});
     let (mut a, a_id, a_token) = fx.create(init).await;
     stdout_of(&mut a, "echo file > /workspace/x").await;
     a.send(json!({"action": "checkpoint"})).await;
     assert_eq!(a.until_close().await.last().unwrap(), "close:1000");
 
-    let (mut b, _, _) = fx.create(json!({"workspace_id": "shape"})).await;
+    let (mut b, _, _) = fx
+        .create(json!({"workspace_id": "shape", "workspace_token": TOKEN}))
+        .await;
     stdout_of(
         &mut b,
         "rm /workspace/x && mkdir /workspace/x && echo inside > /workspace/x/y",
@@ -420,4 +452,57 @@ async fn a_restore_follows_a_file_that_became_a_directory() {
     let frames = a.until_status("SANDBOX_RUNNING").await;
     assert_eq!(frames.last().unwrap(), "SANDBOX_RUNNING", "{frames:?}");
     assert_eq!(stdout_of(&mut a, "cat /workspace/x/y").await, "inside\n");
+}
+
+#[tokio::test]
+async fn a_named_workspace_belongs_to_the_token_that_first_used_it() {
+    let fx = fixture().await;
+    let (mut owner, _, _) = fx
+        .create(json!({"workspace_id": "private", "workspace_token": TOKEN}))
+        .await;
+    stdout_of(&mut owner, "echo secret > /workspace/s").await;
+    let owner_record = fx
+        .workspaces
+        .get(&ObjectKey::new("workspaces/private/owner.json").unwrap())
+        .await
+        .unwrap();
+    let record: Value = serde_json::from_slice(&owner_record.data).unwrap();
+    assert_eq!(
+        record["token_sha256"].as_str().unwrap().len(),
+        64,
+        "{record}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&owner_record.data).contains(TOKEN),
+        "the token itself is stored"
+    );
+
+    for (init, needle) in [
+        (
+            json!({"workspace_id": "private", "workspace_token": "someone-else-entirely"}),
+            "wrong workspace_token",
+        ),
+        (json!({"workspace_id": "private"}), "workspace_token"),
+        (
+            json!({"workspace_id": "private", "workspace_token": "short"}),
+            "workspace_token",
+        ),
+    ] {
+        let mut create = fx.server.connect("/create").await;
+        create.send(init.clone()).await;
+        let frames = create.until_close().await;
+        assert!(
+            frames.contains(&"SANDBOX_CREATION_ERROR".to_owned()),
+            "{init}: {frames:?}"
+        );
+        assert!(
+            frames.iter().any(|f| f.contains(needle)),
+            "{init}: {frames:?}"
+        );
+    }
+    assert_eq!(
+        counter(&fx.metrics().files_downloaded),
+        0,
+        "nothing reached the intruder"
+    );
 }

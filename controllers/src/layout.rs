@@ -75,6 +75,13 @@ pub fn workspace_state_key(workspace: &str) -> Option<ObjectKey> {
         .then(|| key(format!("{WORKSPACES_PREFIX}{workspace}/sandbox-state")))
 }
 
+/// `workspaces/<id>/owner.json`: the SHA-256 of the token that owns the
+/// workspace. `None` for an invalid workspace name.
+pub fn workspace_owner_key(workspace: &str) -> Option<ObjectKey> {
+    crate::api::is_resource_name(workspace)
+        .then(|| key(format!("{WORKSPACES_PREFIX}{workspace}/owner.json")))
+}
+
 /// `workspaces/<id>/files/<md5>`: one file content, stored once per checksum.
 /// `None` for an invalid workspace name or checksum.
 pub fn workspace_blob_key(workspace: &str, md5: &str) -> Option<ObjectKey> {

@@ -156,6 +156,18 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         extra: controllers::api::ExtraFields::new(),
     });
 
+    if let (Some(workspace), Some(hooks)) = (&metadata.spec.workspace, &state.workspace_hooks) {
+        // A named workspace belongs to whoever first used it with its token;
+        // one named after this sandbox is owned by the sandbox's token.
+        let token = init
+            .workspace
+            .as_ref()
+            .and_then(|w| w.token.as_deref())
+            .unwrap_or(&sandbox_token);
+        if let Err(message) = hooks.authorize(&workspace.id, token).await {
+            return fail(format!("Failed to create gVisor container: {message}")).await;
+        }
+    }
     let Ok((live, attachment)) = state.live.attach(&id) else {
         return fail(format!("sandbox id {id} is already in use")).await;
     };

@@ -183,12 +183,18 @@ pub struct InitMessage {
 
 /// The init message's workspace options: `enable_workspace_sync`,
 /// `workspace_id` (default: the sandbox id; naming one enables sync),
+/// `workspace_token` (the secret that owns a named workspace),
 /// `workspace_template`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkspaceRequest {
     pub id: Option<String>,
+    pub token: Option<String>,
     pub template: Option<String>,
 }
+
+/// Shortest `workspace_token` accepted (a guessable one would hand the
+/// workspace's files to anyone).
+pub const MIN_WORKSPACE_TOKEN_LEN: usize = 16;
 
 /// The languages an execution may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -351,6 +357,22 @@ fn workspace_request(map: &Map<String, Value>) -> Result<Option<WorkspaceRequest
     let enabled = optional_bool(map, "enable_workspace_sync")?;
     let id = optional_string(map, "workspace_id")?;
     let template = optional_string(map, "workspace_template")?;
+    let token = optional_string(map, "workspace_token")?;
+    if token
+        .as_ref()
+        .is_some_and(|t| t.len() < MIN_WORKSPACE_TOKEN_LEN || t.len() > 256)
+    {
+        return Err(FrameError::WrongType {
+            field: "workspace_token",
+            expected: "a secret of 16 to 256 characters",
+        });
+    }
+    if id.is_some() && token.is_none() {
+        return Err(FrameError::WrongType {
+            field: "workspace_token",
+            expected: "a secret of 16 to 256 characters (required with workspace_id: it owns the workspace)",
+        });
+    }
     if !enabled && id.is_none() {
         if template.is_some() {
             return Err(FrameError::WrongType {
@@ -360,7 +382,11 @@ fn workspace_request(map: &Map<String, Value>) -> Result<Option<WorkspaceRequest
         }
         return Ok(None);
     }
-    Ok(Some(WorkspaceRequest { id, template }))
+    Ok(Some(WorkspaceRequest {
+        id,
+        token,
+        template,
+    }))
 }
 
 impl ClientFrame {

@@ -99,6 +99,9 @@ enum Command {
         /// Sync /workspace with this workspace (shared by name).
         #[arg(long)]
         workspace: Option<String>,
+        /// The secret that owns the workspace (16–256 characters).
+        #[arg(long, env = "SANDBOXCTL_WORKSPACE_TOKEN", requires = "workspace")]
+        workspace_token: Option<String>,
         /// The workspace's hook template (default, download-only, upload-only, …).
         #[arg(long, requires = "workspace")]
         workspace_template: Option<String>,
@@ -256,6 +259,7 @@ async fn main() -> ExitCode {
             checkpoint,
             snapshot,
             workspace,
+            workspace_token,
             workspace_template,
             server,
         } => Some(UserCommand::Create {
@@ -267,6 +271,7 @@ async fn main() -> ExitCode {
                 enable_idle_timeout_auto_checkpoint: false,
                 filesystem_snapshot_name: snapshot.clone(),
                 workspace_id: workspace.clone(),
+                workspace_token: workspace_token.clone(),
                 workspace_template: workspace_template.clone(),
                 ..CreateOptions::default()
             },

@@ -55,6 +55,9 @@ pub struct CreateOptions {
     /// Sync `/workspace` with this workspace (sandboxes given the same name
     /// share its files; see docs/workspaces.md).
     pub workspace_id: Option<String>,
+    /// The secret that owns a named workspace (16–256 characters; required
+    /// with `workspace_id`).
+    pub workspace_token: Option<String>,
     /// The workspace's hook template (`default` when unset).
     pub workspace_template: Option<String>,
     pub progress: Progress,
@@ -192,6 +195,9 @@ impl Sandbox {
         }
         if let Some(workspace) = &options.workspace_id {
             init["workspace_id"] = json!(workspace);
+        }
+        if let Some(token) = &options.workspace_token {
+            init["workspace_token"] = json!(token);
         }
         if let Some(template) = &options.workspace_template {
             init["workspace_template"] = json!(template);

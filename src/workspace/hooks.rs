@@ -129,6 +129,14 @@ impl WorkspaceHooks {
         self.sync.metrics()
     }
 
+    /// Checks (or, for a new workspace, records) the token that owns it.
+    pub async fn authorize(&self, workspace: &str, token: &str) -> Result<(), String> {
+        self.sync
+            .authorize(workspace, token)
+            .await
+            .map_err(|err| err.to_string())
+    }
+
     /// Whether `name` is a template this instance knows (checked at create).
     pub fn has_template(&self, name: &str) -> bool {
         self.templates.contains_key(name)

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use controllers::api::SandboxId;
-use controllers::layout::{workspace_blob_key, workspace_state_key};
+use controllers::layout::{workspace_blob_key, workspace_owner_key, workspace_state_key};
 use controllers::store::{BlobSource, Generation, PutMode, Store, StoreError};
 
 use super::files::{FilesError, LocalScan, ScanRequest, WorkspaceFiles};
@@ -74,6 +74,10 @@ pub enum SyncError {
     Timeout(Duration),
     #[error("the workspace state kept changing under this sync (another sandbox writes it)")]
     Contended,
+    #[error("wrong workspace_token for workspace {0:?}")]
+    WrongToken(String),
+    #[error("the workspace's owner record ({key}) is invalid: {detail}")]
+    InvalidOwner { key: String, detail: String },
 }
 
 /// The store's state as this host last saw it, with its generation (`None`:
@@ -137,6 +141,56 @@ impl WorkspaceSync {
             max_files: self.limits.max_files,
             stale_threshold_s: self.limits.stale_threshold_s,
         }
+    }
+
+    /// Checks that `token` owns `workspace`, or makes it the owner of a
+    /// workspace nobody owns yet (a create-only write, so two first users
+    /// cannot both win). Only the token's SHA-256 is stored.
+    pub async fn authorize(&self, workspace: &str, token: &str) -> Result<(), SyncError> {
+        let key = workspace_owner_key(workspace)
+            .ok_or_else(|| SyncError::InvalidName(workspace.to_owned()))?;
+        for _ in 0..2 {
+            match self.store.get(&key).await {
+                Ok(object) => {
+                    let owner: serde_json::Value =
+                        serde_json::from_slice(&object.data).map_err(|err| {
+                            SyncError::InvalidOwner {
+                                key: key.to_string(),
+                                detail: err.to_string(),
+                            }
+                        })?;
+                    let Some(expected) = owner["token_sha256"].as_str() else {
+                        return Err(SyncError::InvalidOwner {
+                            key: key.to_string(),
+                            detail: "no token_sha256".to_owned(),
+                        });
+                    };
+                    return if crate::api::token::matches(token, expected) {
+                        Ok(())
+                    } else {
+                        Err(SyncError::WrongToken(workspace.to_owned()))
+                    };
+                }
+                Err(StoreError::NotFound { .. }) => {
+                    let owner = serde_json::json!({
+                        "token_sha256": crate::api::token::digest(token),
+                        "created_at": chrono::Utc::now(),
+                    });
+                    match self
+                        .store
+                        .put(&key, owner.to_string().into(), PutMode::Create)
+                        .await
+                    {
+                        Ok(_) => return Ok(()),
+                        // Someone claimed it meanwhile: check against theirs.
+                        Err(StoreError::PreconditionFailed { .. }) => continue,
+                        Err(err) => return Err(err.into()),
+                    }
+                }
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Err(SyncError::Contended)
     }
 
     /// Reads the store's state (one GET).

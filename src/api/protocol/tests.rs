@@ -277,3 +277,28 @@ fn the_init_network_option_is_none_egress_or_an_error() {
         assert!(err.to_string().contains("network"), "{err}");
     }
 }
+
+#[test]
+fn workspace_options_need_a_token_with_a_name() {
+    let parse = |text: &str| InitMessage::parse(text);
+    let named = parse(r#"{"workspace_id":"proj","workspace_token":"0123456789abcdef"}"#).unwrap();
+    let request = named.workspace.unwrap();
+    assert_eq!(request.id.as_deref(), Some("proj"));
+    assert_eq!(request.token.as_deref(), Some("0123456789abcdef"));
+    assert!(
+        parse(r#"{"enable_workspace_sync":true}"#)
+            .unwrap()
+            .workspace
+            .is_some()
+    );
+    assert!(parse(r#"{}"#).unwrap().workspace.is_none());
+    for bad in [
+        r#"{"workspace_id":"proj"}"#,
+        r#"{"workspace_id":"proj","workspace_token":"short"}"#,
+        r#"{"workspace_template":"default"}"#,
+        r#"{"enable_workspace_sync":"yes"}"#,
+        r#"{"workspace_id":7,"workspace_token":"0123456789abcdef"}"#,
+    ] {
+        assert!(parse(bad).is_err(), "{bad} was accepted");
+    }
+}
