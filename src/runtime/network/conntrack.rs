@@ -61,28 +61,33 @@ pub enum ConntrackError {
 pub struct StateTimeouts {
     pub time_wait: u64,
     pub fin_wait: u64,
+    pub close_wait: u64,
 }
 
 impl StateTimeouts {
-    /// Kernel defaults (`nf_conntrack_tcp_timeout_{time_wait,fin_wait}`).
+    /// Kernel defaults (`nf_conntrack_tcp_timeout_{time_wait,fin_wait,close_wait}`).
     pub const KERNEL_DEFAULT: Self = Self {
         time_wait: 120,
         fin_wait: 120,
+        close_wait: 60,
     };
 
     fn of(&self, state: &str) -> Option<u64> {
         match state {
             "TIME_WAIT" => Some(self.time_wait),
             "FIN_WAIT" => Some(self.fin_wait),
+            "CLOSE_WAIT" => Some(self.close_wait),
             _ => None,
         }
     }
 
-    /// Reads the sysctls (blocking: call off the async workers). A timeout
-    /// shorter than gVisor's linger would let an entry vanish while the
-    /// sandbox still holds the endpoint, so it is an error, not a default.
+    /// Reads the sysctls (blocking: call off the async workers). A TIME_WAIT
+    /// or FIN_WAIT timeout shorter than gVisor's linger would let an entry
+    /// vanish while the sandbox still holds the endpoint, so it is an error,
+    /// not a default. (CLOSE_WAIT's 60 s default is left as it is: see
+    /// [`lingering`].)
     fn read(dir: &Path) -> Result<Self, ConntrackError> {
-        let read = |state: &'static str| {
+        let read = |state: &'static str, minimum: u64| {
             let path = dir.join(format!("nf_conntrack_tcp_timeout_{state}"));
             let text = std::fs::read_to_string(path)
                 .map_err(|source| ConntrackError::Timeout { state, source })?;
@@ -90,14 +95,16 @@ impl StateTimeouts {
                 state,
                 source: std::io::Error::other(format!("not a number: {:?}", text.trim())),
             })?;
-            if seconds < NETSTACK_LINGER.as_secs() {
+            if seconds < minimum {
                 return Err(ConntrackError::TimeoutTooShort { state, seconds });
             }
             Ok(seconds)
         };
+        let linger = NETSTACK_LINGER.as_secs();
         Ok(Self {
-            time_wait: read("time_wait")?,
-            fin_wait: read("fin_wait")?,
+            time_wait: read("time_wait", linger)?,
+            fin_wait: read("fin_wait", linger)?,
+            close_wait: read("close_wait", 0)?,
         })
     }
 }
@@ -124,7 +131,7 @@ pub fn lingering(table: &str, address: Ipv4Addr, timeouts: StateTimeouts) -> Vec
                 return None;
             }
             let left: u64 = words.get(4)?.parse().ok()?;
-            let state = (*words.get(5)?).to_owned();
+            let mut state = (*words.get(5)?).to_owned();
             let mark = words
                 .iter()
                 .find_map(|w| w.strip_prefix("mark="))
@@ -136,6 +143,17 @@ pub fn lingering(table: &str, address: Ipv4Addr, timeouts: StateTimeouts) -> Vec
                 words.get(9)?.strip_prefix("dport=")?
             );
             let clears_in = match state.as_str() {
+                // Conntrack's CLOSE_WAIT is direction-blind: after the
+                // sandbox's own FIN was acknowledged it means the sandbox
+                // waits in FIN_WAIT_2 for the peer's FIN, an endpoint gVisor
+                // keeps, closed and unseen, for its linger. (Conntrack drops
+                // the entry after its close_wait timeout, 60 s by default,
+                // about when gVisor's linger ends.)
+                "CLOSE_WAIT" if mark & SANDBOX_FIRST_FIN_MARK != 0 => {
+                    let age = timeouts.of(&state)?.saturating_sub(left);
+                    state = "FIN_WAIT".to_owned();
+                    NETSTACK_LINGER.saturating_sub(Duration::from_secs(age))
+                }
                 // Nothing left in the sandbox, or an endpoint a socket still
                 // owns (the agent sees and closes those): a connecting socket
                 // closed by its owner leaves nothing behind, and a half-closed
@@ -210,6 +228,8 @@ ipv4     2 tcp      6 20 LAST_ACK src=10.231.0.6 dst=198.51.100.2 sport=21225 dp
 ipv4     2 tcp      6 50 TIME_WAIT src=10.231.0.6 dst=198.51.100.2 sport=21226 dport=9000 src=198.51.100.2 dst=198.51.100.1 sport=9000 dport=21226 [ASSURED] mark=2097152 zone=0 use=2
 ipv4     2 tcp      6 119 TIME_WAIT src=10.231.0.10 dst=198.51.100.2 sport=1 dport=9000 src=198.51.100.2 dst=198.51.100.1 sport=9000 dport=1 [ASSURED] mark=2097152 zone=0 use=2
 ipv4     2 tcp      6 110 SYN_SENT src=10.231.0.6 dst=198.51.100.9 sport=21227 dport=9000 [UNREPLIED] src=198.51.100.9 dst=198.51.100.1 sport=9000 dport=21227 mark=0 zone=0 use=2
+ipv4     2 tcp      6 50 CLOSE_WAIT src=10.231.0.6 dst=198.51.100.2 sport=21228 dport=9000 src=198.51.100.2 dst=198.51.100.1 sport=9000 dport=21228 [ASSURED] mark=2097152 zone=0 use=2
+ipv4     2 tcp      6 50 CLOSE_WAIT src=10.231.0.6 dst=198.51.100.2 sport=21229 dport=9001 src=198.51.100.2 dst=198.51.100.1 sport=9001 dport=21229 [ASSURED] mark=1048576 zone=0 use=2
 ipv4     2 udp      17 20 src=10.231.0.6 dst=10.255.255.53 sport=5000 dport=53 src=10.255.255.53 dst=192.0.2.2 sport=53 dport=5000 mark=0 zone=0 use=2
 ";
 
@@ -217,7 +237,12 @@ ipv4     2 udp      17 20 src=10.231.0.6 dst=10.255.255.53 sport=5000 dport=53 s
     fn sources(time_wait: &str, fin_wait: &str) -> tempfile::TempDir {
         let dir = tempfile::tempdir().expect("temp dir");
         std::fs::write(dir.path().join("table"), TABLE).expect("table");
-        for (state, value) in [("time_wait", time_wait), ("fin_wait", fin_wait)] {
+        let states = [
+            ("time_wait", time_wait),
+            ("fin_wait", fin_wait),
+            ("close_wait", "60"),
+        ];
+        for (state, value) in states {
             std::fs::write(
                 dir.path().join(format!("nf_conntrack_tcp_timeout_{state}")),
                 value,
@@ -275,17 +300,21 @@ ipv4     2 udp      17 20 src=10.231.0.6 dst=10.255.255.53 sport=5000 dport=53 s
             .iter()
             .map(|l| (l.state.as_str(), l.remote.as_str()))
             .collect();
-        // The young TIME_WAIT the sandbox started, and the LAST_ACK; not the
-        // peer-first TIME_WAIT, the old one, the live, connecting or closed
-        // ones, UDP or another sandbox's.
+        // The young TIME_WAIT the sandbox started, the LAST_ACK, and the
+        // CLOSE_WAIT after the sandbox's FIN (its FIN_WAIT_2); not the
+        // peer-first TIME_WAIT or CLOSE_WAIT, the old one, the live,
+        // connecting or closed ones, UDP or another sandbox's.
         assert_eq!(
             summary,
             vec![
                 ("TIME_WAIT", "198.51.100.2:9000"),
-                ("LAST_ACK", "198.51.100.2:80")
+                ("LAST_ACK", "198.51.100.2:80"),
+                ("FIN_WAIT", "198.51.100.2:9000"),
             ]
         );
         assert!(found[0].clears_in <= NETSTACK_LINGER);
         assert_eq!(found[1].clears_in, Duration::from_secs(20));
+        // 10 s into conntrack's 60 s CLOSE_WAIT: 52 s of gVisor's 62 left.
+        assert_eq!(found[2].clears_in, Duration::from_secs(52));
     }
 }
