@@ -3,12 +3,14 @@
 //!
 //! There is no outside network here, so the tests build one: a network
 //! namespace "world" behind a veth from the host, holding 198.51.100.2 (an
-//! allowed destination), 203.0.113.2 (in a denied CIDR) and 169.254.169.254
-//! (a stand-in metadata server), each serving TCP, plus a DNS responder. The
-//! host itself reaches all three (checked, so a refusal inside a sandbox is
-//! the firewall's doing), and a listener on the host stands for the host's
-//! own services. Tests share the host's tables and the world, so they run
-//! one at a time under [`NETWORK`].
+//! allowed destination), 203.0.113.2 (in a denied CIDR), 169.254.169.254 and
+//! 169.254.170.2 (stand-in metadata servers), each serving TCP, plus a DNS
+//! responder. The host itself reaches all of them (checked, so a refusal
+//! inside a sandbox is the firewall's doing), and a listener on the host
+//! stands for the host's own services. The world has no route to the sandbox
+//! range: a reply reaches a sandbox only if the host's NAT rewrote its
+//! source. Tests share the host's tables and the world, so they run one at a
+//! time under [`NETWORK`].
 
 #![allow(
     clippy::unwrap_used,
@@ -26,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use controllers::api::{NetworkMode, SandboxId};
 use controllers::runtime::{
-    CheckpointRequest, Command, CreateOptions, ExecEvent, ExecRequest, SandboxRuntime,
+    CheckpointRequest, Command, CreateOptions, ExecEvent, ExecRequest, Execution, SandboxRuntime,
 };
 use controllers::store::Store;
 use sandboxd::runtime::network::Ipv4Cidr;
@@ -41,10 +43,16 @@ const WORLD_VETH: &str = "sbxtw0";
 const ALLOWED: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
 const DENIED: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
 const METADATA: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
+/// Another cloud's metadata endpoint (ECS): link-local, so denied too.
+const TASK_METADATA: Ipv4Addr = Ipv4Addr::new(169, 254, 170, 2);
+/// The host's address towards the world: what the world must see with NAT.
+const HOST_WORLD_ADDRESS: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 /// Answers "hello from the world" and closes (the peer closes first).
 const HELLO_PORT: u16 = 8001;
 /// Reads until the client closes (the sandbox closes first).
 const HOLD_PORT: u16 = 8002;
+/// Answers "peer <the client's address as the world sees it>" and closes.
+const PEER_PORT: u16 = 8003;
 /// Every runtime of this test binary leases addresses here.
 const LEASE_DIR: &str = "/run/sandboxd-network-tests";
 
@@ -65,6 +73,9 @@ def hold(s):
         finally: c.close()
     while True:
         c, _ = s.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
+def peer(s):
+    while True:
+        c, a = s.accept(); c.sendall(("peer " + a[0] + "\n").encode()); c.close()
 def dns(s):
     while True:
         q, peer = s.recvfrom(512)
@@ -74,7 +85,7 @@ def dns(s):
         s.sendto(q[:2] + b"\x81\x80" + q[4:6] + (b"\x00\x01" if a else b"\x00\x00") + b"\x00\x00\x00\x00" + q[12:end] + (answer if a else b""), peer)
 udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); udp.bind(("198.51.100.2", 53))
 # Every socket is bound before "ready".
-for f, s in ((hello, listen(8001)), (hold, listen(8002)), (dns, udp)):
+for f, s in ((hello, listen(8001)), (hold, listen(8002)), (peer, listen(8003)), (dns, udp)):
     threading.Thread(target=f, args=(s,), daemon=True).start()
 print("ready", flush=True)
 threading.Event().wait()
@@ -115,9 +126,10 @@ impl World {
              ip link set {WORLD_VETH} up && \
              ip -n {WORLD_NETNS} addr add 198.51.100.2/24 dev w0 && ip -n {WORLD_NETNS} addr add 203.0.113.2/24 dev w0 && \
              ip -n {WORLD_NETNS} addr add 169.254.169.254/32 dev w0 && \
+             ip -n {WORLD_NETNS} addr add 169.254.170.2/32 dev w0 && \
              ip -n {WORLD_NETNS} link set w0 up && ip -n {WORLD_NETNS} link set lo up && \
-             ip -n {WORLD_NETNS} route add default via 198.51.100.1 && \
-             ip route add 169.254.169.254/32 via 198.51.100.2 dev {WORLD_VETH}"
+             ip route add 169.254.169.254/32 via 198.51.100.2 dev {WORLD_VETH} && \
+             ip route add 169.254.170.2/32 via 198.51.100.2 dev {WORLD_VETH}"
         ));
         let mut world = World {
             server: HostCommand::new("ip")
@@ -134,7 +146,7 @@ impl World {
         .unwrap();
         assert_eq!(line.trim(), "ready", "the world's servers did not start");
         // The host reaches every world address: a refusal in a sandbox is the firewall's.
-        for address in [ALLOWED, DENIED, METADATA] {
+        for address in [ALLOWED, DENIED, METADATA, TASK_METADATA] {
             let mut stream = TcpStream::connect_timeout(
                 &SocketAddr::from((address, HELLO_PORT)),
                 Duration::from_secs(2),
@@ -182,9 +194,13 @@ struct Host {
 }
 
 async fn host_in(dir: tempfile::TempDir, store: Arc<dyn Store>) -> Host {
+    host_with(dir, store, network_config(Duration::from_secs(3))).await
+}
+
+async fn host_with(dir: tempfile::TempDir, store: Arc<dyn Store>, config: NetworkConfig) -> Host {
     let runtime = support::runtime_with_store(dir.path(), store)
         .await
-        .with_network(network_config(Duration::from_secs(3)))
+        .with_network(config)
         .await
         .expect("sandbox networking must start (root, iproute2, iptables)");
     Host {
@@ -215,10 +231,15 @@ fn egress() -> CreateOptions {
 
 /// Runs Python in the sandbox; stdout, with stderr on failure.
 async fn python(runtime: &GvisorRuntime, sandbox: &SandboxId, code: &str) -> String {
-    let mut execution = runtime
+    let execution = runtime
         .exec(sandbox, ExecRequest::new(Command::Python(code.to_owned())))
         .await
         .unwrap();
+    finish(execution).await
+}
+
+/// Waits for an execution to exit 0; its stdout, with stderr on failure.
+async fn finish(mut execution: Execution) -> String {
     let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
     loop {
         let event = tokio::time::timeout(Duration::from_secs(60), execution.events.recv())
@@ -293,6 +314,10 @@ async fn egress_reaches_the_outside_by_name_and_none_does_not() {
 
     let reached = probe(&h.runtime, &open, "198.51.100.2", HELLO_PORT).await;
     assert_eq!(reached, "ok hello from the world");
+    // NAT: the world sees the host, not the sandbox's own address (and has no
+    // route back to that one anyway).
+    let seen_as = probe(&h.runtime, &open, "198.51.100.2", PEER_PORT).await;
+    assert_eq!(seen_as, format!("ok peer {HOST_WORLD_ADDRESS}"));
     // DNS: the configured nameserver, through the sandbox's own resolv.conf.
     let resolv = python(&h.runtime, &open, "print(open('/etc/resolv.conf').read())").await;
     assert!(resolv.contains("nameserver 198.51.100.2"), "{resolv}");
@@ -327,6 +352,11 @@ async fn metadata_denied_cidrs_and_the_host_itself_are_unreachable() {
     assert_eq!(
         metadata, "timeout",
         "the metadata server answered a sandbox"
+    );
+    let task_metadata = probe(&h.runtime, &id, "169.254.170.2", HELLO_PORT).await;
+    assert_eq!(
+        task_metadata, "timeout",
+        "a link-local metadata endpoint answered a sandbox"
     );
     let denied = probe(&h.runtime, &id, "203.0.113.2", HELLO_PORT).await;
     assert_eq!(denied, "timeout", "a denied CIDR answered a sandbox");
@@ -425,6 +455,18 @@ async fn a_checkpoint_this_runsc_would_fail_is_refused_and_the_sandbox_keeps_run
         ),
     )
     .await;
+    // Even a forced checkpoint, which kills a running execution, is refused
+    // before it kills anything.
+    let running = h
+        .runtime
+        .exec(
+            &id,
+            ExecRequest::new(Command::Python(
+                "import time\ntime.sleep(3)\nprint('survived')".to_owned(),
+            )),
+        )
+        .await
+        .unwrap();
     let err = h
         .runtime
         .checkpoint(
@@ -433,14 +475,22 @@ async fn a_checkpoint_this_runsc_would_fail_is_refused_and_the_sandbox_keeps_run
                 checkpoint_id: new_id(),
                 epoch: 1,
                 name: None,
-                force: false,
+                force: true,
             },
         )
         .await
         .expect_err("a checkpoint now would stop the sandbox");
+    assert_eq!(
+        finish(running).await,
+        "survived",
+        "the refused checkpoint killed the execution"
+    );
     let message = err.to_string();
+    // TIME_WAIT once the close is over; FIN_WAIT while the world's FIN is
+    // still on its way (a slow machine). Both are refused the same way.
     assert!(
-        message.contains("TIME_WAIT") && message.contains("retry in"),
+        (message.contains("TIME_WAIT to") || message.contains("FIN_WAIT to"))
+            && message.contains("retry in"),
         "{message}"
     );
     assert!(
@@ -455,31 +505,127 @@ async fn a_checkpoint_this_runsc_would_fail_is_refused_and_the_sandbox_keeps_run
 
     // Once gVisor's 60 s are over, the same sandbox checkpoints (and restores):
     // the guard's estimate is long enough, or this runsc would have failed
-    // the checkpoint and the sandbox would be reported lost here.
-    let retry_in: u64 = message
-        .split("retry in ")
-        .nth(1)
-        .and_then(|rest| rest.split(' ').next())
-        .and_then(|seconds| seconds.parse().ok())
-        .expect("the refusal says when to retry");
-    assert!(retry_in <= 62, "{message}");
-    tokio::time::sleep(Duration::from_secs(retry_in + 1)).await;
-    let manifest = h
-        .runtime
-        .checkpoint(
-            &id,
-            CheckpointRequest {
-                checkpoint_id: new_id(),
-                epoch: 1,
-                name: None,
-                force: false,
-            },
-        )
-        .await
-        .expect("the checkpoint succeeds once the TIME_WAIT is over");
+    // the checkpoint and the sandbox would be reported lost here. A FIN_WAIT
+    // seen first may turn into a TIME_WAIT with a later deadline: a second
+    // refusal is allowed, never a loss.
+    let mut message = message;
+    let mut attempts = 0;
+    let manifest = loop {
+        let retry_in: u64 = message
+            .split("retry in ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|seconds| seconds.parse().ok())
+            .expect("the refusal says when to retry");
+        assert!(retry_in <= 62, "{message}");
+        tokio::time::sleep(Duration::from_secs(retry_in + 1)).await;
+        attempts += 1;
+        match h
+            .runtime
+            .checkpoint(
+                &id,
+                CheckpointRequest {
+                    checkpoint_id: new_id(),
+                    epoch: 1,
+                    name: None,
+                    force: false,
+                },
+            )
+            .await
+        {
+            Ok(manifest) => break manifest,
+            Err(err) => {
+                message = err.to_string();
+                assert!(
+                    attempts < 2 && message.contains("retry in") && h.runtime.is_running(&id),
+                    "the checkpoint did not succeed once the closes were over: {message}"
+                );
+            }
+        }
+    };
     h.runtime.restore(&id, &manifest).await.unwrap();
     let reached = probe(&h.runtime, &id, "198.51.100.2", HELLO_PORT).await;
     assert_eq!(reached, "ok hello from the world");
+    h.runtime.settle().await;
+}
+
+/// A nat `PREROUTING` rule for sandbox interfaces, removed on drop: the
+/// host's own DNAT, as Docker's published ports or Kubernetes services add.
+struct HostDnat {
+    rule: String,
+    comment: String,
+}
+
+impl HostDnat {
+    /// `matches` then `-j DNAT --to-destination to`.
+    fn add(name: &str, matches: &str, to: &str) -> Self {
+        let comment = format!("sbxtest-dnat-{name}");
+        let rule = format!(
+            "PREROUTING -i sbxd+ {matches} -m comment --comment {comment} -j DNAT --to-destination {to}"
+        );
+        must(&format!("iptables -w -t nat -I {rule}"));
+        Self { rule, comment }
+    }
+
+    /// Packets the rule rewrote so far (`-S -v` ends a rule's match with
+    /// `-c <packets> <bytes>`).
+    fn packets(&self) -> u64 {
+        sh("iptables -w -t nat -S PREROUTING -v")
+            .lines()
+            .find(|line| line.contains(&format!("--comment {} ", self.comment)))
+            .and_then(|line| line.split(" -c ").nth(1))
+            .and_then(|counters| counters.split_whitespace().next())
+            .and_then(|packets| packets.parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for HostDnat {
+    fn drop(&mut self) {
+        let _ = sh(&format!("iptables -w -t nat -D {}", self.rule));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_hosts_nat_redirects_is_refused_but_dns_through_it_works() {
+    let _serial = NETWORK.lock().await;
+    let _world = World::start();
+    // A "published port" on the host's own address, forwarded to an allowed
+    // destination: without the DNAT rule in the sandbox's chain the policy
+    // would judge 198.51.100.2 and let it through to the host's service.
+    let published = HostDnat::add(
+        "published",
+        "-d 198.51.100.1/32 -p tcp --dport 8101",
+        "198.51.100.2:8001",
+    );
+    // A nameserver reached through the host's NAT (a Kubernetes DNS service).
+    let _dns = HostDnat::add(
+        "dns",
+        "-d 192.0.2.53/32 -p udp --dport 53",
+        "198.51.100.2:53",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = network_config(Duration::from_secs(3));
+    config.nameservers = vec![Ipv4Addr::new(192, 0, 2, 53)];
+    let h = host_with(tempfile::tempdir().unwrap(), store(dir.path()), config).await;
+    let id = new_id();
+    h.runtime.create(&id, &egress()).await.unwrap();
+
+    let by_name = probe(&h.runtime, &id, "world.test", HELLO_PORT).await;
+    assert_eq!(
+        by_name, "ok hello from the world",
+        "DNS through the host's NAT"
+    );
+    let before = published.packets();
+    let redirected = probe(&h.runtime, &id, "198.51.100.1", 8101).await;
+    assert_eq!(
+        redirected, "timeout",
+        "a sandbox reached a service through the host's DNAT"
+    );
+    assert!(
+        published.packets() > before,
+        "the host's DNAT rule never saw the sandbox's connection"
+    );
     h.runtime.settle().await;
 }
 

@@ -723,6 +723,13 @@ impl SandboxRuntime for GvisorRuntime {
         if running && !request.force {
             return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
         }
+        // A checkpoint the network guard would refuse anyway is refused before
+        // the agent kills anything (a forced one kills the running execution).
+        if let (Some(network), Some(host)) = (&local.network, &self.network) {
+            network::checkpoint::refuse_if_hopeless(host, network)
+                .await
+                .map_err(|err| RuntimeError::Failed(format!("cannot checkpoint now: {err}")))?;
+        }
         let prepared = local
             .agent
             .request(

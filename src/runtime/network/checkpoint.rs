@@ -4,6 +4,8 @@
 //! state but LISTEN and CLOSE towards a non-loopback peer), and the refusal
 //! stops the container: the sandbox would be lost. So before `runsc
 //! checkpoint`:
+//! 0. before the agent prepares anything, [`refuse_if_hopeless`] refuses a
+//!    checkpoint that cannot succeed (nothing killed yet, even when forced);
 //! 1. the firewall quiesces the sandbox ([`firewall::quiesce`]): its TCP
 //!    segments are answered with resets, so a connection closed now ends at
 //!    once instead of lingering, and no new one can open;
@@ -13,6 +15,7 @@
 //!    endpoints left by earlier closes, which gVisor keeps for 60 s and which
 //!    ignore resets. If they do not clear within the configured wait, the
 //!    checkpoint is refused and the sandbox goes on, its network restored.
+//!    An unreadable table is a refusal too: the guard fails closed.
 //!
 //! Current runsc has `--net-disconnect-ok` (open connections are reset at
 //! save instead of failing it) and `--allow-connected-on-save`; with it none
@@ -22,12 +25,29 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::conntrack::{Lingering, lingering, read_table};
+use super::conntrack::{self, Lingering};
 use super::{HostNetwork, NetworkError, SandboxNetwork, firewall};
 use crate::runtime::agent::AgentConnection;
 
 /// How often the quiet check runs while waiting.
 const POLL: Duration = Duration::from_millis(200);
+
+/// Refuses at once, before anything in the sandbox is killed, a checkpoint
+/// that cannot succeed: the host cannot read its connection table, or a
+/// closed connection lingers longer than the configured wait. Call it before
+/// the agent prepares the checkpoint.
+#[tracing::instrument(skip_all, fields(slot = sandbox.slot.index))]
+pub async fn refuse_if_hopeless(
+    network: &HostNetwork,
+    sandbox: &SandboxNetwork,
+) -> Result<(), NetworkError> {
+    let wait = network.config().checkpoint_wait;
+    let early = lingering_now(sandbox).await?;
+    if early.iter().any(|l| l.clears_in > wait) {
+        return Err(not_quiet(0, &early));
+    }
+    Ok(())
+}
 
 /// Quiesces the sandbox and waits until no TCP endpoint is left in it. On
 /// error the sandbox's network is back to normal.
@@ -37,19 +57,27 @@ pub async fn quiesce(
     sandbox: &SandboxNetwork,
     agent: &AgentConnection,
 ) -> Result<(), NetworkError> {
-    let slot = sandbox.slot.index;
-    // A TIME_WAIT that cannot clear in time: refuse before killing anything.
-    let wait = network.config().checkpoint_wait;
-    let early = lingering(&read_table(), sandbox.slot.sandbox);
-    if early.iter().any(|l| l.clears_in > wait) {
-        return Err(not_quiet(0, &early));
-    }
-    firewall::quiesce(slot).await?;
-    let result = wait_until_quiet(network, sandbox, agent).await;
+    // Checked again: the agent's preparation took time.
+    refuse_if_hopeless(network, sandbox).await?;
+    let result = match firewall::quiesce(sandbox.slot.index).await {
+        Ok(()) => wait_until_quiet(network, sandbox, agent).await,
+        Err(err) => Err(err.into()),
+    };
     if result.is_err() {
+        // Also after a failed quiesce: whatever part of it took effect goes.
         resume(sandbox).await;
     }
     result
+}
+
+/// What conntrack shows lingering in the sandbox; an unreadable table is a
+/// refusal (the sandbox goes on), never "quiet".
+async fn lingering_now(sandbox: &SandboxNetwork) -> Result<Vec<Lingering>, NetworkError> {
+    conntrack::snapshot(sandbox.slot.sandbox)
+        .await
+        .map_err(|err| {
+            NetworkError::NotQuiet(format!("cannot check the sandbox's connections: {err}"))
+        })
 }
 
 /// Undoes [`quiesce`] (the checkpoint did not happen; the sandbox goes on).
@@ -78,7 +106,7 @@ async fn wait_until_quiet(
             );
         }
         let open = reply["remaining"].as_array().map_or(0, Vec::len);
-        let lingering = lingering(&read_table(), sandbox.slot.sandbox);
+        let lingering = lingering_now(sandbox).await?;
         if open == 0 && lingering.is_empty() {
             tracing::debug!(
                 waited_ms = started.elapsed().as_millis() as u64,

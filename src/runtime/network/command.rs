@@ -35,6 +35,8 @@ impl CommandError {
 fn package_of(program: &str) -> &'static str {
     if program.starts_with("iptables") {
         "iptables"
+    } else if program == "modprobe" {
+        "kmod"
     } else {
         "iproute2"
     }

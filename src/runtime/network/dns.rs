@@ -6,7 +6,7 @@
 //! the host's services are off limits). On Cloud Run and GCE that is
 //! 169.254.169.254, the metadata server, which also serves DNS: the firewall
 //! lets port 53 through to configured nameservers before it drops the rest of
-//! the metadata address.
+//! the link-local range.
 
 use std::net::Ipv4Addr;
 

@@ -12,6 +12,11 @@
 //! startup after a crash) finds them in `iptables-save` without knowing the
 //! configuration they were made with.
 //!
+//! The policy runs in `FORWARD`, after the host's own `PREROUTING` DNAT
+//! (Docker's published ports, Kubernetes services) has rewritten the
+//! destination, so the egress chain drops every connection whose destination
+//! was rewritten (`--ctstate DNAT`), DNS addressed to a nameserver excepted.
+//!
 //! Two connmark bits record how each TCP connection closed, for the checkpoint
 //! guard ([`super::conntrack`]): [`PEER_FIN_MARK`] once the peer sent a FIN,
 //! [`SANDBOX_FIRST_FIN_MARK`] when the sandbox sent its FIN before the peer
@@ -96,10 +101,26 @@ pub fn sandbox_rules(slot: &Slot, policy: &DestinationPolicy, nameservers: &[Ipv
     ));
     for server in nameservers {
         for protocol in ["udp", "tcp"] {
-            let rule = format!("-d {server}/32 -p {protocol} --dport 53 -j ACCEPT\n");
-            out.push_str(&format!("-A {egress} {rule}-A {host} {rule}"));
+            // Addressed to the nameserver, whether or not the host's own NAT
+            // then sends it elsewhere (a Kubernetes DNS service address).
+            let rules = [
+                format!("-d {server}/32 -p {protocol} --dport 53 -j ACCEPT"),
+                format!(
+                    "-p {protocol} -m conntrack --ctstate DNAT --ctorigdst {server}/32 --ctorigdstport 53 -j ACCEPT"
+                ),
+            ];
+            for rule in rules {
+                out.push_str(&format!("-A {egress} {rule}\n-A {host} {rule}\n"));
+            }
         }
     }
+    // Anything else the host's NAT redirected (a Docker published port, a
+    // Kubernetes NodePort or service address) is dropped: the policy below
+    // would judge the rewritten destination, not the one the sandbox chose,
+    // and the host's own services would be reached through their DNAT.
+    out.push_str(&format!(
+        "-A {egress} -m conntrack --ctstate DNAT -j DROP\n"
+    ));
     let (rules, fallback) = policy.rules();
     let target = |verdict| match verdict {
         Verdict::Accept => "ACCEPT",
@@ -139,53 +160,33 @@ pub async fn install(
         .map(drop)
 }
 
+/// The `iptables-restore --noflush` input of [`quiesce`]: rules inserted
+/// first in the sandbox's chains, in one transaction.
+pub fn quiesce_rules(slot: u32) -> String {
+    let (egress, reply) = (chain(slot, "EGRESS"), chain(slot, "REPLY"));
+    let tag = format!("-m comment --comment {QUIESCE_COMMENT}");
+    format!(
+        "*filter\n\
+         -I {egress} 1 {tag} -j DROP\n\
+         -I {egress} 1 -p tcp {tag} -j REJECT --reject-with tcp-reset\n\
+         -I {reply} 1 {tag} -j DROP\n\
+         COMMIT\n"
+    )
+}
+
 /// Blocks the sandbox's traffic for a checkpoint: its TCP segments are
 /// answered with a RST (a connection its process closes now ends at once,
 /// without a TIME_WAIT, and no new one can open), anything else and every
-/// packet towards it is dropped.
+/// packet towards it is dropped. All or nothing: one `iptables-restore`
+/// transaction, so a failure leaves no half of it behind.
 pub async fn quiesce(slot: u32) -> Result<(), CommandError> {
-    let (egress, reply) = (chain(slot, "EGRESS"), chain(slot, "REPLY"));
-    iptables(&[
-        "-I",
-        &egress,
-        "1",
-        "-m",
-        "comment",
-        "--comment",
-        QUIESCE_COMMENT,
-        "-j",
-        "DROP",
-    ])
-    .await?;
-    iptables(&[
-        "-I",
-        &egress,
-        "1",
-        "-p",
-        "tcp",
-        "-m",
-        "comment",
-        "--comment",
-        QUIESCE_COMMENT,
-        "-j",
-        "REJECT",
-        "--reject-with",
-        "tcp-reset",
-    ])
-    .await?;
-    iptables(&[
-        "-I",
-        &reply,
-        "1",
-        "-m",
-        "comment",
-        "--comment",
-        QUIESCE_COMMENT,
-        "-j",
-        "DROP",
-    ])
-    .await?;
-    Ok(())
+    run(
+        "iptables-restore",
+        &["-w", "--noflush"],
+        Some(&quiesce_rules(slot)),
+    )
+    .await
+    .map(drop)
 }
 
 /// Undoes [`quiesce`] (the checkpoint was refused; the sandbox goes on).
@@ -306,8 +307,16 @@ mod tests {
                 .find(needle)
                 .unwrap_or_else(|| panic!("{needle} in {rules}"))
         };
-        assert!(position("--dport 53 -j ACCEPT") < position("-d 169.254.169.254/32 -j DROP"));
-        assert!(position("-d 169.254.169.254/32 -j DROP") < position("-d 203.0.113.0/24 -j DROP"));
+        assert!(position("--dport 53 -j ACCEPT") < position("-d 169.254.0.0/16 -j DROP"));
+        assert!(
+            position("--ctorigdst 169.254.169.254/32 --ctorigdstport 53 -j ACCEPT")
+                < position("-A SANDBOXD-7-EGRESS -m conntrack --ctstate DNAT -j DROP")
+        );
+        assert!(
+            position("-A SANDBOXD-7-EGRESS -m conntrack --ctstate DNAT -j DROP")
+                < position("-d 169.254.0.0/16 -j DROP")
+        );
+        assert!(position("-d 169.254.0.0/16 -j DROP") < position("-d 203.0.113.0/24 -j DROP"));
         assert!(position("-d 203.0.113.0/24 -j DROP") < position("-A SANDBOXD-7-EGRESS -j ACCEPT"));
         assert!(rules.contains(
             "-A SANDBOXD-FORWARD -i sbxd7 -m comment --comment sandboxd:7 -j SANDBOXD-7-EGRESS"
@@ -317,6 +326,24 @@ mod tests {
         assert!(
             position("-A SANDBOXD-7-EGRESS ! -s 10.231.0.30/32 -j DROP")
                 < position("--dport 53 -j ACCEPT")
+        );
+    }
+
+    #[test]
+    fn quiesce_is_one_transaction_resetting_tcp_before_dropping() {
+        let rules = quiesce_rules(4);
+        let lines: Vec<&str> = rules.lines().collect();
+        assert_eq!(lines.first(), Some(&"*filter"));
+        assert_eq!(lines.last(), Some(&"COMMIT"));
+        // Inserted at 1 in turn: the reset ends up above the drop.
+        assert_eq!(
+            lines[1],
+            "-I SANDBOXD-4-EGRESS 1 -m comment --comment sandboxd:quiesce -j DROP"
+        );
+        assert!(lines[2].contains("-p tcp") && lines[2].ends_with("--reject-with tcp-reset"));
+        assert_eq!(
+            lines[3],
+            "-I SANDBOXD-4-REPLY 1 -m comment --comment sandboxd:quiesce -j DROP"
         );
     }
 

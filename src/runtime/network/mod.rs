@@ -102,6 +102,10 @@ pub enum NetworkError {
     Allocator(#[from] AllocatorError),
     #[error(transparent)]
     Command(#[from] CommandError),
+    #[error(transparent)]
+    Conntrack(#[from] conntrack::ConntrackError),
+    #[error(transparent)]
+    Netns(#[from] netns::NetnsError),
     #[error("cannot enable IPv4 forwarding: {0}")]
     Forwarding(std::io::Error),
     #[error("{0}")]
@@ -131,9 +135,11 @@ pub struct HostNetwork {
 }
 
 impl HostNetwork {
-    /// Checks the tools, enables forwarding, removes what crashed servers
-    /// left (their leases, namespaces, veths and rules) and installs the
-    /// shared chains. `runtime` is the runtime's state directory: leases name
+    /// Checks the tools and that the checkpoint guard can read the host's
+    /// connection tracking (egress is refused otherwise: the guard would be
+    /// blind and a checkpoint could lose a sandbox), enables forwarding,
+    /// removes what crashed servers left (their leases, namespaces, veths and
+    /// rules) and installs the shared chains. `runtime` is the runtime's state directory: leases name
     /// it, so a restart in the same directory recognises its own leftovers.
     #[tracing::instrument(skip(config))]
     pub async fn start(
@@ -157,8 +163,11 @@ impl HostNetwork {
             pool,
             policy,
         };
+        conntrack::check_usable().await?;
         firewall::ensure_base().await?;
-        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").map_err(NetworkError::Forwarding)?;
+        tokio::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+            .await
+            .map_err(NetworkError::Forwarding)?;
         network.remove_leftovers().await?;
         tracing::info!(
             range = %network.config.range,
@@ -212,7 +221,8 @@ impl HostNetwork {
         let slot = self.pool.allocate()?;
         let built = async {
             netns::create(&slot).await?;
-            firewall::install(&slot, &self.policy, &self.config.nameservers).await
+            firewall::install(&slot, &self.policy, &self.config.nameservers).await?;
+            Ok::<(), NetworkError>(())
         }
         .await;
         match built {
@@ -220,7 +230,7 @@ impl HostNetwork {
             Err(err) => {
                 self.teardown(slot.index).await;
                 self.pool.release(slot.index);
-                Err(err.into())
+                Err(err)
             }
         }
     }

@@ -8,10 +8,24 @@
 //! runsc moves the address and routes into gVisor's netstack at start, so a
 //! namespace serves one run only: a restore gets a fresh one.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use super::allocator::{SLOT_PREFIX, Slot};
 use super::command::{CommandError, run};
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    #[error(transparent)]
+    Command(#[from] CommandError),
+    #[error(
+        "cannot turn IPv6 off on {interface} ({source}); without that the sandbox could reach \
+         host services over link-local IPv6, which the IPv4 firewall does not see"
+    )]
+    Ipv6Off {
+        interface: String,
+        source: std::io::Error,
+    },
+}
 
 /// Prefix of every namespace this server creates.
 pub const NETNS_PREFIX: &str = "sandboxd-";
@@ -38,7 +52,7 @@ async fn ip(args: &[&str]) -> Result<(), CommandError> {
 
 /// Creates the namespace, the veth pair, addresses and the default route.
 /// On failure whatever was made is removed again.
-pub async fn create(slot: &Slot) -> Result<(), CommandError> {
+pub async fn create(slot: &Slot) -> Result<(), NetnsError> {
     let made = create_steps(slot).await;
     if made.is_err() {
         delete(slot.index).await;
@@ -46,7 +60,7 @@ pub async fn create(slot: &Slot) -> Result<(), CommandError> {
     made
 }
 
-async fn create_steps(slot: &Slot) -> Result<(), CommandError> {
+async fn create_steps(slot: &Slot) -> Result<(), NetnsError> {
     let netns = netns_name(slot.index);
     let veth = veth_name(slot.index);
     let host = format!("{}/{SLOT_PREFIX}", slot.host);
@@ -57,9 +71,7 @@ async fn create_steps(slot: &Slot) -> Result<(), CommandError> {
         "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &netns,
     ])
     .await?;
-    // No IPv6 on the host side: the sandbox must not reach host services over
-    // link-local IPv6, which the IPv4 firewall does not see.
-    let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{veth}/disable_ipv6"), "1");
+    disable_ipv6(&veth).await?;
     ip(&["addr", "add", &host, "dev", &veth]).await?;
     ip(&["link", "set", &veth, "up"]).await?;
     ip(&["-n", &netns, "addr", "add", &sandbox, "dev", "eth0"]).await?;
@@ -67,6 +79,28 @@ async fn create_steps(slot: &Slot) -> Result<(), CommandError> {
     ip(&["-n", &netns, "link", "set", "eth0", "up"]).await?;
     ip(&["-n", &netns, "route", "add", "default", "via", &gateway]).await?;
     Ok(())
+}
+
+/// No IPv6 on the host side (before the link is up, so it never gets a
+/// link-local address): the sandbox must not reach host services over
+/// link-local IPv6, which the IPv4 firewall does not see. Fails closed; only
+/// a kernel without IPv6 at all (no `/proc/sys/net/ipv6`) needs nothing.
+async fn disable_ipv6(veth: &str) -> Result<(), NetnsError> {
+    let setting = format!("/proc/sys/net/ipv6/conf/{veth}/disable_ipv6");
+    match tokio::fs::write(&setting, "1").await {
+        Ok(()) => Ok(()),
+        Err(_)
+            if !tokio::fs::try_exists(Path::new("/proc/sys/net/ipv6"))
+                .await
+                .unwrap_or(true) =>
+        {
+            Ok(())
+        }
+        Err(source) => Err(NetnsError::Ipv6Off {
+            interface: veth.to_owned(),
+            source,
+        }),
+    }
 }
 
 /// Removes the namespace and the host interface (each if present).

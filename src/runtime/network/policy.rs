@@ -4,14 +4,16 @@
 //! The firewall installs exactly the ordered rules [`DestinationPolicy::rules`]
 //! returns, and [`DestinationPolicy::verdict`] walks the same list, so what
 //! the unit tests check is what the kernel enforces. First match wins:
-//! 1. the metadata server (169.254.169.254) and the sandbox range itself
-//!    (other sandboxes, the host's side of every veth): always denied;
+//! 1. the link-local range 169.254.0.0/16 (cloud metadata servers: GCE's and
+//!    AWS's 169.254.169.254, ECS's 169.254.170.2, …) and the sandbox range
+//!    itself (other sandboxes, the host's side of every veth): always denied;
 //! 2. the deny list;
 //! 3. the allow list, if one is set: everything else is denied;
 //! 4. otherwise everything else is allowed.
 //!
 //! DNS to the configured nameservers is accepted before all of this (see the
-//! firewall), so a nameserver at the metadata address keeps working for DNS.
+//! firewall), so a nameserver at a link-local address (the metadata server,
+//! a node-local cache) keeps working for DNS, and for DNS only.
 
 use std::fmt;
 use std::net::Ipv4Addr;
@@ -19,6 +21,12 @@ use std::str::FromStr;
 
 /// The cloud metadata server: holds the instance's credentials.
 pub const METADATA_ADDRESS: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
+/// Link-local IPv4, where clouds put their metadata endpoints (169.254.169.254,
+/// ECS's 169.254.170.2, …): always denied.
+pub const LINK_LOCAL: Ipv4Cidr = Ipv4Cidr {
+    network: Ipv4Addr::new(169, 254, 0, 0),
+    prefix: 16,
+};
 
 /// An IPv4 network: `10.0.0.0/8`, or a single address (`/32`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -138,7 +146,7 @@ impl DestinationPolicy {
     /// The ordered rules, first match wins, and the verdict when none matches.
     pub fn rules(&self) -> (Vec<(Ipv4Cidr, Verdict)>, Verdict) {
         let mut rules = vec![
-            (Ipv4Cidr::host(METADATA_ADDRESS), Verdict::Drop),
+            (LINK_LOCAL, Verdict::Drop),
             (self.sandbox_range, Verdict::Drop),
         ];
         rules.extend(self.deny.iter().map(|cidr| (*cidr, Verdict::Drop)));
@@ -210,10 +218,13 @@ mod tests {
     }
 
     #[test]
-    fn without_lists_everything_but_metadata_and_sandboxes_is_allowed() {
+    fn without_lists_everything_but_link_local_and_sandboxes_is_allowed() {
         let open = policy("", "");
         assert_eq!(open.verdict(ip("198.51.100.2")), Verdict::Accept);
         assert_eq!(open.verdict(METADATA_ADDRESS), Verdict::Drop);
+        assert_eq!(open.verdict(ip("169.254.170.2")), Verdict::Drop);
+        assert_eq!(open.verdict(ip("169.254.0.1")), Verdict::Drop);
+        assert_eq!(open.verdict(ip("169.255.0.1")), Verdict::Accept);
         assert_eq!(open.verdict(ip("10.231.0.6")), Verdict::Drop);
     }
 
@@ -223,9 +234,9 @@ mod tests {
         assert_eq!(p.verdict(ip("198.51.100.2")), Verdict::Accept);
         assert_eq!(p.verdict(ip("198.51.100.200")), Verdict::Drop);
         assert_eq!(p.verdict(ip("203.0.113.1")), Verdict::Drop);
-        // Allowing the link-local range does not open the metadata server.
+        // Allowing the link-local range opens none of it.
         assert_eq!(p.verdict(METADATA_ADDRESS), Verdict::Drop);
-        assert_eq!(p.verdict(ip("169.254.1.1")), Verdict::Accept);
+        assert_eq!(p.verdict(ip("169.254.1.1")), Verdict::Drop);
         let denied = policy("", "203.0.113.0/24");
         assert_eq!(denied.verdict(ip("203.0.113.5")), Verdict::Drop);
         assert_eq!(denied.verdict(ip("8.8.8.8")), Verdict::Accept);
