@@ -753,15 +753,28 @@ async fn a_handoff_between_server_processes_brings_the_network_back() {
         "--network-lease-dir",
         LEASE_DIR,
     ];
+    // A handoff does not wait for the lease (the holder releases it), so a
+    // longer one costs nothing here and keeps a slow checkpoint on a loaded
+    // machine from looking like a dead holder.
+    let leases = [
+        "--lease-duration-s",
+        "20",
+        "--clock-skew-s",
+        "1",
+        "--renew-interval-s",
+        "2",
+        "--resync-interval-s",
+        "2",
+    ];
     let mut a = Launch::new("net-a", dir.path())
         .on_bucket(&bucket)
-        .fast_leases()
+        .with_args(&leases)
         .with_args(&network)
         .start()
         .await;
     let mut b = Launch::new("net-b", dir.path())
         .on_bucket(&bucket)
-        .fast_leases()
+        .with_args(&leases)
         .with_args(&network)
         .start()
         .await;
