@@ -79,6 +79,26 @@ impl Fixture {
     async fn create(&self, init: Value) -> (Ws, String, String) {
         self.server.create(init).await
     }
+
+    /// `/create` with `init`, read to the close.
+    async fn create_frames(&self, init: Value) -> Vec<String> {
+        let mut create = self.server.connect("/create").await;
+        create.send(init).await;
+        create.until_close().await
+    }
+
+    /// Overwrites a workspace's stored state, as an operator could.
+    async fn write_state(&self, workspace: &str, state: &Value) {
+        let key = ObjectKey::new(format!("workspaces/{workspace}/sandbox-state")).unwrap();
+        self.workspaces
+            .put(
+                &key,
+                state.to_string().into(),
+                controllers::store::PutMode::Overwrite,
+            )
+            .await
+            .unwrap();
+    }
 }
 
 fn paths(state: &Value) -> Vec<String> {
@@ -281,23 +301,13 @@ async fn symlinks_escaping_the_workspace_and_oversized_or_bad_state_are_refused(
 
     // An operator (or anything) writes a state that points outside: the
     // cold start fails with a clear error, and nothing is changed.
-    let key = ObjectKey::new("workspaces/evil/sandbox-state").unwrap();
     let evil = json!({"version": "1.0", "last_synced_at": 1, "files": [
         {"path": "../../etc/cron.d/x", "checksum": "d41d8cd98f00b204e9800998ecf8427e", "size": 0, "modified_at": 1}
     ]});
-    fx.workspaces
-        .put(
-            &key,
-            evil.to_string().into(),
-            controllers::store::PutMode::Overwrite,
-        )
-        .await
-        .unwrap();
-    let mut create = fx.server.connect("/create").await;
-    create
-        .send(json!({"workspace_id": "evil", "workspace_token": TOKEN}))
+    fx.write_state("evil", &evil).await;
+    let frames = fx
+        .create_frames(json!({"workspace_id": "evil", "workspace_token": TOKEN}))
         .await;
-    let frames = create.until_close().await;
     assert!(
         frames.contains(&"SANDBOX_CREATION_ERROR".to_owned()),
         "{frames:?}"
@@ -311,19 +321,10 @@ async fn symlinks_escaping_the_workspace_and_oversized_or_bad_state_are_refused(
     let bad_md5 = json!({"version": "1.0", "last_synced_at": 1, "files": [
         {"path": "x", "checksum": "not-an-md5", "size": 0, "modified_at": 1}
     ]});
-    fx.workspaces
-        .put(
-            &key,
-            bad_md5.to_string().into(),
-            controllers::store::PutMode::Overwrite,
-        )
-        .await
-        .unwrap();
-    let mut create = fx.server.connect("/create").await;
-    create
-        .send(json!({"workspace_id": "evil", "workspace_token": TOKEN}))
+    fx.write_state("evil", &bad_md5).await;
+    let frames = fx
+        .create_frames(json!({"workspace_id": "evil", "workspace_token": TOKEN}))
         .await;
-    let frames = create.until_close().await;
     assert!(frames.iter().any(|f| f.contains("(an MD5)")), "{frames:?}");
     assert!(counter(&fx.metrics().cold_start_failures) >= 2);
 
@@ -346,9 +347,7 @@ async fn symlinks_escaping_the_workspace_and_oversized_or_bad_state_are_refused(
             "enable_workspace_sync",
         ),
     ] {
-        let mut create = fx.server.connect("/create").await;
-        create.send(init.clone()).await;
-        let frames = create.until_close().await;
+        let frames = fx.create_frames(init.clone()).await;
         assert!(
             frames.iter().any(|f| f.contains(needle)),
             "{init}: {frames:?}"
@@ -488,9 +487,7 @@ async fn a_named_workspace_belongs_to_the_token_that_first_used_it() {
             "workspace_token",
         ),
     ] {
-        let mut create = fx.server.connect("/create").await;
-        create.send(init.clone()).await;
-        let frames = create.until_close().await;
+        let frames = fx.create_frames(init.clone()).await;
         assert!(
             frames.contains(&"SANDBOX_CREATION_ERROR".to_owned()),
             "{init}: {frames:?}"

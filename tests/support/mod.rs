@@ -274,20 +274,7 @@ pub fn app_state_counted(
     runtime: Option<Arc<dyn controllers::runtime::SandboxRuntime>>,
     counts: Arc<controllers::store::OperationCounts>,
 ) -> sandboxd::server::AppState {
-    use controllers::leasing::LeaseConfig;
-    use controllers::sandboxes::ReconcilerConfig;
-    sandboxd::server::AppState::assemble(sandboxd::server::Parts {
-        instance: controllers::api::InstanceId::parse(instance).expect("instance id"),
-        metadata_store: Arc::clone(&store),
-        checkpoint_store: sandboxd::server::counted(store, &counts),
-        checkpoint_bucket: "test".to_owned(),
-        snapshot_bucket: "test".to_owned(),
-        runtime,
-        lease: LeaseConfig::default(),
-        reconciler: ReconcilerConfig::default(),
-        store_operations: counts,
-        workspace_hooks: None,
-    })
+    assemble(instance, store, runtime, counts, None)
 }
 
 /// As [`app_state_counted`] on a real gVisor runtime with workspace sync into
@@ -301,8 +288,6 @@ pub fn app_state_with_workspaces(
     spool: std::path::PathBuf,
     limits: sandboxd::workspace::SyncLimits,
 ) -> sandboxd::server::AppState {
-    use controllers::leasing::LeaseConfig;
-    use controllers::sandboxes::ReconcilerConfig;
     let sync = sandboxd::workspace::WorkspaceSync::new(
         workspaces,
         Arc::clone(&gvisor) as Arc<dyn sandboxd::workspace::WorkspaceFiles>,
@@ -312,17 +297,29 @@ pub fn app_state_with_workspaces(
     );
     let templates = sandboxd::workspace::hooks::templates_with(None).expect("templates");
     let hooks = sandboxd::workspace::WorkspaceHooks::new(Arc::new(sync), templates);
+    assemble(instance, store, Some(gvisor), counts, Some(Arc::new(hooks)))
+}
+
+fn assemble(
+    instance: &str,
+    store: Arc<dyn Store>,
+    runtime: Option<Arc<dyn controllers::runtime::SandboxRuntime>>,
+    counts: Arc<controllers::store::OperationCounts>,
+    workspace_hooks: Option<Arc<sandboxd::workspace::WorkspaceHooks>>,
+) -> sandboxd::server::AppState {
+    use controllers::leasing::LeaseConfig;
+    use controllers::sandboxes::ReconcilerConfig;
     sandboxd::server::AppState::assemble(sandboxd::server::Parts {
         instance: controllers::api::InstanceId::parse(instance).expect("instance id"),
         metadata_store: Arc::clone(&store),
         checkpoint_store: sandboxd::server::counted(store, &counts),
         checkpoint_bucket: "test".to_owned(),
         snapshot_bucket: "test".to_owned(),
-        runtime: Some(gvisor),
+        runtime,
         lease: LeaseConfig::default(),
         reconciler: ReconcilerConfig::default(),
         store_operations: counts,
-        workspace_hooks: Some(Arc::new(hooks)),
+        workspace_hooks,
     })
 }
 

@@ -49,29 +49,14 @@ impl Server {
         store: Arc<dyn Store>,
         adjust: impl FnOnce(&mut AppState),
     ) -> Self {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let cleanup = super::RunscCleanup(dir.path().join("runsc"));
         let counts = Arc::new(controllers::store::OperationCounts::default());
-        let runtime = super::runtime_with_store(
-            dir.path(),
-            sandboxd::server::counted(Arc::clone(&store), &counts),
-        )
-        .await;
-        let mut state = super::app_state_counted(
-            instance,
-            Arc::clone(&store),
-            Some(Arc::new(runtime)),
-            counts,
-        );
-        adjust(&mut state);
-        let addr = super::serve(state.clone()).await;
-        Self {
-            addr,
-            state,
-            store,
-            _cleanup: cleanup,
-            _dir: dir,
-        }
+        Self::on_runtime(Arc::clone(&store), Arc::clone(&counts), |runtime, _| {
+            let mut state =
+                super::app_state_counted(instance, Arc::clone(&store), Some(runtime), counts);
+            adjust(&mut state);
+            state
+        })
+        .await
     }
 
     /// A server on `store` that syncs workspaces into `workspaces`, counting
@@ -83,6 +68,27 @@ impl Server {
         counts: Arc<controllers::store::OperationCounts>,
         limits: sandboxd::workspace::SyncLimits,
     ) -> Self {
+        Self::on_runtime(Arc::clone(&store), Arc::clone(&counts), |runtime, dir| {
+            super::app_state_with_workspaces(
+                instance,
+                Arc::clone(&store),
+                runtime,
+                workspaces,
+                counts,
+                dir.to_path_buf(),
+                limits,
+            )
+        })
+        .await
+    }
+
+    /// Starts a gVisor runtime of its own (checkpoints in `store`, counted into
+    /// `counts`) and serves the state `build` makes around it.
+    async fn on_runtime(
+        store: Arc<dyn Store>,
+        counts: Arc<controllers::store::OperationCounts>,
+        build: impl FnOnce(Arc<sandboxd::runtime::GvisorRuntime>, &std::path::Path) -> AppState,
+    ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let cleanup = super::RunscCleanup(dir.path().join("runsc"));
         let runtime = super::runtime_with_store(
@@ -90,15 +96,7 @@ impl Server {
             sandboxd::server::counted(Arc::clone(&store), &counts),
         )
         .await;
-        let state = super::app_state_with_workspaces(
-            instance,
-            Arc::clone(&store),
-            Arc::new(runtime),
-            workspaces,
-            counts,
-            dir.path().to_path_buf(),
-            limits,
-        );
+        let state = build(Arc::new(runtime), dir.path());
         let addr = super::serve(state.clone()).await;
         Self {
             addr,
