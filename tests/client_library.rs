@@ -53,10 +53,16 @@ async fn the_library_drives_the_whole_api() {
         .await
         .unwrap();
     process.write_stdin("olleh\n").unwrap();
-    assert_eq!(
-        process.next().await.unwrap(),
-        Some(OutputChunk::Stdout("hello\n".into()))
-    );
+    // Unbuffered Python writes "hello" and "\n" separately: they may arrive
+    // as one chunk or two.
+    let mut stdout = String::new();
+    while !stdout.ends_with('\n') {
+        match process.next().await.unwrap() {
+            Some(OutputChunk::Stdout(text)) => stdout.push_str(&text),
+            other => panic!("expected stdout, got {other:?}"),
+        }
+    }
+    assert_eq!(stdout, "hello\n");
     assert!(process.wait().await.unwrap().success());
 
     let process = sandbox.exec(Language::Bash, "sleep 600").await.unwrap();
