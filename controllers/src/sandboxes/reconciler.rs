@@ -49,17 +49,21 @@ pub enum HandoffPolicy {
     Wait,
 }
 
-/// Timing and policy of the reconciler. The defaults keep an idle held
-/// sandbox at about 300 storage operations an hour (one lease write every
-/// 15 s, one full read every 2 min) while a freshly detached one, whose client
-/// may be reconnecting elsewhere, is watched every half second.
+/// Timing and policy of the reconciler. The defaults (priced in
+/// `docs/decisions/0007-instance-leases-and-doorbells.md`) keep an idle held
+/// sandbox at two reads a minute (its resync) and no writes: its hold lives
+/// on the instance lease, renewed once for every sandbox of the instance, and
+/// the instance learns of intents from its doorbell, read twice a second.
 #[derive(Debug, Clone)]
 pub struct ReconcilerConfig {
-    /// How often a held sandbox gets a full pass (re-reads metadata: operator
-    /// edits take effect within this).
+    /// How often a held sandbox gets a full pass (re-reads metadata and lock:
+    /// operators' raw edits take effect within this, rings or not).
     pub resync_interval: Duration,
-    /// How often a held lease is renewed (one conditional write).
+    /// How often the instance lease is renewed while the instance holds
+    /// sandboxes (one write for all of them).
     pub renew_interval: Duration,
+    /// How often the instance reads its doorbell while it holds sandboxes.
+    pub doorbell_poll: Duration,
     /// How often the lock of a held sandbox whose client just left is read,
     /// to notice an attach on another instance quickly.
     pub detached_poll: Duration,
@@ -89,11 +93,12 @@ pub struct ReconcilerConfig {
 impl Default for ReconcilerConfig {
     fn default() -> Self {
         Self {
-            resync_interval: Duration::from_secs(120),
-            renew_interval: Duration::from_secs(15),
+            resync_interval: Duration::from_secs(60),
+            renew_interval: Duration::from_millis(7_500),
+            doorbell_poll: Duration::from_millis(500),
             detached_poll: Duration::from_millis(250),
             detached_window: Duration::from_secs(60),
-            acquire_poll: Duration::from_millis(100),
+            acquire_poll: Duration::from_millis(50),
             checkpoint_retry: Duration::from_secs(2),
             handoff: HandoffPolicy::Force,
             keep_checkpoints: 2,
@@ -188,6 +193,33 @@ fn chrono_duration(duration: Duration) -> chrono::Duration {
     chrono::Duration::from_std(duration).unwrap_or(chrono::Duration::MAX)
 }
 
+/// Marks a sandbox as being started by a pass until dropped.
+struct StartingGuard<'a> {
+    set: &'a Mutex<HashSet<SandboxId>>,
+    sandbox: SandboxId,
+}
+
+impl<'a> StartingGuard<'a> {
+    fn new(set: &'a Mutex<HashSet<SandboxId>>, sandbox: &SandboxId) -> Self {
+        set.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sandbox.clone());
+        Self {
+            set,
+            sandbox: sandbox.clone(),
+        }
+    }
+}
+
+impl Drop for StartingGuard<'_> {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.sandbox);
+    }
+}
+
 /// The reconciler of one instance, with the leases it holds.
 #[derive(Debug)]
 pub struct Reconciler {
@@ -206,6 +238,12 @@ pub struct Reconciler {
     waiting: Mutex<HashSet<SandboxId>>,
     /// Sandboxes this instance is waiting to acquire (LOCK_ACQUIRING was said).
     acquiring: Mutex<HashSet<SandboxId>>,
+    /// Sandboxes being acquired and started by a pass right now: their lock
+    /// may name this instance before they are held.
+    starting: Mutex<HashSet<SandboxId>>,
+    /// When this instance last held or started anything: its instance lease
+    /// is renewed until a lease after that.
+    last_busy: Mutex<Option<DateTime<Utc>>>,
     /// Sandboxes whose next pass must be a full one (an intent was written).
     full_pass_wanted: Mutex<HashSet<SandboxId>>,
     metrics: Arc<super::metrics::Metrics>,
@@ -246,6 +284,8 @@ impl Reconciler {
             watches: Mutex::new(HashMap::new()),
             full_pass_wanted: Mutex::new(HashSet::new()),
             acquiring: Mutex::new(HashSet::new()),
+            starting: Mutex::new(HashSet::new()),
+            last_busy: Mutex::new(None),
             waiting: Mutex::new(HashSet::new()),
             draining: std::sync::atomic::AtomicBool::new(false),
             metrics: Arc::default(),
@@ -289,6 +329,10 @@ impl Reconciler {
         &self.leases
     }
 
+    pub fn config(&self) -> &ReconcilerConfig {
+        &self.config
+    }
+
     pub fn metadata_store(&self) -> &Arc<dyn Store> {
         &self.metadata
     }
@@ -305,6 +349,37 @@ impl Reconciler {
 
     fn held_map(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, HeldLease>> {
         self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn starting_set(&self) -> std::sync::MutexGuard<'_, HashSet<SandboxId>> {
+        self.starting.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// True while this instance's lease must be kept: it holds or starts a
+    /// sandbox, or did within the last lease duration (a release in flight,
+    /// a lock still naming it).
+    pub fn needs_instance_lease(&self) -> bool {
+        let now = self.clock.now();
+        let busy = !self.held_map().is_empty() || !self.starting_set().is_empty();
+        let mut last = self
+            .last_busy
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if busy {
+            *last = Some(now);
+            return true;
+        }
+        last.is_some_and(|at| now < at + self.leases.config().duration)
+    }
+
+    /// Held sandboxes whose hold the instance lease does not vouch for (its
+    /// renewal lapsed): each must be re-verified or stopped.
+    pub fn unvouched(&self) -> Vec<SandboxId> {
+        self.held_map()
+            .iter()
+            .filter(|(_, held)| !self.leases.instance_lease().vouches_for(held.era))
+            .map(|(id, _)| id.clone())
+            .collect()
     }
 
     fn forget(&self, sandbox: &SandboxId) {
@@ -429,6 +504,9 @@ impl Reconciler {
         if let Some(watch) = self.watch_map().get_mut(sandbox) {
             watch.last_full_pass = self.clock.now();
         }
+        if matches!(outcome, Ok(Requeue::After(_))) && self.held(sandbox).is_some() {
+            self.checkpoint_if_due(sandbox).await?;
+        }
         outcome
     }
 
@@ -533,29 +611,12 @@ impl Reconciler {
                 return Ok(None);
             }
         }
-        let mut renewed_at = held.renewed_at;
-        if now >= held.renewed_at + chrono_duration(self.config.renew_interval) {
-            match self.leases.renew_unchanged(&held).await {
-                Ok(Some(renewed)) => {
-                    renewed_at = renewed.renewed_at;
-                    self.held_map().insert(sandbox.clone(), renewed);
-                }
-                // The lock changed: an intent, an operator, a new holder.
-                Ok(None) => return Ok(None),
-                Err(err) => {
-                    if !self.leases.is_safe(&held) {
-                        self.stop_lost(sandbox, &format!("the lease could not be renewed: {err}"))
-                            .await;
-                        return Ok(Some(Requeue::Never));
-                    }
-                    return Err(err.into());
-                }
-            }
+        if !self.leases.is_safe(&held) {
+            // The instance lease lapsed: re-verify in a full pass.
+            return Ok(None);
         }
         let until = |at: DateTime<Utc>| (at - now).to_std().unwrap_or(Duration::ZERO);
-        let mut next = until(renewed_at + chrono_duration(self.config.renew_interval)).min(until(
-            watch.last_full_pass + chrono_duration(self.config.resync_interval),
-        ));
+        let mut next = until(watch.last_full_pass + chrono_duration(self.config.resync_interval));
         if watching {
             next = next.min(self.config.detached_poll);
         }
@@ -593,6 +654,24 @@ impl Reconciler {
         if let Some(held) = self.held(sandbox) {
             return self.reconcile_held(sandbox, &metadata, lease, held).await;
         }
+        if let Some(orphan) = lease
+            .as_ref()
+            .filter(|l| l.is_held_by(self.leases.instance()))
+            && !self.starting_set().contains(sandbox)
+        {
+            // The lock names this instance, which does not run the sandbox (a
+            // start that failed half-way, a release that did not land, an
+            // earlier incarnation with this id). The instance lease would keep
+            // that hold alive for ever: give it up.
+            if self.runtime.is_running(sandbox)
+                && let Err(err) = self.runtime.destroy(sandbox).await
+            {
+                tracing::warn!(%sandbox, %err, "cannot destroy an unheld sandbox");
+            }
+            tracing::warn!(%sandbox, epoch = orphan.epoch, "releasing a lock that names this instance but is not held here");
+            self.leases.release_orphan(sandbox, orphan.epoch).await?;
+            return Ok(Requeue::After(Duration::ZERO));
+        }
         match metadata.spec.desired_state {
             DesiredState::Deleted => self.tombstone_unheld(sandbox, &metadata, lease).await,
             DesiredState::Checkpointed => Ok(Requeue::Never),
@@ -623,7 +702,9 @@ impl Reconciler {
         }
         if !self.runtime.is_running(sandbox) {
             self.forget(sandbox);
-            let _ = self.leases.release(&held).await;
+            if let Err(err) = self.leases.release(&held).await {
+                tracing::warn!(%sandbox, %err, "cannot release the lease of a sandbox that stopped");
+            }
             let message = "the sandbox stopped unexpectedly on this instance".to_owned();
             self.write_status(sandbox, held.epoch, |status| {
                 status.phase = Phase::Failed;
@@ -679,57 +760,49 @@ impl Reconciler {
         }
     }
 
-    /// Renews the lease when due, and says when to look again.
+    /// Keeps a held sandbox running: nothing to write while the instance
+    /// lease vouches for the hold; after a lapse, re-verifies the hold with one
+    /// conditional write to its lock (a taker's concurrent write then fails),
+    /// or stops it. Says when to look again.
     async fn keep_running(
         &self,
         sandbox: &SandboxId,
         held: HeldLease,
     ) -> Result<Requeue, ReconcileError> {
-        let renew_every = chrono_duration(self.config.renew_interval);
         let now = self.clock.now();
-        let next_pass = |renewed_at: DateTime<Utc>| {
-            let watching = self
-                .watch_map()
-                .get(sandbox)
-                .and_then(|w| w.detached_since)
-                .is_some_and(|since| now < since + chrono_duration(self.config.detached_window));
-            let until_renewal = (renewed_at + renew_every - now)
-                .to_std()
-                .unwrap_or(Duration::ZERO)
-                .max(Duration::from_millis(10));
-            if watching {
-                until_renewal.min(self.config.detached_poll)
-            } else {
-                until_renewal
-            }
+        let watching = self
+            .watch_map()
+            .get(sandbox)
+            .and_then(|w| w.detached_since)
+            .is_some_and(|since| now < since + chrono_duration(self.config.detached_window));
+        let next = if watching {
+            self.config.detached_poll
+        } else {
+            self.config.resync_interval
         };
-        if now < held.renewed_at + renew_every {
-            return Ok(Requeue::After(next_pass(held.renewed_at)));
+        if self.leases.is_safe(&held) {
+            return Ok(Requeue::After(next));
         }
-        let renewed = match self.leases.renew_unchanged(&held).await {
-            Ok(Some(renewed)) => Ok(renewed),
-            Ok(None) => self.leases.renew(&held).await,
-            Err(err) => Err(err),
+        let reverified = async {
+            self.leases.ensure_instance_lease().await?;
+            self.leases.renew(&held).await
         };
-        match renewed {
+        match reverified.await {
             Ok(renewed) => {
-                let renewed_at = renewed.renewed_at;
+                tracing::info!(%sandbox, epoch = renewed.epoch, "hold re-verified after the instance lease lapsed");
                 self.held_map().insert(sandbox.clone(), renewed);
-                Ok(Requeue::After(next_pass(renewed_at)))
+                Ok(Requeue::After(next))
             }
             Err(LeaseError::Lost { .. } | LeaseError::Missing { .. }) => {
                 self.stop_lost(sandbox, "the lease was taken over").await;
                 Ok(Requeue::Never)
             }
             Err(err) => {
-                if !self.leases.is_safe(&held) {
-                    // Past the lease we can vouch for: another instance may
-                    // start it; two copies must never run.
-                    self.stop_lost(sandbox, &format!("the lease could not be renewed: {err}"))
-                        .await;
-                    return Ok(Requeue::Never);
-                }
-                Err(err.into())
+                // Past the lease we can vouch for: another instance may
+                // start it; two copies must never run.
+                self.stop_lost(sandbox, &format!("the lease could not be renewed: {err}"))
+                    .await;
+                Ok(Requeue::Never)
             }
         }
     }
@@ -900,7 +973,9 @@ impl Reconciler {
                     self.ready(status, false, "Failed", &message);
                 })
                 .await?;
-                let _ = self.leases.release(&held).await;
+                if let Err(err) = self.leases.release(&held).await {
+                    tracing::warn!(%sandbox, %err, "cannot release the lease of a lost sandbox");
+                }
                 self.emit(sandbox, Progress::Deleted);
                 self.emit(
                     sandbox,
@@ -1016,6 +1091,7 @@ impl Reconciler {
         if handoff && first_try {
             self.emit(sandbox, Progress::LockAcquiring);
         }
+        let _starting = StartingGuard::new(&self.starting, sandbox);
         let acquired = self.leases.acquire(sandbox).await;
         if !matches!(acquired, Err(LeaseError::HeldByOther { .. })) {
             self.acquiring
@@ -1077,11 +1153,15 @@ impl Reconciler {
                     },
                 );
                 self.emit(sandbox, Progress::Running { epoch: held.epoch });
-                Ok(Requeue::After(self.config.renew_interval))
+                Ok(Requeue::After(self.config.resync_interval))
             }
             Err((operation, message)) => {
                 tracing::warn!(%sandbox, ?operation, %message, "cannot start the sandbox");
-                let _ = self.runtime.destroy(sandbox).await;
+                if let Err(err) = self.runtime.destroy(sandbox).await
+                    && !matches!(err, RuntimeError::NotFound(_))
+                {
+                    tracing::warn!(%sandbox, %err, "cannot destroy a sandbox that failed to start");
+                }
                 let previous_phase = metadata.status.phase;
                 let recorded = self
                     .write_status(sandbox, held.epoch, |status| {
@@ -1100,8 +1180,12 @@ impl Reconciler {
                         status.last_error = Some(message.clone());
                     })
                     .await;
-                let _ = self.leases.release(&held).await;
-                let _ = self.leases.withdraw_attach(sandbox).await;
+                if let Err(err) = self.leases.release(&held).await {
+                    tracing::warn!(%sandbox, %err, "cannot release the lease after a failed start");
+                }
+                if let Err(err) = self.leases.withdraw_attach(sandbox).await {
+                    tracing::warn!(%sandbox, %err, "cannot withdraw the attach intent after a failed start");
+                }
                 self.emit(sandbox, Progress::Failed { operation, message });
                 recorded.map(|_| Requeue::Never)
             }

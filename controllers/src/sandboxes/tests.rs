@@ -107,6 +107,46 @@ impl Instance {
         id
     }
 
+    /// What the instance lease loop does every `renew_interval`.
+    async fn heartbeat(&self) {
+        self.controller
+            .reconciler()
+            .leases()
+            .instance_lease()
+            .renew()
+            .await
+            .unwrap();
+    }
+
+    /// Lets `seconds` pass with the instance alive (heartbeats every 10 s).
+    async fn live_through(&self, world: &World, seconds: i64) {
+        let mut left = seconds;
+        while left > 0 {
+            let step = left.min(10);
+            world.clock.advance(Duration::seconds(step));
+            self.heartbeat().await;
+            left -= step;
+        }
+    }
+
+    /// A sandbox held here that has a checkpoint to restore (checkpointed,
+    /// then asked back here).
+    async fn create_checkpointed(&self, world: &World) -> SandboxId {
+        let id = self.create(world).await;
+        self.controller
+            .request_state(&id, DesiredState::Checkpointed, None)
+            .await
+            .unwrap();
+        self.reconcile(&id).await.unwrap();
+        self.controller
+            .request_here(&id, None, world.clock.now())
+            .await
+            .unwrap();
+        self.reconcile(&id).await.unwrap();
+        assert!(self.controller.is_held_here(&id));
+        id
+    }
+
     async fn run(&self, id: &SandboxId, code: &str) {
         let mut execution = self
             .controller
@@ -338,8 +378,11 @@ async fn a_holder_that_lost_its_lease_stops_without_writing() {
         .unwrap();
     let before = world.store.get(&metadata_key(&id)).await.unwrap();
     let mut events = a.controller.subscribe(&id);
-    // Noticed at the next renewal: its conditional write fails.
-    world.clock.advance(Duration::seconds(16));
+    // A raw edit without a ring: noticed at the next resync.
+    a.live_through(&world, 30).await;
+    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert!(a.runtime.memory(&id).is_some(), "not before the resync");
+    a.live_through(&world, 31).await;
 
     assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
     assert!(matches!(drain(&mut events)[..], [Progress::Lost { .. }]));
@@ -444,41 +487,190 @@ async fn a_sandbox_that_died_is_marked_failed_and_released() {
 }
 
 #[tokio::test]
-async fn the_lease_is_renewed_once_per_renew_interval_with_one_write() {
+async fn an_idle_held_sandbox_costs_no_write_its_instance_renews_once_for_all() {
     let world = World::new();
     let a = world.instance("a");
-    let id = a.create(&world).await;
-    let first = world.lease(&id).await.renewed_at;
-    a.reconcile(&id).await.unwrap();
-    assert_eq!(world.lease(&id).await.renewed_at, first, "not due yet");
-    world.clock.advance(Duration::seconds(16));
+    let first = a.create(&world).await;
+    let second = a.create(&world).await;
+    let lock = world.store.get(&lock_key(&first)).await.unwrap().generation;
     let operations = world.store.operations();
-    a.reconcile(&id).await.unwrap();
-    let used = world.store.operations() - operations;
-    assert!(world.lease(&id).await.renewed_at > first);
-    assert_eq!(used, 1, "one conditional write, no read");
+    for _ in 0..5 {
+        world.clock.advance(Duration::seconds(10));
+        a.heartbeat().await;
+        a.reconcile(&first).await.unwrap();
+        a.reconcile(&second).await.unwrap();
+    }
+    // 5 heartbeats (one write each, for both sandboxes); the passes are
+    // light: nothing read, nothing written, until the resync at 60 s.
+    assert_eq!(world.store.operations() - operations, 5);
+    assert_eq!(
+        world.store.get(&lock_key(&first)).await.unwrap().generation,
+        lock,
+        "lock.json untouched"
+    );
+    world.clock.advance(Duration::seconds(11));
+    a.heartbeat().await;
+    let operations = world.store.operations();
+    a.reconcile(&first).await.unwrap();
+    assert_eq!(
+        world.store.operations() - operations,
+        2,
+        "the resync reads metadata and lock"
+    );
 }
 
 #[tokio::test]
-async fn an_attach_intent_is_noticed_by_the_renewal_even_with_the_client_attached() {
+async fn an_attach_intent_rings_the_holder_even_with_its_client_attached() {
     let world = World::new();
     let a = world.instance("a");
     let b = world.instance("b");
     let id = a.create(&world).await;
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
     b.controller
         .request_here(&id, None, world.clock.now())
         .await
         .unwrap();
-    a.reconcile(&id).await.unwrap();
-    assert!(a.runtime.memory(&id).is_some(), "not before the renewal");
-    world.clock.advance(Duration::seconds(16));
-    a.reconcile(&id).await.unwrap();
-    assert!(
-        a.runtime.memory(&id).is_none(),
-        "handed over at the renewal"
+    // The doorbell names the sandbox once, however often it is read.
+    assert_eq!(
+        a.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()]
     );
+    assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
+    // The ring queued a full pass: the hand-over happens in it.
+    a.reconcile(&id).await.unwrap();
+    assert!(a.runtime.memory(&id).is_none(), "handed over at once");
     b.reconcile(&id).await.unwrap();
     assert!(b.runtime.memory(&id).is_some());
+}
+
+#[tokio::test]
+async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.live_through(&world, 10).await;
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    // The ring is lost (say the ringer gave up): the resync still sees it.
+    world
+        .store
+        .delete(&crate::layout::doorbell_key(
+            &InstanceId::parse("a").unwrap(),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
+    a.reconcile(&id).await.unwrap();
+    assert!(a.runtime.memory(&id).is_some());
+    a.live_through(&world, 51).await;
+    a.reconcile(&id).await.unwrap();
+    assert!(a.runtime.memory(&id).is_none(), "handed over at the resync");
+}
+
+#[tokio::test]
+async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create_checkpointed(&world).await;
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    // A ignores the ring (say it is busy); far past the lock's own lease,
+    // A's instance lease keeps the hold.
+    for _ in 0..6 {
+        world.clock.advance(Duration::seconds(10));
+        a.heartbeat().await;
+        b.reconcile(&id).await.unwrap();
+        assert!(b.runtime.memory(&id).is_none(), "A is alive");
+    }
+    // A dies (no more heartbeats): after its lease and the skew, B takes over.
+    a.runtime.crash(&id);
+    world.clock.advance(Duration::seconds(34));
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_none(), "not before lease + skew");
+    world.clock.advance(Duration::seconds(2));
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some(), "taken over");
+    assert_eq!(world.lease(&id).await.epoch, 3);
+}
+
+#[tokio::test]
+async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let kept = a.create_checkpointed(&world).await;
+    let taken = a.create_checkpointed(&world).await;
+    // A freezes past its lease; B takes `taken` meanwhile.
+    world.clock.advance(Duration::seconds(40));
+    b.controller
+        .request_here(&taken, None, world.clock.now())
+        .await
+        .unwrap();
+    b.reconcile(&taken).await.unwrap();
+    assert!(b.runtime.memory(&taken).is_some());
+    // A resumes: its renewal starts a new era, so neither hold is vouched for.
+    a.heartbeat().await;
+    let mut unvouched = a.controller.reconciler().unvouched();
+    unvouched.sort();
+    let mut expected = vec![kept.clone(), taken.clone()];
+    expected.sort();
+    assert_eq!(unvouched, expected);
+    let held = a.controller.reconciler().held(&taken).unwrap();
+    assert!(!a.controller.reconciler().leases().is_safe(&held));
+    let generation = world.store.get(&lock_key(&kept)).await.unwrap().generation;
+    a.reconcile(&kept).await.unwrap();
+    assert!(a.runtime.memory(&kept).is_some());
+    assert_ne!(
+        world.store.get(&lock_key(&kept)).await.unwrap().generation,
+        generation,
+        "re-verified with a conditional write"
+    );
+    a.reconcile(&taken).await.unwrap();
+    assert!(a.runtime.memory(&taken).is_none(), "the lost one stops");
+    assert_eq!(a.controller.reconciler().unvouched(), vec![]);
+}
+
+#[tokio::test]
+async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    // A restarts with the same id: the new incarnation holds nothing, but its
+    // instance lease keeps the old hold alive.
+    let a2 = world.instance("a");
+    a2.heartbeat().await;
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    assert_eq!(
+        a2.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()]
+    );
+    a2.reconcile(&id).await.unwrap();
+    assert_eq!(world.lease(&id).await.holder, None, "released");
+    drop(a);
+    // No checkpoint was ever taken: B says so instead of hanging.
+    let mut events = b.controller.subscribe(&id);
+    b.reconcile(&id).await.unwrap();
+    assert!(
+        drain(&mut events)
+            .iter()
+            .any(|event| matches!(event, Progress::Failed { .. })),
+        "a clear error"
+    );
 }
 
 #[tokio::test]
@@ -549,7 +741,7 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
     let id = a.create(&world).await;
     a.run(&id, "saved").await;
     let mut events = a.controller.subscribe(&id);
-    world.clock.advance(Duration::seconds(61));
+    a.live_through(&world, 61).await;
     a.reconcile(&id).await.unwrap();
     assert!(drain(&mut events).is_empty(), "silent to the client");
     assert_eq!(
