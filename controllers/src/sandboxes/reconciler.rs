@@ -1121,6 +1121,24 @@ impl Reconciler {
             self.emit(sandbox, Progress::LockAcquired);
         }
         self.take_waiting(sandbox);
+        // The metadata this pass read may predate the previous holder's last
+        // record (it records its checkpoint, then releases, and this pass
+        // read metadata before the record and the lock after the release).
+        // Acquiring orders after that release: read it again.
+        let fresh = match self.read_metadata(sandbox).await {
+            Ok(Some(fresh)) => fresh,
+            Ok(None) => {
+                self.leases.release(&held).await?;
+                return Ok(Requeue::Never);
+            }
+            Err(err) => {
+                if let Err(release) = self.leases.release(&held).await {
+                    tracing::warn!(%sandbox, %release, "cannot release after failing to re-read metadata");
+                }
+                return Err(err);
+            }
+        };
+        let metadata = &fresh;
         let started = std::time::Instant::now();
         let outcome = self.start(sandbox, metadata, &held).await;
         match &outcome {

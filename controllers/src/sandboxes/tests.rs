@@ -926,3 +926,121 @@ async fn a_failed_cold_start_hook_fails_the_create_and_leaves_nothing_running() 
     assert!(a.runtime.memory(&id).is_none(), "the sandbox still runs");
     assert_ne!(world.metadata(&id).await.status.phase, Phase::Running);
 }
+
+/// A store that stops before its first read of `lock.json` until told to go
+/// on: a reconcile pass frozen between reading metadata and reading the lock.
+#[derive(Debug)]
+struct PauseBeforeLockRead {
+    inner: Arc<MemoryStore>,
+    paused: tokio::sync::Notify,
+    resume: tokio::sync::Notify,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Store for PauseBeforeLockRead {
+    async fn get(
+        &self,
+        key: &crate::store::ObjectKey,
+    ) -> Result<crate::store::Versioned, crate::store::StoreError> {
+        if key.as_str().ends_with("/lock.json")
+            && self.armed.swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            self.paused.notify_one();
+            self.resume.notified().await;
+        }
+        self.inner.get(key).await
+    }
+    async fn put(
+        &self,
+        key: &crate::store::ObjectKey,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<crate::store::Generation, crate::store::StoreError> {
+        self.inner.put(key, data, mode).await
+    }
+    async fn list_page(
+        &self,
+        prefix: &str,
+        page_token: Option<String>,
+    ) -> Result<crate::store::ListPage, crate::store::StoreError> {
+        self.inner.list_page(prefix, page_token).await
+    }
+    async fn delete(&self, key: &crate::store::ObjectKey) -> Result<(), crate::store::StoreError> {
+        self.inner.delete(key).await
+    }
+    async fn upload_blob(
+        &self,
+        key: &crate::store::ObjectKey,
+        source: crate::store::BlobSource,
+    ) -> Result<crate::store::ObjectInfo, crate::store::StoreError> {
+        self.inner.upload_blob(key, source).await
+    }
+    async fn download_blob(
+        &self,
+        key: &crate::store::ObjectKey,
+    ) -> Result<crate::store::BlobReader, crate::store::StoreError> {
+        self.inner.download_blob(key).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "state").await;
+    // B's pass reads metadata (no checkpoint yet), then stops before the lock.
+    let store = Arc::new(PauseBeforeLockRead {
+        inner: world.store.clone(),
+        paused: tokio::sync::Notify::new(),
+        resume: tokio::sync::Notify::new(),
+        armed: std::sync::atomic::AtomicBool::new(false),
+    });
+    let runtime = FakeRuntime::new(store.clone());
+    let bus = ProgressBus::default();
+    let leases = Leases::new(
+        store.clone(),
+        Arc::new(world.clock.clone()),
+        InstanceId::parse("b").unwrap(),
+        LeaseConfig::default(),
+    );
+    let b = SandboxController::new(
+        Reconciler::new(ReconcilerParts {
+            metadata: store.clone(),
+            checkpoints: store.clone(),
+            checkpoint_bucket: "test-bucket".to_owned(),
+            snapshot_bucket: "test-bucket".to_owned(),
+            runtime: Arc::new(runtime.clone()),
+            leases,
+            clock: Arc::new(world.clock.clone()),
+            bus: bus.clone(),
+            config: ReconcilerConfig::default(),
+        }),
+        bus,
+    );
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    store
+        .armed
+        .store(true, std::sync::atomic::Ordering::Release);
+    let pass = {
+        let b = Arc::clone(&b);
+        let id = id.clone();
+        tokio::spawn(async move { b.reconciler().reconcile(&id).await })
+    };
+    store.paused.notified().await;
+    // Meanwhile A hands over: records the checkpoint, releases.
+    assert_eq!(
+        a.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()]
+    );
+    a.reconcile(&id).await.unwrap();
+    assert!(world.metadata(&id).await.status.latest_checkpoint.is_some());
+    store.resume.notify_one();
+    pass.await.unwrap().unwrap();
+    assert_eq!(
+        runtime.memory(&id),
+        Some(vec!["state".to_owned()]),
+        "restored from the checkpoint recorded after the pass read metadata"
+    );
+}
