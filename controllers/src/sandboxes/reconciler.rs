@@ -98,7 +98,7 @@ impl Default for ReconcilerConfig {
             doorbell_poll: Duration::from_millis(500),
             detached_poll: Duration::from_millis(250),
             detached_window: Duration::from_secs(60),
-            acquire_poll: Duration::from_millis(50),
+            acquire_poll: Duration::from_millis(25),
             checkpoint_retry: Duration::from_secs(2),
             handoff: HandoffPolicy::Force,
             keep_checkpoints: 2,
