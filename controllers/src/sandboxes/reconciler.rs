@@ -35,7 +35,11 @@ use crate::leasing::{HeldLease, LeaseError, Leases};
 use crate::runtime::{CheckpointRequest, CreateOptions, RuntimeError, SandboxRuntime};
 use crate::store::{Store, StoreError};
 
+use super::decision::{Observed, Step, decide};
 use super::progress::{Operation, Progress, ProgressBus};
+
+/// How soon a tombstone waiting for a live holder is tried again.
+const TOMBSTONE_RETRY: Duration = Duration::from_secs(1);
 
 /// What a holder does when another instance asks for a sandbox whose
 /// execution is still running.
@@ -142,6 +146,8 @@ pub enum ReconcileError {
     Invalid { key: String, detail: String },
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+    #[error("internal error: the decision table chose a step without {0}")]
+    Internal(&'static str),
 }
 
 impl From<FenceError<Infallible>> for ReconcileError {
@@ -623,18 +629,11 @@ impl Reconciler {
         Ok(Some(Requeue::After(next.max(Duration::from_millis(10)))))
     }
 
+    /// Reads metadata and lock, asks the decision table for the one next
+    /// step, and performs it.
     async fn full_pass(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
         let metadata = match self.read_metadata(sandbox).await {
-            Ok(Some(metadata)) => metadata,
-            Ok(None) => {
-                // Deleted from the bucket (garbage collection, an operator):
-                // nothing may keep running.
-                if self.held(sandbox).is_some() {
-                    self.stop_lost(sandbox, "its metadata.json was deleted")
-                        .await;
-                }
-                return Ok(Requeue::Never);
-            }
+            Ok(metadata) => metadata,
             Err(err) => {
                 if let ReconcileError::Invalid { .. } = &err {
                     // An operator's typo: report it to whoever waits, keep
@@ -650,114 +649,188 @@ impl Reconciler {
                 return Err(err);
             }
         };
-        let lease = self.leases.read(sandbox).await?.map(|(lease, _)| lease);
-        if let Some(held) = self.held(sandbox) {
-            return self.reconcile_held(sandbox, &metadata, lease, held).await;
-        }
-        if let Some(orphan) = lease
-            .as_ref()
-            .filter(|l| l.is_held_by(self.leases.instance()))
-            && !self.starting_set().contains(sandbox)
-        {
-            // The lock names this instance, which does not run the sandbox (a
-            // start that failed half-way, a release that did not land, an
-            // earlier incarnation with this id). The instance lease would keep
-            // that hold alive for ever: give it up.
-            if self.runtime.is_running(sandbox)
-                && let Err(err) = self.runtime.destroy(sandbox).await
-            {
-                tracing::warn!(%sandbox, %err, "cannot destroy an unheld sandbox");
-            }
-            tracing::warn!(%sandbox, epoch = orphan.epoch, "releasing a lock that names this instance but is not held here");
-            self.leases.release_orphan(sandbox, orphan.epoch).await?;
-            return Ok(Requeue::After(Duration::ZERO));
-        }
-        match metadata.spec.desired_state {
-            DesiredState::Deleted => self.tombstone_unheld(sandbox, &metadata, lease).await,
-            DesiredState::Checkpointed => Ok(Requeue::Never),
-            DesiredState::Running => self.start_if_wanted(sandbox, &metadata, lease).await,
-        }
+        let lease = match &metadata {
+            Some(_) => self.leases.read(sandbox).await?.map(|(lease, _)| lease),
+            None => None,
+        };
+        let held = self.held(sandbox);
+        let now = self.clock.now();
+        let step = decide(&Observed {
+            me: self.leases.instance(),
+            now,
+            metadata: metadata.as_ref(),
+            lock: lease.as_ref(),
+            held: held.as_ref(),
+            vouched: held.as_ref().is_some_and(|held| self.leases.is_safe(held)),
+            running_here: self.runtime.is_running(sandbox),
+            starting_here: self.starting_set().contains(sandbox),
+            lock_expired: lease
+                .as_ref()
+                .is_none_or(|lease| lease.is_free(now, self.leases.config().skew_tolerance)),
+        });
+        tracing::debug!(%sandbox, ?step, "decided");
+        self.perform(sandbox, step, metadata, lease, held).await
     }
 
-    async fn reconcile_held(
+    /// Performs the step the decision table chose.
+    async fn perform(
         &self,
         sandbox: &SandboxId,
-        metadata: &SandboxMetadata,
+        step: Step,
+        metadata: Option<SandboxMetadata>,
         lease: Option<Lease>,
-        held: HeldLease,
+        held: Option<HeldLease>,
     ) -> Result<Requeue, ReconcileError> {
-        let still_ours = lease
-            .as_ref()
-            .is_some_and(|l| l.is_held_by(self.leases.instance()) && l.epoch == held.epoch);
-        if !still_ours {
-            let holder = lease
-                .and_then(|l| l.holder.map(|h| h.to_string()))
-                .unwrap_or_else(|| "nobody".to_owned());
-            self.stop_lost(
-                sandbox,
-                &format!("the lease was taken over (holder now {holder})"),
-            )
-            .await;
-            return Ok(Requeue::Never);
-        }
-        if !self.runtime.is_running(sandbox) {
-            self.forget(sandbox);
-            if let Err(err) = self.leases.release(&held).await {
-                tracing::warn!(%sandbox, %err, "cannot release the lease of a sandbox that stopped");
+        let metadata = metadata.as_ref();
+        let needs = |what: &'static str| ReconcileError::Internal(what);
+        match step {
+            Step::Nothing => Ok(Requeue::Never),
+            Step::StopVanished => {
+                self.stop_lost(sandbox, "its metadata.json was deleted")
+                    .await;
+                Ok(Requeue::Never)
             }
-            let message = "the sandbox stopped unexpectedly on this instance".to_owned();
-            self.write_status(sandbox, held.epoch, |status| {
-                status.phase = Phase::Failed;
-                status.holder = None;
-                status.last_error = Some(message.clone());
-                self.ready(status, false, "Failed", &message);
-            })
-            .await?;
-            self.emit(sandbox, Progress::Lost { message });
-            return Ok(Requeue::Never);
-        }
-        match metadata.spec.desired_state {
-            DesiredState::Deleted => self.delete_held(sandbox, metadata, held).await,
-            DesiredState::Checkpointed => {
-                if !metadata.spec.enable_checkpoint {
-                    let message = format!("Sandbox {sandbox} is not configured for checkpointing.");
-                    self.write_status(sandbox, held.epoch, |status| {
-                        status.last_error = Some(message.clone());
-                    })
-                    .await?;
-                    self.emit(
-                        sandbox,
-                        Progress::Failed {
-                            operation: Operation::Checkpoint,
-                            message,
-                        },
-                    );
-                    return self.keep_running(sandbox, held).await;
-                }
+            Step::StopLost { holder } => {
+                let holder = holder.map_or_else(|| "nobody".to_owned(), |h| h.to_string());
+                self.stop_lost(
+                    sandbox,
+                    &format!("the lease was taken over (holder now {holder})"),
+                )
+                .await;
+                Ok(Requeue::Never)
+            }
+            Step::MarkDied => {
+                let held = held.ok_or(needs("a hold to mark died"))?;
+                self.mark_died(sandbox, held).await
+            }
+            Step::Delete => {
+                let (metadata, held) = metadata
+                    .zip(held)
+                    .ok_or(needs("metadata and a hold to delete"))?;
+                self.delete_held(sandbox, metadata, held).await
+            }
+            Step::RefuseCheckpoint => {
+                let held = held.ok_or(needs("a hold to refuse a checkpoint"))?;
+                self.refuse_checkpoint(sandbox, held).await
+            }
+            Step::CheckpointAndRelease => {
+                let (metadata, held) = metadata
+                    .zip(held)
+                    .ok_or(needs("metadata and a hold to checkpoint"))?;
                 self.checkpoint_and_release(sandbox, metadata, held, false)
                     .await
             }
-            DesiredState::Running => {
-                let now = self.clock.now();
-                let wanted_elsewhere = lease
-                    .as_ref()
-                    .and_then(|l| l.live_intent(now))
-                    .is_some_and(|intent| &intent.instance != self.leases.instance());
-                if wanted_elsewhere && metadata.spec.enable_checkpoint {
-                    self.emit(sandbox, Progress::LockReleaseRequested);
-                    let force = self.config.handoff == HandoffPolicy::Force;
-                    let started = std::time::Instant::now();
-                    let outcome = self
-                        .checkpoint_and_release(sandbox, metadata, held, force)
-                        .await;
-                    if outcome.is_ok() && self.held(sandbox).is_none() {
-                        self.metrics.handoff_out_seconds.observe(started.elapsed());
-                    }
-                    return outcome;
-                }
+            Step::HandOver => {
+                let (metadata, held) = metadata
+                    .zip(held)
+                    .ok_or(needs("metadata and a hold to hand over"))?;
+                self.hand_over(sandbox, metadata, held).await
+            }
+            Step::Reverify | Step::KeepRunning => {
+                let held = held.ok_or(needs("a hold to keep"))?;
                 self.keep_running(sandbox, held).await
             }
+            Step::ReleaseOrphan { epoch } => self.release_orphan(sandbox, epoch).await,
+            Step::Purge => {
+                let metadata = metadata.ok_or(needs("metadata to purge"))?;
+                self.emit(sandbox, Progress::Deleted);
+                self.purge_if_due(sandbox, metadata).await
+            }
+            // Its holder converges it; look again once the lock could expire.
+            Step::AwaitHolder => Ok(Requeue::After(self.config.resync_interval)),
+            Step::Tombstone => self.tombstone_unheld(sandbox).await,
+            Step::NotWantedHere => {
+                self.tell_waiter_not_wanted(sandbox, lease.as_ref());
+                Ok(Requeue::Never)
+            }
+            Step::Acquire => {
+                let metadata = metadata.ok_or(needs("metadata to start"))?;
+                self.acquire_and_start(sandbox, metadata, lease).await
+            }
         }
+    }
+
+    /// The local sandbox died while held: record `Failed`, release.
+    async fn mark_died(
+        &self,
+        sandbox: &SandboxId,
+        held: HeldLease,
+    ) -> Result<Requeue, ReconcileError> {
+        self.forget(sandbox);
+        if let Err(err) = self.leases.release(&held).await {
+            tracing::warn!(%sandbox, %err, "cannot release the lease of a sandbox that stopped");
+        }
+        let message = "the sandbox stopped unexpectedly on this instance".to_owned();
+        self.write_status(sandbox, held.epoch, |status| {
+            status.phase = Phase::Failed;
+            status.holder = None;
+            status.last_error = Some(message.clone());
+            self.ready(status, false, "Failed", &message);
+        })
+        .await?;
+        self.emit(sandbox, Progress::Lost { message });
+        Ok(Requeue::Never)
+    }
+
+    /// `desired_state: checkpointed` on a sandbox created without
+    /// `enable_checkpoint`: say so, keep it running.
+    async fn refuse_checkpoint(
+        &self,
+        sandbox: &SandboxId,
+        held: HeldLease,
+    ) -> Result<Requeue, ReconcileError> {
+        let message = format!("Sandbox {sandbox} is not configured for checkpointing.");
+        self.write_status(sandbox, held.epoch, |status| {
+            status.last_error = Some(message.clone());
+        })
+        .await?;
+        self.emit(
+            sandbox,
+            Progress::Failed {
+                operation: Operation::Checkpoint,
+                message,
+            },
+        );
+        self.keep_running(sandbox, held).await
+    }
+
+    /// Another instance wants the sandbox: checkpoint (forced unless the
+    /// policy waits for a running execution) and release.
+    async fn hand_over(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+        held: HeldLease,
+    ) -> Result<Requeue, ReconcileError> {
+        self.emit(sandbox, Progress::LockReleaseRequested);
+        let force = self.config.handoff == HandoffPolicy::Force;
+        let started = std::time::Instant::now();
+        let outcome = self
+            .checkpoint_and_release(sandbox, metadata, held, force)
+            .await;
+        if outcome.is_ok() && self.held(sandbox).is_none() {
+            self.metrics.handoff_out_seconds.observe(started.elapsed());
+        }
+        outcome
+    }
+
+    /// The lock names this instance, which does not run the sandbox (a start
+    /// that failed half-way, a release that did not land, an earlier
+    /// incarnation with this id). The instance lease would keep that hold
+    /// alive for ever: give it up.
+    async fn release_orphan(
+        &self,
+        sandbox: &SandboxId,
+        epoch: u64,
+    ) -> Result<Requeue, ReconcileError> {
+        if self.runtime.is_running(sandbox)
+            && let Err(err) = self.runtime.destroy(sandbox).await
+        {
+            tracing::warn!(%sandbox, %err, "cannot destroy an unheld sandbox");
+        }
+        tracing::warn!(%sandbox, epoch, "releasing a lock that names this instance but is not held here");
+        self.leases.release_orphan(sandbox, epoch).await?;
+        Ok(Requeue::After(Duration::ZERO))
     }
 
     /// Keeps a held sandbox running: nothing to write while the instance
@@ -871,27 +944,13 @@ impl Reconciler {
 
     /// `desired_state: deleted` on a sandbox nobody runs: write the tombstone
     /// under a lease of our own so no holder is overwritten.
-    async fn tombstone_unheld(
-        &self,
-        sandbox: &SandboxId,
-        metadata: &SandboxMetadata,
-        lease: Option<Lease>,
-    ) -> Result<Requeue, ReconcileError> {
-        if metadata.status.phase == Phase::Deleted {
-            self.emit(sandbox, Progress::Deleted);
-            return self.purge_if_due(sandbox, metadata).await;
-        }
-        let now = self.clock.now();
-        if let Some(lease) = &lease
-            && !lease.is_free(now, self.leases.config().skew_tolerance)
-        {
-            // Its holder converges it; check again once the lease could expire.
-            return Ok(Requeue::After(self.config.resync_interval));
-        }
+    async fn tombstone_unheld(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
         let held = match self.leases.acquire(sandbox).await {
             Ok(held) => held,
+            // Held elsewhere after all (its instance lease is live): its
+            // holder was rung and converges it; look again shortly.
             Err(LeaseError::HeldByOther { .. } | LeaseError::WantedByOther { .. }) => {
-                return Ok(Requeue::After(self.config.acquire_poll));
+                return Ok(Requeue::After(TOMBSTONE_RETRY));
             }
             Err(err) => return Err(err.into()),
         };
@@ -1046,42 +1105,37 @@ impl Reconciler {
         Ok(Requeue::Never)
     }
 
-    /// `desired_state: running` and not here: start it if this instance wants it.
-    async fn start_if_wanted(
+    /// Desired running, not wanted here: a client here that waits for it
+    /// (its intent was replaced by another instance's, or expired) is told
+    /// now rather than left waiting for a start that will not come.
+    fn tell_waiter_not_wanted(&self, sandbox: &SandboxId, lease: Option<&Lease>) {
+        let now = self.clock.now();
+        if self.take_waiting(sandbox) {
+            let message = match lease.and_then(|l| l.live_intent(now)) {
+                Some(intent) => format!(
+                    "instance {} asked for the sandbox meanwhile",
+                    intent.instance
+                ),
+                None => "the attach request expired before the sandbox could be started".to_owned(),
+            };
+            self.emit(
+                sandbox,
+                Progress::Failed {
+                    operation: Operation::Restore,
+                    message,
+                },
+            );
+        }
+    }
+
+    /// Desired running and wanted here: acquire the lease, then restore the
+    /// requested or latest checkpoint, or create the sandbox.
+    async fn acquire_and_start(
         &self,
         sandbox: &SandboxId,
         metadata: &SandboxMetadata,
         lease: Option<Lease>,
     ) -> Result<Requeue, ReconcileError> {
-        let now = self.clock.now();
-        let wanted_here = lease
-            .as_ref()
-            .and_then(|l| l.live_intent(now))
-            .is_some_and(|intent| &intent.instance == self.leases.instance());
-        if !wanted_here {
-            // Someone here waits for it, but the intent is gone (another
-            // instance's attach replaced it, or it expired): tell them now
-            // rather than let them wait for a start that will not come.
-            if self.take_waiting(sandbox) {
-                let message = match lease.as_ref().and_then(|l| l.live_intent(now)) {
-                    Some(intent) => format!(
-                        "instance {} asked for the sandbox meanwhile",
-                        intent.instance
-                    ),
-                    None => {
-                        "the attach request expired before the sandbox could be started".to_owned()
-                    }
-                };
-                self.emit(
-                    sandbox,
-                    Progress::Failed {
-                        operation: Operation::Restore,
-                        message,
-                    },
-                );
-            }
-            return Ok(Requeue::Never);
-        }
         let handoff = metadata.spec.enable_sandbox_handoff;
         let first_try = self
             .acquiring
