@@ -38,6 +38,9 @@ use crate::store::{Store, StoreError};
 use super::decision::{Observed, Step, decide};
 use super::progress::{Operation, Progress, ProgressBus};
 
+/// How often an instance waiting for a sandbox rings its holder again.
+const RERING_INTERVAL: Duration = Duration::from_secs(5);
+
 /// How soon a tombstone waiting for a live holder is tried again.
 const TOMBSTONE_RETRY: Duration = Duration::from_secs(1);
 
@@ -247,6 +250,8 @@ pub struct Reconciler {
     /// Sandboxes being acquired and started by a pass right now: their lock
     /// may name this instance before they are held.
     starting: Mutex<HashSet<SandboxId>>,
+    /// When this instance last rang the holder of a sandbox it waits for.
+    rung: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
     /// When this instance last held or started anything: its instance lease
     /// is renewed until a lease after that.
     last_busy: Mutex<Option<DateTime<Utc>>>,
@@ -291,6 +296,7 @@ impl Reconciler {
             full_pass_wanted: Mutex::new(HashSet::new()),
             acquiring: Mutex::new(HashSet::new()),
             starting: Mutex::new(HashSet::new()),
+            rung: Mutex::new(HashMap::new()),
             last_busy: Mutex::new(None),
             waiting: Mutex::new(HashSet::new()),
             draining: std::sync::atomic::AtomicBool::new(false),
@@ -632,7 +638,10 @@ impl Reconciler {
     /// Reads metadata and lock, asks the decision table for the one next
     /// step, and performs it.
     async fn full_pass(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
-        let metadata = match self.read_metadata(sandbox).await {
+        // Both reads at once: one round trip, not two (a rung handoff starts here).
+        let (metadata, lease) =
+            tokio::join!(self.read_metadata(sandbox), self.leases.read(sandbox));
+        let metadata = match metadata {
             Ok(metadata) => metadata,
             Err(err) => {
                 if let ReconcileError::Invalid { .. } = &err {
@@ -650,7 +659,7 @@ impl Reconciler {
             }
         };
         let lease = match &metadata {
-            Some(_) => self.leases.read(sandbox).await?.map(|(lease, _)| lease),
+            Some(_) => lease?.map(|(lease, _)| lease),
             None => None,
         };
         let held = self.held(sandbox);
@@ -1081,20 +1090,23 @@ impl Reconciler {
                 self.ready(status, false, "Checkpointed", "");
             })
             .await?;
-        self.delete_checkpoints(&unreferenced(superseded, &recorded.status))
-            .await;
         self.failpoint(metadata, "handoff:after-record");
         if handoff {
             self.emit(sandbox, Progress::LockReleasing);
         }
-        if let Err(err) = self.leases.release(&held).await {
-            // The checkpoint is recorded; an unreleased lease only delays the
-            // next holder until it expires.
+        let released = self.leases.release(&held).await;
+        if let Err(err) = &released {
+            // The checkpoint is recorded. The lock still names this
+            // instance, which no longer runs it: a pass soon releases that
+            // orphan (the next holder waits until then).
             tracing::warn!(%sandbox, %err, "cannot release the lease after a checkpoint");
         }
         if handoff {
             self.emit(sandbox, Progress::LockReleased);
         }
+        // After the release: the next holder need not wait for this.
+        self.delete_checkpoints(&unreferenced(superseded, &recorded.status))
+            .await;
         self.emit(sandbox, Progress::Deleted);
         self.emit(
             sandbox,
@@ -1102,7 +1114,10 @@ impl Reconciler {
                 image: manifest.image.key,
             },
         );
-        Ok(Requeue::Never)
+        Ok(match released {
+            Ok(()) => Requeue::Never,
+            Err(_) => Requeue::After(TOMBSTONE_RETRY),
+        })
     }
 
     /// Desired running, not wanted here: a client here that waits for it
@@ -1128,6 +1143,25 @@ impl Reconciler {
         }
     }
 
+    /// Rings `holder` for `sandbox` if this pass's instance has not for
+    /// [`RERING_INTERVAL`] (the first ring came with the attach intent).
+    async fn ring_again_if_due(&self, sandbox: &SandboxId, holder: &crate::api::InstanceId) {
+        let now = self.clock.now();
+        let due = {
+            let mut rung = self.rung.lock().unwrap_or_else(PoisonError::into_inner);
+            let last = rung.entry(sandbox.clone()).or_insert(now);
+            if now >= *last + chrono_duration(RERING_INTERVAL) {
+                *last = now;
+                true
+            } else {
+                false
+            }
+        };
+        if due && let Err(err) = self.leases.instance_lease().ring(holder, sandbox).await {
+            tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder again");
+        }
+    }
+
     /// Desired running and wanted here: acquire the lease, then restore the
     /// requested or latest checkpoint, or create the sandbox.
     async fn acquire_and_start(
@@ -1148,6 +1182,10 @@ impl Reconciler {
         let _starting = StartingGuard::new(&self.starting, sandbox);
         let acquired = self.leases.acquire(sandbox).await;
         if !matches!(acquired, Err(LeaseError::HeldByOther { .. })) {
+            self.rung
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(sandbox);
             self.acquiring
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -1155,8 +1193,11 @@ impl Reconciler {
         }
         let held = match acquired {
             Ok(held) => held,
-            Err(LeaseError::HeldByOther { .. }) => {
-                // The holder hands it over (or its lease expires): look again soon.
+            Err(LeaseError::HeldByOther { holder, .. }) => {
+                // The holder hands it over (or its lease expires): look again
+                // soon, and ring it again now and then in case a ring was
+                // lost or it released nothing (an orphan lock).
+                self.ring_again_if_due(sandbox, &holder).await;
                 return Ok(Requeue::After(self.config.acquire_poll));
             }
             Err(LeaseError::WantedByOther { instance, .. }) => {

@@ -572,6 +572,33 @@ async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
 }
 
 #[tokio::test]
+async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    let doorbell = crate::layout::doorbell_key(&InstanceId::parse("a").unwrap());
+    world.store.delete(&doorbell).await.unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert!(world.store.get(&doorbell).await.is_err(), "not at once");
+    world.clock.advance(Duration::seconds(6));
+    a.heartbeat().await;
+    b.reconcile(&id).await.unwrap();
+    assert_eq!(
+        a.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()],
+        "rung again"
+    );
+    a.reconcile(&id).await.unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some(), "handed over");
+}
+
+#[tokio::test]
 async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
     let world = World::new();
     let a = world.instance("a");
