@@ -293,7 +293,7 @@ pub struct ControlArgs {
     pub clock_skew_s: u64,
     /// Instance lease renewal interval (one write for all the sandboxes the
     /// instance holds); must be under the duration minus the skew.
-    #[arg(long, env = "SANDBOXD_RENEW_INTERVAL_S", default_value_t = 7.5)]
+    #[arg(long, env = "SANDBOXD_RENEW_INTERVAL_S", default_value_t = 10.0)]
     pub renew_interval_s: f64,
     /// Full re-read of each held sandbox's metadata and lock: raw edits made
     /// without `sandboxctl` (which rings the holder) take effect within this.
@@ -301,7 +301,7 @@ pub struct ControlArgs {
     pub resync_interval_s: u64,
     /// How often an instance that holds sandboxes reads its doorbell (where
     /// other instances and `sandboxctl` ring it after writing an intent).
-    #[arg(long, env = "SANDBOXD_DOORBELL_POLL_MS", default_value_t = 500)]
+    #[arg(long, env = "SANDBOXD_DOORBELL_POLL_MS", default_value_t = 400)]
     pub doorbell_poll_ms: u64,
     #[arg(long, env = "SANDBOXD_HANDOFF_RUNNING_EXECUTION", value_enum, default_value_t = HandoffArg::Force)]
     pub handoff_running_execution: HandoffArg,

@@ -99,8 +99,8 @@ impl Default for ReconcilerConfig {
     fn default() -> Self {
         Self {
             resync_interval: Duration::from_secs(60),
-            renew_interval: Duration::from_millis(7_500),
-            doorbell_poll: Duration::from_millis(500),
+            renew_interval: Duration::from_secs(10),
+            doorbell_poll: Duration::from_millis(400),
             detached_poll: Duration::from_millis(250),
             detached_window: Duration::from_secs(60),
             acquire_poll: Duration::from_millis(25),
