@@ -58,7 +58,7 @@ pub enum HandoffPolicy {
 /// `docs/decisions/0007-instance-leases-and-doorbells.md`) keep an idle held
 /// sandbox at two reads a minute (its resync) and no writes: its hold lives
 /// on the instance lease, renewed once for every sandbox of the instance, and
-/// the instance learns of intents from its doorbell, read twice a second.
+/// the instance learns of intents from its doorbell, read every 400 ms.
 #[derive(Debug, Clone)]
 pub struct ReconcilerConfig {
     /// How often a held sandbox gets a full pass (re-reads metadata and lock:
