@@ -423,6 +423,14 @@ impl SandboxController {
                 Ok(Some(metadata)) if metadata.spec.enable_checkpoint => DesiredState::Checkpointed,
                 _ => DesiredState::Deleted,
             };
+            // A client waits for it on another instance: hand it over (the
+            // drain forces the checkpoint) rather than overwrite that
+            // attach's `running` with `checkpointed`, which would leave it
+            // waiting for a start that never comes.
+            if desired == DesiredState::Checkpointed && self.wanted_elsewhere(&sandbox).await {
+                self.enqueue(&sandbox);
+                continue;
+            }
             if let Err(err) = self.request_state(&sandbox, desired, None).await {
                 tracing::warn!(%sandbox, %err, "cannot ask for the sandbox to stop at shutdown");
             }
@@ -433,6 +441,17 @@ impl SandboxController {
                 return left;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// True when another instance's live attach intent names `sandbox`.
+    async fn wanted_elsewhere(&self, sandbox: &SandboxId) -> bool {
+        let leases = self.reconciler.leases();
+        match leases.read(sandbox).await {
+            Ok(Some((lease, _))) => lease
+                .live_intent(self.reconciler.clock().now())
+                .is_some_and(|intent| &intent.instance != leases.instance()),
+            _ => false,
         }
     }
 
@@ -447,14 +466,16 @@ impl SandboxController {
         }
         let execution = self.reconciler.runtime().exec(sandbox, request).await?;
         let hooks = self.reconciler.hooks();
-        if hooks.wants_after_exec(sandbox) {
-            return Ok(crate::hooks::run_after_exec(
-                execution,
-                Arc::clone(hooks),
-                sandbox.clone(),
-            ));
-        }
-        Ok(execution)
+        let execution = if hooks.wants_after_exec(sandbox) {
+            crate::hooks::run_after_exec(execution, Arc::clone(hooks), sandbox.clone())
+        } else {
+            execution
+        };
+        Ok(fence_exit(
+            execution,
+            Arc::clone(&self.reconciler),
+            sandbox.clone(),
+        ))
     }
 
     /// Saves the sandbox's changed files as snapshot `name` and records it in
@@ -503,6 +524,61 @@ impl SandboxController {
 }
 
 /// Exponential back-off with jitter: 0.5 s, 1 s, 2 s … up to 30 s.
+/// How often an exit held back by [`fence_exit`] looks at the hold again.
+const FENCE_EXIT_POLL: Duration = Duration::from_millis(50);
+
+/// Relays an execution's events, but reports its exit only while this
+/// instance can vouch for its hold. A holder frozen past its lease (the runsc
+/// sandbox kept running) may find, when it resumes, an execution that ended
+/// meanwhile, while another instance already took the sandbox over and
+/// acknowledged executions of its own: reporting that exit would acknowledge
+/// work on two instances at once. The exit is held back until the hold is
+/// vouched for again (re-verified) and then reported, or until the sandbox
+/// is no longer held here (lost: the events end without an exit, and the
+/// session reports the loss), at most two leases.
+fn fence_exit(
+    mut execution: Execution,
+    reconciler: Arc<Reconciler>,
+    sandbox: SandboxId,
+) -> Execution {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        while let Some(event) = execution.events.recv().await {
+            if let crate::runtime::ExecEvent::Exited(_) = event {
+                let give_up = tokio::time::Instant::now()
+                    + (reconciler.leases().config().duration * 2)
+                        .to_std()
+                        .unwrap_or(Duration::from_secs(60));
+                loop {
+                    match reconciler.held(&sandbox) {
+                        Some(held) if reconciler.leases().is_safe(&held) => {
+                            let _ = tx.send(event).await;
+                            break;
+                        }
+                        Some(_) if tokio::time::Instant::now() < give_up => {
+                            tokio::time::sleep(FENCE_EXIT_POLL).await;
+                        }
+                        _ => {
+                            tracing::warn!(%sandbox, "an execution ended while this instance could not vouch for its hold: its exit is not reported");
+                            break;
+                        }
+                    }
+                }
+                return;
+            }
+            if tx.send(event).await.is_err() {
+                // Nobody listens; keep draining so the runtime never blocks.
+                while execution.events.recv().await.is_some() {}
+                return;
+            }
+        }
+    });
+    Execution {
+        events: rx,
+        control: execution.control,
+    }
+}
+
 fn backoff(failures: u32) -> Duration {
     let base = Duration::from_millis(500)
         .saturating_mul(1 << failures.saturating_sub(1).min(6))

@@ -69,6 +69,10 @@ pub(crate) enum Step {
     Tombstone,
     /// Desired `running`, not wanted here: tell a waiting client, if any.
     NotWantedHere,
+    /// Desired `checkpointed`, not held here: a client here that asked for it
+    /// (its `running` was overwritten, e.g. by its holder's shutdown) is told
+    /// to attach again rather than left waiting.
+    CheckpointedMeanwhile,
     /// Desired `running`, wanted here: acquire, then restore or create.
     Acquire,
 }
@@ -124,7 +128,7 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
         DesiredState::Deleted if metadata.status.phase == Phase::Deleted => Step::Purge,
         DesiredState::Deleted if seen.lock.is_some() && !seen.lock_expired => Step::AwaitHolder,
         DesiredState::Deleted => Step::Tombstone,
-        DesiredState::Checkpointed => Step::Nothing,
+        DesiredState::Checkpointed => Step::CheckpointedMeanwhile,
         DesiredState::Running => {
             let wanted_here = seen
                 .lock

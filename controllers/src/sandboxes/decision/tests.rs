@@ -237,6 +237,6 @@ fn desired_running_and_not_held_acquires_only_when_wanted_here() {
     );
     assert_eq!(
         Case::new().desired(DesiredState::Checkpointed).decide(),
-        Step::Nothing
+        Step::CheckpointedMeanwhile
     );
 }

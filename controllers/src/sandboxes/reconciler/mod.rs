@@ -615,6 +615,20 @@ impl Reconciler {
                 self.tell_waiter_not_wanted(sandbox, lease.as_ref());
                 Ok(Requeue::Never)
             }
+            Step::CheckpointedMeanwhile => {
+                if self.take_waiting(sandbox) {
+                    self.emit(
+                        sandbox,
+                        Progress::Failed {
+                            operation: Operation::Restore,
+                            message: format!(
+                                "Sandbox {sandbox} was checkpointed by its instance (shutting down, or an operator) before it could move here; attach again to restore it"
+                            ),
+                        },
+                    );
+                }
+                Ok(Requeue::Never)
+            }
             Step::Acquire => {
                 let metadata = metadata.ok_or(needs("metadata to start"))?;
                 self.acquire_and_start(sandbox, metadata, lease).await
