@@ -203,16 +203,24 @@ impl LiveSandboxes {
             inner.options = options;
             inner.last_activity = Instant::now();
         }
+        // Subscribe before anything can happen to the sandbox: a `Deleted`
+        // sent before the watcher's first poll would otherwise be missed and
+        // the entry kept forever.
+        let progress = controller.subscribe(&live.id);
         let registry = Arc::clone(self);
         let live = Arc::clone(live);
         let controller = Arc::clone(controller);
-        tokio::spawn(async move { registry.watch(live, controller).await });
+        tokio::spawn(async move { registry.watch(live, controller, progress).await });
     }
 
     /// Runs while the sandbox is here: expires it when idle, forgets it when
     /// it is checkpointed, deleted or lost.
-    async fn watch(&self, live: Arc<LiveSandbox>, controller: Arc<SandboxController>) {
-        let mut progress = controller.subscribe(&live.id);
+    async fn watch(
+        &self,
+        live: Arc<LiveSandbox>,
+        controller: Arc<SandboxController>,
+        mut progress: tokio::sync::broadcast::Receiver<Progress>,
+    ) {
         let mut expired = false;
         loop {
             let deadline = {

@@ -219,6 +219,32 @@ impl Ws {
         self.stream.send(message).await.expect("send a frame");
     }
 
+    /// Sends without expecting success (the server may close mid-send).
+    pub async fn try_send_raw(
+        &mut self,
+        message: Message,
+    ) -> Result<(), tokio_tungstenite::tungstenite::Error> {
+        self.stream.send(message).await
+    }
+
+    /// Reads up to the close frame; its code and reason (`None`: the socket
+    /// ended without one).
+    pub async fn close_frame(&mut self) -> Option<(u16, String)> {
+        loop {
+            match self.next_message().await {
+                Some(Message::Close(frame)) => {
+                    self.closed = true;
+                    return frame.map(|f| (u16::from(f.code), f.reason.as_str().to_owned()));
+                }
+                Some(_) => {}
+                None => {
+                    self.closed = true;
+                    return None;
+                }
+            }
+        }
+    }
+
     /// The next frame as JSON; panics on a close or a timeout.
     pub async fn next_value(&mut self) -> Value {
         loop {
