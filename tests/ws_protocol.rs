@@ -1177,18 +1177,26 @@ async fn an_oversized_frame_closes_1009_with_a_reason_and_reattach_works() {
 /// streamer had taken from the replay log but not yet sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reconnect_while_output_streams_loses_nothing() {
-    const CHUNKS: usize = 600;
+    const LINES: usize = 1500;
     let server = Server::start().await;
-    let (mut ws, _, _) = server.create(json!({"idle_timeout": 120})).await;
-    // About 10 MB in numbered 16 KiB lines: more than the socket buffers and
-    // the writer's queue hold, less than the replay log keeps.
+    let (mut ws, id, token) = server.create(json!({"idle_timeout": 120})).await;
+    drop(ws);
+    // A socket whose unread frames back up into the server's writer queue.
+    let mut ws = support::ws::Ws::connect_small_window(&server.url(&format!(
+        "/attach/{id}?sandbox_token={token}"
+    )))
+    .await;
+    assert_eq!(ws.next().await, "SANDBOX_RUNNING");
+    // 6 MB in numbered 4 KiB lines, a few ms apart so that each is a frame
+    // of its own: more than the writer's queue of 256 frames holds, less
+    // than the replay log keeps.
     let code = format!(
-        "import sys\nfor i in range({CHUNKS}):\n    sys.stdout.write('%08d' % i + 'x' * 16375 + '\\n')\n    sys.stdout.flush()\n"
+        "import sys, time\nfor i in range({LINES}):\n    sys.stdout.write('%08d' % i + 'x' * 4087 + '\\n')\n    sys.stdout.flush()\n    time.sleep(0.002)\n"
     );
     ws.send(json!({"language": "python", "code": code})).await;
     assert_eq!(ws.next().await, "SANDBOX_EXECUTION_RUNNING");
     // Read nothing for a while: the server's streamer blocks mid-output.
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
     ws.send(json!({"action": "reconnect"})).await;
     let frames = ws.until_status("SANDBOX_EXECUTION_DONE").await;
     assert!(
@@ -1199,7 +1207,7 @@ async fn a_reconnect_while_output_streams_loses_nothing() {
         .lines()
         .map(|line| line[..8].parse().unwrap())
         .collect();
-    let missing: Vec<usize> = (0..CHUNKS).filter(|i| !numbers.contains(i)).collect();
-    assert!(missing.is_empty(), "lost lines {missing:?}");
-    assert_eq!(numbers, (0..CHUNKS).collect::<Vec<_>>());
+    let missing: Vec<usize> = (0..LINES).filter(|i| !numbers.contains(i)).collect();
+    assert!(missing.is_empty(), "lost {} lines: {:?}…", missing.len(), &missing[..missing.len().min(10)]);
+    assert_eq!(numbers, (0..LINES).collect::<Vec<_>>());
 }
