@@ -1182,9 +1182,9 @@ async fn a_reconnect_while_output_streams_loses_nothing() {
     let (mut ws, id, token) = server.create(json!({"idle_timeout": 120})).await;
     drop(ws);
     // A socket whose unread frames back up into the server's writer queue.
-    let mut ws = support::ws::Ws::connect_small_window(&server.url(&format!(
-        "/attach/{id}?sandbox_token={token}"
-    )))
+    let mut ws = support::ws::Ws::connect_small_window(
+        &server.url(&format!("/attach/{id}?sandbox_token={token}")),
+    )
     .await;
     assert_eq!(ws.next().await, "SANDBOX_RUNNING");
     // 6 MB in numbered 4 KiB lines, a few ms apart so that each is a frame
@@ -1208,6 +1208,11 @@ async fn a_reconnect_while_output_streams_loses_nothing() {
         .map(|line| line[..8].parse().unwrap())
         .collect();
     let missing: Vec<usize> = (0..LINES).filter(|i| !numbers.contains(i)).collect();
-    assert!(missing.is_empty(), "lost {} lines: {:?}…", missing.len(), &missing[..missing.len().min(10)]);
+    assert!(
+        missing.is_empty(),
+        "lost {} lines: {:?}…",
+        missing.len(),
+        &missing[..missing.len().min(10)]
+    );
     assert_eq!(numbers, (0..LINES).collect::<Vec<_>>());
 }
