@@ -1179,7 +1179,7 @@ async fn an_oversized_frame_closes_1009_with_a_reason_and_reattach_works() {
 async fn a_reconnect_while_output_streams_loses_nothing() {
     const LINES: usize = 1500;
     let server = Server::start().await;
-    let (mut ws, id, token) = server.create(json!({"idle_timeout": 120})).await;
+    let (ws, id, token) = server.create(json!({"idle_timeout": 120})).await;
     drop(ws);
     // A socket whose unread frames back up into the server's writer queue.
     let mut ws = support::ws::Ws::connect_small_window(
