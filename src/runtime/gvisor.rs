@@ -48,10 +48,16 @@ use super::runsc::{InitStdio, LaunchNetwork, Runsc};
 
 /// How long a new or restored agent may take to answer.
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
-/// What `current_exec` holds while a checkpoint is taken: an execution
-/// started between the agent's preparation and `runsc checkpoint` would be
-/// frozen half-way into the image. Execution ids never look like this.
-const CHECKPOINT_SLOT: &str = "checkpoint";
+/// Who may use a sandbox's processes right now.
+#[derive(Debug, Default)]
+struct ExecSlot {
+    /// The id of the running execution, if any.
+    exec: Option<String>,
+    /// A checkpoint is being taken: no execution may start (one started
+    /// between the agent's preparation and `runsc checkpoint` would be frozen
+    /// half-way into the image).
+    checkpointing: bool,
+}
 /// Directories a filesystem snapshot saves: everything user code (uid 1000)
 /// can write.
 const SNAPSHOT_PATHS: [&str; 4] = [SANDBOX_HOME, WORKSPACE_DIR, "/tmp", "/var/tmp"];
@@ -73,9 +79,8 @@ struct LocalSandbox {
     container_id: String,
     dir: PathBuf,
     agent: Arc<AgentConnection>,
-    /// The id of the running execution, if any, or [`CHECKPOINT_SLOT`]
-    /// while a checkpoint is being taken (no execution may start then).
-    current_exec: Arc<Mutex<Option<String>>>,
+    /// The running execution and whether a checkpoint is being taken.
+    current_exec: Arc<Mutex<ExecSlot>>,
     /// `egress` sandboxes: their namespace, veth, address and rules here.
     network: Option<SandboxNetwork>,
 }
@@ -338,7 +343,7 @@ impl GvisorRuntime {
             container_id,
             dir,
             agent,
-            current_exec: Arc::new(Mutex::new(None)),
+            current_exec: Arc::new(Mutex::new(ExecSlot::default())),
             network,
         };
         self.sandboxes().insert(sandbox.clone(), Arc::new(local));
@@ -907,15 +912,15 @@ impl SandboxRuntime for GvisorRuntime {
                 .current_exec
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            match current.as_deref() {
-                Some(CHECKPOINT_SLOT) => {
-                    return Err(RuntimeError::Failed(format!(
-                        "sandbox {sandbox} is being checkpointed; attach again to run code"
-                    )));
-                }
-                Some(_) => return Err(RuntimeError::ExecutionInProgress(sandbox.clone())),
-                None => *current = Some(id.clone()),
+            if current.checkpointing {
+                return Err(RuntimeError::Failed(format!(
+                    "sandbox {sandbox} is being checkpointed; attach again to run code"
+                )));
             }
+            if current.exec.is_some() {
+                return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
+            }
+            current.exec = Some(id.clone());
         }
         let started = local
             .agent
@@ -924,10 +929,15 @@ impl SandboxRuntime for GvisorRuntime {
         let mut agent_events = match started {
             Ok(events) => events,
             Err(err) => {
-                *local
-                    .current_exec
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner) = None;
+                {
+                    let mut current = local
+                        .current_exec
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
+                    if current.exec.as_deref() == Some(id.as_str()) {
+                        current.exec = None;
+                    }
+                }
                 return Err(match err {
                     AgentError::Gone => RuntimeError::Lost {
                         sandbox: sandbox.clone(),
@@ -945,8 +955,8 @@ impl SandboxRuntime for GvisorRuntime {
             // Frees the slot only if it still names this execution.
             let release = || {
                 let mut current = slot.lock().unwrap_or_else(PoisonError::into_inner);
-                if current.as_deref() == Some(relay_id.as_str()) {
-                    *current = None;
+                if current.exec.as_deref() == Some(relay_id.as_str()) {
+                    current.exec = None;
                 }
             };
             while let Some(event) = agent_events.recv().await {
@@ -989,29 +999,25 @@ impl SandboxRuntime for GvisorRuntime {
                 .current_exec
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            match current.as_deref() {
-                Some(CHECKPOINT_SLOT) => {
-                    return Err(RuntimeError::Failed(format!(
-                        "sandbox {sandbox} is already being checkpointed"
-                    )));
-                }
-                Some(_) if !request.force => {
-                    return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
-                }
-                // A forced checkpoint kills the running execution: its relay
-                // then finds the slot taken and leaves it.
-                _ => *current = Some(CHECKPOINT_SLOT.to_owned()),
+            if current.checkpointing {
+                return Err(RuntimeError::Failed(format!(
+                    "sandbox {sandbox} is already being checkpointed"
+                )));
             }
+            // A forced checkpoint kills the running execution (its relay
+            // frees the slot when it ends).
+            if current.exec.is_some() && !request.force {
+                return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
+            }
+            current.checkpointing = true;
         }
         let outcome = self.checkpoint_held(sandbox, &local, request).await;
         if outcome.is_err() {
-            let mut current = local
+            local
                 .current_exec
                 .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            if current.as_deref() == Some(CHECKPOINT_SLOT) {
-                *current = None;
-            }
+                .unwrap_or_else(PoisonError::into_inner)
+                .checkpointing = false;
         }
         outcome
     }
