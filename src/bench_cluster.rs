@@ -3,7 +3,15 @@
 //! two `sandboxd` processes (the binaries beside `sandboxctl`), driven through
 //! the client library. Prints a table (median, p90) and JSON.
 //!
-//! Needs root (runsc, and the emulator on port 80 of a loopback address).
+//! The execution round trip is also measured with a plain Python
+//! `websockets` client (default socket options), as the earlier server's
+//! clients connect: our own client sets `TCP_NODELAY` and would hide a server
+//! whose small frames wait for the client's delayed ACK. A big sandbox is
+//! checkpointed and restored on fake-gcs-server and on a third `sandboxd`
+//! with the local directory store.
+//!
+//! Needs root (runsc, and the emulator on port 80 of a loopback address) and
+//! `pip install websockets`.
 
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -35,6 +43,94 @@ pub struct Figures {
     pub checkpoint_mb_per_s: Option<f64>,
     pub checkpoint_image_mb: Option<f64>,
     pub server_peak_rss_mb: Option<f64>,
+    /// The big sandbox on each store: checkpoint and attach + restore.
+    pub big: Vec<BigSandbox>,
+}
+
+/// Checkpoint and restore of the big sandbox on one store (medians).
+#[derive(Debug, Clone)]
+pub struct BigSandbox {
+    pub store: &'static str,
+    pub image_mb: f64,
+    pub checkpoint: Duration,
+    pub restore: Duration,
+}
+
+/// The Python client: creates a sandbox, then times `bash 'echo hi'` and
+/// `python 'print(1)'` from the send to `SANDBOX_EXECUTION_DONE`. Prints the
+/// seconds as JSON.
+const PYTHON_CLIENT: &str = r#"
+import asyncio, json, sys, time
+import websockets
+
+async def until(ws, status):
+    while True:
+        frame = json.loads(await ws.recv())
+        if frame.get("status") == status:
+            return
+        if str(frame.get("status", "")).endswith("ERROR"):
+            raise SystemExit(f"the server refused: {frame}")
+
+async def main(url, runs):
+    times = {"bash": [], "python": []}
+    async with websockets.connect(url + "/create") as ws:
+        await ws.send(json.dumps({"idle_timeout": 300}))
+        await until(ws, "SANDBOX_RUNNING")
+        for _ in range(runs):
+            for key, code in (("bash", "echo hi"), ("python", "print(1)")):
+                started = time.perf_counter()
+                await ws.send(json.dumps({"language": key, "code": code}))
+                await until(ws, "SANDBOX_EXECUTION_DONE")
+                times[key].append(time.perf_counter() - started)
+        await ws.send(json.dumps({"action": "kill_sandbox"}))
+        try:
+            while True:
+                await ws.recv()
+        except websockets.ConnectionClosed:
+            pass
+    print(json.dumps(times))
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"#;
+
+/// The execution round trips as the Python `websockets` client sees them.
+async fn python_round_trips(url: &str, runs: usize) -> anyhow::Result<(Series, Series)> {
+    let output = tokio::process::Command::new("python3")
+        .args(["-c", PYTHON_CLIENT, url, &runs.to_string()])
+        .output()
+        .await
+        .context("running python3 for the websockets client")?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    anyhow::ensure!(
+        !stderr.contains("No module named 'websockets'"),
+        "the Python websockets client is missing: pip install websockets"
+    );
+    anyhow::ensure!(
+        output.status.success(),
+        "the Python websockets client failed: {stderr}"
+    );
+    let times: serde_json::Value =
+        serde_json::from_slice(&output.stdout).context("the Python client's output")?;
+    let series = |key: &str, name: &str| {
+        let mut series = Series::named(name);
+        series.samples = times[key]
+            .as_array()
+            .map(|all| {
+                all.iter()
+                    .filter_map(serde_json::Value::as_f64)
+                    .map(Duration::from_secs_f64)
+                    .collect()
+            })
+            .unwrap_or_default();
+        series
+    };
+    Ok((
+        series("bash", "exec bash 'echo hi' → DONE (Python websockets)"),
+        series(
+            "python",
+            "exec python 'print(1)' → DONE (Python websockets)",
+        ),
+    ))
 }
 
 struct Process {
@@ -117,7 +213,9 @@ async fn start_emulator(dir: &Path) -> anyhow::Result<(Process, String)> {
     Ok((process, endpoint))
 }
 
-async fn start_server(name: &str, dir: &Path, endpoint: &str) -> anyhow::Result<Process> {
+/// A `sandboxd` on the buckets of the emulator at `endpoint`, or (`None`)
+/// on the local directory store under its home.
+async fn start_server(name: &str, dir: &Path, endpoint: Option<&str>) -> anyhow::Result<Process> {
     let binary = std::env::current_exe()?
         .parent()
         .context("the directory of sandboxctl")?
@@ -125,7 +223,8 @@ async fn start_server(name: &str, dir: &Path, endpoint: &str) -> anyhow::Result<
     let home = dir.join(name);
     std::fs::create_dir_all(&home)?;
     let addr = format!("127.0.0.1:{}", free_port()?);
-    let child = Command::new(&binary)
+    let mut command = Command::new(&binary);
+    command
         .args([
             "serve",
             "--listen",
@@ -134,11 +233,20 @@ async fn start_server(name: &str, dir: &Path, endpoint: &str) -> anyhow::Result<
             name,
             "--runtime-dir",
         ])
-        .arg(home.join("run"))
-        .env("SANDBOX_METADATA_BUCKET", "bench")
-        .env("SANDBOX_CHECKPOINT_BUCKET", "bench")
-        .env("FILESYSTEM_SNAPSHOT_BUCKET", "bench")
-        .env("STORAGE_EMULATOR_HOST", endpoint)
+        .arg(home.join("run"));
+    match endpoint {
+        Some(endpoint) => {
+            command
+                .env("SANDBOX_METADATA_BUCKET", "bench")
+                .env("SANDBOX_CHECKPOINT_BUCKET", "bench")
+                .env("FILESYSTEM_SNAPSHOT_BUCKET", "bench")
+                .env("STORAGE_EMULATOR_HOST", endpoint);
+        }
+        None => {
+            command.env("SANDBOXD_DATA_DIR", home.join("data"));
+        }
+    }
+    let child = command
         .env("LOG_LEVEL", "info")
         .current_dir(&home)
         .stdout(Stdio::null())
@@ -188,8 +296,8 @@ fn peak_rss_mb(pid: u32) -> Option<f64> {
 pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)> {
     std::fs::create_dir_all(&bench.work_dir)?;
     let (_emulator, endpoint) = start_emulator(&bench.work_dir).await?;
-    let a = start_server("bench-a", &bench.work_dir, &endpoint).await?;
-    let b = start_server("bench-b", &bench.work_dir, &endpoint).await?;
+    let a = start_server("bench-a", &bench.work_dir, Some(&endpoint)).await?;
+    let b = start_server("bench-b", &bench.work_dir, Some(&endpoint)).await?;
     let url_a = format!("ws://{}", a.addr);
     let url_b = format!("ws://{}", b.addr);
     let mut series = Vec::new();
@@ -222,6 +330,7 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
         }
     }
     sandbox.kill().await?;
+    let (python_bash, python_python) = python_round_trips(&url_a, bench.runs).await?;
 
     let mut checkpoint = Series::named("checkpoint → SANDBOX_CHECKPOINTED");
     let mut restore = Series::named("attach + restore → SANDBOX_RUNNING");
@@ -272,7 +381,53 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
     }
 
     if bench.big_sandbox_mb > 0 {
-        let big = Sandbox::create(&url_a, checkpointable()).await?;
+        let store = crate::store::GcsStore::connect(
+            crate::store::GcsConfig::new("bench".to_owned()).with_emulator_host(&endpoint),
+        )
+        .await?;
+        let gcs = big_sandbox(bench, &url_a, "fake-gcs-server", &store).await?;
+        figures.checkpoint_image_mb = Some(gcs.image_mb);
+        figures.checkpoint_mb_per_s = Some(gcs.image_mb / gcs.checkpoint.as_secs_f64());
+        figures.server_peak_rss_mb = peak_rss_mb(a.child.id());
+        drop((a, b));
+        let local = start_server("bench-local", &bench.work_dir, None).await?;
+        let local_store =
+            crate::store::LocalStore::open(bench.work_dir.join("bench-local").join("data"))?;
+        let on_disk = big_sandbox(
+            bench,
+            &format!("ws://{}", local.addr),
+            "local store",
+            &local_store,
+        )
+        .await?;
+        figures.big = vec![on_disk, gcs];
+    }
+    series.extend([
+        create,
+        bash,
+        python,
+        python_bash,
+        python_python,
+        checkpoint,
+        restore,
+        handoff,
+    ]);
+    Ok((series, figures))
+}
+
+/// Checkpoints and restores (attach on the same server) a sandbox holding
+/// `big_sandbox_mb` of random bytes, three times; the medians.
+async fn big_sandbox(
+    bench: &ClusterBench,
+    url: &str,
+    store_name: &'static str,
+    store: &dyn controllers::store::Store,
+) -> anyhow::Result<BigSandbox> {
+    let mut checkpoint = Series::named("checkpoint");
+    let mut restore = Series::named("restore");
+    let mut image_mb = 0.0;
+    for _ in 0..3 {
+        let big = Sandbox::create(url, checkpointable()).await?;
         let code = format!(
             "import os\nglobal_block = bytearray(os.urandom(1 << 20)) * {}\nprint(len(global_block))",
             bench.big_sandbox_mb
@@ -283,28 +438,34 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
             .await?;
         let started = Instant::now();
         big.checkpoint(None).await?;
-        let took = started.elapsed();
-        let store = crate::store::GcsStore::connect(
-            crate::store::GcsConfig::new("bench".to_owned()).with_emulator_host(&endpoint),
-        )
-        .await?;
-        let sandbox = controllers::api::SandboxId::parse(big.id())?;
+        checkpoint.samples.push(started.elapsed());
+        let (id, token) = (big.id().to_owned(), big.token().to_owned());
+        drop(big);
+        let sandbox = controllers::api::SandboxId::parse(&id)?;
         let metadata: controllers::api::SandboxMetadata = controllers::api::decode(
-            &controllers::store::Store::get(&store, &controllers::layout::metadata_key(&sandbox))
+            &store
+                .get(&controllers::layout::metadata_key(&sandbox))
                 .await?
                 .data,
         )?;
-        let size = metadata
+        image_mb = metadata
             .status
             .latest_checkpoint
             .map_or(0, |checkpoint| checkpoint.size) as f64
-            / (1 << 20) as f64;
-        figures.checkpoint_image_mb = Some(size);
-        figures.checkpoint_mb_per_s = Some(size / took.as_secs_f64());
-        figures.server_peak_rss_mb = peak_rss_mb(a.child.id());
+            / f64::from(1 << 20);
+        let started = Instant::now();
+        let restored = Sandbox::attach(url, &id, &token, AttachOptions::default())
+            .await
+            .context("attach + restore of the big sandbox")?;
+        restore.samples.push(started.elapsed());
+        restored.kill().await?;
     }
-    series.extend([create, bash, python, checkpoint, restore, handoff]);
-    Ok((series, figures))
+    Ok(BigSandbox {
+        store: store_name,
+        image_mb,
+        checkpoint: checkpoint.median(),
+        restore: restore.median(),
+    })
 }
 
 /// The non-latency figures, for the table and the JSON.
@@ -312,7 +473,7 @@ pub fn render_figures(figures: &Figures) -> String {
     let show = |value: Option<f64>, unit: &str| {
         value.map_or_else(|| "skipped".to_owned(), |v| format!("{v:.0} {unit}"))
     };
-    format!(
+    let mut text = format!(
         "storage operations per idle held sandbox-hour: {} (client attached), {} (client gone)\n\
          checkpoint of a big sandbox: {} image at {} (upload included); server peak RSS {}\n",
         show(figures.ops_per_hour_attached, "ops/h"),
@@ -320,15 +481,42 @@ pub fn render_figures(figures: &Figures) -> String {
         show(figures.checkpoint_image_mb, "MB"),
         show(figures.checkpoint_mb_per_s, "MB/s"),
         show(figures.server_peak_rss_mb, "MB"),
-    )
+    );
+    for big in &figures.big {
+        let rate = |took: Duration| big.image_mb / took.as_secs_f64().max(1e-9);
+        text.push_str(&format!(
+            "big sandbox on {}: {:.0} MB image; checkpoint {:.2} s ({:.0} MB/s), \
+             attach + restore {:.2} s ({:.0} MB/s) (medians of 3)\n",
+            big.store,
+            big.image_mb,
+            big.checkpoint.as_secs_f64(),
+            rate(big.checkpoint),
+            big.restore.as_secs_f64(),
+            rate(big.restore),
+        ));
+    }
+    text
 }
 
 pub fn figures_json(figures: &Figures) -> serde_json::Value {
+    let big: Vec<serde_json::Value> = figures
+        .big
+        .iter()
+        .map(|big| {
+            json!({
+                "store": big.store,
+                "image_mb": big.image_mb,
+                "checkpoint_s": big.checkpoint.as_secs_f64(),
+                "attach_restore_s": big.restore.as_secs_f64(),
+            })
+        })
+        .collect();
     json!({
         "ops_per_idle_sandbox_hour_attached": figures.ops_per_hour_attached,
         "ops_per_idle_sandbox_hour_detached": figures.ops_per_hour_detached,
         "checkpoint_image_mb": figures.checkpoint_image_mb,
         "checkpoint_mb_per_s": figures.checkpoint_mb_per_s,
         "server_peak_rss_mb": figures.server_peak_rss_mb,
+        "big_sandbox": big,
     })
 }

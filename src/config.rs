@@ -124,6 +124,14 @@ pub struct RuntimeArgs {
     /// runsc platform: `ptrace` works everywhere; `systrap` needs a recent runsc.
     #[arg(long, env = "RUNSC_PLATFORM", default_value = "ptrace")]
     pub runsc_platform: String,
+    /// Seconds a short runsc call (`state`, `list`, `delete`) may take before
+    /// it is killed and reported as hung.
+    #[arg(long, env = "SANDBOXD_RUNSC_TIMEOUT_S", default_value_t = 30)]
+    pub runsc_timeout_s: u64,
+    /// Seconds a `runsc run`, `restore` or `checkpoint` may take before it is
+    /// killed (they move a whole memory image).
+    #[arg(long, env = "SANDBOXD_RUNSC_IMAGE_TIMEOUT_S", default_value_t = 300)]
+    pub runsc_image_timeout_s: u64,
     /// This server's runsc state and working files (bundles, images in transit).
     /// Containers left here by a crashed server are deleted at startup, so give
     /// every server process on a machine its own directory.
@@ -175,6 +183,10 @@ impl RuntimeArgs {
                 binary: self.runsc.clone(),
                 root: self.runtime_dir.join("runsc"),
                 platform: self.runsc_platform.clone(),
+                timeouts: crate::runtime::RunscTimeouts {
+                    command: std::time::Duration::from_secs(self.runsc_timeout_s.max(1)),
+                    image: std::time::Duration::from_secs(self.runsc_image_timeout_s.max(1)),
+                },
             },
             state_dir: self.runtime_dir.join("state"),
             bundle: crate::runtime::BundleSpec {

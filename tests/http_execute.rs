@@ -112,3 +112,64 @@ async fn execute_rejects_bad_requests_with_422() {
         .unwrap();
     assert_eq!(response.status().as_u16(), 422);
 }
+
+/// The containers under the test server's runsc root.
+async fn containers(dir: &std::path::Path) -> Vec<String> {
+    let runsc = sandboxd::runtime::Runsc {
+        binary: "runsc".into(),
+        root: dir.join("runsc"),
+        platform: "ptrace".into(),
+        timeouts: sandboxd::runtime::RunscTimeouts::default(),
+    };
+    runsc.list().await.unwrap()
+}
+
+/// Waits until no container is left (a destroy's `runsc delete` takes about
+/// 2 s here); panics naming `what` if some outlive the wait.
+async fn all_destroyed(dir: &std::path::Path, what: &str) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let left = containers(dir).await;
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: the sandbox outlived its client: {left:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+}
+
+/// Sends `script` and hangs up after 3 s, before it ends.
+async fn post_and_hang_up(base: &str, query: &str, script: &str) {
+    let http = reqwest::Client::new();
+    let request = http
+        .post(format!("{base}/execute?{query}"))
+        .body(script.to_owned());
+    let answered = tokio::time::timeout(std::time::Duration::from_secs(3), async {
+        let response = request.send().await.unwrap();
+        // Stream mode answers at once; wait for a body that never comes.
+        response.bytes().await.ok();
+    })
+    .await;
+    assert!(answered.is_err(), "the 120 s script ended early");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn execute_json_destroys_the_sandbox_when_the_client_disconnects() {
+    let dir = tempfile::tempdir().unwrap();
+    let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
+    let base = server(dir.path()).await;
+    post_and_hang_up(&base, "language=bash&format=json", "sleep 120").await;
+    all_destroyed(dir.path(), "json mode").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn execute_stream_stops_a_silent_script_when_the_client_disconnects() {
+    let dir = tempfile::tempdir().unwrap();
+    let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
+    let base = server(dir.path()).await;
+    post_and_hang_up(&base, "language=bash", "sleep 120").await;
+    all_destroyed(dir.path(), "stream mode").await;
+}

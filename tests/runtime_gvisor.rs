@@ -425,8 +425,11 @@ async fn a_forced_checkpoint_kills_the_running_execution_first() {
     h.runtime.destroy(&id).await.unwrap();
 }
 
+/// A truncated image is refused before runsc starts; flipped bytes (same
+/// size) are found by the hash that runs beside `runsc restore` on a directory
+/// store, and the restored container is destroyed before anyone can use it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_corrupted_or_truncated_image_is_refused_before_runsc_sees_it() {
+async fn a_corrupted_or_truncated_image_is_refused() {
     let (dir, h, id) = one_sandbox().await;
     let manifest = checkpoint(&h, &id).await;
     let image_path = dir.path().join(&manifest.image.key);
@@ -541,6 +544,7 @@ async fn startup_removes_containers_a_crashed_server_left() {
             binary: "runsc".into(),
             root: root.path().join("runsc"),
             platform: "ptrace".into(),
+            timeouts: sandboxd::runtime::RunscTimeouts::default(),
         },
         state_dir: root.path().join(state),
         bundle: BundleSpec {
@@ -605,6 +609,7 @@ fn pinned_config(root: &Path, features: Vec<String>) -> GvisorConfig {
             binary: "runsc".into(),
             root: root.join("runsc"),
             platform: "ptrace".into(),
+            timeouts: sandboxd::runtime::RunscTimeouts::default(),
         },
         state_dir: root.join("state"),
         bundle: BundleSpec {
@@ -668,4 +673,91 @@ async fn pinned_cpu_features_are_recorded_and_must_exist_on_the_host() {
     .await
     .unwrap_err();
     assert!(err.to_string().contains("imaginary_feature"), "{err}");
+}
+
+/// An execution asked for while a checkpoint is being taken is refused. It
+/// used to be accepted between the agent's preparation and `runsc
+/// checkpoint`, and frozen half-way into the image.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_execution_cannot_start_while_a_checkpoint_is_taken() {
+    let (_dir, h, id) = one_sandbox().await;
+    let checkpointing = h.runtime.checkpoint(
+        &id,
+        CheckpointRequest {
+            checkpoint_id: new_id(),
+            epoch: 4,
+            name: None,
+            force: false,
+        },
+    );
+    // `join!` polls the checkpoint first: it has taken its first steps (the
+    // runtime's checks, the agent's preparation asked for) when the first
+    // execution is asked for.
+    let executions = async {
+        tokio::task::yield_now().await;
+        let mut refused = 0;
+        loop {
+            match h
+                .runtime
+                .exec(&id, ExecRequest::new(bash("sleep 3; echo late")))
+                .await
+            {
+                Ok(execution) => return (Some(execution), refused),
+                Err(RuntimeError::NotFound(_)) => return (None, refused),
+                Err(err) => {
+                    assert!(err.to_string().contains("being checkpointed"), "{err}");
+                    refused += 1;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        }
+    };
+    let (checkpointed, (accepted, refused)) = tokio::join!(checkpointing, executions);
+    assert!(
+        accepted.is_none() || checkpointed.is_err(),
+        "an execution started during a checkpoint that then succeeded: it is frozen in the image"
+    );
+    checkpointed.unwrap();
+    assert!(refused > 0, "no execution was tried during the checkpoint");
+}
+
+/// A runsc call that hangs is killed after its timeout and reported, instead
+/// of holding its sandbox's work-queue slot forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_runsc_call_is_killed_after_its_timeout() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    // The real runsc, except that `state` hangs.
+    let wrapper = dir.path().join("runsc-hanging-state");
+    std::fs::write(
+        &wrapper,
+        "#!/bin/sh\nfor arg; do [ \"$arg\" = state ] && exec sleep 600; done\nexec runsc \"$@\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::create_dir_all(dir.path().join("runsc")).unwrap();
+    let runsc = Runsc {
+        binary: wrapper,
+        root: dir.path().join("runsc"),
+        platform: "ptrace".into(),
+        timeouts: sandboxd::runtime::RunscTimeouts {
+            command: Duration::from_secs(2),
+            image: Duration::from_secs(60),
+        },
+    };
+    assert!(
+        runsc.list().await.unwrap().is_empty(),
+        "the wrapper runs runsc"
+    );
+    let started = Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(30), runsc.state("sbxmissing"))
+        .await
+        .expect("the runsc call hung past 30 s: it has no timeout");
+    let err = outcome.unwrap_err();
+    assert!(
+        matches!(err, sandboxd::runtime::RunscError::Timeout { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("did not finish within"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
 }

@@ -31,6 +31,7 @@ macro_rules! conformance_suite {
             case!(missing_objects);
             case!(invalid_keys_rejected);
             case!(blob_from_a_stream);
+            case!(adopted_blob);
         }
     };
 }

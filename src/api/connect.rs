@@ -25,20 +25,19 @@ use tokio::sync::broadcast;
 use tracing::Instrument;
 
 use super::live::{LiveSandbox, SandboxOptions};
-use super::protocol::{InitMessage, MAX_FRAME_BYTES, ServerFrame, Status, WorkspaceRequest};
-use super::session::{CLOSE_FATAL, CLOSE_UNAVAILABLE, Out, Session, next_text};
+use super::protocol::{
+    FrameError, InitMessage, MAX_MESSAGE_BYTES, ServerFrame, Status, WorkspaceRequest,
+};
+use super::session::{CLOSE_FATAL, CLOSE_UNAVAILABLE, Out, Session, next_text, refuse_too_big};
 use super::token;
 use crate::server::AppState;
 
 /// How long a create or restore may take before the client is told it failed.
 const START_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// Frames larger than this drop the connection (the library's limit); frames
-/// between [`MAX_FRAME_BYTES`] and this get an `error` event.
-const MAX_MESSAGE_BYTES: usize = 4 * MAX_FRAME_BYTES;
-
 pub async fn create(ws: WebSocketUpgrade, State(state): State<AppState>) -> Response {
     ws.max_message_size(MAX_MESSAGE_BYTES)
+        .max_frame_size(MAX_MESSAGE_BYTES)
         .on_upgrade(move |socket| serve_create(socket, state))
 }
 
@@ -58,6 +57,7 @@ pub async fn attach(
     };
     let checkpoint = params.get("checkpoint").cloned();
     ws.max_message_size(MAX_MESSAGE_BYTES)
+        .max_frame_size(MAX_MESSAGE_BYTES)
         .on_upgrade(move |socket| serve_attach(socket, state, sandbox_id, token, checkpoint))
 }
 
@@ -114,6 +114,9 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     let (out, mut stream) = Out::spawn(socket);
     let init = match next_text(&mut stream).await {
         None => return,
+        Some(Err(err @ FrameError::MessageTooBig(_))) => {
+            return refuse_too_big(&out, &mut stream, &err).await;
+        }
         Some(text) => text.and_then(|text| InitMessage::parse(&text)),
     };
     out.status(Status::Creating).await;

@@ -1,7 +1,9 @@
 //! `POST /execute?language=python|bash`: run one script in a fresh sandbox and
 //! stream its output, as the earlier server did (stdout and stderr merged, in
 //! arrival order, `text/plain`). The sandbox is destroyed afterwards, also when
-//! the client goes away mid-stream.
+//! the client goes away: a guard destroys it when the handler (JSON mode) or
+//! the streaming task is dropped, and the streaming task stops as soon as the
+//! response body is gone, even for a script that prints nothing.
 //!
 //! Extension: `&format=json` waits for the end and answers
 //! `{"stdout": …, "stderr": …, "exit_code": N}`.
@@ -84,10 +86,14 @@ pub async fn execute(
             format!("Failed to create a sandbox: {err}"),
         );
     }
+    let sandbox = Disposable {
+        runtime: Arc::clone(&runtime),
+        id: Some(id.clone()),
+    };
     let execution = match runtime.exec(&id, ExecRequest::new(command)).await {
         Ok(execution) => execution,
         Err(err) => {
-            destroy(runtime, id);
+            drop(sandbox);
             return detail(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 format!("Failed to start the script: {err}"),
@@ -95,25 +101,36 @@ pub async fn execute(
         }
     };
     if json_format {
-        collect(runtime, id, execution).await
+        collect(sandbox, execution).await
     } else {
-        stream(runtime, id, execution)
+        stream(sandbox, execution)
     }
 }
 
-fn destroy(runtime: Arc<dyn SandboxRuntime>, id: SandboxId) {
-    tokio::spawn(async move {
-        if let Err(err) = runtime.destroy(&id).await {
-            tracing::warn!(sandbox = %id, %err, "execute: destroying the sandbox failed");
-        }
-    });
+/// The one-shot sandbox: destroyed when this is dropped, whether the script
+/// ended or the client left and its handler was dropped mid-wait.
+struct Disposable {
+    runtime: Arc<dyn SandboxRuntime>,
+    id: Option<SandboxId>,
 }
 
-async fn collect(
-    runtime: Arc<dyn SandboxRuntime>,
-    id: SandboxId,
-    mut execution: controllers::runtime::Execution,
-) -> Response {
+impl Drop for Disposable {
+    fn drop(&mut self) {
+        let Some(id) = self.id.take() else { return };
+        let runtime = Arc::clone(&self.runtime);
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(sandbox = %id, "execute: no runtime left to destroy the sandbox");
+            return;
+        };
+        handle.spawn(async move {
+            if let Err(err) = runtime.destroy(&id).await {
+                tracing::warn!(sandbox = %id, %err, "execute: destroying the sandbox failed");
+            }
+        });
+    }
+}
+
+async fn collect(sandbox: Disposable, mut execution: controllers::runtime::Execution) -> Response {
     let (mut stdout, mut stderr, mut exit_code) = (Vec::new(), Vec::new(), None);
     while let Some(event) = execution.events.recv().await {
         match event {
@@ -125,7 +142,7 @@ async fn collect(
             }
         }
     }
-    destroy(runtime, id);
+    drop(sandbox);
     Json(json!({
         "stdout": String::from_utf8_lossy(&stdout),
         "stderr": String::from_utf8_lossy(&stderr),
@@ -134,25 +151,25 @@ async fn collect(
     .into_response()
 }
 
-fn stream(
-    runtime: Arc<dyn SandboxRuntime>,
-    id: SandboxId,
-    mut execution: controllers::runtime::Execution,
-) -> Response {
+fn stream(sandbox: Disposable, mut execution: controllers::runtime::Execution) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
     tokio::spawn(async move {
-        while let Some(event) = execution.events.recv().await {
+        let _sandbox = sandbox;
+        loop {
+            let event = tokio::select! {
+                event = execution.events.recv() => event,
+                // The client went away (its body was dropped): stop at once,
+                // also for a script that prints nothing.
+                () = tx.closed() => break,
+            };
             let chunk = match event {
-                ExecEvent::Stdout(data) | ExecEvent::Stderr(data) => data,
-                ExecEvent::Exited(_) => break,
+                Some(ExecEvent::Stdout(data) | ExecEvent::Stderr(data)) => data,
+                Some(ExecEvent::Exited(_)) | None => break,
             };
             if tx.send(Ok(chunk)).await.is_err() {
-                // The client went away: stop the script.
-                let _ = execution.control.kill().await;
                 break;
             }
         }
-        destroy(runtime, id);
     });
     let body = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|item| (item, rx))

@@ -12,11 +12,44 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use async_trait::async_trait;
 use controllers::api::{DesiredState, SandboxId, SandboxMetadata};
 use controllers::sandboxes::{Progress, SandboxController};
+use tokio::sync::broadcast;
 use tokio::time::Instant;
 
 use super::output::ExecutionState;
+
+/// What the idle watcher needs of the controller (the unit tests stand in
+/// for it to send events at chosen moments).
+#[async_trait]
+pub trait Lifecycle: Send + Sync + 'static {
+    fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<Progress>;
+    fn is_held_here(&self, sandbox: &SandboxId) -> bool;
+    async fn request_state(&self, sandbox: &SandboxId, desired: DesiredState)
+    -> Result<(), String>;
+}
+
+#[async_trait]
+impl Lifecycle for SandboxController {
+    fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<Progress> {
+        SandboxController::subscribe(self, sandbox)
+    }
+
+    fn is_held_here(&self, sandbox: &SandboxId) -> bool {
+        SandboxController::is_held_here(self, sandbox)
+    }
+
+    async fn request_state(
+        &self,
+        sandbox: &SandboxId,
+        desired: DesiredState,
+    ) -> Result<(), String> {
+        SandboxController::request_state(self, sandbox, desired, None)
+            .await
+            .map_err(|err| err.to_string())
+    }
+}
 
 /// What the session needs to know about the sandbox's options.
 #[derive(Debug, Clone, Default)]
@@ -187,11 +220,11 @@ impl LiveSandboxes {
 
     /// Marks the sandbox as running here with `options`, and starts the task
     /// that expires it when idle and forgets it when it leaves this instance.
-    pub fn started(
+    pub fn started<C: Lifecycle>(
         self: &Arc<Self>,
         live: &Arc<LiveSandbox>,
         options: SandboxOptions,
-        controller: &Arc<SandboxController>,
+        controller: &Arc<C>,
     ) {
         {
             let mut inner = live.inner();
@@ -203,16 +236,24 @@ impl LiveSandboxes {
             inner.options = options;
             inner.last_activity = Instant::now();
         }
+        // Subscribe before anything can happen to the sandbox: a `Deleted`
+        // sent before the watcher's first poll would otherwise be missed and
+        // the entry kept forever.
+        let progress = controller.subscribe(&live.id);
         let registry = Arc::clone(self);
         let live = Arc::clone(live);
         let controller = Arc::clone(controller);
-        tokio::spawn(async move { registry.watch(live, controller).await });
+        tokio::spawn(async move { registry.watch(live, controller, progress).await });
     }
 
     /// Runs while the sandbox is here: expires it when idle, forgets it when
     /// it is checkpointed, deleted or lost.
-    async fn watch(&self, live: Arc<LiveSandbox>, controller: Arc<SandboxController>) {
-        let mut progress = controller.subscribe(&live.id);
+    async fn watch<C: Lifecycle>(
+        &self,
+        live: Arc<LiveSandbox>,
+        controller: Arc<C>,
+        mut progress: broadcast::Receiver<Progress>,
+    ) {
         let mut expired = false;
         loop {
             let deadline = {
@@ -258,7 +299,7 @@ impl LiveSandboxes {
                         DesiredState::Deleted
                     };
                     tracing::info!(sandbox = %live.id, ?desired, idle_s = idle_for.as_secs(), "idle timeout");
-                    match controller.request_state(&live.id, desired, None).await {
+                    match controller.request_state(&live.id, desired).await {
                         Ok(()) => expired = true,
                         Err(err) => {
                             tracing::warn!(sandbox = %live.id, %err, "cannot record the idle timeout; retrying");
@@ -269,5 +310,52 @@ impl LiveSandboxes {
             }
         }
         self.forget(&live);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A controller whose events the test sends itself.
+    struct Events(broadcast::Sender<Progress>);
+
+    #[async_trait]
+    impl Lifecycle for Events {
+        fn subscribe(&self, _sandbox: &SandboxId) -> broadcast::Receiver<Progress> {
+            self.0.subscribe()
+        }
+        fn is_held_here(&self, _sandbox: &SandboxId) -> bool {
+            true
+        }
+        async fn request_state(
+            &self,
+            _sandbox: &SandboxId,
+            _desired: DesiredState,
+        ) -> Result<(), String> {
+            Ok(())
+        }
+    }
+
+    /// A `Deleted` sent right after the sandbox is marked started, before
+    /// the watcher task first runs, still ends the watch and forgets the
+    /// sandbox (the watcher used to subscribe inside its task and miss it).
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_idle_watcher_sees_a_deleted_sent_before_it_first_runs() {
+        let registry = Arc::new(LiveSandboxes::default());
+        let id = SandboxId::random();
+        let (live, attachment) = registry.attach(&id).unwrap();
+        let controller = Arc::new(Events(broadcast::channel(16).0));
+        registry.started(&live, SandboxOptions::default(), &controller);
+        // Nothing has yielded yet: the watcher task has not run.
+        controller.0.send(Progress::Deleted).ok();
+        registry.detach(&live, attachment);
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            registry.get(&id).is_none(),
+            "the watcher missed the Deleted and keeps the sandbox forever"
+        );
     }
 }

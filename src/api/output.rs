@@ -216,32 +216,40 @@ impl ExecutionState {
         }
     }
 
-    /// Takes the frames to send next, waiting for some if there are none.
-    /// Returns an empty batch once DONE has been taken.
-    pub async fn next_batch(&self) -> Vec<ServerFrame> {
+    /// The next frame to send, waiting for one; `None` once DONE has been
+    /// sent. The frame stays in the log until [`Self::sent`]: a streamer
+    /// stopped before it sent it leaves it for the next one.
+    pub async fn next_frame(&self) -> Option<ServerFrame> {
         loop {
             let changed = self.changed.notified();
             {
                 let mut log = self.log();
-                if !log.frames.is_empty() {
-                    let mut batch = Vec::with_capacity(log.frames.len() + 1);
-                    if log.dropped_bytes > 0 {
-                        batch.push(ServerFrame::Stderr(format!(
-                            "[sandboxd] {} bytes of output were dropped: nobody read them and \
-                             the replay buffer keeps {MAX_BUFFERED_BYTES} bytes\n",
-                            log.dropped_bytes
-                        )));
-                        log.dropped_bytes = 0;
-                    }
-                    batch.extend(log.frames.drain(..));
-                    log.bytes = 0;
-                    return batch;
+                if log.dropped_bytes > 0 {
+                    let notice = ServerFrame::Stderr(format!(
+                        "[sandboxd] {} bytes of output were dropped: nobody read them and \
+                         the replay buffer keeps {MAX_BUFFERED_BYTES} bytes\n",
+                        log.dropped_bytes
+                    ));
+                    log.dropped_bytes = 0;
+                    log.bytes += frame_bytes(&notice);
+                    log.frames.push_front(notice);
+                }
+                if let Some(frame) = log.frames.front() {
+                    return Some(frame.clone());
                 }
                 if log.finished {
-                    return Vec::new();
+                    return None;
                 }
             }
             changed.await;
+        }
+    }
+
+    /// The frame [`Self::next_frame`] returned is on its way to the client.
+    pub fn sent(&self) {
+        let mut log = self.log();
+        if let Some(frame) = log.frames.pop_front() {
+            log.bytes -= frame_bytes(&frame);
         }
     }
 }
@@ -286,13 +294,11 @@ mod tests {
 
     async fn all_frames(state: &ExecutionState) -> Vec<ServerFrame> {
         let mut frames = Vec::new();
-        loop {
-            let batch = state.next_batch().await;
-            if batch.is_empty() {
-                return frames;
-            }
-            frames.extend(batch);
+        while let Some(frame) = state.next_frame().await {
+            state.sent();
+            frames.push(frame);
         }
+        frames
     }
 
     #[tokio::test]

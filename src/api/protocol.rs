@@ -18,6 +18,11 @@ use serde_json::{Map, Value, json};
 /// Largest client frame accepted (code and stdin chunks included).
 pub const MAX_FRAME_BYTES: usize = 1 << 20;
 
+/// Messages larger than this are not read at all: the socket is closed with
+/// 1009 (message too big) and a reason. Messages between [`MAX_FRAME_BYTES`]
+/// and this get an `error` event and the connection stays.
+pub const MAX_MESSAGE_BYTES: usize = 4 * MAX_FRAME_BYTES;
+
 /// Default `idle_timeout` when the init message has none (upstream's default).
 pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 300;
 
@@ -232,6 +237,8 @@ pub enum FrameError {
     Binary,
     #[error("frame of {0} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")]
     TooLarge(usize),
+    #[error("{0}; frames are limited to {MAX_FRAME_BYTES} bytes")]
+    MessageTooBig(String),
     #[error("frame is not valid JSON: {0}")]
     NotJson(String),
     #[error("frame must be a JSON object")]

@@ -1,12 +1,19 @@
 //! An attached WebSocket session: reads client frames and answers them, and
-//! relays what the controller does to the sandbox. Each frame is handled in
-//! its own task, as upstream did, so a `kill_process` is served while an
-//! execution streams. Everything that changes the sandbox's lifecycle
-//! (checkpoint, kill, idle expiry) is written as an intent; the controller's
-//! progress events then become the status frames the clients expect.
+//! relays what the controller does to the sandbox. Everything that changes the
+//! sandbox's lifecycle (checkpoint, kill, idle expiry) is written as an intent;
+//! the controller's progress events then become the status frames the clients
+//! expect.
+//!
+//! Frames take effect in the order they arrived: one worker per socket handles
+//! them one after another (stdin is never reordered, a checkpoint sent before
+//! an execution is taken before it runs). Only the control frames that must act
+//! while an execution streams (`kill_process`, `kill_sandbox`, `reconnect`)
+//! bypass the queue and act at once. Upstream handled each frame in its own
+//! task, which reordered a burst of stdin frames.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket};
 use controllers::api::{DesiredState, RESOURCE_NAME_RULE, SandboxId, is_resource_name};
@@ -24,6 +31,8 @@ use crate::server::Features;
 
 /// Close codes (upstream-wire-contract §2.4).
 pub const CLOSE_NORMAL: u16 = 1000;
+/// RFC 6455: a message too big to process.
+pub const CLOSE_TOO_BIG: u16 = 1009;
 pub const CLOSE_UNAVAILABLE: u16 = 1011;
 pub const CLOSE_FATAL: u16 = 4000;
 
@@ -31,8 +40,15 @@ pub const CLOSE_FATAL: u16 = 4000;
 #[derive(Debug)]
 pub enum Outgoing {
     Frame(ServerFrame),
-    Close(u16),
+    Close(u16, String),
 }
+
+/// Client frames waiting for the session's worker, in arrival order.
+const QUEUED_FRAMES: usize = 1024;
+
+/// How long a socket closed for a too-big frame is still drained, so the
+/// client reads the close frame instead of a reset connection.
+const DRAIN_AFTER_CLOSE: Duration = Duration::from_secs(2);
 
 /// The sending half of a socket, shared by the tasks of one session.
 #[derive(Debug, Clone)]
@@ -65,11 +81,11 @@ impl Out {
                             break;
                         }
                     }
-                    Outgoing::Close(code) => {
+                    Outgoing::Close(code, reason) => {
                         let _ = sink
                             .send(Message::Close(Some(CloseFrame {
                                 code,
-                                reason: Utf8Bytes::from_static(""),
+                                reason: Utf8Bytes::from(reason),
                             })))
                             .await;
                         break;
@@ -102,8 +118,13 @@ impl Out {
 
     /// Closes the socket with `code` after what is queued.
     pub async fn close(&self, code: u16) {
+        self.close_with(code, String::new()).await;
+    }
+
+    /// Closes the socket with `code` and `reason` after what is queued.
+    pub async fn close_with(&self, code: u16, reason: String) {
         if !self.closing.swap(true, Ordering::AcqRel) {
-            let _ = self.sender.send(Outgoing::Close(code)).await;
+            let _ = self.sender.send(Outgoing::Close(code, reason)).await;
         }
     }
 
@@ -130,9 +151,41 @@ pub async fn next_text(stream: &mut SplitStream<WebSocket>) -> Option<Result<Str
             }
             Ok(Message::Binary(_)) => return Some(Err(FrameError::Binary)),
             Ok(Message::Ping(_) | Message::Pong(_)) => {}
-            Ok(Message::Close(_)) | Err(_) => return None,
+            Ok(Message::Close(_)) => return None,
+            Err(err) => return too_big(err).map(|reason| Err(FrameError::MessageTooBig(reason))),
         }
     }
+}
+
+/// The reason, when a read failed because the message exceeds the limits.
+fn too_big(err: axum::Error) -> Option<String> {
+    let inner = err.into_inner();
+    match inner.downcast_ref::<tungstenite::Error>() {
+        Some(tungstenite::Error::Capacity(capacity)) => Some(capacity.to_string()),
+        _ => None,
+    }
+}
+
+/// Closes with 1009 and the reason for a message too big to read, then
+/// drains what the client still sends for a moment so that it reads the close
+/// frame rather than a reset.
+pub async fn refuse_too_big(out: &Out, stream: &mut SplitStream<WebSocket>, err: &FrameError) {
+    tracing::info!(%err, "closing a socket that sent a message too big");
+    out.close_with(CLOSE_TOO_BIG, close_reason(&err.to_string()))
+        .await;
+    let _ = tokio::time::timeout(DRAIN_AFTER_CLOSE, async {
+        while stream.next().await.is_some() {}
+    })
+    .await;
+}
+
+/// A close reason fits in 123 bytes (RFC 6455 §5.5).
+fn close_reason(text: &str) -> String {
+    let mut end = text.len().min(123);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_owned()
 }
 
 /// Answers a frame that could not be parsed: its status (if it is a request
@@ -163,6 +216,21 @@ pub struct Session {
     checkpointing: AtomicBool,
     kill_requested: AtomicBool,
     streamer: std::sync::Mutex<Option<JoinHandle<()>>>,
+    /// Told after every controller event and when the session ends: a worker
+    /// waiting for a checkpoint to settle looks again.
+    settled: Notify,
+    ended: AtomicBool,
+}
+
+/// A parsed client frame, or why it could not be.
+type Queued = Result<ClientFrame, FrameError>;
+
+/// The frames that must act while an execution streams, ahead of the queue.
+fn acts_at_once(frame: &Queued) -> bool {
+    matches!(
+        frame,
+        Ok(ClientFrame::KillProcess | ClientFrame::KillSandbox | ClientFrame::Reconnect)
+    )
 }
 
 impl Session {
@@ -185,6 +253,8 @@ impl Session {
             checkpointing: AtomicBool::new(false),
             kill_requested: AtomicBool::new(false),
             streamer: std::sync::Mutex::new(None),
+            settled: Notify::new(),
+            ended: AtomicBool::new(false),
         })
     }
 
@@ -192,36 +262,91 @@ impl Session {
     pub async fn run(
         self: Arc<Self>,
         mut stream: SplitStream<WebSocket>,
-        mut progress: broadcast::Receiver<Progress>,
+        progress: broadcast::Receiver<Progress>,
         registry: Arc<LiveSandboxes>,
     ) {
         self.controller.client_attached(&self.id, true);
+        let (queue, queued) = mpsc::channel::<Queued>(QUEUED_FRAMES);
+        let worker = tokio::spawn(Arc::clone(&self).work(queued));
+        let mut relay = tokio::spawn(Arc::clone(&self).relay_events(progress));
         loop {
             tokio::select! {
                 frame = next_text(&mut stream) => {
                     let Some(frame) = frame else { break };
                     self.live.touch();
-                    let session = Arc::clone(&self);
-                    tokio::spawn(async move { session.handle(frame).await });
+                    if let Err(err @ FrameError::MessageTooBig(_)) = &frame {
+                        refuse_too_big(&self.out, &mut stream, err).await;
+                        break;
+                    }
+                    let parsed = frame.and_then(|text| ClientFrame::parse(&text));
+                    if acts_at_once(&parsed) {
+                        let session = Arc::clone(&self);
+                        tokio::spawn(async move { session.handle(parsed).await });
+                    } else if queue.send(parsed).await.is_err() {
+                        break;
+                    }
                 }
-                event = progress.recv() => match event {
-                    Ok(event) => {
-                        if self.relay(event).await {
-                            break;
-                        }
-                    }
-                    Err(broadcast::error::RecvError::Lagged(missed)) => {
-                        tracing::warn!(sandbox = %self.id, missed, "session fell behind the controller's events");
-                    }
-                    Err(broadcast::error::RecvError::Closed) => break,
-                },
+                _ = &mut relay => break,
                 () = self.out.closed() => break,
             }
         }
+        relay.abort();
+        drop(queue);
+        self.ended.store(true, Ordering::Release);
+        self.settled.notify_waiters();
+        // What was queued is refused once detached; let it drain.
+        drop(worker);
         self.stop_streamer();
         registry.detach(&self.live, self.attachment);
         self.controller.client_attached(&self.id, false);
         tracing::debug!(sandbox = %self.id, "session detached");
+    }
+
+    /// Handles the queued frames one after another, in arrival order. After a
+    /// checkpoint request nothing else is taken until the checkpoint is done
+    /// (the session then ends) or refused.
+    async fn work(self: Arc<Self>, mut queued: mpsc::Receiver<Queued>) {
+        while let Some(frame) = queued.recv().await {
+            let checkpoint = matches!(frame, Ok(ClientFrame::Checkpoint { .. }));
+            Arc::clone(&self).handle(frame).await;
+            if checkpoint {
+                self.checkpoint_settled().await;
+            }
+        }
+    }
+
+    /// Waits until no checkpoint request of this session is pending.
+    async fn checkpoint_settled(&self) {
+        loop {
+            let settled = self.settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            if !self.checkpoint_requested.load(Ordering::Acquire)
+                || self.out.is_closing()
+                || self.ended.load(Ordering::Acquire)
+            {
+                return;
+            }
+            settled.await;
+        }
+    }
+
+    /// Relays the controller's events until one ends the session.
+    async fn relay_events(self: Arc<Self>, mut progress: broadcast::Receiver<Progress>) {
+        loop {
+            let end = match progress.recv().await {
+                Ok(event) => self.relay(event).await,
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    tracing::warn!(sandbox = %self.id, missed, "session fell behind the controller's events");
+                    false
+                }
+                Err(broadcast::error::RecvError::Closed) => true,
+            };
+            self.settled.notify_waiters();
+            if end {
+                return;
+            }
+        }
     }
 
     fn stop_streamer(&self) {
@@ -235,30 +360,30 @@ impl Session {
         }
     }
 
-    /// Streams `execution`'s log to this socket until DONE.
+    /// Streams `execution`'s log to this socket until DONE. A frame leaves
+    /// the log only once the socket's writer has it, so a streamer replaced
+    /// by a `reconnect` (or stopped with the session) loses nothing.
     fn stream(self: &Arc<Self>, execution: Arc<ExecutionState>) {
         let out = self.out.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let batch = execution.next_batch().await;
-                if batch.is_empty() {
-                    return;
-                }
-                for frame in batch {
-                    if !out.send(frame).await {
-                        return;
-                    }
-                }
-            }
-        });
-        let previous = self
+        let mut streamer = self
             .streamer
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .replace(task);
-        if let Some(previous) = previous {
-            previous.abort();
-        }
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let previous = streamer.take();
+        let task = tokio::spawn(async move {
+            // Two streamers never take from one log at once.
+            if let Some(previous) = previous {
+                previous.abort();
+                let _ = previous.await;
+            }
+            while let Some(frame) = execution.next_frame().await {
+                if !out.send(frame).await {
+                    return;
+                }
+                execution.sent();
+            }
+        });
+        *streamer = Some(task);
     }
 
     /// Turns a controller event into status frames. True when the session ends.
@@ -367,8 +492,7 @@ impl Session {
         }
     }
 
-    async fn handle(self: Arc<Self>, frame: Result<String, FrameError>) {
-        let parsed = frame.and_then(|text| ClientFrame::parse(&text));
+    async fn handle(self: Arc<Self>, parsed: Queued) {
         let frame = match parsed {
             Ok(frame) => frame,
             Err(err) => {

@@ -186,10 +186,13 @@ enum Command {
         older_than_s: i64,
     },
     /// The end-to-end benchmark: starts fake-gcs-server and two sandboxd,
-    /// prints create, exec, checkpoint, restore and handoff latencies (median,
-    /// p90), storage operations per idle sandbox-hour, checkpoint upload
-    /// throughput and the server's peak RSS. Needs root, runsc and the
-    /// fake-gcs-server wheel.
+    /// prints create, exec (with our client and with a plain Python
+    /// `websockets` client), checkpoint, restore and handoff latencies
+    /// (median, p90), storage operations per idle sandbox-hour, checkpoint
+    /// and restore of a big sandbox on fake-gcs-server and on the local
+    /// store (a third sandboxd) with throughput, and the server's peak RSS.
+    /// Needs root, runsc, the fake-gcs-server wheel and `pip install
+    /// websockets`.
     #[command(
         after_help = "Examples:\n  sandboxctl bench\n  sandboxctl bench --runs 20 --economy-window-s 0   # skip the slow economy sample"
     )]

@@ -108,7 +108,9 @@ pub(crate) async fn open(url: &str, jar: &CookieJar) -> Result<Socket, ClientErr
     {
         request.headers_mut().insert("cookie", value);
     }
-    let (socket, response) = tokio_tungstenite::connect_async(request)
+    // TCP_NODELAY (`true`): small frames must not wait for the server's
+    // delayed ACK.
+    let (socket, response) = tokio_tungstenite::connect_async_with_config(request, None, true)
         .await
         .map_err(|err| connect_error(err.to_string()))?;
     if let Some(set_cookie) = response

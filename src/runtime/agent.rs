@@ -5,6 +5,11 @@
 //! each event by its `id`: execution output to that execution's channel, replies
 //! to the request waiting for them, archive chunks to their sink. When the agent
 //! goes away (the sandbox stopped or was checkpointed) every waiter is told.
+//!
+//! The reader never waits on a consumer: every route is an unbounded channel
+//! (or a oneshot), so a slow snapshot writer cannot hold up the reply to a
+//! `kill` or a `ping`. Output the agent encoded badly is reported, never
+//! turned into silence.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -38,7 +43,9 @@ struct Routes {
     /// or replies (kill, ping, checkpoint) would queue behind its output. The
     /// consumers (API sessions) bound what they keep.
     execs: HashMap<String, mpsc::UnboundedSender<ExecEvent>>,
-    chunks: HashMap<String, mpsc::Sender<Bytes>>,
+    /// Unbounded for the same reason; the consumer writes to local disk,
+    /// which keeps up with what the agent can tar and encode.
+    chunks: HashMap<String, mpsc::UnboundedSender<Bytes>>,
     gone: bool,
 }
 
@@ -168,14 +175,14 @@ impl AgentConnection {
         mut command: Value,
     ) -> Result<
         (
-            mpsc::Receiver<Bytes>,
+            mpsc::UnboundedReceiver<Bytes>,
             oneshot::Receiver<Result<Value, String>>,
         ),
         AgentError,
     > {
         let id = self.new_id("a");
         command["id"] = json!(id);
-        let (tx, rx) = mpsc::channel(64);
+        let (tx, rx) = mpsc::unbounded_channel();
         let done = self.expect_reply(&id)?;
         self.routes().chunks.insert(id.clone(), tx);
         self.send(&command).await?;
@@ -219,7 +226,7 @@ async fn read_events(
                 continue;
             }
         };
-        route(&routes, &mut hello, event).await;
+        route(&routes, &mut hello, event);
     }
     // The agent is gone: release every waiter. Executions still running end
     // as killed (the sandbox stopped under them).
@@ -252,7 +259,8 @@ async fn write_commands(
     }
 }
 
-async fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>>, event: Value) {
+/// Routes one event. Never waits: the reader's only loop runs through here.
+fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>>, event: Value) {
     let kind = event["ev"].as_str().unwrap_or_default().to_owned();
     let id = event["id"].as_str().unwrap_or_default().to_owned();
     let lock = || routes.lock().unwrap_or_else(PoisonError::into_inner);
@@ -263,13 +271,17 @@ async fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>
             }
         }
         "out" => {
-            let data = decode(&event);
             let sender = lock().execs.get(&id).cloned();
             if let Some(sender) = sender {
-                let item = if event["fd"] == 2 {
-                    ExecEvent::Stderr(data)
-                } else {
-                    ExecEvent::Stdout(data)
+                let item = match decode(&event) {
+                    Ok(data) if event["fd"] == 2 => ExecEvent::Stderr(data),
+                    Ok(data) => ExecEvent::Stdout(data),
+                    Err(err) => {
+                        tracing::warn!(%err, execution = %id, "unreadable output from the sandbox agent");
+                        ExecEvent::Stderr(Bytes::from(format!(
+                            "[sandboxd] output lost: the sandbox agent sent it unreadable ({err})\n"
+                        )))
+                    }
                 };
                 let _ = sender.send(item);
             }
@@ -284,12 +296,24 @@ async fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>
                 let _ = sender.send(ExecEvent::Exited(code));
             }
         }
-        "chunk" => {
-            let sender = lock().chunks.get(&id).cloned();
-            if let Some(sender) = sender {
-                let _ = sender.send(decode(&event)).await;
+        "chunk" => match decode(&event) {
+            Ok(data) => {
+                let sender = lock().chunks.get(&id).cloned();
+                if let Some(sender) = sender {
+                    let _ = sender.send(data);
+                }
             }
-        }
+            Err(err) => {
+                // A hole in an archive: fail it rather than store it.
+                let mut routes = lock();
+                routes.chunks.remove(&id);
+                if let Some(reply) = routes.replies.remove(&id) {
+                    let _ = reply.send(Err(format!(
+                        "the sandbox agent sent an unreadable archive chunk ({err})"
+                    )));
+                }
+            }
+        },
         "error" => {
             let message = event["message"]
                 .as_str()
@@ -318,7 +342,110 @@ async fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>
     }
 }
 
-fn decode(event: &Value) -> Bytes {
-    let text = event["data"].as_str().unwrap_or_default();
-    BASE64.decode(text).map(Bytes::from).unwrap_or_default()
+/// Why an event's `data` could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("no `data` string")]
+    Missing,
+    #[error("invalid base64: {0}")]
+    Base64(#[from] base64::DecodeError),
+}
+
+fn decode(event: &Value) -> Result<Bytes, DataError> {
+    let text = event["data"].as_str().ok_or(DataError::Missing)?;
+    Ok(Bytes::from(BASE64.decode(text)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write as _;
+    use std::os::fd::OwnedFd;
+
+    use super::*;
+
+    /// A connection whose agent end the test plays: it writes events to the
+    /// returned file and may read commands from the returned pipe.
+    fn connect() -> (Arc<AgentConnection>, std::fs::File, std::io::PipeReader) {
+        let (command_reader, command_writer) = std::io::pipe().unwrap();
+        let (event_reader, event_writer) = std::io::pipe().unwrap();
+        let commands = pipe::Sender::from_owned_fd(OwnedFd::from(command_writer)).unwrap();
+        let events = pipe::Receiver::from_owned_fd(OwnedFd::from(event_reader)).unwrap();
+        let (connection, _hello) = AgentConnection::start(commands, events);
+        (
+            connection,
+            std::fs::File::from(OwnedFd::from(event_writer)),
+            command_reader,
+        )
+    }
+
+    fn emit(agent: &mut std::fs::File, event: &Value) {
+        let mut line = serde_json::to_vec(event).unwrap();
+        line.push(b'\n');
+        agent.write_all(&line).unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_archive_consumer_does_not_stall_replies() {
+        let (connection, mut agent, _commands) = connect();
+        // Nobody reads the archive's chunks (a slow snapshot writer).
+        let (_chunks, _done) = connection
+            .start_archive(json!({"op": "archive"}))
+            .await
+            .unwrap();
+        for _ in 0..500 {
+            emit(
+                &mut agent,
+                &json!({"ev": "chunk", "id": "a1", "data": "eA=="}),
+            );
+        }
+        emit(&mut agent, &json!({"ev": "pong", "id": "r2"}));
+        let reply = connection
+            .request(json!({"op": "ping"}), Duration::from_secs(5))
+            .await;
+        assert!(
+            reply.is_ok(),
+            "the ping's reply queued behind unread archive chunks: {reply:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_base64_output_is_reported_not_silently_empty() {
+        let (connection, mut agent, _commands) = connect();
+        emit(&mut agent, &json!({"ev": "started", "id": "e1"}));
+        let mut events = connection
+            .start_exec("e1", json!({"op": "exec"}))
+            .await
+            .unwrap();
+        emit(
+            &mut agent,
+            &json!({"ev": "out", "id": "e1", "fd": 1, "data": "not base64!"}),
+        );
+        emit(&mut agent, &json!({"ev": "exit", "id": "e1", "code": 0}));
+        let first = events.recv().await.unwrap();
+        let ExecEvent::Stderr(notice) = first else {
+            panic!("bad output became {first:?}, not a reported loss");
+        };
+        let notice = String::from_utf8_lossy(&notice).into_owned();
+        assert!(notice.contains("output lost"), "{notice}");
+        assert!(matches!(events.recv().await, Some(ExecEvent::Exited(0))));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bad_archive_chunk_fails_the_archive() {
+        let (connection, mut agent, _commands) = connect();
+        let (_chunks, done) = connection
+            .start_archive(json!({"op": "archive"}))
+            .await
+            .unwrap();
+        emit(
+            &mut agent,
+            &json!({"ev": "chunk", "id": "a1", "data": "%%%"}),
+        );
+        emit(&mut agent, &json!({"ev": "done", "id": "a1"}));
+        let outcome = done.await.unwrap();
+        assert!(
+            outcome.as_ref().is_err_and(|m| m.contains("unreadable")),
+            "{outcome:?}"
+        );
+    }
 }

@@ -40,12 +40,24 @@ use tokio::sync::mpsc;
 
 use super::agent::{AgentConnection, AgentError};
 use super::bundle::{BundleNetwork, BundleSpec, SANDBOX_HOME, WORKSPACE_DIR};
-use super::images::{check_cpu_features, download_verified, host_cpu_features, sha256_file};
+use super::images::{
+    check_cpu_features, download_verified, host_cpu_features, mismatch, sha256_file, sha256_of,
+};
 use super::network::{self, HostNetwork, NetworkConfig, SandboxNetwork};
 use super::runsc::{InitStdio, LaunchNetwork, Runsc};
 
 /// How long a new or restored agent may take to answer.
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Who may use a sandbox's processes right now.
+#[derive(Debug, Default)]
+struct ExecSlot {
+    /// The id of the running execution, if any.
+    exec: Option<String>,
+    /// A checkpoint is being taken: no execution may start (one started
+    /// between the agent's preparation and `runsc checkpoint` would be frozen
+    /// half-way into the image).
+    checkpointing: bool,
+}
 /// Directories a filesystem snapshot saves: everything user code (uid 1000)
 /// can write.
 const SNAPSHOT_PATHS: [&str; 4] = [SANDBOX_HOME, WORKSPACE_DIR, "/tmp", "/var/tmp"];
@@ -67,8 +79,8 @@ struct LocalSandbox {
     container_id: String,
     dir: PathBuf,
     agent: Arc<AgentConnection>,
-    /// The id of the running execution, if any.
-    current_exec: Arc<Mutex<Option<String>>>,
+    /// The running execution and whether a checkpoint is being taken.
+    current_exec: Arc<Mutex<ExecSlot>>,
     /// `egress` sandboxes: their namespace, veth, address and rules here.
     network: Option<SandboxNetwork>,
 }
@@ -331,7 +343,7 @@ impl GvisorRuntime {
             container_id,
             dir,
             agent,
-            current_exec: Arc::new(Mutex::new(None)),
+            current_exec: Arc::new(Mutex::new(ExecSlot::default())),
             network,
         };
         self.sandboxes().insert(sandbox.clone(), Arc::new(local));
@@ -471,7 +483,10 @@ impl GvisorRuntime {
         Ok(())
     }
 
-    /// Downloads and verifies the image, then restores it into a new container.
+    /// Restores the image into a new container, verified: downloaded and
+    /// hashed in one pass from a remote store; used in place (a hard link)
+    /// from a directory store and hashed while runsc reads it, the container
+    /// destroyed before anyone can use it if the digest is wrong.
     async fn restore_into(
         &self,
         sandbox: &SandboxId,
@@ -484,22 +499,58 @@ impl GvisorRuntime {
         tokio::fs::create_dir_all(&image_dir).await.map_err(|err| {
             RuntimeError::Failed(format!("cannot create {}: {err}", image_dir.display()))
         })?;
-        let verified = download_verified(
-            self.checkpoints.as_ref(),
-            key,
-            &image_dir.join("checkpoint.img"),
-            &manifest.image.sha256,
-            manifest.image.size,
-        )
-        .await;
-        if let Err(err) = verified {
-            let _ = tokio::fs::remove_dir_all(&dir).await;
+        let image = image_dir.join("checkpoint.img");
+        let in_place = match self.checkpoints.local_path(key) {
+            Some(stored) => link_stored_image(key, &stored, &image, manifest.image.size)
+                .await
+                .map(Some),
+            None => download_verified(
+                self.checkpoints.as_ref(),
+                key,
+                &image,
+                &manifest.image.sha256,
+                manifest.image.size,
+            )
+            .await
+            .map(|()| None),
+        };
+        let hashing = match in_place {
+            Ok(hashing) => hashing,
+            Err(err) => {
+                let _ = tokio::fs::remove_dir_all(&dir).await;
+                return Err(err);
+            }
+        };
+        let launching = self.launch(sandbox, &container_id, &dir, Some(&image_dir), network);
+        let (launched, digest) = match hashing {
+            Some(file) => {
+                let (launched, digest) = tokio::join!(launching, sha256_of(file));
+                (launched, Some(digest))
+            }
+            None => (launching.await, None),
+        };
+        let refused = match digest {
+            Some(Ok(actual)) => mismatch(
+                key.as_str(),
+                (&actual.0, actual.1),
+                &manifest.image.sha256,
+                manifest.image.size,
+            ),
+            Some(Err(err)) => Some(RuntimeError::Failed(format!(
+                "reading the checkpoint image {key}: {err}"
+            ))),
+            None => None,
+        };
+        if let Some(err) = refused {
+            match launched {
+                Ok(_) => self.delete_in_background(container_id, dir),
+                Err(_) => {
+                    let _ = tokio::fs::remove_dir_all(&dir).await;
+                }
+            }
             return Err(err);
         }
-        let agent = match self
-            .launch(sandbox, &container_id, &dir, Some(&image_dir), network)
-            .await
-        {
+        let agent = match launched {
             Ok(agent) => agent,
             Err(RuntimeError::Failed(detail)) => {
                 let _ = tokio::fs::remove_dir_all(&dir).await;
@@ -507,10 +558,228 @@ impl GvisorRuntime {
             }
             Err(err) => return Err(err),
         };
-        // runsc restores eagerly: the image is no longer needed.
+        // runsc restores eagerly: the image (or its link) is no longer needed.
         let _ = tokio::fs::remove_dir_all(&image_dir).await;
         Ok((container_id, dir, agent))
     }
+
+    /// The checkpoint proper, with the execution slot held.
+    async fn checkpoint_held(
+        &self,
+        sandbox: &SandboxId,
+        local: &LocalSandbox,
+        request: CheckpointRequest,
+    ) -> Result<CheckpointManifest, RuntimeError> {
+        // A checkpoint the network guard would refuse anyway is refused before
+        // the agent kills anything (a forced one kills the running execution).
+        if let (Some(network), Some(host)) = (&local.network, &self.network) {
+            network::checkpoint::refuse_if_hopeless(host, network)
+                .await
+                .map_err(|err| RuntimeError::Failed(format!("cannot checkpoint now: {err}")))?;
+        }
+        let prepared = local
+            .agent
+            .request(
+                json!({"op": "prepare_checkpoint", "force": request.force}),
+                Duration::from_secs(10),
+            )
+            .await;
+        match prepared {
+            // Anything still listed as running would be frozen mid-way.
+            Ok(reply)
+                if reply["running"]
+                    .as_array()
+                    .is_some_and(|running| !running.is_empty()) =>
+            {
+                return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
+            }
+            Ok(_) => {}
+            Err(AgentError::Refused(_)) => {
+                return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
+            }
+            Err(err) => {
+                return Err(RuntimeError::Failed(format!(
+                    "preparing the checkpoint: {err}"
+                )));
+            }
+        }
+
+        if let (Some(network), Some(host)) = (&local.network, &self.network) {
+            network::checkpoint::quiesce(host, network, &local.agent)
+                .await
+                .map_err(|err| RuntimeError::Failed(format!("cannot checkpoint now: {err}")))?;
+        }
+        let image_dir = local
+            .dir
+            .join(format!("checkpoint-{}", request.checkpoint_id));
+        if let Err(err) = self
+            .config
+            .runsc
+            .checkpoint(&local.container_id, &image_dir)
+            .await
+        {
+            // A checkpoint that fails inside the sentry stops the container:
+            // ask runsc whether it still runs.
+            let still_running = matches!(
+                self.config
+                    .runsc
+                    .state(&local.container_id)
+                    .await
+                    .as_deref(),
+                Ok("running")
+            );
+            if !still_running {
+                self.sandboxes().remove(sandbox);
+                self.delete_and_detach_in_background(
+                    local.container_id.clone(),
+                    local.dir.clone(),
+                    local.network.clone(),
+                );
+                return Err(RuntimeError::Lost {
+                    sandbox: sandbox.clone(),
+                    detail: format!("checkpoint failed and stopped the sandbox: {err}"),
+                });
+            }
+            let _ = tokio::fs::remove_dir_all(&image_dir).await;
+            if let Some(network) = &local.network {
+                network::checkpoint::resume(network).await;
+            }
+            return Err(RuntimeError::Failed(format!(
+                "checkpoint failed, sandbox still running: {err}"
+            )));
+        }
+        // The container is stopped now: it no longer runs here.
+        self.sandboxes().remove(sandbox);
+        let image = image_dir.join("checkpoint.img");
+        let upload = async {
+            let hash_error = |err: std::io::Error| {
+                RuntimeError::Failed(format!("hashing the checkpoint image: {err}"))
+            };
+            let key = checkpoint_image_key(&request.checkpoint_id);
+            // One read for the hash, beside the store taking the file (a
+            // rename on a directory store; the upload, from the page cache,
+            // on GCS). Opened first: the rename must not pull it away.
+            let file = std::fs::File::open(&image).map_err(hash_error)?;
+            let (hashed, stored) = tokio::join!(
+                sha256_of(file),
+                self.checkpoints.adopt_blob(&key, image.clone())
+            );
+            let (sha256, size) = hashed.map_err(hash_error)?;
+            stored?;
+            let manifest = CheckpointManifest {
+                api_version: API_VERSION.to_owned(),
+                checkpoint_id: request.checkpoint_id.to_string(),
+                sandbox_id: sandbox.clone(),
+                epoch: request.epoch,
+                name: request.name.clone(),
+                created_at: Utc::now(),
+                image: BlobDigest {
+                    key: key.to_string(),
+                    size,
+                    sha256,
+                },
+                runsc_version: self.runsc_version.clone(),
+                platform: self.config.runsc.platform.clone(),
+                cpu_features: self.cpu_features.clone(),
+                network: if local.network.is_some() {
+                    NetworkMode::Egress
+                } else {
+                    NetworkMode::None
+                },
+                extra: ExtraFields::new(),
+            };
+            create_idempotent(
+                self.checkpoints.as_ref(),
+                &checkpoint_manifest_key(&request.checkpoint_id),
+                encode(&manifest),
+            )
+            .await?;
+            Ok::<_, RuntimeError>(manifest)
+        }
+        .await;
+        match upload {
+            Ok(manifest) => {
+                self.delete_and_detach_in_background(
+                    local.container_id.clone(),
+                    local.dir.clone(),
+                    local.network.clone(),
+                );
+                Ok(manifest)
+            }
+            Err(err) => {
+                // Keep the image: it is the only copy of the sandbox. It goes
+                // where startup cleanup does not reach.
+                let kept = self
+                    .config
+                    .state_dir
+                    .join("orphaned-checkpoints")
+                    .join(format!("{}-{}.img", sandbox, request.checkpoint_id));
+                let moved = match kept.parent() {
+                    Some(parent) => tokio::fs::create_dir_all(parent)
+                        .await
+                        .and(tokio::fs::rename(&image, &kept).await),
+                    None => Err(std::io::Error::other("no parent directory")),
+                };
+                let kept_at = if moved.is_ok() { kept } else { image.clone() };
+                tracing::error!(%err, image = %kept_at.display(), "checkpoint upload failed; image kept");
+                self.delete_and_detach_in_background(
+                    local.container_id.clone(),
+                    local.dir.clone(),
+                    local.network.clone(),
+                );
+                Err(RuntimeError::Lost {
+                    sandbox: sandbox.clone(),
+                    detail: format!(
+                        "the checkpoint could not be stored ({err}); the image is kept at {}",
+                        kept_at.display()
+                    ),
+                })
+            }
+        }
+    }
+}
+
+/// Puts a directory store's image at `image` without copying it (a hard
+/// link, or a symbolic link across filesystems) after checking its size, and
+/// returns it open for hashing.
+async fn link_stored_image(
+    key: &controllers::store::ObjectKey,
+    stored: &Path,
+    image: &Path,
+    expected_size: u64,
+) -> Result<std::fs::File, RuntimeError> {
+    let file = match std::fs::File::open(stored) {
+        Ok(file) => file,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+            return Err(controllers::store::StoreError::not_found(key).into());
+        }
+        Err(err) => {
+            return Err(RuntimeError::Failed(format!(
+                "reading the checkpoint image {key}: {err}"
+            )));
+        }
+    };
+    let size = file
+        .metadata()
+        .map_err(|err| RuntimeError::Failed(format!("reading the checkpoint image {key}: {err}")))?
+        .len();
+    if let Some(err) = mismatch(key.as_str(), ("", size), "", expected_size) {
+        return Err(err);
+    }
+    let linked = match tokio::fs::hard_link(stored, image).await {
+        Err(err) if err.kind() == std::io::ErrorKind::CrossesDevices => {
+            tokio::fs::symlink(stored, image).await
+        }
+        other => other,
+    };
+    linked.map_err(|err| {
+        RuntimeError::Failed(format!(
+            "cannot link the checkpoint image {} to {}: {err}",
+            stored.display(),
+            image.display()
+        ))
+    })?;
+    Ok(file)
 }
 
 /// A create or restore in progress for one sandbox id.
@@ -643,10 +912,15 @@ impl SandboxRuntime for GvisorRuntime {
                 .current_exec
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            if current.is_some() {
+            if current.checkpointing {
+                return Err(RuntimeError::Failed(format!(
+                    "sandbox {sandbox} is being checkpointed; attach again to run code"
+                )));
+            }
+            if current.exec.is_some() {
                 return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
             }
-            *current = Some(id.clone());
+            current.exec = Some(id.clone());
         }
         let started = local
             .agent
@@ -655,10 +929,15 @@ impl SandboxRuntime for GvisorRuntime {
         let mut agent_events = match started {
             Ok(events) => events,
             Err(err) => {
-                *local
-                    .current_exec
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner) = None;
+                {
+                    let mut current = local
+                        .current_exec
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
+                    if current.exec.as_deref() == Some(id.as_str()) {
+                        current.exec = None;
+                    }
+                }
                 return Err(match err {
                     AgentError::Gone => RuntimeError::Lost {
                         sandbox: sandbox.clone(),
@@ -676,8 +955,8 @@ impl SandboxRuntime for GvisorRuntime {
             // Frees the slot only if it still names this execution.
             let release = || {
                 let mut current = slot.lock().unwrap_or_else(PoisonError::into_inner);
-                if current.as_deref() == Some(relay_id.as_str()) {
-                    *current = None;
+                if current.exec.as_deref() == Some(relay_id.as_str()) {
+                    current.exec = None;
                 }
             };
             while let Some(event) = agent_events.recv().await {
@@ -715,173 +994,32 @@ impl SandboxRuntime for GvisorRuntime {
             )));
         }
         let local = self.get(sandbox)?;
-        let running = local
-            .current_exec
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_some();
-        if running && !request.force {
-            return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
-        }
-        // A checkpoint the network guard would refuse anyway is refused before
-        // the agent kills anything (a forced one kills the running execution).
-        if let (Some(network), Some(host)) = (&local.network, &self.network) {
-            network::checkpoint::refuse_if_hopeless(host, network)
-                .await
-                .map_err(|err| RuntimeError::Failed(format!("cannot checkpoint now: {err}")))?;
-        }
-        let prepared = local
-            .agent
-            .request(
-                json!({"op": "prepare_checkpoint", "force": request.force}),
-                Duration::from_secs(10),
-            )
-            .await;
-        match prepared {
-            // Anything still listed as running would be frozen mid-way.
-            Ok(reply)
-                if reply["running"]
-                    .as_array()
-                    .is_some_and(|running| !running.is_empty()) =>
-            {
-                return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
-            }
-            Ok(_) => {}
-            Err(AgentError::Refused(_)) => {
-                return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
-            }
-            Err(err) => {
+        {
+            let mut current = local
+                .current_exec
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if current.checkpointing {
                 return Err(RuntimeError::Failed(format!(
-                    "preparing the checkpoint: {err}"
+                    "sandbox {sandbox} is already being checkpointed"
                 )));
             }
-        }
-
-        if let (Some(network), Some(host)) = (&local.network, &self.network) {
-            network::checkpoint::quiesce(host, network, &local.agent)
-                .await
-                .map_err(|err| RuntimeError::Failed(format!("cannot checkpoint now: {err}")))?;
-        }
-        let image_dir = local
-            .dir
-            .join(format!("checkpoint-{}", request.checkpoint_id));
-        if let Err(err) = self
-            .config
-            .runsc
-            .checkpoint(&local.container_id, &image_dir)
-            .await
-        {
-            // A checkpoint that fails inside the sentry stops the container:
-            // ask runsc whether it still runs.
-            let still_running = matches!(
-                self.config
-                    .runsc
-                    .state(&local.container_id)
-                    .await
-                    .as_deref(),
-                Ok("running")
-            );
-            if !still_running {
-                self.sandboxes().remove(sandbox);
-                self.delete_and_detach_in_background(
-                    local.container_id.clone(),
-                    local.dir.clone(),
-                    local.network.clone(),
-                );
-                return Err(RuntimeError::Lost {
-                    sandbox: sandbox.clone(),
-                    detail: format!("checkpoint failed and stopped the sandbox: {err}"),
-                });
+            // A forced checkpoint kills the running execution (its relay
+            // frees the slot when it ends).
+            if current.exec.is_some() && !request.force {
+                return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
             }
-            let _ = tokio::fs::remove_dir_all(&image_dir).await;
-            if let Some(network) = &local.network {
-                network::checkpoint::resume(network).await;
-            }
-            return Err(RuntimeError::Failed(format!(
-                "checkpoint failed, sandbox still running: {err}"
-            )));
+            current.checkpointing = true;
         }
-        // The container is stopped now: it no longer runs here.
-        self.sandboxes().remove(sandbox);
-        let image = image_dir.join("checkpoint.img");
-        let upload = async {
-            let (sha256, size) = sha256_file(&image).await.map_err(|err| {
-                RuntimeError::Failed(format!("hashing the checkpoint image: {err}"))
-            })?;
-            let key = checkpoint_image_key(&request.checkpoint_id);
-            self.checkpoints
-                .upload_blob(&key, BlobSource::File(image.clone()))
-                .await?;
-            let manifest = CheckpointManifest {
-                api_version: API_VERSION.to_owned(),
-                checkpoint_id: request.checkpoint_id.to_string(),
-                sandbox_id: sandbox.clone(),
-                epoch: request.epoch,
-                name: request.name.clone(),
-                created_at: Utc::now(),
-                image: BlobDigest {
-                    key: key.to_string(),
-                    size,
-                    sha256,
-                },
-                runsc_version: self.runsc_version.clone(),
-                platform: self.config.runsc.platform.clone(),
-                cpu_features: self.cpu_features.clone(),
-                network: if local.network.is_some() {
-                    NetworkMode::Egress
-                } else {
-                    NetworkMode::None
-                },
-                extra: ExtraFields::new(),
-            };
-            create_idempotent(
-                self.checkpoints.as_ref(),
-                &checkpoint_manifest_key(&request.checkpoint_id),
-                encode(&manifest),
-            )
-            .await?;
-            Ok::<_, RuntimeError>(manifest)
+        let outcome = self.checkpoint_held(sandbox, &local, request).await;
+        if outcome.is_err() {
+            local
+                .current_exec
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .checkpointing = false;
         }
-        .await;
-        match upload {
-            Ok(manifest) => {
-                self.delete_and_detach_in_background(
-                    local.container_id.clone(),
-                    local.dir.clone(),
-                    local.network.clone(),
-                );
-                Ok(manifest)
-            }
-            Err(err) => {
-                // Keep the image: it is the only copy of the sandbox. It goes
-                // where startup cleanup does not reach.
-                let kept = self
-                    .config
-                    .state_dir
-                    .join("orphaned-checkpoints")
-                    .join(format!("{}-{}.img", sandbox, request.checkpoint_id));
-                let moved = match kept.parent() {
-                    Some(parent) => tokio::fs::create_dir_all(parent)
-                        .await
-                        .and(tokio::fs::rename(&image, &kept).await),
-                    None => Err(std::io::Error::other("no parent directory")),
-                };
-                let kept_at = if moved.is_ok() { kept } else { image.clone() };
-                tracing::error!(%err, image = %kept_at.display(), "checkpoint upload failed; image kept");
-                self.delete_and_detach_in_background(
-                    local.container_id.clone(),
-                    local.dir.clone(),
-                    local.network.clone(),
-                );
-                Err(RuntimeError::Lost {
-                    sandbox: sandbox.clone(),
-                    detail: format!(
-                        "the checkpoint could not be stored ({err}); the image is kept at {}",
-                        kept_at.display()
-                    ),
-                })
-            }
-        }
+        outcome
     }
 
     #[tracing::instrument(skip(self, manifest), fields(sandbox = %sandbox, checkpoint = %manifest.checkpoint_id))]

@@ -3,7 +3,9 @@
 //!
 //! runsc restores some corrupted images without complaint (flipped bytes give a
 //! running sandbox with silently different memory), so every image is hashed
-//! when taken and verified, size and SHA-256, before runsc ever sees it.
+//! when taken and verified, size and SHA-256, before anyone uses the restored
+//! sandbox. Each image is read once per move: hashed while it is downloaded,
+//! or, on a directory store, hashed in place while runsc reads it (no copy).
 
 use std::path::Path;
 
@@ -16,19 +18,53 @@ const BUFFER: usize = 1 << 20;
 
 /// SHA-256 (hex) and size of a local file.
 pub async fn sha256_file(path: &Path) -> std::io::Result<(String, u64)> {
-    let mut file = tokio::fs::File::open(path).await?;
-    let mut hasher = Sha256::new();
-    let mut buffer = vec![0u8; BUFFER];
-    let mut size = 0u64;
-    loop {
-        let n = file.read(&mut buffer).await?;
-        if n == 0 {
-            break;
+    let file = std::fs::File::open(path)?;
+    sha256_of(file).await
+}
+
+/// SHA-256 (hex) and size of an open file, read on a blocking thread (the
+/// hash of a 200 MB image is CPU work a runtime worker must not do).
+pub async fn sha256_of(mut file: std::fs::File) -> std::io::Result<(String, u64)> {
+    tokio::task::spawn_blocking(move || {
+        use std::io::Read as _;
+        let mut hasher = Sha256::new();
+        let mut buffer = vec![0u8; BUFFER];
+        let mut size = 0u64;
+        loop {
+            let n = file.read(&mut buffer)?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buffer[..n]);
+            size += n as u64;
         }
-        hasher.update(&buffer[..n]);
-        size += n as u64;
-    }
-    Ok((hex::encode(hasher.finalize()), size))
+        Ok((hex::encode(hasher.finalize()), size))
+    })
+    .await
+    .map_err(std::io::Error::other)?
+}
+
+/// The refusal of an image whose size or digest is not what the manifest
+/// promised; `None` when both match.
+pub fn mismatch(
+    key: &str,
+    (actual_sha256, actual_size): (&str, u64),
+    expected_sha256: &str,
+    expected_size: u64,
+) -> Option<RuntimeError> {
+    let detail = if actual_size != expected_size {
+        format!(
+            "size mismatch: expected {expected_size} bytes, got {actual_size} (truncated or replaced)"
+        )
+    } else if actual_sha256 != expected_sha256 {
+        format!("checksum mismatch: expected sha256 {expected_sha256}, got {actual_sha256}")
+    } else {
+        return None;
+    };
+    Some(RuntimeError::CorruptImage {
+        key: key.to_owned(),
+        detail,
+    })
 }
 
 /// Streams `key` into `dest`, then checks its size and SHA-256 against what the
@@ -59,26 +95,18 @@ pub async fn download_verified(
         file.write_all(&buffer[..n]).await.map_err(io)?;
         size += n as u64;
     }
+    // No fsync: a crash discards this scratch copy anyway.
     file.flush().await.map_err(io)?;
     let actual = hex::encode(hasher.finalize());
-    let problem = if size != expected_size {
-        Some(format!(
-            "size mismatch: expected {expected_size} bytes, got {size} (truncated or replaced)"
-        ))
-    } else if actual != expected_sha256 {
-        Some(format!(
-            "checksum mismatch: expected sha256 {expected_sha256}, got {actual}"
-        ))
-    } else {
-        None
-    };
-    match problem {
-        Some(detail) => {
+    match mismatch(
+        key.as_str(),
+        (&actual, size),
+        expected_sha256,
+        expected_size,
+    ) {
+        Some(err) => {
             let _ = tokio::fs::remove_file(dest).await;
-            Err(RuntimeError::CorruptImage {
-                key: key.to_string(),
-                detail,
-            })
+            Err(err)
         }
         None => Ok(()),
     }

@@ -18,4 +18,4 @@ pub use bundle::{BundleNetwork, BundleSpec};
 pub use gvisor::{GvisorConfig, GvisorRuntime};
 pub use images::host_cpu_features;
 pub use network::{NetnsWorkaround, NetworkConfig};
-pub use runsc::{LaunchNetwork, Runsc};
+pub use runsc::{LaunchNetwork, Runsc, RunscError, RunscTimeouts};

@@ -11,6 +11,7 @@
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
+use std::time::Duration;
 
 use tokio::process::Command;
 
@@ -21,6 +22,11 @@ pub enum RunscError {
         command: String,
         source: std::io::Error,
     },
+    #[error(
+        "`{command}` did not finish within {after:?} and was killed (a hung runsc; raise \
+         SANDBOXD_RUNSC_TIMEOUT_S or SANDBOXD_RUNSC_IMAGE_TIMEOUT_S if it is only slow)"
+    )]
+    Timeout { command: String, after: Duration },
     #[error("`{command}` failed ({status}): {stderr}")]
     Failed {
         command: String,
@@ -51,12 +57,33 @@ pub enum LaunchNetwork {
 /// Runs the rest of the command line with `/proc/sys/net` hidden.
 const HIDE_PROC_SYS_NET: &str = "mount -t tmpfs none /proc/sys/net && exec \"$0\" \"$@\"";
 
+/// How long a `runsc` call may take before it is killed. A hung runsc would
+/// otherwise hold its sandbox's work-queue slot forever (containerd's runc
+/// wrapper uses 5 s for its short calls).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunscTimeouts {
+    /// `state`, `list`, `delete`, `--version`.
+    pub command: Duration,
+    /// `run`, `restore` and `checkpoint`: they move a whole memory image.
+    pub image: Duration,
+}
+
+impl Default for RunscTimeouts {
+    fn default() -> Self {
+        Self {
+            command: Duration::from_secs(30),
+            image: Duration::from_secs(300),
+        }
+    }
+}
+
 /// A configured `runsc`.
 #[derive(Debug, Clone)]
 pub struct Runsc {
     pub binary: PathBuf,
     pub root: PathBuf,
     pub platform: String,
+    pub timeouts: RunscTimeouts,
 }
 
 impl Runsc {
@@ -99,12 +126,27 @@ impl Runsc {
         (command, text)
     }
 
-    async fn run(&self, mut command: Command, text: String) -> Result<Output, RunscError> {
+    async fn run(&self, command: Command, text: String) -> Result<Output, RunscError> {
+        self.run_within(command, text, self.timeouts.command).await
+    }
+
+    /// Runs `command`, killing it (`kill_on_drop`) after `limit`.
+    async fn run_within(
+        &self,
+        mut command: Command,
+        text: String,
+        limit: Duration,
+    ) -> Result<Output, RunscError> {
         let output = command
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .output()
+            .output();
+        let output = tokio::time::timeout(limit, output)
             .await
+            .map_err(|_| RunscError::Timeout {
+                command: text.clone(),
+                after: limit,
+            })?
             .map_err(|source| RunscError::Spawn {
                 command: text.clone(),
                 source,
@@ -134,10 +176,17 @@ impl Runsc {
             .stdin(Stdio::from(stdio.stdin))
             .stdout(Stdio::from(stdio.stdout))
             .stderr(Stdio::from(stdio.stderr));
-        let status = command.status().await.map_err(|source| RunscError::Spawn {
-            command: text.clone(),
-            source,
-        })?;
+        let limit = self.timeouts.image;
+        let status = tokio::time::timeout(limit, command.status())
+            .await
+            .map_err(|_| RunscError::Timeout {
+                command: text.clone(),
+                after: limit,
+            })?
+            .map_err(|source| RunscError::Spawn {
+                command: text.clone(),
+                source,
+            })?;
         if status.success() {
             Ok(())
         } else {
@@ -190,7 +239,9 @@ impl Runsc {
     pub async fn checkpoint(&self, id: &str, image_dir: &Path) -> Result<(), RunscError> {
         let image = image_dir.to_string_lossy();
         let (command, text) = self.command(&["checkpoint", "--image-path", &image, id]);
-        self.run(command, text).await.map(drop)
+        self.run_within(command, text, self.timeouts.image)
+            .await
+            .map(drop)
     }
 
     /// Kills and removes a container; takes about 2 s here.
@@ -232,7 +283,7 @@ impl Runsc {
     /// The first line of `runsc --version`.
     pub async fn version(&self) -> Result<String, RunscError> {
         let mut command = Command::new(&self.binary);
-        command.arg("--version");
+        command.arg("--version").kill_on_drop(true);
         let output = self.run(command, "runsc --version".to_owned()).await?;
         Ok(String::from_utf8_lossy(&output.stdout)
             .lines()

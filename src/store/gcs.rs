@@ -318,7 +318,8 @@ impl Store for GcsStore {
                         .open(&spool)
                         .await?;
                     tokio::io::copy(&mut reader, &mut file).await?;
-                    file.sync_all().await
+                    // No fsync: a crash discards this scratch copy anyway.
+                    tokio::io::AsyncWriteExt::flush(&mut file).await
                 }
                 .await;
                 let result = match spooled {

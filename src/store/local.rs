@@ -389,6 +389,56 @@ impl Store for LocalStore {
         })
     }
 
+    /// Moves the file into place (a rename when it is on this filesystem,
+    /// else a copy): a checkpoint image is never copied within one disk. On
+    /// failure the file is put back where it was.
+    async fn adopt_blob(&self, key: &ObjectKey, path: PathBuf) -> Result<ObjectInfo, StoreError> {
+        let temp = self.new_temp_path();
+        let moved = match tokio::fs::rename(&path, &temp).await {
+            Ok(()) => Ok(()),
+            Err(err) if err.kind() == io::ErrorKind::CrossesDevices => {
+                tokio::fs::copy(&path, &temp).await.map(drop)
+            }
+            Err(err) => Err(err),
+        };
+        if let Err(err) = moved {
+            let _ = tokio::fs::remove_file(&temp).await;
+            return Err(self.io_error(key, err));
+        }
+        let size = match tokio::fs::metadata(&temp).await {
+            Ok(metadata) => metadata.len(),
+            Err(err) => return Err(self.io_error(key, err)),
+        };
+        let owned = key.clone();
+        let staged = temp.clone();
+        let generation = self
+            .blocking(key, move |store| {
+                store.commit_locked(&owned, &staged, PutMode::Overwrite)
+            })
+            .await;
+        match generation {
+            Ok(generation) => {
+                // A copy across filesystems leaves the original behind.
+                let _ = tokio::fs::remove_file(&path).await;
+                Ok(ObjectInfo {
+                    key: key.clone(),
+                    size,
+                    generation,
+                })
+            }
+            Err(err) => {
+                if tokio::fs::rename(&temp, &path).await.is_err() {
+                    let _ = tokio::fs::remove_file(&temp).await;
+                }
+                Err(err)
+            }
+        }
+    }
+
+    fn local_path(&self, key: &ObjectKey) -> Option<PathBuf> {
+        Some(self.object_path(key))
+    }
+
     async fn download_blob(&self, key: &ObjectKey) -> Result<BlobReader, StoreError> {
         match tokio::fs::File::open(self.object_path(key)).await {
             Ok(file) => Ok(Box::pin(file)),

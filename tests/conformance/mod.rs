@@ -320,6 +320,26 @@ pub async fn blob_from_a_stream(store: Arc<dyn Store>) {
     assert_eq!(store.get(&k).await.unwrap().generation, info.generation);
 }
 
+/// A blob adopted from a file reads back the same; a store that says where
+/// its blobs are on this host names a file with those bytes. The source is
+/// either moved (a directory store) or left (the others), never corrupted.
+pub async fn adopted_blob(store: Arc<dyn Store>) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("checkpoint.img");
+    let expected = write_pattern_file(&path, 3 << 20).await;
+    let k = key("sandbox_checkpoints/ckpt-adopted/checkpoint.img");
+    let info = store.adopt_blob(&k, path.clone()).await.unwrap();
+    assert_eq!(info.size, 3 << 20);
+    let mut reader = store.download_blob(&k).await.unwrap();
+    let mut bytes = Vec::new();
+    reader.read_to_end(&mut bytes).await.unwrap();
+    assert_eq!(hex(&Sha256::digest(&bytes)), expected);
+    if let Some(local) = store.local_path(&k) {
+        assert_eq!(std::fs::read(&local).unwrap(), bytes);
+        assert!(!path.exists(), "a directory store moves the file, no copy");
+    }
+}
+
 /// Peak-RSS growth allowed while streaming a large blob both ways.
 pub struct MemoryLimit(pub Option<u64>);
 

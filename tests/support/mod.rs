@@ -206,6 +206,7 @@ pub async fn runtime_with_store(
             binary: "runsc".into(),
             root: dir.join("runsc"),
             platform: "ptrace".into(),
+            timeouts: sandboxd::runtime::RunscTimeouts::default(),
         },
         state_dir: dir.join("state"),
         bundle: BundleSpec {

@@ -180,6 +180,30 @@ impl Ws {
         })
     }
 
+    /// Connects with a tiny TCP receive window, so that whatever the test does
+    /// not read backs up into the server instead of the kernel's buffers.
+    pub async fn connect_small_window(url: &str) -> Self {
+        let request = url.into_client_request().expect("request");
+        let host = request.uri().host().expect("host").to_owned();
+        let port = request.uri().port_u16().expect("port");
+        let addr = tokio::net::lookup_host((host.as_str(), port))
+            .await
+            .expect("resolve")
+            .next()
+            .expect("an address");
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+        let stream = socket.connect(addr).await.expect("connect");
+        let (stream, _response) =
+            tokio_tungstenite::client_async(request, MaybeTlsStream::Plain(stream))
+                .await
+                .unwrap_or_else(|err| panic!("cannot connect to {url}: {err}"));
+        Self {
+            stream,
+            closed: false,
+        }
+    }
+
     /// Connects and returns the upgrade response's `Set-Cookie`, as the
     /// clients read it (to replay it on reconnects).
     pub async fn connect_for_cookie(url: &str, cookie: Option<&str>) -> (Self, Option<String>) {
@@ -217,6 +241,32 @@ impl Ws {
 
     pub async fn send_raw(&mut self, message: Message) {
         self.stream.send(message).await.expect("send a frame");
+    }
+
+    /// Sends without expecting success (the server may close mid-send).
+    pub async fn try_send_raw(
+        &mut self,
+        message: Message,
+    ) -> Result<(), tokio_tungstenite::tungstenite::Error> {
+        self.stream.send(message).await
+    }
+
+    /// Reads up to the close frame; its code and reason (`None`: the socket
+    /// ended without one).
+    pub async fn close_frame(&mut self) -> Option<(u16, String)> {
+        loop {
+            match self.next_message().await {
+                Some(Message::Close(frame)) => {
+                    self.closed = true;
+                    return frame.map(|f| (u16::from(f.code), f.reason.as_str().to_owned()));
+                }
+                Some(_) => {}
+                None => {
+                    self.closed = true;
+                    return None;
+                }
+            }
+        }
     }
 
     /// The next frame as JSON; panics on a close or a timeout.

@@ -194,4 +194,17 @@ impl Store for CountingStore {
         self.counts.record(Operation::Download, Some(key.as_str()));
         self.inner.download_blob(key).await
     }
+
+    async fn adopt_blob(
+        &self,
+        key: &ObjectKey,
+        path: std::path::PathBuf,
+    ) -> Result<ObjectInfo, StoreError> {
+        self.counts.record(Operation::Upload, Some(key.as_str()));
+        self.inner.adopt_blob(key, path).await
+    }
+
+    fn local_path(&self, key: &ObjectKey) -> Option<std::path::PathBuf> {
+        self.inner.local_path(key)
+    }
 }

@@ -263,6 +263,21 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// Streams a large object out.
     async fn download_blob(&self, key: &ObjectKey) -> Result<BlobReader, StoreError>;
 
+    /// Like [`Self::upload_blob`] of a file the caller gives up: a store on
+    /// the same filesystem moves it into place instead of copying it (a
+    /// 200 MB checkpoint image is then never copied). The file is gone on
+    /// success and may be gone on failure.
+    async fn adopt_blob(&self, key: &ObjectKey, path: PathBuf) -> Result<ObjectInfo, StoreError> {
+        self.upload_blob(key, BlobSource::File(path)).await
+    }
+
+    /// Where a stored blob can be read directly on this host (a directory
+    /// store), so a reader can use it in place instead of downloading a copy.
+    /// `None` for remote stores.
+    fn local_path(&self, _key: &ObjectKey) -> Option<PathBuf> {
+        None
+    }
+
     /// Lists every object under `prefix`, following the pages.
     async fn list_all(&self, prefix: &str) -> Result<Vec<ObjectInfo>, StoreError> {
         let mut objects = Vec::new();
