@@ -48,6 +48,13 @@ async fn main() -> anyhow::Result<()> {
     };
     let checkpoint_bucket = bucket_name(&layout.checkpoints);
     let network = args.network.config().map_err(anyhow::Error::msg)?;
+    // Sandboxes run on an image of their own, never the host's `/`: without
+    // the default image there is nothing to run them on.
+    let images = args.runtime.images();
+    let default_image = images
+        .default_image()
+        .map_err(|err| anyhow::anyhow!("cannot start: {err}"))?;
+    tracing::info!(image = %default_image.name, digest = %default_image.digest, dir = %images.dir.display(), "sandbox images");
     let gvisor = match GvisorRuntime::start(
         args.runtime.gvisor(checkpoint_bucket.clone()),
         Arc::clone(&checkpoint_store),
@@ -105,6 +112,7 @@ async fn main() -> anyhow::Result<()> {
         workspace_hooks,
     });
     state.features.network_egress = network.is_some() && gvisor.is_some();
+    state.images = gvisor.as_ref().map(|_| images);
     let controller = state.controller.clone();
     // WebSocket sessions outlive `run` (upgraded connections are detached);
     // the drain below ends them with the sandboxes they serve.
