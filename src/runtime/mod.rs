@@ -14,6 +14,7 @@ mod gvisor;
 pub mod images;
 pub mod network;
 pub mod runsc;
+pub mod templates;
 mod workspace_access;
 
 pub use bundle::{BundleNetwork, BundleSpec};

@@ -213,6 +213,15 @@ pub async fn runtime_with_store(
     dir: &std::path::Path,
     store: Arc<dyn Store>,
 ) -> sandboxd::runtime::GvisorRuntime {
+    runtime_with_images(dir, store, images()).await
+}
+
+/// Like [`runtime_with_store`], on the sandbox images of `images`.
+pub async fn runtime_with_images(
+    dir: &std::path::Path,
+    store: Arc<dyn Store>,
+    images: sandboxd::runtime::ImageCatalog,
+) -> sandboxd::runtime::GvisorRuntime {
     use sandboxd::runtime::{BundleSpec, GvisorConfig, GvisorRuntime, Runsc};
     let config = GvisorConfig {
         runsc: Runsc {
@@ -221,7 +230,7 @@ pub async fn runtime_with_store(
             platform: "ptrace".into(),
         },
         state_dir: dir.join("state"),
-        images: images(),
+        images,
         bundle: BundleSpec {
             python: "/usr/bin/python3".into(),
             memory_limit_bytes: Some(1 << 30),
