@@ -434,6 +434,111 @@ async fn a_checkpoint_restores_only_onto_the_image_it_was_taken_on() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_pick_images_with_image_list_them_and_restores_onto_another_image_are_refused() {
+    use serde_json::json;
+    use support::ws::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_in(dir.path());
+    let a = Server::sharing("instance-a", store.clone(), |_| {}).await;
+    let create_error = |init: serde_json::Value| {
+        let url = a.url("/create");
+        async move {
+            let mut ws = support::ws::Ws::connect(&url).await;
+            ws.send(init).await;
+            ws.until_close().await
+        }
+    };
+    let frames = create_error(json!({"image": "../etc"})).await;
+    assert_eq!(frames[1], "SANDBOX_CREATION_ERROR", "{frames:?}");
+    assert!(frames[2].contains("invalid image name"), "{frames:?}");
+    let frames = create_error(json!({"image": "python-data"})).await;
+    assert_eq!(frames[1], "SANDBOX_CREATION_ERROR", "{frames:?}");
+    assert!(
+        frames[2].contains("no sandbox image \"python-data\"")
+            && frames[2].contains("scripts/build-image.sh --name python-data"),
+        "{frames:?}"
+    );
+    let frames = create_error(json!({"image": 7})).await;
+    assert_eq!(frames[1], "SANDBOX_CREATION_ERROR", "{frames:?}");
+
+    let (mut jq, _, _) = a.create(json!({"image": SECOND_IMAGE})).await;
+    let frames = jq.exec("bash", "echo '[3]' | jq '.[0]'").await;
+    assert_eq!(frames[1], "stdout:3\n", "{frames:?}");
+    // The earlier server's clients send no "image": the default image.
+    let (mut plain, id, token) = a
+        .create(json!({"idle_timeout": 60, "enable_checkpoint": true}))
+        .await;
+    let frames = plain
+        .exec("bash", "command -v jq || echo none; echo 41 > /tmp/n")
+        .await;
+    assert_eq!(frames[1], "stdout:none\n", "{frames:?}");
+
+    // GET /images and sandboxctl images.
+    let listing: serde_json::Value = reqwest::get(format!("http://{}/images", a.addr))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listing["default"], "default");
+    let images = listing["images"].as_array().unwrap();
+    let named = |name: &str| {
+        images
+            .iter()
+            .find(|image| image["names"].as_array().unwrap().iter().any(|n| n == name))
+            .unwrap_or_else(|| panic!("{name} not listed: {listing}"))
+            .clone()
+    };
+    assert_eq!(named("default")["default"], true);
+    assert_eq!(named(SECOND_IMAGE)["default"], false);
+    assert!(
+        named(SECOND_IMAGE)["packages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p == "jq")
+    );
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandboxctl"))
+        .args(["images", "--url", &a.url("")])
+        .output()
+        .await
+        .unwrap();
+    let table = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{table}");
+    assert!(table.starts_with("DIGEST"), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|line| line.contains("default") && line.contains("yes")),
+        "{table}"
+    );
+    assert!(table.contains(SECOND_IMAGE), "{table}");
+
+    // A checkpoint taken here, attached on a server whose images differ.
+    plain.send(json!({"action": "checkpoint"})).await;
+    assert_eq!(plain.until_close().await.last().unwrap(), "close:1000");
+    let (_other_images, other) = catalog_with_default(SECOND_IMAGE);
+    let b = Server::sharing_on("instance-b", store, other, |_| {}).await;
+    let mut ws = b.attach(&id, &token).await;
+    let frames = ws.until_close().await;
+    let taken_on = support::images().default_image().unwrap().digest;
+    assert!(
+        frames.iter().any(|f| f == "SANDBOX_RESTORE_ERROR"),
+        "{frames:?}"
+    );
+    assert!(
+        frames
+            .iter()
+            .any(|f| f.contains(&format!("taken on sandbox image {taken_on}"))),
+        "the refusal names the image: {frames:?}"
+    );
+    // Back where the image is, it restores.
+    let mut ws = a.attach(&id, &token).await;
+    ws.until_status("SANDBOX_RUNNING").await;
+    assert_eq!(ws.exec("bash", "cat /tmp/n").await[1], "stdout:41\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_server_refuses_to_start_without_its_image_and_says_how_to_build_it() {
     let dir = tempfile::tempdir().unwrap();
     let output = tokio::time::timeout(

@@ -48,13 +48,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let checkpoint_bucket = bucket_name(&layout.checkpoints);
     let network = args.network.config().map_err(anyhow::Error::msg)?;
-    // Sandboxes run on an image of their own, never the host's `/`: without
-    // the default image there is nothing to run them on.
     let images = args.runtime.images();
-    let default_image = images
-        .default_image()
-        .map_err(|err| anyhow::anyhow!("cannot start: {err}"))?;
-    tracing::info!(image = %default_image.name, digest = %default_image.digest, dir = %images.dir.display(), "sandbox images");
     let gvisor = match GvisorRuntime::start(
         args.runtime.gvisor(checkpoint_bucket.clone()),
         Arc::clone(&checkpoint_store),
@@ -72,6 +66,20 @@ async fn main() -> anyhow::Result<()> {
             Some(Arc::new(runtime))
         }
         Err(err) => {
+            // Sandboxes run on an image of their own, never the host's `/`:
+            // with a usable runsc but no image, refuse to start (a host
+            // without runsc serves health checks only, as before).
+            if let Err(missing) = images.default_image()
+                && args
+                    .runtime
+                    .gvisor(String::new())
+                    .runsc
+                    .version()
+                    .await
+                    .is_ok()
+            {
+                anyhow::bail!("cannot start: {missing}");
+            }
             tracing::error!(%err, "the sandbox runtime is unavailable; serving health checks only (install runsc and run as root)");
             None
         }

@@ -106,17 +106,17 @@ impl GvisorRuntime {
         let failed = |what: &str, err: &dyn std::fmt::Display| {
             RuntimeError::Failed(format!("{what}: {err}"))
         };
+        let runsc_version = config
+            .runsc
+            .version()
+            .await
+            .map_err(|err| failed("runsc is not usable", &err))?;
         // No image, no sandboxes: refuse to start rather than fail every create.
         let default_image = config
             .images
             .default_image()
             .map_err(|err| failed("the default sandbox image", &err))?;
         tracing::info!(image = %default_image.name, digest = %default_image.digest, "default sandbox image");
-        let runsc_version = config
-            .runsc
-            .version()
-            .await
-            .map_err(|err| failed("runsc is not usable", &err))?;
         for dir in [&config.runsc.root, &config.state_dir] {
             tokio::fs::create_dir_all(dir)
                 .await
