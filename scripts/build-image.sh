@@ -30,7 +30,12 @@ FROM_TAR=""
 BASE=default
 REBUILD=0
 # Bump when this script changes what it builds from the same inputs.
-RECIPE=3
+RECIPE=4
+# Reproducible builds: generated files get this time, so the same packages
+# give the same digest on every host (and in the deploy Dockerfile).
+export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-1735689600}
+# Extra mmdebstrap arguments (the Dockerfile skips mounts it cannot make).
+MMDEBSTRAP_ARGS=${SANDBOXD_MMDEBSTRAP_ARGS:-}
 
 usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 while [ $# -gt 0 ]; do
@@ -62,7 +67,7 @@ if [ -n "$FROM_TAR" ]; then
 else
   base_digest=""
   packages=$(echo "$BASE_PACKAGES $PACKAGES" | tr ' ' '\n' | sed '/^$/d' | sort -u | tr '\n' ' ')
-  inputs=$(printf 'recipe=%s suite=%s mirror=%s packages=%s\n' "$RECIPE" "$SUITE" "$MIRROR" "$packages" | sha256sum | cut -d' ' -f1)
+  inputs=$(printf 'recipe=%s suite=%s mirror=%s epoch=%s packages=%s\n' "$RECIPE" "$SUITE" "$MIRROR" "$SOURCE_DATE_EPOCH" "$packages" | sha256sum | cut -d' ' -f1)
 fi
 
 link_name() {
@@ -97,7 +102,8 @@ else
   # user code runs as) gets an entry so ls -l, whoami and pip --user know it;
   # pip installs (--user, into a venv) without --break-system-packages: the
   # sandbox is the user's own system.
-  mmdebstrap --variant=minbase --mode=root --quiet \
+  # shellcheck disable=SC2086
+  mmdebstrap --variant=minbase --mode=root --quiet $MMDEBSTRAP_ARGS \
     --include="$(echo "$packages" | tr ' ' ',' | sed 's/,$//')" \
     --customize-hook='chroot "$1" useradd --uid 1000 --user-group --create-home --home-dir /home/sandbox --shell /bin/bash sandbox' \
     --customize-hook='mkdir -p "$1/workspace" && chown 1000:1000 "$1/workspace"' \
