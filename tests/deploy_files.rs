@@ -98,7 +98,10 @@ fn the_image_carries_the_sandbox_image_built_by_the_same_script() {
     );
     let runtime = stage("runtime");
     assert!(runtime.contains("from=sandbox-image"), "{runtime}");
-    assert!(runtime.contains("SANDBOXD_IMAGES=/var/lib/sandboxd/images"), "{runtime}");
+    assert!(
+        runtime.contains("SANDBOXD_IMAGES=/var/lib/sandboxd/images"),
+        "{runtime}"
+    );
     // Sandboxes no longer run on the container's own root filesystem.
     assert!(!runtime.contains("useradd"), "{runtime}");
     assert!(repo("scripts/build-image.sh").exists());
