@@ -417,6 +417,61 @@ async fn a_checkpoint_restores_only_onto_the_image_it_was_taken_on() {
         "{message}"
     );
     assert!(!b.runtime.is_running(&id));
+    assert!(
+        message.contains("the store has no copy") && message.contains("sandboxctl push-image"),
+        "{message}"
+    );
+    // Once pushed to the store, B fetches it (verified against the digest) and restores.
+    let scratch = tempfile::tempdir().unwrap();
+    let (pushed, uploaded) = sandboxd::runtime::image_store::push(
+        &support::images(),
+        store.as_ref(),
+        "default",
+        scratch.path(),
+    )
+    .await
+    .unwrap();
+    assert!(uploaded);
+    assert_eq!(pushed.digest, taken_on);
+    let (_, again) = sandboxd::runtime::image_store::push(
+        &support::images(),
+        store.as_ref(),
+        "default",
+        scratch.path(),
+    )
+    .await
+    .unwrap();
+    assert!(!again, "a second push uploads nothing");
+    b.runtime.restore(&id, &manifest).await.unwrap();
+    let (stdout, _, code) = bash(
+        &b.runtime,
+        &id,
+        "echo fetched; test -e /usr/local/lib/sandboxd/statx-shim.so",
+    )
+    .await;
+    assert_eq!((stdout.as_str(), code), ("fetched\n", 0));
+    assert!(
+        b.runtime
+            .images()
+            .dir
+            .join(&taken_on)
+            .join("rootfs")
+            .is_dir(),
+        "the fetched image is kept for the next restore"
+    );
+    let manifest = b
+        .runtime
+        .checkpoint(
+            &id,
+            CheckpointRequest {
+                checkpoint_id: new_id(),
+                epoch: 2,
+                name: None,
+                force: false,
+            },
+        )
+        .await
+        .unwrap();
     // A manifest from before images (no digest) is refused with its reason.
     let mut old = manifest.clone();
     old.sandbox_image = None;

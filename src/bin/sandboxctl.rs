@@ -237,6 +237,18 @@ enum Command {
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
+    /// Upload a sandbox image of this host to the checkpoint store, so any
+    /// instance that needs it for a restore fetches it (once) instead of
+    /// refusing. Nothing happens if the store has it already.
+    #[command(
+        after_help = "Example:\n  sandboxctl --checkpoint-bucket my-checkpoints push-image default"
+    )]
+    PushImage {
+        /// The image (a name or a digest).
+        name: String,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
     /// Measure the gVisor runtime on this machine: create, exec round trips,
     /// checkpoint and restore; prints medians and JSON. Needs root and runsc.
     #[command(after_help = "Example:\n  sandboxctl bench-runtime --runs 20 --sizes-mb 50,500")]
@@ -399,6 +411,32 @@ async fn main() -> ExitCode {
         };
     }
     let layout = cli.storage.layout();
+    if let Command::PushImage { name, runtime } = &cli.command {
+        let checkpoints = match store::open(&layout.checkpoints).await {
+            Ok(store) => store,
+            Err(err) => return fail(EXIT_STORAGE, &err.to_string()),
+        };
+        let catalog = runtime.images();
+        let scratch = sandboxd::runtime::image_store::default_scratch(&catalog);
+        return match sandboxd::runtime::image_store::push(
+            &catalog,
+            checkpoints.as_ref(),
+            name,
+            &scratch,
+        )
+        .await
+        {
+            Ok((image, true)) => {
+                println!("pushed {name} = {}", image.digest);
+                ExitCode::SUCCESS
+            }
+            Ok((image, false)) => {
+                println!("the store has {name} = {} already", image.digest);
+                ExitCode::SUCCESS
+            }
+            Err(err) => fail(EXIT_REFUSED, &err.to_string()),
+        };
+    }
     if let Command::Template {
         name,
         from_snapshot,

@@ -93,6 +93,8 @@ pub struct GvisorRuntime {
     cpu_features: Vec<String>,
     /// Set by [`GvisorRuntime::with_network`]: `egress` sandboxes allowed.
     network: Option<Arc<HostNetwork>>,
+    /// One image fetch at a time (two restores needing it fetch it once).
+    image_fetch: tokio::sync::Mutex<()>,
 }
 
 impl GvisorRuntime {
@@ -164,6 +166,7 @@ impl GvisorRuntime {
             runsc_version,
             cpu_features,
             network: None,
+            image_fetch: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -439,7 +442,7 @@ impl GvisorRuntime {
     /// The image a create asks for: `"image"` if given, else the image the
     /// snapshot it starts from was taken on (its files may need that image's
     /// programs), else the default.
-    fn image_for_create(
+    async fn image_for_create(
         &self,
         requested: Option<&str>,
         snapshot: Option<&SnapshotManifest>,
@@ -448,7 +451,7 @@ impl GvisorRuntime {
         let invalid = |err: super::catalog::ImageError| RuntimeError::Invalid(err.to_string());
         match (requested, snapshot.and_then(|s| s.sandbox_image.as_deref())) {
             (Some(name), _) => images.resolve(name).map_err(invalid),
-            (None, Some(digest)) => images.resolve(digest).map_err(|err| {
+            (None, Some(digest)) => self.image_by_digest(digest).await.map_err(|err| {
                 RuntimeError::Invalid(format!(
                     "the filesystem snapshot was taken on sandbox image {digest}, which this \
                      server does not have ({err}); name an image with \"image\" to use another"
@@ -458,9 +461,30 @@ impl GvisorRuntime {
         }
     }
 
+    /// The image `digest`: here, or fetched once from the checkpoint store.
+    async fn image_by_digest(&self, digest: &str) -> Result<Image, String> {
+        let images = &self.config.images;
+        let missing = match images.resolve(digest) {
+            Ok(image) => return Ok(image),
+            Err(err) => err,
+        };
+        let _one_at_a_time = self.image_fetch.lock().await;
+        super::image_store::fetch(
+            images,
+            self.checkpoints.as_ref(),
+            digest,
+            &self.config.state_dir.join("image-transfer"),
+        )
+        .await
+        .map_err(|err| format!("{missing}; {err}"))
+    }
+
     /// The image a checkpoint restores onto: the digest it recorded, which
     /// must be here.
-    fn image_for_restore(&self, manifest: &CheckpointManifest) -> Result<Image, RuntimeError> {
+    async fn image_for_restore(
+        &self,
+        manifest: &CheckpointManifest,
+    ) -> Result<Image, RuntimeError> {
         let Some(digest) = manifest.sandbox_image.as_deref() else {
             return Err(RuntimeError::Incompatible(
                 "the checkpoint records no sandbox image: it was taken on the host's root \
@@ -468,7 +492,7 @@ impl GvisorRuntime {
                     .to_owned(),
             ));
         };
-        self.config.images.resolve(digest).map_err(|err| {
+        self.image_by_digest(digest).await.map_err(|err| {
             let default = match self.config.images.default_image() {
                 Ok(image) => format!("; this server's default image is {}", image.digest),
                 Err(_) => String::new(),
@@ -685,7 +709,9 @@ impl SandboxRuntime for GvisorRuntime {
             Some(name) => Some(self.snapshot_manifest(name).await?),
             None => None,
         };
-        let image = self.image_for_create(options.image.as_deref(), snapshot.as_ref())?;
+        let image = self
+            .image_for_create(options.image.as_deref(), snapshot.as_ref())
+            .await?;
         let network = self.attach_network(options.network).await?;
         let started = async {
             let (container_id, dir) = self.new_container(network.as_ref(), &image)?;
@@ -977,7 +1003,7 @@ impl SandboxRuntime for GvisorRuntime {
         check_cpu_features(&manifest.cpu_features, &self.cpu_features)?;
         // The files open at checkpoint time must be byte-identical: only the
         // very image the checkpoint was taken on will do.
-        let image = self.image_for_restore(manifest)?;
+        let image = self.image_for_restore(manifest).await?;
         let key = controllers::store::ObjectKey::new(manifest.image.key.as_str())
             .map_err(|err| RuntimeError::Invalid(err.to_string()))?;
         // A fresh namespace and address on this host, whatever the old ones were.

@@ -11,6 +11,7 @@ pub mod agent;
 pub mod bundle;
 pub mod catalog;
 mod gvisor;
+pub mod image_store;
 pub mod images;
 pub mod network;
 pub mod runsc;
