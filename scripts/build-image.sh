@@ -30,7 +30,7 @@ FROM_TAR=""
 BASE=default
 REBUILD=0
 # Bump when this script changes what it builds from the same inputs.
-RECIPE=4
+RECIPE=5
 # Reproducible builds: generated files get this time, so the same packages
 # give the same digest on every host (and in the deploy Dockerfile).
 export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-1735689600}
@@ -116,6 +116,10 @@ else
   cc -shared -fPIC -O2 -Wall -Werror -o "$work/rootfs/usr/local/lib/sandboxd/statx-shim.so" \
     "$(dirname "$0")/image/statx-shim.c"
   echo /usr/local/lib/sandboxd/statx-shim.so > "$work/rootfs/etc/ld.so.preload"
+  # mmdebstrap clamps times only in tarballs; a directory keeps the build's
+  # times. Clamp them, so the same packages give the same digest everywhere.
+  find "$work/rootfs" -newermt "@$SOURCE_DATE_EPOCH" -print0 \
+    | xargs -0r touch --no-dereference --date="@$SOURCE_DATE_EPOCH"
 fi
 digest=$(digest_of_tree "$work/rootfs")
 id="sha256-$digest"
