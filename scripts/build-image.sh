@@ -30,7 +30,7 @@ FROM_TAR=""
 BASE=default
 REBUILD=0
 # Bump when this script changes what it builds from the same inputs.
-RECIPE=5
+RECIPE=6
 # Reproducible builds: generated files get this time, so the same packages
 # give the same digest on every host (and in the deploy Dockerfile).
 export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-1735689600}
@@ -102,12 +102,18 @@ else
   # user code runs as) gets an entry so ls -l, whoami and pip --user know it;
   # pip installs (--user, into a venv) without --break-system-packages: the
   # sandbox is the user's own system.
+  # mmdebstrap copies the build host's /etc/hostname and /etc/resolv.conf:
+  # nothing of the host goes into an image (and the digest stays the same
+  # wherever it is built).
   # shellcheck disable=SC2086
   mmdebstrap --variant=minbase --mode=root --quiet $MMDEBSTRAP_ARGS \
     --include="$(echo "$packages" | tr ' ' ',' | sed 's/,$//')" \
     --customize-hook='chroot "$1" useradd --uid 1000 --user-group --create-home --home-dir /home/sandbox --shell /bin/bash sandbox' \
     --customize-hook='mkdir -p "$1/workspace" && chown 1000:1000 "$1/workspace"' \
     --customize-hook='rm -f "$1"/usr/lib/python3*/EXTERNALLY-MANAGED' \
+    --customize-hook='echo sandbox > "$1/etc/hostname"' \
+    --customize-hook='printf "127.0.0.1\tlocalhost\n::1\tlocalhost\n127.0.1.1\tsandbox\n" > "$1/etc/hosts"' \
+    --customize-hook='echo "# egress sandboxes get the server'"'"'s nameservers here (a bind mount)" > "$1/etc/resolv.conf"' \
     --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/var/log/*.log "$1"/var/cache/ldconfig/aux-cache' \
     "$SUITE" "$work/rootfs" "$MIRROR"
   # ls -l, stat and du on this machine's runsc: see scripts/image/statx-shim.c.

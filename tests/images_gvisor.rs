@@ -150,18 +150,19 @@ async fn a_sandbox_sees_its_image_and_nothing_of_the_host() {
             path.display()
         );
     }
-    // What it sees is the image: Debian with the statx shim preloaded.
+    // What it sees is the image: Debian with the statx shim preloaded, and
+    // none of the build host's identity (its hostname, its nameservers).
     let (stdout, _, code) = bash(
         &h.runtime,
         &id,
-        "grep ^ID= /etc/os-release; cat /etc/ld.so.preload; id -un",
+        "grep ^ID= /etc/os-release; cat /etc/ld.so.preload; id -un; cat /etc/hostname; grep -c nameserver /etc/resolv.conf",
     )
     .await;
-    assert_eq!(code, 0, "{stdout}");
     assert_eq!(
         stdout,
-        "ID=debian\n/usr/local/lib/sandboxd/statx-shim.so\nsandbox\n"
+        "ID=debian\n/usr/local/lib/sandboxd/statx-shim.so\nsandbox\nsandbox\n0\n"
     );
+    assert_eq!(code, 1, "grep -c found no nameserver: {stdout}");
     h.runtime.destroy(&id).await.unwrap();
     std::fs::remove_dir_all(&planted_dir).unwrap();
 }
