@@ -155,7 +155,7 @@ async fn a_sandbox_sees_its_image_and_nothing_of_the_host() {
     let (stdout, _, code) = bash(
         &h.runtime,
         &id,
-        "grep ^ID= /etc/os-release; cat /etc/ld.so.preload; id -un; cat /etc/hostname; grep -c nameserver /etc/resolv.conf",
+        "grep ^ID= /etc/os-release; cat /etc/ld.so.preload; id -un; cat /etc/hostname; grep -c '^nameserver' /etc/resolv.conf",
     )
     .await;
     assert_eq!(
