@@ -296,21 +296,26 @@ pub enum HandoffArg {
 /// Leases and the reconcile loop.
 #[derive(Debug, Clone, Args)]
 pub struct ControlArgs {
-    /// Lease duration: how long a dead instance keeps its sandboxes before
-    /// another may take them over.
-    #[arg(long, env = "SANDBOXD_LEASE_DURATION_S", default_value_t = 30)]
+    /// Lease duration (the instance lease, and a sandbox lock's own grace
+    /// after acquisition): how long a dead instance keeps its sandboxes
+    /// before another may take them over.
+    #[arg(long, env = "SANDBOXD_LEASE_DURATION_S", default_value_t = 15)]
     pub lease_duration_s: u64,
     /// Tolerated clock difference between instances.
-    #[arg(long, env = "SANDBOXD_CLOCK_SKEW_S", default_value_t = 5)]
+    #[arg(long, env = "SANDBOXD_CLOCK_SKEW_S", default_value_t = 2)]
     pub clock_skew_s: u64,
-    /// Lease renewal interval (one conditional write per held sandbox); must
-    /// be well under the duration minus the skew.
-    #[arg(long, env = "SANDBOXD_RENEW_INTERVAL_S", default_value_t = 15)]
-    pub renew_interval_s: u64,
-    /// Full re-read of each held sandbox's metadata (operator edits take
-    /// effect within this).
-    #[arg(long, env = "SANDBOXD_RESYNC_INTERVAL_S", default_value_t = 120)]
+    /// Instance lease renewal interval (one write for all the sandboxes the
+    /// instance holds); must be under the duration minus the skew.
+    #[arg(long, env = "SANDBOXD_RENEW_INTERVAL_S", default_value_t = 10.0)]
+    pub renew_interval_s: f64,
+    /// Full re-read of each held sandbox's metadata and lock: raw edits made
+    /// without `sandboxctl` (which rings the holder) take effect within this.
+    #[arg(long, env = "SANDBOXD_RESYNC_INTERVAL_S", default_value_t = 60)]
     pub resync_interval_s: u64,
+    /// How often an instance that holds sandboxes reads its doorbell (where
+    /// other instances and `sandboxctl` ring it after writing an intent).
+    #[arg(long, env = "SANDBOXD_DOORBELL_POLL_MS", default_value_t = 400)]
+    pub doorbell_poll_ms: u64,
     #[arg(long, env = "SANDBOXD_HANDOFF_RUNNING_EXECUTION", value_enum, default_value_t = HandoffArg::Force)]
     pub handoff_running_execution: HandoffArg,
     /// Superseded unnamed checkpoints kept per sandbox besides the latest.
@@ -329,7 +334,36 @@ pub struct ControlArgs {
     pub tombstone_retention_s: u64,
 }
 
+/// A combination of lease settings that cannot keep a hold alive.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "--renew-interval-s {renew}s must be positive and under --lease-duration-s {duration}s minus \
+     --clock-skew-s {skew}s, or every hold would lapse between renewals"
+)]
+pub struct LeaseSettingsError {
+    renew: f64,
+    duration: u64,
+    skew: u64,
+}
+
 impl ControlArgs {
+    /// Checks that renewals can keep the instance lease alive.
+    pub fn validate(&self) -> Result<(), LeaseSettingsError> {
+        let window = self.lease_duration_s.saturating_sub(self.clock_skew_s) as f64;
+        if self.renew_interval_s.is_finite()
+            && self.renew_interval_s > 0.0
+            && self.renew_interval_s < window
+        {
+            Ok(())
+        } else {
+            Err(LeaseSettingsError {
+                renew: self.renew_interval_s,
+                duration: self.lease_duration_s,
+                skew: self.clock_skew_s,
+            })
+        }
+    }
+
     pub fn lease(&self) -> controllers::leasing::LeaseConfig {
         let seconds = |s: u64| chrono::Duration::seconds(i64::try_from(s).unwrap_or(i64::MAX));
         controllers::leasing::LeaseConfig {
@@ -342,8 +376,11 @@ impl ControlArgs {
     pub fn reconciler(&self) -> controllers::sandboxes::ReconcilerConfig {
         use std::time::Duration;
         controllers::sandboxes::ReconcilerConfig {
-            renew_interval: Duration::from_secs(self.renew_interval_s.max(1)),
+            renew_interval: Duration::try_from_secs_f64(self.renew_interval_s)
+                .unwrap_or(Duration::from_secs(1))
+                .max(Duration::from_millis(100)),
             resync_interval: Duration::from_secs(self.resync_interval_s.max(1)),
+            doorbell_poll: Duration::from_millis(self.doorbell_poll_ms.max(10)),
             handoff: match self.handoff_running_execution {
                 HandoffArg::Force => controllers::sandboxes::HandoffPolicy::Force,
                 HandoffArg::Wait => controllers::sandboxes::HandoffPolicy::Wait,

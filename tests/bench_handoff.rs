@@ -1,9 +1,18 @@
 //! Benchmark (not a timed test): handoff latency between two real `sandboxd`
-//! processes on fake-gcs-server, from the attach on B to `SANDBOX_RUNNING`,
-//! for a small sandbox whose client just left A. Prints median, min and max.
+//! processes on fake-gcs-server at production default settings, from the
+//! attach on B to `SANDBOX_RUNNING`, for a small sandbox in each state its
+//! holder A can be in when B is asked:
+//! - its client is still attached to A (a client whose network dropped
+//!   reconnects through another instance; the earlier server's own example);
+//! - its client left A a second ago;
+//! - its client left A longer ago than any fast-path window (95 s);
+//!
+//! and crash takeover: A is SIGKILLed, the client attaches on B, which restores
+//! the last checkpoint once A's instance lease has expired.
+//! Prints median, min and max of each.
 //!
 //! `cargo test --release --test bench_handoff -- --ignored --nocapture`
-//! (`HANDOFF_RUNS`, default 10).
+//! (`HANDOFF_RUNS`, default 10; `TAKEOVER_RUNS`, default 3).
 
 #![allow(
     clippy::unwrap_used,
@@ -13,52 +22,148 @@
 
 mod support;
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use serde_json::json;
-use support::process::Launch;
+use serde_json::{Value, json};
+use support::process::{Launch, ServerProcess};
+use support::ws::Ws;
 
-#[tokio::test]
-#[ignore = "benchmark: cargo test --release --test bench_handoff -- --ignored --nocapture"]
-async fn handoff_latency() {
-    let runs: usize = std::env::var("HANDOFF_RUNS")
+fn options() -> Value {
+    json!({"idle_timeout": 900, "enable_checkpoint": true, "enable_sandbox_handoff": true})
+}
+
+fn runs(variable: &str, default: usize) -> usize {
+    std::env::var(variable)
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(10);
+        .unwrap_or(default)
+}
+
+fn report(label: &str, samples: &mut [Duration]) {
+    samples.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let n = samples.len();
+    println!(
+        "{label}: median {:.0} ms, min {:.0} ms, max {:.0} ms (n={n})",
+        ms(samples[n / 2]),
+        ms(samples[0]),
+        ms(samples[n - 1])
+    );
+}
+
+/// Attaches on `to` and times it until `SANDBOX_RUNNING`; then deletes the
+/// sandbox.
+async fn timed_attach(to: &ServerProcess, id: &str, token: &str) -> Duration {
+    let started = Instant::now();
+    let mut moved = to.attach(id, token).await;
+    let frames = moved.until_status("SANDBOX_RUNNING").await;
+    let took = started.elapsed();
+    assert_eq!(frames.last().unwrap(), "SANDBOX_RUNNING", "{frames:?}");
+    let state = moved.exec("bash", "cat /tmp/state").await;
+    assert!(state.iter().any(|f| f.contains("state")), "{state:?}");
+    moved.send(json!({"action": "kill_sandbox"})).await;
+    moved.until_close().await;
+    took
+}
+
+async fn created(on: &ServerProcess) -> (Ws, String, String) {
+    let (mut ws, id, token) = on.create(options()).await;
+    ws.exec("bash", "echo state > /tmp/state").await;
+    (ws, id, token)
+}
+
+async fn pair(dir: &Path, bucket: &str) -> (ServerProcess, ServerProcess) {
+    let a = Launch::new("bench-a", dir).on_bucket(bucket).start().await;
+    let b = Launch::new("bench-b", dir).on_bucket(bucket).start().await;
+    (a, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: cargo test --release --test bench_handoff -- --ignored --nocapture"]
+async fn handoff_latency() {
+    let runs = runs("HANDOFF_RUNS", 10);
     let dir = tempfile::tempdir().unwrap();
     let bucket = support::create_bucket().await;
-    let a = Launch::new("bench-a", dir.path())
-        .on_bucket(&bucket)
-        .start()
-        .await;
-    let b = Launch::new("bench-b", dir.path())
-        .on_bucket(&bucket)
-        .start()
-        .await;
-    let mut samples = Vec::with_capacity(runs);
+    let (a, b) = pair(dir.path(), &bucket).await;
+
+    let mut attached = Vec::new();
     for run in 0..runs {
         let (from, to) = if run % 2 == 0 { (&a, &b) } else { (&b, &a) };
-        let (mut ws, id, token) = from
-            .create(json!({"idle_timeout": 300, "enable_checkpoint": true, "enable_sandbox_handoff": true}))
-            .await;
-        ws.exec("bash", "echo state > /tmp/state").await;
+        let (mut old, id, token) = created(from).await;
+        let took = timed_attach(to, &id, &token).await;
+        // The old client got the contract's handoff sequence and a close.
+        let seen = old.until_close().await;
+        assert!(
+            seen.iter()
+                .any(|f| f.contains("SANDBOX_LOCK_RELEASE_REQUESTED")),
+            "{seen:?}"
+        );
+        attached.push(took);
+    }
+    report("handoff, client still attached to A", &mut attached);
+
+    let mut just_left = Vec::new();
+    for run in 0..runs {
+        let (from, to) = if run % 2 == 0 { (&a, &b) } else { (&b, &a) };
+        let (ws, id, token) = created(from).await;
         drop(ws);
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let started = Instant::now();
-        let mut moved = to.attach(&id, &token).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        just_left.push(timed_attach(to, &id, &token).await);
+    }
+    report("handoff, client left A 1 s ago", &mut just_left);
+
+    // Every sandbox of this round is created first, then all wait out the
+    // fast-path window together.
+    let mut idle = Vec::new();
+    for _ in 0..runs {
+        let (ws, id, token) = created(&a).await;
+        drop(ws);
+        idle.push((id, token));
+    }
+    tokio::time::sleep(Duration::from_secs(95)).await;
+    let mut long_gone = Vec::new();
+    for (id, token) in &idle {
+        long_gone.push(timed_attach(&b, id, token).await);
+    }
+    report("handoff, client left A 95 s ago", &mut long_gone);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: cargo test --release --test bench_handoff -- --ignored --nocapture"]
+async fn crash_takeover_latency() {
+    let runs = runs("TAKEOVER_RUNS", 3);
+    let dir = tempfile::tempdir().unwrap();
+    let bucket = support::create_bucket().await;
+    let b = Launch::new("takeover-b", dir.path())
+        .on_bucket(&bucket)
+        .start()
+        .await;
+    let mut samples = Vec::new();
+    for run in 0..runs {
+        let mut a = Launch::new(&format!("takeover-a{run}"), dir.path())
+            .on_bucket(&bucket)
+            .start()
+            .await;
+        let (mut ws, id, token) = created(&a).await;
+        // A checkpoint to take over from, then the sandbox back on A.
+        ws.send(json!({"action": "checkpoint"})).await;
+        ws.until_close().await;
+        let mut back = a.attach(&id, &token).await;
+        back.until_status("SANDBOX_RUNNING").await;
+        drop(back);
+        a.signal("-KILL");
+        let killed = Instant::now();
+        let mut moved = b.attach(&id, &token).await;
         let frames = moved.until_status("SANDBOX_RUNNING").await;
-        let took = started.elapsed();
+        let took = killed.elapsed();
         assert_eq!(frames.last().unwrap(), "SANDBOX_RUNNING", "{frames:?}");
         samples.push(took);
         moved.send(json!({"action": "kill_sandbox"})).await;
         moved.until_close().await;
     }
-    samples.sort();
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    println!(
-        "handoff attach -> SANDBOX_RUNNING over {runs} runs: median {:.0} ms, min {:.0} ms, max {:.0} ms",
-        ms(samples[runs / 2]),
-        ms(samples[0]),
-        ms(samples[runs - 1])
+    report(
+        "crash takeover, SIGKILL of A -> SANDBOX_RUNNING on B",
+        &mut samples,
     );
 }

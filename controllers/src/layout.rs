@@ -1,7 +1,7 @@
 //! Where each object lives in the bucket (`DESIGN.md` §3). The only place that
 //! spells out key formats; ids are validated types, so every key is valid.
 
-use crate::api::SandboxId;
+use crate::api::{InstanceId, SandboxId};
 use crate::store::ObjectKey;
 
 /// Prefix under which every sandbox has its directory.
@@ -21,6 +21,39 @@ pub fn metadata_key(id: &SandboxId) -> ObjectKey {
 /// `sandboxes/<id>/lock.json`
 pub fn lock_key(id: &SandboxId) -> ObjectKey {
     key(format!("{SANDBOXES_PREFIX}{id}/lock.json"))
+}
+
+/// Prefix under which every instance has its lease and doorbell.
+pub const INSTANCES_PREFIX: &str = "instances/";
+
+/// An instance id as a key segment: instance ids may hold `:` or start with
+/// `.`, which keys refuse; both become `_`.
+fn instance_segment(instance: &InstanceId) -> String {
+    let mut segment: String = instance
+        .to_string()
+        .chars()
+        .map(|c| if c == ':' { '_' } else { c })
+        .collect();
+    if segment.starts_with('.') {
+        segment.replace_range(..1, "_");
+    }
+    segment
+}
+
+/// `instances/<instance>/lease.json`
+pub fn instance_lease_key(instance: &InstanceId) -> ObjectKey {
+    key(format!(
+        "{INSTANCES_PREFIX}{}/lease.json",
+        instance_segment(instance)
+    ))
+}
+
+/// `instances/<instance>/doorbell.json`
+pub fn doorbell_key(instance: &InstanceId) -> ObjectKey {
+    key(format!(
+        "{INSTANCES_PREFIX}{}/doorbell.json",
+        instance_segment(instance)
+    ))
 }
 
 /// Prefix of every checkpoint's directory.
@@ -107,6 +140,20 @@ mod tests {
         assert_eq!(
             lock_key(&id).as_str(),
             "sandboxes/0123456789abcdef0123456789abcdef/lock.json"
+        );
+    }
+
+    #[test]
+    fn every_instance_id_makes_valid_instance_keys() {
+        for raw in ["sandboxd-1", "host:8080", ".hidden", "a.b_c-d"] {
+            let instance = InstanceId::parse(raw).unwrap();
+            let lease = instance_lease_key(&instance);
+            assert!(lease.as_str().starts_with("instances/"), "{lease}");
+            assert!(doorbell_key(&instance).as_str().ends_with("/doorbell.json"));
+        }
+        assert_eq!(
+            instance_lease_key(&InstanceId::parse("host:8080").unwrap()).as_str(),
+            "instances/host_8080/lease.json"
         );
     }
 

@@ -32,6 +32,7 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     let Command::Serve(args) = Cli::parse().command;
     telemetry::init(&args.log)?;
+    args.control.validate()?;
     let instance = match &args.instance_id {
         Some(id) => InstanceId::parse(id)?,
         None => InstanceId::parse(&format!("sandboxd-{}", uuid::Uuid::new_v4().simple()))?,

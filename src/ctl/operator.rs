@@ -10,10 +10,13 @@ use std::path::{Path, PathBuf};
 use chrono::{DateTime, Utc};
 
 use super::inventory::age as ago;
-use controllers::api::{DesiredState, Lease, SandboxId, SandboxMetadata, decode, encode};
+use controllers::api::{
+    DesiredState, InstanceId, Lease, SandboxId, SandboxMetadata, decode, encode,
+};
 use controllers::layout::{
     CHECKPOINTS_PREFIX, SANDBOXES_PREFIX, checkpoint_id_of_image, lock_key, metadata_key,
 };
+use controllers::leasing::ring_doorbell;
 use controllers::store::{Generation, PutMode, Store, StoreError};
 
 /// Why an operator verb failed; each maps to an exit code.
@@ -275,6 +278,30 @@ pub async fn describe(
     Ok(out)
 }
 
+/// Rings the doorbell of `sandbox`'s holder (if any) after an edit, so it
+/// acts within its doorbell interval instead of its resync. Returns what to
+/// tell the operator.
+async fn ring_holder(store: &dyn Store, sandbox: &SandboxId, holder: Option<InstanceId>) -> String {
+    let holder = match holder {
+        Some(holder) => Some(holder),
+        None => match read_lease(store, sandbox).await {
+            Ok(lease) => lease.and_then(|(lease, _)| lease.holder),
+            Err(err) => {
+                return format!(
+                    "; could not read its lock to ring the holder ({err}): it acts within its resync"
+                );
+            }
+        },
+    };
+    let Some(holder) = holder else {
+        return "; nobody holds it".to_owned();
+    };
+    match ring_doorbell(store, Utc::now(), &holder, sandbox, "sandboxctl").await {
+        Ok(()) => format!("; rang {holder}, which acts within its doorbell interval"),
+        Err(err) => format!("; could not ring {holder} ({err}): it acts within its resync"),
+    }
+}
+
 /// Sets `spec.desired_state` with one compare-and-swap.
 async fn set_desired(
     store: &dyn Store,
@@ -295,9 +322,20 @@ async fn set_desired(
     }
     metadata.spec.desired_state = desired;
     let key = metadata_key(&sandbox);
-    match store.put(&key, encode(&metadata), PutMode::Update(generation)).await {
-        Ok(_) => Ok(format!("sandbox {sandbox}: desired_state set to {desired:?}; its holder converges within a full pass").to_lowercase()),
-        Err(StoreError::PreconditionFailed { .. }) => Err(conflict(store, &key, generation, None).await),
+    match store
+        .put(&key, encode(&metadata), PutMode::Update(generation))
+        .await
+    {
+        Ok(_) => {
+            let rung = ring_holder(store, &sandbox, None).await;
+            Ok(format!(
+                "sandbox {sandbox}: desired_state set to {}{rung}",
+                format!("{desired:?}").to_lowercase()
+            ))
+        }
+        Err(StoreError::PreconditionFailed { .. }) => {
+            Err(conflict(store, &key, generation, None).await)
+        }
         Err(err) => Err(err.into()),
     }
 }
@@ -312,9 +350,9 @@ pub async fn delete(store: &dyn Store, id: &str) -> Result<String, OperatorError
     set_desired(store, id, DesiredState::Deleted).await
 }
 
-/// `break-lease ID`: `holder: null`. The old holder (if alive) notices at its
-/// next renewal and stops the sandbox without writing; the next attach
-/// restores the latest checkpoint.
+/// `break-lease ID`: `holder: null`. The old holder (if alive) is rung and
+/// stops the sandbox without writing; the next attach restores the latest
+/// checkpoint.
 pub async fn break_lease(store: &dyn Store, id: &str) -> Result<String, OperatorError> {
     let sandbox = parse_id(id)?;
     let Some((mut lease, generation)) = read_lease(store, &sandbox).await? else {
@@ -330,10 +368,13 @@ pub async fn break_lease(store: &dyn Store, id: &str) -> Result<String, Operator
         .put(&key, encode(&lease), PutMode::Update(generation))
         .await
     {
-        Ok(_) => Ok(format!(
-            "sandbox {sandbox}: lease broken (was held by {holder} at epoch {}); that instance stops it at its next renewal",
-            lease.epoch
-        )),
+        Ok(_) => {
+            let epoch = lease.epoch;
+            let rung = ring_holder(store, &sandbox, Some(holder.clone())).await;
+            Ok(format!(
+                "sandbox {sandbox}: lease broken (was held by {holder} at epoch {epoch}); that instance stops it without writing{rung}"
+            ))
+        }
         Err(StoreError::PreconditionFailed { .. }) => {
             Err(conflict(store, &key, generation, None).await)
         }
@@ -401,8 +442,9 @@ pub async fn edit(
     {
         Ok(generation) => {
             let _ = std::fs::remove_file(&path);
+            let rung = ring_holder(store, &sandbox, None).await;
             Ok(format!(
-                "sandbox {sandbox} edited (generation {})",
+                "sandbox {sandbox} edited (generation {}){rung}",
                 generation.0
             ))
         }

@@ -8,6 +8,10 @@
 //! - `sandboxes/<id>/lock.json` ([`Lease`]): who runs the sandbox now, the
 //!   fencing epoch, and the attach intent `wanted_by`.
 //!
+//! And two per instance: `instances/<id>/lease.json` ([`InstanceLease`]), which
+//! keeps every hold of that instance live, and `instances/<id>/doorbell.json`
+//! ([`Doorbell`]), where intent writers ring the holder.
+//!
 //! Both carry `apiVersion`, are pretty-printed (people read and edit them), and
 //! keep fields they do not know: an operator's note survives every controller's
 //! read-modify-write. Decoding errors name the offending field (`spec.desired_state`).
@@ -15,6 +19,7 @@
 
 mod codec;
 mod ids;
+mod instance;
 mod lease;
 mod manifest;
 mod metadata;
@@ -22,6 +27,7 @@ mod network;
 
 pub use codec::{ApiObject, DecodeError, decode, encode};
 pub use ids::{InstanceId, InvalidId, SandboxId};
+pub use instance::{Doorbell, InstanceLease, MAX_RINGS, Ring, ring_retention};
 pub use lease::{AttachIntent, Lease};
 pub use manifest::{BlobDigest, CheckpointManifest, SnapshotManifest};
 pub use metadata::{

@@ -15,6 +15,13 @@
 //! - A live `wanted_by` naming another instance blocks acquisition: the instance
 //!   a client asked for gets the sandbox, not whoever polls first.
 //!
+//! # Instance leases
+//! A hold is kept live by its holder's instance lease ([`InstanceLeases`]),
+//! not by rewriting `lock.json`: an idle held sandbox costs no writes. The
+//! lock's own `renewed_at` is written at acquisition (and when a hold is
+//! re-verified after a lapse) and keeps the hold live for one lease duration
+//! by itself. A taker needs both to have expired.
+//!
 //! # Errors
 //! An unreadable `lock.json` (an operator's typo) is reported as
 //! [`LeaseError::Invalid`] and never overwritten.
@@ -31,6 +38,10 @@ use crate::fencing::MAX_CONFLICT_RETRIES;
 use crate::layout::lock_key;
 use crate::store::{Generation, PutMode, Store, StoreError};
 
+mod instance;
+
+pub use instance::{InstanceLeases, read_instance_lease, ring_doorbell};
+
 /// Lease timing for one deployment.
 #[derive(Debug, Clone)]
 pub struct LeaseConfig {
@@ -45,8 +56,8 @@ pub struct LeaseConfig {
 impl Default for LeaseConfig {
     fn default() -> Self {
         Self {
-            duration: Duration::seconds(30),
-            skew_tolerance: Duration::seconds(5),
+            duration: Duration::seconds(15),
+            skew_tolerance: Duration::seconds(2),
             intent_ttl: Duration::seconds(60),
         }
     }
@@ -61,6 +72,8 @@ pub struct HeldLease {
     pub generation: Generation,
     /// The lease as this instance last wrote or read it at `generation`.
     pub lease: Lease,
+    /// The instance-lease era the hold was acquired or re-verified in.
+    pub era: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -95,6 +108,10 @@ pub enum LeaseError {
     },
     #[error("lock.json of sandbox {sandbox} kept changing under {attempts} attempts to write it")]
     Contended { sandbox: SandboxId, attempts: usize },
+    #[error("{key} is invalid: {source}")]
+    InvalidObject { key: String, source: DecodeError },
+    #[error("{key} kept changing under {attempts} attempts to write it")]
+    ContendedObject { key: String, attempts: usize },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -112,6 +129,7 @@ pub struct Leases {
     clock: Arc<dyn Clock>,
     instance: InstanceId,
     config: LeaseConfig,
+    instance_lease: InstanceLeases,
 }
 
 impl Leases {
@@ -121,16 +139,58 @@ impl Leases {
         instance: InstanceId,
         config: LeaseConfig,
     ) -> Self {
+        let instance_lease = InstanceLeases::new(
+            store.clone(),
+            clock.clone(),
+            instance.clone(),
+            config.clone(),
+        );
         Self {
             store,
             clock,
             instance,
             config,
+            instance_lease,
         }
     }
 
     pub fn instance(&self) -> &InstanceId {
         &self.instance
+    }
+
+    /// This instance's own lease and doorbell.
+    pub fn instance_lease(&self) -> &InstanceLeases {
+        &self.instance_lease
+    }
+
+    /// Makes sure this instance's lease vouches for holds acquired now:
+    /// renews it unless a renewal of the current era is less than a third of
+    /// the lease old.
+    pub async fn ensure_instance_lease(&self) -> Result<(), LeaseError> {
+        let era = self.instance_lease.era();
+        if self.instance_lease.vouches_for(era)
+            && !self.instance_lease.renewal_due(self.config.duration / 3)
+        {
+            return Ok(());
+        }
+        self.instance_lease.renew().await.map(|_| ())
+    }
+
+    /// True if `lease`'s holder may be taken over at `now`: the lock's own
+    /// lease has expired and so has the holder's instance lease. Reads the
+    /// holder's instance lease only when the lock's has expired.
+    async fn holder_gone(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        let now = self.clock.now();
+        match &lease.holder {
+            None => Ok(true),
+            Some(holder) if holder == &self.instance => Ok(false),
+            Some(holder) => {
+                if !lease.is_free(now, self.config.skew_tolerance) {
+                    return Ok(false);
+                }
+                Ok(!self.instance_lease.is_live(holder).await?)
+            }
+        }
     }
 
     pub fn config(&self) -> &LeaseConfig {
@@ -161,6 +221,16 @@ impl Leases {
     /// the same epoch comes back.
     /// Clears `wanted_by` when it names this instance (the intent is fulfilled).
     pub async fn acquire(&self, sandbox: &SandboxId) -> Result<HeldLease, LeaseError> {
+        self.ensure_instance_lease().await?;
+        // Whose hold may be taken: a holder whose lock and instance lease
+        // have both expired. Decided on the lock as read here; the write
+        // below re-reads it and only takes over that same, still-expired hold.
+        let gone = match self.read(sandbox).await? {
+            Some((lease, _)) if self.holder_gone(&lease).await? => {
+                lease.holder.map(|holder| (holder, lease.epoch))
+            }
+            _ => None,
+        };
         self.modify(sandbox, |existing, now| {
             let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
             if lease.is_held_by(&self.instance) {
@@ -169,7 +239,12 @@ impl Leases {
                 let epoch = lease.epoch;
                 return Ok(Step::Write(lease, epoch));
             }
-            if !lease.is_free(now, self.config.skew_tolerance) {
+            let taken_over = gone.as_ref().is_some_and(|(holder, epoch)| {
+                lease.holder.as_ref() == Some(holder) && lease.epoch == *epoch
+            });
+            let free = lease.holder.is_none()
+                || (taken_over && lease.is_free(now, self.config.skew_tolerance));
+            if !free {
                 let holder = lease
                     .holder
                     .clone()
@@ -258,6 +333,21 @@ impl Leases {
         .map(|_| ())
     }
 
+    /// Gives up a hold at `epoch` that names this instance but that it does
+    /// not run (see the reconciler's orphan row). Nothing is written if the
+    /// lock moved on meanwhile.
+    pub async fn release_orphan(&self, sandbox: &SandboxId, epoch: u64) -> Result<(), LeaseError> {
+        self.modify(sandbox, |existing, _now| match existing {
+            Some(mut lease) if lease.is_held_by(&self.instance) && lease.epoch == epoch => {
+                lease.holder = None;
+                Ok(Step::Write(lease, ()))
+            }
+            _ => Ok(Step::Done(())),
+        })
+        .await
+        .map(|_| ())
+    }
+
     /// Checks, with one read, that the lease is still ours at the same epoch.
     pub async fn check(&self, held: &HeldLease) -> Result<Lease, LeaseError> {
         let existing = self.read(&held.sandbox).await?.map(|(lease, _)| lease);
@@ -266,26 +356,40 @@ impl Leases {
 
     /// True while this instance may act on `held` without renewing: its lease
     /// runs until `renewed_at + duration`, minus the tolerated clock skew.
+    /// True while this instance may act on `held`: its lock was renewed less
+    /// than a lease ago (minus the tolerated skew), or this instance's lease
+    /// vouches for the hold's era.
     pub fn is_safe(&self, held: &HeldLease) -> bool {
         self.clock.now() < held.renewed_at + self.config.duration - self.config.skew_tolerance
+            || self.instance_lease.vouches_for(held.era)
     }
 
     /// Writes the attach intent `wanted_by = this instance`, valid for the
     /// configured TTL. Creates an unheld lock if the sandbox has none.
+    /// Rings the holder's doorbell so it hands the sandbox over at once.
     pub async fn request_attach(&self, sandbox: &SandboxId) -> Result<AttachIntent, LeaseError> {
-        self.modify(sandbox, |existing, now| {
-            let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
-            let intent = AttachIntent {
-                instance: self.instance.clone(),
-                requested_at: now,
-                expires_at: now + self.config.intent_ttl,
-                extra: ExtraFields::new(),
-            };
-            lease.wanted_by = Some(intent.clone());
-            Ok(Step::Write(lease, intent))
-        })
-        .await
-        .map(|(intent, _, _)| intent)
+        let written = self
+            .modify(sandbox, |existing, now| {
+                let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
+                let intent = AttachIntent {
+                    instance: self.instance.clone(),
+                    requested_at: now,
+                    expires_at: now + self.config.intent_ttl,
+                    extra: ExtraFields::new(),
+                };
+                lease.wanted_by = Some(intent.clone());
+                Ok(Step::Write(lease, intent))
+            })
+            .await
+            .map(|(intent, lease, _)| (intent, lease))?;
+        let (intent, lease) = written;
+        if let Some(holder) = lease.holder.as_ref().filter(|h| *h != &self.instance) {
+            // The holder learns at once; if the ring is lost, at its resync.
+            if let Err(err) = self.instance_lease.ring(holder, sandbox).await {
+                tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder's doorbell");
+            }
+        }
+        Ok(intent)
     }
 
     /// Withdraws this instance's attach intent, if it is still the current one.
@@ -350,6 +454,7 @@ impl Leases {
                 .unwrap_or(chrono::DateTime::<Utc>::UNIX_EPOCH),
             generation,
             lease: lease.clone(),
+            era: self.instance_lease.era(),
         })
     }
 

@@ -5,6 +5,7 @@
 //! filesystem snapshots pass through to the runtime, but only for a sandbox
 //! this instance holds.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,7 +56,19 @@ pub struct SandboxController {
     queue: WorkQueue,
     bus: ProgressBus,
     reconcile_errors: std::sync::atomic::AtomicU64,
+    doorbell: std::sync::Mutex<DoorbellState>,
 }
+
+/// What this instance last read from its doorbell.
+#[derive(Debug, Default)]
+struct DoorbellState {
+    generation: Option<crate::store::Generation>,
+    /// Rings already answered, by sandbox and time.
+    answered: HashSet<(SandboxId, chrono::DateTime<chrono::Utc>)>,
+}
+
+/// How often the lease loop looks whether a renewal is due (local only).
+const LEASE_TICK: Duration = Duration::from_millis(250);
 
 impl SandboxController {
     /// `bus` must be the one the reconciler emits on.
@@ -65,6 +78,7 @@ impl SandboxController {
             queue: WorkQueue::default(),
             bus,
             reconcile_errors: std::sync::atomic::AtomicU64::new(0),
+            doorbell: std::sync::Mutex::new(DoorbellState::default()),
         })
     }
 
@@ -72,11 +86,120 @@ impl SandboxController {
         &self.reconciler
     }
 
-    /// Runs the worker loop: each queued sandbox is reconciled in its own task,
-    /// one reconcile per sandbox at a time, failures retried with back-off.
+    /// Runs the worker loop (each queued sandbox is reconciled in its own
+    /// task, one reconcile per sandbox at a time, failures retried with
+    /// back-off), the instance lease loop and the doorbell loop. Aborting the
+    /// handle stops all three.
     pub fn spawn_workers(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
-        let controller = Arc::clone(self);
+        let workers = Arc::clone(self).work();
+        let lease = Arc::clone(self).keep_instance_lease();
+        let doorbell = Arc::clone(self).watch_doorbell();
         tokio::spawn(async move {
+            tokio::join!(workers, lease, doorbell);
+        })
+    }
+
+    /// Renews the instance lease every `renew_interval` while the instance
+    /// holds (or just held) sandboxes. This loop is the only thing that keeps
+    /// holds alive, so a long checkpoint or upload never delays it. Holds the
+    /// lease stops vouching for (a lapse) are queued: they are re-verified or
+    /// stopped.
+    async fn keep_instance_lease(self: Arc<Self>) {
+        let every = chrono::Duration::from_std(self.reconciler.config().renew_interval)
+            .unwrap_or(chrono::Duration::MAX);
+        let instance_lease = self.reconciler.leases().instance_lease().clone();
+        let mut retry_after: Option<tokio::time::Instant> = None;
+        loop {
+            tokio::time::sleep(LEASE_TICK).await;
+            if !self.reconciler.needs_instance_lease() || !instance_lease.renewal_due(every) {
+                continue;
+            }
+            if retry_after.is_some_and(|at| tokio::time::Instant::now() < at) {
+                continue;
+            }
+            let era = instance_lease.era();
+            match instance_lease.renew().await {
+                Ok(renewed) => {
+                    retry_after = None;
+                    if renewed != era {
+                        tracing::warn!(
+                            era = renewed,
+                            "the instance lease had lapsed; re-verifying holds"
+                        );
+                    }
+                }
+                Err(err) => {
+                    tracing::warn!(%err, "cannot renew the instance lease");
+                    retry_after = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                }
+            }
+            for sandbox in self.reconciler.unvouched() {
+                self.enqueue(&sandbox);
+            }
+        }
+    }
+
+    /// Reads the doorbell every `doorbell_poll` while the instance holds
+    /// sandboxes (nobody rings an instance that holds none).
+    async fn watch_doorbell(self: Arc<Self>) {
+        let every = self.reconciler.config().doorbell_poll;
+        loop {
+            tokio::time::sleep(every).await;
+            if !self.reconciler.needs_instance_lease() {
+                continue;
+            }
+            if let Err(err) = self.answer_doorbell().await {
+                tracing::warn!(%err, "cannot read the doorbell");
+            }
+        }
+    }
+
+    /// Reads the doorbell once and queues a full pass of every sandbox rung
+    /// for since the last read. Returns them.
+    pub async fn answer_doorbell(&self) -> Result<Vec<SandboxId>, ControlError> {
+        let Some((bell, generation)) = self
+            .reconciler
+            .leases()
+            .instance_lease()
+            .read_doorbell()
+            .await?
+        else {
+            return Ok(Vec::new());
+        };
+        let rung = {
+            let mut state = self
+                .doorbell
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if state.generation == Some(generation) {
+                return Ok(Vec::new());
+            }
+            state.generation = Some(generation);
+            let present: HashSet<_> = bell
+                .rings
+                .iter()
+                .map(|ring| (ring.sandbox.clone(), ring.rung_at))
+                .collect();
+            state.answered.retain(|ring| present.contains(ring));
+            let mut rung = Vec::new();
+            for ring in present {
+                if state.answered.insert(ring.clone()) && !rung.contains(&ring.0) {
+                    rung.push(ring.0);
+                }
+            }
+            rung
+        };
+        for sandbox in &rung {
+            tracing::debug!(%sandbox, "doorbell rung");
+            self.enqueue(sandbox);
+        }
+        Ok(rung)
+    }
+
+    /// The worker loop proper.
+    async fn work(self: Arc<Self>) {
+        let controller = self;
+        {
             let failures = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<
                 SandboxId,
                 u32,
@@ -112,7 +235,7 @@ impl SandboxController {
                     }
                 });
             }
-        })
+        }
     }
 
     /// Queues a full reconcile of `sandbox` now (after writing an intent).
@@ -225,7 +348,29 @@ impl SandboxController {
         })
         .await?;
         self.enqueue(sandbox);
+        self.ring_holder(sandbox).await;
         Ok(())
+    }
+
+    /// Rings the doorbell of `sandbox`'s holder when that is another
+    /// instance, so an intent written here takes effect there at once.
+    /// Failures are logged: the holder's resync catches up.
+    async fn ring_holder(&self, sandbox: &SandboxId) {
+        if self.is_held_here(sandbox) {
+            return;
+        }
+        let leases = self.reconciler.leases();
+        match leases.read(sandbox).await {
+            Ok(Some((lease, _))) => {
+                if let Some(holder) = lease.holder.filter(|h| h != leases.instance())
+                    && let Err(err) = leases.instance_lease().ring(&holder, sandbox).await
+                {
+                    tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder's doorbell");
+                }
+            }
+            Ok(None) => {}
+            Err(err) => tracing::warn!(%sandbox, %err, "cannot read the lock to ring its holder"),
+        }
     }
 
     /// Read-modify-write of the spec under the object's generation.

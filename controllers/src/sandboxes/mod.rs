@@ -4,6 +4,7 @@
 //! API layer and by operators (`DESIGN.md` §4).
 
 mod controller;
+mod decision;
 mod metrics;
 mod progress;
 mod reconciler;

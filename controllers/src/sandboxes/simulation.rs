@@ -3,7 +3,11 @@
 //! clock, and a seeded schedule of reconcile passes, client intents,
 //! executions, clock jumps past the lease, crashes, pauses (zombie holders)
 //! and storage faults (transient errors, lost responses that still landed),
-//! each instance's clock off by up to ±2 s (the tolerance is 5 s).
+//! each instance's clock off by up to ±1 s (two instances disagree by at most
+//! the 2 s tolerance). Instances renew their instance lease and answer their
+//! doorbell at random steps (never while paused); rings are lost (the doorbell
+//! deleted), duplicated (rung again) and delayed (answered steps later, or
+//! never, leaving it to the resync).
 //!
 //! After every step the invariants must hold:
 //! 1. never two instances running a sandbox while both can vouch for their
@@ -160,8 +164,8 @@ impl Sim {
     fn node(&mut self) -> Node {
         self.next_name += 1;
         let name = format!("node-{}", self.next_name);
-        // Hosts' clocks disagree, within the tolerated skew (5 s).
-        let skew_ms = self.rng.random_range(-2_000..=2_000);
+        // Hosts' clocks disagree, within the tolerated skew (2 s).
+        let skew_ms = self.rng.random_range(-1_000..=1_000);
         let clock: Arc<dyn Clock> = Arc::new(self.clock.offset(Duration::milliseconds(skew_ms)));
         let (open, open_receiver) = tokio::sync::watch::channel(true);
         let store = Arc::new(GatedStore {
@@ -241,6 +245,25 @@ impl Sim {
         }
     }
 
+    /// Each awake instance renews its instance lease with `probability`, as
+    /// its lease loop would have while the clock moved.
+    async fn heartbeats(&mut self, step: usize, probability: f64) {
+        for n in 0..self.nodes.len() {
+            if self.nodes[n].paused_until <= step && self.rng.random_bool(probability) {
+                let controller = Arc::clone(&self.nodes[n].controller);
+                let _ = controller
+                    .reconciler()
+                    .leases()
+                    .instance_lease()
+                    .renew()
+                    .await;
+                for unvouched in controller.reconciler().unvouched() {
+                    controller.enqueue(&unvouched);
+                }
+            }
+        }
+    }
+
     async fn step(&mut self, step: usize) {
         self.wake(step).await;
         let node = self.rng.random_range(0..self.nodes.len());
@@ -248,8 +271,56 @@ impl Sim {
         let id = self.pick_sandbox();
         let controller = Arc::clone(&self.nodes[node].controller);
         match self.rng.random_range(0..100) {
-            0..40 if awake => {
+            0..30 if awake => {
                 let _ = controller.reconciler().reconcile(&id).await;
+            }
+            30..35 if awake => {
+                // The instance lease loop's renewal.
+                let _ = controller
+                    .reconciler()
+                    .leases()
+                    .instance_lease()
+                    .renew()
+                    .await;
+                for unvouched in controller.reconciler().unvouched() {
+                    controller.enqueue(&unvouched);
+                }
+            }
+            35..38 if awake => {
+                // The doorbell loop: answer, then run the passes it queued.
+                if let Ok(rung) = controller.answer_doorbell().await {
+                    for rung in rung {
+                        let _ = controller.reconciler().reconcile(&rung).await;
+                    }
+                }
+            }
+            38..39 => {
+                // A ring lost: the doorbell object is gone.
+                let instance = self.nodes[node]
+                    .controller
+                    .reconciler()
+                    .leases()
+                    .instance()
+                    .clone();
+                let _ = self
+                    .store
+                    .delete(&crate::layout::doorbell_key(&instance))
+                    .await;
+            }
+            39..40 => {
+                // A ring duplicated: rung again for the same sandbox.
+                if let Some(lock) = self.lock(&id).await
+                    && let Some(holder) = lock.holder
+                {
+                    let _ = crate::leasing::ring_doorbell(
+                        self.store.as_ref(),
+                        self.clock.now(),
+                        &holder,
+                        &id,
+                        "sim",
+                    )
+                    .await;
+                }
             }
             40..52 if awake => {
                 let _ = controller.request_here(&id, None, self.clock.now()).await;
@@ -281,12 +352,17 @@ impl Sim {
                 let attached = self.rng.random_bool(0.5);
                 controller.client_attached(&id, attached);
             }
-            76..84 => self
-                .clock
-                .advance(Duration::milliseconds(self.rng.random_range(0..20_000))),
-            84..87 => self
-                .clock
-                .advance(Duration::seconds(self.rng.random_range(30..70))),
+            76..84 => {
+                self.clock
+                    .advance(Duration::milliseconds(self.rng.random_range(0..20_000)));
+                // Live instances renewed their lease meanwhile (mostly).
+                self.heartbeats(step, 0.8).await;
+            }
+            84..87 => {
+                self.clock
+                    .advance(Duration::seconds(self.rng.random_range(30..70)));
+                self.heartbeats(step, 0.3).await;
+            }
             87..90 => {
                 // A crash: the process and its sandboxes vanish; a new one
                 // (new instance id, as a restarted server gets) takes its place.

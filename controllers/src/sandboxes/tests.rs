@@ -107,6 +107,46 @@ impl Instance {
         id
     }
 
+    /// What the instance lease loop does every `renew_interval`.
+    async fn heartbeat(&self) {
+        self.controller
+            .reconciler()
+            .leases()
+            .instance_lease()
+            .renew()
+            .await
+            .unwrap();
+    }
+
+    /// Lets `seconds` pass with the instance alive (heartbeats every 10 s).
+    async fn live_through(&self, world: &World, seconds: i64) {
+        let mut left = seconds;
+        while left > 0 {
+            let step = left.min(10);
+            world.clock.advance(Duration::seconds(step));
+            self.heartbeat().await;
+            left -= step;
+        }
+    }
+
+    /// A sandbox held here that has a checkpoint to restore (checkpointed,
+    /// then asked back here).
+    async fn create_checkpointed(&self, world: &World) -> SandboxId {
+        let id = self.create(world).await;
+        self.controller
+            .request_state(&id, DesiredState::Checkpointed, None)
+            .await
+            .unwrap();
+        self.reconcile(&id).await.unwrap();
+        self.controller
+            .request_here(&id, None, world.clock.now())
+            .await
+            .unwrap();
+        self.reconcile(&id).await.unwrap();
+        assert!(self.controller.is_held_here(&id));
+        id
+    }
+
     async fn run(&self, id: &SandboxId, code: &str) {
         let mut execution = self
             .controller
@@ -338,8 +378,11 @@ async fn a_holder_that_lost_its_lease_stops_without_writing() {
         .unwrap();
     let before = world.store.get(&metadata_key(&id)).await.unwrap();
     let mut events = a.controller.subscribe(&id);
-    // Noticed at the next renewal: its conditional write fails.
-    world.clock.advance(Duration::seconds(16));
+    // A raw edit without a ring: noticed at the next resync.
+    a.live_through(&world, 30).await;
+    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert!(a.runtime.memory(&id).is_some(), "not before the resync");
+    a.live_through(&world, 31).await;
 
     assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
     assert!(matches!(drain(&mut events)[..], [Progress::Lost { .. }]));
@@ -444,23 +487,92 @@ async fn a_sandbox_that_died_is_marked_failed_and_released() {
 }
 
 #[tokio::test]
-async fn the_lease_is_renewed_once_per_renew_interval_with_one_write() {
+async fn an_idle_held_sandbox_costs_no_write_its_instance_renews_once_for_all() {
     let world = World::new();
     let a = world.instance("a");
-    let id = a.create(&world).await;
-    let first = world.lease(&id).await.renewed_at;
-    a.reconcile(&id).await.unwrap();
-    assert_eq!(world.lease(&id).await.renewed_at, first, "not due yet");
-    world.clock.advance(Duration::seconds(16));
+    let first = a.create(&world).await;
+    let second = a.create(&world).await;
+    let lock = world.store.get(&lock_key(&first)).await.unwrap().generation;
     let operations = world.store.operations();
-    a.reconcile(&id).await.unwrap();
-    let used = world.store.operations() - operations;
-    assert!(world.lease(&id).await.renewed_at > first);
-    assert_eq!(used, 1, "one conditional write, no read");
+    for _ in 0..5 {
+        world.clock.advance(Duration::seconds(10));
+        a.heartbeat().await;
+        a.reconcile(&first).await.unwrap();
+        a.reconcile(&second).await.unwrap();
+    }
+    // 5 heartbeats (one write each, for both sandboxes); the passes are
+    // light: nothing read, nothing written, until the resync at 60 s.
+    assert_eq!(world.store.operations() - operations, 5);
+    assert_eq!(
+        world.store.get(&lock_key(&first)).await.unwrap().generation,
+        lock,
+        "lock.json untouched"
+    );
+    world.clock.advance(Duration::seconds(11));
+    a.heartbeat().await;
+    let operations = world.store.operations();
+    a.reconcile(&first).await.unwrap();
+    assert_eq!(
+        world.store.operations() - operations,
+        2,
+        "the resync reads metadata and lock"
+    );
 }
 
 #[tokio::test]
-async fn an_attach_intent_is_noticed_by_the_renewal_even_with_the_client_attached() {
+async fn an_attach_intent_rings_the_holder_even_with_its_client_attached() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    // The doorbell names the sandbox once, however often it is read.
+    assert_eq!(
+        a.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()]
+    );
+    assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
+    // The ring queued a full pass: the hand-over happens in it.
+    a.reconcile(&id).await.unwrap();
+    assert!(a.runtime.memory(&id).is_none(), "handed over at once");
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some());
+}
+
+#[tokio::test]
+async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.live_through(&world, 10).await;
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    // The ring is lost (say the ringer gave up): the resync still sees it.
+    world
+        .store
+        .delete(&crate::layout::doorbell_key(
+            &InstanceId::parse("a").unwrap(),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
+    a.reconcile(&id).await.unwrap();
+    assert!(a.runtime.memory(&id).is_some());
+    a.live_through(&world, 51).await;
+    a.reconcile(&id).await.unwrap();
+    assert!(a.runtime.memory(&id).is_none(), "handed over at the resync");
+}
+
+#[tokio::test]
+async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
     let world = World::new();
     let a = world.instance("a");
     let b = world.instance("b");
@@ -469,16 +581,123 @@ async fn an_attach_intent_is_noticed_by_the_renewal_even_with_the_client_attache
         .request_here(&id, None, world.clock.now())
         .await
         .unwrap();
-    a.reconcile(&id).await.unwrap();
-    assert!(a.runtime.memory(&id).is_some(), "not before the renewal");
-    world.clock.advance(Duration::seconds(16));
-    a.reconcile(&id).await.unwrap();
-    assert!(
-        a.runtime.memory(&id).is_none(),
-        "handed over at the renewal"
-    );
+    let doorbell = crate::layout::doorbell_key(&InstanceId::parse("a").unwrap());
+    world.store.delete(&doorbell).await.unwrap();
     b.reconcile(&id).await.unwrap();
-    assert!(b.runtime.memory(&id).is_some());
+    assert!(world.store.get(&doorbell).await.is_err(), "not at once");
+    world.clock.advance(Duration::seconds(6));
+    a.heartbeat().await;
+    b.reconcile(&id).await.unwrap();
+    assert_eq!(
+        a.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()],
+        "rung again"
+    );
+    a.reconcile(&id).await.unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some(), "handed over");
+}
+
+#[tokio::test]
+async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create_checkpointed(&world).await;
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    // A ignores the ring (say it is busy); far past the lock's own lease,
+    // A's instance lease keeps the hold.
+    for _ in 0..6 {
+        world.clock.advance(Duration::seconds(10));
+        a.heartbeat().await;
+        b.reconcile(&id).await.unwrap();
+        assert!(b.runtime.memory(&id).is_none(), "A is alive");
+    }
+    // A dies (no more heartbeats): after its lease and the skew, B takes over.
+    a.runtime.crash(&id);
+    world.clock.advance(Duration::seconds(34));
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_none(), "not before lease + skew");
+    world.clock.advance(Duration::seconds(2));
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some(), "taken over");
+    assert_eq!(world.lease(&id).await.epoch, 3);
+}
+
+#[tokio::test]
+async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let kept = a.create_checkpointed(&world).await;
+    let taken = a.create_checkpointed(&world).await;
+    // A freezes past its lease; B takes `taken` meanwhile.
+    world.clock.advance(Duration::seconds(40));
+    b.controller
+        .request_here(&taken, None, world.clock.now())
+        .await
+        .unwrap();
+    b.reconcile(&taken).await.unwrap();
+    assert!(b.runtime.memory(&taken).is_some());
+    // A resumes: its renewal starts a new era, so neither hold is vouched for.
+    a.heartbeat().await;
+    let mut unvouched = a.controller.reconciler().unvouched();
+    unvouched.sort();
+    let mut expected = vec![kept.clone(), taken.clone()];
+    expected.sort();
+    assert_eq!(unvouched, expected);
+    let held = a.controller.reconciler().held(&taken).unwrap();
+    assert!(!a.controller.reconciler().leases().is_safe(&held));
+    let generation = world.store.get(&lock_key(&kept)).await.unwrap().generation;
+    a.reconcile(&kept).await.unwrap();
+    assert!(a.runtime.memory(&kept).is_some());
+    assert_ne!(
+        world.store.get(&lock_key(&kept)).await.unwrap().generation,
+        generation,
+        "re-verified with a conditional write"
+    );
+    a.reconcile(&taken).await.unwrap();
+    assert!(a.runtime.memory(&taken).is_none(), "the lost one stops");
+    assert_eq!(a.controller.reconciler().unvouched(), vec![]);
+}
+
+#[tokio::test]
+async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    // A restarts with the same id: the new incarnation holds nothing, but its
+    // instance lease keeps the old hold alive.
+    let a2 = world.instance("a");
+    a2.heartbeat().await;
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    assert_eq!(
+        a2.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()]
+    );
+    a2.reconcile(&id).await.unwrap();
+    assert_eq!(world.lease(&id).await.holder, None, "released");
+    drop(a);
+    // No checkpoint was ever taken: B says so instead of hanging.
+    let mut events = b.controller.subscribe(&id);
+    b.reconcile(&id).await.unwrap();
+    assert!(
+        drain(&mut events)
+            .iter()
+            .any(|event| matches!(event, Progress::Failed { .. })),
+        "a clear error"
+    );
 }
 
 #[tokio::test]
@@ -549,7 +768,7 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
     let id = a.create(&world).await;
     a.run(&id, "saved").await;
     let mut events = a.controller.subscribe(&id);
-    world.clock.advance(Duration::seconds(61));
+    a.live_through(&world, 61).await;
     a.reconcile(&id).await.unwrap();
     assert!(drain(&mut events).is_empty(), "silent to the client");
     assert_eq!(
@@ -733,4 +952,122 @@ async fn a_failed_cold_start_hook_fails_the_create_and_leaves_nothing_running() 
     );
     assert!(a.runtime.memory(&id).is_none(), "the sandbox still runs");
     assert_ne!(world.metadata(&id).await.status.phase, Phase::Running);
+}
+
+/// A store that stops before its first read of `lock.json` until told to go
+/// on: a reconcile pass frozen between reading metadata and reading the lock.
+#[derive(Debug)]
+struct PauseBeforeLockRead {
+    inner: Arc<MemoryStore>,
+    paused: tokio::sync::Notify,
+    resume: tokio::sync::Notify,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Store for PauseBeforeLockRead {
+    async fn get(
+        &self,
+        key: &crate::store::ObjectKey,
+    ) -> Result<crate::store::Versioned, crate::store::StoreError> {
+        if key.as_str().ends_with("/lock.json")
+            && self.armed.swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            self.paused.notify_one();
+            self.resume.notified().await;
+        }
+        self.inner.get(key).await
+    }
+    async fn put(
+        &self,
+        key: &crate::store::ObjectKey,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<crate::store::Generation, crate::store::StoreError> {
+        self.inner.put(key, data, mode).await
+    }
+    async fn list_page(
+        &self,
+        prefix: &str,
+        page_token: Option<String>,
+    ) -> Result<crate::store::ListPage, crate::store::StoreError> {
+        self.inner.list_page(prefix, page_token).await
+    }
+    async fn delete(&self, key: &crate::store::ObjectKey) -> Result<(), crate::store::StoreError> {
+        self.inner.delete(key).await
+    }
+    async fn upload_blob(
+        &self,
+        key: &crate::store::ObjectKey,
+        source: crate::store::BlobSource,
+    ) -> Result<crate::store::ObjectInfo, crate::store::StoreError> {
+        self.inner.upload_blob(key, source).await
+    }
+    async fn download_blob(
+        &self,
+        key: &crate::store::ObjectKey,
+    ) -> Result<crate::store::BlobReader, crate::store::StoreError> {
+        self.inner.download_blob(key).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "state").await;
+    // B's pass reads metadata (no checkpoint yet), then stops before the lock.
+    let store = Arc::new(PauseBeforeLockRead {
+        inner: world.store.clone(),
+        paused: tokio::sync::Notify::new(),
+        resume: tokio::sync::Notify::new(),
+        armed: std::sync::atomic::AtomicBool::new(false),
+    });
+    let runtime = FakeRuntime::new(store.clone());
+    let bus = ProgressBus::default();
+    let leases = Leases::new(
+        store.clone(),
+        Arc::new(world.clock.clone()),
+        InstanceId::parse("b").unwrap(),
+        LeaseConfig::default(),
+    );
+    let b = SandboxController::new(
+        Reconciler::new(ReconcilerParts {
+            metadata: store.clone(),
+            checkpoints: store.clone(),
+            checkpoint_bucket: "test-bucket".to_owned(),
+            snapshot_bucket: "test-bucket".to_owned(),
+            runtime: Arc::new(runtime.clone()),
+            leases,
+            clock: Arc::new(world.clock.clone()),
+            bus: bus.clone(),
+            config: ReconcilerConfig::default(),
+        }),
+        bus,
+    );
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    store
+        .armed
+        .store(true, std::sync::atomic::Ordering::Release);
+    let pass = {
+        let b = Arc::clone(&b);
+        let id = id.clone();
+        tokio::spawn(async move { b.reconciler().reconcile(&id).await })
+    };
+    store.paused.notified().await;
+    // Meanwhile A hands over: records the checkpoint, releases.
+    assert_eq!(
+        a.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()]
+    );
+    a.reconcile(&id).await.unwrap();
+    assert!(world.metadata(&id).await.status.latest_checkpoint.is_some());
+    store.resume.notify_one();
+    pass.await.unwrap().unwrap();
+    assert_eq!(
+        runtime.memory(&id),
+        Some(vec!["state".to_owned()]),
+        "restored from the checkpoint recorded after the pass read metadata"
+    );
 }

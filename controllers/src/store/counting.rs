@@ -48,6 +48,35 @@ impl Operation {
     }
 }
 
+/// GCS list price of a Class A operation (writes, lists, uploads), in
+/// dollars per 1,000 (Standard storage, one region).
+pub const CLASS_A_DOLLARS_PER_1000: f64 = 0.005;
+/// GCS list price of a Class B operation (reads, downloads), in dollars per
+/// 1,000. Deletes are free.
+pub const CLASS_B_DOLLARS_PER_1000: f64 = 0.0004;
+
+/// Operations by billing class, and what they cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StorageBill {
+    pub class_a: u64,
+    pub class_b: u64,
+}
+
+impl StorageBill {
+    pub fn dollars(&self) -> f64 {
+        self.class_a as f64 * CLASS_A_DOLLARS_PER_1000 / 1000.0
+            + self.class_b as f64 * CLASS_B_DOLLARS_PER_1000 / 1000.0
+    }
+
+    /// What was spent between `earlier` and `self`.
+    pub fn since(&self, earlier: &StorageBill) -> StorageBill {
+        StorageBill {
+            class_a: self.class_a.saturating_sub(earlier.class_a),
+            class_b: self.class_b.saturating_sub(earlier.class_b),
+        }
+    }
+}
+
 /// The counters, shareable between stores (metadata and checkpoints).
 #[derive(Debug, Default)]
 pub struct OperationCounts {
@@ -81,6 +110,16 @@ impl OperationCounts {
             .position(|o| *o == operation)
             .unwrap_or(0);
         self.by_kind[index].load(Ordering::Relaxed)
+    }
+
+    /// The operations so far, by billing class.
+    pub fn bill(&self) -> StorageBill {
+        StorageBill {
+            class_a: self.count(Operation::Put)
+                + self.count(Operation::List)
+                + self.count(Operation::Upload),
+            class_b: self.count(Operation::Get) + self.count(Operation::Download),
+        }
     }
 
     pub fn total(&self) -> u64 {

@@ -17,7 +17,10 @@
 mod counting;
 mod key;
 
-pub use counting::{CountingStore, Operation, OperationCounts};
+pub use counting::{
+    CLASS_A_DOLLARS_PER_1000, CLASS_B_DOLLARS_PER_1000, CountingStore, Operation, OperationCounts,
+    StorageBill,
+};
 pub use key::{InvalidKey, ObjectKey};
 
 use std::fmt;

@@ -1,0 +1,237 @@
+//! This instance's own lease and doorbell, and ringing other instances'
+//! doorbells (`docs/decisions/0007-instance-leases-and-doorbells.md`).
+//!
+//! # Guarantees
+//! - A hold in a sandbox's `lock.json` is live for a taker while the lock's own
+//!   `renewed_at + lease_duration_s + skew` has not passed, or while the
+//!   holder's instance lease is live ([`InstanceLease::is_live`]). The taker
+//!   needs both to have passed.
+//! - The holder vouches for a hold while the lock's own lease minus the skew
+//!   has not passed, or while its instance lease, renewed without a lapse
+//!   since the hold was acquired, has not. A renewal that completes after the
+//!   previous one's safe window ends starts a new *era*: holds of an older era
+//!   are vouched for only after a conditional write to their `lock.json`
+//!   (`Leases::renew`), which makes a taker's concurrent write fail.
+//!
+//! # Caveats
+//! A ring is a hint. It can be lost (the ringer gave up under contention) or
+//! arrive twice; the holder's periodic resync reads every held sandbox's JSON
+//! anyway, so a lost ring costs time, never correctness.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use chrono::{DateTime, Duration, Utc};
+
+use super::{LeaseConfig, LeaseError};
+use crate::api::{
+    Doorbell, ExtraFields, InstanceId, InstanceLease, Ring, SandboxId, decode, encode,
+};
+use crate::clock::Clock;
+use crate::fencing::MAX_CONFLICT_RETRIES;
+use crate::layout::{doorbell_key, instance_lease_key};
+use crate::store::{Generation, PutMode, Store, StoreError};
+
+/// What this instance knows of its own lease.
+#[derive(Debug, Default)]
+struct OwnLease {
+    /// The `renewed_at` of the last renewal that was written.
+    renewed_at: Option<DateTime<Utc>>,
+    started_at: Option<DateTime<Utc>>,
+    /// Grows by one whenever a renewal lands after the previous one's safe
+    /// window ended: holds acquired in an older era are not vouched for.
+    era: u64,
+}
+
+/// This instance's lease and doorbell.
+#[derive(Debug, Clone)]
+pub struct InstanceLeases {
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    instance: InstanceId,
+    config: LeaseConfig,
+    own: Arc<Mutex<OwnLease>>,
+}
+
+impl InstanceLeases {
+    pub fn new(
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        instance: InstanceId,
+        config: LeaseConfig,
+    ) -> Self {
+        Self {
+            store,
+            clock,
+            instance,
+            config,
+            own: Arc::new(Mutex::new(OwnLease::default())),
+        }
+    }
+
+    fn own(&self) -> std::sync::MutexGuard<'_, OwnLease> {
+        self.own.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn duration_secs(&self) -> u64 {
+        u64::try_from(self.config.duration.num_seconds())
+            .unwrap_or(1)
+            .max(1)
+    }
+
+    /// The current era (see the module docs).
+    pub fn era(&self) -> u64 {
+        self.own().era
+    }
+
+    /// When this instance last renewed its lease.
+    pub fn renewed_at(&self) -> Option<DateTime<Utc>> {
+        self.own().renewed_at
+    }
+
+    /// True while this instance may act on holds of `era` on the strength of
+    /// its instance lease.
+    pub fn vouches_for(&self, era: u64) -> bool {
+        let own = self.own();
+        own.era == era
+            && own.renewed_at.is_some_and(|renewed| {
+                self.clock.now() < renewed + self.config.duration - self.config.skew_tolerance
+            })
+    }
+
+    /// True when the last renewal is older than `every` (or there is none).
+    pub fn renewal_due(&self, every: Duration) -> bool {
+        self.own()
+            .renewed_at
+            .is_none_or(|renewed| self.clock.now() >= renewed + every)
+    }
+
+    /// Rewrites this instance's lease: ONE unconditional write (nobody else
+    /// writes it). Returns the era the renewal belongs to.
+    pub async fn renew(&self) -> Result<u64, LeaseError> {
+        let now = self.clock.now();
+        let (previous, started_at) = {
+            let own = self.own();
+            (own.renewed_at, own.started_at.unwrap_or(now))
+        };
+        let mut lease = InstanceLease::new(self.instance.clone(), started_at, self.duration_secs());
+        lease.renewed_at = now;
+        self.store
+            .put(
+                &instance_lease_key(&self.instance),
+                encode(&lease),
+                PutMode::Overwrite,
+            )
+            .await?;
+        let landed = self.clock.now();
+        let mut own = self.own();
+        let lapsed = previous.is_none_or(|previous| {
+            landed >= previous + self.config.duration - self.config.skew_tolerance
+        });
+        if lapsed {
+            own.era += 1;
+        }
+        own.started_at = Some(started_at);
+        // Another renewal may have landed meanwhile; keep the newest.
+        own.renewed_at = Some(own.renewed_at.map_or(now, |r| r.max(now)));
+        Ok(own.era)
+    }
+
+    /// Reads another instance's lease. `None`: it has none (never held
+    /// anything under instance leases, or was cleaned up).
+    pub async fn read(&self, instance: &InstanceId) -> Result<Option<InstanceLease>, LeaseError> {
+        read_instance_lease(self.store.as_ref(), instance).await
+    }
+
+    /// True while `instance` must be treated as alive at this instance's `now`.
+    pub async fn is_live(&self, instance: &InstanceId) -> Result<bool, LeaseError> {
+        let now = self.clock.now();
+        Ok(self
+            .read(instance)
+            .await?
+            .is_some_and(|lease| lease.is_live(now, self.config.skew_tolerance)))
+    }
+
+    /// Reads this instance's doorbell: `None` when nobody ever rang.
+    pub async fn read_doorbell(&self) -> Result<Option<(Doorbell, Generation)>, LeaseError> {
+        let key = doorbell_key(&self.instance);
+        match self.store.get(&key).await {
+            Ok(current) => decode::<Doorbell>(&current.data)
+                .map(|bell| Some((bell, current.generation)))
+                .map_err(|source| LeaseError::InvalidObject {
+                    key: key.to_string(),
+                    source,
+                }),
+            Err(StoreError::NotFound { .. }) => Ok(None),
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    /// Rings `holder`'s doorbell for `sandbox`, as this instance.
+    pub async fn ring(&self, holder: &InstanceId, sandbox: &SandboxId) -> Result<(), LeaseError> {
+        ring_doorbell(
+            self.store.as_ref(),
+            self.clock.now(),
+            holder,
+            sandbox,
+            self.instance.as_str(),
+        )
+        .await
+    }
+}
+
+/// Reads `instance`'s lease from `store`.
+pub async fn read_instance_lease(
+    store: &dyn Store,
+    instance: &InstanceId,
+) -> Result<Option<InstanceLease>, LeaseError> {
+    let key = instance_lease_key(instance);
+    match store.get(&key).await {
+        Ok(current) => decode::<InstanceLease>(&current.data)
+            .map(Some)
+            .map_err(|source| LeaseError::InvalidObject {
+                key: key.to_string(),
+                source,
+            }),
+        Err(StoreError::NotFound { .. }) => Ok(None),
+        Err(err) => Err(err.into()),
+    }
+}
+
+/// Appends a ring for `sandbox` to `holder`'s doorbell (read, append,
+/// conditional write; a lost race re-reads). `by` names the ringer. An
+/// unreadable doorbell (an operator's typo) is replaced: it only ever holds
+/// hints.
+pub async fn ring_doorbell(
+    store: &dyn Store,
+    now: DateTime<Utc>,
+    holder: &InstanceId,
+    sandbox: &SandboxId,
+    by: &str,
+) -> Result<(), LeaseError> {
+    let key = doorbell_key(holder);
+    for _ in 0..MAX_CONFLICT_RETRIES {
+        let (mut bell, mode) = match store.get(&key).await {
+            Ok(current) => (
+                decode::<Doorbell>(&current.data).unwrap_or_default(),
+                PutMode::Update(current.generation),
+            ),
+            Err(StoreError::NotFound { .. }) => (Doorbell::default(), PutMode::Create),
+            Err(err) => return Err(err.into()),
+        };
+        bell.ring(Ring {
+            sandbox: sandbox.clone(),
+            rung_at: now,
+            by: by.to_owned(),
+            extra: ExtraFields::new(),
+        });
+        match store.put(&key, encode(&bell), mode).await {
+            Ok(_) => return Ok(()),
+            Err(StoreError::PreconditionFailed { .. }) => continue,
+            Err(err) => return Err(err.into()),
+        }
+    }
+    Err(LeaseError::ContendedObject {
+        key: key.to_string(),
+        attempts: MAX_CONFLICT_RETRIES,
+    })
+}

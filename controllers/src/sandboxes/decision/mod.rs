@@ -1,0 +1,143 @@
+//! The reconciler's decision table: a pure function from what a full pass
+//! observed (the sandbox's `metadata.json` and `lock.json`, this instance's
+//! hold and runtime) to the ONE next step toward the desired state
+//! (`docs/architecture.md`, "The reconcile loop"). The reconciler reads, asks
+//! [`decide`], and performs the step; nothing here does I/O, so each row is a
+//! unit test below (kube-runtime's `watcher` keeps its `State` + `step()` the
+//! same way).
+//!
+//! Rows are tried top to bottom; the first that matches wins.
+
+use chrono::{DateTime, Utc};
+
+use crate::api::{DesiredState, InstanceId, Lease, Phase, SandboxMetadata};
+use crate::leasing::HeldLease;
+
+/// What a full pass saw.
+#[derive(Debug, Clone)]
+pub(crate) struct Observed<'a> {
+    /// This instance.
+    pub me: &'a InstanceId,
+    pub now: DateTime<Utc>,
+    /// `None`: `metadata.json` does not exist (purged, or deleted by hand).
+    pub metadata: Option<&'a SandboxMetadata>,
+    /// `None`: no `lock.json`.
+    pub lock: Option<&'a Lease>,
+    /// This instance's hold, if it runs the sandbox.
+    pub held: Option<&'a HeldLease>,
+    /// This instance may act on `held` (its instance lease vouches for it).
+    pub vouched: bool,
+    /// The local runtime runs the sandbox.
+    pub running_here: bool,
+    /// A pass of this instance is acquiring and starting it right now.
+    pub starting_here: bool,
+    /// The lock counts as expired for a taker (its own lease plus the skew).
+    pub lock_expired: bool,
+}
+
+/// The one next step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// `metadata.json` is gone: stop what runs here, write nothing.
+    StopVanished,
+    /// Nothing here, nothing to do until something happens.
+    Nothing,
+    /// The lock names another holder or epoch: stop without writing.
+    StopLost { holder: Option<InstanceId> },
+    /// The local sandbox died: record `Failed`, release.
+    MarkDied,
+    /// Desired `deleted`: destroy, tombstone, release.
+    Delete,
+    /// Desired `checkpointed` without `enable_checkpoint`: say so, keep running.
+    RefuseCheckpoint,
+    /// Desired `checkpointed`: checkpoint, record, release.
+    CheckpointAndRelease,
+    /// Another instance's live intent: checkpoint (forced per policy), release.
+    HandOver,
+    /// The instance lease lapsed since the hold was taken: one conditional
+    /// write to the lock, or stop.
+    Reverify,
+    /// Keep running; look again at the resync (or sooner while watching).
+    KeepRunning,
+    /// The lock names this instance, which does not run the sandbox.
+    ReleaseOrphan { epoch: u64 },
+    /// A tombstone: remove the objects once the retention has passed.
+    Purge,
+    /// Desired `deleted`, held elsewhere by a live lock: its holder converges it.
+    AwaitHolder,
+    /// Desired `deleted`, nobody holds it: write the tombstone under a lease.
+    Tombstone,
+    /// Desired `running`, not wanted here: tell a waiting client, if any.
+    NotWantedHere,
+    /// Desired `running`, wanted here: acquire, then restore or create.
+    Acquire,
+}
+
+/// The decision table.
+pub(crate) fn decide(seen: &Observed<'_>) -> Step {
+    let Some(metadata) = seen.metadata else {
+        return if seen.held.is_some() || seen.running_here {
+            Step::StopVanished
+        } else {
+            Step::Nothing
+        };
+    };
+    if let Some(held) = seen.held {
+        let still_ours = seen
+            .lock
+            .is_some_and(|lock| lock.is_held_by(seen.me) && lock.epoch == held.epoch);
+        if !still_ours {
+            return Step::StopLost {
+                holder: seen.lock.and_then(|lock| lock.holder.clone()),
+            };
+        }
+        if !seen.running_here {
+            return Step::MarkDied;
+        }
+        return match metadata.spec.desired_state {
+            DesiredState::Deleted => Step::Delete,
+            DesiredState::Checkpointed if !metadata.spec.enable_checkpoint => {
+                Step::RefuseCheckpoint
+            }
+            DesiredState::Checkpointed => Step::CheckpointAndRelease,
+            DesiredState::Running => {
+                let wanted_elsewhere = seen
+                    .lock
+                    .and_then(|lock| lock.live_intent(seen.now))
+                    .is_some_and(|intent| &intent.instance != seen.me);
+                if wanted_elsewhere && metadata.spec.enable_checkpoint {
+                    Step::HandOver
+                } else if !seen.vouched {
+                    Step::Reverify
+                } else {
+                    Step::KeepRunning
+                }
+            }
+        };
+    }
+    if let Some(lock) = seen.lock.filter(|lock| lock.is_held_by(seen.me))
+        && !seen.starting_here
+    {
+        return Step::ReleaseOrphan { epoch: lock.epoch };
+    }
+    match metadata.spec.desired_state {
+        DesiredState::Deleted if metadata.status.phase == Phase::Deleted => Step::Purge,
+        DesiredState::Deleted if seen.lock.is_some() && !seen.lock_expired => Step::AwaitHolder,
+        DesiredState::Deleted => Step::Tombstone,
+        DesiredState::Checkpointed => Step::Nothing,
+        DesiredState::Running => {
+            let wanted_here = seen
+                .lock
+                .and_then(|lock| lock.live_intent(seen.now))
+                .is_some_and(|intent| &intent.instance == seen.me);
+            if wanted_here {
+                Step::Acquire
+            } else {
+                Step::NotWantedHere
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,242 @@
+//! The decision table, row by row, with builder fixtures
+//! (`Case::held_here().wanted_by("b")`).
+
+use chrono::{Duration, TimeZone, Utc};
+
+use super::*;
+use crate::api::{AttachIntent, ExtraFields, SandboxId};
+use crate::store::Generation;
+
+const TOKEN_HASH: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+
+struct Case {
+    me: InstanceId,
+    now: DateTime<Utc>,
+    metadata: Option<SandboxMetadata>,
+    lock: Option<Lease>,
+    held: Option<HeldLease>,
+    vouched: bool,
+    running_here: bool,
+    starting_here: bool,
+    lock_expired: bool,
+}
+
+fn instance(name: &str) -> InstanceId {
+    InstanceId::parse(name).unwrap()
+}
+
+impl Case {
+    /// Desired `running`, checkpointable, nobody holds it, no intent.
+    fn new() -> Self {
+        let now = Utc.with_ymd_and_hms(2026, 11, 22, 12, 0, 0).unwrap();
+        let mut metadata = SandboxMetadata::new(SandboxId::from_u128(1), now, TOKEN_HASH.into());
+        metadata.spec.enable_checkpoint = true;
+        Self {
+            me: instance("a"),
+            now,
+            metadata: Some(metadata),
+            lock: Some(Lease::unheld(15)),
+            held: None,
+            vouched: false,
+            running_here: false,
+            starting_here: false,
+            lock_expired: true,
+        }
+    }
+
+    /// Held and run here at epoch 3, vouched for.
+    fn held_here() -> Self {
+        let mut case = Self::new();
+        let mut lock = Lease::unheld(15);
+        lock.holder = Some(instance("a"));
+        lock.epoch = 3;
+        lock.acquired_at = Some(case.now);
+        lock.renewed_at = Some(case.now);
+        case.held = Some(HeldLease {
+            sandbox: SandboxId::from_u128(1),
+            epoch: 3,
+            renewed_at: case.now,
+            generation: Generation(1),
+            lease: lock.clone(),
+            era: 1,
+        });
+        case.lock = Some(lock);
+        case.vouched = true;
+        case.running_here = true;
+        case.lock_expired = false;
+        case
+    }
+
+    fn held_by(mut self, holder: &str, epoch: u64) -> Self {
+        let lock = self.lock.get_or_insert_with(|| Lease::unheld(15));
+        lock.holder = Some(instance(holder));
+        lock.epoch = epoch;
+        lock.renewed_at = Some(self.now);
+        self.lock_expired = false;
+        self
+    }
+
+    fn wanted_by(mut self, who: &str) -> Self {
+        let now = self.now;
+        self.lock.get_or_insert_with(|| Lease::unheld(15)).wanted_by = Some(AttachIntent {
+            instance: instance(who),
+            requested_at: now,
+            expires_at: now + Duration::seconds(60),
+            extra: ExtraFields::new(),
+        });
+        self
+    }
+
+    fn desired(mut self, desired: DesiredState) -> Self {
+        if let Some(metadata) = &mut self.metadata {
+            metadata.spec.desired_state = desired;
+        }
+        self
+    }
+
+    fn decide(&self) -> Step {
+        decide(&Observed {
+            me: &self.me,
+            now: self.now,
+            metadata: self.metadata.as_ref(),
+            lock: self.lock.as_ref(),
+            held: self.held.as_ref(),
+            vouched: self.vouched,
+            running_here: self.running_here,
+            starting_here: self.starting_here,
+            lock_expired: self.lock_expired,
+        })
+    }
+}
+
+#[test]
+fn metadata_gone_stops_what_runs_here_else_nothing() {
+    let mut case = Case::held_here();
+    case.metadata = None;
+    assert_eq!(case.decide(), Step::StopVanished);
+    let mut case = Case::new();
+    case.metadata = None;
+    assert_eq!(case.decide(), Step::Nothing);
+}
+
+#[test]
+fn a_lock_naming_another_holder_or_epoch_means_lost() {
+    let case = Case::held_here().held_by("b", 4);
+    assert_eq!(
+        case.decide(),
+        Step::StopLost {
+            holder: Some(instance("b"))
+        }
+    );
+    let case = Case::held_here().held_by("a", 4);
+    assert!(
+        matches!(case.decide(), Step::StopLost { .. }),
+        "a newer epoch of ours is not ours"
+    );
+    let mut case = Case::held_here();
+    case.lock = None;
+    assert_eq!(case.decide(), Step::StopLost { holder: None });
+}
+
+#[test]
+fn a_held_sandbox_that_died_is_marked_failed() {
+    let mut case = Case::held_here();
+    case.running_here = false;
+    assert_eq!(case.decide(), Step::MarkDied);
+}
+
+#[test]
+fn desired_deleted_and_checkpointed_converge_when_held() {
+    assert_eq!(
+        Case::held_here().desired(DesiredState::Deleted).decide(),
+        Step::Delete
+    );
+    assert_eq!(
+        Case::held_here()
+            .desired(DesiredState::Checkpointed)
+            .decide(),
+        Step::CheckpointAndRelease
+    );
+    let mut case = Case::held_here().desired(DesiredState::Checkpointed);
+    case.metadata.as_mut().unwrap().spec.enable_checkpoint = false;
+    assert_eq!(case.decide(), Step::RefuseCheckpoint);
+}
+
+#[test]
+fn another_instances_live_intent_is_a_handover_if_checkpointable() {
+    assert_eq!(Case::held_here().wanted_by("b").decide(), Step::HandOver);
+    let mut case = Case::held_here().wanted_by("b");
+    case.lock
+        .as_mut()
+        .unwrap()
+        .wanted_by
+        .as_mut()
+        .unwrap()
+        .expires_at = case.now;
+    assert_eq!(
+        case.decide(),
+        Step::KeepRunning,
+        "an expired intent is ignored"
+    );
+    let mut case = Case::held_here().wanted_by("b");
+    case.metadata.as_mut().unwrap().spec.enable_checkpoint = false;
+    assert_eq!(
+        case.decide(),
+        Step::KeepRunning,
+        "cannot move without checkpoints"
+    );
+    assert_eq!(Case::held_here().wanted_by("a").decide(), Step::KeepRunning);
+}
+
+#[test]
+fn an_unvouched_hold_is_reverified_a_vouched_one_kept() {
+    assert_eq!(Case::held_here().decide(), Step::KeepRunning);
+    let mut case = Case::held_here();
+    case.vouched = false;
+    assert_eq!(case.decide(), Step::Reverify);
+}
+
+#[test]
+fn a_lock_naming_this_instance_without_a_hold_is_an_orphan_unless_starting() {
+    let case = Case::new().held_by("a", 7);
+    assert_eq!(case.decide(), Step::ReleaseOrphan { epoch: 7 });
+    let mut case = Case::new().held_by("a", 7).wanted_by("a");
+    case.starting_here = true;
+    assert_eq!(
+        case.decide(),
+        Step::Acquire,
+        "its own start in flight is no orphan"
+    );
+}
+
+#[test]
+fn desired_deleted_and_not_held_purges_awaits_or_tombstones() {
+    let mut case = Case::new().desired(DesiredState::Deleted);
+    case.metadata.as_mut().unwrap().status.phase = Phase::Deleted;
+    assert_eq!(case.decide(), Step::Purge);
+    let case = Case::new().desired(DesiredState::Deleted).held_by("b", 2);
+    assert_eq!(case.decide(), Step::AwaitHolder);
+    let mut case = Case::new().desired(DesiredState::Deleted).held_by("b", 2);
+    case.lock_expired = true;
+    assert_eq!(case.decide(), Step::Tombstone);
+    assert_eq!(
+        Case::new().desired(DesiredState::Deleted).decide(),
+        Step::Tombstone
+    );
+}
+
+#[test]
+fn desired_running_and_not_held_acquires_only_when_wanted_here() {
+    assert_eq!(Case::new().wanted_by("a").decide(), Step::Acquire);
+    assert_eq!(Case::new().wanted_by("b").decide(), Step::NotWantedHere);
+    assert_eq!(Case::new().decide(), Step::NotWantedHere);
+    assert_eq!(
+        Case::new().held_by("b", 2).wanted_by("a").decide(),
+        Step::Acquire,
+        "acquire decides whether the holder is gone"
+    );
+    assert_eq!(
+        Case::new().desired(DesiredState::Checkpointed).decide(),
+        Step::Nothing
+    );
+}

@@ -1,0 +1,338 @@
+//! Checkpoint steps: a handoff's or a client's checkpoint and release, the
+//! periodic checkpoint in place, recording the latest checkpoint (and which
+//! superseded ones to delete), and purging a tombstone's objects.
+
+use std::time::Duration;
+
+use super::*;
+
+/// Makes `reference` the latest checkpoint, moving the previous latest into
+/// `previous_checkpoints` (newest first, `keep` kept). Returns what fell off.
+/// Idempotent: applying it again (a retried write) changes nothing more.
+pub(super) fn record_latest(
+    status: &mut SandboxStatus,
+    reference: &CheckpointRef,
+    keep: usize,
+) -> Vec<CheckpointRef> {
+    let previous = status.latest_checkpoint.replace(reference.clone());
+    if let Some(previous) = previous
+        && previous.path != reference.path
+    {
+        status
+            .previous_checkpoints
+            .retain(|c| c.path != previous.path);
+        status.previous_checkpoints.insert(0, previous);
+    }
+    if status.previous_checkpoints.len() > keep {
+        status.previous_checkpoints.split_off(keep)
+    } else {
+        Vec::new()
+    }
+}
+
+/// The superseded checkpoints no named checkpoint still points at.
+pub(super) fn unreferenced(
+    superseded: Vec<CheckpointRef>,
+    status: &SandboxStatus,
+) -> Vec<CheckpointRef> {
+    superseded
+        .into_iter()
+        .filter(|c| !status.named_checkpoints.values().any(|n| n.path == c.path))
+        .collect()
+}
+
+impl Reconciler {
+    /// Runs a periodic checkpoint when one is due (after a light pass: the
+    /// lease is fresh).
+    pub(super) async fn checkpoint_if_due(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<(), ReconcileError> {
+        let Some(interval) = self.config.checkpoint_interval else {
+            return Ok(());
+        };
+        let watch = self.watch_map().get(sandbox).copied();
+        if let (Some(held), Some(watch)) = (self.held(sandbox), watch)
+            && watch.checkpointable
+            && self.clock.now() >= watch.last_checkpoint + chrono_duration(interval)
+            && self.runtime.is_running(sandbox)
+            && self.leases.is_safe(&held)
+        {
+            self.periodic_checkpoint(sandbox, held).await?;
+        }
+        Ok(())
+    }
+
+    /// Checkpoints a held sandbox in place (checkpoint, record, restore
+    /// here, lease kept), so a crash of this instance loses at most one
+    /// interval. Skipped while an execution runs. Silent to the client.
+    pub(super) async fn periodic_checkpoint(
+        &self,
+        sandbox: &SandboxId,
+        held: HeldLease,
+    ) -> Result<(), ReconcileError> {
+        let request = CheckpointRequest {
+            checkpoint_id: SandboxId::random(),
+            epoch: held.epoch,
+            name: None,
+            force: false,
+        };
+        let manifest = match self.runtime.checkpoint(sandbox, request).await {
+            Ok(manifest) => manifest,
+            Err(RuntimeError::ExecutionInProgress(_)) => return Ok(()),
+            Err(err) => {
+                tracing::warn!(%sandbox, %err, "periodic checkpoint failed");
+                if !self.runtime.is_running(sandbox) {
+                    self.stop_lost(sandbox, &format!("a periodic checkpoint failed: {err}"))
+                        .await;
+                }
+                return Ok(());
+            }
+        };
+        let reference = self.checkpoint_ref(&manifest, held.epoch, None);
+        let keep = self.config.keep_checkpoints;
+        let mut superseded = Vec::new();
+        let recorded = self
+            .write_status(sandbox, held.epoch, |status| {
+                superseded = record_latest(status, &reference, keep);
+            })
+            .await;
+        let restored = self.runtime.restore(sandbox, &manifest).await;
+        match (recorded, restored) {
+            (Ok(recorded), Ok(())) => {
+                self.delete_checkpoints(&unreferenced(superseded, &recorded.status))
+                    .await;
+                if let Some(watch) = self.watch_map().get_mut(sandbox) {
+                    watch.last_checkpoint = self.clock.now();
+                }
+                tracing::info!(%sandbox, size = manifest.image.size, "periodic checkpoint");
+                Ok(())
+            }
+            (recorded, restored) => {
+                let detail = match (&recorded, &restored) {
+                    (Err(err), _) => format!("recording it failed: {err}"),
+                    (_, Err(err)) => format!("restoring it failed: {err}"),
+                    _ => String::new(),
+                };
+                self.stop_lost(sandbox, &format!("after a periodic checkpoint, {detail}"))
+                    .await;
+                Ok(())
+            }
+        }
+    }
+
+    /// Fault tests: dies here if told to (a handoff only, not a client's
+    /// checkpoint).
+    pub(super) fn failpoint(&self, metadata: &SandboxMetadata, step: &str) {
+        if metadata.spec.desired_state == DesiredState::Running
+            && self.config.failpoint.as_deref() == Some(step)
+        {
+            tracing::error!(step, "failpoint reached: aborting the process");
+            std::process::abort();
+        }
+    }
+
+    /// Checkpoints a held sandbox, records the checkpoint, and releases it.
+    pub(super) async fn checkpoint_and_release(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+        mut held: HeldLease,
+        force: bool,
+    ) -> Result<Requeue, ReconcileError> {
+        let handoff = metadata.spec.enable_sandbox_handoff;
+        let _transition = self
+            .metrics
+            .in_transition(sandbox.as_str(), "checkpointing");
+        if !self.leases.is_safe(&held) {
+            held = self.leases.renew(&held).await?;
+            self.held_map().insert(sandbox.clone(), held.clone());
+        }
+        self.emit(sandbox, Progress::Checkpointing);
+        let name = match metadata.spec.desired_state {
+            DesiredState::Checkpointed => metadata.spec.checkpoint_name.clone(),
+            _ => None,
+        };
+        let request = CheckpointRequest {
+            checkpoint_id: SandboxId::random(),
+            epoch: held.epoch,
+            name: name.clone(),
+            force: force || self.draining.load(std::sync::atomic::Ordering::Acquire),
+        };
+        self.failpoint(metadata, "handoff:before-checkpoint");
+        let checkpoint_started = std::time::Instant::now();
+        let manifest = match self.runtime.checkpoint(sandbox, request).await {
+            Ok(manifest) => {
+                self.failpoint(metadata, "handoff:after-upload");
+                self.metrics
+                    .checkpoint_seconds
+                    .observe(checkpoint_started.elapsed());
+                crate::sandboxes::Metrics::add(&self.metrics.checkpoint_bytes, manifest.image.size);
+                manifest
+            }
+            Err(RuntimeError::ExecutionInProgress(_)) => {
+                self.emit(sandbox, Progress::ExecutionInProgress);
+                // Not a steady state: the retry must decide again in full.
+                self.want_full_pass(sandbox);
+                return Ok(Requeue::After(self.config.checkpoint_retry));
+            }
+            Err(RuntimeError::Lost { detail, .. }) => {
+                self.forget(sandbox);
+                self.emit(sandbox, Progress::Deleting);
+                let message = format!("Failed to checkpoint sandbox {sandbox}: {detail}");
+                self.write_status(sandbox, held.epoch, |status| {
+                    status.phase = Phase::Failed;
+                    status.holder = None;
+                    status.last_error = Some(message.clone());
+                    self.ready(status, false, "Failed", &message);
+                })
+                .await?;
+                if let Err(err) = self.leases.release(&held).await {
+                    tracing::warn!(%sandbox, %err, "cannot release the lease of a lost sandbox");
+                }
+                self.emit(sandbox, Progress::Deleted);
+                self.emit(
+                    sandbox,
+                    Progress::Failed {
+                        operation: Operation::Checkpoint,
+                        message,
+                    },
+                );
+                return Ok(Requeue::Never);
+            }
+            Err(err) => {
+                let message = format!("Failed to checkpoint sandbox {sandbox}: {err}");
+                self.write_status(sandbox, held.epoch, |status| {
+                    status.last_error = Some(message.clone());
+                })
+                .await?;
+                self.emit(
+                    sandbox,
+                    Progress::Failed {
+                        operation: Operation::Checkpoint,
+                        message,
+                    },
+                );
+                return Err(err.into());
+            }
+        };
+        // The runtime removed the local sandbox with the checkpoint.
+        self.forget(sandbox);
+        self.emit(sandbox, Progress::Deleting);
+        let reference = self.checkpoint_ref(&manifest, held.epoch, name.clone());
+        let keep = self.config.keep_checkpoints;
+        let mut superseded = Vec::new();
+        let recorded = self
+            .write_status(sandbox, held.epoch, |status| {
+                superseded = record_latest(status, &reference, keep);
+                if let Some(name) = &name {
+                    status
+                        .named_checkpoints
+                        .insert(name.clone(), reference.clone());
+                }
+                status.phase = Phase::Checkpointed;
+                status.holder = None;
+                status.last_error = None;
+                self.ready(status, false, "Checkpointed", "");
+            })
+            .await?;
+        self.failpoint(metadata, "handoff:after-record");
+        if handoff {
+            self.emit(sandbox, Progress::LockReleasing);
+        }
+        let released = self.leases.release(&held).await;
+        if let Err(err) = &released {
+            // The checkpoint is recorded. The lock still names this
+            // instance, which no longer runs it: a pass soon releases that
+            // orphan (the next holder waits until then).
+            tracing::warn!(%sandbox, %err, "cannot release the lease after a checkpoint");
+        }
+        if handoff {
+            self.emit(sandbox, Progress::LockReleased);
+        }
+        // After the release: the next holder need not wait for this.
+        self.delete_checkpoints(&unreferenced(superseded, &recorded.status))
+            .await;
+        self.emit(sandbox, Progress::Deleted);
+        self.emit(
+            sandbox,
+            Progress::Checkpointed {
+                image: manifest.image.key,
+            },
+        );
+        Ok(match released {
+            Ok(()) => Requeue::Never,
+            Err(_) => Requeue::After(TOMBSTONE_RETRY),
+        })
+    }
+
+    /// The record of a checkpoint the runtime just took.
+    pub(super) fn checkpoint_ref(
+        &self,
+        manifest: &CheckpointManifest,
+        epoch: u64,
+        name: Option<String>,
+    ) -> CheckpointRef {
+        CheckpointRef {
+            bucket: self.checkpoint_bucket.clone(),
+            path: manifest.image.key.clone(),
+            epoch,
+            sha256: manifest.image.sha256.clone(),
+            size: manifest.image.size,
+            created_at: manifest.created_at,
+            name,
+            extra: ExtraFields::new(),
+        }
+    }
+
+    /// Deletes checkpoint images and manifests nothing points at any more.
+    /// Failures only leave garbage behind; they are logged.
+    pub(super) async fn delete_checkpoints(&self, checkpoints: &[CheckpointRef]) {
+        for checkpoint in checkpoints {
+            let Some(id) = checkpoint_id_of_image(&checkpoint.path) else {
+                continue;
+            };
+            for key in [checkpoint_image_key(&id), checkpoint_manifest_key(&id)] {
+                match self.checkpoints.delete(&key).await {
+                    Ok(()) | Err(StoreError::NotFound { .. }) => {}
+                    Err(err) => tracing::warn!(%key, %err, "cannot delete a superseded checkpoint"),
+                }
+            }
+        }
+    }
+
+    /// Removes a tombstoned sandbox's objects once its retention has passed.
+    pub(super) async fn purge_if_due(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+    ) -> Result<Requeue, ReconcileError> {
+        let retention = chrono_duration(self.config.tombstone_retention);
+        let deleted_at = metadata
+            .status
+            .condition("Ready")
+            .filter(|c| c.reason == "Deleted")
+            .map_or(metadata.created_at, |c| c.last_transition_time);
+        let now = self.clock.now();
+        if now < deleted_at + retention {
+            return Ok(Requeue::After(
+                (deleted_at + retention - now)
+                    .to_std()
+                    .unwrap_or(Duration::ZERO),
+            ));
+        }
+        let status = &metadata.status;
+        let mut checkpoints: Vec<CheckpointRef> = status.previous_checkpoints.clone();
+        checkpoints.extend(status.latest_checkpoint.clone());
+        checkpoints.extend(status.named_checkpoints.values().cloned());
+        self.delete_checkpoints(&checkpoints).await;
+        for key in [lock_key(sandbox), metadata_key(sandbox)] {
+            match self.metadata.delete(&key).await {
+                Ok(()) | Err(StoreError::NotFound { .. }) => {}
+                Err(err) => return Err(err.into()),
+            }
+        }
+        tracing::info!(%sandbox, "purged a deleted sandbox's objects");
+        Ok(Requeue::Never)
+    }
+}

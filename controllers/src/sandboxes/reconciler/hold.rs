@@ -1,0 +1,230 @@
+//! The steps of a sandbox this instance holds that do not checkpoint it:
+//! keep it (re-verifying the hold after an instance-lease lapse), stop it when
+//! lost or vanished, record it died, delete it, refuse a checkpoint it was not
+//! created for; and the two steps for locks it does not hold: release an
+//! orphan, write a tombstone.
+
+use std::time::Duration;
+
+use super::*;
+
+impl Reconciler {
+    /// The local sandbox died while held: record `Failed`, release.
+    pub(super) async fn mark_died(
+        &self,
+        sandbox: &SandboxId,
+        held: HeldLease,
+    ) -> Result<Requeue, ReconcileError> {
+        self.forget(sandbox);
+        if let Err(err) = self.leases.release(&held).await {
+            tracing::warn!(%sandbox, %err, "cannot release the lease of a sandbox that stopped");
+        }
+        let message = "the sandbox stopped unexpectedly on this instance".to_owned();
+        self.write_status(sandbox, held.epoch, |status| {
+            status.phase = Phase::Failed;
+            status.holder = None;
+            status.last_error = Some(message.clone());
+            self.ready(status, false, "Failed", &message);
+        })
+        .await?;
+        self.emit(sandbox, Progress::Lost { message });
+        Ok(Requeue::Never)
+    }
+
+    /// `desired_state: checkpointed` on a sandbox created without
+    /// `enable_checkpoint`: say so, keep it running.
+    pub(super) async fn refuse_checkpoint(
+        &self,
+        sandbox: &SandboxId,
+        held: HeldLease,
+    ) -> Result<Requeue, ReconcileError> {
+        let message = format!("Sandbox {sandbox} is not configured for checkpointing.");
+        self.write_status(sandbox, held.epoch, |status| {
+            status.last_error = Some(message.clone());
+        })
+        .await?;
+        self.emit(
+            sandbox,
+            Progress::Failed {
+                operation: Operation::Checkpoint,
+                message,
+            },
+        );
+        self.keep_running(sandbox, held).await
+    }
+
+    /// Another instance wants the sandbox: checkpoint (forced unless the
+    /// policy waits for a running execution) and release.
+    pub(super) async fn hand_over(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+        held: HeldLease,
+    ) -> Result<Requeue, ReconcileError> {
+        self.emit(sandbox, Progress::LockReleaseRequested);
+        let force = self.config.handoff == HandoffPolicy::Force;
+        let started = std::time::Instant::now();
+        let outcome = self
+            .checkpoint_and_release(sandbox, metadata, held, force)
+            .await;
+        if outcome.is_ok() && self.held(sandbox).is_none() {
+            self.metrics.handoff_out_seconds.observe(started.elapsed());
+        }
+        outcome
+    }
+
+    /// The lock names this instance, which does not run the sandbox (a start
+    /// that failed half-way, a release that did not land, an earlier
+    /// incarnation with this id). The instance lease would keep that hold
+    /// alive for ever: give it up.
+    pub(super) async fn release_orphan(
+        &self,
+        sandbox: &SandboxId,
+        epoch: u64,
+    ) -> Result<Requeue, ReconcileError> {
+        if self.runtime.is_running(sandbox)
+            && let Err(err) = self.runtime.destroy(sandbox).await
+        {
+            tracing::warn!(%sandbox, %err, "cannot destroy an unheld sandbox");
+        }
+        tracing::warn!(%sandbox, epoch, "releasing a lock that names this instance but is not held here");
+        self.leases.release_orphan(sandbox, epoch).await?;
+        Ok(Requeue::After(Duration::ZERO))
+    }
+
+    /// Keeps a held sandbox running: nothing to write while the instance
+    /// lease vouches for the hold; after a lapse, re-verifies the hold with one
+    /// conditional write to its lock (a taker's concurrent write then fails),
+    /// or stops it. Says when to look again.
+    pub(super) async fn keep_running(
+        &self,
+        sandbox: &SandboxId,
+        held: HeldLease,
+    ) -> Result<Requeue, ReconcileError> {
+        let now = self.clock.now();
+        let watching = self
+            .watch_map()
+            .get(sandbox)
+            .and_then(|w| w.detached_since)
+            .is_some_and(|since| now < since + chrono_duration(self.config.detached_window));
+        let next = if watching {
+            self.config.detached_poll
+        } else {
+            self.config.resync_interval
+        };
+        if self.leases.is_safe(&held) {
+            return Ok(Requeue::After(next));
+        }
+        let reverified = async {
+            self.leases.ensure_instance_lease().await?;
+            self.leases.renew(&held).await
+        };
+        match reverified.await {
+            Ok(renewed) => {
+                tracing::info!(%sandbox, epoch = renewed.epoch, "hold re-verified after the instance lease lapsed");
+                self.held_map().insert(sandbox.clone(), renewed);
+                Ok(Requeue::After(next))
+            }
+            Err(LeaseError::Lost { .. } | LeaseError::Missing { .. }) => {
+                self.stop_lost(sandbox, "the lease was taken over").await;
+                Ok(Requeue::Never)
+            }
+            Err(err) => {
+                // Past the lease we can vouch for: another instance may
+                // start it; two copies must never run.
+                self.stop_lost(sandbox, &format!("the lease could not be renewed: {err}"))
+                    .await;
+                Ok(Requeue::Never)
+            }
+        }
+    }
+
+    /// Stops a sandbox this instance no longer owns, writing nothing.
+    pub(super) async fn stop_lost(&self, sandbox: &SandboxId, why: &str) {
+        tracing::warn!(%sandbox, why, "stopping a sandbox this instance lost");
+        crate::sandboxes::Metrics::add(&self.metrics.lost, 1);
+        self.forget(sandbox);
+        if let Err(err) = self.runtime.destroy(sandbox).await
+            && !matches!(err, RuntimeError::NotFound(_))
+        {
+            tracing::error!(%sandbox, %err, "cannot destroy a lost sandbox");
+        }
+        self.emit(
+            sandbox,
+            Progress::Lost {
+                message: format!("Sandbox {sandbox} stopped on this instance: {why}"),
+            },
+        );
+    }
+
+    pub(super) async fn delete_held(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+        held: HeldLease,
+    ) -> Result<Requeue, ReconcileError> {
+        let handoff = metadata.spec.enable_sandbox_handoff;
+        let _transition = self.metrics.in_transition(sandbox.as_str(), "deleting");
+        self.emit(sandbox, Progress::Deleting);
+        crate::sandboxes::Metrics::add(&self.metrics.deletes, 1);
+        if self.runtime.is_running(sandbox) {
+            self.hooks.on_terminate(sandbox).await;
+        }
+        match self.runtime.destroy(sandbox).await {
+            Ok(()) | Err(RuntimeError::NotFound(_)) => {}
+            Err(err) => {
+                self.emit(
+                    sandbox,
+                    Progress::Failed {
+                        operation: Operation::Delete,
+                        message: err.to_string(),
+                    },
+                );
+                return Err(err.into());
+            }
+        }
+        self.forget(sandbox);
+        self.write_status(sandbox, held.epoch, |status| {
+            status.phase = Phase::Deleted;
+            status.holder = None;
+            self.ready(status, false, "Deleted", "");
+        })
+        .await?;
+        if handoff {
+            self.emit(sandbox, Progress::LockReleasing);
+        }
+        self.leases.release(&held).await?;
+        if handoff {
+            self.emit(sandbox, Progress::LockReleased);
+        }
+        self.emit(sandbox, Progress::Deleted);
+        Ok(Requeue::After(self.config.tombstone_retention))
+    }
+
+    /// `desired_state: deleted` on a sandbox nobody runs: write the tombstone
+    /// under a lease of our own so no holder is overwritten.
+    pub(super) async fn tombstone_unheld(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<Requeue, ReconcileError> {
+        let held = match self.leases.acquire(sandbox).await {
+            Ok(held) => held,
+            // Held elsewhere after all (its instance lease is live): its
+            // holder was rung and converges it; look again shortly.
+            Err(LeaseError::HeldByOther { .. } | LeaseError::WantedByOther { .. }) => {
+                return Ok(Requeue::After(TOMBSTONE_RETRY));
+            }
+            Err(err) => return Err(err.into()),
+        };
+        self.emit(sandbox, Progress::Deleting);
+        self.write_status(sandbox, held.epoch, |status| {
+            status.phase = Phase::Deleted;
+            status.holder = None;
+            self.ready(status, false, "Deleted", "");
+        })
+        .await?;
+        self.leases.release(&held).await?;
+        self.emit(sandbox, Progress::Deleted);
+        Ok(Requeue::After(self.config.tombstone_retention))
+    }
+}
