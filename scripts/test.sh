@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the whole test suite. The tests need gVisor's runsc, HAProxy and
-# fake-gcs-server;
+# Runs the whole test suite. The tests need gVisor's runsc, HAProxy,
+# fake-gcs-server and the sandbox images (built here, cached);
 # when one is missing this installs it if it can (root), and otherwise stops
 # with a message saying what to install. Nothing is skipped silently.
 set -euo pipefail
@@ -26,6 +26,21 @@ fi
 if ! command -v iptables >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then
   [ "$(id -u)" = 0 ] || need_root_for iptables "apt-get install -y iptables iproute2"
   apt-get update -qq && apt-get install -y -qq iptables iproute2
+fi
+
+# Sandboxes run on images of their own (docs/runtime.md, "Images"): the
+# default one and the second one tests/images_gvisor.rs picks with "image".
+# Built from Debian packages with mmdebstrap, cached in $SANDBOXD_IMAGES
+# (outside the clone): a run whose inputs were built already builds nothing.
+if ! command -v mmdebstrap >/dev/null 2>&1 || ! command -v cc >/dev/null 2>&1; then
+  [ "$(id -u)" = 0 ] || need_root_for mmdebstrap "apt-get install -y mmdebstrap gcc"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap gcc
+fi
+if [ "$(id -u)" = 0 ]; then
+  scripts/build-image.sh --name default
+  scripts/build-image.sh --name test-jq --packages jq
+elif [ ! -e "${SANDBOXD_IMAGES:-/var/lib/sandboxd/images}/default" ]; then
+  need_root_for "the sandbox image" "sudo scripts/build-image.sh && sudo scripts/build-image.sh --name test-jq --packages jq"
 fi
 
 # tests/deploy_files.rs parses the Cloud Run YAML with PyYAML.

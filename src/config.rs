@@ -137,10 +137,18 @@ pub struct RuntimeArgs {
     /// every server process on a machine its own directory.
     #[arg(long, env = "SANDBOXD_RUNTIME_DIR", default_value = "/run/sandboxd")]
     pub runtime_dir: PathBuf,
-    /// Root filesystem of every sandbox (read-only; writes stay in sandbox memory).
-    #[arg(long, env = "SANDBOX_ROOTFS", default_value = "/")]
-    pub rootfs: PathBuf,
-    /// Python interpreter inside the rootfs.
+    /// The sandbox images (root filesystems; `scripts/build-image.sh` builds
+    /// them here). Never the host's `/`: sandboxes see nothing of the host.
+    #[arg(
+        long,
+        env = "SANDBOXD_IMAGES",
+        default_value = "/var/lib/sandboxd/images"
+    )]
+    pub images_dir: PathBuf,
+    /// The image sandboxes get when the client names none (`"image"`).
+    #[arg(long, env = "SANDBOXD_DEFAULT_IMAGE", default_value = crate::runtime::DEFAULT_IMAGE)]
+    pub default_image: String,
+    /// Python interpreter inside the images.
     #[arg(long, env = "SANDBOX_PYTHON", default_value = "/usr/bin/python3")]
     pub sandbox_python: String,
     /// Memory limit per sandbox in MiB (0: none).
@@ -176,6 +184,11 @@ impl RuntimeArgs {
         (!features.is_empty()).then_some(features)
     }
 
+    /// The image directory and default image these settings name.
+    pub fn images(&self) -> crate::runtime::ImageCatalog {
+        crate::runtime::ImageCatalog::new(self.images_dir.clone(), self.default_image.clone())
+    }
+
     /// The runsc wrapper and bundle these settings describe.
     pub fn gvisor(&self, checkpoint_bucket: String) -> crate::runtime::GvisorConfig {
         crate::runtime::GvisorConfig {
@@ -189,8 +202,8 @@ impl RuntimeArgs {
                 },
             },
             state_dir: self.runtime_dir.join("state"),
+            images: self.images(),
             bundle: crate::runtime::BundleSpec {
-                rootfs: self.rootfs.clone(),
                 python: self.sandbox_python.clone(),
                 memory_limit_bytes: (self.sandbox_memory_mb > 0)
                     .then_some(self.sandbox_memory_mb << 20),

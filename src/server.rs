@@ -41,6 +41,8 @@ pub struct AppState {
     pub store_operations: Arc<OperationCounts>,
     /// Workspace sync (`None`: not configured on this server).
     pub workspace_hooks: Option<Arc<WorkspaceHooks>>,
+    /// The sandbox images (`GET /images`); `None` without a runtime.
+    pub images: Option<crate::runtime::ImageCatalog>,
 }
 
 /// What this server can do, as the init message's checks see it.
@@ -123,6 +125,7 @@ impl AppState {
             },
             store_operations,
             workspace_hooks: parts.workspace_hooks,
+            images: None,
         }
     }
 }
@@ -135,6 +138,7 @@ pub fn app(state: AppState) -> Router {
         .route("/healthz", get(status))
         .route("/readyz", get(readyz))
         .route("/list", get(list))
+        .route("/images", get(images))
         .route("/metrics", get(metrics))
         .route("/execute", post(crate::api::execute::execute))
         .route("/create", get(crate::api::connect::create))
@@ -198,6 +202,34 @@ async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
         }));
     }
     Json(json!({"containers": table, "sandboxes": sandboxes}))
+}
+
+/// The sandbox images this server has: digest, names, packages, which one is
+/// the default (`sandboxctl images`).
+async fn images(State(state): State<AppState>) -> impl IntoResponse {
+    let Some(catalog) = &state.images else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"error": "this server has no sandbox runtime"})),
+        );
+    };
+    let catalog = catalog.clone();
+    match tokio::task::spawn_blocking(move || catalog.list().map(|list| (catalog.default, list)))
+        .await
+    {
+        Ok(Ok((default, images))) => (
+            StatusCode::OK,
+            Json(json!({"default": default, "images": images})),
+        ),
+        Ok(Err(err)) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Json(json!({"error": err.to_string()})),
+        ),
+        Err(err) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Json(json!({"error": err.to_string()})),
+        ),
+    }
 }
 
 /// Prometheus text: storage operations by kind, sandboxes held here.

@@ -101,6 +101,7 @@ async fn populate(store: Arc<dyn Store>) {
         platform: "ptrace".into(),
         cpu_features: Vec::new(),
         network: Default::default(),
+        sandbox_image: None,
         extra: ExtraFields::new(),
     };
     store

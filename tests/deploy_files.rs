@@ -77,8 +77,34 @@ fn the_images_runtime_stage_installs_a_checked_runsc() {
     );
     assert!(runtime.contains("sha512sum -c"), "its checksum verified");
     assert!(runtime.contains("install -m 0755 runsc /usr/local/bin/runsc"));
-    assert!(runtime.contains("python3") && runtime.contains("bash"));
     assert!(dockerfile.contains("cargo build --release --locked"));
+}
+
+#[test]
+fn the_image_carries_the_sandbox_image_built_by_the_same_script() {
+    let dockerfile = std::fs::read_to_string(repo("deploy/Dockerfile")).unwrap();
+    let stage = |name: &str| {
+        dockerfile
+            .split("\nFROM ")
+            .find(|stage| stage.contains(&format!("AS {name}")))
+            .unwrap_or_else(|| panic!("a {name} stage"))
+            .to_owned()
+    };
+    let image = stage("sandbox-image");
+    assert!(image.contains("mmdebstrap"), "{image}");
+    assert!(
+        image.contains("scripts/build-image.sh --images /var/lib/sandboxd/images --name default"),
+        "the same script as everywhere: {image}"
+    );
+    let runtime = stage("runtime");
+    assert!(runtime.contains("from=sandbox-image"), "{runtime}");
+    assert!(
+        runtime.contains("SANDBOXD_IMAGES=/var/lib/sandboxd/images"),
+        "{runtime}"
+    );
+    // Sandboxes no longer run on the container's own root filesystem.
+    assert!(!runtime.contains("useradd"), "{runtime}");
+    assert!(repo("scripts/build-image.sh").exists());
 }
 
 #[test]

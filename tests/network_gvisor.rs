@@ -4,8 +4,9 @@
 //! There is no outside network here, so the tests build one: a network
 //! namespace "world" behind a veth from the host, holding 198.51.100.2 (an
 //! allowed destination), 203.0.113.2 (in a denied CIDR), 169.254.169.254 and
-//! 169.254.170.2 (stand-in metadata servers), each serving TCP, plus a DNS
-//! responder. The host itself reaches all of them (checked, so a refusal
+//! 169.254.170.2 (stand-in metadata servers), 10.99.7.2 and 100.100.7.2 (a
+//! private network and a CGNAT one, closed by default) and fd42:99::2 (IPv6),
+//! each serving TCP, plus a DNS responder. The host itself reaches all of them (checked, so a refusal
 //! inside a sandbox is the firewall's doing), and a listener on the host
 //! stands for the host's own services. The world has no route to the sandbox
 //! range: a reply reaches a sandbox only if the host's NAT rewrote its
@@ -45,6 +46,12 @@ const DENIED: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
 const METADATA: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
 /// Another cloud's metadata endpoint (ECS): link-local, so denied too.
 const TASK_METADATA: Ipv4Addr = Ipv4Addr::new(169, 254, 170, 2);
+/// A private (RFC 1918) address: closed unless the allow list opens it.
+const PRIVATE: Ipv4Addr = Ipv4Addr::new(10, 99, 7, 2);
+/// A carrier-grade NAT (RFC 6598) address: closed by default too.
+const CGNAT: Ipv4Addr = Ipv4Addr::new(100, 100, 7, 2);
+/// An IPv6 address of the world (sandboxes have no IPv6 at all).
+const WORLD_IPV6: &str = "fd42:99::2";
 /// The host's address towards the world: what the world must see with NAT.
 const HOST_WORLD_ADDRESS: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 /// Answers "hello from the world" and closes (the peer closes first).
@@ -84,8 +91,10 @@ def dns(s):
         a = q[end - 4:end - 2] == b"\x00\x01"
         s.sendto(q[:2] + b"\x81\x80" + q[4:6] + (b"\x00\x01" if a else b"\x00\x00") + b"\x00\x00\x00\x00" + q[12:end] + (answer if a else b""), peer)
 udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); udp.bind(("198.51.100.2", 53))
+v6 = socket.socket(socket.AF_INET6); v6.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+v6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1); v6.bind(("::", 8001)); v6.listen(64)
 # Every socket is bound before "ready".
-for f, s in ((hello, listen(8001)), (hold, listen(8002)), (peer, listen(8003)), (dns, udp)):
+for f, s in ((hello, listen(8001)), (hello, v6), (hold, listen(8002)), (peer, listen(8003)), (dns, udp)):
     threading.Thread(target=f, args=(s,), daemon=True).start()
 print("ready", flush=True)
 threading.Event().wait()
@@ -127,6 +136,12 @@ impl World {
              ip -n {WORLD_NETNS} addr add 198.51.100.2/24 dev w0 && ip -n {WORLD_NETNS} addr add 203.0.113.2/24 dev w0 && \
              ip -n {WORLD_NETNS} addr add 169.254.169.254/32 dev w0 && \
              ip -n {WORLD_NETNS} addr add 169.254.170.2/32 dev w0 && \
+             ip addr add 10.99.7.1/24 dev {WORLD_VETH} && ip -n {WORLD_NETNS} addr add 10.99.7.2/24 dev w0 && \
+             ip addr add 100.100.7.1/24 dev {WORLD_VETH} && ip -n {WORLD_NETNS} addr add 100.100.7.2/24 dev w0 && \
+             sysctl -qw net.ipv6.conf.{WORLD_VETH}.disable_ipv6=0 && \
+             ip addr add fd42:99::1/64 dev {WORLD_VETH} nodad && \
+             ip netns exec {WORLD_NETNS} sysctl -qw net.ipv6.conf.w0.disable_ipv6=0 && \
+             ip -n {WORLD_NETNS} addr add fd42:99::2/64 dev w0 nodad && \
              ip -n {WORLD_NETNS} link set w0 up && ip -n {WORLD_NETNS} link set lo up && \
              ip route add 169.254.169.254/32 via 198.51.100.2 dev {WORLD_VETH} && \
              ip route add 169.254.170.2/32 via 198.51.100.2 dev {WORLD_VETH}"
@@ -146,7 +161,16 @@ impl World {
         .unwrap();
         assert_eq!(line.trim(), "ready", "the world's servers did not start");
         // The host reaches every world address: a refusal in a sandbox is the firewall's.
-        for address in [ALLOWED, DENIED, METADATA, TASK_METADATA] {
+        let ipv6: std::net::IpAddr = WORLD_IPV6.parse().unwrap();
+        for address in [
+            ALLOWED.into(),
+            DENIED.into(),
+            METADATA.into(),
+            TASK_METADATA.into(),
+            PRIVATE.into(),
+            CGNAT.into(),
+            ipv6,
+        ] {
             let mut stream = TcpStream::connect_timeout(
                 &SocketAddr::from((address, HELLO_PORT)),
                 Duration::from_secs(2),
@@ -367,6 +391,53 @@ async fn metadata_denied_cidrs_and_the_host_itself_are_unreachable() {
     );
 
     h.runtime.settle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn private_networks_are_closed_by_default_and_the_allow_list_opens_them() {
+    let _serial = NETWORK.lock().await;
+    let _world = World::start();
+    let dir = tempfile::tempdir().unwrap();
+    // The default policy: no allow list (the internet is open).
+    let closed = host(store(dir.path())).await;
+    let id = new_id();
+    closed.runtime.create(&id, &egress()).await.unwrap();
+    let control = probe(&closed.runtime, &id, "198.51.100.2", HELLO_PORT).await;
+    assert_eq!(control, "ok hello from the world");
+    for (address, what) in [(PRIVATE, "a private"), (CGNAT, "a CGNAT")] {
+        let reached = probe(&closed.runtime, &id, &address.to_string(), HELLO_PORT).await;
+        assert_eq!(
+            reached, "timeout",
+            "{what} address answered a sandbox by default"
+        );
+    }
+    let ipv6 = probe(&closed.runtime, &id, WORLD_IPV6, HELLO_PORT).await;
+    assert!(ipv6.starts_with("error"), "IPv6 reached the world: {ipv6}");
+
+    // The internet plus that one private network.
+    let mut config = network_config(Duration::from_secs(3));
+    config.allow = vec![
+        "0.0.0.0/0".parse().unwrap(),
+        "10.99.7.0/24".parse().unwrap(),
+    ];
+    let opened = host_with(tempfile::tempdir().unwrap(), store(dir.path()), config).await;
+    let other = new_id();
+    opened.runtime.create(&other, &egress()).await.unwrap();
+    let private = probe(&opened.runtime, &other, &PRIVATE.to_string(), HELLO_PORT).await;
+    assert_eq!(
+        private, "ok hello from the world",
+        "the allow list did not open 10.99.7.0/24"
+    );
+    let control = probe(&opened.runtime, &other, "198.51.100.2", HELLO_PORT).await;
+    assert_eq!(control, "ok hello from the world");
+    let cgnat = probe(&opened.runtime, &other, &CGNAT.to_string(), HELLO_PORT).await;
+    assert_eq!(
+        cgnat, "timeout",
+        "opening one private network opened another"
+    );
+
+    closed.runtime.settle().await;
+    opened.runtime.settle().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

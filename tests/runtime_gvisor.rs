@@ -547,8 +547,8 @@ async fn startup_removes_containers_a_crashed_server_left() {
             timeouts: sandboxd::runtime::RunscTimeouts::default(),
         },
         state_dir: root.path().join(state),
+        images: support::images(),
         bundle: BundleSpec {
-            rootfs: "/".into(),
             python: "/usr/bin/python3".into(),
             memory_limit_bytes: None,
             cpu_limit: None,
@@ -612,8 +612,8 @@ fn pinned_config(root: &Path, features: Vec<String>) -> GvisorConfig {
             timeouts: sandboxd::runtime::RunscTimeouts::default(),
         },
         state_dir: root.join("state"),
+        images: support::images(),
         bundle: BundleSpec {
-            rootfs: "/".into(),
             python: "/usr/bin/python3".into(),
             memory_limit_bytes: None,
             cpu_limit: None,

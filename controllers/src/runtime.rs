@@ -86,6 +86,9 @@ pub struct CreateOptions {
     pub snapshot_name: Option<String>,
     /// The sandbox's network (`none` by default).
     pub network: crate::api::NetworkMode,
+    /// The sandbox image (a name or a digest); `None`: the snapshot's image,
+    /// else the runtime's default.
+    pub image: Option<String>,
 }
 
 /// How to checkpoint a sandbox.

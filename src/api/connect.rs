@@ -150,6 +150,7 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     metadata.spec.enable_idle_timeout_auto_checkpoint = init.enable_idle_timeout_auto_checkpoint;
     metadata.spec.filesystem_snapshot_name = init.filesystem_snapshot_name.clone();
     metadata.spec.network = init.network;
+    metadata.spec.image = init.image.clone();
     metadata.spec.workspace = init.workspace.as_ref().map(|request| WorkspaceSpec {
         id: request.id.clone().unwrap_or_else(|| id.to_string()),
         template: request
@@ -225,6 +226,15 @@ fn check_features(init: &InitMessage, state: &AppState) -> Result<(), String> {
                 controllers::api::RESOURCE_NAME_RULE
             ));
         }
+    }
+    if let Some(image) = &init.image
+        && !crate::runtime::catalog::is_image_name(image)
+        && !crate::runtime::catalog::is_digest(image)
+    {
+        return Err(format!(
+            "Failed to create gVisor container: {}",
+            crate::runtime::catalog::ImageError::InvalidName(image.clone())
+        ));
     }
     if init.network == controllers::api::NetworkMode::Egress && !state.features.network_egress {
         return Err(

@@ -181,6 +181,9 @@ pub struct InitMessage {
     pub filesystem_snapshot_name: Option<String>,
     /// Extension: `"network": "none" | "egress"` (absent: `none`).
     pub network: controllers::api::NetworkMode,
+    /// Extension: `"image": NAME`, the sandbox image (absent: the default;
+    /// upstream clients never send it).
+    pub image: Option<String>,
     /// Sync `/workspace` with the store (an extension: upstream clients never
     /// send it).
     pub workspace: Option<WorkspaceRequest>,
@@ -348,6 +351,7 @@ impl InitMessage {
             )?,
             enable_sandbox_handoff: optional_bool(&map, "enable_sandbox_handoff")?,
             filesystem_snapshot_name: optional_string(&map, "filesystem_snapshot_name")?,
+            image: optional_string(&map, "image")?,
             network: match optional_string(&map, "network")? {
                 None => controllers::api::NetworkMode::None,
                 Some(name) => name.parse().map_err(|_| FrameError::WrongType {

@@ -96,6 +96,9 @@ enum Command {
         /// Start from this filesystem snapshot.
         #[arg(long)]
         snapshot: Option<String>,
+        /// Run on this sandbox image (`sandboxctl images`; default: the server's).
+        #[arg(long)]
+        image: Option<String>,
         /// Sync /workspace with this workspace (shared by name).
         #[arg(long)]
         workspace: Option<String>,
@@ -210,6 +213,45 @@ enum Command {
         #[arg(long, default_value = "/tmp/sandboxd-bench")]
         work_dir: std::path::PathBuf,
     },
+    /// List the sandbox images a server has (digest, names, default, packages).
+    #[command(after_help = "Example:\n  sandboxctl images --url http://127.0.0.1:8080")]
+    Images {
+        /// Print the JSON document instead of the table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        server: Server,
+    },
+    /// Build a template image from a filesystem snapshot: the image the
+    /// snapshot was taken on plus its files. Runs on a server's host (root),
+    /// into its image directory.
+    #[command(
+        after_help = "Example:\n  sandboxctl --snapshot-bucket my-snapshots template my-project --from-snapshot seed-1\n  sandboxctl create --image my-project"
+    )]
+    Template {
+        /// The new image's name.
+        name: String,
+        /// The filesystem snapshot it starts from.
+        #[arg(long)]
+        from_snapshot: String,
+        /// Build on this image instead of the one the snapshot was taken on.
+        #[arg(long)]
+        base: Option<String>,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
+    /// Upload a sandbox image of this host to the checkpoint store, so any
+    /// instance that needs it for a restore fetches it (once) instead of
+    /// refusing. Nothing happens if the store has it already.
+    #[command(
+        after_help = "Example:\n  sandboxctl --checkpoint-bucket my-checkpoints push-image default"
+    )]
+    PushImage {
+        /// The image (a name or a digest).
+        name: String,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
     /// Measure the gVisor runtime on this machine: create, exec round trips,
     /// checkpoint and restore; prints medians and JSON. Needs root and runsc.
     #[command(after_help = "Example:\n  sandboxctl bench-runtime --runs 20 --sizes-mb 50,500")]
@@ -261,6 +303,7 @@ async fn main() -> ExitCode {
             idle_timeout,
             checkpoint,
             snapshot,
+            image,
             workspace,
             workspace_token,
             workspace_template,
@@ -273,6 +316,7 @@ async fn main() -> ExitCode {
                 enable_sandbox_handoff: *checkpoint,
                 enable_idle_timeout_auto_checkpoint: false,
                 filesystem_snapshot_name: snapshot.clone(),
+                image: image.clone(),
                 workspace_id: workspace.clone(),
                 workspace_token: workspace_token.clone(),
                 workspace_template: workspace_template.clone(),
@@ -356,7 +400,83 @@ async fn main() -> ExitCode {
     {
         return bench(*runs, sizes_mb, runtime).await;
     }
+    if let Command::Images { json, server } = &cli.command {
+        return match ctl::fetch_images(&server.url).await {
+            Ok(listing) if *json => {
+                println!("{listing:#}");
+                ExitCode::SUCCESS
+            }
+            Ok(listing) => {
+                print!("{}", ctl::render_images(&listing));
+                ExitCode::SUCCESS
+            }
+            Err(err) => fail(EXIT_REFUSED, &err.to_string()),
+        };
+    }
     let layout = cli.storage.layout();
+    if let Command::PushImage { name, runtime } = &cli.command {
+        let checkpoints = match store::open(&layout.checkpoints).await {
+            Ok(store) => store,
+            Err(err) => return fail(EXIT_STORAGE, &err.to_string()),
+        };
+        let catalog = runtime.images();
+        let scratch = sandboxd::runtime::image_store::default_scratch(&catalog);
+        return match sandboxd::runtime::image_store::push(
+            &catalog,
+            checkpoints.as_ref(),
+            name,
+            &scratch,
+        )
+        .await
+        {
+            Ok((image, true)) => {
+                println!("pushed {name} = {}", image.digest);
+                ExitCode::SUCCESS
+            }
+            Ok((image, false)) => {
+                println!("the store has {name} = {} already", image.digest);
+                ExitCode::SUCCESS
+            }
+            Err(err) => fail(EXIT_REFUSED, &err.to_string()),
+        };
+    }
+    if let Command::Template {
+        name,
+        from_snapshot,
+        base,
+        runtime,
+    } = &cli.command
+    {
+        let snapshots = match store::open(&layout.snapshots).await {
+            Ok(store) => store,
+            Err(err) => return fail(EXIT_STORAGE, &err.to_string()),
+        };
+        let catalog = runtime.images();
+        let scratch = sandboxd::runtime::templates::default_scratch(&catalog);
+        return match sandboxd::runtime::templates::template_from_snapshot(
+            &catalog,
+            snapshots.as_ref(),
+            from_snapshot,
+            name,
+            base.as_deref(),
+            &scratch,
+        )
+        .await
+        {
+            Ok(image) => {
+                println!(
+                    "image {name} = {} ({})",
+                    image.digest,
+                    image.rootfs.display()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(err @ sandboxd::runtime::templates::TemplateError::NoSnapshot(_)) => {
+                fail(EXIT_NOT_FOUND, &err.to_string())
+            }
+            Err(err) => fail(EXIT_REFUSED, &err.to_string()),
+        };
+    }
     let store = match store::open(&layout.metadata).await {
         Ok(store) => store,
         Err(err) => return fail(EXIT_STORAGE, &err.to_string()),

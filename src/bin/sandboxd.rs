@@ -49,6 +49,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let checkpoint_bucket = bucket_name(&layout.checkpoints);
     let network = args.network.config().map_err(anyhow::Error::msg)?;
+    let images = args.runtime.images();
     let gvisor = match GvisorRuntime::start(
         args.runtime.gvisor(checkpoint_bucket.clone()),
         Arc::clone(&checkpoint_store),
@@ -66,6 +67,20 @@ async fn main() -> anyhow::Result<()> {
             Some(Arc::new(runtime))
         }
         Err(err) => {
+            // Sandboxes run on an image of their own, never the host's `/`:
+            // with a usable runsc but no image, refuse to start (a host
+            // without runsc serves health checks only, as before).
+            if let Err(missing) = images.default_image()
+                && args
+                    .runtime
+                    .gvisor(String::new())
+                    .runsc
+                    .version()
+                    .await
+                    .is_ok()
+            {
+                anyhow::bail!("cannot start: {missing}");
+            }
             tracing::error!(%err, "the sandbox runtime is unavailable; serving health checks only (install runsc and run as root)");
             None
         }
@@ -106,6 +121,7 @@ async fn main() -> anyhow::Result<()> {
         workspace_hooks,
     });
     state.features.network_egress = network.is_some() && gvisor.is_some();
+    state.images = gvisor.as_ref().map(|_| images);
     let controller = state.controller.clone();
     // WebSocket sessions outlive `run` (upgraded connections are detached);
     // the drain below ends them with the sandboxes they serve.

@@ -52,6 +52,8 @@ pub struct CreateOptions {
     pub enable_sandbox_handoff: bool,
     pub enable_idle_timeout_auto_checkpoint: bool,
     pub filesystem_snapshot_name: Option<String>,
+    /// The sandbox image (`GET /images` lists them); `None`: the server's default.
+    pub image: Option<String>,
     /// Sync `/workspace` with this workspace (sandboxes given the same name
     /// share its files; see docs/workspaces.md).
     pub workspace_id: Option<String>,
@@ -192,6 +194,9 @@ impl Sandbox {
         });
         if let Some(name) = &options.filesystem_snapshot_name {
             init["filesystem_snapshot_name"] = json!(name);
+        }
+        if let Some(image) = &options.image {
+            init["image"] = json!(image);
         }
         if let Some(workspace) = &options.workspace_id {
             init["workspace_id"] = json!(workspace);

@@ -2,11 +2,13 @@
 //! without spawning the binary: operator verbs over the bucket's documents,
 //! user verbs through the client library.
 
+mod images;
 mod inventory;
 mod operator;
 mod user;
 mod yaml;
 
+pub use images::{ImagesError, fetch_images, http_base, render_images};
 pub use inventory::{SandboxRow, describe_json, list_rows, render_table};
 pub use operator::{GcReport, OperatorError, break_lease, delete, describe, edit, evict, gc};
 pub use user::{UserCommand, run_user_command};

@@ -4,7 +4,9 @@
 //! flag and the files open at checkpoint time, so the bundle is a pure function
 //! of the configuration: same configuration, same bundle, on every host. The
 //! init process is the agent (`agent.py`, passed inline with `python3 -c`, so
-//! no file has to exist in the sandbox for it).
+//! no file has to exist in the sandbox for it). The root filesystem is the
+//! sandbox's image (`catalog`), never the host's `/`: it is given per sandbox,
+//! and a restore uses the digest its checkpoint recorded.
 
 use std::path::Path;
 
@@ -24,8 +26,6 @@ pub const AGENT_SOURCE: &str = include_str!("agent.py");
 /// What varies between deployments.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BundleSpec {
-    /// The root filesystem: mounted read-only, with writes kept in sandbox memory.
-    pub rootfs: std::path::PathBuf,
     /// The Python interpreter inside the rootfs (runs the agent and user code).
     pub python: String,
     pub memory_limit_bytes: Option<u64>,
@@ -53,14 +53,16 @@ pub struct BundleNetwork {
 pub const CPU_FEATURES_ANNOTATION: &str = "dev.gvisor.internal.cpufeatures";
 
 impl BundleSpec {
-    /// The `config.json` document of a `none` sandbox.
-    pub fn config(&self) -> serde_json::Value {
-        self.config_with(None)
+    /// The `config.json` document of a `none` sandbox on the image at `rootfs`.
+    pub fn config(&self, rootfs: &Path) -> serde_json::Value {
+        self.config_with(rootfs, None)
     }
 
-    /// The `config.json` document; `network` for an `egress` sandbox (a
+    /// The `config.json` document; `rootfs` is the image's root filesystem
+    /// (shared and never written: runsc's `--overlay2=root:memory` keeps the
+    /// sandbox's writes in its memory), `network` for an `egress` sandbox (a
     /// checkpoint restores only into a bundle of the same kind).
-    pub fn config_with(&self, network: Option<&BundleNetwork>) -> serde_json::Value {
+    pub fn config_with(&self, rootfs: &Path, network: Option<&BundleNetwork>) -> serde_json::Value {
         let path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
         let agent_config = json!({
             "python": self.python,
@@ -125,7 +127,7 @@ impl BundleSpec {
                     {"type": "RLIMIT_NPROC", "hard": self.max_processes, "soft": self.max_processes},
                 ],
             },
-            "root": {"path": self.rootfs, "readonly": false},
+            "root": {"path": rootfs, "readonly": false},
             "hostname": "sandbox",
             "mounts": mounts,
             "linux": {
@@ -135,16 +137,16 @@ impl BundleSpec {
         })
     }
 
-    /// Writes `config.json` into `dir`.
-    pub fn write(&self, dir: &Path) -> std::io::Result<()> {
-        self.write_with(dir, None)
-    }
-
-    /// Writes `config.json` (with `network`, see [`Self::config_with`]) into `dir`.
-    pub fn write_with(&self, dir: &Path, network: Option<&BundleNetwork>) -> std::io::Result<()> {
+    /// Writes `config.json` (see [`Self::config_with`]) into `dir`.
+    pub fn write_with(
+        &self,
+        dir: &Path,
+        rootfs: &Path,
+        network: Option<&BundleNetwork>,
+    ) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
-        let text =
-            serde_json::to_vec_pretty(&self.config_with(network)).map_err(std::io::Error::other)?;
+        let text = serde_json::to_vec_pretty(&self.config_with(rootfs, network))
+            .map_err(std::io::Error::other)?;
         std::fs::write(dir.join("config.json"), text)
     }
 }
@@ -155,7 +157,6 @@ mod tests {
 
     fn spec() -> BundleSpec {
         BundleSpec {
-            rootfs: "/".into(),
             python: "/usr/bin/python3".into(),
             memory_limit_bytes: None,
             cpu_limit: None,
@@ -167,7 +168,7 @@ mod tests {
 
     #[test]
     fn a_none_bundle_has_a_fresh_network_namespace_and_no_extra_mount() {
-        let config = spec().config();
+        let config = spec().config(Path::new("/images/x/rootfs"));
         let namespaces = config["linux"]["namespaces"]
             .as_array()
             .expect("namespaces");
@@ -187,7 +188,7 @@ mod tests {
             netns: "/var/run/netns/sandboxd-7".into(),
             resolv_conf: "/run/x/resolv.conf".into(),
         };
-        let config = spec().config_with(Some(&network));
+        let config = spec().config_with(Path::new("/images/x/rootfs"), Some(&network));
         let namespaces = config["linux"]["namespaces"]
             .as_array()
             .expect("namespaces");
@@ -200,7 +201,7 @@ mod tests {
             "source": "/run/x/resolv.conf", "options": ["rbind", "ro"]}))
         );
         // Everything else is the same as a none sandbox's.
-        let mut plain = spec().config();
+        let mut plain = spec().config(Path::new("/images/x/rootfs"));
         plain["linux"]["namespaces"] = config["linux"]["namespaces"].clone();
         plain["mounts"] = config["mounts"].clone();
         assert_eq!(plain, config);

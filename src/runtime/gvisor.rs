@@ -40,6 +40,7 @@ use tokio::sync::mpsc;
 
 use super::agent::{AgentConnection, AgentError};
 use super::bundle::{BundleNetwork, BundleSpec, SANDBOX_HOME, WORKSPACE_DIR};
+use super::catalog::{Image, ImageCatalog};
 use super::images::{
     check_cpu_features, download_verified, host_cpu_features, mismatch, sha256_file, sha256_of,
 };
@@ -69,6 +70,8 @@ pub struct GvisorConfig {
     /// Bundles, logs and images in transit live here (local disk).
     pub state_dir: PathBuf,
     pub bundle: BundleSpec,
+    /// The sandbox images of this host (root filesystems).
+    pub images: ImageCatalog,
     /// Bucket name recorded in checkpoint references.
     pub checkpoint_bucket: String,
 }
@@ -83,6 +86,8 @@ struct LocalSandbox {
     current_exec: Arc<Mutex<ExecSlot>>,
     /// `egress` sandboxes: their namespace, veth, address and rules here.
     network: Option<SandboxNetwork>,
+    /// The image it runs on (checkpoints and snapshots record its digest).
+    image: Image,
 }
 
 /// The gVisor runtime.
@@ -100,6 +105,8 @@ pub struct GvisorRuntime {
     cpu_features: Vec<String>,
     /// Set by [`GvisorRuntime::with_network`]: `egress` sandboxes allowed.
     network: Option<Arc<HostNetwork>>,
+    /// One image fetch at a time (two restores needing it fetch it once).
+    image_fetch: tokio::sync::Mutex<()>,
 }
 
 impl GvisorRuntime {
@@ -118,6 +125,12 @@ impl GvisorRuntime {
             .version()
             .await
             .map_err(|err| failed("runsc is not usable", &err))?;
+        // No image, no sandboxes: refuse to start rather than fail every create.
+        let default_image = config
+            .images
+            .default_image()
+            .map_err(|err| failed("the default sandbox image", &err))?;
+        tracing::info!(image = %default_image.name, digest = %default_image.digest, "default sandbox image");
         for dir in [&config.runsc.root, &config.state_dir] {
             tokio::fs::create_dir_all(dir)
                 .await
@@ -165,6 +178,7 @@ impl GvisorRuntime {
             runsc_version,
             cpu_features,
             network: None,
+            image_fetch: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -227,9 +241,15 @@ impl GvisorRuntime {
             .ok_or_else(|| RuntimeError::NotFound(sandbox.clone()))
     }
 
+    /// The images of this host.
+    pub fn images(&self) -> &ImageCatalog {
+        &self.config.images
+    }
+
     fn new_container(
         &self,
         network: Option<&SandboxNetwork>,
+        image: &Image,
     ) -> Result<(String, PathBuf), RuntimeError> {
         let id = format!("sbx{}", uuid::Uuid::new_v4().simple());
         let dir = self.config.state_dir.join("containers").join(&id);
@@ -249,7 +269,7 @@ impl GvisorRuntime {
         };
         self.config
             .bundle
-            .write_with(&dir.join("bundle"), bundle_network.as_ref())
+            .write_with(&dir.join("bundle"), &image.rootfs, bundle_network.as_ref())
             .map_err(failed)?;
         Ok((id, dir))
     }
@@ -338,6 +358,7 @@ impl GvisorRuntime {
         dir: PathBuf,
         agent: Arc<AgentConnection>,
         network: Option<SandboxNetwork>,
+        image: Image,
     ) {
         let local = LocalSandbox {
             container_id,
@@ -345,6 +366,7 @@ impl GvisorRuntime {
             agent,
             current_exec: Arc::new(Mutex::new(ExecSlot::default())),
             network,
+            image,
         };
         self.sandboxes().insert(sandbox.clone(), Arc::new(local));
     }
@@ -414,25 +436,91 @@ impl GvisorRuntime {
         }
     }
 
-    /// Streams a snapshot archive into a fresh sandbox's agent, which unpacks it.
-    async fn populate_from_snapshot(
-        &self,
-        agent: &AgentConnection,
-        name: &str,
-    ) -> Result<(), RuntimeError> {
+    /// The manifest of the filesystem snapshot `name`.
+    async fn snapshot_manifest(&self, name: &str) -> Result<SnapshotManifest, RuntimeError> {
         let invalid = || RuntimeError::Invalid(format!("invalid snapshot name {name:?}"));
         let manifest_key = snapshot_manifest_key(name).ok_or_else(invalid)?;
-        let manifest: SnapshotManifest = match self.snapshots.get(&manifest_key).await {
+        match self.snapshots.get(&manifest_key).await {
             Ok(object) => {
-                decode(&object.data).map_err(|err| RuntimeError::Invalid(err.to_string()))?
+                decode(&object.data).map_err(|err| RuntimeError::Invalid(err.to_string()))
             }
-            Err(controllers::store::StoreError::NotFound { .. }) => {
-                return Err(RuntimeError::Invalid(format!(
-                    "no filesystem snapshot named {name:?}"
-                )));
-            }
-            Err(err) => return Err(err.into()),
+            Err(controllers::store::StoreError::NotFound { .. }) => Err(RuntimeError::Invalid(
+                format!("no filesystem snapshot named {name:?}"),
+            )),
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    /// The image a create asks for: `"image"` if given, else the image the
+    /// snapshot it starts from was taken on (its files may need that image's
+    /// programs), else the default.
+    async fn image_for_create(
+        &self,
+        requested: Option<&str>,
+        snapshot: Option<&SnapshotManifest>,
+    ) -> Result<Image, RuntimeError> {
+        let images = &self.config.images;
+        let invalid = |err: super::catalog::ImageError| RuntimeError::Invalid(err.to_string());
+        match (requested, snapshot.and_then(|s| s.sandbox_image.as_deref())) {
+            (Some(name), _) => images.resolve(name).map_err(invalid),
+            (None, Some(digest)) => self.image_by_digest(digest).await.map_err(|err| {
+                RuntimeError::Invalid(format!(
+                    "the filesystem snapshot was taken on sandbox image {digest}, which this \
+                     server does not have ({err}); name an image with \"image\" to use another"
+                ))
+            }),
+            (None, None) => images.default_image().map_err(invalid),
+        }
+    }
+
+    /// The image `digest`: here, or fetched once from the checkpoint store.
+    async fn image_by_digest(&self, digest: &str) -> Result<Image, String> {
+        let images = &self.config.images;
+        let missing = match images.resolve(digest) {
+            Ok(image) => return Ok(image),
+            Err(err) => err,
         };
+        let _one_at_a_time = self.image_fetch.lock().await;
+        super::image_store::fetch(
+            images,
+            self.checkpoints.as_ref(),
+            digest,
+            &self.config.state_dir.join("image-transfer"),
+        )
+        .await
+        .map_err(|err| format!("{missing}; {err}"))
+    }
+
+    /// The image a checkpoint restores onto: the digest it recorded, which
+    /// must be here.
+    async fn image_for_restore(
+        &self,
+        manifest: &CheckpointManifest,
+    ) -> Result<Image, RuntimeError> {
+        let Some(digest) = manifest.sandbox_image.as_deref() else {
+            return Err(RuntimeError::Incompatible(
+                "the checkpoint records no sandbox image: it was taken on the host's root \
+                 filesystem (before sandbox images) and cannot be restored onto an image"
+                    .to_owned(),
+            ));
+        };
+        self.image_by_digest(digest).await.map_err(|err| {
+            let default = match self.config.images.default_image() {
+                Ok(image) => format!("; this server's default image is {}", image.digest),
+                Err(_) => String::new(),
+            };
+            RuntimeError::Incompatible(format!(
+                "it was taken on sandbox image {digest}, which this server does not have \
+                 ({err}){default}"
+            ))
+        })
+    }
+
+    /// Downloads a snapshot archive into a file under the state directory.
+    async fn download_snapshot(
+        &self,
+        manifest: &SnapshotManifest,
+    ) -> Result<PathBuf, RuntimeError> {
         let key = controllers::store::ObjectKey::new(manifest.archive.key.as_str())
             .map_err(|err| RuntimeError::Invalid(err.to_string()))?;
         let local = self
@@ -447,10 +535,21 @@ impl GvisorRuntime {
             manifest.archive.size,
         )
         .await;
-        let result = match downloaded {
-            Ok(()) => self.send_archive(agent, &local).await,
-            Err(err) => Err(err),
-        };
+        if let Err(err) = downloaded {
+            let _ = tokio::fs::remove_file(&local).await;
+            return Err(err);
+        }
+        Ok(local)
+    }
+
+    /// Streams a snapshot archive into a fresh sandbox's agent, which unpacks it.
+    async fn populate_from_snapshot(
+        &self,
+        agent: &AgentConnection,
+        manifest: &SnapshotManifest,
+    ) -> Result<(), RuntimeError> {
+        let local = self.download_snapshot(manifest).await?;
+        let result = self.send_archive(agent, &local).await;
         let _ = tokio::fs::remove_file(&local).await;
         result
     }
@@ -493,8 +592,9 @@ impl GvisorRuntime {
         manifest: &CheckpointManifest,
         key: &controllers::store::ObjectKey,
         network: Option<&SandboxNetwork>,
+        image: &Image,
     ) -> Result<(String, PathBuf, Arc<AgentConnection>), RuntimeError> {
-        let (container_id, dir) = self.new_container(network)?;
+        let (container_id, dir) = self.new_container(network, image)?;
         let image_dir = dir.join("restore");
         tokio::fs::create_dir_all(&image_dir).await.map_err(|err| {
             RuntimeError::Failed(format!("cannot create {}: {err}", image_dir.display()))
@@ -686,6 +786,7 @@ impl GvisorRuntime {
                 } else {
                     NetworkMode::None
                 },
+                sandbox_image: Some(local.image.digest.clone()),
                 extra: ExtraFields::new(),
             };
             create_idempotent(
@@ -873,9 +974,17 @@ impl SandboxRuntime for GvisorRuntime {
         options: &CreateOptions,
     ) -> Result<(), RuntimeError> {
         let _reservation = self.claim(sandbox)?;
+        // Refuse a bad image or snapshot before any container starts.
+        let snapshot = match &options.snapshot_name {
+            Some(name) => Some(self.snapshot_manifest(name).await?),
+            None => None,
+        };
+        let image = self
+            .image_for_create(options.image.as_deref(), snapshot.as_ref())
+            .await?;
         let network = self.attach_network(options.network).await?;
         let started = async {
-            let (container_id, dir) = self.new_container(network.as_ref())?;
+            let (container_id, dir) = self.new_container(network.as_ref(), &image)?;
             let agent = self
                 .launch(sandbox, &container_id, &dir, None, network.as_ref())
                 .await?;
@@ -889,13 +998,13 @@ impl SandboxRuntime for GvisorRuntime {
                 return Err(err);
             }
         };
-        if let Some(name) = &options.snapshot_name
-            && let Err(err) = self.populate_from_snapshot(&agent, name).await
+        if let Some(snapshot) = &snapshot
+            && let Err(err) = self.populate_from_snapshot(&agent, snapshot).await
         {
             self.delete_and_detach_in_background(container_id, dir, network);
             return Err(err);
         }
-        self.register(sandbox, container_id, dir, agent, network);
+        self.register(sandbox, container_id, dir, agent, network, image);
         Ok(())
     }
 
@@ -1030,6 +1139,9 @@ impl SandboxRuntime for GvisorRuntime {
     ) -> Result<(), RuntimeError> {
         let _reservation = self.claim(sandbox)?;
         check_cpu_features(&manifest.cpu_features, &self.cpu_features)?;
+        // The files open at checkpoint time must be byte-identical: only the
+        // very image the checkpoint was taken on will do.
+        let image = self.image_for_restore(manifest).await?;
         let key = controllers::store::ObjectKey::new(manifest.image.key.as_str())
             .map_err(|err| RuntimeError::Invalid(err.to_string()))?;
         // A fresh namespace and address on this host, whatever the old ones were.
@@ -1038,11 +1150,11 @@ impl SandboxRuntime for GvisorRuntime {
             other => other?,
         };
         let restored = self
-            .restore_into(sandbox, manifest, &key, network.as_ref())
+            .restore_into(sandbox, manifest, &key, network.as_ref(), &image)
             .await;
         match restored {
             Ok((container_id, dir, agent)) => {
-                self.register(sandbox, container_id, dir, agent, network);
+                self.register(sandbox, container_id, dir, agent, network, image);
                 Ok(())
             }
             Err(err) => {
@@ -1113,6 +1225,7 @@ impl SandboxRuntime for GvisorRuntime {
                     sha256,
                 },
                 entries: reply["entries"].as_u64().unwrap_or(0),
+                sandbox_image: Some(local.image.digest.clone()),
                 extra: ExtraFields::new(),
             };
             self.snapshots

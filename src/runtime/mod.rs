@@ -1,6 +1,7 @@
 //! The sandbox runtime on real gVisor: the `runsc` CLI wrapped ([`runsc`]), the
 //! OCI bundle ([`bundle`]), the in-sandbox agent and the host's channel to it
-//! ([`agent`], `agent.py`), checkpoint images ([`images`]), `egress` sandbox
+//! ([`agent`], `agent.py`), sandbox images, the root filesystems sandboxes
+//! run on ([`catalog`]), checkpoint images ([`images`]), `egress` sandbox
 //! networking ([`network`]), and
 //! [`GvisorRuntime`], which implements the controllers' `SandboxRuntime` port.
 //! `../shared/reference/gvisor-runsc.md` records the runsc behaviour all of this
@@ -8,13 +9,17 @@
 
 pub mod agent;
 pub mod bundle;
+pub mod catalog;
 mod gvisor;
+pub mod image_store;
 pub mod images;
 pub mod network;
 pub mod runsc;
+pub mod templates;
 mod workspace_access;
 
 pub use bundle::{BundleNetwork, BundleSpec};
+pub use catalog::{DEFAULT_IMAGE, Image, ImageCatalog, ImageInfo};
 pub use gvisor::{GvisorConfig, GvisorRuntime};
 pub use images::host_cpu_features;
 pub use network::{NetnsWorkaround, NetworkConfig};

@@ -186,6 +186,19 @@ pub async fn gcs_fixture() -> Fixture {
     }
 }
 
+/// The sandbox images the tests run on: `SANDBOXD_IMAGES` or the default
+/// directory, which must hold the default image (`scripts/test.sh` builds it).
+pub fn images() -> sandboxd::runtime::ImageCatalog {
+    let dir = std::env::var_os("SANDBOXD_IMAGES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "/var/lib/sandboxd/images".into());
+    let catalog = sandboxd::runtime::ImageCatalog::new(dir, sandboxd::runtime::DEFAULT_IMAGE);
+    if let Err(err) = catalog.default_image() {
+        panic!("the tests need the default sandbox image: {err} (scripts/test.sh builds it)");
+    }
+    catalog
+}
+
 /// A gVisor runtime with its own runsc root and state under `dir`, storing
 /// checkpoints and snapshots in a local store under `dir/store`.
 pub async fn runtime(dir: &std::path::Path) -> sandboxd::runtime::GvisorRuntime {
@@ -200,6 +213,15 @@ pub async fn runtime_with_store(
     dir: &std::path::Path,
     store: Arc<dyn Store>,
 ) -> sandboxd::runtime::GvisorRuntime {
+    runtime_with_images(dir, store, images()).await
+}
+
+/// Like [`runtime_with_store`], on the sandbox images of `images`.
+pub async fn runtime_with_images(
+    dir: &std::path::Path,
+    store: Arc<dyn Store>,
+    images: sandboxd::runtime::ImageCatalog,
+) -> sandboxd::runtime::GvisorRuntime {
     use sandboxd::runtime::{BundleSpec, GvisorConfig, GvisorRuntime, Runsc};
     let config = GvisorConfig {
         runsc: Runsc {
@@ -209,8 +231,8 @@ pub async fn runtime_with_store(
             timeouts: sandboxd::runtime::RunscTimeouts::default(),
         },
         state_dir: dir.join("state"),
+        images,
         bundle: BundleSpec {
-            rootfs: "/".into(),
             python: "/usr/bin/python3".into(),
             memory_limit_bytes: Some(1 << 30),
             cpu_limit: Some(1.0),
@@ -310,7 +332,7 @@ fn assemble(
 ) -> sandboxd::server::AppState {
     use controllers::leasing::LeaseConfig;
     use controllers::sandboxes::ReconcilerConfig;
-    sandboxd::server::AppState::assemble(sandboxd::server::Parts {
+    let mut state = sandboxd::server::AppState::assemble(sandboxd::server::Parts {
         instance: controllers::api::InstanceId::parse(instance).expect("instance id"),
         metadata_store: Arc::clone(&store),
         checkpoint_store: sandboxd::server::counted(store, &counts),
@@ -321,7 +343,9 @@ fn assemble(
         reconciler: ReconcilerConfig::default(),
         store_operations: counts,
         workspace_hooks,
-    })
+    });
+    state.images = state.runtime.is_some().then(images);
+    state
 }
 
 /// Serves `state` on a free loopback port until the test ends; returns

@@ -49,13 +49,28 @@ impl Server {
         store: Arc<dyn Store>,
         adjust: impl FnOnce(&mut AppState),
     ) -> Self {
+        Self::sharing_on(instance, store, super::images(), adjust).await
+    }
+
+    /// Like [`Self::sharing`], its sandboxes on the images of `images`.
+    pub async fn sharing_on(
+        instance: &str,
+        store: Arc<dyn Store>,
+        images: sandboxd::runtime::ImageCatalog,
+        adjust: impl FnOnce(&mut AppState),
+    ) -> Self {
         let counts = Arc::new(controllers::store::OperationCounts::default());
-        Self::on_runtime(Arc::clone(&store), Arc::clone(&counts), |runtime, _| {
-            let mut state =
-                super::app_state_counted(instance, Arc::clone(&store), Some(runtime), counts);
-            adjust(&mut state);
-            state
-        })
+        Self::on_runtime(
+            Arc::clone(&store),
+            Arc::clone(&counts),
+            images,
+            |runtime, _| {
+                let mut state =
+                    super::app_state_counted(instance, Arc::clone(&store), Some(runtime), counts);
+                adjust(&mut state);
+                state
+            },
+        )
         .await
     }
 
@@ -68,17 +83,22 @@ impl Server {
         counts: Arc<controllers::store::OperationCounts>,
         limits: sandboxd::workspace::SyncLimits,
     ) -> Self {
-        Self::on_runtime(Arc::clone(&store), Arc::clone(&counts), |runtime, dir| {
-            super::app_state_with_workspaces(
-                instance,
-                Arc::clone(&store),
-                runtime,
-                workspaces,
-                counts,
-                dir.to_path_buf(),
-                limits,
-            )
-        })
+        Self::on_runtime(
+            Arc::clone(&store),
+            Arc::clone(&counts),
+            super::images(),
+            |runtime, dir| {
+                super::app_state_with_workspaces(
+                    instance,
+                    Arc::clone(&store),
+                    runtime,
+                    workspaces,
+                    counts,
+                    dir.to_path_buf(),
+                    limits,
+                )
+            },
+        )
         .await
     }
 
@@ -87,16 +107,19 @@ impl Server {
     async fn on_runtime(
         store: Arc<dyn Store>,
         counts: Arc<controllers::store::OperationCounts>,
+        images: sandboxd::runtime::ImageCatalog,
         build: impl FnOnce(Arc<sandboxd::runtime::GvisorRuntime>, &std::path::Path) -> AppState,
     ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let cleanup = super::RunscCleanup(dir.path().join("runsc"));
-        let runtime = super::runtime_with_store(
+        let runtime = super::runtime_with_images(
             dir.path(),
             sandboxd::server::counted(Arc::clone(&store), &counts),
+            images.clone(),
         )
         .await;
-        let state = build(Arc::new(runtime), dir.path());
+        let mut state = build(Arc::new(runtime), dir.path());
+        state.images = Some(images);
         let addr = super::serve(state.clone()).await;
         Self {
             addr,

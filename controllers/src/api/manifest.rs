@@ -39,6 +39,10 @@ pub struct CheckpointManifest {
     /// (with the restoring host's own address). Absent: `none`.
     #[serde(default, skip_serializing_if = "NetworkMode::is_none")]
     pub network: NetworkMode,
+    /// The digest (`sha256-<hex>`) of the sandbox image it ran on: a restore
+    /// needs that very image. Absent in checkpoints taken before images.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox_image: Option<String>,
     #[serde(flatten)]
     pub extra: ExtraFields,
 }
@@ -54,6 +58,10 @@ pub struct SnapshotManifest {
     pub archive: BlobDigest,
     /// Files, directories and links in the archive.
     pub entries: u64,
+    /// The digest of the sandbox image it was taken on (sandboxes created
+    /// from it without `"image"` get that image). Absent: before images.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox_image: Option<String>,
     #[serde(flatten)]
     pub extra: ExtraFields,
 }

@@ -41,6 +41,9 @@ pub struct SandboxSpec {
     /// Chosen at create; absent in older documents, which means `none`.
     #[serde(default, skip_serializing_if = "NetworkMode::is_none")]
     pub network: NetworkMode,
+    /// The sandbox image asked for at create (a name); absent: the default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
     /// SHA-256 (hex) of the sandbox token. The token itself is never stored.
     pub token_sha256: String,
     #[serde(default)]
@@ -217,6 +220,7 @@ impl SandboxMetadata {
                 enable_idle_timeout_auto_checkpoint: false,
                 filesystem_snapshot_name: None,
                 network: NetworkMode::None,
+                image: None,
                 token_sha256,
                 labels: BTreeMap::new(),
                 checkpoint_name: None,

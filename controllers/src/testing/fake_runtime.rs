@@ -195,6 +195,7 @@ impl SandboxRuntime for FakeRuntime {
             platform: "fake".to_owned(),
             cpu_features: Vec::new(),
             network: Default::default(),
+            sandbox_image: None,
             extra: ExtraFields::new(),
         };
         self.checkpoints

@@ -318,6 +318,9 @@ mod tests {
         );
         assert!(position("-d 169.254.0.0/16 -j DROP") < position("-d 203.0.113.0/24 -j DROP"));
         assert!(position("-d 203.0.113.0/24 -j DROP") < position("-A SANDBOXD-7-EGRESS -j ACCEPT"));
+        // Private ranges are closed by default, after the deny list.
+        assert!(position("-d 203.0.113.0/24 -j DROP") < position("-d 10.0.0.0/8 -j DROP"));
+        assert!(position("-d 100.64.0.0/10 -j DROP") < position("-A SANDBOXD-7-EGRESS -j ACCEPT"));
         assert!(rules.contains(
             "-A SANDBOXD-FORWARD -i sbxd7 -m comment --comment sandboxd:7 -j SANDBOXD-7-EGRESS"
         ));

@@ -8,8 +8,19 @@
 //!    AWS's 169.254.169.254, ECS's 169.254.170.2, …) and the sandbox range
 //!    itself (other sandboxes, the host's side of every veth): always denied;
 //! 2. the deny list;
-//! 3. the allow list, if one is set: everything else is denied;
-//! 4. otherwise everything else is allowed.
+//! 3. allow-list entries inside a private range (below): the operator opens
+//!    that part of it;
+//! 4. the private ranges ([`PRIVATE_RANGES`]: RFC 1918, CGNAT, loopback,
+//!    "this network", benchmarking, multicast, reserved): denied by default,
+//!    so a sandbox never reaches the company network behind a VPC connector
+//!    or the host's own services unless the operator says so;
+//! 5. the other allow-list entries (`0.0.0.0/0` is "the internet");
+//! 6. with an allow list, everything else is denied; without one, allowed.
+//!
+//! So `SANDBOXD_NETWORK_ALLOW=0.0.0.0/0,10.20.0.0/16` is "the internet plus
+//! that one private network", and an empty allow list is "the internet".
+//! IPv6: sandboxes have none (no address on the host side of the veth, no
+//! route), so every IPv6 destination, private or not, is unreachable.
 //!
 //! DNS to the configured nameservers is accepted before all of this (see the
 //! firewall), so a nameserver at a link-local address (the metadata server,
@@ -27,6 +38,30 @@ pub const LINK_LOCAL: Ipv4Cidr = Ipv4Cidr {
     network: Ipv4Addr::new(169, 254, 0, 0),
     prefix: 16,
 };
+
+/// Destinations closed by default: private networks (RFC 1918), carrier-grade
+/// NAT (RFC 6598, also Tailscale's), loopback and "this network" (which reach
+/// the host itself), the IETF protocol block, benchmarking, multicast and the
+/// reserved block up to the broadcast address. Link-local is denied always.
+pub const PRIVATE_RANGES: [Ipv4Cidr; 10] = [
+    cidr_const([0, 0, 0, 0], 8),
+    cidr_const([10, 0, 0, 0], 8),
+    cidr_const([100, 64, 0, 0], 10),
+    cidr_const([127, 0, 0, 0], 8),
+    cidr_const([172, 16, 0, 0], 12),
+    cidr_const([192, 0, 0, 0], 24),
+    cidr_const([192, 168, 0, 0], 16),
+    cidr_const([198, 18, 0, 0], 15),
+    cidr_const([224, 0, 0, 0], 4),
+    cidr_const([240, 0, 0, 0], 4),
+];
+
+const fn cidr_const(octets: [u8; 4], prefix: u8) -> Ipv4Cidr {
+    Ipv4Cidr {
+        network: Ipv4Addr::new(octets[0], octets[1], octets[2], octets[3]),
+        prefix,
+    }
+}
 
 /// An IPv4 network: `10.0.0.0/8`, or a single address (`/32`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -66,6 +101,11 @@ impl Ipv4Cidr {
 
     pub fn contains(&self, address: Ipv4Addr) -> bool {
         u32::from(address) & mask(self.prefix) == u32::from(self.network)
+    }
+
+    /// Whether `other` lies entirely inside this network.
+    pub fn covers(&self, other: &Ipv4Cidr) -> bool {
+        other.prefix >= self.prefix && self.contains(other.network)
     }
 
     /// How many addresses the network spans.
@@ -150,7 +190,20 @@ impl DestinationPolicy {
             (self.sandbox_range, Verdict::Drop),
         ];
         rules.extend(self.deny.iter().map(|cidr| (*cidr, Verdict::Drop)));
-        rules.extend(self.allow.iter().map(|cidr| (*cidr, Verdict::Accept)));
+        let private = |cidr: &Ipv4Cidr| PRIVATE_RANGES.iter().any(|range| range.covers(cidr));
+        rules.extend(
+            self.allow
+                .iter()
+                .filter(|cidr| private(cidr))
+                .map(|cidr| (*cidr, Verdict::Accept)),
+        );
+        rules.extend(PRIVATE_RANGES.iter().map(|cidr| (*cidr, Verdict::Drop)));
+        rules.extend(
+            self.allow
+                .iter()
+                .filter(|cidr| !private(cidr))
+                .map(|cidr| (*cidr, Verdict::Accept)),
+        );
         let fallback = if self.allow.is_empty() {
             Verdict::Accept
         } else {
@@ -218,9 +271,36 @@ mod tests {
     }
 
     #[test]
-    fn without_lists_everything_but_link_local_and_sandboxes_is_allowed() {
+    fn without_lists_everything_but_link_local_private_ranges_and_sandboxes_is_allowed() {
         let open = policy("", "");
         assert_eq!(open.verdict(ip("198.51.100.2")), Verdict::Accept);
+        assert_eq!(open.verdict(ip("8.8.8.8")), Verdict::Accept);
+        for private in [
+            "10.0.0.1",
+            "10.255.255.255",
+            "172.16.0.1",
+            "172.31.255.254",
+            "192.168.1.1",
+            "100.64.0.1",
+            "100.127.255.255",
+            "127.0.0.1",
+            "0.0.0.0",
+            "192.0.0.8",
+            "198.18.0.1",
+            "224.0.0.251",
+            "255.255.255.255",
+        ] {
+            assert_eq!(open.verdict(ip(private)), Verdict::Drop, "{private}");
+        }
+        for public in [
+            "172.32.0.1",
+            "100.128.0.1",
+            "192.169.0.1",
+            "11.0.0.1",
+            "9.255.255.255",
+        ] {
+            assert_eq!(open.verdict(ip(public)), Verdict::Accept, "{public}");
+        }
         assert_eq!(open.verdict(METADATA_ADDRESS), Verdict::Drop);
         assert_eq!(open.verdict(ip("169.254.170.2")), Verdict::Drop);
         assert_eq!(open.verdict(ip("169.254.0.1")), Verdict::Drop);
@@ -240,5 +320,32 @@ mod tests {
         let denied = policy("", "203.0.113.0/24");
         assert_eq!(denied.verdict(ip("203.0.113.5")), Verdict::Drop);
         assert_eq!(denied.verdict(ip("8.8.8.8")), Verdict::Accept);
+    }
+
+    #[test]
+    fn the_allow_list_opens_exactly_the_private_part_it_names() {
+        // Only a private network.
+        let internal = policy("10.20.0.0/16", "");
+        assert_eq!(internal.verdict(ip("10.20.3.4")), Verdict::Accept);
+        assert_eq!(internal.verdict(ip("10.21.0.1")), Verdict::Drop);
+        assert_eq!(internal.verdict(ip("8.8.8.8")), Verdict::Drop);
+        // The internet plus one private network.
+        let both = policy("0.0.0.0/0,10.20.0.0/16", "");
+        assert_eq!(both.verdict(ip("8.8.8.8")), Verdict::Accept);
+        assert_eq!(both.verdict(ip("10.20.3.4")), Verdict::Accept);
+        assert_eq!(both.verdict(ip("10.21.0.1")), Verdict::Drop);
+        assert_eq!(both.verdict(ip("192.168.0.1")), Verdict::Drop);
+        // 0.0.0.0/0 alone, or an entry wider than a private range, opens none of it.
+        let internet = policy("0.0.0.0/0,8.0.0.0/6", "");
+        assert_eq!(internet.verdict(ip("8.8.8.8")), Verdict::Accept);
+        assert_eq!(internet.verdict(ip("10.0.0.1")), Verdict::Drop);
+        assert_eq!(internet.verdict(ip("127.0.0.1")), Verdict::Drop);
+        // The deny list still wins; the sandbox range stays closed when allowed.
+        let carved = policy("10.0.0.0/8", "10.20.0.0/16");
+        assert_eq!(carved.verdict(ip("10.20.0.1")), Verdict::Drop);
+        assert_eq!(carved.verdict(ip("10.1.0.1")), Verdict::Accept);
+        assert_eq!(carved.verdict(ip("10.231.0.6")), Verdict::Drop);
+        assert!(cidr("10.0.0.0/8").covers(&cidr("10.20.0.0/16")));
+        assert!(!cidr("10.20.0.0/16").covers(&cidr("10.0.0.0/8")));
     }
 }

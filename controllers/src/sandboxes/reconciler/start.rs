@@ -312,6 +312,7 @@ impl Reconciler {
                 let options = CreateOptions {
                     snapshot_name: metadata.spec.filesystem_snapshot_name.clone(),
                     network: metadata.spec.network,
+                    image: metadata.spec.image.clone(),
                 };
                 self.runtime
                     .create(sandbox, &options)
