@@ -55,7 +55,12 @@ impl Launch {
     }
 
     /// Shares `bucket` on the test emulator for every artifact.
-    pub fn on_bucket(mut self, bucket: &str) -> Self {
+    pub fn on_bucket(self, bucket: &str) -> Self {
+        self.on_emulator(&super::emulator().endpoint(), bucket)
+    }
+
+    /// Shares `bucket` on the emulator at `endpoint` for every artifact.
+    pub fn on_emulator(mut self, endpoint: &str, bucket: &str) -> Self {
         for variable in [
             "SANDBOX_METADATA_BUCKET",
             "SANDBOX_CHECKPOINT_BUCKET",
@@ -63,10 +68,8 @@ impl Launch {
         ] {
             self.env.push((variable.to_owned(), bucket.to_owned()));
         }
-        self.env.push((
-            "STORAGE_EMULATOR_HOST".to_owned(),
-            super::emulator().endpoint(),
-        ));
+        self.env
+            .push(("STORAGE_EMULATOR_HOST".to_owned(), endpoint.to_owned()));
         self
     }
 

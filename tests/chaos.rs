@@ -1,0 +1,1059 @@
+//! The chaos run: three real `sandboxd` processes (fast leases: 6 s lease,
+//! 1 s skew, 2 s renew and resync) on a disk-backed fake-gcs-server, behind
+//! the HAProxy of `deploy/local`, and a dozen clients creating sandboxes,
+//! executing, checkpointing, detaching and re-attaching through random
+//! instances (directly and through the proxy), while a fault loop SIGKILLs an
+//! instance (a replacement with a new instance id takes its port), freezes one
+//! with SIGSTOP for longer than a lease, drains one with SIGTERM (and restarts
+//! it) and restarts the storage emulator.
+//!
+//! Checked from what the clients observed, and the test fails on any
+//! violation:
+//! - (a) no sandbox acknowledged executions on two instances in overlapping
+//!   time: an acknowledgement (`SANDBOX_EXECUTION_DONE`, `SANDBOX_CHECKPOINTED`)
+//!   on a socket that reached `SANDBOX_RUNNING` at `r` is a violation if
+//!   another instance acknowledged something for that sandbox after `r`.
+//!   Sockets abandoned because their instance froze are drained in the
+//!   background, so a late acknowledgement is seen.
+//! - (b) no acknowledged checkpoint lost: every execution appends a unique
+//!   number to a file and prints it; every printed file holds only numbers
+//!   that were sent, none twice, every number acknowledged before the last
+//!   acknowledged checkpoint, those in the order they were acknowledged, and
+//!   never again a number an earlier file had lost. Executions acknowledged
+//!   after the last checkpoint may be lost when the holder is killed or frozen
+//!   past its lease (a crash loses what came after the last checkpoint): they
+//!   are counted, not failed. After the run every sandbox with an
+//!   acknowledged checkpoint is attached once more and checked.
+//! - (c) every create or attach ends in `SANDBOX_RUNNING` or a clear error (an
+//!   error status, an HTTP refusal, a close frame with a code or reason)
+//!   within 60 s; a connection dropped without a word is allowed only when
+//!   its instance was killed, frozen or drained meanwhile.
+//!
+//! Also: every drain exits cleanly in time, and no server log shows a panic.
+//! `CHAOS_SECS` (default 60) sets the length, `CHAOS_SEED` the random
+//! choices; `CHAOS_SECS=600 cargo test --test chaos -- --nocapture` is the
+//! long run. The figures are printed at the end.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests fail by panicking"
+)]
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use futures::{SinkExt, StreamExt};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+use support::disk_emulator::DiskEmulator;
+use support::process::{Launch, ServerProcess, free_port};
+use support::proxy::Proxy;
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+const CLIENTS: usize = 12;
+const SLOTS: usize = 3;
+const BUCKET: &str = "chaos";
+/// (c): a create or attach ends within this.
+const ATTACH_BOUND: Duration = Duration::from_secs(60);
+/// An execution not acknowledged within this is abandoned to a drain task.
+const EXEC_WAIT: Duration = Duration::from_secs(30);
+/// A checkpoint not acknowledged within this is abandoned to a drain task.
+const CHECKPOINT_WAIT: Duration = Duration::from_secs(60);
+/// Longer than the fast lease (6 s) plus its skew (1 s).
+const FREEZE: Duration = Duration::from_secs(10);
+/// How long a SIGTERM drain may take.
+const DRAIN_BOUND: Duration = Duration::from_secs(120);
+/// How long the final check tries to reach each sandbox.
+const FINAL_BOUND: Duration = Duration::from_secs(150);
+
+type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What the clients know of one port's current process.
+#[derive(Clone, Debug)]
+struct SlotView {
+    instance: String,
+    /// Grows on every kill, freeze and drain of this port's process.
+    faults: u64,
+}
+
+#[derive(Default, Debug)]
+struct Stats {
+    creates: u64,
+    attaches: u64,
+    running: u64,
+    via_proxy: u64,
+    execs: u64,
+    checkpoints: u64,
+    detaches: u64,
+    switches: u64,
+    abandoned: u64,
+    late_acks: u64,
+    handoffs: u64,
+    takeovers: u64,
+    kills: u64,
+    freezes: u64,
+    drains: u64,
+    emulator_restarts: u64,
+    lost_after_checkpoint: u64,
+    given_up: u64,
+    final_checked: u64,
+    slowest_attach: Duration,
+    errors: BTreeMap<String, u64>,
+}
+
+struct Cluster {
+    ports: Vec<u16>,
+    proxy_port: u16,
+    slots: Mutex<Vec<SlotView>>,
+    /// When each instance was last killed or frozen.
+    faulted: Mutex<HashMap<String, Instant>>,
+    stats: Mutex<Stats>,
+    violations: Mutex<Vec<String>>,
+    next_number: AtomicU64,
+    stop: AtomicBool,
+    started: Instant,
+}
+
+impl Cluster {
+    fn secs(&self, at: Instant) -> f64 {
+        at.duration_since(self.started).as_secs_f64()
+    }
+
+    fn violation(&self, text: String) {
+        eprintln!("VIOLATION at {:.1} s: {text}", self.secs(Instant::now()));
+        lock(&self.violations).push(text);
+    }
+
+    fn error(&self, kind: &str) {
+        *lock(&self.stats).errors.entry(kind.to_owned()).or_default() += 1;
+    }
+
+    fn slot(&self, slot: usize) -> SlotView {
+        lock(&self.slots)[slot].clone()
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+}
+
+/// What one client knows of its sandbox.
+#[derive(Default)]
+struct Record {
+    id: String,
+    token: String,
+    /// Number → when it was sent.
+    sent: HashMap<u64, Instant>,
+    /// Numbers acknowledged, with when.
+    acked: Vec<(u64, Instant)>,
+    /// Every acknowledgement: instance, when.
+    acks: Vec<(String, Instant)>,
+    /// Numbers acknowledged before the last acknowledged checkpoint.
+    floor: Vec<(u64, Instant)>,
+    /// Acknowledged numbers a printed file no longer had.
+    lost: HashSet<u64>,
+    last_running: Option<(String, Instant)>,
+    has_checkpoint: bool,
+}
+
+type Shared = Arc<Mutex<Record>>;
+
+/// An attached socket.
+struct Conn {
+    ws: Socket,
+    instance: String,
+    running_at: Instant,
+}
+
+/// What a socket is waiting for.
+enum Pending {
+    Exec { number: u64, stdout: String },
+    Checkpoint,
+    Nothing,
+}
+
+enum Outcome {
+    Acked,
+    Error(String),
+    Closed(String),
+    TimedOut,
+}
+
+#[derive(Clone, Copy)]
+enum Target {
+    Slot(usize),
+    Proxy,
+}
+
+fn init() -> Value {
+    json!({"idle_timeout": 3600, "enable_checkpoint": true, "enable_sandbox_handoff": true})
+}
+
+fn slot_name(slot: usize) -> String {
+    format!("slot{slot}")
+}
+
+/// A status that ends a create, attach, execution or checkpoint in failure.
+/// (`SANDBOX_DELETED` is not one: a checkpoint's sequence ends with it.)
+fn is_error_status(status: &str) -> bool {
+    status.ends_with("_ERROR") || matches!(status, "SANDBOX_NOT_FOUND" | "SANDBOX_IN_USE")
+}
+
+/// Records an acknowledgement on `instance` by a socket that reached RUNNING
+/// at `running_at`, and checks (a) and, for an execution, (b).
+fn acknowledge(
+    cluster: &Cluster,
+    record: &Shared,
+    instance: &str,
+    running_at: Instant,
+    pending: &Pending,
+) {
+    let now = Instant::now();
+    let mut r = lock(record);
+    if let Some((other, at)) = r
+        .acks
+        .iter()
+        .find(|(other, at)| other != instance && *at > running_at)
+    {
+        let what = match pending {
+            Pending::Exec { number, .. } => format!("execution {number}"),
+            _ => "a checkpoint".to_owned(),
+        };
+        cluster.violation(format!(
+            "(a) sandbox {}: {instance} acknowledged {what} at {:.1} s on a socket RUNNING since \
+             {:.1} s, but {other} acknowledged for it at {:.1} s",
+            r.id,
+            cluster.secs(now),
+            cluster.secs(running_at),
+            cluster.secs(*at)
+        ));
+    }
+    r.acks.push((instance.to_owned(), now));
+    match pending {
+        Pending::Exec { number, stdout } => {
+            r.acked.push((*number, now));
+            lock(&cluster.stats).execs += 1;
+            check_file(cluster, &mut r, stdout, instance);
+        }
+        Pending::Checkpoint => {
+            r.floor = r.acked.clone();
+            r.has_checkpoint = true;
+            lock(&cluster.stats).checkpoints += 1;
+        }
+        Pending::Nothing => {}
+    }
+}
+
+/// (b) on a printed file.
+fn check_file(cluster: &Cluster, r: &mut Record, stdout: &str, instance: &str) {
+    let mut seen: HashMap<u64, usize> = HashMap::new();
+    let mut bad = Vec::new();
+    for (position, line) in stdout.lines().enumerate() {
+        let Ok(number) = line.trim().parse::<u64>() else {
+            bad.push(format!("unknown line {line:?}"));
+            continue;
+        };
+        if !r.sent.contains_key(&number) {
+            bad.push(format!("{number} was never sent"));
+        }
+        if seen.insert(number, position).is_some() {
+            bad.push(format!("{number} twice"));
+        }
+    }
+    for (number, _) in &r.floor {
+        if !seen.contains_key(number) {
+            bad.push(format!(
+                "{number}, acknowledged before the last acknowledged checkpoint, is missing"
+            ));
+        }
+    }
+    // Causal order: a number acknowledged before another was sent comes first.
+    for (a, acked_at) in &r.floor {
+        for (b, _) in &r.floor {
+            if r.sent.get(b).is_some_and(|sent| acked_at < sent)
+                && let (Some(pa), Some(pb)) = (seen.get(a), seen.get(b))
+                && pa > pb
+            {
+                bad.push(format!("{a} (acknowledged before {b} was sent) after {b}"));
+            }
+        }
+    }
+    for (number, _) in &r.acked {
+        if r.lost.contains(number) && seen.contains_key(number) {
+            bad.push(format!("{number}, lost earlier, is back"));
+        }
+    }
+    let newly_lost: Vec<u64> = r
+        .acked
+        .iter()
+        .map(|(n, _)| *n)
+        .filter(|n| !seen.contains_key(n) && !r.lost.contains(n))
+        .collect();
+    lock(&cluster.stats).lost_after_checkpoint += newly_lost.len() as u64;
+    r.lost.extend(newly_lost);
+    if !bad.is_empty() {
+        cluster.violation(format!(
+            "(b) sandbox {} on {instance}: {}; file {:?}",
+            r.id,
+            bad.join("; "),
+            stdout.lines().collect::<Vec<_>>()
+        ));
+    }
+}
+
+/// Reads frames until what `pending` waits for, an error status, the close
+/// or `deadline`; records an acknowledgement.
+async fn wait_ack(
+    cluster: &Cluster,
+    record: &Shared,
+    conn: &mut Conn,
+    pending: &mut Pending,
+    deadline: Option<tokio::time::Instant>,
+) -> Outcome {
+    loop {
+        let next = match deadline {
+            Some(at) => match tokio::time::timeout_at(at, conn.ws.next()).await {
+                Ok(next) => next,
+                Err(_) => return Outcome::TimedOut,
+            },
+            None => conn.ws.next().await,
+        };
+        let text = match next {
+            Some(Ok(Message::Text(text))) => text,
+            Some(Ok(Message::Close(frame))) => {
+                return Outcome::Closed(frame.map_or("close".to_owned(), |f| {
+                    format!("close {} {}", u16::from(f.code), f.reason)
+                }));
+            }
+            Some(Ok(_)) => continue,
+            Some(Err(err)) => return Outcome::Closed(format!("dropped: {err}")),
+            None => return Outcome::Closed("dropped".to_owned()),
+        };
+        let Ok(frame) = serde_json::from_str::<Value>(text.as_str()) else {
+            cluster.violation(format!("a frame that is not JSON: {text}"));
+            continue;
+        };
+        match frame["event"].as_str() {
+            Some("stdout") => {
+                if let Pending::Exec { stdout, .. } = pending {
+                    stdout.push_str(frame["data"].as_str().unwrap_or_default());
+                }
+            }
+            Some("status_update") => {
+                let status = frame["status"].as_str().unwrap_or_default();
+                let done = match pending {
+                    Pending::Exec { .. } => status == "SANDBOX_EXECUTION_DONE",
+                    Pending::Checkpoint => status == "SANDBOX_CHECKPOINTED",
+                    Pending::Nothing => false,
+                };
+                if done {
+                    acknowledge(cluster, record, &conn.instance, conn.running_at, pending);
+                    *pending = Pending::Nothing;
+                    return Outcome::Acked;
+                }
+                if is_error_status(status) && !matches!(pending, Pending::Nothing) {
+                    return Outcome::Error(status.to_owned());
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Keeps reading an abandoned socket until it closes, recording late
+/// acknowledgements (the run's end aborts it).
+fn drain(cluster: Arc<Cluster>, record: Shared, mut conn: Conn, mut pending: Pending) {
+    tokio::spawn(async move {
+        loop {
+            let waiting = !matches!(pending, Pending::Nothing);
+            match wait_ack(&cluster, &record, &mut conn, &mut pending, None).await {
+                Outcome::Acked if waiting => lock(&cluster.stats).late_acks += 1,
+                Outcome::Acked | Outcome::Error(_) => {}
+                Outcome::Closed(_) | Outcome::TimedOut => return,
+            }
+        }
+    });
+}
+
+/// Opens `path` on `target`: the socket, the slot it reached, and that
+/// slot's fault count when the attempt began.
+async fn open(
+    cluster: &Cluster,
+    target: Target,
+    path: &str,
+) -> Result<(Socket, usize, u64), String> {
+    let (port, before) = match target {
+        Target::Slot(slot) => (cluster.ports[slot], Some(cluster.slot(slot).faults)),
+        Target::Proxy => (cluster.proxy_port, None),
+    };
+    let faults_at_start: Vec<u64> = lock(&cluster.slots).iter().map(|s| s.faults).collect();
+    let url = format!("ws://127.0.0.1:{port}{path}");
+    match tokio_tungstenite::connect_async(url.as_str()).await {
+        Ok((ws, response)) => {
+            let slot = match target {
+                Target::Slot(slot) => slot,
+                Target::Proxy => {
+                    let cookie = response
+                        .headers()
+                        .get("set-cookie")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default();
+                    let Some(slot) = (0..SLOTS).find(|s| {
+                        cookie.starts_with(&format!("GAESA={};", slot_name(*s)))
+                    }) else {
+                        return Err(format!("proxy: no affinity cookie ({cookie:?})"));
+                    };
+                    lock(&cluster.stats).via_proxy += 1;
+                    slot
+                }
+            };
+            Ok((ws, slot, before.unwrap_or(faults_at_start[slot])))
+        }
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+            Err(format!("http {}", response.status().as_u16()))
+        }
+        Err(tokio_tungstenite::tungstenite::Error::Io(err)) => Err(format!("io {:?}", err.kind())),
+        Err(err) => Err(format!("handshake: {err}")),
+    }
+}
+
+/// `/create` (with `init`) or `/attach`: frames until RUNNING, an error or
+/// the close, bounded by (c). Returns the socket and, for `/create`, the id
+/// and token.
+async fn reach_running(
+    cluster: &Cluster,
+    target: Target,
+    path: &str,
+    create: bool,
+    what: &str,
+) -> Result<(Conn, Option<(String, String)>), String> {
+    let started = Instant::now();
+    let mut seen: Vec<String> = Vec::new();
+    let attempt = async {
+        let (mut ws, slot, faults_before) = open(cluster, target, path).await?;
+        seen.push(format!("connected to {}", cluster.slot(slot).instance));
+        if create {
+            ws.send(Message::text(init().to_string()))
+                .await
+                .map_err(|err| format!("send init: {err}"))?;
+        }
+        let mut ids = None;
+        let mut error = None;
+        let end = loop {
+            let text = match ws.next().await {
+                Some(Ok(Message::Text(text))) => text,
+                Some(Ok(Message::Close(frame))) => {
+                    break frame.map(|f| (u16::from(f.code), f.reason.to_string()));
+                }
+                Some(Ok(_)) => continue,
+                Some(Err(_)) | None => break None,
+            };
+            let frame: Value = serde_json::from_str(text.as_str())
+                .map_err(|_| format!("a frame that is not JSON: {text}"))?;
+            if frame["event"] == "sandbox_id" {
+                ids = Some((
+                    frame["sandbox_id"].as_str().unwrap_or_default().to_owned(),
+                    frame["sandbox_token"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned(),
+                ));
+            }
+            let status = frame["status"].as_str().unwrap_or_default();
+            seen.push(format!(
+                "{:.1} s {}{}",
+                cluster.secs(Instant::now()),
+                frame["event"].as_str().unwrap_or_default(),
+                if status.is_empty() { String::new() } else { format!(" {status}") }
+            ));
+            if status == "SANDBOX_RUNNING" {
+                let view = cluster.slot(slot);
+                let conn = Conn {
+                    ws,
+                    instance: view.instance,
+                    running_at: Instant::now(),
+                };
+                return Ok((conn, ids));
+            }
+            if is_error_status(status) {
+                error = Some(status.to_owned());
+                // The error frame and the close follow; the status is the answer.
+                break Some((0, String::new()));
+            }
+        };
+        if let Some(status) = error {
+            return Err(status);
+        }
+        match end {
+            Some((code, reason)) if code != 1000 || !reason.is_empty() => {
+                Err(format!("close {code}"))
+            }
+            _ => {
+                if cluster.slot(slot).faults != faults_before {
+                    Err("dropped: instance faulted".to_owned())
+                } else {
+                    cluster.violation(format!(
+                        "(c) {what} on {} ended without RUNNING or a clear error ({end:?}) \
+                         after {seen:?}",
+                        slot_name(slot)
+                    ));
+                    Err("unclear end".to_owned())
+                }
+            }
+        }
+    };
+    let outcome = tokio::time::timeout(ATTACH_BOUND, attempt).await;
+    let result = match outcome {
+        Ok(result) => result,
+        Err(_) => {
+            cluster.violation(format!(
+                "(c) {what} through {} begun at {:.1} s hung for {ATTACH_BOUND:?}; frames: {seen:?}",
+                match target {
+                    Target::Slot(slot) => slot_name(slot),
+                    Target::Proxy => "the proxy".to_owned(),
+                },
+                cluster.secs(started)
+            ));
+            Err("hung".to_owned())
+        }
+    };
+    let mut stats = lock(&cluster.stats);
+    stats.slowest_attach = stats.slowest_attach.max(started.elapsed());
+    result
+}
+
+/// Marks a RUNNING: counts handoffs (another instance than the last) and
+/// takeovers (the last one was killed or frozen since).
+fn note_running(cluster: &Cluster, record: &Shared, conn: &Conn) {
+    let mut r = lock(record);
+    let mut stats = lock(&cluster.stats);
+    stats.running += 1;
+    if let Some((last, at)) = &r.last_running
+        && *last != conn.instance
+    {
+        stats.handoffs += 1;
+        if lock(&cluster.faulted)
+            .get(last)
+            .is_some_and(|fault| fault > at)
+        {
+            stats.takeovers += 1;
+        }
+    }
+    r.last_running = Some((conn.instance.clone(), conn.running_at));
+}
+
+fn pick_target(rng: &mut StdRng) -> Target {
+    match rng.random_range(0..=SLOTS) {
+        SLOTS => Target::Proxy,
+        slot => Target::Slot(slot),
+    }
+}
+
+async fn send(conn: &mut Conn, frame: Value) -> bool {
+    matches!(
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            conn.ws.send(Message::text(frame.to_string()))
+        )
+        .await,
+        Ok(Ok(()))
+    )
+}
+
+/// One client: one sandbox at a time, random operations until the stop.
+async fn client(cluster: Arc<Cluster>, seed: u64) -> Vec<Shared> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut sandboxes: Vec<Shared> = Vec::new();
+    let mut record: Option<Shared> = None;
+    let mut conn: Option<Conn> = None;
+    let mut failures = 0;
+    while !cluster.stopping() {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..300))).await;
+        let Some(current) = record.clone() else {
+            lock(&cluster.stats).creates += 1;
+            match reach_running(&cluster, pick_target(&mut rng), "/create", true, "create").await
+            {
+                Ok((created, Some((id, token)))) => {
+                    let shared = Arc::new(Mutex::new(Record {
+                        id,
+                        token,
+                        ..Record::default()
+                    }));
+                    note_running(&cluster, &shared, &created);
+                    sandboxes.push(Arc::clone(&shared));
+                    record = Some(shared);
+                    conn = Some(created);
+                }
+                Ok((_, None)) => cluster.violation("create: RUNNING without a sandbox_id".into()),
+                Err(kind) => {
+                    cluster.error(&format!("create: {kind}"));
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+            continue;
+        };
+        let Some(mut attached) = conn.take() else {
+            let path = {
+                let r = lock(&current);
+                format!("/attach/{}?sandbox_token={}", r.id, r.token)
+            };
+            lock(&cluster.stats).attaches += 1;
+            let what = format!("attach of {}", lock(&current).id);
+            match reach_running(&cluster, pick_target(&mut rng), &path, false, &what).await {
+                Ok((reached, _)) => {
+                    failures = 0;
+                    note_running(&cluster, &current, &reached);
+                    conn = Some(reached);
+                }
+                Err(kind) => {
+                    cluster.error(&format!("attach: {kind}"));
+                    failures += 1;
+                    // A sandbox never checkpointed is gone with a killed holder.
+                    let gone = !lock(&current).has_checkpoint
+                        && (kind == "SANDBOX_RESTORE_ERROR" || kind == "SANDBOX_NOT_FOUND");
+                    if gone && failures >= 5 {
+                        lock(&cluster.stats).given_up += 1;
+                        record = None;
+                        failures = 0;
+                    }
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(300..1500))).await;
+                }
+            }
+            continue;
+        };
+        let roll: f64 = rng.random();
+        if roll < 0.55 {
+            let number = cluster.next_number.fetch_add(1, Ordering::SeqCst);
+            lock(&current).sent.insert(number, Instant::now());
+            let code = format!("echo {number} >> /tmp/chaos; cat /tmp/chaos");
+            if !send(&mut attached, json!({"language": "bash", "code": code})).await {
+                cluster.error("exec: send failed");
+                continue;
+            }
+            let mut pending = Pending::Exec {
+                number,
+                stdout: String::new(),
+            };
+            let deadline = tokio::time::Instant::now() + EXEC_WAIT;
+            match wait_ack(&cluster, &current, &mut attached, &mut pending, Some(deadline)).await {
+                Outcome::Acked => conn = Some(attached),
+                Outcome::Error(status) => {
+                    cluster.error(&format!("exec: {status}"));
+                    let _ = tokio::time::timeout(Duration::from_secs(2), attached.ws.close(None))
+                        .await;
+                }
+                Outcome::Closed(how) => cluster.error(&format!("exec: {}", short(&how))),
+                Outcome::TimedOut => {
+                    lock(&cluster.stats).abandoned += 1;
+                    drain(Arc::clone(&cluster), current, attached, pending);
+                }
+            }
+        } else if roll < 0.70 {
+            if !send(&mut attached, json!({"action": "checkpoint"})).await {
+                cluster.error("checkpoint: send failed");
+                continue;
+            }
+            let mut pending = Pending::Checkpoint;
+            let deadline = tokio::time::Instant::now() + CHECKPOINT_WAIT;
+            match wait_ack(&cluster, &current, &mut attached, &mut pending, Some(deadline)).await {
+                Outcome::Acked => drain(Arc::clone(&cluster), current, attached, Pending::Nothing),
+                Outcome::Error(status) => {
+                    cluster.error(&format!("checkpoint: {status}"));
+                    let _ = tokio::time::timeout(Duration::from_secs(2), attached.ws.close(None))
+                        .await;
+                }
+                Outcome::Closed(how) => cluster.error(&format!("checkpoint: {}", short(&how))),
+                Outcome::TimedOut => {
+                    lock(&cluster.stats).abandoned += 1;
+                    drain(Arc::clone(&cluster), current, attached, pending);
+                }
+            }
+        } else if roll < 0.85 {
+            lock(&cluster.stats).detaches += 1;
+            let _ = tokio::time::timeout(Duration::from_secs(2), attached.ws.close(None)).await;
+        } else {
+            // Attach elsewhere while still attached here: the holder hands
+            // over with its client connected.
+            lock(&cluster.stats).switches += 1;
+            drain(Arc::clone(&cluster), current, attached, Pending::Nothing);
+        }
+    }
+    if let Some(mut attached) = conn {
+        let _ = tokio::time::timeout(Duration::from_secs(2), attached.ws.close(None)).await;
+    }
+    sandboxes
+}
+
+/// A close description without the per-connection details.
+fn short(how: &str) -> String {
+    if how.starts_with("dropped") {
+        "dropped".to_owned()
+    } else {
+        how.to_owned()
+    }
+}
+
+/// After the run: every sandbox that had an acknowledged checkpoint is
+/// attached once more and its file checked.
+async fn final_check(cluster: Arc<Cluster>, record: Shared, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (path, has_checkpoint, id) = {
+        let r = lock(&record);
+        (
+            format!("/attach/{}?sandbox_token={}", r.id, r.token),
+            r.has_checkpoint,
+            r.id.clone(),
+        )
+    };
+    if !has_checkpoint {
+        return;
+    }
+    let started = Instant::now();
+    let mut last = String::new();
+    while started.elapsed() < FINAL_BOUND {
+        let target = Target::Slot(rng.random_range(0..SLOTS));
+        match reach_running(&cluster, target, &path, false, &format!("final attach of {id}")).await {
+            Ok((mut conn, _)) => {
+                note_running(&cluster, &record, &conn);
+                let number = cluster.next_number.fetch_add(1, Ordering::SeqCst);
+                lock(&record).sent.insert(number, Instant::now());
+                let code = format!("echo {number} >> /tmp/chaos; cat /tmp/chaos");
+                if send(&mut conn, json!({"language": "bash", "code": code})).await {
+                    let mut pending = Pending::Exec {
+                        number,
+                        stdout: String::new(),
+                    };
+                    let deadline = tokio::time::Instant::now() + EXEC_WAIT;
+                    match wait_ack(&cluster, &record, &mut conn, &mut pending, Some(deadline)).await
+                    {
+                        Outcome::Acked => {
+                            lock(&cluster.stats).final_checked += 1;
+                            let _ = conn.ws.close(None).await;
+                            return;
+                        }
+                        Outcome::Error(how) | Outcome::Closed(how) => last = how,
+                        Outcome::TimedOut => last = "final exec timed out".to_owned(),
+                    }
+                }
+            }
+            Err(kind) => last = kind,
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    cluster.violation(format!(
+        "(b) sandbox {id} had an acknowledged checkpoint but could not be attached and checked \
+         within {FINAL_BOUND:?} after the run (last: {last})"
+    ));
+}
+
+/// Starts the process for `slot`, incarnation `generation`.
+async fn start_instance(
+    dir: &std::path::Path,
+    endpoint: &str,
+    port: u16,
+    slot: usize,
+    generation: u64,
+) -> ServerProcess {
+    let name = format!("chaos-{slot}-{generation}");
+    let mut launch = Launch::new(&name, dir)
+        .on_emulator(endpoint, BUCKET)
+        .fast_leases();
+    launch.port = Some(port);
+    launch.start().await
+}
+
+fn signal(server: &ServerProcess, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([signal, &server.child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill {signal} {}", server.name);
+}
+
+/// Drops (and so SIGKILLs and cleans up) a server off the async threads.
+async fn discard(server: ServerProcess) {
+    tokio::task::spawn_blocking(move || drop(server))
+        .await
+        .expect("discard");
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    Kill,
+    Freeze,
+    Drain,
+    Emulator,
+}
+
+/// The fault loop: one fault at a time, each kind in turn, until the run's
+/// end and at least one of each; then sets the stop.
+async fn faults(
+    cluster: Arc<Cluster>,
+    dir: std::path::PathBuf,
+    mut servers: Vec<ServerProcess>,
+    mut emulator: DiskEmulator,
+    run: Duration,
+    seed: u64,
+) -> (Vec<ServerProcess>, DiskEmulator) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let endpoint = emulator.endpoint();
+    let mut generation = SLOTS as u64;
+    let order = [Fault::Kill, Fault::Freeze, Fault::Drain, Fault::Emulator];
+    let mut done = 0;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    while cluster.started.elapsed() < run || done < order.len() {
+        let fault = order[done % order.len()];
+        let slot = rng.random_range(0..SLOTS);
+        let at = cluster.secs(Instant::now());
+        match fault {
+            Fault::Kill => {
+                let instance = servers[slot].name.clone();
+                signal(&servers[slot], "-KILL");
+                lock(&cluster.faulted).insert(instance.clone(), Instant::now());
+                lock(&cluster.slots)[slot].faults += 1;
+                generation += 1;
+                let port = cluster.ports[slot];
+                let replacement = start_instance(&dir, &endpoint, port, slot, generation).await;
+                let killed = std::mem::replace(&mut servers[slot], replacement);
+                {
+                    let mut slots = lock(&cluster.slots);
+                    slots[slot].instance = servers[slot].name.clone();
+                    slots[slot].faults += 1;
+                }
+                discard(killed).await;
+                lock(&cluster.stats).kills += 1;
+                eprintln!("{at:.1} s: SIGKILL {instance}, replaced by {}", servers[slot].name);
+            }
+            Fault::Freeze => {
+                let instance = servers[slot].name.clone();
+                signal(&servers[slot], "-STOP");
+                lock(&cluster.slots)[slot].faults += 1;
+                lock(&cluster.faulted).insert(instance.clone(), Instant::now());
+                tokio::time::sleep(FREEZE).await;
+                lock(&cluster.faulted).insert(instance.clone(), Instant::now());
+                signal(&servers[slot], "-CONT");
+                lock(&cluster.slots)[slot].faults += 1;
+                lock(&cluster.stats).freezes += 1;
+                eprintln!("{at:.1} s: SIGSTOP {instance} for {FREEZE:?}, then SIGCONT");
+            }
+            Fault::Drain => {
+                let instance = servers[slot].name.clone();
+                lock(&cluster.slots)[slot].faults += 1;
+                signal(&servers[slot], "-TERM");
+                let began = Instant::now();
+                let status = loop {
+                    if let Some(status) = servers[slot].child.try_wait().expect("try_wait") {
+                        break Some(status);
+                    }
+                    if began.elapsed() > DRAIN_BOUND {
+                        break None;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                };
+                match status {
+                    Some(status) if status.success() => {}
+                    Some(status) => {
+                        cluster.violation(format!("drain: {instance} exited with {status}"));
+                    }
+                    None => cluster.violation(format!(
+                        "drain: {instance} still running {DRAIN_BOUND:?} after SIGTERM"
+                    )),
+                }
+                generation += 1;
+                let port = cluster.ports[slot];
+                let replacement = start_instance(&dir, &endpoint, port, slot, generation).await;
+                let drained = std::mem::replace(&mut servers[slot], replacement);
+                {
+                    let mut slots = lock(&cluster.slots);
+                    slots[slot].instance = servers[slot].name.clone();
+                    slots[slot].faults += 1;
+                }
+                discard(drained).await;
+                lock(&cluster.stats).drains += 1;
+                eprintln!(
+                    "{at:.1} s: SIGTERM {instance}, drained in {:.1} s, replaced by {}",
+                    began.elapsed().as_secs_f64(),
+                    servers[slot].name
+                );
+            }
+            Fault::Emulator => {
+                tokio::task::block_in_place(|| emulator.kill());
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                tokio::task::block_in_place(|| emulator.restart());
+                lock(&cluster.stats).emulator_restarts += 1;
+                eprintln!("{at:.1} s: storage emulator down for 2 s");
+            }
+        }
+        done += 1;
+        let pause = Duration::from_millis(rng.random_range(2000..5000));
+        tokio::time::sleep(pause).await;
+    }
+    cluster.stop.store(true, Ordering::SeqCst);
+    (servers, emulator)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chaos() {
+    let run = Duration::from_secs(
+        std::env::var("CHAOS_SECS")
+            .ok()
+            .map(|s| s.parse().expect("CHAOS_SECS is a number of seconds"))
+            .unwrap_or(60),
+    );
+    let seed: u64 = std::env::var("CHAOS_SEED")
+        .ok()
+        .map(|s| s.parse().expect("CHAOS_SEED is a number"))
+        .unwrap_or_else(rand::random);
+    eprintln!("chaos: {run:?}, CHAOS_SEED={seed}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let emulator = DiskEmulator::start(&dir.path().join("gcs"));
+    emulator.create_bucket(BUCKET).await;
+    let endpoint = emulator.endpoint();
+    let ports: Vec<u16> = (0..SLOTS).map(|_| free_port()).collect();
+    let mut servers = Vec::new();
+    for (slot, port) in ports.iter().enumerate() {
+        servers.push(start_instance(dir.path(), &endpoint, *port, slot, slot as u64).await);
+    }
+    let named: Vec<(String, String)> = ports
+        .iter()
+        .enumerate()
+        .map(|(slot, port)| (slot_name(slot), format!("127.0.0.1:{port}")))
+        .collect();
+    let proxy = Proxy::start_named(dir.path(), &named).await;
+    let cluster = Arc::new(Cluster {
+        ports,
+        proxy_port: proxy.port,
+        slots: Mutex::new(
+            servers
+                .iter()
+                .map(|s| SlotView {
+                    instance: s.name.clone(),
+                    faults: 0,
+                })
+                .collect(),
+        ),
+        faulted: Mutex::default(),
+        stats: Mutex::default(),
+        violations: Mutex::default(),
+        next_number: AtomicU64::new(1),
+        stop: AtomicBool::new(false),
+        started: Instant::now(),
+    });
+
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|n| tokio::spawn(client(Arc::clone(&cluster), seed ^ (n as u64 + 1))))
+        .collect();
+    let (servers, emulator) = faults(
+        Arc::clone(&cluster),
+        dir.path().to_owned(),
+        servers,
+        emulator,
+        run,
+        seed,
+    )
+    .await;
+    let mut records = Vec::new();
+    for client in clients {
+        records.extend(client.await.expect("a client panicked"));
+    }
+    let elapsed = cluster.started.elapsed();
+    let checks: Vec<_> = records
+        .iter()
+        .enumerate()
+        .map(|(n, record)| {
+            tokio::spawn(final_check(
+                Arc::clone(&cluster),
+                Arc::clone(record),
+                seed ^ (n as u64 + 1000),
+            ))
+        })
+        .collect();
+    for check in checks {
+        check.await.expect("a final check panicked");
+    }
+
+    let logs: Vec<std::path::PathBuf> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|entry| {
+            let path = entry.ok()?.path().join("sandboxd.log");
+            path.exists().then_some(path)
+        })
+        .collect();
+    let mut lost_lines = 0;
+    for log in &logs {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(line) = text.lines().find(|l| l.contains("panicked")) {
+            cluster.violation(format!("{}: {line}", log.display()));
+        }
+        lost_lines += text
+            .lines()
+            .filter(|l| l.contains("stopping a sandbox this instance lost"))
+            .count();
+    }
+
+    let stats = lock(&cluster.stats);
+    let violations = lock(&cluster.violations).clone();
+    let mut report = String::new();
+    let operations = stats.creates
+        + stats.attaches
+        + stats.execs
+        + stats.checkpoints
+        + stats.detaches
+        + stats.switches;
+    writeln!(report, "chaos run: {:.0} s, seed {seed}, {CLIENTS} clients, {SLOTS} instances", elapsed.as_secs_f64()).unwrap();
+    writeln!(report, "  operations {operations}: creates {}, attaches {} (via proxy {}), RUNNING {}, executions acknowledged {}, checkpoints acknowledged {}, detaches {}, switches while attached {}", stats.creates, stats.attaches, stats.via_proxy, stats.running, stats.execs, stats.checkpoints, stats.detaches, stats.switches).unwrap();
+    writeln!(report, "  faults: kills {}, freezes {}, drains {}, emulator restarts {}", stats.kills, stats.freezes, stats.drains, stats.emulator_restarts).unwrap();
+    writeln!(report, "  handoffs {} (RUNNING on another instance than the last), takeovers {} (from a killed or frozen holder); sandboxes stopped as lost by their old holder (server logs) {lost_lines}", stats.handoffs, stats.takeovers).unwrap();
+    writeln!(report, "  abandoned sockets {} (late acknowledgements on them {}), executions acknowledged after the last checkpoint and lost {}, sandboxes given up (never checkpointed) {}, checked after the run {}", stats.abandoned, stats.late_acks, stats.lost_after_checkpoint, stats.given_up, stats.final_checked).unwrap();
+    writeln!(report, "  slowest create/attach {:.1} s", stats.slowest_attach.as_secs_f64()).unwrap();
+    writeln!(report, "  errors by kind:").unwrap();
+    for (kind, count) in &stats.errors {
+        writeln!(report, "    {count:>5}  {kind}").unwrap();
+    }
+    writeln!(report, "  violations {}", violations.len()).unwrap();
+    for violation in &violations {
+        writeln!(report, "    {violation}").unwrap();
+    }
+    eprintln!("{report}");
+    drop(stats);
+
+    if !violations.is_empty() {
+        let keep = std::env::temp_dir().join(format!("chaos-logs-{seed}"));
+        std::fs::create_dir_all(&keep).unwrap();
+        for log in &logs {
+            let instance = log.parent().unwrap().file_name().unwrap();
+            std::fs::copy(log, keep.join(instance).with_extension("log")).unwrap();
+        }
+        eprintln!("server logs kept in {}", keep.display());
+    }
+    drop(proxy);
+    for server in servers {
+        discard(server).await;
+    }
+    drop(emulator);
+    let kinds_ran = {
+        let stats = lock(&cluster.stats);
+        stats.kills > 0 && stats.freezes > 0 && stats.drains > 0 && stats.emulator_restarts > 0
+    };
+    assert!(kinds_ran, "every kind of fault ran");
+    assert!(violations.is_empty(), "{} violations:\n{report}", violations.len());
+    let stats = lock(&cluster.stats);
+    assert!(
+        stats.execs > 0 && stats.checkpoints > 0 && stats.handoffs > 0,
+        "the run did nothing worth checking:\n{report}"
+    );
+}
