@@ -126,6 +126,9 @@ struct Cluster {
     stats: Mutex<Stats>,
     violations: Mutex<Vec<String>>,
     next_number: AtomicU64,
+    /// The instance that acknowledged the last execution: the faults aim at
+    /// it, so they hit an instance with clients at work.
+    busiest: Mutex<String>,
     stop: AtomicBool,
     started: Instant,
 }
@@ -190,6 +193,7 @@ enum Pending {
     Nothing,
 }
 
+#[derive(Debug)]
 enum Outcome {
     Acked,
     Error(String),
@@ -246,6 +250,7 @@ fn acknowledge(cluster: &Cluster, record: &Shared, conn: &mut Conn, pending: &Pe
         Pending::Exec { number, stdout } => {
             r.acked.push(*number);
             lock(&cluster.stats).execs += 1;
+            instance.clone_into(&mut lock(&cluster.busiest));
             conn.last_file = Some(check_file(cluster, &mut r, stdout, instance));
         }
         Pending::Checkpoint => {
@@ -644,7 +649,10 @@ async fn client(cluster: Arc<Cluster>, seed: u64) -> Vec<Shared> {
                 stdout: String::new(),
             };
             let deadline = tokio::time::Instant::now() + EXEC_WAIT;
-            match wait_ack(&cluster, &current, &mut attached, &mut pending, Some(deadline)).await {
+            let outcome =
+                wait_ack(&cluster, &current, &mut attached, &mut pending, Some(deadline)).await;
+            trace(&cluster, &current, &attached, &format!("exec {number}: {outcome:?}"));
+            match outcome {
                 Outcome::Acked => conn = Some(attached),
                 Outcome::Error(status) => {
                     cluster.error(&format!("exec: {status}"));
@@ -691,6 +699,18 @@ async fn client(cluster: Arc<Cluster>, seed: u64) -> Vec<Shared> {
         let _ = tokio::time::timeout(Duration::from_secs(2), attached.ws.close(None)).await;
     }
     sandboxes
+}
+
+/// With `CHAOS_TRACE` set, prints what a client saw.
+fn trace(cluster: &Cluster, record: &Shared, conn: &Conn, what: &str) {
+    if std::env::var_os("CHAOS_TRACE").is_some() {
+        let id = lock(record).id.chars().take(8).collect::<String>();
+        eprintln!(
+            "{:.1} s {id} on {}: {what}",
+            cluster.secs(Instant::now()),
+            conn.instance
+        );
+    }
 }
 
 /// A close description without the per-connection details.
@@ -812,7 +832,11 @@ async fn faults(
     tokio::time::sleep(Duration::from_secs(8)).await;
     while cluster.started.elapsed() < run || done < order.len() {
         let fault = order[done % order.len()];
-        let slot = rng.random_range(0..SLOTS);
+        let busiest = lock(&cluster.busiest).clone();
+        let slot = lock(&cluster.slots)
+            .iter()
+            .position(|view| view.instance == busiest)
+            .unwrap_or_else(|| rng.random_range(0..SLOTS));
         let at = cluster.secs(Instant::now());
         match fault {
             Fault::Kill => {
@@ -946,6 +970,7 @@ async fn chaos() {
         stats: Mutex::default(),
         violations: Mutex::default(),
         next_number: AtomicU64::new(1),
+        busiest: Mutex::default(),
         stop: AtomicBool::new(false),
         started: Instant::now(),
     });
