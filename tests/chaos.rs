@@ -173,6 +173,21 @@ struct Record {
     lost: HashSet<u64>,
     last_running: Option<(String, Instant)>,
     has_checkpoint: bool,
+    /// What the client saw, for the violation reports.
+    history: Vec<String>,
+}
+
+impl Record {
+    fn saw(&mut self, cluster: &Cluster, what: String) {
+        self.history
+            .push(format!("{:.1} s {what}", cluster.secs(Instant::now())));
+    }
+
+    /// The last things the client saw of this sandbox.
+    fn recent(&self) -> String {
+        let from = self.history.len().saturating_sub(12);
+        self.history[from..].join("\n        ")
+    }
 }
 
 type Shared = Arc<Mutex<Record>>;
@@ -236,14 +251,16 @@ fn acknowledge(cluster: &Cluster, record: &Shared, conn: &mut Conn, pending: &Pe
             Pending::Exec { number, .. } => format!("execution {number}"),
             _ => "a checkpoint".to_owned(),
         };
-        cluster.violation(format!(
+        let text = format!(
             "(a) sandbox {}: {instance} acknowledged {what} at {:.1} s on a socket RUNNING since \
-             {:.1} s, but {other} acknowledged for it at {:.1} s",
+             {:.1} s, but {other} acknowledged for it at {:.1} s; before:\n        {}",
             r.id,
             cluster.secs(now),
             cluster.secs(conn.running_at),
-            cluster.secs(*at)
-        ));
+            cluster.secs(*at),
+            r.recent()
+        );
+        cluster.violation(text);
     }
     r.acks.push((instance.to_owned(), now));
     match pending {
@@ -251,7 +268,9 @@ fn acknowledge(cluster: &Cluster, record: &Shared, conn: &mut Conn, pending: &Pe
             r.acked.push(*number);
             lock(&cluster.stats).execs += 1;
             instance.clone_into(&mut lock(&cluster.busiest));
-            conn.last_file = Some(check_file(cluster, &mut r, stdout, instance));
+            let file = check_file(cluster, &mut r, stdout, instance);
+            r.saw(cluster, format!("{instance} acknowledged {number}: {file:?}"));
+            conn.last_file = Some(file);
         }
         Pending::Checkpoint => {
             // The checkpoint holds the state this socket last printed; with
@@ -261,6 +280,8 @@ fn acknowledge(cluster: &Cluster, record: &Shared, conn: &mut Conn, pending: &Pe
             }
             r.has_checkpoint = true;
             lock(&cluster.stats).checkpoints += 1;
+            let floor = r.floor.clone();
+            r.saw(cluster, format!("{instance} acknowledged a checkpoint of {floor:?}"));
         }
         Pending::Nothing => {}
     }
@@ -291,10 +312,16 @@ fn check_file(cluster: &Cluster, r: &mut Record, stdout: &str, instance: &str) -
             r.floor
         ));
     }
-    for number in &r.acked {
-        if r.lost.contains(number) && seen.contains(number) {
-            bad.push(format!("{number}, lost earlier, is back"));
-        }
+    let back: Vec<u64> = r
+        .acked
+        .iter()
+        .copied()
+        .filter(|n| r.lost.contains(n) && seen.contains(n))
+        .collect();
+    for number in back {
+        // Reported once: it counts as kept again from here.
+        r.lost.remove(&number);
+        bad.push(format!("{number}, lost earlier, is back"));
     }
     let newly_lost: Vec<u64> = r
         .acked
@@ -306,9 +333,10 @@ fn check_file(cluster: &Cluster, r: &mut Record, stdout: &str, instance: &str) -
     r.lost.extend(newly_lost);
     if !bad.is_empty() {
         cluster.violation(format!(
-            "(b) sandbox {} on {instance}: {}; file {file:?}",
+            "(b) sandbox {} on {instance}: {}; file {file:?}; before:\n        {}",
             r.id,
             bad.join("; "),
+            r.recent()
         ));
     }
     file
@@ -554,6 +582,8 @@ fn note_running(cluster: &Cluster, record: &Shared, conn: &Conn) {
         }
     }
     r.last_running = Some((conn.instance.clone(), conn.running_at));
+    let line = format!("RUNNING on {}", conn.instance);
+    r.saw(cluster, line);
 }
 
 fn pick_target(rng: &mut StdRng) -> Target {
@@ -621,6 +651,7 @@ async fn client(cluster: Arc<Cluster>, seed: u64) -> Vec<Shared> {
                 }
                 Err(kind) => {
                     cluster.error(&format!("attach: {kind}"));
+                    lock(&current).saw(&cluster, format!("attach failed: {kind}"));
                     failures += 1;
                     // A sandbox never checkpointed is gone with a killed holder.
                     let gone = !lock(&current).has_checkpoint
@@ -672,7 +703,10 @@ async fn client(cluster: Arc<Cluster>, seed: u64) -> Vec<Shared> {
             }
             let mut pending = Pending::Checkpoint;
             let deadline = tokio::time::Instant::now() + CHECKPOINT_WAIT;
-            match wait_ack(&cluster, &current, &mut attached, &mut pending, Some(deadline)).await {
+            let outcome =
+                wait_ack(&cluster, &current, &mut attached, &mut pending, Some(deadline)).await;
+            trace(&cluster, &current, &attached, &format!("checkpoint: {outcome:?}"));
+            match outcome {
                 Outcome::Acked => drain(Arc::clone(&cluster), current, attached, Pending::Nothing),
                 Outcome::Error(status) => {
                     cluster.error(&format!("checkpoint: {status}"));
@@ -687,11 +721,13 @@ async fn client(cluster: Arc<Cluster>, seed: u64) -> Vec<Shared> {
             }
         } else if roll < 0.85 {
             lock(&cluster.stats).detaches += 1;
+            lock(&current).saw(&cluster, format!("detached from {}", attached.instance));
             let _ = tokio::time::timeout(Duration::from_secs(2), attached.ws.close(None)).await;
         } else {
             // Attach elsewhere while still attached here: the holder hands
             // over with its client connected.
             lock(&cluster.stats).switches += 1;
+            lock(&current).saw(&cluster, format!("left {} attached", attached.instance));
             drain(Arc::clone(&cluster), current, attached, Pending::Nothing);
         }
     }
@@ -701,8 +737,12 @@ async fn client(cluster: Arc<Cluster>, seed: u64) -> Vec<Shared> {
     sandboxes
 }
 
-/// With `CHAOS_TRACE` set, prints what a client saw.
+/// Notes an operation's outcome in the sandbox's history and, with
+/// `CHAOS_TRACE` set, prints it.
 fn trace(cluster: &Cluster, record: &Shared, conn: &Conn, what: &str) {
+    if !what.ends_with("Acked") {
+        lock(record).saw(cluster, format!("{}: {what}", conn.instance));
+    }
     if std::env::var_os("CHAOS_TRACE").is_some() {
         let id = lock(record).id.chars().take(8).collect::<String>();
         eprintln!(
