@@ -1009,6 +1009,53 @@ async fn faults(
     (servers, emulator)
 }
 
+/// The figures at the end of the run.
+fn report(
+    stats: &Stats,
+    violations: &[String],
+    seed: u64,
+    elapsed: Duration,
+    lost_lines: usize,
+) -> String {
+    let mut report = String::new();
+    let operations = stats.creates
+        + stats.attaches
+        + stats.execs
+        + stats.checkpoints
+        + stats.detaches
+        + stats.switches;
+    writeln!(
+        report,
+        "chaos run: {:.0} s, seed {seed}, {CLIENTS} clients, {SLOTS} instances",
+        elapsed.as_secs_f64()
+    )
+    .unwrap();
+    writeln!(report, "  operations {operations}: creates {}, attaches {} (via proxy {}), RUNNING {}, executions acknowledged {}, checkpoints acknowledged {}, detaches {}, switches while attached {}", stats.creates, stats.attaches, stats.via_proxy, stats.running, stats.execs, stats.checkpoints, stats.detaches, stats.switches).unwrap();
+    writeln!(
+        report,
+        "  faults: kills {}, freezes {}, drains {}, emulator restarts {}",
+        stats.kills, stats.freezes, stats.drains, stats.emulator_restarts
+    )
+    .unwrap();
+    writeln!(report, "  handoffs {} (RUNNING on another instance than the last), takeovers {} (from a killed or frozen holder); sandboxes stopped as lost by their old holder (server logs) {lost_lines}", stats.handoffs, stats.takeovers).unwrap();
+    writeln!(report, "  abandoned sockets {} (late acknowledgements on them {}), executions acknowledged after the last checkpoint and lost {}, sandboxes given up (never checkpointed) {}, checked after the run {}", stats.abandoned, stats.late_acks, stats.lost_after_checkpoint, stats.given_up, stats.final_checked).unwrap();
+    writeln!(
+        report,
+        "  slowest create/attach {:.1} s",
+        stats.slowest_attach.as_secs_f64()
+    )
+    .unwrap();
+    writeln!(report, "  errors by kind:").unwrap();
+    for (kind, count) in &stats.errors {
+        writeln!(report, "    {count:>5}  {kind}").unwrap();
+    }
+    writeln!(report, "  violations {}", violations.len()).unwrap();
+    for violation in violations {
+        writeln!(report, "    {violation}").unwrap();
+    }
+    report
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chaos() {
     let run = Duration::from_secs(
@@ -1110,46 +1157,15 @@ async fn chaos() {
             .count();
     }
 
-    let stats = lock(&cluster.stats);
     let violations = lock(&cluster.violations).clone();
-    let mut report = String::new();
-    let operations = stats.creates
-        + stats.attaches
-        + stats.execs
-        + stats.checkpoints
-        + stats.detaches
-        + stats.switches;
-    writeln!(
-        report,
-        "chaos run: {:.0} s, seed {seed}, {CLIENTS} clients, {SLOTS} instances",
-        elapsed.as_secs_f64()
-    )
-    .unwrap();
-    writeln!(report, "  operations {operations}: creates {}, attaches {} (via proxy {}), RUNNING {}, executions acknowledged {}, checkpoints acknowledged {}, detaches {}, switches while attached {}", stats.creates, stats.attaches, stats.via_proxy, stats.running, stats.execs, stats.checkpoints, stats.detaches, stats.switches).unwrap();
-    writeln!(
-        report,
-        "  faults: kills {}, freezes {}, drains {}, emulator restarts {}",
-        stats.kills, stats.freezes, stats.drains, stats.emulator_restarts
-    )
-    .unwrap();
-    writeln!(report, "  handoffs {} (RUNNING on another instance than the last), takeovers {} (from a killed or frozen holder); sandboxes stopped as lost by their old holder (server logs) {lost_lines}", stats.handoffs, stats.takeovers).unwrap();
-    writeln!(report, "  abandoned sockets {} (late acknowledgements on them {}), executions acknowledged after the last checkpoint and lost {}, sandboxes given up (never checkpointed) {}, checked after the run {}", stats.abandoned, stats.late_acks, stats.lost_after_checkpoint, stats.given_up, stats.final_checked).unwrap();
-    writeln!(
-        report,
-        "  slowest create/attach {:.1} s",
-        stats.slowest_attach.as_secs_f64()
-    )
-    .unwrap();
-    writeln!(report, "  errors by kind:").unwrap();
-    for (kind, count) in &stats.errors {
-        writeln!(report, "    {count:>5}  {kind}").unwrap();
-    }
-    writeln!(report, "  violations {}", violations.len()).unwrap();
-    for violation in &violations {
-        writeln!(report, "    {violation}").unwrap();
-    }
+    let report = report(
+        &lock(&cluster.stats),
+        &violations,
+        seed,
+        elapsed,
+        lost_lines,
+    );
     eprintln!("{report}");
-    drop(stats);
 
     if !violations.is_empty() {
         let keep = std::env::temp_dir().join(format!("chaos-logs-{seed}"));
