@@ -856,20 +856,32 @@ async fn final_check(cluster: Arc<Cluster>, record: Shared, seed: u64) {
     ));
 }
 
-/// Starts the process for `slot`, incarnation `generation`.
+/// Starts the process for `slot`, incarnation `generation` and up: a start
+/// that fails is a violation (with the end of its log), then retried under
+/// the next incarnation.
 async fn start_instance(
+    cluster: Option<&Cluster>,
     dir: &std::path::Path,
     endpoint: &str,
     port: u16,
     slot: usize,
-    generation: u64,
+    generation: &mut u64,
 ) -> ServerProcess {
-    let name = format!("chaos-{slot}-{generation}");
-    let mut launch = Launch::new(&name, dir)
-        .on_emulator(endpoint, BUCKET)
-        .fast_leases();
-    launch.port = Some(port);
-    launch.start().await
+    loop {
+        let name = format!("chaos-{slot}-{generation}");
+        *generation += 1;
+        let mut launch = Launch::new(&name, dir)
+            .on_emulator(endpoint, BUCKET)
+            .fast_leases();
+        launch.port = Some(port);
+        match launch.try_start().await {
+            Ok(server) => return server,
+            Err(err) => match cluster {
+                Some(cluster) => cluster.violation(format!("start: {err}")),
+                None => panic!("{err}"),
+            },
+        }
+    }
 }
 
 fn signal(server: &ServerProcess, signal: &str) {
@@ -925,9 +937,10 @@ async fn faults(
                 signal(&servers[slot], "-KILL");
                 lock(&cluster.faulted).insert(instance.clone(), Instant::now());
                 lock(&cluster.slots)[slot].faults += 1;
-                generation += 1;
                 let port = cluster.ports[slot];
-                let replacement = start_instance(&dir, &endpoint, port, slot, generation).await;
+                let replacement =
+                    start_instance(Some(&cluster), &dir, &endpoint, port, slot, &mut generation)
+                        .await;
                 let killed = std::mem::replace(&mut servers[slot], replacement);
                 {
                     let mut slots = lock(&cluster.slots);
@@ -976,9 +989,10 @@ async fn faults(
                         "drain: {instance} still running {DRAIN_BOUND:?} after SIGTERM"
                     )),
                 }
-                generation += 1;
                 let port = cluster.ports[slot];
-                let replacement = start_instance(&dir, &endpoint, port, slot, generation).await;
+                let replacement =
+                    start_instance(Some(&cluster), &dir, &endpoint, port, slot, &mut generation)
+                        .await;
                 let drained = std::mem::replace(&mut servers[slot], replacement);
                 {
                     let mut slots = lock(&cluster.slots);
@@ -1007,6 +1021,31 @@ async fn faults(
     }
     cluster.stop.store(true, Ordering::SeqCst);
     (servers, emulator)
+}
+
+/// Copies the servers' logs out of the run's temp dir when the run fails (a
+/// violation or a panic), to `$TMPDIR/chaos-logs-<seed>`.
+struct KeepLogs {
+    dir: std::path::PathBuf,
+    seed: u64,
+    keep: bool,
+}
+
+impl Drop for KeepLogs {
+    fn drop(&mut self) {
+        if !self.keep && !std::thread::panicking() {
+            return;
+        }
+        let keep = std::env::temp_dir().join(format!("chaos-logs-{}", self.seed));
+        let _ = std::fs::create_dir_all(&keep);
+        for entry in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            let log = entry.path().join("sandboxd.log");
+            if log.exists() {
+                let _ = std::fs::copy(&log, keep.join(entry.file_name()).with_extension("log"));
+            }
+        }
+        eprintln!("server logs kept in {}", keep.display());
+    }
 }
 
 /// The figures at the end of the run.
@@ -1071,13 +1110,20 @@ async fn chaos() {
     eprintln!("chaos: {run:?}, CHAOS_SEED={seed}");
 
     let dir = tempfile::tempdir().unwrap();
+    let mut keep_logs = KeepLogs {
+        dir: dir.path().to_owned(),
+        seed,
+        keep: false,
+    };
     let emulator = DiskEmulator::start(&dir.path().join("gcs"));
     emulator.create_bucket(BUCKET).await;
     let endpoint = emulator.endpoint();
     let ports: Vec<u16> = (0..SLOTS).map(|_| free_port()).collect();
     let mut servers = Vec::new();
+    let mut generation = 0;
     for (slot, port) in ports.iter().enumerate() {
-        servers.push(start_instance(dir.path(), &endpoint, *port, slot, slot as u64).await);
+        servers
+            .push(start_instance(None, dir.path(), &endpoint, *port, slot, &mut generation).await);
     }
     let named: Vec<(String, String)> = ports
         .iter()
@@ -1167,15 +1213,7 @@ async fn chaos() {
     );
     eprintln!("{report}");
 
-    if !violations.is_empty() {
-        let keep = std::env::temp_dir().join(format!("chaos-logs-{seed}"));
-        std::fs::create_dir_all(&keep).unwrap();
-        for log in &logs {
-            let instance = log.parent().unwrap().file_name().unwrap();
-            std::fs::copy(log, keep.join(instance).with_extension("log")).unwrap();
-        }
-        eprintln!("server logs kept in {}", keep.display());
-    }
+    keep_logs.keep = !violations.is_empty();
     drop(proxy);
     for server in servers {
         discard(server).await;

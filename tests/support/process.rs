@@ -93,9 +93,16 @@ impl Launch {
     }
 
     pub async fn start(self) -> ServerProcess {
+        self.try_start().await.unwrap_or_else(|err| panic!("{err}"))
+    }
+
+    /// Starts the server and waits until it is ready (30 s at most); the
+    /// error says why not, with the end of its log.
+    pub async fn try_start(self) -> Result<ServerProcess, String> {
         let port = self.port.unwrap_or_else(free_port);
         let addr = format!("127.0.0.1:{port}");
-        let log = std::fs::File::create(self.cwd.join("sandboxd.log")).expect("log file");
+        let log_path = self.cwd.join("sandboxd.log");
+        let log = std::fs::File::create(&log_path).expect("log file");
         let child = Command::new(env!("CARGO_BIN_EXE_sandboxd"))
             .args([
                 "serve",
@@ -125,13 +132,17 @@ impl Launch {
             if let Ok(response) = reqwest::get(format!("http://{}/readyz", server.addr)).await
                 && response.status().is_success()
             {
-                return server;
+                return Ok(server);
             }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "{} did not become ready",
-                server.name
-            );
+            if started.elapsed() > Duration::from_secs(30) {
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let lines: Vec<&str> = log.lines().collect();
+                let tail = lines[lines.len().saturating_sub(15)..].join("\n");
+                return Err(format!(
+                    "{} did not become ready within 30 s; its log ends:\n{tail}",
+                    server.name
+                ));
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
