@@ -30,10 +30,17 @@
 //!   within 60 s; a connection dropped without a word is allowed only when
 //!   its instance was killed, frozen or drained meanwhile.
 //!
-//! Also: every drain exits cleanly in time, and no server log shows a panic.
+//! Also: every drain exits cleanly in time, every replacement starts, and no
+//! server log shows a panic. Each violation shows the sandbox's recent
+//! history as its client saw it; on failure the server logs are kept in
+//! `$TMPDIR/chaos-logs-<seed>`.
+//!
 //! `CHAOS_SECS` (default 60) sets the length, `CHAOS_SEED` the random
-//! choices; `CHAOS_SECS=600 cargo test --test chaos -- --nocapture` is the
-//! long run. The figures are printed at the end.
+//! choices (timing is not reproducible), `CHAOS_TRACE` prints every
+//! execution's outcome; `CHAOS_SECS=600 cargo test --test chaos --
+//! --nocapture` is the long run. The figures are printed at the end. The
+//! `#[ignore]`d tests at the end are the smallest reproductions of the server
+//! bugs the run found.
 
 #![allow(
     clippy::unwrap_used,
