@@ -16,7 +16,9 @@
 //!   Sockets abandoned because their instance froze are drained in the
 //!   background, so a late acknowledgement is seen.
 //! - (b) no acknowledged checkpoint lost: every execution appends a unique
-//!   number to a file and prints it; every printed file holds only numbers
+//!   number to a file and prints it (one that does not run to its end, exit
+//!   code 0 and not force-killed by a handoff or a drain, acknowledges
+//!   nothing for (b)); every printed file holds only numbers
 //!   that were sent, none twice, starts with the file as the socket that
 //!   took the last acknowledged checkpoint printed it before (so it holds
 //!   every number acknowledged before that checkpoint, in order), and never
@@ -212,7 +214,14 @@ struct Conn {
 
 /// What a socket is waiting for.
 enum Pending {
-    Exec { number: u64, stdout: String },
+    /// An execution: its stdout so far, its exit code, and whether it was
+    /// force-killed (a handoff's or a drain's checkpoint).
+    Exec {
+        number: u64,
+        stdout: String,
+        exit: Option<i64>,
+        killed: bool,
+    },
     Checkpoint,
     Nothing,
 }
@@ -246,8 +255,10 @@ fn is_error_status(status: &str) -> bool {
 }
 
 /// Records an acknowledgement on `conn` and checks (a) and, for an
-/// execution, (b).
-fn acknowledge(cluster: &Cluster, record: &Shared, conn: &mut Conn, pending: &Pending) {
+/// execution that ran to its end (exit code 0, not force-killed), (b).
+/// Returns false for an execution that did not: an acknowledgement for (a),
+/// but its number is not acknowledged and its output not a whole file.
+fn acknowledge(cluster: &Cluster, record: &Shared, conn: &mut Conn, pending: &Pending) -> bool {
     let now = Instant::now();
     let instance = conn.instance.as_str();
     let mut r = lock(record);
@@ -273,7 +284,19 @@ fn acknowledge(cluster: &Cluster, record: &Shared, conn: &mut Conn, pending: &Pe
     }
     r.acks.push((instance.to_owned(), now));
     match pending {
-        Pending::Exec { number, stdout } => {
+        Pending::Exec {
+            number,
+            exit,
+            killed,
+            ..
+        } if *killed || *exit != Some(0) => {
+            r.saw(
+                cluster,
+                format!("{instance} ended {number}: exit {exit:?}, force-killed {killed}"),
+            );
+            return false;
+        }
+        Pending::Exec { number, stdout, .. } => {
             r.acked.push(*number);
             lock(&cluster.stats).execs += 1;
             instance.clone_into(&mut lock(&cluster.busiest));
@@ -300,6 +323,7 @@ fn acknowledge(cluster: &Cluster, record: &Shared, conn: &mut Conn, pending: &Pe
         }
         Pending::Nothing => {}
     }
+    true
 }
 
 /// (b) on a printed file; returns its numbers.
@@ -395,6 +419,11 @@ async fn wait_ack(
                     stdout.push_str(frame["data"].as_str().unwrap_or_default());
                 }
             }
+            Some("exit_code") => {
+                if let Pending::Exec { exit, .. } = pending {
+                    *exit = frame["exit_code"].as_i64();
+                }
+            }
             Some("status_update") => {
                 let status = frame["status"].as_str().unwrap_or_default();
                 let done = match pending {
@@ -402,10 +431,19 @@ async fn wait_ack(
                     Pending::Checkpoint => status == "SANDBOX_CHECKPOINTED",
                     Pending::Nothing => false,
                 };
+                if status == "SANDBOX_EXECUTION_FORCE_KILLED"
+                    && let Pending::Exec { killed, .. } = pending
+                {
+                    *killed = true;
+                }
                 if done {
-                    acknowledge(cluster, record, conn, pending);
+                    let whole = acknowledge(cluster, record, conn, pending);
                     *pending = Pending::Nothing;
-                    return Outcome::Acked;
+                    return if whole {
+                        Outcome::Acked
+                    } else {
+                        Outcome::Error("execution killed or failed".to_owned())
+                    };
                 }
                 if is_error_status(status) && !matches!(pending, Pending::Nothing) {
                     return Outcome::Error(status.to_owned());
@@ -696,6 +734,8 @@ async fn client(cluster: Arc<Cluster>, seed: u64) -> Vec<Shared> {
             let mut pending = Pending::Exec {
                 number,
                 stdout: String::new(),
+                exit: None,
+                killed: false,
             };
             let deadline = tokio::time::Instant::now() + EXEC_WAIT;
             let outcome = wait_ack(
@@ -839,6 +879,8 @@ async fn final_check(cluster: Arc<Cluster>, record: Shared, seed: u64) {
                     let mut pending = Pending::Exec {
                         number,
                         stdout: String::new(),
+                        exit: None,
+                        killed: false,
                     };
                     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
                     match wait_ack(&cluster, &record, &mut conn, &mut pending, Some(deadline)).await
