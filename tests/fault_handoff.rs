@@ -85,72 +85,10 @@ async fn holder_dies_after_recording_before_releasing() {
     assert_eq!(crash_during_handoff("handoff:after-record").await, "v2");
 }
 
-/// A private fake-gcs-server that keeps its objects on disk, so it can be
-/// killed and restarted with its data.
-struct DiskEmulator {
-    host: std::net::Ipv4Addr,
-    root: std::path::PathBuf,
-    child: Option<std::process::Child>,
-}
-
-impl DiskEmulator {
-    fn start(root: &std::path::Path) -> Self {
-        let mut emulator = Self {
-            host: support::free_loopback(121..=200),
-            root: root.to_owned(),
-            child: None,
-        };
-        emulator.restart();
-        emulator
-    }
-
-    fn restart(&mut self) {
-        let child = std::process::Command::new(support::emulator_binary())
-            .args([
-                "-scheme",
-                "http",
-                "-port",
-                "80",
-                "-backend",
-                "filesystem",
-                "-filesystem-root",
-            ])
-            .arg(&self.root)
-            .arg("-host")
-            .arg(self.host.to_string())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        self.child = Some(child);
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect((self.host, 80)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "emulator did not start"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for DiskEmulator {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
 #[tokio::test]
 async fn the_storage_emulator_restarting_mid_run_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let mut emulator = DiskEmulator::start(&dir.path().join("gcs"));
+    let mut emulator = support::disk_emulator::DiskEmulator::start(&dir.path().join("gcs"));
     let endpoint = format!("http://{}", emulator.host);
     let created = reqwest::Client::new()
         .post(format!("{endpoint}/storage/v1/b?project=test"))

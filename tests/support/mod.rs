@@ -362,6 +362,7 @@ pub async fn serve(state: sandboxd::server::AppState) -> String {
     ));
     addr.to_string()
 }
+pub mod disk_emulator;
 pub mod process;
 pub mod proxy;
 pub mod ws;

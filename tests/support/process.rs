@@ -55,7 +55,12 @@ impl Launch {
     }
 
     /// Shares `bucket` on the test emulator for every artifact.
-    pub fn on_bucket(mut self, bucket: &str) -> Self {
+    pub fn on_bucket(self, bucket: &str) -> Self {
+        self.on_emulator(&super::emulator().endpoint(), bucket)
+    }
+
+    /// Shares `bucket` on the emulator at `endpoint` for every artifact.
+    pub fn on_emulator(mut self, endpoint: &str, bucket: &str) -> Self {
         for variable in [
             "SANDBOX_METADATA_BUCKET",
             "SANDBOX_CHECKPOINT_BUCKET",
@@ -63,10 +68,8 @@ impl Launch {
         ] {
             self.env.push((variable.to_owned(), bucket.to_owned()));
         }
-        self.env.push((
-            "STORAGE_EMULATOR_HOST".to_owned(),
-            super::emulator().endpoint(),
-        ));
+        self.env
+            .push(("STORAGE_EMULATOR_HOST".to_owned(), endpoint.to_owned()));
         self
     }
 
@@ -90,9 +93,16 @@ impl Launch {
     }
 
     pub async fn start(self) -> ServerProcess {
+        self.try_start().await.unwrap_or_else(|err| panic!("{err}"))
+    }
+
+    /// Starts the server and waits until it is ready (30 s at most); the
+    /// error says why not, with the end of its log.
+    pub async fn try_start(self) -> Result<ServerProcess, String> {
         let port = self.port.unwrap_or_else(free_port);
         let addr = format!("127.0.0.1:{port}");
-        let log = std::fs::File::create(self.cwd.join("sandboxd.log")).expect("log file");
+        let log_path = self.cwd.join("sandboxd.log");
+        let log = std::fs::File::create(&log_path).expect("log file");
         let child = Command::new(env!("CARGO_BIN_EXE_sandboxd"))
             .args([
                 "serve",
@@ -122,13 +132,17 @@ impl Launch {
             if let Ok(response) = reqwest::get(format!("http://{}/readyz", server.addr)).await
                 && response.status().is_success()
             {
-                return server;
+                return Ok(server);
             }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "{} did not become ready",
-                server.name
-            );
+            if started.elapsed() > Duration::from_secs(30) {
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let lines: Vec<&str> = log.lines().collect();
+                let tail = lines[lines.len().saturating_sub(15)..].join("\n");
+                return Err(format!(
+                    "{} did not become ready within 30 s; its log ends:\n{tail}",
+                    server.name
+                ));
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }

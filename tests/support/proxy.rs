@@ -22,6 +22,17 @@ impl Drop for Proxy {
 impl Proxy {
     /// Starts HAProxy in front of `servers`, its config written under `dir`.
     pub async fn start(dir: &std::path::Path, servers: &[&ServerProcess]) -> Self {
+        let named: Vec<(String, String)> = servers
+            .iter()
+            .map(|s| (s.name.clone(), s.addr.clone()))
+            .collect();
+        Self::start_named(dir, &named).await
+    }
+
+    /// Starts HAProxy in front of `(name, address)` pairs: the name is the
+    /// affinity cookie's value, so a replacement process on the same address
+    /// keeps its place.
+    pub async fn start_named(dir: &std::path::Path, servers: &[(String, String)]) -> Self {
         let template = std::fs::read_to_string(
             std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("deploy/local/haproxy.cfg.template"),
@@ -30,7 +41,7 @@ impl Proxy {
         let port = free_port();
         let lines: String = servers
             .iter()
-            .map(|s| format!("    server {0} {1} cookie {0} maxconn 1\n", s.name, s.addr))
+            .map(|(name, addr)| format!("    server {name} {addr} cookie {name} maxconn 1\n"))
             .collect();
         let config = template
             .replace("@PORT@", &port.to_string())
