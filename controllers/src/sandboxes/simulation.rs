@@ -345,7 +345,9 @@ impl Sim {
                     .exec(&id, ExecRequest::new(Command::Bash(format!("step {step}"))))
                     .await
                 {
-                    while execution.events.recv().await.is_some() {}
+                    // Drained aside: an exit the instance cannot vouch for is
+                    // held back until a later step re-verifies or loses the hold.
+                    tokio::spawn(async move { while execution.events.recv().await.is_some() {} });
                 }
             }
             72..76 if awake => {
