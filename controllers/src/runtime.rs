@@ -111,6 +111,10 @@ pub enum RuntimeError {
     AlreadyExists(SandboxId),
     #[error("sandbox {0} has an execution in progress")]
     ExecutionInProgress(SandboxId),
+    /// A checkpoint is being taken: nothing may start until it ends (it
+    /// would be frozen half-way into the image).
+    #[error("sandbox {0} is being checkpointed; attach again to run code")]
+    Checkpointing(SandboxId),
     #[error("the checkpoint image {key} is corrupt: {detail}")]
     CorruptImage { key: String, detail: String },
     #[error("the checkpoint cannot be restored on this host: {0}")]

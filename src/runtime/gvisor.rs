@@ -1022,9 +1022,7 @@ impl SandboxRuntime for GvisorRuntime {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
             if current.checkpointing {
-                return Err(RuntimeError::Failed(format!(
-                    "sandbox {sandbox} is being checkpointed; attach again to run code"
-                )));
+                return Err(RuntimeError::Checkpointing(sandbox.clone()));
             }
             if current.exec.is_some() {
                 return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));

@@ -464,7 +464,27 @@ impl SandboxController {
         if !self.is_held_here(sandbox) {
             return Err(ControlError::NotHere(sandbox.clone()));
         }
-        let execution = self.reconciler.runtime().exec(sandbox, request).await?;
+        // A periodic checkpoint is taken in place and lasts about a second:
+        // an execution asked for meanwhile waits for it rather than fail. If
+        // the checkpoint moved the sandbox away, the wait ends with the hold.
+        let give_up = tokio::time::Instant::now() + CHECKPOINT_WAIT;
+        let execution = loop {
+            match self
+                .reconciler
+                .runtime()
+                .exec(sandbox, request.clone())
+                .await
+            {
+                // Between a periodic checkpoint and its restore the runtime
+                // has no sandbox while the hold stays: wait that out too.
+                Err(RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_))
+                    if self.is_held_here(sandbox) && tokio::time::Instant::now() < give_up =>
+                {
+                    tokio::time::sleep(FENCE_EXIT_POLL).await;
+                }
+                other => break other?,
+            }
+        };
         let hooks = self.reconciler.hooks();
         let execution = if hooks.wants_after_exec(sandbox) {
             crate::hooks::run_after_exec(execution, Arc::clone(hooks), sandbox.clone())
@@ -524,6 +544,9 @@ impl SandboxController {
 }
 
 /// Exponential back-off with jitter: 0.5 s, 1 s, 2 s … up to 30 s.
+/// How long an execution waits for a checkpoint in progress to end.
+const CHECKPOINT_WAIT: Duration = Duration::from_secs(30);
+
 /// How often an exit held back by [`fence_exit`] looks at the hold again.
 const FENCE_EXIT_POLL: Duration = Duration::from_millis(50);
 
