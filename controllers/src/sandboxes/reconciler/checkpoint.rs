@@ -42,6 +42,28 @@ pub(super) fn unreferenced(
 }
 
 impl Reconciler {
+    /// Records a checkpoint that could not be taken in `status.last_error`
+    /// (fenced by `epoch`) and tells whoever waits.
+    pub(super) async fn report_checkpoint_failure(
+        &self,
+        sandbox: &SandboxId,
+        epoch: u64,
+        message: String,
+    ) -> Result<(), ReconcileError> {
+        self.write_status(sandbox, epoch, |status| {
+            status.last_error = Some(message.clone());
+        })
+        .await?;
+        self.emit(
+            sandbox,
+            Progress::Failed {
+                operation: Operation::Checkpoint,
+                message,
+            },
+        );
+        Ok(())
+    }
+
     /// Runs a periodic checkpoint when one is due (after a light pass: the
     /// lease is fresh).
     pub(super) async fn checkpoint_if_due(
@@ -202,17 +224,8 @@ impl Reconciler {
             }
             Err(err) => {
                 let message = format!("Failed to checkpoint sandbox {sandbox}: {err}");
-                self.write_status(sandbox, held.epoch, |status| {
-                    status.last_error = Some(message.clone());
-                })
-                .await?;
-                self.emit(
-                    sandbox,
-                    Progress::Failed {
-                        operation: Operation::Checkpoint,
-                        message,
-                    },
-                );
+                self.report_checkpoint_failure(sandbox, held.epoch, message)
+                    .await?;
                 return Err(err.into());
             }
         };

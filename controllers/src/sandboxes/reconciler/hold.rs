@@ -39,17 +39,8 @@ impl Reconciler {
         held: HeldLease,
     ) -> Result<Requeue, ReconcileError> {
         let message = format!("Sandbox {sandbox} is not configured for checkpointing.");
-        self.write_status(sandbox, held.epoch, |status| {
-            status.last_error = Some(message.clone());
-        })
-        .await?;
-        self.emit(
-            sandbox,
-            Progress::Failed {
-                operation: Operation::Checkpoint,
-                message,
-            },
-        );
+        self.report_checkpoint_failure(sandbox, held.epoch, message)
+            .await?;
         self.keep_running(sandbox, held).await
     }
 
