@@ -32,6 +32,7 @@ macro_rules! conformance_suite {
             case!(invalid_keys_rejected);
             case!(blob_from_a_stream);
             case!(adopted_blob);
+            case!(copied_blob);
         }
     };
 }

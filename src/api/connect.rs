@@ -20,13 +20,13 @@ use controllers::api::{
     DEFAULT_WORKSPACE_TEMPLATE, DesiredState, Phase, SandboxId, SandboxMetadata, WorkspaceSpec,
     is_resource_name,
 };
-use controllers::sandboxes::{Operation, Progress, SandboxController};
+use controllers::sandboxes::{ForkPoint, Operation, Progress, SandboxController};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
 use super::live::{LiveSandbox, SandboxOptions};
 use super::protocol::{
-    FrameError, InitMessage, MAX_MESSAGE_BYTES, ServerFrame, Status, WorkspaceRequest,
+    ForkRequest, FrameError, InitMessage, MAX_MESSAGE_BYTES, ServerFrame, Status, WorkspaceRequest,
 };
 use super::session::{CLOSE_FATAL, CLOSE_UNAVAILABLE, Out, Session, next_text, refuse_too_big};
 use super::token;
@@ -175,10 +175,30 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     let Ok((live, attachment)) = state.live.attach(&id) else {
         return fail(format!("sandbox id {id} is already in use")).await;
     };
+    let source = match &init.from_checkpoint {
+        Some(request) => match fork_source(&controller, request).await {
+            Ok(source) => Some(source),
+            Err(message) => {
+                state.live.detach(&live, attachment);
+                return fail(message).await;
+            }
+        },
+        None => None,
+    };
     let mut progress = controller.subscribe(&id);
-    if let Err(err) = controller.create(&metadata).await {
+    let recorded = match &source {
+        Some((source, point)) => controller
+            .fork(source, point, metadata.clone())
+            .await
+            .map_err(|err| format!("Failed to fork sandbox {}: {err}", source.sandbox_id)),
+        None => controller
+            .create(&metadata)
+            .await
+            .map_err(|err| format!("Failed to create gVisor container: {err}")),
+    };
+    if let Err(message) = recorded {
         state.live.detach(&live, attachment);
-        return fail(format!("Failed to create gVisor container: {err}")).await;
+        return fail(message).await;
     }
     if let Err((_, message)) =
         await_running(&out, &mut progress, init.enable_sandbox_handoff, true).await
@@ -209,6 +229,41 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         state, controller, id, out, stream, live, attachment, progress,
     )
     .await;
+}
+
+/// The sandbox a fork starts from, once its token is proved, and which of
+/// its checkpoints. An unknown id, a wrong token and a deleted sandbox get
+/// the same answer: a fork request reveals nothing about sandboxes whose
+/// token the client does not have.
+async fn fork_source(
+    controller: &SandboxController,
+    request: &ForkRequest,
+) -> Result<(SandboxMetadata, ForkPoint), String> {
+    let refused = || {
+        format!(
+            "Failed to fork: no sandbox {:?} with that sandbox_token",
+            request.sandbox_id
+        )
+    };
+    let Ok(source_id) = SandboxId::parse(&request.sandbox_id) else {
+        return Err(refused());
+    };
+    let source = match controller.read(&source_id).await {
+        Ok(Some(source)) => source,
+        Ok(None) => return Err(refused()),
+        Err(err) => return Err(format!("Failed to fork sandbox {source_id}: {err}")),
+    };
+    if !token::matches(&request.sandbox_token, &source.spec.token_sha256)
+        || source.spec.desired_state == DesiredState::Deleted
+        || source.status.phase == Phase::Deleted
+    {
+        return Err(refused());
+    }
+    let point = match &request.name {
+        Some(name) => ForkPoint::Named(name.clone()),
+        None => ForkPoint::Latest,
+    };
+    Ok((source, point))
 }
 
 /// The init message's feature checks, with upstream's messages.
@@ -243,6 +298,19 @@ fn check_features(init: &InitMessage, state: &AppState) -> Result<(), String> {
     }
     if let Some(workspace) = &init.workspace {
         check_workspace(workspace, state)?;
+    }
+    if init.from_checkpoint.is_some() {
+        if !state.features.checkpoint {
+            return Err("Checkpointing is not enabled on the server.".to_owned());
+        }
+        // A fork runs on the image, files and network of its checkpoint.
+        if init.image.is_some() || init.filesystem_snapshot_name.is_some() {
+            return Err(
+                "from_checkpoint cannot be combined with image or filesystem_snapshot_name: \
+                 a fork runs on its checkpoint's image and files"
+                    .to_owned(),
+            );
+        }
     }
     if init.enable_sandbox_handoff && !init.enable_checkpoint {
         return Err("Sandbox handoff requires checkpointing to be enabled.".to_owned());

@@ -187,6 +187,29 @@ pub struct InitMessage {
     /// Sync `/workspace` with the store (an extension: upstream clients never
     /// send it).
     pub workspace: Option<WorkspaceRequest>,
+    /// Extension: `"from_checkpoint": {"sandbox_id", "sandbox_token",
+    /// "name"?}` starts a fork of that sandbox's checkpoint (named, else
+    /// the latest) instead of a fresh sandbox.
+    pub from_checkpoint: Option<ForkRequest>,
+}
+
+/// The init message's `from_checkpoint`: whose checkpoint to fork, proved
+/// by that sandbox's token.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ForkRequest {
+    pub sandbox_id: String,
+    pub sandbox_token: String,
+    pub name: Option<String>,
+}
+
+/// Never prints the token (init messages are logged when refused).
+impl std::fmt::Debug for ForkRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForkRequest")
+            .field("sandbox_id", &self.sandbox_id)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The init message's workspace options: `enable_workspace_sync`,
@@ -360,8 +383,42 @@ impl InitMessage {
                 })?,
             },
             workspace: workspace_request(&map)?,
+            from_checkpoint: fork_request(&map)?,
         })
     }
+}
+
+fn fork_request(map: &Map<String, Value>) -> Result<Option<ForkRequest>, FrameError> {
+    const EXPECTED: &str = "an object with string fields sandbox_id and sandbox_token, \
+                            and optionally name (a checkpoint name)";
+    let wrong = || FrameError::WrongType {
+        field: "from_checkpoint",
+        expected: EXPECTED,
+    };
+    let fields = match map.get("from_checkpoint") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(fields)) => fields,
+        Some(_) => return Err(wrong()),
+    };
+    let required = |name: &str| match fields.get(name) {
+        Some(Value::String(value)) if !value.is_empty() => Ok(value.clone()),
+        _ => Err(wrong()),
+    };
+    let name = match fields.get("name") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(name)) if controllers::api::is_resource_name(name) => Some(name.clone()),
+        Some(_) => {
+            return Err(FrameError::WrongType {
+                field: "from_checkpoint.name",
+                expected: "a checkpoint name: 1-63 characters of lowercase letters, digits, '-' and '_'",
+            });
+        }
+    };
+    Ok(Some(ForkRequest {
+        sandbox_id: required("sandbox_id")?,
+        sandbox_token: required("sandbox_token")?,
+        name,
+    }))
 }
 
 fn workspace_request(map: &Map<String, Value>) -> Result<Option<WorkspaceRequest>, FrameError> {

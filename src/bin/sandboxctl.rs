@@ -111,6 +111,22 @@ enum Command {
         #[command(flatten)]
         server: Server,
     },
+    /// Start a new, independent sandbox from another one's checkpoint (its
+    /// latest, or the one named with --checkpoint): memory, processes, files
+    /// and Python session. Prints the fork's id and token as JSON.
+    #[command(
+        after_help = "Examples:\n  sandboxctl fork ID --token T\n  sandboxctl fork ID --token T --checkpoint before-step-2 --idle-timeout 600"
+    )]
+    Fork {
+        #[command(flatten)]
+        target: Target,
+        /// Fork this named checkpoint instead of the latest.
+        #[arg(long)]
+        checkpoint: Option<String>,
+        /// Seconds without activity before the fork stops (0: never).
+        #[arg(long, default_value_t = 300)]
+        idle_timeout: u64,
+    },
     /// Run a command in an existing sandbox interactively: stdin passed
     /// through, Ctrl-C kills the command (not the sandbox), its exit code returned.
     #[command(
@@ -178,8 +194,23 @@ enum Command {
         #[arg(long)]
         yes: bool,
     },
+    /// A sandbox's checkpoints (latest, superseded ones still kept, named
+    /// ones): id, role, name, age, size, epoch, the image each needs.
+    #[command(
+        after_help = "Examples:\n  sandboxctl checkpoints ID\n  sandboxctl checkpoints ID -o json\n  sandboxctl checkpoints ID --delete before-step-2"
+    )]
+    Checkpoints {
+        id: String,
+        /// Delete this checkpoint (a name or a checkpoint id; not the latest).
+        #[arg(long)]
+        delete: Option<String>,
+        #[arg(short, long, value_enum)]
+        output: Option<Format>,
+    },
     /// Remove old tombstones and checkpoints nothing points at.
-    #[command(after_help = "Example:\n  sandboxctl gc --dry-run")]
+    #[command(
+        after_help = "Examples:\n  sandboxctl gc --dry-run\n  sandboxctl gc --keep-checkpoints 1   # also trim each sandbox's history"
+    )]
     Gc {
         /// Only report what would be removed.
         #[arg(long)]
@@ -187,6 +218,11 @@ enum Command {
         /// Age (seconds) below which nothing is collected.
         #[arg(long, default_value_t = 600)]
         older_than_s: i64,
+        /// Also keep only the newest N superseded checkpoints of each sandbox
+        /// (besides its latest; named ones always stay), as the servers do
+        /// with SANDBOXD_KEEP_CHECKPOINTS.
+        #[arg(long)]
+        keep_checkpoints: Option<usize>,
     },
     /// The end-to-end benchmark: starts fake-gcs-server and two sandboxd,
     /// prints create, exec (with our client and with a plain Python
@@ -320,6 +356,24 @@ async fn main() -> ExitCode {
                 workspace_id: workspace.clone(),
                 workspace_token: workspace_token.clone(),
                 workspace_template: workspace_template.clone(),
+                ..CreateOptions::default()
+            },
+        }),
+        Command::Fork {
+            target,
+            checkpoint,
+            idle_timeout,
+        } => Some(UserCommand::Create {
+            url: target.server.url.clone(),
+            options: CreateOptions {
+                idle_timeout_s: (*idle_timeout > 0).then_some(*idle_timeout),
+                enable_checkpoint: true,
+                enable_sandbox_handoff: true,
+                from_checkpoint: Some(sandboxd::client::ForkSource {
+                    sandbox_id: target.id.clone(),
+                    sandbox_token: target.token.clone(),
+                    name: checkpoint.clone(),
+                }),
                 ..CreateOptions::default()
             },
         }),
@@ -534,9 +588,44 @@ async fn main() -> ExitCode {
             }
             report(ctl::break_lease(store.as_ref(), &id).await)
         }
+        Command::Checkpoints { id, delete, output } => {
+            let checkpoints = match store::open(&layout.checkpoints).await {
+                Ok(store) => store,
+                Err(err) => return fail(EXIT_STORAGE, &err.to_string()),
+            };
+            if let Some(target) = delete {
+                return report(
+                    ctl::delete_checkpoint_entry(
+                        store.as_ref(),
+                        checkpoints.as_ref(),
+                        &id,
+                        &target,
+                    )
+                    .await,
+                );
+            }
+            match ctl::list_checkpoints(store.as_ref(), checkpoints.as_ref(), &id).await {
+                Ok(rows) => {
+                    match output {
+                        None => print!("{}", ctl::render_checkpoints(&rows, now)),
+                        Some(Format::Json) => println!(
+                            "{}",
+                            serde_json::to_string_pretty(&rows).unwrap_or_default()
+                        ),
+                        Some(Format::Yaml) => print!(
+                            "{}",
+                            ctl::to_yaml(&serde_json::to_value(&rows).unwrap_or_default())
+                        ),
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(err) => fail(err.exit_code(), &err.to_string()),
+            }
+        }
         Command::Gc {
             dry_run,
             older_than_s,
+            keep_checkpoints,
         } => {
             let checkpoints = match store::open(&layout.checkpoints).await {
                 Ok(store) => store,
@@ -548,6 +637,7 @@ async fn main() -> ExitCode {
                 chrono::Duration::seconds(older_than_s),
                 now,
                 dry_run,
+                keep_checkpoints,
             )
             .await
             {
@@ -556,13 +646,19 @@ async fn main() -> ExitCode {
                     for id in &found.tombstones {
                         println!("{verb} deleted sandbox {id}");
                     }
+                    for id in &found.trimmed {
+                        println!("{verb} superseded checkpoint {id}");
+                    }
+                    for skipped in &found.skipped {
+                        println!("skipped {skipped}");
+                    }
                     for id in &found.orphan_checkpoints {
                         println!("{verb} unreferenced checkpoint {id}");
                     }
                     println!(
                         "{} tombstones, {} checkpoints{}",
                         found.tombstones.len(),
-                        found.orphan_checkpoints.len(),
+                        found.orphan_checkpoints.len() + found.trimmed.len(),
                         if dry_run {
                             " (dry run: nothing removed)"
                         } else {

@@ -27,6 +27,6 @@ mod sandbox;
 
 pub use error::ClientError;
 pub use sandbox::{
-    AttachOptions, CreateOptions, ExitStatus, Language, Output, OutputChunk, Process,
+    AttachOptions, CreateOptions, ExitStatus, ForkSource, Language, Output, OutputChunk, Process,
     ProcessHandle, Progress, Sandbox,
 };

@@ -62,7 +62,27 @@ pub struct CreateOptions {
     pub workspace_token: Option<String>,
     /// The workspace's hook template (`default` when unset).
     pub workspace_template: Option<String>,
+    /// Start as a fork of another sandbox's checkpoint (see [`Sandbox::fork`]).
+    pub from_checkpoint: Option<ForkSource>,
     pub progress: Progress,
+}
+
+/// The checkpoint a fork starts from: a sandbox, its token, and a
+/// checkpoint name (`None`: its latest checkpoint).
+#[derive(Clone, Default)]
+pub struct ForkSource {
+    pub sandbox_id: String,
+    pub sandbox_token: String,
+    pub name: Option<String>,
+}
+
+impl std::fmt::Debug for ForkSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForkSource")
+            .field("sandbox_id", &self.sandbox_id)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Options of `/attach`.
@@ -207,6 +227,13 @@ impl Sandbox {
         if let Some(template) = &options.workspace_template {
             init["workspace_template"] = json!(template);
         }
+        if let Some(source) = &options.from_checkpoint {
+            init["from_checkpoint"] = json!({
+                "sandbox_id": source.sandbox_id,
+                "sandbox_token": source.sandbox_token,
+                "name": source.name,
+            });
+        }
         use futures::SinkExt;
         socket
             .send(tokio_tungstenite::tungstenite::Message::text(
@@ -220,6 +247,23 @@ impl Sandbox {
         let mut sandbox = Self::start(base, id, token, jar, socket);
         sandbox.progress = options.progress;
         Ok(sandbox)
+    }
+
+    /// Starts a new, independent sandbox (its own id, token and
+    /// checkpoints) from this sandbox's latest checkpoint, or the one named
+    /// `checkpoint`: its memory, processes, files and Python session.
+    pub async fn fork(
+        &self,
+        url: &str,
+        checkpoint: Option<&str>,
+        mut options: CreateOptions,
+    ) -> Result<Self, ClientError> {
+        options.from_checkpoint = Some(ForkSource {
+            sandbox_id: self.id.clone(),
+            sandbox_token: self.token.clone(),
+            name: checkpoint.map(str::to_owned),
+        });
+        Self::create(url, options).await
     }
 
     /// Attaches to an existing sandbox (restoring it here if needed).

@@ -142,10 +142,15 @@ pub fn render_table(rows: &[SandboxRow]) -> String {
             ]
         })
         .collect();
-    let widths: Vec<usize> = (0..header.len())
+    aligned(&header, &cells)
+}
+
+/// An aligned table: the header, then one line per row, columns padded to
+/// their widest cell.
+pub(super) fn aligned<const N: usize>(header: &[&str; N], rows: &[[&str; N]]) -> String {
+    let widths: Vec<usize> = (0..N)
         .map(|i| {
-            cells
-                .iter()
+            rows.iter()
                 .map(|c| c[i].len())
                 .chain([header[i].len()])
                 .max()
@@ -160,8 +165,8 @@ pub fn render_table(rows: &[SandboxRow]) -> String {
             .collect();
         padded.join("  ").trim_end().to_owned() + "\n"
     };
-    let mut out = line(&header);
-    for row in &cells {
+    let mut out = line(header);
+    for row in rows {
         out.push_str(&line(row));
     }
     out

@@ -2,12 +2,16 @@
 //! without spawning the binary: operator verbs over the bucket's documents,
 //! user verbs through the client library.
 
+mod checkpoints;
 mod images;
 mod inventory;
 mod operator;
 mod user;
 mod yaml;
 
+pub use checkpoints::{
+    CheckpointRow, delete_checkpoint_entry, list_checkpoints, render_checkpoints, trim_history,
+};
 pub use images::{ImagesError, fetch_images, http_base, render_images};
 pub use inventory::{SandboxRow, describe_json, list_rows, render_table};
 pub use operator::{GcReport, OperatorError, break_lease, delete, describe, edit, evict, gc};

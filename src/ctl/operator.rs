@@ -57,11 +57,11 @@ impl OperatorError {
     }
 }
 
-fn parse_id(id: &str) -> Result<SandboxId, OperatorError> {
+pub(super) fn parse_id(id: &str) -> Result<SandboxId, OperatorError> {
     SandboxId::parse(id).map_err(|err| OperatorError::Invalid(err.to_string()))
 }
 
-async fn read_metadata(
+pub(super) async fn read_metadata(
     store: &dyn Store,
     sandbox: &SandboxId,
 ) -> Result<(SandboxMetadata, Generation, bytes::Bytes), OperatorError> {
@@ -91,7 +91,7 @@ async fn read_lease(
     }
 }
 
-async fn conflict(
+pub(super) async fn conflict(
     store: &dyn Store,
     key: &controllers::store::ObjectKey,
     read: Generation,
@@ -462,17 +462,26 @@ pub struct GcReport {
     pub tombstones: Vec<String>,
     /// Checkpoint directories no sandbox points at.
     pub orphan_checkpoints: Vec<String>,
+    /// Superseded checkpoints beyond `--keep-checkpoints`, as
+    /// `sandbox/checkpoint`.
+    pub trimmed: Vec<String>,
+    /// Sandboxes whose history could not be trimmed (a controller wrote
+    /// meanwhile), with why: the next run tries again.
+    pub skipped: Vec<String>,
 }
 
-/// `gc [--dry-run]`: tombstones past `retention` and checkpoints no metadata
-/// references (older than `retention` too, so a checkpoint being recorded
-/// right now is not taken for an orphan).
+/// `gc [--dry-run] [--keep-checkpoints N]`: tombstones past `retention`,
+/// superseded checkpoints beyond the newest `keep_checkpoints` of each
+/// sandbox (named ones always stay), and checkpoints no metadata references
+/// (older than `retention` too, so a checkpoint being recorded right now is
+/// not taken for an orphan).
 pub async fn gc(
     metadata_store: &dyn Store,
     checkpoint_store: &dyn Store,
     retention: chrono::Duration,
     now: DateTime<Utc>,
     dry_run: bool,
+    keep_checkpoints: Option<usize>,
 ) -> Result<GcReport, OperatorError> {
     let mut report = GcReport::default();
     let mut referenced = std::collections::HashSet::new();
@@ -494,6 +503,26 @@ pub async fn gc(
         let Ok(sandbox) = SandboxId::parse(&id) else {
             continue;
         };
+        if let Some(keep) = keep_checkpoints {
+            match super::checkpoints::trim_history(
+                metadata_store,
+                checkpoint_store,
+                &sandbox,
+                keep,
+                dry_run,
+            )
+            .await
+            {
+                Ok(removed) => report
+                    .trimmed
+                    .extend(removed.into_iter().map(|c| format!("{id}/{c}"))),
+                Err(err @ OperatorError::Conflict { .. }) => {
+                    report.skipped.push(format!("{id}: {err}"));
+                }
+                Err(OperatorError::NotFound(_)) => continue,
+                Err(err) => return Err(err),
+            }
+        }
         let Ok((metadata, _, _)) = read_metadata(metadata_store, &sandbox).await else {
             // Unreadable documents keep everything they might point at.
             return Err(OperatorError::Invalid(format!(
@@ -569,7 +598,10 @@ pub async fn gc(
     Ok(report)
 }
 
-async fn delete_checkpoint(store: &dyn Store, image_path: &str) -> Result<(), OperatorError> {
+pub(super) async fn delete_checkpoint(
+    store: &dyn Store,
+    image_path: &str,
+) -> Result<(), OperatorError> {
     let Some(id) = checkpoint_id_of_image(image_path) else {
         return Ok(());
     };

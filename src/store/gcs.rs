@@ -7,8 +7,8 @@
 //! - blobs: streaming resumable uploads (`send_unbuffered` from a file) and
 //!   streaming reads, memory flat in the blob's size; no precondition (blob names
 //!   are fresh, write-once);
-//! - list and delete: the JSON API through [`JsonApi`], because the crate offers
-//!   them only over gRPC, which the emulator does not speak.
+//! - list, delete and copy (rewrite): the JSON API through [`JsonApi`], because
+//!   the crate offers them only over gRPC, which the emulator does not speak.
 //!
 //! The crate's own retry loop is turned off; every operation is retried here with
 //! exponential backoff and jitter, on throttling (429), server errors (5xx) and
@@ -293,6 +293,14 @@ impl Store for GcsStore {
     async fn delete(&self, key: &ObjectKey) -> Result<(), StoreError> {
         self.retrying("delete", key.as_str(), || {
             self.json.delete(&self.bucket, key)
+        })
+        .await
+    }
+
+    /// A server-side rewrite: one Class A request, no bytes through here.
+    async fn copy_blob(&self, from: &ObjectKey, to: &ObjectKey) -> Result<ObjectInfo, StoreError> {
+        self.retrying("copy", to.as_str(), || {
+            self.json.rewrite(&self.bucket, from, to)
         })
         .await
     }

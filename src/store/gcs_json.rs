@@ -1,4 +1,4 @@
-//! List and delete over the GCS JSON API.
+//! List, delete and server-side copy over the GCS JSON API.
 //!
 //! The official crate offers these only on its gRPC `StorageControl` client,
 //! which fake-gcs-server does not speak; this small helper does them over HTTP
@@ -137,6 +137,81 @@ impl JsonApi {
             .map_err(|err| transport_error(key.as_str(), &err))?;
         check_status(key.as_str(), response).await.map(drop)
     }
+
+    /// `POST /b/{bucket}/o/{from}/rewriteTo/b/{bucket}/o/{to}`, repeated
+    /// with the returned `rewriteToken` until GCS says `done` (a large object
+    /// may take several calls; the bytes never leave the service).
+    pub async fn rewrite(
+        &self,
+        bucket: &str,
+        from: &ObjectKey,
+        to: &ObjectKey,
+    ) -> Result<ObjectInfo, StoreError> {
+        let source = from.as_str().replace('/', "%2F");
+        let destination = to.as_str().replace('/', "%2F");
+        let url = format!(
+            "{}/b/{bucket}/o/{source}/rewriteTo/b/{bucket}/o/{destination}",
+            self.base
+        );
+        let mut token: Option<String> = None;
+        loop {
+            let mut request = self
+                .http
+                .post(&url)
+                .headers(self.auth_headers(to.as_str()).await?)
+                .query(&[("fields", "done,rewriteToken,resource(name,size,generation)")]);
+            if let Some(token) = &token {
+                request = request.query(&[("rewriteToken", token.as_str())]);
+            }
+            let response = request
+                .send()
+                .await
+                .map_err(|err| transport_error(to.as_str(), &err))?;
+            let response = match check_status(from.as_str(), response).await {
+                Err(StoreError::NotFound { .. }) => return Err(StoreError::not_found(from)),
+                other => other?,
+            };
+            let body: RewriteResponse = response.json().await.map_err(|err| {
+                StoreError::other(to, format!("unreadable rewrite response: {err}"))
+            })?;
+            if body.done {
+                let resource = body.resource.ok_or_else(|| {
+                    StoreError::other(to, "rewrite finished without the new object")
+                })?;
+                let number = |field: &str, value: &str| {
+                    value.parse::<i64>().map_err(|_| {
+                        StoreError::other(
+                            to,
+                            format!("rewrite gave a non-numeric {field} {value:?}"),
+                        )
+                    })
+                };
+                return Ok(ObjectInfo {
+                    key: to.clone(),
+                    size: u64::try_from(number("size", &resource.size)?).unwrap_or(0),
+                    generation: Generation(number("generation", &resource.generation)?),
+                });
+            }
+            token = Some(
+                body.rewrite_token
+                    .filter(|t| !t.is_empty())
+                    .ok_or_else(|| {
+                        StoreError::other(to, "rewrite not done and no rewriteToken to continue")
+                    })?,
+            );
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RewriteResponse {
+    #[serde(default)]
+    done: bool,
+    #[serde(default)]
+    rewrite_token: Option<String>,
+    #[serde(default)]
+    resource: Option<ListItem>,
 }
 
 fn transport_error(what: &str, err: &reqwest::Error) -> StoreError {

@@ -439,6 +439,18 @@ impl Store for LocalStore {
         Some(self.object_path(key))
     }
 
+    /// A file copy (`copy_file_range`: a reflink where the filesystem has
+    /// them), not a hard link: committing sets the new key's generation as
+    /// its modification time, which a shared inode would change for both.
+    async fn copy_blob(&self, from: &ObjectKey, to: &ObjectKey) -> Result<ObjectInfo, StoreError> {
+        let source = self.object_path(from);
+        match tokio::fs::metadata(&source).await {
+            Ok(_) => self.upload_blob(to, BlobSource::File(source)).await,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => Err(StoreError::not_found(from)),
+            Err(err) => Err(self.io_error(from, err)),
+        }
+    }
+
     async fn download_blob(&self, key: &ObjectKey) -> Result<BlobReader, StoreError> {
         match tokio::fs::File::open(self.object_path(key)).await {
             Ok(file) => Ok(Box::pin(file)),

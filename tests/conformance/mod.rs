@@ -340,6 +340,40 @@ pub async fn adopted_blob(store: Arc<dyn Store>) {
     }
 }
 
+/// A copied blob reads back the same under its new key, the source stays,
+/// and copying a missing blob says `NotFound` (a fork of a deleted checkpoint).
+pub async fn copied_blob(store: Arc<dyn Store>) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("checkpoint.img");
+    let expected = write_pattern_file(&path, 2 << 20).await;
+    let from = key("sandbox_checkpoints/ckpt-source/checkpoint.img");
+    let to = key("sandbox_checkpoints/ckpt-copy/checkpoint.img");
+    store
+        .upload_blob(&from, BlobSource::File(path))
+        .await
+        .unwrap();
+    let info = store.copy_blob(&from, &to).await.unwrap();
+    assert_eq!(info.key, to);
+    assert_eq!(info.size, 2 << 20);
+    for k in [&from, &to] {
+        let mut bytes = Vec::new();
+        store
+            .download_blob(k)
+            .await
+            .unwrap()
+            .read_to_end(&mut bytes)
+            .await
+            .unwrap();
+        assert_eq!(hex(&Sha256::digest(&bytes)), expected, "{k}");
+    }
+    // The copy is its own object: deleting the source leaves it.
+    store.delete(&from).await.unwrap();
+    assert_eq!(store.get(&to).await.unwrap().data.len(), 2 << 20);
+    let missing = key("sandbox_checkpoints/ckpt-missing/checkpoint.img");
+    let err = store.copy_blob(&missing, &to).await.unwrap_err();
+    assert!(matches!(err, StoreError::NotFound { .. }), "{err}");
+}
+
 /// Peak-RSS growth allowed while streaming a large blob both ways.
 pub struct MemoryLimit(pub Option<u64>);
 

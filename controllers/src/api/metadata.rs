@@ -128,6 +128,9 @@ pub struct SandboxStatus {
     pub last_restore_request: Option<DateTime<Utc>>,
     #[serde(default)]
     pub latest_snapshot: Option<SnapshotRef>,
+    /// The sandbox and checkpoint this one was forked from (absent: created).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<ForkOrigin>,
     #[serde(default)]
     pub conditions: Vec<Condition>,
     #[serde(default)]
@@ -168,6 +171,16 @@ pub struct CheckpointRef {
     pub name: Option<String>,
     #[serde(flatten)]
     pub extra: ExtraFields,
+}
+
+/// Where a forked sandbox came from: the source and the checkpoint copied
+/// (by the source's checkpoint id; the name it was asked for by, if any).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkOrigin {
+    pub sandbox_id: SandboxId,
+    pub checkpoint: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// The newest filesystem snapshot taken of this sandbox.

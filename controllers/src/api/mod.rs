@@ -31,9 +31,9 @@ pub use instance::{Doorbell, InstanceLease, MAX_RINGS, Ring, ring_retention};
 pub use lease::{AttachIntent, Lease};
 pub use manifest::{BlobDigest, CheckpointManifest, SnapshotManifest};
 pub use metadata::{
-    CheckpointRef, Condition, ConditionStatus, DEFAULT_WORKSPACE_TEMPLATE, DesiredState, Phase,
-    RESOURCE_NAME_RULE, RestoreRequest, SandboxMetadata, SandboxSpec, SandboxStatus, SnapshotRef,
-    WorkspaceSpec, is_resource_name, is_sha256_hex,
+    CheckpointRef, Condition, ConditionStatus, DEFAULT_WORKSPACE_TEMPLATE, DesiredState,
+    ForkOrigin, Phase, RESOURCE_NAME_RULE, RestoreRequest, SandboxMetadata, SandboxSpec,
+    SandboxStatus, SnapshotRef, WorkspaceSpec, is_resource_name, is_sha256_hex,
 };
 pub use network::{NetworkMode, UnknownNetworkMode};
 

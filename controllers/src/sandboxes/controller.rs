@@ -3,7 +3,8 @@
 //! (spec fields, the lease's `wanted_by`) and queues a reconcile; it never
 //! creates, checkpoints or restores a sandbox itself. Executions and
 //! filesystem snapshots pass through to the runtime, but only for a sandbox
-//! this instance holds.
+//! this instance holds. A fork copies its source's checkpoint (data, not
+//! state) before recording the new sandbox.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -13,8 +14,8 @@ use rand::Rng;
 use tokio::sync::broadcast;
 
 use crate::api::{
-    DesiredState, RestoreRequest, SandboxId, SandboxMetadata, SandboxSpec, SnapshotRef, decode,
-    encode,
+    DesiredState, ForkOrigin, Phase, RestoreRequest, SandboxId, SandboxMetadata, SandboxSpec,
+    SnapshotRef, decode, encode,
 };
 use crate::fencing::MAX_CONFLICT_RETRIES;
 use crate::layout::metadata_key;
@@ -23,7 +24,7 @@ use crate::runtime::{ExecRequest, Execution, RuntimeError};
 use crate::store::{PutMode, StoreError};
 
 use super::progress::{Progress, ProgressBus};
-use super::reconciler::{ReconcileError, Reconciler, Requeue};
+use super::reconciler::{ForkError, ForkPoint, ReconcileError, Reconciler, Requeue};
 use super::workqueue::WorkQueue;
 
 /// Longest back-off between failed reconciles of one sandbox.
@@ -47,6 +48,8 @@ pub enum ControlError {
     Runtime(#[from] RuntimeError),
     #[error("{0} kept changing under concurrent writers; try again")]
     Contended(String),
+    #[error(transparent)]
+    Fork(#[from] ForkError),
 }
 
 /// The controller: share it behind an `Arc`.
@@ -301,6 +304,40 @@ impl SandboxController {
         self.reconciler.leases().request_attach(sandbox).await?;
         self.enqueue(sandbox);
         Ok(())
+    }
+
+    /// Records `metadata` (a new sandbox) as a fork of `source` at `point`
+    /// and asks for it here: it is restored from its own copy of that
+    /// checkpoint, on the image and kind of network the checkpoint needs.
+    pub async fn fork(
+        &self,
+        source: &SandboxMetadata,
+        point: &ForkPoint,
+        mut metadata: SandboxMetadata,
+    ) -> Result<(), ControlError> {
+        let forked = self
+            .reconciler
+            .copy_checkpoint_for_fork(source, point, &metadata.sandbox_id)
+            .await?;
+        metadata.spec.network = forked.manifest.network;
+        metadata.spec.image.clone_from(&source.spec.image);
+        metadata.status.phase = Phase::Checkpointed;
+        metadata.status.forked_from = Some(ForkOrigin {
+            sandbox_id: source.sandbox_id.clone(),
+            checkpoint: forked.source_checkpoint,
+            name: match point {
+                ForkPoint::Latest => None,
+                ForkPoint::Named(name) => Some(name.clone()),
+            },
+        });
+        metadata.status.latest_checkpoint = Some(forked.reference);
+        tracing::info!(
+            fork = %metadata.sandbox_id,
+            source = %source.sandbox_id,
+            ?point,
+            "forking a sandbox"
+        );
+        self.create(&metadata).await
     }
 
     /// Asks for `sandbox` to run here, from the checkpoint named `checkpoint`

@@ -14,7 +14,8 @@ pub use controller::{ControlError, SandboxController};
 pub use metrics::{Histogram, Metrics};
 pub use progress::{Operation, Progress, ProgressBus};
 pub use reconciler::{
-    HandoffPolicy, ReconcileError, Reconciler, ReconcilerConfig, ReconcilerParts, Requeue,
+    ForkError, ForkPoint, HandoffPolicy, ReconcileError, Reconciler, ReconcilerConfig,
+    ReconcilerParts, Requeue,
 };
 pub use workqueue::WorkQueue;
 

@@ -204,6 +204,12 @@ impl Store for CountingStore {
         self.inner.adopt_blob(key, path).await
     }
 
+    /// A server-side copy is billed as one write (Class A).
+    async fn copy_blob(&self, from: &ObjectKey, to: &ObjectKey) -> Result<ObjectInfo, StoreError> {
+        self.counts.record(Operation::Upload, Some(to.as_str()));
+        self.inner.copy_blob(from, to).await
+    }
+
     fn local_path(&self, key: &ObjectKey) -> Option<std::path::PathBuf> {
         self.inner.local_path(key)
     }

@@ -271,6 +271,15 @@ pub trait Store: Send + Sync + fmt::Debug {
         self.upload_blob(key, BlobSource::File(path)).await
     }
 
+    /// Copies a stored blob to a fresh key (a fork's own checkpoint image).
+    /// Remote stores copy server-side (one request, no bytes through this
+    /// host); a directory store links the file. The default streams it
+    /// through this host, memory flat in its size. Missing source: `NotFound`.
+    async fn copy_blob(&self, from: &ObjectKey, to: &ObjectKey) -> Result<ObjectInfo, StoreError> {
+        let reader = self.download_blob(from).await?;
+        self.upload_blob(to, BlobSource::Reader(reader)).await
+    }
+
     /// Where a stored blob can be read directly on this host (a directory
     /// store), so a reader can use it in place instead of downloading a copy.
     /// `None` for remote stores.

@@ -302,3 +302,36 @@ fn workspace_options_need_a_token_with_a_name() {
         assert!(parse(bad).is_err(), "{bad} was accepted");
     }
 }
+
+#[test]
+fn from_checkpoint_names_a_source_and_its_token_or_is_an_error() {
+    let parse = |text: &str| InitMessage::parse(text).map(|init| init.from_checkpoint);
+    assert_eq!(parse("{}"), Ok(None));
+    assert_eq!(parse(r#"{"from_checkpoint": null}"#), Ok(None));
+    let latest = parse(r#"{"from_checkpoint": {"sandbox_id": "abc", "sandbox_token": "t0k"}}"#)
+        .unwrap()
+        .unwrap();
+    assert_eq!(latest.sandbox_id, "abc");
+    assert_eq!(latest.sandbox_token, "t0k");
+    assert_eq!(latest.name, None);
+    let named = parse(
+        r#"{"from_checkpoint": {"sandbox_id": "abc", "sandbox_token": "t0k", "name": "before-step-2"}}"#,
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(named.name.as_deref(), Some("before-step-2"));
+    // The token never reaches a log line through Debug.
+    assert!(!format!("{named:?}").contains("t0k"));
+    for bad in [
+        r#"{"from_checkpoint": "abc"}"#,
+        r#"{"from_checkpoint": {"sandbox_id": "abc"}}"#,
+        r#"{"from_checkpoint": {"sandbox_token": "t0k"}}"#,
+        r#"{"from_checkpoint": {"sandbox_id": 7, "sandbox_token": "t0k"}}"#,
+        r#"{"from_checkpoint": {"sandbox_id": "", "sandbox_token": "t0k"}}"#,
+        r#"{"from_checkpoint": {"sandbox_id": "abc", "sandbox_token": "t0k", "name": "Bad Name"}}"#,
+        r#"{"from_checkpoint": {"sandbox_id": "abc", "sandbox_token": "t0k", "name": 3}}"#,
+    ] {
+        let err = parse(bad).unwrap_err();
+        assert!(err.to_string().contains("from_checkpoint"), "{bad}: {err}");
+    }
+}

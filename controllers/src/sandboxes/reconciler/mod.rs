@@ -34,8 +34,11 @@ use crate::store::{Store, StoreError};
 use super::decision::{Observed, Step, decide};
 
 mod checkpoint;
+mod fork;
 mod hold;
 mod start;
+
+pub use fork::{ForkError, ForkPoint};
 
 use super::progress::{Operation, Progress, ProgressBus};
 

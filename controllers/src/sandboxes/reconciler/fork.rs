@@ -1,0 +1,128 @@
+//! Forks: a new sandbox started from another one's checkpoint.
+//!
+//! The fork gets its own copy of the checkpoint (image and manifest under a
+//! fresh checkpoint id), never a reference to the source's: each sandbox's
+//! reconciler deletes its own superseded checkpoints, so a shared image
+//! would vanish under the fork when the source moved on (or the other way
+//! round). A copy is one server-side request on GCS and a file copy on a
+//! directory store. If the fork is never recorded (its metadata write
+//! fails), the copy is garbage that `sandboxctl gc` removes: nothing points
+//! at it.
+
+use super::*;
+use crate::api::encode;
+use crate::store::{ObjectKey, PutMode};
+
+/// Which checkpoint of the source a fork starts from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ForkPoint {
+    /// The source's latest checkpoint.
+    Latest,
+    /// The source's checkpoint with this name.
+    Named(String),
+}
+
+/// Why a fork cannot start from the checkpoint asked for.
+#[derive(Debug, thiserror::Error)]
+pub enum ForkError {
+    #[error("sandbox {0} has no checkpoint yet: checkpoint it first")]
+    NoCheckpoint(SandboxId),
+    #[error("sandbox {sandbox} has no checkpoint named {name:?}")]
+    NoNamedCheckpoint { sandbox: SandboxId, name: String },
+    #[error("cannot copy the checkpoint: {0}")]
+    Copy(#[from] ReconcileError),
+}
+
+/// A fork's own copy of its source's checkpoint.
+#[derive(Debug, Clone)]
+pub struct ForkedCheckpoint {
+    /// What the fork records as its latest checkpoint.
+    pub reference: CheckpointRef,
+    /// The copy's manifest (the fork's id, epoch 0).
+    pub manifest: CheckpointManifest,
+    /// The source's checkpoint id.
+    pub source_checkpoint: String,
+}
+
+impl Reconciler {
+    /// Copies the checkpoint `point` of `source` for the new sandbox `fork`
+    /// and returns the reference its metadata records as its latest
+    /// checkpoint (epoch 0: the fork has held no lease yet).
+    pub async fn copy_checkpoint_for_fork(
+        &self,
+        source: &SandboxMetadata,
+        point: &ForkPoint,
+        fork: &SandboxId,
+    ) -> Result<ForkedCheckpoint, ForkError> {
+        let reference = match point {
+            ForkPoint::Latest => source
+                .status
+                .latest_checkpoint
+                .as_ref()
+                .ok_or_else(|| ForkError::NoCheckpoint(source.sandbox_id.clone()))?,
+            ForkPoint::Named(name) => {
+                source.status.named_checkpoints.get(name).ok_or_else(|| {
+                    ForkError::NoNamedCheckpoint {
+                        sandbox: source.sandbox_id.clone(),
+                        name: name.clone(),
+                    }
+                })?
+            }
+        };
+        let manifest = self.load_manifest(reference).await?;
+        let source_image =
+            ObjectKey::new(manifest.image.key.as_str()).map_err(|err| ReconcileError::Invalid {
+                key: "manifest.image.key".to_owned(),
+                detail: err.to_string(),
+            })?;
+        let checkpoint_id = SandboxId::random();
+        let image_key = checkpoint_image_key(&checkpoint_id);
+        let copied = self
+            .checkpoints
+            .copy_blob(&source_image, &image_key)
+            .await
+            .map_err(ReconcileError::from)?;
+        if copied.size != manifest.image.size {
+            return Err(ForkError::Copy(ReconcileError::Invalid {
+                key: image_key.to_string(),
+                detail: format!(
+                    "the copy has {} bytes, the manifest says {}",
+                    copied.size, manifest.image.size
+                ),
+            }));
+        }
+        let source_checkpoint = manifest.checkpoint_id.clone();
+        let mut copy = manifest;
+        copy.checkpoint_id = checkpoint_id.to_string();
+        copy.sandbox_id = fork.clone();
+        copy.epoch = 0;
+        copy.name = None;
+        copy.image.key = image_key.to_string();
+        // The copy's own age: `gc` must not take a fresh copy whose fork is
+        // being recorded right now for an old orphan.
+        copy.created_at = self.clock.now();
+        self.checkpoints
+            .put(
+                &checkpoint_manifest_key(&checkpoint_id),
+                encode(&copy),
+                PutMode::Create,
+            )
+            .await
+            .map_err(ReconcileError::from)?;
+        let recorded = CheckpointRef {
+            bucket: self.checkpoint_bucket.clone(),
+            path: copy.image.key.clone(),
+            epoch: 0,
+            sha256: copy.image.sha256.clone(),
+            size: copy.image.size,
+            created_at: copy.created_at,
+            name: None,
+            extra: ExtraFields::new(),
+        };
+        Ok(ForkedCheckpoint {
+            reference: recorded,
+            manifest: copy,
+            source_checkpoint,
+        })
+    }
+}
