@@ -353,3 +353,165 @@ async fn user_verbs_against_a_real_server() {
     let (code, _, err) = ctl.run(&args.iter().map(String::as_str).collect::<Vec<_>>(), "");
     assert_eq!(code, 3, "gone: {err}");
 }
+
+const HISTORY: &str = "ffffffffffffffffffffffffffffffff";
+
+/// A checkpoint (image + manifest) of HISTORY, `minutes` old, with `image`
+/// as its sandbox image.
+async fn stored_checkpoint(
+    store: &dyn Store,
+    checkpoint: &str,
+    minutes: i64,
+    epoch: u64,
+) -> controllers::api::CheckpointRef {
+    let image = checkpoint_image_key(&id(checkpoint));
+    store
+        .put(&image, "image".into(), PutMode::Create)
+        .await
+        .unwrap();
+    let created_at = Utc::now() - Duration::minutes(minutes);
+    let manifest = CheckpointManifest {
+        api_version: CheckpointManifest::api_version(),
+        checkpoint_id: checkpoint.into(),
+        sandbox_id: id(HISTORY),
+        epoch,
+        name: None,
+        created_at,
+        image: BlobDigest {
+            key: image.to_string(),
+            size: 5,
+            sha256: "0".repeat(64),
+        },
+        runsc_version: "test".into(),
+        platform: "ptrace".into(),
+        cpu_features: Vec::new(),
+        network: Default::default(),
+        sandbox_image: Some(format!("sha256-{}", "7".repeat(64))),
+        extra: ExtraFields::new(),
+    };
+    store
+        .put(
+            &checkpoint_manifest_key(&id(checkpoint)),
+            encode(&manifest),
+            PutMode::Create,
+        )
+        .await
+        .unwrap();
+    controllers::api::CheckpointRef {
+        bucket: "b".into(),
+        path: image.to_string(),
+        epoch,
+        sha256: "0".repeat(64),
+        size: 5,
+        created_at,
+        name: None,
+        extra: ExtraFields::new(),
+    }
+}
+
+/// `checkpoints` (table, JSON, --delete) and `gc --keep-checkpoints`: the
+/// latest cannot be deleted, a named one can, and trimming keeps named ones'
+/// objects even when they were also superseded.
+async fn checkpoint_verbs(store: Arc<dyn Store>, ctl: Ctl) {
+    let c = |n: u8| format!("{:032x}", u128::from(n) + 0x1000);
+    let mut doc = SandboxMetadata::new(id(HISTORY), Utc::now(), "ab".repeat(32));
+    doc.spec.enable_checkpoint = true;
+    doc.status.epoch = 5;
+    doc.status.phase = Phase::Checkpointed;
+    doc.status.latest_checkpoint = Some(stored_checkpoint(store.as_ref(), &c(1), 1, 5).await);
+    for (n, minutes) in [(2, 2), (3, 3), (4, 4)] {
+        let previous = stored_checkpoint(store.as_ref(), &c(n), minutes, 4).await;
+        doc.status.previous_checkpoints.push(previous);
+    }
+    // "old" names a checkpoint that is also the oldest superseded one;
+    // "keep" one of its own.
+    let mut old = doc.status.previous_checkpoints[2].clone();
+    old.name = Some("old".into());
+    doc.status.named_checkpoints.insert("old".into(), old);
+    let mut keep = stored_checkpoint(store.as_ref(), &c(5), 10, 3).await;
+    keep.name = Some("keep".into());
+    doc.status.named_checkpoints.insert("keep".into(), keep);
+    store
+        .put(&metadata_key(&id(HISTORY)), encode(&doc), PutMode::Create)
+        .await
+        .unwrap();
+
+    let (code, out, err) = ctl.run(&["checkpoints", HISTORY], "");
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("CHECKPOINT"), "{out}");
+    for n in 1..=5 {
+        assert!(out.contains(&c(n)), "{} in:\n{out}", c(n));
+    }
+    assert!(out.contains("latest") && out.contains("previous") && out.contains("named"));
+    assert!(out.contains(&format!("sha256-{}", "7".repeat(64))), "{out}");
+    let (code, out, _) = ctl.run(&["checkpoints", HISTORY, "-o", "json"], "");
+    assert_eq!(code, 0);
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    assert_eq!(rows.len(), 6, "latest, three previous, two named: {out}");
+    assert_eq!(rows[0]["role"], "latest", "newest first: {out}");
+
+    let (code, _, err) = ctl.run(&["checkpoints", HISTORY, "--delete", &c(1)], "");
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("latest checkpoint"), "{err}");
+    let (code, _, err) = ctl.run(&["checkpoints", HISTORY, "--delete", "nosuch"], "");
+    assert_eq!(code, 3, "{err}");
+    let (code, out, err) = ctl.run(&["checkpoints", HISTORY, "--delete", "keep"], "");
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("1 checkpoint(s) deleted"), "{out}");
+    assert!(store.get(&checkpoint_image_key(&id(&c(5)))).await.is_err());
+
+    let (code, out, err) = ctl.run(&["gc", "--keep-checkpoints", "1", "--dry-run"], "");
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(&format!(
+            "would remove superseded checkpoint {HISTORY}/{}",
+            c(3)
+        )),
+        "{out}"
+    );
+    let read = || async {
+        decode::<SandboxMetadata>(&store.get(&metadata_key(&id(HISTORY))).await.unwrap().data)
+            .unwrap()
+    };
+    assert_eq!(read().await.status.previous_checkpoints.len(), 3);
+    let (code, _, err) = ctl.run(&["gc", "--keep-checkpoints", "1"], "");
+    assert_eq!(code, 0, "{err}");
+    let status = read().await.status;
+    assert_eq!(status.previous_checkpoints.len(), 1);
+    assert!(status.named_checkpoints.contains_key("old"));
+    assert!(store.get(&checkpoint_image_key(&id(&c(2)))).await.is_ok());
+    assert!(store.get(&checkpoint_image_key(&id(&c(3)))).await.is_err());
+    assert!(
+        store.get(&checkpoint_image_key(&id(&c(4)))).await.is_ok(),
+        "a named checkpoint's objects stay"
+    );
+}
+
+#[tokio::test]
+async fn checkpoint_verbs_on_the_local_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn Store> = Arc::new(LocalStore::open(dir.path()).unwrap());
+    let ctl = Ctl {
+        args: vec!["--data-dir".into(), dir.path().to_str().unwrap().to_owned()],
+        envs: Vec::new(),
+    };
+    checkpoint_verbs(store, ctl).await;
+}
+
+#[tokio::test]
+async fn checkpoint_verbs_on_fake_gcs_server() {
+    let store = support::gcs_store().await;
+    let bucket = store.bucket().to_owned();
+    let ctl = Ctl {
+        args: vec![
+            "--metadata-bucket".into(),
+            bucket.clone(),
+            "--checkpoint-bucket".into(),
+            bucket,
+            "--storage-emulator-host".into(),
+            support::emulator().endpoint(),
+        ],
+        envs: Vec::new(),
+    };
+    checkpoint_verbs(store, ctl).await;
+}

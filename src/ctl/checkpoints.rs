@@ -96,7 +96,7 @@ pub async fn list_checkpoints(
             problem,
         });
     }
-    rows.sort_by(|a, b| b.created_at.cmp(&a.created_at));
+    rows.sort_by_key(|row| std::cmp::Reverse(row.created_at));
     Ok(rows)
 }
 

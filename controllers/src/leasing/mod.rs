@@ -297,30 +297,6 @@ impl Leases {
         })
     }
 
-    /// Renews with ONE write and no read: rewrites the lease as last seen, with
-    /// the generation as precondition. `Ok(None)` means the lock changed since
-    /// (an attach intent, an operator, another holder): do a full read.
-    /// This is what keeps an idle held sandbox cheap in storage operations.
-    pub async fn renew_unchanged(&self, held: &HeldLease) -> Result<Option<HeldLease>, LeaseError> {
-        let mut lease = held.lease.clone();
-        lease.renewed_at = Some(self.clock.now());
-        match self
-            .store
-            .put(
-                &lock_key(&held.sandbox),
-                encode(&lease),
-                PutMode::Update(held.generation),
-            )
-            .await
-        {
-            Ok(generation) => self
-                .held(&held.sandbox, held.epoch, &lease, generation)
-                .map(Some),
-            Err(StoreError::PreconditionFailed { .. }) => Ok(None),
-            Err(err) => Err(err.into()),
-        }
-    }
-
     /// Gives the lease up: `holder: null`, epoch and intent kept. Releasing a lease
     /// already lost is reported as `Lost` (nothing is written).
     pub async fn release(&self, held: &HeldLease) -> Result<(), LeaseError> {
