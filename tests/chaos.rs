@@ -984,9 +984,11 @@ async fn faults(
         match fault {
             Fault::Kill => {
                 let instance = servers[slot].name.clone();
-                signal(&servers[slot], "-KILL");
+                // Recorded before the signal: a client whose socket drops the
+                // instant the process dies must already see the fault.
                 lock(&cluster.faulted).insert(instance.clone(), Instant::now());
                 lock(&cluster.slots)[slot].faults += 1;
+                signal(&servers[slot], "-KILL");
                 let port = cluster.ports[slot];
                 let replacement =
                     start_instance(Some(&cluster), &dir, &endpoint, port, slot, &mut generation)
@@ -1006,9 +1008,9 @@ async fn faults(
             }
             Fault::Freeze => {
                 let instance = servers[slot].name.clone();
-                signal(&servers[slot], "-STOP");
                 lock(&cluster.slots)[slot].faults += 1;
                 lock(&cluster.faulted).insert(instance.clone(), Instant::now());
+                signal(&servers[slot], "-STOP");
                 tokio::time::sleep(FREEZE).await;
                 lock(&cluster.faulted).insert(instance.clone(), Instant::now());
                 signal(&servers[slot], "-CONT");
