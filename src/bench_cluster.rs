@@ -363,6 +363,28 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
         moved.kill().await?;
     }
 
+    // Forks of one checkpoint (a Python session holding a variable), on
+    // either instance: /create with from_checkpoint → SANDBOX_RUNNING.
+    let mut fork = Series::named("fork of a checkpoint → SANDBOX_RUNNING");
+    let source = Sandbox::create(&url_a, checkpointable()).await?;
+    source
+        .exec(Language::PythonSession, "state = list(range(1000))")
+        .await?
+        .wait()
+        .await?;
+    source.checkpoint(None).await?;
+    for run in 0..bench.runs {
+        let url = if run % 2 == 0 { &url_a } else { &url_b };
+        let started = Instant::now();
+        let forked = source
+            .fork(url, None, checkpointable())
+            .await
+            .context("fork")?;
+        fork.samples.push(started.elapsed());
+        forked.kill().await.context("kill the fork")?;
+    }
+    drop(source);
+
     if !bench.economy_window.is_zero() {
         let idle = Sandbox::create(&url_a, checkpointable()).await?;
         let hours = bench.economy_window.as_secs_f64() / 3600.0;
@@ -411,6 +433,7 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
         checkpoint,
         restore,
         handoff,
+        fork,
     ]);
     Ok((series, figures))
 }
