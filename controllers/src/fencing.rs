@@ -14,10 +14,9 @@
 use std::fmt;
 
 use crate::api::{ApiObject, DecodeError, SandboxMetadata, decode, encode};
-use crate::store::{Generation, ObjectKey, PutMode, Store, StoreError};
-
-/// How many times a write is retried after losing a compare-and-swap race.
-pub const MAX_CONFLICT_RETRIES: usize = 8;
+use crate::store::{
+    Decision, Generation, ObjectKey, RmwError, Store, StoreError, read_modify_write,
+};
 
 /// An API object that records the epoch of its last writer.
 pub trait Fenced: ApiObject {
@@ -72,8 +71,8 @@ where
     E: fmt::Debug + fmt::Display,
     F: FnMut(&mut T) -> Result<(), E>,
 {
-    for _ in 0..MAX_CONFLICT_RETRIES {
-        let current = store.get(key).await?;
+    let outcome = read_modify_write(store, key, |current| {
+        let current = current.ok_or_else(|| FenceError::Store(StoreError::not_found(key)))?;
         let mut object: T = decode(&current.data).map_err(|source| FenceError::Invalid {
             key: key.to_string(),
             source,
@@ -88,17 +87,14 @@ where
         }
         change(&mut object).map_err(FenceError::Rejected)?;
         object.set_fence_epoch(writer_epoch);
-        match store
-            .put(key, encode(&object), PutMode::Update(current.generation))
-            .await
-        {
-            Ok(generation) => return Ok((object, generation)),
-            Err(StoreError::PreconditionFailed { .. }) => continue,
-            Err(err) => return Err(err.into()),
-        }
-    }
-    Err(FenceError::Contended {
-        key: key.to_string(),
-        attempts: MAX_CONFLICT_RETRIES,
+        Ok(Decision::Write(encode(&object), object))
     })
+    .await;
+    match outcome {
+        Ok((object, Some(generation))) => Ok((object, generation)),
+        Ok((_, None)) => Err(FenceError::Store(StoreError::not_found(key))),
+        Err(RmwError::Rejected(err)) => Err(err),
+        Err(RmwError::Store(err)) => Err(FenceError::Store(err)),
+        Err(RmwError::Contended { key, attempts }) => Err(FenceError::Contended { key, attempts }),
+    }
 }

@@ -602,17 +602,5 @@ pub(super) async fn delete_checkpoint(
     store: &dyn Store,
     image_path: &str,
 ) -> Result<(), OperatorError> {
-    let Some(id) = checkpoint_id_of_image(image_path) else {
-        return Ok(());
-    };
-    for key in [
-        controllers::layout::checkpoint_image_key(&id),
-        controllers::layout::checkpoint_manifest_key(&id),
-    ] {
-        match store.delete(&key).await {
-            Ok(()) | Err(StoreError::NotFound { .. }) => {}
-            Err(err) => return Err(err.into()),
-        }
-    }
-    Ok(())
+    Ok(controllers::sandboxes::delete_checkpoint_objects(store, image_path).await?)
 }

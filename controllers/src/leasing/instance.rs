@@ -27,9 +27,8 @@ use crate::api::{
     Doorbell, ExtraFields, InstanceId, InstanceLease, Ring, SandboxId, decode, encode,
 };
 use crate::clock::Clock;
-use crate::fencing::MAX_CONFLICT_RETRIES;
 use crate::layout::{doorbell_key, instance_lease_key};
-use crate::store::{Generation, PutMode, Store, StoreError};
+use crate::store::{Decision, Generation, PutMode, RmwError, Store, StoreError, read_modify_write};
 
 /// What this instance knows of its own lease.
 #[derive(Debug, Default)]
@@ -209,29 +208,25 @@ pub async fn ring_doorbell(
     by: &str,
 ) -> Result<(), LeaseError> {
     let key = doorbell_key(holder);
-    for _ in 0..MAX_CONFLICT_RETRIES {
-        let (mut bell, mode) = match store.get(&key).await {
-            Ok(current) => (
-                decode::<Doorbell>(&current.data).unwrap_or_default(),
-                PutMode::Update(current.generation),
-            ),
-            Err(StoreError::NotFound { .. }) => (Doorbell::default(), PutMode::Create),
-            Err(err) => return Err(err.into()),
-        };
+    let outcome = read_modify_write(store, &key, |current| {
+        let mut bell = current
+            .and_then(|object| decode::<Doorbell>(&object.data).ok())
+            .unwrap_or_default();
         bell.ring(Ring {
             sandbox: sandbox.clone(),
             rung_at: now,
             by: by.to_owned(),
             extra: ExtraFields::new(),
         });
-        match store.put(&key, encode(&bell), mode).await {
-            Ok(_) => return Ok(()),
-            Err(StoreError::PreconditionFailed { .. }) => continue,
-            Err(err) => return Err(err.into()),
-        }
-    }
-    Err(LeaseError::ContendedObject {
-        key: key.to_string(),
-        attempts: MAX_CONFLICT_RETRIES,
+        Ok::<_, std::convert::Infallible>(Decision::Write(encode(&bell), ()))
     })
+    .await;
+    match outcome {
+        Ok(_) => Ok(()),
+        Err(RmwError::Store(err)) => Err(err.into()),
+        Err(RmwError::Contended { key, attempts }) => {
+            Err(LeaseError::ContendedObject { key, attempts })
+        }
+        Err(RmwError::Rejected(never)) => match never {},
+    }
 }

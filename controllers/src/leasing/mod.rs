@@ -34,9 +34,8 @@ use crate::api::{
     AttachIntent, DecodeError, ExtraFields, InstanceId, Lease, SandboxId, decode, encode,
 };
 use crate::clock::Clock;
-use crate::fencing::MAX_CONFLICT_RETRIES;
 use crate::layout::lock_key;
-use crate::store::{Generation, PutMode, Store, StoreError};
+use crate::store::{Decision, Generation, RmwError, Store, StoreError, read_modify_write};
 
 mod instance;
 
@@ -442,34 +441,38 @@ impl Leases {
         mut decide: impl FnMut(Option<Lease>, DateTime<Utc>) -> Result<Step<T>, LeaseError>,
     ) -> Result<(T, Lease, Generation), LeaseError> {
         let key = lock_key(sandbox);
-        for _ in 0..MAX_CONFLICT_RETRIES {
-            let current = self.read(sandbox).await?;
-            let (existing, mode) = match current {
-                Some((lease, generation)) => (Some(lease), PutMode::Update(generation)),
-                None => (None, PutMode::Create),
-            };
+        let now = || self.clock.now();
+        let outcome = read_modify_write(self.store.as_ref(), &key, |current| {
+            let existing =
+                match current {
+                    Some(object) => Some(decode::<Lease>(&object.data).map_err(|source| {
+                        LeaseError::Invalid {
+                            sandbox: sandbox.clone(),
+                            source,
+                        }
+                    })?),
+                    None => None,
+                };
             let unchanged = existing.clone();
-            match decide(existing, self.clock.now())? {
+            Ok(match decide(existing, now())? {
                 Step::Done(value) => {
-                    let generation = match mode {
-                        PutMode::Update(generation) => generation,
-                        _ => Generation(0),
-                    };
-                    let lease = unchanged.unwrap_or_else(|| self.fresh_lease());
-                    return Ok((value, lease, generation));
+                    Decision::Keep((value, unchanged.unwrap_or_else(|| self.fresh_lease())))
                 }
-                Step::Write(lease, value) => match self.store.put(&key, encode(&lease), mode).await
-                {
-                    Ok(generation) => return Ok((value, lease, generation)),
-                    Err(StoreError::PreconditionFailed { .. }) => continue,
-                    Err(err) => return Err(err.into()),
-                },
-            }
-        }
-        Err(LeaseError::Contended {
-            sandbox: sandbox.clone(),
-            attempts: MAX_CONFLICT_RETRIES,
+                Step::Write(lease, value) => Decision::Write(encode(&lease), (value, lease)),
+            })
         })
+        .await;
+        match outcome {
+            Ok(((value, lease), generation)) => {
+                Ok((value, lease, generation.unwrap_or(Generation(0))))
+            }
+            Err(RmwError::Rejected(err)) => Err(err),
+            Err(RmwError::Store(err)) => Err(err.into()),
+            Err(RmwError::Contended { attempts, .. }) => Err(LeaseError::Contended {
+                sandbox: sandbox.clone(),
+                attempts,
+            }),
+        }
     }
 }
 

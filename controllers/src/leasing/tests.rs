@@ -8,6 +8,7 @@ use super::*;
 use crate::api::{SandboxMetadata, decode};
 use crate::fencing::{FenceError, fenced_update};
 use crate::layout::metadata_key;
+use crate::store::PutMode;
 use crate::testing::{Fault, ManualClock, MemoryStore};
 
 fn sandbox() -> SandboxId {

@@ -17,11 +17,10 @@ use crate::api::{
     DesiredState, ForkOrigin, Phase, RestoreRequest, SandboxId, SandboxMetadata, SandboxSpec,
     SnapshotRef, decode, encode,
 };
-use crate::fencing::MAX_CONFLICT_RETRIES;
 use crate::layout::metadata_key;
 use crate::leasing::LeaseError;
 use crate::runtime::{ExecRequest, Execution, RuntimeError};
-use crate::store::{PutMode, StoreError};
+use crate::store::{Decision, PutMode, RmwError, StoreError, read_modify_write};
 
 use super::progress::{Progress, ProgressBus};
 use super::reconciler::{ForkError, ForkPoint, ReconcileError, Reconciler, Requeue};
@@ -418,14 +417,8 @@ impl SandboxController {
     ) -> Result<(), ControlError> {
         let store = self.reconciler.metadata_store();
         let key = metadata_key(sandbox);
-        for _ in 0..MAX_CONFLICT_RETRIES {
-            let current = match store.get(&key).await {
-                Ok(current) => current,
-                Err(StoreError::NotFound { .. }) => {
-                    return Err(ControlError::NotFound(sandbox.clone()));
-                }
-                Err(err) => return Err(err.into()),
-            };
+        let outcome = read_modify_write(store.as_ref(), &key, |current| {
+            let current = current.ok_or_else(|| ControlError::NotFound(sandbox.clone()))?;
             let mut metadata: SandboxMetadata =
                 decode(&current.data).map_err(|err| ReconcileError::Invalid {
                     key: key.to_string(),
@@ -433,19 +426,19 @@ impl SandboxController {
                 })?;
             let before = metadata.spec.clone();
             change(&mut metadata.spec);
-            if metadata.spec == before {
-                return Ok(());
-            }
-            match store
-                .put(&key, encode(&metadata), PutMode::Update(current.generation))
-                .await
-            {
-                Ok(_) => return Ok(()),
-                Err(StoreError::PreconditionFailed { .. }) => continue,
-                Err(err) => return Err(err.into()),
-            }
+            Ok(if metadata.spec == before {
+                Decision::Keep(())
+            } else {
+                Decision::Write(encode(&metadata), ())
+            })
+        })
+        .await;
+        match outcome {
+            Ok(_) => Ok(()),
+            Err(RmwError::Rejected(err)) => Err(err),
+            Err(RmwError::Store(err)) => Err(err.into()),
+            Err(RmwError::Contended { key, .. }) => Err(ControlError::Contended(key)),
         }
-        Err(ControlError::Contended(key.to_string()))
     }
 
     /// Shutdown: asks for every sandbox held here to be checkpointed (or

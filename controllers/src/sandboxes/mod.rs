@@ -15,7 +15,7 @@ pub use metrics::{Histogram, Metrics};
 pub use progress::{Operation, Progress, ProgressBus};
 pub use reconciler::{
     ForkError, ForkPoint, HandoffPolicy, ReconcileError, Reconciler, ReconcilerConfig,
-    ReconcilerParts, Requeue,
+    ReconcilerParts, Requeue, delete_checkpoint_objects,
 };
 pub use workqueue::WorkQueue;
 

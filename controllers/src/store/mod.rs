@@ -16,12 +16,14 @@
 
 mod counting;
 mod key;
+mod rmw;
 
 pub use counting::{
     CLASS_A_DOLLARS_PER_1000, CLASS_B_DOLLARS_PER_1000, CountingStore, Operation, OperationCounts,
     StorageBill,
 };
 pub use key::{InvalidKey, ObjectKey};
+pub use rmw::{Decision, MAX_CONFLICT_RETRIES, RmwError, read_modify_write};
 
 use std::fmt;
 use std::path::PathBuf;

@@ -41,6 +41,27 @@ pub(super) fn unreferenced(
         .collect()
 }
 
+/// Deletes the image and manifest of the checkpoint whose image key is
+/// `image_path` (missing ones are fine); a path that is not a checkpoint
+/// image key (an operator's edit) deletes nothing. The one place checkpoint
+/// objects are removed: the reconciler's retention, tombstone purges and
+/// `sandboxctl` all come here.
+pub async fn delete_checkpoint_objects(
+    store: &dyn Store,
+    image_path: &str,
+) -> Result<(), StoreError> {
+    let Some(id) = checkpoint_id_of_image(image_path) else {
+        return Ok(());
+    };
+    for key in [checkpoint_image_key(&id), checkpoint_manifest_key(&id)] {
+        match store.delete(&key).await {
+            Ok(()) | Err(StoreError::NotFound { .. }) => {}
+            Err(err) => return Err(err),
+        }
+    }
+    Ok(())
+}
+
 impl Reconciler {
     /// Records a checkpoint that could not be taken in `status.last_error`
     /// (fenced by `epoch`) and tells whoever waits.
@@ -302,14 +323,10 @@ impl Reconciler {
     /// Failures only leave garbage behind; they are logged.
     pub(super) async fn delete_checkpoints(&self, checkpoints: &[CheckpointRef]) {
         for checkpoint in checkpoints {
-            let Some(id) = checkpoint_id_of_image(&checkpoint.path) else {
-                continue;
-            };
-            for key in [checkpoint_image_key(&id), checkpoint_manifest_key(&id)] {
-                match self.checkpoints.delete(&key).await {
-                    Ok(()) | Err(StoreError::NotFound { .. }) => {}
-                    Err(err) => tracing::warn!(%key, %err, "cannot delete a superseded checkpoint"),
-                }
+            if let Err(err) =
+                delete_checkpoint_objects(self.checkpoints.as_ref(), &checkpoint.path).await
+            {
+                tracing::warn!(path = %checkpoint.path, %err, "cannot delete a superseded checkpoint");
             }
         }
     }

@@ -38,6 +38,7 @@ mod fork;
 mod hold;
 mod start;
 
+pub use checkpoint::delete_checkpoint_objects;
 pub use fork::{ForkError, ForkPoint};
 
 use super::progress::{Operation, Progress, ProgressBus};
