@@ -50,17 +50,7 @@ pub struct StorageArgs {
     pub storage_emulator_host: Option<String>,
 }
 
-/// Where one kind of artifact is stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreLocation {
-    /// A directory: a mount path, or the embedded default.
-    Directory(PathBuf),
-    /// A GCS bucket, possibly on an emulator.
-    Bucket {
-        bucket: String,
-        emulator_host: Option<String>,
-    },
-}
+pub use crate::store::StoreLocation;
 
 /// The three artifact kinds the design separates (seed 003).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -24,35 +24,7 @@ use tokio::net::TcpListener;
 
 use crate::workspace::WorkspaceHooks;
 
-/// What every request handler can reach.
-#[derive(Debug, Clone)]
-pub struct AppState {
-    pub instance: InstanceId,
-    pub metadata_store: Arc<dyn Store>,
-    /// `None` when runsc is unusable here: the server still answers health
-    /// checks, reports itself unready, and refuses work with a clear error.
-    pub runtime: Option<Arc<dyn SandboxRuntime>>,
-    /// The sandbox controller (absent with the runtime).
-    pub controller: Option<Arc<SandboxController>>,
-    /// The sandboxes this instance serves, as the sessions see them.
-    pub live: Arc<crate::api::live::LiveSandboxes>,
-    pub features: Features,
-    /// Storage operations made by this instance (metadata and checkpoints).
-    pub store_operations: Arc<OperationCounts>,
-    /// Workspace sync (`None`: not configured on this server).
-    pub workspace_hooks: Option<Arc<WorkspaceHooks>>,
-    /// The sandbox images (`GET /images`); `None` without a runtime.
-    pub images: Option<crate::runtime::ImageCatalog>,
-}
-
-/// What this server can do, as the init message's checks see it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Features {
-    pub checkpoint: bool,
-    pub snapshot: bool,
-    /// Creates may ask for `"network": "egress"` (the runtime has networking).
-    pub network_egress: bool,
-}
+pub use crate::api::state::{AppState, Features};
 
 /// The parts an instance is built from.
 #[derive(Debug, Clone)]

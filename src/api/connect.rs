@@ -29,8 +29,8 @@ use super::protocol::{
     ForkRequest, FrameError, InitMessage, MAX_MESSAGE_BYTES, ServerFrame, Status, WorkspaceRequest,
 };
 use super::session::{CLOSE_FATAL, CLOSE_UNAVAILABLE, Out, Session, next_text, refuse_too_big};
+use super::state::AppState;
 use super::token;
-use crate::server::AppState;
 
 /// How long a create or restore may take before the client is told it failed.
 const START_TIMEOUT: Duration = Duration::from_secs(120);

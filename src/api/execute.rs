@@ -21,7 +21,7 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use crate::server::AppState;
+use super::state::AppState;
 
 #[derive(Debug, Deserialize)]
 pub struct ExecuteParams {

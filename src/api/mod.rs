@@ -9,4 +9,5 @@ pub mod live;
 pub mod output;
 pub mod protocol;
 pub mod session;
+pub mod state;
 pub mod token;

@@ -27,7 +27,7 @@ use tokio::task::JoinHandle;
 use super::live::{LiveSandbox, LiveSandboxes};
 use super::output::ExecutionState;
 use super::protocol::{ClientFrame, FrameError, Language, MAX_FRAME_BYTES, ServerFrame, Status};
-use crate::server::Features;
+use super::state::Features;
 
 /// Close codes (upstream-wire-contract §2.4).
 pub const CLOSE_NORMAL: u16 = 1000;

@@ -10,11 +10,22 @@ mod local;
 pub use gcs::{GCS_ENDPOINT, GcsConfig, GcsStore, RetrySettings, emulator_endpoint};
 pub use local::LocalStore;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use controllers::store::{Store, StoreError};
 
-use crate::config::StoreLocation;
+/// Where one kind of artifact is stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreLocation {
+    /// A directory: a mount path, or the embedded default.
+    Directory(PathBuf),
+    /// A GCS bucket, possibly on an emulator.
+    Bucket {
+        bucket: String,
+        emulator_host: Option<String>,
+    },
+}
 
 /// Opens the store at `location`.
 pub async fn open(location: &StoreLocation) -> Result<Arc<dyn Store>, StoreError> {

@@ -1,0 +1,42 @@
+//! What every request handler can reach: the API layer's own state. The
+//! server (`server.rs`) builds it and the router around it; nothing here
+//! depends on the server, so dependencies point one way.
+
+use std::sync::Arc;
+
+use controllers::api::InstanceId;
+use controllers::runtime::SandboxRuntime;
+use controllers::sandboxes::SandboxController;
+use controllers::store::{OperationCounts, Store};
+
+use crate::workspace::WorkspaceHooks;
+
+/// What every request handler can reach.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub instance: InstanceId,
+    pub metadata_store: Arc<dyn Store>,
+    /// `None` when runsc is unusable here: the server still answers health
+    /// checks, reports itself unready, and refuses work with a clear error.
+    pub runtime: Option<Arc<dyn SandboxRuntime>>,
+    /// The sandbox controller (absent with the runtime).
+    pub controller: Option<Arc<SandboxController>>,
+    /// The sandboxes this instance serves, as the sessions see them.
+    pub live: Arc<crate::api::live::LiveSandboxes>,
+    pub features: Features,
+    /// Storage operations made by this instance (metadata and checkpoints).
+    pub store_operations: Arc<OperationCounts>,
+    /// Workspace sync (`None`: not configured on this server).
+    pub workspace_hooks: Option<Arc<WorkspaceHooks>>,
+    /// The sandbox images (`GET /images`); `None` without a runtime.
+    pub images: Option<crate::runtime::ImageCatalog>,
+}
+
+/// What this server can do, as the init message's checks see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Features {
+    pub checkpoint: bool,
+    pub snapshot: bool,
+    /// Creates may ask for `"network": "egress"` (the runtime has networking).
+    pub network_egress: bool,
+}
