@@ -318,6 +318,10 @@ pub struct ControlArgs {
     /// other instances and `sandboxctl` ring it after writing an intent).
     #[arg(long, env = "SANDBOXD_DOORBELL_POLL_MS", default_value_t = 400)]
     pub doorbell_poll_ms: u64,
+    /// How often it reads it instead while a client attached to it sent a
+    /// frame within the last minute (the instance serves requests then).
+    #[arg(long, env = "SANDBOXD_DOORBELL_POLL_ACTIVE_MS", default_value_t = 200)]
+    pub doorbell_poll_active_ms: u64,
     #[arg(long, env = "SANDBOXD_HANDOFF_RUNNING_EXECUTION", value_enum, default_value_t = HandoffArg::Force)]
     pub handoff_running_execution: HandoffArg,
     /// Superseded unnamed checkpoints kept per sandbox besides the latest.
@@ -383,6 +387,7 @@ impl ControlArgs {
                 .max(Duration::from_millis(100)),
             resync_interval: Duration::from_secs(self.resync_interval_s.max(1)),
             doorbell_poll: Duration::from_millis(self.doorbell_poll_ms.max(10)),
+            doorbell_poll_active: Duration::from_millis(self.doorbell_poll_active_ms.max(10)),
             handoff: match self.handoff_running_execution {
                 HandoffArg::Force => controllers::sandboxes::HandoffPolicy::Force,
                 HandoffArg::Wait => controllers::sandboxes::HandoffPolicy::Wait,

@@ -2,10 +2,13 @@
 //! processes on fake-gcs-server at production default settings, from the
 //! attach on B to `SANDBOX_RUNNING`, for a small sandbox in each state its
 //! holder A can be in when B is asked:
-//! - its client is still attached to A (a client whose network dropped
-//!   reconnects through another instance; the earlier server's own example);
+//! - its client is still attached to A and just used it (a client whose
+//!   network dropped reconnects through another instance; the earlier
+//!   server's own example);
 //! - its client left A a second ago;
 //! - its client left A longer ago than any fast-path window (95 s);
+//! - its client is attached to A but has sent nothing for 95 s (A reads its
+//!   doorbell at the idle interval, not the active one);
 //!
 //! and crash takeover: A is SIGKILLed, the client attaches on B, which restores
 //! the last checkpoint once A's instance lease has expired.
@@ -127,6 +130,29 @@ async fn handoff_latency() {
         long_gone.push(timed_attach(&b, id, token).await);
     }
     report("handoff, client left A 95 s ago", &mut long_gone);
+
+    // Clients still attached to A but quiet for longer than the active
+    // window: A reads its doorbell at the idle interval again.
+    let mut quiet = Vec::new();
+    for _ in 0..runs {
+        let (ws, id, token) = created(&a).await;
+        quiet.push((ws, id, token));
+    }
+    tokio::time::sleep(Duration::from_secs(95)).await;
+    let mut attached_quiet = Vec::new();
+    for (old, id, token) in &mut quiet {
+        attached_quiet.push(timed_attach(&b, id, token).await);
+        let seen = old.until_close().await;
+        assert!(
+            seen.iter()
+                .any(|f| f.contains("SANDBOX_LOCK_RELEASE_REQUESTED")),
+            "{seen:?}"
+        );
+    }
+    report(
+        "handoff, client attached to A but quiet for 95 s",
+        &mut attached_quiet,
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

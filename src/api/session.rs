@@ -274,6 +274,7 @@ impl Session {
                 frame = next_text(&mut stream) => {
                     let Some(frame) = frame else { break };
                     self.live.touch();
+                    self.controller.client_active(&self.id);
                     if let Err(err @ FrameError::MessageTooBig(_)) = &frame {
                         refuse_too_big(&self.out, &mut stream, err).await;
                         break;

@@ -142,11 +142,11 @@ impl SandboxController {
     }
 
     /// Reads the doorbell every `doorbell_poll` while the instance holds
-    /// sandboxes (nobody rings an instance that holds none).
+    /// sandboxes (nobody rings an instance that holds none), every
+    /// `doorbell_poll_active` while a client attached here is active.
     async fn watch_doorbell(self: Arc<Self>) {
-        let every = self.reconciler.config().doorbell_poll;
         loop {
-            tokio::time::sleep(every).await;
+            tokio::time::sleep(self.reconciler.doorbell_interval()).await;
             if !self.reconciler.needs_instance_lease() {
                 continue;
             }
@@ -266,6 +266,13 @@ impl SandboxController {
         if !attached {
             self.queue.add(sandbox);
         }
+    }
+
+    /// The client attached to `sandbox` sent a frame: for a while the
+    /// doorbell is read at the active interval (a client whose network drops
+    /// mid-use reconnects through another instance within seconds).
+    pub fn client_active(&self, sandbox: &SandboxId) {
+        self.reconciler.client_active(sandbox);
     }
 
     /// The reconciler's progress on `sandbox`, from now on.

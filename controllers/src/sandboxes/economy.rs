@@ -31,11 +31,21 @@ impl Clock for TokioClock {
     }
 }
 
-/// What one instance holding `held` idle sandboxes spends per hour of
-/// virtual time, after a setup phase (create them, then let the clients'
-/// fast-poll windows pass when `detach` is true). Returns (per hour, during
-/// the detach window).
-async fn idle_bill(held: usize, detach: bool, hours: u64) -> (StorageBill, StorageBill) {
+/// What the clients of the held sandboxes do during the measured hours.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Clients {
+    /// Attached, sending nothing (past the active window).
+    Quiet,
+    /// Left (after the setup; the detach window is measured separately).
+    Detached,
+    /// Attached, each sending a frame every 5 s.
+    Active,
+}
+
+/// What one instance holding `held` sandboxes spends per hour of virtual
+/// time, after a setup phase (create them, attached as a session would, then
+/// let the fast windows pass). Returns (per hour, during the detach window).
+async fn idle_bill(held: usize, clients: Clients, hours: u64) -> (StorageBill, StorageBill) {
     let counts = Arc::new(OperationCounts::default());
     let memory: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory, counts.clone()));
@@ -73,12 +83,13 @@ async fn idle_bill(held: usize, detach: bool, hours: u64) -> (StorageBill, Stora
         while !controller.is_held_here(&id) {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        controller.client_attached(&id, true);
         ids.push(id);
     }
     // Past every setup effect (the first resync) before measuring.
     tokio::time::sleep(Duration::from_secs(61)).await;
     let window_start = counts.bill();
-    if detach {
+    if clients == Clients::Detached {
         for id in &ids {
             controller.client_attached(id, false);
         }
@@ -86,7 +97,23 @@ async fn idle_bill(held: usize, detach: bool, hours: u64) -> (StorageBill, Stora
     tokio::time::sleep(ReconcilerConfig::default().detached_window + Duration::from_secs(1)).await;
     let window = counts.bill().since(&window_start);
     let before = counts.bill();
-    tokio::time::sleep(Duration::from_secs(3600 * hours)).await;
+    let measured = tokio::time::sleep(Duration::from_secs(3600 * hours));
+    if clients == Clients::Active {
+        let frames = async {
+            loop {
+                for id in &ids {
+                    controller.client_active(id);
+                }
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+        };
+        tokio::select! {
+            () = measured => {}
+            () = frames => {}
+        }
+    } else {
+        measured.await;
+    }
     let spent = counts.bill().since(&before);
     for id in &ids {
         assert!(controller.is_held_here(id), "still held after {hours} h");
@@ -101,8 +128,9 @@ async fn idle_bill(held: usize, detach: bool, hours: u64) -> (StorageBill, Stora
 
 #[tokio::test(start_paused = true)]
 async fn idle_held_sandboxes_cost_what_the_targets_allow_in_dollars() {
-    let (one, _) = idle_bill(1, false, 3).await;
-    let (ten, window) = idle_bill(10, true, 3).await;
+    let (one, _) = idle_bill(1, Clients::Quiet, 3).await;
+    let (ten, window) = idle_bill(10, Clients::Detached, 3).await;
+    let (active, _) = idle_bill(1, Clients::Active, 1).await;
     // total(n) = fixed + n × marginal.
     let marginal = (ten.dollars() - one.dollars()) / 9.0;
     let fixed = one.dollars() - marginal;
@@ -112,7 +140,8 @@ async fn idle_held_sandboxes_cost_what_the_targets_allow_in_dollars() {
          - one instance holding 10 idle sandboxes: {} writes + {} reads an hour = ${:.5}/h\n\
          - fixed per instance-hour: ${fixed:.5} (target ≤ $0.006)\n\
          - per idle held sandbox-hour: ${:.5} with 1 held, ${:.5} with 10 held (target ≤ $0.0006 at 10; earlier server $0.0013); marginal ${marginal:.6}\n\
-         - the first minute after a client leaves (fast lock polling), once per sandbox: {} reads = ${:.6}",
+         - the first minute after a client leaves (fast lock polling), once per sandbox: {} reads = ${:.6}\n\
+         - one instance whose attached client is active (a frame every 5 s; doorbell read every 200 ms): {} writes + {} reads an hour = ${:.5}/h",
         one.class_a,
         one.class_b,
         one.dollars(),
@@ -123,6 +152,9 @@ async fn idle_held_sandboxes_cost_what_the_targets_allow_in_dollars() {
         ten.dollars() / 10.0,
         window.class_b / 10,
         window.dollars() / 10.0,
+        active.class_a,
+        active.class_b,
+        active.dollars(),
     );
     assert!(fixed <= 0.006, "fixed ${fixed:.5} per instance-hour");
     assert!(
@@ -134,4 +166,13 @@ async fn idle_held_sandboxes_cost_what_the_targets_allow_in_dollars() {
         ten.class_a, one.class_a,
         "an idle held sandbox writes nothing of its own"
     );
+    // An active client doubles the doorbell reads, nothing else: the
+    // fast interval ends with the activity (the quiet case above is idle).
+    assert!(
+        active.class_b >= one.class_b + 8_000 && active.class_b <= one.class_b + 10_000,
+        "active {} vs quiet {} reads an hour",
+        active.class_b,
+        one.class_b
+    );
+    assert_eq!(active.class_a, one.class_a);
 }

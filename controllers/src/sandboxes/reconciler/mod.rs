@@ -73,10 +73,16 @@ pub struct ReconcilerConfig {
     pub renew_interval: Duration,
     /// How often the instance reads its doorbell while it holds sandboxes.
     pub doorbell_poll: Duration,
+    /// How often it reads it instead while a client attached here has sent
+    /// something within `detached_window`: a client whose network drops
+    /// mid-use reconnects through another instance within seconds, and this
+    /// is when an instance serves requests anyway.
+    pub doorbell_poll_active: Duration,
     /// How often the lock of a held sandbox whose client just left is read,
     /// to notice an attach on another instance quickly.
     pub detached_poll: Duration,
-    /// For how long after the client left that fast polling lasts.
+    /// For how long after the client left (or last sent a frame while
+    /// attached) that fast polling lasts.
     pub detached_window: Duration,
     /// How often an instance waiting for another's lease looks again.
     pub acquire_poll: Duration,
@@ -105,6 +111,7 @@ impl Default for ReconcilerConfig {
             resync_interval: Duration::from_secs(60),
             renew_interval: Duration::from_secs(10),
             doorbell_poll: Duration::from_millis(400),
+            doorbell_poll_active: Duration::from_millis(200),
             detached_poll: Duration::from_millis(250),
             detached_window: Duration::from_secs(60),
             acquire_poll: Duration::from_millis(25),
@@ -124,6 +131,8 @@ impl Default for ReconcilerConfig {
 struct Watch {
     last_full_pass: DateTime<Utc>,
     detached_since: Option<DateTime<Utc>>,
+    /// When its attached client last attached or sent a frame.
+    last_active: Option<DateTime<Utc>>,
     /// Created with `enable_checkpoint` (periodic checkpoints apply).
     checkpointable: bool,
     /// When it was last checkpointed or started here.
@@ -382,6 +391,33 @@ impl Reconciler {
         let now = self.clock.now();
         if let Some(watch) = self.watch_map().get_mut(sandbox) {
             watch.detached_since = if attached { None } else { Some(now) };
+            if attached {
+                watch.last_active = Some(now);
+            }
+        }
+    }
+
+    /// The attached client of `sandbox` sent a frame.
+    pub fn client_active(&self, sandbox: &SandboxId) {
+        let now = self.clock.now();
+        if let Some(watch) = self.watch_map().get_mut(sandbox) {
+            watch.last_active = Some(now);
+        }
+    }
+
+    /// How long the doorbell loop sleeps before its next read: the active
+    /// interval while any client attached here sent something within the
+    /// fast window, the idle one otherwise.
+    pub fn doorbell_interval(&self) -> Duration {
+        let now = self.clock.now();
+        let window = chrono_duration(self.config.detached_window);
+        let active = self.watch_map().values().any(|watch| {
+            watch.detached_since.is_none() && watch.last_active.is_some_and(|at| now < at + window)
+        });
+        if active {
+            self.config.doorbell_poll_active
+        } else {
+            self.config.doorbell_poll
         }
     }
 

@@ -184,6 +184,7 @@ impl Reconciler {
                     Watch {
                         last_full_pass: self.clock.now(),
                         detached_since: None,
+                        last_active: None,
                         checkpointable: metadata.spec.enable_checkpoint,
                         last_checkpoint: self.clock.now(),
                     },
