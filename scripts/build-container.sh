@@ -136,6 +136,13 @@ fi
 previous=$(podman image inspect --format '{{.Id}}' "$TAG" 2>/dev/null || true)
 echo "== buildah bud -f deploy/Dockerfile -t $TAG (runsc: $RUNSC_SOURCE, platform $RUNSC_PLATFORM)"
 t=$(date +%s)
+# The sandbox image first, for its id: buildah keys the step that unpacks it
+# into the runtime stage on the step's text alone (see the Dockerfile).
+iidfile=$(mktemp)
+trap 'rm -f "$iidfile"' EXIT
+buildah bud --layers --pull=false -f "$repo/deploy/Dockerfile" --target sandbox-images \
+  --iidfile "$iidfile" "${build_args[@]}" "$context"
+build_args+=(--build-arg "SANDBOX_IMAGES_ID=$(cat "$iidfile")")
 buildah bud --layers --pull=false -f "$repo/deploy/Dockerfile" -t "$TAG" "${build_args[@]}" "$context"
 built=$(podman image inspect --format '{{.Id}}' "$TAG")
 echo "   buildah bud took $(( $(date +%s) - t )) s"
