@@ -139,7 +139,15 @@ t=$(date +%s)
 # The sandbox image first, for its id: buildah keys the step that unpacks it
 # into the runtime stage on the step's text alone (see the Dockerfile).
 iidfile=$(mktemp)
-trap 'rm -f "$iidfile"' EXIT
+# buildah 1.28 leaves a working container behind for each stage that only
+# renames another (FROM stage AS alias), holding its image: remove the ones
+# this build leaves, also when it fails.
+containers_before=$(buildah containers -q | sort)
+cleanup() {
+  rm -f "$iidfile"
+  comm -13 <(echo "$containers_before") <(buildah containers -q | sort) | xargs -r buildah rm >/dev/null || true
+}
+trap cleanup EXIT
 buildah bud --layers --pull=false -f "$repo/deploy/Dockerfile" --target sandbox-images \
   --iidfile "$iidfile" "${build_args[@]}" "$context"
 build_args+=(--build-arg "SANDBOX_IMAGES_ID=$(cat "$iidfile")")
