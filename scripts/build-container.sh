@@ -80,18 +80,26 @@ fi
 
 started=$(date +%s)
 mkdir -p "$CACHE/base"
+# buildah 1.28 leaves a working container behind for each stage that only
+# renames another (FROM stage AS alias), holding its image: remove the ones
+# this run leaves, also when it fails; and the run's context.
+containers_before=$(buildah containers -q | sort)
+context=""
+cleanup() {
+  if [ -n "$context" ]; then rm -rf "$context" "$context.iid"; fi
+  comm -13 <(echo "$containers_before") <(buildah containers -q | sort) | xargs -r buildah rm >/dev/null || true
+}
+trap cleanup EXIT
 
 # ---- the base: Debian from the archive, as the registry's debian images are
 # (minbase: Essential packages and apt; the same suites and PATH).
 base_inputs=$(printf 'recipe=%s suite=%s mirror=%s\n' "$BASE_RECIPE" "$SUITE" "$MIRROR" | sha256sum | cut -c1-16)
 base_tar="$CACHE/base/$SUITE-$base_inputs.tar"
 base_image="localhost/sandboxd-base:$SUITE-$base_inputs"
-if [ "$REFRESH_BASE" = 1 ]; then
-  rm -f "$base_tar"
-  podman image rm --force "$base_image" >/dev/null 2>&1 || true
-fi
-if ! podman image exists "$base_image"; then
-  if [ ! -f "$base_tar" ]; then
+# A refresh imports a new base under the same name: every layer is rebuilt on
+# it (the old ones stay in the storage until `podman image prune`).
+if [ "$REFRESH_BASE" = 1 ] || ! podman image exists "$base_image"; then
+  if [ "$REFRESH_BASE" = 1 ] || [ ! -f "$base_tar" ]; then
     echo "== base image: mmdebstrap $SUITE (minbase) from $MIRROR"
     t=$(date +%s)
     mmdebstrap --variant=minbase --mode=root --format=tar --quiet \
@@ -110,8 +118,8 @@ if ! podman image exists "$base_image"; then
 fi
 
 # ---- the build context: what the Dockerfile copies, and the binaries.
-context="$CACHE/context"
-rm -rf "$context"
+# (One per run: CI and a developer may build at the same time.)
+context=$(mktemp -d "$CACHE/context.XXXXXX")
 mkdir -p "$context/scripts"
 cp -a Cargo.toml Cargo.lock controllers src "$context/"
 cp -a scripts/build-image.sh scripts/image "$context/scripts/"
@@ -138,16 +146,7 @@ echo "== buildah bud -f deploy/Dockerfile -t $TAG (runsc: $RUNSC_SOURCE, platfor
 t=$(date +%s)
 # The sandbox image first, for its id: buildah keys the step that unpacks it
 # into the runtime stage on the step's text alone (see the Dockerfile).
-iidfile=$(mktemp)
-# buildah 1.28 leaves a working container behind for each stage that only
-# renames another (FROM stage AS alias), holding its image: remove the ones
-# this build leaves, also when it fails.
-containers_before=$(buildah containers -q | sort)
-cleanup() {
-  rm -f "$iidfile"
-  comm -13 <(echo "$containers_before") <(buildah containers -q | sort) | xargs -r buildah rm >/dev/null || true
-}
-trap cleanup EXIT
+iidfile="$context.iid"
 buildah bud --layers --pull=false -f "$repo/deploy/Dockerfile" --target sandbox-images \
   --iidfile "$iidfile" "${build_args[@]}" "$context"
 build_args+=(--build-arg "SANDBOX_IMAGES_ID=$(cat "$iidfile")")
@@ -159,5 +158,4 @@ echo "   buildah bud took $(( $(date +%s) - t )) s"
 if [ -n "$previous" ] && [ "$previous" != "$built" ]; then
   podman image rm "$previous" >/dev/null 2>&1 || true
 fi
-rm -rf "$context"
 echo "image $TAG = ${built:0:12}, $(podman image inspect --format '{{.Size}}' "$TAG" | numfmt --to=iec) (built in $(( $(date +%s) - started )) s)"
