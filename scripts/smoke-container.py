@@ -18,8 +18,11 @@ deploy/cloudrun/service.yaml say, and drives it with a real WebSocket client:
   - on instance A: create (enable_checkpoint), execute (bash writes a file,
     Python keeps a value in a session), checkpoint; on instance B: attach,
     which restores the checkpoint from the shared bucket, and the file and
-    the value are there; kill; then SIGTERM both (podman stop), which must
-    exit 0 within the service's shutdown grace.
+    the value are there; kill; a handoff (a client that left A attaches on
+    B: A checkpoints when rung through the bucket, B restores, a background
+    process keeps counting); no unreaped process in either container; SIGTERM
+    to A (podman stop) while it holds a sandbox: it checkpoints it and exits
+    0 within the service's shutdown grace, and B restores it; SIGTERM to B.
 
 Every step that does not happen as described fails the run (exit 1) with the
 reason and the instances' last log lines; a missing prerequisite fails it too.
@@ -397,6 +400,80 @@ async def sandbox_round_trip(url_a, url_b, timings):
         timings.append(("kill on B", time.monotonic() - started))
 
 
+COUNTER = ("setsid nohup bash -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; "
+           "mv /tmp/counter.new /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 </dev/null & echo started")
+
+
+async def handoff_round_trip(url_a, url_b, timings):
+    """Cloud Run's affinity miss: a client that left A attaches on B, which
+    rings A through the bucket; A checkpoints and releases, B restores. A
+    background process keeps counting across the move."""
+    import websockets
+
+    started = time.monotonic()
+    async with websockets.connect(url_a + "/create", open_timeout=10) as ws:
+        await ws.send(json.dumps({"idle_timeout": 300, "enable_checkpoint": True,
+                                  "enable_sandbox_handoff": True}))
+        frames = await frames_until(ws, {"SANDBOX_RUNNING"}, 90, "create (handoff) on A")
+        ids = [f for f in frames if f.get("event") == "sandbox_id"]
+        need(len(ids) == 1, f"create (handoff) on A: one sandbox_id event expected, got {frames}")
+        sandbox_id, token = ids[0]["sandbox_id"], ids[0]["sandbox_token"]
+        out = await execute(ws, {"language": "bash", "code": COUNTER}, "background counter on A")
+        need(out.strip() == "started", f"background counter on A printed {out!r}")
+        await asyncio.sleep(0.5)
+    timings.append(("create, start a background process on A", time.monotonic() - started))
+
+    started = time.monotonic()
+    async with websockets.connect(f"{url_b}/attach/{sandbox_id}?sandbox_token={token}",
+                                  open_timeout=10) as ws:
+        frames = await frames_until(ws, {"SANDBOX_RUNNING"}, 120, "handoff attach on B")
+        statuses = [f.get("status") for f in frames if f.get("event") == "status_update"]
+        need(statuses == ["SANDBOX_RESTORING", "SANDBOX_LOCK_ACQUIRING", "SANDBOX_LOCK_ACQUIRED",
+                          "SANDBOX_RUNNING"], f"handoff attach on B: {statuses}")
+        timings.append(("handoff A -> B (ring, checkpoint, restore)", time.monotonic() - started))
+        need(sandbox_id not in listed_ids(url_a), f"A still runs the sandbox {sandbox_id} after the handoff")
+        first = int(await execute(ws, {"language": "bash", "code": "cat /tmp/counter"}, "counter on B"))
+        await asyncio.sleep(0.6)
+        second = int(await execute(ws, {"language": "bash", "code": "cat /tmp/counter"}, "counter on B"))
+        need(0 < first < second, f"the background process did not keep counting on B: {first} then {second}")
+        await ws.send(json.dumps({"action": "kill_sandbox"}))
+        await frames_until(ws, {"SANDBOX_KILLED"}, 60, "kill (handoff) on B")
+        await expect_close(ws, 1000, "kill (handoff) on B")
+
+
+async def drain_round_trip(url_a, url_b, stop_a, timings):
+    """Cloud Run stops an instance with SIGTERM: A, holding a sandbox nobody
+    is attached to, checkpoints it within the grace and exits 0 (tini must
+    pass SIGTERM to sandboxd and nothing else); B restores it on attach."""
+    import websockets
+
+    marker = secrets.token_hex(8)
+    async with websockets.connect(url_a + "/create", open_timeout=10) as ws:
+        await ws.send(json.dumps({"idle_timeout": 300, "enable_checkpoint": True,
+                                  "enable_sandbox_handoff": True}))
+        frames = await frames_until(ws, {"SANDBOX_RUNNING"}, 90, "create (drain) on A")
+        ids = [f for f in frames if f.get("event") == "sandbox_id"]
+        need(len(ids) == 1, f"create (drain) on A: one sandbox_id event expected, got {frames}")
+        sandbox_id, token = ids[0]["sandbox_id"], ids[0]["sandbox_token"]
+        await execute(ws, {"language": "bash", "code": f"echo {marker} > /tmp/drained"}, "write on A")
+    started = time.monotonic()
+    stop_a()
+    timings.append(("A stopped (SIGTERM: checkpoint, exit 0)", time.monotonic() - started))
+
+    started = time.monotonic()
+    async with websockets.connect(f"{url_b}/attach/{sandbox_id}?sandbox_token={token}",
+                                  open_timeout=10) as ws:
+        frames = await frames_until(ws, {"SANDBOX_RUNNING"}, 120, "attach (drained) on B")
+        statuses = [f.get("status") for f in frames if f.get("event") == "status_update"]
+        need("SANDBOX_RESTORING" in statuses, f"attach (drained) on B did not restore: {statuses}")
+        timings.append(("attach and restore A's drain checkpoint on B", time.monotonic() - started))
+        out = await execute(ws, {"language": "bash", "code": "cat /tmp/drained"}, "read on B")
+        need(out.strip() == marker, f"the file written on A before SIGTERM reads {out!r} on B")
+        await ws.send(json.dumps({"action": "kill_sandbox"}))
+        await frames_until(ws, {"SANDBOX_KILLED"}, 60, "kill (drained) on B")
+        await expect_close(ws, 1000, "kill (drained) on B")
+
+
 def wait_ready(ip, service, name, cluster):
     """The startup probe: ready within the service's own budget."""
     url = f"http://{ip}:{service['port']}{service['startup_path']}"
@@ -457,19 +534,24 @@ def main():
             print(f"   {name}: ready; sandbox image {body['images'][0]['digest']}")
 
         (a, ip_a), (b, ip_b) = instances
-        asyncio.run(sandbox_round_trip(f"ws://{ip_a}:{service['port']}",
-                                       f"ws://{ip_b}:{service['port']}", timings))
+        url_a, url_b = f"ws://{ip_a}:{service['port']}", f"ws://{ip_b}:{service['port']}"
+        asyncio.run(sandbox_round_trip(url_a, url_b, timings))
+        asyncio.run(handoff_round_trip(url_a, url_b, timings))
 
         for name, _ in instances:
             check_no_zombies(name)
 
-        # Cloud Run stops an instance with SIGTERM and kills it after 10 s.
-        for name, _ in instances:
-            started = time.monotonic()
+        # Cloud Run stops an instance with SIGTERM and kills it 10 s later.
+        def stop(name):
             run(["podman", "stop", "-t", str(service["grace_s"] + 2), name], timeout=60)
             code = run(["podman", "inspect", "--format", "{{.State.ExitCode}}", name]).stdout.strip()
             need(code == "0", f"{name} exited {code} on SIGTERM:\n{cluster.logs(name)}")
-            timings.append((f"{name[-1].upper()} stopped (SIGTERM, exit 0)", time.monotonic() - started))
+
+        asyncio.run(drain_round_trip(url_a, url_b, lambda: stop(a), timings))
+        check_no_zombies(b)
+        started = time.monotonic()
+        stop(b)
+        timings.append(("B stopped (SIGTERM, exit 0)", time.monotonic() - started))
     except (SmokeFailure, subprocess.TimeoutExpired, KeyError, OSError) as err:
         print(f"\nerror: container smoke test FAILED: {err!r}" if not isinstance(err, SmokeFailure)
               else f"\nerror: container smoke test FAILED: {err}", file=sys.stderr)
