@@ -17,8 +17,10 @@
 #   --tag NAME         image name (default localhost/sandboxd:local)
 #   --binaries DIR     directory holding sandboxd and sandboxctl (default
 #                      target/debug), or "cargo": cargo build --release inside
-#                      the build, on --rust-image (needs a registry)
-#   --rust-image IMG   the cargo stage's toolchain image (default rust:1-bookworm)
+#                      the build, on --rust-image
+#   --rust-image IMG   the cargo stage's toolchain image (default rust:1-bookworm);
+#                      "host": this machine's rustup toolchain on the Debian
+#                      base, with gcc (no registry needed; crates.io is)
 #   --runsc SOURCE     debian (default: Debian's package, platform ptrace) or
 #                      release (gVisor's releases, platform systrap; needs
 #                      storage.googleapis.com)
@@ -46,7 +48,7 @@ SUITE=bookworm
 # Bump when the base's recipe changes.
 BASE_RECIPE=1
 
-usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --tag) TAG=$2; shift 2 ;;
@@ -125,6 +127,21 @@ cp -a Cargo.toml Cargo.lock controllers src "$context/"
 cp -a scripts/build-image.sh scripts/image "$context/scripts/"
 build_args=(--build-arg "RUNSC_SOURCE=$RUNSC_SOURCE" --build-arg "RUNSC_PLATFORM=$RUNSC_PLATFORM"
             --build-arg "DEBIAN_IMAGE=$base_image" --build-arg "RUNTIME_IMAGE=$base_image")
+if [ "$BINARIES" = cargo ] && [ "$RUST_IMAGE" = host ]; then
+  # A stand-in for rust:1-bookworm: the toolchain cargo uses here, relocated
+  # (rustc finds its sysroot next to itself), and the C toolchain that
+  # buildpack-deps has (aws-lc-sys and ring compile C).
+  sysroot=$(rustc --print sysroot) || { echo "error: --rust-image host needs rustc on this machine" >&2; exit 1; }
+  RUST_IMAGE="localhost/sandboxd-rust:$(rustc --version | cut -d' ' -f2)-$base_inputs"
+  if ! podman image exists "$RUST_IMAGE"; then
+    echo "== toolchain image $RUST_IMAGE from $sysroot"
+    ctr=$(buildah from --pull=false "$base_image")
+    buildah run "$ctr" -- sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc g++ libc6-dev make perl pkg-config ca-certificates >/dev/null && rm -rf /var/lib/apt/lists/*'
+    buildah copy "$ctr" "$sysroot" /usr/local/rust >/dev/null
+    buildah config --env PATH=/usr/local/rust/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$ctr"
+    buildah commit --rm "$ctr" "$RUST_IMAGE" >/dev/null
+  fi
+fi
 if [ "$BINARIES" = cargo ]; then
   build_args+=(--build-arg SANDBOXD_BINARIES=cargo --build-arg "RUST_IMAGE=$RUST_IMAGE")
   echo "== binaries: cargo build --release inside the build, on $RUST_IMAGE"

@@ -36,9 +36,11 @@ import asyncio
 import ipaddress
 import json
 import os
+import re
 import resource
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -169,11 +171,36 @@ class Cluster:
         nproc = 32768 if nproc == resource.RLIM_INFINITY else min(nproc, 32768)
         self.ulimits = ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
 
+    @staticmethod
+    def remove_stale():
+        """Containers and networks of earlier runs that were killed (their
+        process is gone): they would hold the subnet."""
+
+        def dead(name):
+            match = re.match(r"sandboxd-smoke-(\d+)", name)
+            if not match:
+                return False
+            try:
+                os.kill(int(match.group(1)), 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False
+            return False
+
+        names = run(["podman", "ps", "-a", "--format", "{{.Names}}"]).stdout.split()
+        for name in filter(dead, names):
+            run(["podman", "rm", "-f", "-t", "0", name], check=False)
+        for name in filter(dead, run(["podman", "network", "ls", "--format", "{{.Name}}"]).stdout.split()):
+            run(["podman", "network", "rm", "-f", name], check=False)
+
     def create_network(self):
+        self.remove_stale()
         for route in run(["ip", "-o", "route"]).stdout.splitlines():
             dest = route.split()[0]
             if dest != "default" and "/" in dest and ipaddress.ip_network(dest, strict=False).overlaps(self.subnet):
-                fail(f"the smoke network {self.subnet} overlaps a route of this host ({route}); pass --subnet")
+                fail(f"the smoke network {self.subnet} overlaps a route of this host ({route}); "
+                     "another smoke run, or pass --subnet")
         run(["podman", "network", "create", "--subnet", str(self.subnet), self.tag])
         self.network = self.tag
 
@@ -492,6 +519,8 @@ def wait_ready(ip, service, name, cluster):
 
 
 def main():
+    # A CI timeout or Ctrl-C still removes the containers and the network.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--image", default="localhost/sandboxd:local")
     parser.add_argument("--service", default=os.path.join(REPO, "deploy/cloudrun/service.yaml"))
