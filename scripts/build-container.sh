@@ -129,8 +129,8 @@ build_args=(--build-arg "RUNSC_SOURCE=$RUNSC_SOURCE" --build-arg "RUNSC_PLATFORM
             --build-arg "DEBIAN_IMAGE=$base_image" --build-arg "RUNTIME_IMAGE=$base_image")
 if [ "$BINARIES" = cargo ] && [ "$RUST_IMAGE" = host ]; then
   # A stand-in for rust:1-bookworm: the toolchain cargo uses here, relocated
-  # (rustc finds its sysroot next to itself), and the C toolchain that
-  # buildpack-deps has (aws-lc-sys and ring compile C).
+  # (rustc finds its sysroot next to itself), the C toolchain that
+  # buildpack-deps has (aws-lc-sys and ring compile C), and the host's CAs.
   sysroot=$(rustc --print sysroot) || { echo "error: --rust-image host needs rustc on this machine" >&2; exit 1; }
   RUST_IMAGE="localhost/sandboxd-rust:$(rustc --version | cut -d' ' -f2)-$base_inputs"
   if ! podman image exists "$RUST_IMAGE"; then
@@ -138,6 +138,9 @@ if [ "$BINARIES" = cargo ] && [ "$RUST_IMAGE" = host ]; then
     ctr=$(buildah from --pull=false "$base_image")
     buildah run "$ctr" -- sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc g++ libc6-dev make perl pkg-config ca-certificates >/dev/null && rm -rf /var/lib/apt/lists/*'
     buildah copy "$ctr" "$sysroot" /usr/local/rust >/dev/null
+    # This machine's trust store: cargo reaches crates.io the way the host
+    # does (through whatever TLS proxy the host trusts).
+    buildah copy "$ctr" /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt >/dev/null
     buildah config --env PATH=/usr/local/rust/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$ctr"
     buildah commit --rm "$ctr" "$RUST_IMAGE" >/dev/null
   fi
