@@ -167,6 +167,7 @@ class Cluster:
         # open files, 4194304 processes), which fail with "setrlimit:
         # operation not permitted" (docs/decisions/0011).
         nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        nofile = 1048576 if nofile == resource.RLIM_INFINITY else nofile
         nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
         nproc = 32768 if nproc == resource.RLIM_INFINITY else min(nproc, 32768)
         self.ulimits = ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
