@@ -14,8 +14,11 @@
 //! the last checkpoint once A's instance lease has expired.
 //! Prints median, min and max of each.
 //!
-//! `cargo test --release --test bench_handoff -- --ignored --nocapture`
-//! (`HANDOFF_RUNS`, default 10; `TAKEOVER_RUNS`, default 3).
+//! `cargo test --release --test bench_handoff -- --ignored --nocapture --test-threads 1`
+//! (`HANDOFF_RUNS`, default 10; `TAKEOVER_RUNS`, default 3; `BENCH_DIR` keeps
+//! the servers' debug logs there). One test at a time: the takeover test's
+//! kills and restarts would otherwise load the machine the handoffs are
+//! timed on.
 
 #![allow(
     clippy::unwrap_used,
@@ -70,6 +73,20 @@ async fn timed_attach(to: &ServerProcess, id: &str, token: &str) -> Duration {
     took
 }
 
+/// Where the servers keep their state and debug logs: `BENCH_DIR` if set
+/// (kept, to read where the time went), else a temporary directory.
+fn bench_dir() -> tempfile::TempDir {
+    match std::env::var_os("BENCH_DIR") {
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).unwrap();
+            let mut kept = tempfile::Builder::new().tempdir_in(dir).unwrap();
+            kept.disable_cleanup(true);
+            kept
+        }
+        None => tempfile::tempdir().unwrap(),
+    }
+}
+
 async fn created(on: &ServerProcess) -> (Ws, String, String) {
     let (mut ws, id, token) = on.create(options()).await;
     ws.exec("bash", "echo state > /tmp/state").await;
@@ -86,7 +103,7 @@ async fn pair(dir: &Path, bucket: &str) -> (ServerProcess, ServerProcess) {
 #[ignore = "benchmark: cargo test --release --test bench_handoff -- --ignored --nocapture"]
 async fn handoff_latency() {
     let runs = runs("HANDOFF_RUNS", 10);
-    let dir = tempfile::tempdir().unwrap();
+    let dir = bench_dir();
     let bucket = support::create_bucket().await;
     let (a, b) = pair(dir.path(), &bucket).await;
 
