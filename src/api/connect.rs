@@ -25,6 +25,7 @@ use tokio::sync::broadcast;
 use tracing::Instrument;
 
 use super::live::{LiveSandbox, SandboxOptions};
+use super::output::ExecutionState;
 use super::protocol::{
     FrameError, InitMessage, MAX_MESSAGE_BYTES, ServerFrame, Status, WorkspaceRequest,
 };
@@ -151,6 +152,7 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     metadata.spec.filesystem_snapshot_name = init.filesystem_snapshot_name.clone();
     metadata.spec.network = init.network;
     metadata.spec.image = init.image.clone();
+    metadata.spec.keep_executions = init.keep_executions;
     metadata.spec.workspace = init.workspace.as_ref().map(|request| WorkspaceSpec {
         id: request.id.clone().unwrap_or_else(|| id.to_string()),
         template: request
@@ -246,6 +248,11 @@ fn check_features(init: &InitMessage, state: &AppState) -> Result<(), String> {
     }
     if init.enable_sandbox_handoff && !init.enable_checkpoint {
         return Err("Sandbox handoff requires checkpointing to be enabled.".to_owned());
+    }
+    if init.keep_executions && !init.enable_checkpoint {
+        return Err(
+            "Keeping executions (keep_executions) requires checkpointing to be enabled.".to_owned(),
+        );
     }
     if init.enable_idle_timeout_auto_checkpoint && !init.enable_checkpoint {
         return Err(
@@ -399,6 +406,14 @@ async fn serve_attach(
     state
         .live
         .started(&live, SandboxOptions::of(&metadata), &controller);
+    // An execution that moved here with the sandbox: `reconnect` streams it.
+    if let Some(execution) = controller.take_resumed(&id) {
+        let (touched, poked, sandbox) = (Arc::clone(&live), Arc::clone(&controller), id.clone());
+        live.adopt_execution(ExecutionState::start(execution, move || {
+            touched.touch();
+            poked.poke(&sandbox);
+        }));
+    }
     if !out.status(Status::Running).await {
         state.live.detach(&live, attachment);
         return;

@@ -187,6 +187,9 @@ pub struct InitMessage {
     /// Sync `/workspace` with the store (an extension: upstream clients never
     /// send it).
     pub workspace: Option<WorkspaceRequest>,
+    /// Extension: `"keep_executions": true`, a move (handoff, eviction,
+    /// drain) checkpoints a running execution instead of killing it.
+    pub keep_executions: bool,
 }
 
 /// The init message's workspace options: `enable_workspace_sync`,
@@ -360,6 +363,7 @@ impl InitMessage {
                 })?,
             },
             workspace: workspace_request(&map)?,
+            keep_executions: optional_bool(&map, "keep_executions")?,
         })
     }
 }

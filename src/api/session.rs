@@ -43,6 +43,10 @@ pub enum Outgoing {
     Close(u16, String),
 }
 
+/// How often a streamer held back by a checkpoint that keeps the execution
+/// looks again (the checkpoint may fail and delivery go on here).
+const FROZEN_POLL: Duration = Duration::from_millis(100);
+
 /// Client frames waiting for the session's worker, in arrival order.
 const QUEUED_FRAMES: usize = 1024;
 
@@ -376,8 +380,18 @@ impl Session {
                 previous.abort();
                 let _ = previous.await;
             }
-            while let Some(frame) = execution.next_frame().await {
-                if !out.send(frame).await {
+            while let Some((event, frame)) = execution.next_frame().await {
+                // A resumable execution being moved with its sandbox: what
+                // is left goes with it (or, if the checkpoint fails, here).
+                while !execution.begin_delivery(event) {
+                    if out.is_closing() {
+                        return;
+                    }
+                    tokio::time::sleep(FROZEN_POLL).await;
+                }
+                let sent = out.send(frame).await;
+                execution.end_delivery(event, sent);
+                if !sent {
                     return;
                 }
                 execution.sent();
@@ -405,7 +419,10 @@ impl Session {
             Progress::Restoring | Progress::Running { .. } => {}
             Progress::Checkpointing => {
                 self.checkpointing.store(true, Ordering::Release);
-                if let Some(execution) = self.live.execution() {
+                // Unless it is kept: it goes on after the restore.
+                if let Some(execution) = self.live.execution()
+                    && !self.live.options().keep_executions
+                {
                     execution.expect_forced_kill(true);
                 }
                 if !self.checkpoint_requested.load(Ordering::Acquire) {
@@ -532,7 +549,13 @@ impl Session {
         }
         let execution = match self
             .controller
-            .exec(&self.id, ExecRequest::new(command))
+            .exec(
+                &self.id,
+                ExecRequest {
+                    resumable: self.live.options().keep_executions,
+                    ..ExecRequest::new(command)
+                },
+            )
             .await
         {
             Ok(execution) => execution,

@@ -98,6 +98,7 @@ impl Reconciler {
             epoch: held.epoch,
             name: None,
             force: false,
+            keep_executions: false,
         };
         let manifest = match self.runtime.checkpoint(sandbox, request).await {
             Ok(manifest) => manifest,
@@ -180,6 +181,7 @@ impl Reconciler {
             epoch: held.epoch,
             name: name.clone(),
             force: force || self.draining.load(std::sync::atomic::Ordering::Acquire),
+            keep_executions: metadata.spec.keep_executions,
         };
         self.failpoint(metadata, "handoff:before-checkpoint");
         let checkpoint_started = std::time::Instant::now();

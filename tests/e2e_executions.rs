@@ -1,0 +1,174 @@
+//! Executions that survive a move (issue 17, decision 0012): two real
+//! `sandboxd` on fake-gcs-server, a Python loop moved from A to B by an
+//! attach while A's client is still connected, then from B back to A by a
+//! SIGTERM drain of B. The clients together get every number once, in order,
+//! and the exit code.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests fail by panicking"
+)]
+
+mod support;
+
+use serde_json::{Value, json};
+use support::process::{Launch, ServerProcess};
+use support::ws::Ws;
+
+const COUNT: u32 = 600;
+const LOOP: &str = "import time\nfor i in range(1, 601):\n    print(i)\n    time.sleep(0.05)\n";
+
+fn kept_init() -> Value {
+    json!({
+        "idle_timeout": 300,
+        "enable_checkpoint": true,
+        "enable_sandbox_handoff": true,
+        "keep_executions": true
+    })
+}
+
+async fn servers(names: &[&str]) -> (tempfile::TempDir, Vec<ServerProcess>) {
+    let dir = tempfile::tempdir().unwrap();
+    let bucket = support::create_bucket().await;
+    let mut started = Vec::new();
+    for name in names {
+        started.push(
+            Launch::new(name, dir.path())
+                .on_bucket(&bucket)
+                .fast_leases()
+                .start()
+                .await,
+        );
+    }
+    (dir, started)
+}
+
+/// What one client saw: its stdout, and its other frames in order.
+#[derive(Debug, Default)]
+struct Seen {
+    stdout: String,
+    frames: Vec<String>,
+}
+
+impl Seen {
+    fn numbers(&self) -> usize {
+        self.stdout.matches('\n').count()
+    }
+}
+
+/// Reads frames into `seen` until `stop` holds for what was seen (or the
+/// socket closes); returns whether `stop` held.
+async fn read_until(ws: &mut Ws, seen: &mut Seen, stop: impl Fn(&Seen) -> bool) -> bool {
+    loop {
+        if stop(seen) {
+            return true;
+        }
+        let frame = ws.next().await;
+        match frame.strip_prefix("stdout:") {
+            Some(text) => seen.stdout.push_str(text),
+            None => seen.frames.push(frame.clone()),
+        }
+        if frame.starts_with("close:") {
+            return stop(seen);
+        }
+    }
+}
+
+fn has(seen: &Seen, frame: &str) -> bool {
+    seen.frames.iter().any(|f| f == frame)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_running_execution_moves_twice_and_its_output_arrives_exactly_once_in_order() {
+    let (_dir, mut servers) = servers(&["keep-a", "keep-b"]).await;
+    let (mut first, id, token) = servers[0].create(kept_init()).await;
+    first
+        .send(json!({"language": "python", "code": LOOP}))
+        .await;
+    let mut on_a = Seen::default();
+    read_until(&mut first, &mut on_a, |s| s.numbers() >= 60).await;
+
+    // An attach on B moves the sandbox while A's client still reads.
+    let mut second = servers[1].attach(&id, &token).await;
+    second.send(json!({"action": "reconnect"})).await;
+    read_until(&mut first, &mut on_a, |_| false).await;
+    assert!(
+        has(&on_a, "SANDBOX_CHECKPOINTED") && has(&on_a, "close:1000"),
+        "A's client was not told of the move: {:?}",
+        on_a.frames
+    );
+    for never in ["SANDBOX_EXECUTION_FORCE_KILLED", "SANDBOX_EXECUTION_DONE"] {
+        assert!(
+            !has(&on_a, never),
+            "a kept execution was reported ended on A: {:?}",
+            on_a.frames
+        );
+    }
+    let mut on_b = Seen::default();
+    read_until(&mut second, &mut on_b, |s| {
+        s.numbers() >= 240 || has(s, "SANDBOX_EXECUTION_DONE")
+    })
+    .await;
+    assert!(
+        has(&on_b, "SANDBOX_RUNNING") && has(&on_b, "SANDBOX_EXECUTION_RUNNING"),
+        "{:?}",
+        on_b.frames
+    );
+    assert!(
+        !has(&on_b, "SANDBOX_EXECUTION_DONE"),
+        "the loop ended before the second move could be tried: {:?} after {} numbers on B",
+        on_b.frames,
+        on_b.numbers()
+    );
+
+    // A SIGTERM drains B: the execution is checkpointed with the sandbox
+    // (the drain forces the checkpoint) and goes on on A.
+    tokio::task::block_in_place(|| servers[1].signal("-TERM"));
+    read_until(&mut second, &mut on_b, |_| false).await;
+    assert!(
+        has(&on_b, "SANDBOX_CHECKPOINTED"),
+        "B's client was not told of the drain: {:?}",
+        on_b.frames
+    );
+    assert!(!has(&on_b, "SANDBOX_EXECUTION_DONE"), "{:?}", on_b.frames);
+
+    let mut third = servers[0].attach(&id, &token).await;
+    third.send(json!({"action": "reconnect"})).await;
+    let mut back_on_a = Seen::default();
+    read_until(&mut third, &mut back_on_a, |s| {
+        has(s, "SANDBOX_EXECUTION_DONE")
+    })
+    .await;
+    let frames = &back_on_a.frames;
+    let exit = frames.iter().position(|f| f == "exit_code:0");
+    let done = frames.iter().position(|f| f == "SANDBOX_EXECUTION_DONE");
+    assert!(
+        exit.is_some() && exit < done,
+        "no exit code 0 before DONE: {frames:?}"
+    );
+
+    let all = format!("{}{}{}", on_a.stdout, on_b.stdout, back_on_a.stdout);
+    let expected: String = (1..=COUNT).map(|i| format!("{i}\n")).collect();
+    if all != expected {
+        let got: Vec<&str> = all.lines().collect();
+        let first_wrong = got
+            .iter()
+            .enumerate()
+            .find(|(i, line)| line.parse::<usize>().ok() != Some(i + 1))
+            .map(|(i, line)| format!("line {} is {line:?}", i + 1));
+        panic!(
+            "the three clients did not get 1..={COUNT} exactly once in order: {} lines ({} on A, {} on B, {} back on A); first wrong: {first_wrong:?}",
+            got.len(),
+            on_a.numbers(),
+            on_b.numbers(),
+            back_on_a.numbers()
+        );
+    }
+    eprintln!(
+        "numbers delivered: {} on A, {} on B, {} back on A",
+        on_a.numbers(),
+        on_b.numbers(),
+        back_on_a.numbers()
+    );
+}
