@@ -486,7 +486,10 @@ mod tests {
         };
         let notice = String::from_utf8_lossy(&notice).into_owned();
         assert!(notice.contains("output lost"), "{notice}");
-        assert!(matches!(events.recv().await, Some((0, ExecEvent::Exited(0)))));
+        assert!(matches!(
+            events.recv().await,
+            Some((0, ExecEvent::Exited(0)))
+        ));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -183,7 +183,10 @@ mod tests {
             tokio::spawn(async move { gate.freeze().await })
         };
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(!freezing.is_finished(), "the freeze did not wait for the frame in flight");
+        assert!(
+            !freezing.is_finished(),
+            "the freeze did not wait for the frame in flight"
+        );
         gate.end(4, true);
         assert_eq!(freezing.await.unwrap(), 44);
         assert!(!gate.begin(), "a frozen gate let a frame through");

@@ -39,9 +39,9 @@ use tokio::net::unix::pipe;
 use tokio::sync::mpsc;
 
 use super::agent::{AgentConnection, AgentError, Sequenced};
-use super::delivery::DeliveryGate;
 use super::bundle::{BundleNetwork, BundleSpec, SANDBOX_HOME, WORKSPACE_DIR};
 use super::catalog::{Image, ImageCatalog};
+use super::delivery::DeliveryGate;
 use super::images::{
     check_cpu_features, download_verified, host_cpu_features, mismatch, sha256_file, sha256_of,
 };
@@ -446,7 +446,10 @@ impl GvisorRuntime {
         }
         if let Err(err) = local
             .agent
-            .request(json!({"op": "resume", "replay": true}), Duration::from_secs(10))
+            .request(
+                json!({"op": "resume", "replay": true}),
+                Duration::from_secs(10),
+            )
             .await
         {
             tracing::warn!(%sandbox, %err, "resuming the kept execution failed");
@@ -462,7 +465,10 @@ impl GvisorRuntime {
         }
         if let Err(err) = local
             .agent
-            .request(json!({"op": "resume", "replay": false}), Duration::from_secs(10))
+            .request(
+                json!({"op": "resume", "replay": false}),
+                Duration::from_secs(10),
+            )
             .await
         {
             tracing::warn!(%err, "resuming executions after a failed checkpoint failed");
@@ -784,10 +790,7 @@ impl GvisorRuntime {
             local.agent.suspend(gate.exec(), true);
             prepare["acked"] = json!({ gate.exec(): delivered });
         }
-        let prepared = local
-            .agent
-            .request(prepare, Duration::from_secs(10))
-            .await;
+        let prepared = local.agent.request(prepare, Duration::from_secs(10)).await;
         match prepared {
             // Anything still listed as running would be frozen mid-way.
             Ok(reply)
