@@ -172,3 +172,29 @@ async fn a_running_execution_moves_twice_and_its_output_arrives_exactly_once_in_
         back_on_a.numbers()
     );
 }
+
+#[tokio::test]
+async fn keep_executions_without_checkpointing_is_refused_with_a_reason() {
+    let server = support::ws::Server::start().await;
+    let mut ws = server.connect("/create").await;
+    ws.send(json!({"keep_executions": true})).await;
+    let frames = ws.until_close().await;
+    assert_eq!(frames[0], "SANDBOX_CREATING", "{frames:?}");
+    assert!(
+        frames.contains(&"SANDBOX_CREATION_ERROR".to_owned())
+            && frames
+                .iter()
+                .any(|f| f.contains("keep_executions") && f.contains("checkpointing")),
+        "{frames:?}"
+    );
+    let mut ws = server.connect("/create").await;
+    ws.send(json!({"enable_checkpoint": true, "keep_executions": 1}))
+        .await;
+    let frames = ws.until_close().await;
+    assert!(
+        frames
+            .iter()
+            .any(|f| f.contains("keep_executions") && f.contains("boolean")),
+        "{frames:?}"
+    );
+}

@@ -350,6 +350,107 @@ mod tests {
         );
     }
 
+    /// Stands for a resumable execution's runtime: records what the log
+    /// says it delivered or dropped, and can be frozen.
+    #[derive(Debug, Default)]
+    struct Recorder {
+        frozen: std::sync::atomic::AtomicBool,
+        delivered: Mutex<Vec<u64>>,
+        dropped: Mutex<Vec<u64>>,
+    }
+
+    #[derive(Debug)]
+    struct Shared(Arc<Recorder>);
+
+    #[async_trait]
+    impl ExecControl for Shared {
+        async fn write_stdin(&self, _data: Bytes) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+        async fn close_stdin(&self) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+        async fn kill(&self) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+        fn begin_delivery(&self, _event: u64) -> bool {
+            !self.0.frozen.load(std::sync::atomic::Ordering::SeqCst)
+        }
+        fn end_delivery(&self, event: u64, delivered: bool) {
+            if delivered {
+                self.0.delivered.lock().unwrap().push(event);
+            }
+        }
+        fn dropped(&self, event: u64) {
+            self.0.dropped.lock().unwrap().push(event);
+        }
+    }
+
+    #[tokio::test]
+    async fn frames_carry_the_number_of_the_event_they_came_from() {
+        let (sender, events) = mpsc::channel(16);
+        let recorder = Arc::new(Recorder::default());
+        let state = ExecutionState::start(
+            Execution {
+                events,
+                control: Box::new(Shared(Arc::clone(&recorder))),
+            },
+            || {},
+        );
+        // Event 2 is half a character: its frame comes with event 3.
+        for chunk in [&b"a"[..], &[0xC3], &[0xA9, b'b'], b"c"] {
+            sender
+                .send(ExecEvent::Stdout(Bytes::copy_from_slice(chunk)))
+                .await
+                .unwrap();
+        }
+        sender.send(ExecEvent::Exited(0)).await.unwrap();
+        let mut numbered = Vec::new();
+        while let Some((event, frame)) = state.next_frame().await {
+            assert!(state.begin_delivery(event));
+            state.end_delivery(event, true);
+            state.sent();
+            numbered.push((event, frame));
+        }
+        assert_eq!(
+            numbered,
+            vec![
+                (1, ServerFrame::Stdout("a".into())),
+                (3, ServerFrame::Stdout("éb".into())),
+                (4, ServerFrame::Stdout("c".into())),
+                (5, ServerFrame::ExitCode(0)),
+                (0, ServerFrame::status(Status::ExecutionDone)),
+            ]
+        );
+        assert_eq!(*recorder.delivered.lock().unwrap(), vec![1, 3, 4, 5, 0]);
+    }
+
+    #[tokio::test]
+    async fn output_dropped_from_a_full_log_is_reported_to_the_runtime() {
+        let (sender, events) = mpsc::channel(16);
+        let recorder = Arc::new(Recorder::default());
+        let state = ExecutionState::start(
+            Execution {
+                events,
+                control: Box::new(Shared(Arc::clone(&recorder))),
+            },
+            || {},
+        );
+        let chunk = Bytes::from(vec![b'x'; 1 << 20]);
+        for _ in 0..(MAX_BUFFERED_BYTES >> 20) + 2 {
+            sender.send(ExecEvent::Stdout(chunk.clone())).await.unwrap();
+        }
+        sender.send(ExecEvent::Exited(0)).await.unwrap();
+        while state.is_running() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            recorder.dropped.lock().unwrap().last(),
+            Some(&2),
+            "the two oldest events were dropped"
+        );
+    }
+
     #[tokio::test]
     async fn a_character_split_between_chunks_arrives_whole() {
         let (sender, state) = start();

@@ -493,6 +493,30 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_suspended_execution_is_not_ended_when_the_agent_goes_away() {
+        let (connection, mut agent, _commands) = connect();
+        let mut kept = connection.adopt_exec("kept").unwrap();
+        let mut other = connection.adopt_exec("other").unwrap();
+        emit(
+            &mut agent,
+            &json!({"ev": "out", "id": "kept", "fd": 1, "data": "eA==", "seq": 7}),
+        );
+        assert_eq!(
+            kept.recv().await,
+            Some((7, ExecEvent::Stdout(Bytes::from_static(b"x")))),
+            "the agent's sequence number travels with the event"
+        );
+        connection.suspend("kept", true);
+        drop(agent); // the sandbox was checkpointed: the agent's stdout ends
+        assert_eq!(
+            kept.recv().await,
+            None,
+            "a kept execution must end without an exit here"
+        );
+        assert_eq!(other.recv().await, Some((0, ExecEvent::Exited(137))));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_bad_archive_chunk_fails_the_archive() {
         let (connection, mut agent, _commands) = connect();
         let (_chunks, done) = connection
