@@ -2,7 +2,8 @@
 //! `sandboxd` on fake-gcs-server, a Python loop moved from A to B by an
 //! attach while A's client is still connected, then from B back to A by a
 //! SIGTERM drain of B. The clients together get every number once, in order,
-//! and the exit code.
+//! and the exit code. An operator's eviction keeps the execution paused in
+//! the stored checkpoint until the next attach.
 
 #![allow(
     clippy::unwrap_used,
@@ -197,4 +198,86 @@ async fn keep_executions_without_checkpointing_is_refused_with_a_reason() {
             .any(|f| f.contains("keep_executions") && f.contains("boolean")),
         "{frames:?}"
     );
+}
+
+fn object_url(bucket: &str, key: &str) -> String {
+    format!(
+        "{}/storage/v1/b/{bucket}/o/{}",
+        support::emulator().endpoint(),
+        key.replace('/', "%2F")
+    )
+}
+
+/// An operator's edit of `metadata.json` through the emulator's HTTP API.
+async fn edit_metadata(bucket: &str, id: &str, edit: impl FnOnce(&mut Value)) {
+    let key = format!("sandboxes/{id}/metadata.json");
+    let mut metadata: Value = reqwest::get(format!("{}?alt=media", object_url(bucket, &key)))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    edit(&mut metadata);
+    let response = reqwest::Client::new()
+        .post(format!(
+            "{}/upload/storage/v1/b/{bucket}/o?uploadType=media&name={key}",
+            support::emulator().endpoint()
+        ))
+        .header("content-type", "application/json")
+        .body(serde_json::to_string_pretty(&metadata).unwrap())
+        .send()
+        .await
+        .unwrap();
+    assert!(response.status().is_success(), "{}", response.status());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_evicted_execution_waits_in_its_checkpoint_and_goes_on_at_the_next_attach() {
+    let dir = tempfile::tempdir().unwrap();
+    let bucket = support::create_bucket().await;
+    let a = Launch::new("evict-a", dir.path())
+        .on_bucket(&bucket)
+        .fast_leases()
+        .start()
+        .await;
+    let (mut ws, id, token) = a.create(kept_init()).await;
+    ws.send(json!({
+        "language": "python",
+        "code": "import time\nfor i in range(1, 101):\n    print(i)\n    time.sleep(0.05)\n"
+    }))
+    .await;
+    let mut before = Seen::default();
+    read_until(&mut ws, &mut before, |s| s.numbers() >= 10).await;
+    edit_metadata(&bucket, &id, |m| {
+        m["spec"]["desired_state"] = json!("checkpointed");
+    })
+    .await;
+    read_until(&mut ws, &mut before, |_| false).await;
+    assert!(
+        has(&before, "SANDBOX_CHECKPOINTED"),
+        "not evicted: {:?}",
+        before.frames
+    );
+    assert!(
+        !has(&before, "SANDBOX_EXECUTION_DONE"),
+        "{:?}",
+        before.frames
+    );
+    // Longer than the rest of the loop would take if it ran on.
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+
+    let mut ws = a.attach(&id, &token).await;
+    ws.send(json!({"action": "reconnect"})).await;
+    let mut after = Seen::default();
+    read_until(&mut ws, &mut after, |s| has(s, "SANDBOX_EXECUTION_DONE")).await;
+    assert!(has(&after, "exit_code:0"), "{:?}", after.frames);
+    let all = before.stdout + &after.stdout;
+    let expected: String = (1..=100).map(|i| format!("{i}\n")).collect();
+    assert_eq!(all, expected);
+    // The execution slot is free again: the sandbox takes new work.
+    ws.send(json!({"language": "bash", "code": "echo next"}))
+        .await;
+    let mut next = Seen::default();
+    read_until(&mut ws, &mut next, |s| has(s, "SANDBOX_EXECUTION_DONE")).await;
+    assert_eq!(next.stdout, "next\n", "{:?}", next.frames);
 }

@@ -126,8 +126,10 @@ pub struct CheckpointRequest {
     pub name: Option<String>,
     /// Kill a running execution first instead of refusing.
     pub force: bool,
-    /// With `force`: checkpoint a running (resumable) execution with the
-    /// sandbox instead of killing it; its undelivered output moves with it.
+    /// Checkpoint a running (resumable) execution with the sandbox instead
+    /// of killing it or refusing (whatever `force` says); its undelivered
+    /// output moves with it. Only for checkpoints that release the sandbox:
+    /// the execution goes on where the sandbox is restored next.
     pub keep_executions: bool,
 }
 

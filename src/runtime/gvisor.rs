@@ -783,7 +783,7 @@ impl GvisorRuntime {
         }
         // Keeping executions: nothing more is delivered here; the agent drops
         // what was, pauses the rest and keeps it in the image.
-        let keep = request.keep_executions && request.force;
+        let keep = request.keep_executions;
         let mut prepare = json!({"op": "prepare_checkpoint", "force": request.force, "keep": keep});
         if keep && let Some(gate) = local.gate() {
             let delivered = gate.freeze().await;
@@ -1269,12 +1269,12 @@ impl SandboxRuntime for GvisorRuntime {
             }
             // A forced checkpoint kills the running execution (its relay
             // frees the slot when it ends).
-            if current.exec.is_some() && !request.force {
+            if current.exec.is_some() && !request.force && !request.keep_executions {
                 return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
             }
             current.checkpointing = true;
         }
-        let keep = request.keep_executions && request.force;
+        let keep = request.keep_executions;
         let outcome = self.checkpoint_held(sandbox, &local, request).await;
         if outcome.is_err() {
             let still_here = self
