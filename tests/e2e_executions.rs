@@ -82,7 +82,7 @@ fn has(seen: &Seen, frame: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_running_execution_moves_twice_and_its_output_arrives_exactly_once_in_order() {
-    let (_dir, mut servers) = servers(&["keep-a", "keep-b"]).await;
+    let (dir, mut servers) = servers(&["keep-a", "keep-b"]).await;
     let (mut first, id, token) = servers[0].create(kept_init()).await;
     first
         .send(json!({"language": "python", "code": LOOP}))
@@ -172,6 +172,16 @@ async fn a_running_execution_moves_twice_and_its_output_arrives_exactly_once_in_
         on_b.numbers(),
         back_on_a.numbers()
     );
+    // The runtime numbered every event as the agent did (the API counts
+    // events; a gap would acknowledge the wrong ones).
+    for name in ["keep-a", "keep-b"] {
+        let log = std::fs::read_to_string(dir.path().join(name).join("sandboxd.log")).unwrap();
+        assert!(
+            log.contains("execution resumed with the sandbox"),
+            "{name} never resumed the execution"
+        );
+        assert!(!log.contains("out of sequence"), "{name}: {log}");
+    }
 }
 
 #[tokio::test]

@@ -95,26 +95,39 @@ impl DeliveryGate {
             if delivered && event > 0 && (!state.frozen || was_in_flight) {
                 state.delivered = state.delivered.max(self.seq(event));
             }
-            let due = !state.frozen && state.delivered >= state.acked + ACK_EVERY;
-            if due {
-                state.acked = state.delivered;
-            }
-            due.then_some(state.delivered)
+            Self::ack_due(&mut state)
         };
         self.idle.notify_waiters();
+        self.send_ack(ack);
+    }
+
+    /// See `ExecControl::dropped`: counts as delivered (never to be sent).
+    pub fn dropped(&self, event: u64) {
+        let ack = {
+            let mut state = self.state();
+            if !state.frozen && event > 0 {
+                state.delivered = state.delivered.max(self.seq(event));
+            }
+            Self::ack_due(&mut state)
+        };
+        self.send_ack(ack);
+    }
+
+    /// The number to acknowledge now, if enough was delivered since the last.
+    fn ack_due(state: &mut GateState) -> Option<u64> {
+        let due = !state.frozen && state.delivered >= state.acked + ACK_EVERY;
+        if due {
+            state.acked = state.delivered;
+        }
+        due.then_some(state.delivered)
+    }
+
+    fn send_ack(&self, ack: Option<u64>) {
         if let Some(seq) = ack {
             // Best effort: a lost ack only keeps the journal longer.
             let _ = self
                 .agent
                 .send_now(&json!({"op": "ack", "exec": self.exec, "seq": seq}));
-        }
-    }
-
-    /// See `ExecControl::dropped`: counts as delivered (never to be sent).
-    pub fn dropped(&self, event: u64) {
-        let mut state = self.state();
-        if !state.frozen && event > 0 {
-            state.delivered = state.delivered.max(self.seq(event));
         }
     }
 
