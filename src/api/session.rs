@@ -47,6 +47,30 @@ pub enum Outgoing {
 /// looks again (the checkpoint may fail and delivery go on here).
 const FROZEN_POLL: Duration = Duration::from_millis(100);
 
+/// A frame between `begin_delivery` and `end_delivery`: a streamer aborted
+/// while it waits for the socket's writer (a `reconnect` replaced it) ends
+/// the delivery as not delivered (a cancelled queue send sends nothing).
+struct Delivery<'a> {
+    execution: &'a ExecutionState,
+    event: u64,
+    ended: bool,
+}
+
+impl Delivery<'_> {
+    fn end(mut self, delivered: bool) {
+        self.ended = true;
+        self.execution.end_delivery(self.event, delivered);
+    }
+}
+
+impl Drop for Delivery<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.execution.end_delivery(self.event, false);
+        }
+    }
+}
+
 /// Client frames waiting for the session's worker, in arrival order.
 const QUEUED_FRAMES: usize = 1024;
 
@@ -389,8 +413,13 @@ impl Session {
                     }
                     tokio::time::sleep(FROZEN_POLL).await;
                 }
+                let delivery = Delivery {
+                    execution: &execution,
+                    event,
+                    ended: false,
+                };
                 let sent = out.send(frame).await;
-                execution.end_delivery(event, sent);
+                delivery.end(sent);
                 if !sent {
                     return;
                 }
