@@ -220,6 +220,14 @@ async fn resumable_output_never_ends_inside_a_character() {
     assert_eq!(next(&mut events).await, (1, stdout("a")));
     assert_eq!(next(&mut events).await, (2, stdout("éb")));
     assert_eq!(next(&mut events).await, (3, ExecEvent::Exited(0)));
+    // Not acknowledged yet, so journaled; a checkpoint that keeps nothing
+    // (periodic, restored in place) forgets it, or a later move would replay it.
+    let journals = request(&agent, json!({"op": "journals"})).await;
+    assert_eq!(journals["executions"].as_array().map(Vec::len), Some(1));
+    request(&agent, json!({"op": "prepare_checkpoint", "force": false})).await;
+    let journals = request(&agent, json!({"op": "journals"})).await;
+    assert_eq!(journals["executions"], json!([]), "{journals}");
+    assert_eq!(journals["paused"], false, "{journals}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

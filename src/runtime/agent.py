@@ -569,6 +569,10 @@ def prepare_checkpoint(msg):
     deadline = time.time() + 2.0
     while EXECS and time.time() < deadline:
         loop_once(0.05)
+    # A checkpoint that keeps nothing (a periodic one, restored in place):
+    # the host's replay log has what an ended execution printed; a journal
+    # kept in the image would make a later move replay it again.
+    JOURNALS.clear()
     holders = host_fd_holders()
     for pid in holders:
         kill_tree(pid)
