@@ -406,14 +406,7 @@ async fn serve_attach(
     state
         .live
         .started(&live, SandboxOptions::of(&metadata), &controller);
-    // An execution that moved here with the sandbox: `reconnect` streams it.
-    if let Some(execution) = controller.take_resumed(&id) {
-        let (touched, poked, sandbox) = (Arc::clone(&live), Arc::clone(&controller), id.clone());
-        live.adopt_execution(ExecutionState::start(execution, move || {
-            touched.touch();
-            poked.poke(&sandbox);
-        }));
-    }
+    adopt_resumed_execution(&live, &controller, &id);
     if !out.status(Status::Running).await {
         state.live.detach(&live, attachment);
         return;
@@ -423,6 +416,24 @@ async fn serve_attach(
         state, controller, id, out, stream, live, attachment, progress,
     )
     .await;
+}
+
+/// Makes the execution a restore brought back with the sandbox (created with
+/// `keep_executions`, decision 12) its current one, so `reconnect` streams it.
+/// Every path that restores a checkpoint for a client calls this once the
+/// sandbox runs here; an execution nobody adopts keeps the slot until it ends.
+pub(super) fn adopt_resumed_execution(
+    live: &Arc<LiveSandbox>,
+    controller: &Arc<SandboxController>,
+    id: &SandboxId,
+) {
+    if let Some(execution) = controller.take_resumed(id) {
+        let (touched, poked, sandbox) = (Arc::clone(live), Arc::clone(controller), id.clone());
+        live.adopt_execution(ExecutionState::start(execution, move || {
+            touched.touch();
+            poked.poke(&sandbox);
+        }));
+    }
 }
 
 /// Asks for the sandbox here and waits until it runs.
