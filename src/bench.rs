@@ -136,6 +136,7 @@ pub async fn runtime_benchmarks(
                 epoch: 1,
                 name: None,
                 force: false,
+                keep_executions: false,
             };
             let started = Instant::now();
             let manifest = runtime.checkpoint(&id, request).await?;

@@ -11,7 +11,10 @@
 //!   doorbell at the idle interval, not the active one);
 //!
 //! and crash takeover: A is SIGKILLed, the client attaches on B, which restores
-//! the last checkpoint once A's instance lease has expired.
+//! the last checkpoint once A's instance lease has expired; and, beside the
+//! idle sandbox, one created with `keep_executions` whose Python loop runs
+//! through the handoff (client still attached to A): attach on B to
+//! `SANDBOX_RUNNING`, and to its first output replayed on B.
 //! Prints median, min and max of each.
 //!
 //! `cargo test --release --test bench_handoff -- --ignored --nocapture --test-threads 1`
@@ -208,5 +211,55 @@ async fn crash_takeover_latency() {
     report(
         "crash takeover, SIGKILL of A -> SANDBOX_RUNNING on B",
         &mut samples,
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: cargo test --release --test bench_handoff -- --ignored --nocapture"]
+async fn handoff_latency_with_a_running_execution() {
+    let runs = runs("HANDOFF_RUNS", 10);
+    let dir = tempfile::tempdir().unwrap();
+    let bucket = support::create_bucket().await;
+    let (a, b) = pair(dir.path(), &bucket).await;
+    let mut options = options();
+    options["keep_executions"] = json!(true);
+    let mut running = Vec::new();
+    let mut first_output = Vec::new();
+    for run in 0..runs {
+        let (from, to) = if run % 2 == 0 { (&a, &b) } else { (&b, &a) };
+        let (mut old, id, token) = from.create(options.clone()).await;
+        old.send(json!({
+            "language": "python",
+            "code": "import time\nfor i in range(100000):\n    print(i, flush=True)\n    time.sleep(0.05)\n"
+        }))
+        .await;
+        old.until(|f| f.starts_with("stdout:")).await;
+        let started = Instant::now();
+        let mut moved = to.attach(&id, &token).await;
+        moved.send(json!({"action": "reconnect"})).await;
+        let frames = moved.until_status("SANDBOX_RUNNING").await;
+        running.push(started.elapsed());
+        assert_eq!(frames.last().unwrap(), "SANDBOX_RUNNING", "{frames:?}");
+        let frames = moved.until(|f| f.starts_with("stdout:")).await;
+        first_output.push(started.elapsed());
+        assert!(
+            !frames.iter().any(|f| f == "SANDBOX_EXECUTION_DONE"),
+            "the execution did not survive: {frames:?}"
+        );
+        let seen = old.until_close().await;
+        assert!(
+            !seen.iter().any(|f| f == "SANDBOX_EXECUTION_FORCE_KILLED"),
+            "{seen:?}"
+        );
+        moved.send(json!({"action": "kill_sandbox"})).await;
+        moved.until_close().await;
+    }
+    report(
+        "handoff with a running execution (keep_executions), client still attached to A",
+        &mut running,
+    );
+    report(
+        "  ... to its first output on B after reconnect",
+        &mut first_output,
     );
 }

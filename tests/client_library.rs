@@ -1,7 +1,8 @@
 //! The Rust client library against real servers on runsc: the whole API, a
 //! connection cut mid-execution (the output still arrives complete), and an
 //! instance going away behind the local affinity proxy (the sandbox moves and
-//! the client carries on without noticing).
+//! the client carries on without noticing), also with an execution running
+//! (`keep_executions`: its output and stdin follow the sandbox).
 
 #![allow(
     clippy::unwrap_used,
@@ -318,4 +319,83 @@ async fn back_to_back_executions_never_lose_the_next_ones_output() {
             .unwrap();
         assert_eq!(output.stdout, format!("{i}\n"));
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kept_execution_follows_a_drained_instance_with_its_output_and_stdin() {
+    let dir = tempfile::tempdir().unwrap();
+    let bucket = support::create_bucket().await;
+    let a = Launch::new("keep-lib-a", dir.path())
+        .on_bucket(&bucket)
+        .fast_leases()
+        .start()
+        .await;
+    let b = Launch::new("keep-lib-b", dir.path())
+        .on_bucket(&bucket)
+        .fast_leases()
+        .start()
+        .await;
+    let proxy = support::proxy::Proxy::start(dir.path(), &[&a, &b]).await;
+    let sandbox = Sandbox::create(
+        &proxy.url(),
+        CreateOptions {
+            keep_executions: true,
+            ..checkpointable()
+        },
+    )
+    .await
+    .unwrap();
+    let mut process = sandbox
+        .exec(
+            Language::Python,
+            "import sys, time\n\
+             print('before', sys.stdin.readline().strip(), flush=True)\n\
+             for i in range(1, 101):\n    print(i, flush=True)\n    time.sleep(0.05)\n\
+             print('after', sys.stdin.readline().strip(), flush=True)\n\
+             sys.exit(3)\n",
+        )
+        .await
+        .unwrap();
+    process.write_stdin("one\n").unwrap();
+    let mut stdout = String::new();
+    while stdout.matches('\n').count() < 11 {
+        match process.next().await.unwrap() {
+            Some(OutputChunk::Stdout(data)) => stdout.push_str(&data),
+            Some(OutputChunk::Stderr(data)) => panic!("stderr: {data}"),
+            None => panic!("ended early: {stdout}"),
+        }
+    }
+    // Stop the instance that holds it: the drain checkpoints the running
+    // execution, the library follows the sandbox to the other instance.
+    let listed = |server: &support::process::ServerProcess| {
+        let url = format!("http://{}/list", server.addr);
+        async move {
+            reqwest::get(url)
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()["sandboxes"]
+                .as_array()
+                .map_or(0, Vec::len)
+        }
+    };
+    let (mut home, other) = if listed(&a).await == 1 {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    tokio::task::block_in_place(|| home.signal("-TERM"));
+    // Written while the library reconnects: buffered, then delivered to the
+    // process on the other instance.
+    process.write_stdin("two\n").unwrap();
+    let output = process.output().await.unwrap();
+    stdout.push_str(&output.stdout);
+    let expected = "before one\n".to_owned()
+        + &(1..=100).map(|i| format!("{i}\n")).collect::<String>()
+        + "after two\n";
+    assert_eq!(stdout, expected, "stderr: {}", output.stderr);
+    assert_eq!(output.status.code, Some(3));
+    assert!(!output.status.killed);
+    assert_eq!(listed(&other).await, 1);
 }

@@ -395,6 +395,7 @@ async fn a_checkpoint_restores_only_onto_the_image_it_was_taken_on() {
                 epoch: 1,
                 name: None,
                 force: false,
+                keep_executions: false,
             },
         )
         .await
@@ -469,6 +470,7 @@ async fn a_checkpoint_restores_only_onto_the_image_it_was_taken_on() {
                 epoch: 2,
                 name: None,
                 force: false,
+                keep_executions: false,
             },
         )
         .await

@@ -482,6 +482,7 @@ async fn egress_sandbox_moves_to_another_runtime_with_connections_open_and_works
                 epoch: 1,
                 name: None,
                 force: false,
+                keep_executions: false,
             },
         )
         .await
@@ -547,6 +548,7 @@ async fn a_checkpoint_this_runsc_would_fail_is_refused_and_the_sandbox_keeps_run
                 epoch: 1,
                 name: None,
                 force: true,
+                keep_executions: false,
             },
         )
         .await
@@ -600,6 +602,7 @@ async fn a_checkpoint_this_runsc_would_fail_is_refused_and_the_sandbox_keeps_run
                     epoch: 1,
                     name: None,
                     force: false,
+                    keep_executions: false,
                 },
             )
             .await

@@ -252,6 +252,7 @@ async fn kill_ends_the_whole_process_tree_and_one_execution_runs_at_a_time() {
                 epoch: 1,
                 name: None,
                 force: false,
+                keep_executions: false,
             },
         )
         .await;
@@ -301,6 +302,7 @@ async fn checkpoint(h: &Host, id: &SandboxId) -> CheckpointManifest {
                 epoch: 4,
                 name: Some("before-move".into()),
                 force: false,
+                keep_executions: false,
             },
         )
         .await
@@ -414,6 +416,7 @@ async fn a_forced_checkpoint_kills_the_running_execution_first() {
                 epoch: 1,
                 name: None,
                 force: true,
+                keep_executions: false,
             },
         )
         .await
@@ -653,6 +656,7 @@ async fn pinned_cpu_features_are_recorded_and_must_exist_on_the_host() {
                 epoch: 1,
                 name: None,
                 force: false,
+                keep_executions: false,
             },
         )
         .await
@@ -688,6 +692,7 @@ async fn an_execution_cannot_start_while_a_checkpoint_is_taken() {
             epoch: 4,
             name: None,
             force: false,
+            keep_executions: false,
         },
     );
     // `join!` polls the checkpoint first: it has taken its first steps (the

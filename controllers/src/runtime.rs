@@ -42,6 +42,11 @@ pub struct ExecRequest {
     pub command: Command,
     pub env: BTreeMap<String, String>,
     pub cwd: Option<String>,
+    /// The execution may survive a checkpoint (the sandbox was created with
+    /// `keep_executions`): the runtime keeps its output until it is delivered
+    /// (see [`ExecControl::begin_delivery`]) so a restore elsewhere can send
+    /// the rest.
+    pub resumable: bool,
 }
 
 impl ExecRequest {
@@ -50,6 +55,7 @@ impl ExecRequest {
             command,
             env: BTreeMap::new(),
             cwd: None,
+            resumable: false,
         }
     }
 }
@@ -70,6 +76,25 @@ pub trait ExecControl: Send + Sync + fmt::Debug {
     async fn close_stdin(&self) -> Result<(), RuntimeError>;
     /// Kills the execution's whole process tree.
     async fn kill(&self) -> Result<(), RuntimeError>;
+
+    /// Asks to hand the output of the `event`-th event of this execution
+    /// (counted from 1 on this host; 0 for a frame of the caller's own) to
+    /// the client. `false`: the execution is being moved with its sandbox and
+    /// nothing more may be delivered here (what was not delivered goes with
+    /// it). A `true` must be followed by [`Self::end_delivery`].
+    ///
+    /// Only resumable executions ever refuse; the default always delivers.
+    fn begin_delivery(&self, _event: u64) -> bool {
+        true
+    }
+
+    /// Ends [`Self::begin_delivery`]: `delivered` says whether the frame
+    /// reached the socket's writer.
+    fn end_delivery(&self, _event: u64, _delivered: bool) {}
+
+    /// The caller dropped the output of events up to `event` undelivered
+    /// (its replay buffer was full): it will never be delivered anywhere.
+    fn dropped(&self, _event: u64) {}
 }
 
 /// A started execution.
@@ -101,6 +126,11 @@ pub struct CheckpointRequest {
     pub name: Option<String>,
     /// Kill a running execution first instead of refusing.
     pub force: bool,
+    /// Checkpoint a running (resumable) execution with the sandbox instead
+    /// of killing it or refusing (whatever `force` says); its undelivered
+    /// output moves with it. Only for checkpoints that release the sandbox:
+    /// the execution goes on where the sandbox is restored next.
+    pub keep_executions: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -163,4 +193,10 @@ pub trait SandboxRuntime: Send + Sync + fmt::Debug {
     ) -> Result<SnapshotManifest, RuntimeError>;
     async fn destroy(&self, sandbox: &SandboxId) -> Result<(), RuntimeError>;
     fn is_running(&self, sandbox: &SandboxId) -> bool;
+    /// The execution a restore brought back (one checkpointed with
+    /// `keep_executions` while it ran or before its output was delivered),
+    /// once: whoever takes it streams the rest of its output.
+    fn take_resumed(&self, _sandbox: &SandboxId) -> Option<Execution> {
+        None
+    }
 }

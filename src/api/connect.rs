@@ -25,6 +25,7 @@ use tokio::sync::broadcast;
 use tracing::Instrument;
 
 use super::live::{LiveSandbox, SandboxOptions};
+use super::output::ExecutionState;
 use super::protocol::{
     ForkRequest, FrameError, InitMessage, MAX_MESSAGE_BYTES, ServerFrame, Status, WorkspaceRequest,
 };
@@ -151,6 +152,7 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     metadata.spec.filesystem_snapshot_name = init.filesystem_snapshot_name.clone();
     metadata.spec.network = init.network;
     metadata.spec.image = init.image.clone();
+    metadata.spec.keep_executions = init.keep_executions;
     metadata.spec.workspace = init.workspace.as_ref().map(|request| WorkspaceSpec {
         id: request.id.clone().unwrap_or_else(|| id.to_string()),
         template: request
@@ -209,6 +211,10 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     state
         .live
         .started(&live, SandboxOptions::of(&metadata), &controller);
+    if source.is_some() {
+        // A checkpoint taken with a kept execution resumes it in the fork.
+        adopt_resumed_execution(&live, &controller, &id);
+    }
     let sent = out
         .send(ServerFrame::SandboxId {
             sandbox_id: id.to_string(),
@@ -314,6 +320,11 @@ fn check_features(init: &InitMessage, state: &AppState) -> Result<(), String> {
     }
     if init.enable_sandbox_handoff && !init.enable_checkpoint {
         return Err("Sandbox handoff requires checkpointing to be enabled.".to_owned());
+    }
+    if init.keep_executions && !init.enable_checkpoint {
+        return Err(
+            "Keeping executions (keep_executions) requires checkpointing to be enabled.".to_owned(),
+        );
     }
     if init.enable_idle_timeout_auto_checkpoint && !init.enable_checkpoint {
         return Err(
@@ -467,6 +478,7 @@ async fn serve_attach(
     state
         .live
         .started(&live, SandboxOptions::of(&metadata), &controller);
+    adopt_resumed_execution(&live, &controller, &id);
     if !out.status(Status::Running).await {
         state.live.detach(&live, attachment);
         return;
@@ -476,6 +488,24 @@ async fn serve_attach(
         state, controller, id, out, stream, live, attachment, progress,
     )
     .await;
+}
+
+/// Makes the execution a restore brought back with the sandbox (created with
+/// `keep_executions`, decision 12) its current one, so `reconnect` streams it.
+/// Every path that restores a checkpoint for a client calls this once the
+/// sandbox runs here; an execution nobody adopts keeps the slot until it ends.
+pub(super) fn adopt_resumed_execution(
+    live: &Arc<LiveSandbox>,
+    controller: &Arc<SandboxController>,
+    id: &SandboxId,
+) {
+    if let Some(execution) = controller.take_resumed(id) {
+        let (touched, poked, sandbox) = (Arc::clone(live), Arc::clone(controller), id.clone());
+        live.adopt_execution(ExecutionState::start(execution, move || {
+            touched.touch();
+            poked.poke(&sandbox);
+        }));
+    }
 }
 
 /// Asks for the sandbox here and waits until it runs.

@@ -58,6 +58,8 @@ pub struct SandboxOptions {
     pub enable_checkpoint: bool,
     pub auto_checkpoint: bool,
     pub handoff: bool,
+    /// Executions move with the sandbox instead of being killed.
+    pub keep_executions: bool,
 }
 
 impl SandboxOptions {
@@ -67,6 +69,7 @@ impl SandboxOptions {
             enable_checkpoint: metadata.spec.enable_checkpoint,
             auto_checkpoint: metadata.spec.enable_idle_timeout_auto_checkpoint,
             handoff: metadata.spec.enable_sandbox_handoff,
+            keep_executions: metadata.spec.keep_executions,
         }
     }
 }
@@ -126,6 +129,13 @@ impl LiveSandbox {
         inner.execution = Some(Arc::clone(&execution));
         inner.last_activity = Instant::now();
         Some(execution)
+    }
+
+    /// Makes `execution` (one that moved here with the sandbox) the current one.
+    pub fn adopt_execution(&self, execution: Arc<ExecutionState>) {
+        let mut inner = self.inner();
+        inner.execution = Some(execution);
+        inner.last_activity = Instant::now();
     }
 
     /// True while a socket is attached.

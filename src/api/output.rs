@@ -9,6 +9,11 @@
 //! decoded whole (bug B2). The log keeps at most [`MAX_BUFFERED_BYTES`] of
 //! undelivered output: beyond that the oldest is dropped and the reader is told
 //! how much, on stderr.
+//!
+//! Each frame remembers the number of the runtime event it came from (0 for
+//! the server's own frames), so that a resumable execution's runtime knows
+//! what reached a client when the execution moves with its sandbox
+//! (`ExecControl::begin_delivery`).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -27,7 +32,8 @@ const KILL_REPORT_WAIT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Default)]
 struct Log {
-    frames: VecDeque<ServerFrame>,
+    /// (number of the runtime event it came from or 0, frame)
+    frames: VecDeque<(u64, ServerFrame)>,
     bytes: usize,
     dropped_bytes: usize,
     /// DONE is in the log: nothing more will be added.
@@ -71,24 +77,32 @@ impl ExecutionState {
     }
 
     fn push(&self, frame: ServerFrame) {
+        self.push_event(0, frame);
+    }
+
+    /// Pushes a frame made of the output of runtime events up to `event`.
+    fn push_event(&self, event: u64, frame: ServerFrame) {
+        let mut dropped_up_to = 0;
         {
             let mut log = self.log();
             log.bytes += frame_bytes(&frame);
-            log.frames.push_back(frame);
+            log.frames.push_back((event, frame));
             while log.bytes > MAX_BUFFERED_BYTES {
-                let Some(position) = log
-                    .frames
-                    .iter()
-                    .position(|f| matches!(f, ServerFrame::Stdout(_) | ServerFrame::Stderr(_)))
-                else {
+                let Some(position) = log.frames.iter().position(|(_, f)| {
+                    matches!(f, ServerFrame::Stdout(_) | ServerFrame::Stderr(_))
+                }) else {
                     break;
                 };
-                if let Some(dropped) = log.frames.remove(position) {
+                if let Some((number, dropped)) = log.frames.remove(position) {
                     let size = frame_bytes(&dropped);
                     log.bytes -= size;
                     log.dropped_bytes += size;
+                    dropped_up_to = dropped_up_to.max(number);
                 }
             }
+        }
+        if dropped_up_to > 0 {
+            self.control.dropped(dropped_up_to);
         }
         self.changed.notify_waiters();
     }
@@ -101,22 +115,24 @@ impl ExecutionState {
         let mut stdout = Utf8Stream::default();
         let mut stderr = Utf8Stream::default();
         let mut exit_code = None;
+        let mut number = 0;
         while let Some(event) = events.recv().await {
+            number += 1;
             match event {
                 ExecEvent::Stdout(chunk) => {
                     let text = stdout.push(&chunk);
                     if !text.is_empty() {
-                        self.push(ServerFrame::Stdout(text));
+                        self.push_event(number, ServerFrame::Stdout(text));
                     }
                 }
                 ExecEvent::Stderr(chunk) => {
                     let text = stderr.push(&chunk);
                     if !text.is_empty() {
-                        self.push(ServerFrame::Stderr(text));
+                        self.push_event(number, ServerFrame::Stderr(text));
                     }
                 }
                 ExecEvent::Exited(code) => {
-                    exit_code = Some(code);
+                    exit_code = Some((number, code));
                     break;
                 }
             }
@@ -129,7 +145,7 @@ impl ExecutionState {
             (stderr.finish(), ServerFrame::Stderr),
         ] {
             if !rest.is_empty() {
-                self.push(frame(rest));
+                self.push_event(number, frame(rest));
             }
         }
         // A kill in progress reports FORCE_KILLED first.
@@ -145,7 +161,7 @@ impl ExecutionState {
             self.push(ServerFrame::status(Status::ExecutionForceKilled));
         }
         match exit_code {
-            Some(code) => self.push(ServerFrame::ExitCode(code)),
+            Some((number, code)) => self.push_event(number, ServerFrame::ExitCode(code)),
             None => self.push(ServerFrame::Stderr(
                 "[sandboxd] the execution ended without an exit status (the sandbox stopped)\n"
                     .to_owned(),
@@ -154,7 +170,7 @@ impl ExecutionState {
         {
             let mut log = self.log();
             log.frames
-                .push_back(ServerFrame::status(Status::ExecutionDone));
+                .push_back((0, ServerFrame::status(Status::ExecutionDone)));
             log.finished = true;
         }
         self.changed.notify_waiters();
@@ -216,10 +232,11 @@ impl ExecutionState {
         }
     }
 
-    /// The next frame to send, waiting for one; `None` once DONE has been
-    /// sent. The frame stays in the log until [`Self::sent`]: a streamer
-    /// stopped before it sent it leaves it for the next one.
-    pub async fn next_frame(&self) -> Option<ServerFrame> {
+    /// The next frame to send with the number of the runtime event it came
+    /// from, waiting for one; `None` once DONE has been sent. The frame stays
+    /// in the log until [`Self::sent`]: a streamer stopped before it sent it
+    /// leaves it for the next one.
+    pub async fn next_frame(&self) -> Option<(u64, ServerFrame)> {
         loop {
             let changed = self.changed.notified();
             {
@@ -232,7 +249,7 @@ impl ExecutionState {
                     ));
                     log.dropped_bytes = 0;
                     log.bytes += frame_bytes(&notice);
-                    log.frames.push_front(notice);
+                    log.frames.push_front((0, notice));
                 }
                 if let Some(frame) = log.frames.front() {
                     return Some(frame.clone());
@@ -248,9 +265,22 @@ impl ExecutionState {
     /// The frame [`Self::next_frame`] returned is on its way to the client.
     pub fn sent(&self) {
         let mut log = self.log();
-        if let Some(frame) = log.frames.pop_front() {
+        if let Some((_, frame)) = log.frames.pop_front() {
             log.bytes -= frame_bytes(&frame);
         }
+    }
+
+    /// May the frame of runtime event `event` go to a client now? `false`
+    /// while the execution is being moved with its sandbox (then, if the
+    /// move succeeds, never again here). A `true` needs an
+    /// [`Self::end_delivery`].
+    pub fn begin_delivery(&self, event: u64) -> bool {
+        self.control.begin_delivery(event)
+    }
+
+    /// Ends [`Self::begin_delivery`]: whether the socket's writer took it.
+    pub fn end_delivery(&self, event: u64, delivered: bool) {
+        self.control.end_delivery(event, delivered);
     }
 }
 
@@ -294,7 +324,7 @@ mod tests {
 
     async fn all_frames(state: &ExecutionState) -> Vec<ServerFrame> {
         let mut frames = Vec::new();
-        while let Some(frame) = state.next_frame().await {
+        while let Some((_, frame)) = state.next_frame().await {
             state.sent();
             frames.push(frame);
         }
@@ -317,6 +347,107 @@ mod tests {
         assert!(
             !state.kill().await,
             "a finished execution is not killed twice"
+        );
+    }
+
+    /// Stands for a resumable execution's runtime: records what the log
+    /// says it delivered or dropped, and can be frozen.
+    #[derive(Debug, Default)]
+    struct Recorder {
+        frozen: std::sync::atomic::AtomicBool,
+        delivered: Mutex<Vec<u64>>,
+        dropped: Mutex<Vec<u64>>,
+    }
+
+    #[derive(Debug)]
+    struct Shared(Arc<Recorder>);
+
+    #[async_trait]
+    impl ExecControl for Shared {
+        async fn write_stdin(&self, _data: Bytes) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+        async fn close_stdin(&self) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+        async fn kill(&self) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+        fn begin_delivery(&self, _event: u64) -> bool {
+            !self.0.frozen.load(std::sync::atomic::Ordering::SeqCst)
+        }
+        fn end_delivery(&self, event: u64, delivered: bool) {
+            if delivered {
+                self.0.delivered.lock().unwrap().push(event);
+            }
+        }
+        fn dropped(&self, event: u64) {
+            self.0.dropped.lock().unwrap().push(event);
+        }
+    }
+
+    #[tokio::test]
+    async fn frames_carry_the_number_of_the_event_they_came_from() {
+        let (sender, events) = mpsc::channel(16);
+        let recorder = Arc::new(Recorder::default());
+        let state = ExecutionState::start(
+            Execution {
+                events,
+                control: Box::new(Shared(Arc::clone(&recorder))),
+            },
+            || {},
+        );
+        // Event 2 is half a character: its frame comes with event 3.
+        for chunk in [&b"a"[..], &[0xC3], &[0xA9, b'b'], b"c"] {
+            sender
+                .send(ExecEvent::Stdout(Bytes::copy_from_slice(chunk)))
+                .await
+                .unwrap();
+        }
+        sender.send(ExecEvent::Exited(0)).await.unwrap();
+        let mut numbered = Vec::new();
+        while let Some((event, frame)) = state.next_frame().await {
+            assert!(state.begin_delivery(event));
+            state.end_delivery(event, true);
+            state.sent();
+            numbered.push((event, frame));
+        }
+        assert_eq!(
+            numbered,
+            vec![
+                (1, ServerFrame::Stdout("a".into())),
+                (3, ServerFrame::Stdout("éb".into())),
+                (4, ServerFrame::Stdout("c".into())),
+                (5, ServerFrame::ExitCode(0)),
+                (0, ServerFrame::status(Status::ExecutionDone)),
+            ]
+        );
+        assert_eq!(*recorder.delivered.lock().unwrap(), vec![1, 3, 4, 5, 0]);
+    }
+
+    #[tokio::test]
+    async fn output_dropped_from_a_full_log_is_reported_to_the_runtime() {
+        let (sender, events) = mpsc::channel(16);
+        let recorder = Arc::new(Recorder::default());
+        let state = ExecutionState::start(
+            Execution {
+                events,
+                control: Box::new(Shared(Arc::clone(&recorder))),
+            },
+            || {},
+        );
+        let chunk = Bytes::from(vec![b'x'; 1 << 20]);
+        for _ in 0..(MAX_BUFFERED_BYTES >> 20) + 2 {
+            sender.send(ExecEvent::Stdout(chunk.clone())).await.unwrap();
+        }
+        sender.send(ExecEvent::Exited(0)).await.unwrap();
+        while state.is_running() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            recorder.dropped.lock().unwrap().last(),
+            Some(&2),
+            "the two oldest events were dropped"
         );
     }
 

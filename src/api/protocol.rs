@@ -191,6 +191,9 @@ pub struct InitMessage {
     /// "name"?}` starts a fork of that sandbox's checkpoint (named, else
     /// the latest) instead of a fresh sandbox.
     pub from_checkpoint: Option<ForkRequest>,
+    /// Extension: `"keep_executions": true`, a move (handoff, eviction,
+    /// drain) checkpoints a running execution instead of killing it.
+    pub keep_executions: bool,
 }
 
 /// The init message's `from_checkpoint`: whose checkpoint to fork, proved
@@ -384,6 +387,7 @@ impl InitMessage {
             },
             workspace: workspace_request(&map)?,
             from_checkpoint: fork_request(&map)?,
+            keep_executions: optional_bool(&map, "keep_executions")?,
         })
     }
 }

@@ -43,6 +43,34 @@ pub enum Outgoing {
     Close(u16, String),
 }
 
+/// How often a streamer held back by a checkpoint that keeps the execution
+/// looks again (the checkpoint may fail and delivery go on here).
+const FROZEN_POLL: Duration = Duration::from_millis(100);
+
+/// A frame between `begin_delivery` and `end_delivery`: a streamer aborted
+/// while it waits for the socket's writer (a `reconnect` replaced it) ends
+/// the delivery as not delivered (a cancelled queue send sends nothing).
+struct Delivery<'a> {
+    execution: &'a ExecutionState,
+    event: u64,
+    ended: bool,
+}
+
+impl Delivery<'_> {
+    fn end(mut self, delivered: bool) {
+        self.ended = true;
+        self.execution.end_delivery(self.event, delivered);
+    }
+}
+
+impl Drop for Delivery<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.execution.end_delivery(self.event, false);
+        }
+    }
+}
+
 /// Client frames waiting for the session's worker, in arrival order.
 const QUEUED_FRAMES: usize = 1024;
 
@@ -377,8 +405,23 @@ impl Session {
                 previous.abort();
                 let _ = previous.await;
             }
-            while let Some(frame) = execution.next_frame().await {
-                if !out.send(frame).await {
+            while let Some((event, frame)) = execution.next_frame().await {
+                // A resumable execution being moved with its sandbox: what
+                // is left goes with it (or, if the checkpoint fails, here).
+                while !execution.begin_delivery(event) {
+                    if out.is_closing() {
+                        return;
+                    }
+                    tokio::time::sleep(FROZEN_POLL).await;
+                }
+                let delivery = Delivery {
+                    execution: &execution,
+                    event,
+                    ended: false,
+                };
+                let sent = out.send(frame).await;
+                delivery.end(sent);
+                if !sent {
                     return;
                 }
                 execution.sent();
@@ -406,7 +449,10 @@ impl Session {
             Progress::Restoring | Progress::Running { .. } => {}
             Progress::Checkpointing => {
                 self.checkpointing.store(true, Ordering::Release);
-                if let Some(execution) = self.live.execution() {
+                // Unless it is kept: it goes on after the restore.
+                if let Some(execution) = self.live.execution()
+                    && !self.live.options().keep_executions
+                {
                     execution.expect_forced_kill(true);
                 }
                 if !self.checkpoint_requested.load(Ordering::Acquire) {
@@ -533,7 +579,13 @@ impl Session {
         }
         let execution = match self
             .controller
-            .exec(&self.id, ExecRequest::new(command))
+            .exec(
+                &self.id,
+                ExecRequest {
+                    resumable: self.live.options().keep_executions,
+                    ..ExecRequest::new(command)
+                },
+            )
             .await
         {
             Ok(execution) => execution,

@@ -93,6 +93,10 @@ enum Command {
         /// Make it checkpointable (and so movable between instances).
         #[arg(long)]
         checkpoint: bool,
+        /// A move (handoff, eviction, drain) takes a running execution along
+        /// instead of killing it (needs --checkpoint).
+        #[arg(long, requires = "checkpoint")]
+        keep_executions: bool,
         /// Start from this filesystem snapshot.
         #[arg(long)]
         snapshot: Option<String>,
@@ -338,6 +342,7 @@ async fn main() -> ExitCode {
         Command::Create {
             idle_timeout,
             checkpoint,
+            keep_executions,
             snapshot,
             image,
             workspace,
@@ -351,6 +356,7 @@ async fn main() -> ExitCode {
                 enable_checkpoint: *checkpoint,
                 enable_sandbox_handoff: *checkpoint,
                 enable_idle_timeout_auto_checkpoint: false,
+                keep_executions: *keep_executions,
                 filesystem_snapshot_name: snapshot.clone(),
                 image: image.clone(),
                 workspace_id: workspace.clone(),

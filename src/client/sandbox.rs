@@ -51,6 +51,9 @@ pub struct CreateOptions {
     pub enable_checkpoint: bool,
     pub enable_sandbox_handoff: bool,
     pub enable_idle_timeout_auto_checkpoint: bool,
+    /// A move (handoff, eviction, drain) takes a running execution along:
+    /// its process keeps streaming after the library follows the sandbox.
+    pub keep_executions: bool,
     pub filesystem_snapshot_name: Option<String>,
     /// The sandbox image (`GET /images` lists them); `None`: the server's default.
     pub image: Option<String>,
@@ -212,6 +215,9 @@ impl Sandbox {
             "enable_sandbox_handoff": options.enable_sandbox_handoff,
             "enable_idle_timeout_auto_checkpoint": options.enable_idle_timeout_auto_checkpoint,
         });
+        if options.keep_executions {
+            init["keep_executions"] = json!(true);
+        }
         if let Some(name) = &options.filesystem_snapshot_name {
             init["filesystem_snapshot_name"] = json!(name);
         }

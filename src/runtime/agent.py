@@ -11,6 +11,15 @@
 # the agent also reaps every orphan.
 #
 # host -> agent: {"op": ...}   agent -> host: {"ev": ...}   bytes are base64.
+#
+# Resumable executions (the sandbox keeps executions across a move, see
+# docs/decisions/0012-executions-survive-a-move.md) number their events
+# ("seq") and keep them in a journal until the host acknowledges them (op
+# "ack": delivered to the client). A checkpoint with "keep" pauses them (their
+# pipes are no longer read, an exit is held back) so that everything not yet
+# delivered is either in the journal or still in the pipes: both are in the
+# image. After a restore, op "resume" with "replay" sends the journal again
+# from the last acknowledged event, then the execution carries on.
 import base64
 import json
 import os
@@ -107,8 +116,15 @@ def set_nonblocking(fd):
 class Execution:
     """One execution: a process (or a persistent-session cell) and its pipes."""
 
-    def __init__(self, exec_id, pid, stdin_fd, out_fds, session=None):
+    def __init__(self, exec_id, pid, stdin_fd, out_fds, session=None, resumable=False):
         self.id = exec_id
+        self.resumable = resumable
+        self.seq = 0  # the last event numbered
+        self.written = 0  # the last event written to the host
+        self.acked = 0  # the last event the host delivered
+        self.journal = []  # [(seq, line)] not yet acknowledged
+        self.partial = {}  # stream -> the start of a UTF-8 character cut by a read
+        self.pending_exit = None  # an exit held back while paused
         self.pid = pid
         self.stdin_fd = stdin_fd
         self.stdin_pending = b""
@@ -133,9 +149,51 @@ class Execution:
         except OSError:
             data = b""
         if data:
-            emit({"ev": "out", "id": self.id, "fd": stream, "data": b64(data)})
+            self.output(stream, data)
         elif self.session is None:
             self.close_out(fd)
+
+    def output(self, stream, data):
+        if self.resumable:
+            # Events end on character boundaries, so the host never needs a
+            # character's start from an event it already acknowledged.
+            data = self.partial.pop(stream, b"") + data
+            data, cut = split_utf8(data)
+            if cut:
+                self.partial[stream] = cut
+            if not data:
+                return
+        self.event({"ev": "out", "id": self.id, "fd": stream, "data": b64(data)})
+
+    def flush_partial(self):
+        for stream in list(self.partial):
+            data = self.partial.pop(stream)
+            self.event({"ev": "out", "id": self.id, "fd": stream, "data": b64(data)})
+
+    def event(self, event):
+        """Emits one event of this execution (journaled when resumable)."""
+        if not self.resumable:
+            emit(event)
+            return
+        self.seq += 1
+        event["seq"] = self.seq
+        self.journal.append((self.seq, event))
+        if not PAUSED:
+            self.flush_journal()
+
+    def flush_journal(self):
+        for seq, event in self.journal:
+            if seq > self.written:
+                emit(event)
+                self.written = seq
+
+    def ack(self, seq):
+        if seq <= self.acked:
+            return
+        self.acked = min(seq, self.seq)
+        self.journal = [entry for entry in self.journal if entry[0] > self.acked]
+        if self.finished and not self.journal:
+            JOURNALS.pop(self.id, None)
 
     def drain(self, limit=1 << 20):
         """Reads what is already in the pipes, up to `limit` bytes per pipe.
@@ -153,7 +211,7 @@ class Execution:
                 if not data:
                     break
                 taken += len(data)
-                emit({"ev": "out", "id": self.id, "fd": self.out_fds[fd], "data": b64(data)})
+                self.output(self.out_fds[fd], data)
 
     def close_out(self, fd):
         if fd in self.out_fds:
@@ -211,8 +269,14 @@ class Execution:
     def finish(self, code):
         if self.finished:
             return
+        if PAUSED and self.resumable:
+            # Being checkpointed: the exit (and the output before it) waits
+            # for the host that resumes the sandbox.
+            self.pending_exit = code
+            return
         self.finished = True
         self.drain()
+        self.flush_partial()
         if self.session is None:
             for fd in list(self.out_fds):
                 self.close_out(fd)
@@ -224,7 +288,7 @@ class Execution:
             self.stdin_pending = b""
             self.watch_stdin(False)
         EXECS.pop(self.id, None)
-        emit({"ev": "exit", "id": self.id, "code": code})
+        self.event({"ev": "exit", "id": self.id, "code": code})
 
 
 class PythonSession:
@@ -256,9 +320,10 @@ class PythonSession:
         self.alive = True
         PIDS[self.proc.pid] = self
 
-    def run(self, exec_id, code):
+    def run(self, exec_id, code, resumable=False):
         self.ensure()
-        execution = Execution(exec_id, self.proc.pid, self.stdin_fd, self.out, session=self)
+        execution = Execution(exec_id, self.proc.pid, self.stdin_fd, self.out, session=self,
+                              resumable=resumable)
         self.current = execution
         data = code.encode()
         os.write(self.cmd_w, b"%010x" % len(data) + data)
@@ -309,7 +374,26 @@ def unregister_outputs(execution):
             pass
 
 
+def split_utf8(data):
+    """(whole, cut): `data` without the start of a character its end cuts."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 == 0x80:
+            continue  # a continuation byte: look further back
+        if byte >= 0xC0:
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            if need > back:
+                return data[:-back], data[-back:]
+        break
+    return data, b""
+
+
 EXECS = {}
+# Resumable executions whose events the host has not all acknowledged
+# (running or ended), by id; at most the newest one.
+JOURNALS = {}
+# Set by a checkpoint that keeps executions, until "resume".
+PAUSED = False
 PIDS = {}  # main pid -> Execution or PythonSession
 SESSION = PythonSession()
 # Set by the host in argv[1] (JSON): the interpreter for Python code, the user
@@ -357,9 +441,15 @@ def start_exec(msg):
     if EXECS:
         emit({"ev": "error", "id": exec_id, "message": "another execution is running"})
         return
+    resumable = bool(msg.get("resumable"))
+    # A new execution supersedes what an earlier one left unacknowledged,
+    # as the host's replay log keeps only the current execution.
+    JOURNALS.clear()
     if msg.get("session"):
-        execution = SESSION.run(exec_id, msg["code"])
+        execution = SESSION.run(exec_id, msg["code"], resumable)
         EXECS[exec_id] = execution
+        if resumable:
+            JOURNALS[exec_id] = execution
         emit({"ev": "started", "id": exec_id, "pid": execution.pid})
         return
     in_r, in_w = os.pipe()
@@ -379,8 +469,10 @@ def start_exec(msg):
     # Reaped by the agent's own loop (it is PID 1), never by Popen.
     proc.returncode = 0
     stdin_fd, out_fds = in_w, {out_r: 1, err_r: 2}
-    execution = Execution(exec_id, proc.pid, stdin_fd, out_fds)
+    execution = Execution(exec_id, proc.pid, stdin_fd, out_fds, resumable=resumable)
     EXECS[exec_id] = execution
+    if resumable:
+        JOURNALS[exec_id] = execution
     PIDS[proc.pid] = execution
     emit({"ev": "started", "id": exec_id, "pid": proc.pid})
 
@@ -451,6 +543,24 @@ def host_fd_holders():
 
 
 def prepare_checkpoint(msg):
+    global PAUSED
+    for exec_id, seq in (msg.get("acked") or {}).items():
+        execution = JOURNALS.get(exec_id)
+        if execution is not None:
+            execution.ack(int(seq))
+    if msg.get("keep") and all(e.resumable for e in EXECS.values()) and (EXECS or JOURNALS):
+        # Keep them: stop reading their output (it stays in the pipes, in
+        # the image) and hold back exits, until "resume".
+        PAUSED = True
+        for execution in EXECS.values():
+            unregister_outputs(execution)
+        holders = [pid for pid in host_fd_holders()
+                   if pid not in {e.pid for e in EXECS.values()}]
+        for pid in holders:
+            kill_tree(pid)
+        emit({"ev": "ready", "id": msg["id"], "killed_host_fd_holders": holders,
+              "running": [], "kept": list(JOURNALS)})
+        return
     if EXECS and not msg.get("force"):
         emit({"ev": "error", "id": msg["id"], "message": "an execution is running"})
         return
@@ -459,11 +569,53 @@ def prepare_checkpoint(msg):
     deadline = time.time() + 2.0
     while EXECS and time.time() < deadline:
         loop_once(0.05)
+    # A checkpoint that keeps nothing (a periodic one, restored in place):
+    # the host's replay log has what an ended execution printed; a journal
+    # kept in the image would make a later move replay it again.
+    JOURNALS.clear()
     holders = host_fd_holders()
     for pid in holders:
         kill_tree(pid)
     emit({"ev": "ready", "id": msg["id"], "killed_host_fd_holders": holders,
           "running": list(EXECS)})
+
+
+def journals(msg):
+    """What a restore brings back: the journaled executions and whether paused."""
+    emit({"ev": "journals", "id": msg["id"], "paused": PAUSED, "executions": [
+        {"id": e.id, "acked": e.acked, "running": e.id in EXECS} for e in JOURNALS.values()]})
+
+
+def resume(msg):
+    """Ends a pause. With "replay" (a restore: a new host) every journaled
+    event after the last acknowledged one is sent again; without (the
+    checkpoint failed, same host) only those not sent yet."""
+    global PAUSED
+    PAUSED = False
+    for execution in list(JOURNALS.values()):
+        if msg.get("replay"):
+            execution.written = execution.acked
+        execution.flush_journal()
+    for execution in list(EXECS.values()):
+        ended = execution.pending_exit is not None
+        # A session cell that ended already left the session's pipes
+        # unwatched (the next cell watches them); finish reads what is left.
+        if not (ended and execution.session is not None):
+            for fd in execution.out_fds:
+                try:
+                    SEL.register(fd, selectors.EVENT_READ, ("out", execution))
+                except (KeyError, ValueError):
+                    pass
+        if ended:
+            code, execution.pending_exit = execution.pending_exit, None
+            execution.finish(code)
+    emit({"ev": "resumed", "id": msg["id"]})
+
+
+def ack(msg):
+    execution = JOURNALS.get(msg["exec"])
+    if execution is not None:
+        execution.ack(int(msg["seq"]))
 
 
 # TCP states in /proc/net/tcp that hold no connection: LISTEN, CLOSE.
@@ -930,6 +1082,12 @@ def handle(msg):
         emit({"ev": "pong", "id": msg.get("id"), "version": VERSION, "running": list(EXECS)})
     elif op == "prepare_checkpoint":
         prepare_checkpoint(msg)
+    elif op == "ack":
+        ack(msg)
+    elif op == "journals":
+        journals(msg)
+    elif op == "resume":
+        resume(msg)
     elif op == "close_connections":
         close_connections(msg)
     elif op == "archive":

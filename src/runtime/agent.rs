@@ -10,8 +10,12 @@
 //! (or a oneshot), so a slow snapshot writer cannot hold up the reply to a
 //! `kill` or a `ping`. Output the agent encoded badly is reported, never
 //! turned into silence.
+//!
+//! Events of resumable executions carry the agent's sequence number, routed
+//! with them; a suspended execution (checkpointed with its sandbox, to go on
+//! elsewhere) is not ended when the agent goes away.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -36,13 +40,20 @@ pub enum AgentError {
     Io(#[from] std::io::Error),
 }
 
+/// An execution's event and the agent's number for it (0: not numbered,
+/// the execution is not resumable).
+pub type Sequenced = (u64, ExecEvent);
+
 #[derive(Default)]
 struct Routes {
     replies: HashMap<String, oneshot::Sender<Result<Value, String>>>,
     /// Unbounded on purpose: the reader must never wait on one slow consumer,
     /// or replies (kill, ping, checkpoint) would queue behind its output. The
     /// consumers (API sessions) bound what they keep.
-    execs: HashMap<String, mpsc::UnboundedSender<ExecEvent>>,
+    execs: HashMap<String, mpsc::UnboundedSender<Sequenced>>,
+    /// Executions checkpointed with the sandbox: when the agent goes away
+    /// their streams end without an exit (they go on elsewhere).
+    suspended: HashSet<String>,
     /// Unbounded for the same reason; the consumer writes to local disk,
     /// which keeps up with what the agent can tar and encode.
     chunks: HashMap<String, mpsc::UnboundedSender<Bytes>>,
@@ -56,6 +67,9 @@ pub struct AgentConnection {
     lines: mpsc::UnboundedSender<Vec<u8>>,
     routes: Arc<Mutex<Routes>>,
     next_id: std::sync::atomic::AtomicU64,
+    /// Makes this connection's ids differ from those of earlier connections
+    /// to the same agent (a restored agent may still journal `e1`).
+    id_tag: String,
 }
 
 impl std::fmt::Debug for AgentConnection {
@@ -71,6 +85,15 @@ impl AgentConnection {
         commands: pipe::Sender,
         events: pipe::Receiver,
     ) -> (Arc<Self>, oneshot::Receiver<Value>) {
+        Self::start_tagged(commands, events, format!("{:08x}-", rand::random::<u32>()))
+    }
+
+    /// [`Self::start`] with the given id tag (the tests want plain ids).
+    fn start_tagged(
+        commands: pipe::Sender,
+        events: pipe::Receiver,
+        id_tag: String,
+    ) -> (Arc<Self>, oneshot::Receiver<Value>) {
         let routes = Arc::new(Mutex::new(Routes::default()));
         let (hello_tx, hello_rx) = oneshot::channel();
         tokio::spawn(read_events(events, routes.clone(), hello_tx));
@@ -80,6 +103,7 @@ impl AgentConnection {
             lines,
             routes,
             next_id: std::sync::atomic::AtomicU64::new(1),
+            id_tag,
         });
         (connection, hello_rx)
     }
@@ -89,7 +113,7 @@ impl AgentConnection {
         let n = self
             .next_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        format!("{prefix}{n}")
+        format!("{prefix}{}{n}", self.id_tag)
     }
 
     fn routes(&self) -> std::sync::MutexGuard<'_, Routes> {
@@ -102,6 +126,11 @@ impl AgentConnection {
 
     /// Sends one command.
     pub async fn send(&self, command: &Value) -> Result<(), AgentError> {
+        self.send_now(command)
+    }
+
+    /// Sends one command without waiting (the line is queued for the writer).
+    pub fn send_now(&self, command: &Value) -> Result<(), AgentError> {
         if self.is_gone() {
             return Err(AgentError::Gone);
         }
@@ -153,7 +182,7 @@ impl AgentConnection {
         &self,
         id: &str,
         mut command: Value,
-    ) -> Result<mpsc::UnboundedReceiver<ExecEvent>, AgentError> {
+    ) -> Result<mpsc::UnboundedReceiver<Sequenced>, AgentError> {
         command["id"] = json!(id);
         let (tx, rx) = mpsc::unbounded_channel();
         let started = self.expect_reply(id)?;
@@ -165,6 +194,29 @@ impl AgentConnection {
                 self.routes().execs.remove(id);
                 Err(err)
             }
+        }
+    }
+
+    /// Routes the events of an execution the agent already runs (one a
+    /// restore brought back) to the returned stream.
+    pub fn adopt_exec(&self, id: &str) -> Result<mpsc::UnboundedReceiver<Sequenced>, AgentError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut routes = self.routes();
+        if routes.gone {
+            return Err(AgentError::Gone);
+        }
+        routes.execs.insert(id.to_owned(), tx);
+        Ok(rx)
+    }
+
+    /// Marks an execution as checkpointed with the sandbox (or, `false`,
+    /// no longer): if the agent goes away its stream ends without an exit.
+    pub fn suspend(&self, id: &str, suspended: bool) {
+        let mut routes = self.routes();
+        if suspended {
+            routes.suspended.insert(id.to_owned());
+        } else {
+            routes.suspended.remove(id);
         }
     }
 
@@ -235,10 +287,13 @@ async fn read_events(
         routes.gone = true;
         routes.replies.clear();
         routes.chunks.clear();
-        std::mem::take(&mut routes.execs)
+        let suspended = std::mem::take(&mut routes.suspended);
+        let mut execs = std::mem::take(&mut routes.execs);
+        execs.retain(|id, _| !suspended.contains(id));
+        execs
     };
     for (_, exec) in execs {
-        let _ = exec.send(ExecEvent::Exited(137));
+        let _ = exec.send((0, ExecEvent::Exited(137)));
     }
 }
 
@@ -283,7 +338,7 @@ fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>>, eve
                         )))
                     }
                 };
-                let _ = sender.send(item);
+                let _ = sender.send((seq_of(&event), item));
             }
         }
         "exit" => {
@@ -293,7 +348,7 @@ fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>>, eve
                     .as_i64()
                     .and_then(|c| i32::try_from(c).ok())
                     .unwrap_or(-1);
-                let _ = sender.send(ExecEvent::Exited(code));
+                let _ = sender.send((seq_of(&event), ExecEvent::Exited(code)));
             }
         }
         "chunk" => match decode(&event) {
@@ -342,6 +397,10 @@ fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>>, eve
     }
 }
 
+fn seq_of(event: &Value) -> u64 {
+    event["seq"].as_u64().unwrap_or(0)
+}
+
 /// Why an event's `data` could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
@@ -370,7 +429,7 @@ mod tests {
         let (event_reader, event_writer) = std::io::pipe().unwrap();
         let commands = pipe::Sender::from_owned_fd(OwnedFd::from(command_writer)).unwrap();
         let events = pipe::Receiver::from_owned_fd(OwnedFd::from(event_reader)).unwrap();
-        let (connection, _hello) = AgentConnection::start(commands, events);
+        let (connection, _hello) = AgentConnection::start_tagged(commands, events, String::new());
         (
             connection,
             std::fs::File::from(OwnedFd::from(event_writer)),
@@ -421,13 +480,40 @@ mod tests {
             &json!({"ev": "out", "id": "e1", "fd": 1, "data": "not base64!"}),
         );
         emit(&mut agent, &json!({"ev": "exit", "id": "e1", "code": 0}));
-        let first = events.recv().await.unwrap();
+        let (_, first) = events.recv().await.unwrap();
         let ExecEvent::Stderr(notice) = first else {
             panic!("bad output became {first:?}, not a reported loss");
         };
         let notice = String::from_utf8_lossy(&notice).into_owned();
         assert!(notice.contains("output lost"), "{notice}");
-        assert!(matches!(events.recv().await, Some(ExecEvent::Exited(0))));
+        assert!(matches!(
+            events.recv().await,
+            Some((0, ExecEvent::Exited(0)))
+        ));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_suspended_execution_is_not_ended_when_the_agent_goes_away() {
+        let (connection, mut agent, _commands) = connect();
+        let mut kept = connection.adopt_exec("kept").unwrap();
+        let mut other = connection.adopt_exec("other").unwrap();
+        emit(
+            &mut agent,
+            &json!({"ev": "out", "id": "kept", "fd": 1, "data": "eA==", "seq": 7}),
+        );
+        assert_eq!(
+            kept.recv().await,
+            Some((7, ExecEvent::Stdout(Bytes::from_static(b"x")))),
+            "the agent's sequence number travels with the event"
+        );
+        connection.suspend("kept", true);
+        drop(agent); // the sandbox was checkpointed: the agent's stdout ends
+        assert_eq!(
+            kept.recv().await,
+            None,
+            "a kept execution must end without an exit here"
+        );
+        assert_eq!(other.recv().await, Some((0, ExecEvent::Exited(137))));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

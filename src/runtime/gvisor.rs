@@ -38,9 +38,10 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::unix::pipe;
 use tokio::sync::mpsc;
 
-use super::agent::{AgentConnection, AgentError};
+use super::agent::{AgentConnection, AgentError, Sequenced};
 use super::bundle::{BundleNetwork, BundleSpec, SANDBOX_HOME, WORKSPACE_DIR};
 use super::catalog::{Image, ImageCatalog};
+use super::delivery::DeliveryGate;
 use super::images::{
     check_cpu_features, download_verified, host_cpu_features, mismatch, sha256_file, sha256_of,
 };
@@ -88,6 +89,22 @@ struct LocalSandbox {
     network: Option<SandboxNetwork>,
     /// The image it runs on (checkpoints and snapshots record its digest).
     image: Image,
+    /// The newest resumable execution's delivery gate (running, or ended
+    /// with output the agent still journals).
+    gate: Mutex<Option<Arc<DeliveryGate>>>,
+}
+
+impl LocalSandbox {
+    fn gate(&self) -> Option<Arc<DeliveryGate>> {
+        self.gate
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set_gate(&self, gate: Option<Arc<DeliveryGate>>) {
+        *self.gate.lock().unwrap_or_else(PoisonError::into_inner) = gate;
+    }
 }
 
 /// The gVisor runtime.
@@ -107,6 +124,8 @@ pub struct GvisorRuntime {
     network: Option<Arc<HostNetwork>>,
     /// One image fetch at a time (two restores needing it fetch it once).
     image_fetch: tokio::sync::Mutex<()>,
+    /// Executions restores brought back, until the API takes them.
+    resumed: Mutex<HashMap<SandboxId, Execution>>,
 }
 
 impl GvisorRuntime {
@@ -179,6 +198,7 @@ impl GvisorRuntime {
             cpu_features,
             network: None,
             image_fetch: tokio::sync::Mutex::new(()),
+            resumed: Mutex::new(HashMap::new()),
         })
     }
 
@@ -359,16 +379,100 @@ impl GvisorRuntime {
         agent: Arc<AgentConnection>,
         network: Option<SandboxNetwork>,
         image: Image,
-    ) {
-        let local = LocalSandbox {
+    ) -> Arc<LocalSandbox> {
+        let local = Arc::new(LocalSandbox {
             container_id,
             dir,
             agent,
             current_exec: Arc::new(Mutex::new(ExecSlot::default())),
             network,
             image,
+            gate: Mutex::new(None),
+        });
+        self.sandboxes().insert(sandbox.clone(), Arc::clone(&local));
+        local
+    }
+
+    /// After a restore: takes up the execution the checkpoint kept (its
+    /// journal), routes its events, and lets the agent go on (replaying what
+    /// no client got). Nothing to take up is the usual case; an agent that
+    /// cannot say (an image from before issue 17) has nothing either.
+    async fn resume_executions(&self, sandbox: &SandboxId, local: &LocalSandbox) {
+        let reply = match local
+            .agent
+            .request(json!({"op": "journals"}), Duration::from_secs(10))
+            .await
+        {
+            Ok(reply) => reply,
+            Err(err) => {
+                tracing::debug!(%sandbox, %err, "no executions to resume");
+                return;
+            }
         };
-        self.sandboxes().insert(sandbox.clone(), Arc::new(local));
+        if !reply["paused"].as_bool().unwrap_or(false) {
+            return;
+        }
+        let newest = reply["executions"]
+            .as_array()
+            .and_then(|executions| executions.last())
+            .and_then(|execution| {
+                Some((
+                    execution["id"].as_str()?.to_owned(),
+                    execution["acked"].as_u64().unwrap_or(0),
+                    execution["running"].as_bool().unwrap_or(false),
+                ))
+            });
+        if let Some((id, acked, running)) = newest {
+            match local.agent.adopt_exec(&id) {
+                Ok(events) => {
+                    if running {
+                        local
+                            .current_exec
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .exec = Some(id.clone());
+                    }
+                    let gate = DeliveryGate::new(id.clone(), acked, local.agent.clone());
+                    local.set_gate(Some(Arc::clone(&gate)));
+                    let execution = relay_execution(local, id, events, Some(gate));
+                    self.resumed
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert(sandbox.clone(), execution);
+                    tracing::info!(%sandbox, running, acked, "execution resumed with the sandbox");
+                }
+                Err(err) => tracing::warn!(%sandbox, %err, "cannot take up the kept execution"),
+            }
+        }
+        if let Err(err) = local
+            .agent
+            .request(
+                json!({"op": "resume", "replay": true}),
+                Duration::from_secs(10),
+            )
+            .await
+        {
+            tracing::warn!(%sandbox, %err, "resuming the kept execution failed");
+        }
+    }
+
+    /// A checkpoint that kept the execution failed, the sandbox still runs
+    /// here: delivery and the agent go on where they stopped.
+    async fn resume_after_failure(&self, local: &LocalSandbox) {
+        if let Some(gate) = local.gate() {
+            gate.thaw();
+            local.agent.suspend(gate.exec(), false);
+        }
+        if let Err(err) = local
+            .agent
+            .request(
+                json!({"op": "resume", "replay": false}),
+                Duration::from_secs(10),
+            )
+            .await
+        {
+            tracing::warn!(%err, "resuming executions after a failed checkpoint failed");
+        }
     }
 
     /// Reserves `sandbox` for a create or restore; the reservation ends when the
@@ -677,13 +781,16 @@ impl GvisorRuntime {
                 .await
                 .map_err(|err| RuntimeError::Failed(format!("cannot checkpoint now: {err}")))?;
         }
-        let prepared = local
-            .agent
-            .request(
-                json!({"op": "prepare_checkpoint", "force": request.force}),
-                Duration::from_secs(10),
-            )
-            .await;
+        // Keeping executions: nothing more is delivered here; the agent drops
+        // what was, pauses the rest and keeps it in the image.
+        let keep = request.keep_executions;
+        let mut prepare = json!({"op": "prepare_checkpoint", "force": request.force, "keep": keep});
+        if keep && let Some(gate) = local.gate() {
+            let delivered = gate.freeze().await;
+            local.agent.suspend(gate.exec(), true);
+            prepare["acked"] = json!({ gate.exec(): delivered });
+        }
+        let prepared = local.agent.request(prepare, Duration::from_secs(10)).await;
         match prepared {
             // Anything still listed as running would be frozen mid-way.
             Ok(reply)
@@ -904,6 +1011,8 @@ impl Drop for Reservation<'_> {
 struct AgentExecControl {
     agent: Arc<AgentConnection>,
     id: String,
+    /// Resumable executions only.
+    gate: Option<Arc<DeliveryGate>>,
 }
 
 #[async_trait]
@@ -927,6 +1036,73 @@ impl ExecControl for AgentExecControl {
             .send(&json!({"op": "kill", "id": self.id}))
             .await
             .map_err(|err| RuntimeError::Failed(err.to_string()))
+    }
+
+    fn begin_delivery(&self, _event: u64) -> bool {
+        self.gate.as_ref().is_none_or(|gate| gate.begin())
+    }
+
+    fn end_delivery(&self, event: u64, delivered: bool) {
+        if let Some(gate) = &self.gate {
+            gate.end(event, delivered);
+        }
+    }
+
+    fn dropped(&self, event: u64) {
+        if let Some(gate) = &self.gate {
+            gate.dropped(event);
+        }
+    }
+}
+
+/// Relays an execution's events from the agent to the returned
+/// [`Execution`], freeing the execution slot the moment the exit is seen.
+fn relay_execution(
+    local: &LocalSandbox,
+    id: String,
+    mut agent_events: mpsc::UnboundedReceiver<Sequenced>,
+    gate: Option<Arc<DeliveryGate>>,
+) -> Execution {
+    let (tx, rx) = mpsc::channel(64);
+    let slot = local.current_exec.clone();
+    let relay_id = id.clone();
+    let numbering = gate.clone();
+    tokio::spawn(async move {
+        // Frees the slot only if it still names this execution.
+        let release = || {
+            let mut current = slot.lock().unwrap_or_else(PoisonError::into_inner);
+            if current.exec.as_deref() == Some(relay_id.as_str()) {
+                current.exec = None;
+            }
+        };
+        let mut count = 0;
+        while let Some((seq, event)) = agent_events.recv().await {
+            count += 1;
+            if let Some(gate) = &numbering
+                && seq != gate.seq(count)
+            {
+                // The API counts events; a gap would make it acknowledge
+                // the wrong ones.
+                tracing::warn!(execution = %relay_id, seq, expected = gate.seq(count), "resumable execution's events out of sequence");
+            }
+            let exited = matches!(event, ExecEvent::Exited(_));
+            if exited {
+                release();
+            }
+            let _ = tx.send(event).await;
+            if exited {
+                return;
+            }
+        }
+        release();
+    });
+    Execution {
+        events: rx,
+        control: Box::new(AgentExecControl {
+            agent: local.agent.clone(),
+            id,
+            gate,
+        }),
     }
 }
 
@@ -961,6 +1137,9 @@ fn exec_command(request: &ExecRequest, python: &str) -> Value {
     }
     if let Some(cwd) = &request.cwd {
         command["cwd"] = json!(cwd);
+    }
+    if request.resumable {
+        command["resumable"] = json!(true);
     }
     command
 }
@@ -1033,7 +1212,7 @@ impl SandboxRuntime for GvisorRuntime {
             .agent
             .start_exec(&id, exec_command(&request, &self.config.bundle.python))
             .await;
-        let mut agent_events = match started {
+        let agent_events = match started {
             Ok(events) => events,
             Err(err) => {
                 {
@@ -1054,37 +1233,14 @@ impl SandboxRuntime for GvisorRuntime {
                 });
             }
         };
-        // Relay, so the execution slot frees the moment the exit is seen.
-        let (tx, rx) = mpsc::channel(64);
-        let slot = local.current_exec.clone();
-        let relay_id = id.clone();
-        tokio::spawn(async move {
-            // Frees the slot only if it still names this execution.
-            let release = || {
-                let mut current = slot.lock().unwrap_or_else(PoisonError::into_inner);
-                if current.exec.as_deref() == Some(relay_id.as_str()) {
-                    current.exec = None;
-                }
-            };
-            while let Some(event) = agent_events.recv().await {
-                let exited = matches!(event, ExecEvent::Exited(_));
-                if exited {
-                    release();
-                }
-                let _ = tx.send(event).await;
-                if exited {
-                    return;
-                }
-            }
-            release();
-        });
-        Ok(Execution {
-            events: rx,
-            control: Box::new(AgentExecControl {
-                agent: local.agent.clone(),
-                id,
-            }),
-        })
+        let gate = request
+            .resumable
+            .then(|| DeliveryGate::new(id.clone(), 0, local.agent.clone()));
+        if request.resumable {
+            // The agent journals only the newest resumable execution.
+            local.set_gate(gate.clone());
+        }
+        Ok(relay_execution(&local, id, agent_events, gate))
     }
 
     #[tracing::instrument(skip(self, request), fields(sandbox = %sandbox, checkpoint = %request.checkpoint_id))]
@@ -1113,18 +1269,32 @@ impl SandboxRuntime for GvisorRuntime {
             }
             // A forced checkpoint kills the running execution (its relay
             // frees the slot when it ends).
-            if current.exec.is_some() && !request.force {
+            if current.exec.is_some() && !request.force && !request.keep_executions {
                 return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
             }
             current.checkpointing = true;
         }
+        let keep = request.keep_executions;
         let outcome = self.checkpoint_held(sandbox, &local, request).await;
         if outcome.is_err() {
+            let still_here = self
+                .sandboxes()
+                .get(sandbox)
+                .is_some_and(|current| Arc::ptr_eq(current, &local));
+            if keep && still_here {
+                self.resume_after_failure(&local).await;
+            }
             local
                 .current_exec
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .checkpointing = false;
+        } else {
+            // Not taken here: it went on with the checkpoint.
+            self.resumed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(sandbox);
         }
         outcome
     }
@@ -1152,7 +1322,8 @@ impl SandboxRuntime for GvisorRuntime {
             .await;
         match restored {
             Ok((container_id, dir, agent)) => {
-                self.register(sandbox, container_id, dir, agent, network, image);
+                let local = self.register(sandbox, container_id, dir, agent, network, image);
+                self.resume_executions(sandbox, &local).await;
                 Ok(())
             }
             Err(err) => {
@@ -1238,6 +1409,10 @@ impl SandboxRuntime for GvisorRuntime {
 
     #[tracing::instrument(skip(self), fields(sandbox = %sandbox))]
     async fn destroy(&self, sandbox: &SandboxId) -> Result<(), RuntimeError> {
+        self.resumed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(sandbox);
         let local = self
             .sandboxes()
             .remove(sandbox)
@@ -1254,5 +1429,12 @@ impl SandboxRuntime for GvisorRuntime {
         self.sandboxes()
             .get(sandbox)
             .is_some_and(|local| !local.agent.is_gone())
+    }
+
+    fn take_resumed(&self, sandbox: &SandboxId) -> Option<Execution> {
+        self.resumed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(sandbox)
     }
 }

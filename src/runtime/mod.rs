@@ -1,6 +1,7 @@
 //! The sandbox runtime on real gVisor: the `runsc` CLI wrapped ([`runsc`]), the
 //! OCI bundle ([`bundle`]), the in-sandbox agent and the host's channel to it
-//! ([`agent`], `agent.py`), sandbox images, the root filesystems sandboxes
+//! ([`agent`], `agent.py`), the delivery gates that let an execution move
+//! with its sandbox (`delivery`), sandbox images, the root filesystems sandboxes
 //! run on ([`catalog`]), checkpoint images ([`images`]), `egress` sandbox
 //! networking ([`network`]), and
 //! [`GvisorRuntime`], which implements the controllers' `SandboxRuntime` port.
@@ -10,6 +11,7 @@
 pub mod agent;
 pub mod bundle;
 pub mod catalog;
+mod delivery;
 mod gvisor;
 pub mod image_store;
 pub mod images;

@@ -38,6 +38,11 @@ pub struct SandboxSpec {
     pub enable_idle_timeout_auto_checkpoint: bool,
     #[serde(default)]
     pub filesystem_snapshot_name: Option<String>,
+    /// A handoff, eviction or drain checkpoints a running execution with the
+    /// sandbox instead of killing it (issue 17); absent means `false`, the
+    /// earlier server's forced kill.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keep_executions: bool,
     /// Chosen at create; absent in older documents, which means `none`.
     #[serde(default, skip_serializing_if = "NetworkMode::is_none")]
     pub network: NetworkMode,
@@ -232,6 +237,7 @@ impl SandboxMetadata {
                 enable_sandbox_handoff: false,
                 enable_idle_timeout_auto_checkpoint: false,
                 filesystem_snapshot_name: None,
+                keep_executions: false,
                 network: NetworkMode::None,
                 image: None,
                 token_sha256,

@@ -535,6 +535,23 @@ impl SandboxController {
         ))
     }
 
+    /// The execution a restore here brought back with the sandbox (created
+    /// with `keep_executions`), once, wrapped like one [`Self::exec`] started.
+    pub fn take_resumed(&self, sandbox: &SandboxId) -> Option<Execution> {
+        let execution = self.reconciler.runtime().take_resumed(sandbox)?;
+        let hooks = self.reconciler.hooks();
+        let execution = if hooks.wants_after_exec(sandbox) {
+            crate::hooks::run_after_exec(execution, Arc::clone(hooks), sandbox.clone())
+        } else {
+            execution
+        };
+        Some(fence_exit(
+            execution,
+            Arc::clone(&self.reconciler),
+            sandbox.clone(),
+        ))
+    }
+
     /// Saves the sandbox's changed files as snapshot `name` and records it in
     /// `status.latest_snapshot`.
     pub async fn snapshot_filesystem(

@@ -78,6 +78,23 @@ fn init_messages_of_both_clients_parse_with_upstream_defaults() {
 }
 
 #[test]
+fn keep_executions_is_an_optional_boolean_off_by_default() {
+    assert!(!InitMessage::parse("{}").unwrap().keep_executions);
+    assert!(
+        InitMessage::parse(r#"{"enable_checkpoint": true, "keep_executions": true}"#)
+            .unwrap()
+            .keep_executions
+    );
+    assert!(matches!(
+        InitMessage::parse(r#"{"keep_executions": "yes"}"#),
+        Err(FrameError::WrongType {
+            field: "keep_executions",
+            ..
+        })
+    ));
+}
+
+#[test]
 fn client_frames_follow_upstream_precedence() {
     assert_eq!(
         ClientFrame::parse(r#"{"action":"checkpoint"}"#).unwrap(),

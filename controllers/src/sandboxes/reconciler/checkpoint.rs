@@ -119,6 +119,7 @@ impl Reconciler {
             epoch: held.epoch,
             name: None,
             force: false,
+            keep_executions: false,
         };
         let manifest = match self.runtime.checkpoint(sandbox, request).await {
             Ok(manifest) => manifest,
@@ -201,6 +202,7 @@ impl Reconciler {
             epoch: held.epoch,
             name: name.clone(),
             force: force || self.draining.load(std::sync::atomic::Ordering::Acquire),
+            keep_executions: metadata.spec.keep_executions,
         };
         self.failpoint(metadata, "handoff:before-checkpoint");
         let checkpoint_started = std::time::Instant::now();

@@ -1,0 +1,249 @@
+//! The agent's side of executions that survive a move (decision 0012), with
+//! the real `agent.py` run as a plain process on the host (no sandbox: what
+//! is tested is its bookkeeping) and the real host connection to it: a
+//! checkpoint that keeps an execution pauses its output and holds back its
+//! exit, stdin written meanwhile still reaches it, and `resume` replays
+//! exactly what was not acknowledged; events never end inside a UTF-8
+//! character. Needs root (the agent drops to the configured user).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests fail by panicking"
+)]
+
+use std::os::fd::OwnedFd;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use bytes::Bytes;
+use controllers::runtime::ExecEvent;
+use sandboxd::runtime::agent::{AgentConnection, Sequenced};
+use sandboxd::runtime::bundle::AGENT_SOURCE;
+use serde_json::{Value, json};
+use tokio::net::unix::pipe;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+struct Agent {
+    connection: Arc<AgentConnection>,
+    child: Child,
+    _home: tempfile::TempDir,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn agent() -> Agent {
+    assert_eq!(
+        nix_uid(),
+        0,
+        "this test runs the agent as on a sandbox's init: it needs root"
+    );
+    let home = tempfile::tempdir().unwrap();
+    let config = json!({
+        "python": "/usr/bin/python3",
+        "uid": 0,
+        "gid": 0,
+        "home": home.path().join("home"),
+        "workspace": home.path().join("workspace"),
+        "env": {"PATH": "/usr/bin:/bin", "HOME": home.path().join("home")},
+    });
+    let mut child = Command::new("/usr/bin/python3")
+        .args(["-S", "-c", AGENT_SOURCE, &config.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("python3 runs the agent");
+    let commands = pipe::Sender::from_owned_fd(OwnedFd::from(child.stdin.take().unwrap())).unwrap();
+    let events =
+        pipe::Receiver::from_owned_fd(OwnedFd::from(child.stdout.take().unwrap())).unwrap();
+    let (connection, hello) = AgentConnection::start(commands, events);
+    tokio::time::timeout(WAIT, hello)
+        .await
+        .expect("the agent says hello")
+        .unwrap();
+    Agent {
+        connection,
+        child,
+        _home: home,
+    }
+}
+
+fn nix_uid() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))
+        .and_then(|ids| ids.split_whitespace().next()?.parse().ok())
+        .unwrap()
+}
+
+async fn next(events: &mut UnboundedReceiver<Sequenced>) -> Sequenced {
+    tokio::time::timeout(WAIT, events.recv())
+        .await
+        .expect("an event within 10 s")
+        .expect("the stream goes on")
+}
+
+fn stdout(text: &str) -> ExecEvent {
+    ExecEvent::Stdout(Bytes::copy_from_slice(text.as_bytes()))
+}
+
+async fn request(agent: &Agent, command: Value) -> Value {
+    agent.connection.request(command, WAIT).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_execution_is_paused_holds_its_exit_and_replays_what_was_not_acknowledged() {
+    let agent = agent().await;
+    let id = agent.connection.new_id("e");
+    let mut events = agent
+        .connection
+        .start_exec(
+            &id,
+            json!({"op": "exec", "resumable": true,
+                   "argv": ["bash", "-c", "echo one; read line; echo \"$line\"; exit 4"]}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(next(&mut events).await, (1, stdout("one\n")));
+
+    // The checkpoint keeps it; the client got nothing yet (acked 0).
+    let ready = request(
+        &agent,
+        json!({"op": "prepare_checkpoint", "force": true, "keep": true, "acked": {id.clone(): 0}}),
+    )
+    .await;
+    assert_eq!(ready["running"], json!([]), "{ready}");
+    assert_eq!(ready["kept"], json!([id]), "{ready}");
+    // Stdin still reaches it; it prints and exits, but nothing leaves the
+    // agent while it is paused.
+    agent
+        .connection
+        .send(&json!({"op": "stdin", "id": id, "data": BASE64.encode("two\n")}))
+        .await
+        .unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), events.recv())
+            .await
+            .is_err(),
+        "a paused execution emitted"
+    );
+    let journals = request(&agent, json!({"op": "journals"})).await;
+    assert_eq!(journals["paused"], true, "{journals}");
+    assert_eq!(
+        journals["executions"],
+        json!([{"id": id, "acked": 0, "running": true}]),
+        "the exit is held back: still running for the next host"
+    );
+
+    // A new host resumes with a replay from the last acknowledged event.
+    let resumed = request(&agent, json!({"op": "resume", "replay": true})).await;
+    assert_eq!(resumed["ev"], "resumed");
+    assert_eq!(next(&mut events).await, (1, stdout("one\n")), "replayed");
+    assert_eq!(next(&mut events).await, (2, stdout("two\n")));
+    assert_eq!(next(&mut events).await, (3, ExecEvent::Exited(4)));
+
+    // Acknowledged up to the exit: nothing is journaled any more.
+    agent
+        .connection
+        .send(&json!({"op": "ack", "exec": id, "seq": 3}))
+        .await
+        .unwrap();
+    let journals = request(&agent, json!({"op": "journals"})).await;
+    assert_eq!(journals["paused"], false, "{journals}");
+    assert_eq!(journals["executions"], json!([]), "{journals}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_keep_replays_only_what_the_first_host_did_not_deliver() {
+    let agent = agent().await;
+    let id = agent.connection.new_id("e");
+    let mut events = agent
+        .connection
+        .start_exec(
+            &id,
+            json!({"op": "exec", "resumable": true,
+                   "argv": ["bash", "-c", "for i in 1 2 3; do echo $i; sleep 0.2; done; read x"]}),
+        )
+        .await
+        .unwrap();
+    for n in 1..=3 {
+        assert_eq!(next(&mut events).await, (n, stdout(&format!("{n}\n"))));
+    }
+    // The first host delivered 2 of the 3.
+    request(
+        &agent,
+        json!({"op": "prepare_checkpoint", "force": true, "keep": true, "acked": {id.clone(): 2}}),
+    )
+    .await;
+    request(&agent, json!({"op": "resume", "replay": true})).await;
+    assert_eq!(next(&mut events).await, (3, stdout("3\n")));
+    // A checkpoint that failed resumes without a replay: nothing again.
+    request(
+        &agent,
+        json!({"op": "prepare_checkpoint", "force": true, "keep": true, "acked": {id.clone(): 2}}),
+    )
+    .await;
+    request(&agent, json!({"op": "resume", "replay": false})).await;
+    agent
+        .connection
+        .send(&json!({"op": "stdin", "id": id, "data": BASE64.encode("\n")}))
+        .await
+        .unwrap();
+    assert_eq!(next(&mut events).await, (4, ExecEvent::Exited(0)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumable_output_never_ends_inside_a_character() {
+    let agent = agent().await;
+    let id = agent.connection.new_id("e");
+    let mut events = agent
+        .connection
+        .start_exec(
+            &id,
+            json!({"op": "exec", "resumable": true,
+                   "argv": ["bash", "-c", "printf 'a\\xc3'; sleep 0.3; printf '\\xa9b'"]}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(next(&mut events).await, (1, stdout("a")));
+    assert_eq!(next(&mut events).await, (2, stdout("éb")));
+    assert_eq!(next(&mut events).await, (3, ExecEvent::Exited(0)));
+    // Not acknowledged yet, so journaled; a checkpoint that keeps nothing
+    // (periodic, restored in place) forgets it, or a later move would replay it.
+    let journals = request(&agent, json!({"op": "journals"})).await;
+    assert_eq!(journals["executions"].as_array().map(Vec::len), Some(1));
+    request(&agent, json!({"op": "prepare_checkpoint", "force": false})).await;
+    let journals = request(&agent, json!({"op": "journals"})).await;
+    assert_eq!(journals["executions"], json!([]), "{journals}");
+    assert_eq!(journals["paused"], false, "{journals}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executions_without_the_option_are_not_numbered_or_kept() {
+    let agent = agent().await;
+    let id = agent.connection.new_id("e");
+    let mut events = agent
+        .connection
+        .start_exec(
+            &id,
+            json!({"op": "exec", "argv": ["bash", "-c", "echo plain"]}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(next(&mut events).await, (0, stdout("plain\n")));
+    assert_eq!(next(&mut events).await, (0, ExecEvent::Exited(0)));
+    let journals = request(&agent, json!({"op": "journals"})).await;
+    assert_eq!(journals["executions"], json!([]), "{journals}");
+}
