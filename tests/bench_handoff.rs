@@ -90,6 +90,16 @@ fn bench_dir() -> tempfile::TempDir {
     }
 }
 
+/// Waits 0–1 s at random before the next attach of a back-to-back series.
+/// Without it each attach would start one handoff's length after the
+/// previous one, which began at a doorbell read of A: the attaches would
+/// lock onto one phase of A's doorbell period (a CI-less run measured every
+/// wait at 310–340 ms of a 400 ms period) instead of meeting it at random,
+/// as independent clients do.
+async fn at_a_random_moment() {
+    tokio::time::sleep(Duration::from_millis(rand::random_range(0..1000))).await;
+}
+
 async fn created(on: &ServerProcess) -> (Ws, String, String) {
     let (mut ws, id, token) = on.create(options()).await;
     ws.exec("bash", "echo state > /tmp/state").await;
@@ -147,6 +157,7 @@ async fn handoff_latency() {
     tokio::time::sleep(Duration::from_secs(95)).await;
     let mut long_gone = Vec::new();
     for (id, token) in &idle {
+        at_a_random_moment().await;
         long_gone.push(timed_attach(&b, id, token).await);
     }
     report("handoff, client left A 95 s ago", &mut long_gone);
@@ -161,6 +172,7 @@ async fn handoff_latency() {
     tokio::time::sleep(Duration::from_secs(95)).await;
     let mut attached_quiet = Vec::new();
     for (old, id, token) in &mut quiet {
+        at_a_random_moment().await;
         attached_quiet.push(timed_attach(&b, id, token).await);
         let seen = old.until_close().await;
         assert!(
