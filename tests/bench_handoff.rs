@@ -113,7 +113,7 @@ async fn pair(dir: &Path, bucket: &str) -> (ServerProcess, ServerProcess) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "benchmark: cargo test --release --test bench_handoff -- --ignored --nocapture"]
+#[ignore = "benchmark (prints figures, asserts no timing): cargo test --release --test bench_handoff -- --ignored --nocapture --test-threads 1"]
 async fn handoff_latency() {
     let runs = runs("HANDOFF_RUNS", 10);
     let dir = bench_dir();
@@ -188,7 +188,7 @@ async fn handoff_latency() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "benchmark: cargo test --release --test bench_handoff -- --ignored --nocapture"]
+#[ignore = "benchmark (prints figures, asserts no timing): cargo test --release --test bench_handoff -- --ignored --nocapture --test-threads 1"]
 async fn crash_takeover_latency() {
     let runs = runs("TAKEOVER_RUNS", 3);
     let dir = tempfile::tempdir().unwrap();
@@ -227,7 +227,7 @@ async fn crash_takeover_latency() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "benchmark: cargo test --release --test bench_handoff -- --ignored --nocapture"]
+#[ignore = "benchmark (prints figures, asserts no timing): cargo test --release --test bench_handoff -- --ignored --nocapture --test-threads 1"]
 async fn handoff_latency_with_a_running_execution() {
     let runs = runs("HANDOFF_RUNS", 10);
     let dir = tempfile::tempdir().unwrap();

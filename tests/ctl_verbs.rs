@@ -80,38 +80,7 @@ async fn populate(store: Arc<dyn Store>) {
         .await
         .unwrap();
     // A checkpoint nothing points at, an hour old.
-    let image = checkpoint_image_key(&id(ORPHAN));
-    store
-        .put(&image, "image".into(), PutMode::Create)
-        .await
-        .unwrap();
-    let manifest = CheckpointManifest {
-        api_version: CheckpointManifest::api_version(),
-        checkpoint_id: ORPHAN.into(),
-        sandbox_id: id(PLAIN),
-        epoch: 1,
-        name: None,
-        created_at: Utc::now() - Duration::hours(1),
-        image: BlobDigest {
-            key: image.to_string(),
-            size: 5,
-            sha256: "0".repeat(64),
-        },
-        runsc_version: "test".into(),
-        platform: "ptrace".into(),
-        cpu_features: Vec::new(),
-        network: Default::default(),
-        sandbox_image: None,
-        extra: ExtraFields::new(),
-    };
-    store
-        .put(
-            &checkpoint_manifest_key(&id(ORPHAN)),
-            encode(&manifest),
-            PutMode::Create,
-        )
-        .await
-        .unwrap();
+    stored_checkpoint(store.as_ref(), ORPHAN, PLAIN, 60, 1).await;
 }
 
 struct Ctl {
@@ -356,11 +325,12 @@ async fn user_verbs_against_a_real_server() {
 
 const HISTORY: &str = "ffffffffffffffffffffffffffffffff";
 
-/// A checkpoint (image + manifest) of HISTORY, `minutes` old, with `image`
-/// as its sandbox image.
+/// A checkpoint (image + manifest) of `sandbox`, `minutes` old, taken at
+/// `epoch`; the reference a metadata document would record for it.
 async fn stored_checkpoint(
     store: &dyn Store,
     checkpoint: &str,
+    sandbox: &str,
     minutes: i64,
     epoch: u64,
 ) -> controllers::api::CheckpointRef {
@@ -373,7 +343,7 @@ async fn stored_checkpoint(
     let manifest = CheckpointManifest {
         api_version: CheckpointManifest::api_version(),
         checkpoint_id: checkpoint.into(),
-        sandbox_id: id(HISTORY),
+        sandbox_id: id(sandbox),
         epoch,
         name: None,
         created_at,
@@ -418,9 +388,10 @@ async fn checkpoint_verbs(store: Arc<dyn Store>, ctl: Ctl) {
     doc.spec.enable_checkpoint = true;
     doc.status.epoch = 5;
     doc.status.phase = Phase::Checkpointed;
-    doc.status.latest_checkpoint = Some(stored_checkpoint(store.as_ref(), &c(1), 1, 5).await);
+    doc.status.latest_checkpoint =
+        Some(stored_checkpoint(store.as_ref(), &c(1), HISTORY, 1, 5).await);
     for (n, minutes) in [(2, 2), (3, 3), (4, 4)] {
-        let previous = stored_checkpoint(store.as_ref(), &c(n), minutes, 4).await;
+        let previous = stored_checkpoint(store.as_ref(), &c(n), HISTORY, minutes, 4).await;
         doc.status.previous_checkpoints.push(previous);
     }
     // "old" names a checkpoint that is also the oldest superseded one;
@@ -428,7 +399,7 @@ async fn checkpoint_verbs(store: Arc<dyn Store>, ctl: Ctl) {
     let mut old = doc.status.previous_checkpoints[2].clone();
     old.name = Some("old".into());
     doc.status.named_checkpoints.insert("old".into(), old);
-    let mut keep = stored_checkpoint(store.as_ref(), &c(5), 10, 3).await;
+    let mut keep = stored_checkpoint(store.as_ref(), &c(5), HISTORY, 10, 3).await;
     keep.name = Some("keep".into());
     doc.status.named_checkpoints.insert("keep".into(), keep);
     store
