@@ -348,6 +348,21 @@ async fn a_checkpoint_restores_on_another_host_with_processes_files_and_python_s
 
     let manifest = checkpoint(&a, &id).await;
     assert!(!a.runtime.is_running(&id));
+    // runsc wrote the image into the store's staging directory and the store
+    // took it by a rename: nothing is left there.
+    let staging = store.staging_dir().expect("a directory store stages");
+    let left: Vec<_> = std::fs::read_dir(&staging).unwrap().flatten().collect();
+    assert!(left.is_empty(), "left in {}: {left:?}", staging.display());
+    // The digest taken while runsc wrote is the stored file's.
+    let stored = store
+        .local_path(&controllers::store::ObjectKey::new(&manifest.image.key).unwrap())
+        .unwrap();
+    let bytes = std::fs::read(&stored).unwrap();
+    assert_eq!(bytes.len() as u64, manifest.image.size);
+    assert_eq!(
+        hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&bytes)),
+        manifest.image.sha256
+    );
     assert_eq!(manifest.epoch, 4);
     assert_eq!(manifest.name.as_deref(), Some("before-move"));
     assert_eq!(manifest.image.sha256.len(), 64);

@@ -41,7 +41,9 @@ use tokio::sync::mpsc;
 use super::agent::{AgentConnection, AgentError, Sequenced};
 use super::bundle::{BundleNetwork, BundleSpec, SANDBOX_HOME, WORKSPACE_DIR};
 use super::catalog::{Image, ImageCatalog};
+use super::cpu_quota;
 use super::delivery::DeliveryGate;
+use super::image_follower::ImageFollower;
 use super::images::{
     check_cpu_features, download_verified, host_cpu_features, mismatch, sha256_file, sha256_of,
 };
@@ -816,15 +818,27 @@ impl GvisorRuntime {
                 .await
                 .map_err(|err| RuntimeError::Failed(format!("cannot checkpoint now: {err}")))?;
         }
-        let image_dir = local
-            .dir
-            .join(format!("checkpoint-{}", request.checkpoint_id));
-        if let Err(err) = self
+        // On a directory store runsc writes the image where the store keeps
+        // its files (taking it is then a rename) and the follower flushes it
+        // to disk as it goes; elsewhere into the sandbox's own directory.
+        let staging = self.checkpoints.staging_dir();
+        let image_dir = staging
+            .as_deref()
+            .unwrap_or(&local.dir)
+            .join(format!("checkpoint-{}-{}", sandbox, request.checkpoint_id));
+        let image = image_dir.join("checkpoint.img");
+        let follower = ImageFollower::start(image.clone(), staging.is_some());
+        // The sentry compresses the memory on every core it may use; no user
+        // code runs meanwhile (see `cpu_quota`).
+        let lifted_quota = cpu_quota::lift(Path::new(cpu_quota::CGROUP_ROOT), &local.container_id);
+        let checkpointed = self
             .config
             .runsc
             .checkpoint(&local.container_id, &image_dir)
-            .await
-        {
+            .await;
+        if let Err(err) = checkpointed {
+            follower.abandon().await;
+            let _ = tokio::fs::remove_dir_all(&image_dir).await;
             // A checkpoint that fails inside the sentry stops the container:
             // ask runsc whether it still runs.
             let still_running = matches!(
@@ -847,7 +861,9 @@ impl GvisorRuntime {
                     detail: format!("checkpoint failed and stopped the sandbox: {err}"),
                 });
             }
-            let _ = tokio::fs::remove_dir_all(&image_dir).await;
+            if let Some(quota) = lifted_quota {
+                quota.restore();
+            }
             if let Some(network) = &local.network {
                 network::checkpoint::resume(network).await;
             }
@@ -857,22 +873,14 @@ impl GvisorRuntime {
         }
         // The container is stopped now: it no longer runs here.
         self.sandboxes().remove(sandbox);
-        let image = image_dir.join("checkpoint.img");
         let upload = async {
-            let hash_error = |err: std::io::Error| {
+            let (sha256, size) = follower.finish().await.map_err(|err| {
                 RuntimeError::Failed(format!("hashing the checkpoint image: {err}"))
-            };
+            })?;
             let key = checkpoint_image_key(&request.checkpoint_id);
-            // One read for the hash, beside the store taking the file (a
-            // rename on a directory store; the upload, from the page cache,
-            // on GCS). Opened first: the rename must not pull it away.
-            let file = std::fs::File::open(&image).map_err(hash_error)?;
-            let (hashed, stored) = tokio::join!(
-                sha256_of(file),
-                self.checkpoints.adopt_blob(&key, image.clone())
-            );
-            let (sha256, size) = hashed.map_err(hash_error)?;
-            stored?;
+            // A rename on a directory store; the upload, from the page cache,
+            // to GCS.
+            self.checkpoints.adopt_blob(&key, image.clone()).await?;
             let manifest = CheckpointManifest {
                 api_version: API_VERSION.to_owned(),
                 checkpoint_id: request.checkpoint_id.to_string(),
@@ -907,6 +915,9 @@ impl GvisorRuntime {
         .await;
         match upload {
             Ok(manifest) => {
+                if staging.is_some() {
+                    let _ = tokio::fs::remove_dir_all(&image_dir).await;
+                }
                 self.delete_and_detach_in_background(
                     local.container_id.clone(),
                     local.dir.clone(),

@@ -11,8 +11,10 @@
 pub mod agent;
 pub mod bundle;
 pub mod catalog;
+mod cpu_quota;
 mod delivery;
 mod gvisor;
+mod image_follower;
 pub mod image_store;
 pub mod images;
 pub mod network;

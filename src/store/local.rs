@@ -122,7 +122,11 @@ impl LocalStore {
                 .ok()
                 .and_then(|modified| now.duration_since(modified).ok())
                 .is_some_and(|age| age > STALE_TEMP_AGE);
-            if stale {
+            // Directories are checkpoint images a crashed runtime was
+            // writing here (`Store::staging_dir`).
+            if stale && entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+                let _ = fs::remove_dir_all(entry.path());
+            } else if stale {
                 let _ = fs::remove_file(entry.path());
             }
         }
@@ -437,6 +441,10 @@ impl Store for LocalStore {
 
     fn local_path(&self, key: &ObjectKey) -> Option<PathBuf> {
         Some(self.object_path(key))
+    }
+
+    fn staging_dir(&self) -> Option<PathBuf> {
+        Some(self.temp_dir())
     }
 
     /// A file copy (`copy_file_range`: a reflink where the filesystem has

@@ -213,4 +213,8 @@ impl Store for CountingStore {
     fn local_path(&self, key: &ObjectKey) -> Option<std::path::PathBuf> {
         self.inner.local_path(key)
     }
+
+    fn staging_dir(&self) -> Option<std::path::PathBuf> {
+        self.inner.staging_dir()
+    }
 }

@@ -289,6 +289,14 @@ pub trait Store: Send + Sync + fmt::Debug {
         None
     }
 
+    /// A directory on the store's own filesystem where a file meant for
+    /// [`Store::adopt_blob`] can be written, so that adopting it is a rename
+    /// and its writer's flushes are the store's (a directory store). `None`
+    /// for remote stores.
+    fn staging_dir(&self) -> Option<PathBuf> {
+        None
+    }
+
     /// Lists every object under `prefix`, following the pages.
     async fn list_all(&self, prefix: &str) -> Result<Vec<ObjectInfo>, StoreError> {
         let mut objects = Vec::new();
