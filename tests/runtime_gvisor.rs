@@ -376,6 +376,8 @@ async fn a_checkpoint_restores_on_another_host_with_processes_files_and_python_s
     // Another "host": another runsc root, state directory and container id.
     b.runtime.restore(&id, &manifest).await.unwrap();
     assert!(b.runtime.is_running(&id));
+    // The quota lifted while runsc restored is back (`runtime/cpu_quota.rs`).
+    assert_eq!(cpu_quota_of_only_container(&b), "100000");
     let python = run(
         &b.runtime,
         &id,
@@ -412,6 +414,31 @@ async fn a_checkpoint_restores_on_another_host_with_processes_files_and_python_s
         "the background process keeps running after restore ({after} -> {later})"
     );
     b.runtime.destroy(&id).await.unwrap();
+}
+
+/// The CPU quota (cgroup v1 `cpu.cfs_quota_us`, or v2 `cpu.max`) of the one
+/// container under a host's runsc root.
+fn cpu_quota_of_only_container(h: &Host) -> String {
+    let root = h._dir.path().join("runsc");
+    let listed = std::process::Command::new("runsc")
+        .arg("--root")
+        .arg(&root)
+        .args(["list", "--format", "json"])
+        .output()
+        .unwrap();
+    let containers: Vec<serde_json::Value> = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!(containers.len(), 1, "{containers:?}");
+    let id = containers[0]["id"].as_str().unwrap();
+    let cgroups = Path::new("/sys/fs/cgroup");
+    [
+        cgroups.join("cpu").join(id).join("cpu.cfs_quota_us"),
+        cgroups.join(id).join("cpu.max"),
+    ]
+    .iter()
+    .find_map(|file| std::fs::read_to_string(file).ok())
+    .unwrap_or_else(|| panic!("no CPU cgroup for container {id}"))
+    .trim()
+    .to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

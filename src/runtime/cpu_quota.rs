@@ -1,4 +1,4 @@
-//! Lifting a sandbox's CPU quota while runsc checkpoints it.
+//! Lifting a sandbox's CPU quota while runsc checkpoints or restores it.
 //!
 //! A sandbox's CPU limit (`--sandbox-cpus`, one core by default) is a cgroup
 //! quota on the whole gVisor sandbox, the sentry included. `runsc
@@ -9,6 +9,12 @@
 //! paused, and a checkpointed container exits. So the quota is lifted for the
 //! checkpoint and put back only if the container survives a failed one.
 //!
+//! `runsc restore` decompresses the image the same way, in the cgroup it
+//! has just made for the new container: the quota is lifted as soon as runsc
+//! has written it (a watcher polls for it) and put back once the restore
+//! returns, a few milliseconds after the restored sandbox resumes. 200 MB:
+//! 0.43 s under the quota, 0.36 s without.
+//!
 //! runsc (without `cgroupsPath` in the spec) puts a container in a cgroup
 //! named after its id at the root of each hierarchy: cgroup v1's `cpu`
 //! controller (`cpu.cfs_quota_us`, `-1` for none) or the v2 unified tree
@@ -17,6 +23,9 @@
 //! runs under the quota, as before; that is logged, not an error.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 /// Where cgroup hierarchies are mounted.
 pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
@@ -82,6 +91,46 @@ pub fn lift(cgroup_root: &Path, container_id: &str) -> Option<LiftedQuota> {
     }
 }
 
+/// Watches for the cgroup of a container runsc is creating and lifts its
+/// quota once runsc has set one.
+pub struct QuotaWatch {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<Option<LiftedQuota>>,
+}
+
+/// How often the watcher looks for the new container's quota.
+const WATCH_EVERY: Duration = Duration::from_millis(2);
+/// A restore that has not made its cgroup by then never will.
+const WATCH_AT_MOST: Duration = Duration::from_secs(60);
+
+impl QuotaWatch {
+    /// Starts watching for container `container_id` under `cgroup_root`.
+    pub fn start(cgroup_root: PathBuf, container_id: String) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let task = tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            while !stopped.load(Ordering::Acquire) && started.elapsed() < WATCH_AT_MOST {
+                if let Some(lifted) = lift(&cgroup_root, &container_id) {
+                    return Some(lifted);
+                }
+                std::thread::sleep(WATCH_EVERY);
+            }
+            None
+        });
+        Self { stop, task }
+    }
+
+    /// Stops watching and puts back the quota if it was lifted (the restore
+    /// has returned, whether it worked or not).
+    pub async fn end(self) {
+        self.stop.store(true, Ordering::Release);
+        if let Ok(Some(lifted)) = self.task.await {
+            lifted.restore();
+        }
+    }
+}
+
 #[derive(Clone, Copy)]
 enum Version {
     V1,
@@ -120,6 +169,38 @@ mod tests {
             std::fs::read_to_string(&file).expect("read"),
             "150000 100000"
         );
+    }
+
+    /// The cgroup appears while the watch runs, first without a quota (as
+    /// when the directory is made), then with one: lifted, and put back at
+    /// the end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_watch_lifts_the_quota_runsc_sets_and_puts_it_back_at_the_end() {
+        let root = tempfile::tempdir().expect("temp dir");
+        let watch = QuotaWatch::start(root.path().to_owned(), "sbx4".to_owned());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let file = cgroup(root.path(), "cpu/sbx4/cpu.cfs_quota_us", "-1\n");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        std::fs::write(&file, "100000\n").expect("runsc sets the quota");
+        let lifted = async {
+            while std::fs::read_to_string(&file).expect("read") != "-1" {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), lifted)
+            .await
+            .expect("the watch lifts the quota");
+        watch.end().await;
+        assert_eq!(std::fs::read_to_string(&file).expect("read"), "100000");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_watch_that_finds_nothing_ends_without_writing() {
+        let root = tempfile::tempdir().expect("temp dir");
+        let watch = QuotaWatch::start(root.path().to_owned(), "sbx5".to_owned());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        watch.end().await;
+        assert!(!root.path().join("cpu").exists());
     }
 
     #[test]

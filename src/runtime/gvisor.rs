@@ -727,6 +727,10 @@ impl GvisorRuntime {
                 return Err(err);
             }
         };
+        let quota_watch = cpu_quota::QuotaWatch::start(
+            PathBuf::from(cpu_quota::CGROUP_ROOT),
+            container_id.clone(),
+        );
         let launching = self.launch(sandbox, &container_id, &dir, Some(&image_dir), network);
         let (launched, digest) = match hashing {
             Some(file) => {
@@ -735,6 +739,7 @@ impl GvisorRuntime {
             }
             None => (launching.await, None),
         };
+        quota_watch.end().await;
         let refused = match digest {
             Some(Ok(actual)) => mismatch(
                 key.as_str(),
