@@ -30,6 +30,8 @@ pub struct AppState {
     pub workspace_hooks: Option<Arc<WorkspaceHooks>>,
     /// The sandbox images (`GET /images`); `None` without a runtime.
     pub images: Option<crate::runtime::ImageCatalog>,
+    /// Every series `/metrics` reports (`crate::metrics`).
+    pub metrics: Arc<prometheus_client::registry::Registry>,
 }
 
 /// What this server can do, as the init message's checks see it.
@@ -39,4 +41,16 @@ pub struct Features {
     pub snapshot: bool,
     /// Creates may ask for `"network": "egress"` (the runtime has networking).
     pub network_egress: bool,
+}
+
+impl Default for Features {
+    /// Checkpoints and snapshots; no egress (a runtime with networking turns
+    /// it on).
+    fn default() -> Self {
+        Self {
+            checkpoint: true,
+            snapshot: true,
+            network_egress: false,
+        }
+    }
 }
