@@ -19,6 +19,8 @@ use std::time::Duration;
 use controllers::store::Store;
 use sandboxd::store::{GcsConfig, GcsStore, LocalStore, RetrySettings};
 
+// Not every test binary uses every fixture.
+#[allow(unused_imports)]
 pub use testkit::{Emulator, RunscCleanup};
 
 /// The path of the fake-gcs-server binary: `$FAKE_GCS_SERVER`, or the one inside
@@ -237,3 +239,8 @@ pub async fn serve(server: sandboxd::server::Server) -> String {
     tokio::spawn(server.run(listener, std::future::pending()));
     addr.to_string()
 }
+
+pub mod disk_emulator;
+pub mod process;
+pub mod proxy;
+pub mod ws;

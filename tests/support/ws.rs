@@ -66,10 +66,16 @@ impl Server {
             Arc::clone(&counts),
             images,
             |runtime, _| {
-                super::server_counted(instance, Arc::clone(&store), Some(runtime), counts, |parts| {
-                    parts.images = Some(on);
-                    adjust(parts);
-                })
+                super::server_counted(
+                    instance,
+                    Arc::clone(&store),
+                    Some(runtime),
+                    counts,
+                    |parts| {
+                        parts.images = Some(on);
+                        adjust(parts);
+                    },
+                )
             },
         )
         .await
