@@ -52,6 +52,10 @@ pub fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
     Ok(text)
 }
 
+/// A series' value of the family's label (`None`: the family's only,
+/// unlabelled series) and its count.
+type Series<'a> = (Option<&'a str>, u64);
+
 /// One counter family whose values are read at scrape time: `name` gets the
 /// `_total` suffix, each value its `label` (none for `None`).
 fn counter_family(
@@ -59,7 +63,7 @@ fn counter_family(
     name: &str,
     help: &str,
     label: &str,
-    values: &[(Option<&str>, u64)],
+    values: &[Series<'_>],
 ) -> Result<(), std::fmt::Error> {
     let mut family =
         encoder.encode_descriptor(name, help, None, ConstCounter::new(0_u64).metric_type())?;
@@ -80,7 +84,7 @@ struct StoreOperations(Arc<OperationCounts>);
 
 impl Collector for StoreOperations {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let values: Vec<(Option<&str>, u64)> = Operation::ALL
+        let values: Vec<Series<'_>> = Operation::ALL
             .iter()
             .map(|operation| (Some(operation.as_str()), self.0.count(*operation)))
             .collect();
@@ -128,7 +132,7 @@ impl Collector for Workspace {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         use crate::workspace::WorkspaceMetrics as M;
         let m = self.0.metrics();
-        let families: [(&str, &str, &str, Vec<(Option<&str>, u64)>); 5] = [
+        let families: [(&str, &str, &str, Vec<Series<'_>>); 5] = [
             (
                 "sandboxd_workspace_syncs",
                 "Workspace syncs by direction.",
