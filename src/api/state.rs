@@ -1,6 +1,7 @@
 //! What every request handler can reach: the API layer's own state. The
-//! server (`server.rs`) builds it and the router around it; nothing here
-//! depends on the server, so dependencies point one way.
+//! composition root (`server/mod.rs`, `Server::build`) builds it and the
+//! router around it; nothing here depends on the server, so dependencies
+//! point one way.
 
 use std::sync::Arc;
 

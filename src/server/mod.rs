@@ -185,6 +185,7 @@ impl Server {
     /// Checkpoints what is held here, waits for the connections, stops the
     /// workers.
     async fn shut_down(mut self) {
+        let deadline = tokio::time::Instant::now() + self.shutdown_grace;
         if let Some(controller) = &self.state.controller {
             let held = controller.held_sandboxes().len();
             tracing::info!(
@@ -200,7 +201,13 @@ impl Server {
                 );
             }
         }
-        let open = self.connections.closed(Duration::from_secs(5)).await;
+        // The sessions end with their sandboxes; what is left of the grace
+        // (a moment at least) lets them send their last frames.
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let open = self
+            .connections
+            .closed(left.max(Duration::from_millis(200)))
+            .await;
         if open > 0 {
             tracing::warn!(open, "closing with connections still open");
         }
