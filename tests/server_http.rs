@@ -55,6 +55,46 @@ async fn status_root_and_readiness_answer_like_the_earlier_server() {
 }
 
 #[tokio::test]
+async fn the_server_counts_its_connections_and_its_shutdown_waits_for_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = support::server(
+        "test-instance",
+        Arc::new(LocalStore::open(dir.path()).unwrap()),
+        None,
+    );
+    let connections = server.connections().clone();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(server.run(listener, async {
+        let _ = stopped.await;
+    }));
+    let until = |open: usize| {
+        let connections = connections.clone();
+        async move {
+            for _ in 0..100 {
+                if connections.open() == open {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            panic!("{} connections open, not {open}", connections.open());
+        }
+    };
+    let idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+    until(1).await;
+    assert_eq!(get_json(&format!("http://{addr}/status")).await.0, 200);
+    drop(idle);
+    until(0).await;
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "still listening after shutdown"
+    );
+}
+
+#[tokio::test]
 async fn readiness_reports_an_unreachable_store() {
     // A loopback address with nothing on port 80: the store cannot be reached.
     let host = support::free_loopback(121..=250);

@@ -70,37 +70,36 @@ impl axum::serve::Listener for Tracked {
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        // A semaphore is never closed here: `acquire_owned` cannot fail.
-        let permit = loop {
-            if let Ok(permit) = Arc::clone(&self.connections.permits).acquire_owned().await {
-                break permit;
-            }
-        };
         loop {
-            match self.listener.accept().await {
-                Ok((stream, addr)) => {
-                    // The protocol is many small frames (`EXECUTION_RUNNING`,
-                    // a short `stdout`, `exit_code`, `DONE`): with Nagle's
-                    // algorithm each one after the first waits for the
-                    // client's delayed ACK (about 40 ms with the Python and
-                    // TypeScript clients).
-                    if let Err(err) = stream.set_nodelay(true) {
-                        tracing::warn!(%err, "cannot set TCP_NODELAY on an accepted socket");
-                    }
-                    return (
-                        Connection {
-                            stream,
-                            _permit: permit,
-                        },
-                        addr,
-                    );
-                }
+            let (stream, addr) = match self.listener.accept().await {
+                Ok(accepted) => accepted,
                 // Out of file descriptors and the like: wait, as axum does.
                 Err(err) => {
                     tracing::error!(%err, "cannot accept a connection");
                     tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
                 }
+            };
+            // At the limit this socket waits for a connection to close, and
+            // the next ones wait in the listen backlog. The semaphore is
+            // never closed, so `acquire_owned` cannot fail.
+            let Ok(permit) = Arc::clone(&self.connections.permits).acquire_owned().await else {
+                continue;
+            };
+            // The protocol is many small frames (`EXECUTION_RUNNING`, a short
+            // `stdout`, `exit_code`, `DONE`): with Nagle's algorithm each one
+            // after the first waits for the client's delayed ACK (about 40 ms
+            // with the Python and TypeScript clients).
+            if let Err(err) = stream.set_nodelay(true) {
+                tracing::warn!(%err, "cannot set TCP_NODELAY on an accepted socket");
             }
+            return (
+                Connection {
+                    stream,
+                    _permit: permit,
+                },
+                addr,
+            );
         }
     }
 
@@ -167,16 +166,18 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let mut tracked = connections.listen(listener);
+        assert_eq!(connections.open(), 0);
         let _first = TcpStream::connect(addr).await.unwrap();
-        let _second = TcpStream::connect(addr).await.unwrap();
         let (socket, _) = tracked.accept().await;
         assert_eq!(connections.open(), 1);
-        // At the limit: the second socket waits in the backlog.
+        // At the limit: the next socket is not handed over.
+        let _second = TcpStream::connect(addr).await.unwrap();
         let waiting = tokio::time::timeout(Duration::from_millis(200), tracked.accept()).await;
         assert!(waiting.is_err(), "accepted past the limit");
         assert_eq!(connections.closed(Duration::from_millis(50)).await, 1);
         drop(socket);
         assert_eq!(connections.closed(Duration::from_secs(1)).await, 0);
+        let _third = TcpStream::connect(addr).await.unwrap();
         let (_again, _) = tracked.accept().await;
         assert_eq!(connections.open(), 1);
     }
