@@ -107,46 +107,47 @@ impl Metrics {
             held: Box::new(held),
         }));
         let counters = [
-            ("sandboxd_creates", "Sandboxes created here.", &self.creates),
+            ("sandboxd_creates", "Sandboxes created here", &self.creates),
             (
                 "sandboxd_checkpoint_bytes",
-                "Bytes of checkpoint images written.",
+                "Bytes of checkpoint images written",
                 &self.checkpoint_bytes,
             ),
             (
                 "sandboxd_sandboxes_lost",
-                "Sandboxes stopped because their lease was lost or they died.",
+                "Sandboxes stopped because their lease was lost or they died",
                 &self.lost,
             ),
-            ("sandboxd_deletes", "Sandboxes deleted here.", &self.deletes),
+            ("sandboxd_deletes", "Sandboxes deleted here", &self.deletes),
             (
                 "sandboxd_start_failures",
-                "Creates and restores that failed.",
+                "Creates and restores that failed",
                 &self.failures,
             ),
         ];
+        // The registry ends each help text with a period.
         for (name, help, counter) in counters {
             registry.register(name, help, counter.clone());
         }
         let histograms = [
             (
                 "sandboxd_checkpoint_seconds",
-                "Checkpoint duration (runtime checkpoint, upload, record).",
+                "Checkpoint duration (runtime checkpoint, upload, record)",
                 &self.checkpoint_seconds,
             ),
             (
                 "sandboxd_restore_seconds",
-                "Restore duration (download, verify, runsc restore).",
+                "Restore duration (download, verify, runsc restore)",
                 &self.restore_seconds,
             ),
             (
                 "sandboxd_handoff_out_seconds",
-                "Handoffs to another instance: intent noticed to lease released.",
+                "Handoffs to another instance: intent noticed to lease released",
                 &self.handoff_out_seconds,
             ),
             (
                 "sandboxd_handoff_in_seconds",
-                "Sandboxes taken over here: attach intent to running.",
+                "Sandboxes taken over here: attach intent to running",
                 &self.handoff_in_seconds,
             ),
         ];
@@ -229,6 +230,7 @@ mod tests {
             "sandboxd_checkpoint_seconds_bucket{le=\"+Inf\"} 1",
             "sandboxd_checkpoint_seconds_count 1",
             "sandboxd_creates_total 2",
+            "# HELP sandboxd_creates Sandboxes created here.\n",
         ] {
             assert!(text.contains(series), "{series} missing in:\n{text}");
         }
