@@ -48,7 +48,7 @@ if ! python3 -c 'import yaml' 2>/dev/null; then
   pip install --quiet pyyaml || need_root_for PyYAML "pip install pyyaml"
 fi
 
-# `sandboxctl bench` measures the execution round trip with a plain Python
+# `sandboxd-bench cluster` measures the execution round trip with a plain Python
 # websockets client (the benchmark fails loudly without it).
 if ! python3 -c 'import websockets' 2>/dev/null; then
   pip install --quiet websockets || need_root_for websockets "pip install websockets"

@@ -6,11 +6,10 @@
 //! serves HTTP. Dependencies point one way, from here to `controllers`.
 
 pub mod api;
-pub mod bench;
-pub mod bench_cluster;
 pub mod client;
 pub mod config;
 pub mod ctl;
+pub mod metrics;
 pub mod runtime;
 pub mod server;
 pub mod store;

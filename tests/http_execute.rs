@@ -11,19 +11,18 @@ mod support;
 
 use std::sync::Arc;
 
-use sandboxd::server;
 use sandboxd::store::LocalStore;
 use serde_json::Value;
 
 async fn server(dir: &std::path::Path) -> String {
-    let state = support::app_state(
+    let server = support::server(
         "test-instance",
         Arc::new(LocalStore::open(dir.join("meta")).unwrap()),
         Some(Arc::new(support::runtime(dir).await)),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(server::run(listener, state, std::future::pending()));
+    tokio::spawn(server.run(listener, std::future::pending()));
     format!("http://{addr}")
 }
 

@@ -13,7 +13,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sandboxd::server;
 use sandboxd::store::{GcsConfig, GcsStore, LocalStore};
 use serde_json::{Value, json};
 
@@ -27,7 +26,7 @@ async fn get_json(url: &str) -> (u16, Value) {
 async fn status_root_and_readiness_answer_like_the_earlier_server() {
     let dir = tempfile::tempdir().unwrap();
     let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
-    let state = support::app_state(
+    let server = support::server(
         "test-instance",
         Arc::new(LocalStore::open(dir.path()).unwrap()),
         Some(Arc::new(support::runtime(dir.path()).await)),
@@ -35,7 +34,7 @@ async fn status_root_and_readiness_answer_like_the_earlier_server() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(server::run(listener, state, async {
+    let running = tokio::spawn(server.run(listener, async {
         let _ = stopped.await;
     }));
 
@@ -52,7 +51,47 @@ async fn status_root_and_readiness_answer_like_the_earlier_server() {
     assert_eq!((code, &body["status"]), (200, &json!("ready")));
 
     stop.send(()).unwrap();
-    server.await.unwrap().unwrap();
+    running.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn the_server_counts_its_connections_and_its_shutdown_waits_for_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = support::server(
+        "test-instance",
+        Arc::new(LocalStore::open(dir.path()).unwrap()),
+        None,
+    );
+    let connections = server.connections().clone();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(server.run(listener, async {
+        let _ = stopped.await;
+    }));
+    let until = |open: usize| {
+        let connections = connections.clone();
+        async move {
+            for _ in 0..100 {
+                if connections.open() == open {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            panic!("{} connections open, not {open}", connections.open());
+        }
+    };
+    let idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+    until(1).await;
+    assert_eq!(get_json(&format!("http://{addr}/status")).await.0, 200);
+    drop(idle);
+    until(0).await;
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "still listening after shutdown"
+    );
 }
 
 #[tokio::test]
@@ -63,14 +102,14 @@ async fn readiness_reports_an_unreachable_store() {
     config.retry.max_retries = 0;
     let dir = tempfile::tempdir().unwrap();
     let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
-    let state = support::app_state(
+    let server = support::server(
         "test-instance",
         Arc::new(GcsStore::connect(config).await.unwrap()),
         Some(Arc::new(support::runtime(dir.path()).await)),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(server::run(listener, state, std::future::pending()));
+    tokio::spawn(server.run(listener, std::future::pending()));
     let (code, body) = get_json(&format!("http://{addr}/readyz")).await;
     assert_eq!(code, 503, "{body}");
     assert!(
@@ -84,14 +123,14 @@ async fn readiness_reports_an_unreachable_store() {
 #[tokio::test]
 async fn without_a_runtime_the_server_is_alive_but_not_ready_and_refuses_work() {
     let dir = tempfile::tempdir().unwrap();
-    let state = support::app_state(
+    let server = support::server(
         "test-instance",
         Arc::new(LocalStore::open(dir.path()).unwrap()),
         None,
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(server::run(listener, state, std::future::pending()));
+    tokio::spawn(server.run(listener, std::future::pending()));
     assert_eq!(get_json(&format!("http://{addr}/status")).await.0, 200);
     let (code, body) = get_json(&format!("http://{addr}/readyz")).await;
     assert_eq!(code, 503, "{body}");

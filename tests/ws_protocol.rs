@@ -120,9 +120,9 @@ async fn create_errors_when_the_server_lacks_a_feature() {
     let dir = tempfile::tempdir().unwrap();
     let store: std::sync::Arc<dyn controllers::store::Store> =
         std::sync::Arc::new(sandboxd::store::LocalStore::open(dir.path()).unwrap());
-    let server = Server::sharing("instance-a", store, |state| {
-        state.features.checkpoint = false;
-        state.features.snapshot = false;
+    let server = Server::sharing("instance-a", store, |parts| {
+        parts.features.checkpoint = false;
+        parts.features.snapshot = false;
     })
     .await;
     assert_eq!(
@@ -154,8 +154,8 @@ async fn the_network_option_is_checked_and_reaches_the_runtime() {
     let dir = tempfile::tempdir().unwrap();
     let store: std::sync::Arc<dyn controllers::store::Store> =
         std::sync::Arc::new(sandboxd::store::LocalStore::open(dir.path()).unwrap());
-    let server = Server::sharing("instance-a", store, |state| {
-        state.features.network_egress = true;
+    let server = Server::sharing("instance-a", store, |parts| {
+        parts.features.network_egress = true;
     })
     .await;
     let frames = create_error(&server, json!({"network": "egress"})).await;

@@ -1,6 +1,7 @@
 //! What every request handler can reach: the API layer's own state. The
-//! server (`server.rs`) builds it and the router around it; nothing here
-//! depends on the server, so dependencies point one way.
+//! composition root (`server/mod.rs`, `Server::build`) builds it and the
+//! router around it; nothing here depends on the server, so dependencies
+//! point one way.
 
 use std::sync::Arc;
 
@@ -30,6 +31,8 @@ pub struct AppState {
     pub workspace_hooks: Option<Arc<WorkspaceHooks>>,
     /// The sandbox images (`GET /images`); `None` without a runtime.
     pub images: Option<crate::runtime::ImageCatalog>,
+    /// Every series `/metrics` reports (`crate::metrics`).
+    pub metrics: Arc<prometheus_client::registry::Registry>,
 }
 
 /// What this server can do, as the init message's checks see it.
@@ -39,4 +42,16 @@ pub struct Features {
     pub snapshot: bool,
     /// Creates may ask for `"network": "egress"` (the runtime has networking).
     pub network_egress: bool,
+}
+
+impl Default for Features {
+    /// Checkpoints and snapshots; no egress (a runtime with networking turns
+    /// it on).
+    fn default() -> Self {
+        Self {
+            checkpoint: true,
+            snapshot: true,
+            network_egress: false,
+        }
+    }
 }

@@ -1,4 +1,4 @@
-//! Workspace sync counters, rendered on `/metrics`.
+//! Workspace sync counters; `crate::metrics` reports them on `/metrics`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -33,87 +33,5 @@ impl WorkspaceMetrics {
 
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Ordering::Relaxed)
-    }
-
-    /// Prometheus text.
-    pub fn render(&self) -> String {
-        let counters: [(&str, &AtomicU64); 15] = [
-            (
-                "sandboxd_workspace_syncs_total{direction=\"down\"}",
-                &self.syncs_down,
-            ),
-            (
-                "sandboxd_workspace_syncs_total{direction=\"up\"}",
-                &self.syncs_up,
-            ),
-            (
-                "sandboxd_workspace_syncs_total{direction=\"up_unchanged\"}",
-                &self.syncs_unchanged,
-            ),
-            (
-                "sandboxd_workspace_files_total{op=\"uploaded\"}",
-                &self.files_uploaded,
-            ),
-            (
-                "sandboxd_workspace_files_total{op=\"downloaded\"}",
-                &self.files_downloaded,
-            ),
-            (
-                "sandboxd_workspace_files_total{op=\"deleted\"}",
-                &self.files_deleted,
-            ),
-            (
-                "sandboxd_workspace_files_total{op=\"hashed\"}",
-                &self.files_hashed,
-            ),
-            (
-                "sandboxd_workspace_files_total{op=\"refused\"}",
-                &self.files_refused,
-            ),
-            (
-                "sandboxd_workspace_files_total{op=\"missing\"}",
-                &self.missing_contents,
-            ),
-            (
-                "sandboxd_workspace_objects_deleted_total",
-                &self.objects_deleted,
-            ),
-            (
-                "sandboxd_workspace_bytes_total{op=\"uploaded\"}",
-                &self.bytes_uploaded,
-            ),
-            (
-                "sandboxd_workspace_bytes_total{op=\"downloaded\"}",
-                &self.bytes_downloaded,
-            ),
-            (
-                "sandboxd_workspace_hook_failures_total{point=\"cold_start\"}",
-                &self.cold_start_failures,
-            ),
-            (
-                "sandboxd_workspace_hook_failures_total{point=\"after_exec\"}",
-                &self.after_exec_failures,
-            ),
-            (
-                "sandboxd_workspace_hook_failures_total{point=\"terminate\"}",
-                &self.terminate_failures,
-            ),
-        ];
-        let mut text = String::from(
-            "# HELP sandboxd_workspace_syncs_total Workspace syncs by direction.\n\
-             # TYPE sandboxd_workspace_syncs_total counter\n\
-             # HELP sandboxd_workspace_files_total Workspace files moved or examined.\n\
-             # TYPE sandboxd_workspace_files_total counter\n\
-             # HELP sandboxd_workspace_bytes_total Workspace bytes moved.\n\
-             # TYPE sandboxd_workspace_bytes_total counter\n\
-             # HELP sandboxd_workspace_objects_deleted_total Unreferenced workspace contents deleted.\n\
-             # TYPE sandboxd_workspace_objects_deleted_total counter\n\
-             # HELP sandboxd_workspace_hook_failures_total Lifecycle hooks that failed (each is logged).\n\
-             # TYPE sandboxd_workspace_hook_failures_total counter\n",
-        );
-        for (name, counter) in counters {
-            text.push_str(&format!("{name} {}\n", Self::get(counter)));
-        }
-        text
     }
 }

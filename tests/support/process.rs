@@ -1,57 +1,55 @@
-//! `sandboxd serve` as a real process, for the end-to-end tests: each one has
-//! its own runsc root (one "host"), and several may share a bucket on the
-//! emulator.
+//! `sandboxd serve` as a real process, for the end-to-end tests: the
+//! `testkit` fixture (shared with the benchmarks) with the test binary's
+//! `sandboxd`, debug logs, the shared emulator, and the tests' WebSocket
+//! client. Each server has its own runsc root (one "host"), and several may
+//! share a bucket on the emulator.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::ops::{Deref, DerefMut};
+use std::path::Path;
 
 /// A running server process; killed (SIGKILL) when dropped.
-pub struct ServerProcess {
-    pub child: Child,
-    pub addr: String,
-    pub name: String,
-    _cleanup: super::RunscCleanup,
+pub struct ServerProcess(testkit::ServerProcess);
+
+impl Deref for ServerProcess {
+    type Target = testkit::ServerProcess;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
 }
 
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+impl DerefMut for ServerProcess {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
     }
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
+    testkit::free_port().expect("a free port")
 }
 
 /// How to start one server.
-pub struct Launch {
-    pub name: String,
-    pub cwd: PathBuf,
-    pub runtime_dir: PathBuf,
-    pub args: Vec<String>,
-    pub env: Vec<(String, String)>,
-    pub port: Option<u16>,
+pub struct Launch(testkit::Launch);
+
+impl Deref for Launch {
+    type Target = testkit::Launch;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl DerefMut for Launch {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
 }
 
 impl Launch {
     /// A server named `name` with its state under `dir/<name>`.
     pub fn new(name: &str, dir: &Path) -> Self {
-        let home = dir.join(name);
-        std::fs::create_dir_all(&home).expect("server dir");
-        Self {
-            name: name.to_owned(),
-            runtime_dir: home.join("run"),
-            cwd: home,
-            args: Vec::new(),
-            env: Vec::new(),
-            port: None,
-        }
+        Self(
+            testkit::Launch::new(env!("CARGO_BIN_EXE_sandboxd"), name, dir)
+                .log_level("info,sandboxd=debug,controllers=debug"),
+        )
     }
 
     /// Shares `bucket` on the test emulator for every artifact.
@@ -60,36 +58,17 @@ impl Launch {
     }
 
     /// Shares `bucket` on the emulator at `endpoint` for every artifact.
-    pub fn on_emulator(mut self, endpoint: &str, bucket: &str) -> Self {
-        for variable in [
-            "SANDBOX_METADATA_BUCKET",
-            "SANDBOX_CHECKPOINT_BUCKET",
-            "FILESYSTEM_SNAPSHOT_BUCKET",
-        ] {
-            self.env.push((variable.to_owned(), bucket.to_owned()));
-        }
-        self.env
-            .push(("STORAGE_EMULATOR_HOST".to_owned(), endpoint.to_owned()));
-        self
+    pub fn on_emulator(self, endpoint: &str, bucket: &str) -> Self {
+        Self(self.0.on_emulator(endpoint, bucket))
     }
 
     /// Short leases and intervals, so crash takeover takes seconds.
-    pub fn fast_leases(mut self) -> Self {
-        for (flag, value) in [
-            ("--lease-duration-s", "6"),
-            ("--clock-skew-s", "1"),
-            ("--renew-interval-s", "2"),
-            ("--resync-interval-s", "2"),
-        ] {
-            self.args.push(flag.to_owned());
-            self.args.push(value.to_owned());
-        }
-        self
+    pub fn fast_leases(self) -> Self {
+        Self(self.0.fast_leases())
     }
 
-    pub fn with_args(mut self, args: &[&str]) -> Self {
-        self.args.extend(args.iter().map(|a| (*a).to_owned()));
-        self
+    pub fn with_args(self, args: &[&str]) -> Self {
+        Self(self.0.with_args(args))
     }
 
     pub async fn start(self) -> ServerProcess {
@@ -99,52 +78,11 @@ impl Launch {
     /// Starts the server and waits until it is ready (30 s at most); the
     /// error says why not, with the end of its log.
     pub async fn try_start(self) -> Result<ServerProcess, String> {
-        let port = self.port.unwrap_or_else(free_port);
-        let addr = format!("127.0.0.1:{port}");
-        let log_path = self.cwd.join("sandboxd.log");
-        let log = std::fs::File::create(&log_path).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_sandboxd"))
-            .args([
-                "serve",
-                "--listen",
-                &addr,
-                "--instance-id",
-                &self.name,
-                "--runtime-dir",
-            ])
-            .arg(&self.runtime_dir)
-            .args(&self.args)
-            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .env("LOG_LEVEL", "info,sandboxd=debug,controllers=debug")
-            .current_dir(&self.cwd)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn sandboxd");
-        let server = ServerProcess {
-            child,
-            addr,
-            name: self.name,
-            _cleanup: super::RunscCleanup(self.runtime_dir.join("runsc")),
-        };
-        let started = Instant::now();
-        loop {
-            if let Ok(response) = reqwest::get(format!("http://{}/readyz", server.addr)).await
-                && response.status().is_success()
-            {
-                return Ok(server);
-            }
-            if started.elapsed() > Duration::from_secs(30) {
-                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-                let lines: Vec<&str> = log.lines().collect();
-                let tail = lines[lines.len().saturating_sub(15)..].join("\n");
-                return Err(format!(
-                    "{} did not become ready within 30 s; its log ends:\n{tail}",
-                    server.name
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        self.0
+            .start()
+            .await
+            .map(ServerProcess)
+            .map_err(|err| err.to_string())
     }
 }
 
@@ -184,17 +122,8 @@ impl ServerProcess {
         }
     }
 
-    /// Sends `signal` (`-TERM`, `-KILL`) and, for TERM, waits for the exit.
+    /// Sends `signal` (`-TERM`, `-KILL`) and, for TERM, waits for a clean exit.
     pub fn signal(&mut self, signal: &str) {
-        let pid = self.child.id().to_string();
-        let sent = Command::new("kill")
-            .args([signal, &pid])
-            .status()
-            .expect("kill");
-        assert!(sent.success());
-        let status = self.child.wait().expect("wait");
-        if signal == "-TERM" {
-            assert!(status.success(), "{} exited with {status}", self.name);
-        }
+        self.0.signal(signal).unwrap_or_else(|err| panic!("{err}"));
     }
 }

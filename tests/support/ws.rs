@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use controllers::store::Store;
 use futures::{SinkExt, StreamExt};
-use sandboxd::server::AppState;
+use sandboxd::server::{AppState, Parts};
 use sandboxd::store::LocalStore;
 use serde_json::Value;
 use tokio::net::TcpStream;
@@ -43,11 +43,11 @@ impl Server {
     }
 
     /// A server named `instance` on `store` (which other servers may share),
-    /// with `adjust` applied to its state before it serves.
+    /// with `adjust` applied to its parts before it is built.
     pub async fn sharing(
         instance: &str,
         store: Arc<dyn Store>,
-        adjust: impl FnOnce(&mut AppState),
+        adjust: impl FnOnce(&mut Parts),
     ) -> Self {
         Self::sharing_on(instance, store, super::images(), adjust).await
     }
@@ -57,18 +57,25 @@ impl Server {
         instance: &str,
         store: Arc<dyn Store>,
         images: sandboxd::runtime::ImageCatalog,
-        adjust: impl FnOnce(&mut AppState),
+        adjust: impl FnOnce(&mut Parts),
     ) -> Self {
         let counts = Arc::new(controllers::store::OperationCounts::default());
+        let on = images.clone();
         Self::on_runtime(
             Arc::clone(&store),
             Arc::clone(&counts),
             images,
             |runtime, _| {
-                let mut state =
-                    super::app_state_counted(instance, Arc::clone(&store), Some(runtime), counts);
-                adjust(&mut state);
-                state
+                super::server_counted(
+                    instance,
+                    Arc::clone(&store),
+                    Some(runtime),
+                    counts,
+                    |parts| {
+                        parts.images = Some(on);
+                        adjust(parts);
+                    },
+                )
             },
         )
         .await
@@ -88,7 +95,7 @@ impl Server {
             Arc::clone(&counts),
             super::images(),
             |runtime, dir| {
-                super::app_state_with_workspaces(
+                super::server_with_workspaces(
                     instance,
                     Arc::clone(&store),
                     runtime,
@@ -103,24 +110,27 @@ impl Server {
     }
 
     /// Starts a gVisor runtime of its own (checkpoints in `store`, counted into
-    /// `counts`) and serves the state `build` makes around it.
+    /// `counts`) and serves the server `build` makes around it.
     async fn on_runtime(
         store: Arc<dyn Store>,
         counts: Arc<controllers::store::OperationCounts>,
         images: sandboxd::runtime::ImageCatalog,
-        build: impl FnOnce(Arc<sandboxd::runtime::GvisorRuntime>, &std::path::Path) -> AppState,
+        build: impl FnOnce(
+            Arc<sandboxd::runtime::GvisorRuntime>,
+            &std::path::Path,
+        ) -> sandboxd::server::Server,
     ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let cleanup = super::RunscCleanup(dir.path().join("runsc"));
         let runtime = super::runtime_with_images(
             dir.path(),
             sandboxd::server::counted(Arc::clone(&store), &counts),
-            images.clone(),
+            images,
         )
         .await;
-        let mut state = build(Arc::new(runtime), dir.path());
-        state.images = Some(images);
-        let addr = super::serve(state.clone()).await;
+        let server = build(Arc::new(runtime), dir.path());
+        let state = server.state().clone();
+        let addr = super::serve(server).await;
         Self {
             addr,
             state,

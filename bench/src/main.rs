@@ -1,0 +1,119 @@
+//! `sandboxd-bench`: the benchmarks of `docs/benchmarks.md`, apart from the
+//! server's library. `cluster` measures end to end on fake-gcs-server and
+//! `sandboxd` processes it starts with the tests' fixtures (`testkit`);
+//! `runtime` measures the gVisor runtime alone. Both print a table (median,
+//! p90) and JSON. They need root and runsc.
+
+mod cluster;
+mod runtime;
+mod series;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use sandboxd::config::RuntimeArgs;
+
+#[derive(Debug, Parser)]
+#[command(version, about = "Measure sandboxd on this machine")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// The end-to-end benchmark: starts fake-gcs-server and two sandboxd,
+    /// prints create, exec (with our client and with a plain Python
+    /// `websockets` client), checkpoint, restore and handoff latencies
+    /// (median, p90), storage operations per idle sandbox-hour, checkpoint
+    /// and restore of a big sandbox on fake-gcs-server and on the local
+    /// store (a third sandboxd) with throughput, and the server's peak RSS.
+    /// Needs root, runsc, the fake-gcs-server wheel and `pip install
+    /// websockets`.
+    #[command(
+        after_help = "Examples:\n  sandboxd-bench cluster\n  sandboxd-bench cluster --runs 20 --economy-window-s 0   # skip the slow economy sample"
+    )]
+    Cluster {
+        /// Samples per latency.
+        #[arg(long, default_value_t = 10)]
+        runs: usize,
+        /// Seconds per storage-economy sample (two samples, plus a minute between; 0 skips).
+        #[arg(long, default_value_t = 65)]
+        economy_window_s: u64,
+        /// Memory (MB) of the sandbox whose checkpoint measures upload throughput and RSS (0 skips).
+        #[arg(long, default_value_t = 200)]
+        big_sandbox_mb: u64,
+        /// Where the servers' state and logs go.
+        #[arg(long, default_value = "/tmp/sandboxd-bench")]
+        work_dir: std::path::PathBuf,
+    },
+    /// Measure the gVisor runtime on this machine: create, exec round trips,
+    /// checkpoint and restore; prints medians and JSON. Needs root and runsc.
+    #[command(after_help = "Example:\n  sandboxd-bench runtime --runs 20 --sizes-mb 50,500")]
+    Runtime {
+        /// Samples per operation.
+        #[arg(long, default_value_t = 20)]
+        runs: usize,
+        /// Sandbox memory sizes (MB) for checkpoint and restore.
+        #[arg(long, value_delimiter = ',', default_values_t = [50, 500])]
+        sizes_mb: Vec<u64>,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let result = match Cli::parse().command {
+        Command::Cluster {
+            runs,
+            economy_window_s,
+            big_sandbox_mb,
+            work_dir,
+        } => {
+            let bench = cluster::ClusterBench {
+                runs: runs.max(1),
+                economy_window: Duration::from_secs(economy_window_s),
+                big_sandbox_mb,
+                work_dir,
+            };
+            cluster::run(&bench).await.map(|(series, figures)| {
+                print!("{}", series::render(&series));
+                print!("{}", cluster::render_figures(&figures));
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "latencies": series::to_json(&series),
+                        "figures": cluster::figures_json(&figures),
+                    })
+                );
+            })
+        }
+        Command::Runtime {
+            runs,
+            sizes_mb,
+            mut runtime,
+        } => {
+            if std::env::var_os("SANDBOXD_RUNTIME_DIR").is_none()
+                && runtime.runtime_dir == std::path::Path::new("/run/sandboxd")
+            {
+                // Never share (and so clean up) a running server's containers.
+                runtime.runtime_dir = "/run/sandboxd-bench".into();
+            }
+            runtime::runtime_benchmarks(runtime.gvisor("bench".into()), runs, &sizes_mb)
+                .await
+                .map(|results| {
+                    print!("{}", series::render(&results));
+                    println!("{}", series::to_json(&results));
+                })
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("sandboxd-bench: benchmark failed: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! Flag and environment parsing, decided without touching the process
+//! environment.
+
+use clap::Parser;
+
+use super::*;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+fn parse(args: &[&str]) -> ServeArgs {
+    Cli::try_parse_from(std::iter::once("sandboxd").chain(args.iter().copied()))
+        .unwrap()
+        .serve
+}
+
+#[test]
+fn mount_path_wins_over_bucket_and_bucket_over_local() {
+    let args = parse(&[
+        "--metadata-bucket",
+        "meta",
+        "--metadata-mount-path",
+        "/mnt/meta",
+        "--checkpoint-bucket",
+        "ckpt",
+        "--storage-emulator-host",
+        "127.0.0.3:80",
+        "--data-dir",
+        "/var/lib/sandboxd",
+    ]);
+    let layout = args.storage.layout();
+    assert_eq!(
+        layout.metadata,
+        StoreLocation::Directory("/mnt/meta".into())
+    );
+    assert_eq!(
+        layout.checkpoints,
+        StoreLocation::Bucket {
+            bucket: "ckpt".into(),
+            emulator_host: Some("127.0.0.3:80".into())
+        }
+    );
+    assert_eq!(
+        layout.snapshots,
+        StoreLocation::Directory("/var/lib/sandboxd".into())
+    );
+}
+
+#[test]
+fn network_defaults_to_none_and_egress_settings_are_checked() {
+    let default = parse(&[]);
+    assert_eq!(
+        default.network.modes().unwrap(),
+        vec![controllers::api::NetworkMode::None]
+    );
+    assert_eq!(default.network.config().unwrap(), None);
+    let egress = parse(&[
+        "--network-modes",
+        "none,egress",
+        "--network-deny",
+        "203.0.113.0/24",
+        "--network-nameservers",
+        "10.0.0.2",
+    ]);
+    let config = egress.network.config().unwrap().unwrap();
+    assert_eq!(config.range.to_string(), "10.231.0.0/16");
+    assert_eq!(config.deny.len(), 1);
+    assert_eq!(config.nameservers, vec![Ipv4Addr::new(10, 0, 0, 2)]);
+    for bad in [
+        &["--network-modes", "bridge"][..],
+        &[
+            "--network-modes",
+            "egress",
+            "--network-range",
+            "10.0.0.0/33",
+        ][..],
+        &["--network-modes", "egress", "--network-allow", "x"][..],
+        &[
+            "--network-modes",
+            "egress",
+            "--network-nameservers",
+            "dns.google",
+        ][..],
+    ] {
+        assert!(parse(bad).network.config().is_err(), "{bad:?}");
+    }
+}
+
+#[test]
+fn listen_address_prefers_flag_then_port() {
+    assert_eq!(
+        parse(&["--listen", "127.0.0.1:9000"]).listen_addr().port(),
+        9000
+    );
+    let from_port = parse(&["--port", "8081"]).listen_addr();
+    assert_eq!(from_port, "0.0.0.0:8081".parse().unwrap());
+}

@@ -1,0 +1,171 @@
+//! `sandboxctl describe ID`: one sandbox for a person: spec beside status,
+//! conditions, lease timing, checkpoints.
+
+use super::*;
+
+/// `describe ID`: spec beside status, conditions, lease timing, checkpoints.
+pub async fn describe(
+    store: &dyn Store,
+    id: &str,
+    now: DateTime<Utc>,
+) -> Result<String, OperatorError> {
+    let sandbox = parse_id(id)?;
+    let (metadata, generation, _) = read_metadata(store, &sandbox).await?;
+    let lease = read_lease(store, &sandbox).await?;
+    let spec = &metadata.spec;
+    let status = &metadata.status;
+    let mut out = String::new();
+    let or_dash = |value: Option<String>| value.unwrap_or_else(|| "-".to_owned());
+    let _ = writeln!(out, "Sandbox:      {}", metadata.sandbox_id);
+    let _ = writeln!(
+        out,
+        "Created:      {} ({} ago)",
+        metadata.created_at.to_rfc3339(),
+        ago(now, metadata.created_at)
+    );
+    let _ = writeln!(out, "Generation:   {}", generation.0);
+    let _ = writeln!(
+        out,
+        "\nSpec (desired)                          Status (observed)"
+    );
+    let rows = [
+        (
+            format!("desired_state: {:?}", spec.desired_state).to_lowercase(),
+            format!("phase: {:?}", status.phase),
+        ),
+        (
+            format!(
+                "idle_timeout: {}",
+                or_dash(spec.idle_timeout.map(|s| format!("{s}s")))
+            ),
+            format!(
+                "holder: {}",
+                or_dash(status.holder.as_ref().map(ToString::to_string))
+            ),
+        ),
+        (
+            format!("enable_checkpoint: {}", spec.enable_checkpoint),
+            format!("epoch: {}", status.epoch),
+        ),
+        (
+            format!("enable_sandbox_handoff: {}", spec.enable_sandbox_handoff),
+            format!("last_error: {}", or_dash(status.last_error.clone())),
+        ),
+        (
+            format!(
+                "auto_checkpoint_on_idle: {}",
+                spec.enable_idle_timeout_auto_checkpoint
+            ),
+            String::new(),
+        ),
+        (
+            format!(
+                "filesystem_snapshot_name: {}",
+                or_dash(spec.filesystem_snapshot_name.clone())
+            ),
+            String::new(),
+        ),
+        (
+            format!(
+                "workspace: {}",
+                or_dash(
+                    spec.workspace
+                        .as_ref()
+                        .map(|w| format!("{} (template {})", w.id, w.template))
+                )
+            ),
+            String::new(),
+        ),
+    ];
+    for (left, right) in rows {
+        let _ = writeln!(out, "  {left:<38}{right}");
+    }
+    let _ = writeln!(out, "\nConditions:");
+    if status.conditions.is_empty() {
+        let _ = writeln!(out, "  (none)");
+    }
+    for condition in &status.conditions {
+        let _ = writeln!(
+            out,
+            "  {:<8} {:<8} {:<14} {} ago  {}",
+            condition.kind,
+            format!("{:?}", condition.status),
+            condition.reason,
+            ago(now, condition.last_transition_time),
+            condition.message
+        );
+    }
+    let _ = writeln!(out, "\nLease:");
+    match &lease {
+        None => {
+            let _ = writeln!(out, "  (no lock.json)");
+        }
+        Some((lease, generation)) => {
+            let holder = or_dash(lease.holder.as_ref().map(ToString::to_string));
+            let _ = writeln!(
+                out,
+                "  holder: {holder}   epoch: {}   generation: {}",
+                lease.epoch, generation.0
+            );
+            match lease.expires_at() {
+                Some(expires) if lease.holder.is_some() && expires > now => {
+                    let _ = writeln!(
+                        out,
+                        "  renewed {} ago, expires in {}s",
+                        lease.renewed_at.map_or("-".into(), |t| ago(now, t)),
+                        (expires - now).num_seconds()
+                    );
+                }
+                Some(_) if lease.holder.is_some() => {
+                    let _ = writeln!(out, "  EXPIRED: another instance may take it over");
+                }
+                _ => {
+                    let _ = writeln!(out, "  free");
+                }
+            }
+            if let Some(intent) = &lease.wanted_by {
+                let live = if intent.expires_at > now {
+                    ""
+                } else {
+                    " (expired)"
+                };
+                let _ = writeln!(
+                    out,
+                    "  wanted_by: {} since {} ago{live}",
+                    intent.instance,
+                    ago(now, intent.requested_at)
+                );
+            }
+        }
+    }
+    let _ = writeln!(out, "\nCheckpoints:");
+    let mut any = false;
+    let mut line = |label: &str, checkpoint: &controllers::api::CheckpointRef| {
+        any = true;
+        let _ = writeln!(
+            out,
+            "  {label:<10} {}  {} bytes  epoch {}  {} ago{}",
+            checkpoint.path,
+            checkpoint.size,
+            checkpoint.epoch,
+            ago(now, checkpoint.created_at),
+            checkpoint
+                .name
+                .as_ref()
+                .map_or(String::new(), |n| format!("  name {n}"))
+        );
+    };
+    if let Some(latest) = &status.latest_checkpoint {
+        line("latest", latest);
+    }
+    for previous in &status.previous_checkpoints {
+        line("previous", previous);
+    }
+    for (name, named) in &status.named_checkpoints {
+        line(&format!("named:{name}"), named);
+    }
+    if !any {
+        let _ = writeln!(out, "  (none)");
+    }
+    Ok(out)
+}

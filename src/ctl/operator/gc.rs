@@ -1,0 +1,154 @@
+//! `sandboxctl gc`: tombstones past their retention, superseded checkpoints
+//! beyond the newest few, and checkpoints no sandbox references.
+
+use super::*;
+
+/// What `gc` found (and removed unless it was a dry run).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// Tombstoned sandboxes older than the retention.
+    pub tombstones: Vec<String>,
+    /// Checkpoint directories no sandbox points at.
+    pub orphan_checkpoints: Vec<String>,
+    /// Superseded checkpoints beyond `--keep-checkpoints`, as
+    /// `sandbox/checkpoint`.
+    pub trimmed: Vec<String>,
+    /// Sandboxes whose history could not be trimmed (a controller wrote
+    /// meanwhile), with why: the next run tries again.
+    pub skipped: Vec<String>,
+}
+
+/// `gc [--dry-run] [--keep-checkpoints N]`: tombstones past `retention`,
+/// superseded checkpoints beyond the newest `keep_checkpoints` of each
+/// sandbox (named ones always stay), and checkpoints no metadata references
+/// (older than `retention` too, so a checkpoint being recorded right now is
+/// not taken for an orphan).
+pub async fn gc(
+    metadata_store: &dyn Store,
+    checkpoint_store: &dyn Store,
+    retention: chrono::Duration,
+    now: DateTime<Utc>,
+    dry_run: bool,
+    keep_checkpoints: Option<usize>,
+) -> Result<GcReport, OperatorError> {
+    let mut report = GcReport::default();
+    let mut referenced = std::collections::HashSet::new();
+    let mut ids: Vec<String> = metadata_store
+        .list_all(SANDBOXES_PREFIX)
+        .await?
+        .into_iter()
+        .filter_map(|o| {
+            o.key
+                .as_str()
+                .strip_prefix(SANDBOXES_PREFIX)?
+                .split('/')
+                .next()
+                .map(str::to_owned)
+        })
+        .collect();
+    ids.dedup();
+    for id in ids {
+        let Ok(sandbox) = SandboxId::parse(&id) else {
+            continue;
+        };
+        if let Some(keep) = keep_checkpoints {
+            match crate::ctl::checkpoints::trim_history(
+                metadata_store,
+                checkpoint_store,
+                &sandbox,
+                keep,
+                dry_run,
+            )
+            .await
+            {
+                Ok(removed) => report
+                    .trimmed
+                    .extend(removed.into_iter().map(|c| format!("{id}/{c}"))),
+                Err(err @ OperatorError::Conflict { .. }) => {
+                    report.skipped.push(format!("{id}: {err}"));
+                }
+                Err(OperatorError::NotFound(_)) => continue,
+                Err(err) => return Err(err),
+            }
+        }
+        let Ok((metadata, _, _)) = read_metadata(metadata_store, &sandbox).await else {
+            // Unreadable documents keep everything they might point at.
+            return Err(OperatorError::Invalid(format!(
+                "sandboxes/{id}/metadata.json is missing or invalid: fix it before collecting garbage"
+            )));
+        };
+        let status = &metadata.status;
+        let all: Vec<&controllers::api::CheckpointRef> = status
+            .latest_checkpoint
+            .iter()
+            .chain(&status.previous_checkpoints)
+            .chain(status.named_checkpoints.values())
+            .collect();
+        let deleted_at = status
+            .condition("Ready")
+            .filter(|c| c.reason == "Deleted")
+            .map_or(metadata.created_at, |c| c.last_transition_time);
+        if status.phase == controllers::api::Phase::Deleted && now - deleted_at > retention {
+            report.tombstones.push(id.clone());
+            if !dry_run {
+                for checkpoint in &all {
+                    delete_checkpoint(checkpoint_store, &checkpoint.path).await?;
+                }
+                for key in [lock_key(&sandbox), metadata_key(&sandbox)] {
+                    match metadata_store.delete(&key).await {
+                        Ok(()) | Err(StoreError::NotFound { .. }) => {}
+                        Err(err) => return Err(err.into()),
+                    }
+                }
+            }
+            continue;
+        }
+        for checkpoint in all {
+            if let Some(checkpoint_id) = checkpoint_id_of_image(&checkpoint.path) {
+                referenced.insert(checkpoint_id.to_string());
+            }
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    for object in checkpoint_store.list_all(CHECKPOINTS_PREFIX).await? {
+        let Some(checkpoint_id) = object
+            .key
+            .as_str()
+            .strip_prefix(CHECKPOINTS_PREFIX)
+            .and_then(|rest| rest.split('/').next())
+        else {
+            continue;
+        };
+        if referenced.contains(checkpoint_id) || !seen.insert(checkpoint_id.to_owned()) {
+            continue;
+        }
+        let Ok(parsed) = SandboxId::parse(checkpoint_id) else {
+            continue;
+        };
+        let manifest_key = controllers::layout::checkpoint_manifest_key(&parsed);
+        let created = match checkpoint_store.get(&manifest_key).await {
+            Ok(object) => decode::<controllers::api::CheckpointManifest>(&object.data)
+                .ok()
+                .map(|m| m.created_at),
+            Err(_) => None,
+        };
+        // Without a readable manifest the age is unknown: treat it as old only
+        // when the image exists without one (an interrupted upload).
+        if created.is_some_and(|created| now - created <= retention) {
+            continue;
+        }
+        report.orphan_checkpoints.push(checkpoint_id.to_owned());
+        if !dry_run {
+            let image = controllers::layout::checkpoint_image_key(&parsed);
+            delete_checkpoint(checkpoint_store, image.as_str()).await?;
+        }
+    }
+    Ok(report)
+}
+
+pub(in crate::ctl) async fn delete_checkpoint(
+    store: &dyn Store,
+    image_path: &str,
+) -> Result<(), OperatorError> {
+    Ok(controllers::sandboxes::delete_checkpoint_objects(store, image_path).await?)
+}

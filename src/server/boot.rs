@@ -1,0 +1,116 @@
+//! From `sandboxd serve`'s flags to the [`Parts`] of an instance: which
+//! stores, whether the gVisor runtime starts (and with which network), which
+//! features clients may ask for, workspace sync. The binary's `main` is left
+//! with logging, the listener and the signal.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use controllers::api::InstanceId;
+use controllers::runtime::SandboxRuntime;
+use controllers::store::OperationCounts;
+
+use super::{Features, Parts, counted};
+use crate::config::{ServeArgs, StoreLocation};
+use crate::runtime::GvisorRuntime;
+use crate::store;
+use crate::workspace::{WorkspaceFiles, WorkspaceHooks, WorkspaceSync};
+
+/// An instance ready to build: its parts, and the runtime to settle once the
+/// server has stopped (so no runsc outlives it).
+#[derive(Debug)]
+pub struct Booted {
+    pub parts: Parts,
+    pub gvisor: Option<Arc<GvisorRuntime>>,
+}
+
+/// Opens the stores and starts the runtime `args` ask for.
+pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
+    args.control.validate()?;
+    let instance = match &args.instance_id {
+        Some(id) => InstanceId::parse(id)?,
+        None => InstanceId::parse(&format!("sandboxd-{}", uuid::Uuid::new_v4().simple()))?,
+    };
+    let layout = args.storage.layout();
+    // Every storage operation is counted (`/metrics`), the runtime's uploads too.
+    let store_operations = Arc::new(OperationCounts::default());
+    let metadata_store = store::open(&layout.metadata).await?;
+    let checkpoint_store = counted(store::open(&layout.checkpoints).await?, &store_operations);
+    let snapshot_store = counted(store::open(&layout.snapshots).await?, &store_operations);
+    let bucket_name = |location: &StoreLocation| match location {
+        StoreLocation::Bucket { bucket, .. } => bucket.clone(),
+        StoreLocation::Directory(path) => path.display().to_string(),
+    };
+    let checkpoint_bucket = bucket_name(&layout.checkpoints);
+    let network = args.network.config().map_err(anyhow::Error::msg)?;
+    let images = args.runtime.images();
+    let gvisor = match GvisorRuntime::start(
+        args.runtime.gvisor(checkpoint_bucket.clone()),
+        Arc::clone(&checkpoint_store),
+        snapshot_store,
+    )
+    .await
+    {
+        Ok(runtime) => {
+            tracing::info!(runsc = runtime.runsc_version(), "sandbox runtime ready");
+            // Egress was asked for: without it the server must not start.
+            let runtime = match network.clone() {
+                Some(config) => runtime.with_network(config).await?,
+                None => runtime,
+            };
+            Some(Arc::new(runtime))
+        }
+        Err(err) => {
+            // Sandboxes run on an image of their own, never the host's `/`:
+            // with a usable runsc but no image, refuse to start (a host
+            // without runsc serves health checks only, as before).
+            if let Err(missing) = images.default_image()
+                && args
+                    .runtime
+                    .gvisor(String::new())
+                    .runsc
+                    .version()
+                    .await
+                    .is_ok()
+            {
+                anyhow::bail!("cannot start: {missing}");
+            }
+            tracing::error!(%err, "the sandbox runtime is unavailable; serving health checks only (install runsc and run as root)");
+            None
+        }
+    };
+    let workspace_hooks = match (&gvisor, args.workspace.workspace_sync) {
+        (Some(gvisor), true) => {
+            let templates = args.workspace.templates().map_err(anyhow::Error::msg)?;
+            let store = counted(store::open(&layout.workspaces).await?, &store_operations);
+            let sync = WorkspaceSync::new(
+                store,
+                Arc::clone(gvisor) as Arc<dyn WorkspaceFiles>,
+                args.workspace.limits(),
+                args.runtime.runtime_dir.clone(),
+                Arc::default(),
+            );
+            Some(Arc::new(WorkspaceHooks::new(Arc::new(sync), templates)))
+        }
+        _ => None,
+    };
+    tracing::info!(%instance, storage = ?layout, "storage and runtime ready");
+    let runtime = gvisor
+        .clone()
+        .map(|runtime| runtime as Arc<dyn SandboxRuntime>);
+    let mut parts = Parts::new(instance, metadata_store, runtime);
+    parts.checkpoint_store = checkpoint_store;
+    parts.checkpoint_bucket = checkpoint_bucket;
+    parts.snapshot_bucket = bucket_name(&layout.snapshots);
+    parts.images = gvisor.as_ref().map(|_| images);
+    parts.lease = args.control.lease();
+    parts.reconciler = args.control.reconciler();
+    parts.features = Features {
+        network_egress: network.is_some() && gvisor.is_some(),
+        ..Features::default()
+    };
+    parts.store_operations = store_operations;
+    parts.workspace_hooks = workspace_hooks;
+    parts.shutdown_grace = Duration::from_secs(args.shutdown_grace_s);
+    Ok(Booted { parts, gvisor })
+}

