@@ -66,4 +66,7 @@ if [ "$(id -u)" != 0 ] && [ "$(sysctl -n net.ipv4.ip_unprivileged_port_start 2>/
   exit 1
 fi
 
+# The in-sandbox agent's own unit tests (Python, no root or runsc needed).
+python3 -B -m unittest discover -s src/runtime/sandbox_agent/tests -t src/runtime
+
 exec cargo test --workspace --all-features "$@"

@@ -1,5 +1,5 @@
 //! The agent's side of executions that survive a move (decision 0012), with
-//! the real `agent.py` run as a plain process on the host (no sandbox: what
+//! the real agent program (`sandbox_agent`, as the init runs it) run as a plain process on the host (no sandbox: what
 //! is tested is its bookkeeping) and the real host connection to it: a
 //! checkpoint that keeps an execution pauses its output and holds back its
 //! exit, stdin written meanwhile still reaches it, and `resume` replays
@@ -22,7 +22,8 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
 use controllers::runtime::ExecEvent;
 use sandboxd::runtime::agent::{AgentConnection, Sequenced};
-use sandboxd::runtime::bundle::AGENT_SOURCE;
+use sandboxd::runtime::agent_protocol::{Command as AgentCommand, Request};
+use sandboxd::runtime::bundle::agent_program;
 use serde_json::{Value, json};
 use tokio::net::unix::pipe;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -58,7 +59,7 @@ async fn agent() -> Agent {
         "env": {"PATH": "/usr/bin:/bin", "HOME": home.path().join("home")},
     });
     let mut child = Command::new("/usr/bin/python3")
-        .args(["-S", "-c", AGENT_SOURCE, &config.to_string()])
+        .args(["-S", "-c", agent_program(), &config.to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -99,8 +100,23 @@ fn stdout(text: &str) -> ExecEvent {
     ExecEvent::Stdout(Bytes::copy_from_slice(text.as_bytes()))
 }
 
-async fn request(agent: &Agent, command: Value) -> Value {
-    agent.connection.request(command, WAIT).await.unwrap()
+/// A request written as the JSON the agent reads (typed on the way).
+fn typed(request: Value) -> Request {
+    serde_json::from_value(request).expect("a request of the protocol")
+}
+
+/// A whole command line (with its id, or none) as JSON.
+fn command(command: Value) -> AgentCommand {
+    serde_json::from_value(command).expect("a command of the protocol")
+}
+
+async fn request(agent: &Agent, request: Value) -> Value {
+    let reply = agent
+        .connection
+        .request(typed(request), WAIT)
+        .await
+        .unwrap();
+    serde_json::to_value(reply).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -111,8 +127,8 @@ async fn a_kept_execution_is_paused_holds_its_exit_and_replays_what_was_not_ackn
         .connection
         .start_exec(
             &id,
-            json!({"op": "exec", "resumable": true,
-                   "argv": ["bash", "-c", "echo one; read line; echo \"$line\"; exit 4"]}),
+            typed(json!({"op": "exec", "resumable": true,
+                   "argv": ["bash", "-c", "echo one; read line; echo \"$line\"; exit 4"]})),
         )
         .await
         .unwrap();
@@ -130,7 +146,9 @@ async fn a_kept_execution_is_paused_holds_its_exit_and_replays_what_was_not_ackn
     // agent while it is paused.
     agent
         .connection
-        .send(&json!({"op": "stdin", "id": id, "data": BASE64.encode("two\n")}))
+        .send(&command(
+            json!({"op": "stdin", "id": id, "data": BASE64.encode("two\n")}),
+        ))
         .await
         .unwrap();
     assert!(
@@ -157,7 +175,7 @@ async fn a_kept_execution_is_paused_holds_its_exit_and_replays_what_was_not_ackn
     // Acknowledged up to the exit: nothing is journaled any more.
     agent
         .connection
-        .send(&json!({"op": "ack", "exec": id, "seq": 3}))
+        .send(&command(json!({"op": "ack", "exec": id, "seq": 3})))
         .await
         .unwrap();
     let journals = request(&agent, json!({"op": "journals"})).await;
@@ -173,8 +191,8 @@ async fn a_second_keep_replays_only_what_the_first_host_did_not_deliver() {
         .connection
         .start_exec(
             &id,
-            json!({"op": "exec", "resumable": true,
-                   "argv": ["bash", "-c", "for i in 1 2 3; do echo $i; sleep 0.2; done; read x"]}),
+            typed(json!({"op": "exec", "resumable": true,
+                   "argv": ["bash", "-c", "for i in 1 2 3; do echo $i; sleep 0.2; done; read x"]})),
         )
         .await
         .unwrap();
@@ -198,7 +216,9 @@ async fn a_second_keep_replays_only_what_the_first_host_did_not_deliver() {
     request(&agent, json!({"op": "resume", "replay": false})).await;
     agent
         .connection
-        .send(&json!({"op": "stdin", "id": id, "data": BASE64.encode("\n")}))
+        .send(&command(
+            json!({"op": "stdin", "id": id, "data": BASE64.encode("\n")}),
+        ))
         .await
         .unwrap();
     assert_eq!(next(&mut events).await, (4, ExecEvent::Exited(0)));
@@ -212,8 +232,8 @@ async fn resumable_output_never_ends_inside_a_character() {
         .connection
         .start_exec(
             &id,
-            json!({"op": "exec", "resumable": true,
-                   "argv": ["bash", "-c", "printf 'a\\xc3'; sleep 0.3; printf '\\xa9b'"]}),
+            typed(json!({"op": "exec", "resumable": true,
+                   "argv": ["bash", "-c", "printf 'a\\xc3'; sleep 0.3; printf '\\xa9b'"]})),
         )
         .await
         .unwrap();
@@ -224,7 +244,11 @@ async fn resumable_output_never_ends_inside_a_character() {
     // (periodic, restored in place) forgets it, or a later move would replay it.
     let journals = request(&agent, json!({"op": "journals"})).await;
     assert_eq!(journals["executions"].as_array().map(Vec::len), Some(1));
-    request(&agent, json!({"op": "prepare_checkpoint", "force": false})).await;
+    request(
+        &agent,
+        json!({"op": "prepare_checkpoint", "force": false, "keep": false}),
+    )
+    .await;
     let journals = request(&agent, json!({"op": "journals"})).await;
     assert_eq!(journals["executions"], json!([]), "{journals}");
     assert_eq!(journals["paused"], false, "{journals}");
@@ -238,7 +262,7 @@ async fn executions_without_the_option_are_not_numbered_or_kept() {
         .connection
         .start_exec(
             &id,
-            json!({"op": "exec", "argv": ["bash", "-c", "echo plain"]}),
+            typed(json!({"op": "exec", "argv": ["bash", "-c", "echo plain"]})),
         )
         .await
         .unwrap();

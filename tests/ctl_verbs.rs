@@ -357,6 +357,7 @@ async fn stored_checkpoint(
         cpu_features: Vec::new(),
         network: Default::default(),
         sandbox_image: Some(format!("sha256-{}", "7".repeat(64))),
+        agent_version: None,
         extra: ExtraFields::new(),
     };
     store

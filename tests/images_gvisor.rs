@@ -1,8 +1,9 @@
 //! Sandbox images against real `runsc`: a sandbox sees its image and nothing
 //! of the host, the tools people and agents type first work, `"image"` picks
 //! another image, a template from a snapshot starts with its files, a
-//! checkpoint restores only onto its own image, and the server refuses to
-//! start without its image. `scripts/test.sh` builds the images (`default`
+//! checkpoint restores only onto its own image (and only with an agent
+//! protocol version the server speaks), and the server refuses to start
+//! without its image. `scripts/test.sh` builds the images (`default`
 //! and `test-jq`, cached); without them these tests fail, they never skip.
 
 #![allow(
@@ -620,5 +621,57 @@ async fn the_server_refuses_to_start_without_its_image_and_says_how_to_build_it(
         stderr.contains("no sandbox image \"default\"")
             && stderr.contains("scripts/build-image.sh --name default"),
         "{stderr}"
+    );
+}
+
+/// The agent comes back with a checkpoint's image: a checkpoint whose
+/// recorded agent protocol version this server does not speak is refused
+/// over the wire (`SANDBOX_RESTORE_ERROR`) naming both versions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_of_another_agent_version_is_refused_over_the_wire() {
+    use controllers::api::{CheckpointManifest, decode, encode};
+    use controllers::store::PutMode;
+    use sandboxd::runtime::agent_protocol::AGENT_PROTOCOL_VERSION;
+    use serde_json::json;
+    use support::ws::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_in(dir.path());
+    let a = Server::sharing("instance-a", store.clone(), |_| {}).await;
+    let (mut ws, id, token) = a
+        .create(json!({"idle_timeout": 60, "enable_checkpoint": true}))
+        .await;
+    ws.exec("bash", "echo 41 > /tmp/n").await;
+    ws.send(json!({"action": "checkpoint"})).await;
+    assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
+
+    // The manifest as a host whose agent spoke another version wrote it.
+    let listed = store.list_all("sandbox_checkpoints/").await.unwrap();
+    let manifests: Vec<_> = listed
+        .iter()
+        .filter(|object| object.key.as_str().ends_with("/manifest.json"))
+        .collect();
+    assert_eq!(manifests.len(), 1, "{listed:?}");
+    let key = &manifests[0].key;
+    let mut manifest: CheckpointManifest = decode(&store.get(key).await.unwrap().data).unwrap();
+    assert_eq!(manifest.agent_version, Some(AGENT_PROTOCOL_VERSION));
+    let other = AGENT_PROTOCOL_VERSION + 1;
+    manifest.agent_version = Some(other);
+    store
+        .put(key, encode(&manifest), PutMode::Overwrite)
+        .await
+        .unwrap();
+
+    let mut ws = a.attach(&id, &token).await;
+    let frames = ws.until_close().await;
+    assert!(
+        frames.iter().any(|f| f == "SANDBOX_RESTORE_ERROR"),
+        "{frames:?}"
+    );
+    assert!(
+        frames.iter().any(|f| f.contains(&format!(
+            "agent speaks protocol version {other}, and this server speaks version \
+             {AGENT_PROTOCOL_VERSION}"
+        ))),
+        "the refusal names both versions: {frames:?}"
     );
 }

@@ -20,6 +20,7 @@ use controllers::runtime::{
     SandboxRuntime,
 };
 use controllers::store::Store;
+use sandboxd::runtime::agent_protocol::AGENT_PROTOCOL_VERSION;
 use sandboxd::runtime::{BundleSpec, GvisorConfig, GvisorRuntime, Runsc};
 
 /// Python that prints how many `sleep` processes exist in the sandbox.
@@ -518,6 +519,43 @@ async fn an_image_from_a_host_with_other_cpu_features_is_refused_by_name() {
     let err = h.runtime.restore(&id, &manifest).await.unwrap_err();
     assert!(matches!(err, RuntimeError::Incompatible(_)), "{err}");
     assert!(err.to_string().contains("imaginary_feature"), "{err}");
+}
+
+/// The agent comes back with the image: a checkpoint whose agent speaks
+/// another protocol version is refused before anything starts, naming both;
+/// one from before the version was recorded counts as version 1 and restores.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_of_another_agent_version_is_refused_naming_both() {
+    let (_dir, h, id) = one_sandbox().await;
+    run(&h.runtime, &id, bash("echo 5 > /tmp/kept")).await;
+    let mut manifest = checkpoint(&h, &id).await;
+    assert_eq!(
+        manifest.agent_version,
+        Some(AGENT_PROTOCOL_VERSION),
+        "the checkpoint records its agent's protocol version"
+    );
+    let other = AGENT_PROTOCOL_VERSION + 1;
+    manifest.agent_version = Some(other);
+    let err = h.runtime.restore(&id, &manifest).await.unwrap_err();
+    assert!(matches!(err, RuntimeError::Incompatible(_)), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("protocol version {other}")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("version {AGENT_PROTOCOL_VERSION}")),
+        "{text}"
+    );
+    assert!(!h.runtime.is_running(&id), "nothing half-restored");
+
+    manifest.agent_version = None;
+    h.runtime.restore(&id, &manifest).await.unwrap();
+    assert_eq!(
+        run(&h.runtime, &id, bash("cat /tmp/kept")).await.stdout,
+        "5\n"
+    );
+    h.runtime.destroy(&id).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

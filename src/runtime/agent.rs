@@ -1,5 +1,6 @@
 //! The host's end of the agent channel: JSON lines over the init process's
-//! stdin and stdout (see `agent.py` for why stdio).
+//! stdin and stdout (see `sandbox_agent/__init__.py` for why stdio), each a
+//! message of [`super::agent_protocol`].
 //!
 //! One writer (commands, serialised by a mutex) and one reader task that routes
 //! each event by its `id`: execution output to that execution's channel, replies
@@ -23,7 +24,9 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
 use controllers::runtime::ExecEvent;
-use serde_json::{Value, json};
+use serde::de::DeserializeOwned;
+
+use super::agent_protocol::{AGENT_PROTOCOL_VERSION, Command, Event, MalformedReply, Request};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot};
@@ -38,7 +41,26 @@ pub enum AgentError {
     Refused(String),
     #[error("cannot talk to the sandbox agent: {0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Malformed(#[from] MalformedReply),
+    #[error("the sandbox agent speaks protocol version {agent}; this host speaks version {host}")]
+    Version { agent: u32, host: u32 },
 }
+
+/// Refuses an agent that speaks another protocol version than this host.
+pub fn check_version(agent: u32) -> Result<(), AgentError> {
+    if agent == AGENT_PROTOCOL_VERSION {
+        Ok(())
+    } else {
+        Err(AgentError::Version {
+            agent,
+            host: AGENT_PROTOCOL_VERSION,
+        })
+    }
+}
+
+/// What a waiter gets: the reply event, or the agent's error message.
+type Reply = Result<Event, String>;
 
 /// An execution's event and the agent's number for it (0: not numbered,
 /// the execution is not resumable).
@@ -46,7 +68,7 @@ pub type Sequenced = (u64, ExecEvent);
 
 #[derive(Default)]
 struct Routes {
-    replies: HashMap<String, oneshot::Sender<Result<Value, String>>>,
+    replies: HashMap<String, oneshot::Sender<Reply>>,
     /// Unbounded on purpose: the reader must never wait on one slow consumer,
     /// or replies (kill, ping, checkpoint) would queue behind its output. The
     /// consumers (API sessions) bound what they keep.
@@ -80,11 +102,12 @@ impl std::fmt::Debug for AgentConnection {
 
 impl AgentConnection {
     /// Starts routing events read from `events`; commands go to `commands`.
-    /// The returned receiver gets the agent's `hello` (sent once at boot).
+    /// The returned receiver gets the protocol version of the agent's `hello`
+    /// (sent once at boot).
     pub fn start(
         commands: pipe::Sender,
         events: pipe::Receiver,
-    ) -> (Arc<Self>, oneshot::Receiver<Value>) {
+    ) -> (Arc<Self>, oneshot::Receiver<u32>) {
         Self::start_tagged(commands, events, format!("{:08x}-", rand::random::<u32>()))
     }
 
@@ -93,7 +116,7 @@ impl AgentConnection {
         commands: pipe::Sender,
         events: pipe::Receiver,
         id_tag: String,
-    ) -> (Arc<Self>, oneshot::Receiver<Value>) {
+    ) -> (Arc<Self>, oneshot::Receiver<u32>) {
         let routes = Arc::new(Mutex::new(Routes::default()));
         let (hello_tx, hello_rx) = oneshot::channel();
         tokio::spawn(read_events(events, routes.clone(), hello_tx));
@@ -125,12 +148,12 @@ impl AgentConnection {
     }
 
     /// Sends one command.
-    pub async fn send(&self, command: &Value) -> Result<(), AgentError> {
+    pub async fn send(&self, command: &Command) -> Result<(), AgentError> {
         self.send_now(command)
     }
 
     /// Sends one command without waiting (the line is queued for the writer).
-    pub fn send_now(&self, command: &Value) -> Result<(), AgentError> {
+    pub fn send_now(&self, command: &Command) -> Result<(), AgentError> {
         if self.is_gone() {
             return Err(AgentError::Gone);
         }
@@ -139,10 +162,20 @@ impl AgentConnection {
         self.lines.send(line).map_err(|_| AgentError::Gone)
     }
 
-    /// Sends a command with `id` and waits for the reply that carries it.
-    pub async fn request(&self, command: Value, timeout: Duration) -> Result<Value, AgentError> {
+    /// Sends a request under a fresh id and waits for the reply that carries it.
+    pub async fn request(&self, request: Request, timeout: Duration) -> Result<Event, AgentError> {
         let id = self.new_id("r");
-        self.request_with_id(&id, command, timeout).await
+        self.request_with_id(&id, request, timeout).await
+    }
+
+    /// [`Self::request`], the reply read as `T` (the request's reply type in
+    /// [`super::agent_protocol`]).
+    pub async fn ask<T: DeserializeOwned>(
+        &self,
+        request: Request,
+        timeout: Duration,
+    ) -> Result<T, AgentError> {
+        Ok(self.request(request, timeout).await?.reply()?)
     }
 
     /// Like [`Self::request`], under an id the caller chose (and may have used
@@ -150,12 +183,11 @@ impl AgentConnection {
     pub async fn request_with_id(
         &self,
         id: &str,
-        mut command: Value,
+        request: Request,
         timeout: Duration,
-    ) -> Result<Value, AgentError> {
-        command["id"] = json!(id);
+    ) -> Result<Event, AgentError> {
         let reply = self.expect_reply(id)?;
-        self.send(&command).await?;
+        self.send(&request.with_id(id)).await?;
         let outcome = wait_reply(reply, timeout).await;
         if matches!(outcome, Err(AgentError::Timeout(_))) {
             // A reply that never came must not keep its route forever.
@@ -164,10 +196,7 @@ impl AgentConnection {
         outcome
     }
 
-    fn expect_reply(
-        &self,
-        id: &str,
-    ) -> Result<oneshot::Receiver<Result<Value, String>>, AgentError> {
+    fn expect_reply(&self, id: &str) -> Result<oneshot::Receiver<Reply>, AgentError> {
         let (tx, rx) = oneshot::channel();
         let mut routes = self.routes();
         if routes.gone {
@@ -181,13 +210,12 @@ impl AgentConnection {
     pub async fn start_exec(
         &self,
         id: &str,
-        mut command: Value,
+        request: Request,
     ) -> Result<mpsc::UnboundedReceiver<Sequenced>, AgentError> {
-        command["id"] = json!(id);
         let (tx, rx) = mpsc::unbounded_channel();
         let started = self.expect_reply(id)?;
         self.routes().execs.insert(id.to_owned(), tx);
-        self.send(&command).await?;
+        self.send(&request.with_id(id)).await?;
         match wait_reply(started, Duration::from_secs(30)).await {
             Ok(_) => Ok(rx),
             Err(err) => {
@@ -224,28 +252,21 @@ impl AgentConnection {
     /// reply (`done` or `error`) on the oneshot.
     pub async fn start_archive(
         &self,
-        mut command: Value,
-    ) -> Result<
-        (
-            mpsc::UnboundedReceiver<Bytes>,
-            oneshot::Receiver<Result<Value, String>>,
-        ),
-        AgentError,
-    > {
+        request: Request,
+    ) -> Result<(mpsc::UnboundedReceiver<Bytes>, oneshot::Receiver<Reply>), AgentError> {
         let id = self.new_id("a");
-        command["id"] = json!(id);
         let (tx, rx) = mpsc::unbounded_channel();
         let done = self.expect_reply(&id)?;
         self.routes().chunks.insert(id.clone(), tx);
-        self.send(&command).await?;
+        self.send(&request.with_id(id)).await?;
         Ok((rx, done))
     }
 }
 
 async fn wait_reply(
-    reply: oneshot::Receiver<Result<Value, String>>,
+    reply: oneshot::Receiver<Reply>,
     timeout: Duration,
-) -> Result<Value, AgentError> {
+) -> Result<Event, AgentError> {
     match tokio::time::timeout(timeout, reply).await {
         Ok(Ok(Ok(value))) => Ok(value),
         Ok(Ok(Err(message))) => Err(AgentError::Refused(message)),
@@ -258,7 +279,7 @@ async fn wait_reply(
 async fn read_events(
     events: pipe::Receiver,
     routes: Arc<Mutex<Routes>>,
-    hello: oneshot::Sender<Value>,
+    hello: oneshot::Sender<u32>,
 ) {
     let mut hello = Some(hello);
     let mut lines = BufReader::with_capacity(256 * 1024, events).lines();
@@ -271,14 +292,10 @@ async fn read_events(
                 break;
             }
         };
-        let event: Value = match serde_json::from_str(&line) {
-            Ok(event) => event,
-            Err(err) => {
-                tracing::warn!(%err, line = %line.chars().take(200).collect::<String>(), "unreadable agent event");
-                continue;
-            }
-        };
-        route(&routes, &mut hello, event);
+        match serde_json::from_str::<Event>(&line) {
+            Ok(event) => route(&routes, &mut hello, event),
+            Err(err) => unreadable(&routes, &line, &err),
+        }
     }
     // The agent is gone: release every waiter. Executions still running end
     // as killed (the sandbox stopped under them).
@@ -314,22 +331,43 @@ async fn write_commands(
     }
 }
 
+/// An event that is no message of the protocol: its request (if it names
+/// one that waits) fails rather than waits for its timeout.
+fn unreadable(routes: &Mutex<Routes>, line: &str, err: &serde_json::Error) {
+    let id = serde_json::from_str::<serde_json::Value>(line)
+        .ok()
+        .and_then(|value| value.get("id")?.as_str().map(str::to_owned));
+    let waiting = id.and_then(|id| {
+        let mut routes = routes.lock().unwrap_or_else(PoisonError::into_inner);
+        routes.chunks.remove(&id);
+        routes.replies.remove(&id)
+    });
+    match waiting {
+        Some(reply) => {
+            let _ = reply.send(Err(format!(
+                "the sandbox agent sent a malformed reply ({err})"
+            )));
+        }
+        None => {
+            tracing::warn!(%err, line = %line.chars().take(200).collect::<String>(), "unreadable agent event");
+        }
+    }
+}
+
 /// Routes one event. Never waits: the reader's only loop runs through here.
-fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>>, event: Value) {
-    let kind = event["ev"].as_str().unwrap_or_default().to_owned();
-    let id = event["id"].as_str().unwrap_or_default().to_owned();
+fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<u32>>, event: Event) {
     let lock = || routes.lock().unwrap_or_else(PoisonError::into_inner);
-    match kind.as_str() {
-        "hello" => {
+    match event {
+        Event::Hello { version, .. } => {
             if let Some(hello) = hello.take() {
-                let _ = hello.send(event);
+                let _ = hello.send(version);
             }
         }
-        "out" => {
+        Event::Out { id, fd, data, seq } => {
             let sender = lock().execs.get(&id).cloned();
             if let Some(sender) = sender {
-                let item = match decode(&event) {
-                    Ok(data) if event["fd"] == 2 => ExecEvent::Stderr(data),
+                let item = match decode(data.as_deref()) {
+                    Ok(data) if fd == 2 => ExecEvent::Stderr(data),
                     Ok(data) => ExecEvent::Stdout(data),
                     Err(err) => {
                         tracing::warn!(%err, execution = %id, "unreadable output from the sandbox agent");
@@ -338,20 +376,17 @@ fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>>, eve
                         )))
                     }
                 };
-                let _ = sender.send((seq_of(&event), item));
+                let _ = sender.send((seq.unwrap_or(0), item));
             }
         }
-        "exit" => {
+        Event::Exit { id, code, seq } => {
             let sender = lock().execs.remove(&id);
             if let Some(sender) = sender {
-                let code = event["code"]
-                    .as_i64()
-                    .and_then(|c| i32::try_from(c).ok())
-                    .unwrap_or(-1);
-                let _ = sender.send((seq_of(&event), ExecEvent::Exited(code)));
+                let code = i32::try_from(code).unwrap_or(-1);
+                let _ = sender.send((seq.unwrap_or(0), ExecEvent::Exited(code)));
             }
         }
-        "chunk" => match decode(&event) {
+        Event::Chunk { id, data } => match decode(data.as_deref()) {
             Ok(data) => {
                 let sender = lock().chunks.get(&id).cloned();
                 if let Some(sender) = sender {
@@ -369,11 +404,8 @@ fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>>, eve
                 }
             }
         },
-        "error" => {
-            let message = event["message"]
-                .as_str()
-                .unwrap_or("unknown error")
-                .to_owned();
+        Event::Error { id, message } => {
+            let id = id.unwrap_or_default();
             let mut routes = lock();
             routes.execs.remove(&id);
             routes.chunks.remove(&id);
@@ -384,21 +416,18 @@ fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<Value>>, eve
                 None => tracing::warn!(%message, "sandbox agent error"),
             }
         }
-        _ => {
-            // started, pong, ready, done: the reply to a request.
+        reply => {
+            // started, pong, ready, journals, resumed, done: the reply to a request.
+            let id = reply.id().unwrap_or_default().to_owned();
             let mut routes = lock();
-            if kind == "done" {
+            if matches!(reply, Event::Done { .. }) {
                 routes.chunks.remove(&id);
             }
-            if let Some(reply) = routes.replies.remove(&id) {
-                let _ = reply.send(Ok(event));
+            if let Some(waiter) = routes.replies.remove(&id) {
+                let _ = waiter.send(Ok(reply));
             }
         }
     }
-}
-
-fn seq_of(event: &Value) -> u64 {
-    event["seq"].as_u64().unwrap_or(0)
 }
 
 /// Why an event's `data` could not be read.
@@ -410,128 +439,11 @@ pub enum DataError {
     Base64(#[from] base64::DecodeError),
 }
 
-fn decode(event: &Value) -> Result<Bytes, DataError> {
-    let text = event["data"].as_str().ok_or(DataError::Missing)?;
+fn decode(data: Option<&str>) -> Result<Bytes, DataError> {
+    let text = data.ok_or(DataError::Missing)?;
     Ok(Bytes::from(BASE64.decode(text)?))
 }
 
 #[cfg(test)]
-mod tests {
-    use std::io::Write as _;
-    use std::os::fd::OwnedFd;
-
-    use super::*;
-
-    /// A connection whose agent end the test plays: it writes events to the
-    /// returned file and may read commands from the returned pipe.
-    fn connect() -> (Arc<AgentConnection>, std::fs::File, std::io::PipeReader) {
-        let (command_reader, command_writer) = std::io::pipe().unwrap();
-        let (event_reader, event_writer) = std::io::pipe().unwrap();
-        let commands = pipe::Sender::from_owned_fd(OwnedFd::from(command_writer)).unwrap();
-        let events = pipe::Receiver::from_owned_fd(OwnedFd::from(event_reader)).unwrap();
-        let (connection, _hello) = AgentConnection::start_tagged(commands, events, String::new());
-        (
-            connection,
-            std::fs::File::from(OwnedFd::from(event_writer)),
-            command_reader,
-        )
-    }
-
-    fn emit(agent: &mut std::fs::File, event: &Value) {
-        let mut line = serde_json::to_vec(event).unwrap();
-        line.push(b'\n');
-        agent.write_all(&line).unwrap();
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_slow_archive_consumer_does_not_stall_replies() {
-        let (connection, mut agent, _commands) = connect();
-        // Nobody reads the archive's chunks (a slow snapshot writer).
-        let (_chunks, _done) = connection
-            .start_archive(json!({"op": "archive"}))
-            .await
-            .unwrap();
-        for _ in 0..500 {
-            emit(
-                &mut agent,
-                &json!({"ev": "chunk", "id": "a1", "data": "eA=="}),
-            );
-        }
-        emit(&mut agent, &json!({"ev": "pong", "id": "r2"}));
-        let reply = connection
-            .request(json!({"op": "ping"}), Duration::from_secs(5))
-            .await;
-        assert!(
-            reply.is_ok(),
-            "the ping's reply queued behind unread archive chunks: {reply:?}"
-        );
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn bad_base64_output_is_reported_not_silently_empty() {
-        let (connection, mut agent, _commands) = connect();
-        emit(&mut agent, &json!({"ev": "started", "id": "e1"}));
-        let mut events = connection
-            .start_exec("e1", json!({"op": "exec"}))
-            .await
-            .unwrap();
-        emit(
-            &mut agent,
-            &json!({"ev": "out", "id": "e1", "fd": 1, "data": "not base64!"}),
-        );
-        emit(&mut agent, &json!({"ev": "exit", "id": "e1", "code": 0}));
-        let (_, first) = events.recv().await.unwrap();
-        let ExecEvent::Stderr(notice) = first else {
-            panic!("bad output became {first:?}, not a reported loss");
-        };
-        let notice = String::from_utf8_lossy(&notice).into_owned();
-        assert!(notice.contains("output lost"), "{notice}");
-        assert!(matches!(
-            events.recv().await,
-            Some((0, ExecEvent::Exited(0)))
-        ));
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_suspended_execution_is_not_ended_when_the_agent_goes_away() {
-        let (connection, mut agent, _commands) = connect();
-        let mut kept = connection.adopt_exec("kept").unwrap();
-        let mut other = connection.adopt_exec("other").unwrap();
-        emit(
-            &mut agent,
-            &json!({"ev": "out", "id": "kept", "fd": 1, "data": "eA==", "seq": 7}),
-        );
-        assert_eq!(
-            kept.recv().await,
-            Some((7, ExecEvent::Stdout(Bytes::from_static(b"x")))),
-            "the agent's sequence number travels with the event"
-        );
-        connection.suspend("kept", true);
-        drop(agent); // the sandbox was checkpointed: the agent's stdout ends
-        assert_eq!(
-            kept.recv().await,
-            None,
-            "a kept execution must end without an exit here"
-        );
-        assert_eq!(other.recv().await, Some((0, ExecEvent::Exited(137))));
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_bad_archive_chunk_fails_the_archive() {
-        let (connection, mut agent, _commands) = connect();
-        let (_chunks, done) = connection
-            .start_archive(json!({"op": "archive"}))
-            .await
-            .unwrap();
-        emit(
-            &mut agent,
-            &json!({"ev": "chunk", "id": "a1", "data": "%%%"}),
-        );
-        emit(&mut agent, &json!({"ev": "done", "id": "a1"}));
-        let outcome = done.await.unwrap();
-        assert!(
-            outcome.as_ref().is_err_and(|m| m.contains("unreadable")),
-            "{outcome:?}"
-        );
-    }
-}
+#[path = "agent_tests.rs"]
+mod tests;

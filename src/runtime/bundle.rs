@@ -3,8 +3,9 @@
 //! Checkpoint and restore hosts must agree on the mounts, the root's read-only
 //! flag and the files open at checkpoint time, so the bundle is a pure function
 //! of the configuration: same configuration, same bundle, on every host. The
-//! init process is the agent (`agent.py`, passed inline with `python3 -c`, so
-//! no file has to exist in the sandbox for it). The root filesystem is the
+//! init process is the agent (the `sandbox_agent` package, passed inline with
+//! `python3 -c`, see `agent_program`, so no file has to exist in the sandbox
+//! for it). The root filesystem is the
 //! sandbox's image (`catalog`), never the host's `/`: it is given per sandbox,
 //! and a restore uses the digest its checkpoint recorded.
 
@@ -20,8 +21,7 @@ pub const SANDBOX_HOME: &str = "/home/sandbox";
 /// every sandbox).
 pub const WORKSPACE_DIR: &str = "/workspace";
 
-/// The agent's source, embedded in the binary.
-pub const AGENT_SOURCE: &str = include_str!("agent.py");
+pub use super::agent_program::agent_program;
 
 /// What varies between deployments.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,7 +113,7 @@ impl BundleSpec {
                 "terminal": false,
                 "user": {"uid": 0, "gid": 0},
                 // -S: the agent needs no site-packages; skipping them saves boot time.
-                "args": [self.python, "-S", "-c", AGENT_SOURCE, agent_config.to_string()],
+                "args": [self.python, "-S", "-c", agent_program(), agent_config.to_string()],
                 "env": [format!("PATH={path}"), "LANG=C.UTF-8", "PYTHONUNBUFFERED=1"],
                 "cwd": "/",
                 "capabilities": {

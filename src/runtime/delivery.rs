@@ -15,10 +15,10 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use serde_json::json;
 use tokio::sync::Notify;
 
 use super::agent::AgentConnection;
+use super::agent_protocol::Request;
 
 /// Acknowledge to the agent after this many delivered events.
 const ACK_EVERY: u64 = 16;
@@ -125,9 +125,13 @@ impl DeliveryGate {
     fn send_ack(&self, ack: Option<u64>) {
         if let Some(seq) = ack {
             // Best effort: a lost ack only keeps the journal longer.
-            let _ = self
-                .agent
-                .send_now(&json!({"op": "ack", "exec": self.exec, "seq": seq}));
+            let _ = self.agent.send_now(
+                &Request::Ack {
+                    exec: self.exec.clone(),
+                    seq,
+                }
+                .without_id(),
+            );
         }
     }
 
@@ -225,6 +229,9 @@ mod tests {
         .await
         .unwrap();
         let ack: serde_json::Value = serde_json::from_str(read.trim()).unwrap();
-        assert_eq!(ack, json!({"op": "ack", "exec": "e1", "seq": ACK_EVERY}));
+        assert_eq!(
+            ack,
+            serde_json::json!({"op": "ack", "exec": "e1", "seq": ACK_EVERY})
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! The sandbox runtime on real gVisor: the `runsc` CLI wrapped ([`runsc`]), the
 //! OCI bundle ([`bundle`]), the in-sandbox agent and the host's channel to it
-//! ([`agent`], `agent.py`), the delivery gates that let an execution move
+//! ([`agent`], the `sandbox_agent` package and [`agent_protocol`], the
+//! messages between them), the delivery gates that let an execution move
 //! with its sandbox (`delivery`), sandbox images, the root filesystems sandboxes
 //! run on ([`catalog`]), checkpoint images ([`images`]), `egress` sandbox
 //! networking ([`network`]), and
@@ -9,6 +10,8 @@
 //! is built around.
 
 pub mod agent;
+mod agent_program;
+pub mod agent_protocol;
 pub mod bundle;
 pub mod catalog;
 mod cpu_quota;

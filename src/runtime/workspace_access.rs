@@ -1,6 +1,6 @@
 //! [`WorkspaceFiles`] on gVisor: every file operation is an agent command
-//! (`ws_*` in `agent.py`), run inside the sandbox as its user, so the host
-//! never resolves a path the sandbox controls.
+//! (`ws_*`, `sandbox_agent/workspace.py`), run inside the sandbox as its
+//! user, so the host never resolves a path the sandbox controls.
 
 use std::path::Path;
 use std::time::Duration;
@@ -11,10 +11,11 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use controllers::api::SandboxId;
 use controllers::runtime::RuntimeError;
 use controllers::store::BlobReader;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::agent::{AgentConnection, AgentError};
+use super::agent_protocol::{DeleteDone, ReadDone, Request, ScanDone};
 use super::bundle::WORKSPACE_DIR;
 use super::gvisor::GvisorRuntime;
 use crate::workspace::files::{
@@ -46,21 +47,6 @@ impl GvisorRuntime {
     }
 }
 
-#[derive(serde::Deserialize)]
-struct ScanReply {
-    files: Vec<FileEntry>,
-    #[serde(default)]
-    refused: Vec<Refused>,
-    /// The sandbox's own state file's entries: user code can write that file,
-    /// so each entry is checked and the malformed ones ignored.
-    #[serde(default)]
-    synced: Vec<Value>,
-    #[serde(default)]
-    hashed: u64,
-    #[serde(default)]
-    scanned_at: i64,
-}
-
 /// A valid entry of the sandbox's state file, or `None`.
 fn synced_entry(value: Value) -> Option<FileEntry> {
     let entry: FileEntry = serde_json::from_value(value).ok()?;
@@ -77,22 +63,19 @@ impl WorkspaceFiles for GvisorRuntime {
         request: ScanRequest,
     ) -> Result<LocalScan, FilesError> {
         let agent = self.workspace_agent(sandbox)?;
-        let reply = agent
-            .request(
-                json!({
-                    "op": "ws_scan",
-                    "root": WORKSPACE_DIR,
-                    "max_file_bytes": request.max_file_bytes,
-                    "max_total_bytes": request.max_total_bytes,
-                    "max_files": request.max_files,
-                    "stale_s": request.stale_threshold_s,
-                }),
+        let parsed: ScanDone = agent
+            .ask(
+                Request::WsScan {
+                    root: WORKSPACE_DIR.to_owned(),
+                    max_file_bytes: Some(request.max_file_bytes),
+                    max_total_bytes: Some(request.max_total_bytes),
+                    max_files: Some(request.max_files),
+                    stale_s: request.stale_threshold_s,
+                },
                 FILE_OP_TIMEOUT,
             )
             .await
             .map_err(agent_error)?;
-        let parsed: ScanReply = serde_json::from_value(reply)
-            .map_err(|err| FilesError::Agent(format!("malformed scan reply: {err}")))?;
         // The agent is inside the sandbox: treat what it reports as untrusted.
         let mut refused = parsed.refused;
         let files = parsed
@@ -148,12 +131,11 @@ impl WorkspaceFiles for GvisorRuntime {
             .await
             .map_err(io)?;
         let (mut chunks, done) = agent
-            .start_archive(json!({
-                "op": "ws_read",
-                "root": WORKSPACE_DIR,
-                "path": path,
-                "max_file_bytes": max_bytes,
-            }))
+            .start_archive(Request::WsRead {
+                root: WORKSPACE_DIR.to_owned(),
+                path: path.to_owned(),
+                max_file_bytes: max_bytes,
+            })
             .await
             .map_err(agent_error)?;
         let mut written: u64 = 0;
@@ -169,14 +151,15 @@ impl WorkspaceFiles for GvisorRuntime {
             file.write_all(&chunk).await.map_err(io)?;
         }
         file.flush().await.map_err(io)?;
-        let reply: Value = match tokio::time::timeout(FILE_OP_TIMEOUT, done).await {
+        let reply = match tokio::time::timeout(FILE_OP_TIMEOUT, done).await {
             Ok(Ok(Ok(reply))) => reply,
             Ok(Ok(Err(message))) => return Err(FilesError::Refused(message)),
             Ok(Err(_)) => return Err(FilesError::Agent("the sandbox agent is gone".into())),
             Err(_) => return Err(FilesError::Agent("the file read timed out".into())),
         };
-        let checksum = reply["checksum"].as_str().unwrap_or_default().to_owned();
-        let size = reply["size"].as_u64().unwrap_or(u64::MAX);
+        let ReadDone { checksum, size } = reply
+            .reply()
+            .map_err(|err| FilesError::Agent(err.to_string()))?;
         // The checksum that names the stored content is the host's own.
         let received = format!("{:x}", digest.finalize());
         if size != written || checksum != received {
@@ -203,7 +186,7 @@ impl WorkspaceFiles for GvisorRuntime {
         if result.is_err() {
             // Drop the half-written temporary file in the sandbox.
             let _ = agent
-                .request_with_id(&id, json!({"op": "ws_write_abort"}), FILE_OP_TIMEOUT)
+                .request_with_id(&id, Request::WsWriteAbort, FILE_OP_TIMEOUT)
                 .await;
         }
         result
@@ -211,21 +194,27 @@ impl WorkspaceFiles for GvisorRuntime {
 
     async fn delete_files(&self, sandbox: &SandboxId, paths: &[String]) -> Result<u64, FilesError> {
         let agent = self.workspace_agent(sandbox)?;
-        let reply = agent
-            .request(
-                json!({"op": "ws_delete", "root": WORKSPACE_DIR, "paths": paths}),
+        let reply: DeleteDone = agent
+            .ask(
+                Request::WsDelete {
+                    root: WORKSPACE_DIR.to_owned(),
+                    paths: paths.to_vec(),
+                },
                 FILE_OP_TIMEOUT,
             )
             .await
             .map_err(agent_error)?;
-        Ok(reply["deleted"].as_u64().unwrap_or(0))
+        Ok(reply.deleted)
     }
 
     async fn write_state(&self, sandbox: &SandboxId, content: String) -> Result<(), FilesError> {
         let agent = self.workspace_agent(sandbox)?;
         agent
             .request(
-                json!({"op": "ws_state", "root": WORKSPACE_DIR, "content": content}),
+                Request::WsState {
+                    root: WORKSPACE_DIR.to_owned(),
+                    content,
+                },
                 FILE_OP_TIMEOUT,
             )
             .await
@@ -263,25 +252,25 @@ async fn send_file(
             )));
         }
         agent
-            .send(&json!({
-                "op": "ws_write_chunk",
-                "id": id,
-                "root": WORKSPACE_DIR,
-                "data": BASE64.encode(&buffer[..n]),
-            }))
+            .send(
+                &Request::WsWriteChunk {
+                    root: WORKSPACE_DIR.to_owned(),
+                    data: BASE64.encode(&buffer[..n]),
+                }
+                .with_id(id),
+            )
             .await
             .map_err(agent_error)?;
     }
     agent
         .request_with_id(
             id,
-            json!({
-                "op": "ws_write_end",
-                "root": WORKSPACE_DIR,
-                "path": entry.path,
-                "checksum": entry.checksum,
-                "modified_at": entry.modified_at,
-            }),
+            Request::WsWriteEnd {
+                root: WORKSPACE_DIR.to_owned(),
+                path: entry.path.clone(),
+                checksum: entry.checksum.clone(),
+                modified_at: entry.modified_at,
+            },
             FILE_OP_TIMEOUT,
         )
         .await

@@ -1,5 +1,5 @@
 //! The port through which the sync reaches a sandbox's `/workspace`: the
-//! gVisor runtime implements it with agent commands (`ws_*` in `agent.py`),
+//! gVisor runtime implements it with agent commands (`ws_*`, `sandbox_agent/workspace.py`),
 //! so no host process ever opens a path inside the sandbox.
 
 use std::path::Path;
@@ -21,7 +21,7 @@ pub struct ScanRequest {
 }
 
 /// A file the scan left out, and why (a symlink, too large, a bad name).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Refused {
     pub path: String,
     pub reason: String,

@@ -43,6 +43,12 @@ pub struct CheckpointManifest {
     /// needs that very image. Absent in checkpoints taken before images.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sandbox_image: Option<String>,
+    /// The protocol version of the agent inside the image (it comes back
+    /// with the image, so the restoring host must speak it). Absent in
+    /// checkpoints taken before it was recorded; the runtime decides what
+    /// that means (docs/decisions/0014-typed-agent-protocol.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_version: Option<u32>,
     #[serde(flatten)]
     pub extra: ExtraFields,
 }

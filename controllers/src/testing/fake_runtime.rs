@@ -196,6 +196,7 @@ impl SandboxRuntime for FakeRuntime {
             cpu_features: Vec::new(),
             network: Default::default(),
             sandbox_image: None,
+            agent_version: None,
             extra: ExtraFields::new(),
         };
         self.checkpoints

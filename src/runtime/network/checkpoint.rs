@@ -23,11 +23,10 @@
 
 use std::time::{Duration, Instant};
 
-use serde_json::json;
-
 use super::conntrack::{self, Lingering};
 use super::{HostNetwork, NetworkError, SandboxNetwork, firewall};
 use crate::runtime::agent::AgentConnection;
+use crate::runtime::agent_protocol::{ConnectionsClosed, Request};
 
 /// How often the quiet check runs while waiting.
 const POLL: Duration = Duration::from_millis(200);
@@ -95,17 +94,17 @@ async fn wait_until_quiet(
     let started = Instant::now();
     let deadline = started + network.config().checkpoint_wait;
     loop {
-        let reply = agent
-            .request(json!({"op": "close_connections"}), Duration::from_secs(10))
+        let reply: ConnectionsClosed = agent
+            .ask(Request::CloseConnections, Duration::from_secs(10))
             .await
             .map_err(|err| NetworkError::NotQuiet(format!("closing connections: {err}")))?;
-        if let Some(killed) = reply["killed"].as_array().filter(|k| !k.is_empty()) {
+        if !reply.killed.is_empty() {
             tracing::info!(
-                ?killed,
+                killed = ?reply.killed,
                 "killed processes holding connections for the checkpoint"
             );
         }
-        let open = reply["remaining"].as_array().map_or(0, Vec::len);
+        let open = reply.remaining.len();
         let lingering = lingering_now(sandbox).await?;
         if open == 0 && lingering.is_empty() {
             tracing::debug!(

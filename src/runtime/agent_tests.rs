@@ -1,0 +1,172 @@
+//! The host connection against a scripted agent end.
+
+use std::io::Write as _;
+use std::os::fd::OwnedFd;
+
+use serde_json::{Value, json};
+
+use super::*;
+
+fn archive() -> Request {
+    Request::Archive {
+        paths: vec![],
+        since: None,
+    }
+}
+
+/// A connection whose agent end the test plays: it writes events to the
+/// returned file and may read commands from the returned pipe.
+fn connect() -> (Arc<AgentConnection>, std::fs::File, std::io::PipeReader) {
+    let (command_reader, command_writer) = std::io::pipe().unwrap();
+    let (event_reader, event_writer) = std::io::pipe().unwrap();
+    let commands = pipe::Sender::from_owned_fd(OwnedFd::from(command_writer)).unwrap();
+    let events = pipe::Receiver::from_owned_fd(OwnedFd::from(event_reader)).unwrap();
+    let (connection, _hello) = AgentConnection::start_tagged(commands, events, String::new());
+    (
+        connection,
+        std::fs::File::from(OwnedFd::from(event_writer)),
+        command_reader,
+    )
+}
+
+fn emit(agent: &mut std::fs::File, event: &Value) {
+    let mut line = serde_json::to_vec(event).unwrap();
+    line.push(b'\n');
+    agent.write_all(&line).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_archive_consumer_does_not_stall_replies() {
+    let (connection, mut agent, _commands) = connect();
+    // Nobody reads the archive's chunks (a slow snapshot writer).
+    let (_chunks, _done) = connection.start_archive(archive()).await.unwrap();
+    for _ in 0..500 {
+        emit(
+            &mut agent,
+            &json!({"ev": "chunk", "id": "a1", "data": "eA=="}),
+        );
+    }
+    emit(
+        &mut agent,
+        &json!({"ev": "pong", "id": "r2", "version": 1, "running": []}),
+    );
+    let reply = connection
+        .request(Request::Ping, Duration::from_secs(5))
+        .await;
+    assert!(
+        reply.is_ok(),
+        "the ping's reply queued behind unread archive chunks: {reply:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_base64_output_is_reported_not_silently_empty() {
+    let (connection, mut agent, _commands) = connect();
+    emit(&mut agent, &json!({"ev": "started", "id": "e1", "pid": 2}));
+    let mut events = connection
+        .start_exec(
+            "e1",
+            Request::Exec {
+                argv: Some(vec!["true".into()]),
+                session: false,
+                code: None,
+                env: None,
+                cwd: None,
+                resumable: false,
+            },
+        )
+        .await
+        .unwrap();
+    emit(
+        &mut agent,
+        &json!({"ev": "out", "id": "e1", "fd": 1, "data": "not base64!"}),
+    );
+    emit(&mut agent, &json!({"ev": "exit", "id": "e1", "code": 0}));
+    let (_, first) = events.recv().await.unwrap();
+    let ExecEvent::Stderr(notice) = first else {
+        panic!("bad output became {first:?}, not a reported loss");
+    };
+    let notice = String::from_utf8_lossy(&notice).into_owned();
+    assert!(notice.contains("output lost"), "{notice}");
+    assert!(matches!(
+        events.recv().await,
+        Some((0, ExecEvent::Exited(0)))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspended_execution_is_not_ended_when_the_agent_goes_away() {
+    let (connection, mut agent, _commands) = connect();
+    let mut kept = connection.adopt_exec("kept").unwrap();
+    let mut other = connection.adopt_exec("other").unwrap();
+    emit(
+        &mut agent,
+        &json!({"ev": "out", "id": "kept", "fd": 1, "data": "eA==", "seq": 7}),
+    );
+    assert_eq!(
+        kept.recv().await,
+        Some((7, ExecEvent::Stdout(Bytes::from_static(b"x")))),
+        "the agent's sequence number travels with the event"
+    );
+    connection.suspend("kept", true);
+    drop(agent); // the sandbox was checkpointed: the agent's stdout ends
+    assert_eq!(
+        kept.recv().await,
+        None,
+        "a kept execution must end without an exit here"
+    );
+    assert_eq!(other.recv().await, Some((0, ExecEvent::Exited(137))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_archive_chunk_fails_the_archive() {
+    let (connection, mut agent, _commands) = connect();
+    let (_chunks, done) = connection.start_archive(archive()).await.unwrap();
+    emit(
+        &mut agent,
+        &json!({"ev": "chunk", "id": "a1", "data": "%%%"}),
+    );
+    emit(&mut agent, &json!({"ev": "done", "id": "a1"}));
+    let outcome = done.await.unwrap();
+    assert!(
+        outcome.as_ref().is_err_and(|m| m.contains("unreadable")),
+        "{outcome:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_reply_fails_its_request_at_once() {
+    let (connection, mut agent, _commands) = connect();
+    let started = std::time::Instant::now();
+    let (reply, ()) = tokio::join!(
+        connection.request(Request::Ping, Duration::from_secs(20)),
+        async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            // A pong without its version: no message of the protocol.
+            emit(&mut agent, &json!({"ev": "pong", "id": "r1"}));
+        }
+    );
+    assert!(
+        matches!(&reply, Err(AgentError::Refused(message)) if message.contains("malformed")),
+        "{reply:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "it waited for the timeout"
+    );
+}
+
+#[test]
+fn another_protocol_version_is_refused_naming_both() {
+    assert!(check_version(AGENT_PROTOCOL_VERSION).is_ok());
+    let err = check_version(AGENT_PROTOCOL_VERSION + 1).expect_err("another version");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("version {}", AGENT_PROTOCOL_VERSION + 1)),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("version {AGENT_PROTOCOL_VERSION}")),
+        "{text}"
+    );
+}

@@ -1,0 +1,219 @@
+//! Executions on the agent: the `exec` request an [`ExecRequest`] becomes,
+//! the relay from the agent's events to the API's [`Execution`] (which frees
+//! the sandbox's execution slot at the exit), stdin and kill through the
+//! agent, and taking up after a restore the execution a checkpoint kept
+//! (decision 0012), or going on after a checkpoint that failed.
+
+use std::sync::{Arc, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use bytes::Bytes;
+use controllers::api::SandboxId;
+use controllers::runtime::{Command, ExecControl, ExecEvent, ExecRequest, Execution, RuntimeError};
+use tokio::sync::mpsc;
+
+use super::{GvisorRuntime, LocalSandbox};
+use crate::runtime::agent::{AgentConnection, Sequenced};
+use crate::runtime::agent_protocol::{JournalEntry, JournalsReply, Request};
+use crate::runtime::delivery::DeliveryGate;
+
+impl GvisorRuntime {
+    /// After a restore: takes up the execution the checkpoint kept (its
+    /// journal), routes its events, and lets the agent go on (replaying what
+    /// no client got). Nothing to take up is the usual case; an agent that
+    /// cannot say (an image from before issue 17) has nothing either.
+    pub(super) async fn resume_executions(&self, sandbox: &SandboxId, local: &LocalSandbox) {
+        let reply: JournalsReply = match local
+            .agent
+            .ask(Request::Journals, Duration::from_secs(10))
+            .await
+        {
+            Ok(reply) => reply,
+            Err(err) => {
+                tracing::debug!(%sandbox, %err, "no executions to resume");
+                return;
+            }
+        };
+        if !reply.paused {
+            return;
+        }
+        if let Some(JournalEntry { id, acked, running }) = reply.executions.into_iter().next_back()
+        {
+            match local.agent.adopt_exec(&id) {
+                Ok(events) => {
+                    if running {
+                        local
+                            .current_exec
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .exec = Some(id.clone());
+                    }
+                    let gate = DeliveryGate::new(id.clone(), acked, local.agent.clone());
+                    local.set_gate(Some(Arc::clone(&gate)));
+                    let execution = relay_execution(local, id, events, Some(gate));
+                    self.resumed
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert(sandbox.clone(), execution);
+                    tracing::info!(%sandbox, running, acked, "execution resumed with the sandbox");
+                }
+                Err(err) => tracing::warn!(%sandbox, %err, "cannot take up the kept execution"),
+            }
+        }
+        if let Err(err) = local
+            .agent
+            .request(Request::Resume { replay: true }, Duration::from_secs(10))
+            .await
+        {
+            tracing::warn!(%sandbox, %err, "resuming the kept execution failed");
+        }
+    }
+
+    /// A checkpoint that kept the execution failed, the sandbox still runs
+    /// here: delivery and the agent go on where they stopped.
+    pub(super) async fn resume_after_failure(&self, local: &LocalSandbox) {
+        if let Some(gate) = local.gate() {
+            gate.thaw();
+            local.agent.suspend(gate.exec(), false);
+        }
+        if let Err(err) = local
+            .agent
+            .request(Request::Resume { replay: false }, Duration::from_secs(10))
+            .await
+        {
+            tracing::warn!(%err, "resuming executions after a failed checkpoint failed");
+        }
+    }
+}
+
+/// Controls one execution through the agent.
+#[derive(Debug)]
+struct AgentExecControl {
+    agent: Arc<AgentConnection>,
+    id: String,
+    /// Resumable executions only.
+    gate: Option<Arc<DeliveryGate>>,
+}
+
+#[async_trait]
+impl ExecControl for AgentExecControl {
+    async fn write_stdin(&self, data: Bytes) -> Result<(), RuntimeError> {
+        self.agent
+            .send(
+                &Request::Stdin {
+                    data: BASE64.encode(&data),
+                }
+                .with_id(&self.id),
+            )
+            .await
+            .map_err(|err| RuntimeError::Failed(err.to_string()))
+    }
+
+    async fn close_stdin(&self) -> Result<(), RuntimeError> {
+        self.agent
+            .send(&Request::StdinClose.with_id(&self.id))
+            .await
+            .map_err(|err| RuntimeError::Failed(err.to_string()))
+    }
+
+    async fn kill(&self) -> Result<(), RuntimeError> {
+        self.agent
+            .send(&Request::Kill.with_id(&self.id))
+            .await
+            .map_err(|err| RuntimeError::Failed(err.to_string()))
+    }
+
+    fn begin_delivery(&self, _event: u64) -> bool {
+        self.gate.as_ref().is_none_or(|gate| gate.begin())
+    }
+
+    fn end_delivery(&self, event: u64, delivered: bool) {
+        if let Some(gate) = &self.gate {
+            gate.end(event, delivered);
+        }
+    }
+
+    fn dropped(&self, event: u64) {
+        if let Some(gate) = &self.gate {
+            gate.dropped(event);
+        }
+    }
+}
+
+/// Relays an execution's events from the agent to the returned
+/// [`Execution`], freeing the execution slot the moment the exit is seen.
+pub(super) fn relay_execution(
+    local: &LocalSandbox,
+    id: String,
+    mut agent_events: mpsc::UnboundedReceiver<Sequenced>,
+    gate: Option<Arc<DeliveryGate>>,
+) -> Execution {
+    let (tx, rx) = mpsc::channel(64);
+    let slot = local.current_exec.clone();
+    let relay_id = id.clone();
+    let numbering = gate.clone();
+    tokio::spawn(async move {
+        // Frees the slot only if it still names this execution.
+        let release = || {
+            let mut current = slot.lock().unwrap_or_else(PoisonError::into_inner);
+            if current.exec.as_deref() == Some(relay_id.as_str()) {
+                current.exec = None;
+            }
+        };
+        let mut count = 0;
+        while let Some((seq, event)) = agent_events.recv().await {
+            count += 1;
+            if let Some(gate) = &numbering
+                && seq != gate.seq(count)
+            {
+                // The API counts events; a gap would make it acknowledge
+                // the wrong ones.
+                tracing::warn!(execution = %relay_id, seq, expected = gate.seq(count), "resumable execution's events out of sequence");
+            }
+            let exited = matches!(event, ExecEvent::Exited(_));
+            if exited {
+                release();
+            }
+            let _ = tx.send(event).await;
+            if exited {
+                return;
+            }
+        }
+        release();
+    });
+    Execution {
+        events: rx,
+        control: Box::new(AgentExecControl {
+            agent: local.agent.clone(),
+            id,
+            gate,
+        }),
+    }
+}
+
+pub(super) fn exec_command(request: &ExecRequest, python: &str) -> Request {
+    let (argv, session, code) = match &request.command {
+        Command::Bash(code) => (
+            Some(vec!["bash".into(), "-c".into(), code.clone()]),
+            false,
+            None,
+        ),
+        Command::Python(code) => (
+            Some(vec![python.into(), "-u".into(), "-c".into(), code.clone()]),
+            false,
+            None,
+        ),
+        Command::PythonSession(code) => (None, true, Some(code.clone())),
+    };
+    Request::Exec {
+        argv,
+        session,
+        code,
+        env: (!request.env.is_empty()).then(|| request.env.clone()),
+        cwd: request.cwd.clone(),
+        resumable: request.resumable,
+    }
+}

@@ -1,0 +1,457 @@
+"""Executions: a process (or a persistent-session cell) and its pipes, made
+here inside the sandbox, whose bytes the agent relays; ops exec, stdin,
+stdin_close and kill.
+
+Resumable executions (docs/decisions/0012-executions-survive-a-move.md)
+number their events ("seq") and keep them in a journal until the host
+acknowledges them (see `journal`); while the agent is paused for a
+checkpoint their exit is held back.
+"""
+import os
+import selectors
+import signal
+import subprocess
+import time
+
+from . import config, protocol, state
+
+REPL_SOURCE = r'''
+import os, signal, sys, traceback
+cmd_fd, done_fd = int(sys.argv[1]), int(sys.argv[2])
+# An interrupt (the host's kill) only ever stops a running cell; between
+# cells it is ignored, so a late kill cannot end the session.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+cmd = os.fdopen(cmd_fd, "rb", buffering=0)
+done = os.fdopen(done_fd, "wb", buffering=0)
+namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+def report():
+    kind, value, tb = sys.exc_info()
+    traceback.print_exception(kind, value, tb.tb_next if tb is not None else None)
+def read_exact(n):
+    buf = b""
+    while len(buf) < n:
+        part = cmd.read(n - len(buf))
+        if not part:
+            sys.exit(0)
+        buf += part
+    return buf
+while True:
+    size = int(read_exact(10).decode(), 16)
+    code = read_exact(size).decode("utf-8", "replace")
+    status = 0
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        exec(compile(code, "<cell>", "exec"), namespace)
+    except SystemExit as exit:
+        status = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+    except KeyboardInterrupt:
+        status = 130
+        report()
+    except BaseException:
+        status = 1
+        report()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    done.write(b"%d\n" % status)
+'''
+
+
+def exit_code(status):
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status)
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return 255
+
+
+def set_nonblocking(fd):
+    os.set_blocking(fd, False)
+
+
+def split_utf8(data):
+    """(whole, cut): `data` without the start of a character its end cuts."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 == 0x80:
+            continue  # a continuation byte: look further back
+        if byte >= 0xC0:
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            if need > back:
+                return data[:-back], data[-back:]
+        break
+    return data, b""
+
+
+def unregister_outputs(execution):
+    for fd in list(execution.out_fds):
+        try:
+            state.SEL.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+
+
+class Execution:
+    """One execution: a process (or a persistent-session cell) and its pipes."""
+
+    def __init__(self, exec_id, pid, stdin_fd, out_fds, session=None, resumable=False):
+        self.id = exec_id
+        self.resumable = resumable
+        self.seq = 0  # the last event numbered
+        self.written = 0  # the last event written to the host
+        self.acked = 0  # the last event the host delivered
+        self.journal = []  # [(seq, line)] not yet acknowledged
+        self.partial = {}  # stream -> the start of a UTF-8 character cut by a read
+        self.pending_exit = None  # an exit held back while paused
+        self.pid = pid
+        self.stdin_fd = stdin_fd
+        self.stdin_pending = b""
+        self.stdin_close_requested = False
+        self.out_fds = dict(out_fds)  # fd -> stream number (1 or 2)
+        self.session = session
+        self.finished = False
+        for fd in self.out_fds:
+            set_nonblocking(fd)
+            state.SEL.register(fd, selectors.EVENT_READ, ("out", self))
+        if stdin_fd is not None:
+            set_nonblocking(stdin_fd)
+
+    def pump(self, fd):
+        stream = self.out_fds.get(fd)
+        if stream is None:
+            return
+        try:
+            data = os.read(fd, protocol.READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.output(stream, data)
+        elif self.session is None:
+            self.close_out(fd)
+
+    def output(self, stream, data):
+        if self.resumable:
+            # Events end on character boundaries, so the host never needs a
+            # character's start from an event it already acknowledged.
+            data = self.partial.pop(stream, b"") + data
+            data, cut = split_utf8(data)
+            if cut:
+                self.partial[stream] = cut
+            if not data:
+                return
+        self.event({"ev": "out", "id": self.id, "fd": stream, "data": protocol.b64(data)})
+
+    def flush_partial(self):
+        for stream in list(self.partial):
+            data = self.partial.pop(stream)
+            self.event({"ev": "out", "id": self.id, "fd": stream, "data": protocol.b64(data)})
+
+    def event(self, event):
+        """Emits one event of this execution (journaled when resumable)."""
+        if not self.resumable:
+            protocol.emit(event)
+            return
+        self.seq += 1
+        event["seq"] = self.seq
+        self.journal.append((self.seq, event))
+        if not state.PAUSED:
+            self.flush_journal()
+
+    def flush_journal(self):
+        for seq, event in self.journal:
+            if seq > self.written:
+                protocol.emit(event)
+                self.written = seq
+
+    def ack(self, seq):
+        if seq <= self.acked:
+            return
+        self.acked = min(seq, self.seq)
+        self.journal = [entry for entry in self.journal if entry[0] > self.acked]
+        if self.finished and not self.journal:
+            state.JOURNALS.pop(self.id, None)
+
+    def drain(self, limit=1 << 20):
+        """Reads what is already in the pipes, up to `limit` bytes per pipe.
+
+        Bounded: a background process that keeps writing after the main one
+        exited must not keep PID 1 busy forever.
+        """
+        for fd in list(self.out_fds):
+            taken = 0
+            while taken < limit:
+                try:
+                    data = os.read(fd, protocol.READ_CHUNK)
+                except (BlockingIOError, OSError):
+                    break
+                if not data:
+                    break
+                taken += len(data)
+                self.output(self.out_fds[fd], data)
+
+    def close_out(self, fd):
+        if fd in self.out_fds:
+            del self.out_fds[fd]
+            try:
+                state.SEL.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            os.close(fd)
+
+    def write_stdin(self, data):
+        if self.stdin_fd is None:
+            return
+        self.stdin_pending += data
+        self.flush_stdin()
+
+    def flush_stdin(self):
+        while self.stdin_pending and self.stdin_fd is not None:
+            try:
+                written = os.write(self.stdin_fd, self.stdin_pending)
+            except BlockingIOError:
+                self.watch_stdin(True)
+                return
+            except OSError:
+                self.stdin_pending = b""
+                break
+            self.stdin_pending = self.stdin_pending[written:]
+        self.watch_stdin(False)
+        if self.stdin_close_requested and self.session is None:
+            self.close_stdin_now()
+
+    def watch_stdin(self, on):
+        if self.stdin_fd is None:
+            return
+        try:
+            if on:
+                state.SEL.register(self.stdin_fd, selectors.EVENT_WRITE, ("stdin", self))
+            else:
+                state.SEL.unregister(self.stdin_fd)
+        except (KeyError, ValueError):
+            pass
+
+    def close_stdin(self):
+        self.stdin_close_requested = True
+        if not self.stdin_pending:
+            self.close_stdin_now()
+
+    def close_stdin_now(self):
+        if self.session is not None or self.stdin_fd is None:
+            return  # a persistent session keeps its stdin open across cells
+        self.watch_stdin(False)
+        os.close(self.stdin_fd)
+        self.stdin_fd = None
+
+    def finish(self, code):
+        if self.finished:
+            return
+        if state.PAUSED and self.resumable:
+            # Being checkpointed: the exit (and the output before it) waits
+            # for the host that resumes the sandbox.
+            self.pending_exit = code
+            return
+        self.finished = True
+        self.drain()
+        self.flush_partial()
+        if self.session is None:
+            for fd in list(self.out_fds):
+                self.close_out(fd)
+            self.stdin_pending = b""
+            self.stdin_close_requested = True
+            self.close_stdin_now()
+        else:
+            # The session's stdin outlives the cell: drop what this cell left.
+            self.stdin_pending = b""
+            self.watch_stdin(False)
+        state.EXECS.pop(self.id, None)
+        self.event({"ev": "exit", "id": self.id, "code": code})
+
+
+class PythonSession:
+    """A persistent Python interpreter whose globals survive between cells."""
+
+    def __init__(self):
+        self.proc = None
+
+    def ensure(self):
+        if self.proc is not None and self.alive:
+            return
+        cmd_r, self.cmd_w = os.pipe()
+        self.done_r, done_w = os.pipe()
+        in_r, self.stdin_fd = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [config.PYTHON, "-u", "-c", REPL_SOURCE, str(cmd_r), str(done_w)],
+            stdin=in_r, stdout=out_w, stderr=err_w, pass_fds=(cmd_r, done_w),
+            close_fds=True, start_new_session=True, cwd=config.HOME, env=config.user_env({}))
+        for fd in (cmd_r, done_w, in_r, out_w, err_w):
+            os.close(fd)
+        self.proc.returncode = None
+        set_nonblocking(self.done_r)
+        state.SEL.register(self.done_r, selectors.EVENT_READ, ("done", self))
+        self.out = {out_r: 1, err_r: 2}
+        self.current = None
+        self.done_buffer = b""
+        self.alive = True
+        state.PIDS[self.proc.pid] = self
+
+    def run(self, exec_id, code, resumable=False):
+        self.ensure()
+        execution = Execution(exec_id, self.proc.pid, self.stdin_fd, self.out, session=self,
+                              resumable=resumable)
+        self.current = execution
+        data = code.encode()
+        os.write(self.cmd_w, b"%010x" % len(data) + data)
+        return execution
+
+    def on_done(self):
+        try:
+            data = os.read(self.done_r, 4096)
+        except BlockingIOError:
+            return
+        self.done_buffer += data
+        while b"\n" in self.done_buffer:
+            line, self.done_buffer = self.done_buffer.split(b"\n", 1)
+            if self.current is not None:
+                execution, self.current = self.current, None
+                unregister_outputs(execution)
+                execution.finish(int(line or b"1"))
+
+    def on_exit(self, code):
+        # The interpreter died (os._exit, a crash, a kill): the session restarts
+        # on the next cell; the running cell ends with the interpreter's code.
+        for fd in (self.done_r, self.cmd_w, self.stdin_fd, *self.out):
+            try:
+                state.SEL.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+        if self.current is not None:
+            execution, self.current = self.current, None
+            execution.drain()
+            execution.session = None
+            execution.out_fds = {}
+            execution.finish(code)
+        for fd in (self.done_r, self.cmd_w, self.stdin_fd, *self.out):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.alive = False
+        self.proc.returncode = code
+        self.proc = None
+
+
+SESSION = PythonSession()
+
+
+def start_exec(msg):
+    exec_id = msg["id"]
+    if state.EXECS:
+        protocol.error(exec_id, "another execution is running")
+        return
+    resumable = bool(msg.get("resumable"))
+    # A new execution supersedes what an earlier one left unacknowledged,
+    # as the host's replay log keeps only the current execution.
+    state.JOURNALS.clear()
+    if msg.get("session"):
+        execution = SESSION.run(exec_id, msg["code"], resumable)
+        state.EXECS[exec_id] = execution
+        if resumable:
+            state.JOURNALS[exec_id] = execution
+        protocol.emit({"ev": "started", "id": exec_id, "pid": execution.pid})
+        return
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            msg["argv"], stdin=in_r, stdout=out_w, stderr=err_w, close_fds=True,
+            start_new_session=True, cwd=msg.get("cwd") or config.HOME,
+            env=config.user_env(msg.get("env") or {}))
+    except OSError as err:
+        for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+            os.close(fd)
+        protocol.error(exec_id, "cannot start %s: %s" % (msg["argv"][0], err))
+        return
+    for fd in (in_r, out_w, err_w):
+        os.close(fd)
+    # Reaped by the agent's own loop (it is PID 1), never by Popen.
+    proc.returncode = 0
+    stdin_fd, out_fds = in_w, {out_r: 1, err_r: 2}
+    execution = Execution(exec_id, proc.pid, stdin_fd, out_fds, resumable=resumable)
+    state.EXECS[exec_id] = execution
+    if resumable:
+        state.JOURNALS[exec_id] = execution
+    state.PIDS[proc.pid] = execution
+    protocol.emit({"ev": "started", "id": exec_id, "pid": proc.pid})
+
+
+def stdin(msg):
+    execution = state.EXECS.get(msg["id"])
+    if execution is not None:
+        execution.write_stdin(protocol.unb64(msg["data"]))
+
+
+def stdin_close(msg):
+    execution = state.EXECS.get(msg["id"])
+    if execution is not None:
+        execution.close_stdin()
+
+
+def descendants(root_pid):
+    """Pids of root_pid's process tree (by parent links in /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry, "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        for child in children.get(pid, []):
+            tree.append(child)
+            todo.append(child)
+    return tree
+
+
+def kill_tree(pid):
+    for victim in [pid] + descendants(pid):
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def kill(msg):
+    from .loop import loop_once  # the loop imports the handlers: import late
+
+    exec_id = msg["id"]
+    execution = state.EXECS.get(exec_id)
+    if execution is None:
+        return
+    if execution.session is not None:
+        SESSION.on_done()  # the cell may have finished already
+        if exec_id not in state.EXECS:
+            return
+        os.kill(execution.pid, signal.SIGINT)
+        deadline = time.time() + 1.0
+        while exec_id in state.EXECS and time.time() < deadline:
+            loop_once(0.05)
+        if exec_id not in state.EXECS:
+            return
+    kill_tree(execution.pid)

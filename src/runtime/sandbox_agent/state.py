@@ -1,0 +1,26 @@
+"""What the agent's modules share: one selector for every pipe the main loop
+watches, and the executions by id and by pid. One agent per process: module
+state is the agent's state (tests reset it with `reset`)."""
+import selectors
+import time
+
+START_TIME = time.time()
+SEL = selectors.DefaultSelector()
+EXECS = {}
+# Resumable executions whose events the host has not all acknowledged
+# (running or ended), by id; at most the newest one.
+JOURNALS = {}
+# Set by a checkpoint that keeps executions, until "resume".
+PAUSED = False
+PIDS = {}  # main pid -> Execution or PythonSession
+
+
+def reset():
+    """Forgets every execution (tests: a fresh agent)."""
+    global SEL, PAUSED
+    SEL.close()
+    SEL = selectors.DefaultSelector()
+    EXECS.clear()
+    JOURNALS.clear()
+    PIDS.clear()
+    PAUSED = False

@@ -1,0 +1,67 @@
+"""Executions as the host sees them: started, output per stream, exit code;
+stdin; kill; one at a time; the persistent Python session."""
+import unittest
+
+from sandbox_agent import state
+from sandbox_agent.execution import split_utf8
+
+from .support import AgentTest, output
+
+
+class ExecutionTest(AgentTest):
+    def test_output_goes_per_stream_and_the_exit_code_through(self):
+        run = self.send("exec", argv=["bash", "-c", "echo out; echo err >&2; exit 3"])
+        events = self.run_to_exit(run)
+        self.assertEqual(events[0]["ev"], "started")
+        self.assertEqual(output(events, run, 1), b"out\n")
+        self.assertEqual(output(events, run, 2), b"err\n")
+        self.assertEqual(events[-1], {"ev": "exit", "id": run, "code": 3})
+        self.assertNotIn("seq", events[1], "only resumable executions are numbered")
+
+    def test_env_and_cwd_reach_the_process(self):
+        run = self.send("exec", argv=["bash", "-c", 'echo "$GREETING $PWD"'],
+                        env={"GREETING": "hi"}, cwd=self.dir)
+        self.assertEqual(output(self.run_to_exit(run), run), ("hi %s\n" % self.dir).encode())
+
+    def test_stdin_is_written_and_closed(self):
+        run = self.send("exec", argv=["bash", "-c", "cat; echo end"])
+        self.send("stdin", id=run, data="aGVsbG8K")  # "hello\n"
+        self.send("stdin_close", id=run)
+        self.assertEqual(output(self.run_to_exit(run), run), b"hello\nend\n")
+
+    def test_one_execution_at_a_time(self):
+        first = self.send("exec", argv=["sleep", "30"])
+        second = self.send("exec", argv=["true"])
+        events = self.events()
+        self.assertIn({"ev": "error", "id": second, "message": "another execution is running"}, events)
+        self.send("kill", id=first)
+        self.assertEqual(self.run_to_exit(first)[-1]["code"], 137)
+
+    def test_a_program_that_cannot_start_is_an_error(self):
+        run = self.send("exec", argv=["/nonexistent/program"])
+        [event] = self.events()
+        self.assertEqual((event["ev"], event["id"]), ("error", run))
+        self.assertEqual(state.EXECS, {})
+
+    def test_session_cells_share_their_globals(self):
+        first = self.send("exec", session=True, code="x = 41")
+        self.assertEqual(self.run_to_exit(first)[-1]["code"], 0)
+        second = self.send("exec", session=True, code="print(x + 1)")
+        self.assertEqual(output(self.run_to_exit(second), second), b"42\n")
+
+    def test_a_session_cell_is_interrupted_by_kill_and_the_session_goes_on(self):
+        cell = self.send("exec", session=True, code="y = 1\nprint('set')\nimport time\ntime.sleep(30)")
+        self.run_until(lambda seen: output(seen, cell) == b"set\n")
+        self.send("kill", id=cell)
+        self.assertEqual(self.run_to_exit(cell)[-1]["code"], 130)
+        after = self.send("exec", session=True, code="print(y)")
+        self.assertEqual(output(self.run_to_exit(after), after), b"1\n")
+
+
+class SplitUtf8Test(unittest.TestCase):
+    def test_a_cut_character_is_held_back(self):
+        snowman = "\u2603".encode()
+        self.assertEqual(split_utf8(b"a" + snowman[:2]), (b"a", snowman[:2]))
+        self.assertEqual(split_utf8(b"a" + snowman), (b"a" + snowman, b""))
+        self.assertEqual(split_utf8(b""), (b"", b""))
+        self.assertEqual(split_utf8(b"\xc3"), (b"", b"\xc3"))
