@@ -179,3 +179,39 @@ async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung
         "a clear error"
     );
 }
+
+#[tokio::test]
+async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    // A newer holder's record (as a zombie would find it), then a deletion.
+    let mut metadata = world.metadata(&id).await;
+    metadata.status.epoch = 99;
+    metadata.spec.desired_state = DesiredState::Deleted;
+    world
+        .store
+        .put(&metadata_key(&id), encode(&metadata), PutMode::Overwrite)
+        .await
+        .unwrap();
+    a.controller.enqueue(&id);
+    let err = a.reconcile(&id).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ReconcileError::Fenced {
+                recorded: 99,
+                writer: 1,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.is_fenced());
+    assert!(ControlError::from(err).is_fenced());
+    assert_eq!(
+        world.metadata(&id).await.status.phase,
+        Phase::Running,
+        "the newer record is kept"
+    );
+}
