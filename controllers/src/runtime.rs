@@ -143,7 +143,7 @@ pub enum RuntimeError {
     ExecutionInProgress(SandboxId),
     /// A checkpoint is being taken: nothing may start until it ends (it
     /// would be frozen half-way into the image).
-    #[error("sandbox {0} is being checkpointed; attach again to run code")]
+    #[error("sandbox {0} is being checkpointed")]
     Checkpointing(SandboxId),
     #[error("the checkpoint image {key} is corrupt: {detail}")]
     CorruptImage { key: String, detail: String },

@@ -10,7 +10,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::ws::{WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, Query, State};
@@ -20,10 +19,11 @@ use controllers::api::{
     DEFAULT_WORKSPACE_TEMPLATE, DesiredState, Phase, SandboxId, SandboxMetadata, WorkspaceSpec,
     is_resource_name,
 };
-use controllers::sandboxes::{ForkPoint, Operation, Progress, SandboxController};
+use controllers::sandboxes::{ControlError, ForkPoint, SandboxController, SandboxEvent};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
+use super::events::{NotStarted, await_running};
 use super::live::{LiveSandbox, SandboxOptions};
 use super::output::ExecutionState;
 use super::protocol::{
@@ -32,9 +32,6 @@ use super::protocol::{
 use super::session::{CLOSE_FATAL, CLOSE_UNAVAILABLE, Out, Session, next_text, refuse_too_big};
 use super::state::AppState;
 use super::token;
-
-/// How long a create or restore may take before the client is told it failed.
-const START_TIMEOUT: Duration = Duration::from_secs(120);
 
 pub async fn create(ws: WebSocketUpgrade, State(state): State<AppState>) -> Response {
     ws.max_message_size(MAX_MESSAGE_BYTES)
@@ -60,48 +57,6 @@ pub async fn attach(
     ws.max_message_size(MAX_MESSAGE_BYTES)
         .max_frame_size(MAX_MESSAGE_BYTES)
         .on_upgrade(move |socket| serve_attach(socket, state, sandbox_id, token, checkpoint))
-}
-
-/// Waits for the controller to start the sandbox here, relaying lock and
-/// restore progress. `Err` carries the operation that failed and why.
-async fn await_running(
-    out: &Out,
-    progress: &mut broadcast::Receiver<Progress>,
-    handoff: bool,
-    restoring_sent: bool,
-) -> Result<(), (Operation, String)> {
-    let wait = async {
-        loop {
-            match progress.recv().await {
-                Ok(Progress::Running { .. }) => return Ok(()),
-                Ok(Progress::LockAcquiring) if handoff => {
-                    out.status(Status::LockAcquiring).await;
-                }
-                Ok(Progress::LockAcquired) if handoff => {
-                    out.status(Status::LockAcquired).await;
-                }
-                Ok(Progress::Restoring) if !restoring_sent => {
-                    out.status(Status::Restoring).await;
-                }
-                Ok(Progress::Failed { operation, message }) => return Err((operation, message)),
-                Ok(Progress::Lost { message }) => return Err((Operation::Restore, message)),
-                Ok(Progress::Deleted) => {
-                    return Err((Operation::Restore, "the sandbox was deleted".to_owned()));
-                }
-                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-                Err(broadcast::error::RecvError::Closed) => {
-                    return Err((Operation::Restore, "the controller stopped".to_owned()));
-                }
-            }
-        }
-    };
-    match tokio::time::timeout(START_TIMEOUT, wait).await {
-        Ok(outcome) => outcome,
-        Err(_) => Err((
-            Operation::Restore,
-            format!("timed out after {} s", START_TIMEOUT.as_secs()),
-        )),
-    }
 }
 
 fn controller_or_error(state: &AppState) -> Result<Arc<SandboxController>, String> {
@@ -202,11 +157,10 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         state.live.detach(&live, attachment);
         return fail(message).await;
     }
-    if let Err((_, message)) =
-        await_running(&out, &mut progress, init.enable_sandbox_handoff, true).await
+    if let Err(not_started) = await_running(&out, &mut progress, init.enable_sandbox_handoff).await
     {
         state.live.detach(&live, attachment);
-        return fail(message).await;
+        return fail(not_started.message(&id)).await;
     }
     state
         .live
@@ -366,7 +320,7 @@ async fn run_session(
     stream: futures::stream::SplitStream<WebSocket>,
     live: Arc<LiveSandbox>,
     attachment: u64,
-    progress: broadcast::Receiver<Progress>,
+    progress: broadcast::Receiver<SandboxEvent>,
 ) {
     let session = Session::new(id, out, live, attachment, controller, state.features);
     let span =
@@ -462,7 +416,7 @@ async fn serve_attach(
         return not_found().await;
     }
     if !runs_here
-        && let Err(message) = restore(
+        && let Err(refused) = restore(
             &state,
             &controller,
             &out,
@@ -473,7 +427,7 @@ async fn serve_attach(
         .await
     {
         state.live.detach(&live, attachment);
-        return fatal(Status::RestoreError, message).await;
+        return fatal(Status::RestoreError, refused.message(&id)).await;
     }
     state
         .live
@@ -508,45 +462,61 @@ pub(super) fn adopt_resumed_execution(
     }
 }
 
+/// Why an attach could not bring the sandbox here.
+#[derive(Debug)]
+enum RestoreRefused {
+    /// It runs here and a named checkpoint was asked for.
+    RunningHere,
+    CheckpointingDisabled,
+    /// The intent could not be written.
+    Request(ControlError),
+    NotStarted(NotStarted),
+}
+
+impl RestoreRefused {
+    /// The message of `SANDBOX_RESTORE_ERROR`.
+    fn message(&self, id: &SandboxId) -> String {
+        let failed =
+            |detail: &dyn std::fmt::Display| format!("Failed to restore sandbox {id}: {detail}");
+        match self {
+            Self::RunningHere => {
+                failed(&"it is running; checkpoint it before restoring a named checkpoint")
+            }
+            Self::CheckpointingDisabled => failed(&"checkpointing is not enabled on this server"),
+            Self::Request(err) => failed(err),
+            Self::NotStarted(not_started) => not_started.restore_message(id),
+        }
+    }
+}
+
 /// Asks for the sandbox here and waits until it runs.
 async fn restore(
     state: &AppState,
     controller: &Arc<SandboxController>,
     out: &Out,
-    progress: &mut broadcast::Receiver<Progress>,
+    events: &mut broadcast::Receiver<SandboxEvent>,
     metadata: &SandboxMetadata,
     checkpoint: Option<&str>,
-) -> Result<(), String> {
+) -> Result<(), RestoreRefused> {
     let id = &metadata.sandbox_id;
-    let failed = |detail: String| {
-        if detail.starts_with("Failed to restore") {
-            detail
-        } else {
-            format!("Failed to restore sandbox {id}: {detail}")
-        }
-    };
     if controller.is_held_here(id) {
         // A named checkpoint replaces the running sandbox: checkpoint the
         // current state first, like any other move.
-        return Err(failed(
-            "it is running; checkpoint it before restoring a named checkpoint".to_owned(),
-        ));
+        return Err(RestoreRefused::RunningHere);
     }
     if !state.features.checkpoint {
-        return Err(failed(
-            "checkpointing is not enabled on this server".to_owned(),
-        ));
+        return Err(RestoreRefused::CheckpointingDisabled);
     }
     out.status(Status::Restoring).await;
     controller
         .request_here(id, checkpoint, chrono::Utc::now())
         .await
-        .map_err(|err| failed(err.to_string()))?;
-    match await_running(out, progress, metadata.spec.enable_sandbox_handoff, true).await {
+        .map_err(RestoreRefused::Request)?;
+    match await_running(out, events, metadata.spec.enable_sandbox_handoff).await {
         Ok(()) => Ok(()),
-        Err((_, message)) => {
+        Err(not_started) => {
             let _ = controller.withdraw_request(id).await;
-            Err(failed(message))
+            Err(RestoreRefused::NotStarted(not_started))
         }
     }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use controllers::api::{DesiredState, SandboxId, SandboxMetadata};
-use controllers::sandboxes::{Progress, SandboxController};
+use controllers::sandboxes::{ControlError, SandboxController, SandboxEvent};
 use tokio::sync::broadcast;
 use tokio::time::Instant;
 
@@ -24,15 +24,18 @@ use super::output::ExecutionState;
 /// for it to send events at chosen moments).
 #[async_trait]
 pub trait Lifecycle: Send + Sync + 'static {
-    fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<Progress>;
+    fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<SandboxEvent>;
     fn is_held_here(&self, sandbox: &SandboxId) -> bool;
-    async fn request_state(&self, sandbox: &SandboxId, desired: DesiredState)
-    -> Result<(), String>;
+    async fn request_state(
+        &self,
+        sandbox: &SandboxId,
+        desired: DesiredState,
+    ) -> Result<(), ControlError>;
 }
 
 #[async_trait]
 impl Lifecycle for SandboxController {
-    fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<Progress> {
+    fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<SandboxEvent> {
         SandboxController::subscribe(self, sandbox)
     }
 
@@ -44,10 +47,8 @@ impl Lifecycle for SandboxController {
         &self,
         sandbox: &SandboxId,
         desired: DesiredState,
-    ) -> Result<(), String> {
-        SandboxController::request_state(self, sandbox, desired, None)
-            .await
-            .map_err(|err| err.to_string())
+    ) -> Result<(), ControlError> {
+        SandboxController::request_state(self, sandbox, desired, None).await
     }
 }
 
@@ -262,7 +263,7 @@ impl LiveSandboxes {
         &self,
         live: Arc<LiveSandbox>,
         controller: Arc<C>,
-        mut progress: broadcast::Receiver<Progress>,
+        mut events: broadcast::Receiver<SandboxEvent>,
     ) {
         let mut expired = false;
         loop {
@@ -280,8 +281,8 @@ impl LiveSandboxes {
                 }
             };
             tokio::select! {
-                event = progress.recv() => match event {
-                    Ok(Progress::Deleted | Progress::Checkpointed { .. } | Progress::Lost { .. }) => break,
+                event = events.recv() => match event {
+                    Ok(event) if event.ends_hold() => break,
                     Ok(_) => {}
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
@@ -328,11 +329,11 @@ mod tests {
     use super::*;
 
     /// A controller whose events the test sends itself.
-    struct Events(broadcast::Sender<Progress>);
+    struct Events(broadcast::Sender<SandboxEvent>);
 
     #[async_trait]
     impl Lifecycle for Events {
-        fn subscribe(&self, _sandbox: &SandboxId) -> broadcast::Receiver<Progress> {
+        fn subscribe(&self, _sandbox: &SandboxId) -> broadcast::Receiver<SandboxEvent> {
             self.0.subscribe()
         }
         fn is_held_here(&self, _sandbox: &SandboxId) -> bool {
@@ -342,7 +343,7 @@ mod tests {
             &self,
             _sandbox: &SandboxId,
             _desired: DesiredState,
-        ) -> Result<(), String> {
+        ) -> Result<(), ControlError> {
             Ok(())
         }
     }
@@ -358,7 +359,7 @@ mod tests {
         let controller = Arc::new(Events(broadcast::channel(16).0));
         registry.started(&live, SandboxOptions::default(), &controller);
         // Nothing has yielded yet: the watcher task has not run.
-        controller.0.send(Progress::Deleted).ok();
+        controller.0.send(SandboxEvent::Deleted).ok();
         registry.detach(&live, attachment);
         for _ in 0..100 {
             tokio::task::yield_now().await;

@@ -4,6 +4,7 @@
 //! checkpoints or restores a sandbox by itself.
 
 pub mod connect;
+pub mod events;
 pub mod execute;
 pub mod live;
 pub mod output;

@@ -187,11 +187,11 @@ impl ExecutionState {
         !self.log().frames.is_empty()
     }
 
-    pub async fn write_stdin(&self, data: bytes::Bytes) -> Result<(), String> {
-        self.control
-            .write_stdin(data)
-            .await
-            .map_err(|err| err.to_string())
+    pub async fn write_stdin(
+        &self,
+        data: bytes::Bytes,
+    ) -> Result<(), controllers::runtime::RuntimeError> {
+        self.control.write_stdin(data).await
     }
 
     /// Kills the execution and reports it in order: `FORCE_KILLED` (or

@@ -223,6 +223,48 @@ pub enum ConditionStatus {
     Unknown,
 }
 
+/// The condition type the controllers keep: whether the sandbox runs.
+pub const READY: &str = "Ready";
+
+/// Why the `Ready` condition is what it is (its `reason`). Only `Running`
+/// means ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadyReason {
+    Running,
+    Checkpointed,
+    Deleted,
+    /// Its create failed, or it died or was lost with a failed checkpoint.
+    Failed,
+    /// A restore failed; the checkpoint is as it was and may be tried again.
+    RestoreFailed,
+}
+
+impl ReadyReason {
+    pub const ALL: [Self; 5] = [
+        Self::Running,
+        Self::Checkpointed,
+        Self::Deleted,
+        Self::Failed,
+        Self::RestoreFailed,
+    ];
+
+    /// The `reason` string written in `metadata.json`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "Running",
+            Self::Checkpointed => "Checkpointed",
+            Self::Deleted => "Deleted",
+            Self::Failed => "Failed",
+            Self::RestoreFailed => "RestoreFailed",
+        }
+    }
+
+    /// The reason a condition's `reason` string names, if it is one of ours.
+    pub fn parse(reason: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.as_str() == reason)
+    }
+}
+
 impl SandboxMetadata {
     /// A new sandbox's document: desired running, nothing observed yet.
     pub fn new(sandbox_id: SandboxId, created_at: DateTime<Utc>, token_sha256: String) -> Self {
@@ -284,6 +326,30 @@ impl SandboxStatus {
 
     pub fn condition(&self, kind: &str) -> Option<&Condition> {
         self.conditions.iter().find(|c| c.kind == kind)
+    }
+
+    /// Sets the `Ready` condition: true for [`ReadyReason::Running`] only.
+    pub fn set_ready(&mut self, reason: ReadyReason, message: &str, now: DateTime<Utc>) {
+        let status = if reason == ReadyReason::Running {
+            ConditionStatus::True
+        } else {
+            ConditionStatus::False
+        };
+        self.set_condition(READY, status, reason.as_str(), message, now);
+    }
+
+    /// The `Ready` condition's reason, when it is one the controllers write.
+    pub fn ready_reason(&self) -> Option<ReadyReason> {
+        self.condition(READY)
+            .and_then(|condition| ReadyReason::parse(&condition.reason))
+    }
+
+    /// When the sandbox was tombstoned (`Ready` turned false for `Deleted`),
+    /// if its condition says so.
+    pub fn deleted_at(&self) -> Option<DateTime<Utc>> {
+        self.condition(READY)
+            .filter(|c| ReadyReason::parse(&c.reason) == Some(ReadyReason::Deleted))
+            .map(|c| c.last_transition_time)
     }
 }
 

@@ -5,14 +5,16 @@
 
 mod controller;
 mod decision;
+mod events;
 mod metrics;
-mod progress;
 mod reconciler;
 mod workqueue;
 
 pub use controller::{ControlError, SandboxController};
+pub use events::{
+    CheckpointFailure, LossCause, ProgressBus, SandboxEvent, StartFailure, StartKind,
+};
 pub use metrics::{Histogram, Metrics};
-pub use progress::{Operation, Progress, ProgressBus};
 pub use reconciler::{
     ForkError, ForkPoint, HandoffPolicy, ReconcileError, Reconciler, ReconcilerConfig,
     ReconcilerParts, Requeue, delete_checkpoint_objects,

@@ -120,7 +120,7 @@ struct Node {
     runtime: FakeRuntime,
     /// Skips its turns until this step (a paused process).
     paused_until: usize,
-    progress: Vec<broadcast::Receiver<Progress>>,
+    progress: Vec<broadcast::Receiver<SandboxEvent>>,
     store: Arc<GatedStore>,
     open: tokio::sync::watch::Sender<bool>,
     /// A reconcile pass frozen by the pause, finished when it ends.
@@ -492,7 +492,7 @@ impl Sim {
         for node in &mut self.nodes {
             for (index, receiver) in node.progress.iter_mut().enumerate() {
                 while let Ok(event) = receiver.try_recv() {
-                    if let Progress::Checkpointed { image } = event {
+                    if let SandboxEvent::Checkpointed { image } = event {
                         images.push((self.sandboxes[index].clone(), image));
                     }
                 }

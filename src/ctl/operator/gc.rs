@@ -84,10 +84,7 @@ pub async fn gc(
             .chain(&status.previous_checkpoints)
             .chain(status.named_checkpoints.values())
             .collect();
-        let deleted_at = status
-            .condition("Ready")
-            .filter(|c| c.reason == "Deleted")
-            .map_or(metadata.created_at, |c| c.last_transition_time);
+        let deleted_at = status.deleted_at().unwrap_or(metadata.created_at);
         if status.phase == controllers::api::Phase::Deleted && now - deleted_at > retention {
             report.tombstones.push(id.clone());
             if !dry_run {

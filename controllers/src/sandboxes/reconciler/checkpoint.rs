@@ -69,19 +69,14 @@ impl Reconciler {
         &self,
         sandbox: &SandboxId,
         epoch: u64,
-        message: String,
+        cause: CheckpointFailure,
     ) -> Result<(), ReconcileError> {
+        let message = format!("checkpoint failed: {cause}");
         self.write_status(sandbox, epoch, |status| {
             status.last_error = Some(message.clone());
         })
         .await?;
-        self.emit(
-            sandbox,
-            Progress::Failed {
-                operation: Operation::Checkpoint,
-                message,
-            },
-        );
+        self.emit(sandbox, SandboxEvent::CheckpointFailed(cause));
         Ok(())
     }
 
@@ -127,7 +122,7 @@ impl Reconciler {
             Err(err) => {
                 tracing::warn!(%sandbox, %err, "periodic checkpoint failed");
                 if !self.runtime.is_running(sandbox) {
-                    self.stop_lost(sandbox, &format!("a periodic checkpoint failed: {err}"))
+                    self.stop_lost(sandbox, LossCause::PeriodicCheckpoint(err.to_string()))
                         .await;
                 }
                 return Ok(());
@@ -152,13 +147,13 @@ impl Reconciler {
                 tracing::info!(%sandbox, size = manifest.image.size, "periodic checkpoint");
                 Ok(())
             }
-            (recorded, restored) => {
-                let detail = match (&recorded, &restored) {
-                    (Err(err), _) => format!("recording it failed: {err}"),
-                    (_, Err(err)) => format!("restoring it failed: {err}"),
-                    _ => String::new(),
-                };
-                self.stop_lost(sandbox, &format!("after a periodic checkpoint, {detail}"))
+            (Err(err), _) => {
+                self.stop_lost(sandbox, LossCause::PeriodicRecord(err.to_string()))
+                    .await;
+                Ok(())
+            }
+            (Ok(_), Err(err)) => {
+                self.stop_lost(sandbox, LossCause::PeriodicRestore(err.to_string()))
                     .await;
                 Ok(())
             }
@@ -184,7 +179,6 @@ impl Reconciler {
         mut held: HeldLease,
         force: bool,
     ) -> Result<Requeue, ReconcileError> {
-        let handoff = metadata.spec.enable_sandbox_handoff;
         let _transition = self
             .metrics
             .in_transition(sandbox.as_str(), "checkpointing");
@@ -192,7 +186,7 @@ impl Reconciler {
             held = self.leases.renew(&held).await?;
             self.held_map().insert(sandbox.clone(), held.clone());
         }
-        self.emit(sandbox, Progress::Checkpointing);
+        self.emit(sandbox, SandboxEvent::CheckpointStarted);
         let name = match metadata.spec.desired_state {
             DesiredState::Checkpointed => metadata.spec.checkpoint_name.clone(),
             _ => None,
@@ -216,45 +210,39 @@ impl Reconciler {
                 manifest
             }
             Err(RuntimeError::ExecutionInProgress(_)) => {
-                self.emit(sandbox, Progress::ExecutionInProgress);
+                self.emit(sandbox, SandboxEvent::CheckpointWaitsForExecution);
                 // Not a steady state: the retry must decide again in full.
                 self.want_full_pass(sandbox);
                 return Ok(Requeue::After(self.config.checkpoint_retry));
             }
             Err(RuntimeError::Lost { detail, .. }) => {
                 self.forget(sandbox);
-                self.emit(sandbox, Progress::Deleting);
-                let message = format!("Failed to checkpoint sandbox {sandbox}: {detail}");
+                self.emit(sandbox, SandboxEvent::Stopping);
+                let cause = CheckpointFailure::SandboxLost(detail);
+                let message = format!("checkpoint failed: {cause}");
                 self.write_status(sandbox, held.epoch, |status| {
                     status.phase = Phase::Failed;
                     status.holder = None;
                     status.last_error = Some(message.clone());
-                    self.ready(status, false, "Failed", &message);
+                    self.ready(status, ReadyReason::Failed, &message);
                 })
                 .await?;
                 if let Err(err) = self.leases.release(&held).await {
                     tracing::warn!(%sandbox, %err, "cannot release the lease of a lost sandbox");
                 }
-                self.emit(sandbox, Progress::Deleted);
-                self.emit(
-                    sandbox,
-                    Progress::Failed {
-                        operation: Operation::Checkpoint,
-                        message,
-                    },
-                );
+                self.emit(sandbox, SandboxEvent::CheckpointFailed(cause));
                 return Ok(Requeue::Never);
             }
             Err(err) => {
-                let message = format!("Failed to checkpoint sandbox {sandbox}: {err}");
-                self.report_checkpoint_failure(sandbox, held.epoch, message)
+                let cause = CheckpointFailure::Runtime(err.to_string());
+                self.report_checkpoint_failure(sandbox, held.epoch, cause)
                     .await?;
                 return Err(err.into());
             }
         };
         // The runtime removed the local sandbox with the checkpoint.
         self.forget(sandbox);
-        self.emit(sandbox, Progress::Deleting);
+        self.emit(sandbox, SandboxEvent::Stopping);
         let reference = self.checkpoint_ref(&manifest, held.epoch, name.clone());
         let keep = self.config.keep_checkpoints;
         let mut superseded = Vec::new();
@@ -269,13 +257,11 @@ impl Reconciler {
                 status.phase = Phase::Checkpointed;
                 status.holder = None;
                 status.last_error = None;
-                self.ready(status, false, "Checkpointed", "");
+                self.ready(status, ReadyReason::Checkpointed, "");
             })
             .await?;
         self.failpoint(metadata, "handoff:after-record");
-        if handoff {
-            self.emit(sandbox, Progress::LockReleasing);
-        }
+        self.emit(sandbox, SandboxEvent::LeaseReleasing);
         let released = self.leases.release(&held).await;
         if let Err(err) = &released {
             // The checkpoint is recorded. The lock still names this
@@ -283,16 +269,13 @@ impl Reconciler {
             // orphan (the next holder waits until then).
             tracing::warn!(%sandbox, %err, "cannot release the lease after a checkpoint");
         }
-        if handoff {
-            self.emit(sandbox, Progress::LockReleased);
-        }
+        self.emit(sandbox, SandboxEvent::LeaseReleased);
         // After the release: the next holder need not wait for this.
         self.delete_checkpoints(&unreferenced(superseded, &recorded.status))
             .await;
-        self.emit(sandbox, Progress::Deleted);
         self.emit(
             sandbox,
-            Progress::Checkpointed {
+            SandboxEvent::Checkpointed {
                 image: manifest.image.key,
             },
         );
@@ -340,11 +323,7 @@ impl Reconciler {
         metadata: &SandboxMetadata,
     ) -> Result<Requeue, ReconcileError> {
         let retention = chrono_duration(self.config.tombstone_retention);
-        let deleted_at = metadata
-            .status
-            .condition("Ready")
-            .filter(|c| c.reason == "Deleted")
-            .map_or(metadata.created_at, |c| c.last_transition_time);
+        let deleted_at = metadata.status.deleted_at().unwrap_or(metadata.created_at);
         let now = self.clock.now();
         if now < deleted_at + retention {
             return Ok(Requeue::After(

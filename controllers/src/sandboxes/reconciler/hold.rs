@@ -19,15 +19,16 @@ impl Reconciler {
         if let Err(err) = self.leases.release(&held).await {
             tracing::warn!(%sandbox, %err, "cannot release the lease of a sandbox that stopped");
         }
-        let message = "the sandbox stopped unexpectedly on this instance".to_owned();
+        let cause = LossCause::Died;
+        let message = cause.to_string();
         self.write_status(sandbox, held.epoch, |status| {
             status.phase = Phase::Failed;
             status.holder = None;
             status.last_error = Some(message.clone());
-            self.ready(status, false, "Failed", &message);
+            self.ready(status, ReadyReason::Failed, &message);
         })
         .await?;
-        self.emit(sandbox, Progress::Lost { message });
+        self.emit(sandbox, SandboxEvent::Lost(cause));
         Ok(Requeue::Never)
     }
 
@@ -38,8 +39,7 @@ impl Reconciler {
         sandbox: &SandboxId,
         held: HeldLease,
     ) -> Result<Requeue, ReconcileError> {
-        let message = format!("Sandbox {sandbox} is not configured for checkpointing.");
-        self.report_checkpoint_failure(sandbox, held.epoch, message)
+        self.report_checkpoint_failure(sandbox, held.epoch, CheckpointFailure::NotConfigured)
             .await?;
         self.keep_running(sandbox, held).await
     }
@@ -52,7 +52,7 @@ impl Reconciler {
         metadata: &SandboxMetadata,
         held: HeldLease,
     ) -> Result<Requeue, ReconcileError> {
-        self.emit(sandbox, Progress::LockReleaseRequested);
+        self.emit(sandbox, SandboxEvent::HandoffRequested);
         let force = self.config.handoff == HandoffPolicy::Force;
         let started = std::time::Instant::now();
         let outcome = self
@@ -117,13 +117,13 @@ impl Reconciler {
                 Ok(Requeue::After(next))
             }
             Err(LeaseError::Lost { .. } | LeaseError::Missing { .. }) => {
-                self.stop_lost(sandbox, "the lease was taken over").await;
+                self.stop_lost(sandbox, LossCause::LeaseLost).await;
                 Ok(Requeue::Never)
             }
             Err(err) => {
                 // Past the lease we can vouch for: another instance may
                 // start it; two copies must never run.
-                self.stop_lost(sandbox, &format!("the lease could not be renewed: {err}"))
+                self.stop_lost(sandbox, LossCause::RenewalFailed(err.to_string()))
                     .await;
                 Ok(Requeue::Never)
             }
@@ -131,8 +131,8 @@ impl Reconciler {
     }
 
     /// Stops a sandbox this instance no longer owns, writing nothing.
-    pub(super) async fn stop_lost(&self, sandbox: &SandboxId, why: &str) {
-        tracing::warn!(%sandbox, why, "stopping a sandbox this instance lost");
+    pub(super) async fn stop_lost(&self, sandbox: &SandboxId, why: LossCause) {
+        tracing::warn!(%sandbox, %why, "stopping a sandbox this instance lost");
         crate::sandboxes::Metrics::add(&self.metrics.lost, 1);
         self.forget(sandbox);
         if let Err(err) = self.runtime.destroy(sandbox).await
@@ -140,23 +140,16 @@ impl Reconciler {
         {
             tracing::error!(%sandbox, %err, "cannot destroy a lost sandbox");
         }
-        self.emit(
-            sandbox,
-            Progress::Lost {
-                message: format!("Sandbox {sandbox} stopped on this instance: {why}"),
-            },
-        );
+        self.emit(sandbox, SandboxEvent::Lost(why));
     }
 
     pub(super) async fn delete_held(
         &self,
         sandbox: &SandboxId,
-        metadata: &SandboxMetadata,
         held: HeldLease,
     ) -> Result<Requeue, ReconcileError> {
-        let handoff = metadata.spec.enable_sandbox_handoff;
         let _transition = self.metrics.in_transition(sandbox.as_str(), "deleting");
-        self.emit(sandbox, Progress::Deleting);
+        self.emit(sandbox, SandboxEvent::Stopping);
         crate::sandboxes::Metrics::add(&self.metrics.deletes, 1);
         if self.runtime.is_running(sandbox) {
             self.hooks.on_terminate(sandbox).await;
@@ -164,13 +157,7 @@ impl Reconciler {
         match self.runtime.destroy(sandbox).await {
             Ok(()) | Err(RuntimeError::NotFound(_)) => {}
             Err(err) => {
-                self.emit(
-                    sandbox,
-                    Progress::Failed {
-                        operation: Operation::Delete,
-                        message: err.to_string(),
-                    },
-                );
+                self.emit(sandbox, SandboxEvent::DeleteFailed(err.to_string()));
                 return Err(err.into());
             }
         }
@@ -178,17 +165,13 @@ impl Reconciler {
         self.write_status(sandbox, held.epoch, |status| {
             status.phase = Phase::Deleted;
             status.holder = None;
-            self.ready(status, false, "Deleted", "");
+            self.ready(status, ReadyReason::Deleted, "");
         })
         .await?;
-        if handoff {
-            self.emit(sandbox, Progress::LockReleasing);
-        }
+        self.emit(sandbox, SandboxEvent::LeaseReleasing);
         self.leases.release(&held).await?;
-        if handoff {
-            self.emit(sandbox, Progress::LockReleased);
-        }
-        self.emit(sandbox, Progress::Deleted);
+        self.emit(sandbox, SandboxEvent::LeaseReleased);
+        self.emit(sandbox, SandboxEvent::Deleted);
         Ok(Requeue::After(self.config.tombstone_retention))
     }
 
@@ -207,15 +190,15 @@ impl Reconciler {
             }
             Err(err) => return Err(err.into()),
         };
-        self.emit(sandbox, Progress::Deleting);
+        self.emit(sandbox, SandboxEvent::Stopping);
         self.write_status(sandbox, held.epoch, |status| {
             status.phase = Phase::Deleted;
             status.holder = None;
-            self.ready(status, false, "Deleted", "");
+            self.ready(status, ReadyReason::Deleted, "");
         })
         .await?;
         self.leases.release(&held).await?;
-        self.emit(sandbox, Progress::Deleted);
+        self.emit(sandbox, SandboxEvent::Deleted);
         Ok(Requeue::After(self.config.tombstone_retention))
     }
 }

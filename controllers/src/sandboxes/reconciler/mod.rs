@@ -8,17 +8,19 @@
 //! decision table (`super::decision`) picks the one step, and [`Reconciler`]
 //! performs it. The steps live by concept: `hold` (keep, re-verify, stop,
 //! delete, orphans, tombstones), `checkpoint` (handoff, client and periodic
-//! checkpoints, purge), `start` (acquire, restore or create).
+//! checkpoints, purge), `start` (acquire, restore or create), `fork`; its
+//! settings in `config` and what the instance knows only locally in `local`.
+//! Each step publishes what happened as domain events (`super::events`).
 
 use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
 use std::convert::Infallible;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::api::{
-    CheckpointManifest, CheckpointRef, ConditionStatus, DesiredState, ExtraFields, Lease, Phase,
+    CheckpointManifest, CheckpointRef, DesiredState, ExtraFields, Lease, Phase, ReadyReason,
     SandboxId, SandboxMetadata, SandboxStatus, decode,
 };
 use crate::clock::Clock;
@@ -34,110 +36,23 @@ use crate::store::{Store, StoreError};
 use super::decision::{Observed, Step, decide};
 
 mod checkpoint;
+mod config;
 mod fork;
 mod hold;
+mod local;
 mod start;
 
 pub use checkpoint::delete_checkpoint_objects;
+pub use config::{HandoffPolicy, ReconcilerConfig};
 pub use fork::{ForkError, ForkPoint};
+use local::Watch;
 
-use super::progress::{Operation, Progress, ProgressBus};
+use super::events::{
+    CheckpointFailure, LossCause, ProgressBus, SandboxEvent, StartFailure, StartKind,
+};
 
 /// How soon a tombstone waiting for a live holder is tried again.
 const TOMBSTONE_RETRY: Duration = Duration::from_secs(1);
-
-/// What a holder does when another instance asks for a sandbox whose
-/// execution is still running.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum HandoffPolicy {
-    /// Kill the execution and move the sandbox at once (the earlier server's
-    /// behaviour): the new client gets its sandbox fast, the execution is lost.
-    #[default]
-    Force,
-    /// Let the execution finish first; the attach waits (up to its timeout).
-    Wait,
-}
-
-/// Timing and policy of the reconciler. The defaults (priced in
-/// `docs/decisions/0007-instance-leases-and-doorbells.md`) keep an idle held
-/// sandbox at two reads a minute (its resync) and no writes: its hold lives
-/// on the instance lease, renewed once for every sandbox of the instance, and
-/// the instance learns of intents from its doorbell, read every 400 ms.
-#[derive(Debug, Clone)]
-pub struct ReconcilerConfig {
-    /// How often a held sandbox gets a full pass (re-reads metadata and lock:
-    /// operators' raw edits take effect within this, rings or not).
-    pub resync_interval: Duration,
-    /// How often the instance lease is renewed while the instance holds
-    /// sandboxes (one write for all of them).
-    pub renew_interval: Duration,
-    /// How often the instance reads its doorbell while it holds sandboxes.
-    pub doorbell_poll: Duration,
-    /// How often it reads it instead while a client attached here has sent
-    /// something within `detached_window`: a client whose network drops
-    /// mid-use reconnects through another instance within seconds, and this
-    /// is when an instance serves requests anyway.
-    pub doorbell_poll_active: Duration,
-    /// How often the lock of a held sandbox whose client just left is read,
-    /// to notice an attach on another instance quickly.
-    pub detached_poll: Duration,
-    /// For how long after the client left (or last sent a frame while
-    /// attached) that fast polling lasts.
-    pub detached_window: Duration,
-    /// How often an instance waiting for another's lease looks again.
-    pub acquire_poll: Duration,
-    /// How soon a checkpoint refused for a running execution is tried again.
-    pub checkpoint_retry: Duration,
-    pub handoff: HandoffPolicy,
-    /// Superseded unnamed checkpoints kept per sandbox besides the latest;
-    /// older ones are deleted.
-    pub keep_checkpoints: usize,
-    /// How long a deleted sandbox's tombstone stays before its objects
-    /// (metadata, lock, checkpoints) are removed.
-    pub tombstone_retention: Duration,
-    /// Fault tests only: abort the process at this step of a handoff
-    /// (`handoff:before-checkpoint`, `handoff:after-upload`,
-    /// `handoff:after-record`), as a crash there would.
-    pub failpoint: Option<String>,
-    /// Checkpoint held checkpointable sandboxes this often (between
-    /// executions), bounding what a crash of this instance can lose. Each
-    /// costs a checkpoint and a restore (about a second of pause).
-    pub checkpoint_interval: Option<Duration>,
-}
-
-impl Default for ReconcilerConfig {
-    fn default() -> Self {
-        Self {
-            resync_interval: Duration::from_secs(60),
-            renew_interval: Duration::from_secs(10),
-            doorbell_poll: Duration::from_millis(400),
-            doorbell_poll_active: Duration::from_millis(200),
-            detached_poll: Duration::from_millis(250),
-            detached_window: Duration::from_secs(60),
-            acquire_poll: Duration::from_millis(25),
-            checkpoint_retry: Duration::from_secs(2),
-            handoff: HandoffPolicy::Force,
-            keep_checkpoints: 2,
-            tombstone_retention: Duration::from_secs(600),
-            checkpoint_interval: None,
-            failpoint: None,
-        }
-    }
-}
-
-/// Per held sandbox: when its last full pass was, and since when its client
-/// is away (`None`: attached, or never told).
-#[derive(Debug, Clone, Copy)]
-struct Watch {
-    last_full_pass: DateTime<Utc>,
-    detached_since: Option<DateTime<Utc>>,
-    /// When its attached client last attached or sent a frame.
-    last_active: Option<DateTime<Utc>>,
-    /// Created with `enable_checkpoint` (periodic checkpoints apply).
-    checkpointable: bool,
-    /// When it was last checkpointed or started here.
-    last_checkpoint: DateTime<Utc>,
-}
 
 /// When to reconcile the sandbox again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,14 +69,29 @@ pub enum ReconcileError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Lease(#[from] LeaseError),
-    #[error("{0}")]
-    Fence(String),
+    /// A newer holder wrote `metadata.json`: this instance must stop acting
+    /// on the sandbox.
+    #[error("{key} was written at epoch {recorded}, newer than this writer's epoch {writer}")]
+    Fenced {
+        key: String,
+        recorded: u64,
+        writer: u64,
+    },
+    #[error("{key} kept changing under {attempts} attempts to update it")]
+    Contended { key: String, attempts: usize },
     #[error("{key} is not a valid document: {detail}")]
     Invalid { key: String, detail: String },
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
     #[error("internal error: the decision table chose a step without {0}")]
     Internal(&'static str),
+}
+
+impl ReconcileError {
+    /// A newer holder wrote: the writer lost the sandbox.
+    pub fn is_fenced(&self) -> bool {
+        matches!(self, Self::Fenced { .. })
+    }
 }
 
 impl From<FenceError<Infallible>> for ReconcileError {
@@ -172,7 +102,17 @@ impl From<FenceError<Infallible>> for ReconcileError {
                 key,
                 detail: source.to_string(),
             },
-            other => Self::Fence(other.to_string()),
+            FenceError::Fenced {
+                key,
+                recorded,
+                writer,
+            } => Self::Fenced {
+                key,
+                recorded,
+                writer,
+            },
+            FenceError::Contended { key, attempts } => Self::Contended { key, attempts },
+            FenceError::Rejected(never) => match never {},
         }
     }
 }
@@ -301,127 +241,7 @@ impl Reconciler {
         &self.metadata
     }
 
-    /// The lease this instance holds on `sandbox`, if it runs here.
-    pub fn held(&self, sandbox: &SandboxId) -> Option<HeldLease> {
-        self.held_map().get(sandbox).cloned()
-    }
-
-    /// Every sandbox this instance holds.
-    pub fn held_sandboxes(&self) -> Vec<SandboxId> {
-        self.held_map().keys().cloned().collect()
-    }
-
-    fn held_map(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, HeldLease>> {
-        self.held.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn starting_set(&self) -> std::sync::MutexGuard<'_, HashSet<SandboxId>> {
-        self.starting.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// True while this instance's lease must be kept: it holds or starts a
-    /// sandbox, or did within the last lease duration (a release in flight,
-    /// a lock still naming it).
-    pub fn needs_instance_lease(&self) -> bool {
-        let now = self.clock.now();
-        let busy = !self.held_map().is_empty() || !self.starting_set().is_empty();
-        let mut last = self
-            .last_busy
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if busy {
-            *last = Some(now);
-            return true;
-        }
-        last.is_some_and(|at| now < at + self.leases.config().duration)
-    }
-
-    /// Held sandboxes whose hold the instance lease does not vouch for (its
-    /// renewal lapsed): each must be re-verified or stopped.
-    pub fn unvouched(&self) -> Vec<SandboxId> {
-        self.held_map()
-            .iter()
-            .filter(|(_, held)| !self.leases.instance_lease().vouches_for(held.era))
-            .map(|(id, _)| id.clone())
-            .collect()
-    }
-
-    fn forget(&self, sandbox: &SandboxId) {
-        self.held_map().remove(sandbox);
-        self.watch_map().remove(sandbox);
-        self.hooks.forget(sandbox);
-    }
-
-    fn watch_map(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, Watch>> {
-        self.watches.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The next pass of `sandbox` reads everything (an intent was written).
-    pub fn want_full_pass(&self, sandbox: &SandboxId) {
-        self.full_pass_wanted
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(sandbox.clone());
-    }
-
-    fn take_full_pass_wanted(&self, sandbox: &SandboxId) -> bool {
-        self.full_pass_wanted
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(sandbox)
-    }
-
-    /// A client here waits for `sandbox` to start (its intent was written).
-    pub fn mark_waiting(&self, sandbox: &SandboxId) {
-        self.waiting
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(sandbox.clone());
-    }
-
-    fn take_waiting(&self, sandbox: &SandboxId) -> bool {
-        self.waiting
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(sandbox)
-    }
-
-    /// The API layer's news: a client attached to (or left) a sandbox held here.
-    pub fn client_attached(&self, sandbox: &SandboxId, attached: bool) {
-        let now = self.clock.now();
-        if let Some(watch) = self.watch_map().get_mut(sandbox) {
-            watch.detached_since = if attached { None } else { Some(now) };
-            if attached {
-                watch.last_active = Some(now);
-            }
-        }
-    }
-
-    /// The attached client of `sandbox` sent a frame.
-    pub fn client_active(&self, sandbox: &SandboxId) {
-        let now = self.clock.now();
-        if let Some(watch) = self.watch_map().get_mut(sandbox) {
-            watch.last_active = Some(now);
-        }
-    }
-
-    /// How long the doorbell loop sleeps before its next read: the active
-    /// interval while any client attached here sent something within the
-    /// fast window, the idle one otherwise.
-    pub fn doorbell_interval(&self) -> Duration {
-        let now = self.clock.now();
-        let window = chrono_duration(self.config.detached_window);
-        let active = self.watch_map().values().any(|watch| {
-            watch.detached_since.is_none() && watch.last_active.is_some_and(|at| now < at + window)
-        });
-        if active {
-            self.config.doorbell_poll_active
-        } else {
-            self.config.doorbell_poll
-        }
-    }
-
-    fn emit(&self, sandbox: &SandboxId, event: Progress) {
+    fn emit(&self, sandbox: &SandboxId, event: SandboxEvent) {
         self.bus.emit(sandbox, event);
     }
 
@@ -444,13 +264,8 @@ impl Reconciler {
     }
 
     /// Sets the `Ready` condition.
-    fn ready(&self, status: &mut SandboxStatus, ready: bool, reason: &str, message: &str) {
-        let value = if ready {
-            ConditionStatus::True
-        } else {
-            ConditionStatus::False
-        };
-        status.set_condition("Ready", value, reason, message, self.clock.now());
+    fn ready(&self, status: &mut SandboxStatus, reason: ReadyReason, message: &str) {
+        status.set_ready(reason, message, self.clock.now());
     }
 
     /// Writes `status` fields under `epoch`, refusing if a newer holder wrote.
@@ -552,9 +367,9 @@ impl Reconciler {
                     // running what runs, and look again later.
                     self.emit(
                         sandbox,
-                        Progress::Failed {
-                            operation: Operation::Restore,
-                            message: err.to_string(),
+                        SandboxEvent::StartFailed {
+                            kind: StartKind::Restore,
+                            cause: StartFailure::InvalidMetadata(err.to_string()),
                         },
                     );
                 }
@@ -598,17 +413,12 @@ impl Reconciler {
         match step {
             Step::Nothing => Ok(Requeue::Never),
             Step::StopVanished => {
-                self.stop_lost(sandbox, "its metadata.json was deleted")
-                    .await;
+                self.stop_lost(sandbox, LossCause::MetadataDeleted).await;
                 Ok(Requeue::Never)
             }
             Step::StopLost { holder } => {
-                let holder = holder.map_or_else(|| "nobody".to_owned(), |h| h.to_string());
-                self.stop_lost(
-                    sandbox,
-                    &format!("the lease was taken over (holder now {holder})"),
-                )
-                .await;
+                self.stop_lost(sandbox, LossCause::TakenOver { holder })
+                    .await;
                 Ok(Requeue::Never)
             }
             Step::MarkDied => {
@@ -616,10 +426,8 @@ impl Reconciler {
                 self.mark_died(sandbox, held).await
             }
             Step::Delete => {
-                let (metadata, held) = metadata
-                    .zip(held)
-                    .ok_or(needs("metadata and a hold to delete"))?;
-                self.delete_held(sandbox, metadata, held).await
+                let held = held.ok_or(needs("a hold to delete"))?;
+                self.delete_held(sandbox, held).await
             }
             Step::RefuseCheckpoint => {
                 let held = held.ok_or(needs("a hold to refuse a checkpoint"))?;
@@ -645,7 +453,7 @@ impl Reconciler {
             Step::ReleaseOrphan { epoch } => self.release_orphan(sandbox, epoch).await,
             Step::Purge => {
                 let metadata = metadata.ok_or(needs("metadata to purge"))?;
-                self.emit(sandbox, Progress::Deleted);
+                self.emit(sandbox, SandboxEvent::Deleted);
                 self.purge_if_due(sandbox, metadata).await
             }
             // Its holder converges it; look again once the lock could expire.
@@ -659,19 +467,17 @@ impl Reconciler {
                 if self.take_waiting(sandbox) {
                     self.emit(
                         sandbox,
-                        Progress::Failed {
-                            operation: Operation::Restore,
-                            message: format!(
-                                "Sandbox {sandbox} was checkpointed by its instance (shutting down, or an operator) before it could move here; attach again to restore it"
-                            ),
+                        SandboxEvent::StartFailed {
+                            kind: StartKind::Restore,
+                            cause: StartFailure::CheckpointedMeanwhile,
                         },
                     );
                 }
                 Ok(Requeue::Never)
             }
             Step::Acquire => {
-                let metadata = metadata.ok_or(needs("metadata to start"))?;
-                self.acquire_and_start(sandbox, metadata, lease).await
+                metadata.ok_or(needs("metadata to start"))?;
+                self.acquire_and_start(sandbox, lease).await
             }
         }
     }

@@ -45,18 +45,15 @@ impl Reconciler {
     pub(super) fn tell_waiter_not_wanted(&self, sandbox: &SandboxId, lease: Option<&Lease>) {
         let now = self.clock.now();
         if self.take_waiting(sandbox) {
-            let message = match lease.and_then(|l| l.live_intent(now)) {
-                Some(intent) => format!(
-                    "instance {} asked for the sandbox meanwhile",
-                    intent.instance
-                ),
-                None => "the attach request expired before the sandbox could be started".to_owned(),
+            let cause = match lease.and_then(|l| l.live_intent(now)) {
+                Some(intent) => StartFailure::WantedElsewhere(intent.instance.clone()),
+                None => StartFailure::IntentExpired,
             };
             self.emit(
                 sandbox,
-                Progress::Failed {
-                    operation: Operation::Restore,
-                    message,
+                SandboxEvent::StartFailed {
+                    kind: StartKind::Restore,
+                    cause,
                 },
             );
         }
@@ -90,17 +87,15 @@ impl Reconciler {
     pub(super) async fn acquire_and_start(
         &self,
         sandbox: &SandboxId,
-        metadata: &SandboxMetadata,
         lease: Option<Lease>,
     ) -> Result<Requeue, ReconcileError> {
-        let handoff = metadata.spec.enable_sandbox_handoff;
         let first_try = self
             .acquiring
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(sandbox.clone());
-        if handoff && first_try {
-            self.emit(sandbox, Progress::LockAcquiring);
+        if first_try {
+            self.emit(sandbox, SandboxEvent::LeaseAcquiring);
         }
         let _starting = StartingGuard::new(&self.starting, sandbox);
         let acquired = self.leases.acquire(sandbox).await;
@@ -126,18 +121,16 @@ impl Reconciler {
             Err(LeaseError::WantedByOther { instance, .. }) => {
                 self.emit(
                     sandbox,
-                    Progress::Failed {
-                        operation: Operation::Restore,
-                        message: format!("instance {instance} asked for the sandbox meanwhile"),
+                    SandboxEvent::StartFailed {
+                        kind: StartKind::Restore,
+                        cause: StartFailure::WantedElsewhere(instance),
                     },
                 );
                 return Ok(Requeue::Never);
             }
             Err(err) => return Err(err.into()),
         };
-        if handoff {
-            self.emit(sandbox, Progress::LockAcquired);
-        }
+        self.emit(sandbox, SandboxEvent::LeaseAcquired);
         self.take_waiting(sandbox);
         // The metadata this pass read may predate the previous holder's last
         // record (it records its checkpoint, then releases, and this pass
@@ -160,12 +153,12 @@ impl Reconciler {
         let started = std::time::Instant::now();
         let outcome = self.start(sandbox, metadata, &held).await;
         match &outcome {
-            Ok(operation) => {
-                match operation {
-                    Operation::Create => crate::sandboxes::Metrics::add(&self.metrics.creates, 1),
-                    _ => self.metrics.restore_seconds.observe(started.elapsed()),
+            Ok(kind) => {
+                match kind {
+                    StartKind::Create => crate::sandboxes::Metrics::add(&self.metrics.creates, 1),
+                    StartKind::Restore => self.metrics.restore_seconds.observe(started.elapsed()),
                 }
-                if *operation == Operation::Restore
+                if *kind == StartKind::Restore
                     && let Some(intent) = lease.as_ref().and_then(|l| l.wanted_by.as_ref())
                 {
                     let waited = (self.clock.now() - intent.requested_at)
@@ -189,30 +182,28 @@ impl Reconciler {
                         last_checkpoint: self.clock.now(),
                     },
                 );
-                self.emit(sandbox, Progress::Running { epoch: held.epoch });
+                self.emit(sandbox, SandboxEvent::Running { epoch: held.epoch });
                 Ok(Requeue::After(self.config.resync_interval))
             }
-            Err((operation, message)) => {
-                tracing::warn!(%sandbox, ?operation, %message, "cannot start the sandbox");
+            Err((kind, cause)) => {
+                tracing::warn!(%sandbox, %kind, %cause, "cannot start the sandbox");
                 if let Err(err) = self.runtime.destroy(sandbox).await
                     && !matches!(err, RuntimeError::NotFound(_))
                 {
                     tracing::warn!(%sandbox, %err, "cannot destroy a sandbox that failed to start");
                 }
                 let previous_phase = metadata.status.phase;
+                let message = format!("{kind} failed: {cause}");
                 let recorded = self
                     .write_status(sandbox, held.epoch, |status| {
                         // A failed restore leaves the checkpoint as it was:
                         // the next attach may try again.
-                        status.phase = match operation {
-                            Operation::Create => Phase::Failed,
-                            _ => previous_phase,
+                        let (phase, reason) = match kind {
+                            StartKind::Create => (Phase::Failed, ReadyReason::Failed),
+                            StartKind::Restore => (previous_phase, ReadyReason::RestoreFailed),
                         };
-                        let reason = match operation {
-                            Operation::Create => "Failed",
-                            _ => "RestoreFailed",
-                        };
-                        self.ready(status, false, reason, &message);
+                        status.phase = phase;
+                        self.ready(status, reason, &message);
                         status.holder = None;
                         status.last_error = Some(message.clone());
                     })
@@ -223,7 +214,7 @@ impl Reconciler {
                 if let Err(err) = self.leases.withdraw_attach(sandbox).await {
                     tracing::warn!(%sandbox, %err, "cannot withdraw the attach intent after a failed start");
                 }
-                self.emit(sandbox, Progress::Failed { operation, message });
+                self.emit(sandbox, SandboxEvent::StartFailed { kind, cause });
                 recorded.map(|_| Requeue::Never)
             }
         }
@@ -236,7 +227,7 @@ impl Reconciler {
         sandbox: &SandboxId,
         metadata: &SandboxMetadata,
         held: &HeldLease,
-    ) -> Result<Operation, (Operation, String)> {
+    ) -> Result<StartKind, (StartKind, StartFailure)> {
         let restore_request = metadata
             .spec
             .restore_request
@@ -247,11 +238,8 @@ impl Reconciler {
                 Some(found) => Some(found.clone()),
                 None => {
                     return Err((
-                        Operation::Restore,
-                        format!(
-                            "Failed to restore sandbox {sandbox}: no checkpoint named {:?}",
-                            request.checkpoint
-                        ),
+                        StartKind::Restore,
+                        StartFailure::NoNamedCheckpoint(request.checkpoint.clone()),
                     ));
                 }
             },
@@ -259,45 +247,24 @@ impl Reconciler {
         };
         let instance = self.leases.instance().clone();
         let served_request = restore_request.map(|r| r.requested_at);
-        let operation = match (&source, metadata.status.phase) {
-            (Some(_), _) => Operation::Restore,
-            (None, Phase::Pending | Phase::Creating) => Operation::Create,
-            (None, _) => {
-                return Err((
-                    Operation::Restore,
-                    format!(
-                        "Failed to restore sandbox {sandbox}: it has no checkpoint to restore \
-                         (its instance stopped while it ran)"
-                    ),
-                ));
-            }
+        let kind = match (&source, metadata.status.phase) {
+            (Some(_), _) => StartKind::Restore,
+            (None, Phase::Pending | Phase::Creating) => StartKind::Create,
+            (None, _) => return Err((StartKind::Restore, StartFailure::NoCheckpoint)),
         };
-        let fail = |err: String| {
-            let verb = match operation {
-                Operation::Create => "Failed to create gVisor container",
-                _ => "Failed to restore sandbox",
-            };
-            (operation, format!("{verb} {sandbox}: {err}"))
+        let fail = |err: String| (kind, StartFailure::Step(err));
+        let (phase, transition) = match kind {
+            StartKind::Create => (Phase::Creating, "creating"),
+            StartKind::Restore => (Phase::Restoring, "restoring"),
         };
-        let phase = match operation {
-            Operation::Create => Phase::Creating,
-            _ => Phase::Restoring,
-        };
-        let _transition = self.metrics.in_transition(
-            sandbox.as_str(),
-            if operation == Operation::Create {
-                "creating"
-            } else {
-                "restoring"
-            },
-        );
+        let _transition = self.metrics.in_transition(sandbox.as_str(), transition);
         let record_phase = self.write_status(sandbox, held.epoch, |status| {
             status.phase = phase;
             status.holder = Some(instance.clone());
         });
         match &source {
             Some(reference) => {
-                self.emit(sandbox, Progress::Restoring);
+                self.emit(sandbox, SandboxEvent::Restoring);
                 // The phase and the manifest at once: one round trip less
                 // on the handoff path; nothing is restored before both.
                 let (recorded, manifest) =
@@ -322,9 +289,9 @@ impl Reconciler {
                     .map_err(|err| fail(err.to_string()))?;
             }
         }
-        let start = match operation {
-            Operation::Create => ColdStart::Created,
-            _ => ColdStart::Restored,
+        let start = match kind {
+            StartKind::Create => ColdStart::Created,
+            StartKind::Restore => ColdStart::Restored,
         };
         if let Err(err) = self
             .hooks
@@ -335,20 +302,20 @@ impl Reconciler {
             if let Err(destroy) = self.runtime.destroy(sandbox).await {
                 tracing::warn!(%sandbox, %destroy, "cannot destroy a sandbox whose cold start hook failed");
             }
-            return Err(fail(format!("the cold start hook failed: {err}")));
+            return Err((kind, StartFailure::ColdStartHook(err.to_string())));
         }
         self.write_status(sandbox, held.epoch, |status| {
             status.phase = Phase::Running;
             status.holder = Some(instance.clone());
             status.last_error = None;
-            self.ready(status, true, "Running", "");
+            self.ready(status, ReadyReason::Running, "");
             if served_request.is_some() {
                 status.last_restore_request = served_request;
             }
         })
         .await
         .map_err(|err| fail(err.to_string()))?;
-        Ok(operation)
+        Ok(kind)
     }
 
     /// Reads the manifest of a recorded checkpoint and checks it describes

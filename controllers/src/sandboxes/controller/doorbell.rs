@@ -1,0 +1,121 @@
+//! The instance's two background loops besides the workers: the instance
+//! lease loop (the one renewal that keeps every hold of this instance alive)
+//! and the doorbell loop (intents written elsewhere for sandboxes held here).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::api::SandboxId;
+
+use super::{ControlError, SandboxController};
+
+/// What this instance last read from its doorbell.
+#[derive(Debug, Default)]
+pub(super) struct DoorbellState {
+    generation: Option<crate::store::Generation>,
+    /// Rings already answered, by sandbox and time.
+    answered: HashSet<(SandboxId, chrono::DateTime<chrono::Utc>)>,
+}
+
+/// How often the lease loop looks whether a renewal is due (local only).
+const LEASE_TICK: Duration = Duration::from_millis(250);
+
+impl SandboxController {
+    /// Renews the instance lease every `renew_interval` while the instance
+    /// holds (or just held) sandboxes. This loop is the only thing that keeps
+    /// holds alive, so a long checkpoint or upload never delays it. Holds the
+    /// lease stops vouching for (a lapse) are queued: they are re-verified or
+    /// stopped.
+    pub(super) async fn keep_instance_lease(self: Arc<Self>) {
+        let every = chrono::Duration::from_std(self.reconciler.config().renew_interval)
+            .unwrap_or(chrono::Duration::MAX);
+        let instance_lease = self.reconciler.leases().instance_lease().clone();
+        let mut retry_after: Option<tokio::time::Instant> = None;
+        loop {
+            tokio::time::sleep(LEASE_TICK).await;
+            if !self.reconciler.needs_instance_lease() || !instance_lease.renewal_due(every) {
+                continue;
+            }
+            if retry_after.is_some_and(|at| tokio::time::Instant::now() < at) {
+                continue;
+            }
+            let era = instance_lease.era();
+            match instance_lease.renew().await {
+                Ok(renewed) => {
+                    retry_after = None;
+                    if renewed != era {
+                        tracing::warn!(
+                            era = renewed,
+                            "the instance lease had lapsed; re-verifying holds"
+                        );
+                    }
+                }
+                Err(err) => {
+                    tracing::warn!(%err, "cannot renew the instance lease");
+                    retry_after = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                }
+            }
+            for sandbox in self.reconciler.unvouched() {
+                self.enqueue(&sandbox);
+            }
+        }
+    }
+
+    /// Reads the doorbell every `doorbell_poll` while the instance holds
+    /// sandboxes (nobody rings an instance that holds none), every
+    /// `doorbell_poll_active` while a client attached here is active.
+    pub(super) async fn watch_doorbell(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(self.reconciler.doorbell_interval()).await;
+            if !self.reconciler.needs_instance_lease() {
+                continue;
+            }
+            if let Err(err) = self.answer_doorbell().await {
+                tracing::warn!(%err, "cannot read the doorbell");
+            }
+        }
+    }
+
+    /// Reads the doorbell once and queues a full pass of every sandbox rung
+    /// for since the last read. Returns them.
+    pub async fn answer_doorbell(&self) -> Result<Vec<SandboxId>, ControlError> {
+        let Some((bell, generation)) = self
+            .reconciler
+            .leases()
+            .instance_lease()
+            .read_doorbell()
+            .await?
+        else {
+            return Ok(Vec::new());
+        };
+        let rung = {
+            let mut state = self
+                .doorbell
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if state.generation == Some(generation) {
+                return Ok(Vec::new());
+            }
+            state.generation = Some(generation);
+            let present: HashSet<_> = bell
+                .rings
+                .iter()
+                .map(|ring| (ring.sandbox.clone(), ring.rung_at))
+                .collect();
+            state.answered.retain(|ring| present.contains(ring));
+            let mut rung = Vec::new();
+            for ring in present {
+                if state.answered.insert(ring.clone()) && !rung.contains(&ring.0) {
+                    rung.push(ring.0);
+                }
+            }
+            rung
+        };
+        for sandbox in &rung {
+            tracing::debug!(%sandbox, "doorbell rung");
+            self.enqueue(sandbox);
+        }
+        Ok(rung)
+    }
+}

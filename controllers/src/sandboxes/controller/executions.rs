@@ -1,0 +1,177 @@
+//! Executions and filesystem snapshots, passed through to the runtime for a
+//! sandbox this instance holds: an execution waits out a periodic checkpoint
+//! in progress, and its exit is reported only while the hold is vouched for.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::api::{SandboxId, SandboxMetadata, SnapshotRef};
+use crate::layout::metadata_key;
+use crate::runtime::{ExecRequest, Execution, RuntimeError};
+
+use super::super::reconciler::Reconciler;
+use super::{ControlError, SandboxController};
+
+impl SandboxController {
+    /// Starts an execution in a sandbox held here.
+    pub async fn exec(
+        &self,
+        sandbox: &SandboxId,
+        request: ExecRequest,
+    ) -> Result<Execution, ControlError> {
+        if !self.is_held_here(sandbox) {
+            return Err(ControlError::NotHere(sandbox.clone()));
+        }
+        // A periodic checkpoint is taken in place and lasts about a second:
+        // an execution asked for meanwhile waits for it rather than fail. If
+        // the checkpoint moved the sandbox away, the wait ends with the hold.
+        let give_up = tokio::time::Instant::now() + CHECKPOINT_WAIT;
+        let execution = loop {
+            match self
+                .reconciler
+                .runtime()
+                .exec(sandbox, request.clone())
+                .await
+            {
+                // Between a periodic checkpoint and its restore the runtime
+                // has no sandbox while the hold stays: wait that out too.
+                Err(RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_))
+                    if self.is_held_here(sandbox) && tokio::time::Instant::now() < give_up =>
+                {
+                    tokio::time::sleep(FENCE_EXIT_POLL).await;
+                }
+                other => break other?,
+            }
+        };
+        let hooks = self.reconciler.hooks();
+        let execution = if hooks.wants_after_exec(sandbox) {
+            crate::hooks::run_after_exec(execution, Arc::clone(hooks), sandbox.clone())
+        } else {
+            execution
+        };
+        Ok(fence_exit(
+            execution,
+            Arc::clone(&self.reconciler),
+            sandbox.clone(),
+        ))
+    }
+
+    /// The execution a restore here brought back with the sandbox (created
+    /// with `keep_executions`), once, wrapped like one [`Self::exec`] started.
+    pub fn take_resumed(&self, sandbox: &SandboxId) -> Option<Execution> {
+        let execution = self.reconciler.runtime().take_resumed(sandbox)?;
+        let hooks = self.reconciler.hooks();
+        let execution = if hooks.wants_after_exec(sandbox) {
+            crate::hooks::run_after_exec(execution, Arc::clone(hooks), sandbox.clone())
+        } else {
+            execution
+        };
+        Some(fence_exit(
+            execution,
+            Arc::clone(&self.reconciler),
+            sandbox.clone(),
+        ))
+    }
+
+    /// Saves the sandbox's changed files as snapshot `name` and records it in
+    /// `status.latest_snapshot`.
+    pub async fn snapshot_filesystem(
+        &self,
+        sandbox: &SandboxId,
+        name: &str,
+    ) -> Result<SnapshotRef, ControlError> {
+        let held = self
+            .reconciler
+            .held(sandbox)
+            .ok_or_else(|| ControlError::NotHere(sandbox.clone()))?;
+        let manifest = self
+            .reconciler
+            .runtime()
+            .snapshot_filesystem(sandbox, name)
+            .await?;
+        let reference = SnapshotRef {
+            name: manifest.name.clone(),
+            bucket: self.reconciler.snapshot_bucket().to_owned(),
+            path: manifest.archive.key.clone(),
+            sha256: manifest.archive.sha256.clone(),
+            size: manifest.archive.size,
+            created_at: manifest.created_at,
+            extra: crate::api::ExtraFields::new(),
+        };
+        let recorded = reference.clone();
+        let written =
+            crate::fencing::fenced_update::<SandboxMetadata, std::convert::Infallible, _>(
+                self.reconciler.metadata_store().as_ref(),
+                &metadata_key(sandbox),
+                held.epoch,
+                |metadata| {
+                    metadata.status.latest_snapshot = Some(recorded.clone());
+                    Ok(())
+                },
+            )
+            .await;
+        if let Err(err) = written {
+            // The snapshot exists; only its mention in the metadata is missing.
+            tracing::warn!(%sandbox, %err, "cannot record the snapshot in metadata.json");
+        }
+        Ok(reference)
+    }
+}
+
+/// How long an execution waits for a checkpoint in progress to end.
+const CHECKPOINT_WAIT: Duration = Duration::from_secs(30);
+
+/// How often an exit held back by [`fence_exit`] looks at the hold again.
+const FENCE_EXIT_POLL: Duration = Duration::from_millis(50);
+
+/// Relays an execution's events, but reports its exit only while this
+/// instance can vouch for its hold. A holder frozen past its lease (the runsc
+/// sandbox kept running) may find, when it resumes, an execution that ended
+/// meanwhile, while another instance already took the sandbox over and
+/// acknowledged executions of its own: reporting that exit would acknowledge
+/// work on two instances at once. The exit is held back until the hold is
+/// vouched for again (re-verified) and then reported, or until the sandbox
+/// is no longer held here (lost: the events end without an exit, and the
+/// session reports the loss), at most two leases.
+fn fence_exit(
+    mut execution: Execution,
+    reconciler: Arc<Reconciler>,
+    sandbox: SandboxId,
+) -> Execution {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        while let Some(event) = execution.events.recv().await {
+            if let crate::runtime::ExecEvent::Exited(_) = event {
+                let give_up = tokio::time::Instant::now()
+                    + (reconciler.leases().config().duration * 2)
+                        .to_std()
+                        .unwrap_or(Duration::from_secs(60));
+                loop {
+                    match reconciler.held(&sandbox) {
+                        Some(held) if reconciler.leases().is_safe(&held) => {
+                            let _ = tx.send(event).await;
+                            break;
+                        }
+                        Some(_) if tokio::time::Instant::now() < give_up => {
+                            tokio::time::sleep(FENCE_EXIT_POLL).await;
+                        }
+                        _ => {
+                            tracing::warn!(%sandbox, "an execution ended while this instance could not vouch for its hold: its exit is not reported");
+                            break;
+                        }
+                    }
+                }
+                return;
+            }
+            if tx.send(event).await.is_err() {
+                // Nobody listens; keep draining so the runtime never blocks.
+                while execution.events.recv().await.is_some() {}
+                return;
+            }
+        }
+    });
+    Execution {
+        events: rx,
+        control: execution.control,
+    }
+}

@@ -1,0 +1,220 @@
+//! The sandbox controller of one instance: the work queue, its worker loop,
+//! and the narrow surface the API layer may use. That surface writes intents
+//! (spec fields, the lease's `wanted_by`) and queues a reconcile; it never
+//! creates, checkpoints or restores a sandbox itself. Executions and
+//! filesystem snapshots pass through to the runtime, but only for a sandbox
+//! this instance holds. A fork copies its source's checkpoint (data, not
+//! state) before recording the new sandbox.
+
+mod doorbell;
+mod executions;
+mod intents;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::sync::broadcast;
+
+use crate::api::{SandboxId, SandboxMetadata};
+use crate::leasing::LeaseError;
+use crate::runtime::RuntimeError;
+use crate::store::StoreError;
+
+use super::events::{ProgressBus, SandboxEvent};
+use super::reconciler::{ForkError, ReconcileError, Reconciler, Requeue};
+use super::workqueue::WorkQueue;
+use doorbell::DoorbellState;
+
+/// Longest back-off between failed reconciles of one sandbox.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Reconciles running at once on one instance (each is one sandbox; a
+/// checkpoint or restore among them may take seconds).
+const MAX_CONCURRENT_RECONCILES: usize = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("sandbox {0} does not exist")]
+    NotFound(SandboxId),
+    #[error("sandbox {0} does not run on this instance")]
+    NotHere(SandboxId),
+    #[error("sandbox {0} already exists")]
+    AlreadyExists(SandboxId),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    #[error(transparent)]
+    Reconcile(#[from] ReconcileError),
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error("{0} kept changing under concurrent writers; try again")]
+    Contended(String),
+    #[error(transparent)]
+    Fork(#[from] ForkError),
+}
+
+impl ControlError {
+    /// A newer holder wrote the sandbox's metadata: this instance lost it.
+    pub fn is_fenced(&self) -> bool {
+        match self {
+            Self::Reconcile(err) => err.is_fenced(),
+            Self::Fork(ForkError::Copy(err)) => err.is_fenced(),
+            _ => false,
+        }
+    }
+}
+
+/// The controller: share it behind an `Arc`.
+#[derive(Debug)]
+pub struct SandboxController {
+    reconciler: Arc<Reconciler>,
+    queue: WorkQueue,
+    bus: ProgressBus,
+    reconcile_errors: std::sync::atomic::AtomicU64,
+    doorbell: std::sync::Mutex<DoorbellState>,
+}
+
+impl SandboxController {
+    /// `bus` must be the one the reconciler emits on.
+    pub fn new(reconciler: Reconciler, bus: ProgressBus) -> Arc<Self> {
+        Arc::new(Self {
+            reconciler: Arc::new(reconciler),
+            queue: WorkQueue::default(),
+            bus,
+            reconcile_errors: std::sync::atomic::AtomicU64::new(0),
+            doorbell: std::sync::Mutex::new(DoorbellState::default()),
+        })
+    }
+
+    pub fn reconciler(&self) -> &Reconciler {
+        &self.reconciler
+    }
+
+    /// Runs the worker loop (each queued sandbox is reconciled in its own
+    /// task, one reconcile per sandbox at a time, failures retried with
+    /// back-off), the instance lease loop and the doorbell loop. Aborting the
+    /// handle stops all three.
+    pub fn spawn_workers(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let workers = Arc::clone(self).work();
+        let lease = Arc::clone(self).keep_instance_lease();
+        let doorbell = Arc::clone(self).watch_doorbell();
+        tokio::spawn(async move {
+            tokio::join!(workers, lease, doorbell);
+        })
+    }
+
+    /// The worker loop proper. Its reconciles are its own tasks: at most
+    /// [`MAX_CONCURRENT_RECONCILES`] at once (more wait in the queue), and
+    /// aborted with the loop when the server stops its workers.
+    async fn work(self: Arc<Self>) {
+        let controller = self;
+        {
+            let failures = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<
+                SandboxId,
+                u32,
+            >::new()));
+            let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_RECONCILES));
+            let mut reconciles = tokio::task::JoinSet::new();
+            loop {
+                // The semaphore is never closed.
+                let Ok(permit) = Arc::clone(&limit).acquire_owned().await else {
+                    return;
+                };
+                let sandbox = controller.queue.next().await;
+                while reconciles.try_join_next().is_some() {}
+                let controller = Arc::clone(&controller);
+                let failures = Arc::clone(&failures);
+                reconciles.spawn(async move {
+                    let _permit = permit;
+                    let outcome = controller.reconciler.reconcile(&sandbox).await;
+                    controller.queue.done(&sandbox);
+                    let mut failures = failures
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    match outcome {
+                        Ok(requeue) => {
+                            failures.remove(&sandbox);
+                            if let Requeue::After(delay) = requeue {
+                                controller.queue.add_after(&sandbox, delay);
+                            }
+                        }
+                        Err(err) => {
+                            controller
+                                .reconcile_errors
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            controller.reconciler.want_full_pass(&sandbox);
+                            let count = failures.entry(sandbox.clone()).or_insert(0);
+                            *count = count.saturating_add(1);
+                            let delay = backoff(*count);
+                            tracing::warn!(%sandbox, %err, retry_in = ?delay, "reconcile failed");
+                            controller.queue.add_after(&sandbox, delay);
+                        }
+                    }
+                });
+            }
+        }
+    }
+
+    /// Queues a full reconcile of `sandbox` now (after writing an intent).
+    pub fn enqueue(&self, sandbox: &SandboxId) {
+        self.reconciler.want_full_pass(sandbox);
+        self.queue.add(sandbox);
+    }
+
+    /// Something local happened to `sandbox` (an execution ended): look at
+    /// it soon. Costs nothing in storage unless a step is due.
+    pub fn poke(&self, sandbox: &SandboxId) {
+        self.queue.add(sandbox);
+    }
+
+    /// Failed reconcile passes so far (each is logged with its reason).
+    pub fn reconcile_errors(&self) -> u64 {
+        self.reconcile_errors
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A client attached to (`true`) or left a sandbox held here. A sandbox
+    /// whose client left is watched closely for a while: the client may be
+    /// reconnecting through another instance.
+    pub fn client_attached(&self, sandbox: &SandboxId, attached: bool) {
+        self.reconciler.client_attached(sandbox, attached);
+        if !attached {
+            self.queue.add(sandbox);
+        }
+    }
+
+    /// The client attached to `sandbox` sent a frame: for a while the
+    /// doorbell is read at the active interval (a client whose network drops
+    /// mid-use reconnects through another instance within seconds).
+    pub fn client_active(&self, sandbox: &SandboxId) {
+        self.reconciler.client_active(sandbox);
+    }
+
+    /// The reconciler's progress on `sandbox`, from now on.
+    pub fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<SandboxEvent> {
+        self.bus.subscribe(sandbox)
+    }
+
+    pub fn is_held_here(&self, sandbox: &SandboxId) -> bool {
+        self.reconciler.held(sandbox).is_some()
+    }
+
+    pub fn held_sandboxes(&self) -> Vec<SandboxId> {
+        self.reconciler.held_sandboxes()
+    }
+
+    pub async fn read(&self, sandbox: &SandboxId) -> Result<Option<SandboxMetadata>, ControlError> {
+        Ok(self.reconciler.read_metadata(sandbox).await?)
+    }
+}
+
+/// Exponential back-off with jitter: 0.5 s, 1 s, 2 s … up to 30 s.
+fn backoff(failures: u32) -> Duration {
+    let base = Duration::from_millis(500)
+        .saturating_mul(1 << failures.saturating_sub(1).min(6))
+        .min(MAX_BACKOFF);
+    let jitter = rand::rng().random_range(0.8..1.2);
+    base.mul_f64(jitter)
+}

@@ -1,0 +1,153 @@
+//! What one instance knows only locally about the sandboxes it holds or
+//! waits for: its holds, when each was last fully reconciled and checkpointed,
+//! whether its client is attached or active (which sets how closely it is
+//! watched and how often the doorbell is read), which starts are in flight
+//! and which clients here wait. None of it is in the bucket; it is rebuilt
+//! from it after a restart.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{MutexGuard, PoisonError};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use crate::api::SandboxId;
+use crate::leasing::HeldLease;
+
+use super::{Reconciler, chrono_duration};
+
+/// Per held sandbox: when its last full pass was, and since when its client
+/// is away (`None`: attached, or never told).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Watch {
+    pub(super) last_full_pass: DateTime<Utc>,
+    pub(super) detached_since: Option<DateTime<Utc>>,
+    /// When its attached client last attached or sent a frame.
+    pub(super) last_active: Option<DateTime<Utc>>,
+    /// Created with `enable_checkpoint` (periodic checkpoints apply).
+    pub(super) checkpointable: bool,
+    /// When it was last checkpointed or started here.
+    pub(super) last_checkpoint: DateTime<Utc>,
+}
+
+impl Reconciler {
+    /// The lease this instance holds on `sandbox`, if it runs here.
+    pub fn held(&self, sandbox: &SandboxId) -> Option<HeldLease> {
+        self.held_map().get(sandbox).cloned()
+    }
+
+    /// Every sandbox this instance holds.
+    pub fn held_sandboxes(&self) -> Vec<SandboxId> {
+        self.held_map().keys().cloned().collect()
+    }
+
+    pub(super) fn held_map(&self) -> MutexGuard<'_, HashMap<SandboxId, HeldLease>> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(super) fn starting_set(&self) -> MutexGuard<'_, HashSet<SandboxId>> {
+        self.starting.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// True while this instance's lease must be kept: it holds or starts a
+    /// sandbox, or did within the last lease duration (a release in flight,
+    /// a lock still naming it).
+    pub fn needs_instance_lease(&self) -> bool {
+        let now = self.clock.now();
+        let busy = !self.held_map().is_empty() || !self.starting_set().is_empty();
+        let mut last = self
+            .last_busy
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if busy {
+            *last = Some(now);
+            return true;
+        }
+        last.is_some_and(|at| now < at + self.leases.config().duration)
+    }
+
+    /// Held sandboxes whose hold the instance lease does not vouch for (its
+    /// renewal lapsed): each must be re-verified or stopped.
+    pub fn unvouched(&self) -> Vec<SandboxId> {
+        self.held_map()
+            .iter()
+            .filter(|(_, held)| !self.leases.instance_lease().vouches_for(held.era))
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    pub(super) fn forget(&self, sandbox: &SandboxId) {
+        self.held_map().remove(sandbox);
+        self.watch_map().remove(sandbox);
+        self.hooks.forget(sandbox);
+    }
+
+    pub(super) fn watch_map(&self) -> MutexGuard<'_, HashMap<SandboxId, Watch>> {
+        self.watches.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The next pass of `sandbox` reads everything (an intent was written).
+    pub fn want_full_pass(&self, sandbox: &SandboxId) {
+        self.full_pass_wanted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sandbox.clone());
+    }
+
+    pub(super) fn take_full_pass_wanted(&self, sandbox: &SandboxId) -> bool {
+        self.full_pass_wanted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(sandbox)
+    }
+
+    /// A client here waits for `sandbox` to start (its intent was written).
+    pub fn mark_waiting(&self, sandbox: &SandboxId) {
+        self.waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sandbox.clone());
+    }
+
+    pub(super) fn take_waiting(&self, sandbox: &SandboxId) -> bool {
+        self.waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(sandbox)
+    }
+
+    /// The API layer's news: a client attached to (or left) a sandbox held here.
+    pub fn client_attached(&self, sandbox: &SandboxId, attached: bool) {
+        let now = self.clock.now();
+        if let Some(watch) = self.watch_map().get_mut(sandbox) {
+            watch.detached_since = if attached { None } else { Some(now) };
+            if attached {
+                watch.last_active = Some(now);
+            }
+        }
+    }
+
+    /// The attached client of `sandbox` sent a frame.
+    pub fn client_active(&self, sandbox: &SandboxId) {
+        let now = self.clock.now();
+        if let Some(watch) = self.watch_map().get_mut(sandbox) {
+            watch.last_active = Some(now);
+        }
+    }
+
+    /// How long the doorbell loop sleeps before its next read: the active
+    /// interval while any client attached here sent something within the
+    /// fast window, the idle one otherwise.
+    pub fn doorbell_interval(&self) -> Duration {
+        let now = self.clock.now();
+        let window = chrono_duration(self.config.detached_window);
+        let active = self.watch_map().values().any(|watch| {
+            watch.detached_since.is_none() && watch.last_active.is_some_and(|at| now < at + window)
+        });
+        if active {
+            self.config.doorbell_poll_active
+        } else {
+            self.config.doorbell_poll
+        }
+    }
+}

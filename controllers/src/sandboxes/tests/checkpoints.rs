@@ -1,0 +1,298 @@
+//! Checkpoints: a client's checkpoint and its restore, named checkpoints,
+//! one refused for a running execution or a sandbox not made for it, the
+//! retention of superseded ones and periodic checkpoints.
+
+use super::*;
+
+#[tokio::test]
+async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "x=1").await;
+
+    let mut events = a.controller.subscribe(&id);
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, Some("first"))
+        .await
+        .unwrap();
+    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
+    let seen = drain(&mut events);
+    assert_eq!(
+        seen[..4],
+        [
+            SandboxEvent::CheckpointStarted,
+            SandboxEvent::Stopping,
+            SandboxEvent::LeaseReleasing,
+            SandboxEvent::LeaseReleased,
+        ]
+    );
+    assert!(
+        matches!(&seen[4..], [SandboxEvent::Checkpointed { image }] if image.ends_with("checkpoint.img")),
+        "{seen:?}"
+    );
+    assert!(a.runtime.memory(&id).is_none());
+    let status = world.metadata(&id).await.status;
+    assert_eq!(status.phase, Phase::Checkpointed);
+    assert_eq!(status.holder, None);
+    let latest = status.latest_checkpoint.unwrap();
+    assert_eq!(latest.name.as_deref(), Some("first"));
+    assert_eq!(status.named_checkpoints["first"], latest);
+    assert_eq!(world.lease(&id).await.holder, None);
+
+    // Another instance restores it: same memory, next epoch.
+    let b = world.instance("b");
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["x=1".to_owned()]);
+    let status = world.metadata(&id).await.status;
+    assert_eq!((status.phase, status.epoch), (Phase::Running, 2));
+    assert_eq!(b.runtime.counts(), (0, 1));
+}
+
+#[tokio::test]
+async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "one").await;
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, Some("early"))
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    a.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    a.run(&id, "two").await;
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+
+    // Ask for the early one by name.
+    a.controller
+        .request_here(&id, Some("early"), world.clock.now())
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(a.runtime.memory(&id).unwrap(), vec!["one".to_owned()]);
+
+    // The request was one-shot: the next checkpoint/restore uses the latest.
+    a.run(&id, "three").await;
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    world.clock.advance(Duration::seconds(1));
+    a.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(
+        a.runtime.memory(&id).unwrap(),
+        vec!["one".to_owned(), "three".to_owned()]
+    );
+}
+
+#[tokio::test]
+async fn an_unknown_checkpoint_name_fails_the_restore_and_keeps_the_sandbox() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    let mut events = a.controller.subscribe(&id);
+    a.controller
+        .request_here(&id, Some("nope"), world.clock.now())
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    let seen = drain(&mut events);
+    assert!(
+        matches!(
+            &seen[..],
+            [
+                SandboxEvent::LeaseAcquiring,
+                SandboxEvent::LeaseAcquired,
+                SandboxEvent::StartFailed {
+                    kind: StartKind::Restore,
+                    cause: StartFailure::NoNamedCheckpoint(name),
+                },
+            ] if name == "nope"
+        ),
+        "{seen:?}"
+    );
+    let metadata = world.metadata(&id).await;
+    assert_eq!(
+        metadata.status.phase,
+        Phase::Checkpointed,
+        "not left Restoring"
+    );
+    assert!(metadata.status.latest_checkpoint.is_some());
+    assert_eq!(world.lease(&id).await.holder, None);
+}
+
+#[tokio::test]
+async fn a_checkpoint_waits_for_a_running_execution() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    let execution = a
+        .controller
+        .exec(&id, ExecRequest::new(Command::Bash("hold".into())))
+        .await
+        .unwrap();
+    let mut events = a.controller.subscribe(&id);
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert_eq!(
+        drain(&mut events),
+        vec![
+            SandboxEvent::CheckpointStarted,
+            SandboxEvent::CheckpointWaitsForExecution
+        ]
+    );
+    assert!(a.runtime.memory(&id).is_some());
+    execution.control.kill().await.unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(world.metadata(&id).await.status.phase, Phase::Checkpointed);
+}
+
+#[tokio::test]
+async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    let mut images = Vec::new();
+    for (round, name) in [Some("keep-me"), None, None, None, None]
+        .into_iter()
+        .enumerate()
+    {
+        a.run(&id, &format!("round {round}")).await;
+        a.controller
+            .request_state(&id, DesiredState::Checkpointed, name)
+            .await
+            .unwrap();
+        a.reconcile(&id).await.unwrap();
+        images.push(
+            world
+                .metadata(&id)
+                .await
+                .status
+                .latest_checkpoint
+                .unwrap()
+                .path,
+        );
+        world.clock.advance(Duration::seconds(1));
+        a.controller
+            .request_here(&id, None, world.clock.now())
+            .await
+            .unwrap();
+        a.reconcile(&id).await.unwrap();
+    }
+    let status = world.metadata(&id).await.status;
+    let previous: Vec<&str> = status
+        .previous_checkpoints
+        .iter()
+        .map(|c| c.path.as_str())
+        .collect();
+    assert_eq!(
+        previous,
+        vec![images[3].as_str(), images[2].as_str()],
+        "newest first, two kept"
+    );
+    let exists = |path: &str| {
+        let key = crate::store::ObjectKey::new(path).unwrap();
+        let store = world.store.clone();
+        async move { store.get(&key).await.is_ok() }
+    };
+    assert!(exists(&images[0]).await, "the named checkpoint stays");
+    assert!(!exists(&images[1]).await, "the oldest unnamed one is gone");
+    for kept in &images[2..] {
+        assert!(exists(kept).await);
+    }
+}
+
+#[tokio::test]
+async fn periodic_checkpoints_bound_what_a_crash_loses() {
+    let world = World::new();
+    let a = world.instance_with(
+        "a",
+        ReconcilerConfig {
+            checkpoint_interval: Some(std::time::Duration::from_secs(60)),
+            ..ReconcilerConfig::default()
+        },
+    );
+    let id = a.create(&world).await;
+    a.run(&id, "saved").await;
+    let mut events = a.controller.subscribe(&id);
+    a.live_through(&world, 61).await;
+    a.reconcile(&id).await.unwrap();
+    assert!(drain(&mut events).is_empty(), "silent to the client");
+    assert_eq!(
+        a.runtime.memory(&id).unwrap(),
+        vec!["saved".to_owned()],
+        "still running here"
+    );
+    let status = world.metadata(&id).await.status;
+    assert_eq!(status.phase, Phase::Running);
+    assert!(status.latest_checkpoint.is_some());
+    a.run(&id, "lost").await;
+
+    // A dies; B takes over after the lease and gets the periodic checkpoint.
+    a.runtime.crash(&id);
+    let b = world.instance("b");
+    world.clock.advance(Duration::seconds(40));
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["saved".to_owned()]);
+}
+
+#[tokio::test]
+async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_running() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = SandboxId::random();
+    let metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
+    a.controller.create(&metadata).await.unwrap();
+    a.reconcile(&id).await.unwrap();
+    let mut events = a.controller.subscribe(&id);
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert_eq!(
+        drain(&mut events),
+        [SandboxEvent::CheckpointFailed(
+            CheckpointFailure::NotConfigured
+        )]
+    );
+    assert!(a.runtime.memory(&id).is_some());
+    let status = world.metadata(&id).await.status;
+    assert_eq!(status.phase, Phase::Running);
+    assert!(
+        status
+            .last_error
+            .is_some_and(|error| error.contains("without enable_checkpoint")),
+        "recorded for operators"
+    );
+}

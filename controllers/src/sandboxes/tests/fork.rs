@@ -1,0 +1,101 @@
+//! Forks: a new sandbox restored from its own copy of another's checkpoint.
+
+use super::*;
+
+/// A fork restores its own copy of the source's checkpoint: same memory,
+/// own id, lease and checkpoint objects; the source and its history are
+/// untouched, and the fork keeps running when the source's checkpoint goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
+    use super::reconciler::ForkPoint;
+    let world = World::new();
+    let a = world.instance("a");
+    let source = a.create(&world).await;
+    a.run(&source, "x=1").await;
+    a.controller
+        .request_state(&source, DesiredState::Checkpointed, Some("first"))
+        .await
+        .unwrap();
+    a.reconcile(&source).await.unwrap();
+    let source_doc = world.metadata(&source).await;
+    let source_ref = source_doc.status.latest_checkpoint.clone().unwrap();
+
+    let b = world.instance("b");
+    let mut forks = Vec::new();
+    for _ in 0..3 {
+        let fork = SandboxId::random();
+        let mut metadata = SandboxMetadata::new(fork.clone(), world.clock.now(), TOKEN_HASH.into());
+        metadata.spec.enable_checkpoint = true;
+        b.controller
+            .fork(&source_doc, &ForkPoint::Latest, metadata)
+            .await
+            .unwrap();
+        b.reconcile(&fork).await.unwrap();
+        assert_eq!(b.runtime.memory(&fork).unwrap(), vec!["x=1".to_owned()]);
+        let status = world.metadata(&fork).await.status;
+        assert_eq!(status.phase, Phase::Running);
+        let own = status.latest_checkpoint.unwrap();
+        assert_ne!(own.path, source_ref.path, "a fork never shares an image");
+        assert_eq!(own.sha256, source_ref.sha256);
+        let origin = status.forked_from.unwrap();
+        assert_eq!(origin.sandbox_id, source);
+        forks.push(fork);
+    }
+    // Each diverges on its own.
+    b.run(&forks[0], "y=2").await;
+    assert_eq!(b.runtime.memory(&forks[0]).unwrap().len(), 2);
+    assert_eq!(b.runtime.memory(&forks[1]).unwrap(), vec!["x=1".to_owned()]);
+    // The source is as it was: checkpointed, nobody holds it.
+    let after = world.metadata(&source).await;
+    assert_eq!(after.status, source_doc.status);
+    assert_eq!(world.lease(&source).await.holder, None);
+
+    // The source's retention may delete its checkpoint: every fork keeps
+    // its own copy, and a later fork of the gone checkpoint fails clearly.
+    let source_id = crate::layout::checkpoint_id_of_image(&source_ref.path).unwrap();
+    world
+        .store
+        .delete(&checkpoint_image_key(&source_id))
+        .await
+        .unwrap();
+    for fork in &forks {
+        let own = world.metadata(fork).await.status.latest_checkpoint.unwrap();
+        let image = crate::store::ObjectKey::new(own.path.as_str()).unwrap();
+        assert_eq!(world.store.get(&image).await.unwrap().data.as_ref(), b"x=1");
+    }
+    let late = SandboxId::random();
+    let metadata = SandboxMetadata::new(late.clone(), world.clock.now(), TOKEN_HASH.into());
+    let err = b
+        .controller
+        .fork(&source_doc, &ForkPoint::Latest, metadata)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("cannot copy the checkpoint"),
+        "{err}"
+    );
+    assert!(world.store.get(&metadata_key(&late)).await.is_err());
+
+    // By name, and the errors: no such name, no checkpoint at all.
+    let named = SandboxId::random();
+    let metadata = SandboxMetadata::new(named.clone(), world.clock.now(), TOKEN_HASH.into());
+    let err = b
+        .controller
+        .fork(&source_doc, &ForkPoint::Named("nope".into()), metadata)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("no checkpoint named \"nope\""),
+        "{err}"
+    );
+    assert!(world.store.get(&metadata_key(&named)).await.is_err());
+    let fresh = a.create(&world).await;
+    let fresh_doc = world.metadata(&fresh).await;
+    let metadata = SandboxMetadata::new(named.clone(), world.clock.now(), TOKEN_HASH.into());
+    let err = b
+        .controller
+        .fork(&fresh_doc, &ForkPoint::Latest, metadata)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("has no checkpoint yet"), "{err}");
+}

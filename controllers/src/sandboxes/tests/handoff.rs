@@ -1,0 +1,264 @@
+//! Moving a sandbox between instances: the holder hands it over when asked,
+//! rings and re-rings, a waiting attach that lost the race, and a start that
+//! reads the previous holder's last record.
+
+use super::*;
+
+#[tokio::test]
+async fn another_instance_asking_gets_the_sandbox_handed_over() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.run(&id, "state").await;
+
+    // A's client left: A watches the lock closely.
+    a.controller.client_attached(&id, false);
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    // B waits: A holds a live lease.
+    assert!(matches!(b.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert!(b.runtime.memory(&id).is_none());
+    let mut events = a.controller.subscribe(&id);
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(drain(&mut events)[0], SandboxEvent::HandoffRequested);
+    b.reconcile(&id).await.unwrap();
+    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
+    assert!(a.runtime.memory(&id).is_none());
+    assert_eq!(world.metadata(&id).await.status.epoch, 2);
+}
+
+#[tokio::test]
+async fn an_attach_intent_rings_the_holder_even_with_its_client_attached() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    // The doorbell names the sandbox once, however often it is read.
+    assert_eq!(
+        a.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()]
+    );
+    assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
+    // The ring queued a full pass: the hand-over happens in it.
+    a.reconcile(&id).await.unwrap();
+    assert!(a.runtime.memory(&id).is_none(), "handed over at once");
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some());
+}
+
+#[tokio::test]
+async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.live_through(&world, 10).await;
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    // The ring is lost (say the ringer gave up): the resync still sees it.
+    world
+        .store
+        .delete(&crate::layout::doorbell_key(
+            &InstanceId::parse("a").unwrap(),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
+    a.reconcile(&id).await.unwrap();
+    assert!(a.runtime.memory(&id).is_some());
+    a.live_through(&world, 51).await;
+    a.reconcile(&id).await.unwrap();
+    assert!(a.runtime.memory(&id).is_none(), "handed over at the resync");
+}
+
+#[tokio::test]
+async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    let doorbell = crate::layout::doorbell_key(&InstanceId::parse("a").unwrap());
+    world.store.delete(&doorbell).await.unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert!(world.store.get(&doorbell).await.is_err(), "not at once");
+    world.clock.advance(Duration::seconds(6));
+    a.heartbeat().await;
+    b.reconcile(&id).await.unwrap();
+    assert_eq!(
+        a.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()],
+        "rung again"
+    );
+    a.reconcile(&id).await.unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some(), "handed over");
+}
+
+#[tokio::test]
+async fn a_waiting_attach_whose_intent_was_replaced_is_told_at_once() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    let mut waiting_on_a = a.controller.subscribe(&id);
+    a.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    // A client on B asks too, replacing A's intent before A acted on it.
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert!(
+        matches!(
+            &drain(&mut waiting_on_a)[..],
+            [SandboxEvent::StartFailed {
+                kind: StartKind::Restore,
+                cause: StartFailure::WantedElsewhere(instance),
+            }] if instance.as_str() == "b"
+        ),
+        "A's waiting client learns it lost the race"
+    );
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some());
+}
+
+/// A store that stops before its first read of `lock.json` until told to go
+/// on: a reconcile pass frozen between reading metadata and reading the lock.
+#[derive(Debug)]
+struct PauseBeforeLockRead {
+    inner: Arc<MemoryStore>,
+    paused: tokio::sync::Notify,
+    resume: tokio::sync::Notify,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Store for PauseBeforeLockRead {
+    async fn get(
+        &self,
+        key: &crate::store::ObjectKey,
+    ) -> Result<crate::store::Versioned, crate::store::StoreError> {
+        if key.as_str().ends_with("/lock.json")
+            && self.armed.swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            self.paused.notify_one();
+            self.resume.notified().await;
+        }
+        self.inner.get(key).await
+    }
+    async fn put(
+        &self,
+        key: &crate::store::ObjectKey,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<crate::store::Generation, crate::store::StoreError> {
+        self.inner.put(key, data, mode).await
+    }
+    async fn list_page(
+        &self,
+        prefix: &str,
+        page_token: Option<String>,
+    ) -> Result<crate::store::ListPage, crate::store::StoreError> {
+        self.inner.list_page(prefix, page_token).await
+    }
+    async fn delete(&self, key: &crate::store::ObjectKey) -> Result<(), crate::store::StoreError> {
+        self.inner.delete(key).await
+    }
+    async fn upload_blob(
+        &self,
+        key: &crate::store::ObjectKey,
+        source: crate::store::BlobSource,
+    ) -> Result<crate::store::ObjectInfo, crate::store::StoreError> {
+        self.inner.upload_blob(key, source).await
+    }
+    async fn download_blob(
+        &self,
+        key: &crate::store::ObjectKey,
+    ) -> Result<crate::store::BlobReader, crate::store::StoreError> {
+        self.inner.download_blob(key).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "state").await;
+    // B's pass reads metadata (no checkpoint yet), then stops before the lock.
+    let store = Arc::new(PauseBeforeLockRead {
+        inner: world.store.clone(),
+        paused: tokio::sync::Notify::new(),
+        resume: tokio::sync::Notify::new(),
+        armed: std::sync::atomic::AtomicBool::new(false),
+    });
+    let runtime = FakeRuntime::new(store.clone());
+    let bus = ProgressBus::default();
+    let leases = Leases::new(
+        store.clone(),
+        Arc::new(world.clock.clone()),
+        InstanceId::parse("b").unwrap(),
+        LeaseConfig::default(),
+    );
+    let b = SandboxController::new(
+        Reconciler::new(ReconcilerParts {
+            metadata: store.clone(),
+            checkpoints: store.clone(),
+            checkpoint_bucket: "test-bucket".to_owned(),
+            snapshot_bucket: "test-bucket".to_owned(),
+            runtime: Arc::new(runtime.clone()),
+            leases,
+            clock: Arc::new(world.clock.clone()),
+            bus: bus.clone(),
+            config: ReconcilerConfig::default(),
+        }),
+        bus,
+    );
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    store
+        .armed
+        .store(true, std::sync::atomic::Ordering::Release);
+    let pass = {
+        let b = Arc::clone(&b);
+        let id = id.clone();
+        tokio::spawn(async move { b.reconciler().reconcile(&id).await })
+    };
+    store.paused.notified().await;
+    // Meanwhile A hands over: records the checkpoint, releases.
+    assert_eq!(
+        a.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()]
+    );
+    a.reconcile(&id).await.unwrap();
+    assert!(world.metadata(&id).await.status.latest_checkpoint.is_some());
+    store.resume.notify_one();
+    pass.await.unwrap().unwrap();
+    assert_eq!(
+        runtime.memory(&id),
+        Some(vec!["state".to_owned()]),
+        "restored from the checkpoint recorded after the pass read metadata"
+    );
+}

@@ -1,0 +1,138 @@
+//! Lifecycle hooks: when they run, and a failed cold start hook.
+
+use super::*;
+
+/// Records which hook ran when, and whether the sandbox was running then.
+#[derive(Debug)]
+struct RecordingHooks {
+    runtime: FakeRuntime,
+    calls: std::sync::Mutex<Vec<String>>,
+    fail_cold_start: bool,
+}
+
+impl RecordingHooks {
+    fn new(runtime: &FakeRuntime, fail_cold_start: bool) -> Arc<Self> {
+        Arc::new(Self {
+            runtime: runtime.clone(),
+            calls: std::sync::Mutex::default(),
+            fail_cold_start,
+        })
+    }
+
+    fn record(&self, call: String) {
+        self.calls.lock().unwrap().push(call);
+    }
+
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::hooks::LifecycleHooks for RecordingHooks {
+    async fn on_cold_start(
+        &self,
+        sandbox: &SandboxId,
+        spec: &crate::api::SandboxSpec,
+        start: crate::hooks::ColdStart,
+    ) -> Result<(), crate::hooks::HookError> {
+        let running = self.runtime.memory(sandbox).is_some();
+        let workspace = spec.workspace.as_ref().map(|w| w.id.clone());
+        self.record(format!(
+            "cold_start {start:?} running={running} workspace={workspace:?}"
+        ));
+        if self.fail_cold_start {
+            return Err(crate::hooks::HookError("the bucket is on fire".into()));
+        }
+        Ok(())
+    }
+
+    fn wants_after_exec(&self, _sandbox: &SandboxId) -> bool {
+        true
+    }
+
+    async fn after_exec(&self, _sandbox: &SandboxId) {
+        self.record("after_exec".into());
+    }
+
+    async fn on_terminate(&self, sandbox: &SandboxId) {
+        let running = self.runtime.memory(sandbox).is_some();
+        self.record(format!("terminate running={running}"));
+    }
+
+    fn forget(&self, _sandbox: &SandboxId) {
+        self.record("forget".into());
+    }
+}
+
+#[tokio::test]
+async fn hooks_run_at_cold_start_after_each_execution_and_on_terminate() {
+    let world = World::new();
+    let mut recorder = None;
+    let a = world.instance_hooked("a", ReconcilerConfig::default(), |runtime| {
+        let hooks = RecordingHooks::new(runtime, false);
+        recorder = Some(Arc::clone(&hooks));
+        hooks
+    });
+    let hooks = recorder.unwrap();
+    let id = SandboxId::random();
+    let mut metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
+    metadata.spec.workspace = Some(crate::api::WorkspaceSpec {
+        id: "proj".into(),
+        template: "default".into(),
+        extra: crate::api::ExtraFields::new(),
+    });
+    a.controller.create(&metadata).await.unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(
+        hooks.calls(),
+        ["cold_start Created running=true workspace=Some(\"proj\")"]
+    );
+
+    // The hook has run by the time the exit is reported.
+    let mut execution = a
+        .controller
+        .exec(&id, ExecRequest::new(Command::Bash("true".into())))
+        .await
+        .unwrap();
+    while let Some(event) = execution.events.recv().await {
+        if let crate::runtime::ExecEvent::Exited(_) = event {
+            assert_eq!(hooks.calls().last().unwrap(), "after_exec");
+        }
+    }
+    assert_eq!(hooks.calls().len(), 2);
+
+    a.controller
+        .request_state(&id, DesiredState::Deleted, None)
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(&hooks.calls()[2..], ["terminate running=true", "forget"]);
+    assert!(a.runtime.memory(&id).is_none());
+}
+
+#[tokio::test]
+async fn a_failed_cold_start_hook_fails_the_create_and_leaves_nothing_running() {
+    let world = World::new();
+    let a = world.instance_hooked("a", ReconcilerConfig::default(), |runtime| {
+        RecordingHooks::new(runtime, true)
+    });
+    let id = SandboxId::random();
+    let mut events = a.controller.subscribe(&id);
+    let metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
+    a.controller.create(&metadata).await.unwrap();
+    let _ = a.reconcile(&id).await;
+    let seen = drain(&mut events);
+    assert!(
+        seen.iter().any(|p| matches!(
+            p,
+            SandboxEvent::StartFailed {
+                kind: StartKind::Create,
+                cause: StartFailure::ColdStartHook(detail),
+            } if detail.contains("the bucket is on fire")
+        )),
+        "{seen:?}"
+    );
+    assert!(a.runtime.memory(&id).is_none(), "the sandbox still runs");
+    assert_ne!(world.metadata(&id).await.status.phase, Phase::Running);
+}

@@ -1,0 +1,217 @@
+//! Holds and leases: a holder that lost its lease stops without writing,
+//! holds live on the instance lease (one renewal for all), a lapsed instance
+//! re-verifies or stops, an orphan lock is released.
+
+use super::*;
+
+#[tokio::test]
+async fn a_holder_that_lost_its_lease_stops_without_writing() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    // An operator hands the lease to someone else.
+    let mut lease = world.lease(&id).await;
+    lease.holder = Some(InstanceId::parse("c").unwrap());
+    lease.epoch += 1;
+    world
+        .store
+        .put(&lock_key(&id), encode(&lease), PutMode::Overwrite)
+        .await
+        .unwrap();
+    let before = world.store.get(&metadata_key(&id)).await.unwrap();
+    let mut events = a.controller.subscribe(&id);
+    // A raw edit without a ring: noticed at the next resync.
+    a.live_through(&world, 30).await;
+    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert!(a.runtime.memory(&id).is_some(), "not before the resync");
+    a.live_through(&world, 31).await;
+
+    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
+    let seen = drain(&mut events);
+    assert!(
+        matches!(&seen[..], [SandboxEvent::Lost(LossCause::TakenOver { holder: Some(holder) })] if holder.as_str() == "c"),
+        "{seen:?}"
+    );
+    assert!(a.runtime.memory(&id).is_none());
+    assert!(!a.controller.is_held_here(&id));
+    let after = world.store.get(&metadata_key(&id)).await.unwrap();
+    assert_eq!(
+        before.generation, after.generation,
+        "a loser writes nothing"
+    );
+}
+
+#[tokio::test]
+async fn an_idle_held_sandbox_costs_no_write_its_instance_renews_once_for_all() {
+    let world = World::new();
+    let a = world.instance("a");
+    let first = a.create(&world).await;
+    let second = a.create(&world).await;
+    let lock = world.store.get(&lock_key(&first)).await.unwrap().generation;
+    let operations = world.store.operations();
+    for _ in 0..5 {
+        world.clock.advance(Duration::seconds(10));
+        a.heartbeat().await;
+        a.reconcile(&first).await.unwrap();
+        a.reconcile(&second).await.unwrap();
+    }
+    // 5 heartbeats (one write each, for both sandboxes); the passes are
+    // light: nothing read, nothing written, until the resync at 60 s.
+    assert_eq!(world.store.operations() - operations, 5);
+    assert_eq!(
+        world.store.get(&lock_key(&first)).await.unwrap().generation,
+        lock,
+        "lock.json untouched"
+    );
+    world.clock.advance(Duration::seconds(11));
+    a.heartbeat().await;
+    let operations = world.store.operations();
+    a.reconcile(&first).await.unwrap();
+    assert_eq!(
+        world.store.operations() - operations,
+        2,
+        "the resync reads metadata and lock"
+    );
+}
+
+#[tokio::test]
+async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create_checkpointed(&world).await;
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    // A ignores the ring (say it is busy); far past the lock's own lease,
+    // A's instance lease keeps the hold.
+    for _ in 0..6 {
+        world.clock.advance(Duration::seconds(10));
+        a.heartbeat().await;
+        b.reconcile(&id).await.unwrap();
+        assert!(b.runtime.memory(&id).is_none(), "A is alive");
+    }
+    // A dies (no more heartbeats): after its lease and the skew, B takes over.
+    a.runtime.crash(&id);
+    world.clock.advance(Duration::seconds(34));
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_none(), "not before lease + skew");
+    world.clock.advance(Duration::seconds(2));
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some(), "taken over");
+    assert_eq!(world.lease(&id).await.epoch, 3);
+}
+
+#[tokio::test]
+async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let kept = a.create_checkpointed(&world).await;
+    let taken = a.create_checkpointed(&world).await;
+    // A freezes past its lease; B takes `taken` meanwhile.
+    world.clock.advance(Duration::seconds(40));
+    b.controller
+        .request_here(&taken, None, world.clock.now())
+        .await
+        .unwrap();
+    b.reconcile(&taken).await.unwrap();
+    assert!(b.runtime.memory(&taken).is_some());
+    // A resumes: its renewal starts a new era, so neither hold is vouched for.
+    a.heartbeat().await;
+    let mut unvouched = a.controller.reconciler().unvouched();
+    unvouched.sort();
+    let mut expected = vec![kept.clone(), taken.clone()];
+    expected.sort();
+    assert_eq!(unvouched, expected);
+    let held = a.controller.reconciler().held(&taken).unwrap();
+    assert!(!a.controller.reconciler().leases().is_safe(&held));
+    let generation = world.store.get(&lock_key(&kept)).await.unwrap().generation;
+    a.reconcile(&kept).await.unwrap();
+    assert!(a.runtime.memory(&kept).is_some());
+    assert_ne!(
+        world.store.get(&lock_key(&kept)).await.unwrap().generation,
+        generation,
+        "re-verified with a conditional write"
+    );
+    a.reconcile(&taken).await.unwrap();
+    assert!(a.runtime.memory(&taken).is_none(), "the lost one stops");
+    assert_eq!(a.controller.reconciler().unvouched(), vec![]);
+}
+
+#[tokio::test]
+async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    // A restarts with the same id: the new incarnation holds nothing, but its
+    // instance lease keeps the old hold alive.
+    let a2 = world.instance("a");
+    a2.heartbeat().await;
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    assert_eq!(
+        a2.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()]
+    );
+    a2.reconcile(&id).await.unwrap();
+    assert_eq!(world.lease(&id).await.holder, None, "released");
+    drop(a);
+    // No checkpoint was ever taken: B says so instead of hanging.
+    let mut events = b.controller.subscribe(&id);
+    b.reconcile(&id).await.unwrap();
+    assert!(
+        drain(&mut events).iter().any(|event| matches!(
+            event,
+            SandboxEvent::StartFailed {
+                kind: StartKind::Restore,
+                cause: StartFailure::NoCheckpoint
+            }
+        )),
+        "a clear error"
+    );
+}
+
+#[tokio::test]
+async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    // A newer holder's record (as a zombie would find it), then a deletion.
+    let mut metadata = world.metadata(&id).await;
+    metadata.status.epoch = 99;
+    metadata.spec.desired_state = DesiredState::Deleted;
+    world
+        .store
+        .put(&metadata_key(&id), encode(&metadata), PutMode::Overwrite)
+        .await
+        .unwrap();
+    a.controller.enqueue(&id);
+    let err = a.reconcile(&id).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ReconcileError::Fenced {
+                recorded: 99,
+                writer: 1,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.is_fenced());
+    assert!(ControlError::from(err).is_fenced());
+    assert_eq!(
+        world.metadata(&id).await.status.phase,
+        Phase::Running,
+        "the newer record is kept"
+    );
+}

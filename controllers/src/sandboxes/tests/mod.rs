@@ -1,0 +1,175 @@
+//! The reconciler on the in-memory store, the fake runtime and a manual clock:
+//! each test drives reconcile passes by hand and checks the bucket's JSON, the
+//! runtime and the domain events. This module holds the fixture (a shared
+//! bucket and clock, instances on it); the tests are grouped by topic.
+
+mod checkpoints;
+mod fork;
+mod handoff;
+mod hooks;
+mod leases;
+mod lifecycle;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use chrono::Duration;
+use tokio::sync::broadcast;
+
+use super::*;
+use crate::api::{
+    DesiredState, InstanceId, Lease, Phase, SandboxId, SandboxMetadata, decode, encode,
+};
+use crate::clock::Clock;
+use crate::layout::{checkpoint_image_key, lock_key, metadata_key};
+use crate::leasing::{LeaseConfig, Leases};
+use crate::runtime::{Command, ExecRequest};
+use crate::store::{PutMode, Store};
+use crate::testing::{FakeRuntime, ManualClock, MemoryStore};
+
+const TOKEN_HASH: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+
+struct Instance {
+    controller: Arc<SandboxController>,
+    runtime: FakeRuntime,
+}
+
+struct World {
+    store: Arc<MemoryStore>,
+    clock: ManualClock,
+}
+
+impl World {
+    fn new() -> Self {
+        Self {
+            store: Arc::new(MemoryStore::new()),
+            clock: ManualClock::new(),
+        }
+    }
+
+    fn instance(&self, name: &str) -> Instance {
+        self.instance_with(name, ReconcilerConfig::default())
+    }
+
+    fn instance_with(&self, name: &str, config: ReconcilerConfig) -> Instance {
+        self.instance_hooked(name, config, |_| Arc::new(crate::hooks::NoHooks))
+    }
+
+    /// An instance whose hooks `hooks` builds (given its runtime).
+    fn instance_hooked(
+        &self,
+        name: &str,
+        config: ReconcilerConfig,
+        hooks: impl FnOnce(&FakeRuntime) -> Arc<dyn crate::hooks::LifecycleHooks>,
+    ) -> Instance {
+        let runtime = FakeRuntime::new(self.store.clone());
+        let hooks = hooks(&runtime);
+        let bus = ProgressBus::default();
+        let leases = Leases::new(
+            self.store.clone(),
+            Arc::new(self.clock.clone()),
+            InstanceId::parse(name).unwrap(),
+            LeaseConfig {
+                duration: Duration::seconds(30),
+                skew_tolerance: Duration::seconds(5),
+                intent_ttl: Duration::seconds(60),
+            },
+        );
+        let reconciler = Reconciler::new(ReconcilerParts {
+            metadata: self.store.clone(),
+            checkpoints: self.store.clone(),
+            checkpoint_bucket: "test-bucket".to_owned(),
+            snapshot_bucket: "test-bucket".to_owned(),
+            runtime: Arc::new(runtime.clone()),
+            leases,
+            clock: Arc::new(self.clock.clone()),
+            bus: bus.clone(),
+            config,
+        })
+        .with_hooks(hooks);
+        Instance {
+            controller: SandboxController::new(reconciler, bus),
+            runtime,
+        }
+    }
+
+    async fn metadata(&self, id: &SandboxId) -> SandboxMetadata {
+        decode(&self.store.get(&metadata_key(id)).await.unwrap().data).unwrap()
+    }
+
+    async fn lease(&self, id: &SandboxId) -> Lease {
+        decode(&self.store.get(&lock_key(id)).await.unwrap().data).unwrap()
+    }
+}
+
+impl Instance {
+    async fn reconcile(&self, id: &SandboxId) -> Result<Requeue, ReconcileError> {
+        self.controller.reconciler().reconcile(id).await
+    }
+
+    async fn create(&self, world: &World) -> SandboxId {
+        let id = SandboxId::random();
+        let mut metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
+        metadata.spec.enable_checkpoint = true;
+        self.controller.create(&metadata).await.unwrap();
+        self.reconcile(&id).await.unwrap();
+        id
+    }
+
+    /// What the instance lease loop does every `renew_interval`.
+    async fn heartbeat(&self) {
+        self.controller
+            .reconciler()
+            .leases()
+            .instance_lease()
+            .renew()
+            .await
+            .unwrap();
+    }
+
+    /// Lets `seconds` pass with the instance alive (heartbeats every 10 s).
+    async fn live_through(&self, world: &World, seconds: i64) {
+        let mut left = seconds;
+        while left > 0 {
+            let step = left.min(10);
+            world.clock.advance(Duration::seconds(step));
+            self.heartbeat().await;
+            left -= step;
+        }
+    }
+
+    /// A sandbox held here that has a checkpoint to restore (checkpointed,
+    /// then asked back here).
+    async fn create_checkpointed(&self, world: &World) -> SandboxId {
+        let id = self.create(world).await;
+        self.controller
+            .request_state(&id, DesiredState::Checkpointed, None)
+            .await
+            .unwrap();
+        self.reconcile(&id).await.unwrap();
+        self.controller
+            .request_here(&id, None, world.clock.now())
+            .await
+            .unwrap();
+        self.reconcile(&id).await.unwrap();
+        assert!(self.controller.is_held_here(&id));
+        id
+    }
+
+    async fn run(&self, id: &SandboxId, code: &str) {
+        let mut execution = self
+            .controller
+            .exec(id, ExecRequest::new(Command::Bash(code.into())))
+            .await
+            .unwrap();
+        while execution.events.recv().await.is_some() {}
+    }
+}
+
+fn drain(events: &mut broadcast::Receiver<SandboxEvent>) -> Vec<SandboxEvent> {
+    let mut seen = Vec::new();
+    while let Ok(event) = events.try_recv() {
+        seen.push(event);
+    }
+    seen
+}

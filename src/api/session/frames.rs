@@ -1,0 +1,244 @@
+//! The session's answers to client frames: run code, stdin, kill the
+//! process or the sandbox, checkpoint, snapshot the filesystem. Lifecycle
+//! requests are written as intents; the outcome arrives as controller
+//! events (see `relay`).
+
+use std::sync::Arc;
+
+use controllers::api::{DesiredState, RESOURCE_NAME_RULE, is_resource_name};
+use controllers::runtime::{Command, ExecRequest};
+
+use crate::api::output::ExecutionState;
+use crate::api::protocol::{ClientFrame, Language, Status};
+
+use super::out::{CLOSE_FATAL, CLOSE_NORMAL, report_frame_error};
+use super::{Queued, Session};
+
+impl Session {
+    /// Answers one client frame (or reports why it could not be parsed).
+    pub(super) async fn handle(self: Arc<Self>, parsed: Queued) {
+        let frame = match parsed {
+            Ok(frame) => frame,
+            Err(err) => {
+                tracing::debug!(sandbox = %self.id, %err, "bad client frame");
+                report_frame_error(&self.out, &err).await;
+                return;
+            }
+        };
+        if !self.live.is_attached_by(self.attachment) || self.out.is_closing() {
+            return;
+        }
+        match frame {
+            ClientFrame::Exec {
+                language,
+                code,
+                session,
+            } => self.exec(language, code, session).await,
+            ClientFrame::Stdin { data } => self.stdin(data).await,
+            ClientFrame::KillProcess => self.kill_process().await,
+            ClientFrame::KillSandbox => self.kill_sandbox().await,
+            ClientFrame::Checkpoint { name } => self.checkpoint(name).await,
+            ClientFrame::SnapshotFilesystem { name } => self.snapshot(name).await,
+            ClientFrame::Reconnect => self.reconnect(),
+        }
+    }
+
+    async fn exec(self: &Arc<Self>, language: Language, code: String, session: bool) {
+        let command = match (language, session) {
+            (Language::Bash, _) => Command::Bash(code),
+            (Language::Python, false) => Command::Python(code),
+            (Language::Python, true) => Command::PythonSession(code),
+        };
+        let in_progress = "An execution is already in progress.";
+        if self.live.execution_running() {
+            self.out.error(Status::ExecutionError, in_progress).await;
+            return;
+        }
+        let execution = match self
+            .controller
+            .exec(
+                &self.id,
+                ExecRequest {
+                    resumable: self.live.options().keep_executions,
+                    ..ExecRequest::new(command)
+                },
+            )
+            .await
+        {
+            Ok(execution) => execution,
+            Err(controllers::sandboxes::ControlError::Runtime(
+                controllers::runtime::RuntimeError::ExecutionInProgress(_),
+            )) => {
+                self.out.error(Status::ExecutionError, in_progress).await;
+                return;
+            }
+            Err(controllers::sandboxes::ControlError::Runtime(
+                controllers::runtime::RuntimeError::Checkpointing(_),
+            )) => {
+                let id = &self.id;
+                let message = format!(
+                    "Cannot execute code in sandbox {id}: sandbox {id} is being checkpointed; \
+                     attach again to run code"
+                );
+                self.out.error(Status::ExecutionError, &message).await;
+                return;
+            }
+            Err(err) => {
+                let message = format!("Cannot execute code in sandbox {}: {err}", self.id);
+                self.out.error(Status::ExecutionError, &message).await;
+                return;
+            }
+        };
+        let live = Arc::clone(&self.live);
+        let controller = Arc::clone(&self.controller);
+        let id = self.id.clone();
+        let started = self.live.begin_execution(move || {
+            ExecutionState::start(execution, move || {
+                live.touch();
+                // A checkpoint may be waiting for this execution to end.
+                controller.poke(&id);
+            })
+        });
+        match started {
+            Some(execution) => {
+                self.out.status(Status::ExecutionRunning).await;
+                self.stream(execution);
+            }
+            None => {
+                self.out.error(Status::ExecutionError, in_progress).await;
+            }
+        }
+    }
+
+    async fn stdin(&self, data: String) {
+        match self.live.execution() {
+            None => {
+                self.out
+                    .error(
+                        Status::ExecutionError,
+                        "No process is running in the sandbox.",
+                    )
+                    .await;
+            }
+            Some(execution) if execution.is_running() => {
+                if let Err(err) = execution.write_stdin(bytes::Bytes::from(data)).await {
+                    self.out
+                        .error(Status::StdinError, &format!("Cannot write to stdin: {err}"))
+                        .await;
+                }
+            }
+            // Upstream drops stdin for a finished execution silently.
+            Some(_) => {}
+        }
+    }
+
+    async fn kill_process(&self) {
+        let killed_running = match self.live.execution() {
+            Some(execution) => execution.kill().await,
+            None => false,
+        };
+        if !killed_running {
+            self.out.status(Status::ExecutionForceKilled).await;
+        }
+    }
+
+    async fn kill_sandbox(&self) {
+        self.out.status(Status::Killing).await;
+        self.pending.set_kill(true);
+        if let Err(err) = self
+            .controller
+            .request_state(&self.id, DesiredState::Deleted, None)
+            .await
+        {
+            self.pending.set_kill(false);
+            self.out
+                .error(
+                    Status::KillError,
+                    &format!("Failed to kill sandbox {}: {err}", self.id),
+                )
+                .await;
+            self.out.close(CLOSE_NORMAL).await;
+        }
+    }
+
+    async fn checkpoint(&self, name: Option<String>) {
+        let out = &self.out;
+        out.status(Status::Checkpointing).await;
+        if self.live.execution_running() {
+            out.error(
+                Status::ExecutionInProgressError,
+                "Cannot checkpoint while an execution is in progress.",
+            )
+            .await;
+            return;
+        }
+        let failed = |detail: String| format!("Failed to checkpoint sandbox {}: {detail}", self.id);
+        if !self.features.checkpoint || !self.live.options().enable_checkpoint {
+            let message = failed(format!(
+                "Sandbox {} is not configured for checkpointing.",
+                self.id
+            ));
+            out.error(Status::CheckpointError, &message).await;
+            out.close(CLOSE_FATAL).await;
+            return;
+        }
+        if let Some(name) = &name
+            && !is_resource_name(name)
+        {
+            let message = failed(format!(
+                "invalid checkpoint name {name:?}: {RESOURCE_NAME_RULE}"
+            ));
+            out.error(Status::CheckpointError, &message).await;
+            return;
+        }
+        self.pending.set_checkpoint(true);
+        if let Err(err) = self
+            .controller
+            .request_state(&self.id, DesiredState::Checkpointed, name.as_deref())
+            .await
+        {
+            self.pending.set_checkpoint(false);
+            out.error(Status::CheckpointError, &failed(err.to_string()))
+                .await;
+            out.close(CLOSE_FATAL).await;
+        }
+    }
+
+    async fn snapshot(&self, name: String) {
+        let out = &self.out;
+        out.status(Status::FilesystemSnapshotCreating).await;
+        let failed = |detail: String| {
+            format!(
+                "Failed to snapshot filesystem for sandbox {}: {detail}",
+                self.id
+            )
+        };
+        if !self.features.snapshot {
+            out.error(
+                Status::FilesystemSnapshotError,
+                "Filesystem snapshot is not enabled on the server.",
+            )
+            .await;
+            return;
+        }
+        if !is_resource_name(&name) {
+            out.error(
+                Status::FilesystemSnapshotError,
+                &failed(format!(
+                    "invalid snapshot name {name:?}: {RESOURCE_NAME_RULE}"
+                )),
+            )
+            .await;
+            return;
+        }
+        match self.controller.snapshot_filesystem(&self.id, &name).await {
+            Ok(_) => {
+                out.status(Status::FilesystemSnapshotCreated).await;
+            }
+            Err(err) => {
+                out.error(Status::FilesystemSnapshotError, &failed(err.to_string()))
+                    .await;
+            }
+        }
+    }
+}

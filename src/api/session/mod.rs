@@ -1,0 +1,168 @@
+//! An attached WebSocket session: reads client frames and answers them, and
+//! relays what the controller does to the sandbox. Everything that changes the
+//! sandbox's lifecycle (checkpoint, kill, idle expiry) is written as an intent;
+//! the controller's domain events then become the status frames the clients
+//! expect (`relay`).
+//!
+//! Frames take effect in the order they arrived: one worker per socket handles
+//! them one after another (stdin is never reordered, a checkpoint sent before
+//! an execution is taken before it runs). Only the control frames that must act
+//! while an execution streams (`kill_process`, `kill_sandbox`, `reconnect`)
+//! bypass the queue and act at once. Upstream handled each frame in its own
+//! task, which reordered a burst of stdin frames.
+
+mod frames;
+mod out;
+mod pending;
+mod relay;
+mod stream;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::extract::ws::WebSocket;
+use controllers::api::SandboxId;
+use controllers::sandboxes::{SandboxController, SandboxEvent};
+use futures::stream::SplitStream;
+use tokio::sync::{Notify, broadcast, mpsc};
+use tokio::task::JoinHandle;
+
+pub use out::{
+    CLOSE_FATAL, CLOSE_NORMAL, CLOSE_TOO_BIG, CLOSE_UNAVAILABLE, Out, Outgoing, next_text,
+    refuse_too_big, report_frame_error,
+};
+
+use super::live::{LiveSandbox, LiveSandboxes};
+use super::protocol::{ClientFrame, FrameError};
+use super::state::Features;
+use pending::Pending;
+
+/// Client frames waiting for the session's worker, in arrival order.
+const QUEUED_FRAMES: usize = 1024;
+
+/// Everything one attached session shares between its tasks.
+#[derive(Debug)]
+pub struct Session {
+    pub id: SandboxId,
+    pub out: Out,
+    pub live: Arc<LiveSandbox>,
+    pub attachment: u64,
+    pub controller: Arc<SandboxController>,
+    pub features: Features,
+    /// What this session asked the controller for and awaits the end of.
+    pending: Pending,
+    streamer: std::sync::Mutex<Option<JoinHandle<()>>>,
+    /// Told after every controller event and when the session ends: a worker
+    /// waiting for a checkpoint to settle looks again.
+    settled: Notify,
+    ended: AtomicBool,
+}
+
+/// A parsed client frame, or why it could not be.
+type Queued = Result<ClientFrame, FrameError>;
+
+/// The frames that must act while an execution streams, ahead of the queue.
+fn acts_at_once(frame: &Queued) -> bool {
+    matches!(
+        frame,
+        Ok(ClientFrame::KillProcess | ClientFrame::KillSandbox | ClientFrame::Reconnect)
+    )
+}
+
+impl Session {
+    pub fn new(
+        id: SandboxId,
+        out: Out,
+        live: Arc<LiveSandbox>,
+        attachment: u64,
+        controller: Arc<SandboxController>,
+        features: Features,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            id,
+            out,
+            live,
+            attachment,
+            controller,
+            features,
+            pending: Pending::default(),
+            streamer: std::sync::Mutex::new(None),
+            settled: Notify::new(),
+            ended: AtomicBool::new(false),
+        })
+    }
+
+    /// Serves the socket until it closes, then detaches.
+    pub async fn run(
+        self: Arc<Self>,
+        mut stream: SplitStream<WebSocket>,
+        events: broadcast::Receiver<SandboxEvent>,
+        registry: Arc<LiveSandboxes>,
+    ) {
+        self.controller.client_attached(&self.id, true);
+        let (queue, queued) = mpsc::channel::<Queued>(QUEUED_FRAMES);
+        let worker = tokio::spawn(Arc::clone(&self).work(queued));
+        let mut relay = tokio::spawn(Arc::clone(&self).relay_events(events));
+        loop {
+            tokio::select! {
+                frame = next_text(&mut stream) => {
+                    let Some(frame) = frame else { break };
+                    self.live.touch();
+                    self.controller.client_active(&self.id);
+                    if let Err(err @ FrameError::MessageTooBig(_)) = &frame {
+                        refuse_too_big(&self.out, &mut stream, err).await;
+                        break;
+                    }
+                    let parsed = frame.and_then(|text| ClientFrame::parse(&text));
+                    if acts_at_once(&parsed) {
+                        let session = Arc::clone(&self);
+                        tokio::spawn(async move { session.handle(parsed).await });
+                    } else if queue.send(parsed).await.is_err() {
+                        break;
+                    }
+                }
+                _ = &mut relay => break,
+                () = self.out.closed() => break,
+            }
+        }
+        relay.abort();
+        drop(queue);
+        self.ended.store(true, Ordering::Release);
+        self.settled.notify_waiters();
+        // What was queued is refused once detached; let it drain.
+        drop(worker);
+        self.stop_streamer();
+        registry.detach(&self.live, self.attachment);
+        self.controller.client_attached(&self.id, false);
+        tracing::debug!(sandbox = %self.id, "session detached");
+    }
+
+    /// Handles the queued frames one after another, in arrival order. After a
+    /// checkpoint request nothing else is taken until the checkpoint is done
+    /// (the session then ends) or refused.
+    async fn work(self: Arc<Self>, mut queued: mpsc::Receiver<Queued>) {
+        while let Some(frame) = queued.recv().await {
+            let checkpoint = matches!(frame, Ok(ClientFrame::Checkpoint { .. }));
+            Arc::clone(&self).handle(frame).await;
+            if checkpoint {
+                self.checkpoint_settled().await;
+            }
+        }
+    }
+
+    /// Waits until no checkpoint request of this session is pending.
+    async fn checkpoint_settled(&self) {
+        loop {
+            let settled = self.settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            if !self.pending.checkpoint()
+                || self.out.is_closing()
+                || self.ended.load(Ordering::Acquire)
+            {
+                return;
+            }
+            settled.await;
+        }
+    }
+}
