@@ -123,22 +123,36 @@ pub(crate) async fn open(url: &str, jar: &CookieJar) -> Result<Socket, ClientErr
     Ok(socket)
 }
 
+/// Why a socket gave no next frame.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SocketEnd {
+    #[error("{0}")]
+    Unreadable(ClientError),
+    #[error("closed")]
+    Closed,
+    #[error("closed with {0}")]
+    ClosedWith(u16),
+    #[error("{0}")]
+    Transport(#[from] tokio_tungstenite::tungstenite::Error),
+    #[error("connection lost")]
+    Lost,
+}
+
 /// Reads the next frame; `Err` with the reason when the socket ends.
-pub(crate) async fn next_event(socket: &mut Socket) -> Result<Event, String> {
+pub(crate) async fn next_event(socket: &mut Socket) -> Result<Event, SocketEnd> {
     loop {
         match socket.next().await {
             Some(Ok(Message::Text(text))) => {
-                return Event::parse(text.as_str()).map_err(|err| err.to_string());
+                return Event::parse(text.as_str()).map_err(SocketEnd::Unreadable);
             }
             Some(Ok(Message::Close(frame))) => {
-                return Err(frame.map_or_else(
-                    || "closed".to_owned(),
-                    |f| format!("closed with {}", u16::from(f.code)),
-                ));
+                return Err(frame.map_or(SocketEnd::Closed, |f| {
+                    SocketEnd::ClosedWith(u16::from(f.code))
+                }));
             }
             Some(Ok(_)) => {}
-            Some(Err(err)) => return Err(err.to_string()),
-            None => return Err("connection lost".to_owned()),
+            Some(Err(err)) => return Err(err.into()),
+            None => return Err(SocketEnd::Lost),
         }
     }
 }
@@ -271,7 +285,7 @@ pub(crate) async fn drive(
             }
         };
         if !shared.reconnect.load(Ordering::Acquire) {
-            finish(&shared, why);
+            finish(&shared, why.to_string());
             return;
         }
         tracing::debug!(%why, "connection lost; reconnecting");

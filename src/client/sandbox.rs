@@ -193,7 +193,7 @@ async fn handshake(
                 }
                 Ok(Event::Status { status, .. }) => progress.report(&status),
                 Ok(_) => {}
-                Err(why) => return Err(ClientError::Closed(why)),
+                Err(why) => return Err(ClientError::Closed(why.to_string())),
             }
         }
     };

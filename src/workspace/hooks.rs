@@ -130,11 +130,12 @@ impl WorkspaceHooks {
     }
 
     /// Checks (or, for a new workspace, records) the token that owns it.
-    pub async fn authorize(&self, workspace: &str, token: &str) -> Result<(), String> {
-        self.sync
-            .authorize(workspace, token)
-            .await
-            .map_err(|err| err.to_string())
+    pub async fn authorize(
+        &self,
+        workspace: &str,
+        token: &str,
+    ) -> Result<(), super::sync::SyncError> {
+        self.sync.authorize(workspace, token).await
     }
 
     /// Whether `name` is a template this instance knows (checked at create).

@@ -62,7 +62,7 @@ impl GvisorRuntime {
     }
 
     /// The image `digest`: here, or fetched once from the checkpoint store.
-    pub(super) async fn image_by_digest(&self, digest: &str) -> Result<Image, String> {
+    pub(super) async fn image_by_digest(&self, digest: &str) -> Result<Image, ImageUnavailable> {
         let images = &self.config.images;
         let missing = match images.resolve(digest) {
             Ok(image) => return Ok(image),
@@ -76,7 +76,7 @@ impl GvisorRuntime {
             &self.config.state_dir.join("image-transfer"),
         )
         .await
-        .map_err(|err| format!("{missing}; {err}"))
+        .map_err(|fetch| ImageUnavailable { missing, fetch })
     }
 
     /// Downloads a snapshot archive into a file under the state directory.
@@ -151,4 +151,12 @@ impl GvisorRuntime {
             .map_err(agent_error)?;
         Ok(())
     }
+}
+
+/// An image this server lacks and could not fetch from the checkpoint store.
+#[derive(Debug, thiserror::Error)]
+#[error("{missing}; {fetch}")]
+pub(super) struct ImageUnavailable {
+    missing: crate::runtime::catalog::ImageError,
+    fetch: crate::runtime::image_store::ImageStoreError,
 }
