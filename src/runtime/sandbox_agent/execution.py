@@ -438,8 +438,6 @@ def kill_tree(pid):
 
 
 def kill(msg):
-    from .loop import loop_once  # the loop imports the handlers: import late
-
     exec_id = msg["id"]
     execution = state.EXECS.get(exec_id)
     if execution is None:
@@ -451,7 +449,7 @@ def kill(msg):
         os.kill(execution.pid, signal.SIGINT)
         deadline = time.time() + 1.0
         while exec_id in state.EXECS and time.time() < deadline:
-            loop_once(0.05)
+            state.turn(0.05)
         if exec_id not in state.EXECS:
             return
     kill_tree(execution.pid)

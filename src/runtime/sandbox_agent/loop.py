@@ -52,6 +52,9 @@ def loop_once(timeout):
     reap()
 
 
+state.turn = loop_once
+
+
 def main(argv=None):
     global COMMANDS
     argv = sys.argv if argv is None else argv

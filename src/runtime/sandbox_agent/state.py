@@ -15,6 +15,14 @@ PAUSED = False
 PIDS = {}  # main pid -> Execution or PythonSession
 
 
+def turn(timeout):
+    """One turn of the main loop (`loop.loop_once`, installed by the loop
+    module): for a command that must wait for events while it is handled
+    (`kill` waiting for a Python cell to stop). Kept here so that the
+    execution module does not import the loop, which imports it."""
+    raise RuntimeError("the main loop is not loaded")
+
+
 def reset():
     """Forgets every execution (tests: a fresh agent)."""
     global SEL, PAUSED
