@@ -21,8 +21,20 @@ enum Command {
     Serve(ServeArgs),
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+/// How long the process waits, once served, for blocking tasks still
+/// running (a file read stuck on a dead disk must not keep it alive).
+const BLOCKING_TASKS_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+fn main() -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let served = runtime.block_on(serve());
+    runtime.shutdown_timeout(BLOCKING_TASKS_GRACE);
+    served
+}
+
+async fn serve() -> anyhow::Result<()> {
     let Command::Serve(args) = Cli::parse().command;
     telemetry::init(&args.log)?;
     let booted = boot::from_args(&args).await?;

@@ -91,11 +91,13 @@ pub fn lift(cgroup_root: &Path, container_id: &str) -> Option<LiftedQuota> {
     }
 }
 
-/// Watches for the cgroup of a container runsc is creating and lifts its
-/// quota once runsc has set one.
+/// Watches for the cgroup of a container runsc is creating, lifts its quota
+/// once runsc has set one, and puts it back when told to stop (by
+/// [`QuotaWatch::end`], or by being dropped when the restore's task is
+/// cancelled: the thread never outlives its watch).
 pub struct QuotaWatch {
     stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<Option<LiftedQuota>>,
+    task: tokio::task::JoinHandle<()>,
 }
 
 /// How often the watcher looks for the new container's quota.
@@ -110,24 +112,31 @@ impl QuotaWatch {
         let stopped = stop.clone();
         let task = tokio::task::spawn_blocking(move || {
             let started = Instant::now();
+            let mut lifted = None;
             while !stopped.load(Ordering::Acquire) && started.elapsed() < WATCH_AT_MOST {
-                if let Some(lifted) = lift(&cgroup_root, &container_id) {
-                    return Some(lifted);
+                if lifted.is_none() {
+                    lifted = lift(&cgroup_root, &container_id);
                 }
                 std::thread::sleep(WATCH_EVERY);
             }
-            None
+            if let Some(lifted) = lifted {
+                lifted.restore();
+            }
         });
         Self { stop, task }
     }
 
     /// Stops watching and puts back the quota if it was lifted (the restore
     /// has returned, whether it worked or not).
-    pub async fn end(self) {
+    pub async fn end(mut self) {
         self.stop.store(true, Ordering::Release);
-        if let Ok(Some(lifted)) = self.task.await {
-            lifted.restore();
-        }
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for QuotaWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
     }
 }
 
@@ -192,6 +201,33 @@ mod tests {
             .expect("the watch lifts the quota");
         watch.end().await;
         assert_eq!(std::fs::read_to_string(&file).expect("read"), "100000");
+    }
+
+    /// A watch dropped with its restore's cancelled task puts the quota back
+    /// and its thread ends (a blocking task left running would keep the
+    /// runtime, and the process, from exiting).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_watch_puts_the_quota_back() {
+        let root = tempfile::tempdir().expect("temp dir");
+        let file = cgroup(root.path(), "cpu/sbx6/cpu.cfs_quota_us", "100000\n");
+        let watch = QuotaWatch::start(root.path().to_owned(), "sbx6".to_owned());
+        let lifted = async {
+            while std::fs::read_to_string(&file).expect("read") != "-1" {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), lifted)
+            .await
+            .expect("the watch lifts the quota");
+        drop(watch);
+        let put_back = async {
+            while std::fs::read_to_string(&file).expect("read") != "100000" {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), put_back)
+            .await
+            .expect("a dropped watch puts the quota back");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

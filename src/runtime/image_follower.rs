@@ -30,10 +30,23 @@ const BUFFER: usize = 1024 * 1024;
 /// The sha256 (hex) and size of a followed image.
 pub type Followed = (String, u64);
 
-/// A follower of one image file being written by another process.
+/// A follower of one image file being written by another process. Dropped
+/// without [`ImageFollower::finish`] (the checkpoint's task was cancelled,
+/// e.g. at shutdown), its thread stops at its next read: a blocking task
+/// left waiting for a writer that is gone would keep the runtime, and so
+/// the process, from ever exiting.
 pub struct ImageFollower {
-    writer_done: Arc<AtomicBool>,
+    flags: Arc<Flags>,
     task: tokio::task::JoinHandle<io::Result<Followed>>,
+}
+
+/// What the follower's owner tells its thread.
+#[derive(Default)]
+struct Flags {
+    /// The writer has exited: read to the end, then stop.
+    writer_done: AtomicBool,
+    /// Stop now.
+    cancelled: AtomicBool,
 }
 
 impl ImageFollower {
@@ -41,29 +54,40 @@ impl ImageFollower {
     /// the follower flushes what it has read as it goes and the file's data
     /// is on disk when [`ImageFollower::finish`] returns.
     pub fn start(path: PathBuf, durable: bool) -> Self {
-        let writer_done = Arc::new(AtomicBool::new(false));
-        let done = writer_done.clone();
-        let task = tokio::task::spawn_blocking(move || follow(&path, durable, &done));
-        Self { writer_done, task }
+        let flags = Arc::new(Flags::default());
+        let shared = flags.clone();
+        let task = tokio::task::spawn_blocking(move || follow(&path, durable, &shared));
+        Self { flags, task }
     }
 
     /// Call once the writer has exited: reads the rest and returns the
     /// digest and size of the whole file.
-    pub async fn finish(self) -> io::Result<Followed> {
-        self.writer_done.store(true, Ordering::Release);
-        self.task.await.map_err(io::Error::other)?
+    pub async fn finish(mut self) -> io::Result<Followed> {
+        self.flags.writer_done.store(true, Ordering::Release);
+        (&mut self.task).await.map_err(io::Error::other)?
     }
 
     /// Stops following (the writer failed); waits for the thread so it no
     /// longer holds the file open.
-    pub async fn abandon(self) {
-        self.writer_done.store(true, Ordering::Release);
-        let _ = self.task.await;
+    pub async fn abandon(mut self) {
+        self.flags.cancelled.store(true, Ordering::Release);
+        let _ = (&mut self.task).await;
     }
 }
 
-fn follow(path: &std::path::Path, durable: bool, writer_done: &AtomicBool) -> io::Result<Followed> {
-    let mut file = open_when_created(path, writer_done)?;
+impl Drop for ImageFollower {
+    fn drop(&mut self) {
+        self.flags.cancelled.store(true, Ordering::Release);
+    }
+}
+
+fn cancelled() -> io::Error {
+    io::Error::new(io::ErrorKind::Interrupted, "the image follower was stopped")
+}
+
+fn follow(path: &std::path::Path, durable: bool, flags: &Flags) -> io::Result<Followed> {
+    let writer_done = &flags.writer_done;
+    let mut file = open_when_created(path, flags)?;
     // The flushes run on a thread of their own: an fsync waits for the disk,
     // and the hashing must not wait with it.
     let flusher = durable.then(|| Flusher::start(&file)).transpose()?;
@@ -75,6 +99,9 @@ fn follow(path: &std::path::Path, durable: bool, writer_done: &AtomicBool) -> io
     // nothing has found the true end.
     let mut final_pass = false;
     loop {
+        if flags.cancelled.load(Ordering::Acquire) {
+            return Err(cancelled());
+        }
         let read = file.read(&mut buffer)?;
         if read > 0 {
             hasher.update(&buffer[..read]);
@@ -146,9 +173,12 @@ impl Flusher {
 
 /// Opens `path` as soon as the writer has created it; `NotFound` if the
 /// writer exits without creating it.
-fn open_when_created(path: &std::path::Path, writer_done: &AtomicBool) -> io::Result<File> {
+fn open_when_created(path: &std::path::Path, flags: &Flags) -> io::Result<File> {
     loop {
-        let finished = writer_done.load(Ordering::Acquire);
+        if flags.cancelled.load(Ordering::Acquire) {
+            return Err(cancelled());
+        }
+        let finished = flags.writer_done.load(Ordering::Acquire);
         match File::open(path) {
             Ok(file) => return Ok(file),
             Err(err) if err.kind() == io::ErrorKind::NotFound && !finished => {
@@ -195,6 +225,30 @@ mod tests {
         let (sha256, size) = follower.finish().await.expect("followed");
         assert_eq!(size, content.len() as u64);
         assert_eq!(sha256, sha256_hex(&content));
+    }
+
+    /// A follower dropped while its writer has not even created the file
+    /// (its checkpoint cancelled) lets the runtime shut down: a blocking task
+    /// that never ends would hang the process at exit.
+    #[test]
+    fn a_dropped_follower_lets_the_runtime_shut_down() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .build()
+            .expect("runtime");
+        let follower = {
+            let _entered = runtime.enter();
+            ImageFollower::start(dir.path().join("never.img"), true)
+        };
+        drop(follower);
+        let started = std::time::Instant::now();
+        drop(runtime);
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the runtime waited {:?} for the follower",
+            started.elapsed()
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
