@@ -157,6 +157,18 @@ mod tests {
         file
     }
 
+    /// Waits (at most 5 s) until `file` reads `expected`.
+    async fn reads_within(file: &Path, expected: &str, what: &str) {
+        let read = async {
+            while std::fs::read_to_string(file).expect("read") != expected {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), read)
+            .await
+            .unwrap_or_else(|_| panic!("{what}"));
+    }
+
     #[test]
     fn a_v1_quota_is_lifted_and_put_back() {
         let root = tempfile::tempdir().expect("temp dir");
@@ -191,14 +203,7 @@ mod tests {
         let file = cgroup(root.path(), "cpu/sbx4/cpu.cfs_quota_us", "-1\n");
         tokio::time::sleep(Duration::from_millis(20)).await;
         std::fs::write(&file, "100000\n").expect("runsc sets the quota");
-        let lifted = async {
-            while std::fs::read_to_string(&file).expect("read") != "-1" {
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(5), lifted)
-            .await
-            .expect("the watch lifts the quota");
+        reads_within(&file, "-1", "the watch lifts the quota").await;
         watch.end().await;
         assert_eq!(std::fs::read_to_string(&file).expect("read"), "100000");
     }
@@ -211,23 +216,9 @@ mod tests {
         let root = tempfile::tempdir().expect("temp dir");
         let file = cgroup(root.path(), "cpu/sbx6/cpu.cfs_quota_us", "100000\n");
         let watch = QuotaWatch::start(root.path().to_owned(), "sbx6".to_owned());
-        let lifted = async {
-            while std::fs::read_to_string(&file).expect("read") != "-1" {
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(5), lifted)
-            .await
-            .expect("the watch lifts the quota");
+        reads_within(&file, "-1", "the watch lifts the quota").await;
         drop(watch);
-        let put_back = async {
-            while std::fs::read_to_string(&file).expect("read") != "100000" {
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(5), put_back)
-            .await
-            .expect("a dropped watch puts the quota back");
+        reads_within(&file, "100000", "a dropped watch puts the quota back").await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
