@@ -11,10 +11,21 @@
 //!   the crate offers them only over gRPC, which the emulator does not speak.
 //!
 //! The crate's own retry loop is turned off; every operation is retried here with
-//! exponential backoff and jitter, on throttling (429), server errors (5xx) and
-//! connection failures only. A write retried after a lost response may report a
-//! precondition failure for its own earlier write: callers re-read and decide
-//! again, which the read-modify-write loops do anyway.
+//! exponential backoff and jitter, on throttling (429), server errors (5xx),
+//! connection failures and timeouts only, and every operation has a deadline:
+//! each attempt at a small object is abandoned after
+//! [`RetrySettings::attempt_timeout`] and the whole call, retries included,
+//! after [`RetrySettings::deadline`]; a blob's attempt gets time for its bytes
+//! at a floor throughput, and a download whose stream stalls fails. A store
+//! that cannot be reached so answers with a transient error in bounded time,
+//! never hangs (an instance cut off from its bucket must learn that it can no
+//! longer renew its lease).
+//!
+//! A conditional write is retried with its precondition, never without. When
+//! a retry's precondition fails after an earlier attempt's answer was lost,
+//! that attempt may have landed: the object is read back, and if it holds
+//! exactly the bytes written the write is reported as done, at the object's
+//! generation (`docs/decisions/0001-backon-for-retries.md`).
 
 use std::fmt;
 use std::future::Future;
@@ -45,14 +56,31 @@ pub struct RetrySettings {
     pub max_retries: usize,
     pub min_delay: Duration,
     pub max_delay: Duration,
+    /// One attempt at a small object (a read, a write, a list page, a
+    /// delete, one rewrite call) is abandoned after this; a blob's attempt
+    /// gets this plus its bytes at [`BLOB_FLOOR_BYTES_PER_S`].
+    pub attempt_timeout: Duration,
+    /// A small-object call, retries included, fails after this.
+    pub deadline: Duration,
 }
 
+/// The slowest throughput a blob transfer is given time for.
+pub const BLOB_FLOOR_BYTES_PER_S: u64 = 4 << 20;
+
+/// A download whose stream brings nothing for this long fails.
+const DOWNLOAD_STALL: Duration = Duration::from_secs(30);
+
 impl Default for RetrySettings {
+    /// Attempts of 4 s (a small object's request takes tens of milliseconds,
+    /// its slow tail a second or two) within 12 s, under the 13 s a default
+    /// lease (15 s less 2 s of skew) lets a holder vouch for its holds.
     fn default() -> Self {
         Self {
             max_retries: 6,
             min_delay: Duration::from_millis(100),
             max_delay: Duration::from_secs(5),
+            attempt_timeout: Duration::from_secs(4),
+            deadline: Duration::from_secs(12),
         }
     }
 }
@@ -162,18 +190,53 @@ impl GcsStore {
         &self.bucket
     }
 
-    /// Runs `attempt` until it succeeds, fails for good, or retries run out.
+    /// Runs `attempt` (each one within the attempt timeout) until it
+    /// succeeds, fails for good, retries run out, or the deadline passes.
     async fn retrying<T, F, Fut>(
         &self,
         operation: &'static str,
         key: &str,
-        attempt: F,
+        mut attempt: F,
     ) -> Result<T, StoreError>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, StoreError>>,
     {
-        attempt
+        let limit = self.retry.attempt_timeout;
+        let retried = (|| within(limit, key, attempt()))
+            .retry(self.retry.backoff())
+            .when(StoreError::is_transient)
+            .notify(|err, delay| {
+                tracing::warn!(operation, key, %err, ?delay, "transient storage error, retrying");
+            });
+        match tokio::time::timeout(self.retry.deadline, retried).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(StoreError::transient(
+                key,
+                format!(
+                    "{operation} got no answer within its {:?} deadline",
+                    self.retry.deadline
+                ),
+            )),
+        }
+    }
+
+    /// A blob's attempts: the attempt timeout plus `size` at the floor
+    /// throughput each, retried as many times, no overall deadline.
+    async fn retrying_blob<T, F, Fut>(
+        &self,
+        operation: &'static str,
+        key: &str,
+        size: u64,
+        mut attempt: F,
+    ) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let limit =
+            self.retry.attempt_timeout + Duration::from_secs(size.div_ceil(BLOB_FLOOR_BYTES_PER_S));
+        (|| within(limit, key, attempt()))
             .retry(self.retry.backoff())
             .when(StoreError::is_transient)
             .notify(|err, delay| {
@@ -254,8 +317,28 @@ impl GcsStore {
 
     /// Uploads a file, retrying whole uploads on transient failures.
     async fn upload_file(&self, key: &ObjectKey, path: PathBuf) -> Result<ObjectInfo, StoreError> {
-        self.retrying("upload", key.as_str(), || self.upload_file_once(key, &path))
-            .await
+        let size = tokio::fs::metadata(&path).await.map_or(0, |m| m.len());
+        self.retrying_blob("upload", key.as_str(), size, || {
+            self.upload_file_once(key, &path)
+        })
+        .await
+    }
+
+    /// After a conditional write's retry failed its precondition: did an
+    /// earlier attempt, whose answer was lost, land? Yes if the object holds
+    /// exactly `data` (nobody else writes the same bytes: every JSON object
+    /// a writer puts carries its own holder, epoch or time); then the write
+    /// is done, at the object's generation.
+    async fn landed_earlier(&self, key: &ObjectKey, data: &Bytes) -> Option<Generation> {
+        let current = self.get(key).await.ok()?;
+        (current.data == *data).then(|| {
+            tracing::info!(
+                key = key.as_str(),
+                generation = current.generation.0,
+                "a retried write found its own earlier attempt landed"
+            );
+            current.generation
+        })
     }
 }
 
@@ -272,10 +355,22 @@ impl Store for GcsStore {
         data: Bytes,
         mode: PutMode,
     ) -> Result<Generation, StoreError> {
-        self.retrying("put", key.as_str(), || {
-            self.put_once(key, data.clone(), mode)
-        })
-        .await
+        let attempts = std::sync::atomic::AtomicUsize::new(0);
+        let outcome = self
+            .retrying("put", key.as_str(), || {
+                attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.put_once(key, data.clone(), mode)
+            })
+            .await;
+        match outcome {
+            Err(err @ StoreError::PreconditionFailed { .. })
+                if attempts.load(std::sync::atomic::Ordering::Relaxed) > 1
+                    && !matches!(mode, PutMode::Overwrite) =>
+            {
+                self.landed_earlier(key, &data).await.ok_or(err)
+            }
+            other => other,
+        }
     }
 
     async fn list_page(
@@ -354,11 +449,33 @@ impl Store for GcsStore {
             })
             .await?;
         let chunks = futures::stream::unfold(response, |mut response| async move {
-            let item = response.next().await?;
-            Some((item.map_err(std::io::Error::other), response))
+            let item = match tokio::time::timeout(DOWNLOAD_STALL, response.next()).await {
+                Ok(item) => item?.map_err(std::io::Error::other),
+                Err(_) => Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("the download brought nothing for {DOWNLOAD_STALL:?}"),
+                )),
+            };
+            Some((item, response))
         });
         Ok(Box::pin(StreamReader::new(Box::pin(chunks))))
     }
+}
+
+/// `attempt`, or a transient error when it takes longer than `limit`.
+async fn within<T>(
+    limit: Duration,
+    key: &str,
+    attempt: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(limit, attempt)
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::transient(
+                key,
+                format!("no answer within {limit:?}"),
+            ))
+        })
 }
 
 /// Maps a client error to what a caller can act on.

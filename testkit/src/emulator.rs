@@ -94,6 +94,11 @@ impl Emulator {
         format!("http://{}", self.host)
     }
 
+    /// `127.0.0.N:80`, for a [`crate::storage::StorageModel`] in front of it.
+    pub fn socket_addr(&self) -> SocketAddr {
+        SocketAddr::from((self.host, 80))
+    }
+
     /// Starts the emulator (again) on the same address and data.
     pub fn restart(&mut self) -> Result<(), FixtureError> {
         self.kill();

@@ -1,6 +1,7 @@
 //! Fixtures shared by the integration tests (`tests/support`) and the
-//! benchmarks (`bench/`): a fake-gcs-server on a loopback address, and
-//! `sandboxd serve` as a real process. Neither depends on the server's
+//! benchmarks (`bench/`): a fake-gcs-server on a loopback address, a storage
+//! latency and fault model in front of it ([`storage`]), and `sandboxd
+//! serve` as a real process. Neither depends on the server's
 //! library, so both users link the same code without a dependency cycle.
 //!
 //! The emulator listens on port 80 of a spare loopback address: the official
@@ -9,6 +10,7 @@
 
 mod emulator;
 mod server;
+pub mod storage;
 
 pub use emulator::{Backend, Emulator, emulator_binary, free_loopback};
 pub use server::{Launch, RunscCleanup, ServerProcess, free_port};

@@ -60,6 +60,8 @@ pub fn test_retries() -> RetrySettings {
         max_retries: 2,
         min_delay: Duration::from_millis(20),
         max_delay: Duration::from_millis(200),
+        attempt_timeout: Duration::from_secs(5),
+        deadline: Duration::from_secs(10),
     }
 }
 

@@ -1,0 +1,191 @@
+//! The GCS store under the storage model (`testkit::storage`) in front of
+//! the real emulator: every call ends within its deadline when the bucket
+//! is black-holed, transient 429/503s and the per-object mutation rate are
+//! retried, and a conditional write whose answer was lost after it landed
+//! is reported as done, not as a conflict with itself.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests fail by panicking"
+)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use controllers::store::{ObjectKey, PutMode, Store, StoreError};
+use sandboxd::store::{GcsConfig, GcsStore, RetrySettings};
+use testkit::storage::{InstanceProxy, Partition, Profile, StorageModel, Tally};
+
+fn key(value: &str) -> ObjectKey {
+    ObjectKey::new(value).unwrap()
+}
+
+/// A store on a fresh bucket, reached through its own proxy of `profile`.
+async fn modelled(
+    profile: Profile,
+    retry: RetrySettings,
+) -> (GcsStore, StorageModel, InstanceProxy) {
+    let bucket = support::create_bucket().await;
+    let model = StorageModel::new(support::emulator().socket_addr(), profile);
+    let proxy = model.proxy("store").await.unwrap();
+    let mut config = GcsConfig::new(bucket).with_emulator_host(&proxy.endpoint());
+    config.retry = retry;
+    (GcsStore::connect(config).await.unwrap(), model, proxy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_answer_to_a_conditional_write_is_not_a_conflict_with_itself() {
+    let (store, model, _proxy) = modelled(Profile::loopback(), support::test_retries()).await;
+    let k = key("sandboxes/0a/metadata.json");
+    let first = Bytes::from_static(b"{\"v\":1}");
+
+    // The create lands, its answer is lost; the retry finds the object.
+    model.lose_next_responses(1);
+    let created = store.put(&k, first.clone(), PutMode::Create).await.unwrap();
+    let read = store.get(&k).await.unwrap();
+    assert_eq!((read.data, read.generation), (first.clone(), created));
+    assert_eq!(
+        Tally::of(&model.records()).injected,
+        1,
+        "the answer was lost once"
+    );
+
+    // The same for an update under its generation.
+    let second = Bytes::from_static(b"{\"v\":2}");
+    model.lose_next_responses(1);
+    let updated = store
+        .put(&k, second.clone(), PutMode::Update(created))
+        .await
+        .unwrap();
+    assert_ne!(updated, created);
+    assert_eq!(store.get(&k).await.unwrap().generation, updated);
+
+    // A real conflict stays one, answer lost or not: the object holds
+    // other bytes than this write's.
+    let err = store
+        .put(&k, Bytes::from_static(b"{\"v\":3}"), PutMode::Create)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, StoreError::PreconditionFailed { .. }),
+        "{err}"
+    );
+    model.lose_next_responses(1);
+    let err = store
+        .put(
+            &k,
+            Bytes::from_static(b"{\"v\":3}"),
+            PutMode::Update(created),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, StoreError::PreconditionFailed { .. }),
+        "{err}"
+    );
+    assert_eq!(store.get(&k).await.unwrap().data, second);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_refusals_and_the_mutation_rate_are_retried() {
+    let retry = RetrySettings {
+        max_retries: 8,
+        min_delay: Duration::from_millis(20),
+        max_delay: Duration::from_millis(800),
+        attempt_timeout: Duration::from_secs(5),
+        deadline: Duration::from_secs(20),
+    };
+    let (store, model, _proxy) = modelled(Profile::gcs_regional(), retry).await;
+    // One object rewritten back to back, as a hot lock would be: beyond
+    // the burst, GCS's rate answers 429 and the store waits it out.
+    let k = key("sandboxes/0b/lock.json");
+    let mut generation = store
+        .put(&k, Bytes::from_static(b"{\"n\":0}"), PutMode::Create)
+        .await
+        .unwrap();
+    for n in 1..=5 {
+        let body = Bytes::from(format!("{{\"n\":{n}}}"));
+        generation = store
+            .put(&k, body, PutMode::Update(generation))
+            .await
+            .unwrap();
+    }
+    let limited = Tally::of(&model.records());
+    assert!(
+        limited.throttled > 0,
+        "the mutation rate answered 429: {limited:?}"
+    );
+
+    // A third of all requests refused at random: every call still succeeds.
+    model.set_transient_faults(0.3);
+    let other = key("sandboxes/0b/metadata.json");
+    store
+        .put(&other, Bytes::from_static(b"{}"), PutMode::Overwrite)
+        .await
+        .unwrap();
+    for _ in 0..10 {
+        assert_eq!(
+            store.get(&other).await.unwrap().data,
+            Bytes::from_static(b"{}")
+        );
+    }
+    assert!(
+        store
+            .list_page("sandboxes/0b/", None)
+            .await
+            .unwrap()
+            .objects
+            .len()
+            == 2
+    );
+    assert!(Tally::of(&model.records()).injected > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_store_answers_within_its_deadline() {
+    let retry = RetrySettings {
+        max_retries: 6,
+        min_delay: Duration::from_millis(50),
+        max_delay: Duration::from_millis(400),
+        attempt_timeout: Duration::from_millis(500),
+        deadline: Duration::from_millis(1500),
+    };
+    let (store, _model, proxy) = modelled(Profile::loopback(), retry).await;
+    let k = key("sandboxes/0c/lock.json");
+    store
+        .put(&k, Bytes::from_static(b"{}"), PutMode::Create)
+        .await
+        .unwrap();
+
+    // Black-holed: no answer ever comes; the deadline ends the call.
+    proxy.set_partition(Partition::BlackHole);
+    for call in ["get", "put", "list"] {
+        let started = Instant::now();
+        let err = match call {
+            "get" => store.get(&k).await.map(drop),
+            "put" => store
+                .put(&k, Bytes::from_static(b"{\"x\":1}"), PutMode::Overwrite)
+                .await
+                .map(drop),
+            _ => store.list_page("sandboxes/", None).await.map(drop),
+        }
+        .unwrap_err();
+        let took = started.elapsed();
+        assert!(err.is_transient(), "{call}: {err}");
+        assert!(took < Duration::from_secs(3), "{call} took {took:?}");
+    }
+
+    // Refused: connection errors, retried, then transient, also in time.
+    proxy.set_partition(Partition::Refuse);
+    let started = Instant::now();
+    let err = store.get(&k).await.unwrap_err();
+    assert!(err.is_transient(), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+
+    // Healed: the same store works again.
+    proxy.set_partition(Partition::Connected);
+    assert_eq!(store.get(&k).await.unwrap().data, Bytes::from_static(b"{}"));
+}
