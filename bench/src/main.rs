@@ -5,6 +5,7 @@
 //! p90) and JSON. They need root and runsc.
 
 mod cluster;
+mod files;
 mod runtime;
 mod series;
 
@@ -48,6 +49,21 @@ enum Command {
         #[arg(long, default_value = "/tmp/sandboxd-bench")]
         work_dir: std::path::PathBuf,
     },
+    /// The filesystem API: write and read round trips of a 4 KiB file on an
+    /// attached socket, and a large upload and download (MB/s). Starts one
+    /// `sandboxd` on the local store. Needs root and runsc.
+    #[command(after_help = "Example:\n  sandboxd-bench files --runs 50 --upload-mb 100")]
+    Files {
+        /// Samples per round trip.
+        #[arg(long, default_value_t = 50)]
+        runs: usize,
+        /// Size of the uploaded and downloaded file.
+        #[arg(long, default_value_t = 100)]
+        upload_mb: u64,
+        /// Where the server's state and the files go.
+        #[arg(long, default_value = "/tmp/sandboxd-bench-files")]
+        work_dir: std::path::PathBuf,
+    },
     /// Measure the gVisor runtime on this machine: create, exec round trips,
     /// checkpoint and restore; prints medians and JSON. Needs root and runsc.
     #[command(after_help = "Example:\n  sandboxd-bench runtime --runs 20 --sizes-mb 50,500")]
@@ -88,6 +104,21 @@ async fn main() -> ExitCode {
                         "figures": cluster::figures_json(&figures),
                     })
                 );
+            })
+        }
+        Command::Files {
+            runs,
+            upload_mb,
+            work_dir,
+        } => {
+            let bench = files::FilesBench {
+                runs: runs.max(1),
+                upload_mb: upload_mb.max(1),
+                work_dir,
+            };
+            files::run(&bench).await.map(|figures| {
+                print!("{}", files::render(&figures));
+                println!("{}", files::to_json(&figures));
             })
         }
         Command::Runtime {

@@ -11,6 +11,7 @@
 pub mod api;
 pub mod clock;
 pub mod fencing;
+pub mod files;
 pub mod hooks;
 pub mod layout;
 pub mod leasing;

@@ -22,6 +22,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use crate::api::{CheckpointManifest, SandboxId, SnapshotManifest};
+use crate::files::{FsError, FsReply, FsRequest};
 use crate::store::StoreError;
 
 /// What to run.
@@ -198,5 +199,11 @@ pub trait SandboxRuntime: Send + Sync + fmt::Debug {
     /// once: whoever takes it streams the rest of its output.
     fn take_resumed(&self, _sandbox: &SandboxId) -> Option<Execution> {
         None
+    }
+
+    /// One request of the filesystem API on a sandbox running here
+    /// (`crate::files`). Runs beside an execution; never waits for one.
+    async fn fs(&self, _sandbox: &SandboxId, _request: FsRequest) -> Result<FsReply, FsError> {
+        Err(FsError::Unsupported)
     }
 }

@@ -59,7 +59,7 @@ pub async fn attach(
         .on_upgrade(move |socket| serve_attach(socket, state, sandbox_id, token, checkpoint))
 }
 
-fn controller_or_error(state: &AppState) -> Result<Arc<SandboxController>, String> {
+pub(super) fn controller_or_error(state: &AppState) -> Result<Arc<SandboxController>, String> {
     state
         .controller
         .clone()
@@ -464,7 +464,7 @@ pub(super) fn adopt_resumed_execution(
 
 /// Why an attach could not bring the sandbox here.
 #[derive(Debug)]
-enum RestoreRefused {
+pub(super) enum RestoreRefused {
     /// It runs here and a named checkpoint was asked for.
     RunningHere,
     CheckpointingDisabled,
@@ -475,7 +475,7 @@ enum RestoreRefused {
 
 impl RestoreRefused {
     /// The message of `SANDBOX_RESTORE_ERROR`.
-    fn message(&self, id: &SandboxId) -> String {
+    pub(super) fn message(&self, id: &SandboxId) -> String {
         let failed =
             |detail: &dyn std::fmt::Display| format!("Failed to restore sandbox {id}: {detail}");
         match self {
@@ -490,7 +490,7 @@ impl RestoreRefused {
 }
 
 /// Asks for the sandbox here and waits until it runs.
-async fn restore(
+pub(super) async fn restore(
     state: &AppState,
     controller: &Arc<SandboxController>,
     out: &Out,

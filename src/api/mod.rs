@@ -6,6 +6,7 @@
 pub mod connect;
 pub mod events;
 pub mod execute;
+pub mod files;
 pub mod live;
 pub mod output;
 pub mod protocol;

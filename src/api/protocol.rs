@@ -15,6 +15,8 @@
 
 use serde_json::{Map, Value, json};
 
+use super::files::{CallError, FsCall};
+
 /// Largest client frame accepted (code and stdin chunks included).
 pub const MAX_FRAME_BYTES: usize = 1 << 20;
 
@@ -127,6 +129,9 @@ pub enum ServerFrame {
     Error(String),
     /// Extension: `{"event":"exit_code","exit_code":N}` before EXECUTION_DONE.
     ExitCode(i32),
+    /// Extension: an event of the filesystem API (`fs_result`, `fs_error`,
+    /// `fs_download`), built by `api::files`.
+    Event(Value),
 }
 
 impl ServerFrame {
@@ -165,6 +170,7 @@ impl ServerFrame {
             Self::Stderr(data) => json!({"event": "stderr", "data": data}),
             Self::Error(message) => json!({"event": "error", "message": message}),
             Self::ExitCode(code) => json!({"event": "exit_code", "exit_code": code}),
+            Self::Event(value) => return value.to_string(),
         };
         value.to_string()
     }
@@ -257,6 +263,8 @@ pub enum ClientFrame {
         code: String,
         session: bool,
     },
+    /// Extension: `{"action":"fs_<op>", …}`, the filesystem API.
+    Fs(FsCall),
 }
 
 /// Why a client frame was refused, with the status to answer it with.
@@ -273,7 +281,7 @@ pub enum FrameError {
     #[error("frame must be a JSON object")]
     NotObject,
     #[error(
-        "unknown action {0:?}; expected checkpoint, snapshot_filesystem, kill_process, kill_sandbox or reconnect"
+        "unknown action {0:?}; expected checkpoint, snapshot_filesystem, kill_process, kill_sandbox, reconnect or fs_*"
     )]
     UnknownAction(String),
     #[error("Unsupported language: {0}. Supported languages are: python, bash")]
@@ -290,6 +298,13 @@ pub enum FrameError {
     WrongType {
         field: &'static str,
         expected: &'static str,
+    },
+    /// A filesystem call that could not be read (answered with `fs_error`).
+    #[error("{error}")]
+    Fs {
+        request_id: Option<String>,
+        op: String,
+        error: CallError,
     },
 }
 
@@ -514,6 +529,19 @@ impl ClientFrame {
             "kill_process" => Ok(Self::KillProcess),
             "kill_sandbox" => Ok(Self::KillSandbox),
             "reconnect" => Ok(Self::Reconnect),
+            fs if fs.starts_with("fs_") => {
+                let op = &fs["fs_".len()..];
+                FsCall::parse(op, map)
+                    .map(Self::Fs)
+                    .map_err(|error| FrameError::Fs {
+                        request_id: map
+                            .get("request_id")
+                            .and_then(Value::as_str)
+                            .map(str::to_owned),
+                        op: op.chars().take(64).collect(),
+                        error,
+                    })
+            }
             other => Err(FrameError::UnknownAction(other.chars().take(64).collect())),
         }
     }

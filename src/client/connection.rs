@@ -38,6 +38,10 @@ pub(crate) enum Event {
         id: String,
         token: String,
     },
+    /// A filesystem API event (`fs_result`, `fs_error`, `fs_download`).
+    Fs(Value),
+    /// A binary frame: a download's bytes.
+    Binary(bytes::Bytes),
     /// The connection ended for good (with why).
     Closed(String),
 }
@@ -65,6 +69,7 @@ impl Event {
                 id: text("sandbox_id"),
                 token: text("sandbox_token"),
             },
+            Some("fs_result" | "fs_error" | "fs_download") => Self::Fs(frame),
             other => {
                 return Err(ClientError::Protocol(format!(
                     "unknown event {other:?} in {frame}"
@@ -145,6 +150,7 @@ pub(crate) async fn next_event(socket: &mut Socket) -> Result<Event, SocketEnd> 
             Some(Ok(Message::Text(text))) => {
                 return Event::parse(text.as_str()).map_err(SocketEnd::Unreadable);
             }
+            Some(Ok(Message::Binary(data))) => return Ok(Event::Binary(data)),
             Some(Ok(Message::Close(frame))) => {
                 return Err(frame.map_or(SocketEnd::Closed, |f| {
                     SocketEnd::ClosedWith(u16::from(f.code))
@@ -169,6 +175,10 @@ pub(crate) struct Shared {
     /// The current process's event channel, if an execution is active.
     pub process: Mutex<Option<mpsc::UnboundedSender<Event>>>,
     pub sandbox_events: mpsc::UnboundedSender<Event>,
+    /// Filesystem calls waiting for their events, by request id.
+    pub files: Mutex<std::collections::HashMap<String, mpsc::UnboundedSender<Event>>>,
+    /// The call whose download's binary frames are arriving.
+    pub download: Mutex<Option<String>>,
 }
 
 impl Shared {
@@ -217,7 +227,42 @@ fn is_execution_status(status: &str) -> bool {
         || status == "SANDBOX_STDIN_ERROR"
 }
 
+/// Hands a filesystem event (or a download's bytes) to the call waiting.
+fn route_file(shared: &Shared, event: Event) {
+    let id = match &event {
+        Event::Fs(frame) => {
+            let id = frame["request_id"].as_str().unwrap_or_default().to_owned();
+            let mut download = shared
+                .download
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if frame["event"] == "fs_download" {
+                *download = Some(id.clone());
+            } else if download.as_deref() == Some(id.as_str()) {
+                *download = None;
+            }
+            id
+        }
+        _ => match shared
+            .download
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+        {
+            Some(id) => id,
+            None => return,
+        },
+    };
+    let files = shared.files.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(waiting) = files.get(&id) {
+        let _ = waiting.send(event);
+    }
+}
+
 fn route(shared: &Shared, event: Event, last: &mut Route) {
+    if matches!(event, Event::Fs(_) | Event::Binary(_)) {
+        return route_file(shared, event);
+    }
     let to_process = match &event {
         Event::Status { status, .. } => {
             if ClientError::is_fatal(status) || status == "SANDBOX_KILLED" {
@@ -232,7 +277,7 @@ fn route(shared: &Shared, event: Event, last: &mut Route) {
         }
         Event::Stdout(_) | Event::Stderr(_) | Event::ExitCode(_) => true,
         Event::Error(_) => *last == Route::Process,
-        Event::SandboxId { .. } | Event::Closed(_) => false,
+        Event::SandboxId { .. } | Event::Closed(_) | Event::Fs(_) | Event::Binary(_) => false,
     };
     let done = matches!(&event, Event::Status { status, .. } if status == "SANDBOX_EXECUTION_DONE");
     if to_process && let Some(process) = shared.process() {
@@ -254,6 +299,7 @@ pub(crate) async fn drive(
     mut socket: Socket,
     shared: Arc<Shared>,
     mut outgoing: mpsc::UnboundedReceiver<String>,
+    mut binary: mpsc::Receiver<Message>,
 ) {
     let mut pending: VecDeque<String> = VecDeque::new();
     let mut last = Route::Sandbox;
@@ -270,6 +316,11 @@ pub(crate) async fn drive(
                     Ok(event) => route(&shared, event, &mut last),
                     Err(why) => break why,
                 },
+                // An upload (its frame, then its bytes, in order): not kept
+                // across a reconnect (the upload fails and is retried whole).
+                Some(message) = binary.recv() => {
+                    let _ = socket.send(message).await;
+                }
                 frame = outgoing.recv() => match frame {
                     Some(frame) => {
                         if socket.send(Message::text(frame.clone())).await.is_err() {
@@ -302,6 +353,14 @@ pub(crate) async fn drive(
 fn finish(shared: &Shared, why: String) {
     if let Some(process) = shared.process() {
         let _ = process.send(Event::Closed(why.clone()));
+    }
+    for (_, waiting) in shared
+        .files
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .drain()
+    {
+        let _ = waiting.send(Event::Closed(why.clone()));
     }
     shared.set_process(None);
     let _ = shared.sandbox_events.send(Event::Closed(why));

@@ -35,6 +35,9 @@ pub enum ClientError {
     Protocol(String),
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// A filesystem call refused: `code` is the POSIX error's name (`ENOENT`).
+    #[error("{code}: {message}")]
+    Fs { code: String, message: String },
 }
 
 impl ClientError {

@@ -10,6 +10,9 @@ use tokio::sync::mpsc;
 use super::connection::{CookieJar, Event, Shared, Socket, drive, next_event, open};
 use super::error::ClientError;
 
+#[path = "files.rs"]
+pub(super) mod files;
+
 /// How long an operation (create, restore, checkpoint) may take.
 const OPERATION_TIMEOUT: Duration = Duration::from_secs(180);
 
@@ -142,6 +145,9 @@ pub struct Sandbox {
     token: String,
     shared: Arc<Shared>,
     outgoing: mpsc::UnboundedSender<String>,
+    /// An upload's frame and bytes, in order (a few in flight: the socket
+    /// paces the upload).
+    binary: mpsc::Sender<tokio_tungstenite::tungstenite::protocol::Message>,
     events: tokio::sync::Mutex<mpsc::UnboundedReceiver<Event>>,
     progress: Progress,
 }
@@ -295,6 +301,7 @@ impl Sandbox {
     fn start(base: String, id: String, token: String, jar: CookieJar, socket: Socket) -> Self {
         let (sandbox_events, events) = mpsc::unbounded_channel();
         let (outgoing, outgoing_receiver) = mpsc::unbounded_channel();
+        let (binary, binary_receiver) = mpsc::channel(4);
         let shared = Arc::new(Shared {
             jar,
             attach_url: format!("{base}/attach/{id}?sandbox_token={token}"),
@@ -302,13 +309,21 @@ impl Sandbox {
             user_checkpoint: std::sync::atomic::AtomicBool::new(false),
             process: Mutex::new(None),
             sandbox_events,
+            files: Mutex::new(std::collections::HashMap::new()),
+            download: Mutex::new(None),
         });
-        tokio::spawn(drive(socket, Arc::clone(&shared), outgoing_receiver));
+        tokio::spawn(drive(
+            socket,
+            Arc::clone(&shared),
+            outgoing_receiver,
+            binary_receiver,
+        ));
         Self {
             id,
             token,
             shared,
             outgoing,
+            binary,
             events: tokio::sync::Mutex::new(events),
             progress: Progress::default(),
         }

@@ -3,6 +3,7 @@
 //! user verbs through the client library.
 
 mod checkpoints;
+mod files;
 mod images;
 mod inventory;
 mod operator;
@@ -12,6 +13,7 @@ mod yaml;
 pub use checkpoints::{
     CheckpointRow, delete_checkpoint_entry, list_checkpoints, render_checkpoints, trim_history,
 };
+pub use files::{CpSide, FilesCommand, download, run_files_command, upload};
 pub use images::{ImagesError, fetch_images, http_base, render_images};
 pub use inventory::{SandboxRow, describe_json, list_rows, render_table};
 pub use operator::{GcReport, OperatorError, break_lease, delete, describe, edit, evict, gc};

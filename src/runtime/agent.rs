@@ -282,10 +282,18 @@ async fn read_events(
     hello: oneshot::Sender<u32>,
 ) {
     let mut hello = Some(hello);
-    let mut lines = BufReader::with_capacity(256 * 1024, events).lines();
+    let mut reader = BufReader::with_capacity(256 * 1024, events);
+    let mut buffer = Vec::new();
     loop {
-        let line = match lines.next_line().await {
-            Ok(Some(line)) => line,
+        let line = match next_line(&mut reader, &mut buffer).await {
+            Ok(Some(Line::Whole)) => String::from_utf8_lossy(&buffer),
+            Ok(Some(Line::TooLong)) => {
+                tracing::warn!(
+                    limit = MAX_EVENT_LINE,
+                    "the sandbox agent sent an event line over the limit; dropped"
+                );
+                continue;
+            }
             Ok(None) => break,
             Err(err) => {
                 tracing::warn!(%err, "reading from the sandbox agent failed");
@@ -311,6 +319,50 @@ async fn read_events(
     };
     for (_, exec) in execs {
         let _ = exec.send((0, ExecEvent::Exited(137)));
+    }
+}
+
+/// Longest event line read from the agent (the largest reply, a 4 MiB file
+/// read, is under 6 MB as base64). A longer line is dropped unread: the
+/// agent runs inside the sandbox, and no answer of it may take the host's
+/// memory.
+const MAX_EVENT_LINE: usize = 16 << 20;
+
+/// What [`next_line`] read.
+enum Line {
+    /// A whole line, in the buffer without its newline.
+    Whole,
+    /// A line over [`MAX_EVENT_LINE`], skipped.
+    TooLong,
+}
+
+/// Reads the next line into `line` (cleared first), keeping at most
+/// [`MAX_EVENT_LINE`] bytes of it. `None` at the end of the stream.
+async fn next_line(
+    reader: &mut BufReader<pipe::Receiver>,
+    line: &mut Vec<u8>,
+) -> std::io::Result<Option<Line>> {
+    line.clear();
+    let mut too_long = false;
+    loop {
+        let buffered = reader.fill_buf().await?;
+        if buffered.is_empty() {
+            return Ok(None);
+        }
+        let (taken, end) = match buffered.iter().position(|&b| b == b'\n') {
+            Some(newline) => (newline, true),
+            None => (buffered.len(), false),
+        };
+        if !too_long && line.len() + taken <= MAX_EVENT_LINE {
+            line.extend_from_slice(&buffered[..taken]);
+        } else {
+            too_long = true;
+            line.clear();
+        }
+        reader.consume(taken + usize::from(end));
+        if end {
+            return Ok(Some(if too_long { Line::TooLong } else { Line::Whole }));
+        }
     }
 }
 

@@ -46,6 +46,10 @@ const MODULES: &[(&str, &str)] = &[
         include_str!("sandbox_agent/workspace.py"),
     ),
     (
+        "sandbox_agent.files",
+        include_str!("sandbox_agent/files.py"),
+    ),
+    (
         "sandbox_agent.handlers",
         include_str!("sandbox_agent/handlers.py"),
     ),

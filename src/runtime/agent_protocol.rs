@@ -18,6 +18,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use controllers::files::FsEntry;
+
 use crate::workspace::files::Refused;
 use crate::workspace::state::FileEntry;
 
@@ -118,6 +120,59 @@ pub enum Request {
     WsDelete { root: String, paths: Vec<String> },
     /// Writes the workspace's state file. Reply: `done` or `error`.
     WsState { root: String, content: String },
+    /// The filesystem API (`sandbox_agent/files.py`); every `fs_*` reply is
+    /// `done` or an `error` whose message starts with the errno's name.
+    /// Reply: `done` ([`EntryDone`]).
+    FsStat { path: String },
+    /// Reply: `done` ([`ListDone`]).
+    FsList {
+        path: String,
+        depth: u32,
+        max_entries: u32,
+    },
+    /// Reply: `done` ([`FsReadDone`]).
+    FsRead {
+        path: String,
+        offset: u64,
+        length: u64,
+    },
+    /// `data` is base64. Reply: `done` ([`EntryDone`]).
+    FsWrite {
+        path: String,
+        data: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mode: Option<u32>,
+        parents: bool,
+    },
+    /// Reply: `done` ([`EntryDone`]).
+    FsMkdir {
+        path: String,
+        parents: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mode: Option<u32>,
+    },
+    /// Reply: `done`.
+    FsRemove { path: String, recursive: bool },
+    /// Reply: `done` ([`EntryDone`]).
+    FsRename {
+        path: String,
+        to: String,
+        overwrite: bool,
+    },
+    /// Reply: `done`.
+    FsUploadOpen {
+        upload: String,
+        path: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mode: Option<u32>,
+        parents: bool,
+    },
+    /// `data` is base64. Reply: `done` ([`ChunkDone`]).
+    FsUploadChunk { upload: String, data: String },
+    /// Reply: `done` ([`EntryDone`]).
+    FsUploadCommit { upload: String, size: u64 },
+    /// Reply: `done`.
+    FsUploadAbort { upload: String },
 }
 
 impl Request {
@@ -145,6 +200,17 @@ impl Request {
             Self::WsWriteAbort => "ws_write_abort",
             Self::WsDelete { .. } => "ws_delete",
             Self::WsState { .. } => "ws_state",
+            Self::FsStat { .. } => "fs_stat",
+            Self::FsList { .. } => "fs_list",
+            Self::FsRead { .. } => "fs_read",
+            Self::FsWrite { .. } => "fs_write",
+            Self::FsMkdir { .. } => "fs_mkdir",
+            Self::FsRemove { .. } => "fs_remove",
+            Self::FsRename { .. } => "fs_rename",
+            Self::FsUploadOpen { .. } => "fs_upload_open",
+            Self::FsUploadChunk { .. } => "fs_upload_chunk",
+            Self::FsUploadCommit { .. } => "fs_upload_commit",
+            Self::FsUploadAbort { .. } => "fs_upload_abort",
         }
     }
 
@@ -375,6 +441,37 @@ pub struct ReadDone {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeleteDone {
     pub deleted: u64,
+}
+
+/// `done` to `fs_stat`, `fs_write`, `fs_mkdir`, `fs_rename`,
+/// `fs_upload_commit`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EntryDone {
+    pub entry: FsEntry,
+}
+
+/// `done` to `fs_list`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ListDone {
+    pub entries: Vec<FsEntry>,
+    pub truncated: bool,
+}
+
+/// `done` to `fs_read`: base64 `data` and the file as it was read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsReadDone {
+    pub data: String,
+    pub size: u64,
+    pub mode: u32,
+    pub ino: u64,
+    pub mtime_ns: i64,
+    pub eof: bool,
+}
+
+/// `done` to `fs_upload_chunk`: the bytes written so far.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkDone {
+    pub size: u64,
 }
 
 #[cfg(test)]

@@ -148,6 +148,54 @@ fn every_request() -> Vec<Command> {
             root: "/workspace".into(),
             content: "{}".into(),
         }),
+        id(Request::FsStat { path: "/a".into() }),
+        id(Request::FsList {
+            path: "/a".into(),
+            depth: 1,
+            max_entries: 10,
+        }),
+        id(Request::FsRead {
+            path: "/a".into(),
+            offset: 0,
+            length: 1,
+        }),
+        id(Request::FsWrite {
+            path: "/a".into(),
+            data: "eA==".into(),
+            mode: Some(0o644),
+            parents: true,
+        }),
+        id(Request::FsMkdir {
+            path: "/a".into(),
+            parents: true,
+            mode: None,
+        }),
+        id(Request::FsRemove {
+            path: "/a".into(),
+            recursive: false,
+        }),
+        id(Request::FsRename {
+            path: "/a".into(),
+            to: "/b".into(),
+            overwrite: true,
+        }),
+        id(Request::FsUploadOpen {
+            upload: "u1".into(),
+            path: "/a".into(),
+            mode: None,
+            parents: true,
+        }),
+        id(Request::FsUploadChunk {
+            upload: "u1".into(),
+            data: "eA==".into(),
+        }),
+        id(Request::FsUploadCommit {
+            upload: "u1".into(),
+            size: 1,
+        }),
+        id(Request::FsUploadAbort {
+            upload: "u1".into(),
+        }),
     ]
 }
 
@@ -214,6 +262,9 @@ fn typed_reply(op: &str, event: Event) -> Option<Value> {
         "ws_scan" => again::<ScanDone>(event),
         "ws_read" => again::<ReadDone>(event),
         "ws_delete" => again::<DeleteDone>(event),
+        "fs_list" => again::<ListDone>(event),
+        "fs_read" => again::<FsReadDone>(event),
+        "fs_upload_chunk" => again::<ChunkDone>(event),
         _ => return None,
     })
 }

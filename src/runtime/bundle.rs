@@ -114,7 +114,17 @@ impl BundleSpec {
                 "user": {"uid": 0, "gid": 0},
                 // -S: the agent needs no site-packages; skipping them saves boot time.
                 "args": [self.python, "-S", "-c", agent_program(), agent_config.to_string()],
-                "env": [format!("PATH={path}"), "LANG=C.UTF-8", "PYTHONUNBUFFERED=1"],
+                // glibc keeps the agent's large buffers (a file chunk's line,
+                // its JSON and its bytes) in the heap instead of mapping and
+                // unmapping them each time: under ptrace every fresh page is a
+                // fault the sentry serves, and a 1 MiB chunk parsed 12 ms
+                // instead of 1.3 ms. Not user code's environment (see
+                // `agent_config`'s `env`).
+                "env": [
+                    format!("PATH={path}"), "LANG=C.UTF-8", "PYTHONUNBUFFERED=1",
+                    "MALLOC_MMAP_THRESHOLD_=33554432", "MALLOC_TRIM_THRESHOLD_=268435456",
+                    "MALLOC_TOP_PAD_=67108864",
+                ],
                 "cwd": "/",
                 "capabilities": {
                     "bounding": ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SETGID", "CAP_SETUID"],

@@ -16,6 +16,7 @@ pub mod bundle;
 pub mod catalog;
 mod cpu_quota;
 mod delivery;
+mod files_access;
 mod gvisor;
 mod image_follower;
 pub mod image_store;

@@ -25,6 +25,14 @@ pub fn app(state: AppState) -> Router {
         .route("/execute", post(crate::api::execute::execute))
         .route("/create", get(crate::api::connect::create))
         .route("/attach/{sandbox_id}", get(crate::api::connect::attach))
+        .route(
+            "/sandboxes/{sandbox_id}/files",
+            post(crate::api::files::http::call),
+        )
+        .route(
+            "/sandboxes/{sandbox_id}/files/content",
+            get(crate::api::files::http::get_content).put(crate::api::files::http::put_content),
+        )
         .with_state(state)
 }
 

@@ -316,6 +316,12 @@ impl Ws {
         }
     }
 
+    /// The next message of any kind (binary frames included); `None` when
+    /// the socket ended.
+    pub async fn next_raw(&mut self) -> Option<Message> {
+        self.next_message().await
+    }
+
     async fn next_message(&mut self) -> Option<Message> {
         match tokio::time::timeout(FRAME_TIMEOUT, self.stream.next()).await {
             Ok(Some(Ok(message))) => Some(message),

@@ -16,7 +16,11 @@ use super::{Queued, Session};
 
 impl Session {
     /// Answers one client frame (or reports why it could not be parsed).
-    pub(super) async fn handle(self: Arc<Self>, parsed: Queued) {
+    pub(super) async fn handle(
+        self: Arc<Self>,
+        parsed: Queued,
+        bytes: Option<tokio::sync::mpsc::Receiver<bytes::Bytes>>,
+    ) {
         let frame = match parsed {
             Ok(frame) => frame,
             Err(err) => {
@@ -40,6 +44,7 @@ impl Session {
             ClientFrame::Checkpoint { name } => self.checkpoint(name).await,
             ClientFrame::SnapshotFilesystem { name } => self.snapshot(name).await,
             ClientFrame::Reconnect => self.reconnect(),
+            ClientFrame::Fs(call) => self.fs(call, bytes).await,
         }
     }
 

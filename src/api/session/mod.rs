@@ -11,6 +11,7 @@
 //! bypass the queue and act at once. Upstream handled each frame in its own
 //! task, which reordered a burst of stdin frames.
 
+mod files;
 mod frames;
 mod out;
 mod pending;
@@ -28,8 +29,8 @@ use tokio::sync::{Notify, broadcast, mpsc};
 use tokio::task::JoinHandle;
 
 pub use out::{
-    CLOSE_FATAL, CLOSE_NORMAL, CLOSE_TOO_BIG, CLOSE_UNAVAILABLE, Out, Outgoing, next_text,
-    refuse_too_big, report_frame_error,
+    CLOSE_FATAL, CLOSE_NORMAL, CLOSE_TOO_BIG, CLOSE_UNAVAILABLE, Incoming, Out, Outgoing,
+    next_message, next_text, refuse_too_big, report_frame_error,
 };
 
 use super::live::{LiveSandbox, LiveSandboxes};
@@ -60,6 +61,9 @@ pub struct Session {
 
 /// A parsed client frame, or why it could not be.
 type Queued = Result<ClientFrame, FrameError>;
+
+/// A queued frame and, for an upload, where its bytes arrive.
+type Work = (Queued, Option<mpsc::Receiver<bytes::Bytes>>);
 
 /// The frames that must act while an execution streams, ahead of the queue.
 fn acts_at_once(frame: &Queued) -> bool {
@@ -100,24 +104,44 @@ impl Session {
         registry: Arc<LiveSandboxes>,
     ) {
         self.controller.client_attached(&self.id, true);
-        let (queue, queued) = mpsc::channel::<Queued>(QUEUED_FRAMES);
+        let (queue, queued) = mpsc::channel::<Work>(QUEUED_FRAMES);
         let worker = tokio::spawn(Arc::clone(&self).work(queued));
         let mut relay = tokio::spawn(Arc::clone(&self).relay_events(events));
+        let mut uploads = files::UploadIntake::default();
         loop {
             tokio::select! {
-                frame = next_text(&mut stream) => {
-                    let Some(frame) = frame else { break };
+                message = next_message(&mut stream) => {
+                    let Some(message) = message else { break };
                     self.live.touch();
                     self.controller.client_active(&self.id);
-                    if let Err(err @ FrameError::MessageTooBig(_)) = &frame {
-                        refuse_too_big(&self.out, &mut stream, err).await;
-                        break;
-                    }
+                    let frame = match message {
+                        Err(err @ FrameError::MessageTooBig(_)) => {
+                            refuse_too_big(&self.out, &mut stream, &err).await;
+                            break;
+                        }
+                        Ok(Incoming::Binary(data)) => {
+                            // An upload's bytes, read here so the upload
+                            // slows the socket down rather than queue.
+                            match uploads.bytes(data).await {
+                                Ok(()) => continue,
+                                Err(err) => Err(err),
+                            }
+                        }
+                        Ok(Incoming::Text(text)) => Ok(text),
+                        Err(err) => Err(err),
+                    };
                     let parsed = frame.and_then(|text| ClientFrame::parse(&text));
+                    let bytes = match &parsed {
+                        Ok(ClientFrame::Fs(files::FsCall {
+                            op: files::FsOp::Upload { size, .. },
+                            ..
+                        })) => Some(uploads.expect(*size)),
+                        _ => None,
+                    };
                     if acts_at_once(&parsed) {
                         let session = Arc::clone(&self);
-                        tokio::spawn(async move { session.handle(parsed).await });
-                    } else if queue.send(parsed).await.is_err() {
+                        tokio::spawn(async move { session.handle(parsed, None).await });
+                    } else if queue.send((parsed, bytes)).await.is_err() {
                         break;
                     }
                 }
@@ -140,10 +164,10 @@ impl Session {
     /// Handles the queued frames one after another, in arrival order. After a
     /// checkpoint request nothing else is taken until the checkpoint is done
     /// (the session then ends) or refused.
-    async fn work(self: Arc<Self>, mut queued: mpsc::Receiver<Queued>) {
-        while let Some(frame) = queued.recv().await {
+    async fn work(self: Arc<Self>, mut queued: mpsc::Receiver<Work>) {
+        while let Some((frame, bytes)) = queued.recv().await {
             let checkpoint = matches!(frame, Ok(ClientFrame::Checkpoint { .. }));
-            Arc::clone(&self).handle(frame).await;
+            Arc::clone(&self).handle(frame, bytes).await;
             if checkpoint {
                 self.checkpoint_settled().await;
             }

@@ -8,9 +8,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket};
+use bytes::Bytes;
 use futures::stream::SplitStream;
 use futures::{SinkExt, StreamExt};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, OwnedSemaphorePermit, mpsc};
 
 use crate::api::protocol::{FrameError, MAX_FRAME_BYTES, ServerFrame, Status};
 
@@ -25,6 +26,9 @@ pub const CLOSE_FATAL: u16 = 4000;
 #[derive(Debug)]
 pub enum Outgoing {
     Frame(ServerFrame),
+    /// A binary frame (a download's bytes), and what to release once it
+    /// is written (the download's window: memory stays flat).
+    Binary(Bytes, Option<OwnedSemaphorePermit>),
     Close(u16, String),
 }
 
@@ -63,6 +67,13 @@ impl Out {
                             break;
                         }
                     }
+                    Outgoing::Binary(data, permit) => {
+                        let sent = sink.send(Message::Binary(data)).await;
+                        drop(permit);
+                        if sent.is_err() {
+                            break;
+                        }
+                    }
                     Outgoing::Close(code, reason) => {
                         let _ = sink
                             .send(Message::Close(Some(CloseFrame {
@@ -80,12 +91,35 @@ impl Out {
         (out, stream)
     }
 
+    /// An `Out` whose frames go nowhere: for an attach made by an HTTP
+    /// request (the filesystem API), which has no socket to tell.
+    pub fn sink() -> Self {
+        let (sender, mut receiver) = mpsc::channel::<Outgoing>(16);
+        tokio::spawn(async move { while receiver.recv().await.is_some() {} });
+        Self {
+            sender,
+            closed: Arc::new(Notify::new()),
+            closing: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
     /// Queues a frame; false once the socket is gone.
     pub async fn send(&self, frame: ServerFrame) -> bool {
         if self.closing.load(Ordering::Acquire) {
             return false;
         }
         self.sender.send(Outgoing::Frame(frame)).await.is_ok()
+    }
+
+    /// Queues a binary frame; `permit` is released once it is written.
+    pub async fn binary(&self, data: Bytes, permit: Option<OwnedSemaphorePermit>) -> bool {
+        if self.closing.load(Ordering::Acquire) {
+            return false;
+        }
+        self.sender
+            .send(Outgoing::Binary(data, permit))
+            .await
+            .is_ok()
     }
 
     pub async fn status(&self, status: Status) -> bool {
@@ -123,15 +157,39 @@ impl Out {
 /// Reads the next text frame; `None` when the socket is done. Binary and
 /// oversized frames come back as errors to report.
 pub async fn next_text(stream: &mut SplitStream<WebSocket>) -> Option<Result<String, FrameError>> {
+    match next_message(stream).await? {
+        Ok(Incoming::Text(text)) => Some(Ok(text)),
+        Ok(Incoming::Binary(_)) => Some(Err(FrameError::Binary)),
+        Err(err) => Some(Err(err)),
+    }
+}
+
+/// A client frame: text (a request), or binary (an upload's bytes).
+#[derive(Debug)]
+pub enum Incoming {
+    Text(String),
+    Binary(Bytes),
+}
+
+/// Reads the next text or binary frame; `None` when the socket is done.
+/// Oversized frames come back as errors to report.
+pub async fn next_message(
+    stream: &mut SplitStream<WebSocket>,
+) -> Option<Result<Incoming, FrameError>> {
     loop {
         match stream.next().await? {
             Ok(Message::Text(text)) => {
                 if text.len() > MAX_FRAME_BYTES {
                     return Some(Err(FrameError::TooLarge(text.len())));
                 }
-                return Some(Ok(text.as_str().to_owned()));
+                return Some(Ok(Incoming::Text(text.as_str().to_owned())));
             }
-            Ok(Message::Binary(_)) => return Some(Err(FrameError::Binary)),
+            Ok(Message::Binary(data)) => {
+                if data.len() > MAX_FRAME_BYTES {
+                    return Some(Err(FrameError::TooLarge(data.len())));
+                }
+                return Some(Ok(Incoming::Binary(data)));
+            }
             Ok(Message::Ping(_) | Message::Pong(_)) => {}
             Ok(Message::Close(_)) => return None,
             Err(err) => return too_big(err).map(|reason| Err(FrameError::MessageTooBig(reason))),
@@ -174,6 +232,16 @@ fn close_reason(text: &str) -> String {
 /// with one) and an `error` event. The connection stays up.
 pub async fn report_frame_error(out: &Out, err: &FrameError) {
     let message = err.to_string();
+    if let FrameError::Fs { request_id, op, .. } = err {
+        out.send(crate::api::files::error_frame(
+            request_id.as_deref(),
+            op,
+            "EINVAL",
+            &message,
+        ))
+        .await;
+        return;
+    }
     match err.status() {
         Some(status) => {
             out.error(status, &message).await;

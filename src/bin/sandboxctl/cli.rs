@@ -157,6 +157,41 @@ pub(crate) enum Command {
         #[command(flatten)]
         target: Target,
     },
+    /// Copy files and directories between this machine and a sandbox, as
+    /// `kubectl cp` does: one side is ID:PATH (a path in the sandbox,
+    /// absolute or relative to /home/sandbox), the other a local path.
+    /// Permission bits are kept; symlinks are skipped.
+    #[command(
+        after_help = "Examples:\n  sandboxctl cp ./data ID:/home/sandbox/data --token T\n  sandboxctl cp ID:/tmp/report.csv . --token T"
+    )]
+    Cp {
+        from: String,
+        to: String,
+        #[arg(long, env = "SANDBOX_TOKEN")]
+        token: String,
+        #[command(flatten)]
+        server: Server,
+    },
+    /// List a directory (or show a file) in a sandbox.
+    #[command(
+        after_help = "Examples:\n  sandboxctl ls ID /tmp --token T\n  sandboxctl ls ID . --depth 3 --token T"
+    )]
+    Ls {
+        #[command(flatten)]
+        target: Target,
+        #[arg(default_value = ".")]
+        path: String,
+        /// Levels to descend (1: the directory's own entries).
+        #[arg(long, default_value_t = 1)]
+        depth: u32,
+    },
+    /// Print a file of a sandbox.
+    #[command(after_help = "Example:\n  sandboxctl cat ID /etc/os-release --token T")]
+    Cat {
+        #[command(flatten)]
+        target: Target,
+        path: String,
+    },
     /// Table of every sandbox: id, phase, holder, epoch, wanted_by, age, last checkpoint size.
     #[command(after_help = "Example:\n  sandboxctl --metadata-bucket my-sandboxes list")]
     List,

@@ -127,6 +127,48 @@ async fn main() -> ExitCode {
         }),
         _ => None,
     };
+    let files = match &cli.command {
+        Command::Cp {
+            from,
+            to,
+            token,
+            server,
+        } => Some(ctl::FilesCommand::Cp {
+            url: server.url.clone(),
+            token: token.clone(),
+            from: ctl::CpSide::parse(from),
+            to: ctl::CpSide::parse(to),
+        }),
+        Command::Ls {
+            target,
+            path,
+            depth,
+        } => Some(ctl::FilesCommand::Ls {
+            url: target.server.url.clone(),
+            id: target.id.clone(),
+            token: target.token.clone(),
+            path: path.clone(),
+            depth: *depth,
+        }),
+        Command::Cat { target, path } => Some(ctl::FilesCommand::Cat {
+            url: target.server.url.clone(),
+            id: target.id.clone(),
+            token: target.token.clone(),
+            path: path.clone(),
+        }),
+        _ => None,
+    };
+    if let Some(files) = files {
+        return match ctl::run_files_command(files).await {
+            Ok(code) => ExitCode::from(code),
+            Err(err @ ClientError::NotFound) => fail(EXIT_NOT_FOUND, &err.to_string()),
+            Err(err @ ClientError::Fs { .. }) if err.to_string().starts_with("ENOENT") => {
+                fail(EXIT_NOT_FOUND, &err.to_string())
+            }
+            Err(err @ ClientError::Invalid(_)) => fail(EXIT_USAGE, &err.to_string()),
+            Err(err) => fail(EXIT_REFUSED, &err.to_string()),
+        };
+    }
     if let Some(user) = user {
         return match ctl::run_user_command(user).await {
             Ok(code) => ExitCode::from(code),

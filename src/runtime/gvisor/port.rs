@@ -327,4 +327,13 @@ impl SandboxRuntime for GvisorRuntime {
             .unwrap_or_else(PoisonError::into_inner)
             .remove(sandbox)
     }
+
+    #[tracing::instrument(level = "debug", skip(self, request), fields(sandbox = %sandbox))]
+    async fn fs(
+        &self,
+        sandbox: &SandboxId,
+        request: controllers::files::FsRequest,
+    ) -> Result<controllers::files::FsReply, controllers::files::FsError> {
+        self.fs_request(sandbox, request).await
+    }
 }

@@ -31,6 +31,17 @@ HANDLERS = {
     "ws_write_abort": ("workspace", "ws_write_abort"),
     "ws_delete": ("workspace", "ws_delete"),
     "ws_state": ("workspace", "ws_state"),
+    "fs_stat": ("files", "fs_stat"),
+    "fs_list": ("files", "fs_list"),
+    "fs_read": ("files", "fs_read"),
+    "fs_write": ("files", "fs_write"),
+    "fs_mkdir": ("files", "fs_mkdir"),
+    "fs_remove": ("files", "fs_remove"),
+    "fs_rename": ("files", "fs_rename"),
+    "fs_upload_open": ("files", "fs_upload_open"),
+    "fs_upload_chunk": ("files", "fs_upload_chunk"),
+    "fs_upload_commit": ("files", "fs_upload_commit"),
+    "fs_upload_abort": ("files", "fs_upload_abort"),
 }
 
 

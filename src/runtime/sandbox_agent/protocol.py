@@ -16,6 +16,8 @@ import time
 # when a message changes incompatibly.
 VERSION = 1
 READ_CHUNK = 65536
+# Reads of the host's commands (a pipe never hands over more at once).
+COMMAND_READ = 1 << 20
 
 # The host's end: the init process's stdout and stdin (tests swap them).
 OUT = 1
@@ -49,15 +51,19 @@ def error(request_id, message):
     emit({"ev": "error", "id": request_id, "message": message})
 
 
-def split_lines(pending):
-    """Takes the whole lines out of `pending` (a bytearray), in order."""
+def split_lines(pending, scanned=0):
+    """Takes the whole lines out of `pending` (a bytearray), in order.
+    `scanned`: how many bytes at its start are known to hold no newline
+    (a long line arriving in many reads is then scanned once, not once
+    per read)."""
     lines = []
     while True:
-        newline = pending.find(b"\n")
+        newline = pending.find(b"\n", scanned)
         if newline < 0:
             return lines
         lines.append(bytes(pending[:newline]))
         del pending[:newline + 1]
+        scanned = 0
 
 
 class CommandReader:
@@ -82,7 +88,7 @@ class CommandReader:
         pending = bytearray()
         while True:
             try:
-                data = os.read(IN, READ_CHUNK)
+                data = os.read(IN, COMMAND_READ)
             except InterruptedError:
                 continue
             except OSError:
@@ -92,8 +98,9 @@ class CommandReader:
                 # being checkpointed). A restore hands us a new one at the same fd.
                 time.sleep(0.05)
                 continue
+            scanned = len(pending)
             pending.extend(data)
-            self.hand_over(split_lines(pending))
+            self.hand_over(split_lines(pending, scanned))
 
     def hand_over(self, lines):
         if lines:

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::api::{SandboxId, SandboxMetadata, SnapshotRef};
+use crate::files::{FsError, FsReply, FsRequest};
 use crate::layout::metadata_key;
 use crate::runtime::{ExecRequest, Execution, RuntimeError};
 
@@ -115,6 +116,28 @@ impl SandboxController {
             tracing::warn!(%sandbox, %err, "cannot record the snapshot in metadata.json");
         }
         Ok(reference)
+    }
+}
+
+impl SandboxController {
+    /// One filesystem request on a sandbox held here. Like an execution it
+    /// waits out a periodic checkpoint in progress (the runtime has no
+    /// sandbox between the checkpoint and its restore while the hold stays).
+    pub async fn fs(&self, sandbox: &SandboxId, request: FsRequest) -> Result<FsReply, FsError> {
+        if !self.is_held_here(sandbox) {
+            return Err(FsError::Runtime(RuntimeError::NotFound(sandbox.clone())));
+        }
+        let give_up = tokio::time::Instant::now() + CHECKPOINT_WAIT;
+        loop {
+            match self.reconciler.runtime().fs(sandbox, request.clone()).await {
+                Err(FsError::Runtime(
+                    RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_),
+                )) if self.is_held_here(sandbox) && tokio::time::Instant::now() < give_up => {
+                    tokio::time::sleep(FENCE_EXIT_POLL).await;
+                }
+                other => return other,
+            }
+        }
     }
 }
 
