@@ -359,6 +359,14 @@ impl Reconciler {
         // Both reads at once: one round trip, not two (a rung handoff starts here).
         let (metadata, lease) =
             tokio::join!(self.read_metadata(sandbox), self.leases.read(sandbox));
+        if let Some(unreadable) = self.cut_off(sandbox, &metadata, &lease) {
+            // Held, past what the instance lease vouches for, and the bucket
+            // cannot be read to re-verify the hold: another instance may
+            // take it over meanwhile; two copies must never run.
+            self.stop_lost(sandbox, LossCause::RenewalFailed(unreadable))
+                .await;
+            return Ok(Requeue::Never);
+        }
         let metadata = match metadata {
             Ok(metadata) => metadata,
             Err(err) => {
@@ -397,6 +405,29 @@ impl Reconciler {
         });
         tracing::debug!(%sandbox, ?step, "decided");
         self.perform(sandbox, step, metadata, lease, held).await
+    }
+
+    /// Why the hold on `sandbox` can no longer be vouched for nor
+    /// re-verified: held here, the instance lease lapsed, and a read of its
+    /// objects failed in the store (not an operator's invalid document).
+    fn cut_off<M, L>(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &Result<M, ReconcileError>,
+        lease: &Result<L, LeaseError>,
+    ) -> Option<String> {
+        let held = self.held(sandbox)?;
+        if self.leases.is_safe(&held) {
+            return None;
+        }
+        let failed = match (metadata, lease) {
+            (Err(err @ ReconcileError::Store(_)), _) => err.to_string(),
+            (_, Err(err @ LeaseError::Store(_))) => err.to_string(),
+            _ => return None,
+        };
+        Some(format!(
+            "the bucket cannot be read to re-verify the hold: {failed}"
+        ))
     }
 
     /// Performs the step the decision table chose.
