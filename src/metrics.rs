@@ -15,6 +15,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
+use crate::runtime::GvisorRuntime;
 use crate::workspace::WorkspaceHooks;
 
 /// The `Content-Type` of [`encode`]'s text.
@@ -43,6 +44,11 @@ pub fn registry(
         registry.register_collector(Box::new(Workspace(Arc::clone(hooks))));
     }
     registry
+}
+
+/// Adds the warm pool's series (`sandboxd_warm_pool_*`) of `runtime`.
+pub fn register_warm_pool(registry: &mut Registry, runtime: &Arc<GvisorRuntime>) {
+    registry.register_collector(Box::new(WarmPool(Arc::downgrade(runtime))));
 }
 
 /// The registry's series as OpenMetrics text.
@@ -184,6 +190,68 @@ impl Collector for Workspace {
         ];
         for (name, help, label, values) in &families {
             counter_family(&mut encoder, name, help, label, values)?;
+        }
+        Ok(())
+    }
+}
+
+/// The warm pool (`runtime/gvisor/pool.rs`): what it keeps and holds, the
+/// memory that costs, and how creates fared.
+#[derive(Debug)]
+struct WarmPool(std::sync::Weak<GvisorRuntime>);
+
+impl Collector for WarmPool {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let stats = self
+            .0
+            .upgrade()
+            .map(|runtime| runtime.warm_pool())
+            .unwrap_or_default();
+        let gauges = [
+            (
+                "sandboxd_warm_pool_target",
+                "Warm sandboxes the pool keeps ready (--warm-pool, less after a shrink).",
+                stats.target as u64,
+            ),
+            (
+                "sandboxd_warm_pool_ready",
+                "Warm sandboxes ready now.",
+                stats.ready as u64,
+            ),
+            (
+                "sandboxd_warm_pool_memory_bytes",
+                "Memory the ready warm sandboxes use.",
+                stats.memory_bytes,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let counters = [
+            (
+                "sandboxd_warm_pool_hits",
+                "Creates that took a warm sandbox.",
+                stats.hits,
+            ),
+            (
+                "sandboxd_warm_pool_misses",
+                "Creates of the pool's image and network that found none ready (booted cold).",
+                stats.misses,
+            ),
+            (
+                "sandboxd_warm_pool_boots",
+                "Warm sandboxes booted.",
+                stats.boots,
+            ),
+            (
+                "sandboxd_warm_pool_boot_failures",
+                "Warm sandbox boots that failed (each is logged).",
+                stats.boot_failures,
+            ),
+        ];
+        for (name, help, value) in counters {
+            counter_family(&mut encoder, name, help, "", &[(None, value)])?;
         }
         Ok(())
     }

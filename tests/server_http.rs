@@ -168,6 +168,8 @@ async fn the_readme_command_serves_status_on_the_embedded_store() {
             .current_dir(dir.path())
             .env_remove("SANDBOX_METADATA_BUCKET")
             .env_remove("PORT")
+            // Warm sandboxes would outlive the SIGKILL that ends this test.
+            .env("SANDBOXD_WARM_POOL", "0")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -1,13 +1,16 @@
 //! `sandboxd-bench`: the benchmarks of `docs/benchmarks.md`, apart from the
 //! server's library. `cluster` measures end to end on fake-gcs-server and
 //! `sandboxd` processes it starts with the tests' fixtures (`testkit`);
-//! `runtime` measures the gVisor runtime alone. Both print a table (median,
+//! `runtime` measures the gVisor runtime alone; `files` the filesystem API;
+//! `warm` measures warm
+//! starts (the warm pool and ready templates). Each prints a table (median,
 //! p90) and JSON. They need root and runsc.
 
 mod cluster;
 mod files;
 mod runtime;
 mod series;
+mod warm;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -64,6 +67,35 @@ enum Command {
         #[arg(long, default_value = "/tmp/sandboxd-bench-files")]
         work_dir: std::path::PathBuf,
     },
+    /// Warm starts: create → SANDBOX_RUNNING with the plain Python
+    /// `websockets` client for a pool hit, a pool miss (cold boot) and a
+    /// ready template (and its first create), back-to-back creates on a
+    /// pool sized for them (how many hit), and a running sandbox's
+    /// `echo hi` at rest and while the pool refills. Needs root, runsc, the
+    /// fake-gcs-server wheel and `pip install websockets`; builds the image
+    /// `bench-ready` (the default plus a start command).
+    #[command(after_help = "Example:\n  sandboxd-bench warm --runs 20 --burst 20")]
+    Warm {
+        /// Samples per latency.
+        #[arg(long, default_value_t = 20)]
+        runs: usize,
+        /// Back-to-back creates in the burst (the pool is sized for them).
+        #[arg(long, default_value_t = 20)]
+        burst: usize,
+        /// The sandbox images (the template is built here).
+        #[arg(
+            long,
+            env = "SANDBOXD_IMAGES",
+            default_value = "/var/lib/sandboxd/images"
+        )]
+        images_dir: std::path::PathBuf,
+        /// Where the servers' state and logs go.
+        #[arg(long, default_value = "/tmp/sandboxd-bench-warm")]
+        work_dir: std::path::PathBuf,
+        /// The server binary (default: `sandboxd` beside this one).
+        #[arg(long)]
+        sandboxd: Option<std::path::PathBuf>,
+    },
     /// Measure the gVisor runtime on this machine: create, exec round trips,
     /// checkpoint and restore; prints medians and JSON. Needs root and runsc.
     #[command(after_help = "Example:\n  sandboxd-bench runtime --runs 20 --sizes-mb 50,500")]
@@ -119,6 +151,32 @@ async fn main() -> ExitCode {
             files::run(&bench).await.map(|figures| {
                 print!("{}", files::render(&figures));
                 println!("{}", files::to_json(&figures));
+            })
+        }
+        Command::Warm {
+            runs,
+            burst,
+            images_dir,
+            work_dir,
+            sandboxd,
+        } => {
+            let bench = warm::WarmBench {
+                runs: runs.max(1),
+                burst: burst.max(1),
+                images_dir,
+                work_dir,
+                sandboxd,
+            };
+            warm::run(&bench).await.map(|(series, figures)| {
+                print!("{}", series::render(&series));
+                print!("{}", warm::render_figures(&figures));
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "latencies": series::to_json(&series),
+                        "figures": warm::figures_json(&figures),
+                    })
+                );
             })
         }
         Command::Runtime {

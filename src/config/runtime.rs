@@ -59,6 +59,11 @@ pub struct RuntimeArgs {
     /// `dev.gvisor.internal.cpufeatures`. Unset: the host's own.
     #[arg(long, env = "SANDBOXD_CPU_FEATURES")]
     pub cpu_features: Option<String>,
+    /// Sandboxes of the default image (network `none`) kept booted ahead of
+    /// demand, so a create takes one instead of waiting for a cold boot
+    /// (0: none). Each costs its memory while it waits (docs/configuration.md).
+    #[arg(long, env = "SANDBOXD_WARM_POOL", default_value_t = 2)]
+    pub warm_pool: usize,
 }
 
 impl RuntimeArgs {

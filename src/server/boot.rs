@@ -58,7 +58,9 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
                 Some(config) => runtime.with_network(config).await?,
                 None => runtime,
             };
-            Some(Arc::new(runtime))
+            let runtime = Arc::new(runtime);
+            runtime.start_warm_pool(args.runtime.warm_pool);
+            Some(runtime)
         }
         Err(err) => {
             // Sandboxes run on an image of their own, never the host's `/`:
@@ -112,5 +114,6 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
     parts.store_operations = store_operations;
     parts.workspace_hooks = workspace_hooks;
     parts.shutdown_grace = Duration::from_secs(args.shutdown_grace_s);
+    parts.warm_pool.clone_from(&gvisor);
     Ok(Booted { parts, gvisor })
 }

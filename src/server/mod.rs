@@ -74,6 +74,9 @@ pub struct Parts {
     /// How long a shutdown waits for the sandboxes held here to be
     /// checkpointed, and then for the last connection.
     pub shutdown_grace: Duration,
+    /// The gVisor runtime whose warm pool `/metrics` reports (`None`: no
+    /// pool series).
+    pub warm_pool: Option<Arc<crate::runtime::GvisorRuntime>>,
 }
 
 impl Parts {
@@ -101,6 +104,7 @@ impl Parts {
             workspace_hooks: None,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             shutdown_grace: Duration::from_secs(10),
+            warm_pool: None,
         }
     }
 }
@@ -132,11 +136,14 @@ impl Server {
             .as_ref()
             .map(|runtime| controller(&parts, Arc::clone(runtime)));
         let workers = controller.as_ref().map(|c| c.spawn_workers());
-        let metrics = crate::metrics::registry(
+        let mut metrics = crate::metrics::registry(
             &store_operations,
             controller.as_ref(),
             parts.workspace_hooks.as_ref(),
         );
+        if let Some(runtime) = &parts.warm_pool {
+            crate::metrics::register_warm_pool(&mut metrics, runtime);
+        }
         let state = AppState {
             instance: parts.instance,
             metadata_store: parts.metadata_store,

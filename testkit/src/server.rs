@@ -40,7 +40,9 @@ impl Launch {
             binary: binary.into(),
             name: name.to_owned(),
             runtime_dir: home.join("run"),
-            env: Vec::new(),
+            // No warm pool unless a test asks for one: its boots would
+            // compete with the test's own sandboxes for the CPU.
+            env: vec![("SANDBOXD_WARM_POOL".to_owned(), "0".to_owned())],
             cwd: home,
             args: Vec::new(),
             port: None,
@@ -86,6 +88,12 @@ impl Launch {
     pub fn with_args(mut self, args: &[&str]) -> Self {
         self.args.extend(args.iter().map(|a| (*a).to_owned()));
         self
+    }
+
+    /// Keeps `size` warm sandboxes (`--warm-pool`; none by default here).
+    pub fn warm_pool(self, size: usize) -> Self {
+        let size = size.to_string();
+        self.with_args(&["--warm-pool", &size])
     }
 
     /// `LOG_LEVEL` of the server (`info` by default).

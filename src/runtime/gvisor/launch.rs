@@ -8,7 +8,7 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use controllers::api::{CheckpointManifest, SandboxId};
+use controllers::api::{CheckpointManifest, NetworkMode, SandboxId};
 use controllers::runtime::RuntimeError;
 use tokio::net::unix::pipe;
 
@@ -20,9 +20,53 @@ use crate::runtime::catalog::Image;
 use crate::runtime::cpu_quota;
 use crate::runtime::images::{download_verified, mismatch, sha256_of};
 use crate::runtime::network::SandboxNetwork;
+use crate::runtime::ready::ReadyCommand;
 use crate::runtime::runsc::{InitStdio, LaunchNetwork};
 
+/// A started container: its id, directory, agent, network and image.
+pub(super) type Launched = (
+    String,
+    PathBuf,
+    Arc<AgentConnection>,
+    Option<SandboxNetwork>,
+    Image,
+);
+
 impl GvisorRuntime {
+    /// A new container booted cold (the network set up first), with the
+    /// image's start command run in it when it names one: what a create
+    /// does without a warm sandbox or a ready checkpoint.
+    pub(super) async fn launch_cold(
+        &self,
+        sandbox: &SandboxId,
+        mode: NetworkMode,
+        image: Image,
+        start: Option<&ReadyCommand>,
+    ) -> Result<Launched, RuntimeError> {
+        let network = self.attach_network(mode).await?;
+        let started = async {
+            let (container_id, dir) = self.new_container(network.as_ref(), &image)?;
+            let agent = self
+                .launch(sandbox, &container_id, &dir, None, network.as_ref())
+                .await?;
+            if let Some(command) = start
+                && let Err(err) = self.run_start_command(&agent, &image, command).await
+            {
+                self.delete_in_background(container_id, dir);
+                return Err(err);
+            }
+            Ok::<_, RuntimeError>((container_id, dir, agent))
+        }
+        .await;
+        match started {
+            Ok((container_id, dir, agent)) => Ok((container_id, dir, agent, network, image)),
+            Err(err) => {
+                self.detach_network(network).await;
+                Err(err)
+            }
+        }
+    }
+
     pub(super) fn new_container(
         &self,
         network: Option<&SandboxNetwork>,
@@ -63,7 +107,7 @@ impl GvisorRuntime {
     /// Starts (`image_dir: None`) or restores a container and connects to its agent.
     pub(super) async fn launch(
         &self,
-        sandbox: &SandboxId,
+        sandbox: &(dyn std::fmt::Display + Sync),
         container_id: &str,
         dir: &Path,
         image_dir: Option<&Path>,

@@ -13,13 +13,16 @@
 //! background after a checkpoint or a destroy.
 //!
 //! The rest, by concept: `launch` (containers up and the agent connected),
-//! `executions`, `checkpoint`, `snapshots` (and images for a create), and
-//! `port` (the `SandboxRuntime` trait, delegating to those).
+//! `executions`, `checkpoint`, `snapshots` (and images for a create), `pool`
+//! (warm sandboxes booted ahead of demand), and `port` (the `SandboxRuntime`
+//! trait, delegating to those).
 
 mod checkpoint;
 mod executions;
 mod launch;
+mod pool;
 mod port;
+mod ready;
 mod snapshots;
 
 use std::collections::{HashMap, HashSet};
@@ -38,6 +41,8 @@ use super::delivery::DeliveryGate;
 use super::images::{check_cpu_features, host_cpu_features};
 use super::network::{HostNetwork, NetworkConfig, SandboxNetwork};
 use super::runsc::Runsc;
+
+pub use pool::WarmPoolStats;
 
 /// How long a new or restored agent may take to answer.
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -117,6 +122,10 @@ pub struct GvisorRuntime {
     image_fetch: tokio::sync::Mutex<()>,
     /// Executions restores brought back, until the API takes them.
     resumed: Mutex<HashMap<SandboxId, Execution>>,
+    /// Sandboxes booted ahead of demand (`pool`).
+    pool: Arc<pool::WarmPool>,
+    /// Ready templates' checkpoints made here (`ready`).
+    ready: ready::ReadyTemplates,
 }
 
 impl GvisorRuntime {
@@ -162,6 +171,8 @@ impl GvisorRuntime {
         }
         let containers = config.state_dir.join("containers");
         let _ = tokio::fs::remove_dir_all(&containers).await;
+        // Ready templates' checkpoints are made again by this runsc.
+        let _ = tokio::fs::remove_dir_all(config.state_dir.join("ready")).await;
         tokio::fs::create_dir_all(&containers)
             .await
             .map_err(|err| failed("cannot create the containers directory", &err))?;
@@ -190,6 +201,8 @@ impl GvisorRuntime {
             network: None,
             image_fetch: tokio::sync::Mutex::new(()),
             resumed: Mutex::new(HashMap::new()),
+            pool: Arc::default(),
+            ready: ready::ReadyTemplates::default(),
         })
     }
 
@@ -329,6 +342,7 @@ impl GvisorRuntime {
     /// exits with deletions in flight leaves containers behind until the next
     /// start under the same runsc root cleans them up).
     pub async fn settle(&self) {
+        self.close_warm_pool().await;
         let running: Vec<SandboxId> = self.sandboxes().keys().cloned().collect();
         for sandbox in running {
             let _ = self.destroy(&sandbox).await;

@@ -7,8 +7,8 @@ use std::sync::{Arc, PoisonError};
 use async_trait::async_trait;
 use chrono::Utc;
 use controllers::api::{
-    API_VERSION, BlobDigest, CheckpointManifest, ExtraFields, SandboxId, SnapshotManifest, encode,
-    is_resource_name,
+    API_VERSION, BlobDigest, CheckpointManifest, ExtraFields, NetworkMode, SandboxId,
+    SnapshotManifest, encode, is_resource_name,
 };
 use controllers::layout::{snapshot_archive_key, snapshot_manifest_key};
 use controllers::runtime::{
@@ -24,6 +24,7 @@ use crate::runtime::agent::AgentError;
 use crate::runtime::agent_protocol::{ArchiveDone, Request};
 use crate::runtime::delivery::DeliveryGate;
 use crate::runtime::images::{check_cpu_features, sha256_file};
+use crate::runtime::ready::read_ready_command;
 
 #[async_trait]
 impl SandboxRuntime for GvisorRuntime {
@@ -42,20 +43,28 @@ impl SandboxRuntime for GvisorRuntime {
         let image = self
             .image_for_create(options.image.as_deref(), snapshot.as_ref())
             .await?;
-        let network = self.attach_network(options.network).await?;
-        let started = async {
-            let (container_id, dir) = self.new_container(network.as_ref(), &image)?;
-            let agent = self
-                .launch(sandbox, &container_id, &dir, None, network.as_ref())
-                .await?;
-            Ok::<_, RuntimeError>((container_id, dir, agent))
-        }
-        .await;
-        let (container_id, dir, agent) = match started {
-            Ok(started) => started,
-            Err(err) => {
-                self.detach_network(network).await;
-                return Err(err);
+        let ready = read_ready_command(&image.rootfs)
+            .map_err(|err| RuntimeError::Invalid(format!("sandbox image {}: {err}", image.name)))?;
+        // Warm (the pool), ready (a template's checkpoint) or cold.
+        let (container_id, dir, agent, network, image) = match &ready {
+            None => match self.take_warm(&image, options.network) {
+                Some(warm) => {
+                    let (container_id, dir, agent, image) = warm.into_taken();
+                    (container_id, dir, agent, None, image)
+                }
+                None => {
+                    self.launch_cold(sandbox, options.network, image, None)
+                        .await?
+                }
+            },
+            Some(command) if options.network == NetworkMode::None => {
+                let (container_id, dir, agent) =
+                    self.launch_ready(sandbox, &image, command).await?;
+                (container_id, dir, agent, None, image)
+            }
+            Some(command) => {
+                self.launch_cold(sandbox, options.network, image, Some(command))
+                    .await?
             }
         };
         if let Some(snapshot) = &snapshot

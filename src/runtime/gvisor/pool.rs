@@ -1,0 +1,344 @@
+//! The warm pool: sandboxes booted ahead of demand, so a create takes one
+//! (a few milliseconds) instead of waiting for runsc's cold boot and the
+//! agent's first handshake (about 200 ms here).
+//!
+//! A warm sandbox is a container started exactly as a create starts one (same
+//! bundle, same image, agent handshake done) that no user code has touched.
+//! It has a container id like every other (`sbx` + 32 hex digits, fresh), and
+//! no sandbox id: the sandbox id, and so everything in the bucket, is only
+//! chosen by the create that takes it. Nothing in the container knows its
+//! sandbox id or when it booted, so a taken sandbox is a cold one: its Python
+//! session starts at its first cell, `/tmp` is empty, its checkpoints record
+//! the same fields (image digest, network, runsc version, CPU features, agent
+//! version).
+//!
+//! **Key.** What shapes the booted container: the image's digest and the
+//! network mode. Limits, mounts and the agent are the server's, the same for
+//! every sandbox, so the bundle is a function of those two. The pool holds
+//! sandboxes of the default image (as it resolves at refill time) with
+//! network `none`; `egress` sandboxes are never pooled (each has a network
+//! namespace, address and firewall rules of its own, set up at create), and
+//! a create asking for another image or `egress` boots cold. A create from a
+//! filesystem snapshot whose image is the default takes one and unpacks the
+//! snapshot into it, as a cold one does.
+//!
+//! **Refill.** One task, one boot at a time, started again whenever a take
+//! or a shrink leaves the pool short. The container's CPU weight is lowered
+//! to an eighth of the default from the moment runsc makes its cgroup until
+//! a create takes it (`runtime::cgroup`), so the boot yields the CPU to
+//! running sandboxes. A failed boot is retried with back-off (0.5 s to
+//! 30 s).
+//!
+//! **Capacity.** [`GvisorRuntime::warm_pool`] reports what the pool holds
+//! and the memory it uses (the containers' memory cgroups), and
+//! [`GvisorRuntime::resize_warm_pool`] shrinks it (the extra sandboxes are
+//! destroyed at once): admission counts the pool and shrinks it first under
+//! memory pressure.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use controllers::api::NetworkMode;
+use controllers::runtime::RuntimeError;
+
+use super::GvisorRuntime;
+use crate::runtime::agent::AgentConnection;
+use crate::runtime::catalog::Image;
+use crate::runtime::cgroup::{self, LoweredWeight, WeightWatch};
+use crate::runtime::cpu_quota::CGROUP_ROOT;
+
+/// Back-off after a failed boot, doubling up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// A booted, untouched sandbox waiting for a create.
+#[derive(Debug)]
+pub(super) struct WarmSandbox {
+    pub(super) container_id: String,
+    pub(super) dir: PathBuf,
+    pub(super) agent: Arc<AgentConnection>,
+    pub(super) image: Image,
+    booted_at: Instant,
+    /// Its CPU weight while it waits; put back when taken.
+    weight: Option<LoweredWeight>,
+}
+
+impl WarmSandbox {
+    /// Whether a create with this image and network may take it.
+    fn fits(&self, image: &Image, network: NetworkMode) -> bool {
+        network == NetworkMode::None && self.image.digest == image.digest
+    }
+
+    /// The sandbox now belongs to a create: it competes for the CPU like any.
+    pub(super) fn into_taken(mut self) -> (String, PathBuf, Arc<AgentConnection>, Image) {
+        if let Some(weight) = self.weight.take() {
+            weight.restore();
+        }
+        (self.container_id, self.dir, self.agent, self.image)
+    }
+}
+
+/// What the pool holds now, and how it served creates.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WarmPoolStats {
+    /// How many sandboxes it keeps ready (`--warm-pool`, or less after a shrink).
+    pub target: usize,
+    /// How many are ready now.
+    pub ready: usize,
+    /// The memory the ready ones use (their memory cgroups; 0 where unreadable).
+    pub memory_bytes: u64,
+    /// Creates that took a warm sandbox.
+    pub hits: u64,
+    /// Creates of the pool's image and network that found none ready.
+    pub misses: u64,
+    /// Boots the refill made, and those that failed.
+    pub boots: u64,
+    pub boot_failures: u64,
+}
+
+/// The pool's state, shared by the runtime and its refill task.
+#[derive(Debug, Default)]
+pub(super) struct WarmPool {
+    target: AtomicUsize,
+    ready: Mutex<Vec<WarmSandbox>>,
+    wake: tokio::sync::Notify,
+    closed: AtomicBool,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    boots: AtomicU64,
+    boot_failures: AtomicU64,
+    refill: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl WarmPool {
+    fn ready(&self) -> std::sync::MutexGuard<'_, Vec<WarmSandbox>> {
+        self.ready.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn short(&self) -> bool {
+        !self.closed.load(Ordering::Acquire)
+            && self.ready().len() < self.target.load(Ordering::Acquire)
+    }
+}
+
+impl GvisorRuntime {
+    /// Starts keeping `size` warm sandboxes of the default image (network
+    /// `none`); 0 keeps none. Call once, on the runtime the server uses.
+    pub fn start_warm_pool(self: &Arc<Self>, size: usize) {
+        let pool = Arc::clone(&self.pool);
+        pool.target.store(size, Ordering::Release);
+        if size == 0 {
+            return;
+        }
+        let task = tokio::spawn(refill(Arc::clone(&pool), Arc::downgrade(self)));
+        if let Some(previous) = pool
+            .refill
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(task)
+        {
+            previous.abort();
+        }
+        pool.wake.notify_one();
+    }
+
+    /// What the warm pool holds and has done.
+    pub fn warm_pool(&self) -> WarmPoolStats {
+        let pool = &self.pool;
+        let (ready, memory_bytes) = {
+            let ready = pool.ready();
+            let memory = ready
+                .iter()
+                .filter_map(|warm| {
+                    cgroup::memory_bytes(std::path::Path::new(CGROUP_ROOT), &warm.container_id)
+                })
+                .sum();
+            (ready.len(), memory)
+        };
+        WarmPoolStats {
+            target: pool.target.load(Ordering::Acquire),
+            ready,
+            memory_bytes,
+            hits: pool.hits.load(Ordering::Relaxed),
+            misses: pool.misses.load(Ordering::Relaxed),
+            boots: pool.boots.load(Ordering::Relaxed),
+            boot_failures: pool.boot_failures.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Keeps at most `size` warm sandboxes from now on: the extra ones are
+    /// destroyed now (memory pressure shrinks the pool before anything
+    /// else). Growing it again refills in the background.
+    pub fn resize_warm_pool(&self, size: usize) {
+        self.pool.target.store(size, Ordering::Release);
+        let extra: Vec<WarmSandbox> = {
+            let mut ready = self.pool.ready();
+            let keep = ready.len().min(size);
+            ready.drain(keep..).collect()
+        };
+        for warm in extra {
+            self.discard_warm(warm);
+        }
+        self.pool.wake.notify_one();
+    }
+
+    /// Takes a warm sandbox a create of `image` with `network` may use.
+    /// Counts a miss for a create the pool is meant for that found none.
+    pub(super) fn take_warm(&self, image: &Image, network: NetworkMode) -> Option<WarmSandbox> {
+        let pool = &self.pool;
+        if pool.target.load(Ordering::Acquire) == 0 || network != NetworkMode::None {
+            return None;
+        }
+        let (taken, stale) = {
+            let mut ready = pool.ready();
+            // A warm sandbox whose agent died is of no use to anyone.
+            let (alive, dead): (Vec<_>, Vec<_>) =
+                ready.drain(..).partition(|warm| !warm.agent.is_gone());
+            *ready = alive;
+            let taken = ready
+                .iter()
+                .position(|warm| warm.fits(image, network))
+                .map(|at| ready.remove(at));
+            (taken, dead)
+        };
+        for warm in stale {
+            tracing::warn!(container = %warm.container_id, "a warm sandbox died while it waited");
+            self.discard_warm(warm);
+        }
+        match &taken {
+            Some(warm) => {
+                pool.hits.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(container = %warm.container_id, waited_ms = warm.booted_at.elapsed().as_millis() as u64, "took a warm sandbox");
+            }
+            None => {
+                if self
+                    .config
+                    .images
+                    .default_image()
+                    .is_ok_and(|default| default.digest == image.digest)
+                {
+                    pool.misses.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        pool.wake.notify_one();
+        taken
+    }
+
+    fn discard_warm(&self, warm: WarmSandbox) {
+        self.delete_in_background(warm.container_id, warm.dir);
+    }
+
+    /// Stops the refill (waiting for a boot in progress) and destroys every
+    /// warm sandbox: for shutdown.
+    pub(super) async fn close_warm_pool(&self) {
+        self.pool.closed.store(true, Ordering::Release);
+        self.pool.wake.notify_one();
+        let task = self
+            .pool
+            .refill
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+        let ready: Vec<WarmSandbox> = self.pool.ready().drain(..).collect();
+        for warm in ready {
+            self.discard_warm(warm);
+        }
+    }
+
+    /// Boots one warm sandbox of the default image, at a low CPU weight.
+    async fn boot_warm(&self) -> Result<WarmSandbox, RuntimeError> {
+        let image = self
+            .config
+            .images
+            .default_image()
+            .map_err(|err| RuntimeError::Failed(format!("the default sandbox image: {err}")))?;
+        let (container_id, dir) = self.new_container(None, &image)?;
+        let watch = WeightWatch::start(PathBuf::from(CGROUP_ROOT), container_id.clone());
+        let launched = self
+            .launch(&"(warm pool)", &container_id, &dir, None, None)
+            .await;
+        let weight = watch.end().await;
+        let agent = launched?;
+        if weight.is_none() {
+            tracing::debug!(container = %container_id, "a warm sandbox runs at normal CPU weight (no writable cgroup)");
+        }
+        Ok(WarmSandbox {
+            container_id,
+            dir,
+            agent,
+            image,
+            booted_at: Instant::now(),
+            weight,
+        })
+    }
+
+    /// Adds a booted sandbox unless the pool closed or shrank meanwhile.
+    fn add_warm(&self, warm: WarmSandbox) {
+        let pool = &self.pool;
+        let refused = {
+            let mut ready = pool.ready();
+            // Sandboxes of a default image that was renamed since are stale.
+            let stale: Vec<WarmSandbox> = {
+                let (fresh, stale): (Vec<_>, Vec<_>) = ready
+                    .drain(..)
+                    .partition(|old| old.image.digest == warm.image.digest);
+                *ready = fresh;
+                stale
+            };
+            let refused = if pool.closed.load(Ordering::Acquire)
+                || ready.len() >= pool.target.load(Ordering::Acquire)
+            {
+                Some(warm)
+            } else {
+                ready.push(warm);
+                None
+            };
+            (stale, refused)
+        };
+        for warm in refused.0.into_iter().chain(refused.1) {
+            self.discard_warm(warm);
+        }
+    }
+}
+
+/// The refill task: one boot at a time while the pool is short.
+async fn refill(pool: Arc<WarmPool>, runtime: Weak<GvisorRuntime>) {
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        if pool.closed.load(Ordering::Acquire) {
+            return;
+        }
+        if !pool.short() {
+            pool.wake.notified().await;
+            continue;
+        }
+        let Some(runtime) = runtime.upgrade() else {
+            return;
+        };
+        let started = Instant::now();
+        match runtime.boot_warm().await {
+            Ok(warm) => {
+                backoff = FIRST_BACKOFF;
+                pool.boots.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(container = %warm.container_id, boot_ms = started.elapsed().as_millis() as u64, "warm sandbox ready");
+                runtime.add_warm(warm);
+            }
+            Err(err) => {
+                pool.boot_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%err, retry_in = ?backoff, "cannot boot a warm sandbox");
+                drop(runtime);
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = pool.wake.notified() => {}
+                }
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+        }
+    }
+}
