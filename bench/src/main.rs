@@ -2,9 +2,8 @@
 //! server's library. `cluster` measures end to end on fake-gcs-server and
 //! `sandboxd` processes it starts with the tests' fixtures (`testkit`);
 //! `runtime` measures the gVisor runtime alone; `files` the filesystem API;
-//! `warm` measures warm
-//! starts (the warm pool and ready templates). Each prints a table (median,
-//! p90) and JSON. They need root and runsc.
+//! `warm` warm starts (the warm pool and ready templates). Each prints a
+//! table (median, p90) and JSON. They need root and runsc.
 
 mod cluster;
 mod files;
