@@ -3,6 +3,9 @@
 //! the send of the init message to `SANDBOX_RUNNING`), on fake-gcs-server
 //! and `sandboxd` processes it starts with the tests' fixtures:
 //!
+//! Each create case runs twice: on the emulator directly (`loopback`) and
+//! through the storage model's `gcs-regional` profile (`testkit::storage`).
+//!
 //! - **pool hit**: a server keeping 2 warm sandboxes, each create made once
 //!   the pool is full again;
 //! - **pool miss**: a server without a pool (a cold boot);
@@ -23,6 +26,7 @@ use anyhow::Context as _;
 use sandboxd::client::{CreateOptions, Language, Sandbox};
 use sandboxd::runtime::ready::{ReadyCommand, ReadyLanguage, ready_archive};
 use serde_json::json;
+use testkit::storage::{Profile, StorageModel};
 use testkit::{Backend, Emulator, Launch, ServerProcess};
 
 use crate::series::Series;
@@ -44,8 +48,10 @@ pub struct WarmBench {
 pub struct WarmFigures {
     pub burst: usize,
     pub burst_hits: u64,
-    /// The first create of the ready template on an instance.
+    /// The first create of the ready template on an instance (loopback,
+    /// `gcs-regional`).
     pub ready_first: Duration,
+    pub ready_first_regional: Duration,
     pub pool_memory_mb_per_sandbox: Option<f64>,
 }
 
@@ -187,26 +193,19 @@ async fn echo_round_trip(sandbox: &Sandbox) -> anyhow::Result<Duration> {
     Ok(started.elapsed())
 }
 
-/// Runs every case.
-pub async fn run(bench: &WarmBench) -> anyhow::Result<(Vec<Series>, WarmFigures)> {
-    std::fs::create_dir_all(&bench.work_dir)?;
-    let emulator = Emulator::start(
-        201..=250,
-        Backend::Memory,
-        Some(&bench.work_dir.join("emulator.log")),
-    )?;
-    emulator.create_bucket("warm").await?;
-    let endpoint = emulator.endpoint();
-    let mut figures = WarmFigures {
-        burst: bench.burst,
-        ..WarmFigures::default()
-    };
+/// Pool hit, pool miss and ready template creates on servers that reach
+/// the bucket at `endpoint` (`profile` names how).
+async fn creates(
+    bench: &WarmBench,
+    profile: &str,
+    endpoint: &str,
+    figures: &mut WarmFigures,
+) -> anyhow::Result<Vec<Series>> {
     let plain = json!({});
-
     // Pool hits: each create on a full pool of two.
-    let mut hit = Series::named("create, pool hit (Python websockets)");
+    let mut hit = Series::named(format!("create, pool hit ({profile})"));
     {
-        let pooled = server(bench, "warm-a", &endpoint, 2).await?;
+        let pooled = server(bench, &format!("warm-a-{profile}"), endpoint, 2).await?;
         let url = format!("ws://{}", pooled.addr);
         for _ in 0..bench.runs {
             pool_full(&pooled, 2).await?;
@@ -222,15 +221,11 @@ pub async fn run(bench: &WarmBench) -> anyhow::Result<(Vec<Series>, WarmFigures)
             bench.runs
         );
     }
-
     // Pool misses and the ready template, on a server without a pool.
-    let mut miss = Series::named("create, pool miss: cold boot (Python)");
-    let mut ready = Series::named("create, ready template (Python)");
+    let mut miss = Series::named(format!("create, pool miss: cold boot ({profile})"));
+    let mut ready = Series::named(format!("create, ready template ({profile})"));
     {
-        build_template(&bench.images_dir, &bench.work_dir)
-            .await
-            .context("building the template bench-ready")?;
-        let cold = server(bench, "warm-b", &endpoint, 0).await?;
+        let cold = server(bench, &format!("warm-b-{profile}"), endpoint, 0).await?;
         let url = format!("ws://{}", cold.addr);
         for _ in 0..bench.runs {
             miss.samples.extend(python_creates(&url, 1, &plain).await?);
@@ -250,11 +245,40 @@ pub async fn run(bench: &WarmBench) -> anyhow::Result<(Vec<Series>, WarmFigures)
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
     }
+    Ok(vec![hit, miss, ready])
+}
 
+/// Runs every case.
+pub async fn run(bench: &WarmBench) -> anyhow::Result<(Vec<Series>, WarmFigures)> {
+    std::fs::create_dir_all(&bench.work_dir)?;
+    let emulator = Emulator::start(
+        201..=250,
+        Backend::Memory,
+        Some(&bench.work_dir.join("emulator.log")),
+    )?;
+    emulator.create_bucket("warm").await?;
+    let endpoint = emulator.endpoint();
+    let mut figures = WarmFigures {
+        burst: bench.burst,
+        ..WarmFigures::default()
+    };
+    build_template(&bench.images_dir, &bench.work_dir)
+        .await
+        .context("building the template bench-ready")?;
+    let mut series = creates(bench, "loopback", &endpoint, &mut figures).await?;
+    // The same through the storage model's `gcs-regional` profile: each
+    // server reaches the emulator through a proxy of its own.
+    let model = StorageModel::new(emulator.socket_addr(), Profile::gcs_regional());
+    let proxy = model.proxy("warm-regional").await?;
+    let mut regional = WarmFigures::default();
+    series.extend(creates(bench, "gcs-regional", &proxy.endpoint(), &mut regional).await?);
+    figures.ready_first_regional = regional.ready_first;
+    drop(proxy);
+    let plain = json!({});
     // The burst: a pool sized for it, a neighbour running executions.
     let mut at_rest = Series::named("neighbour's echo hi, pool full (at rest)");
     let mut refilling = Series::named("neighbour's echo hi, pool refilling");
-    let mut burst = Series::named("create, back to back (Python)");
+    let mut burst = Series::named("create, back to back (loopback)");
     {
         let size = bench.burst;
         let pooled = server(bench, "warm-c", &endpoint, size).await?;
@@ -278,17 +302,19 @@ pub async fn run(bench: &WarmBench) -> anyhow::Result<(Vec<Series>, WarmFigures)
         }
         neighbour.kill().await?;
     }
-    Ok((vec![hit, miss, ready, burst, at_rest, refilling], figures))
+    series.extend([burst, at_rest, refilling]);
+    Ok((series, figures))
 }
 
 pub fn render_figures(figures: &WarmFigures) -> String {
     format!(
         "burst: {} of {} back-to-back creates were pool hits\n\
-         ready template: first create on the instance (boot, start command, checkpoint, restore) {:.2} s\n\
+         ready template: first create on the instance (boot, start command, checkpoint, restore) {:.2} s (gcs-regional {:.2} s)\n\
          warm pool memory: {} per ready sandbox\n",
         figures.burst_hits,
         figures.burst,
         figures.ready_first.as_secs_f64(),
+        figures.ready_first_regional.as_secs_f64(),
         figures
             .pool_memory_mb_per_sandbox
             .map_or_else(|| "unknown".to_owned(), |mb| format!("{mb:.0} MB")),
@@ -300,6 +326,7 @@ pub fn figures_json(figures: &WarmFigures) -> serde_json::Value {
         "burst": figures.burst,
         "burst_hits": figures.burst_hits,
         "ready_first_create_s": figures.ready_first.as_secs_f64(),
+        "ready_first_create_gcs_regional_s": figures.ready_first_regional.as_secs_f64(),
         "pool_memory_mb_per_sandbox": figures.pool_memory_mb_per_sandbox,
     })
 }
