@@ -639,7 +639,7 @@ async fn a_named_checkpoint_can_be_attached_to_later() {
 #[tokio::test]
 async fn a_filesystem_snapshot_seeds_a_new_sandbox() {
     let server = Server::start().await;
-    let (mut ws, _, _) = server.create(json!({})).await;
+    let (mut ws, _, token) = server.create(json!({})).await;
     ws.exec("bash", "mkdir -p /tmp/data && echo seeded > /tmp/data/f")
         .await;
     ws.send(json!({"action": "snapshot_filesystem", "name": "seed-1"}))
@@ -658,7 +658,9 @@ async fn a_filesystem_snapshot_seeds_a_new_sandbox() {
     assert!(ws.next().await.contains("invalid snapshot name"));
 
     let (mut seeded, _, _) = server
-        .create(json!({"filesystem_snapshot_name": "seed-1"}))
+        // A snapshot is its owner's: the sandbox's token proves it
+        // (tests/snapshot_ownership.rs has the rest).
+        .create(json!({"filesystem_snapshot_name": "seed-1", "filesystem_snapshot_token": token}))
         .await;
     assert_eq!(
         seeded.exec("bash", "cat /tmp/data/f").await[1],

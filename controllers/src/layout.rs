@@ -86,14 +86,18 @@ pub fn checkpoint_id_of_image(image_key: &str) -> Option<SandboxId> {
 /// `filesystem_snapshots/<name>/<archive_id>.tar.gz`, or `None` for an invalid
 /// name. Every snapshot gets a fresh archive id, so two snapshots taken under
 /// one name never overwrite each other's bytes; the manifest names the current one.
+///
+/// `name` is a snapshot path (`crate::api::split_snapshot_path`): an owned
+/// snapshot's objects are under `filesystem_snapshots/owner.<scope>/<name>/`.
 pub fn snapshot_archive_key(name: &str, archive_id: &SandboxId) -> Option<ObjectKey> {
-    crate::api::is_resource_name(name)
+    crate::api::is_snapshot_path(name)
         .then(|| key(format!("{SNAPSHOTS_PREFIX}{name}/{archive_id}.tar.gz")))
 }
 
-/// `filesystem_snapshots/<name>/manifest.json`, or `None` for an invalid name.
+/// `filesystem_snapshots/<path>/manifest.json`, or `None` for an invalid
+/// snapshot path (`<name>` or `owner.<scope>/<name>`).
 pub fn snapshot_manifest_key(name: &str) -> Option<ObjectKey> {
-    crate::api::is_resource_name(name)
+    crate::api::is_snapshot_path(name)
         .then(|| key(format!("{SNAPSHOTS_PREFIX}{name}/manifest.json")))
 }
 

@@ -30,7 +30,8 @@ use super::protocol::{
     ForkRequest, FrameError, InitMessage, MAX_MESSAGE_BYTES, ServerFrame, Status, WorkspaceRequest,
 };
 use super::session::{CLOSE_FATAL, CLOSE_UNAVAILABLE, Out, Session, next_text, refuse_too_big};
-use super::state::AppState;
+use super::snapshot_owner::{SnapshotProof, snapshot_token};
+use super::state::{AppState, Features};
 use super::token;
 
 pub async fn create(ws: WebSocketUpgrade, State(state): State<AppState>) -> Response {
@@ -104,7 +105,13 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     metadata.spec.enable_checkpoint = init.enable_checkpoint;
     metadata.spec.enable_sandbox_handoff = init.enable_sandbox_handoff;
     metadata.spec.enable_idle_timeout_auto_checkpoint = init.enable_idle_timeout_auto_checkpoint;
-    metadata.spec.filesystem_snapshot_name = init.filesystem_snapshot_name.clone();
+    metadata.spec.filesystem_snapshot_name = init.filesystem_snapshot_name.as_ref().map(|name| {
+        snapshot_path(
+            state.features,
+            name,
+            init.filesystem_snapshot_proof.as_ref(),
+        )
+    });
     metadata.spec.network = init.network;
     metadata.spec.image = init.image.clone();
     metadata.spec.keep_executions = init.keep_executions;
@@ -169,6 +176,7 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         // A checkpoint taken with a kept execution resumes it in the fork.
         adopt_resumed_execution(&live, &controller, &id);
     }
+    let owner = SnapshotProof::new(snapshot_token(&sandbox_token));
     let sent = out
         .send(ServerFrame::SandboxId {
             sandbox_id: id.to_string(),
@@ -186,9 +194,22 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     }
     tracing::info!(sandbox = %id, "sandbox created");
     run_session(
-        state, controller, id, out, stream, live, attachment, progress,
+        state, controller, id, owner, out, stream, live, attachment, progress,
     )
     .await;
+}
+
+/// Where a create finds snapshot `name`: deployment-wide when snapshots are
+/// shared, else under the owner `proof` opens (without one, under nobody's:
+/// refused exactly like an unknown name, which is what it is to this client).
+fn snapshot_path(features: Features, name: &str, proof: Option<&SnapshotProof>) -> String {
+    if features.shared_snapshots {
+        return name.to_owned();
+    }
+    proof
+        .cloned()
+        .unwrap_or_else(SnapshotProof::nobody)
+        .path(name)
 }
 
 /// The sandbox a fork starts from, once its token is proved, and which of
@@ -316,13 +337,14 @@ async fn run_session(
     state: AppState,
     controller: Arc<SandboxController>,
     id: SandboxId,
+    owner: SnapshotProof,
     out: Out,
     stream: futures::stream::SplitStream<WebSocket>,
     live: Arc<LiveSandbox>,
     attachment: u64,
     progress: broadcast::Receiver<SandboxEvent>,
 ) {
-    let session = Session::new(id, out, live, attachment, controller, state.features);
+    let session = Session::new(id, out, live, attachment, controller, state.features, owner);
     let span =
         tracing::info_span!("session", sandbox = %session.id, attachment = session.attachment);
     session
@@ -438,8 +460,9 @@ async fn serve_attach(
         return;
     }
     tracing::info!(sandbox = %id, restored = !runs_here, "attached");
+    let owner = SnapshotProof::new(snapshot_token(&token));
     run_session(
-        state, controller, id, out, stream, live, attachment, progress,
+        state, controller, id, owner, out, stream, live, attachment, progress,
     )
     .await;
 }

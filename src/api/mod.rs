@@ -11,5 +11,6 @@ pub mod live;
 pub mod output;
 pub mod protocol;
 pub mod session;
+pub mod snapshot_owner;
 pub mod state;
 pub mod token;

@@ -16,6 +16,7 @@
 use serde_json::{Map, Value, json};
 
 use super::files::{CallError, FsCall};
+use super::snapshot_owner::{SnapshotProof, split_name_and_proof};
 
 /// Largest client frame accepted (code and stdin chunks included).
 pub const MAX_FRAME_BYTES: usize = 1 << 20;
@@ -185,6 +186,10 @@ pub struct InitMessage {
     pub enable_idle_timeout_auto_checkpoint: bool,
     pub enable_sandbox_handoff: bool,
     pub filesystem_snapshot_name: Option<String>,
+    /// Extension: the owner's proof for `filesystem_snapshot_name`, from
+    /// `"filesystem_snapshot_token"` or a `NAME@TOKEN` name (what the
+    /// earlier clients can send; `api::snapshot_owner`).
+    pub filesystem_snapshot_proof: Option<SnapshotProof>,
     /// Extension: `"network": "none" | "egress"` (absent: `none`).
     pub network: controllers::api::NetworkMode,
     /// Extension: `"image": NAME`, the sandbox image (absent: the default;
@@ -251,6 +256,9 @@ pub enum ClientFrame {
     },
     SnapshotFilesystem {
         name: String,
+        /// Extension: `"filesystem_snapshot_token"`, to write under the
+        /// owner it proves (absent: the sandbox's own).
+        proof: Option<SnapshotProof>,
     },
     KillProcess,
     KillSandbox,
@@ -383,6 +391,9 @@ impl InitMessage {
                 });
             }
         };
+        let snapshot_token = optional_string(&map, "filesystem_snapshot_token")?;
+        let snapshot = optional_string(&map, "filesystem_snapshot_name")?
+            .map(|name| split_name_and_proof(&name, snapshot_token.as_deref()));
         Ok(Self {
             idle_timeout_s,
             enable_checkpoint: optional_bool(&map, "enable_checkpoint")?,
@@ -391,7 +402,8 @@ impl InitMessage {
                 "enable_idle_timeout_auto_checkpoint",
             )?,
             enable_sandbox_handoff: optional_bool(&map, "enable_sandbox_handoff")?,
-            filesystem_snapshot_name: optional_string(&map, "filesystem_snapshot_name")?,
+            filesystem_snapshot_name: snapshot.as_ref().map(|(name, _)| name.clone()),
+            filesystem_snapshot_proof: snapshot.and_then(|(_, proof)| proof),
             image: optional_string(&map, "image")?,
             network: match optional_string(&map, "network")? {
                 None => controllers::api::NetworkMode::None,
@@ -523,7 +535,11 @@ impl ClientFrame {
                 name: optional_string(map, "name")?,
             }),
             "snapshot_filesystem" => match map.get("name") {
-                Some(Value::String(name)) => Ok(Self::SnapshotFilesystem { name: name.clone() }),
+                Some(Value::String(name)) => Ok(Self::SnapshotFilesystem {
+                    name: name.clone(),
+                    proof: optional_string(map, "filesystem_snapshot_token")?
+                        .map(SnapshotProof::new),
+                }),
                 _ => Err(FrameError::MissingSnapshotName),
             },
             "kill_process" => Ok(Self::KillProcess),

@@ -42,6 +42,9 @@ pub struct Features {
     pub snapshot: bool,
     /// Creates may ask for `"network": "egress"` (the runtime has networking).
     pub network_egress: bool,
+    /// Snapshot names are deployment-wide and need no owner's proof
+    /// (`SANDBOXD_SHARED_SNAPSHOTS`, for a single team; docs/security.md).
+    pub shared_snapshots: bool,
 }
 
 impl Default for Features {
@@ -52,6 +55,7 @@ impl Default for Features {
             checkpoint: true,
             snapshot: true,
             network_egress: false,
+            shared_snapshots: false,
         }
     }
 }

@@ -58,6 +58,9 @@ pub struct CreateOptions {
     /// its process keeps streaming after the library follows the sandbox.
     pub keep_executions: bool,
     pub filesystem_snapshot_name: Option<String>,
+    /// The proof of owning that snapshot: the token of the sandbox that
+    /// made it, or the snapshot token it returned (docs/security.md).
+    pub filesystem_snapshot_token: Option<String>,
     /// The sandbox image (`GET /images` lists them); `None`: the server's default.
     pub image: Option<String>,
     /// Sync `/workspace` with this workspace (sandboxes given the same name
@@ -226,6 +229,9 @@ impl Sandbox {
         }
         if let Some(name) = &options.filesystem_snapshot_name {
             init["filesystem_snapshot_name"] = json!(name);
+        }
+        if let Some(token) = &options.filesystem_snapshot_token {
+            init["filesystem_snapshot_token"] = json!(token);
         }
         if let Some(image) = &options.image {
             init["image"] = json!(image);

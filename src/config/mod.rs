@@ -68,6 +68,12 @@ pub struct ServeArgs {
     /// running here; Cloud Run allows 10 in all.
     #[arg(long, env = "SANDBOXD_SHUTDOWN_GRACE_S", default_value_t = 8)]
     pub shutdown_grace_s: u64,
+    /// Filesystem snapshot names are deployment-wide and need no owner's
+    /// proof, as on the earlier server: for a deployment used by one team
+    /// only (docs/security.md). Off: a snapshot belongs to the sandbox that
+    /// made it.
+    #[arg(long, env = "SANDBOXD_SHARED_SNAPSHOTS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub shared_snapshots: bool,
     #[command(flatten)]
     pub storage: StorageArgs,
     #[command(flatten)]

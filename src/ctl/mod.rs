@@ -16,6 +16,9 @@ pub use checkpoints::{
 pub use files::{CpSide, FilesCommand, download, run_files_command, upload};
 pub use images::{ImagesError, fetch_images, http_base, render_images};
 pub use inventory::{SandboxRow, describe_json, list_rows, render_table};
-pub use operator::{GcReport, OperatorError, break_lease, delete, describe, edit, evict, gc};
+pub use operator::{
+    GcReport, OperatorError, SnapshotGcReport, break_lease, delete, describe, edit, evict, gc,
+    gc_snapshots,
+};
 pub use user::{UserCommand, run_user_command};
 pub use yaml::to_yaml;

@@ -109,6 +109,7 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
     parts.reconciler = args.control.reconciler();
     parts.features = Features {
         network_egress: network.is_some() && gvisor.is_some(),
+        shared_snapshots: args.shared_snapshots,
         ..Features::default()
     };
     parts.store_operations = store_operations;

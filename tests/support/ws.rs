@@ -267,6 +267,12 @@ impl Ws {
         self.send_raw(Message::text(frame.to_string())).await;
     }
 
+    /// Closes the socket from the client's side at once (a close frame,
+    /// then the end of the stream), without waiting for anything.
+    pub async fn close_now(mut self) {
+        let _ = self.stream.close(None).await;
+    }
+
     /// Sends, ignoring a socket the server already closed.
     pub async fn try_send(&mut self, frame: Value) {
         let _ = self.stream.send(Message::text(frame.to_string())).await;

@@ -4,7 +4,6 @@
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::metadata::is_resource_name;
 use super::{API_VERSION, ApiObject, ExtraFields, NetworkMode, SandboxId, is_sha256_hex};
 
 /// A stored blob: its key, size and SHA-256.
@@ -111,7 +110,7 @@ impl ApiObject for SnapshotManifest {
     }
 
     fn validate(&self) -> Result<(), (String, String)> {
-        if !is_resource_name(&self.name) {
+        if !super::is_snapshot_path(&self.name) {
             return Err((
                 "name".to_owned(),
                 super::metadata::RESOURCE_NAME_RULE.to_owned(),

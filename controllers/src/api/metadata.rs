@@ -374,7 +374,7 @@ impl ApiObject for SandboxMetadata {
             ));
         }
         if let Some(name) = &self.spec.filesystem_snapshot_name
-            && !is_resource_name(name)
+            && !super::is_snapshot_path(name)
         {
             return Err(field("spec.filesystem_snapshot_name", RESOURCE_NAME_RULE));
         }
@@ -417,7 +417,7 @@ impl ApiObject for SandboxMetadata {
             }
         }
         if let Some(snapshot) = &self.status.latest_snapshot
-            && !is_resource_name(&snapshot.name)
+            && !super::is_snapshot_path(&snapshot.name)
         {
             return Err(field("status.latest_snapshot.name", RESOURCE_NAME_RULE));
         }

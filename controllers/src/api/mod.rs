@@ -24,6 +24,7 @@ mod lease;
 mod manifest;
 mod metadata;
 mod network;
+mod snapshot_path;
 
 pub use codec::{ApiObject, DecodeError, decode, encode};
 pub use ids::{InstanceId, InvalidId, SandboxId};
@@ -36,6 +37,10 @@ pub use metadata::{
     SandboxSpec, SandboxStatus, SnapshotRef, WorkspaceSpec, is_resource_name, is_sha256_hex,
 };
 pub use network::{NetworkMode, UnknownNetworkMode};
+pub use snapshot_path::{
+    OWNER_SCOPE_LEN, OWNER_SCOPE_PREFIX, is_owner_scope, is_snapshot_path, owned_snapshot_path,
+    snapshot_name_of, split_snapshot_path,
+};
 
 /// The `apiVersion` of every object this version writes and understands.
 pub const API_VERSION: &str = "sandboxd.dev/v1";

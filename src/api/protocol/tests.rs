@@ -108,7 +108,10 @@ fn client_frames_follow_upstream_precedence() {
     );
     assert_eq!(
         ClientFrame::parse(r#"{"action":"snapshot_filesystem","name":"s"}"#).unwrap(),
-        ClientFrame::SnapshotFilesystem { name: "s".into() }
+        ClientFrame::SnapshotFilesystem {
+            name: "s".into(),
+            proof: None
+        }
     );
     assert_eq!(
         ClientFrame::parse(r#"{"action":"kill_process"}"#).unwrap(),

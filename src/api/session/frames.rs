@@ -9,7 +9,8 @@ use controllers::api::{DesiredState, RESOURCE_NAME_RULE, is_resource_name};
 use controllers::runtime::{Command, ExecRequest};
 
 use crate::api::output::ExecutionState;
-use crate::api::protocol::{ClientFrame, Language, Status};
+use crate::api::protocol::{ClientFrame, Language, ServerFrame, Status};
+use crate::api::snapshot_owner::SnapshotProof;
 
 use super::out::{CLOSE_FATAL, CLOSE_NORMAL, report_frame_error};
 use super::{Queued, Session};
@@ -29,7 +30,12 @@ impl Session {
                 return;
             }
         };
-        if !self.live.is_attached_by(self.attachment) || self.out.is_closing() {
+        // A frame that arrived is honoured even if the client closed the
+        // socket right after it and the session has detached meanwhile
+        // (`kill_sandbox` then close: the sandbox is killed). Only frames
+        // after the server's own close (the kill or checkpoint it answered
+        // ended the session) are dropped.
+        if self.out.is_closing() {
             return;
         }
         match frame {
@@ -42,7 +48,7 @@ impl Session {
             ClientFrame::KillProcess => self.kill_process().await,
             ClientFrame::KillSandbox => self.kill_sandbox().await,
             ClientFrame::Checkpoint { name } => self.checkpoint(name).await,
-            ClientFrame::SnapshotFilesystem { name } => self.snapshot(name).await,
+            ClientFrame::SnapshotFilesystem { name, proof } => self.snapshot(name, proof).await,
             ClientFrame::Reconnect => self.reconnect(),
             ClientFrame::Fs(call) => self.fs(call, bytes).await,
         }
@@ -209,7 +215,10 @@ impl Session {
         }
     }
 
-    async fn snapshot(&self, name: String) {
+    /// Saves a filesystem snapshot under its owner (the proof sent with
+    /// the frame, else this sandbox): another owner's snapshot of the same
+    /// name is another snapshot, never overwritten (issue 25).
+    async fn snapshot(&self, name: String, proof: Option<SnapshotProof>) {
         let out = &self.out;
         out.status(Status::FilesystemSnapshotCreating).await;
         let failed = |detail: String| {
@@ -236,9 +245,25 @@ impl Session {
             .await;
             return;
         }
-        match self.controller.snapshot_filesystem(&self.id, &name).await {
-            Ok(_) => {
+        let owner = proof.unwrap_or_else(|| self.snapshot_owner.clone());
+        let path = if self.features.shared_snapshots {
+            name.clone()
+        } else {
+            owner.path(&name)
+        };
+        match self.controller.snapshot_filesystem(&self.id, &path).await {
+            Ok(_) if self.features.shared_snapshots => {
                 out.status(Status::FilesystemSnapshotCreated).await;
+            }
+            Ok(_) => {
+                // The extension fields are ignored by the earlier clients.
+                out.send(ServerFrame::Event(serde_json::json!({
+                    "event": "status_update",
+                    "status": Status::FilesystemSnapshotCreated.as_str(),
+                    "filesystem_snapshot_name": name,
+                    "filesystem_snapshot_token": owner.snapshot_token(),
+                })))
+                .await;
             }
             Err(err) => {
                 out.error(Status::FilesystemSnapshotError, &failed(err.to_string()))

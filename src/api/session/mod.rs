@@ -35,6 +35,7 @@ pub use out::{
 
 use super::live::{LiveSandbox, LiveSandboxes};
 use super::protocol::{ClientFrame, FrameError};
+use super::snapshot_owner::SnapshotProof;
 use super::state::Features;
 use pending::Pending;
 
@@ -50,6 +51,9 @@ pub struct Session {
     pub attachment: u64,
     pub controller: Arc<SandboxController>,
     pub features: Features,
+    /// The owner of the snapshots this session takes (the sandbox's token's
+    /// snapshot token; `api::snapshot_owner`).
+    snapshot_owner: SnapshotProof,
     /// What this session asked the controller for and awaits the end of.
     pending: Pending,
     streamer: std::sync::Mutex<Option<JoinHandle<()>>>,
@@ -74,6 +78,7 @@ fn acts_at_once(frame: &Queued) -> bool {
 }
 
 impl Session {
+    #[allow(clippy::too_many_arguments, reason = "the parts of one session")]
     pub fn new(
         id: SandboxId,
         out: Out,
@@ -81,6 +86,7 @@ impl Session {
         attachment: u64,
         controller: Arc<SandboxController>,
         features: Features,
+        snapshot_owner: SnapshotProof,
     ) -> Arc<Self> {
         Arc::new(Self {
             id,
@@ -89,6 +95,7 @@ impl Session {
             attachment,
             controller,
             features,
+            snapshot_owner,
             pending: Pending::default(),
             streamer: std::sync::Mutex::new(None),
             settled: Notify::new(),
@@ -153,7 +160,9 @@ impl Session {
         drop(queue);
         self.ended.store(true, Ordering::Release);
         self.settled.notify_waiters();
-        // What was queued is refused once detached; let it drain.
+        // What was queued still takes effect (a frame received is a frame
+        // honoured); the worker drains it after the detach, so a client
+        // that re-attaches at once is not refused as in use meanwhile.
         drop(worker);
         self.stop_streamer();
         registry.detach(&self.live, self.attachment);

@@ -89,6 +89,10 @@ pub(crate) enum Command {
         /// Start from this filesystem snapshot.
         #[arg(long)]
         snapshot: Option<String>,
+        /// Its owner's proof: the token of the sandbox that made it, or the
+        /// snapshot token `sandboxctl snapshot` printed.
+        #[arg(long, env = "SANDBOXCTL_SNAPSHOT_TOKEN", requires = "snapshot")]
+        snapshot_token: Option<String>,
         /// Run on this sandbox image (`sandboxctl images`; default: the server's).
         #[arg(long)]
         image: Option<String>,
@@ -251,6 +255,11 @@ pub(crate) enum Command {
         /// with SANDBOXD_KEEP_CHECKPOINTS.
         #[arg(long)]
         keep_checkpoints: Option<usize>,
+        /// Filesystem snapshots older than this many days are removed (by
+        /// their creation time); 0 keeps them forever. Archives no snapshot
+        /// names any more are removed whatever this says.
+        #[arg(long, default_value_t = 90)]
+        snapshot_retention_days: i64,
     },
     /// List the sandbox images a server has (digest, names, default, packages).
     #[command(after_help = "Example:\n  sandboxctl images --url http://127.0.0.1:8080")]

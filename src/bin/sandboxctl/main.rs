@@ -56,6 +56,7 @@ async fn main() -> ExitCode {
             checkpoint,
             keep_executions,
             snapshot,
+            snapshot_token,
             image,
             workspace,
             workspace_token,
@@ -70,6 +71,7 @@ async fn main() -> ExitCode {
                 enable_idle_timeout_auto_checkpoint: false,
                 keep_executions: *keep_executions,
                 filesystem_snapshot_name: snapshot.clone(),
+                filesystem_snapshot_token: snapshot_token.clone(),
                 image: image.clone(),
                 workspace_id: workspace.clone(),
                 workspace_token: workspace_token.clone(),
@@ -349,10 +351,29 @@ async fn main() -> ExitCode {
             dry_run,
             older_than_s,
             keep_checkpoints,
+            snapshot_retention_days,
         } => {
             let checkpoints = match store::open(&layout.checkpoints).await {
                 Ok(store) => store,
                 Err(err) => return fail(EXIT_STORAGE, &err.to_string()),
+            };
+            let snapshots = match store::open(&layout.snapshots).await {
+                Ok(store) => store,
+                Err(err) => return fail(EXIT_STORAGE, &err.to_string()),
+            };
+            let retention = (snapshot_retention_days > 0)
+                .then(|| chrono::Duration::days(snapshot_retention_days));
+            let snapshots_found = match ctl::gc_snapshots(
+                snapshots.as_ref(),
+                retention,
+                chrono::Duration::seconds(older_than_s),
+                now,
+                dry_run,
+            )
+            .await
+            {
+                Ok(found) => found,
+                Err(err) => return fail(err.exit_code(), &err.to_string()),
             };
             match ctl::gc(
                 store.as_ref(),
@@ -378,6 +399,17 @@ async fn main() -> ExitCode {
                     for id in &found.orphan_checkpoints {
                         println!("{verb} unreferenced checkpoint {id}");
                     }
+                    for path in &snapshots_found.expired {
+                        println!("{verb} expired filesystem snapshot {path}");
+                    }
+                    for key in &snapshots_found.unreferenced_archives {
+                        println!("{verb} superseded snapshot archive {key}");
+                    }
+                    println!(
+                        "{} filesystem snapshots, {} snapshot archives",
+                        snapshots_found.expired.len(),
+                        snapshots_found.unreferenced_archives.len()
+                    );
                     println!(
                         "{} tombstones, {} checkpoints{}",
                         found.tombstones.len(),

@@ -6,7 +6,8 @@
 //!
 //! Here: the error, reading a sandbox's documents, and the writes (`edit`,
 //! `evict`, `delete`, `break-lease`); `describe.rs` renders one sandbox;
-//! `gc.rs` collects what nothing needs any more.
+//! `gc.rs` collects what nothing needs any more (`snapshot_gc.rs`: the
+//! filesystem snapshots).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -25,10 +26,12 @@ use controllers::store::{Generation, PutMode, Store, StoreError};
 
 mod describe;
 mod gc;
+mod snapshot_gc;
 
 pub use describe::describe;
 pub(super) use gc::delete_checkpoint;
 pub use gc::{GcReport, gc};
+pub use snapshot_gc::{SnapshotGcReport, gc_snapshots};
 
 /// Why an operator verb failed; each maps to an exit code.
 #[derive(Debug, thiserror::Error)]

@@ -25,15 +25,25 @@ impl GvisorRuntime {
         &self,
         name: &str,
     ) -> Result<SnapshotManifest, RuntimeError> {
-        let invalid = || RuntimeError::Invalid(format!("invalid snapshot name {name:?}"));
+        let invalid = || {
+            RuntimeError::Invalid(format!(
+                "invalid snapshot name {:?}",
+                controllers::api::snapshot_name_of(name)
+            ))
+        };
         let manifest_key = snapshot_manifest_key(name).ok_or_else(invalid)?;
         match self.snapshots.get(&manifest_key).await {
             Ok(object) => {
                 decode(&object.data).map_err(|err| RuntimeError::Invalid(err.to_string()))
             }
-            Err(controllers::store::StoreError::NotFound { .. }) => Err(RuntimeError::Invalid(
-                format!("no filesystem snapshot named {name:?}"),
-            )),
+            // The name only, never the owner's scope: another owner's
+            // snapshot and an unknown one are refused alike (issue 25).
+            Err(controllers::store::StoreError::NotFound { .. }) => {
+                Err(RuntimeError::Invalid(format!(
+                    "no filesystem snapshot named {:?}",
+                    controllers::api::snapshot_name_of(name)
+                )))
+            }
             Err(err) => Err(err.into()),
         }
     }
