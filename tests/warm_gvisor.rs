@@ -429,3 +429,63 @@ async fn a_failing_start_command_fails_the_create_with_its_output() {
     }
     h.runtime.settle().await;
 }
+
+/// `runsc list` of a runsc root: the ids of its containers.
+fn containers_under(root: &std::path::Path) -> Vec<String> {
+    let output = std::process::Command::new("runsc")
+        .arg("--root")
+        .arg(root)
+        .args(["list", "--format", "json"])
+        .output()
+        .unwrap();
+    let listed: Vec<serde_json::Value> = serde_json::from_slice(&output.stdout).unwrap_or_default();
+    listed
+        .iter()
+        .filter_map(|c| c["id"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// The server binary with a pool of two: `/metrics` reports it, a create
+/// over WebSocket takes one, and SIGTERM leaves no container behind (the
+/// refill stops, the warm sandboxes are destroyed with the rest).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_binary_keeps_a_pool_and_leaves_no_container_at_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = support::process::Launch::new("warm", dir.path())
+        .with_args(&["--warm-pool", "2"])
+        .start()
+        .await;
+    let metric = |text: &str, name: &str| -> f64 {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} is not on /metrics:\n{text}"))
+    };
+    let scrape = || async {
+        reqwest::get(format!("http://{}/metrics", server.addr))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metric(&scrape().await, "sandboxd_warm_pool_ready") < 2.0 {
+        assert!(Instant::now() < deadline, "the pool never filled");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let root = dir.path().join("warm").join("run").join("runsc");
+    assert_eq!(containers_under(&root).len(), 2, "two warm containers");
+    let (mut ws, _, _) = server.create(json!({})).await;
+    assert_eq!(
+        metric(&scrape().await, "sandboxd_warm_pool_hits_total"),
+        1.0
+    );
+    assert_eq!(ws.exec("bash", "echo warm").await[1], "stdout:warm\n");
+    server.signal("-TERM");
+    ws.until_close().await;
+    assert_eq!(
+        containers_under(&root),
+        Vec::<String>::new(),
+        "nothing is left running after SIGTERM"
+    );
+}
