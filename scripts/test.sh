@@ -69,4 +69,7 @@ fi
 # The in-sandbox agent's own unit tests (Python, no root or runsc needed).
 python3 -B -m unittest discover -s src/runtime/sandbox_agent/tests -t src/runtime
 
+# The fuzz targets (tests/fuzz_protocol.rs) run 60 s each, side by side.
+export FUZZ_SECS="${FUZZ_SECS:-60}"
+
 exec cargo test --workspace --all-features "$@"

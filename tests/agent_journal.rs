@@ -21,12 +21,11 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
 use controllers::runtime::ExecEvent;
-use sandboxd::runtime::agent::{AgentConnection, Sequenced};
+use sandboxd::runtime::agent::{AgentConnection, ExecEvents, Sequenced};
 use sandboxd::runtime::agent_protocol::{Command as AgentCommand, Request};
 use sandboxd::runtime::bundle::agent_program;
 use serde_json::{Value, json};
 use tokio::net::unix::pipe;
-use tokio::sync::mpsc::UnboundedReceiver;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -89,7 +88,7 @@ fn nix_uid() -> u32 {
         .unwrap()
 }
 
-async fn next(events: &mut UnboundedReceiver<Sequenced>) -> Sequenced {
+async fn next(events: &mut ExecEvents) -> Sequenced {
     tokio::time::timeout(WAIT, events.recv())
         .await
         .expect("an event within 10 s")

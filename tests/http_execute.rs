@@ -172,3 +172,88 @@ async fn execute_stream_stops_a_silent_script_when_the_client_disconnects() {
     post_and_hang_up(&base, "language=bash", "sleep 120").await;
     all_destroyed(dir.path(), "stream mode").await;
 }
+
+/// A server whose `/execute` keeps 64 KiB of output and allows 3 s.
+async fn limited_server(dir: &std::path::Path) -> String {
+    let server = support::server_counted(
+        "test-instance",
+        Arc::new(LocalStore::open(dir.join("meta")).unwrap()),
+        Some(Arc::new(support::runtime(dir).await)),
+        Arc::default(),
+        |parts| {
+            parts.execute = sandboxd::api::execute::ExecuteLimits {
+                max_output_bytes: 64 << 10,
+                timeout: std::time::Duration::from_secs(3),
+            }
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(server.run(listener, std::future::pending()));
+    format!("http://{addr}")
+}
+
+/// Issue 25: one script printing 400 MB took the server from 170 MB to
+/// 1.26 GB (JSON mode kept it all). Output past the limit is discarded after
+/// a marker, in both modes, and the script still runs to its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn execute_output_is_capped_with_a_marker() {
+    let dir = tempfile::tempdir().unwrap();
+    let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
+    let base = limited_server(dir.path()).await;
+    let http = reqwest::Client::new();
+    let script = "head -c 20000000 /dev/zero | tr '\\0' x; echo; echo finished >&2";
+    let body: Value = http
+        .post(format!("{base}/execute?language=bash&format=json"))
+        .body(script)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let stdout = body["stdout"].as_str().unwrap();
+    let stderr = body["stderr"].as_str().unwrap();
+    assert_eq!(stdout.len(), 64 << 10, "exactly the limit is kept");
+    assert!(stderr.contains("output truncated"), "{stderr}");
+    assert_eq!(body["truncated"], true);
+    assert_eq!(body["exit_code"], 0, "the script ran to its end");
+
+    let text = http
+        .post(format!("{base}/execute?language=bash"))
+        .body(script)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.len() < (64 << 10) + 1024, "{} bytes", text.len());
+    assert!(text.contains("output truncated"));
+}
+
+/// Issue 25: `/execute` had no time limit; a script past it is killed and
+/// the answer says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn execute_kills_a_script_past_its_time_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
+    let base = limited_server(dir.path()).await;
+    let started = std::time::Instant::now();
+    let body: Value = reqwest::Client::new()
+        .post(format!("{base}/execute?language=bash&format=json"))
+        .body("echo before; sleep 60; echo after")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    assert_eq!(body["stdout"], "before\n");
+    assert_eq!(body["timed_out"], true);
+    assert!(
+        body["stderr"].as_str().unwrap().contains("3-second limit"),
+        "{body}"
+    );
+}

@@ -640,6 +640,7 @@ async fn startup_removes_containers_a_crashed_server_left() {
             cpu_features: None,
         },
         checkpoint_bucket: "local".into(),
+        orphaned_checkpoints_budget: sandboxd::runtime::DEFAULT_ORPHANED_CHECKPOINTS_BUDGET,
     };
     let crashed = GvisorRuntime::start(config("state"), store.clone(), store.clone())
         .await
@@ -657,13 +658,33 @@ async fn startup_removes_containers_a_crashed_server_left() {
         "the container outlives the crashed server"
     );
 
-    let _restarted = GvisorRuntime::start(config("state"), store.clone(), store)
+    let restarted = GvisorRuntime::start(config("state"), store.clone(), store.clone())
         .await
         .unwrap();
     assert!(
         runsc.list().await.unwrap().is_empty(),
         "startup deleted the leftover container"
     );
+
+    // Issue 25: a second server on the same root (the default
+    // /run/sandboxd) must not take the running one's containers for
+    // leftovers.
+    let id = new_id();
+    restarted
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+    let _second = GvisorRuntime::start(config("state"), store.clone(), store)
+        .await
+        .unwrap();
+    assert_eq!(
+        runsc.list().await.unwrap().len(),
+        1,
+        "the second server deleted the first one's container"
+    );
+    let outcome = run(&restarted, &id, bash("echo alive")).await;
+    assert_eq!(outcome.stdout, "alive\n");
+    restarted.destroy(&id).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -705,6 +726,7 @@ fn pinned_config(root: &Path, features: Vec<String>) -> GvisorConfig {
             cpu_features: Some(features),
         },
         checkpoint_bucket: "local".into(),
+        orphaned_checkpoints_budget: sandboxd::runtime::DEFAULT_ORPHANED_CHECKPOINTS_BUDGET,
     }
 }
 

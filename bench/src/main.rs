@@ -7,6 +7,7 @@
 
 mod cluster;
 mod files;
+mod flood;
 mod runtime;
 mod series;
 mod warm;
@@ -106,7 +107,23 @@ enum Command {
         #[arg(long, value_delimiter = ',', default_values_t = [50, 500])]
         sizes_mb: Vec<u64>,
         #[command(flatten)]
-        runtime: RuntimeArgs,
+        runtime: Box<RuntimeArgs>,
+    },
+    /// Memory under a flood of output: concurrent `POST /execute?format=json`
+    /// each printing a lot; prints the server's peak RSS. Needs root and runsc.
+    #[command(
+        after_help = "Example:\n  sandboxd-bench execute-flood --concurrency 20 --megabytes 400"
+    )]
+    ExecuteFlood {
+        /// Requests at once.
+        #[arg(long, default_value_t = 20)]
+        concurrency: usize,
+        /// What each script prints, in MB.
+        #[arg(long, default_value_t = 400)]
+        megabytes: u64,
+        /// Where the server's state and log go.
+        #[arg(long, default_value = "/tmp/sandboxd-bench-flood")]
+        work_dir: std::path::PathBuf,
     },
 }
 
@@ -195,6 +212,20 @@ async fn main() -> ExitCode {
                     print!("{}", series::render(&results));
                     println!("{}", series::to_json(&results));
                 })
+        }
+        Command::ExecuteFlood {
+            concurrency,
+            megabytes,
+            work_dir,
+        } => {
+            let bench = flood::FloodBench {
+                concurrency: concurrency.max(1),
+                megabytes,
+                work_dir,
+            };
+            flood::run(&bench)
+                .await
+                .map(|figures| print!("{}", flood::render(&bench, &figures)))
         }
     };
     match result {

@@ -7,8 +7,17 @@
 //!
 //! Extension: `&format=json` waits for the end and answers
 //! `{"stdout": …, "stderr": …, "exit_code": N}`.
+//!
+//! Limits (issue 25; upstream had none, and one script printing 400 MB in
+//! JSON mode took the server from 170 MB to 1.26 GB): a response carries at
+//! most [`ExecuteLimits::max_output_bytes`] of output, then a marker line
+//! (and, in JSON, `"truncated": true`); the rest is read and discarded as it
+//! comes, so the server's memory stays flat whatever the script prints. A
+//! script still running after [`ExecuteLimits::timeout`] is killed, with a
+//! marker (and `"timed_out": true`).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Json;
 use axum::body::{Body, Bytes};
@@ -22,6 +31,47 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use super::state::AppState;
+
+/// What one `POST /execute` may cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExecuteLimits {
+    /// Output returned (stdout and stderr together) before the marker.
+    pub max_output_bytes: usize,
+    /// How long the script may run.
+    pub timeout: Duration,
+}
+
+/// Default of `--execute-max-output-bytes`.
+pub const DEFAULT_MAX_OUTPUT_BYTES: usize = 1 << 20;
+/// Default of `--execute-timeout-s`.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+impl Default for ExecuteLimits {
+    fn default() -> Self {
+        Self {
+            max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+impl ExecuteLimits {
+    fn truncated_marker(&self) -> String {
+        format!(
+            "\n[sandboxd] output truncated: the response keeps the first {} bytes \
+             (--execute-max-output-bytes); the rest was discarded\n",
+            self.max_output_bytes
+        )
+    }
+
+    fn timed_out_marker(&self) -> String {
+        format!(
+            "\n[sandboxd] the script was killed: it ran longer than the {}-second limit \
+             (--execute-timeout-s)\n",
+            self.timeout.as_secs()
+        )
+    }
+}
 
 #[derive(Debug, Deserialize)]
 pub struct ExecuteParams {
@@ -100,10 +150,11 @@ pub async fn execute(
             );
         }
     };
+    let limits = state.execute;
     if json_format {
-        collect(sandbox, execution).await
+        collect(sandbox, execution, limits).await
     } else {
-        stream(sandbox, execution)
+        stream(sandbox, execution, limits)
     }
 }
 
@@ -130,12 +181,73 @@ impl Drop for Disposable {
     }
 }
 
-async fn collect(sandbox: Disposable, mut execution: controllers::runtime::Execution) -> Response {
+/// The next event of the execution, or `None` once the time limit is
+/// reached (the script is then killed).
+async fn next_event(
+    execution: &mut controllers::runtime::Execution,
+    deadline: tokio::time::Instant,
+) -> Option<Option<ExecEvent>> {
+    tokio::select! {
+        event = execution.events.recv() => Some(event),
+        () = tokio::time::sleep_until(deadline) => {
+            if let Err(err) = execution.control.kill().await {
+                tracing::warn!(%err, "execute: killing a script past its time limit failed");
+            }
+            None
+        }
+    }
+}
+
+/// The time limit's end, from now.
+fn deadline(limits: ExecuteLimits) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(limits.timeout).unwrap_or(now)
+}
+
+/// Output kept up to a budget shared by stdout and stderr.
+#[derive(Debug)]
+struct Budget {
+    left: usize,
+    truncated: bool,
+}
+
+impl Budget {
+    /// The part of `data` that still fits; marks the budget truncated when
+    /// some of it does not.
+    fn take<'a>(&mut self, data: &'a [u8]) -> &'a [u8] {
+        let kept = data.len().min(self.left);
+        self.left = self.left.saturating_sub(kept);
+        if kept < data.len() {
+            self.truncated = true;
+        }
+        &data[..kept]
+    }
+}
+
+async fn collect(
+    sandbox: Disposable,
+    mut execution: controllers::runtime::Execution,
+    limits: ExecuteLimits,
+) -> Response {
     let (mut stdout, mut stderr, mut exit_code) = (Vec::new(), Vec::new(), None);
-    while let Some(event) = execution.events.recv().await {
+    let mut budget = Budget {
+        left: limits.max_output_bytes,
+        truncated: false,
+    };
+    let deadline = deadline(limits);
+    let mut timed_out = false;
+    loop {
+        let event = match next_event(&mut execution, deadline).await {
+            Some(Some(event)) => event,
+            Some(None) => break,
+            None => {
+                timed_out = true;
+                break;
+            }
+        };
         match event {
-            ExecEvent::Stdout(data) => stdout.extend_from_slice(&data),
-            ExecEvent::Stderr(data) => stderr.extend_from_slice(&data),
+            ExecEvent::Stdout(data) => stdout.extend_from_slice(budget.take(&data)),
+            ExecEvent::Stderr(data) => stderr.extend_from_slice(budget.take(&data)),
             ExecEvent::Exited(code) => {
                 exit_code = Some(code);
                 break;
@@ -143,30 +255,65 @@ async fn collect(sandbox: Disposable, mut execution: controllers::runtime::Execu
         }
     }
     drop(sandbox);
-    Json(json!({
+    if budget.truncated {
+        stderr.extend_from_slice(limits.truncated_marker().as_bytes());
+    }
+    if timed_out {
+        stderr.extend_from_slice(limits.timed_out_marker().as_bytes());
+    }
+    let mut body = json!({
         "stdout": String::from_utf8_lossy(&stdout),
         "stderr": String::from_utf8_lossy(&stderr),
         "exit_code": exit_code,
-    }))
-    .into_response()
+    });
+    if budget.truncated {
+        body["truncated"] = json!(true);
+    }
+    if timed_out {
+        body["timed_out"] = json!(true);
+    }
+    Json(body).into_response()
 }
 
-fn stream(sandbox: Disposable, mut execution: controllers::runtime::Execution) -> Response {
+fn stream(
+    sandbox: Disposable,
+    mut execution: controllers::runtime::Execution,
+    limits: ExecuteLimits,
+) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
     tokio::spawn(async move {
         let _sandbox = sandbox;
+        let mut budget = Budget {
+            left: limits.max_output_bytes,
+            truncated: false,
+        };
+        let deadline = deadline(limits);
         loop {
             let event = tokio::select! {
-                event = execution.events.recv() => event,
+                event = next_event(&mut execution, deadline) => event,
                 // The client went away (its body was dropped): stop at once,
                 // also for a script that prints nothing.
                 () = tx.closed() => break,
             };
             let chunk = match event {
-                Some(ExecEvent::Stdout(data) | ExecEvent::Stderr(data)) => data,
-                Some(ExecEvent::Exited(_)) | None => break,
+                Some(Some(ExecEvent::Stdout(data) | ExecEvent::Stderr(data))) => data,
+                Some(Some(ExecEvent::Exited(_)) | None) => break,
+                None => {
+                    let _ = tx.send(Ok(Bytes::from(limits.timed_out_marker()))).await;
+                    break;
+                }
             };
-            if tx.send(Ok(chunk)).await.is_err() {
+            let was_truncated = budget.truncated;
+            let kept = budget.take(&chunk);
+            let mut out = Vec::new();
+            if !kept.is_empty() {
+                out.extend_from_slice(kept);
+            }
+            if budget.truncated && !was_truncated {
+                out.extend_from_slice(limits.truncated_marker().as_bytes());
+            }
+            // Past the budget the rest is read and discarded, never queued.
+            if !out.is_empty() && tx.send(Ok(Bytes::from(out))).await.is_err() {
                 break;
             }
         }

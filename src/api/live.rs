@@ -272,7 +272,9 @@ impl LiveSandboxes {
                 inner
                     .options
                     .idle_timeout
-                    .map(|timeout| inner.last_activity + timeout)
+                    // Checked: an overflowing deadline (a timeout beyond
+                    // what `Instant` holds) means never, not a panic.
+                    .and_then(|timeout| inner.last_activity.checked_add(timeout))
             };
             let sleep = async {
                 match deadline {
@@ -367,6 +369,35 @@ mod tests {
         assert!(
             registry.get(&id).is_none(),
             "the watcher missed the Deleted and keeps the sandbox forever"
+        );
+    }
+
+    /// Issue 25: an idle timeout beyond what `Instant` holds (an operator's
+    /// or an older server's `idle_timeout`) panicked the watcher, which then
+    /// never expired or forgot the sandbox. It now means "never expires" and
+    /// the watcher still ends on `Deleted`.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_idle_timeout_too_large_for_the_clock_does_not_kill_the_watcher() {
+        let registry = Arc::new(LiveSandboxes::default());
+        let id = SandboxId::random();
+        let (live, attachment) = registry.attach(&id).unwrap();
+        let controller = Arc::new(Events(broadcast::channel(16).0));
+        let options = SandboxOptions {
+            idle_timeout: Some(Duration::from_secs(u64::MAX)),
+            ..SandboxOptions::default()
+        };
+        registry.started(&live, options, &controller);
+        registry.detach(&live, attachment);
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        controller.0.send(SandboxEvent::Deleted).ok();
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            registry.get(&id).is_none(),
+            "the watcher died on the idle deadline and keeps the sandbox forever"
         );
     }
 }

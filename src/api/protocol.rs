@@ -32,6 +32,11 @@ pub const MAX_MESSAGE_BYTES: usize = 4 * MAX_FRAME_BYTES;
 /// Default `idle_timeout` when the init message has none (upstream's default).
 pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 300;
 
+/// Longest `idle_timeout` accepted: 30 days (`null` or 0 ask for none at
+/// all). Larger values are refused at parse time; `u64::MAX` seconds once
+/// overflowed the idle timer's `Instant` and panicked a worker.
+pub const MAX_IDLE_TIMEOUT_S: u64 = controllers::api::MAX_IDLE_TIMEOUT_S;
+
 /// Every status string the server sends, verbatim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Status {
@@ -374,25 +379,19 @@ impl InitMessage {
     /// Parses the first frame of `/create`.
     pub fn parse(text: &str) -> Result<Self, FrameError> {
         let map = object(text)?;
+        const IDLE_TIMEOUT: FrameError = FrameError::WrongType {
+            field: "idle_timeout",
+            expected: "an integer number of seconds from 0 (no timeout) to 2592000 (30 days)",
+        };
         let idle_timeout_s = match map.get("idle_timeout") {
             None => Some(DEFAULT_IDLE_TIMEOUT_S),
             Some(Value::Null) => None,
             Some(Value::Number(n)) => match n.as_u64() {
                 Some(0) => None,
-                Some(seconds) => Some(seconds),
-                None => {
-                    return Err(FrameError::WrongType {
-                        field: "idle_timeout",
-                        expected: "a non-negative integer number of seconds",
-                    });
-                }
+                Some(seconds) if seconds <= MAX_IDLE_TIMEOUT_S => Some(seconds),
+                _ => return Err(IDLE_TIMEOUT),
             },
-            Some(_) => {
-                return Err(FrameError::WrongType {
-                    field: "idle_timeout",
-                    expected: "a non-negative integer number of seconds",
-                });
-            }
+            Some(_) => return Err(IDLE_TIMEOUT),
         };
         let snapshot_token = optional_string(&map, "filesystem_snapshot_token")?;
         let snapshot = optional_string(&map, "filesystem_snapshot_name")?

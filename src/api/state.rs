@@ -33,6 +33,8 @@ pub struct AppState {
     pub images: Option<crate::runtime::ImageCatalog>,
     /// Every series `/metrics` reports (`crate::metrics`).
     pub metrics: Arc<prometheus_client::registry::Registry>,
+    /// What one `POST /execute` may print and how long it may run.
+    pub execute: crate::api::execute::ExecuteLimits,
 }
 
 /// What this server can do, as the init message's checks see it.

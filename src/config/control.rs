@@ -19,10 +19,10 @@ pub struct ControlArgs {
     /// Lease duration (the instance lease, and a sandbox lock's own grace
     /// after acquisition): how long a dead instance keeps its sandboxes
     /// before another may take them over.
-    #[arg(long, env = "SANDBOXD_LEASE_DURATION_S", default_value_t = 15)]
+    #[arg(long, env = "SANDBOXD_LEASE_DURATION_S", value_parser = clap::value_parser!(u64).range(1..=3600), default_value_t = 15)]
     pub lease_duration_s: u64,
     /// Tolerated clock difference between instances.
-    #[arg(long, env = "SANDBOXD_CLOCK_SKEW_S", default_value_t = 2)]
+    #[arg(long, env = "SANDBOXD_CLOCK_SKEW_S", value_parser = clap::value_parser!(u64).range(0..=600), default_value_t = 2)]
     pub clock_skew_s: u64,
     /// Instance lease renewal interval (one write for all the sandboxes the
     /// instance holds); must be under the duration minus the skew.
@@ -30,31 +30,31 @@ pub struct ControlArgs {
     pub renew_interval_s: f64,
     /// Full re-read of each held sandbox's metadata and lock: raw edits made
     /// without `sandboxctl` (which rings the holder) take effect within this.
-    #[arg(long, env = "SANDBOXD_RESYNC_INTERVAL_S", default_value_t = 60)]
+    #[arg(long, env = "SANDBOXD_RESYNC_INTERVAL_S", value_parser = clap::value_parser!(u64).range(1..=86_400), default_value_t = 60)]
     pub resync_interval_s: u64,
     /// How often an instance that holds sandboxes reads its doorbell (where
     /// other instances and `sandboxctl` ring it after writing an intent).
-    #[arg(long, env = "SANDBOXD_DOORBELL_POLL_MS", default_value_t = 400)]
+    #[arg(long, env = "SANDBOXD_DOORBELL_POLL_MS", value_parser = clap::value_parser!(u64).range(10..=60_000), default_value_t = 400)]
     pub doorbell_poll_ms: u64,
     /// How often it reads it instead while a client attached to it sent a
     /// frame within the last minute (the instance serves requests then).
-    #[arg(long, env = "SANDBOXD_DOORBELL_POLL_ACTIVE_MS", default_value_t = 200)]
+    #[arg(long, env = "SANDBOXD_DOORBELL_POLL_ACTIVE_MS", value_parser = clap::value_parser!(u64).range(10..=60_000), default_value_t = 200)]
     pub doorbell_poll_active_ms: u64,
     #[arg(long, env = "SANDBOXD_HANDOFF_RUNNING_EXECUTION", value_enum, default_value_t = HandoffArg::Force)]
     pub handoff_running_execution: HandoffArg,
     /// Superseded unnamed checkpoints kept per sandbox besides the latest.
-    #[arg(long, env = "SANDBOXD_KEEP_CHECKPOINTS", default_value_t = 2)]
+    #[arg(long, env = "SANDBOXD_KEEP_CHECKPOINTS", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1000), default_value_t = 2)]
     pub keep_checkpoints: usize,
     /// Checkpoint held checkpointable sandboxes this often, between
     /// executions (0: never); bounds what a crash of this instance loses.
-    #[arg(long, env = "SANDBOXD_CHECKPOINT_INTERVAL_S", default_value_t = 0)]
+    #[arg(long, env = "SANDBOXD_CHECKPOINT_INTERVAL_S", value_parser = clap::value_parser!(u64).range(0..=2_592_000), default_value_t = 0)]
     pub checkpoint_interval_s: u64,
     /// Fault tests only: abort the process at this step of a handoff
     /// (handoff:before-checkpoint, handoff:after-upload, handoff:after-record).
     #[arg(long, env = "SANDBOXD_FAILPOINT", hide = true)]
     pub failpoint: Option<String>,
     /// How long a deleted sandbox's tombstone stays before its objects go.
-    #[arg(long, env = "SANDBOXD_TOMBSTONE_RETENTION_S", default_value_t = 600)]
+    #[arg(long, env = "SANDBOXD_TOMBSTONE_RETENTION_S", value_parser = clap::value_parser!(u64).range(0..=31_536_000), default_value_t = 600)]
     pub tombstone_retention_s: u64,
 }
 

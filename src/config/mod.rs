@@ -66,7 +66,7 @@ pub struct ServeArgs {
     pub instance_id: Option<String>,
     /// Seconds granted on SIGTERM to checkpoint (or delete) the sandboxes
     /// running here; Cloud Run allows 10 in all.
-    #[arg(long, env = "SANDBOXD_SHUTDOWN_GRACE_S", default_value_t = 8)]
+    #[arg(long, env = "SANDBOXD_SHUTDOWN_GRACE_S", value_parser = clap::value_parser!(u64).range(0..=3600), default_value_t = 8)]
     pub shutdown_grace_s: u64,
     /// Filesystem snapshot names are deployment-wide and need no owner's
     /// proof, as on the earlier server: for a deployment used by one team
@@ -74,6 +74,13 @@ pub struct ServeArgs {
     /// made it.
     #[arg(long, env = "SANDBOXD_SHARED_SNAPSHOTS", default_value_t = false, action = clap::ArgAction::Set)]
     pub shared_snapshots: bool,
+    /// Output one `POST /execute` returns (stdout and stderr together); the
+    /// rest is discarded after a marker line.
+    #[arg(long, env = "SANDBOXD_EXECUTE_MAX_OUTPUT_BYTES", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..=1 << 30), default_value_t = 1 << 20)]
+    pub execute_max_output_bytes: usize,
+    /// How long a `POST /execute` script may run before it is killed.
+    #[arg(long, env = "SANDBOXD_EXECUTE_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=86_400), default_value_t = 300)]
+    pub execute_timeout_s: u64,
     #[command(flatten)]
     pub storage: StorageArgs,
     #[command(flatten)]
@@ -97,6 +104,21 @@ impl ServeArgs {
             }
             (None, None) => DEFAULT_LISTEN,
         }
+    }
+}
+
+/// Parses `--sandbox-cpus`: a finite number of cores from 0 (no limit) to
+/// 1024. Every other numeric flag is range-checked by clap the same way, at
+/// parse time: an absurd value is an error naming the flag, never an
+/// overflow later (issue 25).
+fn cpu_cores(text: &str) -> Result<f64, String> {
+    let cores: f64 = text
+        .parse()
+        .map_err(|err| format!("{text:?} is not a number: {err}"))?;
+    if cores.is_finite() && (0.0..=1024.0).contains(&cores) {
+        Ok(cores)
+    } else {
+        Err(format!("{text} is not from 0 (no limit) to 1024 cores"))
     }
 }
 

@@ -36,7 +36,7 @@ pub struct NetworkArgs {
     pub runsc_netns_workaround: NetnsWorkaroundArg,
     /// Longest wait, in seconds, for an egress sandbox's closed connections
     /// to clear before a checkpoint is refused (this runsc cannot save them).
-    #[arg(long, env = "SANDBOXD_NETWORK_CHECKPOINT_WAIT_S", default_value_t = 5)]
+    #[arg(long, env = "SANDBOXD_NETWORK_CHECKPOINT_WAIT_S", value_parser = clap::value_parser!(u64).range(0..=3600), default_value_t = 5)]
     pub network_checkpoint_wait_s: u64,
 }
 

@@ -16,12 +16,16 @@ pub struct RuntimeArgs {
     pub runsc_platform: String,
     /// Seconds a short runsc call (`state`, `list`, `delete`) may take before
     /// it is killed and reported as hung.
-    #[arg(long, env = "SANDBOXD_RUNSC_TIMEOUT_S", default_value_t = 30)]
+    #[arg(long, env = "SANDBOXD_RUNSC_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=3600), default_value_t = 30)]
     pub runsc_timeout_s: u64,
     /// Seconds a `runsc run`, `restore` or `checkpoint` may take before it is
     /// killed (they move a whole memory image).
-    #[arg(long, env = "SANDBOXD_RUNSC_IMAGE_TIMEOUT_S", default_value_t = 300)]
+    #[arg(long, env = "SANDBOXD_RUNSC_IMAGE_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=86_400), default_value_t = 300)]
     pub runsc_image_timeout_s: u64,
+    /// Local disk (MiB) the images of checkpoints that failed to upload may
+    /// hold in all (kept for an operator to recover; the oldest go first).
+    #[arg(long, env = "SANDBOXD_ORPHANED_CHECKPOINTS_MAX_MB", value_parser = clap::value_parser!(u64).range(0..=1_048_576), default_value_t = 4096)]
+    pub orphaned_checkpoints_max_mb: u64,
     /// This server's runsc state and working files (bundles, images in transit).
     /// Containers left here by a crashed server are deleted at startup, so give
     /// every server process on a machine its own directory.
@@ -42,16 +46,16 @@ pub struct RuntimeArgs {
     #[arg(long, env = "SANDBOX_PYTHON", default_value = "/usr/bin/python3")]
     pub sandbox_python: String,
     /// Memory limit per sandbox in MiB (0: none).
-    #[arg(long, env = "SANDBOX_MEMORY_LIMIT_MB", default_value_t = 2048)]
+    #[arg(long, env = "SANDBOX_MEMORY_LIMIT_MB", value_parser = clap::value_parser!(u64).range(0..=1_048_576), default_value_t = 2048)]
     pub sandbox_memory_mb: u64,
     /// CPU limit per sandbox in cores (0: none).
-    #[arg(long, env = "SANDBOX_CPU_LIMIT", default_value_t = 1.0)]
+    #[arg(long, env = "SANDBOX_CPU_LIMIT", value_parser = super::cpu_cores, default_value_t = 1.0)]
     pub sandbox_cpus: f64,
     /// Most processes user code may run at once (RLIMIT_NPROC).
-    #[arg(long, env = "SANDBOX_MAX_PROCESSES", default_value_t = 256)]
+    #[arg(long, env = "SANDBOX_MAX_PROCESSES", value_parser = clap::value_parser!(u64).range(1..=4_194_304), default_value_t = 256)]
     pub sandbox_max_processes: u64,
     /// Size of each sandbox's /tmp (memory-backed) in MiB.
-    #[arg(long, env = "SANDBOX_TMP_SIZE_MB", default_value_t = 512)]
+    #[arg(long, env = "SANDBOX_TMP_SIZE_MB", value_parser = clap::value_parser!(u64).range(1..=1_048_576), default_value_t = 512)]
     pub sandbox_tmp_mb: u64,
     /// Pin the CPU features sandboxes see (comma-separated `/proc/cpuinfo`
     /// flags, e.g. the common set of Cloud Run's machine types), so
@@ -108,6 +112,7 @@ impl RuntimeArgs {
                 cpu_features: self.pinned_cpu_features(),
             },
             checkpoint_bucket,
+            orphaned_checkpoints_budget: self.orphaned_checkpoints_max_mb.saturating_mul(1 << 20),
         }
     }
 }

@@ -98,3 +98,36 @@ fn listen_address_prefers_flag_then_port() {
     let from_port = parse(&["--port", "8081"]).listen_addr();
     assert_eq!(from_port, "0.0.0.0:8081".parse().unwrap());
 }
+
+/// Issue 25: every numeric flag is range-checked when parsed. A lease of
+/// `u64::MAX` seconds used to pass and panic later (`chrono` overflow when the
+/// lease settings were built).
+#[test]
+fn numeric_flags_out_of_range_are_refused_when_parsed() {
+    for (flag, value) in [
+        ("--lease-duration-s", "18446744073709551615"),
+        ("--lease-duration-s", "0"),
+        ("--clock-skew-s", "9223372036854775807"),
+        ("--resync-interval-s", "0"),
+        ("--tombstone-retention-s", "18446744073709551615"),
+        ("--checkpoint-interval-s", "18446744073709551615"),
+        ("--keep-checkpoints", "18446744073709551615"),
+        ("--shutdown-grace-s", "18446744073709551615"),
+        ("--sandbox-memory-mb", "18446744073709551615"),
+        ("--sandbox-cpus", "NaN"),
+        ("--sandbox-cpus", "-1"),
+        ("--sandbox-cpus", "inf"),
+        ("--workspace-max-file-mb", "18446744073709551615"),
+        ("--workspace-sync-timeout-s", "0"),
+        ("--runsc-timeout-s", "18446744073709551615"),
+    ] {
+        let err = Cli::try_parse_from(["sandboxd".to_owned(), format!("{flag}={value}")])
+            .err()
+            .unwrap_or_else(|| panic!("{flag} {value} was accepted"))
+            .to_string();
+        assert!(err.contains(flag), "{flag} {value}: {err}");
+    }
+    let args = parse(&["--lease-duration-s", "3600", "--sandbox-cpus", "0.5"]);
+    assert_eq!(args.control.lease_duration_s, 3600);
+    assert!(args.control.lease().duration > chrono::Duration::zero());
+}

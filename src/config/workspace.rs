@@ -10,19 +10,19 @@ pub struct WorkspaceArgs {
     pub workspace_sync: bool,
     /// Seconds after which the checksums a sandbox's `.sandbox-state` records
     /// are recomputed rather than trusted.
-    #[arg(long, env = "SANDBOX_SYNC_STALE_THRESHOLD", default_value_t = 3600)]
+    #[arg(long, env = "SANDBOX_SYNC_STALE_THRESHOLD", value_parser = clap::value_parser!(u64).range(1..=31_536_000), default_value_t = 3600)]
     pub sync_stale_threshold_s: u64,
     /// Largest file synced, in MiB (larger ones are left out and logged).
-    #[arg(long, env = "SANDBOXD_WORKSPACE_MAX_FILE_MB", default_value_t = 100)]
+    #[arg(long, env = "SANDBOXD_WORKSPACE_MAX_FILE_MB", value_parser = clap::value_parser!(u64).range(1..=1_048_576), default_value_t = 100)]
     pub workspace_max_file_mb: u64,
     /// Largest workspace synced, in MiB (a larger one fails its sync).
-    #[arg(long, env = "SANDBOXD_WORKSPACE_MAX_TOTAL_MB", default_value_t = 1024)]
+    #[arg(long, env = "SANDBOXD_WORKSPACE_MAX_TOTAL_MB", value_parser = clap::value_parser!(u64).range(1..=1_048_576), default_value_t = 1024)]
     pub workspace_max_total_mb: u64,
     /// Most files a synced workspace may hold (a larger one fails its sync).
-    #[arg(long, env = "SANDBOXD_WORKSPACE_MAX_FILES", default_value_t = 100_000)]
+    #[arg(long, env = "SANDBOXD_WORKSPACE_MAX_FILES", value_parser = clap::value_parser!(u64).range(1..=100_000_000), default_value_t = 100_000)]
     pub workspace_max_files: u64,
     /// Longest a single sync may take, in seconds.
-    #[arg(long, env = "SANDBOXD_WORKSPACE_SYNC_TIMEOUT_S", default_value_t = 120)]
+    #[arg(long, env = "SANDBOXD_WORKSPACE_SYNC_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=86_400), default_value_t = 120)]
     pub workspace_sync_timeout_s: u64,
     /// Extra hook templates, JSON: `{"name": {"cold_start": ["sync_down"],
     /// "after_exec": ["sync_up"], "terminate": ["sync_up"]}}`.

@@ -17,6 +17,7 @@
 //! elsewhere) is not ended when the agent goes away.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -26,8 +27,9 @@ use bytes::Bytes;
 use controllers::runtime::ExecEvent;
 use serde::de::DeserializeOwned;
 
+use super::agent_lines::{AgentLine, MAX_AGENT_LINE_BYTES, next_line};
 use super::agent_protocol::{AGENT_PROTOCOL_VERSION, Command, Event, MalformedReply, Request};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot};
 
@@ -66,13 +68,92 @@ type Reply = Result<Event, String>;
 /// the execution is not resumable).
 pub type Sequenced = (u64, ExecEvent);
 
+/// Output bytes one execution may have waiting between the reader and its
+/// consumer. Beyond it the reader (which never waits) drops output: the first
+/// dropped event becomes a notice on stderr, the others empty events of the
+/// same number, so a resumable execution's numbering holds (issue 25: a
+/// consumer that stalled, such as a slow `/execute` client, let this grow
+/// without bound).
+pub const MAX_QUEUED_OUTPUT_BYTES: usize = 8 << 20;
+
+/// One execution's route: its channel and the output bytes in it.
+struct ExecRoute {
+    sender: mpsc::UnboundedSender<Sequenced>,
+    queued: Arc<AtomicUsize>,
+    /// Output is being dropped (the notice was sent).
+    dropping: bool,
+}
+
+impl ExecRoute {
+    fn new() -> (Self, ExecEvents) {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let events = ExecEvents {
+            receiver,
+            queued: Arc::clone(&queued),
+        };
+        (
+            Self {
+                sender,
+                queued,
+                dropping: false,
+            },
+            events,
+        )
+    }
+
+    /// Queues output, or drops it past [`MAX_QUEUED_OUTPUT_BYTES`].
+    fn output(&mut self, seq: u64, stderr: bool, data: Bytes) {
+        let queued = self.queued.load(Ordering::Acquire);
+        let data = if queued.saturating_add(data.len()) <= MAX_QUEUED_OUTPUT_BYTES {
+            self.dropping = false;
+            data
+        } else if std::mem::replace(&mut self.dropping, true) {
+            Bytes::new()
+        } else {
+            let notice = Bytes::from(format!(
+                "\n[sandboxd] output dropped: more than {MAX_QUEUED_OUTPUT_BYTES} bytes were \
+                 waiting for a reader that fell behind\n"
+            ));
+            let _ = self.sender.send((seq, ExecEvent::Stderr(notice.clone())));
+            self.queued.fetch_add(notice.len(), Ordering::AcqRel);
+            return;
+        };
+        self.queued.fetch_add(data.len(), Ordering::AcqRel);
+        let event = if stderr {
+            ExecEvent::Stderr(data)
+        } else {
+            ExecEvent::Stdout(data)
+        };
+        let _ = self.sender.send((seq, event));
+    }
+}
+
+/// The event stream of one execution, as the agent's reader routes it.
+#[derive(Debug)]
+pub struct ExecEvents {
+    receiver: mpsc::UnboundedReceiver<Sequenced>,
+    queued: Arc<AtomicUsize>,
+}
+
+impl ExecEvents {
+    /// The next event; `None` once the execution's route is gone.
+    pub async fn recv(&mut self) -> Option<Sequenced> {
+        let item = self.receiver.recv().await?;
+        if let (_, ExecEvent::Stdout(data) | ExecEvent::Stderr(data)) = &item {
+            self.queued.fetch_sub(data.len(), Ordering::AcqRel);
+        }
+        Some(item)
+    }
+}
+
 #[derive(Default)]
 struct Routes {
     replies: HashMap<String, oneshot::Sender<Reply>>,
     /// Unbounded on purpose: the reader must never wait on one slow consumer,
     /// or replies (kill, ping, checkpoint) would queue behind its output. The
     /// consumers (API sessions) bound what they keep.
-    execs: HashMap<String, mpsc::UnboundedSender<Sequenced>>,
+    execs: HashMap<String, ExecRoute>,
     /// Executions checkpointed with the sandbox: when the agent goes away
     /// their streams end without an exit (they go on elsewhere).
     suspended: HashSet<String>,
@@ -207,14 +288,10 @@ impl AgentConnection {
     }
 
     /// Starts an execution; returns its event stream once the agent started it.
-    pub async fn start_exec(
-        &self,
-        id: &str,
-        request: Request,
-    ) -> Result<mpsc::UnboundedReceiver<Sequenced>, AgentError> {
-        let (tx, rx) = mpsc::unbounded_channel();
+    pub async fn start_exec(&self, id: &str, request: Request) -> Result<ExecEvents, AgentError> {
+        let (route, rx) = ExecRoute::new();
         let started = self.expect_reply(id)?;
-        self.routes().execs.insert(id.to_owned(), tx);
+        self.routes().execs.insert(id.to_owned(), route);
         self.send(&request.with_id(id)).await?;
         match wait_reply(started, Duration::from_secs(30)).await {
             Ok(_) => Ok(rx),
@@ -227,13 +304,13 @@ impl AgentConnection {
 
     /// Routes the events of an execution the agent already runs (one a
     /// restore brought back) to the returned stream.
-    pub fn adopt_exec(&self, id: &str) -> Result<mpsc::UnboundedReceiver<Sequenced>, AgentError> {
-        let (tx, rx) = mpsc::unbounded_channel();
+    pub fn adopt_exec(&self, id: &str) -> Result<ExecEvents, AgentError> {
+        let (route, rx) = ExecRoute::new();
         let mut routes = self.routes();
         if routes.gone {
             return Err(AgentError::Gone);
         }
-        routes.execs.insert(id.to_owned(), tx);
+        routes.execs.insert(id.to_owned(), route);
         Ok(rx)
     }
 
@@ -285,16 +362,26 @@ async fn read_events(
     let mut reader = BufReader::with_capacity(256 * 1024, events);
     let mut buffer = Vec::new();
     loop {
-        let line = match next_line(&mut reader, &mut buffer).await {
-            Ok(Some(Line::Whole)) => String::from_utf8_lossy(&buffer),
-            Ok(Some(Line::TooLong)) => {
+        let line = match next_line(&mut reader, &mut buffer, MAX_AGENT_LINE_BYTES).await {
+            Ok(AgentLine::Line(line)) => line,
+            Ok(AgentLine::End) => break,
+            Ok(AgentLine::TooLong(bytes)) => {
+                // Bounded memory whatever the sandbox writes (issue 25); the
+                // request it answered, if any, times out.
                 tracing::warn!(
-                    limit = MAX_EVENT_LINE,
-                    "the sandbox agent sent an event line over the limit; dropped"
+                    bytes,
+                    limit = MAX_AGENT_LINE_BYTES,
+                    "skipped an over-long line from the sandbox agent"
                 );
                 continue;
             }
-            Ok(None) => break,
+            Ok(AgentLine::NotUtf8(bytes)) => {
+                tracing::warn!(
+                    bytes,
+                    "skipped a line from the sandbox agent that is not UTF-8"
+                );
+                continue;
+            }
             Err(err) => {
                 tracing::warn!(%err, "reading from the sandbox agent failed");
                 break;
@@ -318,51 +405,7 @@ async fn read_events(
         execs
     };
     for (_, exec) in execs {
-        let _ = exec.send((0, ExecEvent::Exited(137)));
-    }
-}
-
-/// Longest event line read from the agent (the largest reply, a 4 MiB file
-/// read, is under 6 MB as base64). A longer line is dropped unread: the
-/// agent runs inside the sandbox, and no answer of it may take the host's
-/// memory.
-const MAX_EVENT_LINE: usize = 16 << 20;
-
-/// What [`next_line`] read.
-enum Line {
-    /// A whole line, in the buffer without its newline.
-    Whole,
-    /// A line over [`MAX_EVENT_LINE`], skipped.
-    TooLong,
-}
-
-/// Reads the next line into `line` (cleared first), keeping at most
-/// [`MAX_EVENT_LINE`] bytes of it. `None` at the end of the stream.
-async fn next_line(
-    reader: &mut BufReader<pipe::Receiver>,
-    line: &mut Vec<u8>,
-) -> std::io::Result<Option<Line>> {
-    line.clear();
-    let mut too_long = false;
-    loop {
-        let buffered = reader.fill_buf().await?;
-        if buffered.is_empty() {
-            return Ok(None);
-        }
-        let (taken, end) = match buffered.iter().position(|&b| b == b'\n') {
-            Some(newline) => (newline, true),
-            None => (buffered.len(), false),
-        };
-        if !too_long && line.len() + taken <= MAX_EVENT_LINE {
-            line.extend_from_slice(&buffered[..taken]);
-        } else {
-            too_long = true;
-            line.clear();
-        }
-        reader.consume(taken + usize::from(end));
-        if end {
-            return Ok(Some(if too_long { Line::TooLong } else { Line::Whole }));
-        }
+        let _ = exec.sender.send((0, ExecEvent::Exited(137)));
     }
 }
 
@@ -416,26 +459,27 @@ fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<u32>>, event
             }
         }
         Event::Out { id, fd, data, seq } => {
-            let sender = lock().execs.get(&id).cloned();
-            if let Some(sender) = sender {
-                let item = match decode(data.as_deref()) {
-                    Ok(data) if fd == 2 => ExecEvent::Stderr(data),
-                    Ok(data) => ExecEvent::Stdout(data),
-                    Err(err) => {
-                        tracing::warn!(%err, execution = %id, "unreadable output from the sandbox agent");
-                        ExecEvent::Stderr(Bytes::from(format!(
-                            "[sandboxd] output lost: the sandbox agent sent it unreadable ({err})\n"
-                        )))
-                    }
-                };
-                let _ = sender.send((seq.unwrap_or(0), item));
+            let (stderr, data) = match decode(data.as_deref()) {
+                Ok(data) => (fd == 2, data),
+                Err(err) => {
+                    tracing::warn!(%err, execution = %id, "unreadable output from the sandbox agent");
+                    let notice = format!(
+                        "[sandboxd] output lost: the sandbox agent sent it unreadable ({err})\n"
+                    );
+                    (true, Bytes::from(notice))
+                }
+            };
+            if let Some(route) = lock().execs.get_mut(&id) {
+                route.output(seq.unwrap_or(0), stderr, data);
             }
         }
         Event::Exit { id, code, seq } => {
-            let sender = lock().execs.remove(&id);
-            if let Some(sender) = sender {
+            let route = lock().execs.remove(&id);
+            if let Some(route) = route {
                 let code = i32::try_from(code).unwrap_or(-1);
-                let _ = sender.send((seq.unwrap_or(0), ExecEvent::Exited(code)));
+                let _ = route
+                    .sender
+                    .send((seq.unwrap_or(0), ExecEvent::Exited(code)));
             }
         }
         Event::Chunk { id, data } => match decode(data.as_deref()) {

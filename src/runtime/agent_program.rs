@@ -22,6 +22,10 @@ const MODULES: &[(&str, &str)] = &[
         include_str!("sandbox_agent/config.py"),
     ),
     (
+        "sandbox_agent.safe_open",
+        include_str!("sandbox_agent/safe_open.py"),
+    ),
+    (
         "sandbox_agent.state",
         include_str!("sandbox_agent/state.py"),
     ),

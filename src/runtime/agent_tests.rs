@@ -170,3 +170,72 @@ fn another_protocol_version_is_refused_naming_both() {
         "{text}"
     );
 }
+
+/// Issue 25: output waiting for a consumer that fell behind is bounded. The
+/// agent writes 12 MiB to an execution nobody reads; what is queued stays
+/// under the limit, the first dropped event is a notice, and every event keeps
+/// its number (a resumable execution counts them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_queued_for_a_slow_consumer_is_bounded_with_a_notice() {
+    let (connection, mut agent, _commands) = connect();
+    let mut events = connection.adopt_exec("e1").unwrap();
+    let chunk = BASE64.encode(vec![b'x'; 64 << 10]);
+    for seq in 1..=192u64 {
+        emit(
+            &mut agent,
+            &json!({"ev": "out", "id": "e1", "fd": 1, "data": chunk, "seq": seq}),
+        );
+    }
+    emit(
+        &mut agent,
+        &json!({"ev": "exit", "id": "e1", "code": 0, "seq": 193}),
+    );
+    let (mut bytes, mut notices, mut expected) = (0usize, 0, 1u64);
+    loop {
+        let (seq, event) = events.recv().await.unwrap();
+        assert_eq!(seq, expected, "events keep their numbers");
+        expected += 1;
+        match event {
+            ExecEvent::Stdout(data) => bytes += data.len(),
+            ExecEvent::Stderr(data) => {
+                assert!(String::from_utf8_lossy(&data).contains("output dropped"));
+                notices += 1;
+            }
+            ExecEvent::Exited(code) => {
+                assert_eq!(code, 0);
+                break;
+            }
+        }
+    }
+    assert!(
+        bytes <= MAX_QUEUED_OUTPUT_BYTES,
+        "{bytes} bytes were queued for nobody"
+    );
+    assert!(bytes >= MAX_QUEUED_OUTPUT_BYTES / 2, "{bytes}");
+    assert_eq!(notices, 1);
+}
+
+/// Issue 25: a line longer than the limit (user code writing to the agent's
+/// pipe) is skipped, not buffered whole, and the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_long_agent_line_is_skipped_and_the_connection_goes_on() {
+    let (connection, mut agent, _commands) = connect();
+    let writer = std::thread::spawn(move || {
+        let block = vec![b'x'; 1 << 20];
+        for _ in 0..(MAX_AGENT_LINE_BYTES >> 20) + 2 {
+            agent.write_all(&block).unwrap();
+        }
+        agent.write_all(b"\n").unwrap();
+        emit(
+            &mut agent,
+            &json!({"ev": "pong", "id": "r1", "version": 1, "running": []}),
+        );
+        agent
+    });
+    let reply = connection
+        .request(Request::Ping, Duration::from_secs(30))
+        .await;
+    assert!(reply.is_ok(), "{reply:?}");
+    assert!(!connection.is_gone());
+    drop(writer.join().unwrap());
+}

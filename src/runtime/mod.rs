@@ -10,6 +10,7 @@
 //! is built around.
 
 pub mod agent;
+mod agent_lines;
 mod agent_program;
 pub mod agent_protocol;
 pub mod bundle;
@@ -30,7 +31,9 @@ mod workspace_access;
 
 pub use bundle::{BundleNetwork, BundleSpec};
 pub use catalog::{DEFAULT_IMAGE, Image, ImageCatalog, ImageInfo};
-pub use gvisor::{GvisorConfig, GvisorRuntime, WarmPoolStats};
+pub use gvisor::{
+    DEFAULT_ORPHANED_CHECKPOINTS_BUDGET, GvisorConfig, GvisorRuntime, WarmPoolStats,
+};
 pub use images::host_cpu_features;
 pub use network::{NetnsWorkaround, NetworkConfig};
 pub use runsc::{LaunchNetwork, Runsc, RunscError, RunscTimeouts};

@@ -101,13 +101,14 @@ impl WorkspaceFiles for GvisorRuntime {
                 }
             })
             .collect();
-        Ok(LocalScan {
+        LocalScan {
             files,
             refused,
             synced: parsed.synced.into_iter().filter_map(synced_entry).collect(),
             hashed: parsed.hashed,
             scanned_at: parsed.scanned_at,
-        })
+        }
+        .bounded(request.max_files)
     }
 
     async fn read_file(

@@ -116,5 +116,9 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
     parts.workspace_hooks = workspace_hooks;
     parts.shutdown_grace = Duration::from_secs(args.shutdown_grace_s);
     parts.warm_pool.clone_from(&gvisor);
+    parts.execute = crate::api::execute::ExecuteLimits {
+        max_output_bytes: args.execute_max_output_bytes,
+        timeout: Duration::from_secs(args.execute_timeout_s),
+    };
     Ok(Booted { parts, gvisor })
 }

@@ -77,6 +77,8 @@ pub struct Parts {
     /// The gVisor runtime whose warm pool `/metrics` reports (`None`: no
     /// pool series).
     pub warm_pool: Option<Arc<crate::runtime::GvisorRuntime>>,
+    /// What one `POST /execute` may print and how long it may run.
+    pub execute: crate::api::execute::ExecuteLimits,
 }
 
 impl Parts {
@@ -105,6 +107,7 @@ impl Parts {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             shutdown_grace: Duration::from_secs(10),
             warm_pool: None,
+            execute: crate::api::execute::ExecuteLimits::default(),
         }
     }
 }
@@ -155,6 +158,7 @@ impl Server {
             store_operations,
             workspace_hooks: parts.workspace_hooks,
             metrics: Arc::new(metrics),
+            execute: parts.execute,
         };
         Self {
             state,

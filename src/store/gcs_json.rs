@@ -3,8 +3,14 @@
 //! The official crate offers these only on its gRPC `StorageControl` client,
 //! which fake-gcs-server does not speak; this small helper does them over HTTP
 //! with the same credentials, so production and tests take the same path.
+//!
+//! Every request has a deadline ([`REQUEST_TIMEOUT`], connecting
+//! [`CONNECT_TIMEOUT`]): a GCS front end that accepts and never answers is a
+//! transient error the caller retries, not a reconcile pass stuck forever
+//! (issue 25).
 
 use std::fmt;
+use std::time::Duration;
 
 use controllers::store::{Generation, LIST_PAGE_SIZE, ListPage, ObjectInfo, ObjectKey, StoreError};
 use google_cloud_auth::credentials::{CacheableResource, Credentials};
@@ -43,11 +49,30 @@ struct ListItem {
     generation: String,
 }
 
+/// Longest one JSON-API request may take (one page of a listing, a delete,
+/// one step of a rewrite, which GCS answers within about 30 s).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest a connection to the endpoint may take to open.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 impl JsonApi {
     /// `endpoint` is the service root (`https://storage.googleapis.com`).
     pub fn new(endpoint: &str, credentials: Credentials) -> Self {
+        Self::with_timeout(endpoint, credentials, REQUEST_TIMEOUT)
+    }
+
+    /// [`Self::new`] with another request deadline.
+    pub fn with_timeout(endpoint: &str, credentials: Credentials, timeout: Duration) -> Self {
+        let http = reqwest::Client::builder()
+            .connect_timeout(CONNECT_TIMEOUT.min(timeout))
+            .timeout(timeout)
+            .build()
+            .unwrap_or_else(|err| {
+                tracing::warn!(%err, "cannot configure the GCS JSON client's deadlines; using the defaults");
+                reqwest::Client::new()
+            });
         Self {
-            http: reqwest::Client::new(),
+            http,
             base: format!("{}/storage/v1", endpoint.trim_end_matches('/')),
             credentials,
         }
@@ -237,4 +262,34 @@ async fn check_status(
         408 | 429 | 500..=599 => StoreError::transient(what, detail),
         _ => StoreError::other(what, detail),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 25: an endpoint that accepts the connection and never answers
+    /// used to hold a listing forever; it is a transient error at the deadline.
+    #[tokio::test]
+    async fn a_silent_endpoint_is_a_transient_error_at_the_deadline() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                open.push(socket);
+            }
+        });
+        let credentials = google_cloud_auth::credentials::anonymous::Builder::new().build();
+        let api = JsonApi::with_timeout(&endpoint, credentials, Duration::from_millis(500));
+        let err = tokio::time::timeout(
+            Duration::from_secs(10),
+            api.list("bucket", "sandboxes/", None),
+        )
+        .await
+        .expect("the listing has no deadline")
+        .unwrap_err();
+        assert!(err.is_transient(), "{err}");
+        held.abort();
+    }
 }

@@ -41,6 +41,38 @@ pub struct LocalScan {
     pub hashed: u64,
 }
 
+/// Refused files a scan reports by name; past this, one entry counts the rest.
+pub const MAX_REFUSED_LISTED: usize = 1000;
+
+impl LocalScan {
+    /// What the sandbox reported, bounded (issue 25: the refused list had no
+    /// limit, and the `synced` entries repeat the sandbox's own state file,
+    /// which user code can fill with one path a million times): more files
+    /// than `max_files` is an error, `synced` keeps each path once and at
+    /// most `max_files` of them, `refused` lists [`MAX_REFUSED_LISTED`] by name.
+    pub fn bounded(mut self, max_files: u64) -> Result<Self, FilesError> {
+        let max = usize::try_from(max_files).unwrap_or(usize::MAX);
+        if self.files.len() > max {
+            return Err(FilesError::Refused(format!(
+                "the sandbox reported {} files, over the {max_files}-file limit",
+                self.files.len()
+            )));
+        }
+        let mut seen = std::collections::HashSet::new();
+        self.synced.retain(|entry| seen.insert(entry.path.clone()));
+        self.synced.truncate(max);
+        if self.refused.len() > MAX_REFUSED_LISTED {
+            let more = self.refused.len().saturating_sub(MAX_REFUSED_LISTED);
+            self.refused.truncate(MAX_REFUSED_LISTED);
+            self.refused.push(Refused {
+                path: "...".to_owned(),
+                reason: format!("and {more} more files refused (not listed)"),
+            });
+        }
+        Ok(self)
+    }
+}
+
 /// The md5 and size of bytes actually copied.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Copied {
@@ -96,4 +128,48 @@ pub trait WorkspaceFiles: Send + Sync + std::fmt::Debug {
 
     /// Replaces the sandbox's `.sandbox-state` atomically.
     async fn write_state(&self, sandbox: &SandboxId, content: String) -> Result<(), FilesError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(path: &str) -> FileEntry {
+        FileEntry {
+            path: path.to_owned(),
+            checksum: "0".repeat(32),
+            size: 1,
+            modified_at: 0,
+        }
+    }
+
+    #[test]
+    fn a_scan_is_bounded_whatever_the_sandbox_reports() {
+        let scan = LocalScan {
+            files: vec![entry("a")],
+            refused: (0..5000)
+                .map(|i| Refused {
+                    path: format!("link{i}"),
+                    reason: "a symlink".into(),
+                })
+                .collect(),
+            synced: std::iter::repeat_with(|| entry("same"))
+                .take(100_000)
+                .collect(),
+            ..LocalScan::default()
+        };
+        let bounded = scan.bounded(10).unwrap();
+        assert_eq!(bounded.synced.len(), 1, "a repeated path is kept once");
+        assert_eq!(bounded.refused.len(), MAX_REFUSED_LISTED + 1);
+        assert!(
+            bounded.refused[MAX_REFUSED_LISTED]
+                .reason
+                .contains("4000 more")
+        );
+        let many = LocalScan {
+            files: (0..11).map(|i| entry(&format!("f{i}"))).collect(),
+            ..LocalScan::default()
+        };
+        assert!(matches!(many.bounded(10), Err(FilesError::Refused(_))));
+    }
 }

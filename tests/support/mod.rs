@@ -157,6 +157,7 @@ pub async fn runtime_with_images(
             cpu_features: None,
         },
         checkpoint_bucket: "local".into(),
+        orphaned_checkpoints_budget: sandboxd::runtime::DEFAULT_ORPHANED_CHECKPOINTS_BUDGET,
     };
     GvisorRuntime::start(config, store.clone(), store)
         .await

@@ -65,7 +65,10 @@ impl InstanceLease {
     /// True while another instance must treat this one as alive at `now`
     /// (expiry plus the tolerated clock disagreement).
     pub fn is_live(&self, now: DateTime<Utc>, skew_tolerance: Duration) -> bool {
-        now < self.expires_at() + skew_tolerance
+        // Checked: an operator's far-future `renewed_at` means live, not a panic.
+        self.expires_at()
+            .checked_add_signed(skew_tolerance)
+            .is_none_or(|until| now < until)
     }
 }
 
@@ -127,7 +130,10 @@ impl Doorbell {
     /// Appends a ring, dropping rings older than [`ring_retention`] and the
     /// oldest beyond [`MAX_RINGS`].
     pub fn ring(&mut self, ring: Ring) {
-        let cutoff = ring.rung_at - ring_retention();
+        let cutoff = ring
+            .rung_at
+            .checked_sub_signed(ring_retention())
+            .unwrap_or(DateTime::<Utc>::MIN_UTC);
         self.rings.retain(|old| old.rung_at >= cutoff);
         self.rings.push(ring);
         let excess = self.rings.len().saturating_sub(MAX_RINGS);

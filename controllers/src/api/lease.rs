@@ -41,6 +41,11 @@ pub struct AttachIntent {
     pub extra: ExtraFields,
 }
 
+/// Highest fencing epoch a lock may carry: 2^53 - 1, the largest integer
+/// every JSON reader keeps exact; an operator's `u64::MAX` would overflow
+/// the next acquisition's `epoch + 1`.
+pub const MAX_EPOCH: u64 = (1 << 53) - 1;
+
 /// Longest lease an operator may configure.
 pub const MAX_LEASE_DURATION_S: u64 = 3600;
 
@@ -77,7 +82,10 @@ impl Lease {
     pub fn is_free(&self, now: DateTime<Utc>, skew_tolerance: Duration) -> bool {
         match self.expires_at() {
             None => true,
-            Some(expires) => expires + skew_tolerance <= now,
+            // Checked: a far-future `renewed_at` holds, it does not panic.
+            Some(expires) => expires
+                .checked_add_signed(skew_tolerance)
+                .is_some_and(|free_at| free_at <= now),
         }
     }
 
@@ -119,6 +127,12 @@ impl ApiObject for Lease {
             return Err((
                 "wanted_by.expires_at".to_owned(),
                 "is before wanted_by.requested_at".to_owned(),
+            ));
+        }
+        if self.epoch > MAX_EPOCH {
+            return Err((
+                "epoch".to_owned(),
+                format!("must be at most {MAX_EPOCH} (the next acquisition adds one)"),
             ));
         }
         Ok(())

@@ -367,10 +367,14 @@ impl ApiObject for SandboxMetadata {
                 "expected 64 lowercase hex digits",
             ));
         }
-        if self.spec.idle_timeout == Some(0) {
+        if self
+            .spec
+            .idle_timeout
+            .is_some_and(|s| s == 0 || s > MAX_IDLE_TIMEOUT_S)
+        {
             return Err(field(
                 "spec.idle_timeout",
-                "must be a positive number of seconds, or null for no timeout",
+                "must be 1 to 2592000 seconds (30 days), or null for no timeout",
             ));
         }
         if let Some(name) = &self.spec.filesystem_snapshot_name
@@ -424,6 +428,9 @@ impl ApiObject for SandboxMetadata {
         Ok(())
     }
 }
+
+/// Longest idle timeout a sandbox may have: 30 days (`null`: none at all).
+pub const MAX_IDLE_TIMEOUT_S: u64 = 30 * 24 * 3600;
 
 /// The charset and length of user-chosen names (snapshots, checkpoints).
 pub const RESOURCE_NAME_RULE: &str = "expected 1-63 characters of lowercase letters, digits, '-' and '_', starting with a letter or digit";

@@ -33,8 +33,9 @@ pub use lease::{AttachIntent, Lease};
 pub use manifest::{BlobDigest, CheckpointManifest, SnapshotManifest};
 pub use metadata::{
     CheckpointRef, Condition, ConditionStatus, DEFAULT_WORKSPACE_TEMPLATE, DesiredState,
-    ForkOrigin, Phase, READY, RESOURCE_NAME_RULE, ReadyReason, RestoreRequest, SandboxMetadata,
-    SandboxSpec, SandboxStatus, SnapshotRef, WorkspaceSpec, is_resource_name, is_sha256_hex,
+    ForkOrigin, MAX_IDLE_TIMEOUT_S, Phase, READY, RESOURCE_NAME_RULE, ReadyReason, RestoreRequest,
+    SandboxMetadata, SandboxSpec, SandboxStatus, SnapshotRef, WorkspaceSpec, is_resource_name,
+    is_sha256_hex,
 };
 pub use network::{NetworkMode, UnknownNetworkMode};
 pub use snapshot_path::{

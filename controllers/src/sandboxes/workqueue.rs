@@ -47,7 +47,12 @@ impl WorkQueue {
 
     /// Queues `id` after `delay`, unless an earlier add is already scheduled.
     pub fn add_after(&self, id: &SandboxId, delay: Duration) {
-        let due = Instant::now() + delay;
+        // A day at most: a delay computed from an operator's timestamp must
+        // not overflow the clock (nothing waits that long without a resync).
+        let delay = delay.min(Duration::from_secs(86_400));
+        let due = Instant::now()
+            .checked_add(delay)
+            .unwrap_or_else(Instant::now);
         {
             let mut state = self.state();
             if let Some(existing) = state.scheduled.get(id)

@@ -9,4 +9,4 @@ mod mutation;
 pub use fake_runtime::FakeRuntime;
 pub use manual_clock::{ManualClock, OffsetClock};
 pub use memory_store::{Fault, MemoryStore};
-pub use mutation::mutate;
+pub use mutation::{edit_json, mutate};

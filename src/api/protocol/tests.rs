@@ -77,6 +77,35 @@ fn init_messages_of_both_clients_parse_with_upstream_defaults() {
     ));
 }
 
+/// Issue 25: `idle_timeout: 18446744073709551615` panicked the idle timer's
+/// worker (`Instant` overflow) and the sandbox never expired. It is refused
+/// at parse time, naming the range, as are negative and fractional values.
+#[test]
+fn idle_timeout_out_of_range_is_refused_naming_the_range() {
+    assert_eq!(
+        InitMessage::parse(&format!(r#"{{"idle_timeout": {MAX_IDLE_TIMEOUT_S}}}"#))
+            .unwrap()
+            .idle_timeout_s,
+        Some(MAX_IDLE_TIMEOUT_S)
+    );
+    for value in [
+        "18446744073709551615",
+        "18446744073709551616",
+        "2592001",
+        "-1",
+        "1.5",
+        "1e300",
+    ] {
+        let err = InitMessage::parse(&format!(r#"{{"idle_timeout": {value}}}"#))
+            .expect_err(value)
+            .to_string();
+        assert!(
+            err.contains("idle_timeout") && err.contains("2592000"),
+            "{value}: {err}"
+        );
+    }
+}
+
 #[test]
 fn keep_executions_is_an_optional_boolean_off_by_default() {
     assert!(!InitMessage::parse("{}").unwrap().keep_executions);

@@ -25,7 +25,7 @@ use axum::extract::ws::WebSocket;
 use controllers::api::SandboxId;
 use controllers::sandboxes::{SandboxController, SandboxEvent};
 use futures::stream::SplitStream;
-use tokio::sync::{Notify, broadcast, mpsc};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, broadcast, mpsc};
 use tokio::task::JoinHandle;
 
 pub use out::{
@@ -41,6 +41,12 @@ use pending::Pending;
 
 /// Client frames waiting for the session's worker, in arrival order.
 const QUEUED_FRAMES: usize = 1024;
+
+/// Bytes of client frames waiting for the session's worker, at most (issue
+/// 25: 1,024 frames of up to 1 MiB each could wait while a checkpoint ran).
+/// When they are used up the socket is not read until the worker catches up,
+/// and TCP holds the client back. At least one frame of the largest size fits.
+pub const QUEUED_BYTES: usize = 8 * super::protocol::MAX_FRAME_BYTES;
 
 /// Everything one attached session shares between its tasks.
 #[derive(Debug)]
@@ -66,8 +72,19 @@ pub struct Session {
 /// A parsed client frame, or why it could not be.
 type Queued = Result<ClientFrame, FrameError>;
 
-/// A queued frame and, for an upload, where its bytes arrive.
-type Work = (Queued, Option<mpsc::Receiver<bytes::Bytes>>);
+/// A queued frame, for an upload where its bytes arrive, and its share of
+/// the socket's queued-bytes budget.
+type Work = (
+    Queued,
+    Option<mpsc::Receiver<bytes::Bytes>>,
+    OwnedSemaphorePermit,
+);
+
+/// The share of [`QUEUED_BYTES`] a frame of `bytes` holds while it waits.
+async fn reserve(budget: &Arc<Semaphore>, bytes: usize) -> Option<OwnedSemaphorePermit> {
+    let permits = u32::try_from(bytes.clamp(1, QUEUED_BYTES)).unwrap_or(u32::MAX);
+    Arc::clone(budget).acquire_many_owned(permits).await.ok()
+}
 
 /// The frames that must act while an execution streams, ahead of the queue.
 fn acts_at_once(frame: &Queued) -> bool {
@@ -112,6 +129,7 @@ impl Session {
     ) {
         self.controller.client_attached(&self.id, true);
         let (queue, queued) = mpsc::channel::<Work>(QUEUED_FRAMES);
+        let budget = Arc::new(Semaphore::new(QUEUED_BYTES));
         let worker = tokio::spawn(Arc::clone(&self).work(queued));
         let mut relay = tokio::spawn(Arc::clone(&self).relay_events(events));
         let mut uploads = files::UploadIntake::default();
@@ -137,6 +155,7 @@ impl Session {
                         Ok(Incoming::Text(text)) => Ok(text),
                         Err(err) => Err(err),
                     };
+                    let frame_bytes = frame.as_ref().map_or(0, String::len);
                     let parsed = frame.and_then(|text| ClientFrame::parse(&text));
                     let bytes = match &parsed {
                         Ok(ClientFrame::Fs(files::FsCall {
@@ -148,7 +167,10 @@ impl Session {
                     if acts_at_once(&parsed) {
                         let session = Arc::clone(&self);
                         tokio::spawn(async move { session.handle(parsed, None).await });
-                    } else if queue.send((parsed, bytes)).await.is_err() {
+                        continue;
+                    }
+                    let Some(permit) = reserve(&budget, frame_bytes).await else { break };
+                    if queue.send((parsed, bytes, permit)).await.is_err() {
                         break;
                     }
                 }
@@ -174,8 +196,11 @@ impl Session {
     /// checkpoint request nothing else is taken until the checkpoint is done
     /// (the session then ends) or refused.
     async fn work(self: Arc<Self>, mut queued: mpsc::Receiver<Work>) {
-        while let Some((frame, bytes)) = queued.recv().await {
+        while let Some((frame, bytes, permit)) = queued.recv().await {
             let checkpoint = matches!(frame, Ok(ClientFrame::Checkpoint { .. }));
+            // The frame's bytes are handed over (to the agent, to the
+            // execution): its share of the budget is free again.
+            drop(permit);
             Arc::clone(&self).handle(frame, bytes).await;
             if checkpoint {
                 self.checkpoint_settled().await;

@@ -16,7 +16,7 @@ use controllers::runtime::{Command, ExecControl, ExecEvent, ExecRequest, Executi
 use tokio::sync::mpsc;
 
 use super::{GvisorRuntime, LocalSandbox};
-use crate::runtime::agent::{AgentConnection, Sequenced};
+use crate::runtime::agent::{AgentConnection, ExecEvents};
 use crate::runtime::agent_protocol::{JournalEntry, JournalsReply, Request};
 use crate::runtime::delivery::DeliveryGate;
 
@@ -148,7 +148,7 @@ impl ExecControl for AgentExecControl {
 pub(super) fn relay_execution(
     local: &LocalSandbox,
     id: String,
-    mut agent_events: mpsc::UnboundedReceiver<Sequenced>,
+    mut agent_events: ExecEvents,
     gate: Option<Arc<DeliveryGate>>,
 ) -> Execution {
     let (tx, rx) = mpsc::channel(64);

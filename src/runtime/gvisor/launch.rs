@@ -72,7 +72,7 @@ impl GvisorRuntime {
         network: Option<&SandboxNetwork>,
         image: &Image,
     ) -> Result<(String, PathBuf), RuntimeError> {
-        let id = format!("sbx{}", uuid::Uuid::new_v4().simple());
+        let id = self.owner.container_id();
         let dir = self.config.state_dir.join("containers").join(&id);
         let failed =
             |err: std::io::Error| RuntimeError::Failed(format!("cannot write the bundle: {err}"));

@@ -21,6 +21,7 @@ mod checkpoint;
 mod executions;
 mod launch;
 mod pool;
+mod owner;
 mod port;
 mod ready;
 mod snapshots;
@@ -41,6 +42,7 @@ use super::delivery::DeliveryGate;
 use super::images::{check_cpu_features, host_cpu_features};
 use super::network::{HostNetwork, NetworkConfig, SandboxNetwork};
 use super::runsc::Runsc;
+use owner::Owner;
 
 pub use pool::WarmPoolStats;
 
@@ -71,7 +73,12 @@ pub struct GvisorConfig {
     pub images: ImageCatalog,
     /// Bucket name recorded in checkpoint references.
     pub checkpoint_bucket: String,
+    /// Local disk the images of failed checkpoint uploads may hold, in all.
+    pub orphaned_checkpoints_budget: u64,
 }
+
+/// Default of `--orphaned-checkpoints-max-mb`, in bytes.
+pub const DEFAULT_ORPHANED_CHECKPOINTS_BUDGET: u64 = 4 << 30;
 
 /// A sandbox running on this host.
 #[derive(Debug)]
@@ -118,6 +125,8 @@ pub struct GvisorRuntime {
     cpu_features: Vec<String>,
     /// Set by [`GvisorRuntime::with_network`]: `egress` sandboxes allowed.
     network: Option<Arc<HostNetwork>>,
+    /// This runtime's tag on the containers it starts, held while it lives.
+    owner: Owner,
     /// One image fetch at a time (two restores needing it fetch it once).
     image_fetch: tokio::sync::Mutex<()>,
     /// Executions restores brought back, until the API takes them.
@@ -155,11 +164,23 @@ impl GvisorRuntime {
                 .await
                 .map_err(|err| failed(&format!("cannot create {}", dir.display()), &err))?;
         }
-        let leftovers = config
+        // Other servers may share this root: only containers no live server
+        // owns are leftovers (`owner.rs`).
+        let owners = owners_dir(&config.runsc.root);
+        let owner = Owner::claim(&owners).map_err(|err| {
+            failed(
+                &format!("cannot claim an owner tag in {}", owners.display()),
+                &err,
+            )
+        })?;
+        let leftovers: Vec<String> = config
             .runsc
             .list()
             .await
-            .map_err(|err| failed("runsc list", &err))?;
+            .map_err(|err| failed("runsc list", &err))?
+            .into_iter()
+            .filter(|id| owner.is_orphan(id))
+            .collect();
         let deletes = leftovers.iter().map(|id| {
             tracing::warn!(container = %id, "deleting a container left by an earlier run");
             config.runsc.delete_force(id)
@@ -170,12 +191,20 @@ impl GvisorRuntime {
             }
         }
         let containers = config.state_dir.join("containers");
-        let _ = tokio::fs::remove_dir_all(&containers).await;
         // Ready templates' checkpoints are made again by this runsc.
         let _ = tokio::fs::remove_dir_all(config.state_dir.join("ready")).await;
         tokio::fs::create_dir_all(&containers)
             .await
             .map_err(|err| failed("cannot create the containers directory", &err))?;
+        if let Ok(mut entries) = tokio::fs::read_dir(&containers).await {
+            while let Ok(Some(entry)) = entries.next_entry().await {
+                if owner.is_orphan(&entry.file_name().to_string_lossy()) {
+                    let _ = tokio::fs::remove_dir_all(entry.path()).await;
+                }
+            }
+        }
+        sweep_temporaries(&config.state_dir, &owner).await;
+        prune_orphaned_checkpoints(&config.state_dir, config.orphaned_checkpoints_budget).await;
         // With pinned features, checkpoints record the pinned set (what the
         // sandbox saw); this host must have all of it.
         let cpu_features = match &config.bundle.cpu_features {
@@ -199,6 +228,7 @@ impl GvisorRuntime {
             runsc_version,
             cpu_features,
             network: None,
+            owner,
             image_fetch: tokio::sync::Mutex::new(()),
             resumed: Mutex::new(HashMap::new()),
             pool: Arc::default(),
@@ -373,4 +403,71 @@ impl Drop for Reservation<'_> {
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&self.sandbox);
     }
+}
+/// Where the owner locks of the containers under `root` live (beside it:
+/// runsc reads every entry of its root).
+fn owners_dir(root: &std::path::Path) -> PathBuf {
+    let mut name = root.file_name().unwrap_or_default().to_owned();
+    name.push("-owners");
+    root.with_file_name(name)
+}
+
+/// Removes the snapshot archives in transit that a crashed server left in
+/// the state directory (issue 25: they stayed forever); a live server's, in a
+/// shared directory, are left alone.
+async fn sweep_temporaries(state_dir: &std::path::Path, owner: &Owner) {
+    let Ok(mut entries) = tokio::fs::read_dir(state_dir).await else {
+        return;
+    };
+    while let Ok(Some(entry)) = entries.next_entry().await {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("snapshot-")
+            && name.ends_with(".tar.gz")
+            && owner.is_orphan_temporary("snapshot", &name)
+        {
+            tracing::info!(file = %entry.path().display(), "removing a snapshot temporary an earlier run left");
+            let _ = tokio::fs::remove_file(entry.path()).await;
+        }
+    }
+}
+
+/// Where images of checkpoints that could not be uploaded are kept.
+fn orphaned_checkpoints_dir(state_dir: &std::path::Path) -> PathBuf {
+    state_dir.join("orphaned-checkpoints")
+}
+
+/// Keeps the images of failed uploads within `budget` bytes, removing the
+/// oldest first (issue 25: each kept a whole memory image on local disk
+/// forever, and on Cloud Run local disk is memory). The newest image is kept
+/// even alone over the budget: it may be the only copy of a sandbox.
+pub(super) async fn prune_orphaned_checkpoints(state_dir: &std::path::Path, budget: u64) {
+    let dir = orphaned_checkpoints_dir(state_dir);
+    let Ok(mut entries) = tokio::fs::read_dir(&dir).await else {
+        return;
+    };
+    let mut images = Vec::new();
+    while let Ok(Some(entry)) = entries.next_entry().await {
+        if let Ok(meta) = entry.metadata().await
+            && meta.is_file()
+        {
+            let modified = meta.modified().unwrap_or(std::time::SystemTime::UNIX_EPOCH);
+            images.push((modified, meta.len(), entry.path()));
+        }
+    }
+    images.sort();
+    let mut total: u64 = images
+        .iter()
+        .map(|(_, size, _)| *size)
+        .fold(0, u64::saturating_add);
+    let newest = images.pop();
+    for (_, size, path) in images {
+        if total <= budget {
+            break;
+        }
+        tracing::warn!(image = %path.display(), size, budget, "removing the oldest image of a failed checkpoint upload (over the disk budget)");
+        if tokio::fs::remove_file(&path).await.is_ok() {
+            total = total.saturating_sub(size);
+        }
+    }
+    drop(newest);
 }

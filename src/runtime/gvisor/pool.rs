@@ -4,7 +4,7 @@
 //!
 //! A warm sandbox is a container started exactly as a create starts one (same
 //! bundle, same image, agent handshake done) that no user code has touched.
-//! It has a container id like every other (`sbx` + 32 hex digits, fresh), and
+//! It has a container id like every other (`sbx` + its runtime's owner tag + a fresh suffix, see `owner.rs`), and
 //! no sandbox id: the sandbox id, and so everything in the bucket, is only
 //! chosen by the create that takes it. Nothing in the container knows its
 //! sandbox id or when it booted, so a taken sandbox is a cold one: its Python

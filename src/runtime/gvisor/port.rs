@@ -254,7 +254,7 @@ impl SandboxRuntime for GvisorRuntime {
         let path = self
             .config
             .state_dir
-            .join(format!("snapshot-{}.tar.gz", uuid::Uuid::new_v4().simple()));
+            .join(self.owner.temporary("snapshot", "tar.gz"));
         let io = |err: std::io::Error| RuntimeError::Failed(format!("writing the snapshot: {err}"));
         let written = async {
             let mut file = tokio::fs::File::create(&path).await?;

@@ -99,7 +99,7 @@ impl GvisorRuntime {
         let local = self
             .config
             .state_dir
-            .join(format!("snapshot-{}.tar.gz", uuid::Uuid::new_v4().simple()));
+            .join(self.owner.temporary("snapshot", "tar.gz"));
         let downloaded = download_verified(
             self.snapshots.as_ref(),
             &key,

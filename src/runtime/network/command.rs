@@ -1,7 +1,13 @@
 //! Running the host's `ip` and `iptables` tools: one call, its stderr kept for
 //! the error, a missing tool named with the package to install.
+//!
+//! Every call has a deadline ([`COMMAND_TIMEOUT`]): a tool stuck on a lock or
+//! a wedged kernel call is killed and reported, never waited on forever
+//! (issue 25: `iptables -w` waited for the xtables lock without end). The
+//! iptables tools wait for their lock [`XTABLES_WAIT`] at most.
 
 use std::process::Stdio;
+use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
@@ -14,6 +20,8 @@ pub enum CommandError {
         package: &'static str,
         source: std::io::Error,
     },
+    #[error("`{command}` did not finish within {after:?} and was killed")]
+    TimedOut { command: String, after: Duration },
     #[error("`{command}` failed ({status}): {stderr}")]
     Failed {
         command: String,
@@ -27,7 +35,7 @@ impl CommandError {
     pub fn stderr(&self) -> &str {
         match self {
             Self::Failed { stderr, .. } => stderr,
-            Self::Missing { .. } => "",
+            Self::Missing { .. } | Self::TimedOut { .. } => "",
         }
     }
 }
@@ -42,11 +50,27 @@ fn package_of(program: &str) -> &'static str {
     }
 }
 
+/// Longest an `ip` or `iptables` call may take before it is killed.
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The iptables tools' lock wait (`--wait=SECONDS`; a bare `-w` waits forever).
+pub const XTABLES_WAIT: &str = "--wait=10";
+
 /// Runs `program args…` (with `input` on stdin), returning its stdout.
 pub async fn run(
     program: &str,
     args: &[&str],
     input: Option<&str>,
+) -> Result<String, CommandError> {
+    run_within(program, args, input, COMMAND_TIMEOUT).await
+}
+
+/// [`run`] with its own deadline.
+pub async fn run_within(
+    program: &str,
+    args: &[&str],
+    input: Option<&str>,
+    timeout: Duration,
 ) -> Result<String, CommandError> {
     let text = format!("{program} {}", args.join(" "));
     let missing = |source| CommandError::Missing {
@@ -66,12 +90,25 @@ pub async fn run(
         .kill_on_drop(true)
         .spawn()
         .map_err(missing)?;
-    if let (Some(input), Some(mut stdin)) = (input, child.stdin.take()) {
-        // A write error shows up as the command's failure below.
-        let _ = stdin.write_all(input.as_bytes()).await;
-        drop(stdin);
-    }
-    let output = child.wait_with_output().await.map_err(missing)?;
+    let stdin = child.stdin.take();
+    let finished = async move {
+        if let (Some(input), Some(mut stdin)) = (input, stdin) {
+            // A write error shows up as the command's failure below.
+            let _ = stdin.write_all(input.as_bytes()).await;
+            drop(stdin);
+        }
+        child.wait_with_output().await
+    };
+    // On timeout the child is dropped, and `kill_on_drop` kills it.
+    let output = match tokio::time::timeout(timeout, finished).await {
+        Ok(output) => output.map_err(missing)?,
+        Err(_) => {
+            return Err(CommandError::TimedOut {
+                command: text,
+                after: timeout,
+            });
+        }
+    };
     if output.status.success() {
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     } else {
@@ -80,5 +117,31 @@ pub async fn run(
             status: output.status.to_string(),
             stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 25: a call that never returns (here `sleep`, standing for
+    /// `iptables` waiting on the xtables lock) is killed at its deadline.
+    #[tokio::test]
+    async fn a_stuck_command_is_killed_at_its_deadline() {
+        let started = std::time::Instant::now();
+        let err = run_within("sleep", &["30"], None, Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CommandError::TimedOut { .. }), "{err}");
+        assert!(err.to_string().contains("sleep 30"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn a_command_reading_stdin_finishes_within_its_deadline() {
+        let out = run_within("cat", &[], Some("rules\n"), Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(out, "rules\n");
     }
 }

@@ -25,7 +25,7 @@
 use std::net::Ipv4Addr;
 
 use super::allocator::Slot;
-use super::command::{CommandError, run};
+use super::command::{CommandError, XTABLES_WAIT, run};
 use super::netns::{VETH_PREFIX, veth_name};
 use super::policy::{DestinationPolicy, Verdict};
 
@@ -49,7 +49,7 @@ fn chain(slot: u32, role: &str) -> String {
 }
 
 async fn iptables(args: &[&str]) -> Result<String, CommandError> {
-    let mut full = vec!["-w"];
+    let mut full = vec![XTABLES_WAIT];
     full.extend_from_slice(args);
     run("iptables", &full, None).await
 }
@@ -155,9 +155,13 @@ pub async fn install(
     nameservers: &[Ipv4Addr],
 ) -> Result<(), CommandError> {
     let rules = sandbox_rules(slot, policy, nameservers);
-    run("iptables-restore", &["-w", "--noflush"], Some(&rules))
-        .await
-        .map(drop)
+    run(
+        "iptables-restore",
+        &[XTABLES_WAIT, "--noflush"],
+        Some(&rules),
+    )
+    .await
+    .map(drop)
 }
 
 /// The `iptables-restore --noflush` input of [`quiesce`]: rules inserted
@@ -182,7 +186,7 @@ pub fn quiesce_rules(slot: u32) -> String {
 pub async fn quiesce(slot: u32) -> Result<(), CommandError> {
     run(
         "iptables-restore",
-        &["-w", "--noflush"],
+        &[XTABLES_WAIT, "--noflush"],
         Some(&quiesce_rules(slot)),
     )
     .await

@@ -4,7 +4,7 @@ one into a fresh sandbox. `tarfile` is imported only here and only when
 used: it stays off the boot path."""
 import os
 
-from . import protocol, state
+from . import safe_open as safe, protocol, state
 
 
 class ChunkWriter:
@@ -29,10 +29,13 @@ def add_member(tar, path):
     whole: a hard-link member would be skipped on extraction."""
     import tarfile
     info = tar.gettarinfo(path, arcname=path.lstrip("/"))
-    if os.path.isfile(path) and not os.path.islink(path):
-        info.type = tarfile.REGTYPE
-        info.linkname = ""
-        with open(path, "rb") as data:
+    if info.isfile() or info.islnk():
+        # Opened without following a symlink or blocking on a FIFO put in
+        # its place since the lstat; stored with the size it has now.
+        with os.fdopen(safe.open_regular(path), "rb") as data:
+            info = tar.gettarinfo(arcname=path.lstrip("/"), fileobj=data)
+            info.type = tarfile.REGTYPE
+            info.linkname = ""
             tar.addfile(info, data)
     else:
         tar.addfile(info)
@@ -74,22 +77,55 @@ def extract_path(request_id):
     return os.path.join(EXTRACT_DIR, ".sandboxd-extract-%s" % request_id)
 
 
+# Extractions whose temporary file this agent created.
+EXTRACTING = set()
+
+
 def extract_chunk(msg):
-    with open(extract_path(msg["id"]), "ab") as target:
+    path = extract_path(msg["id"])
+    if msg["id"] in EXTRACTING:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | safe.NOFOLLOW | safe.CLOEXEC)
+    else:
+        # /tmp is everyone's: never append to what someone put under the name.
+        fd = safe.create_new(path, mode=0o600, append=True)
+        EXTRACTING.add(msg["id"])
+    with os.fdopen(fd, "ab") as target:
         target.write(protocol.unb64(msg["data"]))
+
+
+def member_target_is_safe(member, target):
+    """No symlink among the target's parents; a symlink (or a file) already
+    at a file's name is replaced, never written through; a directory member
+    never lands on a symlink (its attributes would be set on the target)."""
+    if not safe.no_symlink_between(EXTRACT_ROOT, target):
+        return False
+    try:
+        existing = os.lstat(target)
+    except FileNotFoundError:
+        return True
+    import stat as stat_module
+    if stat_module.S_ISLNK(existing.st_mode):
+        if member.isdir():
+            return False
+        os.unlink(target)
+    return True
 
 
 def extract_end(msg):
     import tarfile
     path = extract_path(msg["id"])
+    EXTRACTING.discard(msg["id"])
     count = 0
     try:
-        with tarfile.open(path, mode="r:gz") as tar:
+        with os.fdopen(safe.open_regular(path), "rb") as source, \
+                tarfile.open(fileobj=source, mode="r:gz") as tar:
             for member in tar:
                 name = member.name
                 if name.startswith("/") or ".." in name.split("/"):
                     continue
                 if not (member.isfile() or member.isdir() or member.issym()):
+                    continue
+                if not member_target_is_safe(member, os.path.join(EXTRACT_ROOT, name)):
                     continue
                 # Members were checked above; newer Pythons would otherwise
                 # apply their default filter (and refuse absolute symlinks).

@@ -13,11 +13,15 @@ import os
 import stat as stat_module
 import time
 
-from . import protocol
+from . import safe_open as safe, protocol
 
 STATE_NAME = ".sandbox-state"
 SYNC_TEMP_PREFIX = ".sandbox-sync-"
 WRITES = {}
+# Refused files listed by name in a scan's reply; the rest are counted.
+MAX_REFUSED_LISTED = 1000
+# Largest local state file read (larger: treated as absent, every file hashed).
+MAX_STATE_BYTES = 32 << 20
 
 
 class WorkspaceError(Exception):
@@ -51,7 +55,7 @@ def ws_is_internal(name):
 def md5_file(path):
     import hashlib  # off the boot path
     digest = hashlib.md5()
-    with open(path, "rb", buffering=0) as source:
+    with os.fdopen(safe.open_regular(path), "rb", buffering=0) as source:
         while True:
             block = source.read(protocol.READ_CHUNK * 4)
             if not block:
@@ -60,10 +64,19 @@ def md5_file(path):
     return digest.hexdigest()
 
 
+def max_files_or_all(msg):
+    limit = msg.get("max_files")
+    return limit if isinstance(limit, int) and limit >= 0 else None
+
+
 def read_local_state(root):
+    """The state file user code can write: read only up to MAX_STATE_BYTES."""
     try:
-        with open(os.path.join(root, STATE_NAME), "rb") as source:
-            state = json.loads(source.read())
+        with os.fdopen(safe.open_regular(os.path.join(root, STATE_NAME)), "rb") as source:
+            data = source.read(MAX_STATE_BYTES + 1)
+        if len(data) > MAX_STATE_BYTES:
+            return 0.0, {}
+        state = json.loads(data)
         files = {entry["path"]: entry for entry in state.get("files", [])}
         return float(state.get("last_synced_at", 0)), files
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -80,12 +93,21 @@ def ws_scan(msg):
     max_total = msg.get("max_total_bytes")
     scanned_at = time.time()
     synced_at, cached = read_local_state(root)
-    synced = [cached[path] for path in sorted(cached)]
+    synced = [cached[path] for path in sorted(cached)][:max_files_or_all(msg)]
     if scanned_at - synced_at > msg.get("stale_s", 3600):
         cached = {}
     max_files = msg.get("max_files")
     sweep_sync_temps(root)
     files, refused = [], []
+    unlisted = [0]
+
+    def refuse(entry):
+        # Bounded (issue 25): a workspace of a million symlinks is one line.
+        if len(refused) < MAX_REFUSED_LISTED:
+            refused.append(entry)
+        else:
+            unlisted[0] += 1
+
     total = 0
     hashed = 0
     root_real = os.path.realpath(root)
@@ -104,7 +126,7 @@ def ws_scan(msg):
             try:
                 rel.encode("utf-8")
             except UnicodeEncodeError:
-                refused.append({"path": rel.encode("utf-8", "replace").decode(), "reason": "the name is not UTF-8"})
+                refuse({"path": rel.encode("utf-8", "replace").decode(), "reason": "the name is not UTF-8"})
                 continue
             try:
                 st = os.lstat(full)
@@ -113,9 +135,9 @@ def ws_scan(msg):
             if stat_module.S_ISLNK(st.st_mode):
                 target = os.path.realpath(full)
                 if target != root_real and not target.startswith(root_real + "/"):
-                    refused.append({"path": rel, "reason": "a symlink that escapes the workspace"})
+                    refuse({"path": rel, "reason": "a symlink that escapes the workspace"})
                 else:
-                    refused.append({"path": rel, "reason": "a symlink (only regular files are synced)"})
+                    refuse({"path": rel, "reason": "a symlink (only regular files are synced)"})
                 continue
             if not stat_module.S_ISREG(st.st_mode):
                 continue
@@ -124,7 +146,7 @@ def ws_scan(msg):
                       "message": "the workspace holds more than the %d-file limit" % max_files})
                 return
             if max_file is not None and st.st_size > max_file:
-                refused.append({"path": rel, "reason": "larger than the %d-byte file limit" % max_file})
+                refuse({"path": rel, "reason": "larger than the %d-byte file limit" % max_file})
                 continue
             total += st.st_size
             if max_total is not None and total > max_total:
@@ -143,10 +165,12 @@ def ws_scan(msg):
                 except FileNotFoundError:
                     continue  # gone meanwhile
                 except OSError as err:
-                    refused.append({"path": rel, "reason": "unreadable: %s" % err.strerror})
+                    refuse({"path": rel, "reason": "unreadable: %s" % err.strerror})
                     continue
                 hashed += 1
             files.append({"path": rel, "checksum": checksum, "size": st.st_size, "modified_at": modified})
+    if unlisted[0]:
+        refused.append({"path": "...", "reason": "and %d more files refused (not listed)" % unlisted[0]})
     protocol.emit({"ev": "done", "id": msg["id"], "files": files, "refused": refused, "hashed": hashed,
           "synced": synced, "scanned_at": int(scanned_at)})
 
@@ -183,9 +207,8 @@ def ws_read(msg):
     of exactly the bytes sent (the file may have changed since the scan)."""
     import hashlib  # off the boot path
     path = ws_target(msg["root"], msg["path"])
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, flags)
+        fd = safe.open_regular(path)
     except OSError as err:
         raise WorkspaceError("cannot read %r: %s" % (msg["path"], err.strerror))
     digest = hashlib.md5()
@@ -211,7 +234,7 @@ def ws_write_chunk(msg):
         root = msg["root"]
         os.makedirs(root, exist_ok=True)
         temp = os.path.join(root, SYNC_TEMP_PREFIX + str(msg["id"]))
-        write = WRITES[msg["id"]] = [open(temp, "wb"), hashlib.md5(), temp]
+        write = WRITES[msg["id"]] = [os.fdopen(safe.create_new(temp), "wb"), hashlib.md5(), temp]
     try:
         data = protocol.unb64(msg["data"])
         write[0].write(data)
@@ -235,7 +258,7 @@ def ws_write_end(msg):
     if write is None:  # an empty file: no chunk came
         temp = os.path.join(root, SYNC_TEMP_PREFIX + str(msg["id"]))
         os.makedirs(root, exist_ok=True)
-        write = [open(temp, "wb"), hashlib.md5(), temp]
+        write = [os.fdopen(safe.create_new(temp), "wb"), hashlib.md5(), temp]
     handle_, digest, temp = write
     handle_.close()
     try:
@@ -287,12 +310,17 @@ def ws_state(msg):
     """Writes the local state file atomically (temporary file + rename)."""
     root = msg["root"]
     os.makedirs(root, exist_ok=True)
-    temp = os.path.join(root, STATE_NAME + ".tmp")
-    with open(temp, "w") as target:
-        target.write(msg["content"])
-        target.flush()
-        os.fsync(target.fileno())
-    os.replace(temp, os.path.join(root, STATE_NAME))
+    root_fd = safe.open_dir(root)
+    try:
+        temp = STATE_NAME + ".tmp"
+        with os.fdopen(safe.create_new(temp, dir_fd=root_fd), "w") as target:
+            target.write(msg["content"])
+            target.flush()
+            os.fsync(target.fileno())
+        # rename replaces the name, never what a planted symlink points to
+        os.replace(temp, STATE_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+    finally:
+        os.close(root_fd)
     protocol.emit({"ev": "done", "id": msg["id"]})
 
 

@@ -325,11 +325,17 @@ impl Reconciler {
         let retention = chrono_duration(self.config.tombstone_retention);
         let deleted_at = metadata.status.deleted_at().unwrap_or(metadata.created_at);
         let now = self.clock.now();
-        if now < deleted_at + retention {
+        // Checked: an operator's far-future timestamp keeps the tombstone.
+        let purge_at = deleted_at
+            .checked_add_signed(retention)
+            .unwrap_or(DateTime::<Utc>::MAX_UTC);
+        if now < purge_at {
             return Ok(Requeue::After(
-                (deleted_at + retention - now)
+                purge_at
+                    .signed_duration_since(now)
                     .to_std()
-                    .unwrap_or(Duration::ZERO),
+                    .unwrap_or(Duration::ZERO)
+                    .min(Duration::from_secs(3600)),
             ));
         }
         let status = &metadata.status;

@@ -39,6 +39,21 @@ class WorkspaceTest(AgentTest):
         self.assertEqual(done["ev"], "error")
         self.assertIn("file limit", done["message"])
 
+    def test_a_scan_reply_is_bounded_whatever_user_code_plants(self):
+        # Issue 25: refused files were listed without limit, and the state
+        # file (user-writable) was echoed back whole as `synced`.
+        for i in range(1500):
+            os.symlink("/etc/passwd", os.path.join(self.root, "link%04d" % i))
+        entries = [{"path": "f%d" % i, "checksum": "0" * 32, "size": 1, "modified_at": 0}
+                   for i in range(5000)]
+        with open(os.path.join(self.root, STATE_NAME), "w") as f:
+            json.dump({"last_synced_at": 0, "files": entries}, f)
+        done = self.scan(max_files=10)
+        self.assertEqual(done["ev"], "done")
+        self.assertEqual(len(done["refused"]), 1001)
+        self.assertIn("500 more", done["refused"][-1]["reason"])
+        self.assertEqual(len(done["synced"]), 10)
+
     def test_a_write_lands_atomically_with_its_mtime_and_reads_back(self):
         request = "w1"
         self.send("ws_write_chunk", id=request, root=self.root, data=protocol.b64(b"new "))

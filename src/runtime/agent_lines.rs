@@ -1,0 +1,124 @@
+//! Lines from the sandbox agent, each at most [`MAX_AGENT_LINE_BYTES`].
+//!
+//! The agent runs inside the sandbox, next to user code that may write to the
+//! same pipe: its lines are untrusted input. `BufReader::lines` would keep
+//! growing one `String` for a line that never ends; this reader keeps at most
+//! the limit and skips the rest of a longer line (up to its newline), so the
+//! host's memory per sandbox stays bounded whatever the sandbox writes.
+
+use tokio::io::{AsyncBufRead, AsyncBufReadExt};
+
+/// Longest agent line read: the largest legitimate one is a workspace scan's
+/// reply (up to `--workspace-max-files` entries), far above an output or
+/// archive chunk's (64 KiB of data, base64-encoded).
+pub const MAX_AGENT_LINE_BYTES: usize = 64 << 20;
+
+/// One read of [`next_line`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum AgentLine {
+    /// A whole line (without its newline).
+    Line(String),
+    /// A line longer than the limit, skipped: how many bytes it had (at
+    /// least; counted up to its newline or the end of the stream).
+    TooLong(usize),
+    /// Not UTF-8: skipped, its length.
+    NotUtf8(usize),
+    /// The stream ended.
+    End,
+}
+
+/// Reads the next line of at most `limit` bytes from `reader`.
+pub async fn next_line<R: AsyncBufRead + Unpin>(
+    reader: &mut R,
+    line: &mut Vec<u8>,
+    limit: usize,
+) -> std::io::Result<AgentLine> {
+    line.clear();
+    let mut skipped: usize = 0;
+    loop {
+        let available = reader.fill_buf().await?;
+        if available.is_empty() {
+            return Ok(match (skipped, line.is_empty()) {
+                (0, true) => AgentLine::End,
+                (0, false) => whole(std::mem::take(line)),
+                (n, _) => AgentLine::TooLong(n),
+            });
+        }
+        let (taken, ended) = match available.iter().position(|&b| b == b'\n') {
+            Some(newline) => (newline, true),
+            None => (available.len(), false),
+        };
+        if skipped == 0 && line.len().saturating_add(taken) <= limit {
+            line.extend_from_slice(&available[..taken]);
+        } else {
+            // Over the limit: drop what was kept and count the rest.
+            skipped = skipped
+                .saturating_add(std::mem::take(line).len())
+                .saturating_add(taken);
+        }
+        let consumed = if ended {
+            taken.saturating_add(1)
+        } else {
+            taken
+        };
+        reader.consume(consumed);
+        if ended {
+            return Ok(if skipped > 0 {
+                AgentLine::TooLong(skipped)
+            } else {
+                whole(std::mem::take(line))
+            });
+        }
+    }
+}
+
+fn whole(bytes: Vec<u8>) -> AgentLine {
+    match String::from_utf8(bytes) {
+        Ok(text) => AgentLine::Line(text),
+        Err(err) => AgentLine::NotUtf8(err.into_bytes().len()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn read_all(input: &[u8], limit: usize) -> Vec<AgentLine> {
+        let mut reader = tokio::io::BufReader::with_capacity(7, input);
+        let mut line = Vec::new();
+        let mut out = Vec::new();
+        loop {
+            match next_line(&mut reader, &mut line, limit).await.unwrap() {
+                AgentLine::End => return out,
+                other => out.push(other),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn lines_within_the_limit_are_read_and_longer_ones_skipped_whole() {
+        let input = b"{\"a\":1}\n0123456789abcdef0123\nshort\n\xff\nlast";
+        assert_eq!(
+            read_all(input, 10).await,
+            vec![
+                AgentLine::Line("{\"a\":1}".into()),
+                AgentLine::TooLong(20),
+                AgentLine::Line("short".into()),
+                AgentLine::NotUtf8(1),
+                AgentLine::Line("last".into()),
+            ]
+        );
+    }
+
+    /// Issue 25: an endless line (no newline, ever) costs the limit, not
+    /// its length: the reader never holds more than `limit` bytes of it.
+    #[tokio::test]
+    async fn an_endless_line_is_not_kept() {
+        let endless = vec![b'x'; 1 << 20];
+        let mut reader = tokio::io::BufReader::with_capacity(4096, &endless[..]);
+        let mut line = Vec::new();
+        let read = next_line(&mut reader, &mut line, 1000).await.unwrap();
+        assert_eq!(read, AgentLine::TooLong(1 << 20));
+        assert!(line.capacity() <= 1000 + 4096, "{}", line.capacity());
+    }
+}
