@@ -62,21 +62,28 @@ async fn a_slow_archive_consumer_does_not_stall_replies() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_base64_output_is_reported_not_silently_empty() {
     let (connection, mut agent, _commands) = connect();
+    let starting = Arc::clone(&connection);
+    let started = tokio::spawn(async move {
+        starting
+            .start_exec(
+                "e1",
+                Request::Exec {
+                    argv: Some(vec!["true".into()]),
+                    session: false,
+                    code: None,
+                    env: None,
+                    cwd: None,
+                    resumable: false,
+                },
+            )
+            .await
+    });
+    // `started` only once the request waits for it (it would be dropped).
+    while !connection.routes().replies.contains_key("e1") {
+        tokio::task::yield_now().await;
+    }
     emit(&mut agent, &json!({"ev": "started", "id": "e1", "pid": 2}));
-    let mut events = connection
-        .start_exec(
-            "e1",
-            Request::Exec {
-                argv: Some(vec!["true".into()]),
-                session: false,
-                code: None,
-                env: None,
-                cwd: None,
-                resumable: false,
-            },
-        )
-        .await
-        .unwrap();
+    let mut events = started.await.unwrap().unwrap();
     emit(
         &mut agent,
         &json!({"ev": "out", "id": "e1", "fd": 1, "data": "not base64!"}),
@@ -179,6 +186,9 @@ fn another_protocol_version_is_refused_naming_both() {
 async fn output_queued_for_a_slow_consumer_is_bounded_with_a_notice() {
     let (connection, mut agent, _commands) = connect();
     let mut events = connection.adopt_exec("e1").unwrap();
+    // A reply after the output: once it arrived, the reader has routed all
+    // of it (and nobody read any).
+    let routed = connection.expect_reply("r9").unwrap();
     let chunk = BASE64.encode(vec![b'x'; 64 << 10]);
     for seq in 1..=192u64 {
         emit(
@@ -190,6 +200,11 @@ async fn output_queued_for_a_slow_consumer_is_bounded_with_a_notice() {
         &mut agent,
         &json!({"ev": "exit", "id": "e1", "code": 0, "seq": 193}),
     );
+    emit(
+        &mut agent,
+        &json!({"ev": "pong", "id": "r9", "version": 1, "running": []}),
+    );
+    wait_reply(routed, Duration::from_secs(30)).await.unwrap();
     let (mut bytes, mut notices, mut expected) = (0usize, 0, 1u64);
     loop {
         let (seq, event) = events.recv().await.unwrap();
