@@ -31,9 +31,7 @@ mod workspace_access;
 
 pub use bundle::{BundleNetwork, BundleSpec};
 pub use catalog::{DEFAULT_IMAGE, Image, ImageCatalog, ImageInfo};
-pub use gvisor::{
-    DEFAULT_ORPHANED_CHECKPOINTS_BUDGET, GvisorConfig, GvisorRuntime, WarmPoolStats,
-};
+pub use gvisor::{DEFAULT_ORPHANED_CHECKPOINTS_BUDGET, GvisorConfig, GvisorRuntime, WarmPoolStats};
 pub use images::host_cpu_features;
 pub use network::{NetnsWorkaround, NetworkConfig};
 pub use runsc::{LaunchNetwork, Runsc, RunscError, RunscTimeouts};

@@ -20,8 +20,8 @@
 mod checkpoint;
 mod executions;
 mod launch;
-mod pool;
 mod owner;
+mod pool;
 mod port;
 mod ready;
 mod snapshots;
