@@ -138,7 +138,7 @@ impl Collector for Workspace {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         use crate::workspace::WorkspaceMetrics as M;
         let m = self.0.metrics();
-        let families: [(&str, &str, &str, Vec<Series<'_>>); 5] = [
+        let families: [(&str, &str, &str, Vec<Series<'_>>); 6] = [
             (
                 "sandboxd_workspace_syncs",
                 "Workspace syncs by direction.",
@@ -176,6 +176,12 @@ impl Collector for Workspace {
                 "Unreferenced workspace contents deleted.",
                 "",
                 vec![(None, M::get(&m.objects_deleted))],
+            ),
+            (
+                "sandboxd_workspace_releases_kept",
+                "Contents a sync would have deleted that another writer's commit named again.",
+                "",
+                vec![(None, M::get(&m.releases_kept))],
             ),
             (
                 "sandboxd_workspace_hook_failures",

@@ -73,6 +73,8 @@ async fn bash(runtime: &GvisorRuntime, sandbox: &SandboxId, code: &str) -> (Stri
         match event {
             ExecEvent::Stdout(data) => stdout.extend_from_slice(&data),
             ExecEvent::Stderr(data) => stderr.extend_from_slice(&data),
+            // The runtime alone runs no after-exec hooks.
+            ExecEvent::AfterExecFailed(message) => panic!("after-exec hook failed: {message}"),
             ExecEvent::Exited(code) => {
                 return (
                     String::from_utf8_lossy(&stdout).into_owned(),

@@ -86,6 +86,8 @@ async fn finish(mut execution: Execution) -> Outcome {
                 stdout_times.push(started.elapsed());
             }
             ExecEvent::Stderr(data) => stderr.extend_from_slice(&data),
+            // The runtime alone runs no after-exec hooks.
+            ExecEvent::AfterExecFailed(message) => panic!("after-exec hook failed: {message}"),
             ExecEvent::Exited(code) => {
                 return Outcome {
                     stdout: String::from_utf8_lossy(&stdout).into_owned(),

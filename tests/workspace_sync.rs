@@ -377,8 +377,10 @@ async fn size_limits_leave_large_files_out_and_a_failed_sync_is_counted_not_fata
     assert_eq!(paths(&fx.remote_state("limits").await), ["small"]);
     assert!(counter(&fx.metrics().files_refused) >= 1);
 
-    // Over the workspace limit: the sync fails, the execution still ends
-    // normally, the failure is counted, and the bucket keeps its last state.
+    // Over the workspace limit: the sync fails and the client hears it
+    // before DONE (an execution error: the clients end the process with
+    // it, so nobody takes DONE for "stored"); the failure is counted and
+    // the bucket keeps its last state.
     let frames = ws
         .exec(
             "bash",
@@ -390,6 +392,15 @@ async fn size_limits_leave_large_files_out_and_a_failed_sync_is_counted_not_fata
         "{frames:?}"
     );
     assert_eq!(frames.last().unwrap(), "SANDBOX_EXECUTION_DONE");
+    let error = frames
+        .iter()
+        .position(|f| f == "SANDBOX_EXECUTION_ERROR")
+        .unwrap_or_else(|| panic!("no execution error before DONE: {frames:?}"));
+    assert!(
+        frames[error + 1].starts_with("error:syncing workspace \"limits\" to the store failed")
+            && frames[error + 1].contains("not stored"),
+        "{frames:?}"
+    );
     assert_eq!(counter(&fx.metrics().after_exec_failures), 1);
     assert_eq!(paths(&fx.remote_state("limits").await), ["small"]);
 

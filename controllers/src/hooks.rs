@@ -9,7 +9,7 @@
 //! | point | when | on failure |
 //! |---|---|---|
 //! | cold start | the sandbox was created or restored here, before it is reported running | the start fails (the client gets the error), if the hook says so |
-//! | after exec | an execution ended, before its exit is reported | logged and counted by the hook; the exit is reported normally |
+//! | after exec | an execution ended, before its exit is reported | logged and counted by the hook; the client gets the error before the exit ([`ExecEvent::AfterExecFailed`]) |
 //! | terminate | the sandbox is about to be destroyed for good | logged and counted; the deletion goes on |
 
 use std::fmt;
@@ -55,9 +55,13 @@ pub trait LifecycleHooks: Send + Sync + fmt::Debug {
         false
     }
 
-    /// An execution ended; its exit is reported when this returns.
-    /// Non-critical: an implementation logs and counts its own failures.
-    async fn after_exec(&self, _sandbox: &SandboxId) {}
+    /// An execution ended; its exit is reported when this returns. An
+    /// error reaches the execution's client before the exit (what it did
+    /// may not be stored); the sandbox goes on. An implementation also logs
+    /// and counts its own failures.
+    async fn after_exec(&self, _sandbox: &SandboxId) -> Result<(), HookError> {
+        Ok(())
+    }
 
     /// The sandbox is about to be destroyed for good (deleted). Non-critical.
     async fn on_terminate(&self, _sandbox: &SandboxId) {}
@@ -84,15 +88,18 @@ pub fn run_after_exec(
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
         while let Some(event) = execution.events.recv().await {
-            if let ExecEvent::Exited(_) = event {
-                hooks.after_exec(&sandbox).await;
+            if let ExecEvent::Exited(_) = event
+                && let Err(HookError(message)) = hooks.after_exec(&sandbox).await
+                && tx.send(ExecEvent::AfterExecFailed(message)).await.is_err()
+            {
+                return;
             }
             if tx.send(event).await.is_err() {
                 // Nobody listens any more; the hook still ran above if the
                 // process had ended. Keep draining so the runtime never blocks.
                 while let Some(event) = execution.events.recv().await {
                     if let ExecEvent::Exited(_) = event {
-                        hooks.after_exec(&sandbox).await;
+                        let _ = hooks.after_exec(&sandbox).await;
                     }
                 }
                 return;

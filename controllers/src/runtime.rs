@@ -68,6 +68,11 @@ pub enum ExecEvent {
     Stderr(Bytes),
     /// The process ended: its exit code, or 128 + signal.
     Exited(i32),
+    /// Work that had to follow the execution failed (the after-exec hook,
+    /// e.g. the workspace upload): sent before [`Self::Exited`], so the
+    /// client learns it before the execution's end. Not an output event:
+    /// it takes no event number of its own.
+    AfterExecFailed(String),
 }
 
 /// Controls a running execution.

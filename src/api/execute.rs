@@ -252,6 +252,8 @@ async fn collect(
                 exit_code = Some(code);
                 break;
             }
+            // Disposable sandboxes have no after-exec hooks.
+            ExecEvent::AfterExecFailed(_) => {}
         }
     }
     drop(sandbox);
@@ -297,6 +299,7 @@ fn stream(
             };
             let chunk = match event {
                 Some(Some(ExecEvent::Stdout(data) | ExecEvent::Stderr(data))) => data,
+                Some(Some(ExecEvent::AfterExecFailed(_))) => continue,
                 Some(Some(ExecEvent::Exited(_)) | None) => break,
                 None => {
                     let _ = tx.send(Ok(Bytes::from(limits.timed_out_marker()))).await;

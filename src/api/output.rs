@@ -115,8 +115,14 @@ impl ExecutionState {
         let mut stdout = Utf8Stream::default();
         let mut stderr = Utf8Stream::default();
         let mut exit_code = None;
+        let mut after_exec_failed = None;
         let mut number = 0;
         while let Some(event) = events.recv().await {
+            if let ExecEvent::AfterExecFailed(message) = event {
+                // Not an output event: no number of its own.
+                after_exec_failed = Some(message);
+                continue;
+            }
             number += 1;
             match event {
                 ExecEvent::Stdout(chunk) => {
@@ -135,6 +141,7 @@ impl ExecutionState {
                     exit_code = Some((number, code));
                     break;
                 }
+                ExecEvent::AfterExecFailed(_) => {}
             }
         }
         for (rest, frame) in [
@@ -159,6 +166,16 @@ impl ExecutionState {
         }
         if std::mem::take(&mut self.log().forced) {
             self.push(ServerFrame::status(Status::ExecutionForceKilled));
+        }
+        // The upload after the execution failed: an execution error before
+        // DONE (the clients attribute it to the running process), so a
+        // client never takes DONE for "stored".
+        if let Some(message) = after_exec_failed {
+            self.push(ServerFrame::status_with(
+                Status::ExecutionError,
+                message.clone(),
+            ));
+            self.push(ServerFrame::Error(message));
         }
         match exit_code {
             Some((number, code)) => self.push_event(number, ServerFrame::ExitCode(code)),

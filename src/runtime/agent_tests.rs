@@ -220,6 +220,7 @@ async fn output_queued_for_a_slow_consumer_is_bounded_with_a_notice() {
                 assert_eq!(code, 0);
                 break;
             }
+            ExecEvent::AfterExecFailed(message) => panic!("the agent sent {message:?}"),
         }
     }
     assert!(

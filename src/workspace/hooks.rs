@@ -172,9 +172,11 @@ impl WorkspaceHooks {
         Ok(())
     }
 
-    async fn run_noncritical(&self, sandbox: &SandboxId, point: &str) {
+    /// Runs the hook point's actions; a failure is counted, logged and
+    /// returned (the after-exec one reaches the execution's client).
+    async fn run_noncritical(&self, sandbox: &SandboxId, point: &str) -> Result<(), HookError> {
         let Some(binding) = self.binding(sandbox) else {
-            return;
+            return Ok(());
         };
         let (actions, failures) = match point {
             "after_exec" => (
@@ -187,14 +189,21 @@ impl WorkspaceHooks {
             ),
         };
         if actions.is_empty() {
-            return;
+            return Ok(());
         }
         if let Err(err) = self.run(sandbox, &binding, actions).await {
             WorkspaceMetrics::add(failures, 1);
             // The store's state may have moved (or be unknown): read it next time.
             *binding.known.lock().await = None;
             tracing::warn!(%sandbox, workspace = %binding.workspace, point, %err, "workspace hook failed");
+            return Err(HookError(format!(
+                "syncing workspace {:?} to the store failed: {err}; \
+                 what this execution changed in /workspace is not stored \
+                 (the next execution's sync tries again)",
+                binding.workspace
+            )));
         }
+        Ok(())
     }
 }
 
@@ -251,12 +260,12 @@ impl LifecycleHooks for WorkspaceHooks {
             .is_some_and(|binding| !binding.template.after_exec.is_empty())
     }
 
-    async fn after_exec(&self, sandbox: &SandboxId) {
-        self.run_noncritical(sandbox, "after_exec").await;
+    async fn after_exec(&self, sandbox: &SandboxId) -> Result<(), HookError> {
+        self.run_noncritical(sandbox, "after_exec").await
     }
 
     async fn on_terminate(&self, sandbox: &SandboxId) {
-        self.run_noncritical(sandbox, "terminate").await;
+        let _ = self.run_noncritical(sandbox, "terminate").await;
     }
 
     fn forget(&self, sandbox: &SandboxId) {

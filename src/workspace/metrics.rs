@@ -16,6 +16,9 @@ pub struct WorkspaceMetrics {
     pub files_deleted: AtomicU64,
     /// Contents deleted from the store because nothing references them.
     pub objects_deleted: AtomicU64,
+    /// Contents a sync up would have deleted that another writer's commit
+    /// (made meanwhile) names again: kept.
+    pub releases_kept: AtomicU64,
     pub files_hashed: AtomicU64,
     /// Symlinks, oversized files and bad names left out of a sync.
     pub files_refused: AtomicU64,

@@ -16,6 +16,7 @@ pub mod files;
 pub mod hooks;
 pub mod metrics;
 pub mod path;
+mod spool;
 pub mod state;
 pub mod sync;
 

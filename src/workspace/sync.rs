@@ -24,6 +24,7 @@ use controllers::store::{BlobSource, Generation, PutMode, Store, StoreError};
 
 use super::files::{FilesError, LocalScan, ScanRequest, WorkspaceFiles};
 use super::metrics::WorkspaceMetrics;
+use super::spool::{SPOOL_PREFIX, SpoolFile, sweep_spool};
 use super::state::{FileEntry, StateError, StateFile, plan_down, plan_up};
 
 /// Bounds on what a sync moves and how long it may take.
@@ -504,11 +505,37 @@ impl WorkspaceSync {
         .await
     }
 
-    /// Deletes contents the committed state no longer references. Failures
-    /// only leave garbage behind: logged, never fatal.
+    /// Deletes contents the committed state no longer references, and that
+    /// the state stored *now* does not reference either: another writer may
+    /// have committed since (having uploaded one of those contents again),
+    /// and its commit must not lose a file. The state is read again before
+    /// the deletes (no deletes when it cannot be read: garbage is harmless,
+    /// a missing content is not) and once more after them: a commit that
+    /// slipped in between and names a deleted content gets that entry
+    /// dropped (`repair`), so its writer, which still has the file, uploads
+    /// it again at its next sync instead of the state naming nothing.
+    /// Failures only leave garbage behind: logged, never fatal.
     async fn release(&self, workspace: &str, unreferenced: &[String], committed: &StateFile) {
-        for checksum in unreferenced {
-            if committed.files.iter().any(|f| &f.checksum == checksum) {
+        let names =
+            |state: &StateFile, checksum: &str| state.files.iter().any(|f| f.checksum == checksum);
+        let candidates: Vec<&String> = unreferenced
+            .iter()
+            .filter(|checksum| !names(committed, checksum))
+            .collect();
+        if candidates.is_empty() {
+            return;
+        }
+        let current = match self.read_remote(workspace).await {
+            Ok(current) => current,
+            Err(err) => {
+                tracing::warn!(workspace, %err, "cannot re-read the workspace state: unreferenced contents are kept");
+                return;
+            }
+        };
+        let mut deleted = Vec::new();
+        for checksum in candidates {
+            if names(&current.state, checksum) {
+                WorkspaceMetrics::add(&self.metrics.releases_kept, 1);
                 continue;
             }
             let Some(key) = workspace_blob_key(workspace, checksum) else {
@@ -517,40 +544,34 @@ impl WorkspaceSync {
             match self.store.delete(&key).await {
                 Ok(()) | Err(StoreError::NotFound { .. }) => {
                     WorkspaceMetrics::add(&self.metrics.objects_deleted, 1);
+                    deleted.push(checksum.clone());
                 }
                 Err(err) => {
                     tracing::warn!(%key, %err, "cannot delete an unreferenced workspace object")
                 }
             }
         }
-    }
-}
-
-/// Name prefix of the host files contents pass through.
-const SPOOL_PREFIX: &str = "workspace-spool-";
-
-/// A spooled content on the host, removed when dropped, also when a sync is
-/// cancelled by its timeout mid-way.
-struct SpoolFile(PathBuf);
-
-impl Drop for SpoolFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// Removes spool files a crashed server left in `dir`.
-fn sweep_spool(dir: &std::path::Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        if entry
-            .file_name()
-            .to_string_lossy()
-            .starts_with(SPOOL_PREFIX)
-        {
-            let _ = std::fs::remove_file(entry.path());
+        if deleted.is_empty() {
+            return;
+        }
+        let Ok(after) = self.read_remote(workspace).await else {
+            return;
+        };
+        let lost: Vec<String> = after
+            .state
+            .files
+            .iter()
+            .filter(|f| deleted.contains(&f.checksum))
+            .map(|f| f.path.clone())
+            .collect();
+        if !lost.is_empty() {
+            tracing::warn!(
+                workspace,
+                ?lost,
+                "a concurrent commit named contents released meanwhile: its entries are dropped for its writer to upload again"
+            );
+            WorkspaceMetrics::add(&self.metrics.missing_contents, lost.len() as u64);
+            self.repair(workspace, after, &lost).await;
         }
     }
 }

@@ -165,6 +165,8 @@ impl GvisorRuntime {
                         }
                     }
                     ExecEvent::Exited(code) => return Some(code),
+                    // The agent's own events: no after-exec hook runs here.
+                    ExecEvent::AfterExecFailed(_) => {}
                 }
             }
             None

@@ -51,8 +51,9 @@ impl crate::hooks::LifecycleHooks for RecordingHooks {
         true
     }
 
-    async fn after_exec(&self, _sandbox: &SandboxId) {
+    async fn after_exec(&self, _sandbox: &SandboxId) -> Result<(), crate::hooks::HookError> {
         self.record("after_exec".into());
+        Ok(())
     }
 
     async fn on_terminate(&self, sandbox: &SandboxId) {
