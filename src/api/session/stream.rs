@@ -60,6 +60,14 @@ impl Session {
             .streamer
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // The client closed (a frame it sent before is handled after the
+        // detach): nothing streams to a dead socket, where a frame the writer
+        // queued would count as delivered; the output waits in the log for
+        // the next attach's `reconnect`. Checked under the lock the session's
+        // end takes to stop the streamer, so none outlives it.
+        if self.ended.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
         let previous = streamer.take();
         let task = tokio::spawn(async move {
             // Two streamers never take from one log at once.
