@@ -37,6 +37,13 @@ pub enum Command {
     PythonSession(String),
 }
 
+/// A terminal's size in characters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TerminalSize {
+    pub cols: u16,
+    pub rows: u16,
+}
+
 /// An execution request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExecRequest {
@@ -48,6 +55,9 @@ pub struct ExecRequest {
     /// (see [`ExecControl::begin_delivery`]) so a restore elsewhere can send
     /// the rest.
     pub resumable: bool,
+    /// Run on a pseudo-terminal of this size (one stream of raw bytes each
+    /// way, output as stdout) instead of pipes.
+    pub pty: Option<TerminalSize>,
 }
 
 impl ExecRequest {
@@ -57,6 +67,7 @@ impl ExecRequest {
             env: BTreeMap::new(),
             cwd: None,
             resumable: false,
+            pty: None,
         }
     }
 }
@@ -82,6 +93,13 @@ pub trait ExecControl: Send + Sync + fmt::Debug {
     async fn close_stdin(&self) -> Result<(), RuntimeError>;
     /// Kills the execution's whole process tree.
     async fn kill(&self) -> Result<(), RuntimeError>;
+
+    /// Resizes the execution's terminal (one started with a `pty`).
+    async fn resize(&self, _size: TerminalSize) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Invalid(
+            "the execution has no terminal".into(),
+        ))
+    }
 
     /// Asks to hand the output of the `event`-th event of this execution
     /// (counted from 1 on this host; 0 for a frame of the caller's own) to

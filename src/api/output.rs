@@ -211,6 +211,14 @@ impl ExecutionState {
         self.control.write_stdin(data).await
     }
 
+    /// Resizes the execution's terminal.
+    pub async fn resize(
+        &self,
+        size: controllers::runtime::TerminalSize,
+    ) -> Result<(), controllers::runtime::RuntimeError> {
+        self.control.resize(size).await
+    }
+
     /// Kills the execution and reports it in order: `FORCE_KILLED` (or
     /// `FORCE_KILL_ERROR`) before `DONE`. Returns false if it had already
     /// ended, in which case the caller answers directly.

@@ -18,7 +18,11 @@ use serde_json::{Map, Value, json};
 use super::files::{CallError, FsCall};
 use super::snapshot_owner::{SnapshotProof, split_name_and_proof};
 
+use controllers::runtime::TerminalSize;
+
+mod terminal;
 mod utf8;
+use terminal::terminal_size;
 pub use utf8::Utf8Stream;
 
 /// Largest client frame accepted (code and stdin chunks included).
@@ -278,7 +282,11 @@ pub enum ClientFrame {
         language: Language,
         code: String,
         session: bool,
+        /// Extension: `"pty": {"cols", "rows"}`, a terminal.
+        pty: Option<TerminalSize>,
     },
+    /// Extension: `{"action":"resize","cols":N,"rows":N}`, the terminal's size.
+    Resize(TerminalSize),
     /// Extension: `{"action":"fs_<op>", …}`, the filesystem API.
     Fs(FsCall),
 }
@@ -524,10 +532,21 @@ impl ClientFrame {
             _ => return Err(FrameError::MissingCode),
         };
         let session = optional_bool(&map, "session")? && language == Language::Python;
+        let pty = match map.get("pty") {
+            None | Some(Value::Null) => None,
+            Some(size) if !session => Some(terminal_size(size)?),
+            Some(_) => {
+                return Err(FrameError::WrongType {
+                    field: "pty",
+                    expected: "absent in a session cell",
+                });
+            }
+        };
         Ok(Self::Exec {
             language,
             code,
             session,
+            pty,
         })
     }
 
@@ -547,6 +566,7 @@ impl ClientFrame {
             "kill_process" => Ok(Self::KillProcess),
             "kill_sandbox" => Ok(Self::KillSandbox),
             "reconnect" => Ok(Self::Reconnect),
+            "resize" => Ok(Self::Resize(terminal_size(&Value::Object(map.clone()))?)),
             fs if fs.starts_with("fs_") => {
                 let op = &fs["fs_".len()..];
                 FsCall::parse(op, map)

@@ -356,6 +356,25 @@ impl Sandbox {
             Language::Bash => json!({"language": "bash", "code": code}),
             Language::PythonSession => json!({"language": "python", "code": code, "session": true}),
         };
+        self.start_process(frame).await
+    }
+
+    /// Starts `bash -c CODE` on a terminal of `cols` x `rows`: its output
+    /// (raw terminal bytes, as stdout) and stdin are one stream each way;
+    /// [`ProcessHandle::resize`] changes the size.
+    pub async fn exec_terminal(
+        &self,
+        code: &str,
+        cols: u16,
+        rows: u16,
+    ) -> Result<Process, ClientError> {
+        self.start_process(
+            json!({"language": "bash", "code": code, "pty": {"cols": cols, "rows": rows}}),
+        )
+        .await
+    }
+
+    async fn start_process(&self, frame: serde_json::Value) -> Result<Process, ClientError> {
         let (sender, mut events) = mpsc::unbounded_channel();
         if !self.shared.claim_process(sender) {
             return Err(ClientError::ExecutionInProgress(
@@ -561,6 +580,14 @@ impl ProcessHandle {
     pub fn kill(&self) -> Result<(), ClientError> {
         self.outgoing
             .send(json!({"action": "kill_process"}).to_string())
+            .map_err(|_| ClientError::Closed("the connection is gone".into()))
+    }
+
+    /// Resizes the process's terminal (one started with
+    /// [`Sandbox::exec_terminal`]).
+    pub fn resize(&self, cols: u16, rows: u16) -> Result<(), ClientError> {
+        self.outgoing
+            .send(json!({"action": "resize", "cols": cols, "rows": rows}).to_string())
             .map_err(|_| ClientError::Closed("the connection is gone".into()))
     }
 }

@@ -7,6 +7,7 @@ mod files;
 mod images;
 mod inventory;
 mod operator;
+mod shell;
 mod user;
 mod yaml;
 
@@ -20,5 +21,6 @@ pub use operator::{
     GcReport, OperatorError, SnapshotGcReport, break_lease, delete, describe, edit, evict, gc,
     gc_snapshots,
 };
+pub use shell::shell;
 pub use user::{UserCommand, run_user_command};
 pub use yaml::to_yaml;

@@ -56,7 +56,12 @@ pub enum Request {
         cwd: Option<String>,
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         resumable: bool,
+        /// A pseudo-terminal (`cols`, `rows`) instead of pipes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pty: Option<BTreeMap<String, u16>>,
     },
+    /// Resizes the execution's terminal. No reply.
+    Resize { cols: u16, rows: u16 },
     /// Bytes (base64) for the execution's stdin. No reply.
     Stdin { data: String },
     /// Closes the execution's stdin. No reply.
@@ -184,6 +189,7 @@ impl Request {
             Self::Stdin { .. } => "stdin",
             Self::StdinClose => "stdin_close",
             Self::Kill => "kill",
+            Self::Resize { .. } => "resize",
             Self::Ping => "ping",
             Self::PrepareCheckpoint { .. } => "prepare_checkpoint",
             Self::Ack { .. } => "ack",

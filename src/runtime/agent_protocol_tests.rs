@@ -89,7 +89,9 @@ fn every_request() -> Vec<Command> {
             env: None,
             cwd: None,
             resumable: false,
+            pty: None,
         }),
+        id(Request::Resize { cols: 80, rows: 24 }),
         id(Request::Stdin {
             data: "eA==".into(),
         }),

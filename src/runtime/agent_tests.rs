@@ -74,6 +74,7 @@ async fn bad_base64_output_is_reported_not_silently_empty() {
                     env: None,
                     cwd: None,
                     resumable: false,
+                    pty: None,
                 },
             )
             .await

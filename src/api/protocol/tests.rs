@@ -170,7 +170,8 @@ fn client_frames_follow_upstream_precedence() {
         ClientFrame::Exec {
             language: Language::Bash,
             code: "echo hi".into(),
-            session: false
+            session: false,
+            pty: None
         }
     );
     assert_eq!(
@@ -178,7 +179,8 @@ fn client_frames_follow_upstream_precedence() {
         ClientFrame::Exec {
             language: Language::Python,
             code: "x=1".into(),
-            session: true
+            session: true,
+            pty: None
         }
     );
 }

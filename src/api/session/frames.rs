@@ -43,7 +43,20 @@ impl Session {
                 language,
                 code,
                 session,
-            } => self.exec(language, code, session).await,
+                pty,
+            } => self.exec(language, code, session, pty).await,
+            ClientFrame::Resize(size) => {
+                if let Some(execution) = self.live.execution()
+                    && execution.is_running()
+                    && let Err(err) = execution.resize(size).await
+                {
+                    self.out
+                        .send(crate::api::protocol::ServerFrame::Error(format!(
+                            "Cannot resize: {err}"
+                        )))
+                        .await;
+                }
+            }
             ClientFrame::Stdin { data } => self.stdin(data).await,
             ClientFrame::KillProcess => self.kill_process().await,
             ClientFrame::KillSandbox => self.kill_sandbox().await,
@@ -54,7 +67,13 @@ impl Session {
         }
     }
 
-    async fn exec(self: &Arc<Self>, language: Language, code: String, session: bool) {
+    async fn exec(
+        self: &Arc<Self>,
+        language: Language,
+        code: String,
+        session: bool,
+        pty: Option<controllers::runtime::TerminalSize>,
+    ) {
         let command = match (language, session) {
             (Language::Bash, _) => Command::Bash(code),
             (Language::Python, false) => Command::Python(code),
@@ -71,6 +90,7 @@ impl Session {
                 &self.id,
                 ExecRequest {
                     resumable: self.live.options().keep_executions,
+                    pty,
                     ..ExecRequest::new(command)
                 },
             )

@@ -90,7 +90,10 @@ async fn reserve(budget: &Arc<Semaphore>, bytes: usize) -> Option<OwnedSemaphore
 fn acts_at_once(frame: &Queued) -> bool {
     matches!(
         frame,
-        Ok(ClientFrame::KillProcess | ClientFrame::KillSandbox | ClientFrame::Reconnect)
+        Ok(ClientFrame::KillProcess
+            | ClientFrame::KillSandbox
+            | ClientFrame::Reconnect
+            | ClientFrame::Resize(_))
     )
 }
 

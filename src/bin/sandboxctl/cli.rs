@@ -189,6 +189,17 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 1)]
         depth: u32,
     },
+    /// An interactive terminal in a sandbox (like `kubectl exec -it`): raw
+    /// keystrokes, the window's size followed; the command's exit code.
+    #[command(
+        after_help = "Examples:\n  sandboxctl shell ID --token T\n  sandboxctl shell ID --token T 'python3 -i'"
+    )]
+    Shell {
+        #[command(flatten)]
+        target: Target,
+        #[arg(default_value = "exec bash -il")]
+        command: String,
+    },
     /// Print a file of a sandbox.
     #[command(after_help = "Example:\n  sandboxctl cat ID /etc/os-release --token T")]
     Cat {

@@ -129,6 +129,22 @@ async fn main() -> ExitCode {
         }),
         _ => None,
     };
+    if let Command::Shell { target, command } = &cli.command {
+        let code = match ctl::shell(&target.server.url, &target.id, &target.token, command).await {
+            Ok(code) => code,
+            Err(err) => {
+                eprintln!("sandboxctl: {err}");
+                if err == ClientError::NotFound {
+                    EXIT_NOT_FOUND
+                } else {
+                    EXIT_REFUSED
+                }
+            }
+        };
+        // Exits at once: the runtime would otherwise wait for the thread
+        // blocked reading the terminal (tokio's stdin) until a key is pressed.
+        std::process::exit(i32::from(code));
+    }
     let files = match &cli.command {
         Command::Cp {
             from,

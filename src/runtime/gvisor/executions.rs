@@ -12,7 +12,9 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
 use controllers::api::SandboxId;
-use controllers::runtime::{Command, ExecControl, ExecEvent, ExecRequest, Execution, RuntimeError};
+use controllers::runtime::{
+    Command, ExecControl, ExecEvent, ExecRequest, Execution, RuntimeError, TerminalSize,
+};
 use tokio::sync::mpsc;
 
 use super::{GvisorRuntime, LocalSandbox};
@@ -126,6 +128,19 @@ impl ExecControl for AgentExecControl {
             .map_err(|err| RuntimeError::Failed(err.to_string()))
     }
 
+    async fn resize(&self, size: TerminalSize) -> Result<(), RuntimeError> {
+        self.agent
+            .send(
+                &Request::Resize {
+                    cols: size.cols,
+                    rows: size.rows,
+                }
+                .with_id(&self.id),
+            )
+            .await
+            .map_err(|err| RuntimeError::Failed(err.to_string()))
+    }
+
     fn begin_delivery(&self, _event: u64) -> bool {
         self.gate.as_ref().is_none_or(|gate| gate.begin())
     }
@@ -215,5 +230,11 @@ pub(super) fn exec_command(request: &ExecRequest, python: &str) -> Request {
         env: (!request.env.is_empty()).then(|| request.env.clone()),
         cwd: request.cwd.clone(),
         resumable: request.resumable,
+        pty: request.pty.map(|size| {
+            std::collections::BTreeMap::from([
+                ("cols".to_owned(), size.cols),
+                ("rows".to_owned(), size.rows),
+            ])
+        }),
     }
 }

@@ -366,6 +366,9 @@ def start_exec(msg):
             state.JOURNALS[exec_id] = execution
         protocol.emit({"ev": "started", "id": exec_id, "pid": execution.pid})
         return
+    if msg.get("pty"):
+        start_terminal(msg, exec_id, resumable)
+        return
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -390,6 +393,60 @@ def start_exec(msg):
         state.JOURNALS[exec_id] = execution
     state.PIDS[proc.pid] = execution
     protocol.emit({"ev": "started", "id": exec_id, "pid": proc.pid})
+
+
+def set_size(fd, size):
+    import fcntl
+    import struct
+    import termios
+    rows = max(1, min(int(size.get("rows", 24)), 1000))
+    cols = max(1, min(int(size.get("cols", 80)), 1000))
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def become_terminal_owner():
+    """In the child, after setsid: the terminal on fd 0 becomes its controlling one."""
+    import fcntl
+    import termios
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def start_terminal(msg, exec_id, resumable):
+    """An execution on a pseudo-terminal of `pty`'s size: one stream of raw
+    bytes each way (output as fd 1), resized with the `resize` op."""
+    master, slave = os.openpty()
+    try:
+        set_size(slave, msg["pty"])
+        env = dict(msg.get("env") or {})
+        env.setdefault("TERM", "xterm-256color")
+        proc = subprocess.Popen(
+            msg["argv"], stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+            start_new_session=True, preexec_fn=become_terminal_owner,
+            cwd=msg.get("cwd") or config.HOME, env=config.user_env(env))
+    except (OSError, subprocess.SubprocessError) as err:
+        os.close(master)
+        os.close(slave)
+        protocol.error(exec_id, "cannot start %s: %s" % (msg["argv"][0], err))
+        return
+    os.close(slave)
+    proc.returncode = 0
+    execution = Execution(exec_id, proc.pid, os.dup(master), {master: 1}, resumable=resumable)
+    execution.terminal = master
+    state.EXECS[exec_id] = execution
+    if resumable:
+        state.JOURNALS[exec_id] = execution
+    state.PIDS[proc.pid] = execution
+    protocol.emit({"ev": "started", "id": exec_id, "pid": proc.pid})
+
+
+def resize(msg):
+    execution = state.EXECS.get(msg["id"])
+    terminal = getattr(execution, "terminal", None)
+    if terminal is not None and terminal in execution.out_fds:
+        try:
+            set_size(terminal, msg)
+        except (OSError, ValueError, TypeError):
+            pass
 
 
 def stdin(msg):

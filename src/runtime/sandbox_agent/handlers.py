@@ -15,6 +15,7 @@ HANDLERS = {
     "stdin": ("execution", "stdin"),
     "stdin_close": ("execution", "stdin_close"),
     "kill": ("execution", "kill"),
+    "resize": ("execution", "resize"),
     "ping": ("handlers", "ping"),
     "prepare_checkpoint": ("checkpoint", "prepare"),
     "ack": ("journal", "ack"),

@@ -2,7 +2,7 @@
 stdin; kill; one at a time; the persistent Python session."""
 import unittest
 
-from sandbox_agent import state
+from sandbox_agent import protocol, state
 from sandbox_agent.execution import split_utf8
 
 from .support import AgentTest, output
@@ -65,3 +65,19 @@ class SplitUtf8Test(unittest.TestCase):
         self.assertEqual(split_utf8(b"a" + snowman), (b"a" + snowman, b""))
         self.assertEqual(split_utf8(b""), (b"", b""))
         self.assertEqual(split_utf8(b"\xc3"), (b"", b"\xc3"))
+
+
+class TerminalTest(AgentTest):
+    def test_a_terminal_execution_has_a_tty_of_its_size_and_resizes(self):
+        exec_id = self.send("exec", argv=["python3", "-c",
+                                          "import os,sys\n"
+                                          "print(os.isatty(0), os.get_terminal_size(0))\n"
+                                          "sys.stdin.readline()\n"
+                                          "print(os.get_terminal_size(0))\n"],
+                            pty={"cols": 91, "rows": 17})
+        seen = self.run_until(lambda events: b"columns=91" in output(events, exec_id))
+        self.assertIn(b"True os.terminal_size(columns=91, lines=17)", output(seen, exec_id))
+        self.send("resize", id=exec_id, cols=120, rows=40)
+        self.send("stdin", id=exec_id, data=protocol.b64(b"go\n"))
+        seen += self.run_to_exit(exec_id)
+        self.assertIn(b"columns=120, lines=40", output(seen, exec_id))
