@@ -5,7 +5,12 @@
 //! instances (directly and through the proxy), while a fault loop SIGKILLs an
 //! instance (a replacement with a new instance id takes its port), freezes one
 //! with SIGSTOP for longer than a lease, drains one with SIGTERM (and restarts
-//! it) and restarts the storage emulator.
+//! it), restarts the storage emulator, and cuts one instance off the bucket
+//! for longer than a lease while its clients stay connected (black-holed or
+//! refused, in turn). Every instance reaches the emulator through its own
+//! proxy of the storage model (`testkit::storage`) with `gcs-regional`
+//! latency (GCS's per-object mutation rate included) and 1 % of requests
+//! answered 429 or 503 at random.
 //!
 //! Checked from what the clients observed, and the test fails on any
 //! violation:
@@ -36,7 +41,8 @@
 //! - (c) every create or attach ends in `SANDBOX_RUNNING` or a clear error (an
 //!   error status, an HTTP refusal, a close frame with a code or reason)
 //!   within 60 s; a connection dropped without a word is allowed only when
-//!   its instance was killed, frozen or drained meanwhile.
+//!   its instance was killed, frozen or drained meanwhile (not when it was
+//!   cut off the bucket: its clients must be told).
 //!
 //! Also: every drain exits cleanly in time, every replacement starts, and no
 //! server log shows a panic. Each violation shows the sandbox's recent
@@ -72,6 +78,7 @@ use serde_json::{Value, json};
 use support::disk_emulator::DiskEmulator;
 use support::process::{Launch, ServerProcess, free_port};
 use support::proxy::Proxy;
+use testkit::storage::{InstanceProxy, Partition, Profile, StorageModel, Tally};
 use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
@@ -89,6 +96,10 @@ const EXEC_WAIT: Duration = Duration::from_secs(8);
 const CHECKPOINT_WAIT: Duration = Duration::from_secs(8);
 /// Longer than the fast lease (6 s) plus its skew (1 s).
 const FREEZE: Duration = Duration::from_secs(10);
+/// How long an instance is cut off the bucket: longer than a lease.
+const PARTITION: Duration = Duration::from_secs(10);
+/// The share of store requests the model answers 429 or 503 at random.
+const TRANSIENT_SHARE: f64 = 0.01;
 /// How long a SIGTERM drain may take.
 const DRAIN_BOUND: Duration = Duration::from_secs(120);
 /// How long the final check tries to reach each sandbox.
@@ -128,6 +139,7 @@ struct Stats {
     freezes: u64,
     drains: u64,
     emulator_restarts: u64,
+    partitions: u64,
     lost_after_checkpoint: u64,
     given_up: u64,
     final_checked: u64,
@@ -919,7 +931,7 @@ async fn final_check(cluster: Arc<Cluster>, record: Shared, seed: u64) {
 async fn start_instance(
     cluster: Option<&Cluster>,
     dir: &std::path::Path,
-    endpoint: &str,
+    endpoints: &[String],
     port: u16,
     slot: usize,
     generation: &mut u64,
@@ -928,7 +940,7 @@ async fn start_instance(
         let name = format!("chaos-{slot}-{generation}");
         *generation += 1;
         let mut launch = Launch::new(&name, dir)
-            .on_emulator(endpoint, BUCKET)
+            .on_emulator(&endpoints[slot], BUCKET)
             .fast_leases();
         launch.port = Some(port);
         match launch.try_start().await {
@@ -962,6 +974,7 @@ enum Fault {
     Freeze,
     Drain,
     Emulator,
+    Partition,
 }
 
 /// The fault loop: one fault at a time, each kind in turn, until the run's
@@ -971,13 +984,21 @@ async fn faults(
     dir: std::path::PathBuf,
     mut servers: Vec<ServerProcess>,
     mut emulator: DiskEmulator,
+    proxies: &[InstanceProxy],
     run: Duration,
     seed: u64,
 ) -> (Vec<ServerProcess>, DiskEmulator) {
     let mut rng = StdRng::seed_from_u64(seed);
-    let endpoint = emulator.endpoint();
+    let endpoints: Vec<String> = proxies.iter().map(InstanceProxy::endpoint).collect();
+    let endpoint = endpoints.as_slice();
     let mut generation = SLOTS as u64;
-    let order = [Fault::Kill, Fault::Freeze, Fault::Drain, Fault::Emulator];
+    let order = [
+        Fault::Kill,
+        Fault::Freeze,
+        Fault::Drain,
+        Fault::Emulator,
+        Fault::Partition,
+    ];
     let mut done = 0;
     tokio::time::sleep(Duration::from_secs(8)).await;
     while cluster.started.elapsed() < run || done < order.len() {
@@ -998,7 +1019,7 @@ async fn faults(
                 signal(&servers[slot], "-KILL");
                 let port = cluster.ports[slot];
                 let replacement =
-                    start_instance(Some(&cluster), &dir, &endpoint, port, slot, &mut generation)
+                    start_instance(Some(&cluster), &dir, endpoint, port, slot, &mut generation)
                         .await;
                 let killed = std::mem::replace(&mut servers[slot], replacement);
                 {
@@ -1050,7 +1071,7 @@ async fn faults(
                 }
                 let port = cluster.ports[slot];
                 let replacement =
-                    start_instance(Some(&cluster), &dir, &endpoint, port, slot, &mut generation)
+                    start_instance(Some(&cluster), &dir, endpoint, port, slot, &mut generation)
                         .await;
                 let drained = std::mem::replace(&mut servers[slot], replacement);
                 {
@@ -1072,6 +1093,23 @@ async fn faults(
                 tokio::task::block_in_place(|| emulator.restart());
                 lock(&cluster.stats).emulator_restarts += 1;
                 eprintln!("{at:.1} s: storage emulator down for 2 s");
+            }
+            Fault::Partition => {
+                let instance = servers[slot].name.clone();
+                let how = if lock(&cluster.stats).partitions.is_multiple_of(2) {
+                    Partition::BlackHole
+                } else {
+                    Partition::Refuse
+                };
+                // Its clients stay connected and must be told: the slot's
+                // fault count stays, so a silent drop is a violation.
+                lock(&cluster.faulted).insert(instance.clone(), Instant::now());
+                proxies[slot].set_partition(how);
+                tokio::time::sleep(PARTITION).await;
+                proxies[slot].set_partition(Partition::Connected);
+                lock(&cluster.faulted).insert(instance.clone(), Instant::now());
+                lock(&cluster.stats).partitions += 1;
+                eprintln!("{at:.1} s: {instance} cut off the bucket ({how:?}) for {PARTITION:?}");
             }
         }
         done += 1;
@@ -1131,8 +1169,8 @@ fn report(
     writeln!(report, "  operations {operations}: creates {}, attaches {} (via proxy {}), RUNNING {}, executions acknowledged {}, checkpoints acknowledged {}, detaches {}, switches while attached {}", stats.creates, stats.attaches, stats.via_proxy, stats.running, stats.execs, stats.checkpoints, stats.detaches, stats.switches).unwrap();
     writeln!(
         report,
-        "  faults: kills {}, freezes {}, drains {}, emulator restarts {}",
-        stats.kills, stats.freezes, stats.drains, stats.emulator_restarts
+        "  faults: kills {}, freezes {}, drains {}, emulator restarts {}, partitions {}",
+        stats.kills, stats.freezes, stats.drains, stats.emulator_restarts, stats.partitions
     )
     .unwrap();
     writeln!(report, "  handoffs {} (RUNNING on another instance than the last), takeovers {} (from a killed or frozen holder); sandboxes stopped as lost by their old holder (server logs) {lost_lines}", stats.handoffs, stats.takeovers).unwrap();
@@ -1176,13 +1214,27 @@ async fn chaos() {
     };
     let emulator = DiskEmulator::start(&dir.path().join("gcs"));
     emulator.create_bucket(BUCKET).await;
-    let endpoint = emulator.endpoint();
+    let model = StorageModel::new(
+        std::net::SocketAddr::from((emulator.host, 80)),
+        Profile::gcs_regional(),
+    );
+    model.set_transient_faults(TRANSIENT_SHARE);
+    let mut proxies = Vec::new();
+    for slot in 0..SLOTS {
+        proxies.push(
+            model
+                .proxy(&slot_name(slot))
+                .await
+                .expect("a storage proxy"),
+        );
+    }
+    let endpoints: Vec<String> = proxies.iter().map(InstanceProxy::endpoint).collect();
     let ports: Vec<u16> = (0..SLOTS).map(|_| free_port()).collect();
     let mut servers = Vec::new();
     let mut generation = 0;
     for (slot, port) in ports.iter().enumerate() {
         servers
-            .push(start_instance(None, dir.path(), &endpoint, *port, slot, &mut generation).await);
+            .push(start_instance(None, dir.path(), &endpoints, *port, slot, &mut generation).await);
     }
     let named: Vec<(String, String)> = ports
         .iter()
@@ -1219,6 +1271,7 @@ async fn chaos() {
         dir.path().to_owned(),
         servers,
         emulator,
+        &proxies,
         run,
         seed,
     )
@@ -1271,6 +1324,18 @@ async fn chaos() {
         lost_lines,
     );
     eprintln!("{report}");
+    let requests = Tally::of(&model.records());
+    eprintln!(
+        "  storage model {}: {} requests ({} reads, {} writes, {} lists), {} answered 429, {} faults injected (429/503 at {}%)",
+        model.profile(),
+        requests.total,
+        requests.reads,
+        requests.writes,
+        requests.lists,
+        requests.throttled,
+        requests.injected,
+        TRANSIENT_SHARE * 100.0
+    );
 
     keep_logs.keep = !violations.is_empty();
     drop(proxy);
@@ -1280,7 +1345,11 @@ async fn chaos() {
     drop(emulator);
     let kinds_ran = {
         let stats = lock(&cluster.stats);
-        stats.kills > 0 && stats.freezes > 0 && stats.drains > 0 && stats.emulator_restarts > 0
+        stats.kills > 0
+            && stats.freezes > 0
+            && stats.drains > 0
+            && stats.emulator_restarts > 0
+            && stats.partitions > 0
     };
     assert!(kinds_ran, "every kind of fault ran");
     assert!(

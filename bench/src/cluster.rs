@@ -10,6 +10,11 @@
 //! checkpointed and restored on fake-gcs-server and on a third `sandboxd`
 //! with the local directory store.
 //!
+//! Every server reaches the emulator through its own proxy of the storage
+//! model (`testkit::storage`) with the profile of `--storage-profile`
+//! (`loopback` adds nothing); the critical paths (`paths.rs`) and the mass
+//! reconnect (`reconnect.rs`) count the store requests at those proxies.
+//!
 //! Needs root (runsc, and the emulator on port 80 of a loopback address) and
 //! `pip install websockets`.
 
@@ -19,6 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use sandboxd::client::{AttachOptions, CreateOptions, Language, Sandbox};
 use serde_json::json;
+use testkit::storage::{InstanceProxy, Profile, StorageModel};
 use testkit::{Backend, Emulator, Launch, ServerProcess};
 
 use crate::series::Series;
@@ -36,6 +42,14 @@ pub struct ClusterBench {
     /// Sandbox memory for the upload-throughput and peak-RSS case.
     pub big_sandbox_mb: u64,
     pub work_dir: PathBuf,
+    /// The storage model every server reaches the emulator through.
+    pub profile: Profile,
+    /// Only the critical paths and the mass reconnect.
+    pub paths_only: bool,
+    /// Sandboxes of each 90-s handoff state (0 skips them and their wait).
+    pub quiet_runs: usize,
+    /// Sandboxes of the mass reconnect (0 skips it).
+    pub mass_reconnect: usize,
 }
 
 /// Extra figures that are not latencies.
@@ -48,6 +62,10 @@ pub struct Figures {
     pub server_peak_rss_mb: Option<f64>,
     /// The big sandbox on each store: checkpoint and attach + restore.
     pub big: Vec<BigSandbox>,
+    /// The storage profile's name.
+    pub profile: String,
+    pub paths: Vec<crate::paths::PathSeries>,
+    pub reconnect: Option<crate::reconnect::Reconnect>,
 }
 
 /// Checkpoint and restore of the big sandbox on one store (medians).
@@ -196,6 +214,17 @@ fn peak_rss_mb(pid: u32) -> Option<f64> {
     Some(kb / 1024.0)
 }
 
+/// A server named `name` behind its own proxy of `model`.
+async fn modelled_server(
+    model: &StorageModel,
+    name: &str,
+    dir: &Path,
+) -> anyhow::Result<(ServerProcess, InstanceProxy)> {
+    let proxy = model.proxy(name).await?;
+    let server = start_server(name, dir, Some(&proxy.endpoint())).await?;
+    Ok((server, proxy))
+}
+
 /// Runs every case; the latency series and the other figures.
 pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)> {
     std::fs::create_dir_all(&bench.work_dir)?;
@@ -206,12 +235,37 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
     )?;
     emulator.create_bucket(BUCKET).await?;
     let endpoint = emulator.endpoint();
-    let a = start_server("bench-a", &bench.work_dir, Some(&endpoint)).await?;
-    let b = start_server("bench-b", &bench.work_dir, Some(&endpoint)).await?;
+    let model = StorageModel::new(emulator.socket_addr(), bench.profile.clone());
+    let (a, _proxy_a) = modelled_server(&model, "bench-a", &bench.work_dir).await?;
+    let (b, _proxy_b) = modelled_server(&model, "bench-b", &bench.work_dir).await?;
     let url_a = format!("ws://{}", a.addr);
     let url_b = format!("ws://{}", b.addr);
     let mut series = Vec::new();
-    let mut figures = Figures::default();
+    let mut figures = Figures {
+        profile: bench.profile.name.to_owned(),
+        ..Figures::default()
+    };
+    figures.paths = crate::paths::measure(
+        &model,
+        (&url_a, &url_b),
+        ("bench-a", "bench-b"),
+        bench.runs,
+        bench.quiet_runs,
+    )
+    .await
+    .context("the critical paths")?;
+    if bench.mass_reconnect > 0 {
+        let (c, _proxy_c) = modelled_server(&model, "bench-c", &bench.work_dir).await?;
+        let url_c = format!("ws://{}", c.addr);
+        figures.reconnect = Some(
+            crate::reconnect::measure(&model, [&url_a, &url_b, &url_c], bench.mass_reconnect)
+                .await
+                .context("the mass reconnect")?,
+        );
+    }
+    if bench.paths_only {
+        return Ok((series, figures));
+    }
 
     let mut create = Series::named("create → SANDBOX_RUNNING");
     let mut bash = Series::named("exec bash 'echo hi' → DONE");
@@ -413,7 +467,11 @@ pub fn render_figures(figures: &Figures) -> String {
     let show = |value: Option<f64>, unit: &str| {
         value.map_or_else(|| "skipped".to_owned(), |v| format!("{v:.0} {unit}"))
     };
-    let mut text = format!(
+    let mut text = crate::paths::render(&figures.profile, &figures.paths);
+    if let Some(reconnect) = &figures.reconnect {
+        text.push_str(&crate::reconnect::render(&figures.profile, reconnect));
+    }
+    text.push_str(&format!(
         "storage operations per idle held sandbox-hour: {} (client attached), {} (client gone)\n\
          checkpoint of a big sandbox: {} image at {} (upload included); server peak RSS {}\n",
         show(figures.ops_per_hour_attached, "ops/h"),
@@ -421,7 +479,7 @@ pub fn render_figures(figures: &Figures) -> String {
         show(figures.checkpoint_image_mb, "MB"),
         show(figures.checkpoint_mb_per_s, "MB/s"),
         show(figures.server_peak_rss_mb, "MB"),
-    );
+    ));
     for big in &figures.big {
         let rate = |took: Duration| big.image_mb / took.as_secs_f64().max(1e-9);
         text.push_str(&format!(
@@ -458,5 +516,7 @@ pub fn figures_json(figures: &Figures) -> serde_json::Value {
         "checkpoint_mb_per_s": figures.checkpoint_mb_per_s,
         "server_peak_rss_mb": figures.server_peak_rss_mb,
         "big_sandbox": big,
+        "critical_paths": crate::paths::to_json(&figures.profile, &figures.paths),
+        "mass_reconnect": figures.reconnect.as_ref().map(|r| crate::reconnect::to_json(&figures.profile, r)),
     })
 }

@@ -8,6 +8,8 @@
 mod cluster;
 mod files;
 mod flood;
+mod paths;
+mod reconnect;
 mod runtime;
 mod series;
 mod warm;
@@ -36,7 +38,7 @@ enum Command {
     /// Needs root, runsc, the fake-gcs-server wheel and `pip install
     /// websockets`.
     #[command(
-        after_help = "Examples:\n  sandboxd-bench cluster\n  sandboxd-bench cluster --runs 20 --economy-window-s 0   # skip the slow economy sample"
+        after_help = "Examples:\n  sandboxd-bench cluster\n  sandboxd-bench cluster --runs 20 --economy-window-s 0   # skip the slow economy sample\n  sandboxd-bench cluster --storage-profile gcs-regional --paths-only   # critical paths and mass reconnect under GCS's modelled latency"
     )]
     Cluster {
         /// Samples per latency.
@@ -51,6 +53,19 @@ enum Command {
         /// Where the servers' state and logs go.
         #[arg(long, default_value = "/tmp/sandboxd-bench")]
         work_dir: std::path::PathBuf,
+        /// The storage model between the servers and the emulator:
+        /// loopback (nothing added), gcs-regional, gcs-slow (docs/benchmarks.md).
+        #[arg(long, default_value = "loopback")]
+        storage_profile: testkit::storage::Profile,
+        /// Only the critical paths and the mass reconnect.
+        #[arg(long)]
+        paths_only: bool,
+        /// Sandboxes per 90-s handoff state (attached and quiet, left >= 90 s ago; 0 skips their 95-s wait).
+        #[arg(long, default_value_t = 10)]
+        quiet_runs: usize,
+        /// Sandboxes of the mass reconnect (0 skips it).
+        #[arg(long, default_value_t = 30)]
+        mass_reconnect: usize,
     },
     /// The filesystem API: write and read round trips of a 4 KiB file on an
     /// attached socket, and a large upload and download (MB/s). Starts one
@@ -135,12 +150,20 @@ async fn main() -> ExitCode {
             economy_window_s,
             big_sandbox_mb,
             work_dir,
+            storage_profile,
+            paths_only,
+            quiet_runs,
+            mass_reconnect,
         } => {
             let bench = cluster::ClusterBench {
                 runs: runs.max(1),
                 economy_window: Duration::from_secs(economy_window_s),
                 big_sandbox_mb,
                 work_dir,
+                profile: storage_profile,
+                paths_only,
+                quiet_runs,
+                mass_reconnect,
             };
             cluster::run(&bench).await.map(|(series, figures)| {
                 print!("{}", series::render(&series));
