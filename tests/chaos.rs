@@ -1017,6 +1017,11 @@ async fn faults(
                 lock(&cluster.faulted).insert(instance.clone(), Instant::now());
                 lock(&cluster.slots)[slot].faults += 1;
                 signal(&servers[slot], "-KILL");
+                // Gone before its replacement binds the port: a killed
+                // process may hold its listener for a moment.
+                tokio::task::block_in_place(|| {
+                    let _ = servers[slot].child.wait();
+                });
                 let port = cluster.ports[slot];
                 let replacement =
                     start_instance(Some(&cluster), &dir, endpoint, port, slot, &mut generation)
