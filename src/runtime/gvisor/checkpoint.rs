@@ -191,7 +191,7 @@ impl GvisorRuntime {
             Err(err) => {
                 // Keep the image: it is the only copy of the sandbox. It goes
                 // where startup cleanup does not reach.
-                let kept = super::orphaned_checkpoints_dir(&self.config.state_dir)
+                let kept = super::housekeeping::orphaned_checkpoints_dir(&self.config.state_dir)
                     .join(format!("{}-{}.img", sandbox, request.checkpoint_id));
                 let moved = match kept.parent() {
                     Some(parent) => tokio::fs::create_dir_all(parent)
@@ -200,7 +200,7 @@ impl GvisorRuntime {
                     None => Err(std::io::Error::other("no parent directory")),
                 };
                 let kept_at = if moved.is_ok() { kept } else { image.clone() };
-                super::prune_orphaned_checkpoints(
+                super::housekeeping::prune_orphaned_checkpoints(
                     &self.config.state_dir,
                     self.config.orphaned_checkpoints_budget,
                 )

@@ -19,6 +19,7 @@
 
 mod checkpoint;
 mod executions;
+mod housekeeping;
 mod launch;
 mod owner;
 mod pool;
@@ -42,6 +43,7 @@ use super::delivery::DeliveryGate;
 use super::images::{check_cpu_features, host_cpu_features};
 use super::network::{HostNetwork, NetworkConfig, SandboxNetwork};
 use super::runsc::Runsc;
+use housekeeping::{owners_dir, prune_orphaned_checkpoints, sweep_temporaries};
 use owner::Owner;
 
 pub use pool::WarmPoolStats;
@@ -403,71 +405,4 @@ impl Drop for Reservation<'_> {
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&self.sandbox);
     }
-}
-/// Where the owner locks of the containers under `root` live (beside it:
-/// runsc reads every entry of its root).
-fn owners_dir(root: &std::path::Path) -> PathBuf {
-    let mut name = root.file_name().unwrap_or_default().to_owned();
-    name.push("-owners");
-    root.with_file_name(name)
-}
-
-/// Removes the snapshot archives in transit that a crashed server left in
-/// the state directory (issue 25: they stayed forever); a live server's, in a
-/// shared directory, are left alone.
-async fn sweep_temporaries(state_dir: &std::path::Path, owner: &Owner) {
-    let Ok(mut entries) = tokio::fs::read_dir(state_dir).await else {
-        return;
-    };
-    while let Ok(Some(entry)) = entries.next_entry().await {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with("snapshot-")
-            && name.ends_with(".tar.gz")
-            && owner.is_orphan_temporary("snapshot", &name)
-        {
-            tracing::info!(file = %entry.path().display(), "removing a snapshot temporary an earlier run left");
-            let _ = tokio::fs::remove_file(entry.path()).await;
-        }
-    }
-}
-
-/// Where images of checkpoints that could not be uploaded are kept.
-fn orphaned_checkpoints_dir(state_dir: &std::path::Path) -> PathBuf {
-    state_dir.join("orphaned-checkpoints")
-}
-
-/// Keeps the images of failed uploads within `budget` bytes, removing the
-/// oldest first (issue 25: each kept a whole memory image on local disk
-/// forever, and on Cloud Run local disk is memory). The newest image is kept
-/// even alone over the budget: it may be the only copy of a sandbox.
-pub(super) async fn prune_orphaned_checkpoints(state_dir: &std::path::Path, budget: u64) {
-    let dir = orphaned_checkpoints_dir(state_dir);
-    let Ok(mut entries) = tokio::fs::read_dir(&dir).await else {
-        return;
-    };
-    let mut images = Vec::new();
-    while let Ok(Some(entry)) = entries.next_entry().await {
-        if let Ok(meta) = entry.metadata().await
-            && meta.is_file()
-        {
-            let modified = meta.modified().unwrap_or(std::time::SystemTime::UNIX_EPOCH);
-            images.push((modified, meta.len(), entry.path()));
-        }
-    }
-    images.sort();
-    let mut total: u64 = images
-        .iter()
-        .map(|(_, size, _)| *size)
-        .fold(0, u64::saturating_add);
-    let newest = images.pop();
-    for (_, size, path) in images {
-        if total <= budget {
-            break;
-        }
-        tracing::warn!(image = %path.display(), size, budget, "removing the oldest image of a failed checkpoint upload (over the disk budget)");
-        if tokio::fs::remove_file(&path).await.is_ok() {
-            total = total.saturating_sub(size);
-        }
-    }
-    drop(newest);
 }
