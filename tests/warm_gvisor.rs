@@ -19,7 +19,7 @@ use controllers::runtime::{
     CheckpointRequest, Command, CreateOptions, ExecEvent, ExecRequest, SandboxRuntime,
 };
 use controllers::store::Store;
-use sandboxd::runtime::ready::{ReadyCommand, ReadyLanguage, ready_archive};
+use sandboxd::runtime::ready::{ReadyCommand, ReadyLanguage};
 use sandboxd::runtime::{GvisorRuntime, ImageCatalog, WarmPoolStats};
 use sandboxd::store::LocalStore;
 use serde_json::json;
@@ -312,11 +312,15 @@ async fn ready_template(command: &ReadyCommand) -> (tempfile::TempDir, ImageCata
     .unwrap();
     std::os::unix::fs::symlink(&default.digest, dir.path().join("default")).unwrap();
     let catalog = ImageCatalog::new(dir.path(), "default");
-    let archive = dir.path().join("ready.tar.gz");
-    ready_archive(command, &archive).await.unwrap();
-    sandboxd::runtime::templates::build_from_archive(&catalog, "ready", &default, &archive)
-        .await
-        .unwrap();
+    sandboxd::runtime::templates::ready_template(
+        &catalog,
+        "ready",
+        None,
+        command,
+        &dir.path().join(".scratch"),
+    )
+    .await
+    .unwrap();
     (dir, catalog)
 }
 

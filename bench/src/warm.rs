@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use sandboxd::client::{CreateOptions, Language, Sandbox};
-use sandboxd::runtime::ready::{ReadyCommand, ReadyLanguage, ready_archive};
+use sandboxd::runtime::ready::{ReadyCommand, ReadyLanguage};
 use serde_json::json;
 use testkit::storage::{Profile, StorageModel};
 use testkit::{Backend, Emulator, Launch, ServerProcess};
@@ -176,10 +176,14 @@ async fn build_template(images_dir: &Path, work_dir: &Path) -> anyhow::Result<()
             .to_owned(),
         timeout_s: Some(60),
     };
-    let archive = work_dir.join("bench-ready.tar.gz");
-    ready_archive(&command, &archive).await?;
-    sandboxd::runtime::templates::build_from_archive(&catalog, "bench-ready", &base, &archive)
-        .await?;
+    sandboxd::runtime::templates::ready_template(
+        &catalog,
+        "bench-ready",
+        Some(&base.digest),
+        &command,
+        &work_dir.join("scratch"),
+    )
+    .await?;
     Ok(())
 }
 

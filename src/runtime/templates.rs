@@ -1,5 +1,6 @@
 //! Templates from filesystem snapshots: a new image that is a base image plus
-//! a snapshot's files (seed 003's "create from an existing artifact").
+//! a snapshot's files (seed 003's "create from an existing artifact"); and
+//! ready templates, a base image plus a start command (`runtime::ready`).
 //!
 //! Sandboxes created on the template start with the snapshot's files already
 //! in their root filesystem: nothing is unpacked at create. The build is the
@@ -21,6 +22,7 @@ use tokio::process::Command;
 
 use super::catalog::{Image, ImageCatalog, ImageError, is_image_name};
 use super::images::download_verified;
+use super::ready::{ReadyCommand, ready_archive};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
@@ -90,6 +92,32 @@ pub async fn template_from_snapshot(
     let built = match downloaded {
         Ok(()) => build_from_archive(catalog, name, &base, &archive).await,
         Err(err) => Err(err),
+    };
+    let _ = tokio::fs::remove_file(&archive).await;
+    built
+}
+
+/// Builds the ready template `name`: `base` (the default image without
+/// one) plus `/etc/sandboxd/ready.json` naming `command`, which every
+/// instance runs once and then restores (`runtime::ready`). `scratch` holds
+/// the archive while it is built.
+pub async fn ready_template(
+    catalog: &ImageCatalog,
+    name: &str,
+    base: Option<&str>,
+    command: &ReadyCommand,
+    scratch: &Path,
+) -> Result<Image, TemplateError> {
+    let base = match base {
+        Some(base) => catalog.resolve(base)?,
+        None => catalog.default_image()?,
+    };
+    let io = |err: std::io::Error| TemplateError::Build(format!("the ready file's archive: {err}"));
+    tokio::fs::create_dir_all(scratch).await.map_err(io)?;
+    let archive = scratch.join(format!("ready-{}.tar.gz", uuid::Uuid::new_v4().simple()));
+    let built = match ready_archive(command, &archive).await {
+        Ok(()) => build_from_archive(catalog, name, &base, &archive).await,
+        Err(err) => Err(io(err)),
     };
     let _ = tokio::fs::remove_file(&archive).await;
     built

@@ -299,6 +299,33 @@ pub(crate) enum Command {
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
+    /// Build a ready template: an image (the default, or --base) whose start
+    /// command runs once per instance, is checkpointed there, and is
+    /// restored by every create of the image (its imports, globals and
+    /// processes already there). The command is ready when it exits 0.
+    /// Runs on a server's host (root), into its image directory.
+    #[command(
+        after_help = "Examples:\n  sandboxctl ready-template py-data --python 'import json, sqlite3'\n  sandboxctl ready-template web --bash 'setsid nohup python3 -m http.server 8000 >/dev/null 2>&1 & until curl -s localhost:8000 >/dev/null; do sleep 0.1; done'\n  sandboxctl create --image py-data"
+    )]
+    ReadyTemplate {
+        /// The new image's name.
+        name: String,
+        /// Python run as a cell of the sandbox's persistent session (its
+        /// globals stay for the user's cells).
+        #[arg(long, conflicts_with = "bash", required_unless_present = "bash")]
+        python: Option<String>,
+        /// Bash run with `bash -c` (start services detached, output redirected).
+        #[arg(long)]
+        bash: Option<String>,
+        /// Longest the command may take to report ready (default 300).
+        #[arg(long)]
+        timeout_s: Option<u64>,
+        /// Build on this image instead of the default.
+        #[arg(long)]
+        base: Option<String>,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
     /// Upload a sandbox image of this host to the checkpoint store, so any
     /// instance that needs it for a restore fetches it (once) instead of
     /// refusing. Nothing happens if the store has it already.

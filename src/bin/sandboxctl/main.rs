@@ -235,6 +235,44 @@ async fn main() -> ExitCode {
             Err(err) => fail(EXIT_REFUSED, &err.to_string()),
         };
     }
+    if let Command::ReadyTemplate {
+        name,
+        python,
+        bash,
+        timeout_s,
+        base,
+        runtime,
+    } = &cli.command
+    {
+        use sandboxd::runtime::ready::{ReadyCommand, ReadyLanguage};
+        let (language, code) = match (python, bash) {
+            (Some(code), _) => (ReadyLanguage::Python, code.clone()),
+            (None, Some(code)) => (ReadyLanguage::Bash, code.clone()),
+            (None, None) => return fail(EXIT_USAGE, "give --python or --bash"),
+        };
+        let command = ReadyCommand {
+            language,
+            code,
+            timeout_s: *timeout_s,
+        };
+        let catalog = runtime.images();
+        let scratch = sandboxd::runtime::templates::default_scratch(&catalog);
+        return match sandboxd::runtime::templates::ready_template(
+            &catalog,
+            name,
+            base.as_deref(),
+            &command,
+            &scratch,
+        )
+        .await
+        {
+            Ok(image) => {
+                println!("ready template {name} = {}", image.digest);
+                ExitCode::SUCCESS
+            }
+            Err(err) => fail(EXIT_REFUSED, &err.to_string()),
+        };
+    }
     if let Command::Template {
         name,
         from_snapshot,
