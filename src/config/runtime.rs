@@ -66,7 +66,7 @@ pub struct RuntimeArgs {
     /// Sandboxes of the default image (network `none`) kept booted ahead of
     /// demand, so a create takes one instead of waiting for a cold boot
     /// (0: none). Each costs its memory while it waits (docs/configuration.md).
-    #[arg(long, env = "SANDBOXD_WARM_POOL", default_value_t = 2)]
+    #[arg(long, env = "SANDBOXD_WARM_POOL", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=256), default_value_t = 2)]
     pub warm_pool: usize,
 }
 

@@ -193,8 +193,9 @@ impl GvisorRuntime {
             }
         }
         let containers = config.state_dir.join("containers");
-        // Ready templates' checkpoints are made again by this runsc.
-        let _ = tokio::fs::remove_dir_all(config.state_dir.join("ready")).await;
+        // Ready templates' checkpoints: this run's own directory; those of
+        // servers gone are removed (made again by whatever runsc comes next).
+        let ready = ready::ReadyTemplates::under(&config.state_dir, &owner).await;
         tokio::fs::create_dir_all(&containers)
             .await
             .map_err(|err| failed("cannot create the containers directory", &err))?;
@@ -234,7 +235,7 @@ impl GvisorRuntime {
             image_fetch: tokio::sync::Mutex::new(()),
             resumed: Mutex::new(HashMap::new()),
             pool: Arc::default(),
-            ready: ready::ReadyTemplates::default(),
+            ready,
         })
     }
 

@@ -1,14 +1,15 @@
 //! Ready templates on this host (`runtime::ready`): the first create of an
 //! image that names a start command boots a sandbox, runs the command until
 //! it exits 0, and checkpoints it into the runtime's state directory
-//! (`ready/<digest>/checkpoint.img`, never the bucket: the work is paid once
+//! (`ready/ready-<owner>-<uuid>.d/<digest>/checkpoint.img`, never the bucket: the work is paid once
 //! per instance and template); that create and every later one restore the
 //! checkpoint under a container of their own, as fast as any restore.
 //!
 //! The checkpoint is made once at a time per template (a create arriving
 //! while it is being made waits for it); one that fails leaves nothing, and
-//! the next create tries again. Startup hygiene clears the directory with the
-//! rest of the state, so a new runsc never restores an old one's image.
+//! the next create tries again. Each runtime has a directory of its own
+//! (tagged with its owner tag, `owner.rs`), and startup removes those of
+//! servers that are gone, so a new runsc never restores an old one's image.
 //!
 //! Only network `none`: an `egress` create of a ready template boots cold and
 //! runs the start command itself (its network namespace is its own).
@@ -23,6 +24,7 @@ use tokio::sync::OnceCell;
 
 use super::GvisorRuntime;
 use super::executions::exec_command;
+use super::owner::Owner;
 use crate::runtime::agent::AgentConnection;
 use crate::runtime::agent_protocol::{CheckpointReady, Request};
 use crate::runtime::catalog::Image;
@@ -40,9 +42,33 @@ pub(super) struct ReadyImage {
 }
 
 /// The templates prepared (or being prepared) here, by image digest.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct ReadyTemplates {
+    /// This runtime's own directory of checkpoints
+    /// (`<state>/ready/ready-<owner tag>-<uuid>.d/<digest>/`).
+    root: PathBuf,
     cells: Mutex<HashMap<String, Arc<OnceCell<ReadyImage>>>>,
+}
+
+impl ReadyTemplates {
+    /// A fresh directory for this runtime under `state_dir/ready`, after
+    /// removing those of servers that are gone (servers sharing the state
+    /// directory keep theirs).
+    pub(super) async fn under(state_dir: &std::path::Path, owner: &Owner) -> Self {
+        let parent = state_dir.join("ready");
+        if let Ok(mut entries) = tokio::fs::read_dir(&parent).await {
+            while let Ok(Some(entry)) = entries.next_entry().await {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if owner.is_orphan_temporary("ready", &name) {
+                    let _ = tokio::fs::remove_dir_all(entry.path()).await;
+                }
+            }
+        }
+        Self {
+            root: parent.join(owner.temporary("ready", "d")),
+            cells: Mutex::default(),
+        }
+    }
 }
 
 impl GvisorRuntime {
@@ -78,7 +104,7 @@ impl GvisorRuntime {
         let label = format!("(template {})", image.name);
         let (container_id, dir) = self.new_container(None, image)?;
         let agent = self.launch(&label, &container_id, &dir, None, None).await?;
-        let target = self.config.state_dir.join("ready").join(&image.digest);
+        let target = self.ready.root.join(&image.digest);
         let made = async {
             self.run_start_command(&agent, image, command).await?;
             let prepared = agent
