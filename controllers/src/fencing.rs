@@ -15,7 +15,7 @@ use std::fmt;
 
 use crate::api::{ApiObject, DecodeError, SandboxMetadata, decode, encode};
 use crate::store::{
-    Decision, Generation, ObjectKey, RmwError, Store, StoreError, read_modify_write,
+    Decision, Generation, ObjectKey, RmwError, Store, StoreError, Versioned, read_modify_write_from,
 };
 
 /// An API object that records the epoch of its last writer.
@@ -64,6 +64,26 @@ pub async fn fenced_update<T, E, F>(
     store: &dyn Store,
     key: &ObjectKey,
     writer_epoch: u64,
+    change: F,
+) -> Result<(T, Generation), FenceError<E>>
+where
+    T: Fenced,
+    E: fmt::Debug + fmt::Display,
+    F: FnMut(&mut T) -> Result<(), E>,
+{
+    fenced_update_from(store, key, None, writer_epoch, change).await
+}
+
+/// [`fenced_update`] starting from the object as the caller read (or wrote)
+/// it moments ago, with its generation: the fence is checked on exactly
+/// that content, and a write in between fails the precondition and sends
+/// the loop back to a fresh read, so the guarantee is the same with one
+/// round trip less.
+pub async fn fenced_update_from<T, E, F>(
+    store: &dyn Store,
+    key: &ObjectKey,
+    known: Option<Versioned>,
+    writer_epoch: u64,
     mut change: F,
 ) -> Result<(T, Generation), FenceError<E>>
 where
@@ -71,7 +91,7 @@ where
     E: fmt::Debug + fmt::Display,
     F: FnMut(&mut T) -> Result<(), E>,
 {
-    let outcome = read_modify_write(store, key, |current| {
+    let outcome = read_modify_write_from(store, key, known, |current| {
         let current = current.ok_or_else(|| FenceError::Store(StoreError::not_found(key)))?;
         let mut object: T = decode(&current.data).map_err(|source| FenceError::Invalid {
             key: key.to_string(),

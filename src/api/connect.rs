@@ -19,7 +19,9 @@ use controllers::api::{
     DEFAULT_WORKSPACE_TEMPLATE, DesiredState, Phase, SandboxId, SandboxMetadata, WorkspaceSpec,
     is_resource_name,
 };
-use controllers::sandboxes::{ControlError, ForkPoint, SandboxController, SandboxEvent};
+use controllers::sandboxes::{
+    AttachRead, ControlError, ForkPoint, SandboxController, SandboxEvent,
+};
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
@@ -390,8 +392,10 @@ async fn serve_attach(
         Ok(controller) => controller,
         Err(message) => return fatal(Status::Error, message).await,
     };
-    let metadata = match controller.read(&id).await {
-        Ok(Some(metadata)) => metadata,
+    // Metadata and lock at once: an attach that moves the sandbox here
+    // writes both next, conditional on what it read here.
+    let read = match controller.read_for_attach(&id).await {
+        Ok(Some(read)) => read,
         Ok(None) => return not_found().await,
         Err(err) => {
             return fatal(
@@ -401,6 +405,7 @@ async fn serve_attach(
             .await;
         }
     };
+    let metadata = read.metadata.0.clone();
     if !token::matches(&token, &metadata.spec.token_sha256) {
         return fatal(
             Status::PermissionDenialError,
@@ -443,7 +448,7 @@ async fn serve_attach(
             &controller,
             &out,
             &mut progress,
-            &metadata,
+            read,
             checkpoint.as_deref(),
         )
         .await
@@ -518,10 +523,11 @@ pub(super) async fn restore(
     controller: &Arc<SandboxController>,
     out: &Out,
     events: &mut broadcast::Receiver<SandboxEvent>,
-    metadata: &SandboxMetadata,
+    read: AttachRead,
     checkpoint: Option<&str>,
 ) -> Result<(), RestoreRefused> {
-    let id = &metadata.sandbox_id;
+    let id = &read.metadata.0.sandbox_id.clone();
+    let handoff = read.metadata.0.spec.enable_sandbox_handoff;
     if controller.is_held_here(id) {
         // A named checkpoint replaces the running sandbox: checkpoint the
         // current state first, like any other move.
@@ -532,10 +538,10 @@ pub(super) async fn restore(
     }
     out.status(Status::Restoring).await;
     controller
-        .request_here(id, checkpoint, chrono::Utc::now())
+        .request_here_from(read, checkpoint, chrono::Utc::now())
         .await
         .map_err(RestoreRefused::Request)?;
-    match await_running(out, events, metadata.spec.enable_sandbox_handoff).await {
+    match await_running(out, events, handoff).await {
         Ok(()) => Ok(()),
         Err(not_started) => {
             let _ = controller.withdraw_request(id).await;

@@ -4,7 +4,7 @@
 use chrono::{DateTime, Duration, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::{API_VERSION, ApiObject, ExtraFields, InstanceId};
+use super::{API_VERSION, ApiObject, CheckpointManifest, CheckpointRef, ExtraFields, InstanceId};
 
 /// The lease document.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -25,6 +25,18 @@ pub struct Lease {
     /// The attach intent: which instance wants to run the sandbox next.
     #[serde(default)]
     pub wanted_by: Option<AttachIntent>,
+    /// The checkpoint the last holder left the sandbox at, written in the
+    /// same write that released or transferred the hold (decision 16): the
+    /// next holder restores the newer of this and `metadata.json`'s
+    /// `status.latest_checkpoint` without waiting for, or re-reading, the
+    /// record in `metadata.json`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<CheckpointRef>,
+    /// That checkpoint's manifest, so the next holder restores without
+    /// reading `manifest.json` first. Ignored unless it describes
+    /// `checkpoint`'s image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_manifest: Option<CheckpointManifest>,
     #[serde(flatten)]
     pub extra: ExtraFields,
 }
@@ -60,6 +72,8 @@ impl Lease {
             renewed_at: None,
             lease_duration_s,
             wanted_by: None,
+            checkpoint: None,
+            checkpoint_manifest: None,
             extra: ExtraFields::new(),
         }
     }
@@ -98,6 +112,29 @@ impl Lease {
         self.wanted_by
             .as_ref()
             .filter(|intent| intent.expires_at > now)
+    }
+
+    /// The live attach intent of an instance other than `me`: the one
+    /// predicate for "wanted elsewhere".
+    pub fn wanted_elsewhere(&self, me: &InstanceId, now: DateTime<Utc>) -> Option<&AttachIntent> {
+        self.live_intent(now)
+            .filter(|intent| &intent.instance != me)
+    }
+
+    /// True if `me`'s attach intent is the live one.
+    pub fn wanted_by_me(&self, me: &InstanceId, now: DateTime<Utc>) -> bool {
+        self.live_intent(now)
+            .is_some_and(|intent| &intent.instance == me)
+    }
+
+    /// The manifest carried with `checkpoint`, if it describes that image.
+    pub fn carried_manifest(&self) -> Option<&CheckpointManifest> {
+        let reference = self.checkpoint.as_ref()?;
+        self.checkpoint_manifest.as_ref().filter(|manifest| {
+            manifest.image.key == reference.path
+                && manifest.image.sha256 == reference.sha256
+                && manifest.image.size == reference.size
+        })
     }
 }
 

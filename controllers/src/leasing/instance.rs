@@ -18,6 +18,7 @@
 //! arrive twice; the holder's periodic resync reads every held sandbox's JSON
 //! anyway, so a lost ring costs time, never correctness.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use chrono::{DateTime, Duration, Utc};
@@ -41,6 +42,22 @@ struct OwnLease {
     era: u64,
 }
 
+/// Rings waiting to be written to one other instance's doorbell.
+#[derive(Debug, Default)]
+struct Outbox {
+    /// Sandboxes rung since the last write began.
+    pending: Vec<SandboxId>,
+    /// A ringer is writing (or waiting for the spacing): it takes `pending`.
+    writing: bool,
+    /// Batches written so far; a ringer whose sandbox went into batch `n`
+    /// is done when this reaches `n`.
+    written: u64,
+    /// When the last batch was written (tokio time: spacing only).
+    last_write: Option<tokio::time::Instant>,
+    /// The outcome of the latest batch, for the ringers that joined it.
+    last_error: Option<String>,
+}
+
 /// This instance's lease and doorbell.
 #[derive(Debug, Clone)]
 pub struct InstanceLeases {
@@ -49,6 +66,10 @@ pub struct InstanceLeases {
     instance: InstanceId,
     config: LeaseConfig,
     own: Arc<Mutex<OwnLease>>,
+    /// Per other instance: rings not yet written, coalesced.
+    outboxes: Arc<Mutex<HashMap<InstanceId, Outbox>>>,
+    /// Signalled whenever a batch of rings is written.
+    rings_written: Arc<tokio::sync::Notify>,
 }
 
 impl InstanceLeases {
@@ -64,6 +85,8 @@ impl InstanceLeases {
             instance,
             config,
             own: Arc::new(Mutex::new(OwnLease::default())),
+            outboxes: Arc::default(),
+            rings_written: Arc::default(),
         }
     }
 
@@ -165,16 +188,95 @@ impl InstanceLeases {
         }
     }
 
-    /// Rings `holder`'s doorbell for `sandbox`, as this instance.
+    /// Rings `holder`'s doorbell for `sandbox`, as this instance. Rings to
+    /// one holder are coalesced: while a write to its doorbell is in flight,
+    /// or within `ring_spacing` of the last one, further rings join the
+    /// next write (one write for all of them), so a burst of attaches never
+    /// writes one object faster than GCS allows. Returns once a write that
+    /// includes `sandbox` has landed (or failed).
     pub async fn ring(&self, holder: &InstanceId, sandbox: &SandboxId) -> Result<(), LeaseError> {
-        ring_doorbell(
-            self.store.as_ref(),
-            self.clock.now(),
-            holder,
-            sandbox,
-            self.instance.as_str(),
-        )
-        .await
+        let (batch, writer) = {
+            let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
+            let outbox = outboxes.entry(holder.clone()).or_default();
+            if !outbox.pending.contains(sandbox) {
+                outbox.pending.push(sandbox.clone());
+            }
+            let writer = !outbox.writing;
+            outbox.writing = true;
+            (outbox.written + 1, writer)
+        };
+        if writer {
+            // Its own task: a ringer that is cancelled must not leave the
+            // others waiting for a write nobody makes.
+            let (leases, holder) = (self.clone(), holder.clone());
+            tokio::spawn(async move { leases.write_rings(&holder).await });
+        }
+        loop {
+            let notified = self.rings_written.notified();
+            {
+                let outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
+                match outboxes.get(holder) {
+                    Some(outbox) if outbox.written >= batch => {
+                        return match &outbox.last_error {
+                            None => Ok(()),
+                            Some(err) => Err(LeaseError::Ring {
+                                holder: holder.clone(),
+                                detail: err.clone(),
+                            }),
+                        };
+                    }
+                    Some(_) => {}
+                    None => return Ok(()),
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// The writer's loop: waits for the spacing, writes everything pending
+    /// in one ring, and goes on while more arrived meanwhile.
+    async fn write_rings(&self, holder: &InstanceId) {
+        loop {
+            let last_write = self
+                .outboxes
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(holder)
+                .and_then(|outbox| outbox.last_write);
+            if let Some(last) = last_write {
+                tokio::time::sleep_until(last + self.config.ring_spacing).await;
+            }
+            let pending = {
+                let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
+                let outbox = outboxes.entry(holder.clone()).or_default();
+                std::mem::take(&mut outbox.pending)
+            };
+            let outcome = ring_doorbell_many(
+                self.store.as_ref(),
+                self.clock.now(),
+                holder,
+                &pending,
+                self.instance.as_str(),
+            )
+            .await;
+            let more = {
+                let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
+                let outbox = outboxes.entry(holder.clone()).or_default();
+                outbox.written += 1;
+                outbox.last_write = Some(tokio::time::Instant::now());
+                outbox.last_error = outcome.err().map(|err| err.to_string());
+                if outbox.pending.is_empty() {
+                    outbox.writing = false;
+                    false
+                } else {
+                    true
+                }
+            };
+            self.rings_written.notify_waiters();
+            if !more {
+                return;
+            }
+        }
     }
 }
 
@@ -207,17 +309,30 @@ pub async fn ring_doorbell(
     sandbox: &SandboxId,
     by: &str,
 ) -> Result<(), LeaseError> {
+    ring_doorbell_many(store, now, holder, std::slice::from_ref(sandbox), by).await
+}
+
+/// [`ring_doorbell`] for several sandboxes in one write.
+async fn ring_doorbell_many(
+    store: &dyn Store,
+    now: DateTime<Utc>,
+    holder: &InstanceId,
+    sandboxes: &[SandboxId],
+    by: &str,
+) -> Result<(), LeaseError> {
     let key = doorbell_key(holder);
     let outcome = read_modify_write(store, &key, |current| {
         let mut bell = current
             .and_then(|object| decode::<Doorbell>(&object.data).ok())
             .unwrap_or_default();
-        bell.ring(Ring {
-            sandbox: sandbox.clone(),
-            rung_at: now,
-            by: by.to_owned(),
-            extra: ExtraFields::new(),
-        });
+        for sandbox in sandboxes {
+            bell.ring(Ring {
+                sandbox: sandbox.clone(),
+                rung_at: now,
+                by: by.to_owned(),
+                extra: ExtraFields::new(),
+            });
+        }
         Ok::<_, std::convert::Infallible>(Decision::Write(encode(&bell), ()))
     })
     .await;

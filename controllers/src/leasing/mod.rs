@@ -31,11 +31,14 @@ use std::sync::Arc;
 use chrono::{DateTime, Duration, Utc};
 
 use crate::api::{
-    AttachIntent, DecodeError, ExtraFields, InstanceId, Lease, SandboxId, decode, encode,
+    AttachIntent, CheckpointManifest, CheckpointRef, DecodeError, ExtraFields, InstanceId, Lease,
+    SandboxId, decode, encode,
 };
 use crate::clock::Clock;
 use crate::layout::lock_key;
-use crate::store::{Decision, Generation, RmwError, Store, StoreError, read_modify_write};
+use crate::store::{
+    Decision, Generation, PutMode, RmwError, Store, StoreError, Versioned, read_modify_write_from,
+};
 
 mod instance;
 
@@ -50,6 +53,11 @@ pub struct LeaseConfig {
     pub skew_tolerance: Duration,
     /// How long an attach intent stays live.
     pub intent_ttl: Duration,
+    /// The least time between two writes of this instance to one other
+    /// instance's doorbell: rings in between are coalesced into the next
+    /// write, so a mass reconnect stays under GCS's per-object write rate
+    /// (about one a second). The first ring after a quiet spell goes at once.
+    pub ring_spacing: std::time::Duration,
 }
 
 impl Default for LeaseConfig {
@@ -58,6 +66,7 @@ impl Default for LeaseConfig {
             duration: Duration::seconds(15),
             skew_tolerance: Duration::seconds(2),
             intent_ttl: Duration::seconds(60),
+            ring_spacing: std::time::Duration::from_secs(1),
         }
     }
 }
@@ -111,8 +120,24 @@ pub enum LeaseError {
     InvalidObject { key: String, source: DecodeError },
     #[error("{key} kept changing under {attempts} attempts to write it")]
     ContendedObject { key: String, attempts: usize },
+    #[error("cannot ring {holder}'s doorbell: {detail}")]
+    Ring { holder: InstanceId, detail: String },
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// A `lock.json` as read moments ago, with its generation: the lease
+/// operations start from it instead of reading again (the write's
+/// precondition catches any change in between).
+pub type ReadLease = (Lease, Generation);
+
+/// What became of a hold given back after its checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HandBack {
+    /// Nobody wanted it elsewhere: `holder: null`.
+    Released,
+    /// Another instance's live intent: the hold is now theirs at `epoch`.
+    TransferredTo { instance: InstanceId, epoch: u64 },
 }
 
 /// What a read-modify-write step decided.
@@ -220,17 +245,44 @@ impl Leases {
     /// the same epoch comes back.
     /// Clears `wanted_by` when it names this instance (the intent is fulfilled).
     pub async fn acquire(&self, sandbox: &SandboxId) -> Result<HeldLease, LeaseError> {
-        self.ensure_instance_lease().await?;
+        let read = self.read(sandbox).await?;
+        self.acquire_from(sandbox, read).await
+    }
+
+    /// [`Self::acquire`] from the lock as read moments ago (`None`: it did
+    /// not exist). The instance lease is made to vouch at the same time: the
+    /// lock's own `renewed_at` covers the hold until it does.
+    pub async fn acquire_from(
+        &self,
+        sandbox: &SandboxId,
+        read: Option<ReadLease>,
+    ) -> Result<HeldLease, LeaseError> {
         // Whose hold may be taken: a holder whose lock and instance lease
-        // have both expired. Decided on the lock as read here; the write
-        // below re-reads it and only takes over that same, still-expired hold.
-        let gone = match self.read(sandbox).await? {
-            Some((lease, _)) if self.holder_gone(&lease).await? => {
-                lease.holder.map(|holder| (holder, lease.epoch))
+        // have both expired. Decided on the lock as read; the write below
+        // only takes over that same, still-expired hold (a change in between
+        // fails its precondition and it decides again on a fresh read).
+        let gone = match &read {
+            Some((lease, _)) if self.holder_gone(lease).await? => {
+                lease.holder.clone().map(|holder| (holder, lease.epoch))
             }
             _ => None,
         };
-        self.modify(sandbox, |existing, now| {
+        let (ensured, acquired) = tokio::join!(
+            self.ensure_instance_lease(),
+            self.acquire_write(sandbox, read, gone)
+        );
+        ensured?;
+        let (epoch, lease, generation) = acquired?;
+        self.held(sandbox, epoch, &lease, generation)
+    }
+
+    async fn acquire_write(
+        &self,
+        sandbox: &SandboxId,
+        read: Option<ReadLease>,
+        gone: Option<(InstanceId, u64)>,
+    ) -> Result<(u64, Lease, Generation), LeaseError> {
+        self.modify_from(sandbox, read, |existing, now| {
             let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
             if lease.is_held_by(&self.instance) {
                 // Already ours: renew rather than trust a possibly expired lease.
@@ -279,7 +331,90 @@ impl Leases {
             Ok(Step::Write(lease, epoch))
         })
         .await
-        .and_then(|(epoch, lease, generation)| self.held(sandbox, epoch, &lease, generation))
+    }
+
+    /// Writes the lock of a brand-new sandbox already held by this instance
+    /// at epoch 1, only if no lock exists (`ifGenerationMatch=0`): a create
+    /// is its own acquisition. `None`: a lock exists (the caller falls back
+    /// to an intent). The instance lease is made to vouch at the same time.
+    pub async fn create_held(&self, sandbox: &SandboxId) -> Result<Option<HeldLease>, LeaseError> {
+        let now = self.clock.now();
+        let mut lease = self.fresh_lease();
+        lease.holder = Some(self.instance.clone());
+        lease.epoch = 1;
+        lease.acquired_at = Some(now);
+        lease.renewed_at = Some(now);
+        let key = lock_key(sandbox);
+        let (ensured, written) = tokio::join!(
+            self.ensure_instance_lease(),
+            self.store.put(&key, encode(&lease), PutMode::Create)
+        );
+        let generation = match written {
+            Ok(generation) => generation,
+            Err(StoreError::PreconditionFailed { .. }) => return Ok(None),
+            Err(err) => return Err(err.into()),
+        };
+        ensured?;
+        self.held(sandbox, 1, &lease, generation).map(Some)
+    }
+
+    /// Takes up a hold another instance transferred to this one (or that a
+    /// create or attach of this instance wrote), as read at `generation`.
+    pub async fn adopt(
+        &self,
+        sandbox: &SandboxId,
+        lease: &Lease,
+        generation: Generation,
+    ) -> Result<HeldLease, LeaseError> {
+        if !lease.is_held_by(&self.instance) {
+            return Err(LeaseError::Lost {
+                sandbox: sandbox.clone(),
+                epoch: lease.epoch,
+                holder: lease.holder.clone(),
+                current_epoch: lease.epoch,
+            });
+        }
+        self.ensure_instance_lease().await?;
+        self.held(sandbox, lease.epoch, lease, generation)
+    }
+
+    /// Gives a hold back after its checkpoint, carrying the checkpoint in
+    /// the lock: to the instance whose live intent names it (a transfer:
+    /// `holder` = that instance, `epoch + 1`, in this one write), or to
+    /// nobody. Starts from `read` (the lock as this pass read it) when given.
+    pub async fn hand_back(
+        &self,
+        held: &HeldLease,
+        read: Option<ReadLease>,
+        checkpoint: &CheckpointRef,
+        manifest: &CheckpointManifest,
+    ) -> Result<HandBack, LeaseError> {
+        self.modify_from(&held.sandbox, read, |existing, now| {
+            let mut lease = self.still_mine(held, existing)?;
+            lease.checkpoint = Some(checkpoint.clone());
+            lease.checkpoint_manifest = Some(manifest.clone());
+            let outcome = match lease.wanted_elsewhere(&self.instance, now).cloned() {
+                Some(intent) => {
+                    lease.holder = Some(intent.instance.clone());
+                    lease.epoch += 1;
+                    lease.acquired_at = Some(now);
+                    lease.renewed_at = Some(now);
+                    lease.lease_duration_s = self.duration_secs();
+                    lease.wanted_by = None;
+                    HandBack::TransferredTo {
+                        instance: intent.instance,
+                        epoch: lease.epoch,
+                    }
+                }
+                None => {
+                    lease.holder = None;
+                    HandBack::Released
+                }
+            };
+            Ok(Step::Write(lease, outcome))
+        })
+        .await
+        .map(|(outcome, _, _)| outcome)
     }
 
     /// Extends a held lease. Fails with `Lost` if another instance took it or an
@@ -343,8 +478,17 @@ impl Leases {
     /// configured TTL. Creates an unheld lock if the sandbox has none.
     /// Rings the holder's doorbell so it hands the sandbox over at once.
     pub async fn request_attach(&self, sandbox: &SandboxId) -> Result<AttachIntent, LeaseError> {
+        self.request_attach_from(sandbox, None).await
+    }
+
+    /// [`Self::request_attach`] from the lock as read moments ago.
+    pub async fn request_attach_from(
+        &self,
+        sandbox: &SandboxId,
+        read: Option<ReadLease>,
+    ) -> Result<AttachIntent, LeaseError> {
         let written = self
-            .modify(sandbox, |existing, now| {
+            .modify_from(sandbox, read, |existing, now| {
                 let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
                 let intent = AttachIntent {
                     instance: self.instance.clone(),
@@ -358,13 +502,20 @@ impl Leases {
             .await
             .map(|(intent, lease, _)| (intent, lease))?;
         let (intent, lease) = written;
-        if let Some(holder) = lease.holder.as_ref().filter(|h| *h != &self.instance) {
-            // The holder learns at once; if the ring is lost, at its resync.
-            if let Err(err) = self.instance_lease.ring(holder, sandbox).await {
-                tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder's doorbell");
-            }
-        }
+        self.ring_holder(sandbox, &lease).await;
         Ok(intent)
+    }
+
+    /// Rings the doorbell of `lease`'s holder for `sandbox` when that is
+    /// another instance, so an intent written here takes effect there at
+    /// once: the one place an intent's writer rings. A failure is logged:
+    /// the holder's resync (or the waiter's re-ring) catches up.
+    pub async fn ring_holder(&self, sandbox: &SandboxId, lease: &Lease) {
+        if let Some(holder) = lease.holder.as_ref().filter(|h| *h != &self.instance)
+            && let Err(err) = self.instance_lease.ring(holder, sandbox).await
+        {
+            tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder's doorbell");
+        }
     }
 
     /// Withdraws this instance's attach intent, if it is still the current one.
@@ -438,11 +589,25 @@ impl Leases {
     async fn modify<T>(
         &self,
         sandbox: &SandboxId,
+        decide: impl FnMut(Option<Lease>, DateTime<Utc>) -> Result<Step<T>, LeaseError>,
+    ) -> Result<(T, Lease, Generation), LeaseError> {
+        self.modify_from(sandbox, None, decide).await
+    }
+
+    /// [`Self::modify`] starting from the lock as read moments ago.
+    async fn modify_from<T>(
+        &self,
+        sandbox: &SandboxId,
+        read: Option<ReadLease>,
         mut decide: impl FnMut(Option<Lease>, DateTime<Utc>) -> Result<Step<T>, LeaseError>,
     ) -> Result<(T, Lease, Generation), LeaseError> {
         let key = lock_key(sandbox);
         let now = || self.clock.now();
-        let outcome = read_modify_write(self.store.as_ref(), &key, |current| {
+        let known = read.map(|(lease, generation)| Versioned {
+            data: encode(&lease),
+            generation,
+        });
+        let outcome = read_modify_write_from(self.store.as_ref(), &key, known, |current| {
             let existing =
                 match current {
                     Some(object) => Some(decode::<Lease>(&object.data).map_err(|source| {

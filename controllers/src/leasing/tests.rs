@@ -28,6 +28,7 @@ fn leases(store: &Arc<MemoryStore>, clock: &ManualClock, name: &str) -> Leases {
             duration: Duration::seconds(30),
             skew_tolerance: Duration::seconds(5),
             intent_ttl: Duration::seconds(60),
+            ring_spacing: std::time::Duration::ZERO,
         },
     )
 }

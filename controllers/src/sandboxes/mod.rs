@@ -16,8 +16,8 @@ pub use events::{
 };
 pub use metrics::{Histogram, Metrics};
 pub use reconciler::{
-    ForkError, ForkPoint, HandoffPolicy, ReconcileError, Reconciler, ReconcilerConfig,
-    ReconcilerParts, Requeue, delete_checkpoint_objects,
+    AttachRead, ForkError, ForkPoint, HandoffPolicy, ReadMetadata, ReconcileError, Reconciler,
+    ReconcilerConfig, ReconcilerParts, Requeue, delete_checkpoint_objects,
 };
 pub use workqueue::WorkQueue;
 

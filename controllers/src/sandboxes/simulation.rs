@@ -152,7 +152,10 @@ impl Sim {
             sandboxes: (1..=SANDBOXES).map(SandboxId::from_u128).collect(),
             seen: HashMap::new(),
             acknowledged: HashMap::new(),
-            lease: LeaseConfig::default(),
+            lease: LeaseConfig {
+                ring_spacing: std::time::Duration::ZERO,
+                ..LeaseConfig::default()
+            },
         };
         for _ in 0..3 {
             let node = sim.node();
@@ -596,4 +599,15 @@ async fn simulation_soak() {
     for seed in 0..seeds {
         run_seed(seed).await;
     }
+}
+
+/// One seed, to study a failure: `SIM_SEED=686 cargo test -p controllers
+/// --features testing --lib one_seed` (seed 0 by default).
+#[tokio::test]
+async fn one_seed() {
+    let seed: u64 = std::env::var("SIM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    run_seed(seed).await;
 }

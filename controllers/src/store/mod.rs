@@ -23,7 +23,9 @@ pub use counting::{
     StorageBill,
 };
 pub use key::{InvalidKey, ObjectKey};
-pub use rmw::{Decision, MAX_CONFLICT_RETRIES, RmwError, read_modify_write};
+pub use rmw::{
+    Decision, MAX_CONFLICT_RETRIES, RmwError, read_modify_write, read_modify_write_from,
+};
 
 use std::fmt;
 use std::path::PathBuf;

@@ -45,13 +45,29 @@ pub enum RmwError<E> {
 pub async fn read_modify_write<T, E>(
     store: &dyn Store,
     key: &ObjectKey,
+    decide: impl FnMut(Option<&Versioned>) -> Result<Decision<T>, E>,
+) -> Result<(T, Option<Generation>), RmwError<E>> {
+    read_modify_write_from(store, key, None, decide).await
+}
+
+/// [`read_modify_write`] starting from an object the caller read moments
+/// ago (`known`, with its generation) instead of reading it again: one round
+/// trip less when nobody wrote in between, and exactly the same outcome when
+/// somebody did (the write's precondition fails and the loop reads afresh).
+pub async fn read_modify_write_from<T, E>(
+    store: &dyn Store,
+    key: &ObjectKey,
+    mut known: Option<Versioned>,
     mut decide: impl FnMut(Option<&Versioned>) -> Result<Decision<T>, E>,
 ) -> Result<(T, Option<Generation>), RmwError<E>> {
     for _ in 0..MAX_CONFLICT_RETRIES {
-        let current = match store.get(key).await {
-            Ok(current) => Some(current),
-            Err(StoreError::NotFound { .. }) => None,
-            Err(err) => return Err(RmwError::Store(err)),
+        let current = match known.take() {
+            Some(known) => Some(known),
+            None => match store.get(key).await {
+                Ok(current) => Some(current),
+                Err(StoreError::NotFound { .. }) => None,
+                Err(err) => return Err(RmwError::Store(err)),
+            },
         };
         let read = current.as_ref().map(|c| c.generation);
         match decide(current.as_ref()).map_err(RmwError::Rejected)? {

@@ -11,30 +11,84 @@ use crate::api::{
     decode, encode,
 };
 use crate::layout::metadata_key;
-use crate::store::{Decision, PutMode, RmwError, StoreError, read_modify_write};
+use crate::leasing::LeaseError;
+use crate::store::{Decision, PutMode, RmwError, StoreError, read_modify_write_from};
 
-use super::super::reconciler::{ForkPoint, ReconcileError};
+use super::super::reconciler::{AttachRead, ForkPoint, ReadMetadata, ReconcileError};
 use super::{ControlError, SandboxController};
 
 impl SandboxController {
     /// Records a new sandbox (desired running) and asks for it here.
+    ///
+    /// A create is its own acquisition (decision 16): `metadata.json` and a
+    /// `lock.json` held by this instance at epoch 1 are written at once,
+    /// each only if absent, and the pass that starts it decides on what was
+    /// written without reading it back. If a lock exists already (nothing
+    /// else could have written one for a fresh id but an operator), the
+    /// create falls back to an attach intent.
     pub async fn create(&self, metadata: &SandboxMetadata) -> Result<(), ControlError> {
         let sandbox = &metadata.sandbox_id;
-        match self
-            .reconciler
-            .metadata_store()
-            .put(&metadata_key(sandbox), encode(metadata), PutMode::Create)
-            .await
-        {
-            Ok(_) => {}
-            Err(StoreError::PreconditionFailed { .. }) => {
-                return Err(ControlError::AlreadyExists(sandbox.clone()));
+        let leases = self.reconciler.leases();
+        let key = metadata_key(sandbox);
+        let (written, held) = tokio::join!(
+            self.reconciler
+                .metadata_store()
+                .put(&key, encode(metadata), PutMode::Create),
+            leases.create_held(sandbox)
+        );
+        let generation = match written {
+            Ok(generation) => generation,
+            Err(err) => {
+                if let Ok(Some(held)) = &held
+                    && let Err(release) = leases.release(held).await
+                {
+                    tracing::warn!(%sandbox, %release, "cannot release the lock of a create that failed");
+                }
+                return Err(match err {
+                    StoreError::PreconditionFailed { .. } => {
+                        ControlError::AlreadyExists(sandbox.clone())
+                    }
+                    err => err.into(),
+                });
             }
-            Err(err) => return Err(err.into()),
+        };
+        match held? {
+            Some(held) => {
+                self.reconciler.mark_waiting(sandbox);
+                self.reconciler.prime(
+                    sandbox,
+                    (metadata.clone(), generation),
+                    Some((held.lease, held.generation)),
+                );
+            }
+            None => {
+                self.reconciler
+                    .remember_metadata(sandbox, metadata, generation);
+                leases.request_attach(sandbox).await?;
+            }
         }
-        self.reconciler.leases().request_attach(sandbox).await?;
         self.enqueue(sandbox);
         Ok(())
+    }
+
+    /// Reads what an attach needs, both objects at once: `metadata.json`
+    /// (the token, the options) and `lock.json` (who holds it). `None`: the
+    /// sandbox does not exist.
+    pub async fn read_for_attach(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<Option<AttachRead>, ControlError> {
+        let (metadata, lock) = tokio::join!(
+            self.reconciler.read_metadata_versioned(sandbox),
+            self.reconciler.leases().read(sandbox)
+        );
+        let Some(metadata) = metadata? else {
+            return Ok(None);
+        };
+        Ok(Some(AttachRead {
+            metadata,
+            lock: lock?,
+        }))
     }
 
     /// Records `metadata` (a new sandbox) as a fork of `source` at `point`
@@ -79,7 +133,26 @@ impl SandboxController {
         checkpoint: Option<&str>,
         now: chrono::DateTime<chrono::Utc>,
     ) -> Result<(), ControlError> {
-        self.update_spec(sandbox, |spec| {
+        let read = self.read_for_attach(sandbox).await?;
+        let read = read.ok_or_else(|| ControlError::NotFound(sandbox.clone()))?;
+        self.request_here_from(read, checkpoint, now).await
+    }
+
+    /// [`Self::request_here`] from the objects the caller just read (with
+    /// [`Self::read_for_attach`]): the spec and the lock are written at
+    /// once, each conditional on what was read. A lock nobody holds or
+    /// wants is taken in the same write (the intent fulfilled at once: the
+    /// pass adopts it); otherwise the intent goes into `wanted_by` and the
+    /// holder is rung.
+    pub async fn request_here_from(
+        &self,
+        read: AttachRead,
+        checkpoint: Option<&str>,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), ControlError> {
+        let sandbox = read.metadata.0.sandbox_id.clone();
+        let sandbox = &sandbox;
+        let change = |spec: &mut SandboxSpec| {
             spec.desired_state = DesiredState::Running;
             if let Some(name) = checkpoint {
                 spec.restore_request = Some(RestoreRequest {
@@ -87,10 +160,43 @@ impl SandboxController {
                     requested_at: now,
                 });
             }
-        })
-        .await?;
+        };
+        let leases = self.reconciler.leases();
+        let me = leases.instance().clone();
         self.reconciler.mark_waiting(sandbox);
-        self.reconciler.leases().request_attach(sandbox).await?;
+        let free = read.lock.as_ref().is_none_or(|(lease, _)| {
+            lease.holder.is_none() && lease.wanted_elsewhere(&me, now).is_none()
+        });
+        let lock_write = async {
+            if free {
+                match leases.acquire_from(sandbox, read.lock.clone()).await {
+                    Ok(held) => return Ok(Some((held.lease, held.generation))),
+                    Err(LeaseError::HeldByOther { .. } | LeaseError::WantedByOther { .. }) => {}
+                    Err(err) => return Err(err),
+                }
+            }
+            leases
+                .request_attach_from(sandbox, read.lock.clone())
+                .await
+                .map(|_| None)
+        };
+        let (spec, taken) = tokio::join!(
+            self.update_spec_from(sandbox, Some(&read.metadata), change),
+            lock_write
+        );
+        match (spec, taken) {
+            (Ok(written), Ok(Some(lock))) => {
+                self.reconciler.prime(sandbox, written, Some(lock));
+            }
+            (Ok(_), Ok(None)) => {}
+            (Err(err), _) => {
+                // A hold taken for a spec that could not be written is
+                // released by the pass (an orphan).
+                self.enqueue(sandbox);
+                return Err(err);
+            }
+            (Ok(_), Err(err)) => return Err(err.into()),
+        }
         self.enqueue(sandbox);
         Ok(())
     }
@@ -108,13 +214,21 @@ impl SandboxController {
         desired: DesiredState,
         checkpoint_name: Option<&str>,
     ) -> Result<(), ControlError> {
-        self.update_spec(sandbox, |spec| {
-            spec.desired_state = desired;
-            if desired == DesiredState::Checkpointed {
-                spec.checkpoint_name = checkpoint_name.map(str::to_owned);
-            }
-        })
-        .await?;
+        let written = self
+            .update_spec(sandbox, |spec| {
+                spec.desired_state = desired;
+                if desired == DesiredState::Checkpointed {
+                    spec.checkpoint_name = checkpoint_name.map(str::to_owned);
+                }
+            })
+            .await?;
+        if let Some(held) = self.reconciler.held(sandbox) {
+            // Held here: the pass decides on what was just written and the
+            // lock as this instance holds it (a change since fails the
+            // precondition of the pass's next write, which then reads it).
+            self.reconciler
+                .prime(sandbox, written, Some((held.lease, held.generation)));
+        }
         self.enqueue(sandbox);
         self.ring_holder(sandbox).await;
         Ok(())
@@ -129,27 +243,40 @@ impl SandboxController {
         }
         let leases = self.reconciler.leases();
         match leases.read(sandbox).await {
-            Ok(Some((lease, _))) => {
-                if let Some(holder) = lease.holder.filter(|h| h != leases.instance())
-                    && let Err(err) = leases.instance_lease().ring(&holder, sandbox).await
-                {
-                    tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder's doorbell");
-                }
-            }
+            Ok(Some((lease, _))) => leases.ring_holder(sandbox, &lease).await,
             Ok(None) => {}
             Err(err) => tracing::warn!(%sandbox, %err, "cannot read the lock to ring its holder"),
         }
     }
 
-    /// Read-modify-write of the spec under the object's generation.
+    /// Read-modify-write of the spec under the object's generation,
+    /// starting from what this instance last read or wrote of it.
     async fn update_spec(
         &self,
         sandbox: &SandboxId,
+        change: impl FnMut(&mut SandboxSpec),
+    ) -> Result<ReadMetadata, ControlError> {
+        self.update_spec_from(sandbox, None, change).await
+    }
+
+    /// [`Self::update_spec`] starting from `read` (else from what this
+    /// instance last read or wrote). Returns the metadata as stored after it.
+    async fn update_spec_from(
+        &self,
+        sandbox: &SandboxId,
+        read: Option<&ReadMetadata>,
         mut change: impl FnMut(&mut SandboxSpec),
-    ) -> Result<(), ControlError> {
+    ) -> Result<ReadMetadata, ControlError> {
         let store = self.reconciler.metadata_store();
         let key = metadata_key(sandbox);
-        let outcome = read_modify_write(store.as_ref(), &key, |current| {
+        let known = match read {
+            Some((metadata, generation)) => Some(crate::store::Versioned {
+                data: encode(metadata),
+                generation: *generation,
+            }),
+            None => self.reconciler.known_metadata(sandbox),
+        };
+        let outcome = read_modify_write_from(store.as_ref(), &key, known, |current| {
             let current = current.ok_or_else(|| ControlError::NotFound(sandbox.clone()))?;
             let mut metadata: SandboxMetadata =
                 decode(&current.data).map_err(|err| ReconcileError::Invalid {
@@ -159,14 +286,19 @@ impl SandboxController {
             let before = metadata.spec.clone();
             change(&mut metadata.spec);
             Ok(if metadata.spec == before {
-                Decision::Keep(())
+                Decision::Keep(metadata)
             } else {
-                Decision::Write(encode(&metadata), ())
+                Decision::Write(encode(&metadata), metadata)
             })
         })
         .await;
         match outcome {
-            Ok(_) => Ok(()),
+            Ok((metadata, Some(generation))) => {
+                self.reconciler
+                    .remember_metadata(sandbox, &metadata, generation);
+                Ok((metadata, generation))
+            }
+            Ok((_, None)) => Err(ControlError::NotFound(sandbox.clone())),
             Err(RmwError::Rejected(err)) => Err(err),
             Err(RmwError::Store(err)) => Err(err.into()),
             Err(RmwError::Contended { key, .. }) => Err(ControlError::Contended(key)),
@@ -211,8 +343,8 @@ impl SandboxController {
         let leases = self.reconciler.leases();
         match leases.read(sandbox).await {
             Ok(Some((lease, _))) => lease
-                .live_intent(self.reconciler.clock().now())
-                .is_some_and(|intent| &intent.instance != leases.instance()),
+                .wanted_elsewhere(leases.instance(), self.reconciler.clock().now())
+                .is_some(),
             _ => false,
         }
     }

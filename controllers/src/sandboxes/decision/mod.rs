@@ -10,7 +10,7 @@
 
 use chrono::{DateTime, Utc};
 
-use crate::api::{DesiredState, InstanceId, Lease, Phase, SandboxMetadata};
+use crate::api::{CheckpointRef, DesiredState, InstanceId, Lease, Phase, SandboxMetadata};
 use crate::leasing::HeldLease;
 
 /// What a full pass saw.
@@ -33,6 +33,10 @@ pub(crate) struct Observed<'a> {
     pub starting_here: bool,
     /// The lock counts as expired for a taker (its own lease plus the skew).
     pub lock_expired: bool,
+    /// A client here waits for the sandbox to start (it asked for it here).
+    pub waiting_here: bool,
+    /// A periodic checkpoint of the held sandbox is due.
+    pub checkpoint_due: bool,
 }
 
 /// The one next step.
@@ -59,6 +63,16 @@ pub(crate) enum Step {
     Reverify,
     /// Keep running; look again at the resync (or sooner while watching).
     KeepRunning,
+    /// Held and running here, but `status` does not say so yet (a start
+    /// writes it after `SANDBOX_RUNNING`, or that write failed), or the lock
+    /// carries a newer checkpoint than `status` records: record it.
+    RecordRunning,
+    /// The periodic checkpoint in place is due.
+    PeriodicCheckpoint,
+    /// The lock names this instance, which a client here asked for it on:
+    /// a transfer from the previous holder, or a create or attach that took
+    /// the hold in its own write. Take the hold up and start it.
+    Adopt,
     /// The lock names this instance, which does not run the sandbox.
     ReleaseOrphan { epoch: u64 },
     /// A tombstone: remove the objects once the retention has passed.
@@ -73,8 +87,13 @@ pub(crate) enum Step {
     /// (its `running` was overwritten, e.g. by its holder's shutdown) is told
     /// to attach again rather than left waiting.
     CheckpointedMeanwhile,
-    /// Desired `running`, wanted here: acquire, then restore or create.
+    /// Desired `running`, wanted here, and the lock is free or expired:
+    /// acquire, then restore or create.
     Acquire,
+    /// Desired `running`, wanted here, held by another live holder: it hands
+    /// the sandbox over (in one write naming this instance); look again soon,
+    /// ringing it again now and then in case a ring was lost.
+    AwaitHandover { holder: InstanceId },
 }
 
 /// The decision table.
@@ -107,12 +126,15 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
             DesiredState::Running => {
                 let wanted_elsewhere = seen
                     .lock
-                    .and_then(|lock| lock.live_intent(seen.now))
-                    .is_some_and(|intent| &intent.instance != seen.me);
+                    .is_some_and(|lock| lock.wanted_elsewhere(seen.me, seen.now).is_some());
                 if wanted_elsewhere && metadata.spec.enable_checkpoint {
                     Step::HandOver
                 } else if !seen.vouched {
                     Step::Reverify
+                } else if status_behind(seen.me, metadata, held, seen.lock) {
+                    Step::RecordRunning
+                } else if seen.checkpoint_due {
+                    Step::PeriodicCheckpoint
                 } else {
                     Step::KeepRunning
                 }
@@ -122,25 +144,53 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
     if let Some(lock) = seen.lock.filter(|lock| lock.is_held_by(seen.me))
         && !seen.starting_here
     {
-        return Step::ReleaseOrphan { epoch: lock.epoch };
+        return if metadata.spec.desired_state == DesiredState::Running && seen.waiting_here {
+            Step::Adopt
+        } else {
+            Step::ReleaseOrphan { epoch: lock.epoch }
+        };
     }
     match metadata.spec.desired_state {
         DesiredState::Deleted if metadata.status.phase == Phase::Deleted => Step::Purge,
         DesiredState::Deleted if seen.lock.is_some() && !seen.lock_expired => Step::AwaitHolder,
         DesiredState::Deleted => Step::Tombstone,
         DesiredState::Checkpointed => Step::CheckpointedMeanwhile,
-        DesiredState::Running => {
-            let wanted_here = seen
-                .lock
-                .and_then(|lock| lock.live_intent(seen.now))
-                .is_some_and(|intent| &intent.instance == seen.me);
-            if wanted_here {
-                Step::Acquire
-            } else {
-                Step::NotWantedHere
-            }
-        }
+        DesiredState::Running => match seen.lock {
+            Some(lock) if lock.wanted_by_me(seen.me, seen.now) => match &lock.holder {
+                Some(holder) if holder != seen.me && !seen.lock_expired => Step::AwaitHandover {
+                    holder: holder.clone(),
+                },
+                _ => Step::Acquire,
+            },
+            _ => Step::NotWantedHere,
+        },
     }
+}
+
+/// True when `status` does not yet record what runs here: this holder's
+/// epoch, phase `Running` with this instance as holder, and the newest
+/// checkpoint (the lock may carry one newer than `status` records).
+pub(crate) fn status_behind(
+    me: &InstanceId,
+    metadata: &SandboxMetadata,
+    held: &HeldLease,
+    lock: Option<&Lease>,
+) -> bool {
+    let status = &metadata.status;
+    status.epoch < held.epoch
+        || status.phase != Phase::Running
+        || status.holder.as_ref() != Some(me)
+        || lock
+            .and_then(|lock| lock.checkpoint.as_ref())
+            .is_some_and(|carried| is_newer(carried, status.latest_checkpoint.as_ref()))
+}
+
+/// True when `checkpoint` is newer than `than` (by epoch, then time taken).
+pub(crate) fn is_newer(checkpoint: &CheckpointRef, than: Option<&CheckpointRef>) -> bool {
+    than.is_none_or(|than| {
+        (checkpoint.epoch, checkpoint.created_at) > (than.epoch, than.created_at)
+            && checkpoint.path != than.path
+    })
 }
 
 #[cfg(test)]

@@ -19,6 +19,8 @@ struct Case {
     running_here: bool,
     starting_here: bool,
     lock_expired: bool,
+    waiting_here: bool,
+    checkpoint_due: bool,
 }
 
 fn instance(name: &str) -> InstanceId {
@@ -41,6 +43,8 @@ impl Case {
             running_here: false,
             starting_here: false,
             lock_expired: true,
+            waiting_here: false,
+            checkpoint_due: false,
         }
     }
 
@@ -61,6 +65,10 @@ impl Case {
             era: 1,
         });
         case.lock = Some(lock);
+        let status = &mut case.metadata.as_mut().unwrap().status;
+        status.phase = Phase::Running;
+        status.holder = Some(instance("a"));
+        status.epoch = 3;
         case.vouched = true;
         case.running_here = true;
         case.lock_expired = false;
@@ -105,6 +113,8 @@ impl Case {
             running_here: self.running_here,
             starting_here: self.starting_here,
             lock_expired: self.lock_expired,
+            waiting_here: self.waiting_here,
+            checkpoint_due: self.checkpoint_due,
         })
     }
 }
@@ -232,11 +242,91 @@ fn desired_running_and_not_held_acquires_only_when_wanted_here() {
     assert_eq!(Case::new().decide(), Step::NotWantedHere);
     assert_eq!(
         Case::new().held_by("b", 2).wanted_by("a").decide(),
+        Step::AwaitHandover {
+            holder: instance("b")
+        },
+        "a live holder hands it over"
+    );
+    let mut case = Case::new().held_by("b", 2).wanted_by("a");
+    case.lock_expired = true;
+    assert_eq!(
+        case.decide(),
         Step::Acquire,
-        "acquire decides whether the holder is gone"
+        "acquire decides whether an expired holder is gone"
     );
     assert_eq!(
         Case::new().desired(DesiredState::Checkpointed).decide(),
         Step::CheckpointedMeanwhile
     );
+}
+
+#[test]
+fn a_lock_naming_this_instance_is_adopted_when_a_client_here_waits() {
+    let mut case = Case::new().held_by("a", 4);
+    case.waiting_here = true;
+    assert_eq!(case.decide(), Step::Adopt, "a transfer or an own write");
+    let mut case = Case::new()
+        .held_by("a", 4)
+        .desired(DesiredState::Checkpointed);
+    case.waiting_here = true;
+    assert_eq!(
+        case.decide(),
+        Step::ReleaseOrphan { epoch: 4 },
+        "not wanted running any more"
+    );
+}
+
+#[test]
+fn a_held_sandbox_whose_status_lags_is_recorded_before_anything_else_routine() {
+    let mut case = Case::held_here();
+    case.metadata.as_mut().unwrap().status.epoch = 2;
+    assert_eq!(case.decide(), Step::RecordRunning, "an older epoch");
+    let mut case = Case::held_here();
+    case.metadata.as_mut().unwrap().status.phase = Phase::Restoring;
+    assert_eq!(case.decide(), Step::RecordRunning, "not yet Running");
+    let mut case = Case::held_here();
+    case.lock.as_mut().unwrap().checkpoint = Some(checkpoint(3, 10));
+    assert_eq!(
+        case.decide(),
+        Step::RecordRunning,
+        "the lock carries a newer checkpoint"
+    );
+    let mut case = Case::held_here();
+    case.lock.as_mut().unwrap().checkpoint = Some(checkpoint(3, 10));
+    case.metadata.as_mut().unwrap().status.latest_checkpoint = Some(checkpoint(3, 10));
+    assert_eq!(case.decide(), Step::KeepRunning, "already recorded");
+    let mut case = Case::held_here().wanted_by("b");
+    case.metadata.as_mut().unwrap().status.epoch = 2;
+    assert_eq!(case.decide(), Step::HandOver, "a handover comes first");
+}
+
+#[test]
+fn a_due_periodic_checkpoint_is_a_step_of_the_table() {
+    let mut case = Case::held_here();
+    case.checkpoint_due = true;
+    assert_eq!(case.decide(), Step::PeriodicCheckpoint);
+    case.vouched = false;
+    assert_eq!(case.decide(), Step::Reverify, "never on an unvouched hold");
+}
+
+#[test]
+fn newer_checkpoints_order_by_epoch_then_time() {
+    assert!(is_newer(&checkpoint(2, 0), None));
+    assert!(is_newer(&checkpoint(3, 0), Some(&checkpoint(2, 9))));
+    assert!(is_newer(&checkpoint(2, 5), Some(&checkpoint(2, 4))));
+    assert!(!is_newer(&checkpoint(2, 4), Some(&checkpoint(2, 5))));
+    assert!(!is_newer(&checkpoint(2, 4), Some(&checkpoint(2, 4))));
+}
+
+fn checkpoint(epoch: u64, second: u32) -> CheckpointRef {
+    CheckpointRef {
+        bucket: "b".into(),
+        path: format!("sandbox_checkpoints/{epoch}-{second}/checkpoint.img"),
+        epoch,
+        sha256: "0".repeat(64),
+        size: 1,
+        created_at: Utc.with_ymd_and_hms(2026, 11, 22, 12, 0, second).unwrap(),
+        name: None,
+        extra: ExtraFields::new(),
+    }
 }

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use super::*;
+use crate::leasing::HandBack;
 
 /// Makes `reference` the latest checkpoint, moving the previous latest into
 /// `previous_checkpoints` (newest first, `keep` kept). Returns what fell off.
@@ -77,27 +78,6 @@ impl Reconciler {
         })
         .await?;
         self.emit(sandbox, SandboxEvent::CheckpointFailed(cause));
-        Ok(())
-    }
-
-    /// Runs a periodic checkpoint when one is due (after a light pass: the
-    /// lease is fresh).
-    pub(super) async fn checkpoint_if_due(
-        &self,
-        sandbox: &SandboxId,
-    ) -> Result<(), ReconcileError> {
-        let Some(interval) = self.config.checkpoint_interval else {
-            return Ok(());
-        };
-        let watch = self.watch_map().get(sandbox).copied();
-        if let (Some(held), Some(watch)) = (self.held(sandbox), watch)
-            && watch.checkpointable
-            && self.clock.now() >= watch.last_checkpoint + chrono_duration(interval)
-            && self.runtime.is_running(sandbox)
-            && self.leases.is_safe(&held)
-        {
-            self.periodic_checkpoint(sandbox, held).await?;
-        }
         Ok(())
     }
 
@@ -177,6 +157,7 @@ impl Reconciler {
         sandbox: &SandboxId,
         metadata: &SandboxMetadata,
         mut held: HeldLease,
+        mut lock: Option<ReadLease>,
         force: bool,
     ) -> Result<Requeue, ReconcileError> {
         let _transition = self
@@ -185,6 +166,7 @@ impl Reconciler {
         if !self.leases.is_safe(&held) {
             held = self.leases.renew(&held).await?;
             self.held_map().insert(sandbox.clone(), held.clone());
+            lock = Some((held.lease.clone(), held.generation));
         }
         self.emit(sandbox, SandboxEvent::CheckpointStarted);
         let name = match metadata.spec.desired_state {
@@ -246,41 +228,81 @@ impl Reconciler {
         let reference = self.checkpoint_ref(&manifest, held.epoch, name.clone());
         let keep = self.config.keep_checkpoints;
         let mut superseded = Vec::new();
-        let recorded = self
-            .write_status(sandbox, held.epoch, |status| {
-                superseded = record_latest(status, &reference, keep);
-                if let Some(name) = &name {
-                    status
-                        .named_checkpoints
-                        .insert(name.clone(), reference.clone());
-                }
-                status.phase = Phase::Checkpointed;
-                status.holder = None;
-                status.last_error = None;
-                self.ready(status, ReadyReason::Checkpointed, "");
-            })
-            .await?;
-        self.failpoint(metadata, "handoff:after-record");
+        let record = |status: &mut SandboxStatus| {
+            superseded = record_latest(status, &reference, keep);
+            if let Some(name) = &name {
+                status
+                    .named_checkpoints
+                    .insert(name.clone(), reference.clone());
+            }
+            status.phase = Phase::Checkpointed;
+            status.holder = None;
+            status.last_error = None;
+            self.ready(status, ReadyReason::Checkpointed, "");
+        };
+        // The record and the hand-back at once (decision 16): the lock
+        // carries the checkpoint, so whoever takes the hold next restores
+        // it even if this record lands later, or never (it then records it
+        // itself, and this one is refused by the fence).
         self.emit(sandbox, SandboxEvent::LeaseReleasing);
-        let released = self.leases.release(&held).await;
-        if let Err(err) = &released {
-            // The checkpoint is recorded. The lock still names this
-            // instance, which no longer runs it: a pass soon releases that
-            // orphan (the next holder waits until then).
-            tracing::warn!(%sandbox, %err, "cannot release the lease after a checkpoint");
+        let (recorded, handed) = tokio::join!(
+            self.write_status(sandbox, held.epoch, record),
+            self.leases.hand_back(&held, lock, &reference, &manifest)
+        );
+        self.failpoint(metadata, "handoff:after-record");
+        let recorded = match (recorded, &handed) {
+            (Ok(written), _) => Some(written),
+            // The next holder recorded it first (from the lock).
+            (Err(err), Ok(_)) if err.is_fenced() => None,
+            (Err(err), Ok(_)) => {
+                // The checkpoint is in the lock; the next holder records
+                // it. Try once more here so `status` does not lag meanwhile.
+                tracing::warn!(%sandbox, %err, "cannot record the checkpoint; the lock carries it");
+                self.write_status(sandbox, held.epoch, |status| {
+                    superseded = record_latest(status, &reference, keep);
+                    if let Some(name) = &name {
+                        status
+                            .named_checkpoints
+                            .insert(name.clone(), reference.clone());
+                    }
+                })
+                .await
+                .ok()
+            }
+            (Err(err), Err(_)) => {
+                let cause = CheckpointFailure::Runtime(format!(
+                    "the checkpoint could not be recorded: {err}"
+                ));
+                self.emit(sandbox, SandboxEvent::CheckpointFailed(cause));
+                return Err(err);
+            }
+        };
+        match &handed {
+            Ok(HandBack::TransferredTo { instance, epoch }) => {
+                tracing::info!(%sandbox, to = %instance, epoch, "hold transferred with the checkpoint");
+            }
+            Ok(HandBack::Released) => {}
+            Err(err) => {
+                // The checkpoint is recorded. The lock still names this
+                // instance, which no longer runs it: a pass soon releases that
+                // orphan (the next holder waits until then).
+                tracing::warn!(%sandbox, %err, "cannot release the lease after a checkpoint");
+            }
         }
         self.emit(sandbox, SandboxEvent::LeaseReleased);
-        // After the release: the next holder need not wait for this.
-        self.delete_checkpoints(&unreferenced(superseded, &recorded.status))
-            .await;
+        // After the hand-back: the next holder need not wait for this.
+        if let Some(recorded) = &recorded {
+            self.delete_checkpoints(&unreferenced(superseded, &recorded.status))
+                .await;
+        }
         self.emit(
             sandbox,
             SandboxEvent::Checkpointed {
                 image: manifest.image.key,
             },
         );
-        Ok(match released {
-            Ok(()) => Requeue::Never,
+        Ok(match handed {
+            Ok(_) => Requeue::Never,
             Err(_) => Requeue::After(TOMBSTONE_RETRY),
         })
     }

@@ -51,12 +51,13 @@ impl Reconciler {
         sandbox: &SandboxId,
         metadata: &SandboxMetadata,
         held: HeldLease,
+        lock: Option<ReadLease>,
     ) -> Result<Requeue, ReconcileError> {
         self.emit(sandbox, SandboxEvent::HandoffRequested);
         let force = self.config.handoff == HandoffPolicy::Force;
         let started = std::time::Instant::now();
         let outcome = self
-            .checkpoint_and_release(sandbox, metadata, held, force)
+            .checkpoint_and_release(sandbox, metadata, held, lock, force)
             .await;
         if outcome.is_ok() && self.held(sandbox).is_none() {
             self.metrics.handoff_out_seconds.observe(started.elapsed());

@@ -24,14 +24,14 @@ use crate::api::{
     SandboxId, SandboxMetadata, SandboxStatus, decode,
 };
 use crate::clock::Clock;
-use crate::fencing::{FenceError, fenced_update};
+use crate::fencing::{FenceError, fenced_update_from};
 use crate::hooks::{ColdStart, LifecycleHooks, NoHooks};
 use crate::layout::{
     checkpoint_id_of_image, checkpoint_image_key, checkpoint_manifest_key, lock_key, metadata_key,
 };
-use crate::leasing::{HeldLease, LeaseError, Leases};
+use crate::leasing::{HeldLease, LeaseError, Leases, ReadLease};
 use crate::runtime::{CheckpointRequest, CreateOptions, RuntimeError, SandboxRuntime};
-use crate::store::{Store, StoreError};
+use crate::store::{Generation, Store, StoreError, Versioned};
 
 use super::decision::{Observed, Step, decide};
 
@@ -40,12 +40,15 @@ mod config;
 mod fork;
 mod hold;
 mod local;
+mod primed;
 mod start;
 
 pub use checkpoint::delete_checkpoint_objects;
 pub use config::{HandoffPolicy, ReconcilerConfig};
 pub use fork::{ForkError, ForkPoint};
 use local::Watch;
+pub use primed::{AttachRead, ReadMetadata};
+use primed::{KnownObjects, Primed};
 
 use super::events::{
     CheckpointFailure, LossCause, ProgressBus, SandboxEvent, StartFailure, StartKind,
@@ -149,6 +152,14 @@ pub struct Reconciler {
     last_busy: Mutex<Option<DateTime<Utc>>>,
     /// Sandboxes whose next pass must be a full one (an intent was written).
     full_pass_wanted: Mutex<HashSet<SandboxId>>,
+    /// The last `metadata.json` of each sandbox this instance read or wrote,
+    /// with its generation: the first read of its next read-modify-write
+    /// (a change in between fails the precondition and is read afresh).
+    known: KnownObjects,
+    /// What an intent writer here just wrote or read (metadata and lock,
+    /// with generations): the next full pass decides on it instead of
+    /// reading both again.
+    primed: Mutex<HashMap<SandboxId, Primed>>,
     metrics: Arc<super::metrics::Metrics>,
     /// Shutting down: checkpoints kill running executions instead of waiting.
     draining: std::sync::atomic::AtomicBool,
@@ -186,6 +197,8 @@ impl Reconciler {
             held: Mutex::new(HashMap::new()),
             watches: Mutex::new(HashMap::new()),
             full_pass_wanted: Mutex::new(HashSet::new()),
+            known: KnownObjects::default(),
+            primed: Mutex::new(HashMap::new()),
             acquiring: Mutex::new(HashSet::new()),
             starting: Mutex::new(HashSet::new()),
             rung: Mutex::new(HashMap::new()),
@@ -250,17 +263,57 @@ impl Reconciler {
         &self,
         sandbox: &SandboxId,
     ) -> Result<Option<SandboxMetadata>, ReconcileError> {
+        Ok(self
+            .read_metadata_versioned(sandbox)
+            .await?
+            .map(|(metadata, _)| metadata))
+    }
+
+    /// Reads `metadata.json` with its generation (remembered as the first
+    /// read of the next read-modify-write); `None` if it does not exist.
+    pub async fn read_metadata_versioned(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<Option<ReadMetadata>, ReconcileError> {
         let key = metadata_key(sandbox);
         match self.metadata.get(&key).await {
-            Ok(object) => decode(&object.data)
-                .map(Some)
-                .map_err(|err| ReconcileError::Invalid {
-                    key: key.to_string(),
-                    detail: err.to_string(),
-                }),
-            Err(StoreError::NotFound { .. }) => Ok(None),
+            Ok(object) => {
+                let metadata: SandboxMetadata =
+                    decode(&object.data).map_err(|err| ReconcileError::Invalid {
+                        key: key.to_string(),
+                        detail: err.to_string(),
+                    })?;
+                self.known.remember(sandbox, &object);
+                Ok(Some((metadata, object.generation)))
+            }
+            Err(StoreError::NotFound { .. }) => {
+                self.known.forget(sandbox);
+                Ok(None)
+            }
             Err(err) => Err(err.into()),
         }
+    }
+
+    /// `metadata.json` as this instance last read or wrote it.
+    pub fn known_metadata(&self, sandbox: &SandboxId) -> Option<Versioned> {
+        self.known.get(sandbox)
+    }
+
+    /// Remembers `metadata.json` as written at `generation` by an intent
+    /// writer here.
+    pub fn remember_metadata(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+        generation: Generation,
+    ) {
+        self.known.remember(
+            sandbox,
+            &Versioned {
+                data: crate::api::encode(metadata),
+                generation,
+            },
+        );
     }
 
     /// Sets the `Ready` condition.
@@ -275,9 +328,10 @@ impl Reconciler {
         epoch: u64,
         mut change: impl FnMut(&mut SandboxStatus),
     ) -> Result<SandboxMetadata, ReconcileError> {
-        let (written, _) = fenced_update::<SandboxMetadata, Infallible, _>(
+        let (written, generation) = fenced_update_from::<SandboxMetadata, Infallible, _>(
             self.metadata.as_ref(),
             &metadata_key(sandbox),
+            self.known.get(sandbox),
             epoch,
             |metadata| {
                 change(&mut metadata.status);
@@ -285,6 +339,7 @@ impl Reconciler {
             },
         )
         .await?;
+        self.remember_metadata(sandbox, &written, generation);
         Ok(written)
     }
 
@@ -300,18 +355,15 @@ impl Reconciler {
             && let Some(watch) = watch
             && self.clock.now()
                 < watch.last_full_pass + chrono_duration(self.config.resync_interval)
+            && !self.checkpoint_due(sandbox)
             && self.runtime.is_running(sandbox)
             && let Some(requeue) = self.light_pass(sandbox, held, watch).await?
         {
-            self.checkpoint_if_due(sandbox).await?;
             return Ok(requeue);
         }
         let outcome = self.full_pass(sandbox).await;
         if let Some(watch) = self.watch_map().get_mut(sandbox) {
             watch.last_full_pass = self.clock.now();
-        }
-        if matches!(outcome, Ok(Requeue::After(_))) && self.held(sandbox).is_some() {
-            self.checkpoint_if_due(sandbox).await?;
         }
         outcome
     }
@@ -335,8 +387,7 @@ impl Reconciler {
                 .is_some_and(|l| l.is_held_by(self.leases.instance()) && l.epoch == held.epoch);
             let wanted_elsewhere = lease
                 .as_ref()
-                .and_then(|l| l.live_intent(now))
-                .is_some_and(|intent| &intent.instance != self.leases.instance());
+                .is_some_and(|l| l.wanted_elsewhere(self.leases.instance(), now).is_some());
             if !ours || wanted_elsewhere {
                 return Ok(None);
             }
@@ -356,9 +407,15 @@ impl Reconciler {
     /// Reads metadata and lock, asks the decision table for the one next
     /// step, and performs it.
     async fn full_pass(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
-        // Both reads at once: one round trip, not two (a rung handoff starts here).
-        let (metadata, lease) =
-            tokio::join!(self.read_metadata(sandbox), self.leases.read(sandbox));
+        // What an intent writer here just wrote and read, or both reads at
+        // once: one round trip, not two (a rung handoff starts here).
+        let (metadata, lease) = match self.take_primed(sandbox) {
+            Some(primed) => (Ok(Some(primed.metadata)), Ok(primed.lock)),
+            None => tokio::join!(
+                self.read_metadata_versioned(sandbox),
+                self.leases.read(sandbox)
+            ),
+        };
         if let Some(unreadable) = self.cut_off(sandbox, &metadata, &lease) {
             // Held, past what the instance lease vouches for, and the bucket
             // cannot be read to re-verify the hold: another instance may
@@ -385,7 +442,7 @@ impl Reconciler {
             }
         };
         let lease = match &metadata {
-            Some(_) => lease?.map(|(lease, _)| lease),
+            Some(_) => lease?,
             None => None,
         };
         let held = self.held(sandbox);
@@ -393,15 +450,17 @@ impl Reconciler {
         let step = decide(&Observed {
             me: self.leases.instance(),
             now,
-            metadata: metadata.as_ref(),
-            lock: lease.as_ref(),
+            metadata: metadata.as_ref().map(|(metadata, _)| metadata),
+            lock: lease.as_ref().map(|(lease, _)| lease),
             held: held.as_ref(),
             vouched: held.as_ref().is_some_and(|held| self.leases.is_safe(held)),
             running_here: self.runtime.is_running(sandbox),
             starting_here: self.starting_set().contains(sandbox),
             lock_expired: lease
                 .as_ref()
-                .is_none_or(|lease| lease.is_free(now, self.leases.config().skew_tolerance)),
+                .is_none_or(|(lease, _)| lease.is_free(now, self.leases.config().skew_tolerance)),
+            waiting_here: self.is_waiting(sandbox),
+            checkpoint_due: self.checkpoint_due(sandbox),
         });
         tracing::debug!(%sandbox, ?step, "decided");
         self.perform(sandbox, step, metadata, lease, held).await
@@ -435,11 +494,12 @@ impl Reconciler {
         &self,
         sandbox: &SandboxId,
         step: Step,
-        metadata: Option<SandboxMetadata>,
-        lease: Option<Lease>,
+        read: Option<ReadMetadata>,
+        lock: Option<ReadLease>,
         held: Option<HeldLease>,
     ) -> Result<Requeue, ReconcileError> {
-        let metadata = metadata.as_ref();
+        let metadata = read.as_ref().map(|(metadata, _)| metadata);
+        let lease = lock.as_ref().map(|(lease, _)| lease.clone());
         let needs = |what: &'static str| ReconcileError::Internal(what);
         match step {
             Step::Nothing => Ok(Requeue::Never),
@@ -468,18 +528,39 @@ impl Reconciler {
                 let (metadata, held) = metadata
                     .zip(held)
                     .ok_or(needs("metadata and a hold to checkpoint"))?;
-                self.checkpoint_and_release(sandbox, metadata, held, false)
+                self.checkpoint_and_release(sandbox, metadata, held, lock, false)
                     .await
             }
             Step::HandOver => {
                 let (metadata, held) = metadata
                     .zip(held)
                     .ok_or(needs("metadata and a hold to hand over"))?;
-                self.hand_over(sandbox, metadata, held).await
+                self.hand_over(sandbox, metadata, held, lock).await
             }
             Step::Reverify | Step::KeepRunning => {
                 let held = held.ok_or(needs("a hold to keep"))?;
                 self.keep_running(sandbox, held).await
+            }
+            Step::RecordRunning => {
+                let held = held.ok_or(needs("a hold to record"))?;
+                self.record_running(sandbox, &held, lease.as_ref(), None)
+                    .await?;
+                Ok(Requeue::After(Duration::ZERO))
+            }
+            Step::PeriodicCheckpoint => {
+                let held = held.ok_or(needs("a hold to checkpoint"))?;
+                self.periodic_checkpoint(sandbox, held).await?;
+                Ok(Requeue::After(Duration::ZERO))
+            }
+            Step::Adopt => {
+                let (read, lock) = read
+                    .zip(lock)
+                    .ok_or(needs("metadata and a lock to adopt"))?;
+                self.adopt_and_start(sandbox, read.0, lock).await
+            }
+            Step::AwaitHandover { holder } => {
+                self.await_handover(sandbox, &holder, lease.as_ref()).await;
+                Ok(Requeue::After(self.config.acquire_poll))
             }
             Step::ReleaseOrphan { epoch } => self.release_orphan(sandbox, epoch).await,
             Step::Purge => {
@@ -507,8 +588,8 @@ impl Reconciler {
                 Ok(Requeue::Never)
             }
             Step::Acquire => {
-                metadata.ok_or(needs("metadata to start"))?;
-                self.acquire_and_start(sandbox, lease).await
+                let (metadata, _) = read.ok_or(needs("metadata to start"))?;
+                self.acquire_and_start(sandbox, metadata, lock).await
             }
         }
     }

@@ -6,7 +6,9 @@ use std::collections::HashSet;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+use super::checkpoint::{record_latest, unreferenced};
 use super::*;
+use crate::sandboxes::decision::is_newer;
 
 /// How often an instance waiting for a sandbox rings its holder again.
 const RERING_INTERVAL: Duration = Duration::from_secs(5);
@@ -59,13 +61,20 @@ impl Reconciler {
         }
     }
 
-    /// Rings `holder` for `sandbox` if this pass's instance has not for
-    /// [`RERING_INTERVAL`] (the first ring came with the attach intent).
-    pub(super) async fn ring_again_if_due(
+    /// Desired running here, held by another live holder: it hands the
+    /// sandbox over in one write naming this instance (the next pass adopts
+    /// it). Says so to the waiting client once, and rings the holder again
+    /// every [`RERING_INTERVAL`] in case a ring was lost (the first came
+    /// with the attach intent).
+    pub(super) async fn await_handover(
         &self,
         sandbox: &SandboxId,
         holder: &crate::api::InstanceId,
+        lease: Option<&Lease>,
     ) {
+        if self.note_acquiring(sandbox) {
+            self.emit(sandbox, SandboxEvent::LeaseAcquiring);
+        }
         let now = self.clock.now();
         let due = {
             let mut rung = self.rung.lock().unwrap_or_else(PoisonError::into_inner);
@@ -77,48 +86,57 @@ impl Reconciler {
                 false
             }
         };
-        if due && let Err(err) = self.leases.instance_lease().ring(holder, sandbox).await {
-            tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder again");
+        if due && let Some(lease) = lease {
+            tracing::debug!(%sandbox, %holder, "ringing the holder again");
+            self.leases.ring_holder(sandbox, lease).await;
         }
     }
 
-    /// Desired running and wanted here: acquire the lease, then restore the
-    /// requested or latest checkpoint, or create the sandbox.
+    /// Remembers that this instance waits to acquire `sandbox`; true the
+    /// first time (the client is told `LOCK_ACQUIRING` once).
+    fn note_acquiring(&self, sandbox: &SandboxId) -> bool {
+        self.acquiring
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sandbox.clone())
+    }
+
+    /// Forgets the waiting-to-acquire bookkeeping of `sandbox`.
+    fn done_acquiring(&self, sandbox: &SandboxId) {
+        self.rung
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(sandbox);
+        self.acquiring
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(sandbox);
+    }
+
+    /// Desired running and wanted here, the lock free or expired: acquire it
+    /// (from the lock as this pass read it), then start.
     pub(super) async fn acquire_and_start(
         &self,
         sandbox: &SandboxId,
-        lease: Option<Lease>,
+        metadata: SandboxMetadata,
+        lock: Option<ReadLease>,
     ) -> Result<Requeue, ReconcileError> {
-        let first_try = self
-            .acquiring
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(sandbox.clone());
-        if first_try {
+        if self.note_acquiring(sandbox) {
             self.emit(sandbox, SandboxEvent::LeaseAcquiring);
         }
-        let _starting = StartingGuard::new(&self.starting, sandbox);
-        let acquired = self.leases.acquire(sandbox).await;
-        if !matches!(acquired, Err(LeaseError::HeldByOther { .. })) {
-            self.rung
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(sandbox);
-            self.acquiring
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(sandbox);
-        }
-        let held = match acquired {
+        let starting = StartingGuard::new(&self.starting, sandbox);
+        let held = match self.leases.acquire_from(sandbox, lock.clone()).await {
             Ok(held) => held,
             Err(LeaseError::HeldByOther { holder, .. }) => {
-                // The holder hands it over (or its lease expires): look again
-                // soon, and ring it again now and then in case a ring was
-                // lost or it released nothing (an orphan lock).
-                self.ring_again_if_due(sandbox, &holder).await;
+                // Its holder's instance lease is live after all: it hands it
+                // over (or its lease expires). Look again soon.
+                drop(starting);
+                let lease = lock.map(|(lease, _)| lease);
+                self.await_handover(sandbox, &holder, lease.as_ref()).await;
                 return Ok(Requeue::After(self.config.acquire_poll));
             }
             Err(LeaseError::WantedByOther { instance, .. }) => {
+                self.done_acquiring(sandbox);
                 self.emit(
                     sandbox,
                     SandboxEvent::StartFailed {
@@ -128,49 +146,93 @@ impl Reconciler {
                 );
                 return Ok(Requeue::Never);
             }
-            Err(err) => return Err(err.into()),
+            Err(err) => {
+                self.done_acquiring(sandbox);
+                return Err(err.into());
+            }
         };
+        // A lock released by this version carries the checkpoint it was
+        // released at, so the metadata this pass read is enough (the newer
+        // of the two is restored). A lock without one (released by hand, or
+        // by an older version) may have been released after this pass read
+        // the metadata: read it again, ordered after the acquisition.
+        let metadata = if held.lease.checkpoint.is_some() {
+            metadata
+        } else {
+            match self.read_metadata(sandbox).await {
+                Ok(Some(fresh)) => fresh,
+                Ok(None) => {
+                    self.done_acquiring(sandbox);
+                    self.leases.release(&held).await?;
+                    return Ok(Requeue::Never);
+                }
+                Err(err) => {
+                    self.done_acquiring(sandbox);
+                    if let Err(release) = self.leases.release(&held).await {
+                        tracing::warn!(%sandbox, %release, "cannot release after failing to re-read metadata");
+                    }
+                    return Err(err);
+                }
+            }
+        };
+        self.start_held(sandbox, &metadata, held, starting).await
+    }
+
+    /// The lock names this instance and a client here waits: a transfer
+    /// from the previous holder, or a create or attach here that took the
+    /// hold in its own write. Take it up and start it.
+    pub(super) async fn adopt_and_start(
+        &self,
+        sandbox: &SandboxId,
+        metadata: SandboxMetadata,
+        (lease, generation): ReadLease,
+    ) -> Result<Requeue, ReconcileError> {
+        if self.note_acquiring(sandbox) {
+            self.emit(sandbox, SandboxEvent::LeaseAcquiring);
+        }
+        let starting = StartingGuard::new(&self.starting, sandbox);
+        let held = match self.leases.adopt(sandbox, &lease, generation).await {
+            Ok(held) => held,
+            Err(err) => {
+                self.done_acquiring(sandbox);
+                return Err(err.into());
+            }
+        };
+        self.start_held(sandbox, &metadata, held, starting).await
+    }
+
+    /// Restores or creates the sandbox under `held`, tells the waiting
+    /// client it runs, and only then records it in `status` (the hold is
+    /// fenced by the lock's epoch already; the record is bookkeeping).
+    async fn start_held(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &SandboxMetadata,
+        held: HeldLease,
+        _starting: StartingGuard<'_>,
+    ) -> Result<Requeue, ReconcileError> {
+        self.done_acquiring(sandbox);
         self.emit(sandbox, SandboxEvent::LeaseAcquired);
         self.take_waiting(sandbox);
-        // The metadata this pass read may predate the previous holder's last
-        // record (it records its checkpoint, then releases, and this pass
-        // read metadata before the record and the lock after the release).
-        // Acquiring orders after that release: read it again.
-        let fresh = match self.read_metadata(sandbox).await {
-            Ok(Some(fresh)) => fresh,
-            Ok(None) => {
-                self.leases.release(&held).await?;
-                return Ok(Requeue::Never);
-            }
-            Err(err) => {
-                if let Err(release) = self.leases.release(&held).await {
-                    tracing::warn!(%sandbox, %release, "cannot release after failing to re-read metadata");
-                }
-                return Err(err);
-            }
-        };
-        let metadata = &fresh;
         let started = std::time::Instant::now();
         let outcome = self.start(sandbox, metadata, &held).await;
         match &outcome {
-            Ok(kind) => {
-                match kind {
-                    StartKind::Create => crate::sandboxes::Metrics::add(&self.metrics.creates, 1),
-                    StartKind::Restore => self.metrics.restore_seconds.observe(started.elapsed()),
+            Ok((kind, _)) => match kind {
+                StartKind::Create => crate::sandboxes::Metrics::add(&self.metrics.creates, 1),
+                StartKind::Restore => {
+                    self.metrics.restore_seconds.observe(started.elapsed());
+                    if let Some(intent) = held.lease.wanted_by.as_ref() {
+                        let waited = (self.clock.now() - intent.requested_at)
+                            .to_std()
+                            .unwrap_or_default();
+                        self.metrics.handoff_in_seconds.observe(waited);
+                    }
                 }
-                if *kind == StartKind::Restore
-                    && let Some(intent) = lease.as_ref().and_then(|l| l.wanted_by.as_ref())
-                {
-                    let waited = (self.clock.now() - intent.requested_at)
-                        .to_std()
-                        .unwrap_or_default();
-                    self.metrics.handoff_in_seconds.observe(waited);
-                }
-            }
+            },
             Err(_) => crate::sandboxes::Metrics::add(&self.metrics.failures, 1),
         }
-        match outcome.map(|_| ()) {
-            Ok(()) => {
+        match outcome {
+            Ok((_, served_request)) => {
                 self.held_map().insert(sandbox.clone(), held.clone());
                 self.watch_map().insert(
                     sandbox.clone(),
@@ -183,7 +245,19 @@ impl Reconciler {
                     },
                 );
                 self.emit(sandbox, SandboxEvent::Running { epoch: held.epoch });
-                Ok(Requeue::After(self.config.resync_interval))
+                match self
+                    .record_running(sandbox, &held, Some(&held.lease), served_request)
+                    .await
+                {
+                    Ok(()) => Ok(Requeue::After(self.config.resync_interval)),
+                    Err(err) if err.is_fenced() => {
+                        self.stop_lost(sandbox, LossCause::TakenOver { holder: None })
+                            .await;
+                        Ok(Requeue::Never)
+                    }
+                    // The next full pass records it (the RecordRunning row).
+                    Err(err) => Err(err),
+                }
             }
             Err((kind, cause)) => {
                 tracing::warn!(%sandbox, %kind, %cause, "cannot start the sandbox");
@@ -220,14 +294,57 @@ impl Reconciler {
         }
     }
 
-    /// Creates or restores the sandbox under a freshly acquired lease and
-    /// records it as running here.
+    /// Records in `status` that the sandbox runs here at `held`'s epoch,
+    /// with the checkpoint the lock carries if it is newer than the one
+    /// recorded (the previous holder's record may not have landed, or
+    /// landed after it was read), and the restore request served.
+    pub(super) async fn record_running(
+        &self,
+        sandbox: &SandboxId,
+        held: &HeldLease,
+        lock: Option<&Lease>,
+        served_request: Option<DateTime<Utc>>,
+    ) -> Result<(), ReconcileError> {
+        let instance = self.leases.instance().clone();
+        let carried = lock.and_then(|lock| lock.checkpoint.clone());
+        let keep = self.config.keep_checkpoints;
+        let mut superseded = Vec::new();
+        let written = self
+            .write_status(sandbox, held.epoch, |status| {
+                status.phase = Phase::Running;
+                status.holder = Some(instance.clone());
+                status.last_error = None;
+                self.ready(status, ReadyReason::Running, "");
+                if served_request.is_some() {
+                    status.last_restore_request = served_request;
+                }
+                if let Some(carried) = &carried
+                    && is_newer(carried, status.latest_checkpoint.as_ref())
+                {
+                    superseded = record_latest(status, carried, keep);
+                    if let Some(name) = &carried.name {
+                        status
+                            .named_checkpoints
+                            .insert(name.clone(), carried.clone());
+                    }
+                }
+            })
+            .await?;
+        self.delete_checkpoints(&unreferenced(superseded, &written.status))
+            .await;
+        Ok(())
+    }
+
+    /// Creates or restores the sandbox under a freshly taken hold. Restores
+    /// the requested named checkpoint, else the newer of the lock's and
+    /// `status`'s latest (with the manifest the lock carries, if it is that
+    /// one's: no read). Returns what it did and the restore request served.
     pub(super) async fn start(
         &self,
         sandbox: &SandboxId,
         metadata: &SandboxMetadata,
         held: &HeldLease,
-    ) -> Result<StartKind, (StartKind, StartFailure)> {
+    ) -> Result<(StartKind, Option<DateTime<Utc>>), (StartKind, StartFailure)> {
         let restore_request = metadata
             .spec
             .restore_request
@@ -243,9 +360,14 @@ impl Reconciler {
                     ));
                 }
             },
-            None => metadata.status.latest_checkpoint.clone(),
+            None => {
+                let recorded = metadata.status.latest_checkpoint.as_ref();
+                match held.lease.checkpoint.as_ref() {
+                    Some(carried) if is_newer(carried, recorded) => Some(carried.clone()),
+                    _ => recorded.cloned(),
+                }
+            }
         };
-        let instance = self.leases.instance().clone();
         let served_request = restore_request.map(|r| r.requested_at);
         let kind = match (&source, metadata.status.phase) {
             (Some(_), _) => StartKind::Restore,
@@ -253,31 +375,31 @@ impl Reconciler {
             (None, _) => return Err((StartKind::Restore, StartFailure::NoCheckpoint)),
         };
         let fail = |err: String| (kind, StartFailure::Step(err));
-        let (phase, transition) = match kind {
-            StartKind::Create => (Phase::Creating, "creating"),
-            StartKind::Restore => (Phase::Restoring, "restoring"),
+        let transition = match kind {
+            StartKind::Create => "creating",
+            StartKind::Restore => "restoring",
         };
         let _transition = self.metrics.in_transition(sandbox.as_str(), transition);
-        let record_phase = self.write_status(sandbox, held.epoch, |status| {
-            status.phase = phase;
-            status.holder = Some(instance.clone());
-        });
         match &source {
             Some(reference) => {
                 self.emit(sandbox, SandboxEvent::Restoring);
-                // The phase and the manifest at once: one round trip less
-                // on the handoff path; nothing is restored before both.
-                let (recorded, manifest) =
-                    tokio::join!(record_phase, self.load_manifest(reference));
-                recorded.map_err(|err| fail(err.to_string()))?;
-                let manifest = manifest.map_err(|err| fail(err.to_string()))?;
+                let carried = held
+                    .lease
+                    .carried_manifest()
+                    .filter(|manifest| manifest.image.key == reference.path);
+                let manifest = match carried {
+                    Some(manifest) => manifest.clone(),
+                    None => self
+                        .load_manifest(reference)
+                        .await
+                        .map_err(|err| fail(err.to_string()))?,
+                };
                 self.runtime
                     .restore(sandbox, &manifest)
                     .await
                     .map_err(|err| fail(err.to_string()))?;
             }
             None => {
-                record_phase.await.map_err(|err| fail(err.to_string()))?;
                 let options = CreateOptions {
                     snapshot_name: metadata.spec.filesystem_snapshot_name.clone(),
                     network: metadata.spec.network,
@@ -304,18 +426,7 @@ impl Reconciler {
             }
             return Err((kind, StartFailure::ColdStartHook(err.to_string())));
         }
-        self.write_status(sandbox, held.epoch, |status| {
-            status.phase = Phase::Running;
-            status.holder = Some(instance.clone());
-            status.last_error = None;
-            self.ready(status, ReadyReason::Running, "");
-            if served_request.is_some() {
-                status.last_restore_request = served_request;
-            }
-        })
-        .await
-        .map_err(|err| fail(err.to_string()))?;
-        Ok(kind)
+        Ok((kind, served_request))
     }
 
     /// Reads the manifest of a recorded checkpoint and checks it describes

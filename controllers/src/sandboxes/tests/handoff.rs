@@ -112,20 +112,16 @@ async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
 #[tokio::test]
 async fn a_waiting_attach_whose_intent_was_replaced_is_told_at_once() {
     let world = World::new();
+    let x = world.instance("x");
     let a = world.instance("a");
     let b = world.instance("b");
-    let id = a.create(&world).await;
-    a.controller
-        .request_state(&id, DesiredState::Checkpointed, None)
-        .await
-        .unwrap();
-    a.reconcile(&id).await.unwrap();
+    let id = x.create(&world).await;
     let mut waiting_on_a = a.controller.subscribe(&id);
     a.controller
         .request_here(&id, None, world.clock.now())
         .await
         .unwrap();
-    // A client on B asks too, replacing A's intent before A acted on it.
+    // A client on B asks too, replacing A's intent before X handed over.
     b.controller
         .request_here(&id, None, world.clock.now())
         .await
@@ -141,8 +137,43 @@ async fn a_waiting_attach_whose_intent_was_replaced_is_told_at_once() {
         ),
         "A's waiting client learns it lost the race"
     );
+    x.controller.answer_doorbell().await.unwrap();
+    x.reconcile(&id).await.unwrap();
+    assert_eq!(
+        world.lease(&id).await.holder.as_ref().map(|h| h.as_str()),
+        Some("b"),
+        "X transferred the hold to the live intent's instance"
+    );
     b.reconcile(&id).await.unwrap();
     assert!(b.runtime.memory(&id).is_some());
+    assert!(x.runtime.memory(&id).is_none());
+}
+
+/// A free lock is taken by the attach's own write: the pass that follows
+/// starts the sandbox without acquiring it again.
+#[tokio::test]
+async fn an_attach_to_a_free_lock_takes_it_in_its_own_write() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    a.reconcile(&id).await.unwrap();
+    let epoch = world.lease(&id).await.epoch;
+    a.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    let lock = world.lease(&id).await;
+    assert_eq!(lock.holder.as_ref().map(|h| h.as_str()), Some("a"));
+    assert_eq!(lock.epoch, epoch + 1);
+    assert!(lock.wanted_by.is_none(), "no intent left behind");
+    a.reconcile(&id).await.unwrap();
+    assert!(a.controller.is_held_here(&id));
+    assert!(a.runtime.memory(&id).is_some());
+    assert_eq!(world.metadata(&id).await.status.epoch, epoch + 1);
 }
 
 /// A store that stops before its first read of `lock.json` until told to go

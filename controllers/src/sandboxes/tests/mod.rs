@@ -73,6 +73,7 @@ impl World {
                 duration: Duration::seconds(30),
                 skew_tolerance: Duration::seconds(5),
                 intent_ttl: Duration::seconds(60),
+                ring_spacing: std::time::Duration::ZERO,
             },
         );
         let reconciler = Reconciler::new(ReconcilerParts {

@@ -1,0 +1,139 @@
+//! What this instance already knows of a sandbox's two JSON objects, so that
+//! the next request for them is a write, not a read and a write
+//! (decision 16). On GCS a read costs tens of milliseconds on the critical
+//! path; every read saved here is one the client does not wait for.
+//!
+//! Two kinds of knowledge, both with the object's generation:
+//! - **known**: the last `metadata.json` this instance read or wrote. It is
+//!   the first read of the next read-modify-write of that object: if nobody
+//!   wrote in between, the conditional write lands at once; if somebody
+//!   did, its precondition fails and the loop reads afresh. Correctness
+//!   never rests on it being current.
+//! - **primed**: what an intent writer here just wrote or read of both
+//!   objects (a create, an attach, a client's checkpoint request). The next
+//!   full pass decides on it instead of reading both again. It is as fresh
+//!   as a read made at the same moment, and every write the pass then makes
+//!   is conditional on those generations, so a change in between is caught
+//!   exactly as it would be after a read.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
+use crate::api::{Lease, SandboxId, SandboxMetadata};
+use crate::store::{Generation, Versioned};
+
+use super::{ReadLease, Reconciler, chrono_duration};
+
+/// `metadata.json` as read or written, with its generation.
+pub type ReadMetadata = (SandboxMetadata, Generation);
+
+/// Both objects as an attaching client's instance read them (at once).
+#[derive(Debug, Clone)]
+pub struct AttachRead {
+    pub metadata: ReadMetadata,
+    pub lock: Option<(Lease, Generation)>,
+}
+
+/// The most sandboxes whose metadata is remembered; beyond it the memory is
+/// cleared (it is only ever a hint).
+const MAX_KNOWN: usize = 10_000;
+
+/// The last `metadata.json` read or written, per sandbox.
+#[derive(Debug, Default)]
+pub(super) struct KnownObjects {
+    metadata: Mutex<HashMap<SandboxId, Versioned>>,
+}
+
+impl KnownObjects {
+    pub(super) fn remember(&self, sandbox: &SandboxId, object: &Versioned) {
+        let mut known = self.metadata.lock().unwrap_or_else(PoisonError::into_inner);
+        if known.len() >= MAX_KNOWN && !known.contains_key(sandbox) {
+            known.clear();
+        }
+        known.insert(sandbox.clone(), object.clone());
+    }
+
+    pub(super) fn get(&self, sandbox: &SandboxId) -> Option<Versioned> {
+        self.metadata
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(sandbox)
+            .cloned()
+    }
+
+    pub(super) fn forget(&self, sandbox: &SandboxId) {
+        self.metadata
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(sandbox);
+    }
+}
+
+/// How long primed objects stand in for a read. A pass that comes later
+/// (the instance was paused, the queue was long) reads afresh: the lock may
+/// have been taken meanwhile, and a hold must never be taken up on a stale
+/// view of it.
+const PRIMED_FOR: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Both objects as an intent writer here left them, for the next full pass.
+#[derive(Debug, Clone)]
+pub(super) struct Primed {
+    pub(super) metadata: ReadMetadata,
+    pub(super) lock: Option<ReadLease>,
+    /// When they were primed, and in which era of this instance's lease: a
+    /// lapse since (a pause) voids them.
+    at: chrono::DateTime<chrono::Utc>,
+    era: u64,
+}
+
+impl Reconciler {
+    /// The next full pass of `sandbox` decides on these objects, which the
+    /// caller has just written or read, instead of reading them again.
+    pub fn prime(&self, sandbox: &SandboxId, metadata: ReadMetadata, lock: Option<ReadLease>) {
+        self.remember_metadata(sandbox, &metadata.0, metadata.1);
+        self.primed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(
+                sandbox.clone(),
+                Primed {
+                    metadata,
+                    lock,
+                    at: self.clock.now(),
+                    era: self.leases.instance_lease().era(),
+                },
+            );
+    }
+
+    /// The primed objects of `sandbox`, if still fresh (else `None`: read).
+    pub(super) fn take_primed(&self, sandbox: &SandboxId) -> Option<Primed> {
+        let primed = self
+            .primed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(sandbox)?;
+        let fresh = self.clock.now() <= primed.at + chrono_duration(PRIMED_FOR)
+            && primed.era == self.leases.instance_lease().era();
+        fresh.then_some(primed)
+    }
+
+    /// True while a client here waits for `sandbox` to start.
+    pub(super) fn is_waiting(&self, sandbox: &SandboxId) -> bool {
+        self.waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(sandbox)
+    }
+
+    /// True when the periodic checkpoint of a held, checkpointable sandbox
+    /// is due.
+    pub(super) fn checkpoint_due(&self, sandbox: &SandboxId) -> bool {
+        let Some(interval) = self.config.checkpoint_interval else {
+            return false;
+        };
+        self.watch_map().get(sandbox).is_some_and(|watch| {
+            watch.checkpointable
+                && self.clock.now() >= watch.last_checkpoint + chrono_duration(interval)
+        })
+    }
+}
