@@ -482,27 +482,44 @@ impl Leases {
     }
 
     /// [`Self::request_attach`] from the lock as read moments ago.
+    ///
+    /// When `read` names a holder, it is rung at the same time as the intent
+    /// is written (one round trip, not two): a holder that reads its lock
+    /// before the intent lands looks again shortly after a ring
+    /// (`Reconciler::note_rung`). A holder that changed meanwhile is rung
+    /// after the write.
     pub async fn request_attach_from(
         &self,
         sandbox: &SandboxId,
         read: Option<ReadLease>,
     ) -> Result<AttachIntent, LeaseError> {
-        let written = self
-            .modify_from(sandbox, read, |existing, now| {
-                let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
-                let intent = AttachIntent {
-                    instance: self.instance.clone(),
-                    requested_at: now,
-                    expires_at: now + self.config.intent_ttl,
-                    extra: ExtraFields::new(),
-                };
-                lease.wanted_by = Some(intent.clone());
-                Ok(Step::Write(lease, intent))
-            })
-            .await
-            .map(|(intent, lease, _)| (intent, lease))?;
-        let (intent, lease) = written;
-        self.ring_holder(sandbox, &lease).await;
+        let rung_early = read
+            .as_ref()
+            .and_then(|(lease, _)| lease.holder.clone())
+            .filter(|holder| holder != &self.instance);
+        let ring_early = async {
+            if let Some(holder) = &rung_early
+                && let Err(err) = self.instance_lease.ring(holder, sandbox).await
+            {
+                tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder's doorbell");
+            }
+        };
+        let write = self.modify_from(sandbox, read, |existing, now| {
+            let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
+            let intent = AttachIntent {
+                instance: self.instance.clone(),
+                requested_at: now,
+                expires_at: now + self.config.intent_ttl,
+                extra: ExtraFields::new(),
+            };
+            lease.wanted_by = Some(intent.clone());
+            Ok(Step::Write(lease, intent))
+        });
+        let (written, ()) = tokio::join!(write, ring_early);
+        let (intent, lease, _) = written?;
+        if lease.holder != rung_early {
+            self.ring_holder(sandbox, &lease).await;
+        }
         Ok(intent)
     }
 

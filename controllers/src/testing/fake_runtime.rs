@@ -176,9 +176,6 @@ impl SandboxRuntime for FakeRuntime {
         };
         let image = Bytes::from(memory.join("\n"));
         let image_key = checkpoint_image_key(&request.checkpoint_id);
-        self.checkpoints
-            .put(&image_key, image.clone(), PutMode::Create)
-            .await?;
         let manifest = CheckpointManifest {
             api_version: CheckpointManifest::api_version(),
             checkpoint_id: request.checkpoint_id.to_string(),
@@ -199,13 +196,16 @@ impl SandboxRuntime for FakeRuntime {
             agent_version: None,
             extra: ExtraFields::new(),
         };
-        self.checkpoints
-            .put(
-                &checkpoint_manifest_key(&request.checkpoint_id),
-                encode(&manifest),
-                PutMode::Create,
-            )
-            .await?;
+        // Image and manifest at once, as the gVisor runtime stores them.
+        let manifest_key = checkpoint_manifest_key(&request.checkpoint_id);
+        let (image_put, manifest_put) = tokio::join!(
+            self.checkpoints
+                .put(&image_key, image.clone(), PutMode::Create),
+            self.checkpoints
+                .put(&manifest_key, encode(&manifest), PutMode::Create)
+        );
+        image_put?;
+        manifest_put?;
         self.state().sandboxes.remove(sandbox);
         Ok(manifest)
     }

@@ -139,9 +139,6 @@ impl GvisorRuntime {
                 RuntimeError::Failed(format!("hashing the checkpoint image: {err}"))
             })?;
             let key = checkpoint_image_key(&request.checkpoint_id);
-            // A rename on a directory store; the upload, from the page cache,
-            // to GCS.
-            self.checkpoints.adopt_blob(&key, image.clone()).await?;
             let manifest = CheckpointManifest {
                 api_version: API_VERSION.to_owned(),
                 checkpoint_id: request.checkpoint_id.to_string(),
@@ -167,12 +164,17 @@ impl GvisorRuntime {
                 agent_version: Some(AGENT_PROTOCOL_VERSION),
                 extra: ExtraFields::new(),
             };
-            create_idempotent(
-                self.checkpoints.as_ref(),
-                &checkpoint_manifest_key(&request.checkpoint_id),
-                encode(&manifest),
-            )
-            .await?;
+            // The image (a rename on a directory store; the upload, from the
+            // page cache, to GCS) and its manifest at once: the digest is
+            // known before the upload starts, and nothing refers to either
+            // until the reconciler records the checkpoint, after both.
+            let manifest_key = checkpoint_manifest_key(&request.checkpoint_id);
+            let (image_stored, manifest_stored) = tokio::join!(
+                self.checkpoints.adopt_blob(&key, image.clone()),
+                create_idempotent(self.checkpoints.as_ref(), &manifest_key, encode(&manifest))
+            );
+            image_stored?;
+            manifest_stored?;
             Ok::<_, RuntimeError>(manifest)
         }
         .await;

@@ -114,6 +114,7 @@ impl SandboxController {
         };
         for sandbox in &rung {
             tracing::debug!(%sandbox, "doorbell rung");
+            self.reconciler.note_rung(sandbox);
             self.enqueue(sandbox);
         }
         Ok(rung)

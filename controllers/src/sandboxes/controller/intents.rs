@@ -180,10 +180,16 @@ impl SandboxController {
                 .await
                 .map(|_| None)
         };
-        let (spec, taken) = tokio::join!(
+        // This instance is about to hold it: its lease must vouch by then
+        // (a no-op when it was renewed lately).
+        let (spec, taken, ensured) = tokio::join!(
             self.update_spec_from(sandbox, Some(&read.metadata), change),
-            lock_write
+            lock_write,
+            leases.ensure_instance_lease()
         );
+        if let Err(err) = ensured {
+            tracing::warn!(%sandbox, %err, "cannot renew the instance lease before a start");
+        }
         match (spec, taken) {
             (Ok(written), Ok(Some(lock))) => {
                 self.reconciler.prime(sandbox, written, Some(lock));

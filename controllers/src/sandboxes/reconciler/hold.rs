@@ -105,6 +105,12 @@ impl Reconciler {
             self.config.resync_interval
         };
         if self.leases.is_safe(&held) {
+            if self.rung_recently(sandbox) {
+                // Rung, but no intent yet: it was written at the same time
+                // as the ring and may land a moment later.
+                self.want_full_pass(sandbox);
+                return Ok(Requeue::After(super::local::RING_RECHECK));
+            }
             return Ok(Requeue::After(next));
         }
         let reverified = async {

@@ -16,6 +16,11 @@ use crate::leasing::HeldLease;
 
 use super::{Reconciler, chrono_duration};
 
+/// How long after a ring a pass that finds no intent looks again.
+pub(super) const RING_FOLLOW_UP: Duration = Duration::from_secs(1);
+/// How soon it looks again.
+pub(super) const RING_RECHECK: Duration = Duration::from_millis(50);
+
 /// Per held sandbox: when its last full pass was, and since when its client
 /// is away (`None`: attached, or never told).
 #[derive(Debug, Clone, Copy)]
@@ -114,6 +119,32 @@ impl Reconciler {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(sandbox)
+    }
+
+    /// The doorbell was rung for `sandbox` (held here) just now.
+    pub fn note_rung(&self, sandbox: &SandboxId) {
+        self.rung_here
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sandbox.clone(), self.clock.now());
+    }
+
+    /// True within [`RING_FOLLOW_UP`] of a ring for `sandbox`: its intent
+    /// may not have landed when the pass read the lock.
+    pub(super) fn rung_recently(&self, sandbox: &SandboxId) -> bool {
+        let now = self.clock.now();
+        let mut rung = self
+            .rung_here
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match rung.get(sandbox) {
+            Some(at) if now < *at + chrono_duration(RING_FOLLOW_UP) => true,
+            Some(_) => {
+                rung.remove(sandbox);
+                false
+            }
+            None => false,
+        }
     }
 
     /// The API layer's news: a client attached to (or left) a sandbox held here.

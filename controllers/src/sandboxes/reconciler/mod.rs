@@ -147,6 +147,10 @@ pub struct Reconciler {
     starting: Mutex<HashSet<SandboxId>>,
     /// When this instance last rang the holder of a sandbox it waits for.
     rung: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
+    /// When this instance's doorbell was last rung for a sandbox it holds:
+    /// for a moment after, a pass that finds no intent looks again (the
+    /// ringer writes the intent and rings at the same time).
+    rung_here: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
     /// When this instance last held or started anything: its instance lease
     /// is renewed until a lease after that.
     last_busy: Mutex<Option<DateTime<Utc>>>,
@@ -202,6 +206,7 @@ impl Reconciler {
             acquiring: Mutex::new(HashSet::new()),
             starting: Mutex::new(HashSet::new()),
             rung: Mutex::new(HashMap::new()),
+            rung_here: Mutex::new(HashMap::new()),
             last_busy: Mutex::new(None),
             waiting: Mutex::new(HashSet::new()),
             draining: std::sync::atomic::AtomicBool::new(false),

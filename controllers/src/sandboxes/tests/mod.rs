@@ -9,6 +9,7 @@ mod handoff;
 mod hooks;
 mod leases;
 mod lifecycle;
+mod paths;
 
 use std::sync::Arc;
 
@@ -36,13 +37,27 @@ struct Instance {
 
 struct World {
     store: Arc<MemoryStore>,
+    /// The bucket as the instances see it: the store itself, or a wrapper.
+    bucket: Arc<dyn Store>,
     clock: ManualClock,
 }
 
 impl World {
     fn new() -> Self {
+        let store = Arc::new(MemoryStore::new());
         Self {
-            store: Arc::new(MemoryStore::new()),
+            bucket: store.clone(),
+            store,
+            clock: ManualClock::new(),
+        }
+    }
+
+    /// A world whose instances see the store through `wrap`.
+    fn wrapped(wrap: impl FnOnce(Arc<MemoryStore>) -> Arc<dyn Store>) -> Self {
+        let store = Arc::new(MemoryStore::new());
+        Self {
+            bucket: wrap(store.clone()),
+            store,
             clock: ManualClock::new(),
         }
     }
@@ -62,11 +77,11 @@ impl World {
         config: ReconcilerConfig,
         hooks: impl FnOnce(&FakeRuntime) -> Arc<dyn crate::hooks::LifecycleHooks>,
     ) -> Instance {
-        let runtime = FakeRuntime::new(self.store.clone());
+        let runtime = FakeRuntime::new(self.bucket.clone());
         let hooks = hooks(&runtime);
         let bus = ProgressBus::default();
         let leases = Leases::new(
-            self.store.clone(),
+            self.bucket.clone(),
             Arc::new(self.clock.clone()),
             InstanceId::parse(name).unwrap(),
             LeaseConfig {
@@ -77,8 +92,8 @@ impl World {
             },
         );
         let reconciler = Reconciler::new(ReconcilerParts {
-            metadata: self.store.clone(),
-            checkpoints: self.store.clone(),
+            metadata: self.bucket.clone(),
+            checkpoints: self.bucket.clone(),
             checkpoint_bucket: "test-bucket".to_owned(),
             snapshot_bucket: "test-bucket".to_owned(),
             runtime: Arc::new(runtime.clone()),

@@ -1,0 +1,221 @@
+//! The critical paths, counted in sequential store requests (decision 16).
+//!
+//! On GCS every request on a client's path costs tens of milliseconds, so
+//! each path has a budget of requests made one after another (`DESIGN.md`
+//! §9): create ≤ 3, checkpoint ≤ 4, attach + restore ≤ 4, handoff ≤ 10.
+//! Here every request of the shared store takes one tick of paused tokio
+//! time, requests in flight at once overlap, and a path's length in ticks,
+//! from the first call the API layer makes to the event the client is told
+//! of, is its number of sequential requests. The instances are driven by
+//! hand with no waiting between steps, so the count includes every read a
+//! holder or a waiter needs to notice what happened (the doorbell read, the
+//! waiter's poll), and no poll interval. The in-memory store takes one
+//! request for a blob upload where GCS's resumable upload takes two.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::Instant;
+
+use super::*;
+use crate::store::{
+    BlobReader, BlobSource, ListPage, ObjectInfo, ObjectKey, StoreError, Versioned,
+};
+
+/// One request's latency, in paused time.
+const TICK: Duration = Duration::from_millis(10);
+
+/// The memory store, one tick per request.
+#[derive(Debug)]
+struct SlowStore(Arc<MemoryStore>);
+
+#[async_trait]
+impl Store for SlowStore {
+    async fn get(&self, key: &ObjectKey) -> Result<Versioned, StoreError> {
+        tokio::time::sleep(TICK).await;
+        self.0.get(key).await
+    }
+    async fn put(
+        &self,
+        key: &ObjectKey,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<crate::store::Generation, StoreError> {
+        tokio::time::sleep(TICK).await;
+        self.0.put(key, data, mode).await
+    }
+    async fn list_page(
+        &self,
+        prefix: &str,
+        page_token: Option<String>,
+    ) -> Result<ListPage, StoreError> {
+        tokio::time::sleep(TICK).await;
+        self.0.list_page(prefix, page_token).await
+    }
+    async fn delete(&self, key: &ObjectKey) -> Result<(), StoreError> {
+        tokio::time::sleep(TICK).await;
+        self.0.delete(key).await
+    }
+    async fn upload_blob(
+        &self,
+        key: &ObjectKey,
+        source: BlobSource,
+    ) -> Result<ObjectInfo, StoreError> {
+        tokio::time::sleep(TICK).await;
+        self.0.upload_blob(key, source).await
+    }
+    async fn download_blob(&self, key: &ObjectKey) -> Result<BlobReader, StoreError> {
+        tokio::time::sleep(TICK).await;
+        self.0.download_blob(key).await
+    }
+}
+
+fn slow_world() -> World {
+    World::wrapped(|store| Arc::new(SlowStore(store)))
+}
+
+/// Sequential requests since `start`.
+fn requests_since(start: Instant) -> u128 {
+    start.elapsed().as_millis() / TICK.as_millis()
+}
+
+/// Runs a reconcile pass of `id` on `instance` to its end, and returns the
+/// sequential requests from `start` to the event `done` recognises.
+async fn until_event(
+    instance: &Instance,
+    id: &SandboxId,
+    events: &mut broadcast::Receiver<SandboxEvent>,
+    start: Instant,
+    done: impl Fn(&SandboxEvent) -> bool,
+) -> u128 {
+    let pass = instance.controller.reconciler().reconcile(id);
+    tokio::pin!(pass);
+    let mut count = None;
+    let mut pass_done = false;
+    while count.is_none() || !pass_done {
+        tokio::select! {
+            event = events.recv(), if count.is_none() => {
+                if done(&event.unwrap()) {
+                    count = Some(requests_since(start));
+                }
+            }
+            outcome = &mut pass, if !pass_done => {
+                outcome.unwrap();
+                pass_done = true;
+            }
+        }
+    }
+    count.unwrap_or_default()
+}
+
+fn running(event: &SandboxEvent) -> bool {
+    matches!(event, SandboxEvent::Running { .. })
+}
+
+/// What the API layer does to attach on `instance`: read both objects,
+/// then write the intent (or take the free hold).
+async fn attach(instance: &Instance, id: &SandboxId, world: &World) {
+    let read = instance
+        .controller
+        .read_for_attach(id)
+        .await
+        .unwrap()
+        .unwrap();
+    instance
+        .controller
+        .request_here_from(read, None, world.clock.now())
+        .await
+        .unwrap();
+}
+
+async fn create(instance: &Instance, world: &World) -> (SandboxId, u128) {
+    let id = SandboxId::random();
+    let mut metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
+    metadata.spec.enable_checkpoint = true;
+    let mut events = instance.controller.subscribe(&id);
+    let start = Instant::now();
+    instance.controller.create(&metadata).await.unwrap();
+    let count = until_event(instance, &id, &mut events, start, running).await;
+    (id, count)
+}
+
+async fn checkpoint(instance: &Instance, id: &SandboxId) -> u128 {
+    let mut events = instance.controller.subscribe(id);
+    let start = Instant::now();
+    instance
+        .controller
+        .request_state(id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    until_event(instance, id, &mut events, start, |event| {
+        matches!(event, SandboxEvent::Checkpointed { .. })
+    })
+    .await
+}
+
+#[tokio::test(start_paused = true)]
+async fn create_checkpoint_and_restore_stay_within_their_request_budgets() {
+    let world = slow_world();
+    let a = world.instance("a");
+    // The instance's first create also writes its instance lease: measure
+    // one that does not (the lease is renewed by its own loop).
+    create(&a, &world).await;
+    let (id, create_count) = create(&a, &world).await;
+    a.run(&id, "x=1").await;
+    let checkpoint_count = checkpoint(&a, &id).await;
+
+    let mut events = a.controller.subscribe(&id);
+    let start = Instant::now();
+    attach(&a, &id, &world).await;
+    let restore_count = until_event(&a, &id, &mut events, start, running).await;
+    assert_eq!(
+        a.runtime.memory(&id).unwrap(),
+        vec!["x=1"],
+        "the checkpoint's state came back"
+    );
+    println!(
+        "sequential store requests: create {create_count}, checkpoint {checkpoint_count}, attach + restore {restore_count}"
+    );
+    assert!(
+        create_count <= 3,
+        "create took {create_count} sequential requests"
+    );
+    assert!(
+        checkpoint_count <= 4,
+        "checkpoint took {checkpoint_count} sequential requests"
+    );
+    assert!(
+        restore_count <= 4,
+        "attach + restore took {restore_count} sequential requests"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handoff_stays_within_its_request_budget() {
+    let world = slow_world();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let (id, _) = create(&a, &world).await;
+    a.run(&id, "x=1").await;
+    let mut events = b.controller.subscribe(&id);
+    let start = Instant::now();
+    // B's client attaches: intent written, A rung.
+    attach(&b, &id, &world).await;
+    // A notices the ring, checkpoints and transfers the hold to B.
+    a.controller.answer_doorbell().await.unwrap();
+    a.reconcile(&id).await.unwrap();
+    // B's next poll finds the hold is its own and restores.
+    let count = until_event(&b, &id, &mut events, start, running).await;
+    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["x=1"]);
+    assert!(a.runtime.memory(&id).is_none());
+    println!("sequential store requests: handoff {count}");
+    assert!(count <= 10, "the handoff took {count} sequential requests");
+    // The transfer is one fenced write: B holds at the next epoch, and its
+    // record followed the client's `RUNNING`.
+    let lock = world.lease(&id).await;
+    assert_eq!(lock.holder.as_ref().map(|h| h.as_str()), Some("b"));
+    let status = world.metadata(&id).await.status;
+    assert_eq!(status.epoch, lock.epoch);
+    assert_eq!(status.holder.as_ref().map(|h| h.as_str()), Some("b"));
+    assert_eq!(status.latest_checkpoint, lock.checkpoint);
+}
