@@ -391,3 +391,108 @@ async fn fenced_updates_retry_a_lost_race_and_recheck_the_fence() {
         "{result:?}"
     );
 }
+
+/// A mass reconnect: 30 attaches ring one holder within a second. The
+/// rings are coalesced, so the holder's doorbell is written at most once
+/// per `ring_spacing` (plus the first), and every sandbox is in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
+    use crate::store::{CountingStore, Operation, OperationCounts};
+    let memory = Arc::new(MemoryStore::new());
+    let counts = Arc::new(OperationCounts::default());
+    let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory.clone(), counts.clone()));
+    let clock = ManualClock::new();
+    let ringer = Leases::new(
+        store,
+        Arc::new(clock.clone()),
+        instance("b"),
+        LeaseConfig {
+            ring_spacing: std::time::Duration::from_millis(300),
+            ..LeaseConfig::default()
+        },
+    );
+    let sandboxes: Vec<SandboxId> = (0..30u128).map(SandboxId::from_u128).collect();
+    let started = std::time::Instant::now();
+    let rings = sandboxes.iter().map(|sandbox| {
+        let ringer = ringer.clone();
+        let sandbox = sandbox.clone();
+        tokio::spawn(async move { ringer.instance_lease().ring(&instance("a"), &sandbox).await })
+    });
+    for ring in futures::future::join_all(rings).await {
+        ring.unwrap().unwrap();
+    }
+    let writes = counts.count(Operation::Put);
+    assert!(
+        (1..=3).contains(&writes),
+        "30 rings took {writes} doorbell writes"
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(2),
+        "every ringer was answered within the spacing"
+    );
+    let bell: crate::api::Doorbell = decode(
+        &memory
+            .get(&crate::layout::doorbell_key(&instance("a")))
+            .await
+            .unwrap()
+            .data,
+    )
+    .unwrap();
+    for sandbox in &sandboxes {
+        assert!(
+            bell.rings.iter().any(|ring| &ring.sandbox == sandbox),
+            "{sandbox} was rung"
+        );
+    }
+}
+
+/// A handoff's hand-back transfers the hold to the instance whose live
+/// intent names it, in one write that carries the checkpoint.
+#[tokio::test]
+async fn a_hand_back_transfers_the_hold_to_the_live_intent_with_the_checkpoint() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let a = leases(&store, &clock, "a");
+    let b = leases(&store, &clock, "b");
+    let held = a.acquire(&sandbox()).await.unwrap();
+    b.request_attach(&sandbox()).await.unwrap();
+    let read = a.read(&sandbox()).await.unwrap();
+    let manifest: crate::api::CheckpointManifest = serde_json::from_value(serde_json::json!({
+        "apiVersion": "sandboxd.dev/v1", "checkpoint_id": "c1", "sandbox_id": sandbox(),
+        "epoch": 1, "created_at": clock.now(), "runsc_version": "x", "platform": "ptrace",
+        "image": {"key": "sandbox_checkpoints/c1/checkpoint.img", "size": 3, "sha256": "ab"}
+    }))
+    .unwrap();
+    let reference = crate::api::CheckpointRef {
+        bucket: "b".into(),
+        path: manifest.image.key.clone(),
+        epoch: 1,
+        sha256: "ab".into(),
+        size: 3,
+        created_at: clock.now(),
+        name: None,
+        extra: Default::default(),
+    };
+    let outcome = a
+        .hand_back(&held, read, &reference, &manifest)
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        HandBack::TransferredTo {
+            instance: instance("b"),
+            epoch: 2
+        }
+    );
+    let lease = stored_lease(&store).await;
+    assert_eq!(lease.holder, Some(instance("b")));
+    assert_eq!(lease.epoch, 2);
+    assert!(lease.wanted_by.is_none());
+    assert_eq!(lease.checkpoint.as_ref(), Some(&reference));
+    assert_eq!(lease.carried_manifest(), Some(&manifest));
+    // The old holder can no longer act on it.
+    assert!(matches!(a.renew(&held).await, Err(LeaseError::Lost { .. })));
+    // A second hand-back of the same hold is refused: it is not A's.
+    let again = a.hand_back(&held, None, &reference, &manifest).await;
+    assert!(matches!(again, Err(LeaseError::Lost { .. })));
+}

@@ -29,6 +29,7 @@ impl SandboxController {
     pub async fn create(&self, metadata: &SandboxMetadata) -> Result<(), ControlError> {
         let sandbox = &metadata.sandbox_id;
         let leases = self.reconciler.leases();
+        let writing = self.reconciler.writing_intent(sandbox);
         let key = metadata_key(sandbox);
         let (written, held) = tokio::join!(
             self.reconciler
@@ -67,6 +68,7 @@ impl SandboxController {
                 leases.request_attach(sandbox).await?;
             }
         }
+        drop(writing);
         self.enqueue(sandbox);
         Ok(())
     }
@@ -163,6 +165,7 @@ impl SandboxController {
         };
         let leases = self.reconciler.leases();
         let me = leases.instance().clone();
+        let writing = self.reconciler.writing_intent(sandbox);
         self.reconciler.mark_waiting(sandbox);
         let free = read.lock.as_ref().is_none_or(|(lease, _)| {
             lease.holder.is_none() && lease.wanted_elsewhere(&me, now).is_none()
@@ -190,21 +193,20 @@ impl SandboxController {
         if let Err(err) = ensured {
             tracing::warn!(%sandbox, %err, "cannot renew the instance lease before a start");
         }
-        match (spec, taken) {
+        let outcome = match (spec, taken) {
             (Ok(written), Ok(Some(lock))) => {
                 self.reconciler.prime(sandbox, written, Some(lock));
+                Ok(())
             }
-            (Ok(_), Ok(None)) => {}
-            (Err(err), _) => {
-                // A hold taken for a spec that could not be written is
-                // released by the pass (an orphan).
-                self.enqueue(sandbox);
-                return Err(err);
-            }
-            (Ok(_), Err(err)) => return Err(err.into()),
-        }
+            (Ok(_), Ok(None)) => Ok(()),
+            // A hold taken for a spec that could not be written is released
+            // by the pass (an orphan).
+            (Err(err), _) => Err(err),
+            (Ok(_), Err(err)) => Err(err.into()),
+        };
+        drop(writing);
         self.enqueue(sandbox);
-        Ok(())
+        outcome
     }
 
     /// Withdraws this instance's wish to run `sandbox` (its client gave up).
@@ -220,6 +222,7 @@ impl SandboxController {
         desired: DesiredState,
         checkpoint_name: Option<&str>,
     ) -> Result<(), ControlError> {
+        let writing = self.reconciler.writing_intent(sandbox);
         let written = self
             .update_spec(sandbox, |spec| {
                 spec.desired_state = desired;
@@ -235,6 +238,7 @@ impl SandboxController {
             self.reconciler
                 .prime(sandbox, written, Some((held.lease, held.generation)));
         }
+        drop(writing);
         self.enqueue(sandbox);
         self.ring_holder(sandbox).await;
         Ok(())

@@ -164,6 +164,11 @@ pub struct Reconciler {
     /// with generations): the next full pass decides on it instead of
     /// reading both again.
     primed: Mutex<HashMap<SandboxId, Primed>>,
+    /// Sandboxes an intent writer here is writing for right now (how many
+    /// writers): a pass decides nothing until they are done, so it never
+    /// acts on half of an intent (a spec not yet written beside a hold
+    /// already taken).
+    intents_in_flight: Mutex<HashMap<SandboxId, usize>>,
     metrics: Arc<super::metrics::Metrics>,
     /// Shutting down: checkpoints kill running executions instead of waiting.
     draining: std::sync::atomic::AtomicBool,
@@ -203,6 +208,7 @@ impl Reconciler {
             full_pass_wanted: Mutex::new(HashSet::new()),
             known: KnownObjects::default(),
             primed: Mutex::new(HashMap::new()),
+            intents_in_flight: Mutex::new(HashMap::new()),
             acquiring: Mutex::new(HashSet::new()),
             starting: Mutex::new(HashSet::new()),
             rung: Mutex::new(HashMap::new()),
@@ -412,6 +418,11 @@ impl Reconciler {
     /// Reads metadata and lock, asks the decision table for the one next
     /// step, and performs it.
     async fn full_pass(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
+        if self.intent_in_flight(sandbox) {
+            // Its writer primes the next pass and queues it when done.
+            self.want_full_pass(sandbox);
+            return Ok(Requeue::After(primed::INTENT_WAIT));
+        }
         // What an intent writer here just wrote and read, or both reads at
         // once: one round trip, not two (a rung handoff starts here).
         let (metadata, lease) = match self.take_primed(sandbox) {
@@ -428,6 +439,11 @@ impl Reconciler {
             self.stop_lost(sandbox, LossCause::RenewalFailed(unreadable))
                 .await;
             return Ok(Requeue::Never);
+        }
+        if self.intent_in_flight(sandbox) {
+            // One started while this pass read: decide on what it writes.
+            self.want_full_pass(sandbox);
+            return Ok(Requeue::After(primed::INTENT_WAIT));
         }
         let metadata = match metadata {
             Ok(metadata) => metadata,

@@ -75,6 +75,32 @@ impl KnownObjects {
 /// view of it.
 const PRIMED_FOR: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How soon a pass that found an intent being written looks again.
+pub(super) const INTENT_WAIT: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Marks an intent writer at work on a sandbox until dropped.
+#[derive(Debug)]
+pub(crate) struct IntentGuard<'a> {
+    reconciler: &'a Reconciler,
+    sandbox: SandboxId,
+}
+
+impl Drop for IntentGuard<'_> {
+    fn drop(&mut self) {
+        let mut writers = self
+            .reconciler
+            .intents_in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = writers.get_mut(&self.sandbox) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                writers.remove(&self.sandbox);
+            }
+        }
+    }
+}
+
 /// Both objects as an intent writer here left them, for the next full pass.
 #[derive(Debug, Clone)]
 pub(super) struct Primed {
@@ -115,6 +141,28 @@ impl Reconciler {
         let fresh = self.clock.now() <= primed.at + chrono_duration(PRIMED_FOR)
             && primed.era == self.leases.instance_lease().era();
         fresh.then_some(primed)
+    }
+
+    /// An intent writer starts on `sandbox`: passes decide nothing until the
+    /// guard is dropped (after it primed and queued the next one).
+    pub(crate) fn writing_intent(&self, sandbox: &SandboxId) -> IntentGuard<'_> {
+        *self
+            .intents_in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(sandbox.clone())
+            .or_insert(0) += 1;
+        IntentGuard {
+            reconciler: self,
+            sandbox: sandbox.clone(),
+        }
+    }
+
+    pub(super) fn intent_in_flight(&self, sandbox: &SandboxId) -> bool {
+        self.intents_in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(sandbox)
     }
 
     /// True while a client here waits for `sandbox` to start.
