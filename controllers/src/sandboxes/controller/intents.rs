@@ -211,6 +211,8 @@ impl SandboxController {
 
     /// Withdraws this instance's wish to run `sandbox` (its client gave up).
     pub async fn withdraw_request(&self, sandbox: &SandboxId) -> Result<(), ControlError> {
+        // A hold transferred here after all is then an orphan, released.
+        self.reconciler.take_waiting(sandbox);
         self.reconciler.leases().withdraw_attach(sandbox).await?;
         Ok(())
     }

@@ -108,13 +108,17 @@ impl Reconciler {
 
     /// A client here waits for `sandbox` to start (its intent was written).
     pub fn mark_waiting(&self, sandbox: &SandboxId) {
+        let now = self.clock.now();
         self.waiting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(sandbox.clone());
+            .entry(sandbox.clone())
+            .or_insert(now);
     }
 
-    pub(super) fn take_waiting(&self, sandbox: &SandboxId) -> bool {
+    /// Since when a client here waited for `sandbox`, if one did; it no
+    /// longer waits.
+    pub(crate) fn take_waiting(&self, sandbox: &SandboxId) -> Option<DateTime<Utc>> {
         self.waiting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

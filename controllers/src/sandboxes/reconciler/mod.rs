@@ -139,7 +139,7 @@ pub struct Reconciler {
     held: Mutex<HashMap<SandboxId, HeldLease>>,
     watches: Mutex<HashMap<SandboxId, Watch>>,
     /// Sandboxes a client here waits for (an attach intent was written).
-    waiting: Mutex<HashSet<SandboxId>>,
+    waiting: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
     /// Sandboxes this instance is waiting to acquire (LOCK_ACQUIRING was said).
     acquiring: Mutex<HashSet<SandboxId>>,
     /// Sandboxes being acquired and started by a pass right now: their lock
@@ -214,7 +214,7 @@ impl Reconciler {
             rung: Mutex::new(HashMap::new()),
             rung_here: Mutex::new(HashMap::new()),
             last_busy: Mutex::new(None),
-            waiting: Mutex::new(HashSet::new()),
+            waiting: Mutex::new(HashMap::new()),
             draining: std::sync::atomic::AtomicBool::new(false),
             metrics: Arc::default(),
             hooks: Arc::new(NoHooks),
@@ -597,7 +597,7 @@ impl Reconciler {
                 Ok(Requeue::Never)
             }
             Step::CheckpointedMeanwhile => {
-                if self.take_waiting(sandbox) {
+                if self.take_waiting(sandbox).is_some() {
                     self.emit(
                         sandbox,
                         SandboxEvent::StartFailed {

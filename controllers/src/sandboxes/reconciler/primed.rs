@@ -170,7 +170,7 @@ impl Reconciler {
         self.waiting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .contains(sandbox)
+            .contains_key(sandbox)
     }
 
     /// True when the periodic checkpoint of a held, checkpointable sandbox

@@ -46,7 +46,7 @@ impl Reconciler {
     /// now rather than left waiting for a start that will not come.
     pub(super) fn tell_waiter_not_wanted(&self, sandbox: &SandboxId, lease: Option<&Lease>) {
         let now = self.clock.now();
-        if self.take_waiting(sandbox) {
+        if self.take_waiting(sandbox).is_some() {
             let cause = match lease.and_then(|l| l.live_intent(now)) {
                 Some(intent) => StartFailure::WantedElsewhere(intent.instance.clone()),
                 None => StartFailure::IntentExpired,
@@ -213,7 +213,7 @@ impl Reconciler {
     ) -> Result<Requeue, ReconcileError> {
         self.done_acquiring(sandbox);
         self.emit(sandbox, SandboxEvent::LeaseAcquired);
-        self.take_waiting(sandbox);
+        let waited_since = self.take_waiting(sandbox);
         let started = std::time::Instant::now();
         let outcome = self.start(sandbox, metadata, &held).await;
         match &outcome {
@@ -221,10 +221,8 @@ impl Reconciler {
                 StartKind::Create => crate::sandboxes::Metrics::add(&self.metrics.creates, 1),
                 StartKind::Restore => {
                     self.metrics.restore_seconds.observe(started.elapsed());
-                    if let Some(intent) = held.lease.wanted_by.as_ref() {
-                        let waited = (self.clock.now() - intent.requested_at)
-                            .to_std()
-                            .unwrap_or_default();
+                    if let Some(since) = waited_since {
+                        let waited = (self.clock.now() - since).to_std().unwrap_or_default();
                         self.metrics.handoff_in_seconds.observe(waited);
                     }
                 }
