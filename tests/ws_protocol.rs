@@ -47,7 +47,7 @@ async fn create_sends_creating_then_the_id_then_running() {
     assert!(token.chars().all(|c| c.is_ascii_hexdigit()));
     let stored = metadata(&server, id).await;
     assert_eq!(stored.spec.idle_timeout, Some(60));
-    // The status record follows SANDBOX_RUNNING (decision 16): the hold
+    // The status record follows SANDBOX_RUNNING (decision 18): the hold
     // was fenced by the lock written with the create.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     while metadata(&server, id).await.status.phase != Phase::Running {

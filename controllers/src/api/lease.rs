@@ -26,7 +26,7 @@ pub struct Lease {
     #[serde(default)]
     pub wanted_by: Option<AttachIntent>,
     /// The checkpoint the last holder left the sandbox at, written in the
-    /// same write that released or transferred the hold (decision 16): the
+    /// same write that released or transferred the hold (decision 18): the
     /// next holder restores the newer of this and `metadata.json`'s
     /// `status.latest_checkpoint` without waiting for, or re-reading, the
     /// record in `metadata.json`.

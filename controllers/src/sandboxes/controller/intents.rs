@@ -20,7 +20,7 @@ use super::{ControlError, SandboxController};
 impl SandboxController {
     /// Records a new sandbox (desired running) and asks for it here.
     ///
-    /// A create is its own acquisition (decision 16): `metadata.json` and a
+    /// A create is its own acquisition (decision 18): `metadata.json` and a
     /// `lock.json` held by this instance at epoch 1 are written at once,
     /// each only if absent, and the pass that starts it decides on what was
     /// written without reading it back. If a lock exists already (nothing

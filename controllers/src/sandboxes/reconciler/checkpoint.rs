@@ -240,7 +240,7 @@ impl Reconciler {
             status.last_error = None;
             self.ready(status, ReadyReason::Checkpointed, "");
         };
-        // The record and the hand-back at once (decision 16): the lock
+        // The record and the hand-back at once (decision 18): the lock
         // carries the checkpoint, so whoever takes the hold next restores
         // it even if this record lands later, or never (it then records it
         // itself, and this one is refused by the fence).

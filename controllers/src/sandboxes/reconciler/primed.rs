@@ -1,6 +1,6 @@
 //! What this instance already knows of a sandbox's two JSON objects, so that
 //! the next request for them is a write, not a read and a write
-//! (decision 16). On GCS a read costs tens of milliseconds on the critical
+//! (decision 18). On GCS a read costs tens of milliseconds on the critical
 //! path; every read saved here is one the client does not wait for.
 //!
 //! Two kinds of knowledge, both with the object's generation:

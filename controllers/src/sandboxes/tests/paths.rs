@@ -1,4 +1,4 @@
-//! The critical paths, counted in sequential store requests (decision 16).
+//! The critical paths, counted in sequential store requests (decision 18).
 //!
 //! On GCS every request on a client's path costs tens of milliseconds, so
 //! each path has a budget of requests made one after another (`DESIGN.md`
