@@ -36,7 +36,7 @@ pub struct Lease {
     /// reading `manifest.json` first. Ignored unless it describes
     /// `checkpoint`'s image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub checkpoint_manifest: Option<CheckpointManifest>,
+    pub checkpoint_manifest: Option<Box<CheckpointManifest>>,
     #[serde(flatten)]
     pub extra: ExtraFields,
 }
@@ -130,7 +130,7 @@ impl Lease {
     /// The manifest carried with `checkpoint`, if it describes that image.
     pub fn carried_manifest(&self) -> Option<&CheckpointManifest> {
         let reference = self.checkpoint.as_ref()?;
-        self.checkpoint_manifest.as_ref().filter(|manifest| {
+        self.checkpoint_manifest.as_deref().filter(|manifest| {
             manifest.image.key == reference.path
                 && manifest.image.sha256 == reference.sha256
                 && manifest.image.size == reference.size

@@ -142,7 +142,7 @@ pub enum HandBack {
 
 /// What a read-modify-write step decided.
 enum Step<T> {
-    Write(Lease, T),
+    Write(Box<Lease>, T),
     Done(T),
 }
 
@@ -288,7 +288,7 @@ impl Leases {
                 // Already ours: renew rather than trust a possibly expired lease.
                 lease.renewed_at = Some(now);
                 let epoch = lease.epoch;
-                return Ok(Step::Write(lease, epoch));
+                return Ok(Step::Write(Box::new(lease), epoch));
             }
             let taken_over = gone.as_ref().is_some_and(|(holder, epoch)| {
                 lease.holder.as_ref() == Some(holder) && lease.epoch == *epoch
@@ -328,7 +328,7 @@ impl Leases {
             lease.renewed_at = Some(now);
             lease.lease_duration_s = self.duration_secs();
             let epoch = lease.epoch;
-            Ok(Step::Write(lease, epoch))
+            Ok(Step::Write(Box::new(lease), epoch))
         })
         .await
     }
@@ -392,7 +392,7 @@ impl Leases {
         self.modify_from(&held.sandbox, read, |existing, now| {
             let mut lease = self.still_mine(held, existing)?;
             lease.checkpoint = Some(checkpoint.clone());
-            lease.checkpoint_manifest = Some(manifest.clone());
+            lease.checkpoint_manifest = Some(Box::new(manifest.clone()));
             let outcome = match lease.wanted_elsewhere(&self.instance, now).cloned() {
                 Some(intent) => {
                     lease.holder = Some(intent.instance.clone());
@@ -411,7 +411,7 @@ impl Leases {
                     HandBack::Released
                 }
             };
-            Ok(Step::Write(lease, outcome))
+            Ok(Step::Write(Box::new(lease), outcome))
         })
         .await
         .map(|(outcome, _, _)| outcome)
@@ -423,7 +423,7 @@ impl Leases {
         self.modify(&held.sandbox, |existing, now| {
             let mut lease = self.still_mine(held, existing)?;
             lease.renewed_at = Some(now);
-            Ok(Step::Write(lease, ()))
+            Ok(Step::Write(Box::new(lease), ()))
         })
         .await
         .and_then(|((), lease, generation)| {
@@ -437,7 +437,7 @@ impl Leases {
         self.modify(&held.sandbox, |existing, _now| {
             let mut lease = self.still_mine(held, existing)?;
             lease.holder = None;
-            Ok(Step::Write(lease, ()))
+            Ok(Step::Write(Box::new(lease), ()))
         })
         .await
         .map(|_| ())
@@ -450,7 +450,7 @@ impl Leases {
         self.modify(sandbox, |existing, _now| match existing {
             Some(mut lease) if lease.is_held_by(&self.instance) && lease.epoch == epoch => {
                 lease.holder = None;
-                Ok(Step::Write(lease, ()))
+                Ok(Step::Write(Box::new(lease), ()))
             }
             _ => Ok(Step::Done(())),
         })
@@ -513,7 +513,7 @@ impl Leases {
                 extra: ExtraFields::new(),
             };
             lease.wanted_by = Some(intent.clone());
-            Ok(Step::Write(lease, intent))
+            Ok(Step::Write(Box::new(lease), intent))
         });
         let (written, ()) = tokio::join!(write, ring_early);
         let (intent, lease, _) = written?;
@@ -545,7 +545,7 @@ impl Leases {
                     .is_some_and(|intent| intent.instance == self.instance) =>
             {
                 lease.wanted_by = None;
-                Ok(Step::Write(lease, ()))
+                Ok(Step::Write(Box::new(lease), ()))
             }
             _ => Ok(Step::Done(())),
         })
@@ -640,7 +640,7 @@ impl Leases {
                 Step::Done(value) => {
                     Decision::Keep((value, unchanged.unwrap_or_else(|| self.fresh_lease())))
                 }
-                Step::Write(lease, value) => Decision::Write(encode(&lease), (value, lease)),
+                Step::Write(lease, value) => Decision::Write(encode(&*lease), (value, *lease)),
             })
         })
         .await;

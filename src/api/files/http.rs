@@ -95,8 +95,8 @@ async fn hold(state: &AppState, raw_id: &str, token: Option<String>) -> Result<H
     };
     let controller = controller_or_error(state)
         .map_err(|message| refusal(StatusCode::SERVICE_UNAVAILABLE, "EIO", message))?;
-    let metadata = match controller.read(&id).await {
-        Ok(Some(metadata)) => metadata,
+    let read = match controller.read_for_attach(&id).await {
+        Ok(Some(read)) => read,
         Ok(None) => return Err(not_found()),
         Err(err) => {
             return Err(refusal(
@@ -106,6 +106,7 @@ async fn hold(state: &AppState, raw_id: &str, token: Option<String>) -> Result<H
             ));
         }
     };
+    let metadata = read.metadata.0.clone();
     if !token::matches(&token, &metadata.spec.token_sha256) {
         return Err(refusal(
             StatusCode::FORBIDDEN,
@@ -137,7 +138,7 @@ async fn hold(state: &AppState, raw_id: &str, token: Option<String>) -> Result<H
             &controller,
             &Out::sink(),
             &mut progress,
-            &metadata,
+            read,
             None,
         )
         .await
