@@ -133,15 +133,8 @@ async fn hold(state: &AppState, raw_id: &str, token: Option<String>) -> Result<H
         return Err(not_found());
     }
     if !runs_here
-        && let Err(refused) = restore(
-            state,
-            &controller,
-            &Out::sink(),
-            &mut progress,
-            read,
-            None,
-        )
-        .await
+        && let Err(refused) =
+            restore(state, &controller, &Out::sink(), &mut progress, read, None).await
     {
         state.live.detach(&live, attachment);
         return Err(refusal(

@@ -141,13 +141,17 @@ impl Reconciler {
     pub(super) async fn stop_lost(&self, sandbox: &SandboxId, why: LossCause) {
         tracing::warn!(%sandbox, %why, "stopping a sandbox this instance lost");
         crate::sandboxes::Metrics::add(&self.metrics.lost, 1);
+        // The client is told first: forgetting the hold releases an
+        // execution exit held back by the fence, and destroying the sandbox
+        // ends its running execution; neither may reach the client as a
+        // DONE before the loss does (another instance may hold it now).
+        self.emit(sandbox, SandboxEvent::Lost(why));
         self.forget(sandbox);
         if let Err(err) = self.runtime.destroy(sandbox).await
             && !matches!(err, RuntimeError::NotFound(_))
         {
             tracing::error!(%sandbox, %err, "cannot destroy a lost sandbox");
         }
-        self.emit(sandbox, SandboxEvent::Lost(why));
     }
 
     pub(super) async fn delete_held(
