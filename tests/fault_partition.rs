@@ -56,7 +56,8 @@ async fn partitioned_holder(partition: Partition) {
     ws.send(json!({"action": "checkpoint"})).await;
     assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
     let mut ws = a.attach(&id, &token).await;
-    ws.until_status("SANDBOX_RUNNING").await;
+    let frames = ws.until_status("SANDBOX_RUNNING").await;
+    assert_eq!(frames.last().unwrap(), "SANDBOX_RUNNING", "{frames:?}");
 
     proxy_a.set_partition(partition);
     let cut = Instant::now();

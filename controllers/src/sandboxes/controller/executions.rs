@@ -144,6 +144,9 @@ impl SandboxController {
 /// How long an execution waits for a checkpoint in progress to end.
 const CHECKPOINT_WAIT: Duration = Duration::from_secs(30);
 
+/// How long an exit held back by [`fence_exit`] waits at most.
+const FENCE_EXIT_GIVE_UP: Duration = Duration::from_secs(600);
+
 /// How often an exit held back by [`fence_exit`] looks at the hold again.
 const FENCE_EXIT_POLL: Duration = Duration::from_millis(50);
 
@@ -154,8 +157,12 @@ const FENCE_EXIT_POLL: Duration = Duration::from_millis(50);
 /// acknowledged executions of its own: reporting that exit would acknowledge
 /// work on two instances at once. The exit is held back until the hold is
 /// vouched for again (re-verified) and then reported, or until the sandbox
-/// is no longer held here (lost: the events end without an exit, and the
-/// session reports the loss), at most two leases.
+/// is no longer held here (lost: the loss is reported to the session first,
+/// then the events end without an exit). The reconciler settles an
+/// unvouched hold one way or the other within a lease or so (a pass that
+/// cannot read the bucket stops it after the store's deadline), so no time
+/// bound is needed for safety; [`FENCE_EXIT_GIVE_UP`] only keeps a task from
+/// living for ever if it never does.
 fn fence_exit(
     mut execution: Execution,
     reconciler: Arc<Reconciler>,
@@ -165,10 +172,7 @@ fn fence_exit(
     tokio::spawn(async move {
         while let Some(event) = execution.events.recv().await {
             if let crate::runtime::ExecEvent::Exited(_) = event {
-                let give_up = tokio::time::Instant::now()
-                    + (reconciler.leases().config().duration * 2)
-                        .to_std()
-                        .unwrap_or(Duration::from_secs(60));
+                let give_up = tokio::time::Instant::now() + FENCE_EXIT_GIVE_UP;
                 loop {
                     match reconciler.held(&sandbox) {
                         Some(held) if reconciler.leases().is_safe(&held) => {

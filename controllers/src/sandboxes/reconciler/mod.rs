@@ -168,7 +168,7 @@ pub struct Reconciler {
     /// writers): a pass decides nothing until they are done, so it never
     /// acts on half of an intent (a spec not yet written beside a hold
     /// already taken).
-    intents_in_flight: Mutex<HashMap<SandboxId, usize>>,
+    intents_in_flight: Mutex<primed::IntentWriters>,
     metrics: Arc<super::metrics::Metrics>,
     /// Shutting down: checkpoints kill running executions instead of waiting.
     draining: std::sync::atomic::AtomicBool,
@@ -208,7 +208,7 @@ impl Reconciler {
             full_pass_wanted: Mutex::new(HashSet::new()),
             known: KnownObjects::default(),
             primed: Mutex::new(HashMap::new()),
-            intents_in_flight: Mutex::new(HashMap::new()),
+            intents_in_flight: Mutex::default(),
             acquiring: Mutex::new(HashSet::new()),
             starting: Mutex::new(HashSet::new()),
             rung: Mutex::new(HashMap::new()),
@@ -418,11 +418,11 @@ impl Reconciler {
     /// Reads metadata and lock, asks the decision table for the one next
     /// step, and performs it.
     async fn full_pass(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
-        if self.intent_in_flight(sandbox) {
+        let Some(intents_before) = self.intents_settled(sandbox) else {
             // Its writer primes the next pass and queues it when done.
             self.want_full_pass(sandbox);
             return Ok(Requeue::After(primed::INTENT_WAIT));
-        }
+        };
         // What an intent writer here just wrote and read, or both reads at
         // once: one round trip, not two (a rung handoff starts here).
         let (metadata, lease) = match self.take_primed(sandbox) {
@@ -440,8 +440,9 @@ impl Reconciler {
                 .await;
             return Ok(Requeue::Never);
         }
-        if self.intent_in_flight(sandbox) {
-            // One started while this pass read: decide on what it writes.
+        if self.intents_settled(sandbox) != Some(intents_before) {
+            // One started (and maybe ended) while this pass read: what it
+            // read may predate it; decide on what the writer wrote.
             self.want_full_pass(sandbox);
             return Ok(Requeue::After(primed::INTENT_WAIT));
         }

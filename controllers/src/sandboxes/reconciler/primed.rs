@@ -92,13 +92,24 @@ impl Drop for IntentGuard<'_> {
             .intents_in_flight
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some(count) = writers.get_mut(&self.sandbox) {
-            *count = count.saturating_sub(1);
-            if *count == 0 {
-                writers.remove(&self.sandbox);
-            }
+        if let Some(entry) = writers.by_sandbox.get_mut(&self.sandbox) {
+            entry.in_flight = entry.in_flight.saturating_sub(1);
         }
     }
+}
+
+/// The intent writers of this instance, per sandbox: how many are at work
+/// and how many ever started, so a pass can tell that one started (and
+/// maybe finished) while it read.
+#[derive(Debug, Default)]
+pub(super) struct IntentWriters {
+    by_sandbox: HashMap<SandboxId, IntentCount>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct IntentCount {
+    in_flight: usize,
+    started: u64,
 }
 
 /// Both objects as an intent writer here left them, for the next full pass.
@@ -146,23 +157,36 @@ impl Reconciler {
     /// An intent writer starts on `sandbox`: passes decide nothing until the
     /// guard is dropped (after it primed and queued the next one).
     pub(crate) fn writing_intent(&self, sandbox: &SandboxId) -> IntentGuard<'_> {
-        *self
-            .intents_in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(sandbox.clone())
-            .or_insert(0) += 1;
+        {
+            let mut writers = self
+                .intents_in_flight
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if writers.by_sandbox.len() >= MAX_KNOWN && !writers.by_sandbox.contains_key(sandbox) {
+                writers.by_sandbox.retain(|_, count| count.in_flight > 0);
+            }
+            let entry = writers.by_sandbox.entry(sandbox.clone()).or_default();
+            entry.in_flight += 1;
+            entry.started += 1;
+        }
         IntentGuard {
             reconciler: self,
             sandbox: sandbox.clone(),
         }
     }
 
-    pub(super) fn intent_in_flight(&self, sandbox: &SandboxId) -> bool {
-        self.intents_in_flight
+    /// How many intent writers ever started on `sandbox`, if none is at
+    /// work now (`None`: one is).
+    pub(super) fn intents_settled(&self, sandbox: &SandboxId) -> Option<u64> {
+        let writers = self
+            .intents_in_flight
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .contains_key(sandbox)
+            .unwrap_or_else(PoisonError::into_inner);
+        match writers.by_sandbox.get(sandbox) {
+            Some(count) if count.in_flight > 0 => None,
+            Some(count) => Some(count.started),
+            None => Some(0),
+        }
     }
 
     /// True while a client here waits for `sandbox` to start.
