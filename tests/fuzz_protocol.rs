@@ -224,6 +224,7 @@ fn instance(store: &Arc<MemoryStore>, clock: &ManualClock, name: &str) -> Arc<Sa
             duration: chrono::Duration::seconds(30),
             skew_tolerance: chrono::Duration::seconds(5),
             intent_ttl: chrono::Duration::seconds(60),
+            ring_spacing: std::time::Duration::ZERO,
         },
     );
     let reconciler = Reconciler::new(ReconcilerParts {
