@@ -662,6 +662,21 @@ async fn a_checkpoint_of_another_agent_version_is_refused_over_the_wire() {
         .put(key, encode(&manifest), PutMode::Overwrite)
         .await
         .unwrap();
+    // That host also carried its manifest in the lock it gave the sandbox
+    // back with (decision 18): the restore reads that copy.
+    let lock_key = controllers::layout::lock_key(&controllers::api::SandboxId::parse(&id).unwrap());
+    let mut lock: controllers::api::Lease =
+        decode(&store.get(&lock_key).await.unwrap().data).unwrap();
+    let carried = lock
+        .checkpoint_manifest
+        .as_mut()
+        .expect("the lock carries the checkpoint's manifest");
+    assert_eq!(carried.image, manifest.image);
+    carried.agent_version = Some(other);
+    store
+        .put(&lock_key, encode(&lock), PutMode::Overwrite)
+        .await
+        .unwrap();
 
     let mut ws = a.attach(&id, &token).await;
     let frames = ws.until_close().await;
