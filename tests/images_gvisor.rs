@@ -633,7 +633,9 @@ async fn the_server_refuses_to_start_without_its_image_and_says_how_to_build_it(
 async fn a_checkpoint_of_another_agent_version_is_refused_over_the_wire() {
     use controllers::api::{CheckpointManifest, decode, encode};
     use controllers::store::PutMode;
-    use sandboxd::runtime::agent_protocol::AGENT_PROTOCOL_VERSION;
+    use sandboxd::runtime::agent_protocol::{
+        AGENT_PROTOCOL_VERSION, OLDEST_AGENT_PROTOCOL_VERSION,
+    };
     use serde_json::json;
     use support::ws::Server;
     let dir = tempfile::tempdir().unwrap();
@@ -686,8 +688,8 @@ async fn a_checkpoint_of_another_agent_version_is_refused_over_the_wire() {
     );
     assert!(
         frames.iter().any(|f| f.contains(&format!(
-            "agent speaks protocol version {other}, and this server speaks version \
-             {AGENT_PROTOCOL_VERSION}"
+            "agent speaks protocol version {other}, and this server speaks versions \
+             {OLDEST_AGENT_PROTOCOL_VERSION} to {AGENT_PROTOCOL_VERSION}"
         ))),
         "the refusal names both versions: {frames:?}"
     );

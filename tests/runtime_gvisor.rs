@@ -546,7 +546,7 @@ async fn a_checkpoint_of_another_agent_version_is_refused_naming_both() {
         "{text}"
     );
     assert!(
-        text.contains(&format!("version {AGENT_PROTOCOL_VERSION}")),
+        text.contains(&format!("versions 1 to {AGENT_PROTOCOL_VERSION}")),
         "{text}"
     );
     assert!(!h.runtime.is_running(&id), "nothing half-restored");

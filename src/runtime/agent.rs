@@ -1,6 +1,7 @@
 //! The host's end of the agent channel: JSON lines over the init process's
 //! stdin and stdout (see `sandbox_agent/__init__.py` for why stdio), each a
-//! message of [`super::agent_protocol`].
+//! message of [`super::agent_protocol`], some followed by raw bytes (an
+//! agent of version 2 on; see [`AgentConnection::exchange`]).
 //!
 //! One writer (commands, serialised by a mutex) and one reader task that routes
 //! each event by its `id`: execution output to that execution's channel, replies
@@ -16,8 +17,7 @@
 //! with them; a suspended execution (checkpointed with its sandbox, to go on
 //! elsewhere) is not ended when the agent goes away.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -27,8 +27,17 @@ use bytes::Bytes;
 use controllers::runtime::ExecEvent;
 use serde::de::DeserializeOwned;
 
-use super::agent_lines::{AgentLine, MAX_AGENT_LINE_BYTES, next_line};
-use super::agent_protocol::{AGENT_PROTOCOL_VERSION, Command, Event, MalformedReply, Request};
+pub use super::agent_routes::{ExecEvents, MAX_QUEUED_OUTPUT_BYTES, Sequenced};
+use super::agent_routes::{ExecRoute, Routes};
+
+use super::agent_lines::{
+    AgentLine, MAX_AGENT_LINE_BYTES, MAX_AGENT_PAYLOAD_BYTES, Payload, next_line, payload_length,
+    read_payload,
+};
+use super::agent_protocol::{
+    AGENT_PROTOCOL_VERSION, Command, Event, MalformedReply, OLDEST_AGENT_PROTOCOL_VERSION,
+    RAW_BYTES_VERSION, Request,
+};
 use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot};
@@ -45,14 +54,18 @@ pub enum AgentError {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Malformed(#[from] MalformedReply),
-    #[error("the sandbox agent speaks protocol version {agent}; this host speaks version {host}")]
+    #[error(
+        "the sandbox agent speaks protocol version {agent}; this host speaks versions \
+         {OLDEST_AGENT_PROTOCOL_VERSION} to {host}"
+    )]
     Version { agent: u32, host: u32 },
 }
 
-/// Refuses an agent that speaks another protocol version than this host.
-pub fn check_version(agent: u32) -> Result<(), AgentError> {
-    if agent == AGENT_PROTOCOL_VERSION {
-        Ok(())
+/// Refuses an agent whose protocol version this host does not speak; the
+/// version, if it does.
+pub fn check_version(agent: u32) -> Result<u32, AgentError> {
+    if (OLDEST_AGENT_PROTOCOL_VERSION..=AGENT_PROTOCOL_VERSION).contains(&agent) {
+        Ok(agent)
     } else {
         Err(AgentError::Version {
             agent,
@@ -61,114 +74,22 @@ pub fn check_version(agent: u32) -> Result<(), AgentError> {
     }
 }
 
-/// What a waiter gets: the reply event, or the agent's error message.
-type Reply = Result<Event, String>;
+/// What a waiter gets: the reply event and the raw bytes after it (empty
+/// if none), or the agent's error message.
+pub(super) type Reply = Result<(Event, Bytes), String>;
 
-/// An execution's event and the agent's number for it (0: not numbered,
-/// the execution is not resumable).
-pub type Sequenced = (u64, ExecEvent);
-
-/// Output bytes one execution may have waiting between the reader and its
-/// consumer. Beyond it the reader (which never waits) drops output: the first
-/// dropped event becomes a notice on stderr, the others empty events of the
-/// same number, so a resumable execution's numbering holds (issue 25: a
-/// consumer that stalled, such as a slow `/execute` client, let this grow
-/// without bound).
-pub const MAX_QUEUED_OUTPUT_BYTES: usize = 8 << 20;
-
-/// One execution's route: its channel and the output bytes in it.
-struct ExecRoute {
-    sender: mpsc::UnboundedSender<Sequenced>,
-    queued: Arc<AtomicUsize>,
-    /// Output is being dropped (the notice was sent).
-    dropping: bool,
-}
-
-impl ExecRoute {
-    fn new() -> (Self, ExecEvents) {
-        let (sender, receiver) = mpsc::unbounded_channel();
-        let queued = Arc::new(AtomicUsize::new(0));
-        let events = ExecEvents {
-            receiver,
-            queued: Arc::clone(&queued),
-        };
-        (
-            Self {
-                sender,
-                queued,
-                dropping: false,
-            },
-            events,
-        )
-    }
-
-    /// Queues output, or drops it past [`MAX_QUEUED_OUTPUT_BYTES`].
-    fn output(&mut self, seq: u64, stderr: bool, data: Bytes) {
-        let queued = self.queued.load(Ordering::Acquire);
-        let data = if queued.saturating_add(data.len()) <= MAX_QUEUED_OUTPUT_BYTES {
-            self.dropping = false;
-            data
-        } else if std::mem::replace(&mut self.dropping, true) {
-            Bytes::new()
-        } else {
-            let notice = Bytes::from(format!(
-                "\n[sandboxd] output dropped: more than {MAX_QUEUED_OUTPUT_BYTES} bytes were \
-                 waiting for a reader that fell behind\n"
-            ));
-            let _ = self.sender.send((seq, ExecEvent::Stderr(notice.clone())));
-            self.queued.fetch_add(notice.len(), Ordering::AcqRel);
-            return;
-        };
-        self.queued.fetch_add(data.len(), Ordering::AcqRel);
-        let event = if stderr {
-            ExecEvent::Stderr(data)
-        } else {
-            ExecEvent::Stdout(data)
-        };
-        let _ = self.sender.send((seq, event));
-    }
-}
-
-/// The event stream of one execution, as the agent's reader routes it.
-#[derive(Debug)]
-pub struct ExecEvents {
-    receiver: mpsc::UnboundedReceiver<Sequenced>,
-    queued: Arc<AtomicUsize>,
-}
-
-impl ExecEvents {
-    /// The next event; `None` once the execution's route is gone.
-    pub async fn recv(&mut self) -> Option<Sequenced> {
-        let item = self.receiver.recv().await?;
-        if let (_, ExecEvent::Stdout(data) | ExecEvent::Stderr(data)) = &item {
-            self.queued.fetch_sub(data.len(), Ordering::AcqRel);
-        }
-        Some(item)
-    }
-}
-
-#[derive(Default)]
-struct Routes {
-    replies: HashMap<String, oneshot::Sender<Reply>>,
-    /// Unbounded on purpose: the reader must never wait on one slow consumer,
-    /// or replies (kill, ping, checkpoint) would queue behind its output. The
-    /// consumers (API sessions) bound what they keep.
-    execs: HashMap<String, ExecRoute>,
-    /// Executions checkpointed with the sandbox: when the agent goes away
-    /// their streams end without an exit (they go on elsewhere).
-    suspended: HashSet<String>,
-    /// Unbounded for the same reason; the consumer writes to local disk,
-    /// which keeps up with what the agent can tar and encode.
-    chunks: HashMap<String, mpsc::UnboundedSender<Bytes>>,
-    gone: bool,
-}
+/// A command line and the raw bytes that follow it, for the writer task.
+type Framed = (Vec<u8>, Bytes);
 
 /// A connection to one sandbox's agent.
 pub struct AgentConnection {
     /// Whole command lines for the writer task: queuing a line cannot be
     /// interrupted half-way, so a cancelled caller never corrupts the stream.
-    lines: mpsc::UnboundedSender<Vec<u8>>,
+    lines: mpsc::UnboundedSender<Framed>,
     routes: Arc<Mutex<Routes>>,
+    /// The agent's protocol version, once its `hello` or `pong` told it
+    /// (0 until then: nothing version-2 is sent).
+    version: std::sync::atomic::AtomicU32,
     next_id: std::sync::atomic::AtomicU64,
     /// Makes this connection's ids differ from those of earlier connections
     /// to the same agent (a restored agent may still journal `e1`).
@@ -206,6 +127,7 @@ impl AgentConnection {
         let connection = Arc::new(Self {
             lines,
             routes,
+            version: std::sync::atomic::AtomicU32::new(0),
             next_id: std::sync::atomic::AtomicU64::new(1),
             id_tag,
         });
@@ -228,6 +150,21 @@ impl AgentConnection {
         self.routes().gone
     }
 
+    /// Records the agent's protocol version (checked by [`check_version`]).
+    pub fn set_version(&self, version: u32) {
+        self.version.store(version, Ordering::Release);
+    }
+
+    /// The agent's protocol version (0: not known yet).
+    pub fn version(&self) -> u32 {
+        self.version.load(Ordering::Acquire)
+    }
+
+    /// Whether messages may carry raw bytes to and from this agent.
+    pub fn speaks_raw_bytes(&self) -> bool {
+        self.version() >= RAW_BYTES_VERSION
+    }
+
     /// Sends one command.
     pub async fn send(&self, command: &Command) -> Result<(), AgentError> {
         self.send_now(command)
@@ -235,12 +172,40 @@ impl AgentConnection {
 
     /// Sends one command without waiting (the line is queued for the writer).
     pub fn send_now(&self, command: &Command) -> Result<(), AgentError> {
+        self.send_framed(command, None)
+    }
+
+    /// Queues a command and the raw bytes that follow it (announced in its
+    /// line's `bytes`), for an agent that speaks them.
+    fn send_framed(&self, command: &Command, payload: Option<Bytes>) -> Result<(), AgentError> {
         if self.is_gone() {
             return Err(AgentError::Gone);
         }
-        let mut line = serde_json::to_vec(command).map_err(std::io::Error::other)?;
+        let Some(payload) = payload else {
+            let mut line = serde_json::to_vec(command).map_err(std::io::Error::other)?;
+            line.push(b'\n');
+            return self
+                .lines
+                .send((line, Bytes::new()))
+                .map_err(|_| AgentError::Gone);
+        };
+        let mut line = {
+            if !self.speaks_raw_bytes() {
+                return Err(AgentError::Io(std::io::Error::other(format!(
+                    "the sandbox agent speaks protocol version {}, which carries no raw bytes",
+                    self.version()
+                ))));
+            }
+            serde_json::to_vec(&Command {
+                bytes: Some(payload.len() as u64),
+                ..command.clone()
+            })
+        }
+        .map_err(std::io::Error::other)?;
         line.push(b'\n');
-        self.lines.send(line).map_err(|_| AgentError::Gone)
+        self.lines
+            .send((line, payload))
+            .map_err(|_| AgentError::Gone)
     }
 
     /// Sends a request under a fresh id and waits for the reply that carries it.
@@ -267,8 +232,36 @@ impl AgentConnection {
         request: Request,
         timeout: Duration,
     ) -> Result<Event, AgentError> {
+        self.exchange_with_id(id, request, None, timeout)
+            .await
+            .map(|(event, _)| event)
+    }
+
+    /// Sends a request, followed by `payload` (raw bytes, announced in its
+    /// line) if given, and waits for its reply and the raw bytes after it
+    /// (empty if none). Raw bytes go only to an agent of version 2 on.
+    pub async fn exchange(
+        &self,
+        request: Request,
+        payload: Option<Bytes>,
+        timeout: Duration,
+    ) -> Result<(Event, Bytes), AgentError> {
+        let id = self.new_id("r");
+        self.exchange_with_id(&id, request, payload, timeout).await
+    }
+
+    async fn exchange_with_id(
+        &self,
+        id: &str,
+        request: Request,
+        payload: Option<Bytes>,
+        timeout: Duration,
+    ) -> Result<(Event, Bytes), AgentError> {
         let reply = self.expect_reply(id)?;
-        self.send(&request.with_id(id)).await?;
+        if let Err(err) = self.send_framed(&request.with_id(id), payload) {
+            self.routes().replies.remove(id);
+            return Err(err);
+        }
         let outcome = wait_reply(reply, timeout).await;
         if matches!(outcome, Err(AgentError::Timeout(_))) {
             // A reply that never came must not keep its route forever.
@@ -343,7 +336,7 @@ impl AgentConnection {
 async fn wait_reply(
     reply: oneshot::Receiver<Reply>,
     timeout: Duration,
-) -> Result<Event, AgentError> {
+) -> Result<(Event, Bytes), AgentError> {
     match tokio::time::timeout(timeout, reply).await {
         Ok(Ok(Ok(value))) => Ok(value),
         Ok(Ok(Err(message))) => Err(AgentError::Refused(message)),
@@ -387,8 +380,29 @@ async fn read_events(
                 break;
             }
         };
+        let payload = match payload_length(&line) {
+            None => Bytes::new(),
+            Some(length) => {
+                match read_payload(&mut reader, length, MAX_AGENT_PAYLOAD_BYTES).await {
+                    Ok(Payload::Bytes(payload)) => payload,
+                    Ok(Payload::TooLong(bytes)) => {
+                        tracing::warn!(
+                            bytes,
+                            limit = MAX_AGENT_PAYLOAD_BYTES,
+                            "skipped over-long raw bytes from the sandbox agent"
+                        );
+                        fail_request(&routes, &line, "more raw bytes than a reply may carry");
+                        continue;
+                    }
+                    Err(err) => {
+                        tracing::warn!(%err, "reading from the sandbox agent failed");
+                        break;
+                    }
+                }
+            }
+        };
         match serde_json::from_str::<Event>(&line) {
-            Ok(event) => route(&routes, &mut hello, event),
+            Ok(event) => route(&routes, &mut hello, event, payload),
             Err(err) => unreadable(&routes, &line, &err),
         }
     }
@@ -412,11 +426,15 @@ async fn read_events(
 /// Writes queued command lines to the agent, in order, until it goes away.
 async fn write_commands(
     mut commands: pipe::Sender,
-    mut queued: mpsc::UnboundedReceiver<Vec<u8>>,
+    mut queued: mpsc::UnboundedReceiver<Framed>,
     routes: Arc<Mutex<Routes>>,
 ) {
-    while let Some(line) = queued.recv().await {
-        if let Err(err) = commands.write_all(&line).await {
+    while let Some((line, payload)) = queued.recv().await {
+        let mut written = commands.write_all(&line).await;
+        if written.is_ok() && !payload.is_empty() {
+            written = commands.write_all(&payload).await;
+        }
+        if let Err(err) = written {
             if err.kind() != std::io::ErrorKind::BrokenPipe {
                 tracing::warn!(%err, "writing to the sandbox agent failed");
             }
@@ -429,6 +447,15 @@ async fn write_commands(
 /// An event that is no message of the protocol: its request (if it names
 /// one that waits) fails rather than waits for its timeout.
 fn unreadable(routes: &Mutex<Routes>, line: &str, err: &serde_json::Error) {
+    let problem = format!("the sandbox agent sent a malformed reply ({err})");
+    if !fail_request(routes, line, &problem) {
+        tracing::warn!(%err, line = %line.chars().take(200).collect::<String>(), "unreadable agent event");
+    }
+}
+
+/// Fails the request the event `line` names (if one waits) with `problem`;
+/// whether one did.
+fn fail_request(routes: &Mutex<Routes>, line: &str, problem: &str) -> bool {
     let id = serde_json::from_str::<serde_json::Value>(line)
         .ok()
         .and_then(|value| value.get("id")?.as_str().map(str::to_owned));
@@ -439,18 +466,20 @@ fn unreadable(routes: &Mutex<Routes>, line: &str, err: &serde_json::Error) {
     });
     match waiting {
         Some(reply) => {
-            let _ = reply.send(Err(format!(
-                "the sandbox agent sent a malformed reply ({err})"
-            )));
+            let _ = reply.send(Err(problem.to_owned()));
+            true
         }
-        None => {
-            tracing::warn!(%err, line = %line.chars().take(200).collect::<String>(), "unreadable agent event");
-        }
+        None => false,
     }
 }
 
 /// Routes one event. Never waits: the reader's only loop runs through here.
-fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<u32>>, event: Event) {
+fn route(
+    routes: &Mutex<Routes>,
+    hello: &mut Option<oneshot::Sender<u32>>,
+    event: Event,
+    payload: Bytes,
+) {
     let lock = || routes.lock().unwrap_or_else(PoisonError::into_inner);
     match event {
         Event::Hello { version, .. } => {
@@ -520,7 +549,7 @@ fn route(routes: &Mutex<Routes>, hello: &mut Option<oneshot::Sender<u32>>, event
                 routes.chunks.remove(&id);
             }
             if let Some(waiter) = routes.replies.remove(&id) {
-                let _ = waiter.send(Ok(reply));
+                let _ = waiter.send(Ok((reply, payload)));
             }
         }
     }

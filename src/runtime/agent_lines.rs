@@ -1,12 +1,21 @@
-//! Lines from the sandbox agent, each at most [`MAX_AGENT_LINE_BYTES`].
+//! Lines from the sandbox agent, each at most [`MAX_AGENT_LINE_BYTES`], and
+//! the raw bytes a line may announce (protocol version 2), at most
+//! [`MAX_AGENT_PAYLOAD_BYTES`].
 //!
 //! The agent runs inside the sandbox, next to user code that may write to the
 //! same pipe: its lines are untrusted input. `BufReader::lines` would keep
 //! growing one `String` for a line that never ends; this reader keeps at most
 //! the limit and skips the rest of a longer line (up to its newline), so the
-//! host's memory per sandbox stays bounded whatever the sandbox writes.
+//! host's memory per sandbox stays bounded whatever the sandbox writes. Raw
+//! bytes announced beyond their limit are read and dropped, never kept.
 
-use tokio::io::{AsyncBufRead, AsyncBufReadExt};
+use bytes::{Bytes, BytesMut};
+use serde::Deserialize;
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt};
+
+/// Most raw bytes one agent message may carry: a file read answers at most
+/// `controllers::files::MAX_READ_BYTES` (4 MiB).
+pub const MAX_AGENT_PAYLOAD_BYTES: usize = 8 << 20;
 
 /// Longest agent line read: the largest legitimate one is a workspace scan's
 /// reply (up to `--workspace-max-files` entries), far above an output or
@@ -72,6 +81,58 @@ pub async fn next_line<R: AsyncBufRead + Unpin>(
     }
 }
 
+/// How many raw bytes follow `line`: its object's top-level `bytes`, if it
+/// has one (only messages that carry raw bytes do; parsed only when the
+/// line names it at all, so other lines cost a substring search).
+pub fn payload_length(line: &str) -> Option<u64> {
+    #[derive(Deserialize)]
+    struct Framing {
+        #[serde(default)]
+        bytes: Option<u64>,
+    }
+    if !line.contains("\"bytes\"") {
+        return None;
+    }
+    serde_json::from_str::<Framing>(line).ok()?.bytes
+}
+
+/// The raw bytes after a line.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Payload {
+    Bytes(Bytes),
+    /// More than the limit were announced: they were read and dropped.
+    TooLong(u64),
+}
+
+/// Reads the `length` raw bytes that follow a line; more than `limit` are
+/// skipped unkept. The stream ending before them is an error.
+pub async fn read_payload<R: AsyncBufRead + Unpin>(
+    reader: &mut R,
+    length: u64,
+    limit: usize,
+) -> std::io::Result<Payload> {
+    match usize::try_from(length) {
+        Ok(wanted) if wanted <= limit => {
+            let mut data = BytesMut::zeroed(wanted);
+            reader.read_exact(&mut data).await?;
+            Ok(Payload::Bytes(data.freeze()))
+        }
+        _ => {
+            let mut remaining = length;
+            while remaining > 0 {
+                let available = reader.fill_buf().await?.len();
+                if available == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                let taken = usize::try_from(remaining).map_or(available, |r| r.min(available));
+                reader.consume(taken);
+                remaining -= taken as u64;
+            }
+            Ok(Payload::TooLong(length))
+        }
+    }
+}
+
 fn whole(bytes: Vec<u8>) -> AgentLine {
     match String::from_utf8(bytes) {
         Ok(text) => AgentLine::Line(text),
@@ -108,6 +169,41 @@ mod tests {
                 AgentLine::Line("last".into()),
             ]
         );
+    }
+
+    async fn whole_line<R: AsyncBufRead + Unpin>(reader: &mut R) -> String {
+        let mut line = Vec::new();
+        match next_line(reader, &mut line, 1000).await.unwrap() {
+            AgentLine::Line(line) => line,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn raw_bytes_after_a_line_are_read_and_too_many_skipped_unkept() {
+        let mut input = b"{\"ev\":\"done\",\"id\":\"r1\",\"bytes\":5}\nab\ncd".to_vec();
+        input.extend_from_slice(b"{\"ev\":\"done\",\"id\":\"r2\",\"bytes\":20}\n");
+        input.extend_from_slice(&[b'z'; 20]);
+        input.extend_from_slice(b"{\"ev\":\"pong\",\"version\":2}\n");
+        let mut reader = tokio::io::BufReader::with_capacity(7, &input[..]);
+        assert_eq!(payload_length(&whole_line(&mut reader).await), Some(5));
+        assert_eq!(
+            read_payload(&mut reader, 5, 10).await.unwrap(),
+            Payload::Bytes(Bytes::from_static(b"ab\ncd"))
+        );
+        assert_eq!(payload_length(&whole_line(&mut reader).await), Some(20));
+        assert_eq!(
+            read_payload(&mut reader, 20, 10).await.unwrap(),
+            Payload::TooLong(20)
+        );
+        assert_eq!(payload_length(&whole_line(&mut reader).await), None);
+        assert_eq!(
+            payload_length(r#"{"ev":"out","data":"\"bytes\":3"}"#),
+            None,
+            "a string that names bytes is not the count"
+        );
+        let err = read_payload(&mut reader, 1, 10).await.expect_err("the end");
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof);
     }
 
     /// Issue 25: an endless line (no newline, ever) costs the limit, not

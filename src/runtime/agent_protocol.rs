@@ -11,6 +11,13 @@
 //! restored from an older checkpoint speaks it too); what may change it is
 //! [`AGENT_PROTOCOL_VERSION`], which the agent reports in `hello` and `pong`
 //! and every checkpoint records.
+//!
+//! Version 2 adds raw bytes: a message whose object has `"bytes": N` is
+//! followed by exactly N bytes after its newline ([`Command::bytes`], and a
+//! `done` whose reply type has `bytes`). File chunks travel so
+//! (`fs_read_bytes`, `fs_upload_bytes`), neither base64-encoded nor parsed as
+//! JSON. A version-1 agent (restored from an older checkpoint) is never sent
+//! one: the host speaks both (decision 19).
 
 use std::collections::BTreeMap;
 
@@ -23,9 +30,17 @@ use controllers::files::FsEntry;
 use crate::workspace::files::Refused;
 use crate::workspace::state::FileEntry;
 
-/// The protocol version this host speaks (the agent's `VERSION` in
+/// The protocol version of this host's agent (the agent's `VERSION` in
 /// `sandbox_agent/protocol.py`, `version` in `protocol.json`).
-pub const AGENT_PROTOCOL_VERSION: u32 = 1;
+pub const AGENT_PROTOCOL_VERSION: u32 = 2;
+
+/// The oldest agent this host still speaks to: agents come back with the
+/// checkpoints they were taken in, so a host keeps speaking the versions of
+/// the checkpoints it may restore.
+pub const OLDEST_AGENT_PROTOCOL_VERSION: u32 = 1;
+
+/// The first version whose messages may carry raw bytes.
+pub const RAW_BYTES_VERSION: u32 = 2;
 
 /// A command line: the request and, for those that have one, its id (the
 /// reply carries it; `ack` has none).
@@ -33,6 +48,10 @@ pub const AGENT_PROTOCOL_VERSION: u32 = 1;
 pub struct Command {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
+    /// How many raw bytes follow the line (version 2; set by the connection
+    /// that sends them, never by hand).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
     #[serde(flatten)]
     pub request: Request,
 }
@@ -141,6 +160,13 @@ pub enum Request {
         offset: u64,
         length: u64,
     },
+    /// `fs_read` with the bytes raw after the reply (version 2).
+    /// Reply: `done` ([`FsReadBytesDone`]).
+    FsReadBytes {
+        path: String,
+        offset: u64,
+        length: u64,
+    },
     /// `data` is base64. Reply: `done` ([`EntryDone`]).
     FsWrite {
         path: String,
@@ -174,6 +200,9 @@ pub enum Request {
     },
     /// `data` is base64. Reply: `done` ([`ChunkDone`]).
     FsUploadChunk { upload: String, data: String },
+    /// `fs_upload_chunk` with the bytes raw after the command (version 2).
+    /// Reply: `done` ([`ChunkDone`]).
+    FsUploadBytes { upload: String },
     /// Reply: `done` ([`EntryDone`]).
     FsUploadCommit { upload: String, size: u64 },
     /// Reply: `done`.
@@ -209,12 +238,14 @@ impl Request {
             Self::FsStat { .. } => "fs_stat",
             Self::FsList { .. } => "fs_list",
             Self::FsRead { .. } => "fs_read",
+            Self::FsReadBytes { .. } => "fs_read_bytes",
             Self::FsWrite { .. } => "fs_write",
             Self::FsMkdir { .. } => "fs_mkdir",
             Self::FsRemove { .. } => "fs_remove",
             Self::FsRename { .. } => "fs_rename",
             Self::FsUploadOpen { .. } => "fs_upload_open",
             Self::FsUploadChunk { .. } => "fs_upload_chunk",
+            Self::FsUploadBytes { .. } => "fs_upload_bytes",
             Self::FsUploadCommit { .. } => "fs_upload_commit",
             Self::FsUploadAbort { .. } => "fs_upload_abort",
         }
@@ -224,6 +255,7 @@ impl Request {
     pub fn with_id(self, id: impl Into<String>) -> Command {
         Command {
             id: Some(id.into()),
+            bytes: None,
             request: self,
         }
     }
@@ -232,6 +264,7 @@ impl Request {
     pub fn without_id(self) -> Command {
         Command {
             id: None,
+            bytes: None,
             request: self,
         }
     }
@@ -474,7 +507,19 @@ pub struct FsReadDone {
     pub eof: bool,
 }
 
-/// `done` to `fs_upload_chunk`: the bytes written so far.
+/// `done` to `fs_read_bytes`: the bytes that follow (raw) and the file as
+/// it was read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsReadBytesDone {
+    pub bytes: u64,
+    pub size: u64,
+    pub mode: u32,
+    pub ino: u64,
+    pub mtime_ns: i64,
+    pub eof: bool,
+}
+
+/// `done` to `fs_upload_chunk` and `fs_upload_bytes`: the bytes written so far.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkDone {
     pub size: u64,

@@ -161,6 +161,11 @@ fn every_request() -> Vec<Command> {
             offset: 0,
             length: 1,
         }),
+        id(Request::FsReadBytes {
+            path: "/a".into(),
+            offset: 0,
+            length: 1,
+        }),
         id(Request::FsWrite {
             path: "/a".into(),
             data: "eA==".into(),
@@ -191,6 +196,12 @@ fn every_request() -> Vec<Command> {
             upload: "u1".into(),
             data: "eA==".into(),
         }),
+        Command {
+            bytes: Some(1),
+            ..id(Request::FsUploadBytes {
+                upload: "u1".into(),
+            })
+        },
         id(Request::FsUploadCommit {
             upload: "u1".into(),
             size: 1,
@@ -266,7 +277,8 @@ fn typed_reply(op: &str, event: Event) -> Option<Value> {
         "ws_delete" => again::<DeleteDone>(event),
         "fs_list" => again::<ListDone>(event),
         "fs_read" => again::<FsReadDone>(event),
-        "fs_upload_chunk" => again::<ChunkDone>(event),
+        "fs_read_bytes" => again::<FsReadBytesDone>(event),
+        "fs_upload_chunk" | "fs_upload_bytes" => again::<ChunkDone>(event),
         _ => return None,
     })
 }

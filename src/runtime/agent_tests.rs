@@ -166,17 +166,26 @@ async fn a_malformed_reply_fails_its_request_at_once() {
 
 #[test]
 fn another_protocol_version_is_refused_naming_both() {
-    assert!(check_version(AGENT_PROTOCOL_VERSION).is_ok());
-    let err = check_version(AGENT_PROTOCOL_VERSION + 1).expect_err("another version");
-    let text = err.to_string();
-    assert!(
-        text.contains(&format!("version {}", AGENT_PROTOCOL_VERSION + 1)),
-        "{text}"
+    assert_eq!(
+        check_version(AGENT_PROTOCOL_VERSION).unwrap(),
+        AGENT_PROTOCOL_VERSION
     );
-    assert!(
-        text.contains(&format!("version {AGENT_PROTOCOL_VERSION}")),
-        "{text}"
+    assert_eq!(
+        check_version(OLDEST_AGENT_PROTOCOL_VERSION).unwrap(),
+        OLDEST_AGENT_PROTOCOL_VERSION,
+        "an agent restored from an older checkpoint is still spoken to"
     );
+    for other in [0, AGENT_PROTOCOL_VERSION + 1] {
+        let err = check_version(other).expect_err("another version");
+        let text = err.to_string();
+        assert!(text.contains(&format!("version {other}")), "{text}");
+        assert!(
+            text.contains(&format!(
+                "versions {OLDEST_AGENT_PROTOCOL_VERSION} to {AGENT_PROTOCOL_VERSION}"
+            )),
+            "{text}"
+        );
+    }
 }
 
 /// Issue 25: output waiting for a consumer that fell behind is bounded. The
@@ -255,4 +264,103 @@ async fn an_over_long_agent_line_is_skipped_and_the_connection_goes_on() {
     assert!(reply.is_ok(), "{reply:?}");
     assert!(!connection.is_gone());
     drop(writer.join().unwrap());
+}
+
+/// The next command line the host wrote, as JSON, and the raw bytes its
+/// `bytes` announces.
+fn next_command(commands: &mut std::io::BufReader<std::io::PipeReader>) -> (Value, Vec<u8>) {
+    use std::io::{BufRead as _, Read as _};
+    let mut line = String::new();
+    commands.read_line(&mut line).unwrap();
+    let command: Value = serde_json::from_str(&line).unwrap();
+    let mut payload = vec![0; command["bytes"].as_u64().unwrap_or(0) as usize];
+    commands.read_exact(&mut payload).unwrap();
+    (command, payload)
+}
+
+/// Decision 19: file bytes travel raw beside the JSON to an agent of
+/// version 2, and as base64 inside it to one of version 1 (restored from an
+/// older checkpoint); a read's raw bytes are checked against what was asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_bytes_take_the_form_the_agents_version_speaks() {
+    use controllers::api::SandboxId;
+    use controllers::files::{FsError, FsReply, FsRequest};
+
+    use crate::runtime::files_access::fs_on_agent;
+    let (connection, mut agent, commands) = connect();
+    let mut commands = std::io::BufReader::new(commands);
+    let sandbox = SandboxId::parse(&"0".repeat(32)).unwrap();
+    let chunk = |data: &'static [u8]| FsRequest::UploadChunk {
+        upload: "u1".into(),
+        data: Bytes::from_static(data),
+    };
+    let read = |length| FsRequest::Read {
+        path: "/f".into(),
+        offset: 0,
+        length,
+    };
+    let spawn = |request| {
+        let (connection, sandbox) = (Arc::clone(&connection), sandbox.clone());
+        tokio::spawn(async move { fs_on_agent(&connection, &sandbox, request).await })
+    };
+
+    connection.set_version(1);
+    let sent = spawn(chunk(b"a\nb"));
+    let (command, payload) = tokio::task::block_in_place(|| next_command(&mut commands));
+    assert_eq!(command["op"], "fs_upload_chunk", "{command}");
+    assert_eq!(command["data"], BASE64.encode(b"a\nb"));
+    assert!(
+        payload.is_empty() && command.get("bytes").is_none(),
+        "{command}"
+    );
+    emit(
+        &mut agent,
+        &json!({"ev": "done", "id": command["id"], "size": 3}),
+    );
+    assert!(matches!(sent.await.unwrap(), Ok(FsReply::Written(3))));
+
+    connection.set_version(2);
+    let sent = spawn(chunk(b"a\nb"));
+    let (command, payload) = tokio::task::block_in_place(|| next_command(&mut commands));
+    assert_eq!(command["op"], "fs_upload_bytes", "{command}");
+    assert_eq!(
+        (command["bytes"].as_u64(), payload),
+        (Some(3), b"a\nb".to_vec())
+    );
+    assert!(command.get("data").is_none(), "{command}");
+    emit(
+        &mut agent,
+        &json!({"ev": "done", "id": command["id"], "size": 6}),
+    );
+    assert!(matches!(sent.await.unwrap(), Ok(FsReply::Written(6))));
+
+    let facts = json!({"size": 3, "mode": 420, "ino": 1, "mtime_ns": 1, "eof": true});
+    for (asked, expect_ok) in [(10, true), (2, false)] {
+        let reading = spawn(read(asked));
+        let (command, _) = tokio::task::block_in_place(|| next_command(&mut commands));
+        assert_eq!(command["op"], "fs_read_bytes", "{command}");
+        let mut reply = json!({"ev": "done", "id": command["id"], "bytes": 3});
+        reply
+            .as_object_mut()
+            .unwrap()
+            .extend(facts.as_object().unwrap().clone());
+        let mut line = serde_json::to_vec(&reply).unwrap();
+        line.extend_from_slice(b"\nx\ny");
+        agent.write_all(&line).unwrap();
+        match (reading.await.unwrap(), expect_ok) {
+            (Ok(FsReply::Data(data)), true) => assert_eq!(&data.data[..], b"x\ny"),
+            (Err(FsError::BadAnswer(_)), false) => {}
+            (other, _) => panic!("a read of {asked}: {other:?}"),
+        }
+    }
+    // The raw bytes were framed off: the connection goes on.
+    let pinging = Arc::clone(&connection);
+    let ping =
+        tokio::spawn(async move { pinging.request(Request::Ping, Duration::from_secs(5)).await });
+    let (command, _) = tokio::task::block_in_place(|| next_command(&mut commands));
+    emit(
+        &mut agent,
+        &json!({"ev": "pong", "id": command["id"], "version": 2, "running": []}),
+    );
+    ping.await.unwrap().unwrap();
 }

@@ -1,6 +1,10 @@
 //! The filesystem API on gVisor: each [`FsRequest`] is one agent command
 //! (`fs_*`, `sandbox_agent/files.py`), run inside the sandbox as its user,
-//! so the host never resolves a path the sandbox controls.
+//! so the host never resolves a path the sandbox controls. The bytes of
+//! reads and upload chunks travel raw beside the command (`fs_read_bytes`,
+//! `fs_upload_bytes`) to an agent of protocol version 2 on, and as base64 in
+//! the JSON (`fs_read`, `fs_upload_chunk`) to one restored from a checkpoint
+//! of version 1 (decision 19).
 //!
 //! The agent is inside the sandbox, so its answers are checked like any
 //! input: an error must name an errno (`ENOENT: …`), a read may not return
@@ -20,8 +24,8 @@ use controllers::files::{
 use controllers::runtime::RuntimeError;
 use serde::de::DeserializeOwned;
 
-use super::agent::AgentError;
-use super::agent_protocol::{ChunkDone, EntryDone, FsReadDone, ListDone, Request};
+use super::agent::{AgentConnection, AgentError};
+use super::agent_protocol::{ChunkDone, EntryDone, FsReadBytesDone, FsReadDone, ListDone, Request};
 use super::gvisor::GvisorRuntime;
 
 /// How long one filesystem command may take (a recursive remove of a big
@@ -39,161 +43,209 @@ impl GvisorRuntime {
         request: FsRequest,
     ) -> Result<FsReply, FsError> {
         let agent = self.agent_of(sandbox)?;
-        let ask = |request: Request| {
-            let agent = &agent;
-            async move {
-                agent
-                    .request(request, FS_OP_TIMEOUT)
-                    .await
-                    .map_err(|err| agent_error(sandbox, err))
-            }
-        };
-        match request {
-            FsRequest::Stat { path } => {
-                check_path(&path)?;
-                entry(ask(Request::FsStat { path }).await?)
-            }
-            FsRequest::List {
-                path,
-                depth,
-                max_entries,
-            } => {
-                check_path(&path)?;
-                let max_entries = max_entries.clamp(1, MAX_LIST_ENTRIES);
-                let done: ListDone = typed(
-                    ask(Request::FsList {
-                        path,
-                        depth: depth.clamp(1, MAX_LIST_DEPTH),
-                        max_entries,
-                    })
-                    .await?,
-                )?;
-                if done.entries.len() > max_entries as usize {
-                    return Err(FsError::BadAnswer(format!(
-                        "{} entries for a listing of at most {max_entries}",
-                        done.entries.len()
-                    )));
-                }
-                Ok(FsReply::Entries {
-                    entries: done.entries,
-                    truncated: done.truncated,
+        fs_on_agent(&agent, sandbox, request).await
+    }
+}
+
+/// Runs one filesystem request on `agent` (the sandbox's), in the form its
+/// protocol version speaks.
+pub async fn fs_on_agent(
+    agent: &AgentConnection,
+    sandbox: &SandboxId,
+    request: FsRequest,
+) -> Result<FsReply, FsError> {
+    let ask = |request: Request| {
+        let agent = &agent;
+        async move {
+            agent
+                .request(request, FS_OP_TIMEOUT)
+                .await
+                .map_err(|err| agent_error(sandbox, err))
+        }
+    };
+    match request {
+        FsRequest::Stat { path } => {
+            check_path(&path)?;
+            entry(ask(Request::FsStat { path }).await?)
+        }
+        FsRequest::List {
+            path,
+            depth,
+            max_entries,
+        } => {
+            check_path(&path)?;
+            let max_entries = max_entries.clamp(1, MAX_LIST_ENTRIES);
+            let done: ListDone = typed(
+                ask(Request::FsList {
+                    path,
+                    depth: depth.clamp(1, MAX_LIST_DEPTH),
+                    max_entries,
                 })
+                .await?,
+            )?;
+            if done.entries.len() > max_entries as usize {
+                return Err(FsError::BadAnswer(format!(
+                    "{} entries for a listing of at most {max_entries}",
+                    done.entries.len()
+                )));
             }
-            FsRequest::Read {
-                path,
-                offset,
-                length,
-            } => {
-                check_path(&path)?;
-                let length = length.min(MAX_READ_BYTES);
-                let done: FsReadDone = typed(
-                    ask(Request::FsRead {
-                        path,
-                        offset,
-                        length,
-                    })
-                    .await?,
-                )?;
-                let data = BASE64
-                    .decode(done.data.as_bytes())
-                    .map_err(|err| FsError::BadAnswer(format!("unreadable data: {err}")))?;
-                if data.len() as u64 > length {
+            Ok(FsReply::Entries {
+                entries: done.entries,
+                truncated: done.truncated,
+            })
+        }
+        FsRequest::Read {
+            path,
+            offset,
+            length,
+        } => {
+            check_path(&path)?;
+            let length = length.min(MAX_READ_BYTES);
+            if agent.speaks_raw_bytes() {
+                let (event, data) = agent
+                    .exchange(
+                        Request::FsReadBytes {
+                            path,
+                            offset,
+                            length,
+                        },
+                        None,
+                        FS_OP_TIMEOUT,
+                    )
+                    .await
+                    .map_err(|err| agent_error(sandbox, err))?;
+                let done: FsReadBytesDone = typed(event)?;
+                if done.bytes != data.len() as u64 || done.bytes > length {
                     return Err(FsError::BadAnswer(format!(
-                        "{} bytes for a read of at most {length}",
-                        data.len()
+                        "{} bytes (announced: {}) for a read of at most {length}",
+                        data.len(),
+                        done.bytes
                     )));
                 }
-                Ok(FsReply::Data(ReadData {
-                    data: Bytes::from(data),
+                return Ok(FsReply::Data(ReadData {
+                    data,
                     size: done.size,
                     mode: done.mode,
                     ino: done.ino,
                     mtime_ns: done.mtime_ns,
                     eof: done.eof,
-                }))
+                }));
             }
-            FsRequest::Write {
-                path,
-                data,
-                mode,
-                parents,
-            } => {
-                check_path(&path)?;
-                let data = BASE64.encode(&data);
-                entry(
-                    ask(Request::FsWrite {
-                        path,
-                        data,
-                        mode,
-                        parents,
-                    })
-                    .await?,
-                )
+            let done: FsReadDone = typed(
+                ask(Request::FsRead {
+                    path,
+                    offset,
+                    length,
+                })
+                .await?,
+            )?;
+            let data = BASE64
+                .decode(done.data.as_bytes())
+                .map_err(|err| FsError::BadAnswer(format!("unreadable data: {err}")))?;
+            if data.len() as u64 > length {
+                return Err(FsError::BadAnswer(format!(
+                    "{} bytes for a read of at most {length}",
+                    data.len()
+                )));
             }
-            FsRequest::Mkdir {
-                path,
-                parents,
-                mode,
-            } => {
-                check_path(&path)?;
-                entry(
-                    ask(Request::FsMkdir {
-                        path,
-                        parents,
-                        mode,
-                    })
-                    .await?,
-                )
-            }
-            FsRequest::Remove { path, recursive } => {
-                check_path(&path)?;
-                ask(Request::FsRemove { path, recursive }).await?;
-                Ok(FsReply::Done)
-            }
-            FsRequest::Rename {
-                path,
-                to,
-                overwrite,
-            } => {
-                check_path(&path)?;
-                check_path(&to)?;
-                entry(
-                    ask(Request::FsRename {
-                        path,
-                        to,
-                        overwrite,
-                    })
-                    .await?,
-                )
-            }
-            FsRequest::UploadOpen {
+            Ok(FsReply::Data(ReadData {
+                data: Bytes::from(data),
+                size: done.size,
+                mode: done.mode,
+                ino: done.ino,
+                mtime_ns: done.mtime_ns,
+                eof: done.eof,
+            }))
+        }
+        FsRequest::Write {
+            path,
+            data,
+            mode,
+            parents,
+        } => {
+            check_path(&path)?;
+            let data = BASE64.encode(&data);
+            entry(
+                ask(Request::FsWrite {
+                    path,
+                    data,
+                    mode,
+                    parents,
+                })
+                .await?,
+            )
+        }
+        FsRequest::Mkdir {
+            path,
+            parents,
+            mode,
+        } => {
+            check_path(&path)?;
+            entry(
+                ask(Request::FsMkdir {
+                    path,
+                    parents,
+                    mode,
+                })
+                .await?,
+            )
+        }
+        FsRequest::Remove { path, recursive } => {
+            check_path(&path)?;
+            ask(Request::FsRemove { path, recursive }).await?;
+            Ok(FsReply::Done)
+        }
+        FsRequest::Rename {
+            path,
+            to,
+            overwrite,
+        } => {
+            check_path(&path)?;
+            check_path(&to)?;
+            entry(
+                ask(Request::FsRename {
+                    path,
+                    to,
+                    overwrite,
+                })
+                .await?,
+            )
+        }
+        FsRequest::UploadOpen {
+            upload,
+            path,
+            mode,
+            parents,
+        } => {
+            check_path(&path)?;
+            ask(Request::FsUploadOpen {
                 upload,
                 path,
                 mode,
                 parents,
-            } => {
-                check_path(&path)?;
-                ask(Request::FsUploadOpen {
-                    upload,
-                    path,
-                    mode,
-                    parents,
-                })
-                .await?;
-                Ok(FsReply::Done)
-            }
-            FsRequest::UploadChunk { upload, data } => {
-                let data = BASE64.encode(&data);
-                let done: ChunkDone = typed(ask(Request::FsUploadChunk { upload, data }).await?)?;
-                Ok(FsReply::Written(done.size))
-            }
-            FsRequest::UploadCommit { upload, size } => {
-                entry(ask(Request::FsUploadCommit { upload, size }).await?)
-            }
-            FsRequest::UploadAbort { upload } => {
-                ask(Request::FsUploadAbort { upload }).await?;
-                Ok(FsReply::Done)
-            }
+            })
+            .await?;
+            Ok(FsReply::Done)
+        }
+        FsRequest::UploadChunk { upload, data } if agent.speaks_raw_bytes() => {
+            let (event, _) = agent
+                .exchange(Request::FsUploadBytes { upload }, Some(data), FS_OP_TIMEOUT)
+                .await
+                .map_err(|err| agent_error(sandbox, err))?;
+            let done: ChunkDone = typed(event)?;
+            Ok(FsReply::Written(done.size))
+        }
+        FsRequest::UploadChunk { upload, data } => {
+            let data = BASE64.encode(&data);
+            let done: ChunkDone = typed(ask(Request::FsUploadChunk { upload, data }).await?)?;
+            Ok(FsReply::Written(done.size))
+        }
+        FsRequest::UploadCommit { upload, size } => {
+            entry(ask(Request::FsUploadCommit { upload, size }).await?)
+        }
+        FsRequest::UploadAbort { upload } => {
+            ask(Request::FsUploadAbort { upload }).await?;
+            Ok(FsReply::Done)
         }
     }
 }

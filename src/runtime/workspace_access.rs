@@ -153,7 +153,7 @@ impl WorkspaceFiles for GvisorRuntime {
         }
         file.flush().await.map_err(io)?;
         let reply = match tokio::time::timeout(FILE_OP_TIMEOUT, done).await {
-            Ok(Ok(Ok(reply))) => reply,
+            Ok(Ok(Ok((reply, _)))) => reply,
             Ok(Ok(Err(message))) => return Err(FilesError::Refused(message)),
             Ok(Err(_)) => return Err(FilesError::Agent("the sandbox agent is gone".into())),
             Err(_) => return Err(FilesError::Agent("the file read timed out".into())),

@@ -20,7 +20,7 @@ use controllers::store::{PutMode, Store};
 
 use super::{GvisorRuntime, LocalSandbox};
 use crate::runtime::agent::AgentError;
-use crate::runtime::agent_protocol::{AGENT_PROTOCOL_VERSION, CheckpointReady, Request};
+use crate::runtime::agent_protocol::{CheckpointReady, Request};
 use crate::runtime::cpu_quota;
 use crate::runtime::image_follower::ImageFollower;
 use crate::runtime::network;
@@ -134,6 +134,7 @@ impl GvisorRuntime {
         }
         // The container is stopped now: it no longer runs here.
         self.sandboxes().remove(sandbox);
+        let agent_version = local.agent.version();
         let upload = async {
             let (sha256, size) = follower.finish().await.map_err(|err| {
                 RuntimeError::Failed(format!("hashing the checkpoint image: {err}"))
@@ -160,8 +161,9 @@ impl GvisorRuntime {
                     NetworkMode::None
                 },
                 sandbox_image: Some(local.image.digest.clone()),
-                // Checked at connect: the agent speaks this host's version.
-                agent_version: Some(AGENT_PROTOCOL_VERSION),
+                // The agent's own (checked at connect): one restored from an
+                // older checkpoint keeps its version in the next.
+                agent_version: Some(agent_version),
                 extra: ExtraFields::new(),
             };
             // The image (a rename on a directory store; the upload, from the

@@ -14,7 +14,9 @@ use tokio::net::unix::pipe;
 
 use super::{AGENT_READY_TIMEOUT, GvisorRuntime};
 use crate::runtime::agent::{AgentConnection, AgentError, check_version};
-use crate::runtime::agent_protocol::{AGENT_PROTOCOL_VERSION, Pong, Request};
+use crate::runtime::agent_protocol::{
+    AGENT_PROTOCOL_VERSION, OLDEST_AGENT_PROTOCOL_VERSION, Pong, Request,
+};
 use crate::runtime::bundle::BundleNetwork;
 use crate::runtime::catalog::Image;
 use crate::runtime::cpu_quota;
@@ -119,6 +121,8 @@ impl GvisorRuntime {
         };
         let (command_reader, command_writer) = std::io::pipe().map_err(failed)?;
         let (event_reader, event_writer) = std::io::pipe().map_err(failed)?;
+        widen_pipe(&command_writer);
+        widen_pipe(&event_reader);
         let log = dir.join("init.log");
         let stdio = InitStdio {
             stdin: OwnedFd::from(command_reader),
@@ -162,6 +166,9 @@ impl GvisorRuntime {
                 .map(|pong| pong.version),
         }
         .and_then(check_version);
+        if let Ok(version) = ready {
+            agent.set_version(version);
+        }
         if let Err(err) = ready {
             let log = std::fs::read_to_string(&log).unwrap_or_default();
             self.delete_in_background(container_id.to_owned(), dir.to_owned());
@@ -328,17 +335,31 @@ pub(super) async fn link_stored_image(
     Ok(file)
 }
 
-/// Refuses a checkpoint whose agent speaks another protocol version: the
-/// agent comes back with the image, this host could not talk to it. A
-/// manifest without the field predates recording it, when every agent spoke
-/// version 1.
+/// Bytes an agent pipe holds: a 1 MiB file chunk passes in one write and
+/// one read instead of sixteen (the default is 64 KiB), which under ptrace
+/// is most of what moving it costs (decision 19). Linux lets anyone raise a
+/// pipe to `/proc/sys/fs/pipe-max-size` (1 MiB by default).
+const AGENT_PIPE_BYTES: usize = 1 << 20;
+
+/// Raises a pipe's capacity to [`AGENT_PIPE_BYTES`]; a refusal only costs
+/// speed.
+fn widen_pipe(pipe: &impl std::os::fd::AsFd) {
+    if let Err(err) = rustix::pipe::fcntl_setpipe_size(pipe, AGENT_PIPE_BYTES) {
+        tracing::debug!(%err, "cannot widen an agent pipe");
+    }
+}
+
+/// Refuses a checkpoint whose agent speaks a protocol version this host
+/// does not: the agent comes back with the image, this host could not talk
+/// to it. A manifest without the field predates recording it, when every
+/// agent spoke version 1.
 pub(super) fn check_agent_version(manifest: &CheckpointManifest) -> Result<(), RuntimeError> {
     let recorded = manifest.agent_version.unwrap_or(1);
-    if recorded == AGENT_PROTOCOL_VERSION {
+    if (OLDEST_AGENT_PROTOCOL_VERSION..=AGENT_PROTOCOL_VERSION).contains(&recorded) {
         return Ok(());
     }
     Err(RuntimeError::Incompatible(format!(
-        "its sandbox agent speaks protocol version {recorded}, and this server speaks version \
-         {AGENT_PROTOCOL_VERSION}"
+        "its sandbox agent speaks protocol version {recorded}, and this server speaks versions \
+         {OLDEST_AGENT_PROTOCOL_VERSION} to {AGENT_PROTOCOL_VERSION}"
     )))
 }

@@ -276,6 +276,7 @@ impl SandboxRuntime for GvisorRuntime {
                     detail: "the sandbox stopped during the snapshot".to_owned(),
                 })?
                 .map_err(|message| RuntimeError::Failed(format!("snapshot failed: {message}")))?
+                .0
                 .reply::<ArchiveDone>()
                 .map_err(|err| RuntimeError::Failed(format!("snapshot failed: {err}")))?;
             let (sha256, size) = sha256_file(&path).await.map_err(io)?;

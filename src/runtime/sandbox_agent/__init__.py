@@ -10,7 +10,9 @@ here, inside the sandbox, and the agent relays their bytes. (An exec'd process
 holding host pipes at checkpoint time makes every later restore fail.) As PID 1
 the agent also reaps every orphan.
 
-host -> agent: {"op": ...}   agent -> host: {"ev": ...}   bytes are base64.
+host -> agent: {"op": ...}   agent -> host: {"ev": ...}   bytes are base64,
+except file chunks (version 2): raw, right after a line that says
+`"bytes": N` (see `protocol`).
 Every message is listed in `protocol.json` beside this package; the host's
 `src/runtime/agent_protocol.rs` and the tests of both sides check against it.
 

@@ -1,5 +1,8 @@
 """The filesystem API (ops fs_*): stat, list, read, write, mkdir, remove,
-rename, and chunked uploads, run inside the sandbox as its user.
+rename, and chunked uploads, run inside the sandbox as its user. Large
+files move in chunks of raw bytes beside the JSON (`fs_read_bytes`,
+`fs_upload_bytes`, protocol version 2); `fs_read` and `fs_upload_chunk`
+(base64) stay for hosts that speak version 1.
 
 Confinement comes from where this runs: the agent is inside gVisor and has
 dropped to the sandbox's user, so every path, symlinks included, resolves
@@ -111,9 +114,9 @@ def checked_regular(fd, path):
     return st
 
 
-def reply(msg, **fields):
+def reply(msg, payload=None, **fields):
     fields.update({"ev": "done", "id": msg["id"]})
-    protocol.emit(fields)
+    protocol.emit(fields, payload)
 
 
 def fs_stat(msg):
@@ -160,9 +163,8 @@ def fs_list(msg):
     reply(msg, entries=entries, truncated=truncated)
 
 
-def fs_read(msg):
-    """Up to `length` bytes at `offset`, with the file's size and identity
-    (inode, mtime) so that a reader of many pieces sees a change."""
+def read_at(msg):
+    """Up to `length` bytes at `offset`, and the file's stat."""
     path = resolve(msg["path"])
     offset = max(0, int(msg.get("offset", 0)))
     length = max(0, min(int(msg.get("length", MAX_READ)), MAX_READ))
@@ -172,8 +174,21 @@ def fs_read(msg):
         data = os.pread(fd, length, offset) if length else b""
     finally:
         os.close(fd)
-    reply(msg, data=protocol.b64(data), size=st.st_size, mode=stat_module.S_IMODE(st.st_mode),
-          ino=st.st_ino, mtime_ns=st.st_mtime_ns, eof=offset + len(data) >= st.st_size)
+    return data, dict(size=st.st_size, mode=stat_module.S_IMODE(st.st_mode), ino=st.st_ino,
+                      mtime_ns=st.st_mtime_ns, eof=offset + len(data) >= st.st_size)
+
+
+def fs_read(msg):
+    """Up to `length` bytes at `offset` (base64), with the file's size and
+    identity (inode, mtime) so that a reader of many pieces sees a change."""
+    data, facts = read_at(msg)
+    reply(msg, data=protocol.b64(data), **facts)
+
+
+def fs_read_bytes(msg):
+    """`fs_read` with the bytes raw after the reply (protocol version 2)."""
+    data, facts = read_at(msg)
+    reply(msg, payload=data, **facts)
 
 
 def make_parents(path, wanted):
@@ -289,9 +304,8 @@ def upload_of(msg):
     return upload
 
 
-def fs_upload_chunk(msg):
+def append(msg, data):
     upload = upload_of(msg)
-    data = protocol.unb64(msg["data"])
     try:
         view = memoryview(data)
         while view:
@@ -301,6 +315,18 @@ def fs_upload_chunk(msg):
         raise
     upload[4] += len(data)
     reply(msg, size=upload[4])
+
+
+def fs_upload_chunk(msg):
+    append(msg, protocol.unb64(msg["data"]))
+
+
+def fs_upload_bytes(msg):
+    """`fs_upload_chunk` with the bytes raw after the command (version 2)."""
+    data = msg.get(protocol.PAYLOAD)
+    if not isinstance(data, (bytes, bytearray)):
+        raise FsError(errno.EINVAL, "no bytes came with the chunk")
+    append(msg, data)
 
 
 def fs_upload_commit(msg):
@@ -350,6 +376,7 @@ def handled(run):
     return handle
 
 
-for _name in ("fs_stat", "fs_list", "fs_read", "fs_write", "fs_mkdir", "fs_remove", "fs_rename",
-              "fs_upload_open", "fs_upload_chunk", "fs_upload_commit", "fs_upload_abort"):
+for _name in ("fs_stat", "fs_list", "fs_read", "fs_read_bytes", "fs_write", "fs_mkdir",
+              "fs_remove", "fs_rename", "fs_upload_open", "fs_upload_chunk", "fs_upload_bytes",
+              "fs_upload_commit", "fs_upload_abort"):
     globals()[_name] = handled(globals()[_name])

@@ -123,10 +123,14 @@ class AgentTest(unittest.TestCase):
         state.reset()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def send(self, op, **fields):
-        """Runs one command; returns its id (a fresh one unless given)."""
+    def send(self, op, payload=None, **fields):
+        """Runs one command (with `payload` as its raw bytes, announced by
+        `bytes`, as the reader hands them over); returns its id (a fresh
+        one unless given)."""
         message = {"op": op}
         message.update(fields)
+        if payload is not None:
+            message["bytes"] = len(payload)
         if op != "ack" and "id" not in message:
             self.next_id += 1
             message["id"] = "r%d" % self.next_id
@@ -135,14 +139,19 @@ class AgentTest(unittest.TestCase):
         self.assertEqual(problems, [], "the test sends what protocol.json does not allow")
         if "id" in message:
             self.ops_by_id[message["id"]] = op  # the last op under an id is the one answered
+        if payload is not None:
+            message[protocol.PAYLOAD] = bytearray(payload)
         handle(message)
         return message.get("id")
 
     def events(self):
-        """The events emitted since the last call, each checked against the schema."""
-        events = [json.loads(line) for line in self.reader.read().splitlines()]
+        """The events emitted since the last call, each checked against the
+        schema; an event's raw bytes (announced by `bytes`) under
+        `protocol.PAYLOAD`."""
+        events = frames(self.reader.read())
         for event in events:
-            self.assertEqual(check_event(event, self.ops_by_id), [], event)
+            checked = {k: v for k, v in event.items() if k != protocol.PAYLOAD}
+            self.assertEqual(check_event(checked, self.ops_by_id), [], checked)
         return events
 
     def run_until(self, done, timeout=10.0):
@@ -159,6 +168,24 @@ class AgentTest(unittest.TestCase):
     def run_to_exit(self, exec_id, timeout=10.0):
         return self.run_until(
             lambda seen: any(e["ev"] == "exit" and e["id"] == exec_id for e in seen), timeout)
+
+
+def frames(data):
+    """The events in what the agent wrote: JSON lines, each followed by the
+    raw bytes its `bytes` announces."""
+    events = []
+    while data:
+        line, _, data = data.partition(b"\n")
+        if not line.strip():
+            continue
+        event = json.loads(line)
+        if "bytes" in event:
+            length = event["bytes"]
+            if len(data) < length:
+                raise AssertionError("%d bytes announced, %d follow" % (length, len(data)))
+            event[protocol.PAYLOAD], data = data[:length], data[length:]
+        events.append(event)
+    return events
 
 
 def output(events, exec_id, fd=1):

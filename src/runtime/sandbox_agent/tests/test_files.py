@@ -93,3 +93,23 @@ class FilesTest(AgentTest):
         read = self.ok("fs_read", path="f", offset=0, length=10 << 20)
         self.assertEqual(len(protocol.unb64(read["data"])), 100)
         self.assertTrue(read["eof"])
+
+    def test_raw_bytes_go_up_and_come_back_unencoded(self):
+        data = bytes(range(256)) * 4096 + b"\n{tail"
+        self.ok("fs_upload_open", upload="r1", path="raw/file.bin", parents=True)
+        self.assertEqual(self.ok("fs_upload_bytes", upload="r1", payload=data[:1000])["size"], 1000)
+        self.assertEqual(self.ok("fs_upload_bytes", upload="r1", payload=data[1000:])["size"], len(data))
+        self.ok("fs_upload_commit", upload="r1", size=len(data))
+        read = self.ok("fs_read_bytes", path="raw/file.bin", offset=0, length=1 << 20)
+        self.assertEqual(bytes(read[protocol.PAYLOAD]), data[:1 << 20])
+        self.assertEqual((read["bytes"], read["size"], read["eof"]), (1 << 20, len(data), False))
+        tail = self.ok("fs_read_bytes", path="raw/file.bin", offset=1 << 20, length=1 << 20)
+        self.assertEqual(bytes(tail[protocol.PAYLOAD]), data[1 << 20:])
+        self.assertTrue(tail["eof"])
+        empty = self.ok("fs_read_bytes", path="raw/file.bin", offset=len(data), length=10)
+        self.assertEqual((empty["bytes"], empty[protocol.PAYLOAD]), (0, b""))
+
+    def test_a_raw_chunk_without_its_bytes_is_refused(self):
+        self.ok("fs_upload_open", upload="r2", path="raw2", parents=True)
+        self.assertEqual(self.error("fs_upload_bytes", upload="r2", bytes=0), "EINVAL")
+        self.assertEqual(self.error("fs_upload_bytes", upload="nope", payload=b"x"), "EBADF")

@@ -1,5 +1,8 @@
 """The agent handles every op protocol.json lists, and nothing else; bad
 commands are answered with an error, never a crash."""
+import json
+import os
+import threading
 import unittest
 
 from sandbox_agent import protocol
@@ -19,10 +22,60 @@ class SchemaTest(unittest.TestCase):
     def test_the_agent_speaks_the_schemas_version(self):
         self.assertEqual(protocol.VERSION, SCHEMA["version"])
 
-    def test_whole_lines_are_split_off_and_the_rest_kept(self):
-        pending = bytearray(b'{"op":"ping"}\n{"op":')
-        self.assertEqual(protocol.split_lines(pending), [b'{"op":"ping"}'])
-        self.assertEqual(bytes(pending), b'{"op":')
+
+def read_all(stream, read_size=7):
+    """The messages a CommandReader makes of `stream`, read `read_size`
+    bytes at a time (so lines and payloads arrive in pieces)."""
+    r, w = os.pipe()
+    writer = threading.Thread(target=lambda: (os.write(w, stream), os.close(w)))
+    writer.start()
+    reader = protocol.CommandReader(fd=r)
+    reader.buffer = bytearray(read_size)
+    messages = []
+    while True:
+        msg = reader.next_message()
+        if msg is None:
+            break
+        messages.append(msg)
+    writer.join()
+    os.close(r)
+    return messages, reader
+
+
+class FramingTest(unittest.TestCase):
+    def test_lines_and_raw_bytes_are_split_whatever_the_reads(self):
+        payload = bytes(range(256)) * 40 + b"\n\n{"
+        stream = (b'{"op":"ping","id":"p1"}\n\n'
+                  + b'{"op":"fs_upload_bytes","id":"u1","upload":"x","bytes":%d}\n' % len(payload)
+                  + payload
+                  + b'{"op":"ping","id":"p2"}\n{"op":')
+        for read_size in (1, 7, 4096, 1 << 20):
+            messages, reader = read_all(stream, read_size)
+            self.assertEqual([m["id"] for m in messages], ["p1", "u1", "p2"], read_size)
+            self.assertEqual(bytes(messages[1][protocol.PAYLOAD]), payload)
+            self.assertNotIn(protocol.PAYLOAD, messages[0])
+            self.assertEqual(bytes(reader.pending), b'{"op":')
+
+    def test_too_many_bytes_are_refused_and_skipped_unkept(self):
+        too_many = protocol.MAX_PAYLOAD + 1
+        stream = (b'{"op":"fs_upload_bytes","id":"u1","upload":"x","bytes":%d}\n' % too_many
+                  + b"z" * too_many + b'{"op":"ping","id":"p1"}\n')
+        messages, reader = read_all(stream, 1 << 16)
+        self.assertIsInstance(messages[0], protocol.BadCommand)
+        self.assertEqual(messages[0].request_id, "u1")
+        self.assertTrue(messages[0].message.startswith("EINVAL"), messages[0].message)
+        self.assertEqual(messages[1], {"op": "ping", "id": "p1"})
+        self.assertLess(len(reader.pending), 1 << 16)
+
+    def test_a_count_that_is_no_count_is_refused(self):
+        messages, _ = read_all(b'{"op":"ping","id":"p1","bytes":-1}\n{"op":"ping","id":"p2"}\n')
+        self.assertIsInstance(messages[0], protocol.BadCommand)
+        self.assertEqual(messages[1]["id"], "p2")
+
+    def test_a_payload_key_the_host_sent_is_not_taken_for_bytes(self):
+        line = json.dumps({"op": "ping", "id": "p1", protocol.PAYLOAD: "x"}).encode() + b"\n"
+        messages, _ = read_all(line)
+        self.assertEqual(messages, [{"op": "ping", "id": "p1"}])
 
 
 class DispatchTest(AgentTest):
@@ -52,7 +105,8 @@ class DispatchTest(AgentTest):
 
     def test_unreadable_lines_from_the_host_are_reported(self):
         reader = protocol.CommandReader()
-        reader.hand_over([b'{"op": "ping", "id": "p"}', b"not json", b"   "])
+        reader.hand_over([protocol.parse_command(b'{"op": "ping", "id": "p"}'),
+                          protocol.parse_command(b"not json")])
         self.assertEqual(reader.take(), [{"op": "ping", "id": "p"}])
         [event] = self.events()
         self.assertEqual((event["ev"], event["id"]), ("error", None))

@@ -1,0 +1,113 @@
+//! Where the agent's reader sends each event: execution output to that
+//! execution's channel (bounded by [`MAX_QUEUED_OUTPUT_BYTES`] of queued
+//! output), replies to the request waiting for them, archive chunks to their
+//! sink. Split from `agent.rs`, which owns the connection and its tasks.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use bytes::Bytes;
+use controllers::runtime::ExecEvent;
+use tokio::sync::{mpsc, oneshot};
+
+use super::agent::Reply;
+
+/// An execution's event and the agent's number for it (0: not numbered,
+/// the execution is not resumable).
+pub type Sequenced = (u64, ExecEvent);
+
+/// Output bytes one execution may have waiting between the reader and its
+/// consumer. Beyond it the reader (which never waits) drops output: the first
+/// dropped event becomes a notice on stderr, the others empty events of the
+/// same number, so a resumable execution's numbering holds (issue 25: a
+/// consumer that stalled, such as a slow `/execute` client, let this grow
+/// without bound).
+pub const MAX_QUEUED_OUTPUT_BYTES: usize = 8 << 20;
+
+/// One execution's route: its channel and the output bytes in it.
+pub(super) struct ExecRoute {
+    pub(super) sender: mpsc::UnboundedSender<Sequenced>,
+    queued: Arc<AtomicUsize>,
+    /// Output is being dropped (the notice was sent).
+    dropping: bool,
+}
+
+impl ExecRoute {
+    pub(super) fn new() -> (Self, ExecEvents) {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let events = ExecEvents {
+            receiver,
+            queued: Arc::clone(&queued),
+        };
+        (
+            Self {
+                sender,
+                queued,
+                dropping: false,
+            },
+            events,
+        )
+    }
+
+    /// Queues output, or drops it past [`MAX_QUEUED_OUTPUT_BYTES`].
+    pub(super) fn output(&mut self, seq: u64, stderr: bool, data: Bytes) {
+        let queued = self.queued.load(Ordering::Acquire);
+        let data = if queued.saturating_add(data.len()) <= MAX_QUEUED_OUTPUT_BYTES {
+            self.dropping = false;
+            data
+        } else if std::mem::replace(&mut self.dropping, true) {
+            Bytes::new()
+        } else {
+            let notice = Bytes::from(format!(
+                "\n[sandboxd] output dropped: more than {MAX_QUEUED_OUTPUT_BYTES} bytes were \
+                 waiting for a reader that fell behind\n"
+            ));
+            let _ = self.sender.send((seq, ExecEvent::Stderr(notice.clone())));
+            self.queued.fetch_add(notice.len(), Ordering::AcqRel);
+            return;
+        };
+        self.queued.fetch_add(data.len(), Ordering::AcqRel);
+        let event = if stderr {
+            ExecEvent::Stderr(data)
+        } else {
+            ExecEvent::Stdout(data)
+        };
+        let _ = self.sender.send((seq, event));
+    }
+}
+
+/// The event stream of one execution, as the agent's reader routes it.
+#[derive(Debug)]
+pub struct ExecEvents {
+    receiver: mpsc::UnboundedReceiver<Sequenced>,
+    queued: Arc<AtomicUsize>,
+}
+
+impl ExecEvents {
+    /// The next event; `None` once the execution's route is gone.
+    pub async fn recv(&mut self) -> Option<Sequenced> {
+        let item = self.receiver.recv().await?;
+        if let (_, ExecEvent::Stdout(data) | ExecEvent::Stderr(data)) = &item {
+            self.queued.fetch_sub(data.len(), Ordering::AcqRel);
+        }
+        Some(item)
+    }
+}
+
+#[derive(Default)]
+pub(super) struct Routes {
+    pub(super) replies: HashMap<String, oneshot::Sender<Reply>>,
+    /// Unbounded on purpose: the reader must never wait on one slow consumer,
+    /// or replies (kill, ping, checkpoint) would queue behind its output. The
+    /// consumers (API sessions) bound what they keep.
+    pub(super) execs: HashMap<String, ExecRoute>,
+    /// Executions checkpointed with the sandbox: when the agent goes away
+    /// their streams end without an exit (they go on elsewhere).
+    pub(super) suspended: HashSet<String>,
+    /// Unbounded for the same reason; the consumer writes to local disk,
+    /// which keeps up with what the agent can tar and encode.
+    pub(super) chunks: HashMap<String, mpsc::UnboundedSender<Bytes>>,
+    pub(super) gone: bool,
+}
