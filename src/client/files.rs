@@ -75,6 +75,16 @@ pub struct Transferred {
     pub mode: u32,
 }
 
+/// A part of a file ([`Sandbox::read_range`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileRange {
+    pub data: Vec<u8>,
+    /// The whole file's size.
+    pub size: u64,
+    /// The part reaches the end of the file.
+    pub eof: bool,
+}
+
 #[derive(Deserialize)]
 struct EntryResult {
     entry: FileEntry,
@@ -198,6 +208,31 @@ impl Sandbox {
         let mut data = Vec::new();
         self.download_to(path, &mut data).await?;
         Ok(data)
+    }
+
+    /// At most `length` bytes (the server caps it at 4 MiB) of the file at
+    /// `path` from `offset`: one `fs_read`, so memory stays bounded whatever
+    /// the file's size.
+    pub async fn read_range(
+        &self,
+        path: &str,
+        offset: u64,
+        length: u64,
+    ) -> Result<FileRange, ClientError> {
+        let result = self
+            .simple(
+                "fs_read",
+                json!({"path": path, "offset": offset, "length": length}),
+            )
+            .await?;
+        let data = BASE64
+            .decode(result["data"].as_str().unwrap_or_default())
+            .map_err(|err| ClientError::Protocol(format!("fs_read data: {err}")))?;
+        Ok(FileRange {
+            data,
+            size: result["size"].as_u64().unwrap_or_default(),
+            eof: result["eof"].as_bool().unwrap_or(true),
+        })
     }
 
     /// Writes a whole file (created with `mode`, default 0644, or replaced),

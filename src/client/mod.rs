@@ -26,7 +26,7 @@ mod error;
 mod sandbox;
 
 pub use error::ClientError;
-pub use sandbox::files::{FileEntry, FileKind, Listing, Transferred};
+pub use sandbox::files::{FileEntry, FileKind, FileRange, Listing, Transferred};
 pub use sandbox::{
     AttachOptions, CreateOptions, ExitStatus, ForkSource, Language, Output, OutputChunk, Process,
     ProcessHandle, Progress, Sandbox,

@@ -554,7 +554,9 @@ impl Process {
         })
     }
 
-    fn status(&self) -> ExitStatus {
+    /// How it ended, once [`Self::next`] returned `None` (before that: no
+    /// exit code yet).
+    pub fn status(&self) -> ExitStatus {
         ExitStatus {
             code: self.exit_code,
             killed: self.killed,

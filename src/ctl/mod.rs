@@ -6,6 +6,7 @@ mod checkpoints;
 mod files;
 mod images;
 mod inventory;
+mod mcp;
 mod operator;
 mod shell;
 mod user;
@@ -17,6 +18,7 @@ pub use checkpoints::{
 pub use files::{CpSide, FilesCommand, download, run_files_command, upload};
 pub use images::{ImagesError, fetch_images, http_base, render_images};
 pub use inventory::{SandboxRow, describe_json, list_rows, render_table};
+pub use mcp::{McpOptions, serve_stdio as serve_mcp};
 pub use operator::{
     GcReport, OperatorError, SnapshotGcReport, break_lease, delete, describe, edit, evict, gc,
     gc_snapshots,

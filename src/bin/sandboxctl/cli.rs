@@ -200,6 +200,26 @@ pub(crate) enum Command {
         #[arg(default_value = "exec bash -il")]
         command: String,
     },
+    /// Serve sandboxes to an agent as Model Context Protocol tools over
+    /// stdio (create_sandbox, run_code, read_file, write_file, list_files,
+    /// checkpoint_sandbox, fork_sandbox, kill_sandbox). The sandboxes' tokens
+    /// stay in this process; when the client goes away, the sandboxes it
+    /// made are killed (unless --keep-sandboxes). See docs/mcp.md.
+    #[command(
+        after_help = "Examples:\n  claude mcp add sandboxd -- sandboxctl mcp --url https://sandboxd.example.com\n  SANDBOXD_URL=ws://127.0.0.1:8080 sandboxctl mcp"
+    )]
+    Mcp {
+        /// Seconds without activity before a sandbox is checkpointed (the
+        /// next call restores it); 0: never.
+        #[arg(long, default_value_t = 600)]
+        idle_timeout: u64,
+        /// Leave the sandboxes when the client goes away (their ids and
+        /// tokens are printed on stderr) instead of killing them.
+        #[arg(long)]
+        keep_sandboxes: bool,
+        #[command(flatten)]
+        server: Server,
+    },
     /// Print a file of a sandbox.
     #[command(after_help = "Example:\n  sandboxctl cat ID /etc/os-release --token T")]
     Cat {

@@ -129,6 +129,36 @@ async fn main() -> ExitCode {
         }),
         _ => None,
     };
+    if let Command::Mcp {
+        idle_timeout,
+        keep_sandboxes,
+        server,
+    } = &cli.command
+    {
+        // Logs go to stderr: stdout is the protocol's.
+        let _ = tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            )
+            .try_init();
+        let options = ctl::McpOptions {
+            url: server.url.clone(),
+            idle_timeout_s: *idle_timeout,
+            keep_sandboxes: *keep_sandboxes,
+        };
+        let code = match ctl::serve_mcp(options).await {
+            Ok(()) => 0,
+            Err(err) => {
+                eprintln!("sandboxctl: {err}");
+                i32::from(EXIT_REFUSED)
+            }
+        };
+        // Exits at once: the runtime would otherwise wait for a pending read
+        // of stdin (after SIGTERM, the client may keep it open).
+        std::process::exit(code);
+    }
     if let Command::Shell { target, command } = &cli.command {
         let code = match ctl::shell(&target.server.url, &target.id, &target.token, command).await {
             Ok(code) => code,

@@ -1,0 +1,215 @@
+//! The sandboxes one `sandboxctl mcp` process created or forked. Their tokens
+//! live here and nowhere else, so a model names a sandbox by its id only and
+//! can reach no sandbox this process did not make.
+//!
+//! Each sandbox keeps its connection between tool calls (consecutive calls
+//! cost no new attach, and the affinity cookie stays), one call at a time
+//! (the connection is behind an async lock). A connection unused for a while
+//! is let go, so the server's idle timeout can checkpoint the sandbox; the
+//! next call attaches again, which restores it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::OwnedMutexGuard;
+use tokio::time::Instant;
+
+use crate::client::{AttachOptions, ClientError, Sandbox};
+
+/// A tool call that could not be done: its message is what the model reads.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum ToolError {
+    #[error("unknown sandbox id {id:?}: {known}")]
+    UnknownSandbox { id: String, known: String },
+    #[error(
+        "sandbox {0} no longer exists (killed, or deleted after its idle timeout); create a new one"
+    )]
+    Gone(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Client(ClientError),
+}
+
+impl From<ClientError> for ToolError {
+    fn from(err: ClientError) -> Self {
+        Self::Client(err)
+    }
+}
+
+/// The sandboxes, by id.
+#[derive(Debug)]
+pub(super) struct Sandboxes {
+    url: String,
+    entries: Mutex<HashMap<String, Arc<Entry>>>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    id: String,
+    token: String,
+    connection: Arc<tokio::sync::Mutex<Connection>>,
+}
+
+#[derive(Debug)]
+struct Connection {
+    sandbox: Option<Sandbox>,
+    last_used: Instant,
+}
+
+/// One tool call's hold on a sandbox: its token and its connection, opened
+/// on first use.
+#[derive(Debug)]
+pub(super) struct Lease {
+    entry: Arc<Entry>,
+    connection: OwnedMutexGuard<Connection>,
+    url: String,
+}
+
+impl Sandboxes {
+    pub(super) fn new(url: &str) -> Self {
+        Self {
+            url: url.to_owned(),
+            entries: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub(super) fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn entries(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Entry>>> {
+        self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps a sandbox just created (and its connection).
+    pub(super) fn insert(&self, sandbox: Sandbox) -> String {
+        let id = sandbox.id().to_owned();
+        let entry = Entry {
+            id: id.clone(),
+            token: sandbox.token().to_owned(),
+            connection: Arc::new(tokio::sync::Mutex::new(Connection {
+                sandbox: Some(sandbox),
+                last_used: Instant::now(),
+            })),
+        };
+        self.entries().insert(id.clone(), Arc::new(entry));
+        id
+    }
+
+    /// The sandbox `id`, waiting for a call that uses it to finish.
+    pub(super) async fn lease(&self, id: &str) -> Result<Lease, ToolError> {
+        let entry = self.entries().get(id).cloned();
+        let Some(entry) = entry else {
+            let mut known: Vec<String> = self.entries().keys().cloned().collect();
+            known.sort_unstable();
+            let known = if known.is_empty() {
+                "this MCP server has no sandbox yet (create_sandbox makes one)".to_owned()
+            } else {
+                format!("the sandboxes of this MCP server are {}", known.join(", "))
+            };
+            return Err(ToolError::UnknownSandbox {
+                id: id.to_owned(),
+                known,
+            });
+        };
+        let connection = Arc::clone(&entry.connection).lock_owned().await;
+        Ok(Lease {
+            entry,
+            connection,
+            url: self.url.clone(),
+        })
+    }
+
+    /// Forgets `id` (killed, or found gone).
+    pub(super) fn remove(&self, id: &str) {
+        self.entries().remove(id);
+    }
+
+    /// Lets go of connections unused for `linger` (calls in progress keep theirs).
+    pub(super) fn sweep(&self, linger: Duration) {
+        let entries: Vec<Arc<Entry>> = self.entries().values().cloned().collect();
+        for entry in entries {
+            if let Ok(mut connection) = entry.connection.try_lock()
+                && connection.sandbox.is_some()
+                && connection.last_used.elapsed() >= linger
+            {
+                tracing::debug!(id = %entry.id, "closing an unused connection");
+                connection.sandbox = None;
+            }
+        }
+    }
+
+    /// Every sandbox's id and token.
+    pub(super) fn owned(&self) -> Vec<(String, String)> {
+        let mut owned: Vec<(String, String)> = self
+            .entries()
+            .values()
+            .map(|entry| (entry.id.clone(), entry.token.clone()))
+            .collect();
+        owned.sort_unstable();
+        owned
+    }
+}
+
+impl Lease {
+    pub(super) fn id(&self) -> &str {
+        &self.entry.id
+    }
+
+    pub(super) fn token(&self) -> &str {
+        &self.entry.token
+    }
+
+    /// The connected sandbox, attaching (and so restoring it, if it was
+    /// checkpointed) when there is no connection.
+    pub(super) async fn sandbox(&mut self) -> Result<&Sandbox, ToolError> {
+        self.connection.last_used = Instant::now();
+        if self.connection.sandbox.is_none() {
+            let attached = Sandbox::attach(
+                &self.url,
+                &self.entry.id,
+                &self.entry.token,
+                AttachOptions::default(),
+            )
+            .await;
+            match attached {
+                Ok(sandbox) => self.connection.sandbox = Some(sandbox),
+                Err(ClientError::NotFound) => {
+                    return Err(ToolError::Gone(self.entry.id.clone()));
+                }
+                Err(err) => return Err(err.into()),
+            }
+        }
+        self.connection
+            .sandbox
+            .as_ref()
+            .ok_or_else(|| ToolError::Invalid("no connection".to_owned()))
+    }
+
+    /// Drops the connection (after a checkpoint, which ends it, or an error
+    /// that may have left it unusable): the next call attaches again.
+    pub(super) fn disconnect(&mut self) {
+        self.connection.sandbox = None;
+    }
+
+    /// `result`, dropping the connection first if the error says it is gone.
+    pub(super) fn check<T>(&mut self, result: Result<T, ClientError>) -> Result<T, ToolError> {
+        match result {
+            Ok(value) => {
+                self.connection.last_used = Instant::now();
+                Ok(value)
+            }
+            Err(ClientError::NotFound) => {
+                self.disconnect();
+                Err(ToolError::Gone(self.entry.id.clone()))
+            }
+            Err(err @ (ClientError::Closed(_) | ClientError::Protocol(_))) => {
+                self.disconnect();
+                Err(err.into())
+            }
+            Err(err) => Err(err.into()),
+        }
+    }
+}
