@@ -2,7 +2,8 @@
 //! SDK's stdio client (`pip install mcp`) spawns the binary against a real
 //! server on runsc, lists the eight tools and their schemas, creates a
 //! sandbox, writes a file, runs code that reads it (and code whose output
-//! streams as progress, floods, times out), meets the errors (ENOENT, an
+//! streams as progress, code beside which a file is read, code that floods
+//! and code that times out), meets the errors (ENOENT, an
 //! unknown id, a bad argument) and forks; the script is
 //! `tests/support/mcp_agent.py`. When the client goes away the server kills
 //! the sandboxes it made: checked here in the bucket's metadata.

@@ -148,6 +148,25 @@ async def main(sandboxctl, url):
             for i in range(1, 5):
                 assert f"line{i}\n" in joined and f"[stderr] oops{i}\n" in joined, joined
 
+            # Calls share the sandbox's connection: a file is read while a
+            # program runs; a second program at once is refused.
+            running = asyncio.create_task(
+                run(session, sandbox, "bash", "echo begun > /tmp/begun; sleep 3; echo finished")
+            )
+            for _ in range(100):
+                begun = await session.call_tool(
+                    "read_file", {"sandbox_id": sandbox, "path": "/tmp/begun"}
+                )
+                if not is_error(begun):
+                    break
+                await asyncio.sleep(0.1)
+            assert text_of(begun) == "begun\n", text_of(begun)
+            assert not running.done(), "the program should still run"
+            busy = failed(await run(session, sandbox, "bash", "true"), "a second program at once")
+            assert "in progress" in busy, busy
+            out = ok(await running, "the first program")
+            assert out == "finished\n[exit code 0]", repr(out)
+
             # A flood is bounded, with a marker; a timeout kills.
             big = ok(
                 await run(session, sandbox, "python", "print('x' * (3 << 20))"),

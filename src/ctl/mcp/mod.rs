@@ -85,9 +85,10 @@ async fn end_sandboxes(sandboxes: &Sandboxes, options: &McpOptions) {
     }
     let kills = owned.iter().map(|(id, _)| async move {
         let killed = async {
-            let mut lease = sandboxes.lease(id).await?;
-            let outcome = lease.sandbox().await?.kill().await;
-            lease.check(outcome)
+            let mut lease = sandboxes.lease(id)?;
+            let sandbox = lease.sandbox().await?;
+            let outcome = sandbox.kill().await;
+            lease.check(outcome).await
         }
         .await;
         match killed {

@@ -3,16 +3,16 @@
 //! can reach no sandbox this process did not make.
 //!
 //! Each sandbox keeps its connection between tool calls (consecutive calls
-//! cost no new attach, and the affinity cookie stays), one call at a time
-//! (the connection is behind an async lock). A connection unused for a while
-//! is let go, so the server's idle timeout can checkpoint the sandbox; the
-//! next call attaches again, which restores it.
+//! cost no new attach, and the affinity cookie stays), and calls in progress
+//! share it: a file can be read while a program runs (a second program at
+//! once is the server's "another process runs" refusal). A connection
+//! unused for a while is let go, so the server's idle timeout can checkpoint
+//! the sandbox; the next call attaches again, which restores it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::OwnedMutexGuard;
 use tokio::time::Instant;
 
 use crate::client::{AttachOptions, ClientError, Sandbox};
@@ -49,22 +49,36 @@ pub(super) struct Sandboxes {
 struct Entry {
     id: String,
     token: String,
-    connection: Arc<tokio::sync::Mutex<Connection>>,
+    /// The open connection, if any: shared by the calls in progress (the
+    /// client multiplexes file calls beside an execution); the lock is held
+    /// only to attach or to let it go.
+    connection: tokio::sync::Mutex<Option<Arc<Sandbox>>>,
+    last_used: Mutex<Instant>,
 }
 
-#[derive(Debug)]
-struct Connection {
-    sandbox: Option<Sandbox>,
-    last_used: Instant,
+impl Entry {
+    fn touch(&self) {
+        *self
+            .last_used
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
+    }
+
+    fn idle_for(&self) -> Duration {
+        self.last_used
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .elapsed()
+    }
 }
 
-/// One tool call's hold on a sandbox: its token and its connection, opened
-/// on first use.
+/// One tool call's use of a sandbox: its token, and the connection it got
+/// (opened on first use).
 #[derive(Debug)]
 pub(super) struct Lease {
     entry: Arc<Entry>,
-    connection: OwnedMutexGuard<Connection>,
     url: String,
+    current: Option<Arc<Sandbox>>,
 }
 
 impl Sandboxes {
@@ -89,17 +103,15 @@ impl Sandboxes {
         let entry = Entry {
             id: id.clone(),
             token: sandbox.token().to_owned(),
-            connection: Arc::new(tokio::sync::Mutex::new(Connection {
-                sandbox: Some(sandbox),
-                last_used: Instant::now(),
-            })),
+            connection: tokio::sync::Mutex::new(Some(Arc::new(sandbox))),
+            last_used: Mutex::new(Instant::now()),
         };
         self.entries().insert(id.clone(), Arc::new(entry));
         id
     }
 
-    /// The sandbox `id`, waiting for a call that uses it to finish.
-    pub(super) async fn lease(&self, id: &str) -> Result<Lease, ToolError> {
+    /// The sandbox `id`.
+    pub(super) fn lease(&self, id: &str) -> Result<Lease, ToolError> {
         let entry = self.entries().get(id).cloned();
         let Some(entry) = entry else {
             let mut known: Vec<String> = self.entries().keys().cloned().collect();
@@ -114,11 +126,10 @@ impl Sandboxes {
                 known,
             });
         };
-        let connection = Arc::clone(&entry.connection).lock_owned().await;
         Ok(Lease {
             entry,
-            connection,
             url: self.url.clone(),
+            current: None,
         })
     }
 
@@ -132,11 +143,13 @@ impl Sandboxes {
         let entries: Vec<Arc<Entry>> = self.entries().values().cloned().collect();
         for entry in entries {
             if let Ok(mut connection) = entry.connection.try_lock()
-                && connection.sandbox.is_some()
-                && connection.last_used.elapsed() >= linger
+                && connection
+                    .as_ref()
+                    .is_some_and(|sandbox| Arc::strong_count(sandbox) == 1)
+                && entry.idle_for() >= linger
             {
                 tracing::debug!(id = %entry.id, "closing an unused connection");
-                connection.sandbox = None;
+                *connection = None;
             }
         }
     }
@@ -164,9 +177,10 @@ impl Lease {
 
     /// The connected sandbox, attaching (and so restoring it, if it was
     /// checkpointed) when there is no connection.
-    pub(super) async fn sandbox(&mut self) -> Result<&Sandbox, ToolError> {
-        self.connection.last_used = Instant::now();
-        if self.connection.sandbox.is_none() {
+    pub(super) async fn sandbox(&mut self) -> Result<Arc<Sandbox>, ToolError> {
+        self.entry.touch();
+        let mut connection = self.entry.connection.lock().await;
+        if connection.is_none() {
             let attached = Sandbox::attach(
                 &self.url,
                 &self.entry.id,
@@ -175,38 +189,49 @@ impl Lease {
             )
             .await;
             match attached {
-                Ok(sandbox) => self.connection.sandbox = Some(sandbox),
+                Ok(sandbox) => *connection = Some(Arc::new(sandbox)),
                 Err(ClientError::NotFound) => {
                     return Err(ToolError::Gone(self.entry.id.clone()));
                 }
                 Err(err) => return Err(err.into()),
             }
         }
-        self.connection
-            .sandbox
-            .as_ref()
-            .ok_or_else(|| ToolError::Invalid("no connection".to_owned()))
+        let sandbox = connection
+            .clone()
+            .ok_or_else(|| ToolError::Invalid("no connection".to_owned()))?;
+        self.current = Some(Arc::clone(&sandbox));
+        Ok(sandbox)
     }
 
-    /// Drops the connection (after a checkpoint, which ends it, or an error
-    /// that may have left it unusable): the next call attaches again.
-    pub(super) fn disconnect(&mut self) {
-        self.connection.sandbox = None;
-    }
-
-    /// `result`, dropping the connection first if the error says it is gone.
-    pub(super) fn check<T>(&mut self, result: Result<T, ClientError>) -> Result<T, ToolError> {
-        match result {
-            Ok(value) => {
-                self.connection.last_used = Instant::now();
-                Ok(value)
+    /// Lets go of the connection this call used (after a checkpoint, which
+    /// ends it, or an error that may have left it unusable), unless another
+    /// call replaced it meanwhile: the next call attaches again.
+    pub(super) async fn disconnect(&mut self) {
+        if let Some(used) = self.current.take() {
+            let mut connection = self.entry.connection.lock().await;
+            if connection
+                .as_ref()
+                .is_some_and(|open| Arc::ptr_eq(open, &used))
+            {
+                *connection = None;
             }
+        }
+    }
+
+    /// `result`, letting go of the connection if the error says it is gone.
+    pub(super) async fn check<T>(
+        &mut self,
+        result: Result<T, ClientError>,
+    ) -> Result<T, ToolError> {
+        self.entry.touch();
+        match result {
+            Ok(value) => Ok(value),
             Err(ClientError::NotFound) => {
-                self.disconnect();
+                self.disconnect().await;
                 Err(ToolError::Gone(self.entry.id.clone()))
             }
             Err(err @ (ClientError::Closed(_) | ClientError::Protocol(_))) => {
-                self.disconnect();
+                self.disconnect().await;
                 Err(err.into())
             }
             Err(err) => Err(err.into()),

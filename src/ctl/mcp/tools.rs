@@ -85,9 +85,10 @@ impl SandboxTools {
             Language::Python => ClientLanguage::Python,
             Language::Bash => ClientLanguage::Bash,
         };
-        let mut lease = self.sandboxes.lease(&args.sandbox_id).await?;
-        let started = lease.sandbox().await?.exec(language, &args.code).await;
-        let mut process = lease.check(started)?;
+        let mut lease = self.sandboxes.lease(&args.sandbox_id)?;
+        let sandbox = lease.sandbox().await?;
+        let started = sandbox.exec(language, &args.code).await;
+        let mut process = lease.check(started).await?;
         let handle = process.handle();
         let mut stdout = Bounded::new(OUTPUT_LIMIT);
         let mut stderr = Bounded::new(OUTPUT_LIMIT);
@@ -124,7 +125,7 @@ impl SandboxTools {
                 }
                 () = tokio::time::sleep_until(give_up.unwrap_or(deadline)), if give_up.is_some() => {
                     // The connection goes with the unfinished execution.
-                    lease.disconnect();
+                    lease.disconnect().await;
                     break Err(ClientError::Execution(format!(
                         "the program did not end within {} s of being killed",
                         KILL_GRACE.as_secs()
@@ -133,7 +134,7 @@ impl SandboxTools {
             }
         };
         progress.flush().await;
-        let status = lease.check(ended.map(|()| process.status()));
+        let status = lease.check(ended.map(|()| process.status())).await;
         let mut text = stdout.finish();
         if !stderr.is_empty() {
             if !text.is_empty() && !text.ends_with('\n') {
@@ -170,13 +171,10 @@ impl SandboxTools {
             .length
             .unwrap_or(OUTPUT_LIMIT as u64)
             .clamp(1, OUTPUT_LIMIT as u64);
-        let mut lease = self.sandboxes.lease(&args.sandbox_id).await?;
-        let read = lease
-            .sandbox()
-            .await?
-            .read_range(&args.path, offset, length)
-            .await;
-        let range = lease.check(read)?;
+        let mut lease = self.sandboxes.lease(&args.sandbox_id)?;
+        let sandbox = lease.sandbox().await?;
+        let read = sandbox.read_range(&args.path, offset, length).await;
+        let range = lease.check(read).await?;
         let end = offset + range.data.len() as u64;
         let (mut text, shown_end) = match std::str::from_utf8(&range.data) {
             Ok(text) => (text.to_owned(), end),
@@ -230,13 +228,10 @@ impl SandboxTools {
                     })?,
             ),
         };
-        let mut lease = self.sandboxes.lease(&args.sandbox_id).await?;
-        let written = lease
-            .sandbox()
-            .await?
-            .write_file(&args.path, &data, mode)
-            .await;
-        let entry = lease.check(written)?;
+        let mut lease = self.sandboxes.lease(&args.sandbox_id)?;
+        let sandbox = lease.sandbox().await?;
+        let written = sandbox.write_file(&args.path, &data, mode).await;
+        let entry = lease.check(written).await?;
         Ok(text(format!(
             "wrote {} bytes to {} (mode {:o})",
             entry.size, entry.path, entry.mode
@@ -246,9 +241,10 @@ impl SandboxTools {
     async fn list_files_in(&self, args: ListFiles) -> Outcome {
         let path = args.path.unwrap_or_else(|| ".".to_owned());
         let depth = args.depth.unwrap_or(1).clamp(1, MAX_DEPTH);
-        let mut lease = self.sandboxes.lease(&args.sandbox_id).await?;
-        let listed = lease.sandbox().await?.list(&path, depth).await;
-        let listing = lease.check(listed)?;
+        let mut lease = self.sandboxes.lease(&args.sandbox_id)?;
+        let sandbox = lease.sandbox().await?;
+        let listed = sandbox.list(&path, depth).await;
+        let listing = lease.check(listed).await?;
         let mut lines: Vec<String> = listing.entries.iter().map(render_entry).collect();
         if lines.is_empty() {
             lines.push(format!("{path} is empty"));
@@ -260,7 +256,7 @@ impl SandboxTools {
     }
 
     async fn checkpoint_in(&self, args: CheckpointSandbox) -> Outcome {
-        let mut lease = self.sandboxes.lease(&args.sandbox_id).await?;
+        let mut lease = self.sandboxes.lease(&args.sandbox_id)?;
         checkpoint(&mut lease, args.name.as_deref()).await?;
         Ok(text(match &args.name {
             Some(name) => format!("checkpointed {} as {name:?}", lease.id()),
@@ -270,7 +266,7 @@ impl SandboxTools {
 
     async fn fork_in(&self, args: ForkSandbox) -> Outcome {
         let (id, token) = {
-            let mut lease = self.sandboxes.lease(&args.sandbox_id).await?;
+            let mut lease = self.sandboxes.lease(&args.sandbox_id)?;
             if args.checkpoint.is_none() {
                 checkpoint(&mut lease, None).await?;
             }
@@ -295,10 +291,11 @@ impl SandboxTools {
     }
 
     async fn kill_in(&self, args: SandboxRef) -> Outcome {
-        let mut lease = self.sandboxes.lease(&args.sandbox_id).await?;
-        let killed = lease.sandbox().await?.kill().await;
-        lease.check(killed)?;
-        lease.disconnect();
+        let mut lease = self.sandboxes.lease(&args.sandbox_id)?;
+        let sandbox = lease.sandbox().await?;
+        let killed = sandbox.kill().await;
+        lease.check(killed).await?;
+        lease.disconnect().await;
         self.sandboxes.remove(lease.id());
         Ok(text(format!("killed {}", lease.id())))
     }
@@ -396,9 +393,10 @@ impl ServerHandler for SandboxTools {}
 /// Checkpoints the leased sandbox; its connection ends with it (the next
 /// call attaches, restoring it).
 async fn checkpoint(lease: &mut Lease, name: Option<&str>) -> Result<(), ToolError> {
-    let outcome = lease.sandbox().await?.checkpoint(name).await;
-    lease.disconnect();
-    lease.check(outcome)
+    let sandbox = lease.sandbox().await?;
+    let outcome = sandbox.checkpoint(name).await;
+    lease.disconnect().await;
+    lease.check(outcome).await
 }
 
 fn text(message: String) -> CallToolResult {
