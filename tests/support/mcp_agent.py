@@ -8,6 +8,7 @@ summary for the Rust side. Any failed check raises (exit status 1).
 import asyncio
 import json
 import sys
+import time
 
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
@@ -237,9 +238,17 @@ async def main(sandboxctl, url):
             ok(await session.call_tool("kill_sandbox", {"sandbox_id": fork}), "kill_sandbox")
             gone = failed(await run(session, fork, "bash", "true"), "run_code in a killed sandbox")
             assert "unknown sandbox id" in gone, gone
+            leaving = time.monotonic()
 
     # The server was told to stop (stdin closed): it kills what it made.
-    print(json.dumps({"sandbox": sandbox, "fork": fork, "progress_notifications": len(seen)}))
+    summary = {
+        "sandbox": sandbox,
+        "fork": fork,
+        "progress_notifications": len(seen),
+        # The client waits 2 s after closing stdin, then SIGTERM, then SIGKILL.
+        "shutdown_s": round(time.monotonic() - leaving, 2),
+    }
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
