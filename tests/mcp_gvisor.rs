@@ -88,8 +88,8 @@ async fn an_agent_uses_every_tool_through_the_python_sdk() {
     assert!(summary["progress_notifications"].as_u64().unwrap() >= 2);
 
     // The server killed the sandbox it still had when stdin closed; the
-    // fork was killed by the tool.
-    for key in ["sandbox", "fork"] {
+    // forks were killed by the tool.
+    for key in ["sandbox", "fork", "named_fork"] {
         let id = summary[key].as_str().unwrap();
         let state = desired_state(&server, id).await;
         assert!(

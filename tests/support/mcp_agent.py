@@ -235,6 +235,30 @@ async def main(sandboxctl, url):
             )
             assert out == CONTENT + "[exit code 0]", repr(out)
 
+            # A fork of the named checkpoint; an unknown name is a tool error.
+            named_fork = json.loads(
+                ok(
+                    await session.call_tool(
+                        "fork_sandbox", {"sandbox_id": sandbox, "checkpoint": "before-cleanup"}
+                    ),
+                    "fork_sandbox of a named checkpoint",
+                )
+            )["sandbox_id"]
+            assert named_fork not in (sandbox, fork)
+            out = ok(
+                await run(session, named_fork, "bash", "cat /home/sandbox/notes/hello.txt"),
+                "run_code in the named fork",
+            )
+            assert out == CONTENT + "[exit code 0]", repr(out)
+            ok(await session.call_tool("kill_sandbox", {"sandbox_id": named_fork}), "kill_sandbox")
+            no_such = failed(
+                await session.call_tool(
+                    "fork_sandbox", {"sandbox_id": sandbox, "checkpoint": "no-such-name"}
+                ),
+                "fork_sandbox of an unknown checkpoint",
+            )
+            assert "no-such-name" in no_such, no_such
+
             ok(await session.call_tool("kill_sandbox", {"sandbox_id": fork}), "kill_sandbox")
             gone = failed(await run(session, fork, "bash", "true"), "run_code in a killed sandbox")
             assert "unknown sandbox id" in gone, gone
@@ -244,6 +268,7 @@ async def main(sandboxctl, url):
     summary = {
         "sandbox": sandbox,
         "fork": fork,
+        "named_fork": named_fork,
         "progress_notifications": len(seen),
         # The client waits 2 s after closing stdin, then SIGTERM, then SIGKILL.
         "shutdown_s": round(time.monotonic() - leaving, 2),
