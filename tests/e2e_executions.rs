@@ -291,3 +291,55 @@ async fn an_evicted_execution_waits_in_its_checkpoint_and_goes_on_at_the_next_at
     read_until(&mut ws, &mut next, |s| has(s, "SANDBOX_EXECUTION_DONE")).await;
     assert_eq!(next.stdout, "next\n", "{:?}", next.frames);
 }
+
+/// An attach that waits for a restore still reads its socket: the client's
+/// pings are answered before `SANDBOX_RUNNING` (the Python client closes
+/// after about 40 s of unanswered pings), and a frame the client sent during
+/// the wait is kept and served once the sandbox runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_attach_waiting_for_a_restore_answers_pings_and_keeps_early_frames() {
+    use tokio_tungstenite::tungstenite::Message;
+    let dir = tempfile::tempdir().unwrap();
+    let store: std::sync::Arc<dyn controllers::store::Store> =
+        std::sync::Arc::new(sandboxd::store::LocalStore::open(dir.path()).unwrap());
+    let a = support::ws::Server::sharing("instance-a", std::sync::Arc::clone(&store), |_| {}).await;
+    let b = support::ws::Server::sharing("instance-b", store, |_| {}).await;
+    let (mut on_a, id, token) = a
+        .create(json!({"idle_timeout": 300, "enable_checkpoint": true,
+                       "enable_sandbox_handoff": true}))
+        .await;
+    on_a.exec("bash", "echo 41 > /tmp/x").await;
+
+    let mut on_b = b.attach(&id, &token).await;
+    on_b.send_raw(Message::Ping(b"are you there".to_vec().into()))
+        .await;
+    on_b.send(json!({"language": "python", "code": "print(int(open('/tmp/x').read()) + 1)"}))
+        .await;
+    let mut before_running = Vec::new();
+    loop {
+        match on_b.next_raw().await.expect("the socket stays open") {
+            Message::Pong(_) => before_running.push("pong".to_owned()),
+            Message::Text(text) => {
+                let frame: Value = serde_json::from_str(text.as_str()).unwrap();
+                if frame["status"] == "SANDBOX_RUNNING" {
+                    break;
+                }
+                before_running.push(text.as_str().to_owned());
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    // Answered while A still checkpoints: before the lock is B's (without
+    // reading during the wait, the pong came only once the session started).
+    let pong = before_running.iter().position(|f| f == "pong");
+    let acquired = before_running
+        .iter()
+        .position(|f| f.contains("SANDBOX_LOCK_ACQUIRED"));
+    assert!(
+        pong.is_some() && acquired.is_some() && pong < acquired,
+        "the ping was not answered during the restore: {before_running:?}"
+    );
+    let frames = support::ws::merge_chunks(on_b.until_status("SANDBOX_EXECUTION_DONE").await);
+    assert!(frames.contains(&"stdout:42\n".to_owned()), "{frames:?}");
+    drop(on_a);
+}

@@ -31,7 +31,9 @@ use super::output::ExecutionState;
 use super::protocol::{
     ForkRequest, FrameError, InitMessage, MAX_MESSAGE_BYTES, ServerFrame, Status, WorkspaceRequest,
 };
-use super::session::{CLOSE_FATAL, CLOSE_UNAVAILABLE, Out, Session, next_text, refuse_too_big};
+use super::session::{
+    CLOSE_FATAL, CLOSE_UNAVAILABLE, ClientStream, Out, Session, next_text, refuse_too_big,
+};
 use super::snapshot_owner::{SnapshotProof, snapshot_token};
 use super::state::{AppState, Features};
 use super::token;
@@ -166,8 +168,15 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         state.live.detach(&live, attachment);
         return fail(message).await;
     }
-    if let Err(not_started) = await_running(&out, &mut progress, init.enable_sandbox_handoff).await
-    {
+    // Read meanwhile: the client's pings are answered however long it takes.
+    let running = stream
+        .while_waiting(await_running(
+            &out,
+            &mut progress,
+            init.enable_sandbox_handoff,
+        ))
+        .await;
+    if let Err(not_started) = running {
         state.live.detach(&live, attachment);
         return fail(not_started.message(&id)).await;
     }
@@ -341,7 +350,7 @@ async fn run_session(
     id: SandboxId,
     owner: SnapshotProof,
     out: Out,
-    stream: futures::stream::SplitStream<WebSocket>,
+    stream: ClientStream,
     live: Arc<LiveSandbox>,
     attachment: u64,
     progress: broadcast::Receiver<SandboxEvent>,
@@ -362,7 +371,7 @@ async fn serve_attach(
     token: String,
     checkpoint: Option<String>,
 ) {
-    let (out, stream) = Out::spawn(socket);
+    let (out, mut stream) = Out::spawn(socket);
     let fatal = |status: Status, message: String| {
         let out = out.clone();
         async move {
@@ -442,16 +451,19 @@ async fn serve_attach(
         state.live.detach(&live, attachment);
         return not_found().await;
     }
+    // Read meanwhile: the client's pings are answered however long the
+    // restore (or a holder's checkpoint before it) takes.
     if !runs_here
-        && let Err(refused) = restore(
-            &state,
-            &controller,
-            &out,
-            &mut progress,
-            read,
-            checkpoint.as_deref(),
-        )
-        .await
+        && let Err(refused) = stream
+            .while_waiting(restore(
+                &state,
+                &controller,
+                &out,
+                &mut progress,
+                read,
+                checkpoint.as_deref(),
+            ))
+            .await
     {
         state.live.detach(&live, attachment);
         return fatal(Status::RestoreError, refused.message(&id)).await;

@@ -11,6 +11,7 @@
 //! bypass the queue and act at once. Upstream handled each frame in its own
 //! task, which reordered a burst of stdin frames.
 
+mod client_stream;
 mod files;
 mod frames;
 mod out;
@@ -21,13 +22,12 @@ mod stream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use axum::extract::ws::WebSocket;
 use controllers::api::SandboxId;
 use controllers::sandboxes::{SandboxController, SandboxEvent};
-use futures::stream::SplitStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, broadcast, mpsc};
 use tokio::task::JoinHandle;
 
+pub use client_stream::ClientStream;
 pub use out::{
     CLOSE_FATAL, CLOSE_NORMAL, CLOSE_TOO_BIG, CLOSE_UNAVAILABLE, Incoming, Out, Outgoing,
     next_message, next_text, refuse_too_big, report_frame_error,
@@ -126,7 +126,7 @@ impl Session {
     /// Serves the socket until it closes, then detaches.
     pub async fn run(
         self: Arc<Self>,
-        mut stream: SplitStream<WebSocket>,
+        mut stream: ClientStream,
         events: broadcast::Receiver<SandboxEvent>,
         registry: Arc<LiveSandboxes>,
     ) {

@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket};
 use bytes::Bytes;
-use futures::stream::SplitStream;
 use futures::{SinkExt, StreamExt};
 use tokio::sync::{Notify, OwnedSemaphorePermit, mpsc};
 
+use super::client_stream::ClientStream;
 use crate::api::protocol::{FrameError, MAX_FRAME_BYTES, ServerFrame, Status};
 
 /// Close codes (upstream-wire-contract §2.4).
@@ -46,7 +46,7 @@ pub struct Out {
 
 impl Out {
     /// Spawns the writer task for `socket`'s sending half.
-    pub fn spawn(socket: WebSocket) -> (Self, SplitStream<WebSocket>) {
+    pub fn spawn(socket: WebSocket) -> (Self, ClientStream) {
         let (mut sink, stream) = socket.split();
         let (sender, mut receiver) = mpsc::channel::<Outgoing>(256);
         let closed = Arc::new(Notify::new());
@@ -88,7 +88,7 @@ impl Out {
             closed.notify_waiters();
             closed.notify_one();
         });
-        (out, stream)
+        (out, ClientStream::new(stream))
     }
 
     /// An `Out` whose frames go nowhere: for an attach made by an HTTP
@@ -156,7 +156,7 @@ impl Out {
 
 /// Reads the next text frame; `None` when the socket is done. Binary and
 /// oversized frames come back as errors to report.
-pub async fn next_text(stream: &mut SplitStream<WebSocket>) -> Option<Result<String, FrameError>> {
+pub async fn next_text(stream: &mut ClientStream) -> Option<Result<String, FrameError>> {
     match next_message(stream).await? {
         Ok(Incoming::Text(text)) => Some(Ok(text)),
         Ok(Incoming::Binary(_)) => Some(Err(FrameError::Binary)),
@@ -173,9 +173,7 @@ pub enum Incoming {
 
 /// Reads the next text or binary frame; `None` when the socket is done.
 /// Oversized frames come back as errors to report.
-pub async fn next_message(
-    stream: &mut SplitStream<WebSocket>,
-) -> Option<Result<Incoming, FrameError>> {
+pub async fn next_message(stream: &mut ClientStream) -> Option<Result<Incoming, FrameError>> {
     loop {
         match stream.next().await? {
             Ok(Message::Text(text)) => {
@@ -209,7 +207,7 @@ fn too_big(err: axum::Error) -> Option<String> {
 /// Closes with 1009 and the reason for a message too big to read, then
 /// drains what the client still sends for a moment so that it reads the close
 /// frame rather than a reset.
-pub async fn refuse_too_big(out: &Out, stream: &mut SplitStream<WebSocket>, err: &FrameError) {
+pub async fn refuse_too_big(out: &Out, stream: &mut ClientStream, err: &FrameError) {
     tracing::info!(%err, "closing a socket that sent a message too big");
     out.close_with(CLOSE_TOO_BIG, close_reason(&err.to_string()))
         .await;
