@@ -226,6 +226,9 @@ pub async fn measure(
             .filter(|r| r.start >= m.start && r.start < m.end)
             .collect();
         let on_path = on_the_path(&window, &m.sandbox, &m.holder);
+        if std::env::var_os("SANDBOXD_BENCH_TRACE_PATHS").is_some() {
+            trace(m, &on_path);
+        }
         let series = by_op.entry(m.op.clone()).or_insert_with(|| PathSeries {
             latency: Series::named(m.op.clone()),
             requests: Vec::new(),
@@ -242,6 +245,32 @@ pub async fn measure(
         }
     }
     Ok(ordered)
+}
+
+/// Prints one operation's requests on its path, in order of their start
+/// (`SANDBOXD_BENCH_TRACE_PATHS=1`): which request made a path long.
+fn trace(m: &Measured, on_path: &[&RequestRecord]) {
+    let mut ordered = on_path.to_vec();
+    ordered.sort_by_key(|r| r.start);
+    let ms = |at: Instant| at.saturating_duration_since(m.start).as_millis();
+    eprintln!(
+        "trace {} {} ({} ms, {} sequential):",
+        m.op,
+        m.sandbox,
+        m.end.duration_since(m.start).as_millis(),
+        testkit::storage::sequential(&ordered)
+    );
+    for r in ordered {
+        eprintln!(
+            "  {:>5}-{:<5} {:<10} {:<6} {} {}",
+            ms(r.start),
+            ms(r.end),
+            r.instance,
+            r.method,
+            r.status,
+            r.object
+        );
+    }
 }
 
 /// The requests of `window` that belong to the operation (module docs).
