@@ -15,6 +15,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
+use crate::api::admission::Admission;
 use crate::runtime::GvisorRuntime;
 use crate::workspace::WorkspaceHooks;
 
@@ -49,6 +50,11 @@ pub fn registry(
 /// Adds the warm pool's series (`sandboxd_warm_pool_*`) of `runtime`.
 pub fn register_warm_pool(registry: &mut Registry, runtime: &Arc<GvisorRuntime>) {
     registry.register_collector(Box::new(WarmPool(Arc::downgrade(runtime))));
+}
+
+/// Adds the memory ledger's series (`sandboxd_memory_*`, `sandboxd_admission_*`).
+pub fn register_admission(registry: &mut Registry, admission: &Arc<Admission>) {
+    registry.register_collector(Box::new(Headroom(Arc::downgrade(admission))));
 }
 
 /// The registry's series as OpenMetrics text.
@@ -260,6 +266,64 @@ impl Collector for WarmPool {
             counter_family(&mut encoder, name, help, "", &[(None, value)])?;
         }
         Ok(())
+    }
+}
+
+/// The memory ledger (`api/admission`): capacity, what is committed, the
+/// headroom, and what admission did.
+#[derive(Debug)]
+struct Headroom(std::sync::Weak<Admission>);
+
+impl Collector for Headroom {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(headroom) = self.0.upgrade().map(|admission| admission.headroom()) else {
+            return Ok(());
+        };
+        let gauges = [
+            (
+                "sandboxd_memory_capacity_bytes",
+                "Memory sandboxes and the warm pool may commit (the instance's memory minus the reserve).",
+                headroom.capacity_bytes,
+            ),
+            (
+                "sandboxd_memory_committed_bytes",
+                "Memory committed: each sandbox's limit, and what the warm pool uses.",
+                headroom.committed_bytes,
+            ),
+            (
+                "sandboxd_memory_free_bytes",
+                "Capacity not committed (the headroom).",
+                headroom.free_bytes,
+            ),
+            (
+                "sandboxd_sandbox_memory_limit_bytes",
+                "What one sandbox commits (its memory limit).",
+                headroom.sandbox_bytes,
+            ),
+            (
+                "sandboxd_admission_evicting",
+                "Idle sandboxes asked to leave to make room, not gone yet.",
+                headroom.evicting as u64,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        counter_family(
+            &mut encoder,
+            "sandboxd_admission_refusals",
+            "Starts refused because the instance was at capacity.",
+            "",
+            &[(None, headroom.refusals)],
+        )?;
+        counter_family(
+            &mut encoder,
+            "sandboxd_admission_evictions",
+            "Idle sandboxes checkpointed and released to make room.",
+            "",
+            &[(None, headroom.evictions)],
+        )
     }
 }
 

@@ -25,6 +25,7 @@ use controllers::sandboxes::{
 use tokio::sync::broadcast;
 use tracing::Instrument;
 
+use super::admission::{AtCapacity, Claim};
 use super::events::{NotStarted, await_running};
 use super::live::{LiveSandbox, SandboxOptions};
 use super::output::ExecutionState;
@@ -153,6 +154,16 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         },
         None => None,
     };
+    // Its memory is claimed before anything is recorded: a create that
+    // does not fit (after the warm pool and idle sandboxes made what room
+    // they could) is refused with nothing to undo.
+    let claim = match admit(&state, &id).await {
+        Ok(claim) => claim,
+        Err(refusal) => {
+            state.live.detach(&live, attachment);
+            return fail(format!("Failed to create gVisor container: {refusal}")).await;
+        }
+    };
     let mut progress = controller.subscribe(&id);
     let recorded = match &source {
         Some((source, point)) => controller
@@ -183,6 +194,8 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     state
         .live
         .started(&live, SandboxOptions::of(&metadata), &controller);
+    // Held here now: the hold counts it.
+    drop(claim);
     if source.is_some() {
         // A checkpoint taken with a kept execution resumes it in the fork.
         adopt_resumed_execution(&live, &controller, &id);
@@ -208,6 +221,17 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         state, controller, id, owner, out, stream, live, attachment, progress,
     )
     .await;
+}
+
+/// Admits `sandbox` to start here (`None`: admission is off).
+pub(super) async fn admit(
+    state: &AppState,
+    sandbox: &SandboxId,
+) -> Result<Option<Claim>, AtCapacity> {
+    match &state.admission {
+        Some(admission) => admission.admit(sandbox).await.map(Some),
+        None => Ok(None),
+    }
 }
 
 /// Where a create finds snapshot `name`: deployment-wide when snapshots are
@@ -508,6 +532,8 @@ pub(super) enum RestoreRefused {
     /// It runs here and a named checkpoint was asked for.
     RunningHere,
     CheckpointingDisabled,
+    /// This instance has no room for it.
+    AtCapacity(AtCapacity),
     /// The intent could not be written.
     Request(ControlError),
     NotStarted(NotStarted),
@@ -523,6 +549,7 @@ impl RestoreRefused {
                 failed(&"it is running; checkpoint it before restoring a named checkpoint")
             }
             Self::CheckpointingDisabled => failed(&"checkpointing is not enabled on this server"),
+            Self::AtCapacity(refusal) => failed(refusal),
             Self::Request(err) => failed(err),
             Self::NotStarted(not_started) => not_started.restore_message(id),
         }
@@ -549,6 +576,8 @@ pub(super) async fn restore(
         return Err(RestoreRefused::CheckpointingDisabled);
     }
     out.status(Status::Restoring).await;
+    // Claimed until it runs here (then its hold counts it).
+    let _claim = admit(state, id).await.map_err(RestoreRefused::AtCapacity)?;
     controller
         .request_here_from(read, checkpoint, chrono::Utc::now())
         .await

@@ -129,6 +129,16 @@ pub async fn execute(
         }
     };
     let id = SandboxId::from_u128(uuid::Uuid::new_v4().as_u128());
+    // The one-shot sandbox claims its memory until it is destroyed.
+    let claim = match super::connect::admit(&state, &id).await {
+        Ok(claim) => claim,
+        Err(refusal) => {
+            return detail(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("Failed to create a sandbox: {refusal}"),
+            );
+        }
+    };
     if let Err(err) = runtime.create(&id, &CreateOptions::default()).await {
         tracing::error!(sandbox = %id, %err, "execute: cannot create a sandbox");
         return detail(
@@ -139,6 +149,7 @@ pub async fn execute(
     let sandbox = Disposable {
         runtime: Arc::clone(&runtime),
         id: Some(id.clone()),
+        claim,
     };
     let execution = match runtime.exec(&id, ExecRequest::new(command)).await {
         Ok(execution) => execution,
@@ -163,12 +174,15 @@ pub async fn execute(
 struct Disposable {
     runtime: Arc<dyn SandboxRuntime>,
     id: Option<SandboxId>,
+    /// Its memory in the admission ledger, released once it is destroyed.
+    claim: Option<super::admission::Claim>,
 }
 
 impl Drop for Disposable {
     fn drop(&mut self) {
         let Some(id) = self.id.take() else { return };
         let runtime = Arc::clone(&self.runtime);
+        let claim = self.claim.take();
         let Ok(handle) = tokio::runtime::Handle::try_current() else {
             tracing::warn!(sandbox = %id, "execute: no runtime left to destroy the sandbox");
             return;
@@ -177,6 +191,7 @@ impl Drop for Disposable {
             if let Err(err) = runtime.destroy(&id).await {
                 tracing::warn!(sandbox = %id, %err, "execute: destroying the sandbox failed");
             }
+            drop(claim);
         });
     }
 }

@@ -148,6 +148,18 @@ impl LiveSandbox {
     pub fn is_attached_by(&self, attachment: u64) -> bool {
         self.inner().attached == Some(attachment)
     }
+
+    /// The sandbox as admission's eviction sees it; `None` until it runs here.
+    pub fn candidate(&self) -> Option<crate::api::admission::Candidate> {
+        let inner = self.inner();
+        inner.started.then(|| crate::api::admission::Candidate {
+            id: self.id.clone(),
+            attached: inner.attached.is_some(),
+            executing: inner.execution.as_ref().is_some_and(|e| e.is_running()),
+            checkpointable: inner.options.enable_checkpoint,
+            last_activity: inner.last_activity,
+        })
+    }
 }
 
 /// Every sandbox served here, by id.

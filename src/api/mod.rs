@@ -3,6 +3,7 @@
 //! This layer writes intents and waits for the controller; it never creates,
 //! checkpoints or restores a sandbox by itself.
 
+pub mod admission;
 pub mod connect;
 pub mod events;
 pub mod execute;

@@ -35,6 +35,9 @@ pub struct AppState {
     pub metrics: Arc<prometheus_client::registry::Registry>,
     /// What one `POST /execute` may print and how long it may run.
     pub execute: crate::api::execute::ExecuteLimits,
+    /// The memory ledger every start passes (`None`: admission is off, as
+    /// with no per-sandbox memory limit).
+    pub admission: Option<Arc<crate::api::admission::Admission>>,
 }
 
 /// What this server can do, as the init message's checks see it.

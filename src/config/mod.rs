@@ -17,12 +17,14 @@ use std::net::{Ipv4Addr, SocketAddr};
 
 use clap::{Args, ValueEnum};
 
+mod admission;
 mod control;
 mod network;
 mod runtime;
 mod storage;
 mod workspace;
 
+pub use admission::{AdmissionArgs, CapacityError};
 pub use control::{ControlArgs, HandoffArg, LeaseSettingsError};
 pub use network::{NetnsWorkaroundArg, NetworkArgs};
 pub use runtime::RuntimeArgs;
@@ -89,6 +91,8 @@ pub struct ServeArgs {
     pub network: NetworkArgs,
     #[command(flatten)]
     pub control: ControlArgs,
+    #[command(flatten)]
+    pub admission: AdmissionArgs,
     #[command(flatten)]
     pub workspace: WorkspaceArgs,
     #[command(flatten)]

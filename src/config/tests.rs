@@ -120,6 +120,10 @@ fn numeric_flags_out_of_range_are_refused_when_parsed() {
         ("--workspace-max-file-mb", "18446744073709551615"),
         ("--workspace-sync-timeout-s", "0"),
         ("--runsc-timeout-s", "18446744073709551615"),
+        ("--memory-capacity-mb", "0"),
+        ("--memory-capacity-mb", "18446744073709551615"),
+        ("--memory-reserve-mb", "18446744073709551615"),
+        ("--admission-wait-s", "18446744073709551615"),
     ] {
         let err = Cli::try_parse_from(["sandboxd".to_owned(), format!("{flag}={value}")])
             .err()
@@ -130,4 +134,25 @@ fn numeric_flags_out_of_range_are_refused_when_parsed() {
     let args = parse(&["--lease-duration-s", "3600", "--sandbox-cpus", "0.5"]);
     assert_eq!(args.control.lease_duration_s, 3600);
     assert!(args.control.lease().duration > chrono::Duration::zero());
+}
+
+/// Admission's capacity is the flag minus the reserve; settings that leave
+/// no room for one sandbox are an error naming the flags; no per-sandbox
+/// limit turns admission off.
+#[test]
+fn admission_settings_come_from_the_capacity_minus_the_reserve() {
+    let args = parse(&["--memory-capacity-mb", "4608", "--memory-reserve-mb", "512"]);
+    let settings = args.admission.settings(2048, 2).unwrap().unwrap();
+    assert_eq!(settings.capacity_bytes, 4096 << 20);
+    assert_eq!(settings.sandbox_bytes, 2048 << 20);
+    assert_eq!(settings.wait, std::time::Duration::from_secs(30));
+    let err = args.admission.settings(8192, 2).unwrap_err().to_string();
+    assert!(
+        err.contains("--memory-reserve-mb") && err.contains("--sandbox-memory-mb 8192"),
+        "{err}"
+    );
+    assert!(args.admission.settings(0, 2).unwrap().is_none());
+    // Unset: detected from this machine (a cgroup limit or MemTotal).
+    let detected = parse(&[]).admission.settings(1, 0).unwrap().unwrap();
+    assert!(detected.capacity_bytes > 0);
 }

@@ -120,5 +120,10 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
         max_output_bytes: args.execute_max_output_bytes,
         timeout: Duration::from_secs(args.execute_timeout_s),
     };
+    if gvisor.is_some() {
+        parts.admission = args
+            .admission
+            .settings(args.runtime.sandbox_memory_mb, args.runtime.warm_pool)?;
+    }
     Ok(Booted { parts, gvisor })
 }

@@ -79,6 +79,9 @@ pub struct Parts {
     pub warm_pool: Option<Arc<crate::runtime::GvisorRuntime>>,
     /// What one `POST /execute` may print and how long it may run.
     pub execute: crate::api::execute::ExecuteLimits,
+    /// The instance's memory capacity and each sandbox's share (`None`:
+    /// no admission; the binary always sets it, see `boot.rs`).
+    pub admission: Option<crate::api::admission::AdmissionSettings>,
 }
 
 impl Parts {
@@ -108,6 +111,7 @@ impl Parts {
             shutdown_grace: Duration::from_secs(10),
             warm_pool: None,
             execute: crate::api::execute::ExecuteLimits::default(),
+            admission: None,
         }
     }
 }
@@ -147,18 +151,38 @@ impl Server {
         if let Some(runtime) = &parts.warm_pool {
             crate::metrics::register_warm_pool(&mut metrics, runtime);
         }
+        let live: Arc<crate::api::live::LiveSandboxes> = Arc::default();
+        let admission = match (parts.admission, &controller) {
+            (Some(settings), Some(controller)) => {
+                let residents = crate::api::admission::LocalResidents {
+                    controller: Arc::clone(controller),
+                    live: Arc::clone(&live),
+                };
+                let pool = parts
+                    .warm_pool
+                    .clone()
+                    .map(|runtime| runtime as Arc<dyn crate::api::admission::WarmPoolControl>);
+                let admission =
+                    crate::api::admission::Admission::new(settings, Arc::new(residents), pool);
+                admission.spawn_pool_governor();
+                crate::metrics::register_admission(&mut metrics, &admission);
+                Some(admission)
+            }
+            _ => None,
+        };
         let state = AppState {
             instance: parts.instance,
             metadata_store: parts.metadata_store,
             images: parts.runtime.as_ref().and(parts.images),
             runtime: parts.runtime,
             controller,
-            live: Arc::default(),
+            live,
             features: parts.features,
             store_operations,
             workspace_hooks: parts.workspace_hooks,
             metrics: Arc::new(metrics),
             execute: parts.execute,
+            admission,
         };
         Self {
             state,

@@ -122,6 +122,20 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     }
 }
 
+/// The memory ledger as `/readyz` shows it: capacity, committed, free.
+fn headroom(headroom: &crate::api::admission::Headroom) -> serde_json::Value {
+    json!({
+        "capacity_bytes": headroom.capacity_bytes,
+        "committed_bytes": headroom.committed_bytes,
+        "free_bytes": headroom.free_bytes,
+        "sandbox_limit_bytes": headroom.sandbox_bytes,
+        "sandboxes": headroom.sandboxes,
+        "warm_pool_bytes": headroom.warm_pool_bytes,
+        "evicting": headroom.evicting,
+        "sandboxes_that_fit": headroom.free_bytes.checked_div(headroom.sandbox_bytes).unwrap_or(0),
+    })
+}
+
 /// Ready when the sandbox runtime works and the metadata store answers a listing.
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     if state.runtime.is_none() {
@@ -133,10 +147,13 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
         );
     }
     match state.metadata_store.list_page(SANDBOXES_PREFIX, None).await {
-        Ok(_) => (
-            StatusCode::OK,
-            Json(json!({"status": "ready", "instance": state.instance})),
-        ),
+        Ok(_) => {
+            let mut body = json!({"status": "ready", "instance": state.instance});
+            if let Some(admission) = &state.admission {
+                body["memory"] = headroom(&admission.headroom());
+            }
+            (StatusCode::OK, Json(body))
+        }
         Err(err) => {
             tracing::warn!(%err, "readiness probe: metadata store unavailable");
             (

@@ -1,0 +1,175 @@
+//! Admission against real `runsc` (issue 25): an instance with room for two
+//! sandboxes. A third create evicts the least recently used idle sandbox
+//! (checkpointed and released by the reconcile loop) and runs; with every
+//! sandbox attached, a create and a restore are refused with a status that
+//! names capacity; the evicted sandbox restores with its state once a
+//! client leaves another. Without runsc or the default image this fails,
+//! it never skips.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests fail by panicking"
+)]
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use controllers::api::{DesiredState, Phase, SandboxId};
+use controllers::store::Store;
+use sandboxd::api::admission::AdmissionSettings;
+use sandboxd::store::LocalStore;
+use serde_json::{Value, json};
+use support::ws::{Server, Ws};
+
+/// The tests' runtime gives each sandbox 1 GiB (`support::runtime_with_images`).
+const SANDBOX: u64 = 1 << 30;
+
+async fn server_with_room_for_two() -> (Server, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn Store> = Arc::new(LocalStore::open(dir.path().join("store")).unwrap());
+    let server = Server::sharing("instance-a", store, |parts| {
+        parts.admission = Some(AdmissionSettings {
+            capacity_bytes: 2 * SANDBOX,
+            sandbox_bytes: SANDBOX,
+            // A checkpoint on a loaded 2-core machine can take seconds.
+            wait: Duration::from_secs(60),
+            warm_pool: 0,
+        });
+    })
+    .await;
+    (server, dir)
+}
+
+fn init() -> Value {
+    json!({"enable_checkpoint": true, "idle_timeout": 600})
+}
+
+async fn session(ws: &mut Ws, code: &str) -> Vec<String> {
+    ws.send(json!({"language": "python", "code": code, "session": true}))
+        .await;
+    support::ws::merge_chunks(ws.until_status("SANDBOX_EXECUTION_DONE").await)
+}
+
+/// Closes the client's socket and waits until the server sees it gone.
+async fn leave(server: &Server, ws: Ws, id: &str) {
+    ws.close_now().await;
+    let id = SandboxId::parse(id).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server
+        .state
+        .live
+        .get(&id)
+        .is_some_and(|live| live.is_attached())
+    {
+        assert!(Instant::now() < deadline, "the session never ended");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn metadata(server: &Server, id: &str) -> controllers::api::SandboxMetadata {
+    let controller = server.state.controller.as_ref().unwrap();
+    controller
+        .read(&SandboxId::parse(id).unwrap())
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+async fn get_json(url: &str) -> Value {
+    reqwest::get(url).await.unwrap().json().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_instance_evicts_its_least_recently_used_idle_sandbox_and_refuses_when_none_is_idle()
+{
+    let (server, _dir) = server_with_room_for_two().await;
+
+    // A: state in its Python session, then its client leaves.
+    let (mut a, a_id, a_token) = server.create(init()).await;
+    assert!(
+        session(&mut a, "x = 41")
+            .await
+            .contains(&"SANDBOX_EXECUTION_DONE".to_owned())
+    );
+    leave(&server, a, &a_id).await;
+    // B: attached throughout. The instance is now full.
+    let (b, _b_id, _) = server.create(init()).await;
+    let ready = get_json(&format!("http://{}/readyz", server.addr)).await;
+    assert_eq!(ready["memory"]["free_bytes"], 0, "{ready}");
+    assert_eq!(ready["memory"]["capacity_bytes"], 2 * SANDBOX, "{ready}");
+
+    // C fits only once A, idle, was checkpointed and released.
+    let (mut c, c_id, c_token) = server.create(init()).await;
+    let evicted = metadata(&server, &a_id).await;
+    assert_eq!(evicted.spec.desired_state, DesiredState::Checkpointed);
+    assert_eq!(evicted.status.phase, Phase::Checkpointed);
+    assert!(evicted.status.latest_checkpoint.is_some());
+    assert!(
+        !server
+            .state
+            .controller
+            .as_ref()
+            .unwrap()
+            .is_held_here(&SandboxId::parse(&a_id).unwrap())
+    );
+    assert_eq!(session(&mut c, "print(2 + 2)").await[1], "stdout:4\n");
+
+    // B and C attached: nothing to evict. A create is refused, naming capacity.
+    let mut d = server.connect("/create").await;
+    d.send(init()).await;
+    let frames = d.until_close().await;
+    assert_eq!(frames[0], "SANDBOX_CREATING", "{frames:?}");
+    assert_eq!(frames[1], "SANDBOX_CREATION_ERROR", "{frames:?}");
+    assert!(frames[2].contains("at capacity"), "{frames:?}");
+    assert_eq!(frames.last().unwrap(), "close:4000", "{frames:?}");
+    // So is the restore of A.
+    let mut refused = server.attach(&a_id, &a_token).await;
+    let frames = refused.until_close().await;
+    assert_eq!(frames[0], "SANDBOX_RESTORING", "{frames:?}");
+    assert_eq!(frames[1], "SANDBOX_RESTORE_ERROR", "{frames:?}");
+    assert!(frames[2].contains("at capacity"), "{frames:?}");
+    assert_eq!(frames.last().unwrap(), "close:4000", "{frames:?}");
+    assert_eq!(
+        metadata(&server, &a_id).await.status.phase,
+        Phase::Checkpointed,
+        "a refused restore changes nothing"
+    );
+
+    // C's client leaves: A's restore evicts C and A comes back with its state.
+    leave(&server, c, &c_id).await;
+    let mut a = server.attach(&a_id, &a_token).await;
+    let frames = a.until_status("SANDBOX_RUNNING").await;
+    assert_eq!(frames[0], "SANDBOX_RESTORING", "{frames:?}");
+    assert_eq!(session(&mut a, "print(x + 1)").await[1], "stdout:42\n");
+    assert_eq!(
+        metadata(&server, &c_id).await.status.phase,
+        Phase::Checkpointed
+    );
+    let metrics = reqwest::get(format!("http://{}/metrics", server.addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for series in [
+        "sandboxd_admission_evictions_total 2",
+        "sandboxd_admission_refusals_total 2",
+        "sandboxd_memory_free_bytes 0",
+    ] {
+        assert!(metrics.contains(series), "{series} missing in:\n{metrics}");
+    }
+
+    // Sandboxes that are deleted free their room for the next start.
+    for mut ws in [a, b] {
+        ws.send(json!({"action": "kill_sandbox"})).await;
+        ws.until_close().await;
+    }
+    let mut c = server.attach(&c_id, &c_token).await;
+    c.until_status("SANDBOX_RUNNING").await;
+    assert_eq!(session(&mut c, "print('back')").await[1], "stdout:back\n");
+    c.send(json!({"action": "kill_sandbox"})).await;
+    c.until_close().await;
+}
