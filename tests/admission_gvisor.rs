@@ -173,3 +173,80 @@ async fn a_full_instance_evicts_its_least_recently_used_idle_sandbox_and_refuses
     c.send(json!({"action": "kill_sandbox"})).await;
     c.until_close().await;
 }
+
+/// Forks, named checkpoints and `POST /execute` have caps of their own,
+/// each refused with a message naming its flag, and a freed slot works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forks_named_checkpoints_and_executes_have_caps_of_their_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn Store> = Arc::new(LocalStore::open(dir.path().join("store")).unwrap());
+    let server = Server::sharing("instance-b", store, |parts| {
+        parts.limits = sandboxd::api::limits::LimitSettings {
+            max_concurrent_executes: 1,
+            max_concurrent_forks: 1,
+        };
+        parts.features.max_named_checkpoints = 1;
+    })
+    .await;
+
+    // One named checkpoint allowed: a second name is refused, the socket
+    // stays, and the first name can be taken again.
+    let (mut ws, id, token) = server.create(init()).await;
+    session(&mut ws, "y = 7").await;
+    ws.send(json!({"action": "checkpoint", "name": "first"}))
+        .await;
+    assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
+    let mut ws = server.attach(&id, &token).await;
+    ws.until_status("SANDBOX_RUNNING").await;
+    ws.send(json!({"action": "checkpoint", "name": "second"}))
+        .await;
+    let frames = ws.until_status("SANDBOX_CHECKPOINT_ERROR").await;
+    assert_eq!(
+        frames.last().unwrap(),
+        "SANDBOX_CHECKPOINT_ERROR",
+        "{frames:?}"
+    );
+    let error = ws.next().await;
+    assert!(error.contains("--max-named-checkpoints 1"), "{error}");
+    ws.send(json!({"action": "checkpoint", "name": "first"}))
+        .await;
+    assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
+
+    // The one fork slot taken: a fork is refused naming the cap; freed, it runs.
+    let fork_init = json!({"from_checkpoint": {"sandbox_id": id, "sandbox_token": token}});
+    let slot = server.state.limits.fork_slot().unwrap();
+    let mut fork = server.connect("/create").await;
+    fork.send(fork_init.clone()).await;
+    let frames = fork.until_close().await;
+    assert_eq!(frames[1], "SANDBOX_CREATION_ERROR", "{frames:?}");
+    assert!(frames[2].contains("--max-concurrent-forks"), "{frames:?}");
+    assert_eq!(frames.last().unwrap(), "close:4000", "{frames:?}");
+    drop(slot);
+    let (mut fork, _, _) = server.create(fork_init).await;
+    assert_eq!(session(&mut fork, "print(y)").await[1], "stdout:7\n");
+    fork.send(json!({"action": "kill_sandbox"})).await;
+    fork.until_close().await;
+
+    // The one `/execute` slot taken: 429 naming the cap; freed, it runs.
+    let execute = || {
+        reqwest::Client::new()
+            .post(format!("http://{}/execute?language=bash", server.addr))
+            .body("echo hi")
+            .send()
+    };
+    let slot = server.state.limits.execute_slot().unwrap();
+    let refused = execute().await.unwrap();
+    assert_eq!(refused.status(), 429);
+    let body: Value = refused.json().await.unwrap();
+    assert!(
+        body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("--max-concurrent-executes"),
+        "{body}"
+    );
+    drop(slot);
+    let ran = execute().await.unwrap();
+    assert_eq!(ran.status(), 200);
+    assert_eq!(ran.text().await.unwrap(), "hi\n");
+}

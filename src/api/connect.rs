@@ -154,6 +154,15 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         },
         None => None,
     };
+    // A fork holds a slot of its own until it runs (or fails).
+    let fork_slot = match source.as_ref().map(|_| state.limits.fork_slot()) {
+        Some(Err(busy)) => {
+            state.live.detach(&live, attachment);
+            return fail(format!("Failed to fork: {busy}")).await;
+        }
+        Some(Ok(slot)) => Some(slot),
+        None => None,
+    };
     // Its memory is claimed before anything is recorded: a create that
     // does not fit (after the warm pool and idle sandboxes made what room
     // they could) is refused with nothing to undo.
@@ -195,7 +204,7 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         .live
         .started(&live, SandboxOptions::of(&metadata), &controller);
     // Held here now: the hold counts it.
-    drop(claim);
+    drop((claim, fork_slot));
     if source.is_some() {
         // A checkpoint taken with a kept execution resumes it in the fork.
         adopt_resumed_execution(&live, &controller, &id);

@@ -128,6 +128,17 @@ pub async fn execute(
             );
         }
     };
+    let slot = match state.limits.execute_slot() {
+        Ok(slot) => slot,
+        Err(busy) => {
+            return (
+                StatusCode::TOO_MANY_REQUESTS,
+                [(header::RETRY_AFTER, "1")],
+                Json(json!({"detail": busy.to_string()})),
+            )
+                .into_response();
+        }
+    };
     let id = SandboxId::from_u128(uuid::Uuid::new_v4().as_u128());
     // The one-shot sandbox claims its memory until it is destroyed.
     let claim = match super::connect::admit(&state, &id).await {
@@ -150,6 +161,7 @@ pub async fn execute(
         runtime: Arc::clone(&runtime),
         id: Some(id.clone()),
         claim,
+        slot: Some(slot),
     };
     let execution = match runtime.exec(&id, ExecRequest::new(command)).await {
         Ok(execution) => execution,
@@ -176,13 +188,15 @@ struct Disposable {
     id: Option<SandboxId>,
     /// Its memory in the admission ledger, released once it is destroyed.
     claim: Option<super::admission::Claim>,
+    /// Its `--max-concurrent-executes` slot, released with the claim.
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Drop for Disposable {
     fn drop(&mut self) {
         let Some(id) = self.id.take() else { return };
         let runtime = Arc::clone(&self.runtime);
-        let claim = self.claim.take();
+        let claim = (self.claim.take(), self.slot.take());
         let Ok(handle) = tokio::runtime::Handle::try_current() else {
             tracing::warn!(sandbox = %id, "execute: no runtime left to destroy the sandbox");
             return;

@@ -8,6 +8,7 @@ pub mod connect;
 pub mod events;
 pub mod execute;
 pub mod files;
+pub mod limits;
 pub mod live;
 pub mod output;
 pub mod protocol;

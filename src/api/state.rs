@@ -38,7 +38,12 @@ pub struct AppState {
     /// The memory ledger every start passes (`None`: admission is off, as
     /// with no per-sandbox memory limit).
     pub admission: Option<Arc<crate::api::admission::Admission>>,
+    /// The concurrency caps of forks and `POST /execute`.
+    pub limits: Arc<crate::api::limits::Limits>,
 }
+
+/// Default of `--max-named-checkpoints`.
+pub const DEFAULT_MAX_NAMED_CHECKPOINTS: usize = 32;
 
 /// What this server can do, as the init message's checks see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +55,8 @@ pub struct Features {
     /// Snapshot names are deployment-wide and need no owner's proof
     /// (`SANDBOXD_SHARED_SNAPSHOTS`, for a single team; docs/security.md).
     pub shared_snapshots: bool,
+    /// Named checkpoints one sandbox may keep (`--max-named-checkpoints`).
+    pub max_named_checkpoints: usize,
 }
 
 impl Default for Features {
@@ -61,6 +68,7 @@ impl Default for Features {
             snapshot: true,
             network_egress: false,
             shared_snapshots: false,
+            max_named_checkpoints: DEFAULT_MAX_NAMED_CHECKPOINTS,
         }
     }
 }

@@ -23,6 +23,18 @@ pub struct AdmissionArgs {
     /// refused.
     #[arg(long, env = "SANDBOXD_ADMISSION_WAIT_S", value_parser = clap::value_parser!(u64).range(0..=600), default_value_t = 30)]
     pub admission_wait_s: u64,
+    /// `POST /execute` requests served at once (each boots a one-shot
+    /// sandbox); more are refused with 429.
+    #[arg(long, env = "SANDBOXD_MAX_CONCURRENT_EXECUTES", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096), default_value_t = crate::api::limits::DEFAULT_MAX_CONCURRENT_EXECUTES)]
+    pub max_concurrent_executes: usize,
+    /// Forks starting at once (each copies a checkpoint and restores it);
+    /// more are refused with `SANDBOX_CREATION_ERROR`.
+    #[arg(long, env = "SANDBOXD_MAX_CONCURRENT_FORKS", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024), default_value_t = crate::api::limits::DEFAULT_MAX_CONCURRENT_FORKS)]
+    pub max_concurrent_forks: usize,
+    /// Named checkpoints one sandbox may keep; a checkpoint under a new name
+    /// beyond it is refused (`SANDBOX_CHECKPOINT_ERROR`), reusing a name works.
+    #[arg(long, env = "SANDBOXD_MAX_NAMED_CHECKPOINTS", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=10_000), default_value_t = crate::api::state::DEFAULT_MAX_NAMED_CHECKPOINTS)]
+    pub max_named_checkpoints: usize,
 }
 
 /// Settings that cannot admit anything.
@@ -39,6 +51,14 @@ pub struct CapacityError {
 }
 
 impl AdmissionArgs {
+    /// The concurrency caps.
+    pub fn limits(&self) -> crate::api::limits::LimitSettings {
+        crate::api::limits::LimitSettings {
+            max_concurrent_executes: self.max_concurrent_executes,
+            max_concurrent_forks: self.max_concurrent_forks,
+        }
+    }
+
     /// The ledger's settings for sandboxes of `sandbox_mb` each (0: no
     /// limit, so nothing to count: admission is off, logged) and a warm
     /// pool of `warm_pool`.

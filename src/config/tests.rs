@@ -124,6 +124,9 @@ fn numeric_flags_out_of_range_are_refused_when_parsed() {
         ("--memory-capacity-mb", "18446744073709551615"),
         ("--memory-reserve-mb", "18446744073709551615"),
         ("--admission-wait-s", "18446744073709551615"),
+        ("--max-concurrent-executes", "0"),
+        ("--max-concurrent-forks", "0"),
+        ("--max-named-checkpoints", "18446744073709551615"),
     ] {
         let err = Cli::try_parse_from(["sandboxd".to_owned(), format!("{flag}={value}")])
             .err()

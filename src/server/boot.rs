@@ -110,6 +110,7 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
     parts.features = Features {
         network_egress: network.is_some() && gvisor.is_some(),
         shared_snapshots: args.shared_snapshots,
+        max_named_checkpoints: args.admission.max_named_checkpoints,
         ..Features::default()
     };
     parts.store_operations = store_operations;
@@ -120,6 +121,7 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
         max_output_bytes: args.execute_max_output_bytes,
         timeout: Duration::from_secs(args.execute_timeout_s),
     };
+    parts.limits = args.admission.limits();
     if gvisor.is_some() {
         parts.admission = args
             .admission

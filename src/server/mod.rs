@@ -82,6 +82,8 @@ pub struct Parts {
     /// The instance's memory capacity and each sandbox's share (`None`:
     /// no admission; the binary always sets it, see `boot.rs`).
     pub admission: Option<crate::api::admission::AdmissionSettings>,
+    /// The concurrency caps of forks and `POST /execute`.
+    pub limits: crate::api::limits::LimitSettings,
 }
 
 impl Parts {
@@ -112,6 +114,7 @@ impl Parts {
             warm_pool: None,
             execute: crate::api::execute::ExecuteLimits::default(),
             admission: None,
+            limits: crate::api::limits::LimitSettings::default(),
         }
     }
 }
@@ -183,6 +186,7 @@ impl Server {
             metrics: Arc::new(metrics),
             execute: parts.execute,
             admission,
+            limits: Arc::new(crate::api::limits::Limits::new(parts.limits)),
         };
         Self {
             state,

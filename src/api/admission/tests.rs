@@ -154,7 +154,7 @@ async fn the_warm_pool_shrinks_before_any_sandbox_is_evicted() {
     *pool.sizes.lock().unwrap() = (2, 2);
     // Room for two sandboxes and one warm one.
     let admission = admission(&residents, Some(Arc::clone(&pool)), 2048 + 30, LONG);
-    let _claim = admission
+    let claim = admission
         .admit(&id(10))
         .await
         .expect("fits once the pool shrinks");
@@ -165,7 +165,7 @@ async fn the_warm_pool_shrinks_before_any_sandbox_is_evicted() {
     admission.fit_warm_pool();
     assert_eq!(pool.stats().target, 1);
     residents.held.lock().unwrap().clear();
-    drop(_claim);
+    drop(claim);
     admission.fit_warm_pool();
     assert_eq!(pool.stats().target, 2);
 }

@@ -222,6 +222,12 @@ impl Session {
             out.error(Status::CheckpointError, &message).await;
             return;
         }
+        if let Some(name) = &name
+            && let Err(message) = self.named_checkpoint_room(name).await
+        {
+            out.error(Status::CheckpointError, &failed(message)).await;
+            return;
+        }
         self.pending.set_checkpoint(true);
         if let Err(err) = self
             .controller
@@ -233,6 +239,27 @@ impl Session {
                 .await;
             out.close(CLOSE_FATAL).await;
         }
+    }
+
+    /// A checkpoint under `name` is within the sandbox's
+    /// `--max-named-checkpoints` (reusing one of its names always is). A
+    /// metadata read that fails lets the request go on: the intent's own
+    /// write reports the store's error.
+    async fn named_checkpoint_room(&self, name: &str) -> Result<(), String> {
+        let Ok(Some(metadata)) = self.controller.read(&self.id).await else {
+            return Ok(());
+        };
+        let named = &metadata.status.named_checkpoints;
+        let most = self.features.max_named_checkpoints;
+        if named.contains_key(name) || named.len() < most {
+            return Ok(());
+        }
+        Err(format!(
+            "it has {} named checkpoints, the most allowed (--max-named-checkpoints {most}); \
+             reuse a name or delete one (sandboxctl checkpoints {} --delete NAME)",
+            named.len(),
+            self.id
+        ))
     }
 
     /// Saves a filesystem snapshot under its owner (the proof sent with
