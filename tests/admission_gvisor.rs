@@ -192,7 +192,12 @@ async fn forks_named_checkpoints_and_executes_have_caps_of_their_own() {
     // One named checkpoint allowed: a second name is refused, the socket
     // stays, and the first name can be taken again.
     let (mut ws, id, token) = server.create(init()).await;
-    session(&mut ws, "y = 7").await;
+    let frames = session(&mut ws, "y = 7").await;
+    assert_eq!(
+        frames.last().unwrap(),
+        "SANDBOX_EXECUTION_DONE",
+        "{frames:?}"
+    );
     ws.send(json!({"action": "checkpoint", "name": "first"}))
         .await;
     assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");

@@ -165,8 +165,9 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     };
     // Its memory is claimed before anything is recorded: a create that
     // does not fit (after the warm pool and idle sandboxes made what room
-    // they could) is refused with nothing to undo.
-    let claim = match admit(&state, &id).await {
+    // they could) is refused with nothing to undo. The socket is read
+    // meanwhile (evictions can take seconds).
+    let claim = match stream.while_waiting(admit(&state, &id)).await {
         Ok(claim) => claim,
         Err(refusal) => {
             state.live.detach(&live, attachment);
