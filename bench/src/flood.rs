@@ -51,8 +51,18 @@ pub async fn run(bench: &FloodBench) -> anyhow::Result<FloodFigures> {
         .parent()
         .context("the directory of sandboxd-bench")?
         .join("sandboxd");
+    // Every request must be served at once: the cap on concurrent
+    // `/execute` (16 by default) and admission's memory ledger (2 GiB a
+    // sandbox by default) are raised to let the whole flood in.
+    let concurrency = bench.concurrency.to_string();
     let server = Launch::new(binary, "flood", &bench.work_dir)
         .on_local_store()
+        .with_args(&[
+            "--max-concurrent-executes",
+            &concurrency,
+            "--sandbox-memory-mb",
+            "512",
+        ])
         .start()
         .await?;
     let pid = server.child.id();
