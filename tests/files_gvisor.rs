@@ -267,6 +267,7 @@ async fn a_100_mb_file_goes_up_and_comes_back_with_the_same_digest() {
     let frames = ws.exec("bash", "sha256sum /tmp/big.bin").await;
     assert!(stdout(&frames).starts_with(&digest), "{frames:?}");
 
+    let started = std::time::Instant::now();
     ws.send(json!({"action": "fs_download", "request_id": "down", "path": "/tmp/big.bin"}))
         .await;
     let head = ws.next_value().await;
@@ -285,8 +286,13 @@ async fn a_100_mb_file_goes_up_and_comes_back_with_the_same_digest() {
             other => panic!("{other:?}"),
         }
     };
+    let took = started.elapsed();
     assert_eq!(end["event"], "fs_result", "{end}");
     assert_eq!(received, data.len());
+    eprintln!(
+        "100 MB download: {took:?} ({:.0} MB/s, debug build)",
+        100.0 / took.as_secs_f64()
+    );
     assert_eq!(end["result"]["sha256"], hex::encode(hasher.finalize()));
     assert_eq!(end["result"]["sha256"], digest);
 

@@ -1,5 +1,5 @@
 //! Large files in pieces, with memory flat in the file's size: an upload is
-//! cut into [`CHUNK`]-byte agent chunks with at most [`WINDOW`] in flight
+//! cut into [`UPLOAD_CHUNK`]-byte agent chunks with at most [`WINDOW`] in flight
 //! (each answered, so a slow sandbox slows the sender down), and is renamed
 //! into place only once its size and SHA-256 are the announced ones; a
 //! download is [`WINDOW`] pipelined reads at offsets, each checked to come
@@ -16,9 +16,14 @@ use controllers::sandboxes::SandboxController;
 use futures::stream::{FuturesOrdered, StreamExt};
 use sha2::{Digest, Sha256};
 
-/// Bytes per agent chunk (base64 makes the agent's line a third larger).
+/// Bytes per agent read of a download (each becomes one binary frame).
 pub const CHUNK: usize = 1 << 20;
-/// Agent chunks in flight per transfer.
+/// Bytes per agent chunk of an upload: raw after their command line
+/// (decision 19), so larger chunks only save round trips; the agent takes
+/// up to 8 MiB.
+pub const UPLOAD_CHUNK: usize = 2 << 20;
+/// Agent chunks in flight per transfer (at most `WINDOW * UPLOAD_CHUNK`
+/// bytes of an upload wait for the sandbox).
 pub const WINDOW: usize = 4;
 
 /// A finished upload.
@@ -125,9 +130,31 @@ where
         )
     };
     let mut ended = false;
-    while !ended || !pending.is_empty() {
-        if !ended && pending.len() < CHUNK {
-            match chunks.next().await {
+    loop {
+        // Every whole piece goes out while the window has room (the last,
+        // shorter one once the client's bytes ended).
+        while in_flight.len() < WINDOW
+            && (pending.len() >= UPLOAD_CHUNK || (ended && !pending.is_empty()))
+        {
+            let piece = pending.split_to(pending.len().min(UPLOAD_CHUNK)).freeze();
+            in_flight.push_back(send(piece));
+        }
+        if ended && pending.is_empty() {
+            break;
+        }
+        if ended || in_flight.len() >= WINDOW {
+            if let Some(reply) = in_flight.next().await {
+                reply?;
+            }
+            continue;
+        }
+        // Read on while the chunks in flight are sent and answered (a
+        // request goes to the agent when first polled).
+        tokio::select! {
+            Some(reply) = in_flight.next(), if !in_flight.is_empty() => {
+                reply?;
+            }
+            item = chunks.next() => match item {
                 Some(Ok(data)) => {
                     total += data.len() as u64;
                     if target.size.is_some_and(|size| total > size) {
@@ -138,23 +165,12 @@ where
                     }
                     hasher.update(&data);
                     pending.extend_from_slice(&data);
-                    continue;
                 }
                 Some(Err(err)) => {
                     return Err(FsError::Invalid(format!("the upload broke off: {err}")));
                 }
                 None => ended = true,
-            }
-        }
-        let piece = pending.split_to(pending.len().min(CHUNK)).freeze();
-        if piece.is_empty() {
-            continue;
-        }
-        in_flight.push_back(send(piece));
-        if in_flight.len() >= WINDOW
-            && let Some(reply) = in_flight.next().await
-        {
-            reply?;
+            },
         }
     }
     while let Some(reply) = in_flight.next().await {
