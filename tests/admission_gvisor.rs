@@ -78,6 +78,23 @@ async fn metadata(server: &Server, id: &str) -> controllers::api::SandboxMetadat
         .unwrap()
 }
 
+/// Waits (60 s at most) until the warm pool's stats satisfy `done`.
+async fn pool_until(
+    runtime: &sandboxd::runtime::GvisorRuntime,
+    what: &str,
+    done: impl Fn(&sandboxd::runtime::WarmPoolStats) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let stats = runtime.warm_pool();
+        if done(&stats) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {stats:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn get_json(url: &str) -> Value {
     reqwest::get(url).await.unwrap().json().await.unwrap()
 }
@@ -254,4 +271,57 @@ async fn forks_named_checkpoints_and_executes_have_caps_of_their_own() {
     let ran = execute().await.unwrap();
     assert_eq!(ran.status(), 200);
     assert_eq!(ran.text().await.unwrap(), "hi\n");
+}
+
+/// The warm pool counts against capacity with the memory it uses and gives
+/// way first (issue 27): on room for one sandbox and one warm one, a create
+/// shrinks the pool instead of evicting or refusing, and the pool grows back
+/// into the room the sandbox frees when it goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_warm_pool_counts_against_capacity_and_gives_way_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn Store> = Arc::new(LocalStore::open(dir.path().join("store")).unwrap());
+    let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
+    let runtime = Arc::new(support::runtime_with_store(dir.path(), Arc::clone(&store)).await);
+    runtime.start_warm_pool(2);
+    let pool = Arc::clone(&runtime);
+    let server = support::server_counted(
+        "instance-c",
+        store,
+        Some(Arc::clone(&runtime) as Arc<dyn controllers::runtime::SandboxRuntime>),
+        Arc::default(),
+        |parts| {
+            parts.warm_pool = Some(pool);
+            parts.admission = Some(AdmissionSettings {
+                capacity_bytes: SANDBOX + (30 << 20),
+                sandbox_bytes: SANDBOX,
+                wait: Duration::from_secs(60),
+                warm_pool: 2,
+            });
+        },
+    );
+    let addr = support::serve(server).await;
+    pool_until(&runtime, "the pool fills", |stats| stats.ready == 2).await;
+    let ready = get_json(&format!("http://{addr}/readyz")).await;
+    let pool_bytes = ready["memory"]["warm_pool_bytes"].as_u64().unwrap();
+    assert!(pool_bytes > 0, "the pool's memory is counted: {ready}");
+    assert_eq!(ready["memory"]["committed_bytes"], pool_bytes, "{ready}");
+
+    // A sandbox fits only beside at most one warm sandbox: the pool shrinks.
+    let mut ws = Ws::connect(&format!("ws://{addr}/create")).await;
+    ws.send(init()).await;
+    let frames = ws.until_status("SANDBOX_RUNNING").await;
+    assert!(!frames.iter().any(|f| f.ends_with("_ERROR")), "{frames:?}");
+    let stats = runtime.warm_pool();
+    assert!(stats.target <= 1, "the pool gave way: {stats:?}");
+    let ready = get_json(&format!("http://{addr}/readyz")).await;
+    assert!(
+        ready["memory"]["committed_bytes"].as_u64().unwrap() <= SANDBOX + (30 << 20),
+        "{ready}"
+    );
+    // The sandbox goes: the pool grows back to its size.
+    ws.send(json!({"action": "kill_sandbox"})).await;
+    ws.until_close().await;
+    pool_until(&runtime, "the pool grows back", |stats| stats.target == 2).await;
+    runtime.settle().await;
 }

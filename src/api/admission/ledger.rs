@@ -33,14 +33,17 @@ pub struct PoolUsage {
     pub ready: usize,
     /// Their memory (0: unknown).
     pub bytes: u64,
+    /// What one used when last measured (0: never), for an empty pool.
+    pub measured_each: u64,
 }
 
 impl PoolUsage {
     /// What one warm sandbox uses, measured or estimated.
     pub fn per_sandbox(&self) -> u64 {
-        match (self.ready, self.bytes) {
-            (0, _) | (_, 0) => WARM_SANDBOX_ESTIMATE,
-            (ready, bytes) => (bytes / ready as u64).max(1),
+        match (self.ready, self.bytes, self.measured_each) {
+            (0, _, 0) | (_, 0, 0) => WARM_SANDBOX_ESTIMATE,
+            (0, _, measured) | (_, 0, measured) => measured,
+            (ready, bytes, _) => (bytes / ready as u64).max(1),
         }
     }
 
@@ -186,6 +189,7 @@ mod tests {
             pool: PoolUsage {
                 ready,
                 bytes: ready as u64 * 22 * MIB,
+                measured_each: 0,
             },
             evicting,
         }
@@ -198,7 +202,11 @@ mod tests {
         // A pool that cannot read its cgroups is counted at the estimate.
         let unknown = Usage {
             sandboxes: 0,
-            pool: PoolUsage { ready: 2, bytes: 0 },
+            pool: PoolUsage {
+                ready: 2,
+                bytes: 0,
+                measured_each: 0,
+            },
             evicting: 0,
         };
         assert_eq!(ledger.committed(&unknown), 2 * WARM_SANDBOX_ESTIMATE);
@@ -285,9 +293,17 @@ mod tests {
         let pool = PoolUsage {
             ready: 1,
             bytes: 22 * MIB,
+            measured_each: 0,
         };
         assert_eq!(ledger().pool_room(2, &pool), 0);
         assert_eq!(ledger().pool_room(1, &pool), 46);
+        // An empty pool is sized by what a warm sandbox used when measured.
+        let emptied = PoolUsage {
+            ready: 0,
+            bytes: 0,
+            measured_each: 22 * MIB,
+        };
+        assert_eq!(ledger().pool_room(1, &emptied), 46);
         assert_eq!(
             ledger().pool_room(0, &PoolUsage::default()),
             (2048 / 64) as usize

@@ -136,6 +136,8 @@ pub struct Admission {
     state: Mutex<State>,
     refusals: AtomicU64,
     evictions: AtomicU64,
+    /// What one warm sandbox used when last measured (sizes an empty pool).
+    warm_measured: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -195,6 +197,7 @@ impl Admission {
             state: Mutex::default(),
             refusals: AtomicU64::new(0),
             evictions: AtomicU64::new(0),
+            warm_measured: AtomicU64::new(0),
         })
     }
 
@@ -318,9 +321,14 @@ impl Admission {
             .saturating_add(state.claims.keys().filter(|id| !held.contains(*id)).count());
         let pool = self.pool.as_ref().map_or_else(PoolUsage::default, |pool| {
             let stats = pool.stats();
+            if stats.ready > 0 && stats.memory_bytes > 0 {
+                self.warm_measured
+                    .store(stats.memory_bytes / stats.ready as u64, Ordering::Relaxed);
+            }
             PoolUsage {
                 ready: stats.ready,
                 bytes: stats.memory_bytes,
+                measured_each: self.warm_measured.load(Ordering::Relaxed),
             }
         });
         let usage = Usage {
