@@ -281,6 +281,7 @@ impl SandboxController {
     ) -> Result<ReadMetadata, ControlError> {
         let store = self.reconciler.metadata_store();
         let key = metadata_key(sandbox);
+        let _turn = self.reconciler.metadata_write_turn(sandbox).await;
         let known = match read {
             Some((metadata, generation)) => Some(crate::store::Versioned {
                 data: encode(metadata),

@@ -310,6 +310,15 @@ impl Reconciler {
         self.known.get(sandbox)
     }
 
+    /// Waits for this instance's write of `sandbox`'s metadata in flight, if
+    /// any; hold the guard across a read-modify-write (see `primed.rs`).
+    pub async fn metadata_write_turn(
+        &self,
+        sandbox: &SandboxId,
+    ) -> tokio::sync::OwnedMutexGuard<()> {
+        self.known.write_turn(sandbox).await
+    }
+
     /// Remembers `metadata.json` as written at `generation` by an intent
     /// writer here.
     pub fn remember_metadata(
@@ -339,6 +348,7 @@ impl Reconciler {
         epoch: u64,
         mut change: impl FnMut(&mut SandboxStatus),
     ) -> Result<SandboxMetadata, ReconcileError> {
+        let _turn = self.known.write_turn(sandbox).await;
         let (written, generation) = fenced_update_from::<SandboxMetadata, Infallible, _>(
             self.metadata.as_ref(),
             &metadata_key(sandbox),

@@ -15,9 +15,16 @@
 //!   as a read made at the same moment, and every write the pass then makes
 //!   is conditional on those generations, so a change in between is caught
 //!   exactly as it would be after a read.
+//!
+//! This instance's own writes of one `metadata.json` take turns
+//! ([`KnownObjects::write_turn`]): an intent written while the reconciler's
+//! status write is in flight (a client's checkpoint right after its create
+//! meets RecordRunning) would start from the generation before it, fail its
+//! precondition and pay a read and a second write; waiting its turn, it
+//! starts from the generation that write left.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::api::{Lease, SandboxId, SandboxMetadata};
 use crate::store::{Generation, Versioned};
@@ -42,6 +49,8 @@ const MAX_KNOWN: usize = 10_000;
 #[derive(Debug, Default)]
 pub(super) struct KnownObjects {
     metadata: Mutex<HashMap<SandboxId, Versioned>>,
+    /// Per sandbox, the turn of this instance's writes of its metadata.
+    turns: Mutex<HashMap<SandboxId, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl KnownObjects {
@@ -66,6 +75,22 @@ impl KnownObjects {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(sandbox);
+    }
+
+    /// Waits until no other write of `sandbox`'s metadata by this instance
+    /// is in flight; the turn lasts until the guard drops. Only an
+    /// optimisation (module docs): a turn lost to the bound below costs
+    /// at most a failed precondition.
+    pub(super) async fn write_turn(&self, sandbox: &SandboxId) -> tokio::sync::OwnedMutexGuard<()> {
+        let turn = {
+            let mut turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
+            if turns.len() >= MAX_KNOWN && !turns.contains_key(sandbox) {
+                // Only turns nobody holds or waits for go.
+                turns.retain(|_, turn| Arc::strong_count(turn) > 1);
+            }
+            Arc::clone(turns.entry(sandbox.clone()).or_default())
+        };
+        turn.lock_owned().await
     }
 }
 
@@ -207,5 +232,35 @@ impl Reconciler {
             watch.checkpointable
                 && self.clock.now() >= watch.last_checkpoint + chrono_duration(interval)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_write_of_one_sandbox_waits_its_turn_and_another_sandbox_does_not() {
+        let known = Arc::new(KnownObjects::default());
+        let (one, other) = (SandboxId::random(), SandboxId::random());
+        let first = known.write_turn(&one).await;
+        let waiting = tokio::spawn({
+            let (known, one) = (Arc::clone(&known), one.clone());
+            async move {
+                let _turn = known.write_turn(&one).await;
+            }
+        });
+        // Another sandbox's writes never wait for this one's.
+        let _other =
+            tokio::time::timeout(std::time::Duration::from_secs(5), known.write_turn(&other))
+                .await
+                .expect("another sandbox's turn is free");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "the second write did not wait");
+        drop(first);
+        tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+            .await
+            .expect("the second write got its turn")
+            .expect("no panic");
     }
 }
