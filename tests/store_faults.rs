@@ -126,11 +126,16 @@ async fn transient_refusals_and_the_mutation_rate_are_retried() {
         .put(&other, Bytes::from_static(b"{}"), PutMode::Overwrite)
         .await
         .unwrap();
-    for _ in 0..10 {
+    // Until the model has refused at least one (at a share of 0.3, ten
+    // requests see none 3 % of the time: a fixed count made this flaky).
+    for _ in 0..200 {
         assert_eq!(
             store.get(&other).await.unwrap().data,
             Bytes::from_static(b"{}")
         );
+        if Tally::of(&model.records()).injected >= 3 {
+            break;
+        }
     }
     assert!(
         store
