@@ -45,6 +45,12 @@ impl UploadIntake {
         receiver
     }
 
+    /// Ends the upload expecting bytes short (its `fs_error` says how many
+    /// arrived); bytes sent for it afterwards are refused as unexpected.
+    pub(super) fn abandon(&mut self) {
+        self.current = None;
+    }
+
     /// Hands a binary frame to the upload expecting it. `Err`: no upload
     /// expects bytes, or more than it announced arrived (it then fails).
     pub(super) async fn bytes(&mut self, data: Bytes) -> Result<(), FrameError> {

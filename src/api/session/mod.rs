@@ -86,6 +86,12 @@ async fn reserve(budget: &Arc<Semaphore>, bytes: usize) -> Option<OwnedSemaphore
     Arc::clone(budget).acquire_many_owned(permits).await.ok()
 }
 
+/// [`reserve`] when the budget has room now.
+fn try_reserve(budget: &Arc<Semaphore>, bytes: usize) -> Option<OwnedSemaphorePermit> {
+    let permits = u32::try_from(bytes.clamp(1, QUEUED_BYTES)).unwrap_or(u32::MAX);
+    Arc::clone(budget).try_acquire_many_owned(permits).ok()
+}
+
 /// The frames that must act while an execution streams, ahead of the queue.
 fn acts_at_once(frame: &Queued) -> bool {
     matches!(
@@ -160,6 +166,24 @@ impl Session {
                     };
                     let frame_bytes = frame.as_ref().map_or(0, String::len);
                     let parsed = frame.and_then(|text| ClientFrame::parse(&text));
+                    if acts_at_once(&parsed) {
+                        let session = Arc::clone(&self);
+                        tokio::spawn(async move { session.handle(parsed, None).await });
+                        continue;
+                    }
+                    let permit = match try_reserve(&budget, frame_bytes) {
+                        Some(permit) => permit,
+                        None => {
+                            // The queue is full and the socket will not be
+                            // read until it drains. An upload still waiting
+                            // for its bytes would wait forever (they come
+                            // after this frame, and the session may be in
+                            // that upload): it ends short, with an fs_error.
+                            uploads.abandon();
+                            let Some(permit) = reserve(&budget, frame_bytes).await else { break };
+                            permit
+                        }
+                    };
                     let bytes = match &parsed {
                         Ok(ClientFrame::Fs(files::FsCall {
                             op: files::FsOp::Upload { size, .. },
@@ -167,12 +191,6 @@ impl Session {
                         })) => Some(uploads.expect(*size)),
                         _ => None,
                     };
-                    if acts_at_once(&parsed) {
-                        let session = Arc::clone(&self);
-                        tokio::spawn(async move { session.handle(parsed, None).await });
-                        continue;
-                    }
-                    let Some(permit) = reserve(&budget, frame_bytes).await else { break };
                     if queue.send((parsed, bytes, permit)).await.is_err() {
                         break;
                     }
