@@ -124,12 +124,18 @@ pub async fn runtime(dir: &std::path::Path) -> sandboxd::runtime::GvisorRuntime 
 
 /// A gVisor runtime with its own runsc root and state under `dir` (one "host"),
 /// keeping checkpoints and snapshots in `store` (which hosts may share).
-/// Sandboxes get 1 GiB, one CPU and 64 processes.
+/// Sandboxes get 1 GiB (`SANDBOX_MEMORY_BYTES`), one CPU and 64 processes.
 pub async fn runtime_with_store(
     dir: &std::path::Path,
     store: Arc<dyn Store>,
 ) -> sandboxd::runtime::GvisorRuntime {
     runtime_with_images(dir, store, images()).await
+}
+
+thread_local! {
+    /// The memory limit of the sandboxes of runtimes this thread starts
+    /// (a test body runs on its own thread; 1 GiB unless it says otherwise).
+    pub static SANDBOX_MEMORY_BYTES: std::cell::Cell<u64> = const { std::cell::Cell::new(1 << 30) };
 }
 
 /// Like [`runtime_with_store`], on the sandbox images of `images`.
@@ -150,7 +156,7 @@ pub async fn runtime_with_images(
         images,
         bundle: BundleSpec {
             python: "/usr/bin/python3".into(),
-            memory_limit_bytes: Some(1 << 30),
+            memory_limit_bytes: Some(SANDBOX_MEMORY_BYTES.with(std::cell::Cell::get)),
             cpu_limit: Some(1.0),
             max_processes: 64,
             tmp_size_mb: 256,
