@@ -34,8 +34,13 @@ def note(op, sandbox, start, holder, to):
     print(json.dumps({"op": op, "sandbox": sandbox, "start": start, "end": time.time(), "holder": holder, "to": to}), flush=True)
 
 async def until(ws, status):
+    seen = []
     while True:
-        frame = json.loads(await ws.recv())
+        try:
+            frame = json.loads(await ws.recv())
+        except websockets.ConnectionClosed as closed:
+            raise SystemExit(f"the server closed ({closed}) before {status}; frames: {seen}")
+        seen.append(frame)
         if frame.get("status") == status:
             return frame
         if str(frame.get("status", "")).endswith("ERROR"):

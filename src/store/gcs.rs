@@ -32,6 +32,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::pacing::MutationPacer;
 use async_trait::async_trait;
 use backon::{ExponentialBuilder, Retryable};
 use bytes::{Bytes, BytesMut};
@@ -141,6 +142,9 @@ pub struct GcsStore {
     bucket: String,
     bucket_path: String,
     retry: RetrySettings,
+    /// When each object was last changed here: a rate-limited write is
+    /// retried when its second is up, not on the network's backoff.
+    pacer: MutationPacer,
 }
 
 impl fmt::Debug for GcsStore {
@@ -183,6 +187,7 @@ impl GcsStore {
             bucket_path: format!("projects/_/buckets/{}", config.bucket),
             bucket: config.bucket,
             retry: config.retry,
+            pacer: MutationPacer::default(),
         })
     }
 
@@ -196,7 +201,23 @@ impl GcsStore {
         &self,
         operation: &'static str,
         key: &str,
+        attempt: F,
+    ) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        self.retrying_after(operation, key, attempt, |delay| delay)
+            .await
+    }
+
+    /// [`Self::retrying`], each retry's delay as `pace` makes it.
+    async fn retrying_after<T, F, Fut>(
+        &self,
+        operation: &'static str,
+        key: &str,
         mut attempt: F,
+        mut pace: impl FnMut(Duration) -> Duration,
     ) -> Result<T, StoreError>
     where
         F: FnMut() -> Fut,
@@ -206,6 +227,7 @@ impl GcsStore {
         let retried = (|| within(limit, key, attempt()))
             .retry(self.retry.backoff())
             .when(StoreError::is_transient)
+            .adjust(|_, delay| delay.map(&mut pace))
             .notify(|err, delay| {
                 tracing::warn!(operation, key, %err, ?delay, "transient storage error, retrying");
             });
@@ -268,6 +290,7 @@ impl GcsStore {
         key: &ObjectKey,
         data: Bytes,
         mode: PutMode,
+        throttled: &std::sync::atomic::AtomicBool,
     ) -> Result<Generation, StoreError> {
         let mut request = self
             .client
@@ -280,13 +303,15 @@ impl GcsStore {
         }
         match request.send_buffered().await {
             Ok(object) => Ok(Generation(object.generation)),
-            Err(err) => match classify(key, err) {
-                // Compare-and-swap against an object that is gone.
-                StoreError::NotFound { key } if matches!(mode, PutMode::Update(_)) => {
-                    Err(StoreError::precondition(key, "the object no longer exists"))
-                }
-                other => Err(other),
-            },
+            Err(err) => {
+                // GCS's per-object mutation rate (or a throttled bucket):
+                // the retry waits for the object's second (`pacing`).
+                throttled.store(
+                    err.http_status_code() == Some(429),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                Err(put_error(key, err, mode))
+            }
         }
     }
 
@@ -356,12 +381,27 @@ impl Store for GcsStore {
         mode: PutMode,
     ) -> Result<Generation, StoreError> {
         let attempts = std::sync::atomic::AtomicUsize::new(0);
+        let throttled = std::sync::atomic::AtomicBool::new(false);
         let outcome = self
-            .retrying("put", key.as_str(), || {
-                attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                self.put_once(key, data.clone(), mode)
-            })
+            .retrying_after(
+                "put",
+                key.as_str(),
+                || {
+                    attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.put_once(key, data.clone(), mode, &throttled)
+                },
+                |delay| {
+                    if !throttled.load(std::sync::atomic::Ordering::Relaxed) {
+                        return delay;
+                    }
+                    let jitter = Duration::from_millis(rand::random_range(0..100));
+                    self.pacer.retry_after(key.as_str(), delay, jitter)
+                },
+            )
             .await;
+        if outcome.is_ok() {
+            self.pacer.changed(key.as_str());
+        }
         match outcome {
             Err(err @ StoreError::PreconditionFailed { .. })
                 if attempts.load(std::sync::atomic::Ordering::Relaxed) > 1
@@ -489,6 +529,17 @@ fn classify(key: &ObjectKey, err: google_cloud_storage::Error) -> StoreError {
             StoreError::transient(key, err)
         }
         None => StoreError::other(key, err),
+    }
+}
+
+/// A failed write's error: a compare-and-swap on a vanished object failed
+/// its precondition.
+fn put_error(key: &ObjectKey, err: google_cloud_storage::Error, mode: PutMode) -> StoreError {
+    match classify(key, err) {
+        StoreError::NotFound { key } if matches!(mode, PutMode::Update(_)) => {
+            StoreError::precondition(key, "the object no longer exists")
+        }
+        other => other,
     }
 }
 

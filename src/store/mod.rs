@@ -6,6 +6,7 @@
 mod gcs;
 mod gcs_json;
 mod local;
+mod pacing;
 
 pub use gcs::{GCS_ENDPOINT, GcsConfig, GcsStore, RetrySettings, emulator_endpoint};
 pub use local::LocalStore;

@@ -453,13 +453,18 @@ impl Sim {
                 .insert(id.clone(), (metadata.status.epoch, checkpoint_epoch));
             // 3. Acknowledged checkpoints stay covered and restorable.
             if let Some(&acknowledged) = self.acknowledged.get(&id) {
-                let latest = metadata
-                    .status
-                    .latest_checkpoint
-                    .as_ref()
-                    .unwrap_or_else(|| {
+                // Covered by the record, or by the lock that carries the
+                // checkpoint while the record is under way (decision 18):
+                // the next holder restores the newer of the two.
+                let carried = self.lock(&id).await.and_then(|lock| lock.checkpoint);
+                let latest = match (metadata.status.latest_checkpoint.as_ref(), carried.as_ref()) {
+                    (Some(recorded), Some(carried)) if carried.epoch > recorded.epoch => carried,
+                    (Some(recorded), _) => recorded,
+                    (None, Some(carried)) => carried,
+                    (None, None) => {
                         panic!("seed {seed} step {step}: {id} lost its acknowledged checkpoint")
-                    });
+                    }
+                };
                 assert!(
                     latest.epoch >= acknowledged,
                     "seed {seed} step {step}: {id} points at epoch {} below acknowledged {acknowledged}",

@@ -37,8 +37,14 @@ use tokio::io::AsyncRead;
 
 /// The version of one object, as GCS reports it (`x-goog-generation`).
 ///
-/// Generations are opaque: compare them for equality only. Generation 0 never
-/// names an existing object (GCS uses `ifGenerationMatch=0` for "must not exist").
+/// A later version of one object has a greater generation: GCS's are
+/// increasing per object name (even across a delete and re-create), and
+/// every store here keeps that (the local store's are at least the last
+/// plus one, the in-memory store's a counter). Only versions of the same
+/// object are ever compared for order (to start from the newer of two
+/// reads); otherwise generations are compared for equality. Generation 0
+/// never names an existing object (GCS uses `ifGenerationMatch=0` for "must
+/// not exist").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Generation(pub i64);
 

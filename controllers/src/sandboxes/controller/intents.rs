@@ -4,6 +4,7 @@
 //! `metadata.json`'s spec or the lease's `wanted_by` and queues a
 //! reconcile; none touches the runtime.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::api::{
@@ -130,7 +131,7 @@ impl SandboxController {
     /// Asks for `sandbox` to run here, from the checkpoint named `checkpoint`
     /// if given (else the latest).
     pub async fn request_here(
-        &self,
+        self: &Arc<Self>,
         sandbox: &SandboxId,
         checkpoint: Option<&str>,
         now: chrono::DateTime<chrono::Utc>,
@@ -146,21 +147,30 @@ impl SandboxController {
     /// wants is taken in the same write (the intent fulfilled at once: the
     /// pass adopts it); otherwise the intent goes into `wanted_by` and the
     /// holder is rung.
+    ///
+    /// A lock taken here while the spec's write is still under way (GCS
+    /// holds a write of one object to about one a second, and a client
+    /// that attaches right after its checkpoint meets that) does not wait
+    /// for it: the pass is primed with the spec as it is being written and
+    /// restores at once, while the write goes on (decision 21). The hold is
+    /// fenced by the lock alone; should the write fail, the next pass reads
+    /// the stored spec and converges to it.
     pub async fn request_here_from(
-        &self,
+        self: &Arc<Self>,
         read: AttachRead,
         checkpoint: Option<&str>,
         now: chrono::DateTime<chrono::Utc>,
     ) -> Result<(), ControlError> {
         let sandbox = read.metadata.0.sandbox_id.clone();
         let sandbox = &sandbox;
-        let change = |spec: &mut SandboxSpec| {
+        let restore_request = checkpoint.map(|name| RestoreRequest {
+            checkpoint: name.to_owned(),
+            requested_at: now,
+        });
+        let change = move |spec: &mut SandboxSpec| {
             spec.desired_state = DesiredState::Running;
-            if let Some(name) = checkpoint {
-                spec.restore_request = Some(RestoreRequest {
-                    checkpoint: name.to_owned(),
-                    requested_at: now,
-                });
+            if let Some(request) = &restore_request {
+                spec.restore_request = Some(request.clone());
             }
         };
         let leases = self.reconciler.leases();
@@ -185,24 +195,61 @@ impl SandboxController {
         };
         // This instance is about to hold it: its lease must vouch by then
         // (a no-op when it was renewed lately).
-        let (spec, taken, ensured) = tokio::join!(
-            self.update_spec_from(sandbox, Some(&read.metadata), change),
-            lock_write,
-            leases.ensure_instance_lease()
-        );
-        if let Err(err) = ensured {
-            tracing::warn!(%sandbox, %err, "cannot renew the instance lease before a start");
-        }
+        let lock_and_lease = async {
+            let (taken, ensured) = tokio::join!(lock_write, leases.ensure_instance_lease());
+            if let Err(err) = ensured {
+                tracing::warn!(%sandbox, %err, "cannot renew the instance lease before a start");
+            }
+            taken
+        };
+        let spec_write = {
+            let this = Arc::clone(self);
+            let (sandbox, metadata) = (sandbox.clone(), read.metadata.clone());
+            let mut change = change.clone();
+            tokio::spawn(async move {
+                this.update_spec_from(&sandbox, Some(&metadata), &mut change)
+                    .await
+            })
+        };
+        let mut spec_write = spec_write;
+        tokio::pin!(lock_and_lease);
+        let (spec, taken) = tokio::select! {
+            spec = &mut spec_write => (Some(intent_written(spec)), (&mut lock_and_lease).await),
+            taken = &mut lock_and_lease => (None, taken),
+        };
         let outcome = match (spec, taken) {
-            (Ok(written), Ok(Some(lock))) => {
+            (Some(Ok(written)), Ok(Some(lock))) => {
                 self.reconciler.prime(sandbox, written, Some(lock));
                 Ok(())
             }
-            (Ok(_), Ok(None)) => Ok(()),
+            (Some(Ok(_)), Ok(None)) => Ok(()),
             // A hold taken for a spec that could not be written is released
             // by the pass (an orphan).
-            (Err(err), _) => Err(err),
-            (Ok(_), Err(err)) => Err(err.into()),
+            (Some(Err(err)), _) => Err(err),
+            (Some(Ok(_)), Err(err)) => Err(err.into()),
+            (None, Ok(Some(lock))) => {
+                // Held here; the spec is still on its way to the bucket.
+                let mut intended = read.metadata.clone();
+                change(&mut intended.0.spec);
+                self.reconciler.prime(sandbox, intended, Some(lock));
+                drop(writing);
+                self.enqueue(sandbox);
+                let this = Arc::clone(self);
+                let sandbox = sandbox.clone();
+                tokio::spawn(async move {
+                    let outcome = intent_written(spec_write.await);
+                    if let Err(err) = outcome {
+                        tracing::warn!(%sandbox, %err, "the attach intent was not written; the next pass reads the stored spec");
+                        this.enqueue(&sandbox);
+                    }
+                });
+                return Ok(());
+            }
+            (None, taken) => match (intent_written(spec_write.await), taken) {
+                (Ok(_), Ok(_)) => Ok(()),
+                (Err(err), _) => Err(err),
+                (Ok(_), Err(err)) => Err(err.into()),
+            },
         };
         drop(writing);
         self.enqueue(sandbox);
@@ -282,12 +329,22 @@ impl SandboxController {
         let store = self.reconciler.metadata_store();
         let key = metadata_key(sandbox);
         let _turn = self.reconciler.metadata_write_turn(sandbox).await;
+        // The newer of the caller's read and what this instance wrote since
+        // (a status write that held the turn before this one): starting
+        // from the older costs a refused write and a re-read.
+        let written_here = self.reconciler.known_metadata(sandbox);
         let known = match read {
-            Some((metadata, generation)) => Some(crate::store::Versioned {
-                data: encode(metadata),
-                generation: *generation,
-            }),
-            None => self.reconciler.known_metadata(sandbox),
+            Some((metadata, generation))
+                if written_here
+                    .as_ref()
+                    .is_none_or(|known| known.generation <= *generation) =>
+            {
+                Some(crate::store::Versioned {
+                    data: encode(metadata),
+                    generation: *generation,
+                })
+            }
+            _ => written_here,
         };
         let outcome = read_modify_write_from(store.as_ref(), &key, known, |current| {
             let current = current.ok_or_else(|| ControlError::NotFound(sandbox.clone()))?;
@@ -345,6 +402,10 @@ impl SandboxController {
         loop {
             let left = self.held_sandboxes().len();
             if left == 0 || tokio::time::Instant::now() >= deadline {
+                // The checkpoints' records still under way land before the
+                // process ends (the locks carry them if they cannot).
+                let _ =
+                    tokio::time::timeout_at(deadline, self.reconciler.background_settled()).await;
                 return left;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -361,4 +422,15 @@ impl SandboxController {
             _ => false,
         }
     }
+}
+
+/// The outcome of an intent's write that ran in a task of its own.
+fn intent_written(
+    joined: Result<Result<ReadMetadata, ControlError>, tokio::task::JoinError>,
+) -> Result<ReadMetadata, ControlError> {
+    joined.unwrap_or_else(|err| {
+        Err(ControlError::Internal(format!(
+            "the intent's write ended abnormally: {err}"
+        )))
+    })
 }

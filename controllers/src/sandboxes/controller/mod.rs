@@ -53,6 +53,9 @@ pub enum ControlError {
     Contended(String),
     #[error(transparent)]
     Fork(#[from] ForkError),
+    /// A write this call started in a task of its own ended abnormally.
+    #[error("{0}")]
+    Internal(String),
 }
 
 impl ControlError {
@@ -79,8 +82,10 @@ pub struct SandboxController {
 impl SandboxController {
     /// `bus` must be the one the reconciler emits on.
     pub fn new(reconciler: Reconciler, bus: ProgressBus) -> Arc<Self> {
+        let reconciler = Arc::new(reconciler);
+        Reconciler::share(&reconciler);
         Arc::new(Self {
-            reconciler: Arc::new(reconciler),
+            reconciler,
             queue: WorkQueue::default(),
             bus,
             reconcile_errors: std::sync::atomic::AtomicU64::new(0),

@@ -226,75 +226,62 @@ impl Reconciler {
         self.forget(sandbox);
         self.emit(sandbox, SandboxEvent::Stopping);
         let reference = self.checkpoint_ref(&manifest, held.epoch, name.clone());
-        let keep = self.config.keep_checkpoints;
-        let mut superseded = Vec::new();
-        let record = |status: &mut SandboxStatus| {
-            superseded = record_latest(status, &reference, keep);
-            if let Some(name) = &name {
-                status
-                    .named_checkpoints
-                    .insert(name.clone(), reference.clone());
-            }
-            status.phase = Phase::Checkpointed;
-            status.holder = None;
-            status.last_error = None;
-            self.ready(status, ReadyReason::Checkpointed, "");
-        };
         // The record and the hand-back at once (decision 18): the lock
         // carries the checkpoint, so whoever takes the hold next restores
         // it even if this record lands later, or never (it then records it
         // itself, and this one is refused by the fence).
         self.emit(sandbox, SandboxEvent::LeaseReleasing);
-        let (recorded, handed) = tokio::join!(
-            self.write_status(sandbox, held.epoch, record),
-            self.leases.hand_back(&held, lock, &reference, &manifest)
-        );
-        self.failpoint(metadata, "handoff:after-record");
-        let recorded = match (recorded, &handed) {
-            (Ok(written), _) => Some(written),
-            // The next holder recorded it first (from the lock).
-            (Err(err), Ok(_)) if err.is_fenced() => None,
-            (Err(err), Ok(_)) => {
-                // The checkpoint is in the lock; the next holder records
-                // it. Try once more here so `status` does not lag meanwhile.
-                tracing::warn!(%sandbox, %err, "cannot record the checkpoint; the lock carries it");
-                self.write_status(sandbox, held.epoch, |status| {
-                    superseded = record_latest(status, &reference, keep);
-                    if let Some(name) = &name {
-                        status
-                            .named_checkpoints
-                            .insert(name.clone(), reference.clone());
+        let hand_back = self.leases.hand_back(&held, lock, &reference, &manifest);
+        let (recording, handed) = match self.shared() {
+            // The record in a task of its own: GCS's per-object write rate
+            // can hold it up for a second or more, and this pass (the
+            // sandbox's turn in the work queue) must not wait for it once
+            // the hand-back carries the checkpoint: an attach right after
+            // the checkpoint would wait for the record, not for the lock.
+            Some(me) => {
+                let task = self.spawn_background({
+                    let (sandbox, reference) = (sandbox.clone(), reference.clone());
+                    async move {
+                        me.record_checkpoint(&sandbox, held.epoch, &reference, name)
+                            .await
                     }
-                })
-                .await
-                .ok()
+                });
+                (Recording::Task(task), hand_back.await)
             }
-            (Err(err), Err(_)) => {
-                let cause = CheckpointFailure::Runtime(format!(
-                    "the checkpoint could not be recorded: {err}"
-                ));
-                self.emit(sandbox, SandboxEvent::CheckpointFailed(cause));
-                return Err(err);
+            // A reconciler not shared behind an `Arc` (some unit tests).
+            None => {
+                let (recorded, handed) = tokio::join!(
+                    self.record_checkpoint(sandbox, held.epoch, &reference, name),
+                    hand_back
+                );
+                (Recording::Done(recorded), handed)
             }
         };
-        match &handed {
+        self.failpoint(metadata, "handoff:after-record");
+        let safe = match &handed {
             Ok(HandBack::TransferredTo { instance, epoch }) => {
                 tracing::info!(%sandbox, to = %instance, epoch, "hold transferred with the checkpoint");
+                Ok(())
             }
-            Ok(HandBack::Released) => {}
+            Ok(HandBack::Released) => Ok(()),
             Err(err) => {
-                // The checkpoint is recorded. The lock still names this
-                // instance, which no longer runs it: a pass soon releases that
-                // orphan (the next holder waits until then).
+                // The lock still names this instance, which no longer runs
+                // it: a pass soon releases that orphan (the next holder
+                // waits until then). The checkpoint is safe if recorded.
                 tracing::warn!(%sandbox, %err, "cannot release the lease after a checkpoint");
+                recording.outcome().await
             }
+        };
+        if let Err(err) = safe {
+            let cause =
+                CheckpointFailure::Runtime(format!("the checkpoint could not be recorded: {err}"));
+            self.emit(sandbox, SandboxEvent::CheckpointFailed(cause));
+            return Err(err);
         }
+        // Safe, in the lock or in the record, and the hold is gone: the
+        // client hears CHECKPOINTED (its session here ends, freeing the
+        // sandbox for its next attach) without waiting for the record.
         self.emit(sandbox, SandboxEvent::LeaseReleased);
-        // After the hand-back: the next holder need not wait for this.
-        if let Some(recorded) = &recorded {
-            self.delete_checkpoints(&unreferenced(superseded, &recorded.status))
-                .await;
-        }
         self.emit(
             sandbox,
             SandboxEvent::Checkpointed {
@@ -305,6 +292,58 @@ impl Reconciler {
             Ok(_) => Requeue::Never,
             Err(_) => Requeue::After(TOMBSTONE_RETRY),
         })
+    }
+
+    /// Records a checkpoint just taken in `status` under `epoch` (and
+    /// under `name`), retrying once with the checkpoint alone if the first
+    /// write fails, then deletes the checkpoints it superseded. A fenced
+    /// write (a newer holder recorded it from the lock) is an error the
+    /// caller may ignore once the hand-back carried the checkpoint.
+    pub(super) async fn record_checkpoint(
+        &self,
+        sandbox: &SandboxId,
+        epoch: u64,
+        reference: &CheckpointRef,
+        name: Option<String>,
+    ) -> Result<(), ReconcileError> {
+        let keep = self.config.keep_checkpoints;
+        let mut superseded = Vec::new();
+        let mut record_in = |status: &mut SandboxStatus| {
+            superseded = record_latest(status, reference, keep);
+            if let Some(name) = &name {
+                status
+                    .named_checkpoints
+                    .insert(name.clone(), reference.clone());
+            }
+        };
+        let first = self
+            .write_status(sandbox, epoch, |status| {
+                record_in(status);
+                status.phase = Phase::Checkpointed;
+                status.holder = None;
+                status.last_error = None;
+                self.ready(status, ReadyReason::Checkpointed, "");
+            })
+            .await;
+        let written = match first {
+            Ok(written) => written,
+            Err(err) if err.is_fenced() => return Err(err),
+            Err(err) => {
+                // The lock carries it; try once more so `status` does not
+                // lag meanwhile.
+                tracing::warn!(%sandbox, %err, "cannot record the checkpoint; trying once more");
+                self.write_status(sandbox, epoch, &mut record_in)
+                    .await
+                    .inspect_err(|again| {
+                        if !again.is_fenced() {
+                            tracing::warn!(%sandbox, err = %again, "cannot record the checkpoint; the lock carries it");
+                        }
+                    })?
+            }
+        };
+        self.delete_checkpoints(&unreferenced(superseded, &written.status))
+            .await;
+        Ok(())
     }
 
     /// The record of a checkpoint the runtime just took.
@@ -373,5 +412,25 @@ impl Reconciler {
         }
         tracing::info!(%sandbox, "purged a deleted sandbox's objects");
         Ok(Requeue::Never)
+    }
+}
+
+/// A checkpoint's record, under way in a task of its own or done inline.
+enum Recording {
+    Task(tokio::task::JoinHandle<Result<(), ReconcileError>>),
+    Done(Result<(), ReconcileError>),
+}
+
+impl Recording {
+    /// Waits for the record.
+    async fn outcome(self) -> Result<(), ReconcileError> {
+        match self {
+            Self::Done(outcome) => outcome,
+            Self::Task(task) => task.await.unwrap_or_else(|err| {
+                Err(ReconcileError::Interrupted(format!(
+                    "the checkpoint's record ended abnormally: {err}"
+                )))
+            }),
+        }
     }
 }

@@ -88,6 +88,9 @@ pub enum ReconcileError {
     Runtime(#[from] RuntimeError),
     #[error("internal error: the decision table chose a step without {0}")]
     Internal(&'static str),
+    /// A step run in a task of its own ended abnormally (a panic).
+    #[error("{0}")]
+    Interrupted(String),
 }
 
 impl ReconcileError {
@@ -169,6 +172,12 @@ pub struct Reconciler {
     /// acts on half of an intent (a spec not yet written beside a hold
     /// already taken).
     intents_in_flight: Mutex<primed::IntentWriters>,
+    /// This reconciler, once shared behind an `Arc` (by its controller):
+    /// steps that must outlive a pass (a checkpoint's record) run in tasks
+    /// of their own on it.
+    shared: std::sync::OnceLock<std::sync::Weak<Reconciler>>,
+    /// Those tasks still at work, so a drain (and a test) can wait for them.
+    background: BackgroundSteps,
     metrics: Arc<super::metrics::Metrics>,
     /// Shutting down: checkpoints kill running executions instead of waiting.
     draining: std::sync::atomic::AtomicBool,
@@ -209,6 +218,8 @@ impl Reconciler {
             known: KnownObjects::default(),
             primed: Mutex::new(HashMap::new()),
             intents_in_flight: Mutex::default(),
+            shared: std::sync::OnceLock::new(),
+            background: BackgroundSteps::default(),
             acquiring: Mutex::new(HashSet::new()),
             starting: Mutex::new(HashSet::new()),
             rung: Mutex::new(HashMap::new()),
@@ -303,6 +314,35 @@ impl Reconciler {
             }
             Err(err) => Err(err.into()),
         }
+    }
+
+    /// Lets steps outlive a pass in tasks of their own on `this`.
+    pub fn share(this: &Arc<Self>) {
+        let _ = this.shared.set(Arc::downgrade(this));
+    }
+
+    /// This reconciler as shared, if it is.
+    pub(super) fn shared(&self) -> Option<Arc<Self>> {
+        self.shared.get().and_then(std::sync::Weak::upgrade)
+    }
+
+    /// Runs `step` in a task of its own, counted until it ends.
+    pub(super) fn spawn_background<T: Send + 'static>(
+        &self,
+        step: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> tokio::task::JoinHandle<T> {
+        let running = self.background.start();
+        tokio::spawn(tracing::Instrument::in_current_span(async move {
+            let outcome = step.await;
+            drop(running);
+            outcome
+        }))
+    }
+
+    /// Waits until no step runs in a task of its own (a checkpoint's
+    /// record that outlived its pass).
+    pub async fn background_settled(&self) {
+        self.background.settled().await;
     }
 
     /// `metadata.json` as this instance last read or wrote it.
@@ -623,6 +663,55 @@ impl Reconciler {
                 let (metadata, _) = read.ok_or(needs("metadata to start"))?;
                 self.acquire_and_start(sandbox, metadata, lock).await
             }
+        }
+    }
+}
+
+/// How many steps run in tasks of their own, and a wake-up when none does.
+#[derive(Debug, Default)]
+struct BackgroundSteps {
+    running: Arc<(Mutex<usize>, tokio::sync::Notify)>,
+}
+
+/// One background step at work, until dropped.
+struct BackgroundStep(Arc<(Mutex<usize>, tokio::sync::Notify)>);
+
+impl Drop for BackgroundStep {
+    fn drop(&mut self) {
+        let (count, idle) = &*self.0;
+        let mut count = count
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *count = count.saturating_sub(1);
+        if *count == 0 {
+            idle.notify_waiters();
+        }
+    }
+}
+
+impl BackgroundSteps {
+    fn start(&self) -> BackgroundStep {
+        let (count, _) = &*self.running;
+        *count
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
+        BackgroundStep(Arc::clone(&self.running))
+    }
+
+    async fn settled(&self) {
+        let (count, idle) = &*self.running;
+        loop {
+            let notified = idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if *count
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                == 0
+            {
+                return;
+            }
+            notified.await;
         }
     }
 }

@@ -243,10 +243,27 @@ impl Reconciler {
                     },
                 );
                 self.emit(sandbox, SandboxEvent::Running { epoch: held.epoch });
-                match self
+                // The record after the client hears it runs, in its own
+                // task: GCS's per-object write rate can hold it up for a
+                // second or more, and the sandbox's next pass (a handoff's
+                // checkpoint) must not wait for bookkeeping. Should the
+                // hold's checkpoint be recorded first, the record leaves
+                // the phase alone (`record_running`).
+                if let Some(me) = self.shared() {
+                    let sandbox = sandbox.clone();
+                    self.spawn_background(async move {
+                        let lock = held.lease.clone();
+                        let recorded = me
+                            .record_running(&sandbox, &held, Some(&lock), served_request)
+                            .await;
+                        me.recorded_running(&sandbox, held.epoch, recorded).await;
+                    });
+                    return Ok(Requeue::After(self.config.resync_interval));
+                }
+                let recorded = self
                     .record_running(sandbox, &held, Some(&held.lease), served_request)
-                    .await
-                {
+                    .await;
+                match recorded {
                     Ok(()) => Ok(Requeue::After(self.config.resync_interval)),
                     Err(err) if err.is_fenced() => {
                         self.stop_lost(sandbox, LossCause::TakenOver { holder: None })
@@ -309,10 +326,19 @@ impl Reconciler {
         let mut superseded = Vec::new();
         let written = self
             .write_status(sandbox, held.epoch, |status| {
-                status.phase = Phase::Running;
-                status.holder = Some(instance.clone());
-                status.last_error = None;
-                self.ready(status, ReadyReason::Running, "");
+                // The hold ended with a checkpoint recorded first (this
+                // record ran late, in its own task): the phase stays.
+                let ended = status.phase == Phase::Checkpointed
+                    && status
+                        .latest_checkpoint
+                        .as_ref()
+                        .is_some_and(|latest| latest.epoch == held.epoch);
+                if !ended {
+                    status.phase = Phase::Running;
+                    status.holder = Some(instance.clone());
+                    status.last_error = None;
+                    self.ready(status, ReadyReason::Running, "");
+                }
                 if served_request.is_some() {
                     status.last_restore_request = served_request;
                 }
@@ -331,6 +357,31 @@ impl Reconciler {
         self.delete_checkpoints(&unreferenced(superseded, &written.status))
             .await;
         Ok(())
+    }
+
+    /// What a start's record of itself comes to: a newer holder fenced it
+    /// (this copy must stop), or it failed (the next full pass records it).
+    async fn recorded_running(
+        &self,
+        sandbox: &SandboxId,
+        epoch: u64,
+        recorded: Result<(), ReconcileError>,
+    ) {
+        match recorded {
+            Ok(()) => {}
+            // Only the copy this record was for: a record that took long
+            // may be fenced after this instance has taken the sandbox back
+            // at a newer epoch, and that copy is not lost.
+            Err(err) if err.is_fenced() && self.held(sandbox).is_some_and(|h| h.epoch == epoch) => {
+                self.stop_lost(sandbox, LossCause::TakenOver { holder: None })
+                    .await;
+            }
+            Err(err) if err.is_fenced() => {}
+            Err(err) => {
+                tracing::warn!(%sandbox, %err, "cannot record that the sandbox runs; the next full pass does");
+                self.want_full_pass(sandbox);
+            }
+        }
     }
 
     /// Creates or restores the sandbox under a freshly taken hold. Restores

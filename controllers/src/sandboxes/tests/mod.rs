@@ -119,8 +119,11 @@ impl World {
 }
 
 impl Instance {
+    /// One pass, and the steps it left running in tasks of their own.
     async fn reconcile(&self, id: &SandboxId) -> Result<Requeue, ReconcileError> {
-        self.controller.reconciler().reconcile(id).await
+        let outcome = self.controller.reconciler().reconcile(id).await;
+        self.controller.reconciler().background_settled().await;
+        outcome
     }
 
     async fn create(&self, world: &World) -> SandboxId {

@@ -211,7 +211,8 @@ async fn a_handoff_stays_within_its_request_budget() {
     println!("sequential store requests: handoff {count}");
     assert!(count <= 10, "the handoff took {count} sequential requests");
     // The transfer is one fenced write: B holds at the next epoch, and its
-    // record followed the client's `RUNNING`.
+    // record followed the client's `RUNNING` (in a task of its own).
+    b.controller.reconciler().background_settled().await;
     let lock = world.lease(&id).await;
     assert_eq!(lock.holder.as_ref().map(|h| h.as_str()), Some("b"));
     let status = world.metadata(&id).await.status;
