@@ -227,29 +227,38 @@ impl SandboxController {
             // by the pass (an orphan).
             (Some(Err(err)), _) => Err(err),
             (Some(Ok(_)), Err(err)) => Err(err.into()),
-            (None, Ok(Some(lock))) => {
-                // Held here; the spec is still on its way to the bucket.
-                let mut intended = read.metadata.clone();
-                change(&mut intended.0.spec);
-                self.reconciler.prime(sandbox, intended, Some(lock));
+            (None, Ok(taken)) => {
+                // The lock write landed (the hold taken, or the intent in
+                // `wanted_by` and the holder rung); the spec is still on
+                // its way to the bucket. Passes count it as written until
+                // its write ends (decision 21).
+                let ticket = self
+                    .reconciler
+                    .spec_pending(sandbox, Arc::new(change.clone()));
+                if let Some(lock) = taken {
+                    let mut intended = read.metadata.clone();
+                    change(&mut intended.0.spec);
+                    self.reconciler.prime(sandbox, intended, Some(lock));
+                }
                 drop(writing);
                 self.enqueue(sandbox);
                 let this = Arc::clone(self);
                 let sandbox = sandbox.clone();
                 tokio::spawn(async move {
                     let outcome = intent_written(spec_write.await);
+                    this.reconciler.spec_written(&sandbox, ticket);
                     if let Err(err) = outcome {
                         tracing::warn!(%sandbox, %err, "the attach intent was not written; the next pass reads the stored spec");
-                        this.enqueue(&sandbox);
                     }
+                    this.enqueue(&sandbox);
                 });
                 return Ok(());
             }
-            (None, taken) => match (intent_written(spec_write.await), taken) {
-                (Ok(_), Ok(_)) => Ok(()),
-                (Err(err), _) => Err(err),
-                (Ok(_), Err(err)) => Err(err.into()),
-            },
+            (None, Err(err)) => {
+                // As when the spec lands first: its outcome, then the lock's.
+                intent_written(spec_write.await)?;
+                Err(err.into())
+            }
         };
         drop(writing);
         self.enqueue(sandbox);

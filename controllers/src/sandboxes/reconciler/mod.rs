@@ -167,6 +167,8 @@ pub struct Reconciler {
     /// with generations): the next full pass decides on it instead of
     /// reading both again.
     primed: Mutex<HashMap<SandboxId, Primed>>,
+    /// Spec changes this instance's intent writers are still writing.
+    pending_specs: Mutex<primed::PendingSpecs>,
     /// Sandboxes an intent writer here is writing for right now (how many
     /// writers): a pass decides nothing until they are done, so it never
     /// acts on half of an intent (a spec not yet written beside a hold
@@ -217,6 +219,7 @@ impl Reconciler {
             full_pass_wanted: Mutex::new(HashSet::new()),
             known: KnownObjects::default(),
             primed: Mutex::new(HashMap::new()),
+            pending_specs: Mutex::default(),
             intents_in_flight: Mutex::default(),
             shared: std::sync::OnceLock::new(),
             background: BackgroundSteps::default(),
@@ -497,7 +500,14 @@ impl Reconciler {
             return Ok(Requeue::After(primed::INTENT_WAIT));
         }
         let metadata = match metadata {
-            Ok(metadata) => metadata,
+            Ok(mut metadata) => {
+                // An intent of ours still on its way to the bucket counts
+                // as written (decision 21).
+                if let Some((metadata, _)) = &mut metadata {
+                    self.overlay_pending_spec(sandbox, &mut metadata.spec);
+                }
+                metadata
+            }
             Err(err) => {
                 if let ReconcileError::Invalid { .. } = &err {
                     // An operator's typo: report it to whoever waits, keep

@@ -26,7 +26,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::api::{Lease, SandboxId, SandboxMetadata};
+use crate::api::{Lease, SandboxId, SandboxMetadata, SandboxSpec};
 use crate::store::{Generation, Versioned};
 
 use super::{ReadLease, Reconciler, chrono_duration};
@@ -137,6 +137,28 @@ struct IntentCount {
     started: u64,
 }
 
+/// A change of a sandbox's spec, as an intent writer makes it.
+pub(crate) type SpecChange = Arc<dyn Fn(&mut SandboxSpec) + Send + Sync>;
+
+/// The spec changes this instance's intent writers are still writing, by
+/// sandbox, each with the ticket of the write it belongs to. A pass applies
+/// them to the spec it reads until the write ends (landed or failed): an
+/// attach whose lock write landed need not wait for its spec write, which
+/// GCS's per-object rate can hold up for a second or more (decision 21).
+#[derive(Default)]
+pub(super) struct PendingSpecs {
+    by_sandbox: HashMap<SandboxId, (u64, SpecChange)>,
+    next_ticket: u64,
+}
+
+impl std::fmt::Debug for PendingSpecs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingSpecs")
+            .field("sandboxes", &self.by_sandbox.len())
+            .finish_non_exhaustive()
+    }
+}
+
 /// Both objects as an intent writer here left them, for the next full pass.
 #[derive(Debug, Clone)]
 pub(super) struct Primed {
@@ -165,6 +187,48 @@ impl Reconciler {
                     era: self.leases.instance_lease().era(),
                 },
             );
+    }
+
+    /// `change` is being written to `sandbox`'s spec: passes apply it to
+    /// what they read until [`Self::spec_written`] with the ticket returned.
+    pub(crate) fn spec_pending(&self, sandbox: &SandboxId, change: SpecChange) -> u64 {
+        let mut pending = self
+            .pending_specs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        pending.next_ticket = pending.next_ticket.wrapping_add(1);
+        let ticket = pending.next_ticket;
+        pending.by_sandbox.insert(sandbox.clone(), (ticket, change));
+        ticket
+    }
+
+    /// The write of ticket `ticket` ended: passes read the spec as stored.
+    pub(crate) fn spec_written(&self, sandbox: &SandboxId, ticket: u64) {
+        let mut pending = self
+            .pending_specs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if pending
+            .by_sandbox
+            .get(sandbox)
+            .is_some_and(|(current, _)| *current == ticket)
+        {
+            pending.by_sandbox.remove(sandbox);
+        }
+    }
+
+    /// Applies the spec change being written to `sandbox`, if any.
+    pub(super) fn overlay_pending_spec(&self, sandbox: &SandboxId, spec: &mut SandboxSpec) {
+        let change = self
+            .pending_specs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .by_sandbox
+            .get(sandbox)
+            .map(|(_, change)| Arc::clone(change));
+        if let Some(change) = change {
+            change(spec);
+        }
     }
 
     /// The primed objects of `sandbox`, if still fresh (else `None`: read).
