@@ -20,8 +20,9 @@
 //!   instance acknowledged something for that sandbox after `r`. Sockets
 //!   abandoned because their instance froze are drained in the background,
 //!   so a late acknowledgement is seen. A `SANDBOX_CHECKPOINTED` is not held
-//!   to this rule: the server sends it after recording the checkpoint and
-//!   releasing the hold, so one that a frozen instance delivers late reports
+//!   to this rule: the server sends it once the checkpoint is safe (carried
+//!   by the hand-back, or recorded) and the hold released (decision 21), so
+//!   one that a frozen instance delivers late reports
 //!   a checkpoint made before the next instance could acquire the sandbox
 //!   (a CI run saw exactly that: the freeze fell between the release and the
 //!   frame). Whether it is real is what (b) checks: the acknowledged state
