@@ -219,7 +219,8 @@ async fn forks_named_checkpoints_and_executes_have_caps_of_their_own() {
         .await;
     assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
     let mut ws = server.attach(&id, &token).await;
-    ws.until_status("SANDBOX_RUNNING").await;
+    let frames = ws.until_status("SANDBOX_RUNNING").await;
+    assert_eq!(frames.last().unwrap(), "SANDBOX_RUNNING", "{frames:?}");
     ws.send(json!({"action": "checkpoint", "name": "second"}))
         .await;
     let frames = ws.until_status("SANDBOX_CHECKPOINT_ERROR").await;

@@ -43,7 +43,14 @@ async fn crash_during_handoff(failpoint: &str) -> String {
     ws.send(json!({"action": "checkpoint"})).await;
     assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
     let mut ws = a.attach(&id, &token).await;
-    ws.until_status("SANDBOX_RUNNING").await;
+    // Asserted: an attach that ended in an error and a close showed only as
+    // the next send's `SendAfterClosing` (issue 25, item 4).
+    let frames = ws.until_status("SANDBOX_RUNNING").await;
+    assert_eq!(
+        frames.last().unwrap(),
+        "SANDBOX_RUNNING",
+        "{failpoint}: {frames:?}"
+    );
     ws.exec("bash", "echo v2 > /tmp/v").await;
     drop(ws);
     tokio::time::sleep(Duration::from_millis(300)).await;

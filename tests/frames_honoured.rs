@@ -145,3 +145,38 @@ async fn queued_frames_sent_before_a_close_take_effect_after_a_reattach() {
         check.until_close().await;
     }
 }
+
+/// An attach right after the checkpoint that closed the client's socket
+/// restores and runs, and owns the sandbox alone: a second attach is
+/// refused as in use. The race: the restore could take the registry's entry
+/// before the idle watcher read the old hold's `Checkpointed`; the watcher
+/// then forgot the entry the new session was attached to, nothing watched
+/// the new hold, and a second attach was let in beside the first (unit
+/// test: `api::live::tests`, which fails on the code before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attach_right_after_a_checkpoint_owns_the_sandbox_alone() {
+    let server = Server::start().await;
+    let init = json!({"enable_checkpoint": true, "idle_timeout": 300});
+    let (mut ws, id, token) = server.create(init).await;
+    ws.exec("bash", "echo 0 > /tmp/n").await;
+    for round in 1..=3 {
+        ws.send(json!({"action": "checkpoint"})).await;
+        let frames = ws.until_close().await;
+        assert_eq!(frames.last().unwrap(), "close:1000", "{frames:?}");
+        ws = server.attach(&id, &token).await;
+        let frames = ws.until_status("SANDBOX_RUNNING").await;
+        assert_eq!(
+            frames.last().unwrap(),
+            "SANDBOX_RUNNING",
+            "round {round}: {frames:?}"
+        );
+        let frames = ws
+            .exec("bash", &format!("cat /tmp/n; echo {round} > /tmp/n"))
+            .await;
+        assert_eq!(frames[1], format!("stdout:{}\n", round - 1), "{frames:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut second = server.attach(&id, &token).await;
+        let frames = second.until_close().await;
+        assert_eq!(frames[0], "SANDBOX_IN_USE", "round {round}: {frames:?}");
+    }
+}

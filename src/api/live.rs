@@ -231,16 +231,6 @@ impl LiveSandboxes {
         }
     }
 
-    fn forget(&self, live: &LiveSandbox) {
-        let mut map = self.map();
-        if map
-            .get(&live.id)
-            .is_some_and(|l| std::ptr::eq(l.as_ref(), live))
-        {
-            map.remove(&live.id);
-        }
-    }
-
     /// Marks the sandbox as running here with `options`, and starts the task
     /// that expires it when idle and forgets it when it leaves this instance.
     pub fn started<C: Lifecycle>(
@@ -278,6 +268,7 @@ impl LiveSandboxes {
         mut events: broadcast::Receiver<SandboxEvent>,
     ) {
         let mut expired = false;
+        let mut recheck: Option<Instant> = None;
         loop {
             let deadline = {
                 let inner = live.inner();
@@ -288,22 +279,47 @@ impl LiveSandboxes {
                     // what `Instant` holds) means never, not a panic.
                     .and_then(|timeout| inner.last_activity.checked_add(timeout))
             };
+            let wake = match (deadline.filter(|_| !expired), recheck) {
+                (Some(idle), Some(again)) => Some(idle.min(again)),
+                (idle, again) => idle.or(again),
+            };
             let sleep = async {
-                match deadline {
-                    Some(deadline) if !expired => tokio::time::sleep_until(deadline).await,
-                    _ => std::future::pending().await,
+                match wake {
+                    Some(wake) => tokio::time::sleep_until(wake).await,
+                    None => std::future::pending().await,
                 }
             };
             tokio::select! {
                 event = events.recv() => match event {
-                    Ok(event) if event.ends_hold() => break,
+                    // A late event of a hold that ended while a new one
+                    // began here (an attach right after the checkpoint
+                    // restored the sandbox onto this very entry): the new
+                    // hold is watched on.
+                    Ok(event) if event.ends_hold() => {
+                        if self.hold_ended(&live, || controller.is_held_here(&live.id)) {
+                            return;
+                        }
+                        expired = false;
+                        // Or the event came just before the hold was
+                        // forgotten (a loss is told first): look again.
+                        recheck = Instant::now().checked_add(Duration::from_secs(1));
+                    }
                     Ok(_) => {}
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
-                    Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                        self.hold_ended(&live, || false);
+                        return;
+                    }
                 },
                 () = sleep => {
-                    if !controller.is_held_here(&live.id) {
-                        break;
+                    recheck = None;
+                    if !controller.is_held_here(&live.id)
+                        && self.hold_ended(&live, || controller.is_held_here(&live.id))
+                    {
+                        return;
+                    }
+                    if expired {
+                        continue;
                     }
                     let (idle_for, running, options) = {
                         let inner = live.inner();
@@ -334,7 +350,30 @@ impl LiveSandboxes {
                 }
             }
         }
-        self.forget(&live);
+    }
+
+    /// The sandbox's hold here ended, unless `held_here` says a new one
+    /// began (checked under the entry's lock, so an attach's
+    /// [`Self::started`] either sees the entry stopped and watches the new
+    /// hold itself, or is already watched here). A stopped entry is
+    /// forgotten once no socket is attached to it; an attached one stays
+    /// (a new attach may have taken it: another attach is refused as in use
+    /// until it detaches, which forgets it). True when the hold ended.
+    fn hold_ended(&self, live: &LiveSandbox, held_here: impl FnOnce() -> bool) -> bool {
+        let mut map = self.map();
+        let mut inner = live.inner();
+        if held_here() {
+            return false;
+        }
+        inner.started = false;
+        if inner.attached.is_none()
+            && map
+                .get(&live.id)
+                .is_some_and(|l| std::ptr::eq(l.as_ref(), live))
+        {
+            map.remove(&live.id);
+        }
+        true
     }
 }
 
@@ -343,7 +382,25 @@ mod tests {
     use super::*;
 
     /// A controller whose events the test sends itself.
-    struct Events(broadcast::Sender<SandboxEvent>);
+    struct Events(
+        broadcast::Sender<SandboxEvent>,
+        std::sync::atomic::AtomicBool,
+    );
+
+    impl Events {
+        fn new() -> Self {
+            Self(
+                broadcast::channel(16).0,
+                std::sync::atomic::AtomicBool::new(true),
+            )
+        }
+
+        /// The hold ends: no longer held here, then `event`.
+        fn end_hold(&self, event: SandboxEvent) {
+            self.1.store(false, Ordering::Release);
+            self.0.send(event).ok();
+        }
+    }
 
     #[async_trait]
     impl Lifecycle for Events {
@@ -351,7 +408,7 @@ mod tests {
             self.0.subscribe()
         }
         fn is_held_here(&self, _sandbox: &SandboxId) -> bool {
-            true
+            self.1.load(Ordering::Acquire)
         }
         async fn request_state(
             &self,
@@ -370,10 +427,10 @@ mod tests {
         let registry = Arc::new(LiveSandboxes::default());
         let id = SandboxId::random();
         let (live, attachment) = registry.attach(&id).unwrap();
-        let controller = Arc::new(Events(broadcast::channel(16).0));
+        let controller = Arc::new(Events::new());
         registry.started(&live, SandboxOptions::default(), &controller);
         // Nothing has yielded yet: the watcher task has not run.
-        controller.0.send(SandboxEvent::Deleted).ok();
+        controller.end_hold(SandboxEvent::Deleted);
         registry.detach(&live, attachment);
         for _ in 0..100 {
             tokio::task::yield_now().await;
@@ -393,7 +450,7 @@ mod tests {
         let registry = Arc::new(LiveSandboxes::default());
         let id = SandboxId::random();
         let (live, attachment) = registry.attach(&id).unwrap();
-        let controller = Arc::new(Events(broadcast::channel(16).0));
+        let controller = Arc::new(Events::new());
         let options = SandboxOptions {
             idle_timeout: Some(Duration::from_secs(u64::MAX)),
             ..SandboxOptions::default()
@@ -403,7 +460,7 @@ mod tests {
         for _ in 0..100 {
             tokio::task::yield_now().await;
         }
-        controller.0.send(SandboxEvent::Deleted).ok();
+        controller.end_hold(SandboxEvent::Deleted);
         for _ in 0..100 {
             tokio::task::yield_now().await;
         }
@@ -411,5 +468,61 @@ mod tests {
             registry.get(&id).is_none(),
             "the watcher died on the idle deadline and keeps the sandbox forever"
         );
+    }
+    async fn settle() {
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// The race behind the test clients' `SendAfterClosing`: a client
+    /// attached right after its checkpoint closed the socket, and the
+    /// restore took the entry before the watcher read the `Checkpointed`.
+    /// The watcher then forgot the entry the new session was attached to,
+    /// and nothing watched the new hold: a second attach was let in beside
+    /// the first. It now watches the new hold, and the entry stays.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_hold_that_ends_while_an_attach_restores_onto_the_entry_is_watched_on() {
+        let registry = Arc::new(LiveSandboxes::default());
+        let id = SandboxId::random();
+        let controller = Arc::new(Events::new());
+        let (live, first) = registry.attach(&id).unwrap();
+        registry.started(&live, SandboxOptions::default(), &controller);
+        settle().await;
+
+        // Restored before the watcher reads the end of the old hold.
+        controller.end_hold(SandboxEvent::Checkpointed { image: "i".into() });
+        registry.detach(&live, first);
+        let (again, second) = registry.attach(&id).unwrap();
+        assert!(Arc::ptr_eq(&live, &again));
+        controller.1.store(true, Ordering::Release);
+        registry.started(&again, SandboxOptions::default(), &controller);
+        settle().await;
+        assert_eq!(registry.attach(&id).err(), Some(InUse));
+
+        // The new hold ends: forgotten once its socket goes.
+        controller.end_hold(SandboxEvent::Deleted);
+        settle().await;
+        registry.detach(&again, second);
+        assert!(registry.get(&id).is_none());
+
+        // Restoring when the watcher reads the end: the entry stays
+        // (attached), and the attach's start watches the new hold.
+        let (live, first) = registry.attach(&id).unwrap();
+        controller.1.store(true, Ordering::Release);
+        registry.started(&live, SandboxOptions::default(), &controller);
+        settle().await;
+        controller.end_hold(SandboxEvent::Checkpointed { image: "i".into() });
+        registry.detach(&live, first);
+        let (again, second) = registry.attach(&id).unwrap();
+        settle().await;
+        assert_eq!(registry.attach(&id).err(), Some(InUse));
+        controller.1.store(true, Ordering::Release);
+        registry.started(&again, SandboxOptions::default(), &controller);
+        settle().await;
+        controller.end_hold(SandboxEvent::Deleted);
+        settle().await;
+        registry.detach(&again, second);
+        assert!(registry.get(&id).is_none(), "the new hold had no watcher");
     }
 }
