@@ -334,6 +334,15 @@ const SMALL_SANDBOX: u64 = 256 << 20;
 /// sentry died in checkpoints and restores: see docs/security.md).
 const BUFFER_MIB: u64 = 128;
 
+/// [`BUFFER_MIB`], or `ADMISSION_BUFFER_MIB` (184 reproduces the sentry's
+/// OOM kill in a checkpoint or restore).
+fn buffer_mib() -> u64 {
+    std::env::var("ADMISSION_BUFFER_MIB")
+        .ok()
+        .and_then(|mib| mib.parse().ok())
+        .unwrap_or(BUFFER_MIB)
+}
+
 /// Fills a buffer of pseudo-random bytes (every page written) in the
 /// sandbox's Python session and prints its pid and checksum.
 const FILL: &str = "import hashlib, os\n\
@@ -372,7 +381,8 @@ async fn filling_an_instance_with_sandboxes_that_use_their_memory_kills_none() {
         });
     })
     .await;
-    let fill = FILL.replace("BUFFER_MIB", &BUFFER_MIB.to_string());
+    let buffer_mib = buffer_mib();
+    let fill = FILL.replace("BUFFER_MIB", &buffer_mib.to_string());
     let started = Instant::now();
 
     // Two sandboxes fill their buffer and are left idle; three more fill
@@ -383,7 +393,7 @@ async fn filling_an_instance_with_sandboxes_that_use_their_memory_kills_none() {
     for n in 0..5 {
         let (mut ws, id, token) = server.create(init()).await;
         let seen = printed(&mut ws, &fill).await;
-        assert!(seen.ends_with(&format!(" {BUFFER_MIB}\n")), "{seen}");
+        assert!(seen.ends_with(&format!(" {buffer_mib}\n")), "{seen}");
         if n < 2 {
             leave(&server, ws, &id).await;
             idle.push((id, token, seen));
@@ -423,7 +433,7 @@ async fn filling_an_instance_with_sandboxes_that_use_their_memory_kills_none() {
         attached.push((back, id.clone(), seen.clone()));
     }
     eprintln!(
-        "6 creates, 4 evictions, 2 restores of {BUFFER_MIB} MiB buffers: {:?}",
+        "6 creates, 4 evictions, 2 restores of {buffer_mib} MiB buffers: {:?}",
         started.elapsed()
     );
     for (mut ws, _, _) in attached {

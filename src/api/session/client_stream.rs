@@ -92,3 +92,121 @@ fn size_of_read(read: &Read) -> usize {
         Ok(_) | Err(_) => 0,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use axum::extract::ws::WebSocketUpgrade;
+    use futures::SinkExt;
+    use tokio::sync::{Notify, oneshot};
+    use tokio_tungstenite::tungstenite::Message as ClientMessage;
+
+    use super::*;
+
+    /// Bytes per frame the client sends: 8 fill [`EARLY_BYTES`].
+    const FRAME: usize = 512 << 10;
+    /// Frames the client tries to send while the handshake waits.
+    const FLOOD: usize = 100;
+
+    /// What the server saw: frames kept during the wait, their bytes, then
+    /// every frame read after it (up to "end").
+    type Seen = (usize, usize, Vec<String>);
+
+    /// A server whose handshake waits until `release`, reading the socket
+    /// meanwhile, then reads everything.
+    async fn server(release: Arc<Notify>) -> (String, oneshot::Receiver<Seen>) {
+        let (report, seen) = oneshot::channel::<Seen>();
+        let report = Arc::new(Mutex::new(Some(report)));
+        let app = axum::Router::new().route(
+            "/",
+            axum::routing::get(move |upgrade: WebSocketUpgrade| async move {
+                upgrade.on_upgrade(move |socket| async move {
+                    let (_sink, stream) = socket.split();
+                    let mut stream = ClientStream::new(stream);
+                    stream.while_waiting(release.notified()).await;
+                    let kept = (stream.early.len(), stream.early_bytes);
+                    let mut frames = Vec::new();
+                    while let Some(Ok(Message::Text(text))) = stream.next().await {
+                        if text.as_str() == "end" {
+                            break;
+                        }
+                        frames.push(text.as_str().get(..12).unwrap_or_default().to_owned());
+                    }
+                    let sender = report.lock().ok().and_then(|mut report| report.take());
+                    if let Some(sender) = sender {
+                        let _ = sender.send((kept.0, kept.1, frames));
+                    }
+                })
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (format!("ws://{addr}/"), seen)
+    }
+
+    /// Frames a client sends while a create or attach waits are kept for the
+    /// session up to the bound; beyond it the socket is not read (the
+    /// client's sends stall); once the wait ends every frame arrives, in
+    /// order.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn frames_sent_during_a_wait_are_kept_up_to_the_bound_and_none_is_lost() {
+        let release = Arc::new(Notify::new());
+        let (url, seen) = server(Arc::clone(&release)).await;
+        let (socket, _) = tokio_tungstenite::connect_async(url).await.unwrap();
+        let (mut sink, _stream) = socket.split();
+        let sent = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let flood = {
+            let (sent, stop) = (Arc::clone(&sent), Arc::clone(&stop));
+            tokio::spawn(async move {
+                for n in 0..FLOOD {
+                    if stop.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let text = format!("frame-{n:05}:{}", "x".repeat(FRAME));
+                    sink.send(ClientMessage::text(text)).await.unwrap();
+                    sent.fetch_add(1, Ordering::AcqRel);
+                }
+                sink
+            })
+        };
+        // Wait until the sends stall (or all went through).
+        let mut last = (0, Instant::now());
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let now = sent.load(Ordering::Acquire);
+            if now == FLOOD || (now == last.0 && last.1.elapsed() > Duration::from_secs(2)) {
+                break;
+            }
+            if now != last.0 {
+                last = (now, Instant::now());
+            }
+        }
+        stop.store(true, Ordering::Release);
+        let held = sent.load(Ordering::Acquire);
+        assert!(
+            held < FLOOD,
+            "the server read all {FLOOD} frames of 512 KiB during the wait"
+        );
+        release.notify_one();
+        let mut sink = flood.await.unwrap();
+        let total = sent.load(Ordering::Acquire);
+        sink.send(ClientMessage::text("end")).await.unwrap();
+        let (kept, kept_bytes, frames) = seen.await.unwrap();
+        assert!(kept <= EARLY_FRAMES, "{kept} frames kept");
+        assert!(
+            kept_bytes <= EARLY_BYTES + FRAME + 20,
+            "{kept_bytes} bytes kept"
+        );
+        assert!(kept >= EARLY_BYTES / (FRAME + 20), "{kept} frames kept");
+        let expected: Vec<String> = (0..total).map(|n| format!("frame-{n:05}:")).collect();
+        assert_eq!(
+            frames, expected,
+            "every frame, in order ({held} sent during the wait)"
+        );
+    }
+}
