@@ -1,4 +1,5 @@
-//! Lifting a sandbox's CPU quota while runsc checkpoints or restores it.
+//! Lifting a sandbox's CPU quota, and giving its memory limit headroom,
+//! while runsc checkpoints or restores it.
 //!
 //! A sandbox's CPU limit (`--sandbox-cpus`, one core by default) is a cgroup
 //! quota on the whole gVisor sandbox, the sentry included. `runsc
@@ -21,6 +22,18 @@
 //! (`cpu.max`, `max <period>` for none). Where neither is found or writable
 //! (a platform that does not let the server write cgroups) the checkpoint
 //! runs under the quota, as before; that is logged, not an error.
+//!
+//! The memory limit gets headroom the same way. A checkpoint writes, and a
+//! restore loads, the sandbox's memory while the sentry works in the same
+//! cgroup: a sandbox using 62–72 % of a 256 MiB limit could not be restored
+//! (its memcg OOM-killed the sentry: shmem 169 MB for its memory plus 85 MB
+//! of the sentry's own), and once its checkpoint failed the same way
+//! (`tests/admission_gvisor.rs`). So for the checkpoint or restore the limit
+//! (cgroup v1 `memory.limit_in_bytes`, v2 `memory.max`) is raised by a
+//! quarter, at least 128 MiB, and put back afterwards; the instance's
+//! `--memory-reserve-mb` covers that moment. If putting it back fails (the
+//! restored sandbox still uses more), the sandbox keeps the headroom and
+//! that is logged.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,25 +43,92 @@ use std::time::{Duration, Instant};
 /// Where cgroup hierarchies are mounted.
 pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
-/// A lifted quota, to put back if the container goes on running.
+/// A lifted limit (the CPU quota, or the memory limit raised), to put back
+/// if the container goes on running.
 #[derive(Debug)]
-pub struct LiftedQuota {
+pub struct LiftedLimit {
     file: PathBuf,
     previous: String,
 }
 
-impl LiftedQuota {
-    /// Puts the quota back as it was.
-    pub fn restore(self) {
+impl LiftedLimit {
+    /// Puts the limit back as it was.
+    fn put_back(self) {
         if let Err(err) = std::fs::write(&self.file, &self.previous) {
-            tracing::warn!(file = %self.file.display(), %err, "could not put a sandbox's CPU quota back");
+            tracing::warn!(file = %self.file.display(), %err, "could not put a sandbox's limit back; it keeps the headroom");
         }
     }
 }
 
-/// Lifts the CPU quota of container `container_id` under `cgroup_root`;
-/// `None` when it has none, or it cannot be found or written.
+/// What [`lift`] lifted, to put back together.
+#[derive(Debug, Default)]
+pub struct LiftedQuota {
+    cpu: Option<LiftedLimit>,
+    memory: Option<LiftedLimit>,
+}
+
+impl LiftedQuota {
+    /// Puts the limits back as they were.
+    pub fn restore(self) {
+        if let Some(cpu) = self.cpu {
+            cpu.put_back();
+        }
+        if let Some(memory) = self.memory {
+            memory.put_back();
+        }
+    }
+}
+
+/// Lifts the CPU quota of container `container_id` under `cgroup_root` and
+/// gives its memory limit headroom; `None` when it has neither, or they
+/// cannot be found or written.
 pub fn lift(cgroup_root: &Path, container_id: &str) -> Option<LiftedQuota> {
+    let lifted = LiftedQuota {
+        cpu: lift_cpu(cgroup_root, container_id),
+        memory: raise_memory(cgroup_root, container_id),
+    };
+    (lifted.cpu.is_some() || lifted.memory.is_some()).then_some(lifted)
+}
+
+/// The least headroom a checkpoint or restore gets above the memory limit.
+const MIN_MEMORY_HEADROOM: u64 = 128 << 20;
+
+/// A memory limit at or above this is none (cgroup v1 writes "unlimited"
+/// as 9223372036854771712).
+const UNLIMITED_MEMORY: u64 = 1 << 62;
+
+/// Raises the memory limit of container `container_id` by a quarter (at
+/// least [`MIN_MEMORY_HEADROOM`]); `None` when it has none, or it cannot be
+/// found or written.
+fn raise_memory(cgroup_root: &Path, container_id: &str) -> Option<LiftedLimit> {
+    let candidates = [
+        cgroup_root
+            .join("memory")
+            .join(container_id)
+            .join("memory.limit_in_bytes"),
+        cgroup_root.join(container_id).join("memory.max"),
+    ];
+    let (file, previous) = candidates.into_iter().find_map(|file| {
+        let previous = std::fs::read_to_string(&file).ok()?;
+        Some((file, previous.trim().to_owned()))
+    })?;
+    let limit: u64 = previous.parse().ok()?;
+    if limit >= UNLIMITED_MEMORY {
+        return None;
+    }
+    let raised = limit.saturating_add((limit / 4).max(MIN_MEMORY_HEADROOM));
+    match std::fs::write(&file, raised.to_string()) {
+        Ok(()) => Some(LiftedLimit { file, previous }),
+        Err(err) => {
+            tracing::debug!(file = %file.display(), %err, "cannot give the sandbox's memory headroom for its checkpoint or restore");
+            None
+        }
+    }
+}
+
+/// Lifts the CPU quota; `None` when there is none, or it cannot be found or
+/// written.
+fn lift_cpu(cgroup_root: &Path, container_id: &str) -> Option<LiftedLimit> {
     let candidates = [
         (
             cgroup_root
@@ -83,7 +163,7 @@ pub fn lift(cgroup_root: &Path, container_id: &str) -> Option<LiftedQuota> {
         }
     };
     match std::fs::write(&file, &unlimited) {
-        Ok(()) => Some(LiftedQuota { file, previous }),
+        Ok(()) => Some(LiftedLimit { file, previous }),
         Err(err) => {
             tracing::debug!(file = %file.display(), %err, "cannot lift the sandbox's CPU quota for its checkpoint");
             None
@@ -112,16 +192,18 @@ impl QuotaWatch {
         let stopped = stop.clone();
         let task = tokio::task::spawn_blocking(move || {
             let started = Instant::now();
-            let mut lifted = None;
+            // Each once runsc has set it (the cgroup first appears without).
+            let mut lifted = LiftedQuota::default();
             while !stopped.load(Ordering::Acquire) && started.elapsed() < WATCH_AT_MOST {
-                if lifted.is_none() {
-                    lifted = lift(&cgroup_root, &container_id);
+                if lifted.cpu.is_none() {
+                    lifted.cpu = lift_cpu(&cgroup_root, &container_id);
+                }
+                if lifted.memory.is_none() {
+                    lifted.memory = raise_memory(&cgroup_root, &container_id);
                 }
                 std::thread::sleep(WATCH_EVERY);
             }
-            if let Some(lifted) = lifted {
-                lifted.restore();
-            }
+            lifted.restore();
         });
         Self { stop, task }
     }
@@ -177,6 +259,35 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&file).expect("read"), "-1");
         lifted.restore();
         assert_eq!(std::fs::read_to_string(&file).expect("read"), "100000");
+    }
+
+    #[test]
+    fn a_memory_limit_gets_headroom_and_is_put_back() {
+        let root = tempfile::tempdir().expect("temp dir");
+        let v1 = cgroup(
+            root.path(),
+            "memory/sbx3/memory.limit_in_bytes",
+            "268435456\n",
+        );
+        let lifted = lift(root.path(), "sbx3").expect("lifted");
+        // A quarter of 256 MiB is under the floor: 128 MiB more.
+        assert_eq!(std::fs::read_to_string(&v1).expect("read"), "402653184");
+        lifted.restore();
+        assert_eq!(std::fs::read_to_string(&v1).expect("read"), "268435456");
+        let v2 = cgroup(root.path(), "sbx4/memory.max", "2147483648\n");
+        let lifted = lift(root.path(), "sbx4").expect("lifted");
+        assert_eq!(std::fs::read_to_string(&v2).expect("read"), "2684354560");
+        lifted.restore();
+        assert_eq!(std::fs::read_to_string(&v2).expect("read"), "2147483648");
+        // No limit: nothing to raise (and no quota either).
+        cgroup(
+            root.path(),
+            "memory/sbx5/memory.limit_in_bytes",
+            "9223372036854771712\n",
+        );
+        cgroup(root.path(), "sbx6/memory.max", "max\n");
+        assert!(lift(root.path(), "sbx5").is_none());
+        assert!(lift(root.path(), "sbx6").is_none());
     }
 
     #[test]
