@@ -120,7 +120,11 @@ async fn a_full_instance_evicts_its_least_recently_used_idle_sandbox_and_refuses
 
     // C fits only once A, idle, was checkpointed and released.
     let (mut c, c_id, c_token) = server.create(init()).await;
-    let evicted = metadata(&server, &a_id).await;
+    let evicted = support::eventually(
+        || metadata(&server, &a_id),
+        |m| m.status.phase == Phase::Checkpointed,
+    )
+    .await;
     assert_eq!(evicted.spec.desired_state, DesiredState::Checkpointed);
     assert_eq!(evicted.status.phase, Phase::Checkpointed);
     assert!(evicted.status.latest_checkpoint.is_some());
@@ -162,7 +166,13 @@ async fn a_full_instance_evicts_its_least_recently_used_idle_sandbox_and_refuses
     assert_eq!(frames[0], "SANDBOX_RESTORING", "{frames:?}");
     assert_eq!(session(&mut a, "print(x + 1)").await[1], "stdout:42\n");
     assert_eq!(
-        metadata(&server, &c_id).await.status.phase,
+        support::eventually(
+            || metadata(&server, &c_id),
+            |m| m.status.phase == Phase::Checkpointed
+        )
+        .await
+        .status
+        .phase,
         Phase::Checkpointed
     );
     let metrics = reqwest::get(format!("http://{}/metrics", server.addr))
@@ -404,7 +414,11 @@ async fn filling_an_instance_with_sandboxes_that_use_their_memory_kills_none() {
         }
     }
     for (id, _, _) in &idle {
-        let evicted = metadata(&server, id).await;
+        let evicted = support::eventually(
+            || metadata(&server, id),
+            |m| m.status.phase == Phase::Checkpointed,
+        )
+        .await;
         assert_eq!(evicted.status.phase, Phase::Checkpointed, "{id}");
     }
     // The sixth finds nothing idle to evict: refused, naming capacity.

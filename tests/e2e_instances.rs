@@ -278,7 +278,11 @@ async fn an_operator_edit_in_the_bucket_takes_effect_and_bad_json_is_left_alone(
         frames.contains(&"SANDBOX_CHECKPOINTED".to_owned()),
         "{frames:?}"
     );
-    let stored: Value = serde_json::from_str(&read_object(&bucket, &key).await).unwrap();
+    let stored: Value = support::eventually(
+        || async { serde_json::from_str(&read_object(&bucket, &key).await).unwrap() },
+        |stored: &Value| stored["status"]["phase"] == "Checkpointed",
+    )
+    .await;
     assert_eq!(stored["status"]["phase"], "Checkpointed");
 
     let mut ws = a.attach(&id, &token).await;

@@ -540,7 +540,11 @@ async fn checkpoint_then_attach_restores_files_and_memory() {
             "close:1000"
         ])
     );
-    let stored = metadata(&server, &id).await;
+    let stored = support::eventually(
+        || metadata(&server, &id),
+        |m| m.status.phase == Phase::Checkpointed,
+    )
+    .await;
     assert_eq!(stored.status.phase, Phase::Checkpointed);
     assert!(stored.status.latest_checkpoint.is_some());
 
@@ -916,7 +920,11 @@ async fn invalid_json_written_by_an_operator_is_a_clear_restore_error() {
 async fn a_corrupt_checkpoint_image_is_refused_and_the_record_kept() {
     let server = Server::start().await;
     let (id, token) = checkpointed(&server).await;
-    let before = metadata(&server, &id).await;
+    let before = support::eventually(
+        || metadata(&server, &id),
+        |m| m.status.latest_checkpoint.is_some(),
+    )
+    .await;
     let image = before.status.latest_checkpoint.clone().unwrap().path;
     let key = controllers::store::ObjectKey::new(image.as_str()).unwrap();
     let mut bytes = server.store.get(&key).await.unwrap().data.to_vec();

