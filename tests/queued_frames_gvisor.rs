@@ -28,7 +28,6 @@ use futures::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use support::ws::Server;
 use tokio::net::TcpStream;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::protocol::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
@@ -53,22 +52,7 @@ const STALLED: Duration = Duration::from_secs(3);
 /// A client socket with a tiny receive window, so that what it does not
 /// read backs up into the server (the download's frames hold the session).
 async fn connect(url: &str) -> Socket {
-    let request = url.into_client_request().expect("request");
-    let host = request.uri().host().expect("host").to_owned();
-    let port = request.uri().port_u16().expect("port");
-    let addr = tokio::net::lookup_host((host.as_str(), port))
-        .await
-        .expect("resolve")
-        .next()
-        .expect("an address");
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
-    let stream = socket.connect(addr).await.expect("connect");
-    let (socket, _response) =
-        tokio_tungstenite::client_async(request, MaybeTlsStream::Plain(stream))
-            .await
-            .unwrap_or_else(|err| panic!("cannot connect to {url}: {err}"));
-    socket
+    support::ws::small_window_socket(url).await
 }
 
 async fn next(stream: &mut SplitStream<Socket>) -> Message {

@@ -288,7 +288,11 @@ async fn a_wrong_token_restores_nothing_b6() {
         .await;
     ws.send(json!({"action": "checkpoint"})).await;
     assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
-    let before = metadata(&server, &id).await;
+    let before = support::eventually(
+        || metadata(&server, &id),
+        |m| m.status.phase == Phase::Checkpointed,
+    )
+    .await;
 
     let mut wrong = server.attach(&id, &"f".repeat(64)).await;
     assert_eq!(
@@ -806,7 +810,13 @@ async fn idle_auto_checkpoint_keeps_the_sandbox_for_a_later_attach() {
         "{frames:?}"
     );
     assert_eq!(
-        metadata(&server, &id).await.status.phase,
+        support::eventually(
+            || metadata(&server, &id),
+            |m| m.status.phase == Phase::Checkpointed
+        )
+        .await
+        .status
+        .phase,
         Phase::Checkpointed
     );
     let mut ws = server.attach(&id, &token).await;
@@ -1162,7 +1172,13 @@ async fn a_checkpoint_sent_before_an_execution_is_taken_first() {
         ])
     );
     assert_eq!(
-        metadata(&server, &id).await.status.phase,
+        support::eventually(
+            || metadata(&server, &id),
+            |m| m.status.phase == Phase::Checkpointed
+        )
+        .await
+        .status
+        .phase,
         Phase::Checkpointed
     );
 }

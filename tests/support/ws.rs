@@ -216,21 +216,7 @@ impl Ws {
     /// Connects with a tiny TCP receive window, so that whatever the test does
     /// not read backs up into the server instead of the kernel's buffers.
     pub async fn connect_small_window(url: &str) -> Self {
-        let request = url.into_client_request().expect("request");
-        let host = request.uri().host().expect("host").to_owned();
-        let port = request.uri().port_u16().expect("port");
-        let addr = tokio::net::lookup_host((host.as_str(), port))
-            .await
-            .expect("resolve")
-            .next()
-            .expect("an address");
-        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-        socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
-        let stream = socket.connect(addr).await.expect("connect");
-        let (stream, _response) =
-            tokio_tungstenite::client_async(request, MaybeTlsStream::Plain(stream))
-                .await
-                .unwrap_or_else(|err| panic!("cannot connect to {url}: {err}"));
+        let stream = small_window_socket(url).await;
         Self {
             stream,
             closed: false,
@@ -434,4 +420,25 @@ fn short(frame: &Value) -> String {
         Some("sandbox_id") => "sandbox_id".to_owned(),
         _ => panic!("a server frame without a known event: {frame}"),
     }
+}
+
+/// A WebSocket client whose TCP receive window is tiny (4 KiB), so that
+/// whatever the test does not read backs up into the server.
+pub async fn small_window_socket(url: &str) -> WebSocketStream<MaybeTlsStream<TcpStream>> {
+    let request = url.into_client_request().expect("request");
+    let host = request.uri().host().expect("host").to_owned();
+    let port = request.uri().port_u16().expect("port");
+    let addr = tokio::net::lookup_host((host.as_str(), port))
+        .await
+        .expect("resolve")
+        .next()
+        .expect("an address");
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let stream = socket.connect(addr).await.expect("connect");
+    let (stream, _response) =
+        tokio_tungstenite::client_async(request, MaybeTlsStream::Plain(stream))
+            .await
+            .unwrap_or_else(|err| panic!("cannot connect to {url}: {err}"));
+    stream
 }
