@@ -194,3 +194,54 @@ async fn a_partitioned_store_answers_within_its_deadline() {
     proxy.set_partition(Partition::Connected);
     assert_eq!(store.get(&k).await.unwrap().data, Bytes::from_static(b"{}"));
 }
+
+/// The requests that carried `object` (its upload's, for a fresh name).
+fn requests_for(model: &StorageModel, object: &str) -> Vec<String> {
+    model
+        .records()
+        .iter()
+        .filter(|r| r.object == object)
+        .map(|r| format!("{} {}", r.method, r.status))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_blob_goes_up_in_one_request_a_large_one_streams() {
+    let (store, model, _proxy) = modelled(Profile::loopback(), support::test_retries()).await;
+    let dir = tempfile::tempdir().unwrap();
+    for (name, size, most_requests) in [
+        // A small sandbox's checkpoint image: one write, not a resumable
+        // upload's start and body (a round trip off the checkpoint's path).
+        ("small", 2_600_000_usize, 1),
+        ("large", 9_000_000, usize::MAX),
+    ] {
+        let path = dir.path().join(name);
+        let data: Vec<u8> = (0..size).map(|i| (i % 253) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let blob = key(&format!("sandbox_checkpoints/{name}/checkpoint.img"));
+        let info = store
+            .upload_blob(&blob, controllers::store::BlobSource::File(path))
+            .await
+            .unwrap();
+        assert_eq!(info.size, size as u64, "{name}");
+        let requests = requests_for(&model, blob.as_str());
+        assert!(
+            requests.len() <= most_requests,
+            "{name}: {requests:?} (at most {most_requests})"
+        );
+        if name == "large" {
+            assert!(
+                requests.len() >= 2,
+                "a blob beyond the one-request size streams resumably: {requests:?}"
+            );
+        }
+        let mut read = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(
+            &mut store.download_blob(&blob).await.unwrap(),
+            &mut read,
+        )
+        .await
+        .unwrap();
+        assert!(read == data, "{name}: the content came back different");
+    }
+}

@@ -68,6 +68,17 @@ pub struct RetrySettings {
 /// The slowest throughput a blob transfer is given time for.
 pub const BLOB_FLOOR_BYTES_PER_S: u64 = 4 << 20;
 
+/// A blob up to this size goes up in one request (multipart, from memory),
+/// not a resumable upload's two (start, then body): a small sandbox's
+/// checkpoint image (about 2.5 MB) saves a write's round trip, 80 ms in
+/// GCS's region, on the checkpoint's and the handoff's critical path.
+const ONE_REQUEST_UPLOAD_MAX: u64 = 8 << 20;
+
+/// Bytes all one-request uploads may hold in memory at once; an upload
+/// that would go beyond streams from its file as a resumable upload (a
+/// drain checkpointing dozens of sandboxes keeps the server's memory flat).
+const ONE_REQUEST_UPLOAD_BUDGET: usize = 64 << 20;
+
 /// A download whose stream brings nothing for this long fails.
 const DOWNLOAD_STALL: Duration = Duration::from_secs(30);
 
@@ -145,6 +156,8 @@ pub struct GcsStore {
     /// When each object was last changed here: a rate-limited write is
     /// retried when its second is up, not on the network's backoff.
     pacer: MutationPacer,
+    /// Memory for one-request uploads, in bytes ([`ONE_REQUEST_UPLOAD_BUDGET`]).
+    upload_memory: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 impl fmt::Debug for GcsStore {
@@ -188,6 +201,9 @@ impl GcsStore {
             bucket: config.bucket,
             retry: config.retry,
             pacer: MutationPacer::default(),
+            upload_memory: std::sync::Arc::new(tokio::sync::Semaphore::new(
+                ONE_REQUEST_UPLOAD_BUDGET,
+            )),
         })
     }
 
@@ -340,9 +356,51 @@ impl GcsStore {
         })
     }
 
-    /// Uploads a file, retrying whole uploads on transient failures.
+    /// One attempt at a blob held in memory, in one request.
+    async fn upload_bytes_once(
+        &self,
+        key: &ObjectKey,
+        data: Bytes,
+    ) -> Result<ObjectInfo, StoreError> {
+        let size = data.len();
+        let object = self
+            .client
+            .write_object(&self.bucket_path, key.as_str(), data)
+            .set_content_type("application/octet-stream")
+            .with_resumable_upload_threshold(size.saturating_add(1))
+            .send_buffered()
+            .await
+            .map_err(|err| classify(key, err))?;
+        Ok(ObjectInfo {
+            key: key.clone(),
+            size: u64::try_from(object.size).unwrap_or(0),
+            generation: Generation(object.generation),
+        })
+    }
+
+    /// Uploads a file, retrying whole uploads on transient failures: a
+    /// small one from memory in one request each time (while the memory
+    /// budget allows), else streamed from the file, resumable.
     async fn upload_file(&self, key: &ObjectKey, path: PathBuf) -> Result<ObjectInfo, StoreError> {
         let size = tokio::fs::metadata(&path).await.map_or(0, |m| m.len());
+        let memory = (size <= ONE_REQUEST_UPLOAD_MAX)
+            .then(|| u32::try_from(size).ok())
+            .flatten()
+            .and_then(|bytes| {
+                std::sync::Arc::clone(&self.upload_memory)
+                    .try_acquire_many_owned(bytes)
+                    .ok()
+            });
+        if let Some(_memory) = memory {
+            let data = Bytes::from(tokio::fs::read(&path).await.map_err(|err| {
+                StoreError::other(key, format!("cannot read {}: {err}", path.display()))
+            })?);
+            return self
+                .retrying_blob("upload", key.as_str(), size, || {
+                    self.upload_bytes_once(key, data.clone())
+                })
+                .await;
+        }
         self.retrying_blob("upload", key.as_str(), size, || {
             self.upload_file_once(key, &path)
         })

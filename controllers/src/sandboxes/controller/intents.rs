@@ -280,15 +280,23 @@ impl SandboxController {
         desired: DesiredState,
         checkpoint_name: Option<&str>,
     ) -> Result<(), ControlError> {
+        let name = checkpoint_name.map(str::to_owned);
+        let change = move |spec: &mut SandboxSpec| {
+            spec.desired_state = desired;
+            if desired == DesiredState::Checkpointed {
+                spec.checkpoint_name.clone_from(&name);
+            }
+        };
         let writing = self.reconciler.writing_intent(sandbox);
-        let written = self
-            .update_spec(sandbox, |spec| {
-                spec.desired_state = desired;
-                if desired == DesiredState::Checkpointed {
-                    spec.checkpoint_name = checkpoint_name.map(str::to_owned);
-                }
-            })
-            .await?;
+        if desired == DesiredState::Checkpointed
+            && let Some(started) = self.checkpoint_while_writing(sandbox, &change)
+        {
+            drop(writing);
+            self.enqueue(sandbox);
+            self.finish_checkpoint_intent(sandbox, change, started);
+            return Ok(());
+        }
+        let written = self.update_spec(sandbox, change).await?;
         if let Some(held) = self.reconciler.held(sandbox) {
             // Held here: the pass decides on what was just written and the
             // lock as this instance holds it (a change since fails the
@@ -300,6 +308,63 @@ impl SandboxController {
         self.enqueue(sandbox);
         self.ring_holder(sandbox).await;
         Ok(())
+    }
+
+    /// A checkpoint of a sandbox held here need not wait for its intent's
+    /// write (decision 22): the hold is this instance's, fenced by the
+    /// lock, and the checkpoint is acknowledged only once the hand-back
+    /// that carries it lands. When this instance knows the stored
+    /// metadata, the pass is primed with the change applied and passes
+    /// count it as written until the write ends. Returns the pending
+    /// write's ticket and the metadata it starts from, or `None` (not held
+    /// here, metadata not known: write first).
+    fn checkpoint_while_writing(
+        &self,
+        sandbox: &SandboxId,
+        change: &(impl Fn(&mut SandboxSpec) + Clone + Send + Sync + 'static),
+    ) -> Option<(u64, ReadMetadata)> {
+        let held = self.reconciler.held(sandbox)?;
+        let known = self.reconciler.known_metadata(sandbox)?;
+        let stored: SandboxMetadata = decode(&known.data).ok()?;
+        let mut intended = stored.clone();
+        change(&mut intended.spec);
+        let ticket = self
+            .reconciler
+            .spec_pending(sandbox, Arc::new(change.clone()));
+        self.reconciler.prime(
+            sandbox,
+            (intended, known.generation),
+            Some((held.lease, held.generation)),
+        );
+        Some((ticket, (stored, known.generation)))
+    }
+
+    /// Writes the checkpoint intent [`Self::checkpoint_while_writing`]
+    /// left pending, in a task of its own. Should the write fail before a
+    /// pass took the primed change up, whoever waits for the checkpoint is
+    /// told so (nothing was checkpointed); a pass that took it up
+    /// checkpoints and reports as usual. The write starts from `stored`,
+    /// not from what the prime left known here (the change applied, which
+    /// would look written already).
+    fn finish_checkpoint_intent(
+        &self,
+        sandbox: &SandboxId,
+        change: impl Fn(&mut SandboxSpec) + Send + 'static,
+        (ticket, stored): (u64, ReadMetadata),
+    ) {
+        let Some(this) = self.me.upgrade() else {
+            return;
+        };
+        let sandbox = sandbox.clone();
+        drop(self.reconciler.spawn_background(async move {
+            let outcome = this.update_spec_from(&sandbox, Some(&stored), change).await;
+            this.reconciler.spec_written(&sandbox, ticket);
+            if let Err(err) = outcome {
+                tracing::warn!(%sandbox, %err, "the checkpoint intent was not written");
+                this.reconciler.checkpoint_request_unwritten(&sandbox, &err);
+            }
+            this.enqueue(&sandbox);
+        }));
     }
 
     /// Rings the doorbell of `sandbox`'s holder when that is another

@@ -77,6 +77,8 @@ pub struct SandboxController {
     bus: ProgressBus,
     reconcile_errors: std::sync::atomic::AtomicU64,
     doorbell: std::sync::Mutex<DoorbellState>,
+    /// This controller, for the tasks its calls leave running.
+    me: std::sync::Weak<Self>,
 }
 
 impl SandboxController {
@@ -84,12 +86,13 @@ impl SandboxController {
     pub fn new(reconciler: Reconciler, bus: ProgressBus) -> Arc<Self> {
         let reconciler = Arc::new(reconciler);
         Reconciler::share(&reconciler);
-        Arc::new(Self {
+        Arc::new_cyclic(|me| Self {
             reconciler,
             queue: WorkQueue::default(),
             bus,
             reconcile_errors: std::sync::atomic::AtomicU64::new(0),
             doorbell: std::sync::Mutex::new(DoorbellState::default()),
+            me: me.clone(),
         })
     }
 

@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use crate::api::{Lease, SandboxId, SandboxMetadata, SandboxSpec};
 use crate::store::{Generation, Versioned};
 
+use super::super::events::{CheckpointFailure, SandboxEvent};
 use super::{ReadLease, Reconciler, chrono_duration};
 
 /// `metadata.json` as read or written, with its generation.
@@ -214,6 +215,30 @@ impl Reconciler {
             .is_some_and(|(current, _)| *current == ticket)
         {
             pending.by_sandbox.remove(sandbox);
+        }
+    }
+
+    /// A checkpoint intent primed before its write failed to be written:
+    /// if no pass took the primed objects up, they are withdrawn and the
+    /// waiting client told (nothing was checkpointed; the sandbox runs on).
+    pub(crate) fn checkpoint_request_unwritten(
+        &self,
+        sandbox: &SandboxId,
+        err: &dyn std::fmt::Display,
+    ) {
+        let unused = self
+            .primed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(sandbox)
+            .is_some();
+        if unused {
+            self.emit(
+                sandbox,
+                SandboxEvent::CheckpointFailed(CheckpointFailure::Runtime(format!(
+                    "the checkpoint request could not be recorded: {err}"
+                ))),
+            );
         }
     }
 

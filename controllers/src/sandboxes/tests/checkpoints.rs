@@ -296,3 +296,168 @@ async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_runni
         "recorded for operators"
     );
 }
+
+/// The memory store, but a `metadata.json` write waits for the gate while
+/// it is closed and then fails (a bucket that refuses the intent's write).
+#[derive(Debug)]
+struct GatedMetadataWrites {
+    store: Arc<MemoryStore>,
+    closed: std::sync::atomic::AtomicBool,
+    gate: tokio::sync::Semaphore,
+}
+
+#[async_trait::async_trait]
+impl Store for GatedMetadataWrites {
+    async fn get(
+        &self,
+        key: &crate::store::ObjectKey,
+    ) -> Result<crate::store::Versioned, crate::store::StoreError> {
+        self.store.get(key).await
+    }
+    async fn put(
+        &self,
+        key: &crate::store::ObjectKey,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<crate::store::Generation, crate::store::StoreError> {
+        if key.as_str().ends_with("metadata.json")
+            && self.closed.load(std::sync::atomic::Ordering::SeqCst)
+        {
+            let _passed = self.gate.acquire().await;
+            return Err(crate::store::StoreError::transient(
+                key,
+                "the bucket is unreachable",
+            ));
+        }
+        self.store.put(key, data, mode).await
+    }
+    async fn list_page(
+        &self,
+        prefix: &str,
+        page_token: Option<String>,
+    ) -> Result<crate::store::ListPage, crate::store::StoreError> {
+        self.store.list_page(prefix, page_token).await
+    }
+    async fn delete(&self, key: &crate::store::ObjectKey) -> Result<(), crate::store::StoreError> {
+        self.store.delete(key).await
+    }
+    async fn upload_blob(
+        &self,
+        key: &crate::store::ObjectKey,
+        source: crate::store::BlobSource,
+    ) -> Result<crate::store::ObjectInfo, crate::store::StoreError> {
+        self.store.upload_blob(key, source).await
+    }
+    async fn download_blob(
+        &self,
+        key: &crate::store::ObjectKey,
+    ) -> Result<crate::store::BlobReader, crate::store::StoreError> {
+        self.store.download_blob(key).await
+    }
+}
+
+/// A world whose `metadata.json` writes can be held and failed.
+fn gated_world() -> (World, Arc<GatedMetadataWrites>) {
+    let mut gated = None;
+    let world = World::wrapped(|store| {
+        let wrapper = Arc::new(GatedMetadataWrites {
+            store,
+            closed: std::sync::atomic::AtomicBool::new(false),
+            gate: tokio::sync::Semaphore::new(0),
+        });
+        gated = Some(Arc::clone(&wrapper));
+        wrapper
+    });
+    (world, gated.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
+    let (world, gated) = gated_world();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "x=1").await;
+
+    // The intent's write hangs: the request returns, and the pass it
+    // primed checkpoints meanwhile (decision 22).
+    gated
+        .closed
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut events = a.controller.subscribe(&id);
+    let request = a
+        .controller
+        .request_state(&id, DesiredState::Checkpointed, None);
+    tokio::time::timeout(std::time::Duration::from_secs(10), request)
+        .await
+        .expect("the request waited for its intent's write")
+        .unwrap();
+    a.controller.reconciler().reconcile(&id).await.unwrap();
+    let seen = drain(&mut events);
+    assert!(
+        seen.iter()
+            .any(|e| matches!(e, SandboxEvent::Checkpointed { .. })),
+        "checkpointed while the intent was being written: {seen:?}"
+    );
+    assert!(a.runtime.memory(&id).is_none());
+    assert!(
+        world
+            .lease(&id)
+            .await
+            .checkpoint
+            .is_some_and(|c| c.path.ends_with("checkpoint.img")),
+        "the hand-back carries the checkpoint"
+    );
+
+    // The write then fails: the checkpoint stands, nobody is told it failed.
+    gated.gate.add_permits(1000);
+    gated
+        .closed
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    a.controller.reconciler().background_settled().await;
+    let seen = drain(&mut events);
+    assert!(
+        !seen
+            .iter()
+            .any(|e| matches!(e, SandboxEvent::CheckpointFailed(_))),
+        "{seen:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_intent_that_cannot_be_written_before_its_pass_fails_clearly() {
+    let (world, gated) = gated_world();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "x=1").await;
+
+    gated
+        .closed
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    gated.gate.add_permits(1000);
+    let mut events = a.controller.subscribe(&id);
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    // No pass ran before the write failed: the client is told, and the
+    // sandbox runs on, its memory intact.
+    a.controller.reconciler().background_settled().await;
+    let seen = drain(&mut events);
+    assert!(
+        matches!(
+            seen.as_slice(),
+            [SandboxEvent::CheckpointFailed(CheckpointFailure::Runtime(detail))]
+                if detail.contains("could not be recorded")
+        ),
+        "{seen:?}"
+    );
+    gated
+        .closed
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(a.runtime.memory(&id).unwrap(), vec!["x=1".to_owned()]);
+    assert_eq!(
+        world.metadata(&id).await.spec.desired_state,
+        DesiredState::Running
+    );
+}
