@@ -29,7 +29,9 @@ use crate::api::{
 };
 use crate::clock::Clock;
 use crate::layout::{doorbell_key, instance_lease_key};
-use crate::store::{Decision, Generation, PutMode, RmwError, Store, StoreError, read_modify_write};
+use crate::store::{
+    Decision, Generation, PutMode, RmwError, Store, StoreError, Versioned, read_modify_write_from,
+};
 
 /// What this instance knows of its own lease.
 #[derive(Debug, Default)]
@@ -56,6 +58,11 @@ struct Outbox {
     last_write: Option<tokio::time::Instant>,
     /// The outcome of the latest batch, for the ringers that joined it.
     last_error: Option<String>,
+    /// The doorbell as this instance's last ring left it: the next ring
+    /// writes on it without reading first (one round trip, not two, on a
+    /// handoff's path); another ringer's write since costs a refused write
+    /// and the read after all.
+    known: Option<Versioned>,
 }
 
 /// This instance's lease and doorbell.
@@ -246,13 +253,14 @@ impl InstanceLeases {
             if let Some(last) = last_write {
                 tokio::time::sleep_until(last + self.config.ring_spacing).await;
             }
-            let pending = {
+            let (pending, known) = {
                 let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
                 let outbox = outboxes.entry(holder.clone()).or_default();
-                std::mem::take(&mut outbox.pending)
+                (std::mem::take(&mut outbox.pending), outbox.known.take())
             };
             let outcome = ring_doorbell_many(
                 self.store.as_ref(),
+                known,
                 self.clock.now(),
                 holder,
                 &pending,
@@ -264,7 +272,13 @@ impl InstanceLeases {
                 let outbox = outboxes.entry(holder.clone()).or_default();
                 outbox.written += 1;
                 outbox.last_write = Some(tokio::time::Instant::now());
-                outbox.last_error = outcome.err().map(|err| err.to_string());
+                match outcome {
+                    Ok(written) => {
+                        outbox.known = Some(written);
+                        outbox.last_error = None;
+                    }
+                    Err(err) => outbox.last_error = Some(err.to_string()),
+                }
                 if outbox.pending.is_empty() {
                     outbox.writing = false;
                     false
@@ -309,19 +323,24 @@ pub async fn ring_doorbell(
     sandbox: &SandboxId,
     by: &str,
 ) -> Result<(), LeaseError> {
-    ring_doorbell_many(store, now, holder, std::slice::from_ref(sandbox), by).await
+    ring_doorbell_many(store, None, now, holder, std::slice::from_ref(sandbox), by)
+        .await
+        .map(drop)
 }
 
-/// [`ring_doorbell`] for several sandboxes in one write.
+/// [`ring_doorbell`] for several sandboxes in one write, starting from
+/// `known` (the doorbell as last seen) rather than a read when given.
+/// Returns the doorbell as written.
 async fn ring_doorbell_many(
     store: &dyn Store,
+    known: Option<Versioned>,
     now: DateTime<Utc>,
     holder: &InstanceId,
     sandboxes: &[SandboxId],
     by: &str,
-) -> Result<(), LeaseError> {
+) -> Result<Versioned, LeaseError> {
     let key = doorbell_key(holder);
-    let outcome = read_modify_write(store, &key, |current| {
+    let outcome = read_modify_write_from(store, &key, known, |current| {
         let mut bell = current
             .and_then(|object| decode::<Doorbell>(&object.data).ok())
             .unwrap_or_default();
@@ -333,11 +352,16 @@ async fn ring_doorbell_many(
                 extra: ExtraFields::new(),
             });
         }
-        Ok::<_, std::convert::Infallible>(Decision::Write(encode(&bell), ()))
+        let data = encode(&bell);
+        Ok::<_, std::convert::Infallible>(Decision::Write(data.clone(), data))
     })
     .await;
     match outcome {
-        Ok(_) => Ok(()),
+        Ok((data, Some(generation))) => Ok(Versioned { data, generation }),
+        Ok((_, None)) => Err(LeaseError::Ring {
+            holder: holder.clone(),
+            detail: "the doorbell write reported no generation".to_owned(),
+        }),
         Err(RmwError::Store(err)) => Err(err.into()),
         Err(RmwError::Contended { key, attempts }) => {
             Err(LeaseError::ContendedObject { key, attempts })

@@ -446,6 +446,73 @@ async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
     }
 }
 
+/// A ring writes on the doorbell as this instance's last ring left it,
+/// without reading it first; another ringer's write since costs a refused
+/// write and a read, and loses no ring.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ring_writes_on_the_doorbell_it_last_left_without_reading_it() {
+    use crate::store::{CountingStore, Operation, OperationCounts};
+    let memory = Arc::new(MemoryStore::new());
+    let counts = Arc::new(OperationCounts::default());
+    let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory.clone(), counts.clone()));
+    let clock = ManualClock::new();
+    let ringer = |name: &str| {
+        Leases::new(
+            Arc::clone(&store),
+            Arc::new(clock.clone()),
+            instance(name),
+            LeaseConfig {
+                ring_spacing: std::time::Duration::ZERO,
+                ..LeaseConfig::default()
+            },
+        )
+    };
+    let (b, c) = (ringer("b"), ringer("c"));
+    let sandboxes: Vec<SandboxId> = (0..4u128).map(SandboxId::from_u128).collect();
+    let ops = || (counts.count(Operation::Get), counts.count(Operation::Put));
+
+    b.instance_lease()
+        .ring(&instance("a"), &sandboxes[0])
+        .await
+        .unwrap();
+    assert_eq!(ops(), (1, 1), "the first ring reads the doorbell");
+    b.instance_lease()
+        .ring(&instance("a"), &sandboxes[1])
+        .await
+        .unwrap();
+    assert_eq!(ops(), (1, 2), "the second writes on what the first left");
+
+    // C rings in between: B's next write is refused, then B reads.
+    c.instance_lease()
+        .ring(&instance("a"), &sandboxes[2])
+        .await
+        .unwrap();
+    b.instance_lease()
+        .ring(&instance("a"), &sandboxes[3])
+        .await
+        .unwrap();
+    let (gets, puts) = ops();
+    assert_eq!(
+        (gets, puts),
+        (3, 5),
+        "C read and wrote; B was refused, read and wrote"
+    );
+    let bell: crate::api::Doorbell = decode(
+        &memory
+            .get(&crate::layout::doorbell_key(&instance("a")))
+            .await
+            .unwrap()
+            .data,
+    )
+    .unwrap();
+    for sandbox in &sandboxes {
+        assert!(
+            bell.rings.iter().any(|ring| &ring.sandbox == sandbox),
+            "{sandbox} was rung"
+        );
+    }
+}
+
 /// A handoff's hand-back transfers the hold to the instance whose live
 /// intent names it, in one write that carries the checkpoint.
 #[tokio::test]
