@@ -18,7 +18,9 @@
 //! Prints median, min and max of each.
 //!
 //! `cargo test --release --test bench_handoff -- --ignored --nocapture --test-threads 1`
-//! (`HANDOFF_RUNS`, default 10; `TAKEOVER_RUNS`, default 3; `BENCH_DIR` keeps
+//! (`HANDOFF_RUNS`, default 10; `TAKEOVER_RUNS`, default 3;
+//! `TAKEOVER_PROFILE=gcs-regional` puts the takeover's servers behind that
+//! storage model, `docs/benchmarks.md`; `BENCH_DIR` keeps
 //! the servers' debug logs there). One test at a time: the takeover test's
 //! kills and restarts would otherwise load the machine the handoffs are
 //! timed on.
@@ -191,16 +193,35 @@ async fn handoff_latency() {
 #[ignore = "benchmark (prints figures, asserts no timing): cargo test --release --test bench_handoff -- --ignored --nocapture --test-threads 1"]
 async fn crash_takeover_latency() {
     let runs = runs("TAKEOVER_RUNS", 3);
+    // `TAKEOVER_PROFILE=gcs-regional`: each server reaches the emulator
+    // through its own proxy of that storage model (`docs/benchmarks.md`).
+    let profile: Option<testkit::storage::Profile> = std::env::var("TAKEOVER_PROFILE")
+        .ok()
+        .map(|name| name.parse().expect("TAKEOVER_PROFILE: a storage profile"));
+    let model = profile.clone().map(|profile| {
+        testkit::storage::StorageModel::new(support::emulator().socket_addr(), profile)
+    });
     let dir = tempfile::tempdir().unwrap();
     let bucket = support::create_bucket().await;
-    let b = Launch::new("takeover-b", dir.path())
-        .on_bucket(&bucket)
+    let mut proxies = Vec::new();
+    let mut on_bucket = async |launch: Launch, name: &str| match &model {
+        Some(model) => {
+            let proxy = model.proxy(name).await.unwrap();
+            let launch = launch.on_emulator(&proxy.endpoint(), &bucket);
+            proxies.push(proxy);
+            launch
+        }
+        None => launch.on_bucket(&bucket),
+    };
+    let b = on_bucket(Launch::new("takeover-b", dir.path()), "takeover-b")
+        .await
         .start()
         .await;
     let mut samples = Vec::new();
     for run in 0..runs {
-        let mut a = Launch::new(&format!("takeover-a{run}"), dir.path())
-            .on_bucket(&bucket)
+        let name = format!("takeover-a{run}");
+        let mut a = on_bucket(Launch::new(&name, dir.path()), &name)
+            .await
             .start()
             .await;
         let (mut ws, id, token) = created(&a).await;
@@ -220,10 +241,14 @@ async fn crash_takeover_latency() {
         moved.send(json!({"action": "kill_sandbox"})).await;
         moved.until_close().await;
     }
-    report(
-        "crash takeover, SIGKILL of A -> SANDBOX_RUNNING on B",
-        &mut samples,
-    );
+    let label = match &profile {
+        Some(profile) => format!(
+            "crash takeover under {}, SIGKILL of A -> SANDBOX_RUNNING on B",
+            profile.name
+        ),
+        None => "crash takeover, SIGKILL of A -> SANDBOX_RUNNING on B".to_owned(),
+    };
+    report(&label, &mut samples);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

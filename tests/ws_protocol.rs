@@ -1219,13 +1219,24 @@ async fn a_reconnect_while_output_streams_loses_nothing() {
     const LINES: usize = 1500;
     let server = Server::start().await;
     let (ws, id, token) = server.create(json!({"idle_timeout": 120})).await;
-    drop(ws);
+    ws.close_now().await;
     // A socket whose unread frames back up into the server's writer queue.
-    let mut ws = support::ws::Ws::connect_small_window(
-        &server.url(&format!("/attach/{id}?sandbox_token={token}")),
-    )
-    .await;
-    assert_eq!(ws.next().await, "SANDBOX_RUNNING");
+    // The create's session ends when the server has read its close: until
+    // then an attach is told SANDBOX_IN_USE (CI met it once).
+    let url = server.url(&format!("/attach/{id}?sandbox_token={token}"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut ws = loop {
+        let mut ws = support::ws::Ws::connect_small_window(&url).await;
+        let first = ws.next().await;
+        if first == "SANDBOX_RUNNING" {
+            break ws;
+        }
+        assert!(
+            first == "SANDBOX_IN_USE" && std::time::Instant::now() < deadline,
+            "attach: {first}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     // 6 MB in numbered 4 KiB lines, a few ms apart so that each is a frame
     // of its own: more than the writer's queue of 256 frames holds, less
     // than the replay log keeps.

@@ -50,6 +50,9 @@ pub struct ClusterBench {
     pub quiet_runs: usize,
     /// Sandboxes of the mass reconnect (0 skips it).
     pub mass_reconnect: usize,
+    /// Each server's `--warm-pool` (the server's own default is 2; 0 makes
+    /// every create a cold boot, as the figures before session 10 were).
+    pub warm_pool: usize,
 }
 
 /// Extra figures that are not latencies.
@@ -167,6 +170,7 @@ async fn start_server(
     name: &str,
     dir: &Path,
     endpoint: Option<&str>,
+    warm_pool: usize,
 ) -> anyhow::Result<ServerProcess> {
     let binary = std::env::current_exe()?
         .parent()
@@ -175,7 +179,9 @@ async fn start_server(
     // 512 MiB sandboxes: the mass reconnect holds 30 on one instance, and
     // at the default 2 GiB admission's ledger holds 11 on this 24 GiB
     // machine (decision 20); every sandbox here is far smaller.
-    let launch = Launch::new(binary, name, dir).with_args(&["--sandbox-memory-mb", "512"]);
+    let launch = Launch::new(binary, name, dir)
+        .with_args(&["--sandbox-memory-mb", "512"])
+        .warm_pool(warm_pool);
     let launch = match endpoint {
         Some(endpoint) => launch.on_emulator(endpoint, BUCKET),
         None => launch.on_local_store(),
@@ -221,10 +227,16 @@ fn peak_rss_mb(pid: u32) -> Option<f64> {
 async fn modelled_server(
     model: &StorageModel,
     name: &str,
-    dir: &Path,
+    bench: &ClusterBench,
 ) -> anyhow::Result<(ServerProcess, InstanceProxy)> {
     let proxy = model.proxy(name).await?;
-    let server = start_server(name, dir, Some(&proxy.endpoint())).await?;
+    let server = start_server(
+        name,
+        &bench.work_dir,
+        Some(&proxy.endpoint()),
+        bench.warm_pool,
+    )
+    .await?;
     Ok((server, proxy))
 }
 
@@ -239,13 +251,13 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
     emulator.create_bucket(BUCKET).await?;
     let endpoint = emulator.endpoint();
     let model = StorageModel::new(emulator.socket_addr(), bench.profile.clone());
-    let (a, _proxy_a) = modelled_server(&model, "bench-a", &bench.work_dir).await?;
-    let (b, _proxy_b) = modelled_server(&model, "bench-b", &bench.work_dir).await?;
+    let (a, _proxy_a) = modelled_server(&model, "bench-a", bench).await?;
+    let (b, _proxy_b) = modelled_server(&model, "bench-b", bench).await?;
     let url_a = format!("ws://{}", a.addr);
     let url_b = format!("ws://{}", b.addr);
     let mut series = Vec::new();
     let mut figures = Figures {
-        profile: bench.profile.name.to_owned(),
+        profile: format!("{}, warm pool {}", bench.profile.name, bench.warm_pool),
         ..Figures::default()
     };
     figures.paths = crate::paths::measure(
@@ -258,7 +270,7 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
     .await
     .context("the critical paths")?;
     if bench.mass_reconnect > 0 {
-        let (c, _proxy_c) = modelled_server(&model, "bench-c", &bench.work_dir).await?;
+        let (c, _proxy_c) = modelled_server(&model, "bench-c", bench).await?;
         let url_c = format!("ws://{}", c.addr);
         figures.reconnect = Some(
             crate::reconnect::measure(&model, [&url_a, &url_b, &url_c], bench.mass_reconnect)
@@ -386,7 +398,7 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
         figures.checkpoint_mb_per_s = Some(gcs.image_mb / gcs.checkpoint.as_secs_f64());
         figures.server_peak_rss_mb = peak_rss_mb(a.child.id());
         drop((a, b));
-        let local = start_server("bench-local", &bench.work_dir, None).await?;
+        let local = start_server("bench-local", &bench.work_dir, None, bench.warm_pool).await?;
         let local_store =
             sandboxd::store::LocalStore::open(bench.work_dir.join("bench-local").join("data"))?;
         let on_disk = big_sandbox(

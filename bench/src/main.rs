@@ -66,6 +66,10 @@ enum Command {
         /// Sandboxes of the mass reconnect (0 skips it).
         #[arg(long, default_value_t = 30)]
         mass_reconnect: usize,
+        /// Each server's warm pool (`--warm-pool`; the server's default is
+        /// 2). 0: every create is a cold boot.
+        #[arg(long, default_value_t = 0)]
+        warm_pool: usize,
     },
     /// The filesystem API: write and read round trips of a 4 KiB file on an
     /// attached socket, and a large upload and download (MB/s). Starts one
@@ -154,6 +158,7 @@ async fn main() -> ExitCode {
             paths_only,
             quiet_runs,
             mass_reconnect,
+            warm_pool,
         } => {
             let bench = cluster::ClusterBench {
                 runs: runs.max(1),
@@ -164,6 +169,7 @@ async fn main() -> ExitCode {
                 paths_only,
                 quiet_runs,
                 mass_reconnect,
+                warm_pool,
             };
             cluster::run(&bench).await.map(|(series, figures)| {
                 print!("{}", series::render(&series));
