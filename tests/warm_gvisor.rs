@@ -495,3 +495,53 @@ async fn the_server_binary_keeps_a_pool_and_leaves_no_container_at_sigterm() {
         "nothing is left running after SIGTERM"
     );
 }
+
+/// Decision 23: without a warm sandbox to take, a create's container boots
+/// beside the create's store writes (`prepare_create`), and `create` takes
+/// it up instead of booting another; a prepared container whose create
+/// does not come is destroyed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_takes_the_container_booted_beside_its_writes() {
+    let h = host_on(support::images()).await;
+    let root = h._dir.path().join("runsc");
+    let sandbox = new_id();
+    let options = CreateOptions::default();
+    h.runtime.prepare_create(&sandbox, &options).await;
+    let booted = containers_under(&root);
+    assert_eq!(booted.len(), 1, "one container booted ahead: {booted:?}");
+
+    h.runtime.create(&sandbox, &options).await.unwrap();
+    assert_eq!(
+        containers_under(&root),
+        booted,
+        "the create took the prepared container, booting none"
+    );
+    assert_eq!(h.runtime.warm_pool().misses, 0);
+    assert_eq!(
+        bash(&h.runtime, &sandbox, "echo prepared").await,
+        "prepared"
+    );
+    assert_eq!(
+        session(&h.runtime, &sandbox, "x = 41\nprint(x + 1)").await,
+        "42"
+    );
+
+    // Its create never comes (the writes failed): the container goes.
+    let other = new_id();
+    h.runtime.prepare_create(&other, &options).await;
+    assert_eq!(containers_under(&root).len(), 2);
+    h.runtime.forget_prepared(&other);
+    h.runtime.destroy(&sandbox).await.unwrap();
+    h.runtime.settle().await;
+    let left = containers_under(&root);
+    assert!(left.is_empty(), "nothing left running: {left:?}");
+
+    // A create that is not of the kind a warm sandbox serves (egress, a
+    // snapshot) prepares nothing.
+    let egress = CreateOptions {
+        network: controllers::api::NetworkMode::Egress,
+        ..CreateOptions::default()
+    };
+    h.runtime.prepare_create(&new_id(), &egress).await;
+    assert!(containers_under(&root).is_empty());
+}

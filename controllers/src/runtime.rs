@@ -217,6 +217,16 @@ pub trait SandboxRuntime: Send + Sync + fmt::Debug {
     ) -> Result<SnapshotManifest, RuntimeError>;
     async fn destroy(&self, sandbox: &SandboxId) -> Result<(), RuntimeError>;
     fn is_running(&self, sandbox: &SandboxId) -> bool;
+
+    /// A create of `sandbox` with `options` is being recorded in the store:
+    /// the runtime may boot its container now, beside those writes, for
+    /// [`Self::create`] to take up (decision 23). Returns once that is done
+    /// (at once when there is nothing to prepare); a failure only means
+    /// `create` boots it itself. No user code runs before `create`.
+    async fn prepare_create(&self, _sandbox: &SandboxId, _options: &CreateOptions) {}
+
+    /// The create [`Self::prepare_create`] prepared for will not come.
+    fn forget_prepared(&self, _sandbox: &SandboxId) {}
     /// The execution a restore brought back (one checkpointed with
     /// `keep_executions` while it ran or before its output was delivered),
     /// once: whoever takes it streams the rest of its output.

@@ -40,14 +40,21 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
-use controllers::api::NetworkMode;
-use controllers::runtime::RuntimeError;
+use std::collections::HashMap;
+
+use controllers::api::{NetworkMode, SandboxId};
+use controllers::runtime::{CreateOptions, RuntimeError};
 
 use super::GvisorRuntime;
 use crate::runtime::agent::AgentConnection;
 use crate::runtime::catalog::Image;
 use crate::runtime::cgroup::{self, LoweredWeight, WeightWatch};
 use crate::runtime::cpu_quota::CGROUP_ROOT;
+use crate::runtime::ready::read_ready_command;
+
+/// How long a container booted for a create waits for it (its pass comes
+/// within milliseconds of the create's writes; this only bounds a leak).
+const PREPARED_FOR: Duration = Duration::from_secs(60);
 
 /// Back-off after a failed boot, doubling up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
@@ -110,11 +117,17 @@ pub(super) struct WarmPool {
     boots: AtomicU64,
     boot_failures: AtomicU64,
     refill: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Containers booted for creates still being recorded (decision 23).
+    prepared: Mutex<HashMap<SandboxId, WarmSandbox>>,
 }
 
 impl WarmPool {
     fn ready(&self) -> std::sync::MutexGuard<'_, Vec<WarmSandbox>> {
         self.ready.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn prepared(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, WarmSandbox>> {
+        self.prepared.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn short(&self) -> bool {
@@ -246,7 +259,8 @@ impl GvisorRuntime {
             let _ = task.await;
         }
         let ready: Vec<WarmSandbox> = self.pool.ready().drain(..).collect();
-        for warm in ready {
+        let prepared: Vec<WarmSandbox> = self.pool.prepared().drain().map(|(_, b)| b).collect();
+        for warm in ready.into_iter().chain(prepared) {
             self.discard_warm(warm);
         }
     }
@@ -276,6 +290,93 @@ impl GvisorRuntime {
             booted_at: Instant::now(),
             weight,
         })
+    }
+
+    /// Boots `sandbox`'s container while its create is being recorded
+    /// (decision 23), at normal CPU weight: the create waits for it. Only a
+    /// create a warm sandbox would serve (network `none`, no ready
+    /// command, no snapshot) and the pool cannot serve now is prepared.
+    pub(super) async fn prepare_boot(
+        &self,
+        sandbox: &SandboxId,
+        options: &CreateOptions,
+    ) -> Result<(), RuntimeError> {
+        if options.network != NetworkMode::None || options.snapshot_name.is_some() {
+            return Ok(());
+        }
+        let image = self
+            .image_for_create(options.image.as_deref(), None)
+            .await?;
+        if !matches!(read_ready_command(&image.rootfs), Ok(None)) {
+            return Ok(());
+        }
+        let pool_serves = self.pool.target.load(Ordering::Acquire) > 0
+            && self
+                .pool
+                .ready()
+                .iter()
+                .any(|warm| warm.fits(&image, options.network) && !warm.agent.is_gone());
+        if pool_serves {
+            return Ok(());
+        }
+        self.forget_stale_prepared();
+        let (container_id, dir) = self.new_container(None, &image)?;
+        let agent = self
+            .launch(sandbox, &container_id, &dir, None, None)
+            .await?;
+        let booted = WarmSandbox {
+            container_id,
+            dir,
+            agent,
+            image,
+            booted_at: Instant::now(),
+            weight: None,
+        };
+        let replaced = self.pool.prepared().insert(sandbox.clone(), booted);
+        if let Some(replaced) = replaced {
+            self.discard_warm(replaced);
+        }
+        Ok(())
+    }
+
+    /// The container [`Self::prepare_boot`] booted for `sandbox`, if it
+    /// fits `image` and is alive (else it is discarded).
+    pub(super) fn take_prepared(&self, sandbox: &SandboxId, image: &Image) -> Option<WarmSandbox> {
+        let prepared = self.pool.prepared().remove(sandbox)?;
+        if prepared.fits(image, NetworkMode::None) && !prepared.agent.is_gone() {
+            tracing::debug!(%sandbox, container = %prepared.container_id, waited_ms = prepared.booted_at.elapsed().as_millis() as u64, "took the container booted beside the create's writes");
+            return Some(prepared);
+        }
+        self.discard_warm(prepared);
+        None
+    }
+
+    /// The create `sandbox`'s boot was prepared for will not come.
+    pub(super) fn forget_prepared(&self, sandbox: &SandboxId) {
+        let prepared = self.pool.prepared().remove(sandbox);
+        if let Some(prepared) = prepared {
+            self.discard_warm(prepared);
+        }
+    }
+
+    /// Discards prepared containers no create took within
+    /// [`PREPARED_FOR`] (a create whose pass never came).
+    fn forget_stale_prepared(&self) {
+        let stale: Vec<WarmSandbox> = {
+            let mut prepared = self.pool.prepared();
+            let old: Vec<SandboxId> = prepared
+                .iter()
+                .filter(|(_, booted)| booted.booted_at.elapsed() > PREPARED_FOR)
+                .map(|(sandbox, _)| sandbox.clone())
+                .collect();
+            old.iter()
+                .filter_map(|sandbox| prepared.remove(sandbox))
+                .collect()
+        };
+        for booted in stale {
+            tracing::warn!(container = %booted.container_id, "no create took a prepared container; discarding it");
+            self.discard_warm(booted);
+        }
     }
 
     /// Adds a booted sandbox unless the pool closed or shrank meanwhile.

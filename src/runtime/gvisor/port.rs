@@ -28,6 +28,16 @@ use crate::runtime::ready::read_ready_command;
 
 #[async_trait]
 impl SandboxRuntime for GvisorRuntime {
+    async fn prepare_create(&self, sandbox: &SandboxId, options: &CreateOptions) {
+        if let Err(err) = self.prepare_boot(sandbox, options).await {
+            tracing::debug!(%sandbox, %err, "could not boot ahead of the create's writes; the create boots it");
+        }
+    }
+
+    fn forget_prepared(&self, sandbox: &SandboxId) {
+        GvisorRuntime::forget_prepared(self, sandbox);
+    }
+
     #[tracing::instrument(skip(self, options), fields(sandbox = %sandbox))]
     async fn create(
         &self,
@@ -47,7 +57,10 @@ impl SandboxRuntime for GvisorRuntime {
             .map_err(|err| RuntimeError::Invalid(format!("sandbox image {}: {err}", image.name)))?;
         // Warm (the pool), ready (a template's checkpoint) or cold.
         let (container_id, dir, agent, network, image) = match &ready {
-            None => match self.take_warm(&image, options.network) {
+            None => match self
+                .take_prepared(sandbox, &image)
+                .or_else(|| self.take_warm(&image, options.network))
+            {
                 Some(warm) => {
                     let (container_id, dir, agent, image) = warm.into_taken();
                     (container_id, dir, agent, None, image)
@@ -309,6 +322,7 @@ impl SandboxRuntime for GvisorRuntime {
 
     #[tracing::instrument(skip(self), fields(sandbox = %sandbox))]
     async fn destroy(&self, sandbox: &SandboxId) -> Result<(), RuntimeError> {
+        GvisorRuntime::forget_prepared(self, sandbox);
         self.resumed
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

@@ -15,7 +15,9 @@ use crate::layout::metadata_key;
 use crate::leasing::LeaseError;
 use crate::store::{Decision, PutMode, RmwError, StoreError, read_modify_write_from};
 
-use super::super::reconciler::{AttachRead, ForkPoint, ReadMetadata, ReconcileError};
+use super::super::reconciler::{
+    AttachRead, ForkPoint, ReadMetadata, ReconcileError, create_options,
+};
 use super::{ControlError, SandboxController};
 
 impl SandboxController {
@@ -32,12 +34,26 @@ impl SandboxController {
         let leases = self.reconciler.leases();
         let writing = self.reconciler.writing_intent(sandbox);
         let key = metadata_key(sandbox);
-        let (written, held) = tokio::join!(
+        // A fresh sandbox's container boots beside the writes (decision
+        // 23); a fork restores its checkpoint instead.
+        let runtime = self.reconciler.runtime();
+        let boots = metadata.status.latest_checkpoint.is_none();
+        let options = create_options(&metadata.spec);
+        let prepared = async {
+            if boots {
+                runtime.prepare_create(sandbox, &options).await;
+            }
+        };
+        let (written, held, ()) = tokio::join!(
             self.reconciler
                 .metadata_store()
                 .put(&key, encode(metadata), PutMode::Create),
-            leases.create_held(sandbox)
+            leases.create_held(sandbox),
+            prepared
         );
+        if !matches!((&written, &held), (Ok(_), Ok(Some(_)))) {
+            runtime.forget_prepared(sandbox);
+        }
         let generation = match written {
             Ok(generation) => generation,
             Err(err) => {

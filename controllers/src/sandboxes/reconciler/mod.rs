@@ -49,6 +49,7 @@ pub use fork::{ForkError, ForkPoint};
 use local::Watch;
 pub use primed::{AttachRead, ReadMetadata};
 use primed::{KnownObjects, Primed};
+pub(crate) use start::create_options;
 
 use super::events::{
     CheckpointFailure, LossCause, ProgressBus, SandboxEvent, StartFailure, StartKind,

@@ -449,11 +449,7 @@ impl Reconciler {
                     .map_err(|err| fail(err.to_string()))?;
             }
             None => {
-                let options = CreateOptions {
-                    snapshot_name: metadata.spec.filesystem_snapshot_name.clone(),
-                    network: metadata.spec.network,
-                    image: metadata.spec.image.clone(),
-                };
+                let options = create_options(&metadata.spec);
                 self.runtime
                     .create(sandbox, &options)
                     .await
@@ -510,5 +506,14 @@ impl Reconciler {
             )));
         }
         Ok(manifest)
+    }
+}
+
+/// What the runtime is asked to create for `spec`.
+pub(crate) fn create_options(spec: &crate::api::SandboxSpec) -> CreateOptions {
+    CreateOptions {
+        snapshot_name: spec.filesystem_snapshot_name.clone(),
+        network: spec.network,
+        image: spec.image.clone(),
     }
 }
