@@ -179,9 +179,14 @@ async fn start_server(
     // 512 MiB sandboxes: the mass reconnect holds 30 on one instance, and
     // at the default 2 GiB admission's ledger holds 11 on this 24 GiB
     // machine (decision 20); every sandbox here is far smaller.
-    let launch = Launch::new(binary, name, dir)
+    let mut launch = Launch::new(binary, name, dir)
         .with_args(&["--sandbox-memory-mb", "512"])
         .warm_pool(warm_pool);
+    // `SANDBOXD_BENCH_LOG_LEVEL=debug`: the servers' logs (in the work
+    // directory) say what each pass decided.
+    if let Ok(level) = std::env::var("SANDBOXD_BENCH_LOG_LEVEL") {
+        launch = launch.log_level(&level);
+    }
     let launch = match endpoint {
         Some(endpoint) => launch.on_emulator(endpoint, BUCKET),
         None => launch.on_local_store(),

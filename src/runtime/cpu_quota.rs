@@ -150,13 +150,17 @@ fn lift_cpu(cgroup_root: &Path, container_id: &str) -> Option<LiftedLimit> {
         let previous = std::fs::read_to_string(&file).ok()?;
         Some((file, previous.trim().to_owned(), version))
     })?;
+    // A value that is not a quota (a file being written, read empty) is not
+    // one yet: lifting it would later "put back" nothing.
     let unlimited = match version {
-        Version::V1 if previous == "-1" => return None,
-        Version::V1 => "-1".to_owned(),
+        Version::V1 => match previous.parse::<i64>().ok()? {
+            -1 => return None,
+            _ => "-1".to_owned(),
+        },
         Version::V2 => {
             let mut fields = previous.split_whitespace();
             let (quota, period) = (fields.next()?, fields.next().unwrap_or("100000"));
-            if quota == "max" {
+            if quota == "max" || quota.parse::<u64>().is_err() {
                 return None;
             }
             format!("max {period}")

@@ -116,6 +116,29 @@ impl Reconciler {
             .or_insert(now);
     }
 
+    /// [`Self::take_waiting`] for a pass that decided to tell the waiter
+    /// its start will not come, on what it read when no intent here had
+    /// begun since `intents_before`: a client whose attach began after that
+    /// read (its intent's writer counts itself before it marks the client
+    /// waiting) is not that pass's to fail, and stays waiting. Taking
+    /// first and checking after closes the gap between the two.
+    pub(crate) fn take_waiter_read_for(
+        &self,
+        sandbox: &SandboxId,
+        intents_before: u64,
+    ) -> Option<DateTime<Utc>> {
+        let since = self.take_waiting(sandbox)?;
+        if self.intents_settled(sandbox) == Some(intents_before) {
+            return Some(since);
+        }
+        self.waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(sandbox.clone())
+            .or_insert(since);
+        None
+    }
+
     /// Since when a client here waited for `sandbox`, if one did; it no
     /// longer waits.
     pub(crate) fn take_waiting(&self, sandbox: &SandboxId) -> Option<DateTime<Utc>> {

@@ -546,7 +546,8 @@ impl Reconciler {
             checkpoint_due: self.checkpoint_due(sandbox),
         });
         tracing::debug!(%sandbox, ?step, "decided");
-        self.perform(sandbox, step, metadata, lease, held).await
+        self.perform(sandbox, step, metadata, lease, held, intents_before)
+            .await
     }
 
     /// Why the hold on `sandbox` can no longer be vouched for nor
@@ -580,6 +581,7 @@ impl Reconciler {
         read: Option<ReadMetadata>,
         lock: Option<ReadLease>,
         held: Option<HeldLease>,
+        intents_before: u64,
     ) -> Result<Requeue, ReconcileError> {
         let metadata = read.as_ref().map(|(metadata, _)| metadata);
         let lease = lock.as_ref().map(|(lease, _)| lease.clone());
@@ -655,11 +657,11 @@ impl Reconciler {
             Step::AwaitHolder => Ok(Requeue::After(self.config.resync_interval)),
             Step::Tombstone => self.tombstone_unheld(sandbox).await,
             Step::NotWantedHere => {
-                self.tell_waiter_not_wanted(sandbox, lease.as_ref());
+                self.tell_waiter_not_wanted(sandbox, lease.as_ref(), intents_before);
                 Ok(Requeue::Never)
             }
             Step::CheckpointedMeanwhile => {
-                if self.take_waiting(sandbox).is_some() {
+                if self.take_waiter_read_for(sandbox, intents_before).is_some() {
                     self.emit(
                         sandbox,
                         SandboxEvent::StartFailed {

@@ -291,7 +291,7 @@ impl Reconciler {
 
     /// How many intent writers ever started on `sandbox`, if none is at
     /// work now (`None`: one is).
-    pub(super) fn intents_settled(&self, sandbox: &SandboxId) -> Option<u64> {
+    pub(crate) fn intents_settled(&self, sandbox: &SandboxId) -> Option<u64> {
         let writers = self
             .intents_in_flight
             .lock()
@@ -304,7 +304,7 @@ impl Reconciler {
     }
 
     /// True while a client here waits for `sandbox` to start.
-    pub(super) fn is_waiting(&self, sandbox: &SandboxId) -> bool {
+    pub(crate) fn is_waiting(&self, sandbox: &SandboxId) -> bool {
         self.waiting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

@@ -44,9 +44,14 @@ impl Reconciler {
     /// Desired running, not wanted here: a client here that waits for it
     /// (its intent was replaced by another instance's, or expired) is told
     /// now rather than left waiting for a start that will not come.
-    pub(super) fn tell_waiter_not_wanted(&self, sandbox: &SandboxId, lease: Option<&Lease>) {
+    pub(super) fn tell_waiter_not_wanted(
+        &self,
+        sandbox: &SandboxId,
+        lease: Option<&Lease>,
+        intents_before: u64,
+    ) {
         let now = self.clock.now();
-        if self.take_waiting(sandbox).is_some() {
+        if self.take_waiter_read_for(sandbox, intents_before).is_some() {
             let cause = match lease.and_then(|l| l.live_intent(now)) {
                 Some(intent) => StartFailure::WantedElsewhere(intent.instance.clone()),
                 None => StartFailure::IntentExpired,

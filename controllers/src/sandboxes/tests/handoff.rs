@@ -293,3 +293,33 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
         "restored from the checkpoint recorded after the pass read metadata"
     );
 }
+
+/// A pass that read before a client's attach here began (a trailing pass of
+/// a checkpoint, deciding "checkpointed meanwhile") must not fail that
+/// client: it takes only a waiter that was there when it read. Found by the
+/// paths benchmark on loopback: the attach right after `CHECKPOINTED` got
+/// `SANDBOX_RESTORE_ERROR` and its hold was released as an orphan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_that_read_before_an_attach_began_leaves_its_client_waiting() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    let reconciler = a.controller.reconciler();
+    // A pass reads: no intent in flight.
+    let read_at = reconciler.intents_settled(&id).unwrap();
+    // A client's attach begins: its writer counts itself, then marks the
+    // client waiting.
+    {
+        let _writing = reconciler.writing_intent(&id);
+        reconciler.mark_waiting(&id);
+    }
+    assert!(
+        reconciler.take_waiter_read_for(&id, read_at).is_none(),
+        "the pass took a waiter that came after its read"
+    );
+    assert!(reconciler.is_waiting(&id), "the client still waits");
+    // A pass that read after the attach began decides for it.
+    let later = reconciler.intents_settled(&id).unwrap();
+    assert!(reconciler.take_waiter_read_for(&id, later).is_some());
+    assert!(!reconciler.is_waiting(&id));
+}
