@@ -29,9 +29,7 @@ use crate::api::{
 };
 use crate::clock::Clock;
 use crate::layout::{doorbell_key, instance_lease_key};
-use crate::store::{
-    Decision, Generation, PutMode, RmwError, Store, StoreError, Versioned, read_modify_write_from,
-};
+use crate::store::{Decision, Generation, PutMode, RmwError, Store, StoreError, read_modify_write};
 
 /// What this instance knows of its own lease.
 #[derive(Debug, Default)]
@@ -58,11 +56,6 @@ struct Outbox {
     last_write: Option<tokio::time::Instant>,
     /// The outcome of the latest batch, for the ringers that joined it.
     last_error: Option<String>,
-    /// The doorbell as this instance's last ring left it: the next ring
-    /// writes on it without reading first (one round trip, not two, on a
-    /// handoff's path); another ringer's write since costs a refused write
-    /// and the read after all.
-    known: Option<Versioned>,
 }
 
 /// This instance's lease and doorbell.
@@ -253,14 +246,13 @@ impl InstanceLeases {
             if let Some(last) = last_write {
                 tokio::time::sleep_until(last + self.config.ring_spacing).await;
             }
-            let (pending, known) = {
+            let pending = {
                 let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
                 let outbox = outboxes.entry(holder.clone()).or_default();
-                (std::mem::take(&mut outbox.pending), outbox.known.take())
+                std::mem::take(&mut outbox.pending)
             };
             let outcome = ring_doorbell_many(
                 self.store.as_ref(),
-                known,
                 self.clock.now(),
                 holder,
                 &pending,
@@ -272,13 +264,7 @@ impl InstanceLeases {
                 let outbox = outboxes.entry(holder.clone()).or_default();
                 outbox.written += 1;
                 outbox.last_write = Some(tokio::time::Instant::now());
-                match outcome {
-                    Ok(written) => {
-                        outbox.known = Some(written);
-                        outbox.last_error = None;
-                    }
-                    Err(err) => outbox.last_error = Some(err.to_string()),
-                }
+                outbox.last_error = outcome.err().map(|err| err.to_string());
                 if outbox.pending.is_empty() {
                     outbox.writing = false;
                     false
@@ -323,24 +309,19 @@ pub async fn ring_doorbell(
     sandbox: &SandboxId,
     by: &str,
 ) -> Result<(), LeaseError> {
-    ring_doorbell_many(store, None, now, holder, std::slice::from_ref(sandbox), by)
-        .await
-        .map(drop)
+    ring_doorbell_many(store, now, holder, std::slice::from_ref(sandbox), by).await
 }
 
-/// [`ring_doorbell`] for several sandboxes in one write, starting from
-/// `known` (the doorbell as last seen) rather than a read when given.
-/// Returns the doorbell as written.
+/// [`ring_doorbell`] for several sandboxes in one write.
 async fn ring_doorbell_many(
     store: &dyn Store,
-    known: Option<Versioned>,
     now: DateTime<Utc>,
     holder: &InstanceId,
     sandboxes: &[SandboxId],
     by: &str,
-) -> Result<Versioned, LeaseError> {
+) -> Result<(), LeaseError> {
     let key = doorbell_key(holder);
-    let outcome = read_modify_write_from(store, &key, known, |current| {
+    let outcome = read_modify_write(store, &key, |current| {
         let mut bell = current
             .and_then(|object| decode::<Doorbell>(&object.data).ok())
             .unwrap_or_default();
@@ -352,16 +333,11 @@ async fn ring_doorbell_many(
                 extra: ExtraFields::new(),
             });
         }
-        let data = encode(&bell);
-        Ok::<_, std::convert::Infallible>(Decision::Write(data.clone(), data))
+        Ok::<_, std::convert::Infallible>(Decision::Write(encode(&bell), ()))
     })
     .await;
     match outcome {
-        Ok((data, Some(generation))) => Ok(Versioned { data, generation }),
-        Ok((_, None)) => Err(LeaseError::Ring {
-            holder: holder.clone(),
-            detail: "the doorbell write reported no generation".to_owned(),
-        }),
+        Ok(_) => Ok(()),
         Err(RmwError::Store(err)) => Err(err.into()),
         Err(RmwError::Contended { key, attempts }) => {
             Err(LeaseError::ContendedObject { key, attempts })
