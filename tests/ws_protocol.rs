@@ -28,6 +28,17 @@ async fn metadata(server: &Server, id: &str) -> SandboxMetadata {
     decode(&server.store.get(&metadata_key(&id)).await.unwrap().data).unwrap()
 }
 
+/// Asserts that `status` records the checkpoint, waiting for it: the
+/// record lands just after `SANDBOX_CHECKPOINTED` (decision 21).
+async fn checkpoint_recorded(server: &Server, id: &str) {
+    let recorded = support::eventually(
+        || metadata(server, id),
+        |m| m.status.phase == Phase::Checkpointed,
+    )
+    .await;
+    assert_eq!(recorded.status.phase, Phase::Checkpointed);
+}
+
 // ---- §3.1 / §3.2 create -------------------------------------------------
 
 #[tokio::test]
@@ -809,16 +820,7 @@ async fn idle_auto_checkpoint_keeps_the_sandbox_for_a_later_attach() {
         frames.contains(&"SANDBOX_CHECKPOINTED".to_owned()),
         "{frames:?}"
     );
-    assert_eq!(
-        support::eventually(
-            || metadata(&server, &id),
-            |m| m.status.phase == Phase::Checkpointed
-        )
-        .await
-        .status
-        .phase,
-        Phase::Checkpointed
-    );
+    checkpoint_recorded(&server, &id).await;
     let mut ws = server.attach(&id, &token).await;
     ws.until_status("SANDBOX_RUNNING").await;
     assert_eq!(ws.exec("bash", "cat /tmp/s").await[1], "stdout:saved\n");
@@ -1171,16 +1173,7 @@ async fn a_checkpoint_sent_before_an_execution_is_taken_first() {
             "close:1000"
         ])
     );
-    assert_eq!(
-        support::eventually(
-            || metadata(&server, &id),
-            |m| m.status.phase == Phase::Checkpointed
-        )
-        .await
-        .status
-        .phase,
-        Phase::Checkpointed
-    );
+    checkpoint_recorded(&server, &id).await;
 }
 
 /// A message beyond the server's limit closes the socket with 1009 and a
