@@ -70,7 +70,19 @@ pub struct InstanceLeases {
     outboxes: Arc<Mutex<HashMap<InstanceId, Outbox>>>,
     /// Signalled whenever a batch of rings is written.
     rings_written: Arc<tokio::sync::Notify>,
+    /// Per other instance: its lease as last read live, and when (this
+    /// instance's clock). See [`Self::is_live`].
+    seen_live: Arc<Mutex<HashMap<InstanceId, (DateTime<Utc>, InstanceLease)>>>,
 }
+
+/// How long a lease read live answers "live" without another read. A taker
+/// waiting for a holder whose lock's own lease ran out (the hold lives on
+/// the instance lease, as every quiet hold does) asks at each of its polls;
+/// without this each poll would read the holder's lease after the lock, a
+/// second round trip per poll. Only "live" is remembered: a holder found
+/// gone is always found so on a read of that moment, so the cache can delay
+/// a takeover by at most this long, never allow one.
+const LIVE_READ_REUSE: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl InstanceLeases {
     pub fn new(
@@ -87,6 +99,7 @@ impl InstanceLeases {
             own: Arc::new(Mutex::new(OwnLease::default())),
             outboxes: Arc::default(),
             rings_written: Arc::default(),
+            seen_live: Arc::default(),
         }
     }
 
@@ -164,13 +177,42 @@ impl InstanceLeases {
         read_instance_lease(self.store.as_ref(), instance).await
     }
 
-    /// True while `instance` must be treated as alive at this instance's `now`.
+    /// True while `instance` must be treated as alive at this instance's
+    /// `now`. A lease read live within [`LIVE_READ_REUSE`] that is still
+    /// live at `now` answers without a read; "gone" is always read.
     pub async fn is_live(&self, instance: &InstanceId) -> Result<bool, LeaseError> {
         let now = self.clock.now();
-        Ok(self
+        let reuse = Duration::from_std(LIVE_READ_REUSE).unwrap_or_else(|_| Duration::zero());
+        let remembered = {
+            let mut seen = self
+                .seen_live
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            seen.retain(|_, (read_at, _)| now < *read_at + reuse && *read_at <= now);
+            seen.get(instance)
+                .is_some_and(|(_, lease)| lease.is_live(now, self.config.skew_tolerance))
+        };
+        if remembered {
+            return Ok(true);
+        }
+        let live = self
             .read(instance)
             .await?
-            .is_some_and(|lease| lease.is_live(now, self.config.skew_tolerance)))
+            .filter(|lease| lease.is_live(now, self.config.skew_tolerance));
+        let mut seen = self
+            .seen_live
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match live {
+            Some(lease) => {
+                seen.insert(instance.clone(), (now, lease));
+                Ok(true)
+            }
+            None => {
+                seen.remove(instance);
+                Ok(false)
+            }
+        }
     }
 
     /// Reads this instance's doorbell: `None` when nobody ever rang.

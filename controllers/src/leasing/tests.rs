@@ -496,3 +496,52 @@ async fn a_hand_back_transfers_the_hold_to_the_live_intent_with_the_checkpoint()
     let again = a.hand_back(&held, None, &reference, &manifest).await;
     assert!(matches!(again, Err(LeaseError::Lost { .. })));
 }
+
+#[tokio::test]
+async fn a_holder_read_live_is_not_read_again_within_a_second_and_gone_is_always_read() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let a = leases(&store, &clock, "a");
+    let b = leases(&store, &clock, "b");
+    a.instance_lease().renew().await.unwrap();
+    let watcher = b.instance_lease();
+
+    let before = store.operations();
+    assert!(watcher.is_live(&instance("a")).await.unwrap());
+    assert_eq!(store.operations(), before + 1, "the first answer is read");
+    clock.advance(Duration::milliseconds(900));
+    assert!(watcher.is_live(&instance("a")).await.unwrap());
+    assert_eq!(
+        store.operations(),
+        before + 1,
+        "live, read 0.9 s ago: no read"
+    );
+    clock.advance(Duration::milliseconds(200));
+    assert!(watcher.is_live(&instance("a")).await.unwrap());
+    assert_eq!(store.operations(), before + 2, "read 1.1 s ago: read again");
+
+    // Past the lease and the skew: found gone, on a read, every time.
+    clock.advance(Duration::seconds(36));
+    assert!(!watcher.is_live(&instance("a")).await.unwrap());
+    assert!(!watcher.is_live(&instance("a")).await.unwrap());
+    assert_eq!(store.operations(), before + 4);
+}
+
+#[tokio::test]
+async fn a_remembered_live_lease_that_runs_out_meanwhile_is_read_again() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let a = leases(&store, &clock, "a");
+    let b = leases(&store, &clock, "b");
+    a.instance_lease().renew().await.unwrap();
+    // 34.5 s after the renewal: live for 0.5 s more (30 s lease, 5 s skew).
+    clock.advance(Duration::milliseconds(34_500));
+    assert!(b.instance_lease().is_live(&instance("a")).await.unwrap());
+    let before = store.operations();
+    clock.advance(Duration::milliseconds(600));
+    assert!(
+        !b.instance_lease().is_live(&instance("a")).await.unwrap(),
+        "remembered within the second, but expired since: gone"
+    );
+    assert_eq!(store.operations(), before + 1);
+}
