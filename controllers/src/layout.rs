@@ -62,11 +62,35 @@ pub const CHECKPOINTS_PREFIX: &str = "sandbox_checkpoints/";
 pub const SNAPSHOTS_PREFIX: &str = "filesystem_snapshots/";
 
 /// `sandbox_checkpoints/<checkpoint_id>/checkpoint.img`; the id is a fresh
-/// 32-hex-digit name, so images are write-once.
+/// 32-hex-digit name (or, for a handoff, [`handoff_checkpoint_id`]), so a
+/// recorded image is never written again.
 pub fn checkpoint_image_key(checkpoint_id: &SandboxId) -> ObjectKey {
     key(format!(
         "{CHECKPOINTS_PREFIX}{checkpoint_id}/checkpoint.img"
     ))
+}
+
+/// The checkpoint id of the handoff of `sandbox` held at `epoch` to
+/// `taker`: known to both sides before the checkpoint is taken, so the taker
+/// can fetch the image the moment it is uploaded, before the hold is
+/// transferred (decision 24). Unique per sandbox and epoch and taker: a
+/// holder checkpoints a sandbox for one taker at one epoch at most once
+/// successfully (the checkpoint stops it here; running it again takes a new
+/// epoch), so a recorded image is never overwritten; an unrecorded one (a
+/// failed attempt) may be, and the taker checks every byte against the
+/// digest the transfer records anyway.
+pub fn handoff_checkpoint_id(sandbox: &SandboxId, epoch: u64, taker: &InstanceId) -> SandboxId {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::new()
+        .chain_update(b"handoff\0")
+        .chain_update(sandbox.as_str())
+        .chain_update(b"\0")
+        .chain_update(epoch.to_be_bytes())
+        .chain_update(taker.as_str())
+        .finalize();
+    let mut first = [0u8; 16];
+    first.copy_from_slice(&digest[..16]);
+    SandboxId::from_u128(u128::from_be_bytes(first))
 }
 
 /// `sandbox_checkpoints/<checkpoint_id>/manifest.json`
@@ -158,6 +182,29 @@ mod tests {
         assert_eq!(
             instance_lease_key(&InstanceId::parse("host:8080").unwrap()).as_str(),
             "instances/host_8080/lease.json"
+        );
+    }
+
+    #[test]
+    fn a_handoff_checkpoint_id_is_known_to_both_sides_and_differs_by_epoch_and_taker() {
+        let sandbox = SandboxId::parse("0123456789abcdef0123456789abcdef").unwrap();
+        let other = SandboxId::parse("fedcba9876543210fedcba9876543210").unwrap();
+        let (b, c) = (
+            InstanceId::parse("b").unwrap(),
+            InstanceId::parse("c").unwrap(),
+        );
+        let id = handoff_checkpoint_id(&sandbox, 7, &b);
+        assert_eq!(id, handoff_checkpoint_id(&sandbox, 7, &b));
+        for different in [
+            handoff_checkpoint_id(&sandbox, 8, &b),
+            handoff_checkpoint_id(&sandbox, 7, &c),
+            handoff_checkpoint_id(&other, 7, &b),
+        ] {
+            assert_ne!(id, different);
+        }
+        assert_eq!(
+            checkpoint_id_of_image(checkpoint_image_key(&id).as_str()),
+            Some(id)
         );
     }
 

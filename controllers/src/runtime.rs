@@ -23,7 +23,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{CheckpointManifest, SandboxId, SnapshotManifest};
 use crate::files::{FsError, FsReply, FsRequest};
-use crate::store::StoreError;
+use crate::store::{ObjectKey, StoreError};
 
 /// What to run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -227,6 +227,14 @@ pub trait SandboxRuntime: Send + Sync + fmt::Debug {
 
     /// The create [`Self::prepare_create`] prepared for will not come.
     fn forget_prepared(&self, _sandbox: &SandboxId) {}
+
+    /// A handoff of `sandbox` to this instance is under way and its
+    /// checkpoint image will be `image` (decision 24): the runtime may watch
+    /// for it and download it as soon as it exists, for the next
+    /// [`Self::restore`] of `sandbox` to use once its digest matches the
+    /// manifest. A hint: called again for the same image it does nothing,
+    /// and a restore without it downloads as before.
+    fn prefetch_checkpoint(&self, _sandbox: &SandboxId, _image: &ObjectKey) {}
     /// The execution a restore brought back (one checkpointed with
     /// `keep_executions` while it ran or before its output was delivered),
     /// once: whoever takes it streams the rest of its output.

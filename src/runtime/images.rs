@@ -10,7 +10,7 @@
 use std::path::Path;
 
 use controllers::runtime::RuntimeError;
-use controllers::store::{ObjectKey, Store};
+use controllers::store::{BlobReader, ObjectKey, Store};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -76,9 +76,31 @@ pub async fn download_verified(
     expected_sha256: &str,
     expected_size: u64,
 ) -> Result<(), RuntimeError> {
+    let reader = store.download_blob(key).await?;
+    let (actual, size) = write_hashed(reader, key, dest).await?;
+    match mismatch(
+        key.as_str(),
+        (&actual, size),
+        expected_sha256,
+        expected_size,
+    ) {
+        Some(err) => {
+            let _ = tokio::fs::remove_file(dest).await;
+            Err(err)
+        }
+        None => Ok(()),
+    }
+}
+
+/// Writes what `reader` (the object `key`) yields into `dest` and returns
+/// its SHA-256 (hex) and size.
+pub async fn write_hashed(
+    mut reader: BlobReader,
+    key: &ObjectKey,
+    dest: &Path,
+) -> Result<(String, u64), RuntimeError> {
     let io =
         |err: std::io::Error| RuntimeError::Failed(format!("writing {}: {err}", dest.display()));
-    let mut reader = store.download_blob(key).await?;
     let mut file = tokio::fs::File::create(dest).await.map_err(io)?;
     let mut hasher = Sha256::new();
     let mut buffer = vec![0u8; BUFFER];
@@ -97,19 +119,7 @@ pub async fn download_verified(
     }
     // No fsync: a crash discards this scratch copy anyway.
     file.flush().await.map_err(io)?;
-    let actual = hex::encode(hasher.finalize());
-    match mismatch(
-        key.as_str(),
-        (&actual, size),
-        expected_sha256,
-        expected_size,
-    ) {
-        Some(err) => {
-            let _ = tokio::fs::remove_file(dest).await;
-            Err(err)
-        }
-        None => Ok(()),
-    }
+    Ok((hex::encode(hasher.finalize()), size))
 }
 
 /// The CPU feature flags of this host (`flags` in /proc/cpuinfo), sorted.

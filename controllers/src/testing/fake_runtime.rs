@@ -21,7 +21,7 @@ use crate::runtime::{
     CheckpointRequest, Command, CreateOptions, ExecControl, ExecEvent, ExecRequest, Execution,
     RuntimeError, SandboxRuntime,
 };
-use crate::store::{PutMode, Store};
+use crate::store::{ObjectKey, PutMode, Store};
 
 #[derive(Debug, Default)]
 struct FakeSandbox {
@@ -34,6 +34,8 @@ struct State {
     sandboxes: HashMap<SandboxId, FakeSandbox>,
     creates: u64,
     restores: u64,
+    /// Images [`SandboxRuntime::prefetch_checkpoint`] was asked for, in order.
+    prefetches: Vec<ObjectKey>,
 }
 
 /// The fake runtime of one simulated host.
@@ -67,6 +69,11 @@ impl FakeRuntime {
     pub fn counts(&self) -> (u64, u64) {
         let state = self.state();
         (state.creates, state.restores)
+    }
+
+    /// The images a taker asked to fetch ahead (decision 24), each once.
+    pub fn prefetched(&self) -> Vec<ObjectKey> {
+        self.state().prefetches.clone()
     }
 
     /// Simulates the sandbox dying under the runtime.
@@ -264,6 +271,13 @@ impl SandboxRuntime for FakeRuntime {
 
     fn is_running(&self, sandbox: &SandboxId) -> bool {
         self.state().sandboxes.contains_key(sandbox)
+    }
+
+    fn prefetch_checkpoint(&self, _sandbox: &SandboxId, image: &ObjectKey) {
+        let mut state = self.state();
+        if !state.prefetches.contains(image) {
+            state.prefetches.push(image.clone());
+        }
     }
 }
 

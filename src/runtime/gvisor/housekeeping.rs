@@ -24,11 +24,16 @@ pub(super) async fn sweep_temporaries(state_dir: &std::path::Path, owner: &Owner
     };
     while let Ok(Some(entry)) = entries.next_entry().await {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with("snapshot-")
-            && name.ends_with(".tar.gz")
-            && owner.is_orphan_temporary("snapshot", &name)
+        let kind = [
+            ("snapshot", ".tar.gz"),
+            (super::prefetch::TEMPORARY_KIND, ".img"),
+        ]
+        .into_iter()
+        .find(|(kind, ext)| name.starts_with(&format!("{kind}-")) && name.ends_with(ext));
+        if let Some((kind, _)) = kind
+            && owner.is_orphan_temporary(kind, &name)
         {
-            tracing::info!(file = %entry.path().display(), "removing a snapshot temporary an earlier run left");
+            tracing::info!(file = %entry.path().display(), "removing a {kind} temporary an earlier run left");
             let _ = tokio::fs::remove_file(entry.path()).await;
         }
     }

@@ -12,6 +12,7 @@ use controllers::api::{CheckpointManifest, NetworkMode, SandboxId};
 use controllers::runtime::RuntimeError;
 use tokio::net::unix::pipe;
 
+use super::prefetch::Downloaded;
 use super::{AGENT_READY_TIMEOUT, GvisorRuntime};
 use crate::runtime::agent::{AgentConnection, AgentError, check_version};
 use crate::runtime::agent_protocol::{
@@ -198,7 +199,13 @@ impl GvisorRuntime {
             RuntimeError::Failed(format!("cannot create {}: {err}", image_dir.display()))
         })?;
         let image = image_dir.join("checkpoint.img");
+        let prefetched = match self.prefetches.take(sandbox, key).await {
+            Some(downloaded) => adopt_prefetched(key, &downloaded, manifest, &image).await,
+            None => false,
+        };
         let in_place = match self.checkpoints.local_path(key) {
+            // Downloaded and hashed already, the digest the manifest's.
+            _ if prefetched => Ok(None),
             Some(stored) => link_stored_image(key, &stored, &image, manifest.image.size)
                 .await
                 .map(Some),
@@ -290,6 +297,26 @@ impl GvisorRuntime {
             ))
         })
     }
+}
+
+/// Moves a prefetched image into place when it is the manifest's (size and
+/// digest); otherwise removes it. True when it is in place.
+async fn adopt_prefetched(
+    key: &controllers::store::ObjectKey,
+    downloaded: &Downloaded,
+    manifest: &CheckpointManifest,
+    image: &Path,
+) -> bool {
+    let wanted = (manifest.image.sha256.as_str(), manifest.image.size);
+    if (downloaded.sha256.as_str(), downloaded.size) == wanted
+        && tokio::fs::rename(&downloaded.path, image).await.is_ok()
+    {
+        tracing::debug!(%key, "restoring the image fetched before the transfer");
+        return true;
+    }
+    tracing::info!(%key, "a prefetched image is not the checkpoint's: downloading it again");
+    let _ = tokio::fs::remove_file(&downloaded.path).await;
+    false
 }
 
 /// Puts a directory store's image at `image` without copying it (a hard

@@ -24,6 +24,7 @@ mod launch;
 mod owner;
 mod pool;
 mod port;
+mod prefetch;
 mod ready;
 mod snapshots;
 
@@ -137,6 +138,8 @@ pub struct GvisorRuntime {
     pool: Arc<pool::WarmPool>,
     /// Ready templates' checkpoints made here (`ready`).
     ready: ready::ReadyTemplates,
+    /// Handoffs' images fetched before their restores (`prefetch`).
+    prefetches: prefetch::Prefetches,
 }
 
 impl GvisorRuntime {
@@ -236,6 +239,7 @@ impl GvisorRuntime {
             resumed: Mutex::new(HashMap::new()),
             pool: Arc::default(),
             ready,
+            prefetches: prefetch::Prefetches::default(),
         })
     }
 

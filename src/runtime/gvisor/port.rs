@@ -19,7 +19,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::executions::{exec_command, relay_execution};
 use super::launch::check_agent_version;
-use super::{GvisorRuntime, SNAPSHOT_PATHS};
+use super::{GvisorRuntime, SNAPSHOT_PATHS, prefetch};
 use crate::runtime::agent::AgentError;
 use crate::runtime::agent_protocol::{ArchiveDone, Request};
 use crate::runtime::delivery::DeliveryGate;
@@ -36,6 +36,19 @@ impl SandboxRuntime for GvisorRuntime {
 
     fn forget_prepared(&self, sandbox: &SandboxId) {
         GvisorRuntime::forget_prepared(self, sandbox);
+    }
+
+    fn prefetch_checkpoint(&self, sandbox: &SandboxId, image: &controllers::store::ObjectKey) {
+        // A directory store's image is used in place: nothing to fetch.
+        if self.checkpoints.local_path(image).is_some() {
+            return;
+        }
+        let dest = self
+            .config
+            .state_dir
+            .join(self.owner.temporary(prefetch::TEMPORARY_KIND, "img"));
+        self.prefetches
+            .start(self.checkpoints.clone(), sandbox, image, dest);
     }
 
     #[tracing::instrument(skip(self, options), fields(sandbox = %sandbox))]

@@ -173,8 +173,17 @@ impl Reconciler {
             DesiredState::Checkpointed => metadata.spec.checkpoint_name.clone(),
             _ => None,
         };
+        // Handed over (a live intent elsewhere): an id the taker knows, so it
+        // fetches the image while the hold is transferred (decision 24).
+        let taker = lock.as_ref().and_then(|(lease, _)| {
+            lease.wanted_elsewhere(self.leases.instance(), self.clock.now())
+        });
+        let checkpoint_id = match taker {
+            Some(intent) => handoff_checkpoint_id(sandbox, held.epoch, &intent.instance),
+            None => SandboxId::random(),
+        };
         let request = CheckpointRequest {
-            checkpoint_id: SandboxId::random(),
+            checkpoint_id,
             epoch: held.epoch,
             name: name.clone(),
             force: force || self.draining.load(std::sync::atomic::Ordering::Acquire),

@@ -27,7 +27,8 @@ use crate::clock::Clock;
 use crate::fencing::{FenceError, fenced_update_from};
 use crate::hooks::{ColdStart, LifecycleHooks, NoHooks};
 use crate::layout::{
-    checkpoint_id_of_image, checkpoint_image_key, checkpoint_manifest_key, lock_key, metadata_key,
+    checkpoint_id_of_image, checkpoint_image_key, checkpoint_manifest_key, handoff_checkpoint_id,
+    lock_key, metadata_key,
 };
 use crate::leasing::{HeldLease, LeaseError, Leases, ReadLease};
 use crate::runtime::{CheckpointRequest, CreateOptions, RuntimeError, SandboxRuntime};

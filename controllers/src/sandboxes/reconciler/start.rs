@@ -91,6 +91,14 @@ impl Reconciler {
                 false
             }
         };
+        if let Some(lease) = lease
+            && lease.wanted_by_me(self.leases.instance(), now)
+        {
+            // The image the holder will hand over with (decision 24).
+            let id = handoff_checkpoint_id(sandbox, lease.epoch, self.leases.instance());
+            self.runtime
+                .prefetch_checkpoint(sandbox, &checkpoint_image_key(&id));
+        }
         if due && let Some(lease) = lease {
             tracing::debug!(%sandbox, %holder, "ringing the holder again");
             self.leases.ring_holder(sandbox, lease).await;

@@ -31,6 +31,38 @@ async fn another_instance_asking_gets_the_sandbox_handed_over() {
 }
 
 #[tokio::test]
+async fn the_taker_asks_for_the_image_the_holder_hands_over_with_before_the_transfer() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.run(&id, "state").await;
+    a.controller.client_attached(&id, false);
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    assert!(matches!(b.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    // Waiting, B knows the image's name already: A holds at epoch 1.
+    let expected = checkpoint_image_key(&handoff_checkpoint_id(
+        &id,
+        1,
+        &InstanceId::parse("b").unwrap(),
+    ));
+    assert_eq!(b.runtime.prefetched(), vec![expected.clone()]);
+    a.reconcile(&id).await.unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
+    // The image A handed over with is the one B watched for.
+    let lock = world.lease(&id).await;
+    assert_eq!(
+        lock.checkpoint.map(|checkpoint| checkpoint.path),
+        Some(expected.as_str().to_owned())
+    );
+    assert!(a.runtime.prefetched().is_empty());
+}
+
+#[tokio::test]
 async fn an_attach_intent_rings_the_holder_even_with_its_client_attached() {
     let world = World::new();
     let a = world.instance("a");

@@ -22,7 +22,7 @@ use crate::api::{
     DesiredState, InstanceId, Lease, Phase, SandboxId, SandboxMetadata, decode, encode,
 };
 use crate::clock::Clock;
-use crate::layout::{checkpoint_image_key, lock_key, metadata_key};
+use crate::layout::{checkpoint_image_key, handoff_checkpoint_id, lock_key, metadata_key};
 use crate::leasing::{LeaseConfig, Leases};
 use crate::runtime::{Command, ExecRequest};
 use crate::store::{PutMode, Store};
