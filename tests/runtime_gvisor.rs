@@ -476,6 +476,80 @@ async fn a_forced_checkpoint_kills_the_running_execution_first() {
 /// A truncated image is refused before runsc starts; flipped bytes (same
 /// size) are found by the hash that runs beside `runsc restore` on a directory
 /// store, and the restored container is destroyed before anyone can use it.
+/// With a store that is not a directory (GCS), a checkpoint's image stays
+/// on the host that took it for a restore there, and a taker told the
+/// image's key fetches it before it restores (decision 24): neither restore
+/// downloads anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restores_use_the_image_kept_where_it_was_taken_or_fetched_ahead_by_the_taker() {
+    let memory = Arc::new(controllers::testing::MemoryStore::new());
+    let store: Arc<dyn Store> = memory.clone();
+    let a = host(store.clone()).await;
+    let b = host(store.clone()).await;
+    let id = new_id();
+    a.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+    run(&a.runtime, &id, bash("echo kept > ~/notes.txt")).await;
+
+    // Checkpointed and restored on A: no request to the store.
+    let manifest = checkpoint(&a, &id).await;
+    let before = memory.operations();
+    a.runtime.restore(&id, &manifest).await.unwrap();
+    assert_eq!(
+        memory.operations(),
+        before,
+        "restored from the image kept here"
+    );
+    assert_eq!(
+        run(&a.runtime, &id, bash("cat ~/notes.txt")).await.stdout,
+        "kept\n"
+    );
+
+    // B is told the key of the next image before A takes it.
+    let handoff_id = new_id();
+    let key = controllers::layout::checkpoint_image_key(&handoff_id);
+    b.runtime.prefetch_checkpoint(&id, &key);
+    let manifest = a
+        .runtime
+        .checkpoint(
+            &id,
+            CheckpointRequest {
+                checkpoint_id: handoff_id,
+                epoch: 5,
+                name: None,
+                force: false,
+                keep_executions: false,
+            },
+        )
+        .await
+        .unwrap();
+    // B's watch finds it within a few polls and downloads it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut settled = memory.operations();
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = memory.operations();
+        if now == settled {
+            break;
+        }
+        settled = now;
+        assert!(Instant::now() < deadline, "B's watch never settled");
+    }
+    b.runtime.restore(&id, &manifest).await.unwrap();
+    assert_eq!(
+        memory.operations(),
+        settled,
+        "restored from the image fetched ahead"
+    );
+    assert_eq!(
+        run(&b.runtime, &id, bash("cat ~/notes.txt")).await.stdout,
+        "kept\n"
+    );
+    b.runtime.destroy(&id).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_or_truncated_image_is_refused() {
     let (dir, h, id) = one_sandbox().await;

@@ -18,6 +18,7 @@ use controllers::layout::{checkpoint_image_key, checkpoint_manifest_key};
 use controllers::runtime::{CheckpointRequest, RuntimeError};
 use controllers::store::{PutMode, Store};
 
+use super::prefetch::{self, Downloaded};
 use super::{GvisorRuntime, LocalSandbox};
 use crate::runtime::agent::AgentError;
 use crate::runtime::agent_protocol::{CheckpointReady, Request};
@@ -171,17 +172,33 @@ impl GvisorRuntime {
             // known before the upload starts, and nothing refers to either
             // until the reconciler records the checkpoint, after both.
             let manifest_key = checkpoint_manifest_key(&request.checkpoint_id);
+            // A link to the image, for a restore here soon after (a client
+            // that checkpoints and attaches again) to skip the download.
+            let kept = self.link_for_restore_here(&image, &key, size);
             let (image_stored, manifest_stored) = tokio::join!(
                 self.checkpoints.adopt_blob(&key, image.clone()),
                 create_idempotent(self.checkpoints.as_ref(), &manifest_key, encode(&manifest))
             );
-            image_stored?;
-            manifest_stored?;
-            Ok::<_, RuntimeError>(manifest)
+            if let Err(err) = image_stored.and(manifest_stored) {
+                if let Some(link) = kept {
+                    let _ = std::fs::remove_file(link);
+                }
+                return Err(err.into());
+            }
+            Ok::<_, RuntimeError>((manifest, kept))
         }
         .await;
         match upload {
-            Ok(manifest) => {
+            Ok((manifest, kept)) => {
+                if let Some(path) = kept {
+                    let downloaded = Downloaded {
+                        path,
+                        sha256: manifest.image.sha256.clone(),
+                        size: manifest.image.size,
+                    };
+                    let key = checkpoint_image_key(&request.checkpoint_id);
+                    self.prefetches.keep(sandbox, &key, downloaded);
+                }
                 if staging.is_some() {
                     let _ = tokio::fs::remove_dir_all(&image_dir).await;
                 }
@@ -224,6 +241,27 @@ impl GvisorRuntime {
                 })
             }
         }
+    }
+}
+
+impl GvisorRuntime {
+    /// A hard link to a checkpoint image just written (in the state
+    /// directory, an owner-tagged temporary), when the store is remote and
+    /// the image small enough to keep (`prefetch::Prefetches::keep`).
+    fn link_for_restore_here(
+        &self,
+        image: &Path,
+        key: &controllers::store::ObjectKey,
+        size: u64,
+    ) -> Option<std::path::PathBuf> {
+        if self.checkpoints.local_path(key).is_some() || size > prefetch::KEEP_TAKEN_MAX {
+            return None;
+        }
+        let link = self
+            .config
+            .state_dir
+            .join(self.owner.temporary(prefetch::TEMPORARY_KIND, "img"));
+        std::fs::hard_link(image, &link).ok().map(|()| link)
     }
 }
 

@@ -1,4 +1,5 @@
-//! A handoff's checkpoint image, fetched before the hold arrives
+//! A handoff's checkpoint image, fetched before the hold arrives, and the
+//! image of a checkpoint just taken here, kept for a restore here
 //! (`docs/decisions/0024-the-taker-fetches-the-image-before-the-transfer.md`).
 //!
 //! A taker learns which image a handoff will restore (its id is derived from
@@ -34,6 +35,11 @@ const POLL: Duration = Duration::from_millis(25);
 const WATCH_FOR: Duration = Duration::from_secs(20);
 /// How long a downloaded image waits for its restore.
 const KEEP_FOR: Duration = Duration::from_secs(60);
+/// How long the image of a checkpoint taken here is kept for a restore here.
+const KEEP_TAKEN_FOR: Duration = Duration::from_secs(30);
+/// The largest image of a checkpoint taken here that is kept (on Cloud Run
+/// local files are memory): with [`MAX_PREFETCHES`], 256 MiB at most.
+pub(super) const KEEP_TAKEN_MAX: u64 = 32 << 20;
 /// Temporary file kind (`Owner::temporary`).
 pub(super) const TEMPORARY_KIND: &str = "prefetch";
 
@@ -120,14 +126,52 @@ impl Prefetches {
                 }
             };
             state.send_replace(State::Ready(downloaded.clone()));
-            tokio::time::sleep(KEEP_FOR).await;
-            // Not taken meanwhile: nobody will.
-            if !abandoned.swap(true, Ordering::AcqRel) {
-                tracing::debug!(%image, "a prefetched image was not restored; removed");
-                forget(&entries, &image, &abandoned);
-                state.send_replace(State::Gone);
-                let _ = tokio::fs::remove_file(&downloaded.path).await;
-            }
+            expire(&entries, &image, &abandoned, &state, &downloaded, KEEP_FOR).await;
+        });
+    }
+
+    /// Keeps the image of a checkpoint just taken here, for a restore of it
+    /// here within [`KEEP_TAKEN_FOR`] (a client that checkpoints and
+    /// attaches again): `downloaded` is a link to the file runsc wrote, with
+    /// the digest hashed as it was written. Not kept (the file removed) when
+    /// [`MAX_PREFETCHES`] are under way or it is over [`KEEP_TAKEN_MAX`].
+    pub(super) fn keep(&self, sandbox: &SandboxId, image: &ObjectKey, downloaded: Downloaded) {
+        let downloaded = Arc::new(downloaded);
+        let kept = {
+            let mut entries = self.entries();
+            let fits = downloaded.size <= KEEP_TAKEN_MAX
+                && entries.len() < MAX_PREFETCHES
+                && !entries.contains_key(image);
+            fits.then(|| {
+                let (state, receiver) = watch::channel(State::Ready(downloaded.clone()));
+                let abandoned = Arc::new(AtomicBool::new(false));
+                entries.insert(
+                    image.clone(),
+                    Prefetch {
+                        sandbox: sandbox.clone(),
+                        state: receiver,
+                        abandoned: abandoned.clone(),
+                    },
+                );
+                (state, abandoned)
+            })
+        };
+        let Some((state, abandoned)) = kept else {
+            let _ = std::fs::remove_file(&downloaded.path);
+            return;
+        };
+        let entries = self.entries.clone();
+        let image = image.clone();
+        tokio::spawn(async move {
+            expire(
+                &entries,
+                &image,
+                &abandoned,
+                &state,
+                &downloaded,
+                KEEP_TAKEN_FOR,
+            )
+            .await;
         });
     }
 
@@ -177,6 +221,24 @@ impl Prefetches {
                 return None;
             }
         }
+    }
+}
+
+/// After `after`, removes `downloaded` if no restore took it meanwhile.
+async fn expire(
+    entries: &Mutex<HashMap<ObjectKey, Prefetch>>,
+    image: &ObjectKey,
+    abandoned: &Arc<AtomicBool>,
+    state: &watch::Sender<State>,
+    downloaded: &Downloaded,
+    after: Duration,
+) {
+    tokio::time::sleep(after).await;
+    if !abandoned.swap(true, Ordering::AcqRel) {
+        tracing::debug!(%image, "an image kept for a restore was not restored; removed");
+        forget(entries, image, abandoned);
+        state.send_replace(State::Gone);
+        let _ = tokio::fs::remove_file(&downloaded.path).await;
     }
 }
 
@@ -315,6 +377,27 @@ mod tests {
             .unwrap();
         tokio::time::sleep(POLL * 4).await;
         assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_image_taken_here_is_kept_for_one_restore_unless_too_big() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefetches = Prefetches::default();
+        let (small, big) = (dir.path().join("small.img"), dir.path().join("big.img"));
+        std::fs::write(&small, b"image").unwrap();
+        std::fs::write(&big, b"image").unwrap();
+        let kept = |path: &Path, size| Downloaded {
+            path: path.to_owned(),
+            sha256: "digest".to_owned(),
+            size,
+        };
+        prefetches.keep(&sandbox(3), &key("small"), kept(&small, 5));
+        prefetches.keep(&sandbox(3), &key("big"), kept(&big, KEEP_TAKEN_MAX + 1));
+        assert!(!big.exists(), "too big to keep: removed at once");
+        let taken = prefetches.take(&sandbox(3), &key("small")).await.unwrap();
+        assert_eq!((taken.path.as_path(), taken.size), (small.as_path(), 5));
+        assert!(prefetches.take(&sandbox(3), &key("small")).await.is_none());
+        assert!(prefetches.take(&sandbox(3), &key("big")).await.is_none());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
