@@ -72,8 +72,11 @@ pub struct InstanceLeases {
     rings_written: Arc<tokio::sync::Notify>,
     /// Per other instance: its lease as last read live, and when (this
     /// instance's clock). See [`Self::is_live`].
-    seen_live: Arc<Mutex<HashMap<InstanceId, (DateTime<Utc>, InstanceLease)>>>,
+    seen_live: Arc<Mutex<HashMap<InstanceId, SeenLive>>>,
 }
+
+/// Another instance's lease as read live, and when (this instance's clock).
+type SeenLive = (DateTime<Utc>, InstanceLease);
 
 /// How long a lease read live answers "live" without another read. A taker
 /// waiting for a holder whose lock's own lease ran out (the hold lives on
