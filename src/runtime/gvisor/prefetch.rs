@@ -30,7 +30,7 @@ use super::super::images::write_hashed;
 /// Watches and downloads at once, for all sandboxes.
 const MAX_PREFETCHES: usize = 8;
 /// How often a missing image is looked for again (one read each).
-const POLL: Duration = Duration::from_millis(25);
+const POLL: Duration = Duration::from_millis(50);
 /// How long an image is watched for before the watch gives up.
 const WATCH_FOR: Duration = Duration::from_secs(20);
 /// How long a downloaded image waits for its restore.

@@ -152,6 +152,8 @@ pub struct Reconciler {
     starting: Mutex<HashSet<SandboxId>>,
     /// When this instance last rang the holder of a sandbox it waits for.
     rung: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
+    /// Holds (sandbox, epoch) whose RecordRunning runs in a task right now.
+    recording: Arc<Mutex<HashSet<(SandboxId, u64)>>>,
     /// When this instance's doorbell was last rung for a sandbox it holds:
     /// for a moment after, a pass that finds no intent looks again (the
     /// ringer writes the intent and rings at the same time).
@@ -227,6 +229,7 @@ impl Reconciler {
             background: BackgroundSteps::default(),
             acquiring: Mutex::new(HashSet::new()),
             starting: Mutex::new(HashSet::new()),
+            recording: Arc::default(),
             rung: Mutex::new(HashMap::new()),
             rung_here: Mutex::new(HashMap::new()),
             last_busy: Mutex::new(None),
@@ -629,6 +632,12 @@ impl Reconciler {
             }
             Step::RecordRunning => {
                 let held = held.ok_or(needs("a hold to record"))?;
+                if self.record_running_in_background(sandbox, &held, lease.clone(), None) {
+                    // Bookkeeping off the pass (decision 21): a ring that
+                    // comes while the record meets the write rate is
+                    // answered by the next pass, not after the record.
+                    return self.keep_running(sandbox, held).await;
+                }
                 self.record_running(sandbox, &held, lease.as_ref(), None)
                     .await?;
                 Ok(Requeue::After(Duration::ZERO))

@@ -262,15 +262,8 @@ impl Reconciler {
                 // checkpoint) must not wait for bookkeeping. Should the
                 // hold's checkpoint be recorded first, the record leaves
                 // the phase alone (`record_running`).
-                if let Some(me) = self.shared() {
-                    let sandbox = sandbox.clone();
-                    self.spawn_background(async move {
-                        let lock = held.lease.clone();
-                        let recorded = me
-                            .record_running(&sandbox, &held, Some(&lock), served_request)
-                            .await;
-                        me.recorded_running(&sandbox, held.epoch, recorded).await;
-                    });
+                let lock = Some(held.lease.clone());
+                if self.record_running_in_background(sandbox, &held, lock, served_request) {
                     return Ok(Requeue::After(self.config.resync_interval));
                 }
                 let recorded = self
@@ -370,6 +363,43 @@ impl Reconciler {
         self.delete_checkpoints(&unreferenced(superseded, &written.status))
             .await;
         Ok(())
+    }
+
+    /// Runs [`Self::record_running`] of `held` in a task of its own, unless
+    /// one for that hold is at work already. False when this reconciler is
+    /// not shared (some unit tests): the caller records inline.
+    pub(super) fn record_running_in_background(
+        &self,
+        sandbox: &SandboxId,
+        held: &HeldLease,
+        lock: Option<Lease>,
+        served_request: Option<DateTime<Utc>>,
+    ) -> bool {
+        let Some(me) = self.shared() else {
+            return false;
+        };
+        let key = (sandbox.clone(), held.epoch);
+        if !self
+            .recording
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key.clone())
+        {
+            return true;
+        }
+        let recording = Recording {
+            set: Arc::clone(&self.recording),
+            key,
+        };
+        let (sandbox, held) = (sandbox.clone(), held.clone());
+        self.spawn_background(async move {
+            let recorded = me
+                .record_running(&sandbox, &held, lock.as_ref(), served_request)
+                .await;
+            me.recorded_running(&sandbox, held.epoch, recorded).await;
+            drop(recording);
+        });
+        true
     }
 
     /// What a start's record of itself comes to: a newer holder fenced it
@@ -528,5 +558,20 @@ pub(crate) fn create_options(spec: &crate::api::SandboxSpec) -> CreateOptions {
         snapshot_name: spec.filesystem_snapshot_name.clone(),
         network: spec.network,
         image: spec.image.clone(),
+    }
+}
+
+/// A RecordRunning at work in a task, until dropped.
+struct Recording {
+    set: Arc<Mutex<HashSet<(SandboxId, u64)>>>,
+    key: (SandboxId, u64),
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.key);
     }
 }

@@ -461,3 +461,76 @@ async fn a_checkpoint_intent_that_cannot_be_written_before_its_pass_fails_clearl
         DesiredState::Running
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate() {
+    let (world, gated) = gated_world();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.run(&id, "state").await;
+
+    // `status` is behind (an operator's edit), and every write of
+    // `metadata.json` hangs, as one refused by GCS's write rate retries.
+    let mut metadata = world.metadata(&id).await;
+    metadata.status.phase = Phase::Pending;
+    world
+        .store
+        .put(&metadata_key(&id), encode(&metadata), PutMode::Overwrite)
+        .await
+        .unwrap();
+    gated
+        .closed
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    // A ring without an intent yet (the ringer's intent write was refused
+    // and is retried): A's pass finds `status` behind and records that it
+    // runs, in a task of its own; the pass ends.
+    crate::leasing::ring_doorbell(
+        world.store.as_ref(),
+        world.clock.now(),
+        &InstanceId::parse("a").unwrap(),
+        &id,
+        "b",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        a.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()]
+    );
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        a.controller.reconciler().reconcile(&id),
+    )
+    .await
+    .expect("the pass waited for its status record")
+    .unwrap();
+
+    // B asks for it meanwhile; A's next pass hands it over at once.
+    world.clock.advance(Duration::milliseconds(100));
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    assert_eq!(
+        a.controller.answer_doorbell().await.unwrap(),
+        vec![id.clone()]
+    );
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        a.controller.reconciler().reconcile(&id),
+    )
+    .await
+    .expect("the hand-over waited for the status record")
+    .unwrap();
+    assert!(a.runtime.memory(&id).is_none(), "handed over");
+    b.controller.reconciler().reconcile(&id).await.unwrap();
+    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
+
+    gated.gate.add_permits(1000);
+    gated
+        .closed
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    a.controller.reconciler().background_settled().await;
+    b.controller.reconciler().background_settled().await;
+}
