@@ -245,3 +245,34 @@ async fn a_small_blob_goes_up_in_one_request_a_large_one_streams() {
         assert!(read == data, "{name}: the content came back different");
     }
 }
+
+/// A read whose answer is slow (GCS's tail) is asked again, and the second
+/// answer serves it: the call takes a fraction of the slow one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_read_is_asked_again_and_the_first_answer_serves() {
+    let (store, model, _proxy) = modelled(Profile::loopback(), RetrySettings::default()).await;
+    let k = key("sandboxes/0d/lock.json");
+    store
+        .put(&k, Bytes::from_static(b"{\"v\":1}"), PutMode::Create)
+        .await
+        .unwrap();
+    model.clear_records();
+    model.slow_next_requests(1, Duration::from_secs(3));
+    let started = Instant::now();
+    let read = store.get(&k).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(read.data, Bytes::from_static(b"{\"v\":1}"));
+    assert!(
+        took < Duration::from_secs(1),
+        "waited for the slow read: {took:?}"
+    );
+    // Held 3 s, answered in under one: a second read answered it (the
+    // first, dropped, is never recorded).
+
+    // A read answered in time is not asked twice.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    model.clear_records();
+    store.get(&k).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(requests_for(&model, "sandboxes/0d/lock.json"), ["GET 200"]);
+}

@@ -104,7 +104,16 @@ async def main():
         start = time.time()
         back = await attach(A, ident, token)
         note("handoff: left 1 s ago", ident, start, "b", "a")
-        await kill(back)
+        # In use for 2 s (a command every 0.2 s), then moved: the attached
+        # and active state without a move or restore just before it.
+        until_moved = time.time() + 2.0
+        while time.time() < until_moved:
+            await run(back, "sleep 0.2")
+        start = time.time()
+        moved = await attach(B, ident, token)
+        note("handoff: attached and active, in use 2 s", ident, start, "a", "b")
+        background.append(asyncio.create_task(drain(back)))
+        await kill(moved)
         await asyncio.sleep(0.5)
     if QUIET > 0:
         quiet, gone = [], []
@@ -137,11 +146,12 @@ asyncio.run(main())
 "#;
 
 /// The operations in the order they are printed.
-const OPERATIONS: [&str; 6] = [
+const OPERATIONS: [&str; 7] = [
     "create",
     "checkpoint",
     "attach + restore",
     "handoff: attached and active",
+    "handoff: attached and active, in use 2 s",
     "handoff: attached and quiet >= 90 s",
     "handoff: left 1 s ago",
 ];

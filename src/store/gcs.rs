@@ -79,6 +79,11 @@ const ONE_REQUEST_UPLOAD_MAX: u64 = 8 << 20;
 /// drain checkpointing dozens of sandboxes keeps the server's memory flat).
 const ONE_REQUEST_UPLOAD_BUDGET: usize = 64 << 20;
 
+/// A small read unanswered after this is sent a second time (costs a Class
+/// B read, $0.0000004, in the tail only): GCS answers a read in the region
+/// in tens of milliseconds, and its tail takes seconds.
+const HEDGE_READ_AFTER: Duration = Duration::from_millis(250);
+
 /// A download whose stream brings nothing for this long fails.
 const DOWNLOAD_STALL: Duration = Duration::from_secs(30);
 
@@ -283,6 +288,26 @@ impl GcsStore {
             .await
     }
 
+    /// [`Self::get_once`], asked again if the first has no answer after
+    /// [`HEDGE_READ_AFTER`]; the first answer wins. A read's slow tail (a
+    /// second or two, one request in a thousand) would otherwise hold up
+    /// whatever waits for it: a handoff's poll, a pass. Both reads start
+    /// after the call, so either answer is at least as new as the call.
+    async fn get_hedged(&self, key: &ObjectKey) -> Result<Versioned, StoreError> {
+        let first = self.get_once(key);
+        tokio::pin!(first);
+        tokio::select! {
+            answer = &mut first => return answer,
+            () = tokio::time::sleep(HEDGE_READ_AFTER) => {}
+        }
+        let second = self.get_once(key);
+        tokio::pin!(second);
+        tokio::select! {
+            answer = &mut first => answer,
+            answer = &mut second => answer,
+        }
+    }
+
     async fn get_once(&self, key: &ObjectKey) -> Result<Versioned, StoreError> {
         let mut response = self
             .client
@@ -419,7 +444,7 @@ impl GcsStore {
 #[async_trait]
 impl Store for GcsStore {
     async fn get(&self, key: &ObjectKey) -> Result<Versioned, StoreError> {
-        self.retrying("get", key.as_str(), || self.get_once(key))
+        self.retrying("get", key.as_str(), || self.get_hedged(key))
             .await
     }
 

@@ -69,6 +69,10 @@ struct Shared {
     /// Responses still to lose: the request is passed on, then its
     /// connection cut before the answer.
     lose_responses: std::sync::atomic::AtomicU32,
+    /// Requests still to hold for [`Shared::slow_for`] before passing on:
+    /// a slow tail on demand.
+    slow_requests: std::sync::atomic::AtomicU32,
+    slow_for: Mutex<Duration>,
     rng: Mutex<StdRng>,
     records: Mutex<Vec<RequestRecord>>,
     /// Resumable uploads by `upload_id`: their object.
@@ -90,6 +94,8 @@ impl StorageModel {
                 upstream,
                 transient_ppm: std::sync::atomic::AtomicU32::new(0),
                 lose_responses: std::sync::atomic::AtomicU32::new(0),
+                slow_requests: std::sync::atomic::AtomicU32::new(0),
+                slow_for: Mutex::new(Duration::ZERO),
                 rng: Mutex::new(StdRng::from_os_rng()),
                 records: Mutex::default(),
                 uploads: Mutex::default(),
@@ -124,6 +130,15 @@ impl StorageModel {
             .store(count, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Holds the next `count` requests for `delay` more than the profile
+    /// says before passing them on: the slow tail, when a test wants it.
+    pub fn slow_next_requests(&self, count: u32, delay: Duration) {
+        *lock(&self.shared.slow_for) = delay;
+        self.shared
+            .slow_requests
+            .store(count, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Every request recorded so far.
     pub fn records(&self) -> Vec<RequestRecord> {
         lock(&self.shared.records).clone()
@@ -146,7 +161,20 @@ impl StorageModel {
 
 impl Shared {
     fn delay(&self, kind: RequestKind) -> Duration {
-        self.profile.delay(kind, &mut *lock(&self.rng))
+        let slowed = self
+            .slow_requests
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |n| n.checked_sub(1),
+            )
+            .is_ok();
+        let extra = if slowed {
+            *lock(&self.slow_for)
+        } else {
+            Duration::ZERO
+        };
+        self.profile.delay(kind, &mut *lock(&self.rng)) + extra
     }
 
     /// A 429 or 503 to answer instead of passing the request on, at the
