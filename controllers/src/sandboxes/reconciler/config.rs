@@ -69,7 +69,7 @@ impl Default for ReconcilerConfig {
             renew_interval: Duration::from_secs(10),
             doorbell_poll: Duration::from_millis(400),
             doorbell_poll_active: Duration::from_millis(200),
-            detached_poll: Duration::from_millis(250),
+            detached_poll: Duration::from_millis(125),
             detached_window: Duration::from_secs(60),
             acquire_poll: Duration::from_millis(25),
             checkpoint_retry: Duration::from_secs(2),
