@@ -508,8 +508,9 @@ impl Reconciler {
             Ok(mut metadata) => {
                 // An intent of ours still on its way to the bucket counts
                 // as written (decision 21).
-                if let Some((metadata, _)) = &mut metadata {
-                    self.overlay_pending_spec(sandbox, &mut metadata.spec);
+                if let Some(read) = &mut metadata {
+                    self.newer_known(sandbox, read);
+                    self.overlay_pending_spec(sandbox, &mut read.0.spec);
                 }
                 metadata
             }

@@ -242,6 +242,22 @@ impl Reconciler {
         }
     }
 
+    /// Replaces `read` by the `metadata.json` this instance last read or
+    /// wrote when that is newer (a higher generation): an intent of this
+    /// instance that landed while the read was on its way is then no
+    /// longer pending (its overlay gone) yet missing from the read, and a
+    /// pass must not decide on the state from before it.
+    pub(super) fn newer_known(&self, sandbox: &SandboxId, read: &mut ReadMetadata) {
+        let Some(known) = self.known_metadata(sandbox) else {
+            return;
+        };
+        if known.generation > read.1
+            && let Ok(metadata) = crate::api::decode::<SandboxMetadata>(&known.data)
+        {
+            *read = (metadata, known.generation);
+        }
+    }
+
     /// Applies the spec change being written to `sandbox`, if any.
     pub(super) fn overlay_pending_spec(&self, sandbox: &SandboxId, spec: &mut SandboxSpec) {
         let change = self

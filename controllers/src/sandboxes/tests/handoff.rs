@@ -216,6 +216,52 @@ struct PauseBeforeLockRead {
     paused: tokio::sync::Notify,
     resume: tokio::sync::Notify,
     armed: std::sync::atomic::AtomicBool,
+    /// While set, a write of `metadata.json` waits for a permit of
+    /// `metadata_gate`, then lands (a write slowed by the write rate).
+    hold_metadata: std::sync::atomic::AtomicBool,
+    metadata_gate: tokio::sync::Semaphore,
+}
+
+impl PauseBeforeLockRead {
+    fn over(inner: Arc<MemoryStore>) -> Self {
+        Self {
+            inner,
+            paused: tokio::sync::Notify::new(),
+            resume: tokio::sync::Notify::new(),
+            armed: std::sync::atomic::AtomicBool::new(false),
+            hold_metadata: std::sync::atomic::AtomicBool::new(false),
+            metadata_gate: tokio::sync::Semaphore::new(0),
+        }
+    }
+
+    /// Instance `b` of the world whose store this wraps, seeing the bucket
+    /// through it; and its runtime.
+    fn instance(self: &Arc<Self>, world: &World) -> (Arc<SandboxController>, FakeRuntime) {
+        let store: Arc<dyn Store> = self.clone();
+        let runtime = FakeRuntime::new(store.clone());
+        let bus = ProgressBus::default();
+        let leases = Leases::new(
+            store.clone(),
+            Arc::new(world.clock.clone()),
+            InstanceId::parse("b").unwrap(),
+            LeaseConfig::default(),
+        );
+        let controller = SandboxController::new(
+            Reconciler::new(ReconcilerParts {
+                metadata: store.clone(),
+                checkpoints: store,
+                checkpoint_bucket: "test-bucket".to_owned(),
+                snapshot_bucket: "test-bucket".to_owned(),
+                runtime: Arc::new(runtime.clone()),
+                leases,
+                clock: Arc::new(world.clock.clone()),
+                bus: bus.clone(),
+                config: ReconcilerConfig::default(),
+            }),
+            bus,
+        );
+        (controller, runtime)
+    }
 }
 
 #[async_trait::async_trait]
@@ -238,6 +284,14 @@ impl Store for PauseBeforeLockRead {
         data: Bytes,
         mode: PutMode,
     ) -> Result<crate::store::Generation, crate::store::StoreError> {
+        if key.as_str().ends_with("/metadata.json")
+            && self
+                .hold_metadata
+                .load(std::sync::atomic::Ordering::Acquire)
+            && let Ok(permit) = self.metadata_gate.acquire().await
+        {
+            permit.forget();
+        }
         self.inner.put(key, data, mode).await
     }
     async fn list_page(
@@ -272,34 +326,8 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     let id = a.create(&world).await;
     a.run(&id, "state").await;
     // B's pass reads metadata (no checkpoint yet), then stops before the lock.
-    let store = Arc::new(PauseBeforeLockRead {
-        inner: world.store.clone(),
-        paused: tokio::sync::Notify::new(),
-        resume: tokio::sync::Notify::new(),
-        armed: std::sync::atomic::AtomicBool::new(false),
-    });
-    let runtime = FakeRuntime::new(store.clone());
-    let bus = ProgressBus::default();
-    let leases = Leases::new(
-        store.clone(),
-        Arc::new(world.clock.clone()),
-        InstanceId::parse("b").unwrap(),
-        LeaseConfig::default(),
-    );
-    let b = SandboxController::new(
-        Reconciler::new(ReconcilerParts {
-            metadata: store.clone(),
-            checkpoints: store.clone(),
-            checkpoint_bucket: "test-bucket".to_owned(),
-            snapshot_bucket: "test-bucket".to_owned(),
-            runtime: Arc::new(runtime.clone()),
-            leases,
-            clock: Arc::new(world.clock.clone()),
-            bus: bus.clone(),
-            config: ReconcilerConfig::default(),
-        }),
-        bus,
-    );
+    let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
+    let (b, runtime) = store.instance(&world);
     b.request_here(&id, None, world.clock.now()).await.unwrap();
     store
         .armed
@@ -354,4 +382,71 @@ async fn a_pass_that_read_before_an_attach_began_leaves_its_client_waiting() {
     let later = reconciler.intents_settled(&id).unwrap();
     assert!(reconciler.take_waiter_read_for(&id, later).is_some());
     assert!(!reconciler.is_waiting(&id));
+}
+
+/// An intent of the waiting instance that lands while its pass reads (the
+/// write was slowed by GCS's write rate; its pending overlay is then gone)
+/// must not be undone by that read: the pass decides on what this instance
+/// wrote, not on the older state the read returns. Found by the paths
+/// benchmark under `gcs-regional`: the client attached through B right
+/// after a checkpoint and an attach on A got `SANDBOX_RESTORE_ERROR`
+/// ("checkpointed by its instance ... attach again").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_intent_that_lands_while_a_pass_reads_is_not_undone_by_that_read() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "state").await;
+    // The bucket says `checkpointed` while A holds and runs it (A's own
+    // `running`, written by an attach there, still on its way).
+    let mut metadata = world.metadata(&id).await;
+    metadata.spec.desired_state = DesiredState::Checkpointed;
+    world
+        .store
+        .put(&metadata_key(&id), encode(&metadata), PutMode::Overwrite)
+        .await
+        .unwrap();
+    let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
+    let (b, _runtime) = store.instance(&world);
+    let mut events = b.subscribe(&id);
+    // B's attach: its `running` is slowed; the request returns once its
+    // intent is in the lock.
+    store
+        .hold_metadata
+        .store(true, std::sync::atomic::Ordering::Release);
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    // B's pass reads metadata (still `checkpointed`) and stops before the
+    // lock; B's `running` lands meanwhile.
+    store
+        .armed
+        .store(true, std::sync::atomic::Ordering::Release);
+    let pass = {
+        let b = Arc::clone(&b);
+        let id = id.clone();
+        tokio::spawn(async move { b.reconciler().reconcile(&id).await })
+    };
+    store.paused.notified().await;
+    store.metadata_gate.add_permits(100);
+    for _ in 0..200 {
+        if world.metadata(&id).await.spec.desired_state == DesiredState::Running {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        world.metadata(&id).await.spec.desired_state,
+        DesiredState::Running
+    );
+    // Its pending overlay is gone by now (the write's task ends with it).
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    store.resume.notify_one();
+    pass.await.unwrap().unwrap();
+    let seen = drain(&mut events);
+    assert!(
+        !seen
+            .iter()
+            .any(|e| matches!(e, SandboxEvent::StartFailed { .. })),
+        "the waiting client was failed on the stale read: {seen:?}"
+    );
+    b.reconciler().background_settled().await;
 }
