@@ -91,22 +91,8 @@ impl Prefetches {
         image: &ObjectKey,
         dest: PathBuf,
     ) {
-        let (state, abandoned) = {
-            let mut entries = self.entries();
-            if entries.contains_key(image) || entries.len() >= MAX_PREFETCHES {
-                return;
-            }
-            let (state, receiver) = watch::channel(State::Watching);
-            let abandoned = Arc::new(AtomicBool::new(false));
-            entries.insert(
-                image.clone(),
-                Prefetch {
-                    sandbox: sandbox.clone(),
-                    state: receiver,
-                    abandoned: abandoned.clone(),
-                },
-            );
-            (state, abandoned)
+        let Some((state, abandoned)) = self.insert(sandbox, image, State::Watching) else {
+            return;
         };
         let entries = self.entries.clone();
         let image = image.clone();
@@ -137,24 +123,10 @@ impl Prefetches {
     /// [`MAX_PREFETCHES`] are under way or it is over [`KEEP_TAKEN_MAX`].
     pub(super) fn keep(&self, sandbox: &SandboxId, image: &ObjectKey, downloaded: Downloaded) {
         let downloaded = Arc::new(downloaded);
-        let kept = {
-            let mut entries = self.entries();
-            let fits = downloaded.size <= KEEP_TAKEN_MAX
-                && entries.len() < MAX_PREFETCHES
-                && !entries.contains_key(image);
-            fits.then(|| {
-                let (state, receiver) = watch::channel(State::Ready(downloaded.clone()));
-                let abandoned = Arc::new(AtomicBool::new(false));
-                entries.insert(
-                    image.clone(),
-                    Prefetch {
-                        sandbox: sandbox.clone(),
-                        state: receiver,
-                        abandoned: abandoned.clone(),
-                    },
-                );
-                (state, abandoned)
-            })
+        let kept = if downloaded.size <= KEEP_TAKEN_MAX {
+            self.insert(sandbox, image, State::Ready(downloaded.clone()))
+        } else {
+            None
         };
         let Some((state, abandoned)) = kept else {
             let _ = std::fs::remove_file(&downloaded.path);
@@ -173,6 +145,31 @@ impl Prefetches {
             )
             .await;
         });
+    }
+
+    /// Enters `image` of `sandbox` in `state`, unless it is there already or
+    /// [`MAX_PREFETCHES`] are: its state's sender and abandon flag.
+    fn insert(
+        &self,
+        sandbox: &SandboxId,
+        image: &ObjectKey,
+        state: State,
+    ) -> Option<(watch::Sender<State>, Arc<AtomicBool>)> {
+        let mut entries = self.entries();
+        if entries.contains_key(image) || entries.len() >= MAX_PREFETCHES {
+            return None;
+        }
+        let (state, receiver) = watch::channel(state);
+        let abandoned = Arc::new(AtomicBool::new(false));
+        entries.insert(
+            image.clone(),
+            Prefetch {
+                sandbox: sandbox.clone(),
+                state: receiver,
+                abandoned: abandoned.clone(),
+            },
+        );
+        Some((state, abandoned))
     }
 
     /// The downloaded `image`, for a restore of it: waits for a download
