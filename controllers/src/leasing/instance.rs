@@ -29,7 +29,9 @@ use crate::api::{
 };
 use crate::clock::Clock;
 use crate::layout::{doorbell_key, instance_lease_key};
-use crate::store::{Decision, Generation, PutMode, RmwError, Store, StoreError, read_modify_write};
+use crate::store::{
+    Decision, Generation, PutMode, RmwError, Store, StoreError, Versioned, read_modify_write_from,
+};
 
 /// What this instance knows of its own lease.
 #[derive(Debug, Default)]
@@ -56,6 +58,10 @@ struct Outbox {
     last_write: Option<tokio::time::Instant>,
     /// The outcome of the latest batch, for the ringers that joined it.
     last_error: Option<String>,
+    /// The holder's doorbell as this instance last wrote it: the next batch
+    /// starts from it, one conditional write and no read when nobody rang
+    /// in between (a failed precondition reads afresh, as before).
+    doorbell: Option<Versioned>,
 }
 
 /// This instance's lease and doorbell.
@@ -73,6 +79,8 @@ pub struct InstanceLeases {
     /// Per other instance: its lease as last read live, and when (this
     /// instance's clock). See [`Self::is_live`].
     seen_live: Arc<Mutex<HashMap<InstanceId, SeenLive>>>,
+    /// Held by the renewal [`Self::renew_if_needed`] has in flight.
+    renewing: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// Another instance's lease as read live, and when (this instance's clock).
@@ -103,6 +111,7 @@ impl InstanceLeases {
             outboxes: Arc::default(),
             rings_written: Arc::default(),
             seen_live: Arc::default(),
+            renewing: Arc::default(),
         }
     }
 
@@ -141,6 +150,22 @@ impl InstanceLeases {
         self.own()
             .renewed_at
             .is_none_or(|renewed| self.clock.now() >= renewed + every)
+    }
+
+    /// Renews while `needed` says so, one renewal at a time: a caller that
+    /// finds one in flight waits for it and writes only if it did not do.
+    /// A burst of attaches on an instance whose lease is stale (it held
+    /// nothing) then writes the lease once, not once per attach, which GCS
+    /// would answer with 429s (one object, about one write a second).
+    pub async fn renew_if_needed(&self, needed: impl Fn() -> bool) -> Result<(), LeaseError> {
+        if !needed() {
+            return Ok(());
+        }
+        let _turn = self.renewing.lock().await;
+        if !needed() {
+            return Ok(());
+        }
+        self.renew().await.map(|_| ())
     }
 
     /// Rewrites this instance's lease: ONE unconditional write (nobody else
@@ -291,10 +316,10 @@ impl InstanceLeases {
             if let Some(last) = last_write {
                 tokio::time::sleep_until(last + self.config.ring_spacing).await;
             }
-            let pending = {
+            let (pending, known) = {
                 let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
                 let outbox = outboxes.entry(holder.clone()).or_default();
-                std::mem::take(&mut outbox.pending)
+                (std::mem::take(&mut outbox.pending), outbox.doorbell.take())
             };
             let outcome = ring_doorbell_many(
                 self.store.as_ref(),
@@ -302,6 +327,7 @@ impl InstanceLeases {
                 holder,
                 &pending,
                 self.instance.as_str(),
+                known,
             )
             .await;
             let more = {
@@ -309,7 +335,12 @@ impl InstanceLeases {
                 let outbox = outboxes.entry(holder.clone()).or_default();
                 outbox.written += 1;
                 outbox.last_write = Some(tokio::time::Instant::now());
-                outbox.last_error = outcome.err().map(|err| err.to_string());
+                let (written, error) = match outcome {
+                    Ok(written) => (written, None),
+                    Err(err) => (None, Some(err.to_string())),
+                };
+                outbox.doorbell = written;
+                outbox.last_error = error;
                 if outbox.pending.is_empty() {
                     outbox.writing = false;
                     false
@@ -354,19 +385,24 @@ pub async fn ring_doorbell(
     sandbox: &SandboxId,
     by: &str,
 ) -> Result<(), LeaseError> {
-    ring_doorbell_many(store, now, holder, std::slice::from_ref(sandbox), by).await
+    ring_doorbell_many(store, now, holder, std::slice::from_ref(sandbox), by, None)
+        .await
+        .map(|_| ())
 }
 
-/// [`ring_doorbell`] for several sandboxes in one write.
+/// [`ring_doorbell`] for several sandboxes in one write, starting from
+/// `known` (the doorbell as last written here) when given; returns the
+/// doorbell as written (with its generation).
 async fn ring_doorbell_many(
     store: &dyn Store,
     now: DateTime<Utc>,
     holder: &InstanceId,
     sandboxes: &[SandboxId],
     by: &str,
-) -> Result<(), LeaseError> {
+    known: Option<Versioned>,
+) -> Result<Option<Versioned>, LeaseError> {
     let key = doorbell_key(holder);
-    let outcome = read_modify_write(store, &key, |current| {
+    let outcome = read_modify_write_from(store, &key, known, |current| {
         let mut bell = current
             .and_then(|object| decode::<Doorbell>(&object.data).ok())
             .unwrap_or_default();
@@ -378,11 +414,12 @@ async fn ring_doorbell_many(
                 extra: ExtraFields::new(),
             });
         }
-        Ok::<_, std::convert::Infallible>(Decision::Write(encode(&bell), ()))
+        let data = encode(&bell);
+        Ok::<_, std::convert::Infallible>(Decision::Write(data.clone(), data))
     })
     .await;
     match outcome {
-        Ok(_) => Ok(()),
+        Ok((data, generation)) => Ok(generation.map(|generation| Versioned { data, generation })),
         Err(RmwError::Store(err)) => Err(err.into()),
         Err(RmwError::Contended { key, attempts }) => {
             Err(LeaseError::ContendedObject { key, attempts })

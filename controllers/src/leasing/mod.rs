@@ -190,14 +190,14 @@ impl Leases {
     /// Makes sure this instance's lease vouches for holds acquired now:
     /// renews it unless a renewal of the current era is less than a third of
     /// the lease old.
+    /// Concurrent callers share one renewal.
     pub async fn ensure_instance_lease(&self) -> Result<(), LeaseError> {
-        let era = self.instance_lease.era();
-        if self.instance_lease.vouches_for(era)
-            && !self.instance_lease.renewal_due(self.config.duration / 3)
-        {
-            return Ok(());
-        }
-        self.instance_lease.renew().await.map(|_| ())
+        let lease = &self.instance_lease;
+        lease
+            .renew_if_needed(|| {
+                !lease.vouches_for(lease.era()) || lease.renewal_due(self.config.duration / 3)
+            })
+            .await
     }
 
     /// True if `lease`'s holder may be taken over at `now`: the lock's own

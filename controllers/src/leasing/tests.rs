@@ -446,6 +446,61 @@ async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
     }
 }
 
+/// A ringer that rang a holder before starts its next ring from the
+/// doorbell as it wrote it: one write, no read. Somebody else's ring in
+/// between fails that write's precondition; the ring then reads and keeps
+/// both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
+    use crate::store::{CountingStore, Operation, OperationCounts};
+    let memory = Arc::new(MemoryStore::new());
+    let counts = Arc::new(OperationCounts::default());
+    let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory.clone(), counts.clone()));
+    let clock = ManualClock::new();
+    let ringer = Leases::new(
+        store,
+        Arc::new(clock.clone()),
+        instance("b"),
+        LeaseConfig {
+            ring_spacing: std::time::Duration::ZERO,
+            ..LeaseConfig::default()
+        },
+    );
+    let rings = ringer.instance_lease();
+    let [first, second, third, other] = [1u128, 2, 3, 4].map(SandboxId::from_u128);
+    rings.ring(&instance("a"), &first).await.unwrap();
+    let (reads, writes) = (counts.count(Operation::Get), counts.count(Operation::Put));
+    rings.ring(&instance("a"), &second).await.unwrap();
+    assert_eq!(
+        (
+            counts.count(Operation::Get) - reads,
+            counts.count(Operation::Put) - writes
+        ),
+        (0, 1),
+        "a second ring is one write, no read"
+    );
+    // Another instance rings the same holder: the remembered doorbell is
+    // stale, and the next ring must not drop that ring.
+    ring_doorbell(memory.as_ref(), clock.now(), &instance("a"), &other, "c")
+        .await
+        .unwrap();
+    rings.ring(&instance("a"), &third).await.unwrap();
+    let bell: crate::api::Doorbell = decode(
+        &memory
+            .get(&crate::layout::doorbell_key(&instance("a")))
+            .await
+            .unwrap()
+            .data,
+    )
+    .unwrap();
+    for sandbox in [&first, &second, &third, &other] {
+        assert!(
+            bell.rings.iter().any(|ring| &ring.sandbox == sandbox),
+            "{sandbox} was rung"
+        );
+    }
+}
+
 /// A handoff's hand-back transfers the hold to the instance whose live
 /// intent names it, in one write that carries the checkpoint.
 #[tokio::test]

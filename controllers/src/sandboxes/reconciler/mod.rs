@@ -450,14 +450,28 @@ impl Reconciler {
             .detached_since
             .is_some_and(|since| now < since + chrono_duration(self.config.detached_window));
         if watching {
-            let lease = self.leases.read(sandbox).await?.map(|(lease, _)| lease);
+            // Both objects at once: the full pass a change calls for (an
+            // attach elsewhere) decides on these reads, not on a second
+            // round trip (decision 7, the departure watch), unless an
+            // intent writer here started meanwhile (its writes are newer).
+            let intents_before = self.intents_settled(sandbox);
+            let (metadata, lock) = tokio::join!(
+                self.read_metadata_versioned(sandbox),
+                self.leases.read(sandbox)
+            );
+            let lock = lock?;
+            let lease = lock.as_ref().map(|(lease, _)| lease);
             let ours = lease
-                .as_ref()
                 .is_some_and(|l| l.is_held_by(self.leases.instance()) && l.epoch == held.epoch);
-            let wanted_elsewhere = lease
-                .as_ref()
-                .is_some_and(|l| l.wanted_elsewhere(self.leases.instance(), now).is_some());
+            let wanted_elsewhere =
+                lease.is_some_and(|l| l.wanted_elsewhere(self.leases.instance(), now).is_some());
             if !ours || wanted_elsewhere {
+                if let Ok(Some(metadata)) = metadata
+                    && intents_before.is_some()
+                    && self.intents_settled(sandbox) == intents_before
+                {
+                    self.prime_with_read(sandbox, metadata, lock);
+                }
                 return Ok(None);
             }
         }

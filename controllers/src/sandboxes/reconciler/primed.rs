@@ -55,12 +55,21 @@ pub(super) struct KnownObjects {
 }
 
 impl KnownObjects {
+    /// Remembers `object` unless a newer generation is remembered already:
+    /// a read answered after this instance's own write landed (the two
+    /// travel apart) must not stand in for that write.
     pub(super) fn remember(&self, sandbox: &SandboxId, object: &Versioned) {
         let mut known = self.metadata.lock().unwrap_or_else(PoisonError::into_inner);
         if known.len() >= MAX_KNOWN && !known.contains_key(sandbox) {
             known.clear();
         }
-        known.insert(sandbox.clone(), object.clone());
+        match known.get_mut(sandbox) {
+            Some(current) if current.generation > object.generation => {}
+            Some(current) => *current = object.clone(),
+            None => {
+                known.insert(sandbox.clone(), object.clone());
+            }
+        }
     }
 
     pub(super) fn get(&self, sandbox: &SandboxId) -> Option<Versioned> {
@@ -256,6 +265,28 @@ impl Reconciler {
         {
             *read = (metadata, known.generation);
         }
+    }
+
+    /// [`Self::prime`] with what a pass of its own just read, unless an
+    /// intent writer primed the next pass meanwhile: what it wrote is newer
+    /// than any read that overlapped its write.
+    pub(super) fn prime_with_read(
+        &self,
+        sandbox: &SandboxId,
+        metadata: ReadMetadata,
+        lock: Option<ReadLease>,
+    ) {
+        let primed = Primed {
+            metadata,
+            lock,
+            at: self.clock.now(),
+            era: self.leases.instance_lease().era(),
+        };
+        self.primed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(sandbox.clone())
+            .or_insert(primed);
     }
 
     /// Applies the spec change being written to `sandbox`, if any.

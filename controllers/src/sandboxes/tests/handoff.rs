@@ -30,6 +30,35 @@ async fn another_instance_asking_gets_the_sandbox_handed_over() {
     assert_eq!(world.metadata(&id).await.status.epoch, 2);
 }
 
+/// The departure watch reads both objects: the pass an attach elsewhere
+/// calls for decides on them, with no second round trip before the
+/// checkpoint (two reads in all, not three).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_client_left_hands_over_on_the_departure_watchs_reads() {
+    use crate::store::{CountingStore, Operation, OperationCounts};
+    let counts = Arc::new(OperationCounts::default());
+    let world = World::wrapped(|store| Arc::new(CountingStore::new(store, counts.clone())));
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.run(&id, "state").await;
+    a.controller.client_attached(&id, false);
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    let reads = counts.count(Operation::Get);
+    a.reconcile(&id).await.unwrap();
+    assert!(a.runtime.memory(&id).is_none(), "handed over");
+    assert_eq!(
+        counts.count(Operation::Get) - reads,
+        2,
+        "metadata.json and lock.json read once each"
+    );
+    b.reconcile(&id).await.unwrap();
+    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
+}
+
 #[tokio::test]
 async fn the_taker_asks_for_the_image_the_holder_hands_over_with_before_the_transfer() {
     let world = World::new();

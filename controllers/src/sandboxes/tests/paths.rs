@@ -222,3 +222,39 @@ async fn a_handoff_stays_within_its_request_budget() {
     assert_eq!(status.holder.as_ref().map(|h| h.as_str()), Some("b"));
     assert_eq!(status.latest_checkpoint, lock.checkpoint);
 }
+
+/// Twenty attaches at once on an instance whose lease is stale (it held
+/// nothing) write that lease once: each waits for the renewal in flight
+/// instead of writing its own, which GCS would answer with 429s (one
+/// object, about one write a second).
+#[tokio::test(start_paused = true)]
+async fn concurrent_starts_share_one_renewal_of_the_instance_lease() {
+    use crate::store::{CountingStore, Operation, OperationCounts};
+    let counts = Arc::new(OperationCounts::default());
+    let world = World::wrapped(|store| {
+        Arc::new(CountingStore::new(
+            Arc::new(SlowStore(store)),
+            counts.clone(),
+        ))
+    });
+    let b = Leases::new(
+        world.bucket.clone(),
+        Arc::new(world.clock.clone()),
+        InstanceId::parse("b").unwrap(),
+        LeaseConfig::default(),
+    );
+    let ensured = (0..20).map(|_| {
+        let b = b.clone();
+        tokio::spawn(async move { b.ensure_instance_lease().await })
+    });
+    for outcome in futures::future::join_all(ensured).await {
+        outcome.unwrap().unwrap();
+    }
+    assert_eq!(
+        counts.count(Operation::Put),
+        1,
+        "one renewal for twenty starts"
+    );
+    let lease = b.instance_lease();
+    assert!(lease.vouches_for(lease.era()));
+}
