@@ -28,13 +28,11 @@
 //! generation (`docs/decisions/0001-backon-for-retries.md`).
 
 use std::fmt;
-use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use super::pacing::MutationPacer;
 use async_trait::async_trait;
-use backon::{ExponentialBuilder, Retryable};
 use bytes::{Bytes, BytesMut};
 use controllers::store::{
     BlobReader, BlobSource, Generation, ListPage, ObjectInfo, ObjectKey, PutMode, Store,
@@ -47,23 +45,13 @@ use tokio_util::io::StreamReader;
 
 use super::gcs_json::JsonApi;
 
+mod retry;
+
+pub use retry::RetrySettings;
+use retry::{classify, put_error};
+
 /// The public GCS endpoint.
 pub const GCS_ENDPOINT: &str = "https://storage.googleapis.com";
-
-/// How often and how patiently a failed operation is retried.
-#[derive(Debug, Clone)]
-pub struct RetrySettings {
-    /// Retries after the first attempt.
-    pub max_retries: usize,
-    pub min_delay: Duration,
-    pub max_delay: Duration,
-    /// One attempt at a small object (a read, a write, a list page, a
-    /// delete, one rewrite call) is abandoned after this; a blob's attempt
-    /// gets this plus its bytes at [`BLOB_FLOOR_BYTES_PER_S`].
-    pub attempt_timeout: Duration,
-    /// A small-object call, retries included, fails after this.
-    pub deadline: Duration,
-}
 
 /// The slowest throughput a blob transfer is given time for.
 pub const BLOB_FLOOR_BYTES_PER_S: u64 = 4 << 20;
@@ -86,31 +74,6 @@ const HEDGE_READ_AFTER: Duration = Duration::from_millis(250);
 
 /// A download whose stream brings nothing for this long fails.
 const DOWNLOAD_STALL: Duration = Duration::from_secs(30);
-
-impl Default for RetrySettings {
-    /// Attempts of 4 s (a small object's request takes tens of milliseconds,
-    /// its slow tail a second or two) within 12 s, under the 13 s a default
-    /// lease (15 s less 2 s of skew) lets a holder vouch for its holds.
-    fn default() -> Self {
-        Self {
-            max_retries: 6,
-            min_delay: Duration::from_millis(100),
-            max_delay: Duration::from_secs(5),
-            attempt_timeout: Duration::from_secs(4),
-            deadline: Duration::from_secs(12),
-        }
-    }
-}
-
-impl RetrySettings {
-    fn backoff(&self) -> ExponentialBuilder {
-        ExponentialBuilder::default()
-            .with_min_delay(self.min_delay)
-            .with_max_delay(self.max_delay)
-            .with_max_times(self.max_retries)
-            .with_jitter()
-    }
-}
 
 /// Where the store is and how to reach it.
 #[derive(Debug, Clone)]
@@ -214,78 +177,6 @@ impl GcsStore {
 
     pub fn bucket(&self) -> &str {
         &self.bucket
-    }
-
-    /// Runs `attempt` (each one within the attempt timeout) until it
-    /// succeeds, fails for good, retries run out, or the deadline passes.
-    async fn retrying<T, F, Fut>(
-        &self,
-        operation: &'static str,
-        key: &str,
-        attempt: F,
-    ) -> Result<T, StoreError>
-    where
-        F: FnMut() -> Fut,
-        Fut: Future<Output = Result<T, StoreError>>,
-    {
-        self.retrying_after(operation, key, attempt, |delay| delay)
-            .await
-    }
-
-    /// [`Self::retrying`], each retry's delay as `pace` makes it.
-    async fn retrying_after<T, F, Fut>(
-        &self,
-        operation: &'static str,
-        key: &str,
-        mut attempt: F,
-        mut pace: impl FnMut(Duration) -> Duration,
-    ) -> Result<T, StoreError>
-    where
-        F: FnMut() -> Fut,
-        Fut: Future<Output = Result<T, StoreError>>,
-    {
-        let limit = self.retry.attempt_timeout;
-        let retried = (|| within(limit, key, attempt()))
-            .retry(self.retry.backoff())
-            .when(StoreError::is_transient)
-            .adjust(|_, delay| delay.map(&mut pace))
-            .notify(|err, delay| {
-                tracing::warn!(operation, key, %err, ?delay, "transient storage error, retrying");
-            });
-        match tokio::time::timeout(self.retry.deadline, retried).await {
-            Ok(outcome) => outcome,
-            Err(_) => Err(StoreError::transient(
-                key,
-                format!(
-                    "{operation} got no answer within its {:?} deadline",
-                    self.retry.deadline
-                ),
-            )),
-        }
-    }
-
-    /// A blob's attempts: the attempt timeout plus `size` at the floor
-    /// throughput each, retried as many times, no overall deadline.
-    async fn retrying_blob<T, F, Fut>(
-        &self,
-        operation: &'static str,
-        key: &str,
-        size: u64,
-        mut attempt: F,
-    ) -> Result<T, StoreError>
-    where
-        F: FnMut() -> Fut,
-        Fut: Future<Output = Result<T, StoreError>>,
-    {
-        let limit =
-            self.retry.attempt_timeout + Duration::from_secs(size.div_ceil(BLOB_FLOOR_BYTES_PER_S));
-        (|| within(limit, key, attempt()))
-            .retry(self.retry.backoff())
-            .when(StoreError::is_transient)
-            .notify(|err, delay| {
-                tracing::warn!(operation, key, %err, ?delay, "transient storage error, retrying");
-            })
-            .await
     }
 
     /// [`Self::get_once`], asked again if the first has no answer after
@@ -573,47 +464,6 @@ impl Store for GcsStore {
             Some((item, response))
         });
         Ok(Box::pin(StreamReader::new(Box::pin(chunks))))
-    }
-}
-
-/// `attempt`, or a transient error when it takes longer than `limit`.
-async fn within<T>(
-    limit: Duration,
-    key: &str,
-    attempt: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    tokio::time::timeout(limit, attempt)
-        .await
-        .unwrap_or_else(|_| {
-            Err(StoreError::transient(
-                key,
-                format!("no answer within {limit:?}"),
-            ))
-        })
-}
-
-/// Maps a client error to what a caller can act on.
-fn classify(key: &ObjectKey, err: google_cloud_storage::Error) -> StoreError {
-    match err.http_status_code() {
-        Some(404) => StoreError::not_found(key),
-        Some(412) => StoreError::precondition(key, "ifGenerationMatch did not match"),
-        Some(408 | 429 | 500..=599) => StoreError::transient(key, err),
-        Some(_) => StoreError::other(key, err),
-        None if err.is_connect() || err.is_timeout() || err.is_io() || err.is_transport() => {
-            StoreError::transient(key, err)
-        }
-        None => StoreError::other(key, err),
-    }
-}
-
-/// A failed write's error: a compare-and-swap on a vanished object failed
-/// its precondition.
-fn put_error(key: &ObjectKey, err: google_cloud_storage::Error, mode: PutMode) -> StoreError {
-    match classify(key, err) {
-        StoreError::NotFound { key } if matches!(mode, PutMode::Update(_)) => {
-            StoreError::precondition(key, "the object no longer exists")
-        }
-        other => other,
     }
 }
 

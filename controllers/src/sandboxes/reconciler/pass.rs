@@ -1,0 +1,304 @@
+//! One pass for one sandbox. A held sandbox nothing happened to gets a
+//! light pass (lease upkeep; in the minute after its client left, the
+//! departure watch's read of both objects); anything else gets a full pass:
+//! both objects read (or primed), the decision table's one step, performed.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use super::*;
+
+impl Reconciler {
+    /// One step toward the desired state of `sandbox`. A held sandbox with
+    /// nothing new gets a light pass (lease upkeep, maybe one lock read); a
+    /// full pass reads metadata and lock and decides.
+    #[tracing::instrument(skip(self), fields(instance = %self.leases.instance()))]
+    pub async fn reconcile(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
+        let full_wanted = self.take_full_pass_wanted(sandbox);
+        let watch = self.watch_map().get(sandbox).copied();
+        if !full_wanted
+            && let Some(held) = self.held(sandbox)
+            && let Some(watch) = watch
+            && self.clock.now()
+                < watch.last_full_pass + chrono_duration(self.config.resync_interval)
+            && !self.checkpoint_due(sandbox)
+            && self.runtime.is_running(sandbox)
+            && let Some(requeue) = self.light_pass(sandbox, held, watch).await?
+        {
+            return Ok(requeue);
+        }
+        let outcome = self.full_pass(sandbox).await;
+        if let Some(watch) = self.watch_map().get_mut(sandbox) {
+            watch.last_full_pass = self.clock.now();
+        }
+        outcome
+    }
+
+    /// Lease upkeep for a held sandbox nothing happened to. `None`: something
+    /// changed, do a full pass.
+    async fn light_pass(
+        &self,
+        sandbox: &SandboxId,
+        held: HeldLease,
+        watch: Watch,
+    ) -> Result<Option<Requeue>, ReconcileError> {
+        let now = self.clock.now();
+        let watching = watch
+            .detached_since
+            .is_some_and(|since| now < since + chrono_duration(self.config.detached_window));
+        if watching {
+            // Both objects at once: the full pass a change calls for (an
+            // attach elsewhere) decides on these reads, not on a second
+            // round trip (decision 7, the departure watch), unless an
+            // intent writer here started meanwhile (its writes are newer).
+            let intents_before = self.intents_settled(sandbox);
+            let (metadata, lock) = tokio::join!(
+                self.read_metadata_versioned(sandbox),
+                self.leases.read(sandbox)
+            );
+            let lock = lock?;
+            let lease = lock.as_ref().map(|(lease, _)| lease);
+            let ours = lease
+                .is_some_and(|l| l.is_held_by(self.leases.instance()) && l.epoch == held.epoch);
+            let wanted_elsewhere =
+                lease.is_some_and(|l| l.wanted_elsewhere(self.leases.instance(), now).is_some());
+            if !ours || wanted_elsewhere {
+                if let Ok(Some(metadata)) = metadata
+                    && intents_before.is_some()
+                    && self.intents_settled(sandbox) == intents_before
+                {
+                    self.prime_with_read(sandbox, metadata, lock);
+                }
+                return Ok(None);
+            }
+        }
+        if !self.leases.is_safe(&held) {
+            // The instance lease lapsed: re-verify in a full pass.
+            return Ok(None);
+        }
+        let until = |at: DateTime<Utc>| (at - now).to_std().unwrap_or(Duration::ZERO);
+        let mut next = until(watch.last_full_pass + chrono_duration(self.config.resync_interval));
+        if watching {
+            next = next.min(self.config.detached_poll);
+        }
+        Ok(Some(Requeue::After(next.max(Duration::from_millis(10)))))
+    }
+
+    /// Reads metadata and lock, asks the decision table for the one next
+    /// step, and performs it.
+    async fn full_pass(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
+        let Some(intents_before) = self.intents_settled(sandbox) else {
+            // Its writer primes the next pass and queues it when done.
+            self.want_full_pass(sandbox);
+            return Ok(Requeue::After(primed::INTENT_WAIT));
+        };
+        // What an intent writer here just wrote and read, or both reads at
+        // once: one round trip, not two (a rung handoff starts here).
+        let (metadata, lease) = match self.take_primed(sandbox) {
+            Some(primed) => (Ok(Some(primed.metadata)), Ok(primed.lock)),
+            None => tokio::join!(
+                self.read_metadata_versioned(sandbox),
+                self.leases.read(sandbox)
+            ),
+        };
+        if let Some(unreadable) = self.cut_off(sandbox, &metadata, &lease) {
+            // Held, past what the instance lease vouches for, and the bucket
+            // cannot be read to re-verify the hold: another instance may
+            // take it over meanwhile; two copies must never run.
+            self.stop_lost(sandbox, LossCause::RenewalFailed(unreadable))
+                .await;
+            return Ok(Requeue::Never);
+        }
+        if self.intents_settled(sandbox) != Some(intents_before) {
+            // One started (and maybe ended) while this pass read: what it
+            // read may predate it; decide on what the writer wrote.
+            self.want_full_pass(sandbox);
+            return Ok(Requeue::After(primed::INTENT_WAIT));
+        }
+        let metadata = match metadata {
+            Ok(mut metadata) => {
+                // An intent of ours still on its way to the bucket counts
+                // as written (decision 21).
+                if let Some(read) = &mut metadata {
+                    self.newer_known(sandbox, read);
+                    self.overlay_pending_spec(sandbox, &mut read.0.spec);
+                }
+                metadata
+            }
+            Err(err) => {
+                if let ReconcileError::Invalid { .. } = &err {
+                    // An operator's typo: report it to whoever waits, keep
+                    // running what runs, and look again later.
+                    self.emit(
+                        sandbox,
+                        SandboxEvent::StartFailed {
+                            kind: StartKind::Restore,
+                            cause: StartFailure::InvalidMetadata(err.to_string()),
+                        },
+                    );
+                }
+                return Err(err);
+            }
+        };
+        let lease = match &metadata {
+            Some(_) => lease?,
+            None => None,
+        };
+        let held = self.held(sandbox);
+        let now = self.clock.now();
+        let step = decide(&Observed {
+            me: self.leases.instance(),
+            now,
+            metadata: metadata.as_ref().map(|(metadata, _)| metadata),
+            lock: lease.as_ref().map(|(lease, _)| lease),
+            held: held.as_ref(),
+            vouched: held.as_ref().is_some_and(|held| self.leases.is_safe(held)),
+            running_here: self.runtime.is_running(sandbox),
+            starting_here: self.starting_set().contains(sandbox),
+            lock_expired: lease
+                .as_ref()
+                .is_none_or(|(lease, _)| lease.is_free(now, self.leases.config().skew_tolerance)),
+            waiting_here: self.is_waiting(sandbox),
+            checkpoint_due: self.checkpoint_due(sandbox),
+        });
+        tracing::debug!(%sandbox, ?step, "decided");
+        self.perform(sandbox, step, metadata, lease, held, intents_before)
+            .await
+    }
+
+    /// Why the hold on `sandbox` can no longer be vouched for nor
+    /// re-verified: held here, the instance lease lapsed, and a read of its
+    /// objects failed in the store (not an operator's invalid document).
+    fn cut_off<M, L>(
+        &self,
+        sandbox: &SandboxId,
+        metadata: &Result<M, ReconcileError>,
+        lease: &Result<L, LeaseError>,
+    ) -> Option<String> {
+        let held = self.held(sandbox)?;
+        if self.leases.is_safe(&held) {
+            return None;
+        }
+        let failed = match (metadata, lease) {
+            (Err(err @ ReconcileError::Store(_)), _) => err.to_string(),
+            (_, Err(err @ LeaseError::Store(_))) => err.to_string(),
+            _ => return None,
+        };
+        Some(format!(
+            "the bucket cannot be read to re-verify the hold: {failed}"
+        ))
+    }
+
+    /// Performs the step the decision table chose.
+    async fn perform(
+        &self,
+        sandbox: &SandboxId,
+        step: Step,
+        read: Option<ReadMetadata>,
+        lock: Option<ReadLease>,
+        held: Option<HeldLease>,
+        intents_before: u64,
+    ) -> Result<Requeue, ReconcileError> {
+        let metadata = read.as_ref().map(|(metadata, _)| metadata);
+        let lease = lock.as_ref().map(|(lease, _)| lease.clone());
+        let needs = |what: &'static str| ReconcileError::Internal(what);
+        match step {
+            Step::Nothing => Ok(Requeue::Never),
+            Step::StopVanished => {
+                self.stop_lost(sandbox, LossCause::MetadataDeleted).await;
+                Ok(Requeue::Never)
+            }
+            Step::StopLost { holder } => {
+                self.stop_lost(sandbox, LossCause::TakenOver { holder })
+                    .await;
+                Ok(Requeue::Never)
+            }
+            Step::MarkDied => {
+                let held = held.ok_or(needs("a hold to mark died"))?;
+                self.mark_died(sandbox, held).await
+            }
+            Step::Delete => {
+                let held = held.ok_or(needs("a hold to delete"))?;
+                self.delete_held(sandbox, held).await
+            }
+            Step::RefuseCheckpoint => {
+                let held = held.ok_or(needs("a hold to refuse a checkpoint"))?;
+                self.refuse_checkpoint(sandbox, held).await
+            }
+            Step::CheckpointAndRelease => {
+                let (metadata, held) = metadata
+                    .zip(held)
+                    .ok_or(needs("metadata and a hold to checkpoint"))?;
+                self.checkpoint_and_release(sandbox, metadata, held, lock, false)
+                    .await
+            }
+            Step::HandOver => {
+                let (metadata, held) = metadata
+                    .zip(held)
+                    .ok_or(needs("metadata and a hold to hand over"))?;
+                self.hand_over(sandbox, metadata, held, lock).await
+            }
+            Step::Reverify | Step::KeepRunning => {
+                let held = held.ok_or(needs("a hold to keep"))?;
+                self.keep_running(sandbox, held).await
+            }
+            Step::RecordRunning => {
+                let held = held.ok_or(needs("a hold to record"))?;
+                if self.record_running_in_background(sandbox, &held, lease.clone(), None) {
+                    // Bookkeeping off the pass (decision 21): a ring that
+                    // comes while the record meets the write rate is
+                    // answered by the next pass, not after the record.
+                    return self.keep_running(sandbox, held).await;
+                }
+                self.record_running(sandbox, &held, lease.as_ref(), None)
+                    .await?;
+                Ok(Requeue::After(Duration::ZERO))
+            }
+            Step::PeriodicCheckpoint => {
+                let held = held.ok_or(needs("a hold to checkpoint"))?;
+                self.periodic_checkpoint(sandbox, held).await?;
+                Ok(Requeue::After(Duration::ZERO))
+            }
+            Step::Adopt => {
+                let (read, lock) = read
+                    .zip(lock)
+                    .ok_or(needs("metadata and a lock to adopt"))?;
+                self.adopt_and_start(sandbox, read.0, lock).await
+            }
+            Step::AwaitHandover { holder } => {
+                self.await_handover(sandbox, &holder, lease.as_ref()).await;
+                Ok(Requeue::After(self.config.acquire_poll))
+            }
+            Step::ReleaseOrphan { epoch } => self.release_orphan(sandbox, epoch).await,
+            Step::Purge => {
+                let metadata = metadata.ok_or(needs("metadata to purge"))?;
+                self.emit(sandbox, SandboxEvent::Deleted);
+                self.purge_if_due(sandbox, metadata).await
+            }
+            // Its holder converges it; look again once the lock could expire.
+            Step::AwaitHolder => Ok(Requeue::After(self.config.resync_interval)),
+            Step::Tombstone => self.tombstone_unheld(sandbox).await,
+            Step::NotWantedHere => {
+                self.tell_waiter_not_wanted(sandbox, lease.as_ref(), intents_before);
+                Ok(Requeue::Never)
+            }
+            Step::CheckpointedMeanwhile => {
+                if self.take_waiter_read_for(sandbox, intents_before).is_some() {
+                    self.emit(
+                        sandbox,
+                        SandboxEvent::StartFailed {
+                            kind: StartKind::Restore,
+                            cause: StartFailure::CheckpointedMeanwhile,
+                        },
+                    );
+                }
+                Ok(Requeue::Never)
+            }
+            Step::Acquire => {
+                let (metadata, _) = read.ok_or(needs("metadata to start"))?;
+                self.acquire_and_start(sandbox, metadata, lock).await
+            }
+        }
+    }
+}
