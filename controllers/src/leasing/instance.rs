@@ -62,7 +62,17 @@ struct Outbox {
     /// starts from it, one conditional write and no read when nobody rang
     /// in between (a failed precondition reads afresh, as before).
     doorbell: Option<Versioned>,
+    /// Until when the next batches read first: a remembered doorbell was
+    /// found stale (another instance rings this holder too), and a refused
+    /// write counts against the object's write rate like any other.
+    read_first_until: Option<tokio::time::Instant>,
 }
+
+/// How long a ringer whose remembered doorbell was stale reads before it
+/// writes: in a mass reconnect two instances ring one holder in turn, and
+/// each stale copy would cost a refused write (decision 22's withdrawn
+/// attempt); one refused write a minute per holder is the most it costs.
+const READ_FIRST_AFTER_STALE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// This instance's lease and doorbell.
 #[derive(Debug, Clone)]
@@ -319,8 +329,13 @@ impl InstanceLeases {
             let (pending, known) = {
                 let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
                 let outbox = outboxes.entry(holder.clone()).or_default();
-                (std::mem::take(&mut outbox.pending), outbox.doorbell.take())
+                let read_first = outbox
+                    .read_first_until
+                    .is_some_and(|until| tokio::time::Instant::now() < until);
+                let known = outbox.doorbell.take().filter(|_| !read_first);
+                (std::mem::take(&mut outbox.pending), known)
             };
+            let started_from_known = known.is_some();
             let outcome = ring_doorbell_many(
                 self.store.as_ref(),
                 self.clock.now(),
@@ -336,7 +351,13 @@ impl InstanceLeases {
                 outbox.written += 1;
                 outbox.last_write = Some(tokio::time::Instant::now());
                 let (written, error) = match outcome {
-                    Ok(written) => (written, None),
+                    Ok(rung) => {
+                        if started_from_known && rung.attempts > 1 {
+                            outbox.read_first_until =
+                                Some(tokio::time::Instant::now() + READ_FIRST_AFTER_STALE);
+                        }
+                        (rung.written, None)
+                    }
                     Err(err) => (None, Some(err.to_string())),
                 };
                 outbox.doorbell = written;
@@ -390,9 +411,16 @@ pub async fn ring_doorbell(
         .map(|_| ())
 }
 
+/// A ring as written: the doorbell (with its generation) and how many
+/// attempts it took (more than one: the doorbell it started from was
+/// stale, or another ringer won a race).
+struct Rung {
+    written: Option<Versioned>,
+    attempts: u32,
+}
+
 /// [`ring_doorbell`] for several sandboxes in one write, starting from
-/// `known` (the doorbell as last written here) when given; returns the
-/// doorbell as written (with its generation).
+/// `known` (the doorbell as last written here) when given.
 async fn ring_doorbell_many(
     store: &dyn Store,
     now: DateTime<Utc>,
@@ -400,9 +428,11 @@ async fn ring_doorbell_many(
     sandboxes: &[SandboxId],
     by: &str,
     known: Option<Versioned>,
-) -> Result<Option<Versioned>, LeaseError> {
+) -> Result<Rung, LeaseError> {
     let key = doorbell_key(holder);
+    let mut attempts = 0;
     let outcome = read_modify_write_from(store, &key, known, |current| {
+        attempts += 1;
         let mut bell = current
             .and_then(|object| decode::<Doorbell>(&object.data).ok())
             .unwrap_or_default();
@@ -419,7 +449,10 @@ async fn ring_doorbell_many(
     })
     .await;
     match outcome {
-        Ok((data, generation)) => Ok(generation.map(|generation| Versioned { data, generation })),
+        Ok((data, generation)) => Ok(Rung {
+            written: generation.map(|generation| Versioned { data, generation }),
+            attempts,
+        }),
         Err(RmwError::Store(err)) => Err(err.into()),
         Err(RmwError::Contended { key, attempts }) => {
             Err(LeaseError::ContendedObject { key, attempts })

@@ -499,6 +499,22 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
             "{sandbox} was rung"
         );
     }
+    // Found stale once, the ringer reads first for a while: another
+    // instance ringing the same holder in turn (a mass reconnect) would
+    // otherwise cost a refused write per ring.
+    let (reads, writes) = (counts.count(Operation::Get), counts.count(Operation::Put));
+    ring_doorbell(memory.as_ref(), clock.now(), &instance("a"), &other, "c")
+        .await
+        .unwrap();
+    rings.ring(&instance("a"), &first).await.unwrap();
+    assert_eq!(
+        (
+            counts.count(Operation::Get) - reads,
+            counts.count(Operation::Put) - writes
+        ),
+        (1, 1),
+        "a read and one write, no refused write"
+    );
 }
 
 /// A handoff's hand-back transfers the hold to the instance whose live
