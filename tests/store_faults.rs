@@ -276,3 +276,47 @@ async fn a_slow_read_is_asked_again_and_the_first_answer_serves() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(requests_for(&model, "sandboxes/0d/lock.json"), ["GET 200"]);
 }
+
+/// An unconditional write whose answer is slow (the instance lease's
+/// renewal meeting GCS's tail) is sent again and the first answer serves;
+/// a conditional one is never sent twice at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_overwrite_is_sent_again_and_a_conditional_write_is_not() {
+    let (store, model, _proxy) = modelled(Profile::loopback(), RetrySettings::default()).await;
+    let k = key("instances/a/lease.json");
+    model.slow_next_requests(1, Duration::from_secs(3));
+    let started = Instant::now();
+    store
+        .put(
+            &k,
+            Bytes::from_static(b"{\"renewed\":1}"),
+            PutMode::Overwrite,
+        )
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "waited for the slow write: {took:?}"
+    );
+    assert_eq!(
+        store.get(&k).await.unwrap().data,
+        Bytes::from_static(b"{\"renewed\":1}")
+    );
+
+    // A slow conditional write waits for its own answer.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let current = store.get(&k).await.unwrap().generation;
+    model.clear_records();
+    model.slow_next_requests(1, Duration::from_secs(1));
+    store
+        .put(
+            &k,
+            Bytes::from_static(b"{\"renewed\":2}"),
+            PutMode::Update(current),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(requests_for(&model, "instances/a/lease.json"), ["POST 200"]);
+}

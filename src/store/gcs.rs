@@ -72,6 +72,12 @@ const ONE_REQUEST_UPLOAD_BUDGET: usize = 64 << 20;
 /// in tens of milliseconds, and its tail takes seconds.
 const HEDGE_READ_AFTER: Duration = Duration::from_millis(250);
 
+/// An unconditional write unanswered after this is sent a second time (a
+/// Class A write, $0.000005, in the tail only): the instance lease's
+/// renewal is on a start's path when the instance held nothing, and a
+/// write's tail takes seconds.
+const HEDGE_OVERWRITE_AFTER: Duration = Duration::from_millis(400);
+
 /// A download whose stream brings nothing for this long fails.
 const DOWNLOAD_STALL: Duration = Duration::from_secs(30);
 
@@ -193,6 +199,36 @@ impl GcsStore {
         }
         let second = self.get_once(key);
         tokio::pin!(second);
+        tokio::select! {
+            answer = &mut first => answer,
+            answer = &mut second => answer,
+        }
+    }
+
+    /// [`Self::put_once`]; an unconditional one (`Overwrite`) is sent again
+    /// if the first has no answer after [`HEDGE_OVERWRITE_AFTER`], and the
+    /// first answer wins. Both carry the same bytes, so whichever lands last
+    /// leaves the object as written (its generation may be the other's:
+    /// nobody makes a conditional write from an overwrite's generation). A
+    /// conditional write is never sent twice at once.
+    async fn put_hedged(
+        &self,
+        key: &ObjectKey,
+        data: Bytes,
+        mode: PutMode,
+        throttled: &std::sync::atomic::AtomicBool,
+    ) -> Result<Generation, StoreError> {
+        // On the heap: a write's future is large, and two of them on the
+        // stack of a deep call (a checkpoint's) overflow a worker's stack.
+        let mut first = Box::pin(self.put_once(key, data.clone(), mode, throttled));
+        if !matches!(mode, PutMode::Overwrite) {
+            return first.await;
+        }
+        tokio::select! {
+            answer = &mut first => return answer,
+            () = tokio::time::sleep(HEDGE_OVERWRITE_AFTER) => {}
+        }
+        let mut second = Box::pin(self.put_once(key, data, mode, throttled));
         tokio::select! {
             answer = &mut first => answer,
             answer = &mut second => answer,
@@ -353,7 +389,7 @@ impl Store for GcsStore {
                 key.as_str(),
                 || {
                     attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    self.put_once(key, data.clone(), mode, &throttled)
+                    self.put_hedged(key, data.clone(), mode, &throttled)
                 },
                 |delay| {
                     if !throttled.load(std::sync::atomic::Ordering::Relaxed) {
