@@ -191,18 +191,7 @@ impl GcsStore {
     /// whatever waits for it: a handoff's poll, a pass. Both reads start
     /// after the call, so either answer is at least as new as the call.
     async fn get_hedged(&self, key: &ObjectKey) -> Result<Versioned, StoreError> {
-        let first = self.get_once(key);
-        tokio::pin!(first);
-        tokio::select! {
-            answer = &mut first => return answer,
-            () = tokio::time::sleep(HEDGE_READ_AFTER) => {}
-        }
-        let second = self.get_once(key);
-        tokio::pin!(second);
-        tokio::select! {
-            answer = &mut first => answer,
-            answer = &mut second => answer,
-        }
+        hedged(HEDGE_READ_AFTER, || self.get_once(key)).await
     }
 
     /// [`Self::put_once`]; an unconditional one (`Overwrite`) is sent again
@@ -218,21 +207,13 @@ impl GcsStore {
         mode: PutMode,
         throttled: &std::sync::atomic::AtomicBool,
     ) -> Result<Generation, StoreError> {
-        // On the heap: a write's future is large, and two of them on the
-        // stack of a deep call (a checkpoint's) overflow a worker's stack.
-        let mut first = Box::pin(self.put_once(key, data.clone(), mode, throttled));
         if !matches!(mode, PutMode::Overwrite) {
-            return first.await;
+            return self.put_once(key, data, mode, throttled).await;
         }
-        tokio::select! {
-            answer = &mut first => return answer,
-            () = tokio::time::sleep(HEDGE_OVERWRITE_AFTER) => {}
-        }
-        let mut second = Box::pin(self.put_once(key, data, mode, throttled));
-        tokio::select! {
-            answer = &mut first => answer,
-            answer = &mut second => answer,
-        }
+        hedged(HEDGE_OVERWRITE_AFTER, || {
+            self.put_once(key, data.clone(), mode, throttled)
+        })
+        .await
     }
 
     async fn get_once(&self, key: &ObjectKey) -> Result<Versioned, StoreError> {
@@ -500,6 +481,26 @@ impl Store for GcsStore {
             Some((item, response))
         });
         Ok(Box::pin(StreamReader::new(Box::pin(chunks))))
+    }
+}
+
+/// The first answer of `attempt()`, and of a second `attempt()` started if
+/// the first has none after `after` (a request's slow tail, hedged). On the
+/// heap: a write's future is large, and two of them on the stack of a deep
+/// call (a checkpoint's) overflow a worker's stack.
+async fn hedged<T, Attempt>(after: Duration, mut attempt: impl FnMut() -> Attempt) -> T
+where
+    Attempt: std::future::Future<Output = T>,
+{
+    let mut first = Box::pin(attempt());
+    tokio::select! {
+        answer = &mut first => return answer,
+        () = tokio::time::sleep(after) => {}
+    }
+    let mut second = Box::pin(attempt());
+    tokio::select! {
+        answer = &mut first => answer,
+        answer = &mut second => answer,
     }
 }
 
