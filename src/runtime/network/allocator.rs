@@ -334,16 +334,22 @@ mod tests {
         let p = pool(dir.path(), "10.231.0.0/24", "/mine");
         let live = p.allocate().expect("slot").index;
         let leases = dir.path().join("leases");
+        // Three slots other than the one just allocated (which is random).
+        let [a, b, c] = if live < 40 || live > 42 {
+            [40, 41, 42]
+        } else {
+            [50, 51, 52]
+        };
         // A crashed earlier run of this runtime, a dead process, a live other runtime.
         let mut earlier = LeaseOwner::current(Path::new("/mine"));
         earlier.instance ^= 1;
-        std::fs::write(leases.join("40"), earlier.to_line()).expect("write");
-        std::fs::write(leases.join("41"), "4294967 5 9 /other\n").expect("write");
+        std::fs::write(leases.join(a.to_string()), earlier.to_line()).expect("write");
+        std::fs::write(leases.join(b.to_string()), "4294967 5 9 /other\n").expect("write");
         let other = LeaseOwner::current(Path::new("/other"));
-        std::fs::write(leases.join("42"), other.to_line()).expect("write");
+        std::fs::write(leases.join(c.to_string()), other.to_line()).expect("write");
         let stale = p.stale_leases().expect("leases");
-        assert_eq!(stale, vec![40, 41]);
+        assert_eq!(stale, vec![a, b]);
         assert!(!stale.contains(&live));
-        assert!(p.is_leased(42));
+        assert!(p.is_leased(c));
     }
 }
