@@ -335,7 +335,7 @@ mod tests {
         let live = p.allocate().expect("slot").index;
         let leases = dir.path().join("leases");
         // Three slots other than the one just allocated (which is random).
-        let [a, b, c] = if live < 40 || live > 42 {
+        let [a, b, c] = if !(40..=42).contains(&live) {
             [40, 41, 42]
         } else {
             [50, 51, 52]
