@@ -25,9 +25,16 @@ enum Command {
 /// running (a file read stuck on a dead disk must not keep it alive).
 const BLOCKING_TASKS_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// A worker's stack. Tokio's default (2 MiB) is a thin margin for a debug
+/// build, whose futures are unoptimised: a checkpoint's pass overflowed it
+/// once (session 13). Release builds use a fraction of it; the cost is
+/// address space, not memory, until a page is touched.
+const WORKER_STACK_BYTES: usize = 8 * 1024 * 1024;
+
 fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        .thread_stack_size(WORKER_STACK_BYTES)
         .build()?;
     let served = runtime.block_on(serve());
     runtime.shutdown_timeout(BLOCKING_TASKS_GRACE);

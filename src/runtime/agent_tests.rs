@@ -37,9 +37,28 @@ fn emit(agent: &mut std::fs::File, event: &Value) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_archive_consumer_does_not_stall_replies() {
-    let (connection, mut agent, _commands) = connect();
+    let (connection, mut agent, commands) = connect();
     // Nobody reads the archive's chunks (a slow snapshot writer).
     let (_chunks, _done) = connection.start_archive(archive()).await.unwrap();
+    let pinging = Arc::clone(&connection);
+    let reply = tokio::spawn(async move {
+        pinging
+            .request(Request::Ping, Duration::from_secs(30))
+            .await
+    });
+    // The ping's route exists once its line is sent: the agent answers only
+    // after reading it (answered earlier, the pong would have no route).
+    tokio::task::spawn_blocking(move || {
+        use std::io::BufRead as _;
+        for line in std::io::BufReader::new(commands).lines() {
+            if line.unwrap().contains("\"r2\"") {
+                return;
+            }
+        }
+        panic!("the ping was never sent");
+    })
+    .await
+    .unwrap();
     for _ in 0..500 {
         emit(
             &mut agent,
@@ -50,9 +69,7 @@ async fn a_slow_archive_consumer_does_not_stall_replies() {
         &mut agent,
         &json!({"ev": "pong", "id": "r2", "version": 1, "running": []}),
     );
-    let reply = connection
-        .request(Request::Ping, Duration::from_secs(5))
-        .await;
+    let reply = reply.await.unwrap();
     assert!(
         reply.is_ok(),
         "the ping's reply queued behind unread archive chunks: {reply:?}"

@@ -208,7 +208,9 @@ impl GcsStore {
         throttled: &std::sync::atomic::AtomicBool,
     ) -> Result<Generation, StoreError> {
         if !matches!(mode, PutMode::Overwrite) {
-            return self.put_once(key, data, mode, throttled).await;
+            // On the heap, as in `hedged`: inline, a conditional write's
+            // future overflowed a debug build's worker stack in a checkpoint.
+            return Box::pin(self.put_once(key, data, mode, throttled)).await;
         }
         hedged(HEDGE_OVERWRITE_AFTER, || {
             self.put_once(key, data.clone(), mode, throttled)
