@@ -29,7 +29,7 @@ use sandboxd::store::LocalStore;
 
 /// One runtime "host": its own runsc root and state directory.
 struct Host {
-    runtime: GvisorRuntime,
+    runtime: Arc<GvisorRuntime>,
     _cleanup: support::RunscCleanup,
     _dir: tempfile::TempDir,
 }
@@ -38,7 +38,7 @@ async fn host(store: Arc<dyn Store>) -> Host {
     let dir = tempfile::tempdir().unwrap();
     let runtime = support::runtime_with_store(dir.path(), store).await;
     Host {
-        runtime,
+        runtime: Arc::new(runtime),
         _cleanup: support::RunscCleanup(dir.path().join("runsc")),
         _dir: dir,
     }
@@ -548,6 +548,96 @@ async fn restores_use_the_image_kept_where_it_was_taken_or_fetched_ahead_by_the_
         "kept\n"
     );
     b.runtime.destroy(&id).await.unwrap();
+}
+
+fn handoff_request(checkpoint_id: SandboxId, epoch: u64) -> CheckpointRequest {
+    CheckpointRequest {
+        checkpoint_id,
+        epoch,
+        name: None,
+        force: false,
+        keep_executions: false,
+    }
+}
+
+/// Waits (bounded) until `host` has a restore staged ahead of its transfer.
+async fn until_staged(host: &Host) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while host.runtime.staged_restores().0 == 0 {
+        assert!(Instant::now() < deadline, "nothing was staged");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A taker that fetches a handoff's image ahead also restores it before
+/// the transfer lands (decision 26): the restore under the hold takes that
+/// container up, with no request to the store and no runsc restore, and
+/// it is the checkpoint's state. A container staged for another checkpoint
+/// of the sandbox is never taken for it: destroyed, and the asked-for
+/// checkpoint restored as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taker_restores_ahead_of_the_transfer_only_the_checkpoint_it_is_given() {
+    let memory = Arc::new(controllers::testing::MemoryStore::new());
+    let store: Arc<dyn Store> = memory.clone();
+    let a = host(store.clone()).await;
+    let b = host(store.clone()).await;
+    a.runtime.enable_staged_restores();
+    b.runtime.enable_staged_restores();
+    let id = new_id();
+    a.runtime
+        .create(&id, &CreateOptions::default())
+        .await
+        .unwrap();
+    run(&a.runtime, &id, bash("echo kept > ~/notes.txt")).await;
+
+    // A hands over to B: B stages the restore once image and manifest land.
+    let first = new_id();
+    b.runtime
+        .prefetch_checkpoint(&id, &controllers::layout::checkpoint_image_key(&first));
+    let handed = a
+        .runtime
+        .checkpoint(&id, handoff_request(first.clone(), 5))
+        .await
+        .unwrap();
+    until_staged(&b).await;
+    let before = memory.operations();
+    // The waiting taker's next pass asks again: nothing is fetched twice.
+    b.runtime
+        .prefetch_checkpoint(&id, &controllers::layout::checkpoint_image_key(&first));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    b.runtime.restore(&id, &handed).await.unwrap();
+    assert_eq!(b.runtime.staged_restores(), (0, 1), "taken up");
+    assert_eq!(
+        memory.operations(),
+        before,
+        "nothing read again, nor at the restore"
+    );
+    assert_eq!(
+        run(&b.runtime, &id, bash("cat ~/notes.txt")).await.stdout,
+        "kept\n"
+    );
+
+    // B checkpoints (kept), goes on, and hands over a later state while A
+    // waits for it; then A is asked to restore the earlier checkpoint.
+    let kept = checkpoint(&b, &id).await;
+    b.runtime.restore(&id, &kept).await.unwrap();
+    run(&b.runtime, &id, bash("echo later > ~/notes.txt")).await;
+    let second = new_id();
+    a.runtime
+        .prefetch_checkpoint(&id, &controllers::layout::checkpoint_image_key(&second));
+    b.runtime
+        .checkpoint(&id, handoff_request(second, 6))
+        .await
+        .unwrap();
+    until_staged(&a).await;
+    a.runtime.restore(&id, &kept).await.unwrap();
+    assert_eq!(a.runtime.staged_restores(), (0, 0), "not taken, destroyed");
+    assert_eq!(
+        run(&a.runtime, &id, bash("cat ~/notes.txt")).await.stdout,
+        "kept\n",
+        "the checkpoint asked for, not the staged one"
+    );
+    a.runtime.destroy(&id).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

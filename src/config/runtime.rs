@@ -68,6 +68,11 @@ pub struct RuntimeArgs {
     /// (0: none). Each costs its memory while it waits (docs/configuration.md).
     #[arg(long, env = "SANDBOXD_WARM_POOL", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=256), default_value_t = 2)]
     pub warm_pool: usize,
+    /// A handoff's taker restores the checkpoint it fetched ahead
+    /// (network `none` sandboxes) before the transfer lands, and takes
+    /// that container up when it does (docs/configuration.md).
+    #[arg(long, env = "SANDBOXD_STAGED_RESTORES", default_value_t = true, action = clap::ArgAction::Set)]
+    pub staged_restores: bool,
 }
 
 impl RuntimeArgs {

@@ -60,6 +60,9 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
             };
             let runtime = Arc::new(runtime);
             runtime.start_warm_pool(args.runtime.warm_pool);
+            if args.runtime.staged_restores {
+                runtime.enable_staged_restores();
+            }
             Some(runtime)
         }
         Err(err) => {

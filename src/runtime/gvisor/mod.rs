@@ -27,6 +27,7 @@ mod port;
 mod prefetch;
 mod ready;
 mod snapshots;
+mod staged;
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -140,6 +141,8 @@ pub struct GvisorRuntime {
     ready: ready::ReadyTemplates,
     /// Handoffs' images fetched before their restores (`prefetch`).
     prefetches: prefetch::Prefetches,
+    /// Handoffs' restores run before their transfers (`staged`).
+    staged: staged::StagedRestores,
 }
 
 impl GvisorRuntime {
@@ -240,6 +243,7 @@ impl GvisorRuntime {
             pool: Arc::default(),
             ready,
             prefetches: prefetch::Prefetches::default(),
+            staged: staged::StagedRestores::default(),
         })
     }
 
@@ -380,6 +384,7 @@ impl GvisorRuntime {
     /// start under the same runsc root cleans them up).
     pub async fn settle(&self) {
         self.close_warm_pool().await;
+        self.staged.close(self);
         let running: Vec<SandboxId> = self.sandboxes().keys().cloned().collect();
         for sandbox in running {
             let _ = self.destroy(&sandbox).await;

@@ -43,12 +43,18 @@ impl SandboxRuntime for GvisorRuntime {
         if self.checkpoints.local_path(image).is_some() {
             return;
         }
+        // A staged restore of it took the download already: a waiting
+        // taker's next pass must not fetch it again.
+        if self.staged.covers(sandbox, image) {
+            return;
+        }
         let dest = self
             .config
             .state_dir
             .join(self.owner.temporary(prefetch::TEMPORARY_KIND, "img"));
         self.prefetches
             .start(self.checkpoints.clone(), sandbox, image, dest);
+        self.staged.start(sandbox, image);
     }
 
     #[tracing::instrument(skip(self, options), fields(sandbox = %sandbox))]
@@ -222,6 +228,20 @@ impl SandboxRuntime for GvisorRuntime {
         manifest: &CheckpointManifest,
     ) -> Result<(), RuntimeError> {
         let _reservation = self.claim(sandbox)?;
+        // Restored before the transfer landed, from this very checkpoint
+        // (`staged`): take it up; its executions resume now, under the hold.
+        if let Some(staged) = self.staged.take(self, sandbox, manifest).await {
+            let local = self.register(
+                sandbox,
+                staged.container_id,
+                staged.dir,
+                staged.agent,
+                None,
+                staged.image,
+            );
+            self.resume_executions(sandbox, &local).await;
+            return Ok(());
+        }
         check_cpu_features(&manifest.cpu_features, &self.cpu_features)?;
         check_agent_version(manifest)?;
         // The files open at checkpoint time must be byte-identical: only the

@@ -172,6 +172,34 @@ impl Prefetches {
         Some((state, abandoned))
     }
 
+    /// Completes when `image`'s watch has found it (true: it is being or
+    /// was downloaded) or ended without it (false; false at once when it is
+    /// not watched).
+    pub(super) fn found(&self, image: &ObjectKey) -> impl Future<Output = bool> + use<> {
+        let state = self
+            .entries()
+            .get(image)
+            .map(|prefetch| prefetch.state.clone());
+        async move {
+            let Some(mut state) = state else {
+                return false;
+            };
+            loop {
+                let seen = match &*state.borrow_and_update() {
+                    State::Watching => None,
+                    State::Downloading | State::Ready(_) => Some(true),
+                    State::Gone => Some(false),
+                };
+                if let Some(found) = seen {
+                    return found;
+                }
+                if state.changed().await.is_err() {
+                    return false;
+                }
+            }
+        }
+    }
+
     /// The downloaded `image`, for a restore of it: waits for a download
     /// under way, never for one not begun (the restore then downloads it
     /// itself). Every other prefetch of `sandbox` is given up. The file is
