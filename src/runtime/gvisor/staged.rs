@@ -20,16 +20,19 @@
 //! so a copy that runs for a moment and is thrown away (the transfer went
 //! elsewhere, the checkpoint differs) changes nothing anyone can see; an
 //! `egress` sandbox's copy could talk to the world twice. It is taken only
-//! for the very checkpoint it restored (id, image key, digest and size).
+//! for the very checkpoint it restored (the manifests equal) and only if
+//! its agent still answers.
 //!
 //! **Bounded.** [`MAX_STAGED`] at once; one not taken within [`KEEP_FOR`]
-//! is destroyed, as is every one at shutdown.
+//! is destroyed, as is every one at shutdown. An ended one is remembered
+//! for [`REMEMBER_FOR`] (as long as the prefetch keeps a download), so a
+//! waiting taker's passes neither stage nor fetch that image again.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use controllers::api::{CheckpointManifest, SandboxId, decode};
 use controllers::layout::{checkpoint_id_of_image, checkpoint_manifest_key};
@@ -39,6 +42,7 @@ use tokio::sync::watch;
 use super::GvisorRuntime;
 use super::launch::check_agent_version;
 use crate::runtime::agent::AgentConnection;
+use crate::runtime::agent_protocol::Request;
 use crate::runtime::catalog::Image;
 use crate::runtime::images::check_cpu_features;
 
@@ -46,6 +50,11 @@ use crate::runtime::images::check_cpu_features;
 const MAX_STAGED: usize = 2;
 /// How long a staged restore waits for the transfer.
 const KEEP_FOR: Duration = Duration::from_secs(20);
+/// How long an ended staged restore is remembered.
+const REMEMBER_FOR: Duration = Duration::from_secs(60);
+/// A staged container's agent must answer within this when it is taken up
+/// (it may have died while it waited).
+const TAKE_UP_PING: Duration = Duration::from_secs(2);
 /// How often the manifest is looked for while the image is watched (it is
 /// written beside the image and usually lands first: read by the time the
 /// image is downloaded, it costs the restore no round trip).
@@ -80,14 +89,24 @@ enum Phase {
     Launching,
     Ready(Box<Restored>),
     /// Taken, refused, expired or failed: whatever it launches is destroyed.
-    Over,
+    /// `fetched`: a launch took the prefetched download (a new prefetch
+    /// would download it again).
+    Over {
+        fetched: bool,
+    },
+}
+
+impl Phase {
+    fn is_over(&self) -> bool {
+        matches!(self, Self::Over { .. })
+    }
 }
 
 struct Entry {
-    serial: u64,
     /// The image it restores: asked again for the same one (every pass of
     /// a waiting taker asks), nothing new starts, even after a refusal.
     image: ObjectKey,
+    since: Instant,
     phase: Arc<Mutex<Phase>>,
     /// Ticks when a launch ends.
     launched: watch::Receiver<bool>,
@@ -100,9 +119,10 @@ pub(super) struct StagedRestores {
     /// Set by [`GvisorRuntime::enable_staged_restores`]: unset, nothing is
     /// staged.
     runtime: OnceLock<Weak<GvisorRuntime>>,
-    serial: AtomicU64,
     /// Taken by a restore under the hold (for tests and operators).
     taken: AtomicUsize,
+    /// Set at shutdown: nothing is staged or taken any more.
+    closed: AtomicBool,
 }
 
 impl std::fmt::Debug for StagedRestores {
@@ -123,54 +143,66 @@ impl StagedRestores {
         let Some(runtime) = self.runtime.get().cloned() else {
             return;
         };
-        let serial = self.serial.fetch_add(1, Ordering::Relaxed);
-        let (phase, sender) = {
+        if self.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let mut replaced = None;
+        let started = {
             let mut entries = lock(&self.entries);
+            entries.retain(|_, entry| {
+                !(lock(&entry.phase).is_over() && entry.since.elapsed() > REMEMBER_FOR)
+            });
+            if let Some(entry) = entries.get(sandbox) {
+                if &entry.image == image {
+                    return;
+                }
+                // Another handoff of the sandbox (a new epoch): the old
+                // stage ends, and whatever it restored goes.
+                replaced = entries.remove(sandbox).map(|entry| end(&entry.phase));
+            }
             let live = entries
                 .values()
-                .filter(|entry| !matches!(*lock(&entry.phase), Phase::Over))
+                .filter(|entry| !lock(&entry.phase).is_over())
                 .count();
-            if entries
-                .get(sandbox)
-                .is_some_and(|entry| &entry.image == image)
-                || live >= MAX_STAGED
-            {
-                return;
+            if live >= MAX_STAGED {
+                None
+            } else {
+                let phase = Arc::new(Mutex::new(Phase::Waiting));
+                let (sender, launched) = watch::channel(false);
+                entries.insert(
+                    sandbox.clone(),
+                    Entry {
+                        image: image.clone(),
+                        since: Instant::now(),
+                        phase: phase.clone(),
+                        launched,
+                    },
+                );
+                Some((phase, sender))
             }
-            let phase = Arc::new(Mutex::new(Phase::Waiting));
-            let (sender, launched) = watch::channel(false);
-            entries.insert(
-                sandbox.clone(),
-                Entry {
-                    serial,
-                    image: image.clone(),
-                    phase: phase.clone(),
-                    launched,
-                },
-            );
-            (phase, sender)
+        };
+        if let Some(Some(restored)) = replaced
+            && let Some(strong) = runtime.upgrade()
+        {
+            strong.delete_in_background(restored.container_id, restored.dir);
+        }
+        let Some((phase, sender)) = started else {
+            return;
         };
         let sandbox = sandbox.clone();
         let image = image.clone();
         tokio::spawn(async move {
-            stage(
-                runtime,
-                &sandbox,
-                &image,
-                &phase,
-                LaunchEnds(sender),
-                serial,
-            )
-            .await;
+            stage(runtime, &sandbox, &image, &phase, LaunchEnds(sender)).await;
         });
     }
 
-    /// True when a staged restore of `image` of `sandbox` is under way,
-    /// ready, or was refused lately.
+    /// True when a staged restore of `image` of `sandbox` has the
+    /// prefetch's download, or will take it: waiting, under way, ready, or
+    /// ended after it took it (lately).
     pub(super) fn covers(&self, sandbox: &SandboxId, image: &ObjectKey) -> bool {
-        lock(&self.entries)
-            .get(sandbox)
-            .is_some_and(|entry| &entry.image == image)
+        lock(&self.entries).get(sandbox).is_some_and(|entry| {
+            &entry.image == image && !matches!(*lock(&entry.phase), Phase::Over { fetched: false })
+        })
     }
 
     /// The container staged for exactly `manifest`'s checkpoint of
@@ -183,36 +215,48 @@ impl StagedRestores {
         manifest: &CheckpointManifest,
     ) -> Option<Restored> {
         let mut entry = lock(&self.entries).remove(sandbox)?;
-        loop {
-            let over = {
+        if self.closed.load(Ordering::Acquire) || entry.image.as_str() != manifest.image.key {
+            // Staged for another checkpoint (or shutting down): not waited for.
+            if let Some(restored) = end(&entry.phase) {
+                runtime.delete_in_background(restored.container_id, restored.dir);
+            }
+            return None;
+        }
+        let restored = loop {
+            let now = {
                 let mut phase = lock(&entry.phase);
-                match std::mem::replace(&mut *phase, Phase::Over) {
-                    Phase::Launching => {
-                        *phase = Phase::Launching;
-                        None
-                    }
-                    Phase::Ready(restored) => Some(Some(restored)),
-                    Phase::Waiting | Phase::Over => Some(None),
+                if matches!(*phase, Phase::Launching) {
+                    None
+                } else {
+                    Some(std::mem::replace(
+                        &mut *phase,
+                        Phase::Over { fetched: true },
+                    ))
                 }
             };
-            match over {
-                Some(Some(restored)) if same_checkpoint(&restored.manifest, manifest) => {
-                    self.taken.fetch_add(1, Ordering::Relaxed);
-                    return Some(*restored);
-                }
-                Some(Some(restored)) => {
-                    tracing::info!(%sandbox, "a staged restore is not the transfer's checkpoint: destroyed");
-                    runtime.delete_in_background(restored.container_id, restored.dir);
-                    return None;
-                }
-                Some(None) => return None,
+            match now {
+                Some(Phase::Ready(restored)) => break *restored,
+                Some(_) => return None,
                 None => {
                     if entry.launched.changed().await.is_err() {
                         return None;
                     }
                 }
             }
+        };
+        if restored.manifest != *manifest {
+            tracing::info!(%sandbox, "a staged restore is not the transfer's checkpoint: destroyed");
+            runtime.delete_in_background(restored.container_id, restored.dir);
+            return None;
         }
+        // It waited up to KEEP_FOR: it must still answer.
+        if let Err(err) = restored.agent.request(Request::Ping, TAKE_UP_PING).await {
+            tracing::info!(%sandbox, %err, "a staged restore does not answer: destroyed");
+            runtime.delete_in_background(restored.container_id, restored.dir);
+            return None;
+        }
+        self.taken.fetch_add(1, Ordering::Relaxed);
+        Some(restored)
     }
 
     /// Staged restores restored and not taken yet.
@@ -229,29 +273,26 @@ impl StagedRestores {
     }
 
     /// Ends every staged restore (shutdown): ready ones are destroyed now,
-    /// launches under way when they end.
+    /// launches under way when they end, and nothing is staged after.
     pub(super) fn close(&self, runtime: &GvisorRuntime) {
+        self.closed.store(true, Ordering::Release);
         let entries: Vec<Entry> = lock(&self.entries)
             .drain()
             .map(|(_, entry)| entry)
             .collect();
         for entry in entries {
-            if let Phase::Ready(restored) = std::mem::replace(&mut *lock(&entry.phase), Phase::Over)
-            {
+            if let Some(restored) = end(&entry.phase) {
                 runtime.delete_in_background(restored.container_id, restored.dir);
             }
         }
     }
+}
 
-    /// Removes `sandbox`'s entry if it is still the one of `serial`.
-    fn forget(&self, sandbox: &SandboxId, serial: u64) {
-        let mut entries = lock(&self.entries);
-        if entries
-            .get(sandbox)
-            .is_some_and(|entry| entry.serial == serial)
-        {
-            entries.remove(sandbox);
-        }
+/// Ends a stage: what it restored, if it was ready (the caller destroys it).
+fn end(phase: &Mutex<Phase>) -> Option<Box<Restored>> {
+    match std::mem::replace(&mut *lock(phase), Phase::Over { fetched: true }) {
+        Phase::Ready(restored) => Some(restored),
+        _ => None,
     }
 }
 
@@ -269,16 +310,6 @@ impl GvisorRuntime {
     }
 }
 
-/// True when `staged` restored the checkpoint `wanted` describes.
-fn same_checkpoint(staged: &CheckpointManifest, wanted: &CheckpointManifest) -> bool {
-    staged.checkpoint_id == wanted.checkpoint_id
-        && staged.sandbox_id == wanted.sandbox_id
-        && staged.image == wanted.image
-        && staged.sandbox_image == wanted.sandbox_image
-        && staged.network == wanted.network
-        && staged.agent_version == wanted.agent_version
-}
-
 /// The staged restore's task: waits for the image and the manifest,
 /// restores, and keeps the container for [`KEEP_FOR`].
 async fn stage(
@@ -287,51 +318,39 @@ async fn stage(
     image: &ObjectKey,
     phase: &Mutex<Phase>,
     launch_ends: LaunchEnds,
-    serial: u64,
 ) {
     let restored = launch(&runtime, sandbox, image, phase).await;
-    let Some(strong) = runtime.upgrade() else {
-        return;
-    };
     let restored = match restored {
         Ok(Some(restored)) => restored,
-        Ok(None) => {
-            strong.staged.forget(sandbox, serial);
-            return;
-        }
+        // Taken or closed before the launch.
+        Ok(None) => return,
         Err(reason) => {
-            // Remembered (over) for a while, so the taker's next passes do
-            // not stage it again.
             tracing::debug!(%sandbox, %reason, "no staged restore");
-            *lock(phase) = Phase::Over;
-            drop(launch_ends);
-            drop(strong);
-            tokio::time::sleep(KEEP_FOR).await;
-            if let Some(strong) = runtime.upgrade() {
-                strong.staged.forget(sandbox, serial);
-            }
+            let mut current = lock(phase);
+            let fetched = !matches!(*current, Phase::Waiting);
+            *current = Phase::Over { fetched };
             return;
         }
     };
     {
         let mut current = lock(phase);
-        if !matches!(*current, Phase::Launching) {
-            // Taken too early, or closed meanwhile.
+        if matches!(*current, Phase::Launching) {
+            tracing::debug!(%sandbox, container = %restored.container_id, "restored ahead of the transfer");
+            *current = Phase::Ready(Box::new(restored));
+        } else {
+            // Taken too early, replaced or closed meanwhile.
             drop(current);
-            strong.delete_in_background(restored.container_id, restored.dir);
+            if let Some(strong) = runtime.upgrade() {
+                strong.delete_in_background(restored.container_id, restored.dir);
+            }
             return;
         }
-        tracing::debug!(%sandbox, container = %restored.container_id, "restored ahead of the transfer");
-        *current = Phase::Ready(Box::new(restored));
     }
     drop(launch_ends);
-    drop(strong);
     tokio::time::sleep(KEEP_FOR).await;
-    let expired = std::mem::replace(&mut *lock(phase), Phase::Over);
-    if let Some(strong) = runtime.upgrade() {
-        strong.staged.forget(sandbox, serial);
-        if let Phase::Ready(restored) = expired {
-            tracing::debug!(%sandbox, "a staged restore was not taken: destroyed");
+    if let Some(restored) = end(phase) {
+        tracing::debug!(%sandbox, "a staged restore was not taken: destroyed");
+        if let Some(strong) = runtime.upgrade() {
             strong.delete_in_background(restored.container_id, restored.dir);
         }
     }
