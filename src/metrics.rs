@@ -219,6 +219,10 @@ impl Collector for WarmPool {
             .upgrade()
             .map(|runtime| runtime.warm_pool())
             .unwrap_or_default();
+        let (staged_ready, staged_taken) = self
+            .0
+            .upgrade()
+            .map_or((0, 0), |runtime| runtime.staged_restores());
         let gauges = [
             (
                 "sandboxd_warm_pool_target",
@@ -234,6 +238,11 @@ impl Collector for WarmPool {
                 "sandboxd_warm_pool_memory_bytes",
                 "Memory the ready warm sandboxes use.",
                 stats.memory_bytes,
+            ),
+            (
+                "sandboxd_staged_restores_ready",
+                "Handoffs' restores run ahead of their transfers, waiting for them (decision 26).",
+                staged_ready as u64,
             ),
         ];
         for (name, help, value) in gauges {
@@ -260,6 +269,11 @@ impl Collector for WarmPool {
                 "sandboxd_warm_pool_boot_failures",
                 "Warm sandbox boots that failed (each is logged).",
                 stats.boot_failures,
+            ),
+            (
+                "sandboxd_staged_restores_taken",
+                "Handoffs whose restore took up the container restored ahead of the transfer.",
+                staged_taken as u64,
             ),
         ];
         for (name, help, value) in counters {

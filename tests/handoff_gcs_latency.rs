@@ -10,6 +10,9 @@
 //! `SANDBOX_IN_USE` from A: its old session there ended only after the
 //! checkpoint's record, which was still retrying long after the hold had
 //! been transferred (the benchmark's paths client met it every run).
+//!
+//! Each move's taker restores the image before the transfer lands and takes
+//! that container up (decision 26): `/metrics` counts it.
 
 #![allow(
     clippy::unwrap_used,
@@ -81,6 +84,19 @@ async fn a_client_back_on_its_first_instance_a_second_after_a_handoff_gets_its_s
         back.send(json!({"action": "kill_sandbox"})).await;
         back.until_close().await;
     }
+    // The four moves' takers restored ahead of the transfers (decision 26):
+    // at this latency the image lands 100 ms or more before the hold.
+    let mut taken = 0.0;
+    for server in [&a, &b] {
+        let url = server.url("/metrics").replacen("ws://", "http://", 1);
+        let text = reqwest::get(url).await.unwrap().text().await.unwrap();
+        taken += text
+            .lines()
+            .find_map(|line| line.strip_prefix("sandboxd_staged_restores_taken_total "))
+            .and_then(|value| value.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no staged restores on /metrics:\n{text}"));
+    }
+    assert!(taken >= 1.0, "no move took up a staged restore");
     let throttled = model.records().iter().filter(|r| r.status == 429).count();
     eprintln!("429s answered by the storage model: {throttled}");
 }
