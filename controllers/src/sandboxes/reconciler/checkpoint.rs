@@ -278,7 +278,10 @@ impl Reconciler {
                 // it: a pass soon releases that orphan (the next holder
                 // waits until then). The checkpoint is safe if recorded.
                 tracing::warn!(%sandbox, %err, "cannot release the lease after a checkpoint");
-                recording.outcome().await
+                match recording.outcome().await {
+                    Ok(()) => self.not_taken_over(sandbox, held.epoch, &reference).await,
+                    Err(err) => Err(err),
+                }
             }
         };
         if let Err(err) = safe {
@@ -308,6 +311,44 @@ impl Reconciler {
     /// write fails, then deletes the checkpoints it superseded. A fenced
     /// write (a newer holder recorded it from the lock) is an error the
     /// caller may ignore once the hand-back carried the checkpoint.
+    /// After a recorded checkpoint whose hand-back failed: true (`Ok`) only
+    /// if nobody took the hold over since `epoch`, or the lock carries this
+    /// very checkpoint. The record is fenced by the epoch `status` shows,
+    /// and a taker records its own epoch only after its client hears
+    /// `RUNNING` (decision 21): a record that lands meanwhile is accepted
+    /// although the taker restored an older checkpoint and runs on from
+    /// it, so the record alone must not make the client hear CHECKPOINTED.
+    async fn not_taken_over(
+        &self,
+        sandbox: &SandboxId,
+        epoch: u64,
+        reference: &CheckpointRef,
+    ) -> Result<(), ReconcileError> {
+        let lock = self.leases.read(sandbox).await?;
+        match lock {
+            Some((lock, _))
+                if lock.epoch == epoch
+                    || lock
+                        .checkpoint
+                        .as_ref()
+                        .is_some_and(|carried| carried.path == reference.path) =>
+            {
+                Ok(())
+            }
+            Some((lock, _)) => Err(LeaseError::Lost {
+                sandbox: sandbox.clone(),
+                epoch,
+                holder: lock.holder,
+                current_epoch: lock.epoch,
+            }
+            .into()),
+            None => Err(LeaseError::Missing {
+                sandbox: sandbox.clone(),
+            }
+            .into()),
+        }
+    }
+
     pub(super) async fn record_checkpoint(
         &self,
         sandbox: &SandboxId,

@@ -534,3 +534,121 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
     a.controller.reconciler().background_settled().await;
     b.controller.reconciler().background_settled().await;
 }
+
+/// The memory store, but the first checkpoint image written after it is
+/// armed is preceded by a takeover of the sandbox's lock by `b` at the next
+/// epoch (the holder was cut off past its lease while it checkpointed, and
+/// `b` took the sandbox over from an older checkpoint; `b`'s own record of
+/// it has not landed).
+#[derive(Debug)]
+struct TakenOverDuringCheckpoint {
+    store: Arc<MemoryStore>,
+    sandbox: std::sync::Mutex<Option<SandboxId>>,
+}
+
+#[async_trait::async_trait]
+impl Store for TakenOverDuringCheckpoint {
+    async fn get(
+        &self,
+        key: &crate::store::ObjectKey,
+    ) -> Result<crate::store::Versioned, crate::store::StoreError> {
+        self.store.get(key).await
+    }
+    async fn put(
+        &self,
+        key: &crate::store::ObjectKey,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<crate::store::Generation, crate::store::StoreError> {
+        let armed = if key.as_str().ends_with("checkpoint.img") {
+            self.sandbox.lock().unwrap().take()
+        } else {
+            None
+        };
+        if let Some(id) = armed {
+            let lock = lock_key(&id);
+            let mut lease: Lease = decode(&self.store.get(&lock).await.unwrap().data).unwrap();
+            lease.holder = Some(InstanceId::parse("b").unwrap());
+            lease.epoch += 1;
+            lease.checkpoint = None;
+            self.store
+                .put(&lock, encode(&lease), PutMode::Overwrite)
+                .await
+                .unwrap();
+        }
+        self.store.put(key, data, mode).await
+    }
+    async fn list_page(
+        &self,
+        prefix: &str,
+        page_token: Option<String>,
+    ) -> Result<crate::store::ListPage, crate::store::StoreError> {
+        self.store.list_page(prefix, page_token).await
+    }
+    async fn delete(&self, key: &crate::store::ObjectKey) -> Result<(), crate::store::StoreError> {
+        self.store.delete(key).await
+    }
+    async fn upload_blob(
+        &self,
+        key: &crate::store::ObjectKey,
+        source: crate::store::BlobSource,
+    ) -> Result<crate::store::ObjectInfo, crate::store::StoreError> {
+        self.store.upload_blob(key, source).await
+    }
+    async fn download_blob(
+        &self,
+        key: &crate::store::ObjectKey,
+    ) -> Result<crate::store::BlobReader, crate::store::StoreError> {
+        self.store.download_blob(key).await
+    }
+}
+
+/// Found by the 10-minute chaos run (session 13): a holder cut off the
+/// bucket while it checkpointed for its client lost the hold to a taker;
+/// back, its hand-back failed, its record at its own epoch was accepted
+/// (the taker records its epoch only after its client hears RUNNING), and
+/// its client heard CHECKPOINTED of a state the taker never restored. A
+/// checkpoint whose hand-back failed is acknowledged only if nobody took
+/// the hold over meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile() {
+    let mut wrapper = None;
+    let world = World::wrapped(|store| {
+        let wrapped = Arc::new(TakenOverDuringCheckpoint {
+            store,
+            sandbox: std::sync::Mutex::new(None),
+        });
+        wrapper = Some(Arc::clone(&wrapped));
+        wrapped
+    });
+    let wrapper = wrapper.unwrap();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "x=1").await;
+    let epoch = world.lease(&id).await.epoch;
+
+    let mut events = a.controller.subscribe(&id);
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, None)
+        .await
+        .unwrap();
+    *wrapper.sandbox.lock().unwrap() = Some(id.clone());
+    let _ = a.reconcile(&id).await;
+    let seen = drain(&mut events);
+    assert!(
+        !seen
+            .iter()
+            .any(|event| matches!(event, SandboxEvent::Checkpointed { .. })),
+        "acknowledged although the hold was taken over: {seen:?}"
+    );
+    assert!(
+        seen.iter()
+            .any(|event| matches!(event, SandboxEvent::CheckpointFailed(_))),
+        "{seen:?}"
+    );
+    assert_eq!(
+        world.lease(&id).await.epoch,
+        epoch + 1,
+        "the takeover stands"
+    );
+}
