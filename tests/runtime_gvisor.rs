@@ -324,9 +324,12 @@ async fn a_checkpoint_restores_on_another_host_with_processes_files_and_python_s
         .await
         .unwrap();
 
+    // The counter replaces its file atomically: a reader (here or on the
+    // other host, if the checkpoint fell between truncate and write) never
+    // sees it empty.
     let setup = run(&a.runtime, &id, bash(
         "echo kept > ~/notes.txt; head -c 1000000 /dev/urandom > /tmp/blob; sha256sum /tmp/blob | cut -d' ' -f1; \
-         nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 &",
+         nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 &",
     ))
     .await;
     assert_eq!(setup.code, 0, "{}", setup.stderr);
