@@ -2,7 +2,11 @@
 //! one refused for a running execution or a sandbox not made for it, the
 //! retention of superseded ones and periodic checkpoints.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::hooked_store::{BeforeRequest, HookedStore, Request};
 use super::*;
+use crate::store::StoreError;
 
 #[tokio::test]
 async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
@@ -297,74 +301,39 @@ async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_runni
     );
 }
 
-/// The memory store, but a `metadata.json` write waits for the gate while
-/// it is closed and then fails (a bucket that refuses the intent's write).
+/// A `metadata.json` write waits for the gate while it is closed and then
+/// fails (a bucket that refuses the intent's write).
 #[derive(Debug)]
 struct GatedMetadataWrites {
-    store: Arc<MemoryStore>,
-    closed: std::sync::atomic::AtomicBool,
+    closed: AtomicBool,
     gate: tokio::sync::Semaphore,
 }
 
 #[async_trait::async_trait]
-impl Store for GatedMetadataWrites {
-    async fn get(
-        &self,
-        key: &crate::store::ObjectKey,
-    ) -> Result<crate::store::Versioned, crate::store::StoreError> {
-        self.store.get(key).await
-    }
-    async fn put(
-        &self,
-        key: &crate::store::ObjectKey,
-        data: Bytes,
-        mode: PutMode,
-    ) -> Result<crate::store::Generation, crate::store::StoreError> {
-        if key.as_str().ends_with("metadata.json")
-            && self.closed.load(std::sync::atomic::Ordering::SeqCst)
+impl BeforeRequest for GatedMetadataWrites {
+    async fn before(&self, request: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
+        if request.writes("metadata.json")
+            && self.closed.load(Ordering::SeqCst)
+            && let Some(key) = request.key()
         {
             let _passed = self.gate.acquire().await;
-            return Err(crate::store::StoreError::transient(
-                key,
-                "the bucket is unreachable",
-            ));
+            return Err(StoreError::transient(key, "the bucket is unreachable"));
         }
-        self.store.put(key, data, mode).await
-    }
-    async fn list_page(
-        &self,
-        prefix: &str,
-        page_token: Option<String>,
-    ) -> Result<crate::store::ListPage, crate::store::StoreError> {
-        self.store.list_page(prefix, page_token).await
-    }
-    async fn delete(&self, key: &crate::store::ObjectKey) -> Result<(), crate::store::StoreError> {
-        self.store.delete(key).await
-    }
-    async fn upload_blob(
-        &self,
-        key: &crate::store::ObjectKey,
-        source: crate::store::BlobSource,
-    ) -> Result<crate::store::ObjectInfo, crate::store::StoreError> {
-        self.store.upload_blob(key, source).await
-    }
-    async fn download_blob(
-        &self,
-        key: &crate::store::ObjectKey,
-    ) -> Result<crate::store::BlobReader, crate::store::StoreError> {
-        self.store.download_blob(key).await
+        Ok(())
     }
 }
 
 /// A world whose `metadata.json` writes can be held and failed.
-fn gated_world() -> (World, Arc<GatedMetadataWrites>) {
+fn gated_world() -> (World, Arc<HookedStore<GatedMetadataWrites>>) {
     let mut gated = None;
     let world = World::wrapped(|store| {
-        let wrapper = Arc::new(GatedMetadataWrites {
+        let wrapper = Arc::new(HookedStore::new(
             store,
-            closed: std::sync::atomic::AtomicBool::new(false),
-            gate: tokio::sync::Semaphore::new(0),
-        });
+            GatedMetadataWrites {
+                closed: AtomicBool::new(false),
+                gate: tokio::sync::Semaphore::new(0),
+            },
+        ));
         gated = Some(Arc::clone(&wrapper));
         wrapper
     });
@@ -380,9 +349,7 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
 
     // The intent's write hangs: the request returns, and the pass it
     // primed checkpoints meanwhile (decision 22).
-    gated
-        .closed
-        .store(true, std::sync::atomic::Ordering::SeqCst);
+    gated.hook.closed.store(true, Ordering::SeqCst);
     let mut events = a.controller.subscribe(&id);
     let request = a
         .controller
@@ -409,10 +376,8 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     );
 
     // The write then fails: the checkpoint stands, nobody is told it failed.
-    gated.gate.add_permits(1000);
-    gated
-        .closed
-        .store(false, std::sync::atomic::Ordering::SeqCst);
+    gated.hook.gate.add_permits(1000);
+    gated.hook.closed.store(false, Ordering::SeqCst);
     a.controller.reconciler().background_settled().await;
     let seen = drain(&mut events);
     assert!(
@@ -430,10 +395,8 @@ async fn a_checkpoint_intent_that_cannot_be_written_before_its_pass_fails_clearl
     let id = a.create(&world).await;
     a.run(&id, "x=1").await;
 
-    gated
-        .closed
-        .store(true, std::sync::atomic::Ordering::SeqCst);
-    gated.gate.add_permits(1000);
+    gated.hook.closed.store(true, Ordering::SeqCst);
+    gated.hook.gate.add_permits(1000);
     let mut events = a.controller.subscribe(&id);
     a.controller
         .request_state(&id, DesiredState::Checkpointed, None)
@@ -451,9 +414,7 @@ async fn a_checkpoint_intent_that_cannot_be_written_before_its_pass_fails_clearl
         ),
         "{seen:?}"
     );
-    gated
-        .closed
-        .store(false, std::sync::atomic::Ordering::SeqCst);
+    gated.hook.closed.store(false, Ordering::SeqCst);
     a.reconcile(&id).await.unwrap();
     assert_eq!(a.runtime.memory(&id).unwrap(), vec!["x=1".to_owned()]);
     assert_eq!(
@@ -479,9 +440,7 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
         .put(&metadata_key(&id), encode(&metadata), PutMode::Overwrite)
         .await
         .unwrap();
-    gated
-        .closed
-        .store(true, std::sync::atomic::Ordering::SeqCst);
+    gated.hook.closed.store(true, Ordering::SeqCst);
     // A ring without an intent yet (the ringer's intent write was refused
     // and is retried): A's pass finds `status` behind and records that it
     // runs, in a task of its own; the pass ends.
@@ -527,79 +486,41 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
     b.controller.reconciler().reconcile(&id).await.unwrap();
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
 
-    gated.gate.add_permits(1000);
-    gated
-        .closed
-        .store(false, std::sync::atomic::Ordering::SeqCst);
+    gated.hook.gate.add_permits(1000);
+    gated.hook.closed.store(false, Ordering::SeqCst);
     a.controller.reconciler().background_settled().await;
     b.controller.reconciler().background_settled().await;
 }
 
-/// The memory store, but the first checkpoint image written after it is
-/// armed is preceded by a takeover of the sandbox's lock by `b` at the next
-/// epoch (the holder was cut off past its lease while it checkpointed, and
-/// `b` took the sandbox over from an older checkpoint; `b`'s own record of
-/// it has not landed).
-#[derive(Debug)]
+/// The first checkpoint image written after it is armed is preceded by a
+/// takeover of the sandbox's lock by `b` at the next epoch (the holder was
+/// cut off past its lease while it checkpointed, and `b` took the sandbox
+/// over from an older checkpoint; `b`'s own record of it has not landed).
+#[derive(Debug, Default)]
 struct TakenOverDuringCheckpoint {
-    store: Arc<MemoryStore>,
     sandbox: std::sync::Mutex<Option<SandboxId>>,
 }
 
 #[async_trait::async_trait]
-impl Store for TakenOverDuringCheckpoint {
-    async fn get(
-        &self,
-        key: &crate::store::ObjectKey,
-    ) -> Result<crate::store::Versioned, crate::store::StoreError> {
-        self.store.get(key).await
-    }
-    async fn put(
-        &self,
-        key: &crate::store::ObjectKey,
-        data: Bytes,
-        mode: PutMode,
-    ) -> Result<crate::store::Generation, crate::store::StoreError> {
-        let armed = if key.as_str().ends_with("checkpoint.img") {
+impl BeforeRequest for TakenOverDuringCheckpoint {
+    async fn before(&self, request: Request<'_>, store: &MemoryStore) -> Result<(), StoreError> {
+        let armed = if request.writes("checkpoint.img") {
             self.sandbox.lock().unwrap().take()
         } else {
             None
         };
         if let Some(id) = armed {
             let lock = lock_key(&id);
-            let mut lease: Lease = decode(&self.store.get(&lock).await.unwrap().data).unwrap();
+            let mut lease: Lease = decode(&store.get(&lock).await.unwrap().data).unwrap();
             lease.holder = Some(InstanceId::parse("b").unwrap());
             lease.epoch += 1;
             lease.checkpoint = None;
-            self.store
+            store
                 .put(&lock, encode(&lease), PutMode::Overwrite)
                 .await
                 .unwrap();
         }
-        self.store.put(key, data, mode).await
-    }
-    async fn list_page(
-        &self,
-        prefix: &str,
-        page_token: Option<String>,
-    ) -> Result<crate::store::ListPage, crate::store::StoreError> {
-        self.store.list_page(prefix, page_token).await
-    }
-    async fn delete(&self, key: &crate::store::ObjectKey) -> Result<(), crate::store::StoreError> {
-        self.store.delete(key).await
-    }
-    async fn upload_blob(
-        &self,
-        key: &crate::store::ObjectKey,
-        source: crate::store::BlobSource,
-    ) -> Result<crate::store::ObjectInfo, crate::store::StoreError> {
-        self.store.upload_blob(key, source).await
-    }
-    async fn download_blob(
-        &self,
-        key: &crate::store::ObjectKey,
-    ) -> Result<crate::store::BlobReader, crate::store::StoreError> {
-        self.store.download_blob(key).await
+        Ok(())
     }
 }
 
@@ -614,10 +535,10 @@ impl Store for TakenOverDuringCheckpoint {
 async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile() {
     let mut wrapper = None;
     let world = World::wrapped(|store| {
-        let wrapped = Arc::new(TakenOverDuringCheckpoint {
+        let wrapped = Arc::new(HookedStore::new(
             store,
-            sandbox: std::sync::Mutex::new(None),
-        });
+            TakenOverDuringCheckpoint::default(),
+        ));
         wrapper = Some(Arc::clone(&wrapped));
         wrapped
     });
@@ -632,7 +553,7 @@ async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile
         .request_state(&id, DesiredState::Checkpointed, None)
         .await
         .unwrap();
-    *wrapper.sandbox.lock().unwrap() = Some(id.clone());
+    *wrapper.hook.sandbox.lock().unwrap() = Some(id.clone());
     let _ = a.reconcile(&id).await;
     let seen = drain(&mut events);
     assert!(

@@ -2,7 +2,11 @@
 //! rings and re-rings, a waiting attach that lost the race, and a start that
 //! reads the previous holder's last record.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::hooked_store::{BeforeRequest, HookedStore, Request};
 use super::*;
+use crate::store::StoreError;
 
 #[tokio::test]
 async fn another_instance_asking_gets_the_sandbox_handed_over() {
@@ -241,32 +245,36 @@ async fn an_attach_to_a_free_lock_takes_it_in_its_own_write() {
 /// on: a reconcile pass frozen between reading metadata and reading the lock.
 #[derive(Debug)]
 struct PauseBeforeLockRead {
-    inner: Arc<MemoryStore>,
     paused: tokio::sync::Notify,
     resume: tokio::sync::Notify,
-    armed: std::sync::atomic::AtomicBool,
+    armed: AtomicBool,
     /// While set, a write of `metadata.json` waits for a permit of
     /// `metadata_gate`, then lands (a write slowed by the write rate).
-    hold_metadata: std::sync::atomic::AtomicBool,
+    hold_metadata: AtomicBool,
     metadata_gate: tokio::sync::Semaphore,
 }
 
 impl PauseBeforeLockRead {
-    fn over(inner: Arc<MemoryStore>) -> Self {
-        Self {
-            inner,
-            paused: tokio::sync::Notify::new(),
-            resume: tokio::sync::Notify::new(),
-            armed: std::sync::atomic::AtomicBool::new(false),
-            hold_metadata: std::sync::atomic::AtomicBool::new(false),
-            metadata_gate: tokio::sync::Semaphore::new(0),
-        }
+    fn over(store: Arc<MemoryStore>) -> HookedStore<Self> {
+        HookedStore::new(
+            store,
+            Self {
+                paused: tokio::sync::Notify::new(),
+                resume: tokio::sync::Notify::new(),
+                armed: AtomicBool::new(false),
+                hold_metadata: AtomicBool::new(false),
+                metadata_gate: tokio::sync::Semaphore::new(0),
+            },
+        )
     }
 
     /// Instance `b` of the world whose store this wraps, seeing the bucket
     /// through it; and its runtime.
-    fn instance(self: &Arc<Self>, world: &World) -> (Arc<SandboxController>, FakeRuntime) {
-        let store: Arc<dyn Store> = self.clone();
+    fn instance(
+        store: &Arc<HookedStore<Self>>,
+        world: &World,
+    ) -> (Arc<SandboxController>, FakeRuntime) {
+        let store: Arc<dyn Store> = store.clone();
         let runtime = FakeRuntime::new(store.clone());
         let bus = ProgressBus::default();
         let leases = Leases::new(
@@ -294,57 +302,19 @@ impl PauseBeforeLockRead {
 }
 
 #[async_trait::async_trait]
-impl Store for PauseBeforeLockRead {
-    async fn get(
-        &self,
-        key: &crate::store::ObjectKey,
-    ) -> Result<crate::store::Versioned, crate::store::StoreError> {
-        if key.as_str().ends_with("/lock.json")
-            && self.armed.swap(false, std::sync::atomic::Ordering::AcqRel)
-        {
+impl BeforeRequest for PauseBeforeLockRead {
+    async fn before(&self, request: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
+        if request.reads("/lock.json") && self.armed.swap(false, Ordering::AcqRel) {
             self.paused.notify_one();
             self.resume.notified().await;
         }
-        self.inner.get(key).await
-    }
-    async fn put(
-        &self,
-        key: &crate::store::ObjectKey,
-        data: Bytes,
-        mode: PutMode,
-    ) -> Result<crate::store::Generation, crate::store::StoreError> {
-        if key.as_str().ends_with("/metadata.json")
-            && self
-                .hold_metadata
-                .load(std::sync::atomic::Ordering::Acquire)
+        if request.writes("/metadata.json")
+            && self.hold_metadata.load(Ordering::Acquire)
             && let Ok(permit) = self.metadata_gate.acquire().await
         {
             permit.forget();
         }
-        self.inner.put(key, data, mode).await
-    }
-    async fn list_page(
-        &self,
-        prefix: &str,
-        page_token: Option<String>,
-    ) -> Result<crate::store::ListPage, crate::store::StoreError> {
-        self.inner.list_page(prefix, page_token).await
-    }
-    async fn delete(&self, key: &crate::store::ObjectKey) -> Result<(), crate::store::StoreError> {
-        self.inner.delete(key).await
-    }
-    async fn upload_blob(
-        &self,
-        key: &crate::store::ObjectKey,
-        source: crate::store::BlobSource,
-    ) -> Result<crate::store::ObjectInfo, crate::store::StoreError> {
-        self.inner.upload_blob(key, source).await
-    }
-    async fn download_blob(
-        &self,
-        key: &crate::store::ObjectKey,
-    ) -> Result<crate::store::BlobReader, crate::store::StoreError> {
-        self.inner.download_blob(key).await
+        Ok(())
     }
 }
 
@@ -356,17 +326,15 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     a.run(&id, "state").await;
     // B's pass reads metadata (no checkpoint yet), then stops before the lock.
     let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
-    let (b, runtime) = store.instance(&world);
+    let (b, runtime) = PauseBeforeLockRead::instance(&store, &world);
     b.request_here(&id, None, world.clock.now()).await.unwrap();
-    store
-        .armed
-        .store(true, std::sync::atomic::Ordering::Release);
+    store.hook.armed.store(true, Ordering::Release);
     let pass = {
         let b = Arc::clone(&b);
         let id = id.clone();
         tokio::spawn(async move { b.reconciler().reconcile(&id).await })
     };
-    store.paused.notified().await;
+    store.hook.paused.notified().await;
     // Meanwhile A hands over: records the checkpoint, releases.
     assert_eq!(
         a.controller.answer_doorbell().await.unwrap(),
@@ -374,7 +342,7 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     );
     a.reconcile(&id).await.unwrap();
     assert!(world.metadata(&id).await.status.latest_checkpoint.is_some());
-    store.resume.notify_one();
+    store.hook.resume.notify_one();
     pass.await.unwrap().unwrap();
     assert_eq!(
         runtime.memory(&id),
@@ -436,26 +404,22 @@ async fn an_intent_that_lands_while_a_pass_reads_is_not_undone_by_that_read() {
         .await
         .unwrap();
     let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
-    let (b, _runtime) = store.instance(&world);
+    let (b, _runtime) = PauseBeforeLockRead::instance(&store, &world);
     let mut events = b.subscribe(&id);
     // B's attach: its `running` is slowed; the request returns once its
     // intent is in the lock.
-    store
-        .hold_metadata
-        .store(true, std::sync::atomic::Ordering::Release);
+    store.hook.hold_metadata.store(true, Ordering::Release);
     b.request_here(&id, None, world.clock.now()).await.unwrap();
     // B's pass reads metadata (still `checkpointed`) and stops before the
     // lock; B's `running` lands meanwhile.
-    store
-        .armed
-        .store(true, std::sync::atomic::Ordering::Release);
+    store.hook.armed.store(true, Ordering::Release);
     let pass = {
         let b = Arc::clone(&b);
         let id = id.clone();
         tokio::spawn(async move { b.reconciler().reconcile(&id).await })
     };
-    store.paused.notified().await;
-    store.metadata_gate.add_permits(100);
+    store.hook.paused.notified().await;
+    store.hook.metadata_gate.add_permits(100);
     for _ in 0..200 {
         if world.metadata(&id).await.spec.desired_state == DesiredState::Running {
             break;
@@ -468,7 +432,7 @@ async fn an_intent_that_lands_while_a_pass_reads_is_not_undone_by_that_read() {
     );
     // Its pending overlay is gone by now (the write's task ends with it).
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    store.resume.notify_one();
+    store.hook.resume.notify_one();
     pass.await.unwrap().unwrap();
     let seen = drain(&mut events);
     assert!(

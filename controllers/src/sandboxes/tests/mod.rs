@@ -6,6 +6,7 @@
 mod checkpoints;
 mod fork;
 mod handoff;
+mod hooked_store;
 mod hooks;
 mod leases;
 mod lifecycle;

@@ -17,61 +17,32 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::time::Instant;
 
+use super::hooked_store::{BeforeRequest, HookedStore, Request};
 use super::*;
-use crate::store::{
-    BlobReader, BlobSource, ListPage, ObjectInfo, ObjectKey, StoreError, Versioned,
-};
+use crate::store::StoreError;
 
 /// One request's latency, in paused time.
 const TICK: Duration = Duration::from_millis(10);
 
-/// The memory store, one tick per request.
+/// One tick of paused time before every request.
 #[derive(Debug)]
-struct SlowStore(Arc<MemoryStore>);
+struct Slow;
 
 #[async_trait]
-impl Store for SlowStore {
-    async fn get(&self, key: &ObjectKey) -> Result<Versioned, StoreError> {
+impl BeforeRequest for Slow {
+    async fn before(&self, _: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
         tokio::time::sleep(TICK).await;
-        self.0.get(key).await
-    }
-    async fn put(
-        &self,
-        key: &ObjectKey,
-        data: Bytes,
-        mode: PutMode,
-    ) -> Result<crate::store::Generation, StoreError> {
-        tokio::time::sleep(TICK).await;
-        self.0.put(key, data, mode).await
-    }
-    async fn list_page(
-        &self,
-        prefix: &str,
-        page_token: Option<String>,
-    ) -> Result<ListPage, StoreError> {
-        tokio::time::sleep(TICK).await;
-        self.0.list_page(prefix, page_token).await
-    }
-    async fn delete(&self, key: &ObjectKey) -> Result<(), StoreError> {
-        tokio::time::sleep(TICK).await;
-        self.0.delete(key).await
-    }
-    async fn upload_blob(
-        &self,
-        key: &ObjectKey,
-        source: BlobSource,
-    ) -> Result<ObjectInfo, StoreError> {
-        tokio::time::sleep(TICK).await;
-        self.0.upload_blob(key, source).await
-    }
-    async fn download_blob(&self, key: &ObjectKey) -> Result<BlobReader, StoreError> {
-        tokio::time::sleep(TICK).await;
-        self.0.download_blob(key).await
+        Ok(())
     }
 }
 
+/// The memory store, one tick per request.
+fn slow(store: Arc<MemoryStore>) -> Arc<HookedStore<Slow>> {
+    Arc::new(HookedStore::new(store, Slow))
+}
+
 fn slow_world() -> World {
-    World::wrapped(|store| Arc::new(SlowStore(store)))
+    World::wrapped(|store| slow(store))
 }
 
 /// Sequential requests since `start`.
@@ -231,12 +202,7 @@ async fn a_handoff_stays_within_its_request_budget() {
 async fn concurrent_starts_share_one_renewal_of_the_instance_lease() {
     use crate::store::{CountingStore, Operation, OperationCounts};
     let counts = Arc::new(OperationCounts::default());
-    let world = World::wrapped(|store| {
-        Arc::new(CountingStore::new(
-            Arc::new(SlowStore(store)),
-            counts.clone(),
-        ))
-    });
+    let world = World::wrapped(|store| Arc::new(CountingStore::new(slow(store), counts.clone())));
     let b = Leases::new(
         world.bucket.clone(),
         Arc::new(world.clock.clone()),

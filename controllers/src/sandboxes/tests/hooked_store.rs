@@ -1,0 +1,122 @@
+//! The memory store with a hook before every request: how a test slows,
+//! pauses, fails or races one request of the reconciler's without writing a
+//! store of its own. The hook sees which request is about to be made and the
+//! store under it (to change the bucket first, as another instance would);
+//! an error it returns is that request's answer.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::store::{
+    BlobReader, BlobSource, Generation, ListPage, ObjectInfo, ObjectKey, PutMode, Store,
+    StoreError, Versioned,
+};
+use crate::testing::MemoryStore;
+
+/// A request about to reach the memory store.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Request<'a> {
+    Get(&'a ObjectKey),
+    Put(&'a ObjectKey),
+    List,
+    Delete(&'a ObjectKey),
+    Upload(&'a ObjectKey),
+    Download(&'a ObjectKey),
+}
+
+impl Request<'_> {
+    /// The object the request names (a listing names none).
+    pub(super) fn key(&self) -> Option<&ObjectKey> {
+        match self {
+            Request::Get(key)
+            | Request::Put(key)
+            | Request::Delete(key)
+            | Request::Upload(key)
+            | Request::Download(key) => Some(key),
+            Request::List => None,
+        }
+    }
+
+    fn names(&self, suffix: &str) -> bool {
+        self.key().is_some_and(|key| key.as_str().ends_with(suffix))
+    }
+
+    /// A read of the object whose key ends with `suffix`.
+    pub(super) fn reads(&self, suffix: &str) -> bool {
+        matches!(self, Request::Get(_)) && self.names(suffix)
+    }
+
+    /// A write (of a document) of the object whose key ends with `suffix`.
+    pub(super) fn writes(&self, suffix: &str) -> bool {
+        matches!(self, Request::Put(_)) && self.names(suffix)
+    }
+}
+
+/// What runs before each request.
+#[async_trait]
+pub(super) trait BeforeRequest: Send + Sync + std::fmt::Debug {
+    async fn before(&self, request: Request<'_>, store: &MemoryStore) -> Result<(), StoreError>;
+}
+
+/// [`MemoryStore`] behind a [`BeforeRequest`] hook.
+#[derive(Debug)]
+pub(super) struct HookedStore<H> {
+    pub(super) store: Arc<MemoryStore>,
+    pub(super) hook: H,
+}
+
+impl<H> HookedStore<H> {
+    pub(super) fn new(store: Arc<MemoryStore>, hook: H) -> Self {
+        Self { store, hook }
+    }
+}
+
+#[async_trait]
+impl<H: BeforeRequest> Store for HookedStore<H> {
+    async fn get(&self, key: &ObjectKey) -> Result<Versioned, StoreError> {
+        self.hook.before(Request::Get(key), &self.store).await?;
+        self.store.get(key).await
+    }
+
+    async fn put(
+        &self,
+        key: &ObjectKey,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<Generation, StoreError> {
+        self.hook.before(Request::Put(key), &self.store).await?;
+        self.store.put(key, data, mode).await
+    }
+
+    async fn list_page(
+        &self,
+        prefix: &str,
+        page_token: Option<String>,
+    ) -> Result<ListPage, StoreError> {
+        self.hook.before(Request::List, &self.store).await?;
+        self.store.list_page(prefix, page_token).await
+    }
+
+    async fn delete(&self, key: &ObjectKey) -> Result<(), StoreError> {
+        self.hook.before(Request::Delete(key), &self.store).await?;
+        self.store.delete(key).await
+    }
+
+    async fn upload_blob(
+        &self,
+        key: &ObjectKey,
+        source: BlobSource,
+    ) -> Result<ObjectInfo, StoreError> {
+        self.hook.before(Request::Upload(key), &self.store).await?;
+        self.store.upload_blob(key, source).await
+    }
+
+    async fn download_blob(&self, key: &ObjectKey) -> Result<BlobReader, StoreError> {
+        self.hook
+            .before(Request::Download(key), &self.store)
+            .await?;
+        self.store.download_blob(key).await
+    }
+}
