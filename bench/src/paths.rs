@@ -12,6 +12,12 @@
 //! the first read of the holder's doorbell after the last ring (the read
 //! that hears it). Listings and the other doorbell polls are background and
 //! left out; "window" counts everything that started in the window.
+//!
+//! Sequential requests are counted twice: all of them ("seq"), and without
+//! the polls that found their object as the same instance's previous read
+//! had ("news": a taker polling the lock while the holder checkpoints waits
+//! on the holder's transfer and on the one read that sees it, not on the
+//! polls before; `testkit::storage::without_repeated_reads`).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -268,22 +274,26 @@ fn trace(m: &Measured, on_path: &[&RequestRecord]) {
     let mut ordered = on_path.to_vec();
     ordered.sort_by_key(|r| r.start);
     let ms = |at: Instant| at.saturating_duration_since(m.start).as_millis();
+    let news = testkit::storage::without_repeated_reads(&ordered);
     eprintln!(
-        "trace {} {} ({} ms, {} sequential):",
+        "trace {} {} ({} ms, {} sequential, {} without repeated polls):",
         m.op,
         m.sandbox,
         m.end.duration_since(m.start).as_millis(),
-        testkit::storage::sequential(&ordered)
+        testkit::storage::sequential(&ordered),
+        testkit::storage::sequential(&news)
     );
     for r in ordered {
+        let repeat = !news.iter().any(|kept| std::ptr::eq(*kept, r));
         eprintln!(
-            "  {:>5}-{:<5} {:<10} {:<6} {} {}",
+            "  {:>5}-{:<5} {:<10} {:<6} {} {}{}",
             ms(r.start),
             ms(r.end),
             r.instance,
             r.method,
             r.status,
-            r.object
+            r.object,
+            if repeat { " (repeat)" } else { "" }
         );
     }
 }
@@ -338,12 +348,14 @@ fn median(values: &mut [f64]) -> f64 {
 /// and the dollars per 1,000 operations.
 pub fn render(profile: &str, all: &[PathSeries]) -> String {
     let mut out = format!(
-        "critical paths under storage profile {profile} (Python websockets client)\n{:<38} {:>8} {:>8} {:>8} {:>9} {:>6} {:>7} {:>7} {:>7} {:>9} {:>3}\n",
+        "critical paths under storage profile {profile} (Python websockets client)\n{:<38} {:>8} {:>8} {:>8} {:>9} {:>6} {:>9} {:>6} {:>7} {:>7} {:>7} {:>9} {:>3}\n",
         "operation",
         "med ms",
         "p90 ms",
         "max ms",
         "seq med",
+        "max",
+        "news med",
         "max",
         "total",
         "reads",
@@ -361,12 +373,7 @@ pub fn render(profile: &str, all: &[PathSeries]) -> String {
                     .collect::<Vec<_>>(),
             )
         };
-        let max_sequential = series
-            .requests
-            .iter()
-            .map(|t| t.sequential)
-            .max()
-            .unwrap_or(0);
+        let most = |f: fn(&Tally) -> usize| series.requests.iter().map(f).max().unwrap_or(0);
         let dollars = median(
             &mut series
                 .requests
@@ -383,13 +390,15 @@ pub fn render(profile: &str, all: &[PathSeries]) -> String {
             .copied()
             .unwrap_or_default();
         out.push_str(&format!(
-            "{:<38} {:>8.0} {:>8.0} {:>8.0} {:>9.0} {:>6} {:>7.0} {:>7.0} {:>7.0} {:>9.4} {:>3}\n",
+            "{:<38} {:>8.0} {:>8.0} {:>8.0} {:>9.0} {:>6} {:>9.0} {:>6} {:>7.0} {:>7.0} {:>7.0} {:>9.4} {:>3}\n",
             series.latency.name,
             ms(series.latency.median()),
             ms(series.latency.p90()),
             ms(max),
             pick(|t| t.sequential),
-            max_sequential,
+            most(|t| t.sequential),
+            pick(|t| t.sequential_news),
+            most(|t| t.sequential_news),
             pick(|t| t.total),
             pick(|t| t.reads),
             pick(|t| t.writes + t.lists),
@@ -403,7 +412,7 @@ pub fn render(profile: &str, all: &[PathSeries]) -> String {
         .map(|t| t.throttled)
         .sum();
     out.push_str(&format!(
-        "(sequential/total: store requests on the operation's path, medians; $/1000: their GCS price per 1,000 operations; 429s in all windows: {throttled})\n"
+        "(seq/total: store requests on the operation's path, medians; news: seq without the polls that found nothing new; $/1000: their GCS price per 1,000 operations; 429s in all windows: {throttled})\n"
     ));
     out
 }
@@ -417,6 +426,7 @@ pub fn to_json(profile: &str, all: &[PathSeries]) -> Value {
             "p90_ms": series.latency.p90().as_secs_f64() * 1000.0,
             "max_ms": series.latency.samples.iter().max().copied().unwrap_or_default().as_secs_f64() * 1000.0,
             "sequential": series.requests.iter().map(|t| t.sequential).collect::<Vec<_>>(),
+            "sequential_news": series.requests.iter().map(|t| t.sequential_news).collect::<Vec<_>>(),
             "total": series.requests.iter().map(|t| t.total).collect::<Vec<_>>(),
             "window_total": series.window.iter().map(|t| t.total).collect::<Vec<_>>(),
             "dollars": series.requests.iter().map(Tally::dollars).collect::<Vec<_>>(),

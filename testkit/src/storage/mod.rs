@@ -28,7 +28,10 @@ mod request;
 pub use limiter::{MutationLimit, MutationLimiter};
 pub use profile::{Lognormal, PROFILE_NAMES, Profile, Tail, UnknownProfile};
 pub use proxy::InstanceProxy;
-pub use record::{CLASS_A_DOLLARS, CLASS_B_DOLLARS, RequestKind, RequestRecord, Tally, sequential};
+pub use record::{
+    CLASS_A_DOLLARS, CLASS_B_DOLLARS, RequestKind, RequestRecord, Tally, sequential,
+    without_repeated_reads,
+};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -200,7 +200,7 @@ async fn handle(
     parts.headers.remove("proxy-connection");
     let response = forward(upstream, shared.upstream, Request::from_parts(parts, body)).await?;
     if shared.lose_response() {
-        record(context, &class, &method, start, 0, true);
+        record(context, &class, &method, start, 0, true, None);
         return Err(Cut("the answer was lost (storage model)".to_owned()));
     }
     if class.name_in_body
@@ -309,7 +309,12 @@ fn finish(
     response: Response<Body>,
 ) -> Response<Body> {
     let status = response.status().as_u16();
-    record(context, class, method, start, status, injected);
+    let generation = response
+        .headers()
+        .get("x-goog-generation")
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse().ok());
+    record(context, class, method, start, status, injected, generation);
     response
 }
 
@@ -321,6 +326,7 @@ fn record(
     start: Instant,
     status: u16,
     injected: bool,
+    generation: Option<i64>,
 ) {
     context.shared.record(RequestRecord {
         instance: context.instance.clone(),
@@ -329,6 +335,7 @@ fn record(
         kind: class.kind,
         status,
         injected,
+        generation,
         start,
         end: Instant::now(),
     });

@@ -3,7 +3,15 @@
 //! SEQUENTIAL (the longest chain of requests each starting after the
 //! previous ended: a lower bound on the round trips the path waited for one
 //! after another), the 429s, and the dollar cost.
+//!
+//! A poll that found its object as the same instance's previous read had
+//! left it (the same generation, or missing again) learnt nothing: a path
+//! that polls while another instance works is not waiting on those reads
+//! but on the write the poll is for, and then on the one read that saw it.
+//! The chain is therefore also counted without them
+//! ([`Tally::sequential_news`]), beside the plain count, which keeps them.
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 /// How the model treats a request.
@@ -31,8 +39,27 @@ pub struct RequestRecord {
     /// A fault the model made: a 429 or 503 answered in the store's place,
     /// or an answer lost after the request was passed on.
     pub injected: bool,
+    /// The object's generation the answer named (`x-goog-generation`), if
+    /// it named one.
+    pub generation: Option<i64>,
     pub start: Instant,
     pub end: Instant,
+}
+
+impl RequestRecord {
+    /// A read that found the object as `earlier` (the same instance's
+    /// previous read of it) had: the same generation, or missing again.
+    /// An answer without a generation is never taken for a repeat.
+    fn repeats(&self, earlier: &RequestRecord) -> bool {
+        self.kind == RequestKind::Read
+            && earlier.kind == RequestKind::Read
+            && self.status == earlier.status
+            && match self.status {
+                404 => true,
+                200..=299 => self.generation.is_some() && self.generation == earlier.generation,
+                _ => false,
+            }
+    }
 }
 
 /// GCS Class A (writes, lists): $0.005 per 1,000.
@@ -49,6 +76,9 @@ pub struct Tally {
     pub lists: usize,
     /// The longest chain of non-overlapping requests.
     pub sequential: usize,
+    /// The same, without the reads that found their object as the same
+    /// instance's previous read of it had (module docs).
+    pub sequential_news: usize,
     /// Requests answered 429 (the mutation rate, or injected).
     pub throttled: usize,
     /// Requests that got a 429 or 503 the model injected at random.
@@ -65,6 +95,7 @@ impl Tally {
             writes: count(RequestKind::Write),
             lists: count(RequestKind::List),
             sequential: sequential(&records),
+            sequential_news: sequential(&without_repeated_reads(&records)),
             throttled: records.iter().filter(|r| r.status == 429).count(),
             injected: records.iter().filter(|r| r.injected).count(),
         }
@@ -94,6 +125,29 @@ pub fn sequential(records: &[&RequestRecord]) -> usize {
     chain
 }
 
+/// `records` without the reads that found their object as the same
+/// instance's previous read of it (in the order the reads started) had.
+pub fn without_repeated_reads<'a>(records: &[&'a RequestRecord]) -> Vec<&'a RequestRecord> {
+    let mut ordered = records.to_vec();
+    ordered.sort_by_key(|r| r.start);
+    let mut last_read: HashMap<(&str, &str), &RequestRecord> = HashMap::new();
+    let mut kept = Vec::with_capacity(ordered.len());
+    for record in ordered {
+        if record.kind == RequestKind::Read && !record.object.is_empty() {
+            let key = (record.instance.as_str(), record.object.as_str());
+            let repeat = last_read
+                .get(&key)
+                .is_some_and(|earlier| record.repeats(earlier));
+            last_read.insert(key, record);
+            if repeat {
+                continue;
+            }
+        }
+        kept.push(record);
+    }
+    kept
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,6 +161,7 @@ mod tests {
             kind,
             status: 200,
             injected: false,
+            generation: None,
             start: base + Duration::from_millis(from_ms),
             end: base + Duration::from_millis(to_ms),
         }
@@ -133,5 +188,49 @@ mod tests {
         let dollars = 3.0 * 0.005 / 1000.0 + 3.0 * 0.0004 / 1000.0;
         assert!((tally.dollars() - dollars).abs() < 1e-12);
         assert_eq!(Tally::of(&[]).sequential, 0);
+    }
+
+    #[test]
+    fn polls_that_found_nothing_new_are_left_out_of_the_second_chain() {
+        let t = Instant::now();
+        let poll = |from, to, status, generation| RequestRecord {
+            object: "lock.json".to_owned(),
+            status,
+            generation,
+            ..request(t, from, to, RequestKind::Read)
+        };
+        let records = [
+            poll(0, 30, 200, Some(1)),
+            poll(55, 85, 200, Some(1)),
+            poll(110, 140, 200, Some(1)),
+            // The other instance's write lands; the next poll sees it.
+            RequestRecord {
+                instance: "b".to_owned(),
+                object: "lock.json".to_owned(),
+                ..request(t, 60, 150, RequestKind::Write)
+            },
+            poll(165, 195, 200, Some(2)),
+            // An answer without a generation is never a repeat.
+            poll(220, 250, 200, None),
+            poll(275, 305, 200, None),
+            // Missing, then missing again: one.
+            RequestRecord {
+                object: "image".to_owned(),
+                ..request(t, 310, 340, RequestKind::Read)
+            },
+        ];
+        let mut missing = records[7].clone();
+        missing.status = 404;
+        let mut again = missing.clone();
+        (again.start, again.end) = (
+            t + Duration::from_millis(350),
+            t + Duration::from_millis(380),
+        );
+        let records = [&records[..7], &[missing, again]].concat();
+        let tally = Tally::of(&records);
+        assert_eq!(tally.sequential, 8);
+        // Left: the first poll, the write, the poll that saw it, the two
+        // without a generation and the first 404.
+        assert_eq!(tally.sequential_news, 6);
     }
 }
