@@ -306,11 +306,6 @@ impl Reconciler {
         })
     }
 
-    /// Records a checkpoint just taken in `status` under `epoch` (and
-    /// under `name`), retrying once with the checkpoint alone if the first
-    /// write fails, then deletes the checkpoints it superseded. A fenced
-    /// write (a newer holder recorded it from the lock) is an error the
-    /// caller may ignore once the hand-back carried the checkpoint.
     /// After a recorded checkpoint whose hand-back failed: true (`Ok`) only
     /// if nobody took the hold over since `epoch`, or the lock carries this
     /// very checkpoint. The record is fenced by the epoch `status` shows,
@@ -349,6 +344,11 @@ impl Reconciler {
         }
     }
 
+    /// Records a checkpoint just taken in `status` under `epoch` (and
+    /// under `name`), retrying once with the checkpoint alone if the first
+    /// write fails, then deletes the checkpoints it superseded. A fenced
+    /// write (a newer holder recorded it from the lock) is an error the
+    /// caller may ignore once the hand-back carried the checkpoint.
     pub(super) async fn record_checkpoint(
         &self,
         sandbox: &SandboxId,
