@@ -58,9 +58,10 @@ struct Outbox {
     last_write: Option<tokio::time::Instant>,
     /// The outcome of the latest batch, for the ringers that joined it.
     last_error: Option<String>,
-    /// The holder's doorbell as this instance last wrote it: the next batch
-    /// starts from it, one conditional write and no read when nobody rang
-    /// in between (a failed precondition reads afresh, as before).
+    /// The holder's doorbell as this instance last wrote it: the first
+    /// batch after a quiet spell starts from it, one conditional write and
+    /// no read when nobody rang in between (a failed precondition reads
+    /// afresh, as before); a batch of a burst reads first.
     doorbell: Option<Versioned>,
     /// Until when the next batches read first: a remembered doorbell was
     /// found stale (another instance rings this holder too), and a refused
@@ -323,15 +324,23 @@ impl InstanceLeases {
                 .unwrap_or_else(PoisonError::into_inner)
                 .get(holder)
                 .and_then(|outbox| outbox.last_write);
+            // A batch that had to wait for the spacing is a burst of
+            // attaches: other instances may be ringing this holder too (a
+            // mass reconnect through several), and a write from a copy one
+            // of them made stale is refused yet spends the object's write
+            // rate when it is scarcest. Such a batch reads first.
+            let burst = last_write
+                .is_some_and(|last| tokio::time::Instant::now() < last + self.config.ring_spacing);
             if let Some(last) = last_write {
                 tokio::time::sleep_until(last + self.config.ring_spacing).await;
             }
             let (pending, known) = {
                 let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
                 let outbox = outboxes.entry(holder.clone()).or_default();
-                let read_first = outbox
-                    .read_first_until
-                    .is_some_and(|until| tokio::time::Instant::now() < until);
+                let read_first = burst
+                    || outbox
+                        .read_first_until
+                        .is_some_and(|until| tokio::time::Instant::now() < until);
                 let known = outbox.doorbell.take().filter(|_| !read_first);
                 (std::mem::take(&mut outbox.pending), known)
             };

@@ -517,6 +517,59 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
     );
 }
 
+/// Two instances ring one holder in a burst (a mass reconnect through
+/// both): a batch that waited for the spacing reads the doorbell first
+/// rather than writing from the copy it wrote itself, which the other
+/// ringer made stale. A write refused for a stale precondition still
+/// spends the object's write rate, at the moment it is scarcest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_a_burst_reads_first_and_no_write_is_refused() {
+    use crate::store::{CountingStore, Operation, OperationCounts};
+    let memory = Arc::new(MemoryStore::new());
+    let counts = Arc::new(OperationCounts::default());
+    let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory.clone(), counts.clone()));
+    let clock = ManualClock::new();
+    let ringer = |name: &str| {
+        Leases::new(
+            store.clone(),
+            Arc::new(clock.clone()),
+            instance(name),
+            LeaseConfig {
+                ring_spacing: std::time::Duration::from_millis(200),
+                ..LeaseConfig::default()
+            },
+        )
+    };
+    let (b, c) = (ringer("b"), ringer("c"));
+    let [first, second, third] = [1u128, 2, 3].map(SandboxId::from_u128);
+    let holder = instance("a");
+    b.instance_lease().ring(&holder, &first).await.unwrap();
+    c.instance_lease().ring(&holder, &second).await.unwrap();
+    let writes = counts.count(Operation::Put);
+    assert_eq!(writes, 2, "each first ring is one write");
+    // B again within its spacing: a batch of the burst.
+    b.instance_lease().ring(&holder, &third).await.unwrap();
+    assert_eq!(
+        counts.count(Operation::Put) - writes,
+        1,
+        "the batch was written once, not refused and written again"
+    );
+    let bell: crate::api::Doorbell = decode(
+        &memory
+            .get(&crate::layout::doorbell_key(&holder))
+            .await
+            .unwrap()
+            .data,
+    )
+    .unwrap();
+    for sandbox in [&first, &second, &third] {
+        assert!(
+            bell.rings.iter().any(|ring| &ring.sandbox == sandbox),
+            "{sandbox} was rung"
+        );
+    }
+}
+
 /// A handoff's hand-back transfers the hold to the instance whose live
 /// intent names it, in one write that carries the checkpoint.
 #[tokio::test]
