@@ -29,7 +29,7 @@ use super::super::images::write_hashed;
 
 /// Watches and downloads at once, for all sandboxes.
 const MAX_PREFETCHES: usize = 8;
-/// How often a missing image is looked for again (one read each).
+/// How often a missing image is looked for (one read each), start to start.
 const POLL: Duration = Duration::from_millis(50);
 /// How long an image is watched for before the watch gives up.
 const WATCH_FOR: Duration = Duration::from_secs(20);
@@ -293,9 +293,12 @@ async fn fetch(
     abandoned: &AtomicBool,
 ) -> Option<Arc<Downloaded>> {
     let deadline = tokio::time::Instant::now() + WATCH_FOR;
-    // Each look is the download itself: found, it streams at once.
+    // Each look is the download itself: found, it streams at once. Looks
+    // start every POLL (not POLL after the last answer): the image lands
+    // at a random moment, and the wait for the next look is the restore's.
     let reader = loop {
-        if abandoned.load(Ordering::Acquire) || tokio::time::Instant::now() >= deadline {
+        let look = tokio::time::Instant::now();
+        if abandoned.load(Ordering::Acquire) || look >= deadline {
             return None;
         }
         match store.download_blob(image).await {
@@ -303,7 +306,7 @@ async fn fetch(
             Err(StoreError::NotFound { .. }) => {}
             Err(err) => tracing::debug!(%image, %err, "looking for a handoff's image"),
         }
-        tokio::time::sleep(POLL).await;
+        tokio::time::sleep_until(look + POLL).await;
     };
     state.send_replace(State::Downloading);
     match write_hashed(reader, image, dest).await {
