@@ -277,11 +277,12 @@ async fn a_slow_read_is_asked_again_and_the_first_answer_serves() {
     assert_eq!(requests_for(&model, "sandboxes/0d/lock.json"), ["GET 200"]);
 }
 
-/// An unconditional write whose answer is slow (the instance lease's
-/// renewal meeting GCS's tail) is sent again and the first answer serves;
-/// a conditional one is never sent twice at once.
+/// A write whose answer is slow (GCS's tail: the instance lease's renewal,
+/// a handoff's intent, manifest or transfer) is sent again and the first
+/// success serves. A conditional one too: its twin carries the same
+/// precondition, so at most one lands.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_overwrite_is_sent_again_and_a_conditional_write_is_not() {
+async fn a_slow_write_is_sent_again_conditional_or_not_and_lands_once() {
     let (store, model, _proxy) = modelled(Profile::loopback(), RetrySettings::default()).await;
     let k = key("instances/a/lease.json");
     model.slow_next_requests(1, Duration::from_secs(3));
@@ -304,12 +305,15 @@ async fn a_slow_overwrite_is_sent_again_and_a_conditional_write_is_not() {
         Bytes::from_static(b"{\"renewed\":1}")
     );
 
-    // A slow conditional write waits for its own answer.
+    // A slow conditional write: its twin lands (the first, held by the
+    // model and dropped when the twin answered, never reaches the store;
+    // had it, its precondition would fail against the twin's write).
     tokio::time::sleep(Duration::from_secs(3)).await;
     let current = store.get(&k).await.unwrap().generation;
     model.clear_records();
-    model.slow_next_requests(1, Duration::from_secs(1));
-    store
+    model.slow_next_requests(1, Duration::from_secs(3));
+    let started = Instant::now();
+    let written = store
         .put(
             &k,
             Bytes::from_static(b"{\"renewed\":2}"),
@@ -317,6 +321,19 @@ async fn a_slow_overwrite_is_sent_again_and_a_conditional_write_is_not() {
         )
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(requests_for(&model, "instances/a/lease.json"), ["POST 200"]);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "waited for the slow conditional write: {took:?}"
+    );
+    let stored = store.get(&k).await.unwrap();
+    assert_eq!(stored.data, Bytes::from_static(b"{\"renewed\":2}"));
+    assert_eq!(
+        stored.generation, written,
+        "the generation of the write that landed"
+    );
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut writes = requests_for(&model, "instances/a/lease.json");
+    writes.retain(|request| request.starts_with("POST"));
+    assert_eq!(writes, ["POST 200"], "landed once");
 }

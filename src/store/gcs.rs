@@ -31,7 +31,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::pacing::MutationPacer;
+use super::pacing::{MutationPacer, generation_time};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use controllers::store::{
@@ -72,11 +72,11 @@ const ONE_REQUEST_UPLOAD_BUDGET: usize = 64 << 20;
 /// in tens of milliseconds, and its tail takes seconds.
 const HEDGE_READ_AFTER: Duration = Duration::from_millis(250);
 
-/// An unconditional write unanswered after this is sent a second time (a
-/// Class A write, $0.000005, in the tail only): the instance lease's
-/// renewal is on a start's path when the instance held nothing, and a
-/// write's tail takes seconds.
-const HEDGE_OVERWRITE_AFTER: Duration = Duration::from_millis(400);
+/// A small write unanswered after this is sent a second time (a Class A
+/// write, $0.000005, in the tail only): a write's tail takes seconds, and
+/// the handoff waits on several (the intent, the manifest, the transfer),
+/// a start on an instance that held nothing on its lease's renewal.
+const HEDGE_WRITE_AFTER: Duration = Duration::from_millis(400);
 
 /// A download whose stream brings nothing for this long fails.
 const DOWNLOAD_STALL: Duration = Duration::from_secs(30);
@@ -194,25 +194,27 @@ impl GcsStore {
         hedged(HEDGE_READ_AFTER, || self.get_once(key)).await
     }
 
-    /// [`Self::put_once`]; an unconditional one (`Overwrite`) is sent again
-    /// if the first has no answer after [`HEDGE_OVERWRITE_AFTER`], and the
-    /// first answer wins. Both carry the same bytes, so whichever lands last
-    /// leaves the object as written (its generation may be the other's:
-    /// nobody makes a conditional write from an overwrite's generation). A
-    /// conditional write is never sent twice at once.
+    /// [`Self::put_once`], sent again if the first has no answer after
+    /// [`HEDGE_WRITE_AFTER`]; the first success wins, and an error waits for
+    /// the other attempt. Both carry the same bytes. Unconditional
+    /// (`Overwrite`): whichever lands last leaves the object as written
+    /// (its generation may be the other's: nobody makes a conditional write
+    /// from an overwrite's generation). Conditional: both carry the same
+    /// precondition, so at most one lands; the other fails its
+    /// precondition against it, which is why an error waits for the other
+    /// answer (and a precondition failure after a second request is checked
+    /// against the object's bytes by [`Store::put`], as after a retry).
+    /// `sent` counts the requests.
     async fn put_hedged(
         &self,
         key: &ObjectKey,
         data: Bytes,
         mode: PutMode,
         throttled: &std::sync::atomic::AtomicBool,
+        sent: &std::sync::atomic::AtomicUsize,
     ) -> Result<Generation, StoreError> {
-        if !matches!(mode, PutMode::Overwrite) {
-            // On the heap, as in `hedged`: inline, a conditional write's
-            // future overflowed a debug build's worker stack in a checkpoint.
-            return Box::pin(self.put_once(key, data, mode, throttled)).await;
-        }
-        hedged(HEDGE_OVERWRITE_AFTER, || {
+        hedged_write(HEDGE_WRITE_AFTER, || {
+            sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             self.put_once(key, data.clone(), mode, throttled)
         })
         .await
@@ -370,16 +372,18 @@ impl Store for GcsStore {
             .retrying_after(
                 "put",
                 key.as_str(),
-                || {
-                    attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    self.put_hedged(key, data.clone(), mode, &throttled)
-                },
+                || self.put_hedged(key, data.clone(), mode, &throttled, &attempts),
                 |delay| {
                     if !throttled.load(std::sync::atomic::Ordering::Relaxed) {
                         return delay;
                     }
                     let jitter = Duration::from_millis(rand::random_range(0..100));
-                    self.pacer.retry_after(key.as_str(), delay, jitter)
+                    let landed_at = match mode {
+                        PutMode::Update(generation) => generation_time(generation.0),
+                        PutMode::Overwrite | PutMode::Create => None,
+                    };
+                    self.pacer
+                        .retry_after(key.as_str(), delay, jitter, landed_at)
                 },
             )
             .await;
@@ -506,6 +510,35 @@ where
     }
 }
 
+/// [`hedged`] for writes: the first success wins; an error waits for the
+/// other attempt (a conditional write's twin fails its precondition
+/// against the first's landing, and answers before it) and is returned
+/// only if that one fails too (then the later error).
+async fn hedged_write<T, E, Attempt>(
+    after: Duration,
+    mut attempt: impl FnMut() -> Attempt,
+) -> Result<T, E>
+where
+    Attempt: std::future::Future<Output = Result<T, E>>,
+{
+    let mut first = Box::pin(attempt());
+    tokio::select! {
+        answer = &mut first => return answer,
+        () = tokio::time::sleep(after) => {}
+    }
+    let mut second = Box::pin(attempt());
+    tokio::select! {
+        answer = &mut first => match answer {
+            Ok(done) => Ok(done),
+            Err(_) => second.await,
+        },
+        answer = &mut second => match answer {
+            Ok(done) => Ok(done),
+            Err(_) => first.await,
+        },
+    }
+}
+
 fn content_type(key: &ObjectKey) -> &'static str {
     if key.as_str().ends_with(".json") {
         "application/json"
@@ -517,6 +550,42 @@ fn content_type(key: &ObjectKey) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hedged_write_waits_past_its_twins_refusal_for_its_own_success() {
+        // The first lands but answers late; its twin, sent after 50 ms,
+        // is refused at once (its precondition fails against the first).
+        let sent = std::sync::atomic::AtomicUsize::new(0);
+        let outcome: Result<u32, &str> = hedged_write(Duration::from_millis(50), || {
+            let n = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            async move {
+                if n == 0 {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    Ok(7)
+                } else {
+                    Err("precondition failed")
+                }
+            }
+        })
+        .await;
+        assert_eq!(outcome, Ok(7));
+        assert_eq!(sent.load(std::sync::atomic::Ordering::Relaxed), 2);
+        // Both fail: the later error.
+        let sent = std::sync::atomic::AtomicUsize::new(0);
+        let outcome: Result<u32, &str> = hedged_write(Duration::from_millis(50), || {
+            let n = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            async move {
+                if n == 0 {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    Err("late")
+                } else {
+                    Err("early")
+                }
+            }
+        })
+        .await;
+        assert_eq!(outcome, Err("late"));
+    }
 
     #[test]
     fn emulator_hosts_become_endpoints() {

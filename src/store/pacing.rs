@@ -9,10 +9,20 @@
 //!
 //! Only the retry is paced, never a first attempt: GCS tolerates a burst,
 //! and a write that would have gone through is not delayed.
+//!
+//! A conditional write also knows when the write it is conditional on
+//! landed: GCS's generations are that write's time in microseconds
+//! (`../shared/reference/gcs.md`; a generation that is no plausible time is
+//! ignored). If that was within the second, the object's write rate is
+//! sure to admit a write once the second is up, whoever wrote it: a retry
+//! waits no longer than that (a handoff's transfer refused because the
+//! taker's intent had just been written is retried when the intent's
+//! second ends, not on the backoff's next step, often hundreds of
+//! milliseconds later).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// GCS's sustained rate for one object: one mutation a second.
 pub const OBJECT_MUTATION_INTERVAL: Duration = Duration::from_secs(1);
@@ -48,8 +58,16 @@ impl MutationPacer {
     /// the backoff's own suggestion: until the object's second since this
     /// process last changed it is up (plus a little jitter, so writers
     /// that queued together do not collide again), or at least the floor
-    /// for an object changed elsewhere. Never less than `suggested`.
-    pub fn retry_after(&self, key: &str, suggested: Duration, jitter: Duration) -> Duration {
+    /// for an object changed elsewhere; never less than `suggested`, unless
+    /// `landed_at` (when the write a conditional retry is conditional on
+    /// landed) says the object's second ends sooner.
+    pub fn retry_after(
+        &self,
+        key: &str,
+        suggested: Duration,
+        jitter: Duration,
+        landed_at: Option<SystemTime>,
+    ) -> Duration {
         let now = Instant::now();
         let since = self
             .last
@@ -64,8 +82,37 @@ impl MutationPacer {
             Some(_) => Duration::ZERO,
             None => UNKNOWN_WRITER_FLOOR.saturating_add(jitter),
         };
-        paced.max(suggested)
+        let paced = paced.max(suggested);
+        // The latest write is the one the precondition names: once its
+        // second is up, a token is there (none was taken since, or the
+        // precondition fails anyway). Long past, it says nothing.
+        let settled = landed_at
+            .map(|at| {
+                SystemTime::now()
+                    .duration_since(at)
+                    .unwrap_or(Duration::ZERO)
+            })
+            .filter(|ago| *ago < OBJECT_MUTATION_INTERVAL)
+            .map(|ago| (OBJECT_MUTATION_INTERVAL - ago).saturating_add(jitter));
+        match settled {
+            Some(settled) => paced.min(settled),
+            None => paced,
+        }
     }
+}
+
+/// When the write that made `generation` landed, if it reads as a time:
+/// GCS's generations are microseconds since the epoch. One more than a
+/// minute off this machine's clock is taken for something else.
+pub fn generation_time(generation: i64) -> Option<SystemTime> {
+    let micros = u64::try_from(generation).ok()?;
+    let at = UNIX_EPOCH.checked_add(Duration::from_micros(micros))?;
+    let now = SystemTime::now();
+    let off = match now.duration_since(at) {
+        Ok(ago) => ago,
+        Err(ahead) => ahead.duration(),
+    };
+    (off <= Duration::from_secs(60)).then_some(at)
 }
 
 #[cfg(test)]
@@ -80,6 +127,7 @@ mod tests {
             "sandboxes/a/metadata.json",
             Duration::from_millis(100),
             Duration::ZERO,
+            None,
         );
         assert!(
             wait > Duration::from_millis(900) && wait <= OBJECT_MUTATION_INTERVAL,
@@ -95,14 +143,55 @@ mod tests {
             "sandboxes/b/metadata.json",
             Duration::from_millis(100),
             Duration::from_millis(5),
+            None,
         );
         assert_eq!(other, UNKNOWN_WRITER_FLOOR + Duration::from_millis(5));
         let long = pacer.retry_after(
             "sandboxes/a/metadata.json",
             Duration::from_secs(3),
             Duration::ZERO,
+            None,
         );
         assert_eq!(long, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn a_retry_waits_no_longer_than_the_second_of_the_write_it_is_conditional_on() {
+        let pacer = MutationPacer::default();
+        let landed = SystemTime::now() - Duration::from_millis(700);
+        // Changed elsewhere 700 ms ago: the backoff's 400 ms (or the
+        // floor) would retry at 1.1 s; the object admits a write at 1.0 s.
+        let wait = pacer.retry_after(
+            "sandboxes/a/lock.json",
+            Duration::from_millis(800),
+            Duration::ZERO,
+            Some(landed),
+        );
+        assert!(
+            wait <= Duration::from_millis(300) && wait > Duration::from_millis(200),
+            "{wait:?}"
+        );
+        // A write a second or more ago says nothing: the backoff stands.
+        let long_ago = SystemTime::now() - Duration::from_secs(5);
+        let wait = pacer.retry_after(
+            "sandboxes/a/lock.json",
+            Duration::from_millis(800),
+            Duration::ZERO,
+            Some(long_ago),
+        );
+        assert_eq!(wait, Duration::from_millis(800));
+    }
+
+    #[test]
+    fn generations_read_as_times_only_near_this_clock() {
+        let now = SystemTime::now();
+        let micros = now.duration_since(UNIX_EPOCH).unwrap().as_micros();
+        let generation = i64::try_from(micros).unwrap();
+        let at = generation_time(generation).expect("a GCS generation is a time");
+        assert!(now.duration_since(at).unwrap_or_default() < Duration::from_millis(1));
+        assert_eq!(generation_time(7), None, "a counter is no time");
+        assert_eq!(generation_time(-1), None);
+        assert_eq!(generation_time(i64::MAX), None);
     }
 
     #[test]
