@@ -546,7 +546,8 @@ async fn reach_running(
     let mut seen: Vec<String> = Vec::new();
     let attempt = async {
         let (mut ws, slot, faults_before) = open(cluster, target, path).await?;
-        seen.push(format!("connected to {}", cluster.slot(slot).instance));
+        let connected = cluster.slot(slot).instance;
+        seen.push(format!("connected to {connected}"));
         if create {
             ws.send(Message::text(init().to_string()))
                 .await
@@ -609,7 +610,13 @@ async fn reach_running(
                 Err(format!("close {code}"))
             }
             _ => {
-                if cluster.slot(slot).faults != faults_before {
+                // Faulted since the attempt began, or just before it: a
+                // kill is recorded before its signal, and a process being
+                // killed may still accept a connection for a moment.
+                let faulted_around_start = lock(&cluster.faulted)
+                    .get(&connected)
+                    .is_some_and(|at| *at + Duration::from_secs(1) >= started);
+                if cluster.slot(slot).faults != faults_before || faulted_around_start {
                     Err("dropped: instance faulted".to_owned())
                 } else {
                     cluster.violation(format!(
