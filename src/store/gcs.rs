@@ -191,12 +191,12 @@ impl GcsStore {
     /// whatever waits for it: a handoff's poll, a pass. Both reads start
     /// after the call, so either answer is at least as new as the call.
     async fn get_hedged(&self, key: &ObjectKey) -> Result<Versioned, StoreError> {
-        hedged(HEDGE_READ_AFTER, || self.get_once(key)).await
+        hedged(HEDGE_READ_AFTER, || self.get_once(key), |_| true).await
     }
 
     /// [`Self::put_once`], sent again if the first has no answer after
-    /// [`HEDGE_WRITE_AFTER`]; the first success wins, and an error waits for
-    /// the other attempt. Both carry the same bytes. Unconditional
+    /// [`HEDGE_WRITE_AFTER`] ([`hedged`]); the first success wins, and an
+    /// error waits for the other attempt. Both carry the same bytes. Unconditional
     /// (`Overwrite`): whichever lands last leaves the object as written
     /// (its generation may be the other's: nobody makes a conditional write
     /// from an overwrite's generation). Conditional: both carry the same
@@ -213,10 +213,14 @@ impl GcsStore {
         throttled: &std::sync::atomic::AtomicBool,
         sent: &std::sync::atomic::AtomicUsize,
     ) -> Result<Generation, StoreError> {
-        hedged_write(HEDGE_WRITE_AFTER, || {
-            sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            self.put_once(key, data.clone(), mode, throttled)
-        })
+        hedged(
+            HEDGE_WRITE_AFTER,
+            || {
+                sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.put_once(key, data.clone(), mode, throttled)
+            },
+            Result::is_ok,
+        )
         .await
     }
 
@@ -491,10 +495,18 @@ impl Store for GcsStore {
 }
 
 /// The first answer of `attempt()`, and of a second `attempt()` started if
-/// the first has none after `after` (a request's slow tail, hedged). On the
-/// heap: a write's future is large, and two of them on the stack of a deep
-/// call (a checkpoint's) overflow a worker's stack.
-async fn hedged<T, Attempt>(after: Duration, mut attempt: impl FnMut() -> Attempt) -> T
+/// the first has none after `after` (a request's slow tail, hedged), that
+/// `settles`; an answer that does not waits for the other attempt's, which
+/// is returned whatever it is (reads: every answer settles; writes: only a
+/// success, since a conditional write's twin fails its precondition
+/// against the first's landing and may answer before it). On the heap: a
+/// write's future is large, and two of them on the stack of a deep call (a
+/// checkpoint's) overflow a worker's stack.
+async fn hedged<T, Attempt>(
+    after: Duration,
+    mut attempt: impl FnMut() -> Attempt,
+    settles: impl Fn(&T) -> bool,
+) -> T
 where
     Attempt: std::future::Future<Output = T>,
 {
@@ -505,37 +517,8 @@ where
     }
     let mut second = Box::pin(attempt());
     tokio::select! {
-        answer = &mut first => answer,
-        answer = &mut second => answer,
-    }
-}
-
-/// [`hedged`] for writes: the first success wins; an error waits for the
-/// other attempt (a conditional write's twin fails its precondition
-/// against the first's landing, and answers before it) and is returned
-/// only if that one fails too (then the later error).
-async fn hedged_write<T, E, Attempt>(
-    after: Duration,
-    mut attempt: impl FnMut() -> Attempt,
-) -> Result<T, E>
-where
-    Attempt: std::future::Future<Output = Result<T, E>>,
-{
-    let mut first = Box::pin(attempt());
-    tokio::select! {
-        answer = &mut first => return answer,
-        () = tokio::time::sleep(after) => {}
-    }
-    let mut second = Box::pin(attempt());
-    tokio::select! {
-        answer = &mut first => match answer {
-            Ok(done) => Ok(done),
-            Err(_) => second.await,
-        },
-        answer = &mut second => match answer {
-            Ok(done) => Ok(done),
-            Err(_) => first.await,
-        },
+        answer = &mut first => if settles(&answer) { answer } else { second.await },
+        answer = &mut second => if settles(&answer) { answer } else { first.await },
     }
 }
 
@@ -551,40 +534,47 @@ fn content_type(key: &ObjectKey) -> &'static str {
 mod tests {
     use super::*;
 
+    type Answer = Result<u32, &'static str>;
+
+    /// A hedged write whose first attempt answers `late` after 300 ms and
+    /// whose twin (sent after 50 ms) answers `early` at once: what it
+    /// returns, and how many attempts it sent.
+    async fn hedged_write(late: Answer, early: Answer) -> (Answer, usize) {
+        let sent = std::sync::atomic::AtomicUsize::new(0);
+        let outcome = hedged(
+            Duration::from_millis(50),
+            || {
+                let n = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                async move {
+                    if n == 0 {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        late
+                    } else {
+                        early
+                    }
+                }
+            },
+            Result::is_ok,
+        )
+        .await;
+        (outcome, sent.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_hedged_write_waits_past_its_twins_refusal_for_its_own_success() {
-        // The first lands but answers late; its twin, sent after 50 ms,
-        // is refused at once (its precondition fails against the first).
-        let sent = std::sync::atomic::AtomicUsize::new(0);
-        let outcome: Result<u32, &str> = hedged_write(Duration::from_millis(50), || {
-            let n = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            async move {
-                if n == 0 {
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                    Ok(7)
-                } else {
-                    Err("precondition failed")
-                }
-            }
-        })
-        .await;
-        assert_eq!(outcome, Ok(7));
-        assert_eq!(sent.load(std::sync::atomic::Ordering::Relaxed), 2);
+        // The first lands but answers late; its twin is refused at once
+        // (its precondition fails against the first).
+        assert_eq!(
+            hedged_write(Ok(7), Err("precondition failed")).await,
+            (Ok(7), 2)
+        );
         // Both fail: the later error.
-        let sent = std::sync::atomic::AtomicUsize::new(0);
-        let outcome: Result<u32, &str> = hedged_write(Duration::from_millis(50), || {
-            let n = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            async move {
-                if n == 0 {
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                    Err("late")
-                } else {
-                    Err("early")
-                }
-            }
-        })
-        .await;
-        assert_eq!(outcome, Err("late"));
+        assert_eq!(
+            hedged_write(Err("late"), Err("early")).await,
+            (Err("late"), 2)
+        );
+        // The twin lands first: it serves.
+        assert_eq!(hedged_write(Err("late"), Ok(8)).await, (Ok(8), 2));
     }
 
     #[test]
