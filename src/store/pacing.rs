@@ -76,29 +76,31 @@ impl MutationPacer {
             .get(key)
             .map(|at| now.duration_since(*at));
         let paced = match since {
-            Some(since) if since < OBJECT_MUTATION_INTERVAL => {
-                (OBJECT_MUTATION_INTERVAL - since).saturating_add(jitter)
-            }
-            Some(_) => Duration::ZERO,
+            Some(since) => rest_of_second(since, jitter).unwrap_or(Duration::ZERO),
             None => UNKNOWN_WRITER_FLOOR.saturating_add(jitter),
         };
         let paced = paced.max(suggested);
         // The latest write is the one the precondition names: once its
         // second is up, a token is there (none was taken since, or the
         // precondition fails anyway). Long past, it says nothing.
-        let settled = landed_at
-            .map(|at| {
-                SystemTime::now()
-                    .duration_since(at)
-                    .unwrap_or(Duration::ZERO)
-            })
-            .filter(|ago| *ago < OBJECT_MUTATION_INTERVAL)
-            .map(|ago| (OBJECT_MUTATION_INTERVAL - ago).saturating_add(jitter));
+        let settled = landed_at.and_then(|at| {
+            let ago = SystemTime::now()
+                .duration_since(at)
+                .unwrap_or(Duration::ZERO);
+            rest_of_second(ago, jitter)
+        });
         match settled {
             Some(settled) => paced.min(settled),
             None => paced,
         }
     }
+}
+
+/// What is left of the object's second `since` a write of it (plus
+/// `jitter`); `None` once the second is up.
+fn rest_of_second(since: Duration, jitter: Duration) -> Option<Duration> {
+    (since < OBJECT_MUTATION_INTERVAL)
+        .then(|| (OBJECT_MUTATION_INTERVAL - since).saturating_add(jitter))
 }
 
 /// When the write that made `generation` landed, if it reads as a time:
