@@ -30,6 +30,8 @@ const HELD: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 const PLAIN: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
 const TOMBSTONE: &str = "dddddddddddddddddddddddddddddddd";
 const ORPHAN: &str = "eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee";
+/// A checkpoint only a lock carries (its record never landed).
+const CARRIED: &str = "ffffffffffffffffffffffffffffffff";
 
 fn id(text: &str) -> SandboxId {
     SandboxId::parse(text).unwrap()
@@ -81,6 +83,20 @@ async fn populate(store: Arc<dyn Store>) {
         .unwrap();
     // A checkpoint nothing points at, an hour old.
     stored_checkpoint(store.as_ref(), ORPHAN, PLAIN, 60, 1).await;
+    // One as old that only HELD's lock carries: a hand-back whose record
+    // never landed. It is the sandbox's latest checkpoint, not garbage.
+    let carried = stored_checkpoint(store.as_ref(), CARRIED, HELD, 60, 1).await;
+    let lock = store.get(&lock_key(&id(HELD))).await.unwrap();
+    let mut lease: Lease = decode(&lock.data).unwrap();
+    lease.checkpoint = Some(carried);
+    store
+        .put(
+            &lock_key(&id(HELD)),
+            encode(&lease),
+            PutMode::Update(lock.generation),
+        )
+        .await
+        .unwrap();
 }
 
 struct Ctl {
@@ -236,6 +252,10 @@ async fn operator_verbs(store: Arc<dyn Store>, ctl: Ctl, touch: &str) {
     assert!(
         store.get(&metadata_key(&id(HELD))).await.is_ok(),
         "live sandboxes stay"
+    );
+    assert!(
+        store.get(&checkpoint_image_key(&id(CARRIED))).await.is_ok(),
+        "a checkpoint the lock carries is referenced"
     );
 }
 

@@ -274,7 +274,7 @@ async fn fork_source(
     let Ok(source_id) = SandboxId::parse(&request.sandbox_id) else {
         return Err(refused());
     };
-    let source = match controller.read(&source_id).await {
+    let source = match controller.read_with_carried(&source_id).await {
         Ok(Some(source)) => source,
         Ok(None) => return Err(refused()),
         Err(err) => return Err(format!("Failed to fork sandbox {source_id}: {err}")),

@@ -17,7 +17,7 @@ pub use events::{
 pub use metrics::{Histogram, Metrics};
 pub use reconciler::{
     AttachRead, ForkError, ForkPoint, HandoffPolicy, ReadMetadata, ReconcileError, Reconciler,
-    ReconcilerConfig, ReconcilerParts, Requeue, delete_checkpoint_objects,
+    ReconcilerConfig, ReconcilerParts, Requeue, delete_checkpoint_objects, record_carried,
 };
 pub use workqueue::WorkQueue;
 

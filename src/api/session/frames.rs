@@ -246,7 +246,7 @@ impl Session {
     /// metadata read that fails lets the request go on: the intent's own
     /// write reports the store's error.
     async fn named_checkpoint_room(&self, name: &str) -> Result<(), String> {
-        let Ok(Some(metadata)) = self.controller.read(&self.id).await else {
+        let Ok(Some(metadata)) = self.controller.read_with_carried(&self.id).await else {
             return Ok(());
         };
         let named = &metadata.status.named_checkpoints;

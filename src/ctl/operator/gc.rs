@@ -77,12 +77,26 @@ pub async fn gc(
                 "sandboxes/{id}/metadata.json is missing or invalid: fix it before collecting garbage"
             )));
         };
+        // The checkpoint the lock carries is referenced too: a hand-back's
+        // record may not have landed (or never will, until the next holder
+        // records it), and it may be the sandbox's only latest checkpoint.
+        let lock = match read_lease(metadata_store, &sandbox).await {
+            Ok(lock) => lock,
+            Err(OperatorError::Invalid(detail)) => {
+                return Err(OperatorError::Invalid(format!(
+                    "sandboxes/{id}/lock.json is invalid ({detail}): fix it before collecting garbage"
+                )));
+            }
+            Err(err) => return Err(err),
+        };
         let status = &metadata.status;
+        let carried = lock.as_ref().and_then(|(lock, _)| lock.checkpoint.as_ref());
         let all: Vec<&controllers::api::CheckpointRef> = status
             .latest_checkpoint
             .iter()
             .chain(&status.previous_checkpoints)
             .chain(status.named_checkpoints.values())
+            .chain(carried)
             .collect();
         let deleted_at = status.deleted_at().unwrap_or(metadata.created_at);
         if status.phase == controllers::api::Phase::Deleted && now - deleted_at > retention {

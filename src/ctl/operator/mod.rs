@@ -91,7 +91,7 @@ pub(super) async fn read_metadata(
     Ok((metadata, object.generation, object.data))
 }
 
-async fn read_lease(
+pub(super) async fn read_lease(
     store: &dyn Store,
     sandbox: &SandboxId,
 ) -> Result<Option<(Lease, Generation)>, OperatorError> {

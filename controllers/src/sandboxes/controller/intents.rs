@@ -16,7 +16,7 @@ use crate::leasing::LeaseError;
 use crate::store::{Decision, PutMode, RmwError, StoreError, read_modify_write_from};
 
 use super::super::reconciler::{
-    AttachRead, ForkPoint, ReadMetadata, ReconcileError, create_options,
+    AttachRead, ForkPoint, ReadMetadata, ReconcileError, create_options, record_carried,
 };
 use super::{ControlError, SandboxController};
 
@@ -108,6 +108,30 @@ impl SandboxController {
             metadata,
             lock: lock?,
         }))
+    }
+
+    /// `metadata.json` with the checkpoint `lock.json` carries folded in
+    /// (both read at once): what a fork starts from. A client hears
+    /// CHECKPOINTED once the hand-back carries the checkpoint, before its
+    /// record lands in the metadata (decision 18), and may fork it at once,
+    /// on any instance. `None`: the sandbox does not exist.
+    pub async fn read_with_carried(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<Option<SandboxMetadata>, ControlError> {
+        let Some(read) = self.read_for_attach(sandbox).await? else {
+            return Ok(None);
+        };
+        let (mut metadata, _) = read.metadata;
+        if let Some(carried) = read
+            .lock
+            .as_ref()
+            .and_then(|(lock, _)| lock.checkpoint.as_ref())
+        {
+            // A view, not a record: nothing falls off the history.
+            record_carried(&mut metadata.status, carried, usize::MAX);
+        }
+        Ok(Some(metadata))
     }
 
     /// Records `metadata` (a new sandbox) as a fork of `source` at `point`

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::leasing::HandBack;
+use crate::sandboxes::decision::is_newer;
 
 /// Makes `reference` the latest checkpoint, moving the previous latest into
 /// `previous_checkpoints` (newest first, `keep` kept). Returns what fell off.
@@ -29,6 +30,30 @@ pub(super) fn record_latest(
     } else {
         Vec::new()
     }
+}
+
+/// Folds the checkpoint a lock carries into `status` if it is newer than
+/// the recorded latest: a hand-back's record that has not landed yet, or
+/// never will (decision 18). It becomes the latest, and its name's
+/// checkpoint if it has one. Returns what fell off, as [`record_latest`].
+/// Whoever reads `status` to find a checkpoint folds the lock in first: a
+/// client hears CHECKPOINTED before the record lands, and may fork or
+/// restore that checkpoint at once.
+pub fn record_carried(
+    status: &mut SandboxStatus,
+    carried: &CheckpointRef,
+    keep: usize,
+) -> Vec<CheckpointRef> {
+    if !is_newer(carried, status.latest_checkpoint.as_ref()) {
+        return Vec::new();
+    }
+    let superseded = record_latest(status, carried, keep);
+    if let Some(name) = &carried.name {
+        status
+            .named_checkpoints
+            .insert(name.clone(), carried.clone());
+    }
+    superseded
 }
 
 /// The superseded checkpoints no named checkpoint still points at.

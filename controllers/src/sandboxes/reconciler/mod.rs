@@ -45,7 +45,7 @@ mod pass;
 mod primed;
 mod start;
 
-pub use checkpoint::delete_checkpoint_objects;
+pub use checkpoint::{delete_checkpoint_objects, record_carried};
 pub use config::{HandoffPolicy, ReconcilerConfig};
 pub use fork::{ForkError, ForkPoint};
 use local::Watch;

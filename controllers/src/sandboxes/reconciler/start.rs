@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use super::checkpoint::{record_latest, unreferenced};
+use super::checkpoint::{record_carried, unreferenced};
 use super::*;
 use crate::sandboxes::decision::is_newer;
 
@@ -348,15 +348,8 @@ impl Reconciler {
                 if served_request.is_some() {
                     status.last_restore_request = served_request;
                 }
-                if let Some(carried) = &carried
-                    && is_newer(carried, status.latest_checkpoint.as_ref())
-                {
-                    superseded = record_latest(status, carried, keep);
-                    if let Some(name) = &carried.name {
-                        status
-                            .named_checkpoints
-                            .insert(name.clone(), carried.clone());
-                    }
+                if let Some(carried) = &carried {
+                    superseded = record_carried(status, carried, keep);
                 }
             })
             .await?;
@@ -442,8 +435,18 @@ impl Reconciler {
             .restore_request
             .as_ref()
             .filter(|r| metadata.status.last_restore_request != Some(r.requested_at));
+        // The lock's checkpoint when its record has not landed yet: the
+        // client heard CHECKPOINTED and may ask for it by name at once.
+        let carried = held
+            .lease
+            .checkpoint
+            .as_ref()
+            .filter(|carried| is_newer(carried, metadata.status.latest_checkpoint.as_ref()));
         let source = match restore_request {
-            Some(request) => match metadata.status.named_checkpoints.get(&request.checkpoint) {
+            Some(request) => match carried
+                .filter(|carried| carried.name.as_ref() == Some(&request.checkpoint))
+                .or_else(|| metadata.status.named_checkpoints.get(&request.checkpoint))
+            {
                 Some(found) => Some(found.clone()),
                 None => {
                     return Err((
@@ -452,13 +455,9 @@ impl Reconciler {
                     ));
                 }
             },
-            None => {
-                let recorded = metadata.status.latest_checkpoint.as_ref();
-                match held.lease.checkpoint.as_ref() {
-                    Some(carried) if is_newer(carried, recorded) => Some(carried.clone()),
-                    _ => recorded.cloned(),
-                }
-            }
+            None => carried
+                .or(metadata.status.latest_checkpoint.as_ref())
+                .cloned(),
         };
         let served_request = restore_request.map(|r| r.requested_at);
         let kind = match (&source, metadata.status.phase) {

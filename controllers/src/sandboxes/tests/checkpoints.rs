@@ -304,9 +304,9 @@ async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_runni
 /// A `metadata.json` write waits for the gate while it is closed and then
 /// fails (a bucket that refuses the intent's write).
 #[derive(Debug)]
-struct GatedMetadataWrites {
-    closed: AtomicBool,
-    gate: tokio::sync::Semaphore,
+pub(super) struct GatedMetadataWrites {
+    pub(super) closed: AtomicBool,
+    pub(super) gate: tokio::sync::Semaphore,
 }
 
 #[async_trait::async_trait]
@@ -324,7 +324,7 @@ impl BeforeRequest for GatedMetadataWrites {
 }
 
 /// A world whose `metadata.json` writes can be held and failed.
-fn gated_world() -> (World, Arc<HookedStore<GatedMetadataWrites>>) {
+pub(super) fn gated_world() -> (World, Arc<HookedStore<GatedMetadataWrites>>) {
     let mut gated = None;
     let world = World::wrapped(|store| {
         let wrapper = Arc::new(HookedStore::new(
@@ -386,6 +386,56 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
             .any(|e| matches!(e, SandboxEvent::CheckpointFailed(_))),
         "{seen:?}"
     );
+}
+
+/// A client that heard CHECKPOINTED may attach asking for that checkpoint
+/// by name before its record lands in `metadata.json` (the hand-back
+/// carries it, decision 18): the restore finds it in the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
+    let (world, gated) = gated_world();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "x=1").await;
+
+    gated.hook.closed.store(true, Ordering::SeqCst);
+    let mut events = a.controller.subscribe(&id);
+    a.controller
+        .request_state(&id, DesiredState::Checkpointed, Some("base"))
+        .await
+        .unwrap();
+    a.controller.reconciler().reconcile(&id).await.unwrap();
+    assert!(
+        drain(&mut events)
+            .iter()
+            .any(|e| matches!(e, SandboxEvent::Checkpointed { .. }))
+    );
+    let status = world.metadata(&id).await.status;
+    assert!(
+        status.latest_checkpoint.is_none() && status.named_checkpoints.is_empty(),
+        "the record has not landed: {status:?}"
+    );
+
+    // New writes pass; the record still waits at the gate.
+    gated.hook.closed.store(false, Ordering::SeqCst);
+    let within = std::time::Duration::from_secs(10);
+    tokio::time::timeout(
+        within,
+        a.controller
+            .request_here(&id, Some("base"), world.clock.now()),
+    )
+    .await
+    .expect("the attach waited for the record")
+    .unwrap();
+    let restored = tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
+        .await
+        .expect("the pass waited for the record");
+    assert!(restored.is_ok(), "{restored:?}");
+    assert_eq!(a.runtime.memory(&id).unwrap(), vec!["x=1".to_owned()]);
+    gated.hook.gate.add_permits(1000);
+    a.controller.reconciler().background_settled().await;
+    let status = world.metadata(&id).await.status;
+    assert!(status.named_checkpoints.contains_key("base"), "{status:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

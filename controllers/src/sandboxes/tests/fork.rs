@@ -99,3 +99,50 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
         .unwrap_err();
     assert!(err.to_string().contains("has no checkpoint yet"), "{err}");
 }
+
+/// A client that heard CHECKPOINTED may fork that checkpoint at once, on
+/// another instance, before its record lands in the source's metadata (the
+/// hand-back carries it, decision 18): the fork starts from the checkpoint
+/// the lock carries, the latest or by its name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_starts_from_a_checkpoint_whose_record_has_not_landed() {
+    use super::reconciler::ForkPoint;
+    use std::sync::atomic::Ordering;
+    let (world, gated) = super::checkpoints::gated_world();
+    let a = world.instance("a");
+    let source = a.create(&world).await;
+    a.run(&source, "x=1").await;
+    gated.hook.closed.store(true, Ordering::SeqCst);
+    a.controller
+        .request_state(&source, DesiredState::Checkpointed, Some("base"))
+        .await
+        .unwrap();
+    a.controller.reconciler().reconcile(&source).await.unwrap();
+    let status = world.metadata(&source).await.status;
+    assert!(
+        status.latest_checkpoint.is_none() && status.named_checkpoints.is_empty(),
+        "the record has not landed: {status:?}"
+    );
+
+    // New writes pass (the fork's own); the record still waits.
+    gated.hook.closed.store(false, Ordering::SeqCst);
+    let b = world.instance("b");
+    let source_doc = b
+        .controller
+        .read_with_carried(&source)
+        .await
+        .unwrap()
+        .unwrap();
+    for point in [ForkPoint::Latest, ForkPoint::Named("base".into())] {
+        let fork = SandboxId::random();
+        let metadata = SandboxMetadata::new(fork.clone(), world.clock.now(), TOKEN_HASH.into());
+        b.controller
+            .fork(&source_doc, &point, metadata)
+            .await
+            .unwrap_or_else(|err| panic!("{point:?}: {err}"));
+        b.reconcile(&fork).await.unwrap();
+        assert_eq!(b.runtime.memory(&fork).unwrap(), vec!["x=1".to_owned()]);
+    }
+    gated.hook.gate.add_permits(1000);
+    a.controller.reconciler().background_settled().await;
+}
