@@ -170,6 +170,7 @@ async fn operator_verbs(store: Arc<dyn Store>, ctl: Ctl, touch: &str) {
         "holder: instance-a",
         "expires in",
         "Checkpoints:",
+        "carried by lock.json: its record in metadata.json has not landed",
     ] {
         assert!(out.contains(expected), "{expected:?} in:\n{out}");
     }

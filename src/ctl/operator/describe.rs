@@ -139,12 +139,40 @@ pub async fn describe(
         }
     }
     let _ = writeln!(out, "\nCheckpoints:");
-    let mut any = false;
-    let mut line = |label: &str, checkpoint: &controllers::api::CheckpointRef| {
-        any = true;
+    // A checkpoint the lock carries and `status` does not record yet (a
+    // hand-back's record that has not landed, or never did): it is the
+    // latest, and what the next holder restores (decision 18).
+    let carried = lease
+        .as_ref()
+        .and_then(|(lease, _)| lease.checkpoint.as_ref())
+        .filter(|carried| {
+            let mut folded = status.clone();
+            controllers::sandboxes::record_carried(&mut folded, carried, usize::MAX);
+            folded.latest_checkpoint.as_ref() != status.latest_checkpoint.as_ref()
+        });
+    let mut lines: Vec<(String, &controllers::api::CheckpointRef, &str)> = Vec::new();
+    if let Some(carried) = carried {
+        lines.push((
+            "latest".to_owned(),
+            carried,
+            "  (carried by lock.json: its record in metadata.json has not landed)",
+        ));
+    }
+    if let Some(latest) = &status.latest_checkpoint {
+        let label = if carried.is_some() { "recorded" } else { "latest" };
+        lines.push((label.to_owned(), latest, ""));
+    }
+    for previous in &status.previous_checkpoints {
+        lines.push(("previous".to_owned(), previous, ""));
+    }
+    for (name, named) in &status.named_checkpoints {
+        lines.push((format!("named:{name}"), named, ""));
+    }
+    let any = !lines.is_empty();
+    for (label, checkpoint, note) in lines {
         let _ = writeln!(
             out,
-            "  {label:<10} {}  {} bytes  epoch {}  {} ago{}",
+            "  {label:<10} {}  {} bytes  epoch {}  {} ago{}{note}",
             checkpoint.path,
             checkpoint.size,
             checkpoint.epoch,
@@ -154,15 +182,6 @@ pub async fn describe(
                 .as_ref()
                 .map_or(String::new(), |n| format!("  name {n}"))
         );
-    };
-    if let Some(latest) = &status.latest_checkpoint {
-        line("latest", latest);
-    }
-    for previous in &status.previous_checkpoints {
-        line("previous", previous);
-    }
-    for (name, named) in &status.named_checkpoints {
-        line(&format!("named:{name}"), named);
     }
     if !any {
         let _ = writeln!(out, "  (none)");
