@@ -10,13 +10,15 @@
 //!   into a sandbox's `lock.json` or `metadata.json` appends a ring naming the
 //!   sandbox, and the holder, which reads its doorbell at a short interval,
 //!   reconciles the sandboxes named there. The JSON objects stay the truth; a
-//!   ring only says "look now".
+//!   ring only says "look now", except that an attach ring may carry its
+//!   intent instead of writing it into a held `lock.json` (decision 27): the
+//!   holder's transfer, the one fenced write, is then the lock's next write.
 
 use chrono::{DateTime, Duration, Utc};
 use serde::{Deserialize, Serialize};
 
 use super::lease::MAX_LEASE_DURATION_S;
-use super::{API_VERSION, ApiObject, ExtraFields, InstanceId, SandboxId};
+use super::{API_VERSION, ApiObject, AttachIntent, ExtraFields, InstanceId, SandboxId};
 
 /// Rings kept in a doorbell; older ones are dropped by the next ringer.
 pub const MAX_RINGS: usize = 64;
@@ -101,8 +103,23 @@ pub struct Ring {
     /// Who rang (an instance id, `sandboxctl`): for people reading the bucket.
     #[serde(default)]
     pub by: String,
+    /// The attach intent this ring carries instead of `lock.json`
+    /// (decision 27), if it is an attach ring.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intent: Option<RungIntent>,
     #[serde(flatten)]
     pub extra: ExtraFields,
+}
+
+/// An attach intent carried by a ring: `intent.instance` wants the sandbox
+/// from the hold at `epoch` (the lock as the ringer read it). It counts only
+/// against that hold: once the epoch moves on (a transfer, a takeover) it is
+/// spent, whoever got the sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RungIntent {
+    pub epoch: u64,
+    #[serde(flatten)]
+    pub intent: AttachIntent,
 }
 
 /// `instances/<id>/doorbell.json`: recent rings, newest last.
@@ -186,6 +203,7 @@ mod tests {
     fn a_doorbell_keeps_recent_rings_only() {
         let mut bell = Doorbell::default();
         let ring = |n: u128, t: i64| Ring {
+            intent: None,
             sandbox: SandboxId::from_u128(n),
             rung_at: at(t),
             by: "b".into(),

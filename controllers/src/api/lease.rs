@@ -4,7 +4,9 @@
 use chrono::{DateTime, Duration, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::{API_VERSION, ApiObject, CheckpointManifest, CheckpointRef, ExtraFields, InstanceId};
+use super::{
+    API_VERSION, ApiObject, CheckpointManifest, CheckpointRef, ExtraFields, InstanceId, RungIntent,
+};
 
 /// The lease document.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -125,6 +127,25 @@ impl Lease {
     pub fn wanted_by_me(&self, me: &InstanceId, now: DateTime<Utc>) -> bool {
         self.live_intent(now)
             .is_some_and(|intent| &intent.instance == me)
+    }
+
+    /// Counts `rung` (an attach intent a ring carried, decision 27) as
+    /// this lock's `wanted_by` when it is about this very hold (its epoch),
+    /// live at `now`, not from the holder itself, and newer than the intent
+    /// the lock records. Only ever in memory: the next write of the lock
+    /// (the holder's transfer) is what makes it count for everybody.
+    pub fn hear(&mut self, rung: &RungIntent, now: DateTime<Utc>) {
+        let intent = &rung.intent;
+        if rung.epoch == self.epoch
+            && intent.expires_at > now
+            && self.holder.as_ref() != Some(&intent.instance)
+            && self
+                .wanted_by
+                .as_ref()
+                .is_none_or(|recorded| recorded.requested_at < intent.requested_at)
+        {
+            self.wanted_by = Some(intent.clone());
+        }
     }
 
     /// The manifest carried with `checkpoint`, if it describes that image.

@@ -25,7 +25,7 @@ use chrono::{DateTime, Duration, Utc};
 
 use super::{LeaseConfig, LeaseError};
 use crate::api::{
-    Doorbell, ExtraFields, InstanceId, InstanceLease, Ring, SandboxId, decode, encode,
+    Doorbell, ExtraFields, InstanceId, InstanceLease, Ring, RungIntent, SandboxId, decode, encode,
 };
 use crate::clock::Clock;
 use crate::layout::{doorbell_key, instance_lease_key};
@@ -47,8 +47,9 @@ struct OwnLease {
 /// Rings waiting to be written to one other instance's doorbell.
 #[derive(Debug, Default)]
 struct Outbox {
-    /// Sandboxes rung since the last write began.
-    pending: Vec<SandboxId>,
+    /// Sandboxes rung since the last write began, with the intent each
+    /// ring carries (decision 27).
+    pending: Vec<(SandboxId, Option<RungIntent>)>,
     /// A ringer is writing (or waiting for the spacing): it takes `pending`.
     writing: bool,
     /// Batches written so far; a ringer whose sandbox went into batch `n`
@@ -274,13 +275,25 @@ impl InstanceLeases {
     /// or within `ring_spacing` of the last one, further rings join the
     /// next write (one write for all of them), so a burst of attaches never
     /// writes one object faster than GCS allows. Returns once a write that
-    /// includes `sandbox` has landed (or failed).
-    pub async fn ring(&self, holder: &InstanceId, sandbox: &SandboxId) -> Result<(), LeaseError> {
+    /// includes `sandbox` has landed (or failed). `intent`: the attach
+    /// intent the ring carries (decision 27); a later ring of the same
+    /// sandbox in the same batch replaces it.
+    pub async fn ring(
+        &self,
+        holder: &InstanceId,
+        sandbox: &SandboxId,
+        intent: Option<RungIntent>,
+    ) -> Result<(), LeaseError> {
         let (batch, writer) = {
             let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
             let outbox = outboxes.entry(holder.clone()).or_default();
-            if !outbox.pending.contains(sandbox) {
-                outbox.pending.push(sandbox.clone());
+            match outbox.pending.iter_mut().find(|(rung, _)| rung == sandbox) {
+                Some(queued) => {
+                    if intent.is_some() {
+                        queued.1 = intent;
+                    }
+                }
+                None => outbox.pending.push((sandbox.clone(), intent)),
             }
             let writer = !outbox.writing;
             outbox.writing = true;
@@ -415,7 +428,7 @@ pub async fn ring_doorbell(
     sandbox: &SandboxId,
     by: &str,
 ) -> Result<(), LeaseError> {
-    ring_doorbell_many(store, now, holder, std::slice::from_ref(sandbox), by, None)
+    ring_doorbell_many(store, now, holder, &[(sandbox.clone(), None)], by, None)
         .await
         .map(|_| ())
 }
@@ -434,7 +447,7 @@ async fn ring_doorbell_many(
     store: &dyn Store,
     now: DateTime<Utc>,
     holder: &InstanceId,
-    sandboxes: &[SandboxId],
+    sandboxes: &[(SandboxId, Option<RungIntent>)],
     by: &str,
     known: Option<Versioned>,
 ) -> Result<Rung, LeaseError> {
@@ -445,11 +458,12 @@ async fn ring_doorbell_many(
         let mut bell = current
             .and_then(|object| decode::<Doorbell>(&object.data).ok())
             .unwrap_or_default();
-        for sandbox in sandboxes {
+        for (sandbox, intent) in sandboxes {
             bell.ring(Ring {
                 sandbox: sandbox.clone(),
                 rung_at: now,
                 by: by.to_owned(),
+                intent: intent.clone(),
                 extra: ExtraFields::new(),
             });
         }

@@ -26,13 +26,14 @@
 //! An unreadable `lock.json` (an operator's typo) is reported as
 //! [`LeaseError::Invalid`] and never overwritten.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use chrono::{DateTime, Duration, Utc};
 
 use crate::api::{
     AttachIntent, CheckpointManifest, CheckpointRef, DecodeError, ExtraFields, InstanceId, Lease,
-    SandboxId, decode, encode,
+    RungIntent, SandboxId, decode, encode,
 };
 use crate::clock::Clock;
 use crate::layout::lock_key;
@@ -154,6 +155,12 @@ pub struct Leases {
     instance: InstanceId,
     config: LeaseConfig,
     instance_lease: InstanceLeases,
+    /// Attach intents carried by rings instead of `lock.json` (decision
+    /// 27), by sandbox: on a holder, those its doorbell brought; on a
+    /// ringer, its own. Every lock this instance reads counts them
+    /// ([`Lease::hear`]), so both see the same `wanted_by` the lock will
+    /// carry after the holder's transfer.
+    heard: Arc<Mutex<HashMap<SandboxId, RungIntent>>>,
 }
 
 impl Leases {
@@ -175,7 +182,56 @@ impl Leases {
             instance,
             config,
             instance_lease,
+            heard: Arc::default(),
         }
+    }
+
+    /// Remembers an attach intent a ring carried for `sandbox` (the newest
+    /// one per sandbox, the later heard of two as new; expired ones are
+    /// dropped).
+    pub fn hear(&self, sandbox: &SandboxId, rung: RungIntent) {
+        let now = self.clock.now();
+        let mut heard = self.heard.lock().unwrap_or_else(PoisonError::into_inner);
+        heard.retain(|_, old| old.intent.expires_at > now);
+        match heard.get(sandbox) {
+            Some(old) if old.intent.requested_at > rung.intent.requested_at => {}
+            _ => {
+                heard.insert(sandbox.clone(), rung);
+            }
+        }
+    }
+
+    /// Forgets this instance's own rung intent for `sandbox` (its client
+    /// gave up).
+    fn forget_own_intent(&self, sandbox: &SandboxId) {
+        let mut heard = self.heard.lock().unwrap_or_else(PoisonError::into_inner);
+        if heard
+            .get(sandbox)
+            .is_some_and(|rung| rung.intent.instance == self.instance)
+        {
+            heard.remove(sandbox);
+        }
+    }
+
+    /// True if this instance's own intent for `sandbox` went by ring for a
+    /// hold older than `lease`'s: another instance got the sandbox since.
+    pub fn own_intent_spent(&self, sandbox: &SandboxId, lease: &Lease) -> bool {
+        let heard = self.heard.lock().unwrap_or_else(PoisonError::into_inner);
+        heard.get(sandbox).is_some_and(|rung| {
+            rung.intent.instance == self.instance
+                && rung.epoch < lease.epoch
+                && lease.holder.as_ref() != Some(&self.instance)
+        })
+    }
+
+    /// `lease` as this instance sees it: with the intent a ring carried for
+    /// it, if any applies ([`Lease::hear`]).
+    pub fn with_heard(&self, sandbox: &SandboxId, mut lease: Lease) -> Lease {
+        let heard = self.heard.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(rung) = heard.get(sandbox) {
+            lease.hear(rung, self.clock.now());
+        }
+        lease
     }
 
     pub fn instance(&self) -> &InstanceId {
@@ -233,7 +289,7 @@ impl Leases {
                         sandbox: sandbox.clone(),
                         source,
                     })?;
-                Ok(Some((lease, current.generation)))
+                Ok(Some((self.with_heard(sandbox, lease), current.generation)))
             }
             Err(StoreError::NotFound { .. }) => Ok(None),
             Err(err) => Err(err.into()),
@@ -483,27 +539,29 @@ impl Leases {
 
     /// [`Self::request_attach`] from the lock as read moments ago.
     ///
-    /// When `read` names a holder, it is rung at the same time as the intent
-    /// is written (one round trip, not two): a holder that reads its lock
-    /// before the intent lands looks again shortly after a ring
-    /// (`Reconciler::note_rung`). A holder that changed meanwhile is rung
-    /// after the write.
+    /// When `read` names another holder, the intent goes to it in the ring
+    /// alone, not into `lock.json` (decision 27): the holder's transfer is
+    /// then the lock's next write, one fewer on an object GCS lets change
+    /// about once a second (a sandbox moved right after a restore met that
+    /// limit). The intent counts in this instance's own reads of the lock
+    /// from now on ([`Self::hear`]). A ring that fails falls back to the
+    /// written intent; so does a lock nobody holds (the intent is then the
+    /// only thing to write).
     pub async fn request_attach_from(
         &self,
         sandbox: &SandboxId,
         read: Option<ReadLease>,
     ) -> Result<AttachIntent, LeaseError> {
-        let rung_early = read
-            .as_ref()
-            .and_then(|(lease, _)| lease.holder.clone())
-            .filter(|holder| holder != &self.instance);
-        let ring_early = async {
-            if let Some(holder) = &rung_early
-                && let Err(err) = self.instance_lease.ring(holder, sandbox).await
-            {
-                tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder's doorbell");
+        if let Some((lease, _)) = &read
+            && let Some(holder) = lease.holder.as_ref().filter(|h| *h != &self.instance)
+        {
+            match self.ring_intent(sandbox, holder, lease.epoch).await {
+                Ok(intent) => return Ok(intent),
+                Err(err) => {
+                    tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder's doorbell; writing the intent into the lock");
+                }
             }
-        };
+        }
         let write = self.modify_from(sandbox, read, |existing, now| {
             let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
             let intent = AttachIntent {
@@ -515,28 +573,63 @@ impl Leases {
             lease.wanted_by = Some(intent.clone());
             Ok(Step::Write(Box::new(lease), intent))
         });
-        let (written, ()) = tokio::join!(write, ring_early);
-        let (intent, lease, _) = written?;
-        if lease.holder != rung_early {
-            self.ring_holder(sandbox, &lease).await;
+        let (intent, lease, _) = write.await?;
+        self.ring_holder(sandbox, &lease).await;
+        Ok(intent)
+    }
+
+    /// Rings `holder` with this instance's attach intent for `sandbox`,
+    /// held at `epoch`, and counts it here at once.
+    async fn ring_intent(
+        &self,
+        sandbox: &SandboxId,
+        holder: &InstanceId,
+        epoch: u64,
+    ) -> Result<AttachIntent, LeaseError> {
+        let now = self.clock.now();
+        let intent = AttachIntent {
+            instance: self.instance.clone(),
+            requested_at: now,
+            expires_at: now + self.config.intent_ttl,
+            extra: ExtraFields::new(),
+        };
+        let rung = RungIntent {
+            epoch,
+            intent: intent.clone(),
+        };
+        self.hear(sandbox, rung.clone());
+        if let Err(err) = self.instance_lease.ring(holder, sandbox, Some(rung)).await {
+            self.forget_own_intent(sandbox);
+            return Err(err);
         }
         Ok(intent)
     }
 
     /// Rings the doorbell of `lease`'s holder for `sandbox` when that is
     /// another instance, so an intent written here takes effect there at
-    /// once: the one place an intent's writer rings. A failure is logged:
-    /// the holder's resync (or the waiter's re-ring) catches up.
+    /// once: the one place an intent's writer rings. The ring carries this
+    /// instance's live intent, if `lease` has it (a waiter's re-ring of an
+    /// intent that went by ring). A failure is logged: the holder's resync
+    /// (or the waiter's re-ring) catches up.
     pub async fn ring_holder(&self, sandbox: &SandboxId, lease: &Lease) {
-        if let Some(holder) = lease.holder.as_ref().filter(|h| *h != &self.instance)
-            && let Err(err) = self.instance_lease.ring(holder, sandbox).await
-        {
+        let Some(holder) = lease.holder.as_ref().filter(|h| *h != &self.instance) else {
+            return;
+        };
+        let intent = lease
+            .live_intent(self.clock.now())
+            .filter(|intent| intent.instance == self.instance)
+            .map(|intent| RungIntent {
+                epoch: lease.epoch,
+                intent: intent.clone(),
+            });
+        if let Err(err) = self.instance_lease.ring(holder, sandbox, intent).await {
             tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder's doorbell");
         }
     }
 
     /// Withdraws this instance's attach intent, if it is still the current one.
     pub async fn withdraw_attach(&self, sandbox: &SandboxId) -> Result<(), LeaseError> {
+        self.forget_own_intent(sandbox);
         self.modify(sandbox, |existing, _now| match existing {
             Some(mut lease)
                 if lease
@@ -625,16 +718,17 @@ impl Leases {
             generation,
         });
         let outcome = read_modify_write_from(self.store.as_ref(), &key, known, |current| {
-            let existing =
-                match current {
-                    Some(object) => Some(decode::<Lease>(&object.data).map_err(|source| {
-                        LeaseError::Invalid {
+            let existing = match current {
+                Some(object) => {
+                    let lease =
+                        decode::<Lease>(&object.data).map_err(|source| LeaseError::Invalid {
                             sandbox: sandbox.clone(),
                             source,
-                        }
-                    })?),
-                    None => None,
-                };
+                        })?;
+                    Some(self.with_heard(sandbox, lease))
+                }
+                None => None,
+            };
             let unchanged = existing.clone();
             Ok(match decide(existing, now())? {
                 Step::Done(value) => {

@@ -416,7 +416,12 @@ async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
     let rings = sandboxes.iter().map(|sandbox| {
         let ringer = ringer.clone();
         let sandbox = sandbox.clone();
-        tokio::spawn(async move { ringer.instance_lease().ring(&instance("a"), &sandbox).await })
+        tokio::spawn(async move {
+            ringer
+                .instance_lease()
+                .ring(&instance("a"), &sandbox, None)
+                .await
+        })
     });
     for ring in futures::future::join_all(rings).await {
         ring.unwrap().unwrap();
@@ -468,9 +473,9 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
     );
     let rings = ringer.instance_lease();
     let [first, second, third, other] = [1u128, 2, 3, 4].map(SandboxId::from_u128);
-    rings.ring(&instance("a"), &first).await.unwrap();
+    rings.ring(&instance("a"), &first, None).await.unwrap();
     let (reads, writes) = (counts.count(Operation::Get), counts.count(Operation::Put));
-    rings.ring(&instance("a"), &second).await.unwrap();
+    rings.ring(&instance("a"), &second, None).await.unwrap();
     assert_eq!(
         (
             counts.count(Operation::Get) - reads,
@@ -484,7 +489,7 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
     ring_doorbell(memory.as_ref(), clock.now(), &instance("a"), &other, "c")
         .await
         .unwrap();
-    rings.ring(&instance("a"), &third).await.unwrap();
+    rings.ring(&instance("a"), &third, None).await.unwrap();
     let bell: crate::api::Doorbell = decode(
         &memory
             .get(&crate::layout::doorbell_key(&instance("a")))
@@ -506,7 +511,7 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
     ring_doorbell(memory.as_ref(), clock.now(), &instance("a"), &other, "c")
         .await
         .unwrap();
-    rings.ring(&instance("a"), &first).await.unwrap();
+    rings.ring(&instance("a"), &first, None).await.unwrap();
     assert_eq!(
         (
             counts.count(Operation::Get) - reads,
@@ -543,12 +548,21 @@ async fn a_batch_of_a_burst_reads_first_and_no_write_is_refused() {
     let (b, c) = (ringer("b"), ringer("c"));
     let [first, second, third] = [1u128, 2, 3].map(SandboxId::from_u128);
     let holder = instance("a");
-    b.instance_lease().ring(&holder, &first).await.unwrap();
-    c.instance_lease().ring(&holder, &second).await.unwrap();
+    b.instance_lease()
+        .ring(&holder, &first, None)
+        .await
+        .unwrap();
+    c.instance_lease()
+        .ring(&holder, &second, None)
+        .await
+        .unwrap();
     let writes = counts.count(Operation::Put);
     assert_eq!(writes, 2, "each first ring is one write");
     // B again within its spacing: a batch of the burst.
-    b.instance_lease().ring(&holder, &third).await.unwrap();
+    b.instance_lease()
+        .ring(&holder, &third, None)
+        .await
+        .unwrap();
     assert_eq!(
         counts.count(Operation::Put) - writes,
         1,
@@ -581,22 +595,7 @@ async fn a_hand_back_transfers_the_hold_to_the_live_intent_with_the_checkpoint()
     let held = a.acquire(&sandbox()).await.unwrap();
     b.request_attach(&sandbox()).await.unwrap();
     let read = a.read(&sandbox()).await.unwrap();
-    let manifest: crate::api::CheckpointManifest = serde_json::from_value(serde_json::json!({
-        "apiVersion": "sandboxd.dev/v1", "checkpoint_id": "c1", "sandbox_id": sandbox(),
-        "epoch": 1, "created_at": clock.now(), "runsc_version": "x", "platform": "ptrace",
-        "image": {"key": "sandbox_checkpoints/c1/checkpoint.img", "size": 3, "sha256": "ab"}
-    }))
-    .unwrap();
-    let reference = crate::api::CheckpointRef {
-        bucket: "b".into(),
-        path: manifest.image.key.clone(),
-        epoch: 1,
-        sha256: "ab".into(),
-        size: 3,
-        created_at: clock.now(),
-        name: None,
-        extra: Default::default(),
-    };
+    let (manifest, reference) = handed_checkpoint(&clock);
     let outcome = a
         .hand_back(&held, read, &reference, &manifest)
         .await
@@ -668,4 +667,119 @@ async fn a_remembered_live_lease_that_runs_out_meanwhile_is_read_again() {
         "remembered within the second, but expired since: gone"
     );
     assert_eq!(store.operations(), before + 1);
+}
+
+/// A checkpoint to hand back with: its manifest and its record.
+fn handed_checkpoint(
+    clock: &ManualClock,
+) -> (crate::api::CheckpointManifest, crate::api::CheckpointRef) {
+    let manifest: crate::api::CheckpointManifest = serde_json::from_value(serde_json::json!({
+        "apiVersion": "sandboxd.dev/v1", "checkpoint_id": "c1", "sandbox_id": sandbox(),
+        "epoch": 1, "created_at": clock.now(), "runsc_version": "x", "platform": "ptrace",
+        "image": {"key": "sandbox_checkpoints/c1/checkpoint.img", "size": 3, "sha256": "ab"}
+    }))
+    .unwrap();
+    let reference = crate::api::CheckpointRef {
+        bucket: "b".into(),
+        path: manifest.image.key.clone(),
+        epoch: 1,
+        sha256: "ab".into(),
+        size: 3,
+        created_at: clock.now(),
+        name: None,
+        extra: Default::default(),
+    };
+    (manifest, reference)
+}
+
+/// An attach on an instance that does not hold the sandbox sends its
+/// intent in the ring and leaves `lock.json` alone (decision 27): the
+/// ringer counts it at once, the holder once its doorbell brings it, and
+/// the holder's transfer is the lock's next write. The intent is spent
+/// with the hold it was about.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let a = leases(&store, &clock, "a");
+    let b = leases(&store, &clock, "b");
+    let held = a.acquire(&sandbox()).await.unwrap();
+    let before = store.get(&lock_key(&sandbox())).await.unwrap().generation;
+
+    let read = b.read(&sandbox()).await.unwrap();
+    let intent = b.request_attach_from(&sandbox(), read).await.unwrap();
+    assert_eq!(
+        store.get(&lock_key(&sandbox())).await.unwrap().generation,
+        before,
+        "the lock is not written"
+    );
+    assert_eq!(stored_lease(&store).await.wanted_by, None);
+    let (seen_by_b, _) = b.read(&sandbox()).await.unwrap().unwrap();
+    assert!(seen_by_b.wanted_by_me(&instance("b"), clock.now()));
+
+    // The holder's doorbell carries it; until heard, the holder sees none.
+    let (bell, _) = a.instance_lease().read_doorbell().await.unwrap().unwrap();
+    let rung = bell
+        .rings
+        .iter()
+        .find(|ring| ring.sandbox == sandbox())
+        .and_then(|ring| ring.intent.clone())
+        .expect("the ring carries the intent");
+    assert_eq!((rung.epoch, &rung.intent), (held.epoch, &intent));
+    let (unheard, _) = a.read(&sandbox()).await.unwrap().unwrap();
+    assert!(
+        unheard
+            .wanted_elsewhere(&instance("a"), clock.now())
+            .is_none()
+    );
+    a.hear(&sandbox(), rung.clone());
+    let read = a.read(&sandbox()).await.unwrap();
+    let wanted = read
+        .as_ref()
+        .and_then(|(lock, _)| lock.wanted_elsewhere(&instance("a"), clock.now()))
+        .map(|intent| intent.instance.clone());
+    assert_eq!(wanted, Some(instance("b")));
+
+    // Heard again on a lock read afresh (the write's precondition failed
+    // and the loop re-read): the transfer still goes to B.
+    let (manifest, reference) = handed_checkpoint(&clock);
+    let outcome = a
+        .hand_back(&held, None, &reference, &manifest)
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        HandBack::TransferredTo {
+            instance: instance("b"),
+            epoch: held.epoch + 1
+        }
+    );
+    let lease = stored_lease(&store).await;
+    assert_eq!(lease.holder, Some(instance("b")));
+    assert_eq!(lease.wanted_by, None);
+    // Spent: the next hold (epoch + 1) is wanted by nobody, on either side.
+    let (after_a, _) = a.read(&sandbox()).await.unwrap().unwrap();
+    let (after_b, _) = b.read(&sandbox()).await.unwrap().unwrap();
+    assert_eq!((after_a.wanted_by, after_b.wanted_by), (None, None));
+}
+
+/// A ring that cannot be written leaves the intent to the lock, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attach_intent_whose_ring_fails_is_written_into_the_lock() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = ManualClock::new();
+    let a = leases(&store, &clock, "a");
+    let b = leases(&store, &clock, "b");
+    a.acquire(&sandbox()).await.unwrap();
+    let read = b.read(&sandbox()).await.unwrap();
+    // The ring's read of the doorbell fails.
+    store.inject([Fault::Transient]);
+    b.request_attach_from(&sandbox(), read).await.unwrap();
+    assert_eq!(
+        stored_lease(&store)
+            .await
+            .wanted_by
+            .map(|intent| intent.instance),
+        Some(instance("b"))
+    );
 }

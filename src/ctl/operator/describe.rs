@@ -159,7 +159,11 @@ pub async fn describe(
         ));
     }
     if let Some(latest) = &status.latest_checkpoint {
-        let label = if carried.is_some() { "recorded" } else { "latest" };
+        let label = if carried.is_some() {
+            "recorded"
+        } else {
+            "latest"
+        };
         lines.push((label.to_owned(), latest, ""));
     }
     for previous in &status.previous_checkpoints {

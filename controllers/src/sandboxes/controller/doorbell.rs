@@ -104,10 +104,19 @@ impl SandboxController {
                 .map(|ring| (ring.sandbox.clone(), ring.rung_at))
                 .collect();
             state.answered.retain(|ring| present.contains(ring));
+            let leases = self.reconciler.leases();
             let mut rung = Vec::new();
-            for ring in present {
-                if state.answered.insert(ring.clone()) && !rung.contains(&ring.0) {
-                    rung.push(ring.0);
+            for ring in bell.rings {
+                if !state.answered.insert((ring.sandbox.clone(), ring.rung_at)) {
+                    continue;
+                }
+                // An attach intent that came by ring only (decision 27):
+                // this instance's reads of the lock count it from now on.
+                if let Some(intent) = ring.intent {
+                    leases.hear(&ring.sandbox, intent);
+                }
+                if !rung.contains(&ring.sandbox) {
+                    rung.push(ring.sandbox);
                 }
             }
             rung

@@ -96,7 +96,13 @@ impl Reconciler {
         // What an intent writer here just wrote and read, or both reads at
         // once: one round trip, not two (a rung handoff starts here).
         let (metadata, lease) = match self.take_primed(sandbox) {
-            Some(primed) => (Ok(Some(primed.metadata)), Ok(primed.lock)),
+            // With the intent a ring carried, as a read counts it.
+            Some(primed) => (
+                Ok(Some(primed.metadata)),
+                Ok(primed
+                    .lock
+                    .map(|(lock, generation)| (self.leases.with_heard(sandbox, lock), generation))),
+            ),
             None => tokio::join!(
                 self.read_metadata_versioned(sandbox),
                 self.leases.read(sandbox)

@@ -52,8 +52,19 @@ impl Reconciler {
     ) {
         let now = self.clock.now();
         if self.take_waiter_read_for(sandbox, intents_before).is_some() {
-            let cause = match lease.and_then(|l| l.live_intent(now)) {
-                Some(intent) => StartFailure::WantedElsewhere(intent.instance.clone()),
+            // Another live intent won, or (an intent that went by ring,
+            // decision 27) the holder handed it to another instance.
+            let elsewhere = lease.and_then(|l| {
+                l.live_intent(now)
+                    .map(|intent| intent.instance.clone())
+                    .or_else(|| {
+                        l.holder
+                            .clone()
+                            .filter(|_| self.leases.own_intent_spent(sandbox, l))
+                    })
+            });
+            let cause = match elsewhere {
+                Some(instance) => StartFailure::WantedElsewhere(instance),
                 None => StartFailure::IntentExpired,
             };
             self.emit(

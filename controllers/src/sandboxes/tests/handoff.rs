@@ -25,7 +25,14 @@ async fn another_instance_asking_gets_the_sandbox_handed_over() {
     // B waits: A holds a live lease.
     assert!(matches!(b.reconcile(&id).await.unwrap(), Requeue::After(_)));
     assert!(b.runtime.memory(&id).is_none());
+    // The intent went by ring (decision 27): A hears it at its doorbell.
+    assert_eq!(
+        world.lease(&id).await.wanted_by,
+        None,
+        "the lock is not written"
+    );
     let mut events = a.controller.subscribe(&id);
+    a.controller.answer_doorbell().await.unwrap();
     a.reconcile(&id).await.unwrap();
     assert_eq!(drain(&mut events)[0], SandboxEvent::HandoffRequested);
     b.reconcile(&id).await.unwrap();
@@ -51,6 +58,7 @@ async fn a_holder_whose_client_left_hands_over_on_the_departure_watchs_reads() {
         .request_here(&id, None, world.clock.now())
         .await
         .unwrap();
+    a.controller.answer_doorbell().await.unwrap();
     let reads = counts.count(Operation::Get);
     a.reconcile(&id).await.unwrap();
     assert!(a.runtime.memory(&id).is_none(), "handed over");
@@ -83,6 +91,7 @@ async fn the_taker_asks_for_the_image_the_holder_hands_over_with_before_the_tran
         &InstanceId::parse("b").unwrap(),
     ));
     assert_eq!(b.runtime.prefetched(), vec![expected.clone()]);
+    a.controller.answer_doorbell().await.unwrap();
     a.reconcile(&id).await.unwrap();
     b.reconcile(&id).await.unwrap();
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
@@ -120,9 +129,27 @@ async fn an_attach_intent_rings_the_holder_even_with_its_client_attached() {
     assert!(b.runtime.memory(&id).is_some());
 }
 
+/// Every doorbell write fails.
+#[derive(Debug)]
+struct NoDoorbell;
+
+#[async_trait::async_trait]
+impl BeforeRequest for NoDoorbell {
+    async fn before(&self, request: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
+        match request.key() {
+            Some(key) if request.writes("doorbell.json") => {
+                Err(StoreError::transient(key, "the bucket is unreachable"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A ring that cannot be written leaves the intent in the lock (decision
+/// 27's fallback), where the holder's resync finds it.
 #[tokio::test]
 async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
-    let world = World::new();
+    let world = World::wrapped(|store| Arc::new(HookedStore::new(store, NoDoorbell)));
     let a = world.instance("a");
     let b = world.instance("b");
     let id = a.create(&world).await;
@@ -131,14 +158,15 @@ async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
         .request_here(&id, None, world.clock.now())
         .await
         .unwrap();
-    // The ring is lost (say the ringer gave up): the resync still sees it.
-    world
-        .store
-        .delete(&crate::layout::doorbell_key(
-            &InstanceId::parse("a").unwrap(),
-        ))
-        .await
-        .unwrap();
+    assert_eq!(
+        world
+            .lease(&id)
+            .await
+            .wanted_by
+            .map(|intent| intent.instance),
+        Some(InstanceId::parse("b").unwrap()),
+        "written into the lock"
+    );
     assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
     a.reconcile(&id).await.unwrap();
     assert!(a.runtime.memory(&id).is_some());
@@ -174,8 +202,10 @@ async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
     assert!(b.runtime.memory(&id).is_some(), "handed over");
 }
 
+/// Two instances ask for one sandbox: the holder hands it to the later
+/// intent, and the other's waiting client is told who got it.
 #[tokio::test]
-async fn a_waiting_attach_whose_intent_was_replaced_is_told_at_once() {
+async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
     let world = World::new();
     let x = world.instance("x");
     let a = world.instance("a");
@@ -186,32 +216,35 @@ async fn a_waiting_attach_whose_intent_was_replaced_is_told_at_once() {
         .request_here(&id, None, world.clock.now())
         .await
         .unwrap();
-    // A client on B asks too, replacing A's intent before X handed over.
+    // A client on B asks too, after A's, before X handed over.
+    world.clock.advance(Duration::milliseconds(10));
     b.controller
         .request_here(&id, None, world.clock.now())
         .await
         .unwrap();
     a.reconcile(&id).await.unwrap();
-    assert!(
-        matches!(
-            &drain(&mut waiting_on_a)[..],
-            [SandboxEvent::StartFailed {
-                kind: StartKind::Restore,
-                cause: StartFailure::WantedElsewhere(instance),
-            }] if instance.as_str() == "b"
-        ),
-        "A's waiting client learns it lost the race"
-    );
     x.controller.answer_doorbell().await.unwrap();
     x.reconcile(&id).await.unwrap();
     assert_eq!(
         world.lease(&id).await.holder.as_ref().map(|h| h.as_str()),
         Some("b"),
-        "X transferred the hold to the live intent's instance"
+        "X transferred the hold to the later intent's instance"
+    );
+    a.reconcile(&id).await.unwrap();
+    assert!(
+        drain(&mut waiting_on_a).iter().any(|event| matches!(
+            event,
+            SandboxEvent::StartFailed {
+                kind: StartKind::Restore,
+                cause: StartFailure::WantedElsewhere(instance),
+            } if instance.as_str() == "b"
+        )),
+        "A's waiting client learns it lost the race"
     );
     b.reconcile(&id).await.unwrap();
     assert!(b.runtime.memory(&id).is_some());
     assert!(x.runtime.memory(&id).is_none());
+    assert!(a.runtime.memory(&id).is_none());
 }
 
 /// A free lock is taken by the attach's own write: the pass that follows
