@@ -193,16 +193,26 @@ impl Reconciler {
         }
     }
 
-    /// How long the doorbell loop sleeps before its next read: the active
-    /// interval while any client attached here sent something within the
-    /// fast window, the idle one otherwise.
+    /// How long the doorbell loop sleeps before its next read: the
+    /// departure watch's interval while a client left a sandbox held here
+    /// within the fast window (its next attach, likely elsewhere, sends its
+    /// intent in a ring: decision 27), the active interval while any client
+    /// attached here sent something within it, the idle one otherwise.
     pub fn doorbell_interval(&self) -> Duration {
         let now = self.clock.now();
         let window = chrono_duration(self.config.detached_window);
-        let active = self.watch_map().values().any(|watch| {
-            watch.detached_since.is_none() && watch.last_active.is_some_and(|at| now < at + window)
-        });
-        if active {
+        let (mut watching, mut active) = (false, false);
+        for watch in self.watch_map().values() {
+            match watch.detached_since {
+                Some(since) => watching |= now < since + window,
+                None => active |= watch.last_active.is_some_and(|at| now < at + window),
+            }
+        }
+        if watching {
+            self.config
+                .detached_poll
+                .min(self.config.doorbell_poll_active)
+        } else if active {
             self.config.doorbell_poll_active
         } else {
             self.config.doorbell_poll

@@ -476,3 +476,23 @@ async fn an_intent_that_lands_while_a_pass_reads_is_not_undone_by_that_read() {
     );
     b.reconciler().background_settled().await;
 }
+
+/// The doorbell is read at the departure watch's pace for the minute after
+/// a client left (its next attach sends its intent by ring), at the active
+/// pace while a client here is active, and at the idle pace otherwise.
+#[tokio::test]
+async fn the_doorbell_is_read_fastest_just_after_a_client_left() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    let reconciler = a.controller.reconciler();
+    let config = ReconcilerConfig::default();
+    assert_eq!(reconciler.doorbell_interval(), config.doorbell_poll);
+    a.controller.client_attached(&id, true);
+    a.controller.client_active(&id);
+    assert_eq!(reconciler.doorbell_interval(), config.doorbell_poll_active);
+    a.controller.client_attached(&id, false);
+    assert_eq!(reconciler.doorbell_interval(), config.detached_poll);
+    world.clock.advance(Duration::seconds(61));
+    assert_eq!(reconciler.doorbell_interval(), config.doorbell_poll);
+}
