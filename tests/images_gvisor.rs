@@ -75,6 +75,7 @@ async fn bash(runtime: &GvisorRuntime, sandbox: &SandboxId, code: &str) -> (Stri
             ExecEvent::Stderr(data) => stderr.extend_from_slice(&data),
             // The runtime alone runs no after-exec hooks.
             ExecEvent::AfterExecFailed(message) => panic!("after-exec hook failed: {message}"),
+            ExecEvent::HoldLost => panic!("a runtime never sends HoldLost"),
             ExecEvent::Exited(code) => {
                 return (
                     String::from_utf8_lossy(&stdout).into_owned(),

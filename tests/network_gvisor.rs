@@ -275,6 +275,7 @@ async fn finish(mut execution: Execution) -> String {
             ExecEvent::Stderr(data) => stderr.extend_from_slice(&data),
             // The runtime alone runs no after-exec hooks.
             ExecEvent::AfterExecFailed(message) => panic!("after-exec hook failed: {message}"),
+            ExecEvent::HoldLost => panic!("a runtime never sends HoldLost"),
             ExecEvent::Exited(code) => {
                 assert_eq!(code, 0, "{}", String::from_utf8_lossy(&stderr));
                 return String::from_utf8_lossy(&stdout).trim().to_owned();

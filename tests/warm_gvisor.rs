@@ -69,6 +69,7 @@ async fn run(runtime: &GvisorRuntime, sandbox: &SandboxId, command: Command) -> 
             ExecEvent::Stdout(data) | ExecEvent::Stderr(data) => output.extend_from_slice(&data),
             // The runtime alone runs no after-exec hooks.
             ExecEvent::AfterExecFailed(message) => panic!("after-exec hook failed: {message}"),
+            ExecEvent::HoldLost => panic!("a runtime never sends HoldLost"),
             ExecEvent::Exited(code) => {
                 return (String::from_utf8_lossy(&output).trim().to_owned(), code);
             }

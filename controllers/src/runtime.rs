@@ -84,6 +84,11 @@ pub enum ExecEvent {
     /// client learns it before the execution's end. Not an output event:
     /// it takes no event number of its own.
     AfterExecFailed(String),
+    /// The hold on the sandbox was lost while the execution ran (another
+    /// instance took it over): its end must not be reported, nor taken for
+    /// a stop. Sent by the controller's relay, never by a runtime; the last
+    /// event.
+    HoldLost,
 }
 
 /// Controls a running execution.

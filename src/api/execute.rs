@@ -283,6 +283,8 @@ async fn collect(
             }
             // Disposable sandboxes have no after-exec hooks.
             ExecEvent::AfterExecFailed(_) => {}
+            // Nor leases: never sent for them; the end, if it were.
+            ExecEvent::HoldLost => break,
         }
     }
     drop(sandbox);
@@ -329,7 +331,7 @@ fn stream(
             let chunk = match event {
                 Some(Some(ExecEvent::Stdout(data) | ExecEvent::Stderr(data))) => data,
                 Some(Some(ExecEvent::AfterExecFailed(_))) => continue,
-                Some(Some(ExecEvent::Exited(_)) | None) => break,
+                Some(Some(ExecEvent::Exited(_) | ExecEvent::HoldLost) | None) => break,
                 None => {
                     let _ = tx.send(Ok(Bytes::from(limits.timed_out_marker()))).await;
                     break;

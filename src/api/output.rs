@@ -116,6 +116,7 @@ impl ExecutionState {
         let mut stderr = Utf8Stream::default();
         let mut exit_code = None;
         let mut after_exec_failed = None;
+        let mut hold_lost = false;
         let mut number = 0;
         while let Some(event) = events.recv().await {
             if let ExecEvent::AfterExecFailed(message) = event {
@@ -141,6 +142,10 @@ impl ExecutionState {
                     exit_code = Some((number, code));
                     break;
                 }
+                ExecEvent::HoldLost => {
+                    hold_lost = true;
+                    break;
+                }
                 ExecEvent::AfterExecFailed(_) => {}
             }
         }
@@ -154,6 +159,15 @@ impl ExecutionState {
             if !rest.is_empty() {
                 self.push_event(number, frame(rest));
             }
+        }
+        if hold_lost {
+            // Another instance holds the sandbox now: nothing ends here (the
+            // session reports the loss); the log ends without DONE, which
+            // would acknowledge work on two instances at once.
+            self.log().finished = true;
+            self.changed.notify_waiters();
+            on_exit();
+            return;
         }
         // A kill in progress reports FORCE_KILLED first.
         let deadline = tokio::time::Instant::now() + KILL_REPORT_WAIT;
@@ -373,6 +387,22 @@ mod tests {
             !state.kill().await,
             "a finished execution is not killed twice"
         );
+    }
+
+    /// An execution whose hold was lost ends without DONE (and without the
+    /// "sandbox stopped" line a plain end of events gets): the output
+    /// before it is delivered, and the log is finished.
+    #[tokio::test]
+    async fn a_lost_hold_ends_the_log_without_done() {
+        let (sender, state) = start();
+        sender
+            .send(ExecEvent::Stdout(Bytes::from_static(b"before\n")))
+            .await
+            .unwrap();
+        sender.send(ExecEvent::HoldLost).await.unwrap();
+        let frames = all_frames(&state).await;
+        assert_eq!(frames, vec![ServerFrame::Stdout("before\n".to_owned())]);
+        assert!(!state.is_running());
     }
 
     /// Stands for a resumable execution's runtime: records what the log

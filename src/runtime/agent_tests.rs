@@ -248,6 +248,7 @@ async fn output_queued_for_a_slow_consumer_is_bounded_with_a_notice() {
                 break;
             }
             ExecEvent::AfterExecFailed(message) => panic!("the agent sent {message:?}"),
+            ExecEvent::HoldLost => panic!("a runtime never sends HoldLost"),
         }
     }
     assert!(

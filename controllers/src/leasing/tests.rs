@@ -596,18 +596,7 @@ async fn a_hand_back_transfers_the_hold_to_the_live_intent_with_the_checkpoint()
     b.request_attach(&sandbox()).await.unwrap();
     let read = a.read(&sandbox()).await.unwrap();
     let (manifest, reference) = handed_checkpoint(&clock);
-    let outcome = a
-        .hand_back(&held, read, &reference, &manifest)
-        .await
-        .unwrap();
-    assert_eq!(
-        outcome,
-        HandBack::TransferredTo {
-            instance: instance("b"),
-            epoch: 2
-        }
-    );
-    let lease = stored_lease(&store).await;
+    let lease = handed_to_b(&a, &held, read, &store, &clock).await;
     assert_eq!(lease.holder, Some(instance("b")));
     assert_eq!(lease.epoch, 2);
     assert!(lease.wanted_by.is_none());
@@ -667,6 +656,31 @@ async fn a_remembered_live_lease_that_runs_out_meanwhile_is_read_again() {
         "remembered within the second, but expired since: gone"
     );
     assert_eq!(store.operations(), before + 1);
+}
+
+/// Hands `held` back from `a` (starting from `read`, if given) with
+/// [`handed_checkpoint`], checks that the hold went to B at the next epoch,
+/// and returns the stored lock.
+async fn handed_to_b(
+    a: &Leases,
+    held: &HeldLease,
+    read: Option<ReadLease>,
+    store: &MemoryStore,
+    clock: &ManualClock,
+) -> Lease {
+    let (manifest, reference) = handed_checkpoint(clock);
+    let outcome = a
+        .hand_back(held, read, &reference, &manifest)
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        HandBack::TransferredTo {
+            instance: instance("b"),
+            epoch: held.epoch + 1
+        }
+    );
+    stored_lease(store).await
 }
 
 /// A checkpoint to hand back with: its manifest and its record.
@@ -742,19 +756,7 @@ async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write(
 
     // Heard again on a lock read afresh (the write's precondition failed
     // and the loop re-read): the transfer still goes to B.
-    let (manifest, reference) = handed_checkpoint(&clock);
-    let outcome = a
-        .hand_back(&held, None, &reference, &manifest)
-        .await
-        .unwrap();
-    assert_eq!(
-        outcome,
-        HandBack::TransferredTo {
-            instance: instance("b"),
-            epoch: held.epoch + 1
-        }
-    );
-    let lease = stored_lease(&store).await;
+    let lease = handed_to_b(&a, &held, None, &store, &clock).await;
     assert_eq!(lease.holder, Some(instance("b")));
     assert_eq!(lease.wanted_by, None);
     // Spent: the next hold (epoch + 1) is wanted by nobody, on either side.

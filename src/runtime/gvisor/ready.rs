@@ -191,8 +191,9 @@ impl GvisorRuntime {
                         }
                     }
                     ExecEvent::Exited(code) => return Some(code),
-                    // The agent's own events: no after-exec hook runs here.
-                    ExecEvent::AfterExecFailed(_) => {}
+                    // The agent's own events: no after-exec hook runs
+                    // here, and no controller relays them.
+                    ExecEvent::AfterExecFailed(_) | ExecEvent::HoldLost => {}
                 }
             }
             None

@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::api::{SandboxId, SandboxMetadata, SnapshotRef};
 use crate::files::{FsError, FsReply, FsRequest};
 use crate::layout::metadata_key;
-use crate::runtime::{ExecRequest, Execution, RuntimeError};
+use crate::runtime::{ExecEvent, ExecRequest, Execution, RuntimeError};
 
 use super::super::reconciler::Reconciler;
 use super::{ControlError, SandboxController};
@@ -150,19 +150,23 @@ const FENCE_EXIT_GIVE_UP: Duration = Duration::from_secs(600);
 /// How often an exit held back by [`fence_exit`] looks at the hold again.
 const FENCE_EXIT_POLL: Duration = Duration::from_millis(50);
 
-/// Relays an execution's events, but reports its exit only while this
+/// Relays an execution's events, but reports its end only while this
 /// instance can vouch for its hold. A holder frozen past its lease (the runsc
 /// sandbox kept running) may find, when it resumes, an execution that ended
 /// meanwhile, while another instance already took the sandbox over and
-/// acknowledged executions of its own: reporting that exit would acknowledge
-/// work on two instances at once. The exit is held back until the hold is
-/// vouched for again (re-verified) and then reported, or until the sandbox
-/// is no longer held here (lost: the loss is reported to the session first,
-/// then the events end without an exit). The reconciler settles an
-/// unvouched hold one way or the other within a lease or so (a pass that
-/// cannot read the bucket stops it after the store's deadline), so no time
-/// bound is needed for safety; [`FENCE_EXIT_GIVE_UP`] only keeps a task from
-/// living for ever if it never does.
+/// acknowledged executions of its own: reporting that end would acknowledge
+/// work on two instances at once. The end (its exit, or its events ending
+/// without one: the sandbox stopped) is held back until the hold is vouched
+/// for again (re-verified) and then reported, or until the sandbox is no
+/// longer held here (lost: the loss is reported to the session first, then
+/// [`ExecEvent::HoldLost`] tells the relay that no end may be reported:
+/// without it, a relay that saw the events end would report the execution
+/// done, and under load it can reach the socket before the loss does). The
+/// reconciler settles an unvouched hold one way or the other within a lease
+/// or so (a pass that cannot read the bucket stops it after the store's
+/// deadline), so no time bound is needed for safety;
+/// [`FENCE_EXIT_GIVE_UP`] only keeps a task from living for ever if it
+/// never does.
 fn fence_exit(
     mut execution: Execution,
     reconciler: Arc<Reconciler>,
@@ -170,30 +174,43 @@ fn fence_exit(
 ) -> Execution {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
-        while let Some(event) = execution.events.recv().await {
-            if let crate::runtime::ExecEvent::Exited(_) = event {
-                let give_up = tokio::time::Instant::now() + FENCE_EXIT_GIVE_UP;
-                loop {
-                    match reconciler.held(&sandbox) {
-                        Some(held) if reconciler.leases().is_safe(&held) => {
-                            let _ = tx.send(event).await;
-                            break;
-                        }
-                        Some(_) if tokio::time::Instant::now() < give_up => {
-                            tokio::time::sleep(FENCE_EXIT_POLL).await;
-                        }
-                        _ => {
-                            tracing::warn!(%sandbox, "an execution ended while this instance could not vouch for its hold: its exit is not reported");
-                            break;
-                        }
+        let exit = loop {
+            match execution.events.recv().await {
+                Some(event @ ExecEvent::Exited(_)) => break Some(event),
+                Some(event) => {
+                    if tx.send(event).await.is_err() {
+                        // Nobody listens; keep draining so the runtime
+                        // never blocks.
+                        while execution.events.recv().await.is_some() {}
+                        return;
                     }
                 }
-                return;
+                None => break None,
             }
-            if tx.send(event).await.is_err() {
-                // Nobody listens; keep draining so the runtime never blocks.
-                while execution.events.recv().await.is_some() {}
-                return;
+        };
+        let give_up = tokio::time::Instant::now() + FENCE_EXIT_GIVE_UP;
+        loop {
+            match reconciler.held(&sandbox) {
+                Some(held) if reconciler.leases().is_safe(&held) => {
+                    if let Some(exit) = exit {
+                        let _ = tx.send(exit).await;
+                    }
+                    return;
+                }
+                Some(_) if tokio::time::Instant::now() < give_up => {
+                    tokio::time::sleep(FENCE_EXIT_POLL).await;
+                }
+                held => {
+                    // Lost to another instance, or never vouched for again:
+                    // no end may be reported. Not held any more without a
+                    // loss (the sandbox died, was deleted or checkpointed):
+                    // the events' end is the stop it was, as before.
+                    if held.is_some() || reconciler.was_lost(&sandbox) {
+                        tracing::warn!(%sandbox, "an execution ended while this instance could not vouch for its hold: its end is not reported");
+                        let _ = tx.send(ExecEvent::HoldLost).await;
+                    }
+                    return;
+                }
             }
         }
     });

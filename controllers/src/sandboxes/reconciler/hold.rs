@@ -146,6 +146,7 @@ impl Reconciler {
         // ends its running execution; neither may reach the client as a
         // DONE before the loss does (another instance may hold it now).
         self.emit(sandbox, SandboxEvent::Lost(why));
+        self.note_lost(sandbox);
         self.forget(sandbox);
         if let Err(err) = self.runtime.destroy(sandbox).await
             && !matches!(err, RuntimeError::NotFound(_))

@@ -21,6 +21,10 @@ pub(super) const RING_FOLLOW_UP: Duration = Duration::from_secs(1);
 /// How soon it looks again.
 pub(super) const RING_RECHECK: Duration = Duration::from_millis(50);
 
+/// How long a loss is remembered for the executions it cut off (their
+/// relays look within a poll of the loss; the rest is margin).
+const LOST_MEMORY: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// Per held sandbox: when its last full pass was, and since when its client
 /// is away (`None`: attached, or never told).
 #[derive(Debug, Clone, Copy)]
@@ -146,6 +150,25 @@ impl Reconciler {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(sandbox)
+    }
+
+    /// Remembers that `sandbox` was just stopped as lost to another
+    /// instance.
+    pub(super) fn note_lost(&self, sandbox: &SandboxId) {
+        let now = std::time::Instant::now();
+        let mut lost = self.lost.lock().unwrap_or_else(PoisonError::into_inner);
+        lost.retain(|_, at| now.duration_since(*at) < LOST_MEMORY);
+        lost.insert(sandbox.clone(), now);
+    }
+
+    /// True if this instance stopped `sandbox` as lost within
+    /// [`LOST_MEMORY`].
+    pub fn was_lost(&self, sandbox: &SandboxId) -> bool {
+        self.lost
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(sandbox)
+            .is_some_and(|at| at.elapsed() < LOST_MEMORY)
     }
 
     /// The doorbell was rung for `sandbox` (held here) just now.

@@ -159,6 +159,10 @@ pub struct Reconciler {
     /// for a moment after, a pass that finds no intent looks again (the
     /// ringer writes the intent and rings at the same time).
     rung_here: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
+    /// When this instance last stopped each sandbox as lost to another
+    /// (kept [`LOST_MEMORY`]): an execution's relay must not report an end
+    /// the loss cut off.
+    lost: Mutex<HashMap<SandboxId, std::time::Instant>>,
     /// When this instance last held or started anything: its instance lease
     /// is renewed until a lease after that.
     last_busy: Mutex<Option<DateTime<Utc>>>,
@@ -233,6 +237,7 @@ impl Reconciler {
             recording: Arc::default(),
             rung: Mutex::new(HashMap::new()),
             rung_here: Mutex::new(HashMap::new()),
+            lost: Mutex::new(HashMap::new()),
             last_busy: Mutex::new(None),
             waiting: Mutex::new(HashMap::new()),
             draining: std::sync::atomic::AtomicBool::new(false),

@@ -388,20 +388,22 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     );
 }
 
-/// A client that heard CHECKPOINTED may attach asking for that checkpoint
-/// by name before its record lands in `metadata.json` (the hand-back
-/// carries it, decision 18): the restore finds it in the lock.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
-    let (world, gated) = gated_world();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+/// A sandbox of `a` (memory `x=1`) checkpointed under `name` while the
+/// record's write waits at the gate: its client heard CHECKPOINTED, and
+/// `metadata.json` records no checkpoint yet. New writes pass again when it
+/// returns; the record still waits (until the gate gets permits).
+pub(super) async fn checkpointed_before_its_record(
+    world: &World,
+    gated: &HookedStore<GatedMetadataWrites>,
+    a: &Instance,
+    name: &str,
+) -> SandboxId {
+    let id = a.create(world).await;
     a.run(&id, "x=1").await;
-
     gated.hook.closed.store(true, Ordering::SeqCst);
     let mut events = a.controller.subscribe(&id);
     a.controller
-        .request_state(&id, DesiredState::Checkpointed, Some("base"))
+        .request_state(&id, DesiredState::Checkpointed, Some(name))
         .await
         .unwrap();
     a.controller.reconciler().reconcile(&id).await.unwrap();
@@ -415,9 +417,18 @@ async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
         status.latest_checkpoint.is_none() && status.named_checkpoints.is_empty(),
         "the record has not landed: {status:?}"
     );
-
-    // New writes pass; the record still waits at the gate.
     gated.hook.closed.store(false, Ordering::SeqCst);
+    id
+}
+
+/// A client that heard CHECKPOINTED may attach asking for that checkpoint
+/// by name before its record lands in `metadata.json` (the hand-back
+/// carries it, decision 18): the restore finds it in the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
+    let (world, gated) = gated_world();
+    let a = world.instance("a");
+    let id = checkpointed_before_its_record(&world, &gated, &a, "base").await;
     let within = std::time::Duration::from_secs(10);
     tokio::time::timeout(
         within,

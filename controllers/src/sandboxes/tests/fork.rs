@@ -106,26 +106,12 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
 /// the lock carries, the latest or by its name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_starts_from_a_checkpoint_whose_record_has_not_landed() {
+    use super::checkpoints::{checkpointed_before_its_record, gated_world};
     use super::reconciler::ForkPoint;
-    use std::sync::atomic::Ordering;
-    let (world, gated) = super::checkpoints::gated_world();
+    let (world, gated) = gated_world();
     let a = world.instance("a");
-    let source = a.create(&world).await;
-    a.run(&source, "x=1").await;
-    gated.hook.closed.store(true, Ordering::SeqCst);
-    a.controller
-        .request_state(&source, DesiredState::Checkpointed, Some("base"))
-        .await
-        .unwrap();
-    a.controller.reconciler().reconcile(&source).await.unwrap();
-    let status = world.metadata(&source).await.status;
-    assert!(
-        status.latest_checkpoint.is_none() && status.named_checkpoints.is_empty(),
-        "the record has not landed: {status:?}"
-    );
-
     // New writes pass (the fork's own); the record still waits.
-    gated.hook.closed.store(false, Ordering::SeqCst);
+    let source = checkpointed_before_its_record(&world, &gated, &a, "base").await;
     let b = world.instance("b");
     let source_doc = b
         .controller

@@ -215,3 +215,50 @@ async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
         "the newer record is kept"
     );
 }
+
+/// An execution cut off by the loss of its hold ends with `HoldLost`: its
+/// relay must report no end (another instance holds the sandbox and may
+/// have acknowledged work of its own; the chaos run's frozen holder). An
+/// execution ended by a delete ends as a stop, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted_does_not() {
+    use crate::runtime::ExecEvent;
+    let world = World::new();
+    let a = world.instance("a");
+    let hold = || ExecRequest::new(Command::Bash("hold".into()));
+    let last_event = |mut execution: crate::runtime::Execution| async move {
+        let mut last = None;
+        while let Some(event) = execution.events.recv().await {
+            last = Some(event);
+        }
+        last
+    };
+
+    let lost = a.create(&world).await;
+    let execution = a.controller.exec(&lost, hold()).await.unwrap();
+    // Another instance holds it now (as after A froze past its lease).
+    let mut lease = world.lease(&lost).await;
+    lease.holder = Some(InstanceId::parse("b").unwrap());
+    lease.epoch += 1;
+    world
+        .store
+        .put(&lock_key(&lost), encode(&lease), PutMode::Overwrite)
+        .await
+        .unwrap();
+    a.controller.enqueue(&lost);
+    a.reconcile(&lost).await.unwrap();
+    assert!(!a.controller.is_held_here(&lost));
+    let last = last_event(execution).await;
+    assert!(matches!(last, Some(ExecEvent::HoldLost)), "{last:?}");
+
+    let deleted = a.create(&world).await;
+    let execution = a.controller.exec(&deleted, hold()).await.unwrap();
+    a.controller
+        .request_state(&deleted, DesiredState::Deleted, None)
+        .await
+        .unwrap();
+    a.reconcile(&deleted).await.unwrap();
+    assert!(!a.controller.is_held_here(&deleted));
+    let last = last_event(execution).await;
+    assert!(last.is_none(), "{last:?}");
+}
