@@ -223,6 +223,9 @@ async fn operator_verbs(store: Arc<dyn Store>, ctl: Ctl, touch: &str) {
     assert_eq!(desired(store.as_ref(), PLAIN).await, DesiredState::Deleted);
     let (code, _, _) = ctl.run(&["evict", "cccccccccccccccccccccccccccccccc"], "");
     assert_eq!(code, 3);
+    let (code, _, err) = ctl.run(&["evict", TOMBSTONE], "");
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("deletion is final"), "{err}");
 
     // break-lease: asks first.
     let (code, _, _) = ctl.run(&["break-lease", HELD], "no\n");

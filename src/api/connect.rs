@@ -16,7 +16,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use controllers::api::{
-    DEFAULT_WORKSPACE_TEMPLATE, DesiredState, Phase, SandboxId, SandboxMetadata, WorkspaceSpec,
+    DEFAULT_WORKSPACE_TEMPLATE, DesiredState, SandboxId, SandboxMetadata, WorkspaceSpec,
     is_resource_name,
 };
 use controllers::sandboxes::{
@@ -279,10 +279,7 @@ async fn fork_source(
         Ok(None) => return Err(refused()),
         Err(err) => return Err(format!("Failed to fork sandbox {source_id}: {err}")),
     };
-    if !token::matches(&request.sandbox_token, &source.spec.token_sha256)
-        || source.spec.desired_state == DesiredState::Deleted
-        || source.status.phase == Phase::Deleted
-    {
+    if !token::matches(&request.sandbox_token, &source.spec.token_sha256) || source.is_deleted() {
         return Err(refused());
     }
     let point = match &request.name {
@@ -456,9 +453,7 @@ async fn serve_attach(
         )
         .await;
     }
-    if metadata.spec.desired_state == DesiredState::Deleted
-        || metadata.status.phase == Phase::Deleted
-    {
+    if metadata.is_deleted() {
         return not_found().await;
     }
     if let Some(name) = &checkpoint

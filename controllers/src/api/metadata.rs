@@ -293,6 +293,15 @@ impl SandboxMetadata {
             extra: ExtraFields::new(),
         }
     }
+
+    /// Being deleted (`desired_state: deleted`) or a tombstone (`phase:
+    /// Deleted`). Deletion is final: such a sandbox takes no other intent
+    /// (a checkpoint, an attach written after the delete would otherwise
+    /// bring it back from its checkpoint), and a tombstone is never started
+    /// again, whatever its spec says.
+    pub fn is_deleted(&self) -> bool {
+        self.spec.desired_state == DesiredState::Deleted || self.status.phase == Phase::Deleted
+    }
 }
 
 impl SandboxStatus {

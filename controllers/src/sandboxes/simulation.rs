@@ -14,9 +14,9 @@
 //!    lease (a paused zombie may still run it, but its lease has expired);
 //! 2. `status.epoch` and `status.latest_checkpoint.epoch` never go down: a
 //!    newer checkpoint pointer is never overwritten by a lower epoch;
-//! 3. every acknowledged checkpoint stays covered: the recorded latest
-//!    checkpoint is at least as new and is restorable (manifest and image
-//!    present, digest matching).
+//! 3. every acknowledged checkpoint stays covered until the sandbox is
+//!    deleted: the recorded latest checkpoint is at least as new and is
+//!    restorable (manifest and image present, digest matching).
 //!
 //! CI runs 1,000 seeds; `SIM_SEEDS=10000 cargo test -p controllers --release
 //! --features testing -- --ignored simulation_soak` runs more.
@@ -451,8 +451,12 @@ impl Sim {
             );
             self.seen
                 .insert(id.clone(), (metadata.status.epoch, checkpoint_epoch));
-            // 3. Acknowledged checkpoints stay covered and restorable.
-            if let Some(&acknowledged) = self.acknowledged.get(&id) {
+            // 3. Acknowledged checkpoints stay covered and restorable,
+            // until the sandbox is deleted (a tombstone's purge removes its
+            // checkpoints before its metadata; it is never started again).
+            if let Some(&acknowledged) = self.acknowledged.get(&id)
+                && metadata.status.phase != crate::api::Phase::Deleted
+            {
                 // Covered by the record, or by the lock that carries the
                 // checkpoint while the record is under way (decision 18):
                 // the next holder restores the newer of the two.
@@ -532,6 +536,7 @@ async fn run_seed(seed: u64) {
     let mut sim = Sim::new(seed);
     sim.setup().await;
     for step in 0..STEPS {
+        tracing::debug!(step, "simulation step");
         sim.step(step).await;
         sim.check(seed, step).await;
     }
@@ -606,13 +611,18 @@ async fn simulation_soak() {
     }
 }
 
-/// One seed, to study a failure: `SIM_SEED=686 cargo test -p controllers
-/// --features testing --lib one_seed` (seed 0 by default).
+/// One seed, to study a failure: `SIM_SEED=686 RUST_LOG=controllers=debug
+/// cargo test -p controllers --features testing --lib one_seed` (seed 0 by
+/// default; `RUST_LOG` prints every pass's decision, step by step).
 #[tokio::test]
 async fn one_seed() {
     let seed: u64 = std::env::var("SIM_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     run_seed(seed).await;
 }

@@ -24,7 +24,7 @@ use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use controllers::api::{DesiredState, Phase, SandboxId};
+use controllers::api::SandboxId;
 use controllers::files::FsError;
 use controllers::sandboxes::SandboxController;
 use futures::StreamExt;
@@ -114,9 +114,7 @@ async fn hold(state: &AppState, raw_id: &str, token: Option<String>) -> Result<H
             "Invalid sandbox token.",
         ));
     }
-    if metadata.spec.desired_state == DesiredState::Deleted
-        || metadata.status.phase == Phase::Deleted
-    {
+    if metadata.is_deleted() {
         return Err(not_found());
     }
     let Ok((live, attachment)) = state.live.attach(&id) else {

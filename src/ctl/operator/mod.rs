@@ -157,6 +157,11 @@ async fn set_desired(
 ) -> Result<String, OperatorError> {
     let sandbox = parse_id(id)?;
     let (mut metadata, generation, _) = read_metadata(store, &sandbox).await?;
+    if desired != DesiredState::Deleted && metadata.is_deleted() {
+        return Err(OperatorError::Invalid(format!(
+            "sandbox {sandbox} is deleted or being deleted: deletion is final"
+        )));
+    }
     if desired == DesiredState::Checkpointed && !metadata.spec.enable_checkpoint {
         return Err(OperatorError::Invalid(format!(
             "sandbox {sandbox} was not created with enable_checkpoint: it cannot be evicted (delete it instead)"

@@ -365,7 +365,9 @@ impl SandboxController {
     ) -> Option<(u64, ReadMetadata)> {
         let held = self.reconciler.held(sandbox)?;
         let known = self.reconciler.known_metadata(sandbox)?;
-        let stored: SandboxMetadata = decode(&known.data).ok()?;
+        let stored: SandboxMetadata = decode(&known.data)
+            .ok()
+            .filter(|stored: &SandboxMetadata| !stored.is_deleted())?;
         let mut intended = stored.clone();
         change(&mut intended.spec);
         let ticket = self
@@ -468,12 +470,17 @@ impl SandboxController {
                     detail: err.to_string(),
                 })?;
             let before = metadata.spec.clone();
+            let deleted = metadata.is_deleted();
             change(&mut metadata.spec);
-            Ok(if metadata.spec == before {
-                Decision::Keep(metadata)
-            } else {
-                Decision::Write(encode(&metadata), metadata)
-            })
+            if metadata.spec == before {
+                return Ok(Decision::Keep(metadata));
+            }
+            if deleted {
+                // Deletion is final: a checkpoint or attach written after
+                // it would bring the sandbox back from its checkpoint.
+                return Err(ControlError::Deleted(sandbox.clone()));
+            }
+            Ok(Decision::Write(encode(&metadata), metadata))
         })
         .await;
         match outcome {

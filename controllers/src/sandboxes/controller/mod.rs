@@ -37,6 +37,9 @@ const MAX_CONCURRENT_RECONCILES: usize = 64;
 pub enum ControlError {
     #[error("sandbox {0} does not exist")]
     NotFound(SandboxId),
+    /// Deleted, or being deleted: it takes no other intent.
+    #[error("sandbox {0} was deleted")]
+    Deleted(SandboxId),
     #[error("sandbox {0} does not run on this instance")]
     NotHere(SandboxId),
     #[error("sandbox {0} already exists")]

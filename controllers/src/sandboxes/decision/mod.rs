@@ -75,7 +75,8 @@ pub(crate) enum Step {
     Adopt,
     /// The lock names this instance, which does not run the sandbox.
     ReleaseOrphan { epoch: u64 },
-    /// A tombstone: remove the objects once the retention has passed.
+    /// A tombstone (whatever its desired state): remove the objects once the
+    /// retention has passed.
     Purge,
     /// Desired `deleted`, held elsewhere by a live lock: its holder converges it.
     AwaitHolder,
@@ -105,6 +106,9 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
             Step::Nothing
         };
     };
+    // A tombstone is final, whatever its spec says now (an operator's edit,
+    // an intent that raced the delete): it is never started again.
+    let tombstone = metadata.status.phase == Phase::Deleted;
     if let Some(held) = seen.held {
         let still_ours = seen
             .lock
@@ -113,6 +117,10 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
             return Step::StopLost {
                 holder: seen.lock.and_then(|lock| lock.holder.clone()),
             };
+        }
+        if tombstone {
+            // Tombstoned under this hold, its release still to land.
+            return Step::Delete;
         }
         if !seen.running_here {
             return Step::MarkDied;
@@ -144,14 +152,19 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
     if let Some(lock) = seen.lock.filter(|lock| lock.is_held_by(seen.me))
         && !seen.starting_here
     {
-        return if metadata.spec.desired_state == DesiredState::Running && seen.waiting_here {
+        return if metadata.spec.desired_state == DesiredState::Running
+            && seen.waiting_here
+            && !tombstone
+        {
             Step::Adopt
         } else {
             Step::ReleaseOrphan { epoch: lock.epoch }
         };
     }
+    if tombstone {
+        return Step::Purge;
+    }
     match metadata.spec.desired_state {
-        DesiredState::Deleted if metadata.status.phase == Phase::Deleted => Step::Purge,
         DesiredState::Deleted if seen.lock.is_some() && !seen.lock_expired => Step::AwaitHolder,
         DesiredState::Deleted => Step::Tombstone,
         DesiredState::Checkpointed => Step::CheckpointedMeanwhile,

@@ -236,6 +236,29 @@ fn desired_deleted_and_not_held_purges_awaits_or_tombstones() {
 }
 
 #[test]
+fn a_tombstone_is_never_started_again_whatever_its_spec_says() {
+    let tombstone = |case: Case| {
+        let mut case = case;
+        case.metadata.as_mut().unwrap().status.phase = Phase::Deleted;
+        case
+    };
+    for desired in [DesiredState::Running, DesiredState::Checkpointed] {
+        // An intent that raced the delete, or an operator's edit.
+        let case = tombstone(Case::new().desired(desired).wanted_by("a"));
+        assert_eq!(case.decide(), Step::Purge, "{desired:?}");
+    }
+    // A hold taken for it (an attach's own write) is released, not adopted.
+    let mut case = tombstone(Case::new().held_by("a", 4).wanted_by("a"));
+    case.waiting_here = true;
+    assert_eq!(case.decide(), Step::ReleaseOrphan { epoch: 4 });
+    // Tombstoned under a hold still kept here (its release failed): the
+    // deletion finishes, the tombstone is not overwritten by `Failed`.
+    let mut case = tombstone(Case::held_here());
+    case.running_here = false;
+    assert_eq!(case.decide(), Step::Delete);
+}
+
+#[test]
 fn desired_running_and_not_held_acquires_only_when_wanted_here() {
     assert_eq!(Case::new().wanted_by("a").decide(), Step::Acquire);
     assert_eq!(Case::new().wanted_by("b").decide(), Step::NotWantedHere);

@@ -128,7 +128,7 @@ impl Reconciler {
                 // as written (decision 21).
                 if let Some(read) = &mut metadata {
                     self.newer_known(sandbox, read);
-                    self.overlay_pending_spec(sandbox, &mut read.0.spec);
+                    self.overlay_pending_spec(sandbox, &mut read.0);
                 }
                 metadata
             }

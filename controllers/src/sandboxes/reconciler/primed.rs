@@ -289,8 +289,12 @@ impl Reconciler {
             .or_insert(primed);
     }
 
-    /// Applies the spec change being written to `sandbox`, if any.
-    pub(super) fn overlay_pending_spec(&self, sandbox: &SandboxId, spec: &mut SandboxSpec) {
+    /// Applies the spec change being written to `sandbox`, if any, unless
+    /// the sandbox is being deleted: that write will be refused.
+    pub(super) fn overlay_pending_spec(&self, sandbox: &SandboxId, metadata: &mut SandboxMetadata) {
+        if metadata.is_deleted() {
+            return;
+        }
         let change = self
             .pending_specs
             .lock()
@@ -299,7 +303,7 @@ impl Reconciler {
             .get(sandbox)
             .map(|(_, change)| Arc::clone(change));
         if let Some(change) = change {
-            change(spec);
+            change(&mut metadata.spec);
         }
     }
 

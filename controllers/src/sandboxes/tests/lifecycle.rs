@@ -88,6 +88,74 @@ async fn delete_destroys_tombstones_releases_and_purges_later() {
     assert!(world.store.get(&lock_key(&id)).await.is_err());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.controller
+        .request_state(&id, DesiredState::Deleted, None)
+        .await
+        .unwrap();
+    let refused = |outcome: Result<(), ControlError>| {
+        matches!(outcome, Err(ControlError::Deleted(_)))
+            .then_some(())
+            .ok_or(outcome)
+    };
+    // Before its holder acts: a checkpoint or an attach elsewhere does not
+    // take the delete back.
+    refused(
+        b.controller
+            .request_state(&id, DesiredState::Checkpointed, None)
+            .await,
+    )
+    .unwrap();
+    refused(
+        b.controller
+            .request_here(&id, None, world.clock.now())
+            .await,
+    )
+    .unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(world.metadata(&id).await.status.phase, Phase::Deleted);
+    // The tombstone takes none either.
+    refused(
+        b.controller
+            .request_state(&id, DesiredState::Running, None)
+            .await,
+    )
+    .unwrap();
+    // An operator sets it running again and a client attaches: the hold
+    // that attach takes is released, nothing starts, the purge goes on.
+    let mut edited = world.metadata(&id).await;
+    edited.spec.desired_state = DesiredState::Running;
+    world
+        .store
+        .put(
+            &metadata_key(&id),
+            crate::api::encode(&edited),
+            PutMode::Overwrite,
+        )
+        .await
+        .unwrap();
+    let _ = b
+        .controller
+        .request_here(&id, None, world.clock.now())
+        .await;
+    for _ in 0..3 {
+        b.reconcile(&id).await.unwrap();
+        a.reconcile(&id).await.unwrap();
+    }
+    assert!(b.runtime.memory(&id).is_none() && a.runtime.memory(&id).is_none());
+    assert_eq!(world.lease(&id).await.holder, None);
+    world.clock.advance(Duration::seconds(601));
+    a.reconcile(&id).await.unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert!(world.store.get(&metadata_key(&id)).await.is_err());
+    assert!(b.runtime.memory(&id).is_none() && a.runtime.memory(&id).is_none());
+}
+
 #[tokio::test]
 async fn invalid_json_from_an_operator_is_reported_and_changes_nothing() {
     let world = World::new();
