@@ -120,6 +120,20 @@ pub struct RungIntent {
     pub epoch: u64,
     #[serde(flatten)]
     pub intent: AttachIntent,
+    /// The generations of both objects as the ringer read them, if it
+    /// writes neither: a holder that knows them at least that new decides
+    /// its hand-over on what it knows, as fresh as the ringer's read,
+    /// rather than read both again (decision 27, session 17). Every write
+    /// that decision leads to stays conditional.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read: Option<ReadGenerations>,
+}
+
+/// `lock.json`'s and `metadata.json`'s generations, as read together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadGenerations {
+    pub lock: i64,
+    pub metadata: i64,
 }
 
 /// `instances/<id>/doorbell.json`: recent rings, newest last.

@@ -28,7 +28,9 @@ mod snapshot_path;
 
 pub use codec::{ApiObject, DecodeError, decode, encode};
 pub use ids::{InstanceId, InvalidId, SandboxId};
-pub use instance::{Doorbell, InstanceLease, MAX_RINGS, Ring, RungIntent, ring_retention};
+pub use instance::{
+    Doorbell, InstanceLease, MAX_RINGS, ReadGenerations, Ring, RungIntent, ring_retention,
+};
 pub use lease::{AttachIntent, Lease};
 pub use manifest::{BlobDigest, CheckpointManifest, SnapshotManifest};
 pub use metadata::{

@@ -33,7 +33,7 @@ use chrono::{DateTime, Duration, Utc};
 
 use crate::api::{
     AttachIntent, CheckpointManifest, CheckpointRef, DecodeError, ExtraFields, InstanceId, Lease,
-    RungIntent, SandboxId, decode, encode,
+    ReadGenerations, RungIntent, SandboxId, decode, encode,
 };
 use crate::clock::Clock;
 use crate::layout::lock_key;
@@ -534,7 +534,7 @@ impl Leases {
     /// configured TTL. Creates an unheld lock if the sandbox has none.
     /// Rings the holder's doorbell so it hands the sandbox over at once.
     pub async fn request_attach(&self, sandbox: &SandboxId) -> Result<AttachIntent, LeaseError> {
-        self.request_attach_from(sandbox, None).await
+        self.request_attach_from(sandbox, None, None).await
     }
 
     /// [`Self::request_attach`] from the lock as read moments ago.
@@ -546,16 +546,23 @@ impl Leases {
     /// limit). The intent counts in this instance's own reads of the lock
     /// from now on ([`Self::hear`]). A ring that fails falls back to the
     /// written intent; so does a lock nobody holds (the intent is then the
-    /// only thing to write).
+    /// only thing to write). `metadata`: the generation of `metadata.json`
+    /// read with `read`, if the caller does not write it; the ring then
+    /// tells the holder both generations.
     pub async fn request_attach_from(
         &self,
         sandbox: &SandboxId,
         read: Option<ReadLease>,
+        metadata: Option<Generation>,
     ) -> Result<AttachIntent, LeaseError> {
-        if let Some((lease, _)) = &read
+        if let Some((lease, generation)) = &read
             && let Some(holder) = lease.holder.as_ref().filter(|h| *h != &self.instance)
         {
-            match self.ring_intent(sandbox, holder, lease.epoch).await {
+            let read = metadata.map(|metadata| ReadGenerations {
+                lock: generation.0,
+                metadata: metadata.0,
+            });
+            match self.ring_intent(sandbox, holder, lease.epoch, read).await {
                 Ok(intent) => return Ok(intent),
                 Err(err) => {
                     tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder's doorbell; writing the intent into the lock");
@@ -585,6 +592,7 @@ impl Leases {
         sandbox: &SandboxId,
         holder: &InstanceId,
         epoch: u64,
+        read: Option<ReadGenerations>,
     ) -> Result<AttachIntent, LeaseError> {
         let now = self.clock.now();
         let intent = AttachIntent {
@@ -596,6 +604,7 @@ impl Leases {
         let rung = RungIntent {
             epoch,
             intent: intent.clone(),
+            read,
         };
         self.hear(sandbox, rung.clone());
         if let Err(err) = self.instance_lease.ring(holder, sandbox, Some(rung)).await {
@@ -621,6 +630,7 @@ impl Leases {
             .map(|intent| RungIntent {
                 epoch: lease.epoch,
                 intent: intent.clone(),
+                read: None,
             });
         if let Err(err) = self.instance_lease.ring(holder, sandbox, intent).await {
             tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder's doorbell");

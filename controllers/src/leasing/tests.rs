@@ -721,7 +721,7 @@ async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write(
     let before = store.get(&lock_key(&sandbox())).await.unwrap().generation;
 
     let read = b.read(&sandbox()).await.unwrap();
-    let intent = b.request_attach_from(&sandbox(), read).await.unwrap();
+    let intent = b.request_attach_from(&sandbox(), read, None).await.unwrap();
     assert_eq!(
         store.get(&lock_key(&sandbox())).await.unwrap().generation,
         before,
@@ -776,7 +776,7 @@ async fn an_attach_intent_whose_ring_fails_is_written_into_the_lock() {
     let read = b.read(&sandbox()).await.unwrap();
     // The ring's read of the doorbell fails.
     store.inject([Fault::Transient]);
-    b.request_attach_from(&sandbox(), read).await.unwrap();
+    b.request_attach_from(&sandbox(), read, None).await.unwrap();
     assert_eq!(
         stored_lease(&store)
             .await

@@ -113,6 +113,7 @@ impl SandboxController {
                 // An attach intent that came by ring only (decision 27):
                 // this instance's reads of the lock count it from now on.
                 if let Some(intent) = ring.intent {
+                    self.reconciler.prime_from_ring(&ring.sandbox, &intent);
                     leases.hear(&ring.sandbox, intent);
                 }
                 if !rung.contains(&ring.sandbox) {

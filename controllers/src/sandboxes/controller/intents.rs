@@ -217,6 +217,14 @@ impl SandboxController {
         let me = leases.instance().clone();
         let writing = self.reconciler.writing_intent(sandbox);
         self.reconciler.mark_waiting(sandbox);
+        // The spec as read already says so (the usual attach to a running
+        // sandbox): the holder may decide on what it knows of it.
+        let spec_unchanged = {
+            let mut spec = read.metadata.0.spec.clone();
+            change(&mut spec);
+            spec == read.metadata.0.spec
+        };
+        let metadata_read = spec_unchanged.then_some(read.metadata.1);
         let free = read.lock.as_ref().is_none_or(|(lease, _)| {
             lease.holder.is_none() && lease.wanted_elsewhere(&me, now).is_none()
         });
@@ -229,7 +237,7 @@ impl SandboxController {
                 }
             }
             leases
-                .request_attach_from(sandbox, read.lock.clone())
+                .request_attach_from(sandbox, read.lock.clone(), metadata_read)
                 .await
                 .map(|_| None)
         };

@@ -26,7 +26,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::api::{Lease, SandboxId, SandboxMetadata, SandboxSpec};
+use crate::api::{Lease, RungIntent, SandboxId, SandboxMetadata, SandboxSpec};
 use crate::store::{Generation, Versioned};
 
 use super::super::events::{CheckpointFailure, SandboxEvent};
@@ -287,6 +287,38 @@ impl Reconciler {
             .unwrap_or_else(PoisonError::into_inner)
             .entry(sandbox.clone())
             .or_insert(primed);
+    }
+
+    /// A ring's attach intent came with the generations its ringer read
+    /// both objects at: when this instance holds the sandbox at that lock
+    /// generation and epoch, and knows its metadata at least that new, the
+    /// next pass decides on what it knows (as fresh as the ringer's read,
+    /// the intent heard) instead of reading both again: a round trip off
+    /// every handoff. A newer pass's or intent writer's prime is kept.
+    pub(crate) fn prime_from_ring(&self, sandbox: &SandboxId, rung: &RungIntent) {
+        let Some(read) = rung.read else {
+            return;
+        };
+        let Some(held) = self.held(sandbox) else {
+            return;
+        };
+        if held.epoch != rung.epoch || held.generation != Generation(read.lock) {
+            return;
+        }
+        let Some(known) = self
+            .known_metadata(sandbox)
+            .filter(|known| known.generation >= Generation(read.metadata))
+        else {
+            return;
+        };
+        let Ok(metadata) = crate::api::decode::<SandboxMetadata>(&known.data) else {
+            return;
+        };
+        self.prime_with_read(
+            sandbox,
+            (metadata, known.generation),
+            Some((held.lease, held.generation)),
+        );
     }
 
     /// Applies the spec change being written to `sandbox`, if any, unless

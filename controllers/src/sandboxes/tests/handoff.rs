@@ -41,34 +41,53 @@ async fn another_instance_asking_gets_the_sandbox_handed_over() {
     assert_eq!(world.metadata(&id).await.status.epoch, 2);
 }
 
-/// The departure watch reads both objects: the pass an attach elsewhere
-/// calls for decides on them, with no second round trip before the
-/// checkpoint (two reads in all, not three).
+/// A ring carries the generations its taker read both objects at: a holder
+/// that knows both that new hands over without reading either; one that
+/// knows less (an operator edited the metadata since its last look) reads
+/// them once, in the pass that hands over (session 17).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_holder_whose_client_left_hands_over_on_the_departure_watchs_reads() {
+async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_again() {
     use crate::store::{CountingStore, Operation, OperationCounts};
-    let counts = Arc::new(OperationCounts::default());
-    let world = World::wrapped(|store| Arc::new(CountingStore::new(store, counts.clone())));
-    let a = world.instance("a");
-    let b = world.instance("b");
-    let id = a.create(&world).await;
-    a.run(&id, "state").await;
-    a.controller.client_attached(&id, false);
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
-    a.controller.answer_doorbell().await.unwrap();
-    let reads = counts.count(Operation::Get);
-    a.reconcile(&id).await.unwrap();
-    assert!(a.runtime.memory(&id).is_none(), "handed over");
-    assert_eq!(
-        counts.count(Operation::Get) - reads,
-        2,
-        "metadata.json and lock.json read once each"
-    );
-    b.reconcile(&id).await.unwrap();
-    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
+    for edited in [false, true] {
+        let counts = Arc::new(OperationCounts::default());
+        let world = World::wrapped(|store| Arc::new(CountingStore::new(store, counts.clone())));
+        let a = world.instance("a");
+        let b = world.instance("b");
+        let id = a.create(&world).await;
+        a.run(&id, "state").await;
+        a.controller.client_attached(&id, false);
+        if edited {
+            let mut metadata = world.metadata(&id).await;
+            metadata.spec.labels.insert("team".into(), "blue".into());
+            world
+                .store
+                .put(
+                    &metadata_key(&id),
+                    crate::api::encode(&metadata),
+                    PutMode::Overwrite,
+                )
+                .await
+                .unwrap();
+        }
+        b.controller
+            .request_here(&id, None, world.clock.now())
+            .await
+            .unwrap();
+        a.controller.answer_doorbell().await.unwrap();
+        let reads = counts.count(Operation::Get);
+        a.reconcile(&id).await.unwrap();
+        assert!(a.runtime.memory(&id).is_none(), "handed over");
+        assert_eq!(
+            counts.count(Operation::Get) - reads,
+            if edited { 2 } else { 0 },
+            "edited: {edited}"
+        );
+        b.reconcile(&id).await.unwrap();
+        assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
+        if edited {
+            assert_eq!(world.metadata(&id).await.spec.labels["team"], "blue");
+        }
+    }
 }
 
 #[tokio::test]
