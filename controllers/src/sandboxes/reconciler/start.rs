@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use super::checkpoint::{record_carried, unreferenced};
 use super::*;
-use crate::sandboxes::decision::is_newer;
 
 /// How often an instance waiting for a sandbox rings its holder again.
 const RERING_INTERVAL: Duration = Duration::from_secs(5);
@@ -446,19 +445,15 @@ impl Reconciler {
             .restore_request
             .as_ref()
             .filter(|r| metadata.status.last_restore_request != Some(r.requested_at));
-        // The lock's checkpoint when its record has not landed yet: the
+        // With the lock's checkpoint when its record has not landed yet: the
         // client heard CHECKPOINTED and may ask for it by name at once.
-        let carried = held
-            .lease
-            .checkpoint
-            .as_ref()
-            .filter(|carried| is_newer(carried, metadata.status.latest_checkpoint.as_ref()));
+        let mut status = metadata.status.clone();
+        if let Some(carried) = &held.lease.checkpoint {
+            record_carried(&mut status, carried, usize::MAX);
+        }
         let source = match restore_request {
-            Some(request) => match carried
-                .filter(|carried| carried.name.as_ref() == Some(&request.checkpoint))
-                .or_else(|| metadata.status.named_checkpoints.get(&request.checkpoint))
-            {
-                Some(found) => Some(found.clone()),
+            Some(request) => match status.named_checkpoints.remove(&request.checkpoint) {
+                Some(found) => Some(found),
                 None => {
                     return Err((
                         StartKind::Restore,
@@ -466,9 +461,7 @@ impl Reconciler {
                     ));
                 }
             },
-            None => carried
-                .or(metadata.status.latest_checkpoint.as_ref())
-                .cloned(),
+            None => status.latest_checkpoint,
         };
         let served_request = restore_request.map(|r| r.requested_at);
         let kind = match (&source, metadata.status.phase) {
