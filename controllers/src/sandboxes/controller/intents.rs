@@ -483,7 +483,7 @@ impl SandboxController {
             if metadata.spec == before {
                 return Ok(Decision::Keep(metadata));
             }
-            if deleted {
+            if deleted && metadata.spec.desired_state != DesiredState::Deleted {
                 // Deletion is final: a checkpoint or attach written after
                 // it would bring the sandbox back from its checkpoint.
                 return Err(ControlError::Deleted(sandbox.clone()));
@@ -513,6 +513,12 @@ impl SandboxController {
         let deadline = tokio::time::Instant::now() + grace;
         for sandbox in self.held_sandboxes() {
             let desired = match self.read(&sandbox).await {
+                // Being deleted already: its pass finishes that (deletion
+                // is final, decision 28).
+                Ok(Some(metadata)) if metadata.is_deleted() => {
+                    self.enqueue(&sandbox);
+                    continue;
+                }
                 Ok(Some(metadata)) if metadata.spec.enable_checkpoint => DesiredState::Checkpointed,
                 _ => DesiredState::Deleted,
             };

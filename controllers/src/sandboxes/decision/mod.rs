@@ -75,8 +75,7 @@ pub(crate) enum Step {
     Adopt,
     /// The lock names this instance, which does not run the sandbox.
     ReleaseOrphan { epoch: u64 },
-    /// A tombstone (whatever its desired state): remove the objects once the
-    /// retention has passed.
+    /// A tombstone: remove the objects once the retention has passed.
     Purge,
     /// Desired `deleted`, held elsewhere by a live lock: its holder converges it.
     AwaitHolder,
@@ -106,8 +105,8 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
             Step::Nothing
         };
     };
-    // A tombstone is final, whatever its spec says now (an operator's edit,
-    // an intent that raced the delete): it is never started again.
+    // A tombstone is final, whatever its spec says now (an operator's
+    // edit): it is never started again (decision 28).
     let tombstone = metadata.status.phase == Phase::Deleted;
     if let Some(held) = seen.held {
         let still_ours = seen
@@ -118,7 +117,7 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
                 holder: seen.lock.and_then(|lock| lock.holder.clone()),
             };
         }
-        if tombstone {
+        if tombstone && !seen.running_here {
             // Tombstoned under this hold, its release still to land.
             return Step::Delete;
         }
@@ -162,7 +161,14 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
         };
     }
     if tombstone {
-        return Step::Purge;
+        // Its spec set back by hand: neither started nor purged here (an
+        // operator's edit of `status` must not cost a sandbox its data);
+        // `sandboxctl delete` or `gc` finish it.
+        return if metadata.spec.desired_state == DesiredState::Deleted {
+            Step::Purge
+        } else {
+            Step::Nothing
+        };
     }
     match metadata.spec.desired_state {
         DesiredState::Deleted if seen.lock.is_some() && !seen.lock_expired => Step::AwaitHolder,

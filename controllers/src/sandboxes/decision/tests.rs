@@ -242,10 +242,15 @@ fn a_tombstone_is_never_started_again_whatever_its_spec_says() {
         case.metadata.as_mut().unwrap().status.phase = Phase::Deleted;
         case
     };
+    assert_eq!(
+        tombstone(Case::new().desired(DesiredState::Deleted)).decide(),
+        Step::Purge
+    );
     for desired in [DesiredState::Running, DesiredState::Checkpointed] {
-        // An intent that raced the delete, or an operator's edit.
-        let case = tombstone(Case::new().desired(desired).wanted_by("a"));
-        assert_eq!(case.decide(), Step::Purge, "{desired:?}");
+        // Its spec set back by hand: not started, not purged either.
+        let mut case = tombstone(Case::new().desired(desired).wanted_by("a"));
+        case.waiting_here = true;
+        assert_eq!(case.decide(), Step::Nothing, "{desired:?}");
     }
     // A hold taken for it (an attach's own write) is released, not adopted.
     let mut case = tombstone(Case::new().held_by("a", 4).wanted_by("a"));
@@ -256,6 +261,9 @@ fn a_tombstone_is_never_started_again_whatever_its_spec_says() {
     let mut case = tombstone(Case::held_here());
     case.running_here = false;
     assert_eq!(case.decide(), Step::Delete);
+    // Running here under a live hold, the phase can only be an edit of
+    // `status`: it is recorded again, the sandbox keeps running.
+    assert_eq!(tombstone(Case::held_here()).decide(), Step::RecordRunning);
 }
 
 #[test]
