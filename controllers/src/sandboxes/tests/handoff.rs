@@ -59,15 +59,7 @@ async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_ag
         if edited {
             let mut metadata = world.metadata(&id).await;
             metadata.spec.labels.insert("team".into(), "blue".into());
-            world
-                .store
-                .put(
-                    &metadata_key(&id),
-                    crate::api::encode(&metadata),
-                    PutMode::Overwrite,
-                )
-                .await
-                .unwrap();
+            world.edit_metadata(&metadata).await;
         }
         b.controller
             .request_here(&id, None, world.clock.now())

@@ -137,15 +137,7 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
     // delete` (desired `deleted` again) lets the purge go on.
     let mut edited = world.metadata(&id).await;
     edited.spec.desired_state = DesiredState::Running;
-    world
-        .store
-        .put(
-            &metadata_key(&id),
-            crate::api::encode(&edited),
-            PutMode::Overwrite,
-        )
-        .await
-        .unwrap();
+    world.edit_metadata(&edited).await;
     let _ = b
         .controller
         .request_here(&id, None, world.clock.now())
