@@ -34,10 +34,14 @@ import asyncio, json, random, sys, time
 import websockets
 
 A, B, RUNS, QUIET, WAIT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+RETRIES = int(sys.argv[6])
 OPTIONS = {"idle_timeout": 900, "enable_checkpoint": True, "enable_sandbox_handoff": True}
 
 def note(op, sandbox, start, holder, to):
     print(json.dumps({"op": op, "sandbox": sandbox, "start": start, "end": time.time(), "holder": holder, "to": to}), flush=True)
+
+class Refused(Exception):
+    pass
 
 async def until(ws, status):
     seen = []
@@ -50,7 +54,7 @@ async def until(ws, status):
         if frame.get("status") == status:
             return frame
         if str(frame.get("status", "")).endswith("ERROR"):
-            raise SystemExit(f"the server refused: {frame}")
+            raise Refused(f"the server refused: {frame}")
 
 async def drain(ws):
     try:
@@ -74,9 +78,18 @@ async def create(url):
             raise SystemExit(f"the server refused: {frame}")
 
 async def attach(url, ident, token):
-    ws = await websockets.connect(f"{url}/attach/{ident}?sandbox_token={token}")
-    await until(ws, "SANDBOX_RUNNING")
-    return ws
+    # A refusal that says "attach again" is retried RETRIES times (0 by
+    # default: any refusal fails the benchmark), timed from the first connect.
+    for attempt in range(RETRIES + 1):
+        ws = await websockets.connect(f"{url}/attach/{ident}?sandbox_token={token}")
+        try:
+            await until(ws, "SANDBOX_RUNNING")
+            return ws
+        except Refused as refused:
+            if attempt == RETRIES or "attach again" not in str(refused):
+                raise SystemExit(str(refused))
+            print(json.dumps({"retry": str(refused)}), flush=True)
+            await drain(ws)
 
 async def run(ws, code):
     await ws.send(json.dumps({"language": "bash", "code": code}))
@@ -148,7 +161,10 @@ async def main():
     for task in background:
         task.cancel()
 
-asyncio.run(main())
+try:
+    asyncio.run(main())
+except Refused as refused:
+    raise SystemExit(str(refused))
 "#;
 
 /// The operations in the order they are printed.
@@ -190,6 +206,15 @@ pub async fn measure(
     runs: usize,
     quiet: usize,
 ) -> anyhow::Result<Vec<PathSeries>> {
+    // `SANDBOXD_BENCH_ATTACH_RETRIES=N`: an attach refused with "attach
+    // again" is retried N times, timed from its first connect (for an A/B
+    // against a build that refuses so; by default any refusal fails).
+    let attach_retries: usize = match std::env::var("SANDBOXD_BENCH_ATTACH_RETRIES") {
+        Ok(value) => value
+            .parse()
+            .context("SANDBOXD_BENCH_ATTACH_RETRIES is not a whole number")?,
+        Err(_) => 0,
+    };
     // The client prints wall-clock times; the records are `Instant`s.
     let (instant0, wall0) = (Instant::now(), SystemTime::now());
     let wall0 = wall0.duration_since(UNIX_EPOCH)?.as_secs_f64();
@@ -210,6 +235,7 @@ pub async fn measure(
             &runs.to_string(),
             &quiet.to_string(),
             "95",
+            &attach_retries.to_string(),
         ])
         .output()
         .await
@@ -224,8 +250,13 @@ pub async fn measure(
         "the Python paths client failed: {stderr}"
     );
     let mut measured = Vec::new();
+    let mut retried = 0;
     for line in String::from_utf8_lossy(&output.stdout).lines() {
         let value: Value = serde_json::from_str(line).context("the Python client's output")?;
+        if value.get("retry").is_some() {
+            retried += 1;
+            continue;
+        }
         let field = |key: &str| value[key].as_str().unwrap_or_default().to_owned();
         let holder = match field("holder").as_str() {
             "a" => names.0.to_owned(),
@@ -238,6 +269,9 @@ pub async fn measure(
             end: at(value["end"].as_f64().unwrap_or_default()),
             holder,
         });
+    }
+    if retried > 0 {
+        println!("attaches retried after a refusal that said \"attach again\": {retried}");
     }
     let records = model.records();
     let mut by_op: BTreeMap<String, PathSeries> = BTreeMap::new();
