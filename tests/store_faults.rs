@@ -337,3 +337,45 @@ async fn a_slow_write_is_sent_again_conditional_or_not_and_lands_once() {
     writes.retain(|request| request.starts_with("POST"));
     assert_eq!(writes, ["POST 200"], "landed once");
 }
+
+/// A small blob's upload whose answer is slow (GCS's tail on a checkpoint's
+/// image, on every handoff's path) is sent again and the first success
+/// serves; an upload answered in time goes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_small_upload_is_sent_again_and_the_first_success_serves() {
+    let (store, model, _proxy) = modelled(Profile::loopback(), RetrySettings::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("image");
+    let data: Vec<u8> = (0..2_600_000_usize).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&path, &data).unwrap();
+    let blob = key("sandbox_checkpoints/hedged/checkpoint.img");
+
+    model.slow_next_requests(1, Duration::from_secs(3));
+    let started = Instant::now();
+    let info = store
+        .upload_blob(&blob, controllers::store::BlobSource::File(path.clone()))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert_eq!(info.size, data.len() as u64);
+    assert!(
+        took < Duration::from_secs(2),
+        "waited for the slow upload: {took:?}"
+    );
+    let mut read = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut store.download_blob(&blob).await.unwrap(), &mut read)
+        .await
+        .unwrap();
+    assert!(read == data, "the content came back different");
+
+    // Answered in time: one request.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    model.clear_records();
+    let again = key("sandbox_checkpoints/prompt/checkpoint.img");
+    store
+        .upload_blob(&again, controllers::store::BlobSource::File(path))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(requests_for(&model, again.as_str()), ["POST 200"]);
+}

@@ -84,6 +84,8 @@ pub struct Reconnect {
     pub running: usize,
     /// From the first attach to the last `SANDBOX_RUNNING` (or failure).
     pub all_done: Duration,
+    /// The median attach, from its connect to its `SANDBOX_RUNNING`.
+    pub median: Duration,
     pub slowest: Duration,
     pub failures: Vec<String>,
     /// Store requests while the attaches ran, with the 429s among them.
@@ -122,11 +124,13 @@ pub async fn measure(
     let mut slowest = 0.0_f64;
     let mut failures = Vec::new();
     let mut running = 0;
+    let mut attaches = Vec::new();
     for result in &results {
         let start = result["start"].as_f64().unwrap_or_default();
         let end = result["end"].as_f64().unwrap_or_default();
         all_done = all_done.max(end - began);
         slowest = slowest.max(end - start);
+        attaches.push(end - start);
         if result["ok"].as_bool() == Some(true) {
             running += 1;
         } else {
@@ -144,10 +148,16 @@ pub async fn measure(
         .unwrap_or(started)
         .max(started);
     let requests = Tally::of(&model.records_between(from, Instant::now()));
+    attaches.sort_by(f64::total_cmp);
+    let median = attaches
+        .get(attaches.len() / 2)
+        .copied()
+        .unwrap_or_default();
     Ok(Reconnect {
         sandboxes,
         running,
         all_done: Duration::from_secs_f64(all_done.max(0.0)),
+        median: Duration::from_secs_f64(median.max(0.0)),
         slowest: Duration::from_secs_f64(slowest.max(0.0)),
         failures,
         requests,
@@ -157,11 +167,12 @@ pub async fn measure(
 pub fn render(profile: &str, r: &Reconnect) -> String {
     format!(
         "mass reconnect under {profile}: {} sandboxes held by A, clients reconnect through B and C within 1 s: \
-         {} SANDBOX_RUNNING, all done {:.2} s after the first attach, slowest attach {:.2} s; \
+         {} SANDBOX_RUNNING, all done {:.2} s after the first attach, median attach {:.2} s, slowest {:.2} s; \
          store requests meanwhile {} ({} answered 429); failures: {}\n",
         r.sandboxes,
         r.running,
         r.all_done.as_secs_f64(),
+        r.median.as_secs_f64(),
         r.slowest.as_secs_f64(),
         r.requests.total,
         r.requests.throttled,
@@ -179,6 +190,7 @@ pub fn to_json(profile: &str, r: &Reconnect) -> Value {
         "sandboxes": r.sandboxes,
         "running": r.running,
         "all_running_s": r.all_done.as_secs_f64(),
+        "median_attach_s": r.median.as_secs_f64(),
         "slowest_attach_s": r.slowest.as_secs_f64(),
         "requests": r.requests.total,
         "throttled_429": r.requests.throttled,

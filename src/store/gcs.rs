@@ -78,6 +78,14 @@ const HEDGE_READ_AFTER: Duration = Duration::from_millis(250);
 /// a start on an instance that held nothing on its lease's renewal.
 const HEDGE_WRITE_AFTER: Duration = Duration::from_millis(400);
 
+/// A one-request upload unanswered after [`HEDGE_WRITE_AFTER`] plus its
+/// bytes at this rate is sent a second time: a checkpoint's image (about
+/// 2.5 MB for a small sandbox) is on every checkpoint's and handoff's
+/// critical path, and one request in a thousand takes a second or two.
+/// Conservative against GCS's in-region throughput, so a twin goes only in
+/// the tail.
+const HEDGE_UPLOAD_BYTES_PER_S: u64 = 25 << 20;
+
 /// A download whose stream brings nothing for this long fails.
 const DOWNLOAD_STALL: Duration = Duration::from_secs(30);
 
@@ -310,6 +318,30 @@ impl GcsStore {
         self.json.upload_media(&self.bucket, key, data).await
     }
 
+    /// [`Self::upload_bytes_once`], sent again if the first has no answer
+    /// after [`HEDGE_WRITE_AFTER`] plus its bytes at
+    /// [`HEDGE_UPLOAD_BYTES_PER_S`]; the first success wins, an error waits
+    /// for the other attempt. Both carry the same bytes (shared, not
+    /// copied) to a key written once (a checkpoint's image, an archive
+    /// under its digest), unconditionally: if both land, the second
+    /// leaves the object as the first did. Only the size and digest of an
+    /// image are recorded, never its generation.
+    async fn upload_bytes_hedged(
+        &self,
+        key: &ObjectKey,
+        data: &Bytes,
+        size: u64,
+    ) -> Result<ObjectInfo, StoreError> {
+        let after = HEDGE_WRITE_AFTER
+            + Duration::from_secs_f64(size as f64 / HEDGE_UPLOAD_BYTES_PER_S as f64);
+        hedged(
+            after,
+            || self.upload_bytes_once(key, data.clone()),
+            Result::is_ok,
+        )
+        .await
+    }
+
     /// Uploads a file, retrying whole uploads on transient failures: a
     /// small one from memory in one request each time (while the memory
     /// budget allows), else streamed from the file, resumable.
@@ -329,7 +361,7 @@ impl GcsStore {
             })?);
             return self
                 .retrying_blob("upload", key.as_str(), size, || {
-                    self.upload_bytes_once(key, data.clone())
+                    self.upload_bytes_hedged(key, &data, size)
                 })
                 .await;
         }

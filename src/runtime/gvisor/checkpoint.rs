@@ -89,6 +89,12 @@ impl GvisorRuntime {
             .unwrap_or(&local.dir)
             .join(format!("checkpoint-{}-{}", sandbox, request.checkpoint_id));
         let image = image_dir.join("checkpoint.img");
+        // In turns with the other checkpoints here (`checkpoint_permits`).
+        let permit = self
+            .checkpoint_permits
+            .acquire()
+            .await
+            .map_err(|err| RuntimeError::Failed(format!("checkpoint turn: {err}")))?;
         let follower = ImageFollower::start(image.clone(), staging.is_some());
         // The sentry compresses the memory on every core it may use; no user
         // code runs meanwhile (see `cpu_quota`).
@@ -98,6 +104,7 @@ impl GvisorRuntime {
             .runsc
             .checkpoint(&local.container_id, &image_dir)
             .await;
+        drop(permit);
         if let Err(err) = checkpointed {
             follower.abandon().await;
             let _ = tokio::fs::remove_dir_all(&image_dir).await;

@@ -143,6 +143,24 @@ pub struct GvisorRuntime {
     prefetches: prefetch::Prefetches,
     /// Handoffs' restores run before their transfers (`staged`).
     staged: staged::StagedRestores,
+    /// `runsc checkpoint`s that may run at once ([`checkpoint_permits`]).
+    checkpoint_permits: Arc<tokio::sync::Semaphore>,
+}
+
+/// How many `runsc checkpoint`s run at once: two per core this process may
+/// use. Each sentry compresses its memory on every core it may use (its
+/// quota lifted for the call), so many at once share the cores and all
+/// finish late together: a mass reconnect's thirty handoffs from one holder
+/// had every client wait for the last image. In turns the first images
+/// land early and their takers restore while the rest are taken (measured
+/// on 2 cores, `docs/benchmarks.md`: the median attach 8.1 s unbounded,
+/// 5.9–6.4 s at four, the last one the same; at two the last came a second
+/// later: a checkpoint also waits on runsc's own steps, not only on CPU).
+fn checkpoint_permits() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, std::num::NonZeroUsize::get)
+        .saturating_mul(2)
+        .max(2)
 }
 
 impl GvisorRuntime {
@@ -244,6 +262,7 @@ impl GvisorRuntime {
             ready,
             prefetches: prefetch::Prefetches::default(),
             staged: staged::StagedRestores::default(),
+            checkpoint_permits: Arc::new(tokio::sync::Semaphore::new(checkpoint_permits())),
         })
     }
 
