@@ -25,6 +25,11 @@ use crate::api::{CheckpointManifest, SandboxId, SnapshotManifest};
 use crate::files::{FsError, FsReply, FsRequest};
 use crate::store::{ObjectKey, StoreError};
 
+/// Completes once a handoff's image watched for by
+/// [`SandboxRuntime::prefetch_checkpoint`] is in the store, or the watch
+/// ended without it.
+pub type ImageLanded = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'static>>;
+
 /// What to run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Command {
@@ -237,9 +242,16 @@ pub trait SandboxRuntime: Send + Sync + fmt::Debug {
     /// checkpoint image will be `image` (decision 24): the runtime may watch
     /// for it and download it as soon as it exists, for the next
     /// [`Self::restore`] of `sandbox` to use once its digest matches the
-    /// manifest. A hint: called again for the same image it does nothing,
-    /// and a restore without it downloads as before.
-    fn prefetch_checkpoint(&self, _sandbox: &SandboxId, _image: &ObjectKey) {}
+    /// manifest. A hint: called again for the same image it does nothing
+    /// more, and a restore without it downloads as before. Returns
+    /// `Some(landed)` while the image is watched for and not in the store
+    /// yet, `landed` completing once it is (or the watch ends): the holder
+    /// is still checkpointing, and its transfer comes after the image, so
+    /// the waiting taker may look at the lock less often until then
+    /// (decision 29). `None`: not watched here (nothing is known).
+    fn prefetch_checkpoint(&self, _sandbox: &SandboxId, _image: &ObjectKey) -> Option<ImageLanded> {
+        None
+    }
     /// The execution a restore brought back (one checkpointed with
     /// `keep_executions` while it ran or before its output was delivered),
     /// once: whoever takes it streams the rest of its output.

@@ -81,6 +81,14 @@ impl WorkQueue {
         });
     }
 
+    /// Takes every id queued now (a test's look at what was woken).
+    #[cfg(test)]
+    pub(crate) fn drain(&self) -> Vec<SandboxId> {
+        let mut state = self.state();
+        state.queued.clear();
+        state.queue.drain(..).collect()
+    }
+
     /// Waits for the next id and marks it active.
     pub async fn next(&self) -> SandboxId {
         loop {

@@ -19,7 +19,7 @@ use crate::api::{
 use crate::layout::{checkpoint_image_key, checkpoint_manifest_key};
 use crate::runtime::{
     CheckpointRequest, Command, CreateOptions, ExecControl, ExecEvent, ExecRequest, Execution,
-    RuntimeError, SandboxRuntime,
+    ImageLanded, RuntimeError, SandboxRuntime,
 };
 use crate::store::{ObjectKey, PutMode, Store};
 
@@ -36,6 +36,9 @@ struct State {
     restores: u64,
     /// Images [`SandboxRuntime::prefetch_checkpoint`] was asked for, in order.
     prefetches: Vec<ObjectKey>,
+    /// Set by [`FakeRuntime::watch_images`]: whether handoff images have
+    /// landed (until then `prefetch_checkpoint` says they are awaited).
+    image_landing: Option<tokio::sync::watch::Sender<bool>>,
 }
 
 /// The fake runtime of one simulated host.
@@ -74,6 +77,19 @@ impl FakeRuntime {
     /// The images a taker asked to fetch ahead (decision 24), each once.
     pub fn prefetched(&self) -> Vec<ObjectKey> {
         self.state().prefetches.clone()
+    }
+
+    /// From now on `prefetch_checkpoint` watches like the real runtime's:
+    /// every image is awaited until [`Self::land_images`].
+    pub fn watch_images(&self) {
+        self.state().image_landing = Some(tokio::sync::watch::Sender::new(false));
+    }
+
+    /// Every watched image is in the store now: the waits complete.
+    pub fn land_images(&self) {
+        if let Some(landing) = &self.state().image_landing {
+            landing.send_replace(true);
+        }
     }
 
     /// Simulates the sandbox dying under the runtime.
@@ -273,11 +289,19 @@ impl SandboxRuntime for FakeRuntime {
         self.state().sandboxes.contains_key(sandbox)
     }
 
-    fn prefetch_checkpoint(&self, _sandbox: &SandboxId, image: &ObjectKey) {
+    fn prefetch_checkpoint(&self, _sandbox: &SandboxId, image: &ObjectKey) -> Option<ImageLanded> {
         let mut state = self.state();
         if !state.prefetches.contains(image) {
             state.prefetches.push(image.clone());
         }
+        let landing = state
+            .image_landing
+            .as_ref()
+            .filter(|landing| !*landing.borrow())?;
+        let mut landed = landing.subscribe();
+        Some(Box::pin(async move {
+            let _ = landed.wait_for(|landed| *landed).await;
+        }))
     }
 }
 

@@ -38,23 +38,31 @@ impl SandboxRuntime for GvisorRuntime {
         GvisorRuntime::forget_prepared(self, sandbox);
     }
 
-    fn prefetch_checkpoint(&self, sandbox: &SandboxId, image: &controllers::store::ObjectKey) {
+    fn prefetch_checkpoint(
+        &self,
+        sandbox: &SandboxId,
+        image: &controllers::store::ObjectKey,
+    ) -> Option<controllers::runtime::ImageLanded> {
         // A directory store's image is used in place: nothing to fetch.
         if self.checkpoints.local_path(image).is_some() {
-            return;
+            return None;
         }
-        // A staged restore of it took the download already: a waiting
-        // taker's next pass must not fetch it again.
-        if self.staged.covers(sandbox, image) {
-            return;
+        // A staged restore of it has (or will take) the download already: a
+        // waiting taker's next pass must not fetch it again.
+        if !self.staged.covers(sandbox, image) {
+            let dest = self
+                .config
+                .state_dir
+                .join(self.owner.temporary(prefetch::TEMPORARY_KIND, "img"));
+            self.prefetches
+                .start(self.checkpoints.clone(), sandbox, image, dest);
+            self.staged.start(sandbox, image);
         }
-        let dest = self
-            .config
-            .state_dir
-            .join(self.owner.temporary(prefetch::TEMPORARY_KIND, "img"));
-        self.prefetches
-            .start(self.checkpoints.clone(), sandbox, image, dest);
-        self.staged.start(sandbox, image);
+        // Still watched for, not found: the holder is still checkpointing.
+        let landed = self.prefetches.awaited(image)?;
+        Some(Box::pin(async move {
+            landed.await;
+        }))
     }
 
     #[tracing::instrument(skip(self, options), fields(sandbox = %sandbox))]

@@ -172,6 +172,16 @@ impl Prefetches {
         Some((state, abandoned))
     }
 
+    /// While `image` is watched for and not found yet: a future that
+    /// completes once it is found or the watch ends.
+    pub(super) fn awaited(&self, image: &ObjectKey) -> Option<impl Future<Output = bool> + use<>> {
+        let watching = self
+            .entries()
+            .get(image)
+            .is_some_and(|prefetch| matches!(&*prefetch.state.borrow(), State::Watching));
+        watching.then(|| self.found(image))
+    }
+
     /// Completes when `image`'s watch has found it (true: it is being or
     /// was downloaded) or ended without it (false; false at once when it is
     /// not watched).

@@ -89,9 +89,11 @@ impl SandboxController {
     pub fn new(reconciler: Reconciler, bus: ProgressBus) -> Arc<Self> {
         let reconciler = Arc::new(reconciler);
         Reconciler::share(&reconciler);
+        let queue = WorkQueue::default();
+        reconciler.wake_with(queue.clone());
         Arc::new_cyclic(|me| Self {
             reconciler,
-            queue: WorkQueue::default(),
+            queue,
             bus,
             reconcile_errors: std::sync::atomic::AtomicU64::new(0),
             doorbell: std::sync::Mutex::new(DoorbellState::default()),
@@ -178,6 +180,12 @@ impl SandboxController {
     /// it soon. Costs nothing in storage unless a step is due.
     pub fn poke(&self, sandbox: &SandboxId) {
         self.queue.add(sandbox);
+    }
+
+    /// Takes every sandbox queued now (tests run no workers).
+    #[cfg(test)]
+    pub(crate) fn drain_queue(&self) -> Vec<SandboxId> {
+        self.queue.drain()
     }
 
     /// Failed reconcile passes so far (each is logged with its reason).

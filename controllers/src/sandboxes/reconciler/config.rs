@@ -43,6 +43,11 @@ pub struct ReconcilerConfig {
     pub detached_window: Duration,
     /// How often an instance waiting for another's lease looks again.
     pub acquire_poll: Duration,
+    /// How often it looks while the handoff's image it watches for is not
+    /// in the store yet: the holder is still checkpointing, and its
+    /// transfer comes after the image; the image's landing wakes the
+    /// waiter at once (decision 29).
+    pub await_image_poll: Duration,
     /// How soon a checkpoint refused for a running execution is tried again.
     pub checkpoint_retry: Duration,
     pub handoff: HandoffPolicy,
@@ -72,6 +77,7 @@ impl Default for ReconcilerConfig {
             detached_poll: Duration::from_millis(125),
             detached_window: Duration::from_secs(60),
             acquire_poll: Duration::from_millis(25),
+            await_image_poll: Duration::from_millis(150),
             checkpoint_retry: Duration::from_secs(2),
             handoff: HandoffPolicy::Force,
             keep_checkpoints: 2,

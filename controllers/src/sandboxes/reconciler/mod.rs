@@ -189,6 +189,11 @@ pub struct Reconciler {
     shared: std::sync::OnceLock<std::sync::Weak<Reconciler>>,
     /// Those tasks still at work, so a drain (and a test) can wait for them.
     background: BackgroundSteps,
+    /// The controller's queue, to wake a waiting taker when its handoff's
+    /// image lands (`await_handover`); unset without a controller.
+    wake: std::sync::OnceLock<super::workqueue::WorkQueue>,
+    /// Takers with a wake pending for their image's landing (one each).
+    image_waits: Arc<Mutex<HashSet<SandboxId>>>,
     metrics: Arc<super::metrics::Metrics>,
     /// Shutting down: checkpoints kill running executions instead of waiting.
     draining: std::sync::atomic::AtomicBool,
@@ -232,6 +237,8 @@ impl Reconciler {
             intents_in_flight: Mutex::default(),
             shared: std::sync::OnceLock::new(),
             background: BackgroundSteps::default(),
+            wake: std::sync::OnceLock::new(),
+            image_waits: Arc::default(),
             acquiring: Mutex::new(HashSet::new()),
             starting: Mutex::new(HashSet::new()),
             recording: Arc::default(),
@@ -333,6 +340,12 @@ impl Reconciler {
     /// Lets steps outlive a pass in tasks of their own on `this`.
     pub fn share(this: &Arc<Self>) {
         let _ = this.shared.set(Arc::downgrade(this));
+    }
+
+    /// Queues a pass of a sandbox on `queue` when something it waits for
+    /// happens outside a pass (a handoff's image landing).
+    pub(super) fn wake_with(&self, queue: super::workqueue::WorkQueue) {
+        let _ = self.wake.set(queue);
     }
 
     /// This reconciler as shared, if it is.

@@ -272,10 +272,9 @@ impl Reconciler {
                     .ok_or(needs("metadata and a lock to adopt"))?;
                 self.adopt_and_start(sandbox, read.0, lock).await
             }
-            Step::AwaitHandover { holder } => {
-                self.await_handover(sandbox, &holder, lease.as_ref()).await;
-                Ok(Requeue::After(self.config.acquire_poll))
-            }
+            Step::AwaitHandover { holder } => Ok(Requeue::After(
+                self.await_handover(sandbox, &holder, lease.as_ref()).await,
+            )),
             Step::ReleaseOrphan { epoch } => self.release_orphan(sandbox, epoch).await,
             Step::Purge => {
                 let metadata = metadata.ok_or(needs("metadata to purge"))?;

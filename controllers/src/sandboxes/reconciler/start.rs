@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use super::checkpoint::{record_carried, unreferenced};
 use super::*;
+use crate::runtime::ImageLanded;
 
 /// How often an instance waiting for a sandbox rings its holder again.
 const RERING_INTERVAL: Duration = Duration::from_secs(5);
@@ -80,13 +81,15 @@ impl Reconciler {
     /// sandbox over in one write naming this instance (the next pass adopts
     /// it). Says so to the waiting client once, and rings the holder again
     /// every [`RERING_INTERVAL`] in case a ring was lost (the first came
-    /// with the attach intent).
+    /// with the attach intent). Returns when to look again: soon, or less
+    /// often while the image the holder will hand over with is not in the
+    /// store yet (its landing wakes this taker, decision 29).
     pub(super) async fn await_handover(
         &self,
         sandbox: &SandboxId,
         holder: &crate::api::InstanceId,
         lease: Option<&Lease>,
-    ) {
+    ) -> Duration {
         if self.note_acquiring(sandbox) {
             self.emit(sandbox, SandboxEvent::LeaseAcquiring);
         }
@@ -101,18 +104,50 @@ impl Reconciler {
                 false
             }
         };
+        let mut next = self.config.acquire_poll;
         if let Some(lease) = lease
             && lease.wanted_by_me(self.leases.instance(), now)
         {
             // The image the holder will hand over with (decision 24).
             let id = handoff_checkpoint_id(sandbox, lease.epoch, self.leases.instance());
-            self.runtime
-                .prefetch_checkpoint(sandbox, &checkpoint_image_key(&id));
+            if let Some(landed) = self
+                .runtime
+                .prefetch_checkpoint(sandbox, &checkpoint_image_key(&id))
+            {
+                self.wake_when_landed(sandbox, landed);
+                next = self.config.await_image_poll;
+            }
         }
         if due && let Some(lease) = lease {
             tracing::debug!(%sandbox, %holder, "ringing the holder again");
             self.leases.ring_holder(sandbox, lease).await;
         }
+        next
+    }
+
+    /// Queues a pass of `sandbox` once `landed` completes (one wait per
+    /// sandbox at a time; the runtime's watch ends within its own limit).
+    fn wake_when_landed(&self, sandbox: &SandboxId, landed: ImageLanded) {
+        let Some(queue) = self.wake.get().cloned() else {
+            return;
+        };
+        if !self
+            .image_waits
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sandbox.clone())
+        {
+            return;
+        }
+        let (waits, sandbox) = (Arc::clone(&self.image_waits), sandbox.clone());
+        tokio::spawn(async move {
+            landed.await;
+            waits
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&sandbox);
+            queue.add(&sandbox);
+        });
     }
 
     /// Remembers that this instance waits to acquire `sandbox`; true the
@@ -155,8 +190,8 @@ impl Reconciler {
                 // over (or its lease expires). Look again soon.
                 drop(starting);
                 let lease = lock.map(|(lease, _)| lease);
-                self.await_handover(sandbox, &holder, lease.as_ref()).await;
-                return Ok(Requeue::After(self.config.acquire_poll));
+                let next = self.await_handover(sandbox, &holder, lease.as_ref()).await;
+                return Ok(Requeue::After(next));
             }
             Err(LeaseError::WantedByOther { instance, .. }) => {
                 self.done_acquiring(sandbox);

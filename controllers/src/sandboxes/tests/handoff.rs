@@ -82,6 +82,49 @@ async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_ag
     }
 }
 
+/// While the image the holder will hand over with is not in the store, the
+/// taker looks at the lock less often (the transfer comes after the image),
+/// and the image's landing wakes it at once (decision 29).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let config = ReconcilerConfig::default();
+    let id = a.create(&world).await;
+    a.run(&id, "state").await;
+    a.controller.client_attached(&id, false);
+    b.runtime.watch_images();
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    b.controller.drain_queue();
+    assert_eq!(
+        b.reconcile(&id).await.unwrap(),
+        Requeue::After(config.await_image_poll),
+        "the image is not in the store: look less often"
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert!(b.controller.drain_queue().is_empty(), "nothing woke it yet");
+    b.runtime.land_images();
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert_eq!(
+        b.controller.drain_queue(),
+        std::slice::from_ref(&id),
+        "the landing woke it"
+    );
+    assert_eq!(
+        b.reconcile(&id).await.unwrap(),
+        Requeue::After(config.acquire_poll),
+        "the image landed: the transfer is next, look soon"
+    );
+    a.controller.answer_doorbell().await.unwrap();
+    a.reconcile(&id).await.unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
+}
+
 #[tokio::test]
 async fn the_taker_asks_for_the_image_the_holder_hands_over_with_before_the_transfer() {
     let world = World::new();
