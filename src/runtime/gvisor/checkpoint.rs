@@ -41,6 +41,14 @@ impl GvisorRuntime {
                 .await
                 .map_err(|err| RuntimeError::Failed(format!("cannot checkpoint now: {err}")))?;
         }
+        // In turns with the other checkpoints here (`checkpoint_permits`),
+        // taken before anything is prepared: a sandbox waiting its turn keeps
+        // running, its output still delivered.
+        let permit = self
+            .checkpoint_permits
+            .acquire()
+            .await
+            .map_err(|err| RuntimeError::Failed(format!("checkpoint turn: {err}")))?;
         // Keeping executions: nothing more is delivered here; the agent drops
         // what was, pauses the rest and keeps it in the image.
         let keep = request.keep_executions;
@@ -89,12 +97,6 @@ impl GvisorRuntime {
             .unwrap_or(&local.dir)
             .join(format!("checkpoint-{}-{}", sandbox, request.checkpoint_id));
         let image = image_dir.join("checkpoint.img");
-        // In turns with the other checkpoints here (`checkpoint_permits`).
-        let permit = self
-            .checkpoint_permits
-            .acquire()
-            .await
-            .map_err(|err| RuntimeError::Failed(format!("checkpoint turn: {err}")))?;
         let follower = ImageFollower::start(image.clone(), staging.is_some());
         // The sentry compresses the memory on every core it may use; no user
         // code runs meanwhile (see `cpu_quota`).

@@ -144,7 +144,7 @@ pub struct GvisorRuntime {
     /// Handoffs' restores run before their transfers (`staged`).
     staged: staged::StagedRestores,
     /// `runsc checkpoint`s that may run at once ([`checkpoint_permits`]).
-    checkpoint_permits: Arc<tokio::sync::Semaphore>,
+    checkpoint_permits: tokio::sync::Semaphore,
 }
 
 /// How many `runsc checkpoint`s run at once: two per core this process may
@@ -262,7 +262,7 @@ impl GvisorRuntime {
             ready,
             prefetches: prefetch::Prefetches::default(),
             staged: staged::StagedRestores::default(),
-            checkpoint_permits: Arc::new(tokio::sync::Semaphore::new(checkpoint_permits())),
+            checkpoint_permits: tokio::sync::Semaphore::new(checkpoint_permits()),
         })
     }
 
