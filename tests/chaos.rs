@@ -1101,7 +1101,7 @@ async fn faults(
                 );
             }
             Fault::Emulator => {
-                tokio::task::block_in_place(|| emulator.kill());
+                emulator.kill().await;
                 tokio::time::sleep(Duration::from_secs(2)).await;
                 tokio::task::block_in_place(|| emulator.restart());
                 lock(&cluster.stats).emulator_restarts += 1;
@@ -1225,7 +1225,7 @@ async fn chaos() {
         seed,
         keep: false,
     };
-    let emulator = DiskEmulator::start(&dir.path().join("gcs"));
+    let emulator = DiskEmulator::start(&dir.path().join("gcs")).await;
     emulator.create_bucket(BUCKET).await;
     let model = StorageModel::new(
         std::net::SocketAddr::from((emulator.host, 80)),

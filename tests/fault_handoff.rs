@@ -95,7 +95,7 @@ async fn holder_dies_after_recording_before_releasing() {
 #[tokio::test]
 async fn the_storage_emulator_restarting_mid_run_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let mut emulator = support::disk_emulator::DiskEmulator::start(&dir.path().join("gcs"));
+    let mut emulator = support::disk_emulator::DiskEmulator::start(&dir.path().join("gcs")).await;
     let endpoint = format!("http://{}", emulator.host);
     let created = reqwest::Client::new()
         .post(format!("{endpoint}/storage/v1/b?project=test"))
@@ -121,7 +121,7 @@ async fn the_storage_emulator_restarting_mid_run_loses_nothing() {
     // the lease): renewals fail, are retried, and succeed once storage is back.
     let (mut ws, id, token) = server.create(init()).await;
     ws.exec("bash", "echo kept > /tmp/k").await;
-    emulator.kill();
+    emulator.kill().await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     emulator.restart();
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -132,7 +132,7 @@ async fn the_storage_emulator_restarting_mid_run_loses_nothing() {
     // during the outage gets a clear error, not a hang or a crash.
     ws.send(json!({"action": "checkpoint"})).await;
     assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
-    emulator.kill();
+    emulator.kill().await;
     let mut during = server.attach(&id, &token).await;
     let frames = during.until_close().await;
     assert!(
@@ -141,9 +141,11 @@ async fn the_storage_emulator_restarting_mid_run_loses_nothing() {
     );
     emulator.restart();
     let mut after = server.attach(&id, &token).await;
+    let frames = after.until_status("SANDBOX_RUNNING").await;
     assert_eq!(
-        after.until_status("SANDBOX_RUNNING").await.last().unwrap(),
-        "SANDBOX_RUNNING"
+        frames.last().map(String::as_str),
+        Some("SANDBOX_RUNNING"),
+        "{frames:?}"
     );
     let frames = after.exec("bash", "cat /tmp/k").await;
     assert_eq!(frames[1], "stdout:kept\n");
