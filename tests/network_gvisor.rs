@@ -876,10 +876,12 @@ async fn a_handoff_between_server_processes_brings_the_network_back() {
 
     let mut ws = b.attach(&id, &token).await;
     let frames = ws.until_status("SANDBOX_RUNNING").await;
+    // A miss here has come only on a loaded CI machine: say what A did.
     assert_eq!(
         frames.last().map(String::as_str),
         Some("SANDBOX_RUNNING"),
-        "{frames:?}"
+        "{frames:?}\nnet-a's log ends:\n{}",
+        log_tail(&dir.path().join("net-a/sandboxd.log"), 40)
     );
     assert_eq!(
         ws_stdout(&mut ws, &probe_world).await,
@@ -897,6 +899,28 @@ async fn a_handoff_between_server_processes_brings_the_network_back() {
         before,
         "(namespaces, veths, iptables lines)"
     );
+}
+
+/// The last `lines` lines of a server's log, without colours.
+fn log_tail(path: &Path, lines: usize) -> String {
+    let log = std::fs::read_to_string(path).unwrap_or_else(|err| format!("(unreadable: {err})"));
+    let all: Vec<&str> = log.lines().collect();
+    all[all.len().saturating_sub(lines)..]
+        .iter()
+        .map(|line| {
+            let mut plain = String::with_capacity(line.len());
+            let mut chars = line.chars();
+            while let Some(c) = chars.next() {
+                if c == '\u{1b}' {
+                    chars.by_ref().find(|c| *c == 'm');
+                } else {
+                    plain.push(c);
+                }
+            }
+            plain
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[tokio::test]

@@ -27,8 +27,8 @@ pub fn start_failure(id: &SandboxId, kind: StartKind, cause: &StartFailure) -> S
     };
     match cause {
         StartFailure::NoNamedCheckpoint(name) => in_step(&format!("no checkpoint named {name:?}")),
-        StartFailure::NoCheckpoint => {
-            in_step("it has no checkpoint to restore (its instance stopped while it ran)")
+        StartFailure::NoCheckpoint | StartFailure::FailedWithoutCheckpoint(_) => {
+            in_step(&cause.to_string())
         }
         StartFailure::Step(detail) => in_step(detail),
         StartFailure::ColdStartHook(detail) => {
@@ -125,6 +125,7 @@ impl NotStarted {
                 kind: StartKind::Restore,
                 cause: StartFailure::NoNamedCheckpoint(_)
                     | StartFailure::NoCheckpoint
+                    | StartFailure::FailedWithoutCheckpoint(_)
                     | StartFailure::Step(_)
                     | StartFailure::ColdStartHook(_),
             }

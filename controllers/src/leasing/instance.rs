@@ -52,6 +52,9 @@ struct Outbox {
     pending: Vec<(SandboxId, Option<RungIntent>)>,
     /// A ringer is writing (or waiting for the spacing): it takes `pending`.
     writing: bool,
+    /// Batches taken for writing so far: a sandbox added to `pending` now
+    /// goes into batch `taken + 1`, even while batch `taken` is in flight.
+    taken: u64,
     /// Batches written so far; a ringer whose sandbox went into batch `n`
     /// is done when this reaches `n`.
     written: u64,
@@ -297,7 +300,9 @@ impl InstanceLeases {
             }
             let writer = !outbox.writing;
             outbox.writing = true;
-            (outbox.written + 1, writer)
+            // Not `written + 1`: with a batch in flight that would return
+            // when the batch without this ring lands.
+            (outbox.taken + 1, writer)
         };
         if writer {
             // Its own task: a ringer that is cancelled must not leave the
@@ -355,6 +360,7 @@ impl InstanceLeases {
                         .read_first_until
                         .is_some_and(|until| tokio::time::Instant::now() < until);
                 let known = outbox.doorbell.take().filter(|_| !read_first);
+                outbox.taken += 1;
                 (std::mem::take(&mut outbox.pending), known)
             };
             let started_from_known = known.is_some();

@@ -49,6 +49,10 @@ pub enum StartFailure {
     /// Not new, yet no checkpoint recorded: its instance stopped while it ran.
     #[error("it has no checkpoint to restore (its instance stopped while it ran)")]
     NoCheckpoint,
+    /// No checkpoint recorded, and its holder recorded it failed (a
+    /// checkpoint that lost it, say): that failure, from `last_error`.
+    #[error("it failed on its last instance and has no checkpoint to restore: {0}")]
+    FailedWithoutCheckpoint(String),
     /// A step of the start failed (recording it, reading the manifest, the
     /// runtime): that step's error.
     #[error("{0}")]

@@ -36,6 +36,9 @@ struct State {
     restores: u64,
     /// Images [`SandboxRuntime::prefetch_checkpoint`] was asked for, in order.
     prefetches: Vec<ObjectKey>,
+    /// Sandboxes whose next checkpoint fails and loses them
+    /// ([`FakeRuntime::lose_on_checkpoint`]).
+    lose_on_checkpoint: Vec<SandboxId>,
     /// Set by [`FakeRuntime::watch_images`]: whether handoff images have
     /// landed (until then `prefetch_checkpoint` says they are awaited).
     image_landing: Option<tokio::sync::watch::Sender<bool>>,
@@ -90,6 +93,12 @@ impl FakeRuntime {
         if let Some(landing) = &self.state().image_landing {
             landing.send_replace(true);
         }
+    }
+
+    /// The sandbox's next checkpoint fails and takes it down, as runsc's
+    /// does when the sentry cannot save it.
+    pub fn lose_on_checkpoint(&self, sandbox: &SandboxId) {
+        self.state().lose_on_checkpoint.push(sandbox.clone());
     }
 
     /// Simulates the sandbox dying under the runtime.
@@ -187,7 +196,15 @@ impl SandboxRuntime for FakeRuntime {
         request: CheckpointRequest,
     ) -> Result<CheckpointManifest, RuntimeError> {
         let memory = {
-            let state = self.state();
+            let mut state = self.state();
+            if let Some(at) = state.lose_on_checkpoint.iter().position(|s| s == sandbox) {
+                state.lose_on_checkpoint.remove(at);
+                state.sandboxes.remove(sandbox);
+                return Err(RuntimeError::Lost {
+                    sandbox: sandbox.clone(),
+                    detail: "checkpoint failed and stopped the sandbox".to_owned(),
+                });
+            }
             let fake = state
                 .sandboxes
                 .get(sandbox)

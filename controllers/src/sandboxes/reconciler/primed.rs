@@ -212,6 +212,17 @@ impl Reconciler {
         ticket
     }
 
+    /// Whether a spec write of `sandbox` has not ended yet (tests: the
+    /// task that ends it queues a pass).
+    #[cfg(test)]
+    pub(crate) fn spec_write_pending(&self, sandbox: &SandboxId) -> bool {
+        self.pending_specs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .by_sandbox
+            .contains_key(sandbox)
+    }
+
     /// The write of ticket `ticket` ended: passes read the spec as stored.
     pub(crate) fn spec_written(&self, sandbox: &SandboxId, ticket: u64) {
         let mut pending = self

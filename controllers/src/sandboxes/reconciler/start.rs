@@ -502,6 +502,17 @@ impl Reconciler {
         let kind = match (&source, metadata.status.phase) {
             (Some(_), _) => StartKind::Restore,
             (None, Phase::Pending | Phase::Creating) => StartKind::Create,
+            (None, Phase::Failed) => {
+                let cause = metadata
+                    .status
+                    .last_error
+                    .clone()
+                    .unwrap_or_else(|| "no cause was recorded".to_owned());
+                return Err((
+                    StartKind::Restore,
+                    StartFailure::FailedWithoutCheckpoint(cause),
+                ));
+            }
             (None, _) => return Err((StartKind::Restore, StartFailure::NoCheckpoint)),
         };
         let fail = |err: String| (kind, StartFailure::Step(err));

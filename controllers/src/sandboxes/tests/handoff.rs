@@ -41,6 +41,45 @@ async fn another_instance_asking_gets_the_sandbox_handed_over() {
     assert_eq!(world.metadata(&id).await.status.epoch, 2);
 }
 
+/// A handoff whose checkpoint loses the sandbox (runsc failing inside the
+/// sentry stops the container): the holder records the failure and lets go,
+/// and the taker says why there is nothing to restore instead of blaming a
+/// stopped instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.run(&id, "state").await;
+    a.controller.client_attached(&id, false);
+    a.runtime.lose_on_checkpoint(&id);
+    b.controller
+        .request_here(&id, None, world.clock.now())
+        .await
+        .unwrap();
+    a.controller.answer_doorbell().await.unwrap();
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(world.lease(&id).await.holder, None, "let go");
+    let mut events = b.controller.subscribe(&id);
+    b.reconcile(&id).await.unwrap();
+    let failed = drain(&mut events)
+        .into_iter()
+        .find_map(|event| match event {
+            SandboxEvent::StartFailed {
+                kind: StartKind::Restore,
+                cause: StartFailure::FailedWithoutCheckpoint(cause),
+            } => Some(cause),
+            _ => None,
+        });
+    let cause = failed.expect("the taker names the holder's failure");
+    assert!(
+        cause.contains("checkpoint failed and stopped the sandbox"),
+        "{cause}"
+    );
+    assert!(b.runtime.memory(&id).is_none());
+}
+
 /// A ring carries the generations its taker read both objects at: a holder
 /// that knows both that new hands over without reading either; one that
 /// knows less (an operator edited the metadata since its last look) reads
@@ -99,6 +138,12 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
         .request_here(&id, None, world.clock.now())
         .await
         .unwrap();
+    // The intent's spec write may end after `request_here` returns (its
+    // lock write landed first), and queues a pass when it does: let it.
+    while b.controller.reconciler().spec_write_pending(&id) {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     b.controller.drain_queue();
     assert_eq!(
         b.reconcile(&id).await.unwrap(),
@@ -549,4 +594,77 @@ async fn the_doorbell_is_read_fastest_just_after_a_client_left() {
     assert_eq!(reconciler.doorbell_interval(), config.detached_poll);
     world.clock.advance(Duration::seconds(61));
     assert_eq!(reconciler.doorbell_interval(), config.doorbell_poll);
+}
+
+/// Holds the first doorbell write until the test lets it go.
+#[derive(Debug)]
+struct FirstRingWaits {
+    started: tokio::sync::Notify,
+    go: tokio::sync::Semaphore,
+    seen: AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl BeforeRequest for FirstRingWaits {
+    async fn before(&self, request: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
+        if request.writes("doorbell.json") && !self.seen.swap(true, Ordering::SeqCst) {
+            self.started.notify_one();
+            let _ = self.go.acquire().await;
+        }
+        Ok(())
+    }
+}
+
+/// A ring that arrives while an earlier batch to the same holder is being
+/// written goes into the next batch, and its ringer is answered when that
+/// batch lands, not when the one without it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_lands() {
+    use crate::leasing::{LeaseConfig, Leases};
+    let memory = Arc::new(MemoryStore::new());
+    let hooked = Arc::new(HookedStore::new(
+        memory.clone(),
+        FirstRingWaits {
+            started: tokio::sync::Notify::new(),
+            go: tokio::sync::Semaphore::new(0),
+            seen: AtomicBool::new(false),
+        },
+    ));
+    let ringer = Leases::new(
+        hooked.clone(),
+        Arc::new(crate::testing::ManualClock::new()),
+        InstanceId::parse("b").unwrap(),
+        LeaseConfig {
+            ring_spacing: std::time::Duration::from_millis(300),
+            ..LeaseConfig::default()
+        },
+    );
+    let holder = InstanceId::parse("a").unwrap();
+    let (first, second) = (SandboxId::from_u128(1), SandboxId::from_u128(2));
+    let ring = |sandbox: SandboxId| {
+        let (ringer, holder) = (ringer.clone(), holder.clone());
+        tokio::spawn(async move { ringer.instance_lease().ring(&holder, &sandbox, None).await })
+    };
+    let first_ring = ring(first.clone());
+    hooked.hook.started.notified().await;
+    let second_ring = ring(second.clone());
+    // Queued behind the write in flight before that write is let go.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    hooked.hook.go.add_permits(1);
+    first_ring.await.unwrap().unwrap();
+    second_ring.await.unwrap().unwrap();
+    let bell: crate::api::Doorbell = crate::api::decode(
+        &memory
+            .get(&crate::layout::doorbell_key(&holder))
+            .await
+            .unwrap()
+            .data,
+    )
+    .unwrap();
+    for sandbox in [&first, &second] {
+        assert!(
+            bell.rings.iter().any(|ring| &ring.sandbox == sandbox),
+            "{sandbox} was answered before a write with it landed"
+        );
+    }
 }
