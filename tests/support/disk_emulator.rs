@@ -31,7 +31,6 @@ pub struct DiskEmulator {
     pub host: Ipv4Addr,
     emulator: testkit::Emulator,
     front: InstanceProxy,
-    _model: StorageModel,
 }
 
 impl DiskEmulator {
@@ -42,8 +41,8 @@ impl DiskEmulator {
             None,
         )
         .unwrap_or_else(|err| panic!("{err}"));
-        let model = StorageModel::new(emulator.socket_addr(), Profile::loopback());
-        let front = model
+        // The proxy keeps the model's shared state alive itself.
+        let front = StorageModel::new(emulator.socket_addr(), Profile::loopback())
             .proxy("disk-emulator")
             .await
             .unwrap_or_else(|err| panic!("{err}"));
@@ -57,7 +56,6 @@ impl DiskEmulator {
             host,
             emulator,
             front,
-            _model: model,
         }
     }
 
