@@ -1,15 +1,72 @@
 #!/usr/bin/env bash
-# Runs the whole test suite. The tests need gVisor's runsc, HAProxy,
-# fake-gcs-server and the sandbox images (built here, cached);
-# when one is missing this installs it if it can (root), and otherwise stops
-# with a message saying what to install. Nothing is skipped silently.
+# Runs the test suite with cargo-nextest (.config/nextest.toml), in tiers
+# (docs/testing.md):
+#
+#   scripts/test.sh --quick   the quick tier: the controllers', the library's
+#                             and the `pure` integration tests; no root, no
+#                             runsc, no emulator
+#   scripts/test.sh           everything: the quick tier, then `store`,
+#                             `gvisor` and `cluster` (runsc, HAProxy,
+#                             fake-gcs-server and the sandbox images, installed
+#                             and built here when missing, as root)
+#
+# Other arguments go to nextest (`--locked`, `-E 'test(/files/)'`). With
+# NEXTEST_PROFILE=ci each tier's JUnit is kept in target/nextest/ci/ and
+# scripts/test-report.py prints the slowest tests and each tier's total.
+# When a prerequisite is missing this installs it if it can (root), and
+# otherwise stops with a message saying what to install. Nothing is skipped
+# silently.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+quick=false
+if [ "${1:-}" = "--quick" ]; then
+  quick=true
+  shift
+fi
+profile="${NEXTEST_PROFILE:-default}"
 
 need_root_for() {
   echo "error: $1 is missing and this is not root; install it with: $2" >&2
   exit 1
 }
+
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "== installing cargo-nextest from crates.io"
+  cargo install --locked cargo-nextest
+fi
+
+# The tiers, as nextest filtersets over test names (tests/it/main.rs).
+QUICK='not binary_id(sandboxd::it) | test(/^pure::/)'
+REST='binary_id(sandboxd::it) & not test(/^pure::/)'
+
+# deploy_files (quick tier) parses the Cloud Run YAML with PyYAML.
+if ! python3 -c 'import yaml' 2>/dev/null; then
+  pip install --quiet pyyaml || need_root_for PyYAML "pip install pyyaml"
+fi
+
+# Runs one tier; under the ci profile its JUnit is kept as junit-<tier>.xml.
+run_tier() {
+  local tier=$1 filter=$2
+  shift 2
+  local started status=0
+  started=$(date +%s)
+  echo "== tier ${tier}"
+  cargo nextest run --workspace --all-features --profile "$profile" -E "$filter" "$@" || status=$?
+  echo "== tier ${tier}: $(( $(date +%s) - started )) s (exit ${status})"
+  if [ -f "target/nextest/${profile}/junit.xml" ]; then
+    mv "target/nextest/${profile}/junit.xml" "target/nextest/${profile}/junit-${tier}.xml"
+  fi
+  return "$status"
+}
+
+if [ "$quick" = true ]; then
+  # The in-sandbox agent's own unit tests (Python, no root or runsc needed).
+  python3 -B -m unittest discover -s src/runtime/sandbox_agent/tests -t src/runtime
+  run_tier quick "$QUICK" "$@"
+  exit 0
+fi
+
 
 if ! command -v runsc >/dev/null 2>&1; then
   [ "$(id -u)" = 0 ] || need_root_for runsc "apt-get install -y runsc"
@@ -22,14 +79,14 @@ if ! command -v haproxy >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq haproxy
 fi
 
-# tests/network_gvisor.rs builds namespaces, veths and iptables rules (egress sandboxes).
+# gvisor::network builds namespaces, veths and iptables rules (egress sandboxes).
 if ! command -v iptables >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then
   [ "$(id -u)" = 0 ] || need_root_for iptables "apt-get install -y iptables iproute2"
   apt-get update -qq && apt-get install -y -qq iptables iproute2
 fi
 
 # Sandboxes run on images of their own (docs/runtime.md, "Images"): the
-# default one and the second one tests/images_gvisor.rs picks with "image".
+# default one and the second one gvisor::images picks with "image".
 # Built from Debian packages with mmdebstrap, cached in $SANDBOXD_IMAGES
 # (outside the clone): a run whose inputs were built already builds nothing.
 if ! command -v mmdebstrap >/dev/null 2>&1 || ! command -v cc >/dev/null 2>&1; then
@@ -43,18 +100,13 @@ elif [ ! -e "${SANDBOXD_IMAGES:-/var/lib/sandboxd/images}/default" ]; then
   need_root_for "the sandbox image" "sudo scripts/build-image.sh && sudo scripts/build-image.sh --name test-jq --packages jq"
 fi
 
-# tests/deploy_files.rs parses the Cloud Run YAML with PyYAML.
-if ! python3 -c 'import yaml' 2>/dev/null; then
-  pip install --quiet pyyaml || need_root_for PyYAML "pip install pyyaml"
-fi
-
 # `sandboxd-bench cluster` measures the execution round trip with a plain Python
 # websockets client (the benchmark fails loudly without it).
 if ! python3 -c 'import websockets' 2>/dev/null; then
   pip install --quiet websockets || need_root_for websockets "pip install websockets"
 fi
 
-# tests/mcp_gvisor.rs drives `sandboxctl mcp` with the official Python MCP
+# gvisor::mcp drives `sandboxctl mcp` with the official Python MCP
 # SDK's stdio client, as an agent would (the test fails loudly without it).
 if ! python3 -c 'import mcp.client.stdio' 2>/dev/null; then
   pip install --quiet mcp || need_root_for "the Python mcp package" "pip install mcp"
@@ -76,7 +128,18 @@ fi
 # The in-sandbox agent's own unit tests (Python, no root or runsc needed).
 python3 -B -m unittest discover -s src/runtime/sandbox_agent/tests -t src/runtime
 
-# The fuzz targets (tests/fuzz_protocol.rs) run 60 s each, side by side.
+# The fuzz targets (pure::fuzz_protocol) run 60 s each, side by side.
 export FUZZ_SECS="${FUZZ_SECS:-60}"
 
-exec cargo test --workspace --all-features "$@"
+# Quick tier first: a broken build or a broken pure test fails in minutes.
+status=0
+run_tier quick "$QUICK" "$@" || status=$?
+if [ "$status" = 0 ]; then
+  run_tier rest "$REST" "$@" || status=$?
+  # The one doctest (src/client/mod.rs): nextest does not run doctests.
+  [ "$status" = 0 ] && { cargo test --doc --all-features -p sandboxd "$@" || status=$?; }
+fi
+if [ "$profile" = ci ]; then
+  python3 scripts/test-report.py target/nextest/ci/junit-*.xml || true
+fi
+exit "$status"

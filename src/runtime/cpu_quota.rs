@@ -28,7 +28,7 @@
 //! cgroup: a sandbox using 62–72 % of a 256 MiB limit could not be restored
 //! (its memcg OOM-killed the sentry: shmem 169 MB for its memory plus 85 MB
 //! of the sentry's own), and once its checkpoint failed the same way
-//! (`tests/admission_gvisor.rs`). So for the checkpoint or restore the limit
+//! (`tests/it/gvisor/admission.rs`). So for the checkpoint or restore the limit
 //! (cgroup v1 `memory.limit_in_bytes`, v2 `memory.max`) is raised by a
 //! quarter, at least 128 MiB, and put back afterwards; the instance's
 //! `--memory-reserve-mb` covers that moment. If putting it back fails (the

@@ -1,7 +1,7 @@
 //! Store adapters: the local directory (the embedded default) and GCS.
 //!
 //! Both implement `controllers::store::Store` and pass the same conformance
-//! suite (`tests/store_conformance.rs`) as the in-memory test store.
+//! suite (`tests/it/pure/store_conformance.rs`) as the in-memory test store.
 
 mod gcs;
 mod gcs_json;

@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 
 use crate::FixtureError;
 
+/// Names the address of an emulator shared by a whole test run.
+pub const SHARED_EMULATOR_ENV: &str = "SANDBOXD_TEST_EMULATOR";
+
 /// How long the emulator gets to answer after it is started.
 const READY_WITHIN: Duration = Duration::from_secs(20);
 
@@ -87,6 +90,33 @@ impl Emulator {
         };
         emulator.restart()?;
         Ok(emulator)
+    }
+
+    /// The emulator a test run shares, started outside this process: the
+    /// address in `$SANDBOXD_TEST_EMULATOR` (nextest's setup script
+    /// `scripts/nextest-emulator.py` starts one per run and sets it), or
+    /// `None` when it is not set. Whoever started it stops it; this value
+    /// owns no process.
+    pub fn shared() -> Result<Option<Self>, FixtureError> {
+        let Ok(host) = std::env::var(SHARED_EMULATOR_ENV) else {
+            return Ok(None);
+        };
+        let host: Ipv4Addr = host.trim().parse().map_err(|_| {
+            FixtureError::NoEmulator(format!(
+                "{SHARED_EMULATOR_ENV}={host:?} is not a loopback IPv4 address"
+            ))
+        })?;
+        if !http_ok(host, "/storage/v1/b?project=test") {
+            return Err(FixtureError::NoEmulator(format!(
+                "{SHARED_EMULATOR_ENV} names {host}:80, where no fake-gcs-server answers"
+            )));
+        }
+        Ok(Some(Self {
+            host,
+            backend: Backend::Memory,
+            log: None,
+            process: None,
+        }))
     }
 
     /// `http://127.0.0.N`, for `STORAGE_EMULATOR_HOST`.

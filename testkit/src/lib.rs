@@ -12,7 +12,7 @@ mod emulator;
 mod server;
 pub mod storage;
 
-pub use emulator::{Backend, Emulator, emulator_binary, free_loopback};
+pub use emulator::{Backend, Emulator, SHARED_EMULATOR_ENV, emulator_binary, free_loopback};
 pub use server::{Launch, RunscCleanup, ServerProcess, free_port};
 
 /// Why a fixture could not start.
