@@ -112,7 +112,7 @@ mod tests {
         assert!(dir.join("c.img").exists());
     }
 
-    /// Issue 25: `snapshot-*.tar.gz` temporaries were never swept. A crashed
+    /// `snapshot-*.tar.gz` temporaries were never swept. A crashed
     /// or older server's go at startup; a live server's stay.
     #[tokio::test]
     async fn startup_sweeps_the_snapshot_temporaries_no_live_server_owns() {
