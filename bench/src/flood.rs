@@ -1,4 +1,4 @@
-//! `sandboxd-bench execute-flood`: memory under a flood of output (issue 25).
+//! `sandboxd-bench execute-flood`: memory under a flood of output (docs/security.md).
 //!
 //! Starts one `sandboxd` (the binary beside `sandboxd-bench`, local store),
 //! sends `concurrency` concurrent `POST /execute?format=json`, each a script

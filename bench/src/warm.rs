@@ -1,4 +1,4 @@
-//! `sandboxd-bench warm`: create latency with warm starts (issue 27), as the
+//! `sandboxd-bench warm`: create latency with warm starts (decision 17), as the
 //! plain Python `websockets` client sees it (default socket options, from
 //! the send of the init message to `SANDBOX_RUNNING`), on fake-gcs-server
 //! and `sandboxd` processes it starts with the tests' fixtures:

@@ -1,5 +1,5 @@
 //! Lifecycle hooks: work that runs at fixed points of a sandbox's life on the
-//! instance that holds it (seed 004), such as syncing its workspace.
+//! instance that holds it (`docs/workspaces.md`), such as syncing its workspace.
 //!
 //! The reconciler and the controller call the hooks; what they do is the
 //! server's business (the workspace sync lives in the server crate, which has

@@ -1,4 +1,4 @@
-//! Where each object lives in the bucket (`DESIGN.md` §3). The only place that
+//! Where each object lives in the bucket (`docs/operations.md`). The only place that
 //! spells out key formats; ids are validated types, so every key is valid.
 
 use crate::api::{InstanceId, SandboxId};

@@ -1,6 +1,6 @@
 //! `WS /create` and `WS /attach/{id}?sandbox_token=`: the handshakes that end
 //! with `SANDBOX_RUNNING` and an attached [`Session`], in the order and with
-//! the close codes of upstream-wire-contract §3.1–3.4.
+//! the close codes of `docs/wire-contract.md` §3.1–3.4.
 //!
 //! Both only write intents (a new `metadata.json`; `desired_state: running`
 //! and the lease's `wanted_by`) and wait for the controller's progress. The

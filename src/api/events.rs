@@ -3,7 +3,7 @@
 //! typed cause, and the wait for a sandbox to start here (`/create`,
 //! `/attach`), relaying its lock statuses. The controllers say what happened
 //! and why; the words, their order and which statuses a client sees are
-//! decided here and in the session (upstream-wire-contract §3,
+//! decided here and in the session (`docs/wire-contract.md` §3,
 //! `docs/protocol.md`).
 
 use std::time::Duration;

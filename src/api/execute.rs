@@ -8,7 +8,7 @@
 //! Extension: `&format=json` waits for the end and answers
 //! `{"stdout": …, "stderr": …, "exit_code": N}`.
 //!
-//! Limits (issue 25; upstream had none, and one script printing 400 MB in
+//! Limits (docs/security.md; upstream had none, and one script printing 400 MB in
 //! JSON mode took the server from 170 MB to 1.26 GB): a response carries at
 //! most [`ExecuteLimits::max_output_bytes`] of output, then a marker line
 //! (and, in JSON, `"truncated": true`); the rest is read and discarded as it

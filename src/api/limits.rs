@@ -1,5 +1,5 @@
 //! Concurrency caps of their own for the starts that cost most besides a
-//! sandbox's memory (issue 25): forks (each copies a checkpoint in the
+//! sandbox's memory (docs/security.md): forks (each copies a checkpoint in the
 //! bucket and restores it) and `POST /execute` requests (each boots a
 //! one-shot sandbox). A start over its cap is refused at once with a message
 //! naming the cap and its flag, never queued: a client that floods the

@@ -441,7 +441,7 @@ mod tests {
         );
     }
 
-    /// Issue 25: an idle timeout beyond what `Instant` holds (an operator's
+    /// An idle timeout beyond what `Instant` holds (an operator's
     /// or an older server's `idle_timeout`) panicked the watcher, which then
     /// never expired or forgot the sandbox. It now means "never expires" and
     /// the watcher still ends on `Deleted`.

@@ -1,7 +1,9 @@
 //! The client-facing API: the wire protocol of the earlier server's clients,
 //! its WebSocket endpoints (`/create`, `/attach/{id}`) and `POST /execute`.
-//! This layer writes intents and waits for the controller; it never creates,
-//! checkpoints or restores a sandbox by itself.
+//! The WebSocket endpoints write intents and wait for the controller; they
+//! never create, checkpoint or restore a sandbox by themselves. `/execute`
+//! is the exception: its one-shot sandbox never enters the bucket, so it
+//! creates and destroys it on the runtime directly (`execute`).
 
 pub mod admission;
 pub mod connect;

@@ -1,5 +1,5 @@
 //! The wire protocol of the earlier Python server, which its Python and
-//! TypeScript clients speak (`../shared/reference/upstream-wire-contract.md`):
+//! TypeScript clients speak (`docs/wire-contract.md`):
 //! client frames parsed with the upstream's precedence, server frames written
 //! byte-for-byte as the clients expect (compact JSON, exact status strings).
 //!

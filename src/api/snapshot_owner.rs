@@ -1,4 +1,4 @@
-//! Who owns a filesystem snapshot, and what proves it (issue 25; the threat
+//! Who owns a filesystem snapshot, and what proves it (docs/security.md; the threat
 //! model is in docs/security.md).
 //!
 //! A snapshot belongs to the sandbox that made it. Its owner proves itself

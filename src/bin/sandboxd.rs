@@ -27,7 +27,7 @@ const BLOCKING_TASKS_GRACE: std::time::Duration = std::time::Duration::from_secs
 
 /// A worker's stack. Tokio's default (2 MiB) is a thin margin for a debug
 /// build, whose futures are unoptimised: a checkpoint's pass overflowed it
-/// once (session 13). Release builds use a fraction of it; the cost is
+/// once. Release builds use a fraction of it; the cost is
 /// address space, not memory, until a page is touched.
 const WORKER_STACK_BYTES: usize = 8 * 1024 * 1024;
 

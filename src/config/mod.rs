@@ -114,7 +114,7 @@ impl ServeArgs {
 /// Parses `--sandbox-cpus`: a finite number of cores from 0 (no limit) to
 /// 1024. Every other numeric flag is range-checked by clap the same way, at
 /// parse time: an absurd value is an error naming the flag, never an
-/// overflow later (issue 25).
+/// overflow later (docs/security.md).
 fn cpu_cores(text: &str) -> Result<f64, String> {
     let cores: f64 = text
         .parse()

@@ -41,7 +41,7 @@ pub struct StorageArgs {
 
 pub use crate::store::StoreLocation;
 
-/// The three artifact kinds the design separates (seed 003).
+/// The three artifact kinds the design separates (`docs/configuration.md`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StorageLayout {
     pub metadata: StoreLocation,

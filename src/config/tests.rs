@@ -99,7 +99,7 @@ fn listen_address_prefers_flag_then_port() {
     assert_eq!(from_port, "0.0.0.0:8081".parse().unwrap());
 }
 
-/// Issue 25: every numeric flag is range-checked when parsed. A lease of
+/// Every numeric flag is range-checked when parsed. A lease of
 /// `u64::MAX` seconds used to pass and panic later (`chrono` overflow when the
 /// lease settings were built).
 #[test]

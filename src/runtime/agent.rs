@@ -359,7 +359,7 @@ async fn read_events(
             Ok(AgentLine::Line(line)) => line,
             Ok(AgentLine::End) => break,
             Ok(AgentLine::TooLong(bytes)) => {
-                // Bounded memory whatever the sandbox writes (issue 25); the
+                // Bounded memory whatever the sandbox writes (docs/security.md); the
                 // request it answered, if any, times out.
                 tracing::warn!(
                     bytes,

@@ -206,7 +206,7 @@ mod tests {
         assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof);
     }
 
-    /// Issue 25: an endless line (no newline, ever) costs the limit, not
+    /// An endless line (no newline, ever) costs the limit, not
     /// its length: the reader never holds more than `limit` bytes of it.
     #[tokio::test]
     async fn an_endless_line_is_not_kept() {

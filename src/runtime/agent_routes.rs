@@ -20,7 +20,7 @@ pub type Sequenced = (u64, ExecEvent);
 /// Output bytes one execution may have waiting between the reader and its
 /// consumer. Beyond it the reader (which never waits) drops output: the first
 /// dropped event becomes a notice on stderr, the others empty events of the
-/// same number, so a resumable execution's numbering holds (issue 25: a
+/// same number, so a resumable execution's numbering holds (a
 /// consumer that stalled, such as a slow `/execute` client, let this grow
 /// without bound).
 pub const MAX_QUEUED_OUTPUT_BYTES: usize = 8 << 20;

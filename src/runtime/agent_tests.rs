@@ -205,7 +205,7 @@ fn another_protocol_version_is_refused_naming_both() {
     }
 }
 
-/// Issue 25: output waiting for a consumer that fell behind is bounded. The
+/// Output waiting for a consumer that fell behind is bounded. The
 /// agent writes 12 MiB to an execution nobody reads; what is queued stays
 /// under the limit, the first dropped event is a notice, and every event keeps
 /// its number (a resumable execution counts them).
@@ -259,7 +259,7 @@ async fn output_queued_for_a_slow_consumer_is_bounded_with_a_notice() {
     assert_eq!(notices, 1);
 }
 
-/// Issue 25: a line longer than the limit (user code writing to the agent's
+/// A line longer than the limit (user code writing to the agent's
 /// pipe) is skipped, not buffered whole, and the connection goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_over_long_agent_line_is_skipped_and_the_connection_goes_on() {

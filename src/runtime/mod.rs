@@ -6,7 +6,7 @@
 //! run on ([`catalog`]), checkpoint images ([`images`]), `egress` sandbox
 //! networking ([`network`]), and
 //! [`GvisorRuntime`], which implements the controllers' `SandboxRuntime` port.
-//! `../shared/reference/gvisor-runsc.md` records the runsc behaviour all of this
+//! `docs/gvisor.md` records the runsc behaviour all of this
 //! is built around.
 
 pub mod agent;

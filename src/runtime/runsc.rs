@@ -1,7 +1,7 @@
 //! The `runsc` command line, wrapped: one method per subcommand we use, every
 //! call with the same global flags, failures as errors carrying runsc's stderr.
 //!
-//! Global flags on every call (`../shared/reference/gvisor-runsc.md`):
+//! Global flags on every call (`docs/gvisor.md`):
 //! `--root` (this server's own state directory), `--platform`, `--network=none`
 //! and `--overlay2=root:memory` (writes to the root filesystem stay in sandbox
 //! memory and are saved in checkpoints). `egress` sandboxes start and restore

@@ -1,5 +1,5 @@
 //! Templates from filesystem snapshots: a new image that is a base image plus
-//! a snapshot's files (seed 003's "create from an existing artifact"); and
+//! a snapshot's files (a new sandbox created from an existing artifact); and
 //! ready templates, a base image plus a start command (`runtime::ready`).
 //!
 //! Sandboxes created on the template start with the snapshot's files already

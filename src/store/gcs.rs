@@ -1,7 +1,7 @@
 //! The GCS Store, on Google's official `google-cloud-storage` crate.
 //!
 //! Which request carries which object matters, because only some requests honour
-//! preconditions on fake-gcs-server (`../shared/reference/gcs.md`):
+//! preconditions on fake-gcs-server (`docs/gcs.md`):
 //! - small JSON objects: the multipart path (`send_buffered`) with
 //!   `ifGenerationMatch`, honoured by GCS and the emulator alike;
 //! - blobs: streaming resumable uploads (`send_unbuffered` from a file) and

@@ -7,7 +7,7 @@
 //! Every request has a deadline ([`REQUEST_TIMEOUT`], connecting
 //! [`CONNECT_TIMEOUT`]): a GCS front end that accepts and never answers is a
 //! transient error the caller retries, not a reconcile pass stuck forever
-//! (issue 25).
+//! (docs/security.md).
 
 use std::fmt;
 use std::time::Duration;
@@ -314,7 +314,7 @@ async fn check_status(
 mod tests {
     use super::*;
 
-    /// Issue 25: an endpoint that accepts the connection and never answers
+    /// An endpoint that accepts the connection and never answers
     /// used to hold a listing forever; it is a transient error at the deadline.
     #[tokio::test]
     async fn a_silent_endpoint_is_a_transient_error_at_the_deadline() {

@@ -12,7 +12,7 @@
 //!
 //! A conditional write also knows when the write it is conditional on
 //! landed: GCS's generations are that write's time in microseconds
-//! (`../shared/reference/gcs.md`; a generation that is no plausible time is
+//! (`docs/gcs.md`; a generation that is no plausible time is
 //! ignored). If that was within the second, the object's write rate is
 //! sure to admit a write once the second is up, whoever wrote it: a retry
 //! waits no longer than that (a handoff's transfer refused because the

@@ -45,7 +45,7 @@ pub struct LocalScan {
 pub const MAX_REFUSED_LISTED: usize = 1000;
 
 impl LocalScan {
-    /// What the sandbox reported, bounded (issue 25: the refused list had no
+    /// What the sandbox reported, bounded (the refused list had no
     /// limit, and the `synced` entries repeat the sandbox's own state file,
     /// which user code can fill with one path a million times): more files
     /// than `max_files` is an error, `synced` keeps each path once and at

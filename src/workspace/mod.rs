@@ -1,4 +1,4 @@
-//! Persistent workspaces (seed 004): `/workspace` in a sandbox, synced
+//! Persistent workspaces (`docs/workspaces.md`): `/workspace` in a sandbox, synced
 //! incrementally to `workspaces/<id>/` in the workspace store, so its files
 //! survive the sandbox itself — a new sandbox given the same workspace finds
 //! them, and a crash between checkpoints keeps the last finished execution's.

@@ -1,4 +1,4 @@
-//! The `.sandbox-state` file (seed 004): which files a workspace holds, with
+//! The `.sandbox-state` file (`docs/workspaces.md`): which files a workspace holds, with
 //! their md5, size and mtime, and the comparison that turns two of them into
 //! a sync plan. Pure data and pure functions, so the rules are unit-tested
 //! without a sandbox or a bucket.

@@ -54,7 +54,7 @@ fn mutated_leases_never_panic_and_round_trip() {
     );
 }
 
-/// Issue 25: an operator's edit (a far-future `renewed_at`, a huge duration
+/// An operator's edit (a far-future `renewed_at`, a huge duration
 /// or epoch) must never make the lease arithmetic panic.
 #[test]
 fn operator_edits_of_leases_never_panic_their_arithmetic() {

@@ -1,5 +1,5 @@
 //! `instances/<id>/lease.json` and `instances/<id>/doorbell.json`: the two
-//! objects each instance has of its own (`DESIGN.md` §4,
+//! objects each instance has of its own (`docs/principles.md`,
 //! `docs/decisions/0007-instance-leases-and-doorbells.md`).
 //!
 //! - The **instance lease** is Kubernetes' node lease: the instance rewrites it
@@ -123,7 +123,7 @@ pub struct RungIntent {
     /// The generations of both objects as the ringer read them, if it
     /// writes neither: a holder that knows them at least that new decides
     /// its hand-over on what it knows, as fresh as the ringer's read,
-    /// rather than read both again (decision 27, session 17). Every write
+    /// rather than read both again (decision 27). Every write
     /// that decision leads to stays conditional.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub read: Option<ReadGenerations>,

@@ -39,7 +39,7 @@ pub struct SandboxSpec {
     #[serde(default)]
     pub filesystem_snapshot_name: Option<String>,
     /// A handoff, eviction or drain checkpoints a running execution with the
-    /// sandbox instead of killing it (issue 17); absent means `false`, the
+    /// sandbox instead of killing it (decision 12); absent means `false`, the
     /// earlier server's forced kill.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub keep_executions: bool,
@@ -62,7 +62,7 @@ pub struct SandboxSpec {
     /// records the `requested_at` it served.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_request: Option<RestoreRequest>,
-    /// Keep `/workspace` in sync with the bucket (`DESIGN.md` §6); absent means
+    /// Keep `/workspace` in sync with the bucket (`docs/workspaces.md`); absent means
     /// no sync.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace: Option<WorkspaceSpec>,

@@ -1,6 +1,6 @@
 //! Where a filesystem snapshot lives: its name under its owner's scope.
 //!
-//! A snapshot belongs to whoever made it (issue 25): its objects live under
+//! A snapshot belongs to whoever made it (docs/security.md): its objects live under
 //! `filesystem_snapshots/owner.<scope>/<name>/`, where the scope is a hash of
 //! the owner's snapshot token (the API layer derives both; the bucket holds
 //! only the hash). Two owners' snapshots of one name are two snapshots, and a

@@ -118,7 +118,7 @@ fn a_missing_required_field_is_named() {
 fn semantic_checks_name_their_field() {
     let err = decode_error(&METADATA.replace("\"idle_timeout\": 60", "\"idle_timeout\": 0"));
     assert_eq!(err.field(), Some("spec.idle_timeout"));
-    // An operator's huge value would overflow the idle timer (issue 25).
+    // An operator's huge value would overflow the idle timer (docs/security.md).
     let err = decode_error(&METADATA.replace(
         "\"idle_timeout\": 60",
         "\"idle_timeout\": 18446744073709551615",

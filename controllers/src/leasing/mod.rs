@@ -520,8 +520,6 @@ impl Leases {
         self.still_mine(held, existing)
     }
 
-    /// True while this instance may act on `held` without renewing: its lease
-    /// runs until `renewed_at + duration`, minus the tolerated clock skew.
     /// True while this instance may act on `held`: its lock was renewed less
     /// than a lease ago (minus the tolerated skew), or this instance's lease
     /// vouches for the hold's era.

@@ -4,7 +4,7 @@
 //! (Class A) 12.5 times a read (Class B). The earlier server spent $0.0013 per
 //! idle sandbox-hour whatever the count; the targets are at most $0.006 per
 //! instance-hour fixed and $0.0006 per sandbox-hour with 10 held
-//! (`DESIGN.md` §9, `docs/decisions/0007-instance-leases-and-doorbells.md`).
+//! (`docs/principles.md`, `docs/decisions/0007-instance-leases-and-doorbells.md`).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! The sandbox lifecycle controller: a level-triggered reconcile loop per
 //! instance that converges each sandbox's actual state (running here,
 //! checkpointed, deleted) to the desired state written in the bucket by the
-//! API layer and by operators (`DESIGN.md` §4).
+//! API layer and by operators (`docs/principles.md`).
 
 mod controller;
 mod decision;

@@ -1,5 +1,5 @@
 //! Admission: an instance never commits more memory to sandboxes than it
-//! has (issue 25). Every sandbox that starts here (a create, a fork, an
+//! has (docs/security.md). Every sandbox that starts here (a create, a fork, an
 //! attach that restores here, a `POST /execute`) is admitted first, which
 //! claims its memory limit in the instance's ledger until it runs (then its
 //! hold counts it) or, for `/execute`, until it is destroyed.

@@ -77,7 +77,7 @@ fn init_messages_of_both_clients_parse_with_upstream_defaults() {
     ));
 }
 
-/// Issue 25: `idle_timeout: 18446744073709551615` panicked the idle timer's
+/// `idle_timeout: 18446744073709551615` panicked the idle timer's
 /// worker (`Instant` overflow) and the sandbox never expired. It is refused
 /// at parse time, naming the range, as are negative and fractional values.
 #[test]

@@ -264,7 +264,7 @@ impl Session {
 
     /// Saves a filesystem snapshot under its owner (the proof sent with
     /// the frame, else this sandbox): another owner's snapshot of the same
-    /// name is another snapshot, never overwritten (issue 25).
+    /// name is another snapshot, never overwritten (docs/security.md).
     async fn snapshot(&self, name: String, proof: Option<SnapshotProof>) {
         let out = &self.out;
         out.status(Status::FilesystemSnapshotCreating).await;

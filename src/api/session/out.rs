@@ -15,7 +15,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, mpsc};
 use super::client_stream::ClientStream;
 use crate::api::protocol::{FrameError, MAX_FRAME_BYTES, ServerFrame, Status};
 
-/// Close codes (upstream-wire-contract §2.4).
+/// Close codes (`docs/wire-contract.md` §2.4).
 pub const CLOSE_NORMAL: u16 = 1000;
 /// RFC 6455: a message too big to process.
 pub const CLOSE_TOO_BIG: u16 = 1009;

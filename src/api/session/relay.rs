@@ -1,7 +1,7 @@
 //! The controller's domain events as this session's status frames: the
 //! order the earlier server's clients expect (`DELETED` before
 //! `CHECKPOINTED` and `KILLED`), the lock statuses of handoff sandboxes only,
-//! and which events end the session (upstream-wire-contract §3.7–3.10).
+//! and which events end the session (`docs/wire-contract.md` §3.7–3.10).
 
 use std::sync::Arc;
 

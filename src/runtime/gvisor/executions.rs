@@ -26,7 +26,7 @@ impl GvisorRuntime {
     /// After a restore: takes up the execution the checkpoint kept (its
     /// journal), routes its events, and lets the agent go on (replaying what
     /// no client got). Nothing to take up is the usual case; an agent that
-    /// cannot say (an image from before issue 17) has nothing either.
+    /// cannot say (an image from before executions could survive a move) has nothing either.
     pub(super) async fn resume_executions(&self, sandbox: &SandboxId, local: &LocalSandbox) {
         let reply: JournalsReply = match local
             .agent

@@ -1,7 +1,7 @@
 //! What a runtime tidies on its local disk: at startup, the snapshot
 //! temporaries a crashed server left (never a live one's, in a shared
 //! directory); at startup and after each failed upload, the images of failed
-//! checkpoint uploads beyond their disk budget (issue 25).
+//! checkpoint uploads beyond their disk budget (docs/security.md).
 
 use std::path::PathBuf;
 
@@ -16,7 +16,7 @@ pub(super) fn owners_dir(root: &std::path::Path) -> PathBuf {
 }
 
 /// Removes the snapshot archives in transit that a crashed server left in
-/// the state directory (issue 25: they stayed forever); a live server's, in a
+/// the state directory (they stayed forever); a live server's, in a
 /// shared directory, are left alone.
 pub(super) async fn sweep_temporaries(state_dir: &std::path::Path, owner: &Owner) {
     let Ok(mut entries) = tokio::fs::read_dir(state_dir).await else {
@@ -45,7 +45,7 @@ pub(super) fn orphaned_checkpoints_dir(state_dir: &std::path::Path) -> PathBuf {
 }
 
 /// Keeps the images of failed uploads within `budget` bytes, removing the
-/// oldest first (issue 25: each kept a whole memory image on local disk
+/// oldest first (each kept a whole memory image on local disk
 /// forever, and on Cloud Run local disk is memory). The newest image is kept
 /// even alone over the budget: it may be the only copy of a sandbox.
 pub(super) async fn prune_orphaned_checkpoints(state_dir: &std::path::Path, budget: u64) {
@@ -88,7 +88,7 @@ mod tests {
         std::fs::write(path, vec![0u8; bytes]).unwrap();
     }
 
-    /// Issue 25: a failed upload kept its whole image forever. Past the
+    /// A failed upload kept its whole image forever. Past the
     /// budget the oldest go; the newest stays even alone over it.
     #[tokio::test]
     async fn failed_upload_images_are_kept_within_the_budget() {
@@ -112,7 +112,7 @@ mod tests {
         assert!(dir.join("c.img").exists());
     }
 
-    /// Issue 25: `snapshot-*.tar.gz` temporaries were never swept. A crashed
+    /// `snapshot-*.tar.gz` temporaries were never swept. A crashed
     /// or older server's go at startup; a live server's stay.
     #[tokio::test]
     async fn startup_sweeps_the_snapshot_temporaries_no_live_server_owns() {

@@ -153,7 +153,7 @@ pub struct GvisorRuntime {
 /// finish late together: a mass reconnect's thirty handoffs from one holder
 /// had every client wait for the last image. In turns the first images
 /// land early and their takers restore while the rest are taken (measured
-/// on 2 cores, `docs/benchmarks.md`: the median attach 8.1 s unbounded,
+/// on 2 cores on 2026-11-27: the median attach 8.1 s unbounded,
 /// 5.9–6.4 s at four, the last one the same; at two the last came a second
 /// later: a checkpoint also waits on runsc's own steps, not only on CPU).
 fn checkpoint_permits() -> usize {

@@ -3,7 +3,7 @@
 //! Several servers on one machine may share the default runtime directory
 //! (`/run/sandboxd`). Startup removes what a crashed server left there, and
 //! used to remove every container under the root, including those of the
-//! other servers still running (issue 25). Now each runtime takes an owner
+//! other servers still running (docs/security.md). Now each runtime takes an owner
 //! tag, holds an exclusive `flock` on `owners/<tag>.lock` for as long as it
 //! lives, and names its containers `sbx<tag>-…`. Startup removes only the
 //! containers whose owner's lock nobody holds (the process is gone: the
@@ -107,7 +107,7 @@ fn tag_of<'a>(prefix: &str, name: &'a str) -> Option<&'a str> {
 mod tests {
     use super::*;
 
-    /// Issue 25: a second server on the same runtime directory must not take
+    /// A second server on the same runtime directory must not take
     /// the first one's containers for leftovers; a crashed one's are.
     #[test]
     fn only_containers_of_dead_or_untagged_owners_are_orphans() {

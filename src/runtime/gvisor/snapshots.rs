@@ -37,7 +37,7 @@ impl GvisorRuntime {
                 decode(&object.data).map_err(|err| RuntimeError::Invalid(err.to_string()))
             }
             // The name only, never the owner's scope: another owner's
-            // snapshot and an unknown one are refused alike (issue 25).
+            // snapshot and an unknown one are refused alike (docs/security.md).
             Err(controllers::store::StoreError::NotFound { .. }) => {
                 Err(RuntimeError::Invalid(format!(
                     "no filesystem snapshot named {:?}",

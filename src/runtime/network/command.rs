@@ -3,7 +3,7 @@
 //!
 //! Every call has a deadline ([`COMMAND_TIMEOUT`]): a tool stuck on a lock or
 //! a wedged kernel call is killed and reported, never waited on forever
-//! (issue 25: `iptables -w` waited for the xtables lock without end). The
+//! (`iptables -w` waited for the xtables lock without end). The
 //! iptables tools wait for their lock [`XTABLES_WAIT`] at most.
 
 use std::process::Stdio;
@@ -124,7 +124,7 @@ pub async fn run_within(
 mod tests {
     use super::*;
 
-    /// Issue 25: a call that never returns (here `sleep`, standing for
+    /// A call that never returns (here `sleep`, standing for
     /// `iptables` waiting on the xtables lock) is killed at its deadline.
     #[tokio::test]
     async fn a_stuck_command_is_killed_at_its_deadline() {

@@ -6,7 +6,7 @@
 //! Why gVisor's own network stack (`--network=sandbox`) in a namespace of its
 //! own: the netstack lives inside the sandbox's memory, so a checkpoint carries
 //! it and a restore on another host rebuilds it from whatever namespace it is
-//! given (seed 002). Host-side state, the namespace, veth, address and rules,
+//! given (decision 5). Host-side state, the namespace, veth, address and rules,
 //! belongs to one host and one run: a checkpoint releases it, a restore sets
 //! up a fresh one (runsc moves the address into netstack at start, so a
 //! namespace cannot be reused anyway). `docs/decisions/0005-sandbox-networking.md`

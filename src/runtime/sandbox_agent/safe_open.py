@@ -8,7 +8,7 @@ it every request of the host (checkpoint, kill). So the agent never follows a
 symlink at the last component (O_NOFOLLOW), creates its temporaries with
 O_EXCL after removing whatever holds the name (the name itself, not what it
 points to), opens under the directory's fd, and reads only regular files,
-opened without blocking (O_NONBLOCK) and checked with fstat (issue 25).
+opened without blocking (O_NONBLOCK) and checked with fstat (docs/security.md).
 """
 import errno
 import os

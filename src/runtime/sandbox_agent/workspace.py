@@ -102,7 +102,7 @@ def ws_scan(msg):
     unlisted = [0]
 
     def refuse(entry):
-        # Bounded (issue 25): a workspace of a million symlinks is one line.
+        # Bounded (docs/security.md): a workspace of a million symlinks is one line.
         if len(refused) < MAX_REFUSED_LISTED:
             refused.append(entry)
         else:

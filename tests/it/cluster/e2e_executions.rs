@@ -1,4 +1,4 @@
-//! Executions that survive a move (issue 17, decision 0012): two real
+//! Executions that survive a move (decision 12): two real
 //! `sandboxd` on fake-gcs-server, a Python loop moved from A to B by an
 //! attach while A's client is still connected, then from B back to A by a
 //! SIGTERM drain of B. The clients together get every number once, in order,

@@ -38,7 +38,7 @@ async fn crash_during_handoff(failpoint: &str) -> String {
     assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
     let mut ws = a.attach(&id, &token).await;
     // Asserted: an attach that ended in an error and a close showed only as
-    // the next send's `SendAfterClosing` (issue 25, item 4).
+    // the next send's `SendAfterClosing` (docs/security.md).
     let frames = ws.until_status("SANDBOX_RUNNING").await;
     assert_eq!(
         frames.last().unwrap(),

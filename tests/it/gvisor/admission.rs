@@ -1,4 +1,4 @@
-//! Admission against real `runsc` (issue 25): an instance with room for two
+//! Admission against real `runsc` (docs/decisions/0020-admission.md): an instance with room for two
 //! sandboxes. A third create evicts the least recently used idle sandbox
 //! (checkpointed and released by the reconcile loop) and runs; with every
 //! sandbox attached, a create and a restore are refused with a status that
@@ -279,7 +279,7 @@ async fn forks_named_checkpoints_and_executes_have_caps_of_their_own() {
 }
 
 /// The warm pool counts against capacity with the memory it uses and gives
-/// way first (issue 27): on room for one sandbox and one warm one, a create
+/// way first (decision 17): on room for one sandbox and one warm one, a create
 /// shrinks the pool instead of evicting or refusing, and the pool grows back
 /// into the room the sandbox frees when it goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -367,7 +367,7 @@ async fn printed(ws: &mut Ws, code: &str) -> String {
     frames[1].strip_prefix("stdout:").unwrap().to_owned()
 }
 
-/// "Filling an instance past capacity" (issue 25, done-when), with
+/// "Filling an instance past capacity" (docs/security.md), with
 /// sandboxes that really use their memory: room for three of 256 MiB, each
 /// filling 184 MiB. Six creates: each ends in `SANDBOX_RUNNING` (evicting
 /// an idle one) or the capacity refusal; the sandboxes that kept running

@@ -1,4 +1,4 @@
-//! A frame received is a frame honoured (issue 25, item 5): every client
+//! A frame received is a frame honoured (docs/security.md): every client
 //! frame that arrived before the socket closed takes effect, on a socket
 //! that re-attached as on one that created the sandbox. The earlier bug: a
 //! client that re-attached, sent `kill_sandbox` and closed at once left its

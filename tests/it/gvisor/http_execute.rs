@@ -187,7 +187,7 @@ async fn limited_server(dir: &std::path::Path) -> String {
     format!("http://{addr}")
 }
 
-/// Issue 25: one script printing 400 MB took the server from 170 MB to
+/// One script printing 400 MB took the server from 170 MB to
 /// 1.26 GB (JSON mode kept it all). Output past the limit is discarded after
 /// a marker, in both modes, and the script still runs to its end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -226,7 +226,7 @@ async fn execute_output_is_capped_with_a_marker() {
     assert!(text.contains("output truncated"));
 }
 
-/// Issue 25: `/execute` had no time limit; a script past it is killed and
+/// `/execute` had no time limit; a script past it is killed and
 /// the answer says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn execute_kills_a_script_past_its_time_limit() {

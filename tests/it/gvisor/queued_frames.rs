@@ -1,4 +1,4 @@
-//! The per-socket budget of queued client frames (issue 25: one socket could
+//! The per-socket budget of queued client frames (one socket could
 //! queue 1,024 frames of up to 1 MiB each while its session was busy), end to
 //! end: a real WebSocket client on a real server on real runsc.
 //!

@@ -826,7 +826,7 @@ async fn startup_removes_containers_a_crashed_server_left() {
         "startup deleted the leftover container"
     );
 
-    // Issue 25: a second server on the same root (the default
+    // A second server on the same root (the default
     // /run/sandboxd) must not take the running one's containers for
     // leftovers.
     let id = support::new_id();

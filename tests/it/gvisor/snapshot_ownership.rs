@@ -1,4 +1,4 @@
-//! Filesystem snapshots belong to whoever made them (issue 25, item 1): on
+//! Filesystem snapshots belong to whoever made them (docs/security.md): on
 //! real runsc through the real WebSocket protocol, another client can
 //! neither read nor overwrite a snapshot it only knows the name of, its
 //! refusal is the one an unknown name gets, the owner proves itself with its

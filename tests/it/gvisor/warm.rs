@@ -1,4 +1,4 @@
-//! Warm starts against real `runsc` (issue 27): the warm pool (sandboxes
+//! Warm starts against real `runsc` (decision 17): the warm pool (sandboxes
 //! booted ahead of demand) and ready templates (an image's start command run
 //! once per instance, then restored). Without runsc or the default image
 //! these tests fail, they never skip.

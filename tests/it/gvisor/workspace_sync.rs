@@ -1,4 +1,4 @@
-//! Workspace sync (seed 004) end to end on real runsc: a real WebSocket client
+//! Workspace sync (`docs/workspaces.md`) end to end on real runsc: a real WebSocket client
 //! creates sandboxes with `workspace_id`, the server syncs `/workspace` into a
 //! store after every execution and back into new or restored sandboxes.
 

@@ -1,7 +1,7 @@
-//! The WebSocket protocol of upstream-wire-contract §3, end to end: a real
+//! The WebSocket protocol of `docs/wire-contract.md` §3, end to end: a real
 //! WebSocket client against the real server on real runsc. One test per
 //! sequence and error row, and one regression test per earlier-server bug
-//! (B1–B9, B13–B16) named after it.
+//! (B1–B9, B13–B16, `docs/wire-contract.md` §8) named after it.
 
 use crate::support;
 
@@ -1090,7 +1090,7 @@ async fn of_many_simultaneous_attaches_across_instances_exactly_one_wins() {
     assert_eq!(running, 1);
 }
 
-// ---- issue 15: what real clients see ---------------------------------------
+// ---- what real clients see --------------------------------------------------
 
 /// The stdout of `frames`, concatenated.
 fn stdout_of(frames: &[String]) -> String {

@@ -1,5 +1,5 @@
 //! Mutation fuzzing of every input the server takes from someone it does not
-//! control (issue 25, "input never panics the server"), each for a time budget:
+//! control (docs/security.md, "Input never panics the server"), each for a time budget:
 //! - client frames and init messages (WebSocket), byte mutations and
 //!   operator-style field edits of every kind of frame;
 //! - agent lines (what a sandbox writes to the host), through a real

@@ -1,4 +1,4 @@
-//! Workspaces lose nothing acknowledged (issue 25, item 7): a sync up that
+//! Workspaces lose nothing acknowledged (docs/security.md): a sync up that
 //! committed a state no longer naming a content re-reads the stored state
 //! before deleting it, so a second writer that committed meanwhile (having
 //! uploaded that same content for a file of its own) keeps its file. The

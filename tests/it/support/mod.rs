@@ -5,7 +5,7 @@
 //!
 //! The emulator listens on port 80 of a spare loopback address, because the
 //! official crate drops the port from the `Host` header and resumable uploads
-//! against another port hang (`../shared/reference/gcs.md`). If the emulator
+//! against another port hang (`docs/gcs.md`). If the emulator
 //! cannot be found or started, the GCS tests FAIL with a message saying why;
 //! they never skip.
 

@@ -1,7 +1,12 @@
 //! One reconcile pass for one sandbox on this instance: read desired state
-//! (`metadata.json` spec, the lease's `wanted_by`) and observed state (the
-//! lease, the local runtime), take ONE step toward desired, record it with a
-//! fenced write, and say when to look again (`DESIGN.md` §4).
+//! (`metadata.json` spec, the lease's `wanted_by` or a rung intent) and
+//! observed state (the lease, the local runtime), perform the step the
+//! decision table picks, and say when to look again (`docs/principles.md`).
+//! A step may make several writes (a handover checkpoints, uploads and
+//! transfers the hold in one fenced write), a create or an attach may have
+//! taken the hold in its own intent write (the pass then adopts it), and
+//! bookkeeping records run in tasks of their own, off the queue
+//! (decision 21).
 //!
 //! A held sandbox nothing happened to gets a light pass (no storage request)
 //! until its resync; otherwise a full pass reads metadata and lock, the

@@ -585,7 +585,7 @@ impl BeforeRequest for TakenOverDuringCheckpoint {
     }
 }
 
-/// Found by the 10-minute chaos run (session 13): a holder cut off the
+/// Found by the 10-minute chaos run: a holder cut off the
 /// bucket while it checkpointed for its client lost the hold to a taker;
 /// back, its hand-back failed, its record at its own epoch was accepted
 /// (the taker records its epoch only after its client hears RUNNING), and

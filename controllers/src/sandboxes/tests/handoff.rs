@@ -83,7 +83,7 @@ async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
 /// A ring carries the generations its taker read both objects at: a holder
 /// that knows both that new hands over without reading either; one that
 /// knows less (an operator edited the metadata since its last look) reads
-/// them once, in the pass that hands over (session 17).
+/// them once, in the pass that hands over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_again() {
     use crate::store::{CountingStore, Operation, OperationCounts};

@@ -1,8 +1,8 @@
 //! The critical paths, counted in sequential store requests (decision 18).
 //!
 //! On GCS every request on a client's path costs tens of milliseconds, so
-//! each path has a budget of requests made one after another (`DESIGN.md`
-//! §9): create ≤ 3, checkpoint ≤ 4, attach + restore ≤ 4, handoff ≤ 10.
+//! each path has a budget of requests made one after another (`docs/principles.md`,
+//! "Performance targets"): create ≤ 3, checkpoint ≤ 4, attach + restore ≤ 4, handoff ≤ 10.
 //! Here every request of the shared store takes one tick of paused tokio
 //! time, requests in flight at once overlap, and a path's length in ticks,
 //! from the first call the API layer makes to the event the client is told

@@ -1,4 +1,4 @@
-"""Issue 25: the agent runs as the same uid as user code, which can plant a
+"""The agent runs as the same uid as user code, which can plant a
 symlink or a FIFO under every name the agent uses. None of them may redirect
 the agent's writes or block it: the state file's temporary, a download's
 temporary, a snapshot's temporary and members, a file the host reads."""

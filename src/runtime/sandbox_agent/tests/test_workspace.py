@@ -40,7 +40,7 @@ class WorkspaceTest(AgentTest):
         self.assertIn("file limit", done["message"])
 
     def test_a_scan_reply_is_bounded_whatever_user_code_plants(self):
-        # Issue 25: refused files were listed without limit, and the state
+        # Refused files were listed without limit, and the state
         # file (user-writable) was echoed back whole as `synced`.
         for i in range(1500):
             os.symlink("/etc/passwd", os.path.join(self.root, "link%04d" % i))
