@@ -99,13 +99,15 @@ async fn an_attach_on_another_instance_moves_files_processes_and_memory() {
     eprintln!("handoff A -> B took {took:?}");
     assert_eq!(ws.stdout_of("bash", "cat /tmp/file").await, "moved\n");
     assert_eq!(session(&mut ws, "print(answer + 1)").await, "42\n");
-    let first: u64 = ws.stdout_of("bash", "cat /tmp/counter")
+    let first: u64 = ws
+        .stdout_of("bash", "cat /tmp/counter")
         .await
         .trim()
         .parse()
         .unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let second: u64 = ws.stdout_of("bash", "cat /tmp/counter")
+    let second: u64 = ws
+        .stdout_of("bash", "cat /tmp/counter")
         .await
         .trim()
         .parse()
@@ -357,7 +359,8 @@ async fn after_a_crash_between_checkpoints_the_workspace_has_the_last_finished_e
     // The checkpoint's memory and /tmp are from before; /workspace is not.
     assert_eq!(ws.stdout_of("bash", "cat /tmp/v").await, "v1\n");
     assert_eq!(
-        ws.stdout_of("bash", "cat /workspace/v /workspace/out/result").await,
+        ws.stdout_of("bash", "cat /workspace/v /workspace/out/result")
+            .await,
         "v2\nnew\n"
     );
 }

@@ -11,8 +11,7 @@ use crate::support;
 
 use std::time::Duration;
 
-use controllers::api::{DesiredState, Phase, SandboxId, SandboxMetadata, decode};
-use controllers::layout::metadata_key;
+use controllers::api::{DesiredState, Phase, SandboxId};
 use serde_json::json;
 use support::ws::{Server, metadata};
 

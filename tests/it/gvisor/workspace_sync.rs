@@ -114,13 +114,17 @@ async fn files_written_in_one_sandbox_appear_in_a_new_sandbox_with_the_same_work
     let (mut first, _, _) = fx
         .create(json!({"workspace_id": "project-1", "workspace_token": TOKEN}))
         .await;
-    first.stdout_of("bash",
-        "mkdir -p /workspace/src/deep && echo hello > /workspace/src/main.py \
+    first
+        .stdout_of(
+            "bash",
+            "mkdir -p /workspace/src/deep && echo hello > /workspace/src/main.py \
          && head -c 300000 /dev/urandom > /workspace/src/deep/blob.bin \
          && echo 'with space' > '/workspace/a file ü.txt' && md5sum /workspace/src/deep/blob.bin",
-    )
-    .await;
-    let blob_md5 = first.stdout_of("bash", "md5sum < /workspace/src/deep/blob.bin").await;
+        )
+        .await;
+    let blob_md5 = first
+        .stdout_of("bash", "md5sum < /workspace/src/deep/blob.bin")
+        .await;
     let state = fx.remote_state("project-1").await;
     assert_eq!(state["version"], "1.0");
     assert_eq!(
@@ -149,18 +153,25 @@ async fn files_written_in_one_sandbox_appear_in_a_new_sandbox_with_the_same_work
         "hello\n"
     );
     assert_eq!(
-        second.stdout_of("bash", "md5sum < /workspace/src/deep/blob.bin").await,
+        second
+            .stdout_of("bash", "md5sum < /workspace/src/deep/blob.bin")
+            .await,
         blob_md5
     );
     assert_eq!(
-        second.stdout_of("bash", "cat '/workspace/a file ü.txt'").await,
+        second
+            .stdout_of("bash", "cat '/workspace/a file ü.txt'")
+            .await,
         "with space\n"
     );
     assert_eq!(counter(&fx.metrics().files_downloaded), 3);
     // The sandbox's own state file records what it synced.
-    let local: Value =
-        serde_json::from_str(&second.stdout_of("bash", "cat /workspace/.sandbox-state").await)
-            .unwrap();
+    let local: Value = serde_json::from_str(
+        &second
+            .stdout_of("bash", "cat /workspace/.sandbox-state")
+            .await,
+    )
+    .unwrap();
     assert_eq!(paths(&local), paths(&state));
 
     // Another workspace name starts empty; no workspace means no /workspace sync.
@@ -173,7 +184,9 @@ async fn files_written_in_one_sandbox_appear_in_a_new_sandbox_with_the_same_work
         "/workspace/.sandbox-state\n"
     );
     let (mut plain, _, _) = fx.create(json!({})).await;
-    plain.stdout_of("bash", "echo x > /workspace/not-synced").await;
+    plain
+        .stdout_of("bash", "echo x > /workspace/not-synced")
+        .await;
     assert_eq!(counter(&fx.metrics().files_uploaded), 3);
 }
 
@@ -183,7 +196,8 @@ async fn a_second_sync_of_an_unchanged_tree_uploads_nothing() {
     let (mut ws, _, _) = fx
         .create(json!({"workspace_id": "steady", "workspace_token": TOKEN}))
         .await;
-    ws.stdout_of("bash",
+    ws.stdout_of(
+        "bash",
         "for i in 1 2 3 4 5; do echo $i > /workspace/f$i; done",
     )
     .await;
@@ -192,7 +206,8 @@ async fn a_second_sync_of_an_unchanged_tree_uploads_nothing() {
     let unchanged_before = counter(&fx.metrics().syncs_unchanged);
 
     // Executions that change nothing in /workspace: no upload, no request.
-    ws.stdout_of("bash",
+    ws.stdout_of(
+        "bash",
         "cat /workspace/f1 > /dev/null; echo outside > /tmp/x",
     )
     .await;
@@ -206,7 +221,8 @@ async fn a_second_sync_of_an_unchanged_tree_uploads_nothing() {
     );
 
     // One changed file: exactly one upload; a copy of existing content: none.
-    ws.stdout_of("bash",
+    ws.stdout_of(
+        "bash",
         "echo changed > /workspace/f3 && cp /workspace/f1 /workspace/f1-copy",
     )
     .await;
@@ -221,7 +237,8 @@ async fn a_deleted_file_is_deleted_on_the_other_side() {
     let init =
         json!({"workspace_id": "shared", "workspace_token": TOKEN, "enable_checkpoint": true});
     let (mut a, a_id, a_token) = fx.create(init.clone()).await;
-    a.stdout_of("bash",
+    a.stdout_of(
+        "bash",
         "echo keep > /workspace/keep && mkdir /workspace/d && echo bye > /workspace/d/gone",
     )
     .await;
@@ -233,7 +250,8 @@ async fn a_deleted_file_is_deleted_on_the_other_side() {
     let (mut b, _, _) = fx
         .create(json!({"workspace_id": "shared", "workspace_token": TOKEN}))
         .await;
-    b.stdout_of("bash", "rm /workspace/d/gone && rmdir /workspace/d").await;
+    b.stdout_of("bash", "rm /workspace/d/gone && rmdir /workspace/d")
+        .await;
     assert_eq!(paths(&fx.remote_state("shared").await), ["keep"]);
     let contents = fx
         .workspaces
@@ -251,7 +269,8 @@ async fn a_deleted_file_is_deleted_on_the_other_side() {
     let mut a = fx.server.attach(&a_id, &a_token).await;
     a.until_status("SANDBOX_RUNNING").await;
     assert_eq!(
-        a.stdout_of("bash",
+        a.stdout_of(
+            "bash",
             "find /workspace -mindepth 1 -not -name .sandbox-state"
         )
         .await,
@@ -343,7 +362,8 @@ async fn size_limits_leave_large_files_out_and_a_failed_sync_is_counted_not_fata
     let (mut ws, _, _) = fx
         .create(json!({"workspace_id": "limits", "workspace_token": TOKEN}))
         .await;
-    ws.stdout_of("bash",
+    ws.stdout_of(
+        "bash",
         "head -c 2000000 /dev/zero > /workspace/too-big && echo small > /workspace/small",
     )
     .await;
@@ -378,7 +398,8 @@ async fn size_limits_leave_large_files_out_and_a_failed_sync_is_counted_not_fata
     assert_eq!(paths(&fx.remote_state("limits").await), ["small"]);
 
     // Back under the limit: the next execution's sync succeeds.
-    ws.stdout_of("bash", "rm /workspace/part4 /workspace/part5").await;
+    ws.stdout_of("bash", "rm /workspace/part4 /workspace/part5")
+        .await;
     assert_eq!(
         paths(&fx.remote_state("limits").await),
         ["part1", "part2", "part3", "small"]
@@ -391,19 +412,26 @@ async fn a_sync_up_never_removes_what_this_sandbox_did_not_delete() {
     let (mut first, _, _) = fx
         .create(json!({"workspace_id": "keep", "workspace_token": TOKEN}))
         .await;
-    first.stdout_of("bash", "echo a > /workspace/a && echo b > /workspace/b").await;
+    first
+        .stdout_of("bash", "echo a > /workspace/a && echo b > /workspace/b")
+        .await;
 
     // An upload-only sandbox never fetched them: its syncs must not delete them.
     let (mut writer, _, _) = fx
         .create(json!({"workspace_id": "keep", "workspace_token": TOKEN, "workspace_template": "upload-only"}))
         .await;
-    assert_eq!(writer.stdout_of("bash", "find /workspace -name a").await, "");
+    assert_eq!(
+        writer.stdout_of("bash", "find /workspace -name a").await,
+        ""
+    );
     writer.stdout_of("bash", "echo c > /workspace/c").await;
     assert_eq!(paths(&fx.remote_state("keep").await), ["a", "b", "c"]);
 
     // A file the scan leaves out (grown past the file limit) is not a deletion:
     // the stored version stays.
-    first.stdout_of("bash", "head -c 2000000 /dev/zero >> /workspace/b").await;
+    first
+        .stdout_of("bash", "head -c 2000000 /dev/zero >> /workspace/b")
+        .await;
     assert_eq!(paths(&fx.remote_state("keep").await), ["a", "b", "c"]);
     let (mut reader, _, _) = fx
         .create(json!({"workspace_id": "keep", "workspace_token": TOKEN}))
@@ -424,7 +452,8 @@ async fn a_restore_follows_a_file_that_became_a_directory() {
     let (mut b, _, _) = fx
         .create(json!({"workspace_id": "shape", "workspace_token": TOKEN}))
         .await;
-    b.stdout_of("bash",
+    b.stdout_of(
+        "bash",
         "rm /workspace/x && mkdir /workspace/x && echo inside > /workspace/x/y",
     )
     .await;

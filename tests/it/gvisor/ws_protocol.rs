@@ -7,7 +7,7 @@ use crate::support;
 
 use std::time::Duration;
 
-use controllers::api::{Phase, SandboxId, SandboxMetadata, decode};
+use controllers::api::{Phase, SandboxId};
 use controllers::layout::metadata_key;
 use serde_json::json;
 use support::ws::{Server, Ws, metadata};

@@ -94,7 +94,8 @@ async fn two_processes_hammering_one_key_never_both_win() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a worker the cross-process test starts; not a test of its own"]
 async fn hammer_worker() {
-    let dir = std::env::var(DIR_ENV).expect("started by the cross-process test, with its directory");
+    let dir =
+        std::env::var(DIR_ENV).expect("started by the cross-process test, with its directory");
     let store = LocalStore::open(dir).unwrap();
     let (mut wins, mut conflicts) = (0u64, 0u64);
     while wins < WINS_PER_WORKER {

@@ -23,7 +23,10 @@ async fn written_bytes_are_in_the_emulator_bucket() {
 
     let http = reqwest::Client::new();
     let response = http
-        .get(format!("{}?alt=media", support::object_url(store.bucket(), k.as_str())))
+        .get(format!(
+            "{}?alt=media",
+            support::object_url(store.bucket(), k.as_str())
+        ))
         .send()
         .await
         .unwrap();
@@ -59,7 +62,10 @@ async fn written_bytes_are_in_the_emulator_bucket() {
         .unwrap();
     assert_eq!(metadata["size"], data.len().to_string());
     let content = http
-        .get(format!("{}?alt=media", support::object_url(store.bucket(), blob.as_str())))
+        .get(format!(
+            "{}?alt=media",
+            support::object_url(store.bucket(), blob.as_str())
+        ))
         .send()
         .await
         .unwrap()

@@ -7,8 +7,8 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use testkit::storage::{Lognormal, MutationLimit, Partition, Profile, StorageModel, Tally};
 use testkit::Emulator;
+use testkit::storage::{Lognormal, MutationLimit, Partition, Profile, StorageModel, Tally};
 
 /// Every request takes `ms` exactly (σ 0, no tail), mutations limited as GCS.
 fn fixed(ms: u64) -> Profile {

@@ -6,9 +6,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use controllers::store::{
-    BlobSource, Generation, LIST_PAGE_SIZE, ObjectKey, PutMode, Store, StoreError,
-};
+use controllers::store::{BlobSource, LIST_PAGE_SIZE, ObjectKey, PutMode, Store, StoreError};
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -473,9 +471,6 @@ fn status_kib(field: &str) -> u64 {
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or_else(|| panic!("{field} missing from /proc/self/status"))
 }
-
-/// Unused generation, for tests that need one that never matches.
-pub const NEVER: Generation = Generation(1);
 
 /// Runs every case of this suite on the store `$fixture` makes, as the
 /// tests of module `$backend`.

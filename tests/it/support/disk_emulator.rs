@@ -59,11 +59,6 @@ impl DiskEmulator {
         }
     }
 
-    /// `http://127.0.N.M`, for `STORAGE_EMULATOR_HOST`.
-    pub fn endpoint(&self) -> String {
-        self.front.endpoint()
-    }
-
     /// Creates bucket `name` (kept on disk across restarts).
     pub async fn create_bucket(&self, name: &str) {
         self.emulator

