@@ -36,9 +36,11 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install --locked cargo-nextest
 fi
 
-# The tiers, as nextest filtersets over test names (tests/it/main.rs).
+# The tiers, as nextest filtersets over test names (tests/it/main.rs). The
+# fuzz targets run in the quick tier for a few seconds (FUZZ_SECS unset: 3 s)
+# and again in the rest at their full budget, beside the slow tests.
 QUICK='not binary_id(sandboxd::it) | test(/^pure::/)'
-REST='binary_id(sandboxd::it) & not test(/^pure::/)'
+REST='binary_id(sandboxd::it) & (not test(/^pure::/) | test(/^pure::fuzz_protocol::/))'
 
 # deploy_files (quick tier) parses the Cloud Run YAML with PyYAML.
 if ! python3 -c 'import yaml' 2>/dev/null; then
@@ -128,13 +130,12 @@ fi
 # The in-sandbox agent's own unit tests (Python, no root or runsc needed).
 python3 -B -m unittest discover -s src/runtime/sandbox_agent/tests -t src/runtime
 
-# The fuzz targets (pure::fuzz_protocol) run 60 s each, side by side.
-export FUZZ_SECS="${FUZZ_SECS:-60}"
-
 # Quick tier first: a broken build or a broken pure test fails in minutes.
 status=0
 run_tier quick "$QUICK" "$@" || status=$?
 if [ "$status" = 0 ]; then
+  # The fuzz targets (pure::fuzz_protocol) run 60 s each here, side by side.
+  export FUZZ_SECS="${FUZZ_SECS:-60}"
   run_tier rest "$REST" "$@" || status=$?
   # The one doctest (src/client/mod.rs): nextest does not run doctests.
   [ "$status" = 0 ] && { cargo test --doc --all-features -p sandboxd "$@" || status=$?; }

@@ -239,11 +239,11 @@ async fn image_picks_another_image_and_a_missing_or_bad_one_is_refused() {
 
     let missing = h
         .runtime
-        .create(&support::new_id(), &with_image("python-data"))
+        .create(&support::new_id(), &with_image("never-built"))
         .await
         .expect_err("no such image");
     assert!(
-        matches!(&missing, RuntimeError::Invalid(m) if m.contains("no sandbox image \"python-data\"") && m.contains("scripts/build-image.sh --name python-data")),
+        matches!(&missing, RuntimeError::Invalid(m) if m.contains("no sandbox image \"never-built\"") && m.contains("scripts/build-image.sh --name never-built")),
         "{missing}"
     );
     let bad = h
@@ -503,11 +503,11 @@ async fn clients_pick_images_with_image_list_them_and_restores_onto_another_imag
     let frames = create_error(json!({"image": "../etc"})).await;
     assert_eq!(frames[1], "SANDBOX_CREATION_ERROR", "{frames:?}");
     assert!(frames[2].contains("invalid image name"), "{frames:?}");
-    let frames = create_error(json!({"image": "python-data"})).await;
+    let frames = create_error(json!({"image": "never-built"})).await;
     assert_eq!(frames[1], "SANDBOX_CREATION_ERROR", "{frames:?}");
     assert!(
-        frames[2].contains("no sandbox image \"python-data\"")
-            && frames[2].contains("scripts/build-image.sh --name python-data"),
+        frames[2].contains("no sandbox image \"never-built\"")
+            && frames[2].contains("scripts/build-image.sh --name never-built"),
         "{frames:?}"
     );
     let frames = create_error(json!({"image": 7})).await;
