@@ -95,8 +95,7 @@ impl Reconciler {
     ) -> Result<Requeue, ReconcileError> {
         let now = self.clock.now();
         let watching = self
-            .watch_map()
-            .get(sandbox)
+            .watch(sandbox)
             .and_then(|w| w.detached_since)
             .is_some_and(|since| now < since + chrono_duration(self.config.detached_window));
         let next = if watching {
@@ -120,7 +119,7 @@ impl Reconciler {
         match reverified.await {
             Ok(renewed) => {
                 tracing::info!(%sandbox, epoch = renewed.epoch, "hold re-verified after the instance lease lapsed");
-                self.held_map().insert(sandbox.clone(), renewed);
+                self.set_held(sandbox, renewed);
                 Ok(Requeue::After(next))
             }
             Err(LeaseError::Lost { .. } | LeaseError::Missing { .. }) => {
