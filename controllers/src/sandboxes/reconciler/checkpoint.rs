@@ -189,7 +189,7 @@ impl Reconciler {
             .in_transition(sandbox.as_str(), "checkpointing");
         if !self.leases.is_safe(&held) {
             held = self.leases.renew(&held).await?;
-            self.set_held(sandbox, held.clone());
+            self.renewed(sandbox, held.clone());
             lock = Some((held.lease.clone(), held.generation));
         }
         self.emit(sandbox, SandboxEvent::CheckpointStarted);

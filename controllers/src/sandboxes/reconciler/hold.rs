@@ -119,7 +119,7 @@ impl Reconciler {
         match reverified.await {
             Ok(renewed) => {
                 tracing::info!(%sandbox, epoch = renewed.epoch, "hold re-verified after the instance lease lapsed");
-                self.set_held(sandbox, renewed);
+                self.renewed(sandbox, renewed);
                 Ok(Requeue::After(next))
             }
             Err(LeaseError::Lost { .. } | LeaseError::Missing { .. }) => {

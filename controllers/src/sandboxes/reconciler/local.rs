@@ -41,7 +41,7 @@ pub(super) struct Watch {
 impl Reconciler {
     /// The lease this instance holds on `sandbox`, if it runs here.
     pub fn held(&self, sandbox: &SandboxId) -> Option<HeldLease> {
-        self.slots.view(sandbox, |slot| slot.held.clone())
+        self.slots.view(sandbox, |slot| slot.state.held().cloned())
     }
 
     /// Every sandbox this instance holds.
@@ -49,30 +49,32 @@ impl Reconciler {
         self.slots
             .all()
             .iter()
-            .filter(|(_, slot)| slot.held.is_some())
+            .filter(|(_, slot)| slot.state.held().is_some())
             .map(|(id, _)| id.clone())
             .collect()
     }
 
-    /// `sandbox` is held here under `held` (a start, a renewal).
-    pub(super) fn set_held(&self, sandbox: &SandboxId, held: HeldLease) {
-        self.slots.update(sandbox, |slot| slot.held = Some(held));
+    /// The hold on `sandbox` was renewed: held under `held` from now on
+    /// (unless it stopped meanwhile).
+    pub(super) fn renewed(&self, sandbox: &SandboxId, held: HeldLease) {
+        self.slots
+            .update(sandbox, |slot| slot.step(|state| (state.renewed(held), ())));
     }
 
     /// True while a pass acquires and starts `sandbox`.
     pub(super) fn is_starting(&self, sandbox: &SandboxId) -> bool {
-        self.slots.view(sandbox, |slot| slot.starting)
+        self.slots.view(sandbox, |slot| slot.state.is_starting())
     }
 
     /// How the held `sandbox` is watched, if it is held here.
     pub(super) fn watch(&self, sandbox: &SandboxId) -> Option<Watch> {
-        self.slots.view(sandbox, |slot| slot.watch)
+        self.slots.view(sandbox, |slot| slot.state.watch().copied())
     }
 
     /// Changes the watch of `sandbox`, if it is held here.
     pub(super) fn update_watch(&self, sandbox: &SandboxId, change: impl FnOnce(&mut Watch)) {
         self.slots.update(sandbox, |slot| {
-            if let Some(watch) = &mut slot.watch {
+            if let Some(watch) = slot.state.watch_mut() {
                 change(watch);
             }
         });
@@ -83,11 +85,7 @@ impl Reconciler {
     /// a lock still naming it).
     pub fn needs_instance_lease(&self) -> bool {
         let now = self.clock.now();
-        let busy = self
-            .slots
-            .all()
-            .values()
-            .any(|slot| slot.held.is_some() || slot.starting);
+        let busy = self.slots.all().values().any(|slot| slot.state.is_busy());
         let mut last = self
             .last_busy
             .lock()
@@ -107,8 +105,8 @@ impl Reconciler {
             .all()
             .iter()
             .filter(|(_, slot)| {
-                slot.held
-                    .as_ref()
+                slot.state
+                    .held()
                     .is_some_and(|held| !instance_lease.vouches_for(held.era))
             })
             .map(|(id, _)| id.clone())
@@ -116,10 +114,8 @@ impl Reconciler {
     }
 
     pub(super) fn forget(&self, sandbox: &SandboxId) {
-        self.slots.update(sandbox, |slot| {
-            slot.held = None;
-            slot.watch = None;
-        });
+        self.slots
+            .update(sandbox, |slot| slot.step(|state| (state.released(), ())));
         self.hooks.forget(sandbox);
     }
 
@@ -241,7 +237,7 @@ impl Reconciler {
             .slots
             .all()
             .values()
-            .filter_map(|slot| slot.watch.as_ref())
+            .filter_map(|slot| slot.state.watch())
         {
             match watch.detached_since {
                 Some(since) => watching |= now < since + window,

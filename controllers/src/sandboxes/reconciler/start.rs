@@ -5,14 +5,17 @@
 use std::time::Duration;
 
 use super::checkpoint::{record_carried, unreferenced};
-use super::slots::Slots;
+use super::slots::{LocalState, Slots};
 use super::*;
 use crate::runtime::ImageLanded;
 
 /// How often an instance waiting for a sandbox rings its holder again.
 const RERING_INTERVAL: Duration = Duration::from_secs(5);
 
-/// Marks a sandbox as being started by a pass until dropped.
+/// A start in flight: the sandbox is [`LocalState::Starting`] from `new`
+/// until the start takes the hold up; dropped before that (a failure, an
+/// early return, the pass cancelled), it goes back to the state it started
+/// from (`LocalState::start_ended`).
 pub(super) struct StartingGuard<'a> {
     slots: &'a Slots,
     sandbox: SandboxId,
@@ -20,7 +23,7 @@ pub(super) struct StartingGuard<'a> {
 
 impl<'a> StartingGuard<'a> {
     pub(super) fn new(slots: &'a Slots, sandbox: &SandboxId) -> Self {
-        slots.update(sandbox, |slot| slot.starting = true);
+        slots.update(sandbox, |slot| slot.step(|state| (state.begin_start(), ())));
         Self {
             slots,
             sandbox: sandbox.clone(),
@@ -30,8 +33,9 @@ impl<'a> StartingGuard<'a> {
 
 impl Drop for StartingGuard<'_> {
     fn drop(&mut self) {
-        self.slots
-            .update(&self.sandbox, |slot| slot.starting = false);
+        self.slots.update(&self.sandbox, |slot| {
+            slot.step(|state| (state.start_ended(), ()))
+        });
     }
 }
 
@@ -90,13 +94,9 @@ impl Reconciler {
         }
         let now = self.clock.now();
         let due = self.slots.update(sandbox, |slot| {
-            let last = slot.rung.get_or_insert(now);
-            if now >= *last + chrono_duration(RERING_INTERVAL) {
-                *last = now;
-                true
-            } else {
-                false
-            }
+            slot.state
+                .acquiring_mut()
+                .is_some_and(|acquiring| acquiring.ring_due(now, chrono_duration(RERING_INTERVAL)))
         });
         let mut next = self.config.acquire_poll;
         if let Some(lease) = lease
@@ -141,16 +141,14 @@ impl Reconciler {
     /// Remembers that this instance waits to acquire `sandbox`; true the
     /// first time (the client is told `LOCK_ACQUIRING` once).
     fn note_acquiring(&self, sandbox: &SandboxId) -> bool {
-        self.slots.update(sandbox, |slot| {
-            !std::mem::replace(&mut slot.acquiring, true)
-        })
+        self.slots
+            .update(sandbox, |slot| slot.step(LocalState::wait_to_acquire))
     }
 
     /// Forgets the waiting-to-acquire bookkeeping of `sandbox`.
     fn done_acquiring(&self, sandbox: &SandboxId) {
         self.slots.update(sandbox, |slot| {
-            slot.rung = None;
-            slot.acquiring = false;
+            slot.step(|state| (state.done_acquiring(), ()))
         });
     }
 
@@ -280,8 +278,7 @@ impl Reconciler {
                     last_checkpoint: self.clock.now(),
                 };
                 self.slots.update(sandbox, |slot| {
-                    slot.held = Some(held.clone());
-                    slot.watch = Some(watch);
+                    slot.step(|_| (LocalState::hold(held.clone(), watch), ()));
                 });
                 self.emit(sandbox, SandboxEvent::Running { epoch: held.epoch });
                 // The record after the client hears it runs, in its own
