@@ -214,13 +214,13 @@ impl Reconciler {
             keep_executions: metadata.spec.keep_executions,
         };
         self.failpoint(metadata, "handoff:before-checkpoint");
-        let checkpoint_started = std::time::Instant::now();
+        let checkpoint_started = self.clock.instant();
         let manifest = match self.runtime.checkpoint(sandbox, request).await {
             Ok(manifest) => {
                 self.failpoint(metadata, "handoff:after-upload");
                 self.metrics
                     .checkpoint_seconds
-                    .observe(checkpoint_started.elapsed());
+                    .observe(self.clock.instant().duration_since(checkpoint_started));
                 crate::sandboxes::Metrics::add(&self.metrics.checkpoint_bytes, manifest.image.size);
                 manifest
             }

@@ -55,12 +55,14 @@ impl Reconciler {
     ) -> Result<Requeue, ReconcileError> {
         self.emit(sandbox, SandboxEvent::HandoffRequested);
         let force = self.config.handoff == HandoffPolicy::Force;
-        let started = std::time::Instant::now();
+        let started = self.clock.instant();
         let outcome = self
             .checkpoint_and_release(sandbox, metadata, held, lock, force)
             .await;
         if outcome.is_ok() && self.held(sandbox).is_none() {
-            self.metrics.handoff_out_seconds.observe(started.elapsed());
+            self.metrics
+                .handoff_out_seconds
+                .observe(self.clock.instant().duration_since(started));
         }
         outcome
     }

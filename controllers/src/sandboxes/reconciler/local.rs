@@ -168,7 +168,7 @@ impl Reconciler {
     /// Remembers that `sandbox` was just stopped as lost to another
     /// instance.
     pub(super) fn note_lost(&self, sandbox: &SandboxId) {
-        let now = std::time::Instant::now();
+        let now = self.clock.instant();
         {
             let mut slots = self.slots.all();
             for slot in slots.values_mut() {
@@ -183,7 +183,7 @@ impl Reconciler {
     pub fn was_lost(&self, sandbox: &SandboxId) -> bool {
         self.slots
             .view(sandbox, |slot| slot.lost)
-            .is_some_and(|at| at.elapsed() < LOST_MEMORY)
+            .is_some_and(|at| self.clock.instant().duration_since(at) < LOST_MEMORY)
     }
 
     /// The doorbell was rung for `sandbox` (held here) just now.

@@ -55,7 +55,7 @@ pub(super) struct Slot {
     /// When this instance last stopped the sandbox as lost to another (kept
     /// `LOST_MEMORY`): an execution's relay must not report an end the loss
     /// cut off.
-    pub(super) lost: Option<std::time::Instant>,
+    pub(super) lost: Option<tokio::time::Instant>,
     /// The next pass must be a full one (an intent was written).
     pub(super) full_pass_wanted: bool,
     /// The last `metadata.json` this instance read or wrote, with its
@@ -106,8 +106,9 @@ impl Slot {
             && !self.image_wait
     }
 
-    /// Drops what is only a hint (see [`MAX_SLOTS`]).
-    fn drop_hints(&mut self, now: std::time::Instant, lost_memory: std::time::Duration) {
+    /// Drops what is only a hint (see [`MAX_SLOTS`]); old losses go with
+    /// the next loss (`note_lost`).
+    fn drop_hints(&mut self) {
         self.known = None;
         // Only turns nobody holds or waits for go.
         if self
@@ -120,13 +121,12 @@ impl Slot {
         if self.intents.in_flight == 0 {
             self.intents = IntentCount::default();
         }
-        self.forget_old_loss(now, lost_memory);
     }
 
     /// Forgets a loss older than `lost_memory`.
     pub(super) fn forget_old_loss(
         &mut self,
-        now: std::time::Instant,
+        now: tokio::time::Instant,
         lost_memory: std::time::Duration,
     ) {
         if self
@@ -346,9 +346,8 @@ impl Slots {
     pub(super) fn update<T>(&self, sandbox: &SandboxId, change: impl FnOnce(&mut Slot) -> T) -> T {
         let mut slots = self.all();
         if !slots.contains_key(sandbox) && slots.len() >= MAX_SLOTS {
-            let now = std::time::Instant::now();
             for slot in slots.values_mut() {
-                slot.drop_hints(now, super::local::LOST_MEMORY);
+                slot.drop_hints();
             }
             slots.retain(|_, slot| !slot.is_empty());
         }

@@ -253,13 +253,15 @@ impl Reconciler {
         self.done_acquiring(sandbox);
         self.emit(sandbox, SandboxEvent::LeaseAcquired);
         let waited_since = self.take_waiting(sandbox);
-        let started = std::time::Instant::now();
+        let started = self.clock.instant();
         let outcome = self.start(sandbox, metadata, &held).await;
         match &outcome {
             Ok((kind, _)) => match kind {
                 StartKind::Create => crate::sandboxes::Metrics::add(&self.metrics.creates, 1),
                 StartKind::Restore => {
-                    self.metrics.restore_seconds.observe(started.elapsed());
+                    self.metrics
+                        .restore_seconds
+                        .observe(self.clock.instant().duration_since(started));
                     if let Some(since) = waited_since {
                         let waited = (self.clock.now() - since).to_std().unwrap_or_default();
                         self.metrics.handoff_in_seconds.observe(waited);
