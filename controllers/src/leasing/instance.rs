@@ -348,7 +348,7 @@ impl InstanceLeases {
             // of them made stale is refused yet spends the object's write
             // rate when it is scarcest. Such a batch reads first.
             let burst = last_write
-                .is_some_and(|last| tokio::time::Instant::now() < last + self.config.ring_spacing);
+                .is_some_and(|last| self.clock.instant() < last + self.config.ring_spacing);
             if let Some(last) = last_write {
                 tokio::time::sleep_until(last + self.config.ring_spacing).await;
             }
@@ -358,7 +358,7 @@ impl InstanceLeases {
                 let read_first = burst
                     || outbox
                         .read_first_until
-                        .is_some_and(|until| tokio::time::Instant::now() < until);
+                        .is_some_and(|until| self.clock.instant() < until);
                 let known = outbox.doorbell.take().filter(|_| !read_first);
                 outbox.taken += 1;
                 (std::mem::take(&mut outbox.pending), known)
@@ -377,12 +377,12 @@ impl InstanceLeases {
                 let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
                 let outbox = outboxes.entry(holder.clone()).or_default();
                 outbox.written += 1;
-                outbox.last_write = Some(tokio::time::Instant::now());
+                outbox.last_write = Some(self.clock.instant());
                 let (written, error) = match outcome {
                     Ok(rung) => {
                         if started_from_known && rung.attempts > 1 {
                             outbox.read_first_until =
-                                Some(tokio::time::Instant::now() + READ_FIRST_AFTER_STALE);
+                                Some(self.clock.instant() + READ_FIRST_AFTER_STALE);
                         }
                         (rung.written, None)
                     }

@@ -412,6 +412,7 @@ async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
         },
     );
     let sandboxes: Vec<SandboxId> = (0..30u128).map(SandboxId::from_u128).collect();
+    #[allow(clippy::disallowed_methods, reason = "the test measures its own run")]
     let started = std::time::Instant::now();
     let rings = sandboxes.iter().map(|sandbox| {
         let ringer = ringer.clone();

@@ -49,6 +49,10 @@ async fn idle_bill(held: usize, clients: Clients, hours: u64) -> (StorageBill, S
     let counts = Arc::new(OperationCounts::default());
     let memory: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory, counts.clone()));
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the test's clock itself: wall time that follows tokio's paused clock"
+    )]
     let clock: Arc<dyn Clock> = Arc::new(TokioClock {
         base: Utc::now(),
         start: tokio::time::Instant::now(),

@@ -10,6 +10,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::api::SandboxId;
+use crate::clock::{Clock, SystemClock};
 
 #[derive(Debug, Default)]
 struct State {
@@ -22,13 +23,30 @@ struct State {
     scheduled: HashMap<SandboxId, Instant>,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct WorkQueue {
     state: Arc<Mutex<State>>,
     ready: Arc<Notify>,
+    /// Reads the time delayed adds are due at.
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for WorkQueue {
+    fn default() -> Self {
+        Self::new(Arc::new(SystemClock))
+    }
 }
 
 impl WorkQueue {
+    /// An empty queue whose delayed adds are timed by `clock`.
+    pub fn new(clock: Arc<dyn Clock>) -> Self {
+        Self {
+            state: Arc::default(),
+            ready: Arc::default(),
+            clock,
+        }
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -50,9 +68,8 @@ impl WorkQueue {
         // A day at most: a delay computed from an operator's timestamp must
         // not overflow the clock (nothing waits that long without a resync).
         let delay = delay.min(Duration::from_secs(86_400));
-        let due = Instant::now()
-            .checked_add(delay)
-            .unwrap_or_else(Instant::now);
+        let now = self.clock.instant();
+        let due = now.checked_add(delay).unwrap_or(now);
         {
             let mut state = self.state();
             if let Some(existing) = state.scheduled.get(id)
@@ -150,8 +167,8 @@ mod tests {
         let queue = WorkQueue::default();
         queue.add_after(&id(7), Duration::from_secs(1));
         queue.add_after(&id(7), Duration::from_secs(60));
-        let started = Instant::now();
+        let started = SystemClock.instant();
         assert_eq!(queue.next().await, id(7));
-        assert!(started.elapsed() < Duration::from_secs(2));
+        assert!(SystemClock.instant().duration_since(started) < Duration::from_secs(2));
     }
 }

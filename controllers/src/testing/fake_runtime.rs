@@ -222,6 +222,10 @@ impl SandboxRuntime for FakeRuntime {
             sandbox_id: sandbox.clone(),
             epoch: request.epoch,
             name: request.name,
+            #[allow(
+                clippy::disallowed_methods,
+                reason = "the fake stamps its checkpoints as the real runtime does, with the host's time"
+            )]
             created_at: Utc::now(),
             image: BlobDigest {
                 key: image_key.to_string(),

@@ -37,7 +37,7 @@ impl SandboxController {
             if !self.reconciler.needs_instance_lease() || !instance_lease.renewal_due(every) {
                 continue;
             }
-            if retry_after.is_some_and(|at| tokio::time::Instant::now() < at) {
+            if retry_after.is_some_and(|at| self.reconciler.clock().instant() < at) {
                 continue;
             }
             let era = instance_lease.era();
@@ -53,7 +53,7 @@ impl SandboxController {
                 }
                 Err(err) => {
                     tracing::warn!(%err, "cannot renew the instance lease");
-                    retry_after = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                    retry_after = Some(self.reconciler.clock().instant() + Duration::from_secs(1));
                 }
             }
             for sandbox in self.reconciler.unvouched() {
@@ -68,10 +68,10 @@ impl SandboxController {
     /// interval runs from one read's start to the next (a read's own round
     /// trip, tens of milliseconds on GCS, is not added to a ring's wait).
     pub(super) async fn watch_doorbell(self: Arc<Self>) {
-        let mut last_read = tokio::time::Instant::now();
+        let mut last_read = self.reconciler.clock().instant();
         loop {
             tokio::time::sleep_until(last_read + self.reconciler.doorbell_interval()).await;
-            last_read = tokio::time::Instant::now();
+            last_read = self.reconciler.clock().instant();
             if !self.reconciler.needs_instance_lease() {
                 continue;
             }

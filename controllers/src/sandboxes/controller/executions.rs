@@ -26,7 +26,7 @@ impl SandboxController {
         // A periodic checkpoint is taken in place and lasts about a second:
         // an execution asked for meanwhile waits for it rather than fail. If
         // the checkpoint moved the sandbox away, the wait ends with the hold.
-        let give_up = tokio::time::Instant::now() + CHECKPOINT_WAIT;
+        let give_up = self.reconciler.clock().instant() + CHECKPOINT_WAIT;
         let execution = loop {
             match self
                 .reconciler
@@ -37,7 +37,8 @@ impl SandboxController {
                 // Between a periodic checkpoint and its restore the runtime
                 // has no sandbox while the hold stays: wait that out too.
                 Err(RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_))
-                    if self.is_held_here(sandbox) && tokio::time::Instant::now() < give_up =>
+                    if self.is_held_here(sandbox)
+                        && self.reconciler.clock().instant() < give_up =>
                 {
                     tokio::time::sleep(FENCE_EXIT_POLL).await;
                 }
@@ -127,12 +128,12 @@ impl SandboxController {
         if !self.is_held_here(sandbox) {
             return Err(FsError::Runtime(RuntimeError::NotFound(sandbox.clone())));
         }
-        let give_up = tokio::time::Instant::now() + CHECKPOINT_WAIT;
+        let give_up = self.reconciler.clock().instant() + CHECKPOINT_WAIT;
         loop {
             match self.reconciler.runtime().fs(sandbox, request.clone()).await {
                 Err(FsError::Runtime(
                     RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_),
-                )) if self.is_held_here(sandbox) && tokio::time::Instant::now() < give_up => {
+                )) if self.is_held_here(sandbox) && self.reconciler.clock().instant() < give_up => {
                     tokio::time::sleep(FENCE_EXIT_POLL).await;
                 }
                 other => return other,
@@ -188,7 +189,7 @@ fn fence_exit(
                 None => break None,
             }
         };
-        let give_up = tokio::time::Instant::now() + FENCE_EXIT_GIVE_UP;
+        let give_up = reconciler.clock().instant() + FENCE_EXIT_GIVE_UP;
         loop {
             match reconciler.held(&sandbox) {
                 Some(held) if reconciler.leases().is_safe(&held) => {
@@ -197,7 +198,7 @@ fn fence_exit(
                     }
                     return;
                 }
-                Some(_) if tokio::time::Instant::now() < give_up => {
+                Some(_) if reconciler.clock().instant() < give_up => {
                     tokio::time::sleep(FENCE_EXIT_POLL).await;
                 }
                 held => {

@@ -510,7 +510,7 @@ impl SandboxController {
     /// were still held at the end.
     pub async fn drain(&self, grace: Duration) -> usize {
         self.reconciler.start_draining();
-        let deadline = tokio::time::Instant::now() + grace;
+        let deadline = self.reconciler.clock().instant() + grace;
         for sandbox in self.held_sandboxes() {
             let desired = match self.read(&sandbox).await {
                 // Being deleted already: its pass finishes that (deletion
@@ -536,7 +536,7 @@ impl SandboxController {
         }
         loop {
             let left = self.held_sandboxes().len();
-            if left == 0 || tokio::time::Instant::now() >= deadline {
+            if left == 0 || self.reconciler.clock().instant() >= deadline {
                 // The checkpoints' records still under way land before the
                 // process ends (the locks carry them if they cannot).
                 let _ =

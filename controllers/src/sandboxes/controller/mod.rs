@@ -89,7 +89,7 @@ impl SandboxController {
     pub fn new(reconciler: Reconciler, bus: ProgressBus) -> Arc<Self> {
         let reconciler = Arc::new(reconciler);
         Reconciler::share(&reconciler);
-        let queue = WorkQueue::default();
+        let queue = WorkQueue::new(Arc::clone(reconciler.clock()));
         reconciler.wake_with(queue.clone());
         Arc::new_cyclic(|me| Self {
             reconciler,

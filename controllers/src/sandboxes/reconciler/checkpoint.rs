@@ -146,9 +146,8 @@ impl Reconciler {
             (Ok(recorded), Ok(())) => {
                 self.delete_checkpoints(&unreferenced(superseded, &recorded.status))
                     .await;
-                if let Some(watch) = self.watch_map().get_mut(sandbox) {
-                    watch.last_checkpoint = self.clock.now();
-                }
+                let now = self.clock.now();
+                self.update_watch(sandbox, |watch| watch.last_checkpoint = now);
                 tracing::info!(%sandbox, size = manifest.image.size, "periodic checkpoint");
                 Ok(())
             }
@@ -190,7 +189,7 @@ impl Reconciler {
             .in_transition(sandbox.as_str(), "checkpointing");
         if !self.leases.is_safe(&held) {
             held = self.leases.renew(&held).await?;
-            self.held_map().insert(sandbox.clone(), held.clone());
+            self.renewed(sandbox, held.clone());
             lock = Some((held.lease.clone(), held.generation));
         }
         self.emit(sandbox, SandboxEvent::CheckpointStarted);
@@ -215,13 +214,13 @@ impl Reconciler {
             keep_executions: metadata.spec.keep_executions,
         };
         self.failpoint(metadata, "handoff:before-checkpoint");
-        let checkpoint_started = std::time::Instant::now();
+        let checkpoint_started = self.clock.instant();
         let manifest = match self.runtime.checkpoint(sandbox, request).await {
             Ok(manifest) => {
                 self.failpoint(metadata, "handoff:after-upload");
                 self.metrics
                     .checkpoint_seconds
-                    .observe(checkpoint_started.elapsed());
+                    .observe(self.clock.instant().duration_since(checkpoint_started));
                 crate::sandboxes::Metrics::add(&self.metrics.checkpoint_bytes, manifest.image.size);
                 manifest
             }

@@ -55,12 +55,14 @@ impl Reconciler {
     ) -> Result<Requeue, ReconcileError> {
         self.emit(sandbox, SandboxEvent::HandoffRequested);
         let force = self.config.handoff == HandoffPolicy::Force;
-        let started = std::time::Instant::now();
+        let started = self.clock.instant();
         let outcome = self
             .checkpoint_and_release(sandbox, metadata, held, lock, force)
             .await;
         if outcome.is_ok() && self.held(sandbox).is_none() {
-            self.metrics.handoff_out_seconds.observe(started.elapsed());
+            self.metrics
+                .handoff_out_seconds
+                .observe(self.clock.instant().duration_since(started));
         }
         outcome
     }
@@ -95,8 +97,7 @@ impl Reconciler {
     ) -> Result<Requeue, ReconcileError> {
         let now = self.clock.now();
         let watching = self
-            .watch_map()
-            .get(sandbox)
+            .watch(sandbox)
             .and_then(|w| w.detached_since)
             .is_some_and(|since| now < since + chrono_duration(self.config.detached_window));
         let next = if watching {
@@ -120,7 +121,7 @@ impl Reconciler {
         match reverified.await {
             Ok(renewed) => {
                 tracing::info!(%sandbox, epoch = renewed.epoch, "hold re-verified after the instance lease lapsed");
-                self.held_map().insert(sandbox.clone(), renewed);
+                self.renewed(sandbox, renewed);
                 Ok(Requeue::After(next))
             }
             Err(LeaseError::Lost { .. } | LeaseError::Missing { .. }) => {

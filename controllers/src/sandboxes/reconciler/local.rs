@@ -5,8 +5,7 @@
 //! and which clients here wait. None of it is in the bucket; it is rebuilt
 //! from it after a restart.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{MutexGuard, PoisonError};
+use std::sync::PoisonError;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -23,7 +22,7 @@ pub(super) const RING_RECHECK: Duration = Duration::from_millis(50);
 
 /// How long a loss is remembered for the executions it cut off (their
 /// relays look within a poll of the loss; the rest is margin).
-const LOST_MEMORY: std::time::Duration = std::time::Duration::from_secs(600);
+pub(super) const LOST_MEMORY: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Per held sandbox: when its last full pass was, and since when its client
 /// is away (`None`: attached, or never told).
@@ -42,20 +41,43 @@ pub(super) struct Watch {
 impl Reconciler {
     /// The lease this instance holds on `sandbox`, if it runs here.
     pub fn held(&self, sandbox: &SandboxId) -> Option<HeldLease> {
-        self.held_map().get(sandbox).cloned()
+        self.slots.view(sandbox, |slot| slot.state.held().cloned())
     }
 
     /// Every sandbox this instance holds.
     pub fn held_sandboxes(&self) -> Vec<SandboxId> {
-        self.held_map().keys().cloned().collect()
+        self.slots
+            .all()
+            .iter()
+            .filter(|(_, slot)| slot.state.held().is_some())
+            .map(|(id, _)| id.clone())
+            .collect()
     }
 
-    pub(super) fn held_map(&self) -> MutexGuard<'_, HashMap<SandboxId, HeldLease>> {
-        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The hold on `sandbox` was renewed: held under `held` from now on
+    /// (unless it stopped meanwhile).
+    pub(super) fn renewed(&self, sandbox: &SandboxId, held: HeldLease) {
+        self.slots
+            .update(sandbox, |slot| slot.step(|state| (state.renewed(held), ())));
     }
 
-    pub(super) fn starting_set(&self) -> MutexGuard<'_, HashSet<SandboxId>> {
-        self.starting.lock().unwrap_or_else(PoisonError::into_inner)
+    /// True while a pass acquires and starts `sandbox`.
+    pub(super) fn is_starting(&self, sandbox: &SandboxId) -> bool {
+        self.slots.view(sandbox, |slot| slot.state.is_starting())
+    }
+
+    /// How the held `sandbox` is watched, if it is held here.
+    pub(super) fn watch(&self, sandbox: &SandboxId) -> Option<Watch> {
+        self.slots.view(sandbox, |slot| slot.state.watch().copied())
+    }
+
+    /// Changes the watch of `sandbox`, if it is held here.
+    pub(super) fn update_watch(&self, sandbox: &SandboxId, change: impl FnOnce(&mut Watch)) {
+        self.slots.update(sandbox, |slot| {
+            if let Some(watch) = slot.state.watch_mut() {
+                change(watch);
+            }
+        });
     }
 
     /// True while this instance's lease must be kept: it holds or starts a
@@ -63,7 +85,7 @@ impl Reconciler {
     /// a lock still naming it).
     pub fn needs_instance_lease(&self) -> bool {
         let now = self.clock.now();
-        let busy = !self.held_map().is_empty() || !self.starting_set().is_empty();
+        let busy = self.slots.all().values().any(|slot| slot.state.is_busy());
         let mut last = self
             .last_busy
             .lock()
@@ -78,46 +100,42 @@ impl Reconciler {
     /// Held sandboxes whose hold the instance lease does not vouch for (its
     /// renewal lapsed): each must be re-verified or stopped.
     pub fn unvouched(&self) -> Vec<SandboxId> {
-        self.held_map()
+        let instance_lease = self.leases.instance_lease();
+        self.slots
+            .all()
             .iter()
-            .filter(|(_, held)| !self.leases.instance_lease().vouches_for(held.era))
+            .filter(|(_, slot)| {
+                slot.state
+                    .held()
+                    .is_some_and(|held| !instance_lease.vouches_for(held.era))
+            })
             .map(|(id, _)| id.clone())
             .collect()
     }
 
     pub(super) fn forget(&self, sandbox: &SandboxId) {
-        self.held_map().remove(sandbox);
-        self.watch_map().remove(sandbox);
+        self.slots
+            .update(sandbox, |slot| slot.step(|state| (state.released(), ())));
         self.hooks.forget(sandbox);
-    }
-
-    pub(super) fn watch_map(&self) -> MutexGuard<'_, HashMap<SandboxId, Watch>> {
-        self.watches.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The next pass of `sandbox` reads everything (an intent was written).
     pub fn want_full_pass(&self, sandbox: &SandboxId) {
-        self.full_pass_wanted
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(sandbox.clone());
+        self.slots
+            .update(sandbox, |slot| slot.full_pass_wanted = true);
     }
 
     pub(super) fn take_full_pass_wanted(&self, sandbox: &SandboxId) -> bool {
-        self.full_pass_wanted
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(sandbox)
+        self.slots
+            .update(sandbox, |slot| std::mem::take(&mut slot.full_pass_wanted))
     }
 
     /// A client here waits for `sandbox` to start (its intent was written).
     pub fn mark_waiting(&self, sandbox: &SandboxId) {
         let now = self.clock.now();
-        self.waiting
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(sandbox.clone())
-            .or_insert(now);
+        self.slots.update(sandbox, |slot| {
+            slot.waiting.get_or_insert(now);
+        });
     }
 
     /// [`Self::take_waiting`] for a pass that decided to tell the waiter
@@ -135,85 +153,75 @@ impl Reconciler {
         if self.intents_settled(sandbox) == Some(intents_before) {
             return Some(since);
         }
-        self.waiting
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(sandbox.clone())
-            .or_insert(since);
+        self.slots.update(sandbox, |slot| {
+            slot.waiting.get_or_insert(since);
+        });
         None
     }
 
     /// Since when a client here waited for `sandbox`, if one did; it no
     /// longer waits.
     pub(crate) fn take_waiting(&self, sandbox: &SandboxId) -> Option<DateTime<Utc>> {
-        self.waiting
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(sandbox)
+        self.slots.update(sandbox, |slot| slot.waiting.take())
     }
 
     /// Remembers that `sandbox` was just stopped as lost to another
     /// instance.
     pub(super) fn note_lost(&self, sandbox: &SandboxId) {
-        let now = std::time::Instant::now();
-        let mut lost = self.lost.lock().unwrap_or_else(PoisonError::into_inner);
-        lost.retain(|_, at| now.duration_since(*at) < LOST_MEMORY);
-        lost.insert(sandbox.clone(), now);
+        let now = self.clock.instant();
+        {
+            let mut slots = self.slots.all();
+            for slot in slots.values_mut() {
+                slot.forget_old_loss(now, LOST_MEMORY);
+            }
+        }
+        self.slots.update(sandbox, |slot| slot.lost = Some(now));
     }
 
     /// True if this instance stopped `sandbox` as lost within
     /// [`LOST_MEMORY`].
     pub fn was_lost(&self, sandbox: &SandboxId) -> bool {
-        self.lost
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(sandbox)
-            .is_some_and(|at| at.elapsed() < LOST_MEMORY)
+        self.slots
+            .view(sandbox, |slot| slot.lost)
+            .is_some_and(|at| self.clock.instant().duration_since(at) < LOST_MEMORY)
     }
 
     /// The doorbell was rung for `sandbox` (held here) just now.
     pub fn note_rung(&self, sandbox: &SandboxId) {
-        self.rung_here
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(sandbox.clone(), self.clock.now());
+        let now = self.clock.now();
+        self.slots
+            .update(sandbox, |slot| slot.rung_here = Some(now));
     }
 
     /// True within [`RING_FOLLOW_UP`] of a ring for `sandbox`: its intent
     /// may not have landed when the pass read the lock.
     pub(super) fn rung_recently(&self, sandbox: &SandboxId) -> bool {
         let now = self.clock.now();
-        let mut rung = self
-            .rung_here
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        match rung.get(sandbox) {
-            Some(at) if now < *at + chrono_duration(RING_FOLLOW_UP) => true,
+        self.slots.update(sandbox, |slot| match slot.rung_here {
+            Some(at) if now < at + chrono_duration(RING_FOLLOW_UP) => true,
             Some(_) => {
-                rung.remove(sandbox);
+                slot.rung_here = None;
                 false
             }
             None => false,
-        }
+        })
     }
 
     /// The API layer's news: a client attached to (or left) a sandbox held here.
     pub fn client_attached(&self, sandbox: &SandboxId, attached: bool) {
         let now = self.clock.now();
-        if let Some(watch) = self.watch_map().get_mut(sandbox) {
+        self.update_watch(sandbox, |watch| {
             watch.detached_since = if attached { None } else { Some(now) };
             if attached {
                 watch.last_active = Some(now);
             }
-        }
+        });
     }
 
     /// The attached client of `sandbox` sent a frame.
     pub fn client_active(&self, sandbox: &SandboxId) {
         let now = self.clock.now();
-        if let Some(watch) = self.watch_map().get_mut(sandbox) {
-            watch.last_active = Some(now);
-        }
+        self.update_watch(sandbox, |watch| watch.last_active = Some(now));
     }
 
     /// How long the doorbell loop sleeps before its next read: the
@@ -225,7 +233,12 @@ impl Reconciler {
         let now = self.clock.now();
         let window = chrono_duration(self.config.detached_window);
         let (mut watching, mut active) = (false, false);
-        for watch in self.watch_map().values() {
+        for watch in self
+            .slots
+            .all()
+            .values()
+            .filter_map(|slot| slot.state.watch())
+        {
             match watch.detached_since {
                 Some(since) => watching |= now < since + window,
                 None => active |= watch.last_active.is_some_and(|at| now < at + window),

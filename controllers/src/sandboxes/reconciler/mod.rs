@@ -17,8 +17,6 @@
 //! settings in `config` and what the instance knows only locally in `local`.
 //! Each step publishes what happened as domain events (`super::events`).
 
-use std::collections::{HashMap, HashSet};
-
 use chrono::{DateTime, Utc};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
@@ -48,6 +46,7 @@ mod hold;
 mod local;
 mod pass;
 mod primed;
+mod slots;
 mod start;
 
 pub use checkpoint::{delete_checkpoint_objects, record_carried};
@@ -55,7 +54,7 @@ pub use config::{HandoffPolicy, ReconcilerConfig};
 pub use fork::{ForkError, ForkPoint};
 use local::Watch;
 pub use primed::{AttachRead, ReadMetadata};
-use primed::{KnownObjects, Primed};
+use slots::Slots;
 pub(crate) use start::create_options;
 
 use super::events::{
@@ -147,47 +146,15 @@ pub struct Reconciler {
     clock: Arc<dyn Clock>,
     bus: ProgressBus,
     config: ReconcilerConfig,
-    held: Mutex<HashMap<SandboxId, HeldLease>>,
-    watches: Mutex<HashMap<SandboxId, Watch>>,
-    /// Sandboxes a client here waits for (an attach intent was written).
-    waiting: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
-    /// Sandboxes this instance is waiting to acquire (LOCK_ACQUIRING was said).
-    acquiring: Mutex<HashSet<SandboxId>>,
-    /// Sandboxes being acquired and started by a pass right now: their lock
-    /// may name this instance before they are held.
-    starting: Mutex<HashSet<SandboxId>>,
-    /// When this instance last rang the holder of a sandbox it waits for.
-    rung: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
-    /// Holds (sandbox, epoch) whose RecordRunning runs in a task right now.
-    recording: Arc<Mutex<HashSet<(SandboxId, u64)>>>,
-    /// When this instance's doorbell was last rung for a sandbox it holds:
-    /// for a moment after, a pass that finds no intent looks again (the
-    /// ringer writes the intent and rings at the same time).
-    rung_here: Mutex<HashMap<SandboxId, DateTime<Utc>>>,
-    /// When this instance last stopped each sandbox as lost to another
-    /// (kept [`LOST_MEMORY`]): an execution's relay must not report an end
-    /// the loss cut off.
-    lost: Mutex<HashMap<SandboxId, std::time::Instant>>,
+    /// Everything this instance knows only locally about each sandbox
+    /// (`slots.rs`): its hold, its watch, a client waiting, a start in
+    /// flight, what intent writers here left for its next pass.
+    slots: Slots,
     /// When this instance last held or started anything: its instance lease
     /// is renewed until a lease after that.
     last_busy: Mutex<Option<DateTime<Utc>>>,
-    /// Sandboxes whose next pass must be a full one (an intent was written).
-    full_pass_wanted: Mutex<HashSet<SandboxId>>,
-    /// The last `metadata.json` of each sandbox this instance read or wrote,
-    /// with its generation: the first read of its next read-modify-write
-    /// (a change in between fails the precondition and is read afresh).
-    known: KnownObjects,
-    /// What an intent writer here just wrote or read (metadata and lock,
-    /// with generations): the next full pass decides on it instead of
-    /// reading both again.
-    primed: Mutex<HashMap<SandboxId, Primed>>,
-    /// Spec changes this instance's intent writers are still writing.
-    pending_specs: Mutex<primed::PendingSpecs>,
-    /// Sandboxes an intent writer here is writing for right now (how many
-    /// writers): a pass decides nothing until they are done, so it never
-    /// acts on half of an intent (a spec not yet written beside a hold
-    /// already taken).
-    intents_in_flight: Mutex<primed::IntentWriters>,
+    /// The last ticket handed to a spec write (`spec_pending`).
+    spec_tickets: std::sync::atomic::AtomicU64,
     /// This reconciler, once shared behind an `Arc` (by its controller):
     /// steps that must outlive a pass (a checkpoint's record) run in tasks
     /// of their own on it.
@@ -197,8 +164,6 @@ pub struct Reconciler {
     /// The controller's queue, to wake a waiting taker when its handoff's
     /// image lands (`await_handover`); unset without a controller.
     wake: std::sync::OnceLock<super::workqueue::WorkQueue>,
-    /// Takers with a wake pending for their image's landing (one each).
-    image_waits: Arc<Mutex<HashSet<SandboxId>>>,
     metrics: Arc<super::metrics::Metrics>,
     /// Shutting down: checkpoints kill running executions instead of waiting.
     draining: std::sync::atomic::AtomicBool,
@@ -233,25 +198,12 @@ impl Reconciler {
             clock: parts.clock,
             bus: parts.bus,
             config: parts.config,
-            held: Mutex::new(HashMap::new()),
-            watches: Mutex::new(HashMap::new()),
-            full_pass_wanted: Mutex::new(HashSet::new()),
-            known: KnownObjects::default(),
-            primed: Mutex::new(HashMap::new()),
-            pending_specs: Mutex::default(),
-            intents_in_flight: Mutex::default(),
+            slots: Slots::default(),
+            last_busy: Mutex::new(None),
+            spec_tickets: std::sync::atomic::AtomicU64::new(0),
             shared: std::sync::OnceLock::new(),
             background: BackgroundSteps::default(),
             wake: std::sync::OnceLock::new(),
-            image_waits: Arc::default(),
-            acquiring: Mutex::new(HashSet::new()),
-            starting: Mutex::new(HashSet::new()),
-            recording: Arc::default(),
-            rung: Mutex::new(HashMap::new()),
-            rung_here: Mutex::new(HashMap::new()),
-            lost: Mutex::new(HashMap::new()),
-            last_busy: Mutex::new(None),
-            waiting: Mutex::new(HashMap::new()),
             draining: std::sync::atomic::AtomicBool::new(false),
             metrics: Arc::default(),
             hooks: Arc::new(NoHooks),
@@ -331,11 +283,11 @@ impl Reconciler {
                         key: key.to_string(),
                         detail: err.to_string(),
                     })?;
-                self.known.remember(sandbox, &object);
+                self.slots.remember(sandbox, &object);
                 Ok(Some((metadata, object.generation)))
             }
             Err(StoreError::NotFound { .. }) => {
-                self.known.forget(sandbox);
+                self.slots.forget_known(sandbox);
                 Ok(None)
             }
             Err(err) => Err(err.into()),
@@ -379,7 +331,7 @@ impl Reconciler {
 
     /// `metadata.json` as this instance last read or wrote it.
     pub fn known_metadata(&self, sandbox: &SandboxId) -> Option<Versioned> {
-        self.known.get(sandbox)
+        self.slots.known(sandbox)
     }
 
     /// Waits for this instance's write of `sandbox`'s metadata in flight, if
@@ -388,7 +340,7 @@ impl Reconciler {
         &self,
         sandbox: &SandboxId,
     ) -> tokio::sync::OwnedMutexGuard<()> {
-        self.known.write_turn(sandbox).await
+        self.slots.write_turn(sandbox).await
     }
 
     /// Remembers `metadata.json` as written at `generation` by an intent
@@ -399,7 +351,7 @@ impl Reconciler {
         metadata: &SandboxMetadata,
         generation: Generation,
     ) {
-        self.known.remember(
+        self.slots.remember(
             sandbox,
             &Versioned {
                 data: crate::api::encode(metadata),
@@ -420,11 +372,11 @@ impl Reconciler {
         epoch: u64,
         mut change: impl FnMut(&mut SandboxStatus),
     ) -> Result<SandboxMetadata, ReconcileError> {
-        let _turn = self.known.write_turn(sandbox).await;
+        let _turn = self.slots.write_turn(sandbox).await;
         let (written, generation) = fenced_update_from::<SandboxMetadata, Infallible, _>(
             self.metadata.as_ref(),
             &metadata_key(sandbox),
-            self.known.get(sandbox),
+            self.slots.known(sandbox),
             epoch,
             |metadata| {
                 change(&mut metadata.status);

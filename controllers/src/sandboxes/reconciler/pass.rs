@@ -16,7 +16,7 @@ impl Reconciler {
     #[tracing::instrument(skip(self), fields(instance = %self.leases.instance()))]
     pub async fn reconcile(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
         let full_wanted = self.take_full_pass_wanted(sandbox);
-        let watch = self.watch_map().get(sandbox).copied();
+        let watch = self.watch(sandbox);
         if !full_wanted
             && let Some(held) = self.held(sandbox)
             && let Some(watch) = watch
@@ -29,9 +29,8 @@ impl Reconciler {
             return Ok(requeue);
         }
         let outcome = self.full_pass(sandbox).await;
-        if let Some(watch) = self.watch_map().get_mut(sandbox) {
-            watch.last_full_pass = self.clock.now();
-        }
+        let now = self.clock.now();
+        self.update_watch(sandbox, |watch| watch.last_full_pass = now);
         outcome
     }
 
@@ -161,7 +160,7 @@ impl Reconciler {
             held: held.as_ref(),
             vouched: held.as_ref().is_some_and(|held| self.leases.is_safe(held)),
             running_here: self.runtime.is_running(sandbox),
-            starting_here: self.starting_set().contains(sandbox),
+            starting_here: self.is_starting(sandbox),
             lock_expired: lease
                 .as_ref()
                 .is_none_or(|(lease, _)| lease.is_free(now, self.leases.config().skew_tolerance)),

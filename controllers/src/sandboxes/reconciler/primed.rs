@@ -16,20 +16,21 @@
 //!   is conditional on those generations, so a change in between is caught
 //!   exactly as it would be after a read.
 //!
-//! This instance's own writes of one `metadata.json` take turns
-//! ([`KnownObjects::write_turn`]): an intent written while the reconciler's
+//! Both live in the sandbox's slot (`slots.rs`). This instance's own writes
+//! of one `metadata.json` take turns ([`Slots::write_turn`]): an intent written while the reconciler's
 //! status write is in flight (a client's checkpoint right after its create
 //! meets RecordRunning) would start from the generation before it, fail its
 //! precondition and pay a read and a second write; waiting its turn, it
 //! starts from the generation that write left.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use crate::api::{Lease, RungIntent, SandboxId, SandboxMetadata, SandboxSpec};
 use crate::store::{Generation, Versioned};
 
 use super::super::events::{CheckpointFailure, SandboxEvent};
+use super::slots::Slots;
 use super::{ReadLease, Reconciler, chrono_duration};
 
 /// `metadata.json` as read or written, with its generation.
@@ -42,64 +43,34 @@ pub struct AttachRead {
     pub lock: Option<(Lease, Generation)>,
 }
 
-/// The most sandboxes whose metadata is remembered; beyond it the memory is
-/// cleared (it is only ever a hint).
-const MAX_KNOWN: usize = 10_000;
-
-/// The last `metadata.json` read or written, per sandbox.
-#[derive(Debug, Default)]
-pub(super) struct KnownObjects {
-    metadata: Mutex<HashMap<SandboxId, Versioned>>,
-    /// Per sandbox, the turn of this instance's writes of its metadata.
-    turns: Mutex<HashMap<SandboxId, Arc<tokio::sync::Mutex<()>>>>,
-}
-
-impl KnownObjects {
-    /// Remembers `object` unless a newer generation is remembered already:
-    /// a read answered after this instance's own write landed (the two
-    /// travel apart) must not stand in for that write.
+impl Slots {
+    /// Remembers `object` as `sandbox`'s metadata unless a newer generation
+    /// is remembered already: a read answered after this instance's own
+    /// write landed (the two travel apart) must not stand in for that write.
     pub(super) fn remember(&self, sandbox: &SandboxId, object: &Versioned) {
-        let mut known = self.metadata.lock().unwrap_or_else(PoisonError::into_inner);
-        if known.len() >= MAX_KNOWN && !known.contains_key(sandbox) {
-            known.clear();
-        }
-        match known.get_mut(sandbox) {
+        self.update(sandbox, |slot| match &mut slot.known {
             Some(current) if current.generation > object.generation => {}
-            Some(current) => *current = object.clone(),
-            None => {
-                known.insert(sandbox.clone(), object.clone());
-            }
-        }
+            known => *known = Some(object.clone()),
+        });
     }
 
-    pub(super) fn get(&self, sandbox: &SandboxId) -> Option<Versioned> {
-        self.metadata
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(sandbox)
-            .cloned()
+    /// `sandbox`'s metadata as last read or written here.
+    pub(super) fn known(&self, sandbox: &SandboxId) -> Option<Versioned> {
+        self.view(sandbox, |slot| slot.known.clone())
     }
 
-    pub(super) fn forget(&self, sandbox: &SandboxId) {
-        self.metadata
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(sandbox);
+    pub(super) fn forget_known(&self, sandbox: &SandboxId) {
+        self.update(sandbox, |slot| slot.known = None);
     }
 
     /// Waits until no other write of `sandbox`'s metadata by this instance
     /// is in flight; the turn lasts until the guard drops. Only an
-    /// optimisation (module docs): a turn lost to the bound below costs
-    /// at most a failed precondition.
+    /// optimisation (module docs): a turn lost to the slots' bound costs at
+    /// most a failed precondition.
     pub(super) async fn write_turn(&self, sandbox: &SandboxId) -> tokio::sync::OwnedMutexGuard<()> {
-        let turn = {
-            let mut turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
-            if turns.len() >= MAX_KNOWN && !turns.contains_key(sandbox) {
-                // Only turns nobody holds or waits for go.
-                turns.retain(|_, turn| Arc::strong_count(turn) > 1);
-            }
-            Arc::clone(turns.entry(sandbox.clone()).or_default())
-        };
+        let turn = self.update(sandbox, |slot| {
+            Arc::clone(slot.write_turn.get_or_insert_with(Arc::default))
+        });
         turn.lock_owned().await
     }
 }
@@ -122,52 +93,29 @@ pub(crate) struct IntentGuard<'a> {
 
 impl Drop for IntentGuard<'_> {
     fn drop(&mut self) {
-        let mut writers = self
-            .reconciler
-            .intents_in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(entry) = writers.by_sandbox.get_mut(&self.sandbox) {
-            entry.in_flight = entry.in_flight.saturating_sub(1);
-        }
+        self.reconciler.slots.update(&self.sandbox, |slot| {
+            slot.intents.in_flight = slot.intents.in_flight.saturating_sub(1);
+        });
     }
 }
 
-/// The intent writers of this instance, per sandbox: how many are at work
-/// and how many ever started, so a pass can tell that one started (and
+/// The intent writers of this instance on one sandbox: how many are at
+/// work and how many ever started, so a pass can tell that one started (and
 /// maybe finished) while it read.
-#[derive(Debug, Default)]
-pub(super) struct IntentWriters {
-    by_sandbox: HashMap<SandboxId, IntentCount>,
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct IntentCount {
+    pub(super) in_flight: usize,
+    pub(super) started: u64,
 }
 
-#[derive(Debug, Default, Clone, Copy)]
-struct IntentCount {
-    in_flight: usize,
-    started: u64,
+impl IntentCount {
+    pub(super) fn is_idle_and_unstarted(&self) -> bool {
+        self.in_flight == 0 && self.started == 0
+    }
 }
 
 /// A change of a sandbox's spec, as an intent writer makes it.
 pub(crate) type SpecChange = Arc<dyn Fn(&mut SandboxSpec) + Send + Sync>;
-
-/// The spec changes this instance's intent writers are still writing, by
-/// sandbox, each with the ticket of the write it belongs to. A pass applies
-/// them to the spec it reads until the write ends (landed or failed): an
-/// attach whose lock write landed need not wait for its spec write, which
-/// GCS's per-object rate can hold up for a second or more (decision 21).
-#[derive(Default)]
-pub(super) struct PendingSpecs {
-    by_sandbox: HashMap<SandboxId, (u64, SpecChange)>,
-    next_ticket: u64,
-}
-
-impl std::fmt::Debug for PendingSpecs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PendingSpecs")
-            .field("sandboxes", &self.by_sandbox.len())
-            .finish_non_exhaustive()
-    }
-}
 
 /// Both objects as an intent writer here left them, for the next full pass.
 #[derive(Debug, Clone)]
@@ -185,30 +133,29 @@ impl Reconciler {
     /// caller has just written or read, instead of reading them again.
     pub fn prime(&self, sandbox: &SandboxId, metadata: ReadMetadata, lock: Option<ReadLease>) {
         self.remember_metadata(sandbox, &metadata.0, metadata.1);
-        self.primed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(
-                sandbox.clone(),
-                Primed {
-                    metadata,
-                    lock,
-                    at: self.clock.now(),
-                    era: self.leases.instance_lease().era(),
-                },
-            );
+        let primed = Primed {
+            metadata,
+            lock,
+            at: self.clock.now(),
+            era: self.leases.instance_lease().era(),
+        };
+        self.slots
+            .update(sandbox, |slot| slot.primed = Some(primed));
     }
 
     /// `change` is being written to `sandbox`'s spec: passes apply it to
     /// what they read until [`Self::spec_written`] with the ticket returned.
+    /// A pass applies it to the spec it reads until the write ends (landed
+    /// or failed): an attach whose lock write landed need not wait for its
+    /// spec write, which GCS's per-object rate can hold up for a second or
+    /// more (decision 21).
     pub(crate) fn spec_pending(&self, sandbox: &SandboxId, change: SpecChange) -> u64 {
-        let mut pending = self
-            .pending_specs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        pending.next_ticket = pending.next_ticket.wrapping_add(1);
-        let ticket = pending.next_ticket;
-        pending.by_sandbox.insert(sandbox.clone(), (ticket, change));
+        let ticket = self
+            .spec_tickets
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_add(1);
+        self.slots
+            .update(sandbox, |slot| slot.pending_spec = Some((ticket, change)));
         ticket
     }
 
@@ -216,26 +163,20 @@ impl Reconciler {
     /// task that ends it queues a pass).
     #[cfg(test)]
     pub(crate) fn spec_write_pending(&self, sandbox: &SandboxId) -> bool {
-        self.pending_specs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .by_sandbox
-            .contains_key(sandbox)
+        self.slots.view(sandbox, |slot| slot.pending_spec.is_some())
     }
 
     /// The write of ticket `ticket` ended: passes read the spec as stored.
     pub(crate) fn spec_written(&self, sandbox: &SandboxId, ticket: u64) {
-        let mut pending = self
-            .pending_specs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if pending
-            .by_sandbox
-            .get(sandbox)
-            .is_some_and(|(current, _)| *current == ticket)
-        {
-            pending.by_sandbox.remove(sandbox);
-        }
+        self.slots.update(sandbox, |slot| {
+            if slot
+                .pending_spec
+                .as_ref()
+                .is_some_and(|(current, _)| *current == ticket)
+            {
+                slot.pending_spec = None;
+            }
+        });
     }
 
     /// A checkpoint intent primed before its write failed to be written:
@@ -247,10 +188,8 @@ impl Reconciler {
         err: &dyn std::fmt::Display,
     ) {
         let unused = self
-            .primed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(sandbox)
+            .slots
+            .update(sandbox, |slot| slot.primed.take())
             .is_some();
         if unused {
             self.emit(
@@ -293,11 +232,9 @@ impl Reconciler {
             at: self.clock.now(),
             era: self.leases.instance_lease().era(),
         };
-        self.primed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(sandbox.clone())
-            .or_insert(primed);
+        self.slots.update(sandbox, |slot| {
+            slot.primed.get_or_insert(primed);
+        });
     }
 
     /// A ring's attach intent came with the generations its ringer read
@@ -338,13 +275,11 @@ impl Reconciler {
         if metadata.is_deleted() {
             return;
         }
-        let change = self
-            .pending_specs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .by_sandbox
-            .get(sandbox)
-            .map(|(_, change)| Arc::clone(change));
+        let change = self.slots.view(sandbox, |slot| {
+            slot.pending_spec
+                .as_ref()
+                .map(|(_, change)| Arc::clone(change))
+        });
         if let Some(change) = change {
             change(&mut metadata.spec);
         }
@@ -352,11 +287,7 @@ impl Reconciler {
 
     /// The primed objects of `sandbox`, if still fresh (else `None`: read).
     pub(super) fn take_primed(&self, sandbox: &SandboxId) -> Option<Primed> {
-        let primed = self
-            .primed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(sandbox)?;
+        let primed = self.slots.update(sandbox, |slot| slot.primed.take())?;
         let fresh = self.clock.now() <= primed.at + chrono_duration(PRIMED_FOR)
             && primed.era == self.leases.instance_lease().era();
         fresh.then_some(primed)
@@ -365,18 +296,10 @@ impl Reconciler {
     /// An intent writer starts on `sandbox`: passes decide nothing until the
     /// guard is dropped (after it primed and queued the next one).
     pub(crate) fn writing_intent(&self, sandbox: &SandboxId) -> IntentGuard<'_> {
-        {
-            let mut writers = self
-                .intents_in_flight
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            if writers.by_sandbox.len() >= MAX_KNOWN && !writers.by_sandbox.contains_key(sandbox) {
-                writers.by_sandbox.retain(|_, count| count.in_flight > 0);
-            }
-            let entry = writers.by_sandbox.entry(sandbox.clone()).or_default();
-            entry.in_flight += 1;
-            entry.started += 1;
-        }
+        self.slots.update(sandbox, |slot| {
+            slot.intents.in_flight += 1;
+            slot.intents.started += 1;
+        });
         IntentGuard {
             reconciler: self,
             sandbox: sandbox.clone(),
@@ -386,23 +309,13 @@ impl Reconciler {
     /// How many intent writers ever started on `sandbox`, if none is at
     /// work now (`None`: one is).
     pub(crate) fn intents_settled(&self, sandbox: &SandboxId) -> Option<u64> {
-        let writers = self
-            .intents_in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        match writers.by_sandbox.get(sandbox) {
-            Some(count) if count.in_flight > 0 => None,
-            Some(count) => Some(count.started),
-            None => Some(0),
-        }
+        let count = self.slots.view(sandbox, |slot| slot.intents);
+        (count.in_flight == 0).then_some(count.started)
     }
 
     /// True while a client here waits for `sandbox` to start.
     pub(crate) fn is_waiting(&self, sandbox: &SandboxId) -> bool {
-        self.waiting
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .contains_key(sandbox)
+        self.slots.view(sandbox, |slot| slot.waiting.is_some())
     }
 
     /// True when the periodic checkpoint of a held, checkpointable sandbox
@@ -411,9 +324,9 @@ impl Reconciler {
         let Some(interval) = self.config.checkpoint_interval else {
             return false;
         };
-        self.watch_map().get(sandbox).is_some_and(|watch| {
-            watch.checkpointable
-                && self.clock.now() >= watch.last_checkpoint + chrono_duration(interval)
+        let now = self.clock.now();
+        self.watch(sandbox).is_some_and(|watch| {
+            watch.checkpointable && now >= watch.last_checkpoint + chrono_duration(interval)
         })
     }
 }
@@ -424,11 +337,11 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_second_write_of_one_sandbox_waits_its_turn_and_another_sandbox_does_not() {
-        let known = Arc::new(KnownObjects::default());
+        let known = Slots::default();
         let (one, other) = (SandboxId::random(), SandboxId::random());
         let first = known.write_turn(&one).await;
         let waiting = tokio::spawn({
-            let (known, one) = (Arc::clone(&known), one.clone());
+            let (known, one) = (known.clone(), one.clone());
             async move {
                 let _turn = known.write_turn(&one).await;
             }

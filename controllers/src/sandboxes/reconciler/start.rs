@@ -2,30 +2,30 @@
 //! more, ring a slow holder again, acquire the lease, then restore the
 //! requested or latest checkpoint (manifest checked) or create it.
 
-use std::collections::HashSet;
-use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use super::checkpoint::{record_carried, unreferenced};
+use super::slots::{LocalState, Slots};
 use super::*;
 use crate::runtime::ImageLanded;
 
 /// How often an instance waiting for a sandbox rings its holder again.
 const RERING_INTERVAL: Duration = Duration::from_secs(5);
 
-/// Marks a sandbox as being started by a pass until dropped.
+/// A start in flight: the sandbox is [`LocalState::Starting`] from `new`
+/// until the start takes the hold up; dropped before that (a failure, an
+/// early return, the pass cancelled), it goes back to the state it started
+/// from (`LocalState::start_ended`).
 pub(super) struct StartingGuard<'a> {
-    set: &'a Mutex<HashSet<SandboxId>>,
+    slots: &'a Slots,
     sandbox: SandboxId,
 }
 
 impl<'a> StartingGuard<'a> {
-    pub(super) fn new(set: &'a Mutex<HashSet<SandboxId>>, sandbox: &SandboxId) -> Self {
-        set.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(sandbox.clone());
+    pub(super) fn new(slots: &'a Slots, sandbox: &SandboxId) -> Self {
+        slots.update(sandbox, |slot| slot.step(|state| (state.begin_start(), ())));
         Self {
-            set,
+            slots,
             sandbox: sandbox.clone(),
         }
     }
@@ -33,10 +33,9 @@ impl<'a> StartingGuard<'a> {
 
 impl Drop for StartingGuard<'_> {
     fn drop(&mut self) {
-        self.set
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.sandbox);
+        self.slots.update(&self.sandbox, |slot| {
+            slot.step(|state| (state.start_ended(), ()))
+        });
     }
 }
 
@@ -94,16 +93,11 @@ impl Reconciler {
             self.emit(sandbox, SandboxEvent::LeaseAcquiring);
         }
         let now = self.clock.now();
-        let due = {
-            let mut rung = self.rung.lock().unwrap_or_else(PoisonError::into_inner);
-            let last = rung.entry(sandbox.clone()).or_insert(now);
-            if now >= *last + chrono_duration(RERING_INTERVAL) {
-                *last = now;
-                true
-            } else {
-                false
-            }
-        };
+        let due = self.slots.update(sandbox, |slot| {
+            slot.state
+                .acquiring_mut()
+                .is_some_and(|acquiring| acquiring.ring_due(now, chrono_duration(RERING_INTERVAL)))
+        });
         let mut next = self.config.acquire_poll;
         if let Some(lease) = lease
             && lease.wanted_by_me(self.leases.instance(), now)
@@ -131,21 +125,15 @@ impl Reconciler {
         let Some(queue) = self.wake.get().cloned() else {
             return;
         };
-        if !self
-            .image_waits
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(sandbox.clone())
-        {
+        if self.slots.update(sandbox, |slot| {
+            std::mem::replace(&mut slot.image_wait, true)
+        }) {
             return;
         }
-        let (waits, sandbox) = (Arc::clone(&self.image_waits), sandbox.clone());
+        let (slots, sandbox) = (self.slots.clone(), sandbox.clone());
         tokio::spawn(async move {
             landed.await;
-            waits
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&sandbox);
+            slots.update(&sandbox, |slot| slot.image_wait = false);
             queue.add(&sandbox);
         });
     }
@@ -153,22 +141,15 @@ impl Reconciler {
     /// Remembers that this instance waits to acquire `sandbox`; true the
     /// first time (the client is told `LOCK_ACQUIRING` once).
     fn note_acquiring(&self, sandbox: &SandboxId) -> bool {
-        self.acquiring
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(sandbox.clone())
+        self.slots
+            .update(sandbox, |slot| slot.step(LocalState::wait_to_acquire))
     }
 
     /// Forgets the waiting-to-acquire bookkeeping of `sandbox`.
     fn done_acquiring(&self, sandbox: &SandboxId) {
-        self.rung
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(sandbox);
-        self.acquiring
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(sandbox);
+        self.slots.update(sandbox, |slot| {
+            slot.step(|state| (state.done_acquiring(), ()))
+        });
     }
 
     /// Desired running and wanted here, the lock free or expired: acquire it
@@ -182,7 +163,7 @@ impl Reconciler {
         if self.note_acquiring(sandbox) {
             self.emit(sandbox, SandboxEvent::LeaseAcquiring);
         }
-        let starting = StartingGuard::new(&self.starting, sandbox);
+        let starting = StartingGuard::new(&self.slots, sandbox);
         let held = match self.leases.acquire_from(sandbox, lock.clone()).await {
             Ok(held) => held,
             Err(LeaseError::HeldByOther { holder, .. }) => {
@@ -248,7 +229,7 @@ impl Reconciler {
         if self.note_acquiring(sandbox) {
             self.emit(sandbox, SandboxEvent::LeaseAcquiring);
         }
-        let starting = StartingGuard::new(&self.starting, sandbox);
+        let starting = StartingGuard::new(&self.slots, sandbox);
         let held = match self.leases.adopt(sandbox, &lease, generation).await {
             Ok(held) => held,
             Err(err) => {
@@ -272,13 +253,15 @@ impl Reconciler {
         self.done_acquiring(sandbox);
         self.emit(sandbox, SandboxEvent::LeaseAcquired);
         let waited_since = self.take_waiting(sandbox);
-        let started = std::time::Instant::now();
+        let started = self.clock.instant();
         let outcome = self.start(sandbox, metadata, &held).await;
         match &outcome {
             Ok((kind, _)) => match kind {
                 StartKind::Create => crate::sandboxes::Metrics::add(&self.metrics.creates, 1),
                 StartKind::Restore => {
-                    self.metrics.restore_seconds.observe(started.elapsed());
+                    self.metrics
+                        .restore_seconds
+                        .observe(self.clock.instant().duration_since(started));
                     if let Some(since) = waited_since {
                         let waited = (self.clock.now() - since).to_std().unwrap_or_default();
                         self.metrics.handoff_in_seconds.observe(waited);
@@ -289,17 +272,16 @@ impl Reconciler {
         }
         match outcome {
             Ok((_, served_request)) => {
-                self.held_map().insert(sandbox.clone(), held.clone());
-                self.watch_map().insert(
-                    sandbox.clone(),
-                    Watch {
-                        last_full_pass: self.clock.now(),
-                        detached_since: None,
-                        last_active: None,
-                        checkpointable: metadata.spec.enable_checkpoint,
-                        last_checkpoint: self.clock.now(),
-                    },
-                );
+                let watch = Watch {
+                    last_full_pass: self.clock.now(),
+                    detached_since: None,
+                    last_active: None,
+                    checkpointable: metadata.spec.enable_checkpoint,
+                    last_checkpoint: self.clock.now(),
+                };
+                self.slots.update(sandbox, |slot| {
+                    slot.step(|_| (LocalState::hold(held.clone(), watch), ()));
+                });
                 self.emit(sandbox, SandboxEvent::Running { epoch: held.epoch });
                 // The record after the client hears it runs, in its own
                 // task: GCS's per-object write rate can hold it up for a
@@ -416,18 +398,16 @@ impl Reconciler {
         let Some(me) = self.shared() else {
             return false;
         };
-        let key = (sandbox.clone(), held.epoch);
         if !self
-            .recording
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(key.clone())
+            .slots
+            .update(sandbox, |slot| slot.recording.insert(held.epoch))
         {
             return true;
         }
         let recording = Recording {
-            set: Arc::clone(&self.recording),
-            key,
+            slots: self.slots.clone(),
+            sandbox: sandbox.clone(),
+            epoch: held.epoch,
         };
         let (sandbox, held) = (sandbox.clone(), held.clone());
         self.spawn_background(async move {
@@ -612,15 +592,15 @@ pub(crate) fn create_options(spec: &crate::api::SandboxSpec) -> CreateOptions {
 
 /// A RecordRunning at work in a task, until dropped.
 struct Recording {
-    set: Arc<Mutex<HashSet<(SandboxId, u64)>>>,
-    key: (SandboxId, u64),
+    slots: Slots,
+    sandbox: SandboxId,
+    epoch: u64,
 }
 
 impl Drop for Recording {
     fn drop(&mut self) {
-        self.set
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.key);
+        self.slots.update(&self.sandbox, |slot| {
+            slot.recording.remove(&self.epoch);
+        });
     }
 }

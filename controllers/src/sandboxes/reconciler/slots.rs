@@ -1,0 +1,473 @@
+//! Everything this instance keeps about one sandbox, in one place: a
+//! [`Slot`] per sandbox, all of them behind one lock ([`Slots`]).
+//!
+//! A sandbox's life on this instance (a client waiting, the lease being
+//! acquired, the start, the hold, its checkpoints, its loss) and what the
+//! intent writers here left for its next pass used to be membership in a
+//! dozen maps and sets, each behind its own lock: nothing tied one
+//! sandbox's entries together, and a reader could see one map changed and
+//! the next not yet. One slot per sandbox gathers them, so one lock
+//! acquisition sees (and changes) all of a sandbox's local state at once.
+//! A slot exists only while something is in it; it is removed when its last
+//! field empties.
+//!
+//! The sandbox's phase here is one [`LocalState`]: idle, waiting to acquire,
+//! starting, or held, each variant carrying what that phase needs, with
+//! every transition one method returning the next state. A sandbox cannot
+//! be held and starting at once, nor watched without being held. What is
+//! not a phase (a client waiting, a loss remembered, records in flight,
+//! what intent writers left for the next pass) sits beside it.
+//!
+//! The map is shared behind an `Arc` so that tasks outliving a pass (a
+//! start's record, a wake on an image's landing) reach their sandbox's slot.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use chrono::{DateTime, Utc};
+
+use crate::api::SandboxId;
+use crate::leasing::HeldLease;
+use crate::store::Versioned;
+
+use super::local::Watch;
+use super::primed::{IntentCount, Primed, SpecChange};
+
+/// The most sandboxes with a slot before the hints in them (remembered
+/// metadata, idle write turns, settled intent counts, old losses) are
+/// dropped: they are only ever hints.
+const MAX_SLOTS: usize = 10_000;
+
+/// What this instance knows only locally about one sandbox.
+#[derive(Default)]
+pub(super) struct Slot {
+    /// Where the sandbox is in its life here.
+    pub(super) state: LocalState,
+    /// Since when a client here waits for the sandbox (an attach intent was
+    /// written).
+    pub(super) waiting: Option<DateTime<Utc>>,
+    /// The epochs of holds whose RecordRunning runs in a task right now.
+    pub(super) recording: BTreeSet<u64>,
+    /// When this instance's doorbell was last rung for the sandbox it holds:
+    /// for a moment after, a pass that finds no intent looks again (the
+    /// ringer writes the intent and rings at the same time).
+    pub(super) rung_here: Option<DateTime<Utc>>,
+    /// When this instance last stopped the sandbox as lost to another (kept
+    /// `LOST_MEMORY`): an execution's relay must not report an end the loss
+    /// cut off.
+    pub(super) lost: Option<tokio::time::Instant>,
+    /// The next pass must be a full one (an intent was written).
+    pub(super) full_pass_wanted: bool,
+    /// The last `metadata.json` this instance read or wrote, with its
+    /// generation: the first read of its next read-modify-write (a change
+    /// in between fails the precondition and is read afresh).
+    pub(super) known: Option<Versioned>,
+    /// The turn of this instance's writes of the sandbox's metadata.
+    pub(super) write_turn: Option<Arc<tokio::sync::Mutex<()>>>,
+    /// What an intent writer here just wrote or read (metadata and lock,
+    /// with generations): the next full pass decides on it instead of
+    /// reading both again.
+    pub(super) primed: Option<Primed>,
+    /// The spec change an intent writer here is still writing, with the
+    /// ticket of its write.
+    pub(super) pending_spec: Option<(u64, SpecChange)>,
+    /// The intent writers here at work on the sandbox (and how many ever
+    /// started): a pass decides nothing until they are done, so it never
+    /// acts on half of an intent (a spec not yet written beside a hold
+    /// already taken).
+    pub(super) intents: IntentCount,
+    /// A wake is pending for the landing of the image a taker waits for
+    /// (one at a time).
+    pub(super) image_wait: bool,
+}
+
+impl Slot {
+    /// Moves the sandbox's state on by `transition` (one of
+    /// [`LocalState`]'s), with what the transition says besides.
+    pub(super) fn step<T>(&mut self, transition: impl FnOnce(LocalState) -> (LocalState, T)) -> T {
+        let (next, outcome) = transition(std::mem::take(&mut self.state));
+        self.state = next;
+        outcome
+    }
+
+    /// Nothing left in it: the slot can go.
+    fn is_empty(&self) -> bool {
+        matches!(self.state, LocalState::Idle)
+            && self.waiting.is_none()
+            && self.recording.is_empty()
+            && self.rung_here.is_none()
+            && self.lost.is_none()
+            && !self.full_pass_wanted
+            && self.known.is_none()
+            && self.write_turn.is_none()
+            && self.primed.is_none()
+            && self.pending_spec.is_none()
+            && self.intents.is_idle_and_unstarted()
+            && !self.image_wait
+    }
+
+    /// Drops what is only a hint (see [`MAX_SLOTS`]); old losses go with
+    /// the next loss (`note_lost`).
+    fn drop_hints(&mut self) {
+        self.known = None;
+        // Only turns nobody holds or waits for go.
+        if self
+            .write_turn
+            .as_ref()
+            .is_some_and(|turn| Arc::strong_count(turn) <= 1)
+        {
+            self.write_turn = None;
+        }
+        if self.intents.in_flight == 0 {
+            self.intents = IntentCount::default();
+        }
+    }
+
+    /// Forgets a loss older than `lost_memory`.
+    pub(super) fn forget_old_loss(
+        &mut self,
+        now: tokio::time::Instant,
+        lost_memory: std::time::Duration,
+    ) {
+        if self
+            .lost
+            .is_some_and(|at| now.duration_since(at) >= lost_memory)
+        {
+            self.lost = None;
+        }
+    }
+}
+
+/// Where a sandbox is in its life on this instance: one phase at a time,
+/// each with what it needs, so that a sandbox cannot be held and starting
+/// at once. The transitions are the methods below, each returning the next
+/// state; a sandbox in [`LocalState::Idle`] with nothing else in its slot
+/// has no slot.
+#[derive(Debug, Clone, Default)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one per sandbox, moved only on a transition: a box would cost an allocation per start to save a few hundred bytes per idle slot"
+)]
+pub(super) enum LocalState {
+    /// Nothing in flight here.
+    #[default]
+    Idle,
+    /// Waiting to acquire the sandbox (LOCK_ACQUIRING was said).
+    Acquiring(Acquiring),
+    /// A pass acquires and starts the sandbox right now: its lock may name
+    /// this instance before it is held.
+    Starting {
+        /// The wait that led here, until the start takes it up: a start
+        /// that ends without a hold goes back to it.
+        acquiring: Option<Acquiring>,
+    },
+    /// Held and running here.
+    Held {
+        /// The lease this instance holds on it.
+        lease: HeldLease,
+        /// How closely it is watched.
+        watch: Watch,
+    },
+}
+
+/// A wait to acquire a sandbox.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Acquiring {
+    /// When this instance last rang the holder (`None`: not since the wait
+    /// began; the first ring came with the attach intent).
+    pub(super) rung_at: Option<DateTime<Utc>>,
+}
+
+impl Acquiring {
+    /// True when the holder is due another ring at `now` (every `every`,
+    /// counted from the first look); remembers the ring.
+    pub(super) fn ring_due(&mut self, now: DateTime<Utc>, every: chrono::Duration) -> bool {
+        let last = self.rung_at.get_or_insert(now);
+        if now >= *last + every {
+            *last = now;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+impl LocalState {
+    /// This instance waits to acquire the sandbox; with true when it did
+    /// not already (the client is told LOCK_ACQUIRING once). A held sandbox
+    /// stays held.
+    pub(super) fn wait_to_acquire(self) -> (Self, bool) {
+        match self {
+            Self::Idle => (Self::Acquiring(Acquiring::default()), true),
+            Self::Starting { acquiring: None } => (
+                Self::Starting {
+                    acquiring: Some(Acquiring::default()),
+                },
+                true,
+            ),
+            state => (state, false),
+        }
+    }
+
+    /// The wait to acquire is over (the hold is taken, or will not be).
+    pub(super) fn done_acquiring(self) -> Self {
+        match self {
+            Self::Acquiring(_) => Self::Idle,
+            Self::Starting { .. } => Self::Starting { acquiring: None },
+            state => state,
+        }
+    }
+
+    /// A pass begins to acquire and start the sandbox. A held sandbox stays
+    /// held (the decision table never starts one).
+    pub(super) fn begin_start(self) -> Self {
+        match self {
+            Self::Idle => Self::Starting { acquiring: None },
+            Self::Acquiring(acquiring) => Self::Starting {
+                acquiring: Some(acquiring),
+            },
+            state => state,
+        }
+    }
+
+    /// The start ended without a hold taken up (failed, gave way to
+    /// another holder, or was cancelled): back to the wait it came from, if
+    /// any. Anything but a start is left as it is.
+    pub(super) fn start_ended(self) -> Self {
+        match self {
+            Self::Starting {
+                acquiring: Some(acquiring),
+            } => Self::Acquiring(acquiring),
+            Self::Starting { acquiring: None } => Self::Idle,
+            state => state,
+        }
+    }
+
+    /// The start took the hold up: the sandbox runs here.
+    pub(super) fn hold(lease: HeldLease, watch: Watch) -> Self {
+        Self::Held { lease, watch }
+    }
+
+    /// The hold was renewed: held under `lease` from now on. A sandbox no
+    /// longer held (stopped meanwhile) is not held again by a renewal.
+    pub(super) fn renewed(self, lease: HeldLease) -> Self {
+        match self {
+            Self::Held { watch, .. } => Self::Held { lease, watch },
+            state => state,
+        }
+    }
+
+    /// The hold ended (released, handed over, lost, died or deleted).
+    pub(super) fn released(self) -> Self {
+        match self {
+            Self::Held { .. } => Self::Idle,
+            state => state,
+        }
+    }
+
+    pub(super) fn held(&self) -> Option<&HeldLease> {
+        match self {
+            Self::Held { lease, .. } => Some(lease),
+            _ => None,
+        }
+    }
+
+    pub(super) fn watch(&self) -> Option<&Watch> {
+        match self {
+            Self::Held { watch, .. } => Some(watch),
+            _ => None,
+        }
+    }
+
+    pub(super) fn watch_mut(&mut self) -> Option<&mut Watch> {
+        match self {
+            Self::Held { watch, .. } => Some(watch),
+            _ => None,
+        }
+    }
+
+    /// The wait to acquire, if this instance waits (or starts after one).
+    pub(super) fn acquiring_mut(&mut self) -> Option<&mut Acquiring> {
+        match self {
+            Self::Acquiring(acquiring)
+            | Self::Starting {
+                acquiring: Some(acquiring),
+            } => Some(acquiring),
+            _ => None,
+        }
+    }
+
+    pub(super) fn is_starting(&self) -> bool {
+        matches!(self, Self::Starting { .. })
+    }
+
+    /// Held or starting: the instance lease must be kept.
+    pub(super) fn is_busy(&self) -> bool {
+        matches!(self, Self::Held { .. } | Self::Starting { .. })
+    }
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slot")
+            .field("state", &self.state)
+            .field("waiting", &self.waiting)
+            .field("recording", &self.recording)
+            .field("full_pass_wanted", &self.full_pass_wanted)
+            .field("primed", &self.primed.is_some())
+            .field("pending_spec", &self.pending_spec.is_some())
+            .field("intents", &self.intents)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The slots of every sandbox this instance knows locally, behind one lock.
+/// Cheap to clone: clones share the slots.
+#[derive(Debug, Default, Clone)]
+pub(super) struct Slots(Arc<Mutex<HashMap<SandboxId, Slot>>>);
+
+impl Slots {
+    /// Every slot at once (for what looks across sandboxes).
+    pub(super) fn all(&self) -> MutexGuard<'_, HashMap<SandboxId, Slot>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Reads `sandbox`'s slot (an empty one if it has none).
+    pub(super) fn view<T>(&self, sandbox: &SandboxId, read: impl FnOnce(&Slot) -> T) -> T {
+        let slots = self.all();
+        match slots.get(sandbox) {
+            Some(slot) => read(slot),
+            None => read(&Slot::default()),
+        }
+    }
+
+    /// Changes `sandbox`'s slot (made if it has none, removed if left
+    /// empty). `change` must not reach the slots again: the lock is held.
+    pub(super) fn update<T>(&self, sandbox: &SandboxId, change: impl FnOnce(&mut Slot) -> T) -> T {
+        let mut slots = self.all();
+        if !slots.contains_key(sandbox) && slots.len() >= MAX_SLOTS {
+            for slot in slots.values_mut() {
+                slot.drop_hints();
+            }
+            slots.retain(|_, slot| !slot.is_empty());
+        }
+        let slot = slots.entry(sandbox.clone()).or_default();
+        let outcome = change(slot);
+        if slot.is_empty() {
+            slots.remove(sandbox);
+        }
+        outcome
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::TimeZone;
+
+    use super::*;
+    use crate::api::Lease;
+    use crate::store::Generation;
+
+    fn at(seconds: i64) -> DateTime<Utc> {
+        Utc.timestamp_opt(1_800_000_000 + seconds, 0).unwrap()
+    }
+
+    fn held(epoch: u64) -> HeldLease {
+        let mut lease = Lease::unheld(15);
+        lease.epoch = epoch;
+        HeldLease {
+            sandbox: SandboxId::from_u128(1),
+            epoch,
+            renewed_at: at(0),
+            generation: Generation(1),
+            lease,
+            era: 1,
+        }
+    }
+
+    fn watch() -> Watch {
+        Watch {
+            last_full_pass: at(0),
+            detached_since: None,
+            last_active: None,
+            checkpointable: true,
+            last_checkpoint: at(0),
+        }
+    }
+
+    #[test]
+    fn a_start_that_takes_the_hold_up_leaves_it_held_not_starting() {
+        let (state, said) = LocalState::Idle.wait_to_acquire();
+        assert!(said, "the client is told LOCK_ACQUIRING the first time");
+        let state = state.begin_start().done_acquiring();
+        assert!(state.is_starting() && state.is_busy());
+        // The start's guard ends after the hold is taken up: it stays held.
+        let state = LocalState::hold(held(3), watch()).start_ended();
+        assert!(!state.is_starting());
+        assert_eq!(state.held().map(|held| held.epoch), Some(3));
+        assert!(state.watch().is_some());
+    }
+
+    #[test]
+    fn a_start_that_gives_way_goes_back_to_its_wait_with_its_rings() {
+        let mut state = LocalState::Idle.wait_to_acquire().0;
+        let every = chrono::Duration::seconds(5);
+        let acquiring = state.acquiring_mut().unwrap();
+        assert!(
+            !acquiring.ring_due(at(0), every),
+            "the first ring came with the intent"
+        );
+        assert!(!acquiring.ring_due(at(4), every));
+        let state = state.begin_start();
+        let mut state = state.start_ended();
+        assert!(
+            matches!(state, LocalState::Acquiring(Acquiring { rung_at: Some(t) }) if t == at(0))
+        );
+        assert!(state.acquiring_mut().unwrap().ring_due(at(5), every));
+        let (state, said) = state.wait_to_acquire();
+        assert!(!said, "LOCK_ACQUIRING is said once per wait");
+        assert!(!state.is_busy());
+    }
+
+    #[test]
+    fn a_start_that_fails_after_its_wait_ended_leaves_nothing() {
+        let state = LocalState::Idle.wait_to_acquire().0.begin_start();
+        let state = state.done_acquiring().start_ended();
+        assert!(matches!(state, LocalState::Idle));
+        assert!(matches!(
+            LocalState::Idle.begin_start().start_ended(),
+            LocalState::Idle
+        ));
+    }
+
+    #[test]
+    fn a_hold_is_never_started_again_nor_renewed_back_after_it_ended() {
+        let state = LocalState::hold(held(3), watch());
+        let state = state.begin_start();
+        assert!(!state.is_starting(), "a held sandbox is not started");
+        let state = state.renewed(held(4));
+        assert_eq!(state.held().map(|held| held.epoch), Some(4));
+        let state = state.released().renewed(held(5));
+        assert!(
+            matches!(state, LocalState::Idle),
+            "a renewal after a stop holds nothing"
+        );
+    }
+
+    #[test]
+    fn a_slot_goes_when_its_last_field_empties() {
+        let slots = Slots::default();
+        let sandbox = SandboxId::from_u128(7);
+        slots.update(&sandbox, |slot| {
+            slot.step(|state| (state.begin_start(), ()))
+        });
+        assert_eq!(slots.all().len(), 1);
+        slots.update(&sandbox, |slot| slot.waiting = Some(at(0)));
+        slots.update(&sandbox, |slot| {
+            slot.step(|state| (state.start_ended(), ()))
+        });
+        assert_eq!(slots.all().len(), 1, "a client still waits");
+        slots.update(&sandbox, |slot| slot.waiting = None);
+        assert!(slots.all().is_empty());
+    }
+}
