@@ -4,6 +4,7 @@
 //! checkpoints or restores a sandbox by itself.
 
 pub mod admission;
+pub mod checkpoints;
 pub mod connect;
 pub mod events;
 pub mod execute;

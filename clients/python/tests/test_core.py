@@ -141,9 +141,26 @@ async def test_named_checkpoints_attach_and_refusals(server):
     assert await process.stdout.read_all() == "one\n"
     cell = await first.exec("python", "print(answer)", session=True)
     assert await cell.stdout.read_all() == "1\n"
+    history = await _history(first, {"first", "second"})
+    assert [c.role for c in history].count("latest") == 1
+    assert history == sorted(history, key=lambda c: c.created_at, reverse=True)
+    assert all(c.size > 0 and c.checkpoint_id for c in history)
     await first.kill()
     with pytest.raises(SandboxNotFoundError):
         await Sandbox.attach(server.url, sandbox_id, token)
+    with pytest.raises(SandboxNotFoundError):
+        await first.checkpoints()
+
+
+async def _history(sandbox, names):
+    """The history once it names `names` (the store records a checkpoint's
+    name right after the checkpoint)."""
+    for _ in range(50):
+        history = await sandbox.checkpoints()
+        if names <= {c.name for c in history if c.role == "named"}:
+            return history
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the history never named {names}: {history}")
 
 
 async def test_filesystem_snapshot_and_create_from_it(server):

@@ -36,10 +36,11 @@ from .errors import (
 )
 from .files import FileEntry, Files, Listing, Transfer
 from .process import Execution, Result, SandboxProcess, SandboxStream
-from .sandbox import Sandbox, Snapshot
+from .sandbox import CheckpointInfo, Sandbox, Snapshot
 from .terminal import Terminal
 
 __all__ = [
+    "CheckpointInfo",
     "Execution",
     "FileEntry",
     "Files",

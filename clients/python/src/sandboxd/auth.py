@@ -34,10 +34,10 @@ def fetch_id_token(url: str) -> str:
     request = Request()
     try:
         credentials, _ = google.auth.default()
-        credentials.refresh(request)
+        credentials.refresh(request)  # type: ignore[no-untyped-call]
         token = getattr(credentials, "id_token", None)
         if token:
             return str(token)
     except google.auth.exceptions.GoogleAuthError:
         pass
-    return str(id_token.fetch_id_token(request, audience))
+    return str(id_token.fetch_id_token(request, audience))  # type: ignore[no-untyped-call]

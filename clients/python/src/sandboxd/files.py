@@ -11,7 +11,7 @@ import itertools
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, Optional, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Optional, Union
 
 from .errors import SandboxConnectionError, SandboxDigestError, SandboxError, file_error
 
@@ -275,6 +275,7 @@ class Files:
         _check_path(path)
         _check_mode(mode)
         digest = hashlib.sha256()
+        chunks: Iterator[Union[bytes, memoryview]]
         if isinstance(source, (bytes, bytearray, memoryview)):
             view = memoryview(source).cast("B")
             size = len(view)
@@ -294,7 +295,8 @@ class Files:
                 digest.update(block)
                 size += len(block)
             stream.seek(start)
-            chunks = iter(lambda: stream.read(CHUNK), b"")  # type: ignore[union-attr]
+            reader = stream
+            chunks = iter(lambda: reader.read(CHUNK), b"")
         sha256 = digest.hexdigest()
         request_id, call = self._open_call()
         frame: dict[str, Any] = {

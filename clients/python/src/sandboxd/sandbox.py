@@ -24,7 +24,10 @@ from .errors import (
     SandboxConnectionError,
     SandboxError,
     SandboxInUseError,
+    SandboxNotFoundError,
+    SandboxPermissionError,
     SandboxProtocolError,
+    SandboxServerError,
     SandboxStateError,
     SandboxTimeoutError,
     error_for,
@@ -77,6 +80,55 @@ class Snapshot:
 
     name: str
     token: Optional[str]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint of a sandbox: `role` is `latest`, `previous` or
+    `named`; `name` its name (if any); `created_at` ISO 8601; `size` bytes."""
+
+    role: str
+    name: Optional[str]
+    checkpoint_id: Optional[str]
+    created_at: str
+    size: int
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> "CheckpointInfo":
+        return cls(
+            role=str(row.get("role", "")),
+            name=row.get("name"),
+            checkpoint_id=row.get("checkpoint_id"),
+            created_at=str(row.get("created_at", "")),
+            size=int(row.get("size", 0)),
+        )
+
+
+def _get_json(url: str, bearer: Optional[str], ssl: Optional[ssl_module.SSLContext]) -> dict[str, Any]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url)
+    if bearer:
+        request.add_header("Authorization", f"Bearer {bearer}")
+    try:
+        with urllib.request.urlopen(request, timeout=30, context=ssl) as response:
+            payload = json.load(response)
+    except urllib.error.HTTPError as err:
+        try:
+            message = json.load(err).get("error", "")
+        except Exception:
+            message = ""
+        if err.code == 404:
+            raise SandboxNotFoundError(message or "no such sandbox", "SANDBOX_NOT_FOUND") from None
+        if err.code in (401, 403):
+            raise SandboxPermissionError(message or f"HTTP {err.code}", "SANDBOX_PERMISSION_DENIAL_ERROR") from None
+        raise SandboxServerError(f"HTTP {err.code}: {message}", None) from None
+    except OSError as err:
+        raise SandboxConnectionError(f"Failed to reach {redact(url)}: {err}") from err
+    if not isinstance(payload, dict):
+        raise SandboxProtocolError(f"unexpected answer from {redact(url)}")
+    return payload
 
 
 def _is_execution_status(status: str) -> bool:
@@ -725,6 +777,22 @@ class Sandbox:
         self._state = "checkpointed"
         if keep_running:
             await self.reattach()
+
+    async def checkpoints(self) -> list[CheckpointInfo]:
+        """The sandbox's checkpoint history, newest first, as the server's
+        store records it (`GET /sandboxes/{id}/checkpoints`): the latest,
+        the earlier ones still kept, and every named one. Works whatever
+        the sandbox's state (it is not attached or restored)."""
+        if self._sandbox_id is None or self._sandbox_token is None:
+            raise SandboxStateError("the sandbox has no id yet")
+        http = "http" + self._url[2:]  # ws:// -> http://, wss:// -> https://
+        url = (
+            f"{http}/sandboxes/{quote(self._sandbox_id, safe='')}/checkpoints"
+            f"?sandbox_token={quote(self._sandbox_token, safe='')}"
+        )
+        bearer = await self._bearer()
+        payload = await asyncio.to_thread(_get_json, url, bearer, self._ssl)
+        return [CheckpointInfo.from_json(row) for row in payload.get("checkpoints", [])]
 
     async def reattach(self, url: Optional[str] = None, *, checkpoint: Optional[str] = None) -> None:
         """Attaches this handle again (after a checkpoint, or to move the

@@ -11,11 +11,13 @@ blocks until its coroutine is done and raises what it raised."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from typing import Any, Awaitable, Iterator, Optional, TypeVar, Union
 
 from . import sandbox as _async
 from .files import FileEntry, Listing, Source, Transfer
+from .files import Files as _AsyncFiles
 from .process import Execution, SandboxProcess, SandboxStream
 from .terminal import Terminal as _AsyncTerminal
 
@@ -31,7 +33,7 @@ def _run(coroutine: Awaitable[T], timeout: Optional[float] = None) -> T:
         if _loop is None:
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="sandboxd-sync", daemon=True).start()
-    future = asyncio.run_coroutine_threadsafe(coroutine, _loop)  # type: ignore[arg-type]
+    future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coroutine, _loop)  # type: ignore[arg-type]
     return future.result(timeout)
 
 
@@ -115,7 +117,7 @@ class Terminal:
 class Files:
     """`sandbox.files`, blocking (see `sandboxd.Files`)."""
 
-    def __init__(self, files: Any) -> None:
+    def __init__(self, files: _AsyncFiles) -> None:
         self._files = files
 
     def stat(self, path: str) -> FileEntry:
@@ -197,6 +199,9 @@ class Sandbox:
 
     def checkpoint(self, name: Optional[str] = None, *, keep_running: bool = False) -> None:
         _run(self._inner.checkpoint(name, keep_running=keep_running))
+
+    def checkpoints(self) -> list[_async.CheckpointInfo]:
+        return _run(self._inner.checkpoints())
 
     def reattach(self, url: Optional[str] = None, *, checkpoint: Optional[str] = None) -> None:
         _run(self._inner.reattach(url, checkpoint=checkpoint))
