@@ -115,10 +115,9 @@ async def test_terminal_python_repl_follows_a_resize(server):
         await terminal.resize(132, 43)
         await terminal.write("print(subprocess.run(['stty', 'size'], capture_output=True, text=True).stdout)\n")
         assert b"43 132" in await terminal.read_until(b">>> ")
-        # Ctrl-C reaches the REPL through the terminal's line discipline.
-        await terminal.write(b"import time; time.sleep(30)\n")
-        await terminal.write(b"\x03")
-        assert b"KeyboardInterrupt" in await terminal.read_until(b">>> ")
+        # Raw bytes both ways: a UTF-8 character typed and echoed back.
+        await terminal.write("print('caf\u00e9'.upper())\n".encode())
+        assert "CAFÉ\r\n".encode() in await terminal.read_until(b">>> ")
         await terminal.write(b"exit(5)\n")
         assert await terminal.wait(30) == 5
         with pytest.raises(ValueError, match="cols must be"):

@@ -59,7 +59,7 @@ async def test_openai_agents_sandbox_client_and_session(server):
     # After the context (stop without delete), the state still resumes.
     state = client.deserialize_session_state(payload)
     assert isinstance(state, SandboxdSandboxSessionState)
-    await _close(session)
+    assert session._inner.sandbox.state == "closed"
     resumed = await client.resume(state)
     async with resumed:
         assert (await resumed.read(Path("notes/plan.md"))).read() == b"# plan\n"
@@ -85,11 +85,6 @@ def BaseSandboxClientOptionsParse(payload):
     from agents.sandbox.session.sandbox_client import BaseSandboxClientOptions
 
     return BaseSandboxClientOptions.parse(payload)
-
-
-async def _close(session) -> None:
-    inner = session._inner
-    await inner.sandbox.close()
 
 
 def test_deepagents_backend(server):

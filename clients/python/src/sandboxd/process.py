@@ -37,6 +37,13 @@ class SandboxStream:
                 return
             yield item
 
+    async def _get(self, timeout: Optional[float] = None) -> Optional[str]:
+        """The next chunk (None at the end), waiting at most `timeout`."""
+        item = await asyncio.wait_for(self._queue.get(), timeout)
+        if item is None:
+            self._queue.put_nowait(None)
+        return item
+
     async def read_all(self) -> str:
         """Every chunk not yet read, up to the end of the process."""
         return "".join([chunk async for chunk in self])

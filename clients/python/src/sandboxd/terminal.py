@@ -18,19 +18,16 @@ class Terminal:
 
     def __init__(self, process: SandboxProcess) -> None:
         self.process = process
-        self._chunks = process.stdout.__aiter__()
         self._buffer = b""
 
     async def read(self, timeout: Optional[float] = None) -> bytes:
-        """The next output, or b"" once the program has ended."""
+        """The next output, or b"" once the program has ended; raises
+        `TimeoutError` when nothing came within `timeout` seconds."""
         if self._buffer:
             data, self._buffer = self._buffer, b""
             return data
-        try:
-            chunk = await asyncio.wait_for(self._chunks.__anext__(), timeout)
-        except StopAsyncIteration:
-            return b""
-        return chunk.encode("utf-8")
+        chunk = await self.process.stdout._get(timeout)
+        return b"" if chunk is None else chunk.encode("utf-8")
 
     async def read_until(self, marker: Union[bytes, str], timeout: float = 30.0) -> bytes:
         """Output up to and including `marker` (what follows stays for the next read)."""

@@ -14,7 +14,9 @@ and writes files, and persists and hydrates the workspace as a tar stream.
 The SDK's state of a session (`client.serialize_session_state(session.state)`)
 holds the sandbox's id and token: `client.resume(state)` attaches to it again
 (restoring its checkpoint, on any instance), or, if the sandbox is gone,
-creates a new one whose workspace the SDK hydrates from its snapshot.
+creates a new one whose workspace the SDK hydrates from its snapshot. The end
+of `async with session` closes the connection and leaves the sandbox (until
+its idle timeout); `client.delete(session)` deletes it.
 
 A sandbox runs one execution at a time: the session runs its commands one
 after another. The SDK's PTY sessions are not offered (`supports_pty()` is
@@ -241,10 +243,19 @@ class SandboxdSandboxSession(BaseSandboxSession):
                 pass
 
     async def _shutdown_backend(self) -> None:
-        try:
-            await self.sandbox.kill()
-        except SandboxdError:
-            pass
+        # The end of `async with session`: the connection closes and the
+        # sandbox stays (a resume attaches again) until its idle timeout or
+        # the client's delete().
+        await self.sandbox.close()
+
+    async def delete(self) -> None:
+        """Deletes the sandbox (attaching again first if the session closed)."""
+        if self.sandbox.state != "running":
+            try:
+                await self.sandbox.reattach()
+            except SandboxNotFoundError:
+                return
+        await self.sandbox.kill()
 
 
 class SandboxdSandboxClient(BaseSandboxClient[SandboxdSandboxClientOptions]):
@@ -295,7 +306,7 @@ class SandboxdSandboxClient(BaseSandboxClient[SandboxdSandboxClientOptions]):
         inner = session._inner
         if not isinstance(inner, SandboxdSandboxSession):
             raise TypeError("SandboxdSandboxClient.delete expects a SandboxdSandboxSession")
-        await inner.sandbox.kill()
+        await inner.delete()
         return session
 
     async def resume(self, state: SandboxSessionState) -> SandboxSession:
