@@ -98,8 +98,11 @@ fi
 if [ "$(id -u)" = 0 ]; then
   scripts/build-image.sh --name default
   scripts/build-image.sh --name test-jq --packages jq
-elif [ ! -e "${SANDBOXD_IMAGES:-/var/lib/sandboxd/images}/default" ]; then
-  need_root_for "the sandbox image" "sudo scripts/build-image.sh && sudo scripts/build-image.sh --name test-jq --packages jq"
+  # The data-science image of docs/python.md (run_code's figures).
+  scripts/build-image.sh --name python-data --packages "python3-numpy python3-pandas python3-matplotlib"
+elif [ ! -e "${SANDBOXD_IMAGES:-/var/lib/sandboxd/images}/default" ] \
+  || [ ! -e "${SANDBOXD_IMAGES:-/var/lib/sandboxd/images}/python-data" ]; then
+  need_root_for "the sandbox images" "sudo scripts/build-image.sh && sudo scripts/build-image.sh --name test-jq --packages jq && sudo scripts/build-image.sh --name python-data --packages 'python3-numpy python3-pandas python3-matplotlib'"
 fi
 
 # `sandboxd-bench cluster` measures the execution round trip with a plain Python
@@ -139,6 +142,25 @@ if [ "$status" = 0 ]; then
   run_tier rest "$REST" "$@" || status=$?
   # The one doctest (src/client/mod.rs): nextest does not run doctests.
   [ "$status" = 0 ] && { cargo test --doc --all-features -p sandboxd "$@" || status=$?; }
+fi
+if [ "$status" = 0 ]; then
+  # The Python client (clients/python) against the server just built: its
+  # pytest suite starts real servers on runsc (and fake-gcs-server), and
+  # drives the OpenAI Agents SDK and Deep Agents providers with the real
+  # packages. It runs in a virtualenv outside the clone, (re)installed from
+  # PyPI with the package's test extras when the package's inputs changed.
+  py_started=$(date +%s)
+  PY_VENV=${SANDBOXD_PY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/sandboxd/python-client-venv}
+  py_inputs=$(sha256sum < clients/python/pyproject.toml | cut -d' ' -f1)
+  if [ ! -x "$PY_VENV/bin/python" ] || [ "$(cat "$PY_VENV/.inputs" 2>/dev/null)" != "$py_inputs" ]; then
+    python3 -m venv "$PY_VENV"
+    "$PY_VENV/bin/pip" install --quiet --upgrade pip
+    "$PY_VENV/bin/pip" install --quiet -e "clients/python[test]" \
+      || { echo "error: could not install clients/python[test] from PyPI" >&2; exit 1; }
+    echo "$py_inputs" > "$PY_VENV/.inputs"
+  fi
+  SANDBOXD_BIN="$PWD/target/debug/sandboxd" "$PY_VENV/bin/python" -m pytest -q -p no:cacheprovider clients/python/tests || status=$?
+  echo "== Python client: $(( $(date +%s) - py_started )) s (exit ${status})"
 fi
 if [ "$profile" = ci ]; then
   python3 scripts/test-report.py target/nextest/ci/junit-*.xml || true

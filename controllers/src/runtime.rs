@@ -63,6 +63,9 @@ pub struct ExecRequest {
     /// Run on a pseudo-terminal of this size (one stream of raw bytes each
     /// way, output as stdout) instead of pipes.
     pub pty: Option<TerminalSize>,
+    /// A Python session cell reports rich results ([`ExecEvent::Result`]):
+    /// its last expression's value and its matplotlib figures.
+    pub results: bool,
 }
 
 impl ExecRequest {
@@ -73,6 +76,7 @@ impl ExecRequest {
             cwd: None,
             resumable: false,
             pty: None,
+            results: false,
         }
     }
 }
@@ -82,6 +86,10 @@ impl ExecRequest {
 pub enum ExecEvent {
     Stdout(Bytes),
     Stderr(Bytes),
+    /// A rich result of a session cell that asked for them
+    /// ([`ExecRequest::results`]): a JSON object `{"kind", "data"}`, `data`
+    /// a MIME bundle (`text/plain`, `image/png` as base64, ...).
+    Result(Bytes),
     /// The process ended: its exit code, or 128 + signal.
     Exited(i32),
     /// Work that had to follow the execution failed (the after-exec hook,

@@ -277,6 +277,8 @@ async fn collect(
         match event {
             ExecEvent::Stdout(data) => stdout.extend_from_slice(budget.take(&data)),
             ExecEvent::Stderr(data) => stderr.extend_from_slice(budget.take(&data)),
+            // `/execute` never asks for rich results.
+            ExecEvent::Result(_) => {}
             ExecEvent::Exited(code) => {
                 exit_code = Some(code);
                 break;
@@ -330,7 +332,7 @@ fn stream(
             };
             let chunk = match event {
                 Some(Some(ExecEvent::Stdout(data) | ExecEvent::Stderr(data))) => data,
-                Some(Some(ExecEvent::AfterExecFailed(_))) => continue,
+                Some(Some(ExecEvent::AfterExecFailed(_) | ExecEvent::Result(_))) => continue,
                 Some(Some(ExecEvent::Exited(_) | ExecEvent::HoldLost) | None) => break,
                 None => {
                     let _ = tx.send(Ok(Bytes::from(limits.timed_out_marker()))).await;

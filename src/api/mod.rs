@@ -6,6 +6,7 @@
 //! creates and destroys it on the runtime directly (`execute`).
 
 pub mod admission;
+pub mod checkpoints;
 pub mod connect;
 pub mod events;
 pub mod execute;

@@ -56,6 +56,7 @@ pub struct ExecutionState {
 fn frame_bytes(frame: &ServerFrame) -> usize {
     match frame {
         ServerFrame::Stdout(data) | ServerFrame::Stderr(data) => data.len(),
+        ServerFrame::Result(_, size) => *size,
         _ => 0,
     }
 }
@@ -89,7 +90,10 @@ impl ExecutionState {
             log.frames.push_back((event, frame));
             while log.bytes > MAX_BUFFERED_BYTES {
                 let Some(position) = log.frames.iter().position(|(_, f)| {
-                    matches!(f, ServerFrame::Stdout(_) | ServerFrame::Stderr(_))
+                    matches!(
+                        f,
+                        ServerFrame::Stdout(_) | ServerFrame::Stderr(_) | ServerFrame::Result(..)
+                    )
                 }) else {
                     break;
                 };
@@ -138,6 +142,18 @@ impl ExecutionState {
                         self.push_event(number, ServerFrame::Stderr(text));
                     }
                 }
+                ExecEvent::Result(json) => match serde_json::from_slice::<serde_json::Value>(&json) {
+                    Ok(result) if result["data"].is_object() => {
+                        self.push_event(number, ServerFrame::Result(result, json.len()));
+                    }
+                    _ => self.push_event(
+                        number,
+                        ServerFrame::Stderr(
+                            "[sandboxd] a rich result was lost: the sandbox sent it unreadable\n"
+                                .to_owned(),
+                        ),
+                    ),
+                },
                 ExecEvent::Exited(code) => {
                     exit_code = Some((number, code));
                     break;

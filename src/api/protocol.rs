@@ -9,7 +9,8 @@
 //!   event, never a dropped connection;
 //! - `checkpoint` takes an optional `name` (named checkpoints);
 //! - an execution may ask for the persistent Python session
-//!   (`"language": "python", "session": true`);
+//!   (`"language": "python", "session": true`), and a session cell for rich
+//!   results (`"results": true`: `result` events, never sent unasked);
 //! - `exit_code` is a new server event sent before `SANDBOX_EXECUTION_DONE`;
 //! - the init message takes an optional `network` (`none` or `egress`).
 
@@ -145,6 +146,10 @@ pub enum ServerFrame {
     /// Extension: an event of the filesystem API (`fs_result`, `fs_error`,
     /// `fs_download`), built by `api::files`.
     Event(Value),
+    /// Extension: `{"event":"result","kind":…,"data":{MIME bundle}}`, a rich
+    /// result of a session cell that asked for them; with the size of its
+    /// JSON (for the replay log's bound).
+    Result(Value, usize),
 }
 
 impl ServerFrame {
@@ -184,6 +189,9 @@ impl ServerFrame {
             Self::Error(message) => json!({"event": "error", "message": message}),
             Self::ExitCode(code) => json!({"event": "exit_code", "exit_code": code}),
             Self::Event(value) => return value.to_string(),
+            Self::Result(result, _) => {
+                json!({"event": "result", "kind": result["kind"], "data": result["data"]})
+            }
         };
         value.to_string()
     }
@@ -284,6 +292,9 @@ pub enum ClientFrame {
         session: bool,
         /// Extension: `"pty": {"cols", "rows"}`, a terminal.
         pty: Option<TerminalSize>,
+        /// Extension: `"results": true` (a session cell only), rich results
+        /// as `result` events.
+        results: bool,
     },
     /// Extension: `{"action":"resize","cols":N,"rows":N}`, the terminal's size.
     Resize(TerminalSize),
@@ -542,11 +553,19 @@ impl ClientFrame {
                 });
             }
         };
+        let results = optional_bool(&map, "results")?;
+        if results && !session {
+            return Err(FrameError::WrongType {
+                field: "results",
+                expected: "true only in a Python session cell (\"language\": \"python\", \"session\": true)",
+            });
+        }
         Ok(Self::Exec {
             language,
             code,
             session,
             pty,
+            results,
         })
     }
 

@@ -488,18 +488,18 @@ fn route(
             }
         }
         Event::Out { id, fd, data, seq } => {
-            let (stderr, data) = match decode(data.as_deref()) {
-                Ok(data) => (fd == 2, data),
+            let (fd, data) = match decode(data.as_deref()) {
+                Ok(data) => (fd, data),
                 Err(err) => {
                     tracing::warn!(%err, execution = %id, "unreadable output from the sandbox agent");
                     let notice = format!(
                         "[sandboxd] output lost: the sandbox agent sent it unreadable ({err})\n"
                     );
-                    (true, Bytes::from(notice))
+                    (2, Bytes::from(notice))
                 }
             };
             if let Some(route) = lock().execs.get_mut(&id) {
-                route.output(seq.unwrap_or(0), stderr, data);
+                route.output(seq.unwrap_or(0), fd, data);
             }
         }
         Event::Exit { id, code, seq } => {

@@ -78,6 +78,9 @@ pub enum Request {
         /// A pseudo-terminal (`cols`, `rows`) instead of pipes.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pty: Option<BTreeMap<String, u16>>,
+        /// A session cell reports rich results (`out` events on fd 3).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        results: bool,
     },
     /// Resizes the execution's terminal. No reply.
     Resize { cols: u16, rows: u16 },

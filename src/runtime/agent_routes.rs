@@ -51,8 +51,9 @@ impl ExecRoute {
         )
     }
 
-    /// Queues output, or drops it past [`MAX_QUEUED_OUTPUT_BYTES`].
-    pub(super) fn output(&mut self, seq: u64, stderr: bool, data: Bytes) {
+    /// Queues output of `fd` (1 stdout, 2 stderr, 3 a rich result), or drops
+    /// it past [`MAX_QUEUED_OUTPUT_BYTES`].
+    pub(super) fn output(&mut self, seq: u64, fd: u8, data: Bytes) {
         let queued = self.queued.load(Ordering::Acquire);
         let data = if queued.saturating_add(data.len()) <= MAX_QUEUED_OUTPUT_BYTES {
             self.dropping = false;
@@ -69,10 +70,10 @@ impl ExecRoute {
             return;
         };
         self.queued.fetch_add(data.len(), Ordering::AcqRel);
-        let event = if stderr {
-            ExecEvent::Stderr(data)
-        } else {
-            ExecEvent::Stdout(data)
+        let event = match fd {
+            2 => ExecEvent::Stderr(data),
+            3 => ExecEvent::Result(data),
+            _ => ExecEvent::Stdout(data),
         };
         let _ = self.sender.send((seq, event));
     }
@@ -89,7 +90,9 @@ impl ExecEvents {
     /// The next event; `None` once the execution's route is gone.
     pub async fn recv(&mut self) -> Option<Sequenced> {
         let item = self.receiver.recv().await?;
-        if let (_, ExecEvent::Stdout(data) | ExecEvent::Stderr(data)) = &item {
+        if let (_, ExecEvent::Stdout(data) | ExecEvent::Stderr(data) | ExecEvent::Result(data)) =
+            &item
+        {
             self.queued.fetch_sub(data.len(), Ordering::AcqRel);
         }
         Some(item)

@@ -249,6 +249,7 @@ async fn output_queued_for_a_slow_consumer_is_bounded_with_a_notice() {
             }
             ExecEvent::AfterExecFailed(message) => panic!("the agent sent {message:?}"),
             ExecEvent::HoldLost => panic!("a runtime never sends HoldLost"),
+            ExecEvent::Result(_) => panic!("no rich result was asked for"),
         }
     }
     assert!(

@@ -30,6 +30,10 @@ pub fn app(state: AppState) -> Router {
             post(crate::api::files::http::call),
         )
         .route(
+            "/sandboxes/{sandbox_id}/checkpoints",
+            get(crate::api::checkpoints::list),
+        )
+        .route(
             "/sandboxes/{sandbox_id}/files/content",
             get(crate::api::files::http::get_content).put(crate::api::files::http::put_content),
         )

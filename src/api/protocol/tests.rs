@@ -171,7 +171,8 @@ fn client_frames_follow_upstream_precedence() {
             language: Language::Bash,
             code: "echo hi".into(),
             session: false,
-            pty: None
+            pty: None,
+            results: false
         }
     );
     assert_eq!(
@@ -180,7 +181,8 @@ fn client_frames_follow_upstream_precedence() {
             language: Language::Python,
             code: "x=1".into(),
             session: true,
-            pty: None
+            pty: None,
+            results: false
         }
     );
 }
@@ -385,4 +387,38 @@ fn from_checkpoint_names_a_source_and_its_token_or_is_an_error() {
         let err = parse(bad).unwrap_err();
         assert!(err.to_string().contains("from_checkpoint"), "{bad}: {err}");
     }
+}
+
+#[test]
+fn rich_results_are_asked_for_by_session_cells_only() {
+    assert_eq!(
+        ClientFrame::parse(r#"{"language":"python","code":"1+1","session":true,"results":true}"#)
+            .unwrap(),
+        ClientFrame::Exec {
+            language: Language::Python,
+            code: "1+1".into(),
+            session: true,
+            pty: None,
+            results: true
+        }
+    );
+    for frame in [
+        r#"{"language":"python","code":"1","results":true}"#,
+        r#"{"language":"bash","code":"1","session":true,"results":true}"#,
+    ] {
+        let err = ClientFrame::parse(frame).unwrap_err();
+        assert!(err.to_string().contains("results"), "{err}");
+    }
+    let err = ClientFrame::parse(r#"{"language":"python","code":"1","session":true,"results":1}"#)
+        .unwrap_err();
+    assert!(err.to_string().contains("results"), "{err}");
+}
+
+#[test]
+fn a_result_is_its_own_event() {
+    let result = serde_json::json!({"kind": "execute_result", "data": {"text/plain": "2"}});
+    assert_eq!(
+        ServerFrame::Result(result, 10).to_text(),
+        r#"{"data":{"text/plain":"2"},"event":"result","kind":"execute_result"}"#
+    );
 }

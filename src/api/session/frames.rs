@@ -44,7 +44,8 @@ impl Session {
                 code,
                 session,
                 pty,
-            } => self.exec(language, code, session, pty).await,
+                results,
+            } => self.exec(language, code, session, pty, results).await,
             ClientFrame::Resize(size) => {
                 if let Some(execution) = self.live.execution()
                     && execution.is_running()
@@ -73,6 +74,7 @@ impl Session {
         code: String,
         session: bool,
         pty: Option<controllers::runtime::TerminalSize>,
+        results: bool,
     ) {
         let command = match (language, session) {
             (Language::Bash, _) => Command::Bash(code),
@@ -91,6 +93,7 @@ impl Session {
                 ExecRequest {
                     resumable: self.live.options().keep_executions,
                     pty,
+                    results,
                     ..ExecRequest::new(command)
                 },
             )

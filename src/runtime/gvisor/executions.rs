@@ -230,6 +230,7 @@ pub(super) fn exec_command(request: &ExecRequest, python: &str) -> Request {
         env: (!request.env.is_empty()).then(|| request.env.clone()),
         cwd: request.cwd.clone(),
         resumable: request.resumable,
+        results: request.results,
         pty: request.pty.map(|size| {
             std::collections::BTreeMap::from([
                 ("cols".to_owned(), size.cols),

@@ -191,6 +191,8 @@ impl GvisorRuntime {
                         }
                     }
                     ExecEvent::Exited(code) => return Some(code),
+                    // A start command never asks for rich results.
+                    ExecEvent::Result(_) => {}
                     // The agent's own events: no after-exec hook runs
                     // here, and no controller relays them.
                     ExecEvent::AfterExecFailed(_) | ExecEvent::HoldLost => {}

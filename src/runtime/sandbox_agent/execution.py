@@ -18,6 +18,92 @@ from . import config, protocol, state
 REPL_SOURCE = r'''
 import os, signal, sys, traceback
 cmd_fd, done_fd = int(sys.argv[1]), int(sys.argv[2])
+# Rich results (a cell sent with flag "1"): each is a line "R<json>" on the
+# done pipe before the cell's status line. matplotlib draws with an inline
+# backend whose show() hands the figures over (as Jupyter's does); figures
+# left open are handed over at the end of the cell.
+RICH = [False]
+MAX_RESULT = 16 << 20
+INLINE_BACKEND = """
+from matplotlib.backends.backend_agg import FigureCanvasAgg as FigureCanvas
+from matplotlib.backend_bases import FigureManagerBase as FigureManager
+def show(*args, **kwargs):
+    import __main__
+    __main__.flush_figures()
+"""
+def install_inline_backend():
+    import tempfile
+    if os.environ.get("MPLBACKEND"):
+        return
+    try:
+        folder = tempfile.mkdtemp(prefix="sandboxd-inline-")
+        with open(os.path.join(folder, "sandboxd_inline_backend.py"), "w") as module:
+            module.write(INLINE_BACKEND)
+    except OSError:
+        return
+    sys.path.append(folder)
+    os.environ["MPLBACKEND"] = "module://sandboxd_inline_backend"
+install_inline_backend()
+def send_result(kind, data):
+    import json
+    line = json.dumps({"kind": kind, "data": data}, separators=(",", ":")).encode()
+    if len(line) > MAX_RESULT:
+        sys.stderr.write("[sandboxd] a %s of %d bytes was not sent (the limit is %d)\n" % (kind, len(line), MAX_RESULT))
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    write_done(b"R" + line + b"\n")
+def write_done(data):
+    view = memoryview(data)
+    while view:
+        view = view[done.write(view):]
+def bundle(value):
+    data = {"text/plain": repr(value)}
+    for method, mime in (("_repr_html_", "text/html"), ("_repr_png_", "image/png"), ("_repr_svg_", "image/svg+xml")):
+        render = getattr(type(value), method, None)
+        if render is None:
+            continue
+        try:
+            out = render(value)
+        except Exception:
+            continue
+        if isinstance(out, bytes) and mime == "image/png":
+            import base64
+            out = base64.b64encode(out).decode()
+        if isinstance(out, str):
+            data[mime] = out
+    return data
+def flush_figures():
+    if not RICH[0]:
+        return
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is None:
+        return
+    import base64, io
+    for number in pyplot.get_fignums():
+        figure = pyplot.figure(number)
+        buffer = io.BytesIO()
+        try:
+            figure.savefig(buffer, format="png", bbox_inches="tight")
+        except Exception:
+            report()
+            continue
+        finally:
+            pyplot.close(figure)
+        send_result("display_data", {"image/png": base64.b64encode(buffer.getvalue()).decode(), "text/plain": repr(figure)})
+def run_rich(code):
+    import ast
+    tree = ast.parse(code, "<cell>", "exec")
+    last = None
+    # The last expression's value is shown, unless a ";" ends the cell (as in Jupyter).
+    if tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
+        last = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, "<cell>", "exec"), namespace)
+    if last is not None:
+        value = eval(compile(last, "<cell>", "eval"), namespace)
+        if value is not None:
+            namespace["_"] = value
+            send_result("execute_result", bundle(value))
 # An interrupt (the host's kill) only ever stops a running cell; between
 # cells it is ignored, so a late kill cannot end the session.
 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -26,7 +112,10 @@ done = os.fdopen(done_fd, "wb", buffering=0)
 namespace = {"__name__": "__main__", "__builtins__": __builtins__}
 def report():
     kind, value, tb = sys.exc_info()
-    traceback.print_exception(kind, value, tb.tb_next if tb is not None else None)
+    # The traceback starts at the cell: this program's own frames are left out.
+    while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
+        tb = tb.tb_next
+    traceback.print_exception(kind, value, tb)
 def read_exact(n):
     buf = b""
     while len(buf) < n:
@@ -36,12 +125,16 @@ def read_exact(n):
         buf += part
     return buf
 while True:
+    RICH[0] = read_exact(1) == b"1"
     size = int(read_exact(10).decode(), 16)
     code = read_exact(size).decode("utf-8", "replace")
     status = 0
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        exec(compile(code, "<cell>", "exec"), namespace)
+        if RICH[0]:
+            run_rich(code)
+        else:
+            exec(compile(code, "<cell>", "exec"), namespace)
     except SystemExit as exit:
         status = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
     except KeyboardInterrupt:
@@ -52,11 +145,15 @@ while True:
         report()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        flush_figures()
+    except BaseException:
+        report()
+    try:
         sys.stdout.flush()
         sys.stderr.flush()
     except Exception:
         pass
-    done.write(b"%d\n" % status)
+    write_done(b"%d\n" % status)
 '''
 
 
@@ -301,13 +398,14 @@ class PythonSession:
         self.alive = True
         state.PIDS[self.proc.pid] = self
 
-    def run(self, exec_id, code, resumable=False):
+    def run(self, exec_id, code, resumable=False, results=False):
         self.ensure()
         execution = Execution(exec_id, self.proc.pid, self.stdin_fd, self.out, session=self,
                               resumable=resumable)
         self.current = execution
         data = code.encode()
-        os.write(self.cmd_w, b"%010x" % len(data) + data)
+        flag = b"1" if results else b"0"
+        os.write(self.cmd_w, flag + b"%010x" % len(data) + data)
         return execution
 
     def on_done(self):
@@ -318,6 +416,13 @@ class PythonSession:
         self.done_buffer += data
         while b"\n" in self.done_buffer:
             line, self.done_buffer = self.done_buffer.split(b"\n", 1)
+            if line.startswith(b"R"):
+                # A rich result: an output event on fd 3, in order with the
+                # cell's other events.
+                if self.current is not None:
+                    self.current.drain()
+                    self.current.output(3, line[1:])
+                continue
             if self.current is not None:
                 execution, self.current = self.current, None
                 unregister_outputs(execution)
@@ -360,7 +465,7 @@ def start_exec(msg):
     # as the host's replay log keeps only the current execution.
     state.JOURNALS.clear()
     if msg.get("session"):
-        execution = SESSION.run(exec_id, msg["code"], resumable)
+        execution = SESSION.run(exec_id, msg["code"], resumable, bool(msg.get("results")))
         state.EXECS[exec_id] = execution
         if resumable:
             state.JOURNALS[exec_id] = execution

@@ -1,5 +1,6 @@
 """Executions as the host sees them: started, output per stream, exit code;
 stdin; kill; one at a time; the persistent Python session."""
+import json
 import unittest
 
 from sandbox_agent import protocol, state
@@ -48,6 +49,24 @@ class ExecutionTest(AgentTest):
         self.assertEqual(self.run_to_exit(first)[-1]["code"], 0)
         second = self.send("exec", session=True, code="print(x + 1)")
         self.assertEqual(output(self.run_to_exit(second), second), b"42\n")
+
+    def test_a_session_cell_asked_for_results_reports_its_last_value_on_fd_3(self):
+        cell = self.send("exec", session=True, results=True, code="z = 20\nprint('side')\nz * 2 + 2")
+        events = self.run_to_exit(cell)
+        self.assertEqual(events[-1]["code"], 0)
+        self.assertEqual(output(events, cell), b"side\n")
+        result = json.loads(output(events, cell, fd=3))
+        self.assertEqual(result, {"kind": "execute_result", "data": {"text/plain": "42"}})
+        # Unasked, the same cell reports nothing on fd 3; ";" hides the value.
+        for fields in ({"code": "z"}, {"code": "z;", "results": True}):
+            plain = self.send("exec", session=True, **fields)
+            self.assertEqual(output(self.run_to_exit(plain), plain, fd=3), b"")
+        failed = self.send("exec", session=True, results=True, code="1 / 0")
+        events = self.run_to_exit(failed)
+        self.assertEqual(events[-1]["code"], 1)
+        self.assertEqual(output(events, failed, fd=3), b"")
+        self.assertIn(b'File "<cell>", line 1', output(events, failed, fd=2))
+        self.assertNotIn(b'File "<string>"', output(events, failed, fd=2))
 
     def test_a_session_cell_is_interrupted_by_kill_and_the_session_goes_on(self):
         cell = self.send("exec", session=True, code="y = 1\nprint('set')\nimport time\ntime.sleep(30)")

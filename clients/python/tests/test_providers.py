@@ -1,0 +1,127 @@
+"""Both providers driven through their framework's own interfaces (the real
+packages from PyPI), against a real server on runsc."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+
+async def test_openai_agents_sandbox_client_and_session(server):
+    from agents.sandbox.entries import File
+    from agents.sandbox.errors import WorkspaceReadNotFoundError
+    from agents.sandbox.manifest import Manifest
+    from agents.sandbox.session.sandbox_client import BaseSandboxClient
+    from agents.sandbox.session.base_sandbox_session import BaseSandboxSession
+
+    from sandboxd.providers.openai_agents import (
+        SandboxdSandboxClient,
+        SandboxdSandboxClientOptions,
+        SandboxdSandboxSession,
+        SandboxdSandboxSessionState,
+    )
+
+    assert issubclass(SandboxdSandboxClient, BaseSandboxClient)
+    assert issubclass(SandboxdSandboxSession, BaseSandboxSession)
+    client = SandboxdSandboxClient()
+    options = SandboxdSandboxClientOptions(url=server.url)
+    # Options round-trip through the SDK's polymorphic parser.
+    assert BaseSandboxClientOptionsParse(options.model_dump()) == options
+
+    manifest = Manifest(root="/workspace", entries={"hello.txt": File(content=b"from the manifest\n")})
+    session = await client.create(manifest=manifest, options=options)
+    async with session:
+        assert await session.running()
+        result = await session.exec("cat hello.txt && pwd && echo err >&2 && exit 3")
+        assert result.stdout == b"from the manifest\n/workspace\n"
+        assert result.stderr == b"err\n" and result.exit_code == 3
+        await session.write(Path("notes/plan.md"), io.BytesIO(b"# plan\n"))
+        assert (await session.read(Path("notes/plan.md"))).read() == b"# plan\n"
+        with pytest.raises(WorkspaceReadNotFoundError):
+            await session.read(Path("missing.txt"))
+        await session.mkdir(Path("made/deep"), parents=True)
+        names = sorted(entry.path for entry in await session.ls(Path(".")))
+        assert any(name.endswith("notes") for name in names), names
+
+        # Persist: a tar stream of the workspace, members relative to its root.
+        archive = (await session.persist_workspace()).read()
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            members = set(tar.getnames())
+        assert {"./hello.txt", "./notes/plan.md"} <= members, members
+
+        # Resume from the serialized state: an attach to the same sandbox.
+        payload = client.serialize_session_state(session.state)
+        assert payload["type"] == "sandboxd" and payload["sandbox_id"] == session.state.sandbox_id
+
+    # After the context (stop without delete), the state still resumes.
+    state = client.deserialize_session_state(payload)
+    assert isinstance(state, SandboxdSandboxSessionState)
+    assert session._inner.sandbox.state == "closed"
+    resumed = await client.resume(state)
+    async with resumed:
+        assert (await resumed.read(Path("notes/plan.md"))).read() == b"# plan\n"
+        assert resumed.state.sandbox_id == payload["sandbox_id"]
+
+        # Hydrate a fresh sandbox from the tar stream.
+        fresh = await client.create(options=options)
+        async with fresh:
+            await fresh.hydrate_workspace(io.BytesIO(archive))
+            assert (await fresh.read(Path("hello.txt"))).read() == b"from the manifest\n"
+            assert (await fresh.exec("cat notes/plan.md")).stdout == b"# plan\n"
+            await client.delete(fresh)
+            assert not await fresh.running()
+        await client.delete(resumed)
+
+    # A resume of a deleted sandbox creates a replacement.
+    replacement = await client.resume(client.deserialize_session_state(payload))
+    assert replacement.state.sandbox_id != payload["sandbox_id"]
+    await client.delete(replacement)
+
+
+def BaseSandboxClientOptionsParse(payload):
+    from agents.sandbox.session.sandbox_client import BaseSandboxClientOptions
+
+    return BaseSandboxClientOptions.parse(payload)
+
+
+def test_deepagents_backend(server):
+    from deepagents.backends.protocol import SandboxBackendProtocol
+    from deepagents.backends.sandbox import BaseSandbox
+
+    from sandboxd.providers.deepagents import SandboxdSandbox
+
+    backend = SandboxdSandbox.create(server.url)
+    try:
+        assert isinstance(backend, BaseSandbox) and isinstance(backend, SandboxBackendProtocol)
+        assert len(backend.id) == 32
+        response = backend.execute("echo out; echo err >&2; exit 2")
+        assert response.output == "out\nerr\n" and response.exit_code == 2
+        timed_out = backend.execute("sleep 30", timeout=1)
+        assert timed_out.exit_code == 124 and "timed out" in timed_out.output
+
+        uploaded = backend.upload_files([("/home/sandbox/app/main.py", b"print('hi')\n"), ("relative.txt", b"x")])
+        assert [u.error for u in uploaded] == [None, "invalid_path"]
+        downloaded = backend.download_files(["/home/sandbox/app/main.py", "/home/sandbox/none", "/etc/shadow"])
+        assert downloaded[0].content == b"print('hi')\n"
+        assert [d.error for d in downloaded] == [None, "file_not_found", "permission_denied"]
+
+        # Deep Agents' own file tools, built on execute/upload/download.
+        written = backend.write("/home/sandbox/app/notes.txt", "one\ntwo\nthree\n")
+        assert written.error is None, written
+        read = backend.read("/home/sandbox/app/notes.txt")
+        assert "two" in str(read), read
+        edited = backend.edit("/home/sandbox/app/notes.txt", "two", "TWO")
+        assert edited.error is None, edited
+        assert backend.download_files(["/home/sandbox/app/notes.txt"])[0].content == b"one\nTWO\nthree\n"
+        listing = backend.ls("/home/sandbox/app")
+        assert "main.py" in str(listing) and "notes.txt" in str(listing), listing
+        found = backend.grep("TWO", path="/home/sandbox/app")
+        assert "notes.txt" in str(found), found
+        globbed = backend.glob("*.py", path="/home/sandbox/app")
+        assert "main.py" in str(globbed), globbed
+        assert backend.execute("python3 /home/sandbox/app/main.py").output == "hi\n"
+    finally:
+        backend.kill()
