@@ -147,19 +147,21 @@ if [ "$status" = 0 ]; then
   # The Python client (clients/python) against the server just built: its
   # pytest suite starts real servers on runsc (and fake-gcs-server), and
   # drives the OpenAI Agents SDK and Deep Agents providers with the real
-  # packages. It runs in a virtualenv outside the clone, (re)installed from
-  # PyPI with the package's test extras when the package's inputs changed.
+  # packages. Its dependencies live in a virtualenv outside the clone,
+  # (re)installed from PyPI with the test extras when pyproject.toml changes;
+  # the package itself is this checkout's (PYTHONPATH), never a stale copy.
   py_started=$(date +%s)
   PY_VENV=${SANDBOXD_PY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/sandboxd/python-client-venv}
   py_inputs=$(sha256sum < clients/python/pyproject.toml | cut -d' ' -f1)
   if [ ! -x "$PY_VENV/bin/python" ] || [ "$(cat "$PY_VENV/.inputs" 2>/dev/null)" != "$py_inputs" ]; then
     python3 -m venv "$PY_VENV"
     "$PY_VENV/bin/pip" install --quiet --upgrade pip
-    "$PY_VENV/bin/pip" install --quiet -e "clients/python[test]" \
+    "$PY_VENV/bin/pip" install --quiet "clients/python[test]" \
       || { echo "error: could not install clients/python[test] from PyPI" >&2; exit 1; }
     echo "$py_inputs" > "$PY_VENV/.inputs"
   fi
-  SANDBOXD_BIN="$PWD/target/debug/sandboxd" "$PY_VENV/bin/python" -m pytest -q -p no:cacheprovider clients/python/tests || status=$?
+  PYTHONPATH="$PWD/clients/python/src" SANDBOXD_BIN="$PWD/target/debug/sandboxd" \
+    "$PY_VENV/bin/python" -m pytest -q -p no:cacheprovider clients/python/tests || status=$?
   echo "== Python client: $(( $(date +%s) - py_started )) s (exit ${status})"
 fi
 if [ "$profile" = ci ]; then
