@@ -142,7 +142,8 @@ impl ExecutionState {
                         self.push_event(number, ServerFrame::Stderr(text));
                     }
                 }
-                ExecEvent::Result(json) => match serde_json::from_slice::<serde_json::Value>(&json) {
+                ExecEvent::Result(json) => match serde_json::from_slice::<serde_json::Value>(&json)
+                {
                     Ok(result) if result["data"].is_object() => {
                         self.push_event(number, ServerFrame::Result(result, json.len()));
                     }

@@ -251,8 +251,18 @@ pub async fn edit(
         }
         Err(err) => return Err(err.into()),
     };
-    let path: PathBuf = scratch.join(format!("sandboxctl-edit-{sandbox}.json"));
-    std::fs::write(&path, &object.data)
+    // One scratch file per edit: two edits of one sandbox on one machine
+    // (two operators, or two terminals) must not share, or one's cleanup
+    // removes the other's file while its editor has it open.
+    let path: PathBuf = scratch.join(format!(
+        "sandboxctl-edit-{sandbox}-{}.json",
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .and_then(|mut file| std::io::Write::write_all(&mut file, &object.data))
         .map_err(|err| OperatorError::Io(format!("cannot write {}: {err}", path.display())))?;
     let status = std::process::Command::new("sh")
         .arg("-c")
@@ -304,5 +314,51 @@ pub async fn edit(
             Err(conflict(store, &key, object.generation, Some(&path)).await)
         }
         Err(err) => Err(err.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        reason = "tests fail by panicking"
+    )]
+
+    use std::sync::Arc;
+
+    use chrono::Utc;
+    use controllers::api::{SandboxId, SandboxMetadata, encode};
+    use controllers::layout::metadata_key;
+    use controllers::store::{PutMode, Store};
+    use controllers::testing::MemoryStore;
+
+    const ID: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
+
+    /// Two edits of one sandbox at once on one machine each keep their own
+    /// scratch file: the one that finishes first does not remove the file the
+    /// other's editor is still reading (they shared one path before).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_edits_of_one_sandbox_at_once_each_have_their_own_file() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let sandbox = SandboxId::parse(ID).unwrap();
+        let metadata = SandboxMetadata::new(sandbox.clone(), Utc::now(), "ab".repeat(32));
+        store
+            .put(&metadata_key(&sandbox), encode(&metadata), PutMode::Create)
+            .await
+            .unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let edit_with = |editor: &'static str| {
+            let store = Arc::clone(&store);
+            let scratch = scratch.path().to_owned();
+            tokio::spawn(async move { super::edit(store.as_ref(), ID, editor, &scratch).await })
+        };
+        // The quick editor finishes (no changes: its file is removed) while
+        // the slow one still has to read its own.
+        let slow = edit_with("sleep 0.6; cat");
+        let quick = edit_with("sleep 0.1; cat");
+        assert_eq!(quick.await.unwrap().unwrap(), "no changes");
+        assert_eq!(slow.await.unwrap().unwrap(), "no changes");
+        assert_eq!(std::fs::read_dir(scratch.path()).unwrap().count(), 0);
     }
 }
