@@ -7,6 +7,11 @@
 //! same way).
 //!
 //! Rows are tried top to bottom; the first that matches wins.
+//!
+//! A held sandbox nothing happened to is not read in full on every pass:
+//! [`decide_light`] says whether its pass may stay light (lease upkeep, and
+//! in the departure watch one read of the lock), on the same conditions the
+//! full table stops or hands over on ([`still_ours`], [`wanted_elsewhere`]).
 
 use chrono::{DateTime, Utc};
 
@@ -109,10 +114,7 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
     // edit): it is never started again (decision 28).
     let tombstone = metadata.status.phase == Phase::Deleted;
     if let Some(held) = seen.held {
-        let still_ours = seen
-            .lock
-            .is_some_and(|lock| lock.is_held_by(seen.me) && lock.epoch == held.epoch);
-        if !still_ours {
+        if !still_ours(seen.me, seen.lock, held) {
             return Step::StopLost {
                 holder: seen.lock.and_then(|lock| lock.holder.clone()),
             };
@@ -131,10 +133,8 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
             }
             DesiredState::Checkpointed => Step::CheckpointAndRelease,
             DesiredState::Running => {
-                let wanted_elsewhere = seen
-                    .lock
-                    .is_some_and(|lock| lock.wanted_elsewhere(seen.me, seen.now).is_some());
-                if wanted_elsewhere && metadata.spec.enable_checkpoint {
+                if wanted_elsewhere(seen.me, seen.lock, seen.now) && metadata.spec.enable_checkpoint
+                {
                     Step::HandOver
                 } else if !seen.vouched {
                     Step::Reverify
@@ -184,6 +184,86 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
             _ => Step::NotWantedHere,
         },
     }
+}
+
+/// True while `lock` still names this instance's hold at its epoch (else
+/// the hold was lost: [`Step::StopLost`]).
+pub(crate) fn still_ours(me: &InstanceId, lock: Option<&Lease>, held: &HeldLease) -> bool {
+    lock.is_some_and(|lock| lock.is_held_by(me) && lock.epoch == held.epoch)
+}
+
+/// True when `lock` carries another instance's live intent (a holder hands
+/// the sandbox over: [`Step::HandOver`]).
+pub(crate) fn wanted_elsewhere(me: &InstanceId, lock: Option<&Lease>, now: DateTime<Utc>) -> bool {
+    lock.is_some_and(|lock| lock.wanted_elsewhere(me, now).is_some())
+}
+
+/// What a pass of a sandbox knows before it reads both objects.
+#[derive(Debug, Clone)]
+pub(crate) struct Quiet<'a> {
+    pub me: &'a InstanceId,
+    pub now: DateTime<Utc>,
+    /// Something asked for a full pass (an intent was written, a step
+    /// wants to decide again).
+    pub full_pass_wanted: bool,
+    /// This instance's hold, if it runs the sandbox.
+    pub held: Option<&'a HeldLease>,
+    /// The resync is due (the last full pass was a resync interval ago).
+    pub resync_due: bool,
+    /// A periodic checkpoint of the held sandbox is due.
+    pub checkpoint_due: bool,
+    /// The local runtime runs the sandbox.
+    pub running_here: bool,
+    /// Its client left within the detached window: the departure watch
+    /// reads the lock on each pass (decision 7).
+    pub watching: bool,
+    /// The departure watch's read of the lock, once made (`Some(None)`: no
+    /// lock).
+    pub lock_read: Option<Option<&'a Lease>>,
+    /// This instance may act on `held` (its instance lease vouches for it).
+    pub vouched: bool,
+}
+
+/// What a quiet pass does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LightStep {
+    /// Read both objects and ask [`decide`].
+    Full,
+    /// The departure watch: read both objects at once, then ask again with
+    /// the lock read.
+    ReadBoth,
+    /// The departure watch's read shows the hold lost or wanted elsewhere:
+    /// a full pass decides on those reads (not on a second round trip).
+    Changed,
+    /// Nothing changed: lease upkeep only, look again at the resync (or at
+    /// the watch's next poll).
+    Upkeep,
+}
+
+/// The light pass's table: a held sandbox nothing happened to stays light
+/// until its resync; anything the full table would act on (another holder
+/// or epoch, another instance's intent, a lapsed instance lease, a death,
+/// a due checkpoint) takes a full pass.
+pub(crate) fn decide_light(seen: &Quiet<'_>) -> LightStep {
+    let Some(held) = seen.held else {
+        return LightStep::Full;
+    };
+    if seen.full_pass_wanted || seen.resync_due || seen.checkpoint_due || !seen.running_here {
+        return LightStep::Full;
+    }
+    if seen.watching {
+        let Some(lock) = seen.lock_read else {
+            return LightStep::ReadBoth;
+        };
+        if !still_ours(seen.me, lock, held) || wanted_elsewhere(seen.me, lock, seen.now) {
+            return LightStep::Changed;
+        }
+    }
+    if !seen.vouched {
+        // The full table re-verifies the hold (or stops it).
+        return LightStep::Full;
+    }
+    LightStep::Upkeep
 }
 
 /// True when `status` does not yet record what runs here: this holder's

@@ -361,3 +361,116 @@ fn checkpoint(epoch: u64, second: u32) -> CheckpointRef {
         extra: ExtraFields::new(),
     }
 }
+
+/// A quiet pass of the sandbox `Case::held_here` holds: running, vouched,
+/// nothing due, its client attached.
+fn quiet<'a>(case: &'a Case) -> Quiet<'a> {
+    Quiet {
+        me: &case.me,
+        now: case.now,
+        full_pass_wanted: false,
+        held: case.held.as_ref(),
+        resync_due: false,
+        checkpoint_due: false,
+        running_here: true,
+        watching: false,
+        lock_read: None,
+        vouched: true,
+    }
+}
+
+#[test]
+fn a_held_sandbox_nothing_happened_to_stays_light() {
+    let case = Case::held_here();
+    assert_eq!(decide_light(&quiet(&case)), LightStep::Upkeep);
+}
+
+#[test]
+fn anything_the_full_table_acts_on_takes_a_full_pass() {
+    let case = Case::held_here();
+    let not_held = Quiet {
+        held: None,
+        ..quiet(&case)
+    };
+    assert_eq!(decide_light(&not_held), LightStep::Full);
+    let wanted = Quiet {
+        full_pass_wanted: true,
+        ..quiet(&case)
+    };
+    assert_eq!(decide_light(&wanted), LightStep::Full);
+    let resync = Quiet {
+        resync_due: true,
+        ..quiet(&case)
+    };
+    assert_eq!(decide_light(&resync), LightStep::Full);
+    let checkpoint = Quiet {
+        checkpoint_due: true,
+        ..quiet(&case)
+    };
+    assert_eq!(decide_light(&checkpoint), LightStep::Full);
+    let died = Quiet {
+        running_here: false,
+        ..quiet(&case)
+    };
+    assert_eq!(decide_light(&died), LightStep::Full);
+    // A lapsed instance lease: the full table re-verifies the hold.
+    let lapsed = Quiet {
+        vouched: false,
+        ..quiet(&case)
+    };
+    assert_eq!(decide_light(&lapsed), LightStep::Full);
+    assert_eq!(
+        Case {
+            vouched: false,
+            ..Case::held_here()
+        }
+        .decide(),
+        Step::Reverify
+    );
+}
+
+#[test]
+fn the_departure_watch_reads_the_lock_and_goes_full_on_what_the_table_stops_or_hands_over_on() {
+    let case = Case::held_here();
+    let watching = Quiet {
+        watching: true,
+        ..quiet(&case)
+    };
+    assert_eq!(decide_light(&watching), LightStep::ReadBoth);
+    // Nothing changed: upkeep, unless the lease lapsed during the read.
+    let read = Quiet {
+        lock_read: Some(case.lock.as_ref()),
+        ..watching.clone()
+    };
+    assert_eq!(decide_light(&read), LightStep::Upkeep);
+    let lapsed = Quiet {
+        vouched: false,
+        ..read.clone()
+    };
+    assert_eq!(decide_light(&lapsed), LightStep::Full);
+    // Another holder or epoch: the table's StopLost.
+    let lost = Case::held_here().held_by("b", 4);
+    let seen = Quiet {
+        watching: true,
+        lock_read: Some(lost.lock.as_ref()),
+        ..quiet(&lost)
+    };
+    assert_eq!(decide_light(&seen), LightStep::Changed);
+    assert!(matches!(lost.decide(), Step::StopLost { .. }));
+    // No lock at all: lost too.
+    let gone = Quiet {
+        watching: true,
+        lock_read: Some(None),
+        ..quiet(&case)
+    };
+    assert_eq!(decide_light(&gone), LightStep::Changed);
+    // Another instance's live intent: the table's HandOver.
+    let wanted = Case::held_here().wanted_by("b");
+    let seen = Quiet {
+        watching: true,
+        lock_read: Some(wanted.lock.as_ref()),
+        ..quiet(&wanted)
+    };
+    assert_eq!(decide_light(&seen), LightStep::Changed);
+    assert_eq!(wanted.decide(), Step::HandOver);
+}

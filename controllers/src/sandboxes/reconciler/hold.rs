@@ -86,34 +86,34 @@ impl Reconciler {
         Ok(Requeue::After(Duration::ZERO))
     }
 
-    /// Keeps a held sandbox running: nothing to write while the instance
-    /// lease vouches for the hold; after a lapse, re-verifies the hold with one
-    /// conditional write to its lock (a taker's concurrent write then fails),
-    /// or stops it. Says when to look again.
+    /// Keeps a held sandbox the instance lease vouches for running:
+    /// nothing to write. Should the lease have lapsed since the pass
+    /// decided, the hold is re-verified ([`Self::reverify`]). Says when to
+    /// look again.
     pub(super) async fn keep_running(
         &self,
         sandbox: &SandboxId,
         held: HeldLease,
     ) -> Result<Requeue, ReconcileError> {
-        let now = self.clock.now();
-        let watching = self
-            .watch(sandbox)
-            .and_then(|w| w.detached_since)
-            .is_some_and(|since| now < since + chrono_duration(self.config.detached_window));
-        let next = if watching {
-            self.config.detached_poll
-        } else {
-            self.config.resync_interval
-        };
-        if self.leases.is_safe(&held) {
-            if self.rung_recently(sandbox) {
-                // Rung, but no intent yet: it was written at the same time
-                // as the ring and may land a moment later.
-                self.want_full_pass(sandbox);
-                return Ok(Requeue::After(super::local::RING_RECHECK));
-            }
-            return Ok(Requeue::After(next));
+        if !self.leases.is_safe(&held) {
+            return self.reverify(sandbox, held).await;
         }
+        Ok(self.kept(sandbox))
+    }
+
+    /// The instance lease lapsed since the hold was taken: re-verifies the
+    /// hold with one conditional write to its lock (a taker's concurrent
+    /// write then fails), or stops it. Vouched for again meanwhile (its
+    /// loop renewed the instance lease), it is simply kept.
+    pub(super) async fn reverify(
+        &self,
+        sandbox: &SandboxId,
+        held: HeldLease,
+    ) -> Result<Requeue, ReconcileError> {
+        if self.leases.is_safe(&held) {
+            return Ok(self.kept(sandbox));
+        }
+        let next = self.next_look(sandbox);
         let reverified = async {
             self.leases.ensure_instance_lease().await?;
             self.leases.renew(&held).await
@@ -135,6 +135,35 @@ impl Reconciler {
                     .await;
                 Ok(Requeue::Never)
             }
+        }
+    }
+
+    /// When a vouched-for hold is looked at again: at once after a ring
+    /// whose intent has not landed yet, else at the watch's next poll or
+    /// the resync.
+    fn kept(&self, sandbox: &SandboxId) -> Requeue {
+        let next = self.next_look(sandbox);
+        if self.rung_recently(sandbox) {
+            // Rung, but no intent yet: it was written at the same time
+            // as the ring and may land a moment later.
+            self.want_full_pass(sandbox);
+            return Requeue::After(super::local::RING_RECHECK);
+        }
+        Requeue::After(next)
+    }
+
+    /// The departure watch's poll while the client left within the
+    /// detached window, else the resync.
+    fn next_look(&self, sandbox: &SandboxId) -> Duration {
+        let now = self.clock.now();
+        let watching = self
+            .watch(sandbox)
+            .and_then(|w| w.detached_since)
+            .is_some_and(|since| now < since + chrono_duration(self.config.detached_window));
+        if watching {
+            self.config.detached_poll
+        } else {
+            self.config.resync_interval
         }
     }
 

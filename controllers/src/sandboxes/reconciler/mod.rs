@@ -9,8 +9,9 @@
 //! (decision 21).
 //!
 //! A held sandbox nothing happened to gets a light pass (no storage request)
-//! until its resync; otherwise a full pass reads metadata and lock, the
-//! decision table (`super::decision`) picks the one step, and [`Reconciler`]
+//! until its resync, as the light table (`super::decision::decide_light`)
+//! says; otherwise a full pass reads metadata and lock, the decision table
+//! (`super::decision::decide`) picks the one step, and [`Reconciler`]
 //! performs it (`pass`). The steps live by concept: `hold` (keep, re-verify, stop,
 //! delete, orphans, tombstones), `checkpoint` (handoff, client and periodic
 //! checkpoints, purge), `start` (acquire, restore or create), `fork`; its

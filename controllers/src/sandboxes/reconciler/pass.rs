@@ -8,6 +8,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use super::*;
+use crate::sandboxes::decision::{LightStep, Quiet, decide_light};
 
 impl Reconciler {
     /// One step toward the desired state of `sandbox`. A held sandbox with
@@ -15,16 +16,11 @@ impl Reconciler {
     /// full pass reads metadata and lock and decides.
     #[tracing::instrument(skip(self), fields(instance = %self.leases.instance()))]
     pub async fn reconcile(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
-        let full_wanted = self.take_full_pass_wanted(sandbox);
-        let watch = self.watch(sandbox);
-        if !full_wanted
-            && let Some(held) = self.held(sandbox)
-            && let Some(watch) = watch
-            && self.clock.now()
-                < watch.last_full_pass + chrono_duration(self.config.resync_interval)
-            && !self.checkpoint_due(sandbox)
-            && self.runtime.is_running(sandbox)
-            && let Some(requeue) = self.light_pass(sandbox, held, watch).await?
+        let full_pass_wanted = self.take_full_pass_wanted(sandbox);
+        if let Some((held, watch)) = self.held_and_watch(sandbox)
+            && let Some(requeue) = self
+                .light_pass(sandbox, full_pass_wanted, held, watch)
+                .await?
         {
             return Ok(requeue);
         }
@@ -34,19 +30,41 @@ impl Reconciler {
         outcome
     }
 
-    /// Lease upkeep for a held sandbox nothing happened to. `None`: something
-    /// changed, do a full pass.
+    /// The hold on `sandbox` and how it is watched, if it is held here.
+    pub(super) fn held_and_watch(&self, sandbox: &SandboxId) -> Option<(HeldLease, Watch)> {
+        self.slots.view(sandbox, |slot| {
+            slot.state.held().cloned().zip(slot.state.watch().copied())
+        })
+    }
+
+    /// Lease upkeep for a held sandbox nothing happened to, as the light
+    /// table (`decide_light`) says. `None`: something changed or is due, do
+    /// a full pass.
     async fn light_pass(
         &self,
         sandbox: &SandboxId,
+        full_pass_wanted: bool,
         held: HeldLease,
         watch: Watch,
     ) -> Result<Option<Requeue>, ReconcileError> {
         let now = self.clock.now();
-        let watching = watch
-            .detached_since
-            .is_some_and(|since| now < since + chrono_duration(self.config.detached_window));
-        if watching {
+        let lock_read: Option<ReadLease>;
+        let mut seen = Quiet {
+            me: self.leases.instance(),
+            now,
+            full_pass_wanted,
+            held: Some(&held),
+            resync_due: now >= watch.last_full_pass + chrono_duration(self.config.resync_interval),
+            checkpoint_due: self.checkpoint_due(sandbox),
+            running_here: self.runtime.is_running(sandbox),
+            watching: watch
+                .detached_since
+                .is_some_and(|since| now < since + chrono_duration(self.config.detached_window)),
+            lock_read: None,
+            vouched: self.leases.is_safe(&held),
+        };
+        let mut step = decide_light(&seen);
+        if step == LightStep::ReadBoth {
             // Both objects at once: the full pass a change calls for (an
             // attach elsewhere) decides on these reads, not on a second
             // round trip (decision 7, the departure watch), unless an
@@ -56,32 +74,31 @@ impl Reconciler {
                 self.read_metadata_versioned(sandbox),
                 self.leases.read(sandbox)
             );
-            let lock = lock?;
-            let lease = lock.as_ref().map(|(lease, _)| lease);
-            let ours = lease
-                .is_some_and(|l| l.is_held_by(self.leases.instance()) && l.epoch == held.epoch);
-            let wanted_elsewhere =
-                lease.is_some_and(|l| l.wanted_elsewhere(self.leases.instance(), now).is_some());
-            if !ours || wanted_elsewhere {
-                if let Ok(Some(metadata)) = metadata
-                    && intents_before.is_some()
-                    && self.intents_settled(sandbox) == intents_before
-                {
-                    self.prime_with_read(sandbox, metadata, lock);
-                }
-                return Ok(None);
+            lock_read = lock?;
+            seen.lock_read = Some(lock_read.as_ref().map(|(lease, _)| lease));
+            // Whether the instance lease still vouches, after the read.
+            seen.vouched = self.leases.is_safe(&held);
+            step = decide_light(&seen);
+            if step == LightStep::Changed
+                && let Ok(Some(metadata)) = metadata
+                && intents_before.is_some()
+                && self.intents_settled(sandbox) == intents_before
+            {
+                self.prime_with_read(sandbox, metadata, lock_read.clone());
             }
         }
-        if !self.leases.is_safe(&held) {
-            // The instance lease lapsed: re-verify in a full pass.
-            return Ok(None);
+        match step {
+            LightStep::Upkeep => {
+                let until = |at: DateTime<Utc>| (at - now).to_std().unwrap_or(Duration::ZERO);
+                let mut next =
+                    until(watch.last_full_pass + chrono_duration(self.config.resync_interval));
+                if seen.watching {
+                    next = next.min(self.config.detached_poll);
+                }
+                Ok(Some(Requeue::After(next.max(Duration::from_millis(10)))))
+            }
+            LightStep::Full | LightStep::ReadBoth | LightStep::Changed => Ok(None),
         }
-        let until = |at: DateTime<Utc>| (at - now).to_std().unwrap_or(Duration::ZERO);
-        let mut next = until(watch.last_full_pass + chrono_duration(self.config.resync_interval));
-        if watching {
-            next = next.min(self.config.detached_poll);
-        }
-        Ok(Some(Requeue::After(next.max(Duration::from_millis(10)))))
     }
 
     /// Reads metadata and lock, asks the decision table for the one next
@@ -244,7 +261,11 @@ impl Reconciler {
                     .ok_or(needs("metadata and a hold to hand over"))?;
                 self.hand_over(sandbox, metadata, held, lock).await
             }
-            Step::Reverify | Step::KeepRunning => {
+            Step::Reverify => {
+                let held = held.ok_or(needs("a hold to re-verify"))?;
+                self.reverify(sandbox, held).await
+            }
+            Step::KeepRunning => {
                 let held = held.ok_or(needs("a hold to keep"))?;
                 self.keep_running(sandbox, held).await
             }

@@ -34,8 +34,8 @@ use super::local::Watch;
 use super::primed::{IntentCount, Primed, SpecChange};
 
 /// The most sandboxes with a slot before the hints in them (remembered
-/// metadata, idle write turns, settled intent counts, old losses) are
-/// dropped: they are only ever hints.
+/// metadata, idle write turns, settled intent counts) are dropped: they are
+/// only ever hints.
 const MAX_SLOTS: usize = 10_000;
 
 /// What this instance knows only locally about one sandbox.
