@@ -90,6 +90,7 @@ fn every_request() -> Vec<Command> {
             cwd: None,
             resumable: false,
             pty: None,
+            results: false,
         }),
         id(Request::Resize { cols: 80, rows: 24 }),
         id(Request::Stdin {

@@ -92,6 +92,7 @@ async fn bad_base64_output_is_reported_not_silently_empty() {
                     cwd: None,
                     resumable: false,
                     pty: None,
+                    results: false,
                 },
             )
             .await
