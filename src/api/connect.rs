@@ -73,7 +73,7 @@ pub(super) fn controller_or_error(state: &AppState) -> Result<Arc<SandboxControl
 }
 
 async fn serve_create(socket: WebSocket, state: AppState) {
-    let (out, mut stream) = Out::spawn(socket);
+    let (out, mut stream) = Out::spawn(socket, state.socket);
     let init = match next_text(&mut stream).await {
         None => return,
         Some(Err(err @ FrameError::MessageTooBig(_))) => {
@@ -402,7 +402,7 @@ async fn serve_attach(
     token: String,
     checkpoint: Option<String>,
 ) {
-    let (out, mut stream) = Out::spawn(socket);
+    let (out, mut stream) = Out::spawn(socket, state.socket);
     let fatal = |status: Status, message: String| {
         let out = out.clone();
         async move {

@@ -4,6 +4,7 @@
 //! checkpoints or restores a sandbox by itself.
 
 pub mod admission;
+pub mod caller;
 pub mod connect;
 pub mod events;
 pub mod execute;

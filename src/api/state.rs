@@ -40,6 +40,8 @@ pub struct AppState {
     pub admission: Option<Arc<crate::api::admission::Admission>>,
     /// The concurrency caps of forks and `POST /execute`.
     pub limits: Arc<crate::api::limits::Limits>,
+    /// What one client socket may hold and how long it may stay silent.
+    pub socket: crate::api::session::SocketSettings,
 }
 
 /// Default of `--max-named-checkpoints`.

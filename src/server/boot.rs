@@ -125,6 +125,8 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
         timeout: Duration::from_secs(args.execute_timeout_s),
     };
     parts.limits = args.admission.limits();
+    parts.socket = args.tenant.socket();
+    parts.connection_deadlines = args.tenant.connection_deadlines();
     if gvisor.is_some() {
         parts.admission = args
             .admission

@@ -36,7 +36,9 @@ use crate::runtime::ImageCatalog;
 use crate::workspace::WorkspaceHooks;
 
 pub use crate::api::state::{AppState, Features};
-pub use connections::Connections;
+pub use connections::{
+    ConnectionDeadlines, Connections, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, Peer,
+};
 pub use routes::app;
 
 /// How many connections (WebSocket sessions included) a server keeps open at
@@ -71,6 +73,8 @@ pub struct Parts {
     pub workspace_hooks: Option<Arc<WorkspaceHooks>>,
     /// Connections open at once, at most.
     pub max_connections: u32,
+    /// How long a connection may take to become a request.
+    pub connection_deadlines: ConnectionDeadlines,
     /// How long a shutdown waits for the sandboxes held here to be
     /// checkpointed, and then for the last connection.
     pub shutdown_grace: Duration,
@@ -84,6 +88,8 @@ pub struct Parts {
     pub admission: Option<crate::api::admission::AdmissionSettings>,
     /// The concurrency caps of forks and `POST /execute`.
     pub limits: crate::api::limits::LimitSettings,
+    /// What one client socket may hold and how long it may stay silent.
+    pub socket: crate::api::session::SocketSettings,
 }
 
 impl Parts {
@@ -110,11 +116,13 @@ impl Parts {
             store_operations: Arc::default(),
             workspace_hooks: None,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            connection_deadlines: ConnectionDeadlines::default(),
             shutdown_grace: Duration::from_secs(10),
             warm_pool: None,
             execute: crate::api::execute::ExecuteLimits::default(),
             admission: None,
             limits: crate::api::limits::LimitSettings::default(),
+            socket: crate::api::session::SocketSettings::default(),
         }
     }
 }
@@ -187,11 +195,15 @@ impl Server {
             execute: parts.execute,
             admission,
             limits: Arc::new(crate::api::limits::Limits::new(parts.limits)),
+            socket: parts.socket,
         };
         Self {
             state,
             workers,
-            connections: Connections::new(parts.max_connections),
+            connections: Connections::with_deadlines(
+                parts.max_connections,
+                parts.connection_deadlines,
+            ),
             shutdown_grace: parts.shutdown_grace,
         }
     }
@@ -214,7 +226,10 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let listener = self.connections.listen(listener);
-        axum::serve(listener, app(self.state.clone()))
+        let app = app(self.state.clone())
+            .layer(axum::middleware::from_fn(connections::track_requests))
+            .into_make_service_with_connect_info::<Peer>();
+        axum::serve(listener, app)
             .with_graceful_shutdown(shutdown)
             .await?;
         self.shut_down().await;

@@ -1,0 +1,57 @@
+//! What one tenant may hold of an instance: each client socket's reply
+//! budget and deadlines (`api/session/out.rs`), the deadlines of
+//! connections that never become a request (`server/connections.rs`), and
+//! the other per-tenant limits (origins, callers' quotas, lifetimes,
+//! snapshot quotas, the operator credential). `docs/security.md` says why
+//! each exists and how it is tested.
+
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::api::session::SocketSettings;
+
+#[derive(Debug, Clone, Args)]
+pub struct TenantArgs {
+    /// Bytes of replies one WebSocket may have waiting to be written; a
+    /// session whose client reads slower stops taking its requests.
+    #[arg(long, env = "SANDBOXD_WS_REPLY_BUDGET_BYTES", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(65_536..=1 << 30), default_value_t = crate::api::session::DEFAULT_REPLY_BUDGET_BYTES)]
+    pub ws_reply_budget_bytes: usize,
+    /// Seconds a write to a WebSocket may make no progress (the client
+    /// reads nothing) before the socket is closed with 1008.
+    #[arg(long, env = "SANDBOXD_WS_STALL_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=3600), default_value_t = crate::api::session::DEFAULT_STALL_TIMEOUT.as_secs())]
+    pub ws_stall_timeout_s: u64,
+    /// Seconds between the server's pings on a WebSocket.
+    #[arg(long, env = "SANDBOXD_WS_PING_INTERVAL_S", value_parser = clap::value_parser!(u64).range(1..=3600), default_value_t = crate::api::session::DEFAULT_PING_INTERVAL.as_secs())]
+    pub ws_ping_interval_s: u64,
+    /// Seconds a WebSocket client that is read may send nothing (pongs
+    /// count) before it is closed with 1001.
+    #[arg(long, env = "SANDBOXD_WS_PING_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=3600), default_value_t = crate::api::session::DEFAULT_PING_TIMEOUT.as_secs())]
+    pub ws_ping_timeout_s: u64,
+    /// Seconds from a request's first byte to its complete headers; a
+    /// slower connection is closed.
+    #[arg(long, env = "SANDBOXD_HEADER_READ_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=3600), default_value_t = crate::server::DEFAULT_HEADER_READ_TIMEOUT.as_secs())]
+    pub header_read_timeout_s: u64,
+    /// Seconds a connection with no request in flight (and not a
+    /// WebSocket) may stay silent before it is closed.
+    #[arg(long, env = "SANDBOXD_CONNECTION_IDLE_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=86_400), default_value_t = crate::server::DEFAULT_IDLE_TIMEOUT.as_secs())]
+    pub connection_idle_timeout_s: u64,
+}
+
+impl TenantArgs {
+    pub fn connection_deadlines(&self) -> crate::server::ConnectionDeadlines {
+        crate::server::ConnectionDeadlines {
+            header_read: Duration::from_secs(self.header_read_timeout_s),
+            idle: Duration::from_secs(self.connection_idle_timeout_s),
+        }
+    }
+
+    pub fn socket(&self) -> SocketSettings {
+        SocketSettings {
+            reply_budget_bytes: self.ws_reply_budget_bytes,
+            stall_timeout: Duration::from_secs(self.ws_stall_timeout_s),
+            ping_interval: Duration::from_secs(self.ws_ping_interval_s),
+            ping_timeout: Duration::from_secs(self.ws_ping_timeout_s),
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! Nothing one tenant does takes the instance from the others: each test
+//! plays a hostile client against a real server (the `sandboxd` binary or
+//! one built by the composition root) on real runsc, with real WebSocket
+//! and HTTP clients, and measures what the others are left with.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests fail by panicking"
+)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use support::ws::Ws;
+
+/// The resident memory of process `pid` in MiB.
+fn rss_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .expect("VmRSS");
+    kib / 1024
+}
+
+/// `sandboxd serve` as a process on a local store, with `args`.
+async fn server_process(
+    dir: &std::path::Path,
+    name: &str,
+    args: &[&str],
+) -> testkit::ServerProcess {
+    testkit::Launch::new(env!("CARGO_BIN_EXE_sandboxd"), name, dir)
+        .on_local_store()
+        .with_args(args)
+        .start()
+        .await
+        .unwrap_or_else(|err| panic!("{err}"))
+}
+
+async fn create(addr: &str) -> (Ws, String, String) {
+    let mut ws = Ws::connect(&format!("ws://{addr}/create")).await;
+    ws.send(json!({})).await;
+    let (mut id, mut token) = (String::new(), String::new());
+    loop {
+        let frame = ws.next_value().await;
+        if frame["event"] == "sandbox_id" {
+            id = frame["sandbox_id"].as_str().unwrap_or_default().to_owned();
+            token = frame["sandbox_token"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+        }
+        assert_ne!(frame["status"], "SANDBOX_CREATION_ERROR", "{frame}");
+        if frame["status"] == "SANDBOX_RUNNING" {
+            return (ws, id, token);
+        }
+    }
+}
+
+/// Row 1: a client that stops reading and asks for 400 reads of 4 MiB
+/// (about 5.6 MB of base64 each) holds at most its reply budget of the
+/// server's memory, is closed with 1008 once it read nothing for the stall
+/// timeout, and the memory is back after the close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unread_replies_hold_a_bounded_budget_and_a_stalled_reader_is_closed() {
+    const STALL_S: u64 = 6;
+    let dir = tempfile::tempdir().unwrap();
+    let budget = std::env::var("TENANT_TEST_REPLY_BUDGET").unwrap_or_else(|_| "16777216".into());
+    let server = server_process(
+        dir.path(),
+        "replies",
+        &[
+            "--ws-stall-timeout-s",
+            &STALL_S.to_string(),
+            "--ws-reply-budget-bytes",
+            &budget,
+        ],
+    )
+    .await;
+    let pid = server.child.id();
+    let (mut ws, _, _) = create(&server.addr).await;
+    let frames = ws
+        .exec(
+            "bash",
+            "head -c 4194304 /dev/urandom > /home/sandbox/big && echo made",
+        )
+        .await;
+    assert!(frames.iter().any(|f| f == "stdout:made\n"), "{frames:?}");
+    let before = rss_mib(pid);
+
+    for n in 0..400 {
+        ws.send(json!({"action": "fs_read", "request_id": format!("r{n}"),
+                       "path": "/home/sandbox/big", "length": 4_194_304}))
+            .await;
+    }
+    // The client reads nothing for a while; the server's memory meanwhile.
+    let sent = Instant::now();
+    let mut peak = before;
+    while sent.elapsed() < Duration::from_secs(STALL_S + 2) {
+        peak = peak.max(rss_mib(pid));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Reading again: what was written before the stall, then the close.
+    let mut replies = 0;
+    let close = loop {
+        match ws.next_raw().await {
+            Some(tokio_tungstenite::tungstenite::Message::Text(_)) => replies += 1,
+            Some(tokio_tungstenite::tungstenite::Message::Close(frame)) => {
+                break frame.map(|f| (u16::from(f.code), f.reason.as_str().to_owned()));
+            }
+            Some(_) => {}
+            None => break None,
+        }
+    };
+    drop(ws);
+    let mut after = rss_mib(pid);
+    let closed = Instant::now();
+    while after > before + 64 && closed.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        after = rss_mib(pid);
+    }
+    eprintln!(
+        "server RSS: {before} MiB before, {peak} MiB peak while 400 reads of 4 MiB waited, \
+         {after} MiB after the close; {replies} replies delivered; close {close:?}"
+    );
+    assert!(replies < 400, "all {replies} replies were delivered");
+    assert!(
+        peak < before + 100 && peak < 300,
+        "the server grew from {before} MiB to {peak} MiB"
+    );
+    assert!(
+        after < before + 64,
+        "the server kept {after} MiB (from {before} MiB)"
+    );
+    let (code, reason) = close.expect("a close frame");
+    assert_eq!(code, 1008, "{reason}");
+    assert!(reason.contains("read nothing"), "{reason}");
+}
+
+/// A server without a runtime (it answers health checks and handshakes),
+/// with `adjust` applied to its parts; its address.
+async fn plain_server(adjust: impl FnOnce(&mut sandboxd::server::Parts)) -> String {
+    let store: std::sync::Arc<dyn controllers::store::Store> =
+        std::sync::Arc::new(controllers::testing::MemoryStore::new());
+    let server = support::server_counted("plain", store, None, std::sync::Arc::default(), adjust);
+    support::serve(server).await
+}
+
+/// Reads `stream` until it ends (EOF or reset); how long that took.
+async fn until_closed(mut stream: tokio::net::TcpStream, within: Duration) -> Option<Duration> {
+    use tokio::io::AsyncReadExt as _;
+    let started = Instant::now();
+    let mut buf = [0u8; 512];
+    loop {
+        match tokio::time::timeout_at(
+            tokio::time::Instant::from_std(started + within),
+            stream.read(&mut buf),
+        )
+        .await
+        {
+            Err(_) => return None,
+            Ok(Ok(0) | Err(_)) => return Some(started.elapsed()),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// Row 3: 4,100 connections that send nothing (more than the server's
+/// 4,096 connection permits) leave `/status` answering within a second (the
+/// connection idle the longest makes room), and all of them are closed
+/// after the idle timeout; a client that dribbles its headers is closed at
+/// the header-read timeout; a WebSocket client that answers no ping is
+/// closed at the ping timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_never_keep_a_request_out_and_are_closed_at_their_deadlines() {
+    const IDLE: Duration = Duration::from_secs(4);
+    const HEADERS: Duration = Duration::from_secs(2);
+    const IDLE_SOCKETS: usize = 4_100;
+    let (soft, _) = rlimit_nofile();
+    assert!(
+        soft >= 2 * IDLE_SOCKETS as u64 + 200,
+        "this test needs {} file descriptors (client and server ends); RLIMIT_NOFILE is {soft}",
+        2 * IDLE_SOCKETS + 200
+    );
+    let addr = plain_server(|parts| {
+        parts.connection_deadlines = sandboxd::server::ConnectionDeadlines {
+            header_read: HEADERS,
+            idle: IDLE,
+        };
+        parts.socket.ping_interval = Duration::from_millis(500);
+        parts.socket.ping_timeout = Duration::from_secs(2);
+    })
+    .await;
+    let opened = Instant::now();
+    let mut idle = Vec::with_capacity(IDLE_SOCKETS);
+    for _ in 0..IDLE_SOCKETS {
+        idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    let opening = opened.elapsed();
+
+    let client = reqwest::Client::new();
+    let asked = Instant::now();
+    let status = tokio::time::timeout(
+        Duration::from_secs(5),
+        client.get(format!("http://{addr}/status")).send(),
+    )
+    .await;
+    let answered = asked.elapsed();
+    eprintln!(
+        "{IDLE_SOCKETS} idle connections opened in {opening:?}; /status answered in {answered:?}"
+    );
+    let status = status.expect("/status answered within 5 s").unwrap();
+    assert!(status.status().is_success());
+    assert!(
+        answered < Duration::from_secs(1),
+        "/status took {answered:?} with {IDLE_SOCKETS} idle connections open"
+    );
+
+    // A client that dribbles a request's headers, one byte at a time.
+    let mut slow = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let dribble = tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt as _;
+        let started = Instant::now();
+        for byte in b"GET /status HTTP/1.1\r\nHost: x\r\nX-Slow: "
+            .iter()
+            .cycle()
+        {
+            if slow.write_all(&[*byte]).await.is_err() {
+                return Some(started.elapsed());
+            }
+            if started.elapsed() > Duration::from_secs(30) {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        None
+    });
+    // A WebSocket client that upgrades and then never answers a ping (its
+    // bytes are read raw below, so nothing answers them).
+    let mut deaf = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    {
+        use tokio::io::AsyncWriteExt as _;
+        deaf.write_all(
+            b"GET /create HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+              Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    }
+    let deaf_since = Instant::now();
+
+    let waits: Vec<_> = idle
+        .into_iter()
+        .map(|stream| tokio::spawn(until_closed(stream, IDLE * 4)))
+        .collect();
+    let mut latest = Duration::ZERO;
+    let mut open = 0;
+    for wait in waits {
+        match wait.await.unwrap() {
+            Some(after) => latest = latest.max(after),
+            None => open += 1,
+        }
+    }
+    let closed_after = opened.elapsed();
+    eprintln!("the idle connections were closed by {closed_after:?} after the first opened");
+    assert_eq!(
+        open,
+        0,
+        "{open} idle connections still open after {:?}",
+        IDLE * 4
+    );
+    let slow_closed = dribble.await.unwrap();
+    eprintln!("the dribbling client was cut off after {slow_closed:?}");
+    let slow_closed = slow_closed.expect("the dribbling client was never cut off");
+    assert!(
+        slow_closed >= HEADERS && slow_closed < HEADERS + IDLE,
+        "cut off after {slow_closed:?}"
+    );
+    let deaf_closed = until_closed(deaf, Duration::from_secs(20)).await;
+    eprintln!(
+        "the WebSocket client that answers no ping was closed {:?} after it connected",
+        deaf_closed.map(|_| deaf_since.elapsed())
+    );
+    assert!(
+        deaf_closed.is_some(),
+        "a deaf WebSocket client stayed connected"
+    );
+}
+
+/// This process's RLIMIT_NOFILE (soft, hard), from /proc.
+fn rlimit_nofile() -> (u64, u64) {
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap();
+    let line = limits
+        .lines()
+        .find(|line| line.starts_with("Max open files"))
+        .unwrap();
+    let numbers: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|word| word.parse().ok())
+        .collect();
+    (numbers[0], numbers[1])
+}
