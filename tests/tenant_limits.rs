@@ -305,3 +305,145 @@ fn rlimit_nofile() -> (u64, u64) {
         .collect();
     (numbers[0], numbers[1])
 }
+
+/// A JSON-RPC client of `sandboxctl mcp` over its stdio (one message a line).
+struct McpClient {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    next_id: u64,
+}
+
+impl McpClient {
+    async fn start(url: &str) -> Self {
+        use tokio::io::AsyncBufReadExt as _;
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandboxctl"))
+            .args(["mcp", "--url", url])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("sandboxctl mcp starts");
+        let stdin = child.stdin.take().unwrap();
+        let lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut client = Self {
+            child,
+            stdin,
+            lines,
+            next_id: 1,
+        };
+        client
+            .request(
+                "initialize",
+                json!({"protocolVersion": "2025-03-26", "capabilities": {},
+                       "clientInfo": {"name": "tenant-limits", "version": "1"}}),
+            )
+            .await;
+        client
+            .send(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+            .await;
+        client
+    }
+
+    async fn send(&mut self, message: serde_json::Value) {
+        use tokio::io::AsyncWriteExt as _;
+        let mut line = message.to_string();
+        line.push('\n');
+        self.stdin.write_all(line.as_bytes()).await.unwrap();
+    }
+
+    /// Sends a request and returns its response's `result`.
+    async fn request(&mut self, method: &str, params: serde_json::Value) -> serde_json::Value {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.send(json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}))
+            .await;
+        loop {
+            let line = tokio::time::timeout(Duration::from_secs(120), self.lines.next_line())
+                .await
+                .expect("an MCP answer within 120 s")
+                .unwrap()
+                .expect("sandboxctl mcp ended");
+            let message: serde_json::Value = serde_json::from_str(&line).unwrap();
+            if message["id"] == json!(id) {
+                assert!(message.get("error").is_none(), "{message}");
+                return message["result"].clone();
+            }
+        }
+    }
+
+    async fn tool(&mut self, name: &str, arguments: serde_json::Value) -> serde_json::Value {
+        self.request("tools/call", json!({"name": name, "arguments": arguments}))
+            .await
+    }
+
+    /// Ends the process; its stderr.
+    async fn stop(mut self) -> String {
+        use tokio::io::AsyncReadExt as _;
+        drop(self.stdin);
+        let mut stderr = String::new();
+        if let Some(mut pipe) = self.child.stderr.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(20), pipe.read_to_string(&mut stderr))
+                .await;
+        }
+        let _ = self.child.kill().await;
+        stderr
+    }
+}
+
+/// Every `key=value` of a query string in `text` whose value is not the
+/// redaction marker.
+fn unredacted_query_values(text: &str) -> Vec<String> {
+    text.split(['?', '&'])
+        .skip(1)
+        .filter_map(|part| part.split_once('='))
+        .map(|(_, value)| value.split([' ', ':', '"', ')', '\n']).next().unwrap_or(""))
+        .filter(|value| !value.is_empty() && *value != "REDACTED")
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Row 4: a sandbox created and checkpointed through `sandboxctl mcp`,
+/// then its server gone: `run_code` fails with a result that names the
+/// server but holds no token (nor does anything the MCP server logged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_error_with_the_server_down_holds_no_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = server_process(dir.path(), "mcp-down", &[]).await;
+    let url = format!("ws://{}", server.addr);
+    let mut mcp = McpClient::start(&url).await;
+    let created = mcp.tool("create_sandbox", json!({})).await;
+    let id = created["structuredContent"]["sandbox_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{created}"))
+        .to_owned();
+    let checkpointed = mcp
+        .tool("checkpoint_sandbox", json!({"sandbox_id": id}))
+        .await;
+    assert_ne!(checkpointed["isError"], json!(true), "{checkpointed}");
+    server.signal("-KILL").unwrap();
+
+    let result = mcp
+        .tool(
+            "run_code",
+            json!({"sandbox_id": id, "language": "bash", "code": "echo hi"}),
+        )
+        .await;
+    let text = result.to_string();
+    eprintln!("run_code with the server down: {text}");
+    assert_eq!(result["isError"], json!(true), "{text}");
+    assert!(text.contains("cannot connect to"), "{text}");
+    assert!(text.contains(&format!("/attach/{id}")), "{text}");
+    let leaked = unredacted_query_values(&text);
+    assert!(
+        leaked.is_empty(),
+        "query values in the tool result: {leaked:?}: {text}"
+    );
+    let stderr = mcp.stop().await;
+    let leaked = unredacted_query_values(&stderr);
+    assert!(
+        leaked.is_empty(),
+        "query values on stderr: {leaked:?}: {stderr}"
+    );
+}

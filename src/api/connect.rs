@@ -26,6 +26,7 @@ use tokio::sync::broadcast;
 use tracing::Instrument;
 
 use super::admission::{AtCapacity, Claim};
+use super::caller::ClientAddr;
 use super::events::{NotStarted, await_running};
 use super::live::{LiveSandbox, SandboxOptions};
 use super::output::ExecutionState;
@@ -45,24 +46,49 @@ pub async fn create(ws: WebSocketUpgrade, State(state): State<AppState>) -> Resp
         .on_upgrade(move |socket| serve_create(socket, state))
 }
 
+/// The attach's credential and where the request came from.
+#[derive(Debug, Clone)]
+struct Credential {
+    token: String,
+    source: token::TokenSource,
+    client: String,
+}
+
 pub async fn attach(
     ws: WebSocketUpgrade,
     Path(sandbox_id): Path<String>,
     Query(params): Query<HashMap<String, String>>,
+    headers: axum::http::HeaderMap,
+    client: Option<axum::Extension<ClientAddr>>,
     State(state): State<AppState>,
 ) -> Response {
-    // Upstream rejects the upgrade when the parameter is absent (HTTP 403).
-    let Some(token) = params.get("sandbox_token").cloned() else {
+    // The token travels in `X-Sandbox-Token` or (upstream) the query.
+    // Upstream rejects the upgrade when it is absent (HTTP 403); a header
+    // or parameter present but empty is refused after the upgrade.
+    let token = token::of_request(&headers, &params, false);
+    let token = match token {
+        Some(found) => Some(found),
+        None if params.contains_key("sandbox_token") => {
+            Some((String::new(), token::TokenSource::Query))
+        }
+        None => None,
+    };
+    let Some((token, source)) = token else {
         return (
             StatusCode::FORBIDDEN,
-            "the sandbox_token query parameter is required",
+            "the sandbox token is required (X-Sandbox-Token header or sandbox_token query parameter)",
         )
             .into_response();
+    };
+    let credential = Credential {
+        token,
+        source,
+        client: ClientAddr::describe(client.as_deref()),
     };
     let checkpoint = params.get("checkpoint").cloned();
     ws.max_message_size(MAX_MESSAGE_BYTES)
         .max_frame_size(MAX_MESSAGE_BYTES)
-        .on_upgrade(move |socket| serve_attach(socket, state, sandbox_id, token, checkpoint))
+        .on_upgrade(move |socket| serve_attach(socket, state, sandbox_id, credential, checkpoint))
 }
 
 pub(super) fn controller_or_error(state: &AppState) -> Result<Arc<SandboxController>, String> {
@@ -399,9 +425,10 @@ async fn serve_attach(
     socket: WebSocket,
     state: AppState,
     raw_id: String,
-    token: String,
+    credential: Credential,
     checkpoint: Option<String>,
 ) {
+    let token = credential.token;
     let (out, mut stream) = Out::spawn(socket, state.socket);
     let fatal = |status: Status, message: String| {
         let out = out.clone();
@@ -447,6 +474,12 @@ async fn serve_attach(
     };
     let metadata = read.metadata.0.clone();
     if !token::matches(&token, &metadata.spec.token_sha256) {
+        tracing::warn!(
+            sandbox = %id,
+            source = %credential.source,
+            client = %credential.client,
+            "refused an attach: wrong sandbox token"
+        );
         return fatal(
             Status::PermissionDenialError,
             "Invalid sandbox token.".to_owned(),
