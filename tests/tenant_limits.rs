@@ -447,3 +447,43 @@ async fn a_tool_error_with_the_server_down_holds_no_token() {
         "query values on stderr: {leaked:?}: {stderr}"
     );
 }
+
+/// Row 6: 40 creates naming a snapshot or an image that does not exist are
+/// refused naming what is missing, and leave no record in the bucket; a
+/// good create after them still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_that_fail_validation_leave_no_record() {
+    let server = support::ws::Server::start().await;
+    let records = || async {
+        server
+            .store
+            .list_all(controllers::layout::SANDBOXES_PREFIX)
+            .await
+            .unwrap()
+            .len()
+    };
+    assert_eq!(records().await, 0);
+    for n in 0..40 {
+        let init = if n % 2 == 0 {
+            json!({"filesystem_snapshot_name": format!("never-taken-{n}")})
+        } else {
+            json!({"image": format!("no-such-image-{n}")})
+        };
+        let mut ws = server.connect("/create").await;
+        ws.send(init).await;
+        let frames = ws.until_close().await;
+        assert_eq!(frames[1], "SANDBOX_CREATION_ERROR", "{frames:?}");
+        let expected = if n % 2 == 0 {
+            "no filesystem snapshot named"
+        } else {
+            "no sandbox image"
+        };
+        assert!(frames[2].contains(expected), "{frames:?}");
+    }
+    let left = records().await;
+    eprintln!("40 failed creates left {left} objects under sandboxes/");
+    assert_eq!(left, 0, "failed creates left records");
+    let (mut ws, _, _) = server.create(json!({})).await;
+    let frames = ws.exec("bash", "echo alive").await;
+    assert!(frames.contains(&"stdout:alive\n".to_owned()), "{frames:?}");
+}

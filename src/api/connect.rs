@@ -155,6 +155,20 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         extra: controllers::api::ExtraFields::new(),
     });
 
+    // What the runtime would refuse is refused before anything is
+    // recorded: an unknown image or snapshot leaves no `metadata.json`.
+    if init.from_checkpoint.is_none()
+        && let Some(runtime) = &state.runtime
+    {
+        let options = controllers::runtime::CreateOptions {
+            snapshot_name: metadata.spec.filesystem_snapshot_name.clone(),
+            network: metadata.spec.network,
+            image: metadata.spec.image.clone(),
+        };
+        if let Err(err) = runtime.check_create(&options).await {
+            return fail(format!("Failed to create gVisor container {id}: {err}")).await;
+        }
+    }
     if let (Some(workspace), Some(hooks)) = (&metadata.spec.workspace, &state.workspace_hooks) {
         // A named workspace belongs to whoever first used it with its token;
         // one named after this sandbox is owned by the sandbox's token.
@@ -412,7 +426,16 @@ async fn run_session(
     attachment: u64,
     progress: broadcast::Receiver<SandboxEvent>,
 ) {
-    let session = Session::new(id, out, live, attachment, controller, state.features, owner);
+    let session = Session::new(
+        id,
+        out,
+        live,
+        attachment,
+        controller,
+        state.features,
+        owner,
+        state.snapshot_store.clone(),
+    );
     let span =
         tracing::info_span!("session", sandbox = %session.id, attachment = session.attachment);
     session

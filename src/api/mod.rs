@@ -15,5 +15,6 @@ pub mod output;
 pub mod protocol;
 pub mod session;
 pub mod snapshot_owner;
+pub mod snapshot_quota;
 pub mod state;
 pub mod token;

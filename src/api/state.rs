@@ -42,6 +42,9 @@ pub struct AppState {
     pub limits: Arc<crate::api::limits::Limits>,
     /// What one client socket may hold and how long it may stay silent.
     pub socket: crate::api::session::SocketSettings,
+    /// Where filesystem snapshots are kept (their owners' quotas are
+    /// counted there); `None`: no quota is checked.
+    pub snapshot_store: Option<Arc<dyn Store>>,
 }
 
 /// Default of `--max-named-checkpoints`.
@@ -59,6 +62,8 @@ pub struct Features {
     pub shared_snapshots: bool,
     /// Named checkpoints one sandbox may keep (`--max-named-checkpoints`).
     pub max_named_checkpoints: usize,
+    /// Filesystem snapshots one owner may keep.
+    pub snapshot_quota: crate::api::snapshot_quota::SnapshotQuota,
 }
 
 impl Default for Features {
@@ -71,6 +76,7 @@ impl Default for Features {
             network_egress: false,
             shared_snapshots: false,
             max_named_checkpoints: DEFAULT_MAX_NAMED_CHECKPOINTS,
+            snapshot_quota: crate::api::snapshot_quota::SnapshotQuota::default(),
         }
     }
 }

@@ -36,9 +36,24 @@ pub struct TenantArgs {
     /// WebSocket) may stay silent before it is closed.
     #[arg(long, env = "SANDBOXD_CONNECTION_IDLE_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=86_400), default_value_t = crate::server::DEFAULT_IDLE_TIMEOUT.as_secs())]
     pub connection_idle_timeout_s: u64,
+    /// Filesystem snapshots (names) one owner may keep; a snapshot under a
+    /// new name past it is refused (overwriting one works).
+    #[arg(long, env = "SANDBOXD_MAX_SNAPSHOTS_PER_OWNER", value_parser = clap::value_parser!(u64).range(1..=1_000_000), default_value_t = crate::api::snapshot_quota::DEFAULT_MAX_SNAPSHOTS_PER_OWNER)]
+    pub max_snapshots_per_owner: u64,
+    /// MiB of snapshot objects one owner may keep; once reached, its
+    /// snapshots are refused.
+    #[arg(long, env = "SANDBOXD_MAX_SNAPSHOT_MB_PER_OWNER", value_parser = clap::value_parser!(u64).range(1..=16_777_216), default_value_t = crate::api::snapshot_quota::DEFAULT_MAX_SNAPSHOT_BYTES_PER_OWNER >> 20)]
+    pub max_snapshot_mb_per_owner: u64,
 }
 
 impl TenantArgs {
+    pub fn snapshot_quota(&self) -> crate::api::snapshot_quota::SnapshotQuota {
+        crate::api::snapshot_quota::SnapshotQuota {
+            max_count: self.max_snapshots_per_owner,
+            max_bytes: self.max_snapshot_mb_per_owner.saturating_mul(1 << 20),
+        }
+    }
+
     pub fn connection_deadlines(&self) -> crate::server::ConnectionDeadlines {
         crate::server::ConnectionDeadlines {
             header_read: Duration::from_secs(self.header_read_timeout_s),

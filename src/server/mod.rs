@@ -90,6 +90,8 @@ pub struct Parts {
     pub limits: crate::api::limits::LimitSettings,
     /// What one client socket may hold and how long it may stay silent.
     pub socket: crate::api::session::SocketSettings,
+    /// Where filesystem snapshots are kept (for their owners' quotas).
+    pub snapshot_store: Option<Arc<dyn Store>>,
 }
 
 impl Parts {
@@ -104,7 +106,7 @@ impl Parts {
         Self {
             instance,
             metadata_store: Arc::clone(&store),
-            checkpoint_store: store,
+            checkpoint_store: Arc::clone(&store),
             checkpoint_bucket: "local".to_owned(),
             snapshot_bucket: "local".to_owned(),
             runtime,
@@ -123,6 +125,7 @@ impl Parts {
             admission: None,
             limits: crate::api::limits::LimitSettings::default(),
             socket: crate::api::session::SocketSettings::default(),
+            snapshot_store: Some(store),
         }
     }
 }
@@ -196,6 +199,7 @@ impl Server {
             admission,
             limits: Arc::new(crate::api::limits::Limits::new(parts.limits)),
             socket: parts.socket,
+            snapshot_store: parts.snapshot_store.clone(),
         };
         Self {
             state,

@@ -62,6 +62,9 @@ pub struct Session {
     /// The owner of the snapshots this session takes (the sandbox's token's
     /// snapshot token; `api::snapshot_owner`).
     snapshot_owner: SnapshotProof,
+    /// Where snapshots are kept, to count their owner's quota (`None`: not
+    /// counted).
+    snapshot_store: Option<Arc<dyn controllers::store::Store>>,
     /// What this session asked the controller for and awaits the end of.
     pending: Pending,
     streamer: std::sync::Mutex<Option<JoinHandle<()>>>,
@@ -115,6 +118,7 @@ impl Session {
         controller: Arc<SandboxController>,
         features: Features,
         snapshot_owner: SnapshotProof,
+        snapshot_store: Option<Arc<dyn controllers::store::Store>>,
     ) -> Arc<Self> {
         Arc::new(Self {
             id,
@@ -124,6 +128,7 @@ impl Session {
             controller,
             features,
             snapshot_owner,
+            snapshot_store,
             pending: Pending::default(),
             streamer: std::sync::Mutex::new(None),
             settled: Notify::new(),

@@ -474,6 +474,9 @@ async fn main() -> ExitCode {
                     for id in &found.tombstones {
                         println!("{verb} deleted sandbox {id}");
                     }
+                    for id in &found.failed {
+                        println!("{verb} failed sandbox {id} (never checkpointed)");
+                    }
                     for id in &found.trimmed {
                         println!("{verb} superseded checkpoint {id}");
                     }
