@@ -487,3 +487,64 @@ async fn creates_that_fail_validation_leave_no_record() {
     let frames = ws.exec("bash", "echo alive").await;
     assert!(frames.contains(&"stdout:alive\n".to_owned()), "{frames:?}");
 }
+
+/// Connects a WebSocket to `url` with `origin`; the handshake's HTTP status
+/// when it was refused, `None` when it upgraded.
+async fn ws_with_origin(url: &str, origin: Option<&str>) -> Option<u16> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
+    let mut request = url.into_client_request().unwrap();
+    if let Some(origin) = origin {
+        request
+            .headers_mut()
+            .insert("origin", origin.parse().unwrap());
+    }
+    match tokio_tungstenite::connect_async(request).await {
+        Ok(_) => None,
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+            Some(response.status().as_u16())
+        }
+        Err(err) => panic!("{url}: {err}"),
+    }
+}
+
+/// Row 8: a browser page on another origin can neither open a WebSocket nor
+/// send an HTTP request; the server's own origin, an allowed one and
+/// clients that send no `Origin` (the earlier clients) are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_from_a_foreign_browser_origin_are_refused() {
+    let addr = plain_server(|parts| {
+        parts.origins.allowed = vec!["https://app.example".to_owned()];
+    })
+    .await;
+    let create = format!("ws://{addr}/create");
+    assert_eq!(
+        ws_with_origin(&create, Some("http://evil.example")).await,
+        Some(403)
+    );
+    assert_eq!(ws_with_origin(&create, None).await, None);
+    assert_eq!(
+        ws_with_origin(&create, Some("https://app.example")).await,
+        None
+    );
+    assert_eq!(
+        ws_with_origin(&create, Some(&format!("http://{addr}"))).await,
+        None
+    );
+    let client = reqwest::Client::new();
+    let foreign = client
+        .post(format!("http://{addr}/execute?language=bash"))
+        .header("origin", "http://evil.example")
+        .body("echo hi")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(foreign.status().as_u16(), 403);
+    let body = foreign.text().await.unwrap();
+    assert!(body.contains("--allowed-origins"), "{body}");
+    let plain = client
+        .get(format!("http://{addr}/status"))
+        .send()
+        .await
+        .unwrap();
+    assert!(plain.status().is_success());
+}

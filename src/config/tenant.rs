@@ -36,6 +36,15 @@ pub struct TenantArgs {
     /// WebSocket) may stay silent before it is closed.
     #[arg(long, env = "SANDBOXD_CONNECTION_IDLE_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=86_400), default_value_t = crate::server::DEFAULT_IDLE_TIMEOUT.as_secs())]
     pub connection_idle_timeout_s: u64,
+    /// Browser origins allowed to call the server (`https://app.example`,
+    /// comma-separated). A request with another `Origin` header is refused
+    /// with 403; requests without one (non-browser clients) pass.
+    #[arg(long, env = "SANDBOXD_ALLOWED_ORIGINS", value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
+    /// Also allow the server's own origin (an `Origin` naming the request's
+    /// `Host`).
+    #[arg(long, env = "SANDBOXD_ALLOW_SAME_ORIGIN", default_value_t = true, action = clap::ArgAction::Set)]
+    pub allow_same_origin: bool,
     /// Filesystem snapshots (names) one owner may keep; a snapshot under a
     /// new name past it is refused (overwriting one works).
     #[arg(long, env = "SANDBOXD_MAX_SNAPSHOTS_PER_OWNER", value_parser = clap::value_parser!(u64).range(1..=1_000_000), default_value_t = crate::api::snapshot_quota::DEFAULT_MAX_SNAPSHOTS_PER_OWNER)]
@@ -51,6 +60,18 @@ impl TenantArgs {
         crate::api::snapshot_quota::SnapshotQuota {
             max_count: self.max_snapshots_per_owner,
             max_bytes: self.max_snapshot_mb_per_owner.saturating_mul(1 << 20),
+        }
+    }
+
+    pub fn origins(&self) -> crate::server::origin::OriginPolicy {
+        crate::server::origin::OriginPolicy {
+            allowed: self
+                .allowed_origins
+                .iter()
+                .map(|origin| origin.trim().to_owned())
+                .filter(|origin| !origin.is_empty())
+                .collect(),
+            same_origin: self.allow_same_origin,
         }
     }
 

@@ -129,6 +129,7 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
     parts.limits = args.admission.limits();
     parts.socket = args.tenant.socket();
     parts.connection_deadlines = args.tenant.connection_deadlines();
+    parts.origins = args.tenant.origins();
     if gvisor.is_some() {
         parts.admission = args
             .admission

@@ -14,6 +14,7 @@
 
 pub mod boot;
 mod connections;
+pub mod origin;
 mod routes;
 
 use std::future::Future;
@@ -90,6 +91,8 @@ pub struct Parts {
     pub limits: crate::api::limits::LimitSettings,
     /// What one client socket may hold and how long it may stay silent.
     pub socket: crate::api::session::SocketSettings,
+    /// Which browser origins may call the server.
+    pub origins: origin::OriginPolicy,
     /// Where filesystem snapshots are kept (for their owners' quotas).
     pub snapshot_store: Option<Arc<dyn Store>>,
 }
@@ -125,6 +128,10 @@ impl Parts {
             admission: None,
             limits: crate::api::limits::LimitSettings::default(),
             socket: crate::api::session::SocketSettings::default(),
+            origins: origin::OriginPolicy {
+                allowed: Vec::new(),
+                same_origin: true,
+            },
             snapshot_store: Some(store),
         }
     }
@@ -139,6 +146,7 @@ pub fn counted(store: Arc<dyn Store>, counts: &Arc<OperationCounts>) -> Arc<dyn 
 #[derive(Debug)]
 pub struct Server {
     state: AppState,
+    origins: Arc<origin::OriginPolicy>,
     /// The controller's worker, lease and doorbell loops (with a runtime).
     workers: Option<JoinHandle<()>>,
     connections: Connections,
@@ -203,6 +211,7 @@ impl Server {
         };
         Self {
             state,
+            origins: Arc::new(parts.origins),
             workers,
             connections: Connections::with_deadlines(
                 parts.max_connections,
@@ -231,6 +240,10 @@ impl Server {
     ) -> std::io::Result<()> {
         let listener = self.connections.listen(listener);
         let app = app(self.state.clone())
+            .layer(axum::middleware::from_fn_with_state(
+                Arc::clone(&self.origins),
+                origin::check_origin,
+            ))
             .layer(axum::middleware::from_fn(connections::track_requests))
             .into_make_service_with_connect_info::<Peer>();
         axum::serve(listener, app)
