@@ -548,3 +548,29 @@ async fn requests_from_a_foreign_browser_origin_are_refused() {
         .unwrap();
     assert!(plain.status().is_success());
 }
+
+/// Row 5: code that allocates 700 MB in a sandbox of 512 MiB gets a
+/// `MemoryError` inside the guest (its address space is capped below the
+/// sandbox's memory limit) instead of the host killing the whole sandbox:
+/// the sandbox keeps running and the next execution works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocation_past_the_memory_limit_fails_in_the_guest_and_the_sandbox_lives() {
+    support::SANDBOX_MEMORY_BYTES.with(|bytes| bytes.set(512 << 20));
+    let server = support::ws::Server::start().await;
+    let (mut ws, _, _) = server.create(json!({})).await;
+    let frames = ws
+        .exec(
+            "python",
+            "import os\nb = bytearray(700 * 1024 * 1024)\nprint(len(b))",
+        )
+        .await;
+    eprintln!("700 MB in a 512 MiB sandbox: {frames:?}");
+    let text = frames.join("\n");
+    assert!(text.contains("MemoryError"), "{frames:?}");
+    assert!(frames.iter().any(|f| f == "exit_code:1"), "{frames:?}");
+    let frames = ws.exec("bash", "echo still-here").await;
+    assert!(
+        frames.iter().any(|f| f == "stdout:still-here\n"),
+        "the sandbox did not survive: {frames:?}"
+    );
+}
