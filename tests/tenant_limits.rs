@@ -574,3 +574,160 @@ async fn an_allocation_past_the_memory_limit_fails_in_the_guest_and_the_sandbox_
         "the sandbox did not survive: {frames:?}"
     );
 }
+
+/// A raw WebSocket client with the request headers a test chooses.
+type Socket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+async fn connect_with(url: &str, headers: &[(&str, String)]) -> Socket {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
+    let mut request = url.into_client_request().unwrap();
+    for (name, value) in headers {
+        request.headers_mut().insert(
+            http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+            value.parse().unwrap(),
+        );
+    }
+    tokio_tungstenite::connect_async(request).await.unwrap().0
+}
+
+/// The next text frame as JSON (60 s at most); `None` at the close.
+async fn next_json(socket: &mut Socket) -> Option<serde_json::Value> {
+    use futures::StreamExt as _;
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(60), socket.next())
+            .await
+            .expect("a frame within 60 s");
+        match message {
+            Some(Ok(tokio_tungstenite::tungstenite::Message::Text(text))) => {
+                return Some(serde_json::from_str(text.as_str()).unwrap());
+            }
+            Some(Ok(tokio_tungstenite::tungstenite::Message::Close(_)) | Err(_)) | None => {
+                return None;
+            }
+            Some(Ok(_)) => {}
+        }
+    }
+}
+
+async fn send_json(socket: &mut Socket, value: serde_json::Value) {
+    use futures::SinkExt as _;
+    socket
+        .send(tokio_tungstenite::tungstenite::Message::text(
+            value.to_string(),
+        ))
+        .await
+        .unwrap();
+}
+
+/// A Cloud Run ID token for `email` (the server decodes, never verifies).
+fn id_token(email: &str) -> String {
+    use base64::Engine as _;
+    let encode = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+    format!(
+        "Bearer {}.{}.c2lnbmF0dXJl",
+        encode(br#"{"alg":"RS256","typ":"JWT"}"#),
+        encode(
+            json!({"email": email, "sub": format!("sub-{email}")})
+                .to_string()
+                .as_bytes()
+        )
+    )
+}
+
+/// `/create` as `caller`: `Ok((socket, id))` at SANDBOX_RUNNING, or the
+/// refusal's message.
+async fn create_as(addr: &str, caller: &str) -> Result<(Socket, String), String> {
+    let mut socket = connect_with(
+        &format!("ws://{addr}/create"),
+        &[("authorization", id_token(caller))],
+    )
+    .await;
+    send_json(&mut socket, json!({})).await;
+    let mut id = String::new();
+    loop {
+        let Some(frame) = next_json(&mut socket).await else {
+            return Err("closed".to_owned());
+        };
+        if frame["event"] == "sandbox_id" {
+            id = frame["sandbox_id"].as_str().unwrap().to_owned();
+        }
+        if frame["event"] == "error" {
+            return Err(frame["message"].as_str().unwrap_or_default().to_owned());
+        }
+        if frame["status"] == "SANDBOX_RUNNING" {
+            return Ok((socket, id));
+        }
+    }
+}
+
+/// Row 2: a caller at its quota (one sandbox here) is refused naming the
+/// limit while another caller's create is served; an execution left
+/// running by a client that walked away is killed at the detached limit,
+/// and the sandbox lives on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_at_its_quota_leaves_room_for_others_and_detached_executions_end() {
+    const DETACHED: Duration = Duration::from_secs(4);
+    let store: std::sync::Arc<dyn controllers::store::Store> =
+        std::sync::Arc::new(controllers::testing::MemoryStore::new());
+    let server = support::ws::Server::sharing("quota", store, |parts| {
+        parts.max_sandboxes_per_caller = Some(1);
+        parts.lifetimes.max_detached_execution = DETACHED;
+    })
+    .await;
+    let addr = server.addr.clone();
+    let (mut alice, alice_id) = create_as(&addr, "alice@example.com").await.unwrap();
+    let refused = create_as(&addr, "alice@example.com")
+        .await
+        .expect_err("a second sandbox for alice");
+    eprintln!("alice's second create: {refused}");
+    assert!(
+        refused.contains("--max-sandboxes-per-caller") && refused.contains("alice@example.com"),
+        "{refused}"
+    );
+    let (_bob, _) = create_as(&addr, "bob@example.com")
+        .await
+        .expect("bob's create is served");
+
+    // Alice starts a long execution and walks away.
+    send_json(
+        &mut alice,
+        json!({"language": "bash", "code": "sleep 100000"}),
+    )
+    .await;
+    loop {
+        let frame = next_json(&mut alice).await.unwrap();
+        if frame["status"] == "SANDBOX_EXECUTION_RUNNING" {
+            break;
+        }
+    }
+    drop(alice);
+    let left = Instant::now();
+    let id = controllers::api::SandboxId::parse(&alice_id).unwrap();
+    let running = || {
+        server
+            .state
+            .live
+            .get(&id)
+            .is_some_and(|live| live.execution_running())
+    };
+    while running() && left.elapsed() < DETACHED + Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ended_after = left.elapsed();
+    eprintln!(
+        "the detached execution ended {ended_after:?} after its client left (limit {DETACHED:?})"
+    );
+    assert!(
+        !running(),
+        "the detached execution still runs after {ended_after:?}"
+    );
+    assert!(
+        ended_after >= DETACHED,
+        "ended after {ended_after:?}, before the limit"
+    );
+    assert!(
+        server.state.controller.as_ref().unwrap().is_held_here(&id),
+        "the sandbox itself stays"
+    );
+}

@@ -26,7 +26,7 @@ use tokio::sync::broadcast;
 use tracing::Instrument;
 
 use super::admission::{AtCapacity, Claim};
-use super::caller::ClientAddr;
+use super::caller::{Caller, CallerQuota, ClientAddr};
 use super::events::{NotStarted, await_running};
 use super::live::{LiveSandbox, SandboxOptions};
 use super::output::ExecutionState;
@@ -40,10 +40,33 @@ use super::snapshot_owner::{SnapshotProof, snapshot_token};
 use super::state::{AppState, Features};
 use super::token;
 
-pub async fn create(ws: WebSocketUpgrade, State(state): State<AppState>) -> Response {
+pub async fn create(
+    ws: WebSocketUpgrade,
+    headers: axum::http::HeaderMap,
+    client: Option<axum::Extension<ClientAddr>>,
+    State(state): State<AppState>,
+) -> Response {
+    let caller = Caller::of_request(&headers, client.as_deref());
     ws.max_message_size(MAX_MESSAGE_BYTES)
         .max_frame_size(MAX_MESSAGE_BYTES)
-        .on_upgrade(move |socket| serve_create(socket, state))
+        .on_upgrade(move |socket| serve_create(socket, state, caller))
+}
+
+/// A create counted against its caller's quota; forgotten when dropped
+/// unless the sandbox started.
+struct Counted {
+    quota: Arc<CallerQuota>,
+    caller: Caller,
+    id: SandboxId,
+    started: bool,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        if !self.started {
+            self.quota.release(&self.caller, &self.id);
+        }
+    }
 }
 
 /// The attach's credential and where the request came from.
@@ -98,7 +121,7 @@ pub(super) fn controller_or_error(state: &AppState) -> Result<Arc<SandboxControl
         .ok_or_else(|| "the sandbox runtime (runsc) is not available on this server".to_owned())
 }
 
-async fn serve_create(socket: WebSocket, state: AppState) {
+async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
     let (out, mut stream) = Out::spawn(socket, state.socket);
     let init = match next_text(&mut stream).await {
         None => return,
@@ -184,6 +207,21 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     let Ok((live, attachment)) = state.live.attach(&id) else {
         return fail(format!("sandbox id {id} is already in use")).await;
     };
+    // The caller's quota: what it holds here, and its creates in progress.
+    let reserved = state.callers.reserve(&caller, &id, |held| {
+        controller.is_held_here(held) || state.live.get(held).is_some()
+    });
+    if let Err(refused) = reserved {
+        tracing::info!(%caller, %refused, "create refused: the caller holds its quota");
+        state.live.detach(&live, attachment);
+        return fail(format!("Failed to create gVisor container: {refused}")).await;
+    }
+    let mut counted = Counted {
+        quota: Arc::clone(&state.callers),
+        caller,
+        id: id.clone(),
+        started: false,
+    };
     let source = match &init.from_checkpoint {
         Some(request) => match fork_source(&controller, request).await {
             Ok(source) => Some(source),
@@ -266,6 +304,8 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         state.live.detach(&live, attachment);
         return;
     }
+    counted.started = true;
+    drop(counted);
     tracing::info!(sandbox = %id, "sandbox created");
     run_session(
         state, controller, id, owner, out, stream, live, attachment, progress,

@@ -42,6 +42,8 @@ pub struct AppState {
     pub limits: Arc<crate::api::limits::Limits>,
     /// What one client socket may hold and how long it may stay silent.
     pub socket: crate::api::session::SocketSettings,
+    /// The sandboxes each caller holds here, and how many it may.
+    pub callers: Arc<crate::api::caller::CallerQuota>,
     /// Where filesystem snapshots are kept (their owners' quotas are
     /// counted there); `None`: no quota is checked.
     pub snapshot_store: Option<Arc<dyn Store>>,

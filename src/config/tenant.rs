@@ -45,6 +45,21 @@ pub struct TenantArgs {
     /// `Host`).
     #[arg(long, env = "SANDBOXD_ALLOW_SAME_ORIGIN", default_value_t = true, action = clap::ArgAction::Set)]
     pub allow_same_origin: bool,
+    /// Seconds a sandbox may run on an instance in one go (from its start
+    /// or restore there); then it is checkpointed if it allows checkpoints
+    /// (it restores at its next attach), else deleted.
+    #[arg(long, env = "SANDBOXD_MAX_SANDBOX_LIFETIME_S", value_parser = clap::value_parser!(u64).range(1..=31_536_000), default_value_t = crate::api::live::DEFAULT_MAX_LIFETIME.as_secs())]
+    pub max_sandbox_lifetime_s: u64,
+    /// Seconds an execution may run with no client attached; then it is
+    /// killed (the sandbox stays).
+    #[arg(long, env = "SANDBOXD_MAX_DETACHED_EXECUTION_S", value_parser = clap::value_parser!(u64).range(1..=31_536_000), default_value_t = crate::api::live::DEFAULT_MAX_DETACHED_EXECUTION.as_secs())]
+    pub max_detached_execution_s: u64,
+    /// Sandboxes one caller (the verified identity Cloud Run forwards, else
+    /// the client address) may hold on an instance. 0: the instance's
+    /// sandbox capacity less one, so that no caller fills an instance alone
+    /// (no limit without admission).
+    #[arg(long, env = "SANDBOXD_MAX_SANDBOXES_PER_CALLER", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=100_000), default_value_t = 0)]
+    pub max_sandboxes_per_caller: usize,
     /// Filesystem snapshots (names) one owner may keep; a snapshot under a
     /// new name past it is refused (overwriting one works).
     #[arg(long, env = "SANDBOXD_MAX_SNAPSHOTS_PER_OWNER", value_parser = clap::value_parser!(u64).range(1..=1_000_000), default_value_t = crate::api::snapshot_quota::DEFAULT_MAX_SNAPSHOTS_PER_OWNER)]
@@ -60,6 +75,35 @@ impl TenantArgs {
         crate::api::snapshot_quota::SnapshotQuota {
             max_count: self.max_snapshots_per_owner,
             max_bytes: self.max_snapshot_mb_per_owner.saturating_mul(1 << 20),
+        }
+    }
+
+    /// `--max-sandboxes-per-caller`, with 0 resolved against admission:
+    /// the sandboxes that fit less one (at least one); `None` without
+    /// admission.
+    pub fn sandboxes_per_caller(
+        &self,
+        admission: Option<&crate::api::admission::AdmissionSettings>,
+    ) -> Option<usize> {
+        if self.max_sandboxes_per_caller > 0 {
+            return Some(self.max_sandboxes_per_caller);
+        }
+        let admission = admission?;
+        let fit = admission
+            .capacity_bytes
+            .checked_div(admission.sandbox_bytes)?;
+        Some(
+            usize::try_from(fit)
+                .unwrap_or(usize::MAX)
+                .saturating_sub(1)
+                .max(1),
+        )
+    }
+
+    pub fn lifetimes(&self) -> crate::api::live::Lifetimes {
+        crate::api::live::Lifetimes {
+            max_lifetime: Duration::from_secs(self.max_sandbox_lifetime_s),
+            max_detached_execution: Duration::from_secs(self.max_detached_execution_s),
         }
     }
 

@@ -130,10 +130,12 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
     parts.socket = args.tenant.socket();
     parts.connection_deadlines = args.tenant.connection_deadlines();
     parts.origins = args.tenant.origins();
+    parts.lifetimes = args.tenant.lifetimes();
     if gvisor.is_some() {
         parts.admission = args
             .admission
             .settings(args.runtime.sandbox_memory_mb, args.runtime.warm_pool)?;
     }
+    parts.max_sandboxes_per_caller = args.tenant.sandboxes_per_caller(parts.admission.as_ref());
     Ok(Booted { parts, gvisor })
 }

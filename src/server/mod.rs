@@ -93,6 +93,10 @@ pub struct Parts {
     pub socket: crate::api::session::SocketSettings,
     /// Which browser origins may call the server.
     pub origins: origin::OriginPolicy,
+    /// How long a sandbox may run here, and an execution with no client.
+    pub lifetimes: crate::api::live::Lifetimes,
+    /// Sandboxes one caller may hold here (`None`: no limit).
+    pub max_sandboxes_per_caller: Option<usize>,
     /// Where filesystem snapshots are kept (for their owners' quotas).
     pub snapshot_store: Option<Arc<dyn Store>>,
 }
@@ -132,6 +136,8 @@ impl Parts {
                 allowed: Vec::new(),
                 same_origin: true,
             },
+            lifetimes: crate::api::live::Lifetimes::default(),
+            max_sandboxes_per_caller: None,
             snapshot_store: Some(store),
         }
     }
@@ -173,7 +179,9 @@ impl Server {
         if let Some(runtime) = &parts.warm_pool {
             crate::metrics::register_warm_pool(&mut metrics, runtime);
         }
-        let live: Arc<crate::api::live::LiveSandboxes> = Arc::default();
+        let live = Arc::new(crate::api::live::LiveSandboxes::with_lifetimes(
+            parts.lifetimes,
+        ));
         let admission = match (parts.admission, &controller) {
             (Some(settings), Some(controller)) => {
                 let residents = crate::api::admission::LocalResidents {
@@ -207,6 +215,9 @@ impl Server {
             admission,
             limits: Arc::new(crate::api::limits::Limits::new(parts.limits)),
             socket: parts.socket,
+            callers: Arc::new(crate::api::caller::CallerQuota::new(
+                parts.max_sandboxes_per_caller,
+            )),
             snapshot_store: parts.snapshot_store.clone(),
         };
         Self {
