@@ -60,6 +60,11 @@ pub struct TenantArgs {
     /// (no limit without admission).
     #[arg(long, env = "SANDBOXD_MAX_SANDBOXES_PER_CALLER", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=100_000), default_value_t = 0)]
     pub max_sandboxes_per_caller: usize,
+    /// The operator credential: a client that sends it in `X-Operator-Token`
+    /// may read `/list`, `/metrics`, `/images` and `/readyz`'s detail from
+    /// anywhere (clients on this machine always may). Unset: only they may.
+    #[arg(long, env = "SANDBOXD_OPERATOR_TOKEN", hide_env_values = true)]
+    pub operator_token: Option<String>,
     /// Filesystem snapshots (names) one owner may keep; a snapshot under a
     /// new name past it is refused (overwriting one works).
     #[arg(long, env = "SANDBOXD_MAX_SNAPSHOTS_PER_OWNER", value_parser = clap::value_parser!(u64).range(1..=1_000_000), default_value_t = crate::api::snapshot_quota::DEFAULT_MAX_SNAPSHOTS_PER_OWNER)]

@@ -131,6 +131,11 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
     parts.connection_deadlines = args.tenant.connection_deadlines();
     parts.origins = args.tenant.origins();
     parts.lifetimes = args.tenant.lifetimes();
+    parts.operator_token = args
+        .tenant
+        .operator_token
+        .clone()
+        .filter(|token| !token.is_empty());
     if gvisor.is_some() {
         parts.admission = args
             .admission

@@ -97,6 +97,8 @@ pub struct Parts {
     pub lifetimes: crate::api::live::Lifetimes,
     /// Sandboxes one caller may hold here (`None`: no limit).
     pub max_sandboxes_per_caller: Option<usize>,
+    /// The credential that opens the operator surfaces to remote clients.
+    pub operator_token: Option<String>,
     /// Where filesystem snapshots are kept (for their owners' quotas).
     pub snapshot_store: Option<Arc<dyn Store>>,
 }
@@ -138,6 +140,7 @@ impl Parts {
             },
             lifetimes: crate::api::live::Lifetimes::default(),
             max_sandboxes_per_caller: None,
+            operator_token: None,
             snapshot_store: Some(store),
         }
     }
@@ -219,6 +222,10 @@ impl Server {
                 parts.max_sandboxes_per_caller,
             )),
             snapshot_store: parts.snapshot_store.clone(),
+            operator_token_sha256: parts
+                .operator_token
+                .as_deref()
+                .map(crate::api::token::digest),
         };
         Self {
             state,

@@ -110,12 +110,10 @@ async fn hold(
     };
     let metadata = read.metadata.0.clone();
     if !token::matches(&token, &metadata.spec.token_sha256) {
+        // Answered as an unknown id: a wrong token learns nothing about
+        // which ids exist.
         tracing::warn!(sandbox = %id, %source, "refused a file request: wrong sandbox token");
-        return Err(refusal(
-            StatusCode::FORBIDDEN,
-            "EACCES",
-            "Invalid sandbox token.",
-        ));
+        return Err(not_found());
     }
     if metadata.is_deleted() {
         return Err(not_found());

@@ -299,6 +299,10 @@ pub(crate) enum Command {
         /// Print the JSON document instead of the table.
         #[arg(long)]
         json: bool,
+        /// The server's operator credential (`--operator-token` of `sandboxd
+        /// serve`), needed unless on the server's machine.
+        #[arg(long, env = "SANDBOXD_OPERATOR_TOKEN", hide_env_values = true)]
+        operator_token: Option<String>,
         #[command(flatten)]
         server: Server,
     },

@@ -225,8 +225,13 @@ async fn main() -> ExitCode {
             Err(err) => fail(EXIT_REFUSED, &err.to_string()),
         };
     }
-    if let Command::Images { json, server } = &cli.command {
-        return match ctl::fetch_images(&server.url).await {
+    if let Command::Images {
+        json,
+        server,
+        operator_token,
+    } = &cli.command
+    {
+        return match ctl::fetch_images(&server.url, operator_token.as_deref()).await {
             Ok(listing) if *json => {
                 println!("{listing:#}");
                 ExitCode::SUCCESS
