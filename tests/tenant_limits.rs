@@ -802,3 +802,51 @@ async fn operator_surfaces_need_the_operator_credential() {
     assert!(ready.get("instance").is_none(), "{ready}");
     assert!(ready.get("status").is_some(), "{ready}");
 }
+
+/// Row 10: a burst of 20,001 `resize` frames ending with 123×45 leaves the
+/// terminal at 123×45 (the frames that act at once are handled in order on
+/// one task, resizes coalesced), and the server still answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_resizes_ends_at_the_last_size() {
+    let server = support::ws::Server::start().await;
+    let (mut ws, _, _) = server.create(json!({})).await;
+    ws.send(json!({"language": "bash",
+                   "code": "while read line; do stty size; done",
+                   "pty": {"cols": 80, "rows": 24}}))
+        .await;
+    assert_eq!(ws.next().await, "SANDBOX_EXECUTION_RUNNING");
+    let sent = Instant::now();
+    for n in 0..20_000u32 {
+        ws.send(json!({"action": "resize", "cols": 10 + n % 900, "rows": 3 + n % 90}))
+            .await;
+    }
+    ws.send(json!({"action": "resize", "cols": 123, "rows": 45}))
+        .await;
+    eprintln!("20,001 resizes sent in {:?}", sent.elapsed());
+    // Ask for the size until it is the last one (the stdin queue and the
+    // resizes are separate tasks); 60 s at most.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen = String::new();
+    while Instant::now() < deadline {
+        ws.send(json!({"event": "stdin", "data": "\n"})).await;
+        let frame = ws.next().await;
+        if let Some(out) = frame.strip_prefix("stdout:") {
+            seen.push_str(out);
+            if seen.contains("45 123\r\n") {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let last = seen
+        .lines()
+        .rfind(|line| !line.trim().is_empty())
+        .map(str::to_owned);
+    eprintln!("the terminal's size after the burst: {last:?}");
+    assert!(
+        seen.contains("45 123\r\n"),
+        "the terminal never reached 45 123: {seen:?}"
+    );
+    ws.send(json!({"action": "kill_process"})).await;
+    ws.until_status("SANDBOX_EXECUTION_DONE").await;
+}
