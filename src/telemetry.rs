@@ -24,13 +24,61 @@ pub fn init(args: &LogArgs) -> anyhow::Result<()> {
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
     let installed = match args.log_format {
-        LogFormat::Text => builder.try_init(),
+        // One event, one line: whatever a value holds (a file name user
+        // code made, a client's bytes) cannot start a forged line.
+        LogFormat::Text => {
+            let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+            builder
+                .with_ansi(ansi)
+                .with_writer(move || OneLine {
+                    inner: std::io::stderr(),
+                    keep_escape: ansi,
+                })
+                .try_init()
+        }
         LogFormat::Json => builder
             .fmt_fields(JsonFields::new())
             .event_format(CloudLoggingJson)
             .try_init(),
     };
     installed.map_err(|err| anyhow::anyhow!("cannot install the log subscriber: {err}"))
+}
+
+/// A writer that keeps each formatted event on one line: control
+/// characters inside it (a newline, a carriage return, and the escape
+/// character unless colours are on) are written as `\n`, `\r`, `\x1b`;
+/// only the event's final newline stays.
+#[derive(Debug)]
+pub struct OneLine<W> {
+    pub inner: W,
+    pub keep_escape: bool,
+}
+
+impl<W: std::io::Write> std::io::Write for OneLine<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let (body, end) = match buf.split_last() {
+            Some((b'\n', body)) => (body, &b"\n"[..]),
+            _ => (buf, &b""[..]),
+        };
+        let mut line = Vec::with_capacity(buf.len() + 8);
+        for &byte in body {
+            match byte {
+                b'\n' => line.extend_from_slice(b"\\n"),
+                b'\r' => line.extend_from_slice(b"\\r"),
+                b'\t' => line.push(byte),
+                0x1b if self.keep_escape => line.push(byte),
+                0..=0x1f | 0x7f => line.extend_from_slice(format!("\\x{byte:02x}").as_bytes()),
+                _ => line.push(byte),
+            }
+        }
+        line.extend_from_slice(end);
+        self.inner.write_all(&line)?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 /// Cloud Logging's severity names.
@@ -112,6 +160,21 @@ where
 mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn a_text_log_event_stays_on_one_line_whatever_its_values_hold() {
+        use std::io::Write as _;
+        let mut out = OneLine {
+            inner: Vec::new(),
+            keep_escape: false,
+        };
+        out.write_all(b"INFO fs path=/x\nERROR forged\r\x1b[31m\ttab\n")
+            .unwrap();
+        assert_eq!(
+            String::from_utf8(out.inner).unwrap(),
+            "INFO fs path=/x\\nERROR forged\\r\\x1b[31m\ttab\n"
+        );
+    }
 
     #[derive(Clone, Default)]
     struct Buffer(Arc<Mutex<Vec<u8>>>);

@@ -236,6 +236,14 @@ pub trait SandboxRuntime: Send + Sync + fmt::Debug {
     async fn destroy(&self, sandbox: &SandboxId) -> Result<(), RuntimeError>;
     fn is_running(&self, sandbox: &SandboxId) -> bool;
 
+    /// Checks what a create asks for (its image, the snapshot it starts
+    /// from) before anything about the sandbox is recorded, so that a create
+    /// the runtime would refuse leaves nothing behind. `Err` says what is
+    /// wrong in words for the client. The default accepts everything.
+    async fn check_create(&self, _options: &CreateOptions) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+
     /// A create of `sandbox` with `options` is being recorded in the store:
     /// the runtime may boot its container now, beside those writes, for
     /// [`Self::create`] to take up (decision 23). Returns once that is done

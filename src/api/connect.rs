@@ -26,6 +26,7 @@ use tokio::sync::broadcast;
 use tracing::Instrument;
 
 use super::admission::{AtCapacity, Claim};
+use super::caller::{Caller, CallerQuota, ClientAddr};
 use super::events::{NotStarted, await_running};
 use super::live::{LiveSandbox, SandboxOptions};
 use super::output::ExecutionState;
@@ -39,30 +40,78 @@ use super::snapshot_owner::{SnapshotProof, snapshot_token};
 use super::state::{AppState, Features};
 use super::token;
 
-pub async fn create(ws: WebSocketUpgrade, State(state): State<AppState>) -> Response {
+pub async fn create(
+    ws: WebSocketUpgrade,
+    headers: axum::http::HeaderMap,
+    client: Option<axum::Extension<ClientAddr>>,
+    State(state): State<AppState>,
+) -> Response {
+    let caller = Caller::of_request(&headers, client.as_deref());
     ws.max_message_size(MAX_MESSAGE_BYTES)
         .max_frame_size(MAX_MESSAGE_BYTES)
-        .on_upgrade(move |socket| serve_create(socket, state))
+        .on_upgrade(move |socket| serve_create(socket, state, caller))
+}
+
+/// A create counted against its caller's quota; forgotten when dropped
+/// unless the sandbox started.
+struct Counted {
+    quota: Arc<CallerQuota>,
+    caller: Caller,
+    id: SandboxId,
+    started: bool,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        if !self.started {
+            self.quota.release(&self.caller, &self.id);
+        }
+    }
+}
+
+/// The attach's credential and where the request came from.
+#[derive(Debug, Clone)]
+struct Credential {
+    token: String,
+    source: token::TokenSource,
+    client: String,
 }
 
 pub async fn attach(
     ws: WebSocketUpgrade,
     Path(sandbox_id): Path<String>,
     Query(params): Query<HashMap<String, String>>,
+    headers: axum::http::HeaderMap,
+    client: Option<axum::Extension<ClientAddr>>,
     State(state): State<AppState>,
 ) -> Response {
-    // Upstream rejects the upgrade when the parameter is absent (HTTP 403).
-    let Some(token) = params.get("sandbox_token").cloned() else {
+    // The token travels in `X-Sandbox-Token` or (upstream) the query.
+    // Upstream rejects the upgrade when it is absent (HTTP 403); a header
+    // or parameter present but empty is refused after the upgrade.
+    let token = token::of_request(&headers, &params, false);
+    let token = match token {
+        Some(found) => Some(found),
+        None if params.contains_key("sandbox_token") => {
+            Some((String::new(), token::TokenSource::Query))
+        }
+        None => None,
+    };
+    let Some((token, source)) = token else {
         return (
             StatusCode::FORBIDDEN,
-            "the sandbox_token query parameter is required",
+            "the sandbox token is required (X-Sandbox-Token header or sandbox_token query parameter)",
         )
             .into_response();
+    };
+    let credential = Credential {
+        token,
+        source,
+        client: ClientAddr::describe(client.as_deref()),
     };
     let checkpoint = params.get("checkpoint").cloned();
     ws.max_message_size(MAX_MESSAGE_BYTES)
         .max_frame_size(MAX_MESSAGE_BYTES)
-        .on_upgrade(move |socket| serve_attach(socket, state, sandbox_id, token, checkpoint))
+        .on_upgrade(move |socket| serve_attach(socket, state, sandbox_id, credential, checkpoint))
 }
 
 pub(super) fn controller_or_error(state: &AppState) -> Result<Arc<SandboxController>, String> {
@@ -72,8 +121,8 @@ pub(super) fn controller_or_error(state: &AppState) -> Result<Arc<SandboxControl
         .ok_or_else(|| "the sandbox runtime (runsc) is not available on this server".to_owned())
 }
 
-async fn serve_create(socket: WebSocket, state: AppState) {
-    let (out, mut stream) = Out::spawn(socket);
+async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
+    let (out, mut stream) = Out::spawn(socket, state.socket);
     let init = match next_text(&mut stream).await {
         None => return,
         Some(Err(err @ FrameError::MessageTooBig(_))) => {
@@ -129,6 +178,20 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         extra: controllers::api::ExtraFields::new(),
     });
 
+    // What the runtime would refuse is refused before anything is
+    // recorded: an unknown image or snapshot leaves no `metadata.json`.
+    if init.from_checkpoint.is_none()
+        && let Some(runtime) = &state.runtime
+    {
+        let options = controllers::runtime::CreateOptions {
+            snapshot_name: metadata.spec.filesystem_snapshot_name.clone(),
+            network: metadata.spec.network,
+            image: metadata.spec.image.clone(),
+        };
+        if let Err(err) = runtime.check_create(&options).await {
+            return fail(format!("Failed to create gVisor container {id}: {err}")).await;
+        }
+    }
     if let (Some(workspace), Some(hooks)) = (&metadata.spec.workspace, &state.workspace_hooks) {
         // A named workspace belongs to whoever first used it with its token;
         // one named after this sandbox is owned by the sandbox's token.
@@ -143,6 +206,21 @@ async fn serve_create(socket: WebSocket, state: AppState) {
     }
     let Ok((live, attachment)) = state.live.attach(&id) else {
         return fail(format!("sandbox id {id} is already in use")).await;
+    };
+    // The caller's quota: what it holds here, and its creates in progress.
+    let reserved = state.callers.reserve(&caller, &id, |held| {
+        controller.is_held_here(held) || state.live.get(held).is_some()
+    });
+    if let Err(refused) = reserved {
+        tracing::info!(%caller, %refused, "create refused: the caller holds its quota");
+        state.live.detach(&live, attachment);
+        return fail(format!("Failed to create gVisor container: {refused}")).await;
+    }
+    let mut counted = Counted {
+        quota: Arc::clone(&state.callers),
+        caller,
+        id: id.clone(),
+        started: false,
     };
     let source = match &init.from_checkpoint {
         Some(request) => match fork_source(&controller, request).await {
@@ -226,6 +304,8 @@ async fn serve_create(socket: WebSocket, state: AppState) {
         state.live.detach(&live, attachment);
         return;
     }
+    counted.started = true;
+    drop(counted);
     tracing::info!(sandbox = %id, "sandbox created");
     run_session(
         state, controller, id, owner, out, stream, live, attachment, progress,
@@ -386,7 +466,16 @@ async fn run_session(
     attachment: u64,
     progress: broadcast::Receiver<SandboxEvent>,
 ) {
-    let session = Session::new(id, out, live, attachment, controller, state.features, owner);
+    let session = Session::new(
+        id,
+        out,
+        live,
+        attachment,
+        controller,
+        state.features,
+        owner,
+        state.snapshot_store.clone(),
+    );
     let span =
         tracing::info_span!("session", sandbox = %session.id, attachment = session.attachment);
     session
@@ -399,10 +488,11 @@ async fn serve_attach(
     socket: WebSocket,
     state: AppState,
     raw_id: String,
-    token: String,
+    credential: Credential,
     checkpoint: Option<String>,
 ) {
-    let (out, mut stream) = Out::spawn(socket);
+    let token = credential.token;
+    let (out, mut stream) = Out::spawn(socket, state.socket);
     let fatal = |status: Status, message: String| {
         let out = out.clone();
         async move {
@@ -447,6 +537,12 @@ async fn serve_attach(
     };
     let metadata = read.metadata.0.clone();
     if !token::matches(&token, &metadata.spec.token_sha256) {
+        tracing::warn!(
+            sandbox = %id,
+            source = %credential.source,
+            client = %credential.client,
+            "refused an attach: wrong sandbox token"
+        );
         return fatal(
             Status::PermissionDenialError,
             "Invalid sandbox token.".to_owned(),

@@ -6,6 +6,13 @@
 //! execution, never runs out while an execution runs (upstream counted only
 //! from create/attach, bug B1), and on expiry writes an intent (checkpointed or
 //! deleted) for the controller to carry out.
+//!
+//! Two limits keep a sandbox from holding its slot forever
+//! ([`Lifetimes`]): an execution that runs with no client attached for
+//! `max_detached_execution` is killed (a client that walked away from
+//! `sleep 100000`), and a sandbox that has run here for `max_lifetime` in
+//! one go (also with `idle_timeout: 0`) is checkpointed if it allows
+//! checkpoints (it restores at its next attach) and deleted otherwise.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,6 +59,30 @@ impl Lifecycle for SandboxController {
     }
 }
 
+/// Default of [`Lifetimes::max_lifetime`]: 24 hours.
+pub const DEFAULT_MAX_LIFETIME: Duration = Duration::from_secs(24 * 3600);
+/// Default of [`Lifetimes::max_detached_execution`]: 1 hour.
+pub const DEFAULT_MAX_DETACHED_EXECUTION: Duration = Duration::from_secs(3600);
+
+/// How long a sandbox may hold its place here (`--max-sandbox-lifetime-s`,
+/// `--max-detached-execution-s`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lifetimes {
+    /// Running here in one go (from its start or restore here).
+    pub max_lifetime: Duration,
+    /// An execution running with no client attached.
+    pub max_detached_execution: Duration,
+}
+
+impl Default for Lifetimes {
+    fn default() -> Self {
+        Self {
+            max_lifetime: DEFAULT_MAX_LIFETIME,
+            max_detached_execution: DEFAULT_MAX_DETACHED_EXECUTION,
+        }
+    }
+}
+
 /// What the session needs to know about the sandbox's options.
 #[derive(Debug, Clone, Default)]
 pub struct SandboxOptions {
@@ -82,6 +113,10 @@ struct Inner {
     last_activity: Instant,
     options: SandboxOptions,
     started: bool,
+    /// When this hold began (the sandbox started or was restored here).
+    hold_began: Instant,
+    /// When the last client detached (`None` while one is attached).
+    detached_since: Option<Instant>,
 }
 
 /// One sandbox served by this instance.
@@ -89,6 +124,8 @@ struct Inner {
 pub struct LiveSandbox {
     pub id: SandboxId,
     inner: Mutex<Inner>,
+    /// Told when the last client detaches: the watcher's deadlines change.
+    detached: tokio::sync::Notify,
 }
 
 impl LiveSandbox {
@@ -167,6 +204,7 @@ impl LiveSandbox {
 pub struct LiveSandboxes {
     sandboxes: Mutex<HashMap<SandboxId, Arc<LiveSandbox>>>,
     next_attachment: AtomicU64,
+    lifetimes: Lifetimes,
 }
 
 /// Why an attach was refused.
@@ -178,6 +216,14 @@ impl LiveSandboxes {
         self.sandboxes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A registry whose sandboxes live at most `lifetimes`.
+    pub fn with_lifetimes(lifetimes: Lifetimes) -> Self {
+        Self {
+            lifetimes,
+            ..Self::default()
+        }
     }
 
     pub fn get(&self, id: &SandboxId) -> Option<Arc<LiveSandbox>> {
@@ -192,12 +238,15 @@ impl LiveSandboxes {
         let live = map.entry(id.clone()).or_insert_with(|| {
             Arc::new(LiveSandbox {
                 id: id.clone(),
+                detached: tokio::sync::Notify::new(),
                 inner: Mutex::new(Inner {
                     attached: None,
                     execution: None,
                     last_activity: Instant::now(),
                     options: SandboxOptions::default(),
                     started: false,
+                    hold_began: Instant::now(),
+                    detached_since: None,
                 }),
             })
         });
@@ -207,6 +256,7 @@ impl LiveSandboxes {
         }
         inner.attached = Some(attachment);
         inner.last_activity = Instant::now();
+        inner.detached_since = None;
         drop(inner);
         Ok((Arc::clone(live), attachment))
     }
@@ -219,6 +269,8 @@ impl LiveSandboxes {
         if inner.attached == Some(attachment) {
             inner.attached = None;
             inner.last_activity = Instant::now();
+            inner.detached_since = Some(Instant::now());
+            live.detached.notify_one();
         }
         if !inner.started && inner.attached.is_none() {
             drop(inner);
@@ -248,6 +300,7 @@ impl LiveSandboxes {
             inner.started = true;
             inner.options = options;
             inner.last_activity = Instant::now();
+            inner.hold_began = Instant::now();
         }
         // Subscribe before anything can happen to the sandbox: a `Deleted`
         // sent before the watcher's first poll would otherwise be missed and
@@ -269,20 +322,27 @@ impl LiveSandboxes {
     ) {
         let mut expired = false;
         let mut recheck: Option<Instant> = None;
+        let lifetimes = self.lifetimes;
         loop {
-            let deadline = {
+            let (deadline, limit) = {
                 let inner = live.inner();
-                inner
+                let idle = inner
                     .options
                     .idle_timeout
                     // Checked: an overflowing deadline (a timeout beyond
                     // what `Instant` holds) means never, not a panic.
-                    .and_then(|timeout| inner.last_activity.checked_add(timeout))
+                    .and_then(|timeout| inner.last_activity.checked_add(timeout));
+                let lifetime = inner.hold_began.checked_add(lifetimes.max_lifetime);
+                let detached = inner
+                    .detached_since
+                    .filter(|_| inner.execution.as_ref().is_some_and(|e| e.is_running()))
+                    .and_then(|since| since.checked_add(lifetimes.max_detached_execution));
+                (idle, earliest(lifetime, detached))
             };
-            let wake = match (deadline.filter(|_| !expired), recheck) {
-                (Some(idle), Some(again)) => Some(idle.min(again)),
-                (idle, again) => idle.or(again),
-            };
+            let wake = earliest(
+                earliest(deadline.filter(|_| !expired), recheck),
+                limit.filter(|_| !expired),
+            );
             let sleep = async {
                 match wake {
                     Some(wake) => tokio::time::sleep_until(wake).await,
@@ -290,6 +350,8 @@ impl LiveSandboxes {
                 }
             };
             tokio::select! {
+                // A client left: the detached limit may now apply.
+                () = live.detached.notified() => {}
                 event = events.recv() => match event {
                     // A late event of a hold that ended while a new one
                     // began here (an attach right after the checkpoint
@@ -319,6 +381,16 @@ impl LiveSandboxes {
                         return;
                     }
                     if expired {
+                        continue;
+                    }
+                    if let Some(desired) = self.past_limits(&live).await {
+                        match controller.request_state(&live.id, desired).await {
+                            Ok(()) => expired = true,
+                            Err(err) => {
+                                tracing::warn!(sandbox = %live.id, %err, "cannot end a sandbox past its lifetime; retrying");
+                                tokio::time::sleep(Duration::from_secs(5)).await;
+                            }
+                        }
                         continue;
                     }
                     let (idle_for, running, options) = {
@@ -352,6 +424,54 @@ impl LiveSandboxes {
         }
     }
 
+    /// Applies the lifetimes: kills an execution that ran detached too
+    /// long (the sandbox stays); the state to ask for when the sandbox has
+    /// run here too long (checkpointed if it allows it, else deleted).
+    async fn past_limits(&self, live: &LiveSandbox) -> Option<DesiredState> {
+        let lifetimes = self.lifetimes;
+        let (held_for, detached_for, execution, options) = {
+            let inner = live.inner();
+            (
+                inner.hold_began.elapsed(),
+                inner.detached_since.map(|since| since.elapsed()),
+                inner.execution.clone().filter(|e| e.is_running()),
+                inner.options.clone(),
+            )
+        };
+        if held_for >= lifetimes.max_lifetime {
+            let desired = if options.enable_checkpoint {
+                DesiredState::Checkpointed
+            } else {
+                DesiredState::Deleted
+            };
+            tracing::info!(
+                sandbox = %live.id,
+                ?desired,
+                held_s = held_for.as_secs(),
+                "the sandbox ran for its maximum lifetime here (--max-sandbox-lifetime-s)"
+            );
+            return Some(desired);
+        }
+        if let (Some(detached_for), Some(execution)) = (detached_for, execution)
+            && detached_for >= lifetimes.max_detached_execution
+        {
+            tracing::info!(
+                sandbox = %live.id,
+                detached_s = detached_for.as_secs(),
+                "killing an execution that ran with no client attached for the most allowed (--max-detached-execution-s)"
+            );
+            execution.kill().await;
+            live.touch();
+            // The next detached limit counts from now (the kill may take a
+            // moment to end the execution).
+            let mut inner = live.inner();
+            if inner.detached_since.is_some() {
+                inner.detached_since = Some(Instant::now());
+            }
+        }
+        None
+    }
+
     /// The sandbox's hold here ended, unless `held_here` says a new one
     /// began (checked under the entry's lock, so an attach's
     /// [`Self::started`] either sees the entry stopped and watches the new
@@ -374,6 +494,14 @@ impl LiveSandboxes {
             map.remove(&live.id);
         }
         true
+    }
+}
+
+/// The earlier of two optional instants.
+fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 

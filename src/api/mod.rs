@@ -6,6 +6,7 @@
 //! creates and destroys it on the runtime directly (`execute`).
 
 pub mod admission;
+pub mod caller;
 pub mod checkpoints;
 pub mod connect;
 pub mod events;
@@ -17,5 +18,6 @@ pub mod output;
 pub mod protocol;
 pub mod session;
 pub mod snapshot_owner;
+pub mod snapshot_quota;
 pub mod state;
 pub mod token;

@@ -40,6 +40,43 @@ pub struct AppState {
     pub admission: Option<Arc<crate::api::admission::Admission>>,
     /// The concurrency caps of forks and `POST /execute`.
     pub limits: Arc<crate::api::limits::Limits>,
+    /// What one client socket may hold and how long it may stay silent.
+    pub socket: crate::api::session::SocketSettings,
+    /// The sandboxes each caller holds here, and how many it may.
+    pub callers: Arc<crate::api::caller::CallerQuota>,
+    /// Where filesystem snapshots are kept (their owners' quotas are
+    /// counted there); `None`: no quota is checked.
+    pub snapshot_store: Option<Arc<dyn Store>>,
+    /// The SHA-256 of the operator credential (`--operator-token`), which
+    /// opens `/list`, `/metrics`, `/images` and `/readyz`'s detail to a
+    /// client that is not on this machine; `None`: only local clients.
+    pub operator_token_sha256: Option<String>,
+}
+
+/// The header that carries the operator credential.
+pub const OPERATOR_HEADER: &str = "x-operator-token";
+
+impl AppState {
+    /// True when the request may see the operator surfaces: it comes from
+    /// this machine (a loopback peer), or carries the operator credential.
+    pub fn is_operator(
+        &self,
+        headers: &axum::http::HeaderMap,
+        client: Option<&crate::api::caller::ClientAddr>,
+    ) -> bool {
+        if client.is_some_and(|addr| addr.0.ip().is_loopback()) {
+            return true;
+        }
+        let (Some(expected), Some(given)) = (
+            &self.operator_token_sha256,
+            headers
+                .get(OPERATOR_HEADER)
+                .and_then(|value| value.to_str().ok()),
+        ) else {
+            return false;
+        };
+        crate::api::token::matches(given.trim(), expected)
+    }
 }
 
 /// Default of `--max-named-checkpoints`.
@@ -57,6 +94,8 @@ pub struct Features {
     pub shared_snapshots: bool,
     /// Named checkpoints one sandbox may keep (`--max-named-checkpoints`).
     pub max_named_checkpoints: usize,
+    /// Filesystem snapshots one owner may keep.
+    pub snapshot_quota: crate::api::snapshot_quota::SnapshotQuota,
 }
 
 impl Default for Features {
@@ -69,6 +108,7 @@ impl Default for Features {
             network_egress: false,
             shared_snapshots: false,
             max_named_checkpoints: DEFAULT_MAX_NAMED_CHECKPOINTS,
+            snapshot_quota: crate::api::snapshot_quota::SnapshotQuota::default(),
         }
     }
 }

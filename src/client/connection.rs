@@ -101,10 +101,7 @@ impl CookieJar {
 
 /// Opens a WebSocket to `url`, sending the jar's cookie and keeping the new one.
 pub(crate) async fn open(url: &str, jar: &CookieJar) -> Result<Socket, ClientError> {
-    let connect_error = |detail: String| ClientError::Connect {
-        url: url.to_owned(),
-        detail,
-    };
+    let connect_error = |detail: String| ClientError::connect(url, &detail);
     let mut request = url
         .into_client_request()
         .map_err(|err| connect_error(err.to_string()))?;

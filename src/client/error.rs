@@ -40,7 +40,58 @@ pub enum ClientError {
     Fs { code: String, message: String },
 }
 
+/// What stands in for a redacted query value.
+pub const REDACTED: &str = "REDACTED";
+
+/// `url` with every query parameter's value replaced by [`REDACTED`]: a
+/// URL in an error, a log line or a tool result never carries the sandbox
+/// token (`/attach/{id}?sandbox_token=...`) or anything else secret.
+pub fn redact_url(url: &str) -> String {
+    let (without_fragment, fragment) = match url.split_once('#') {
+        Some((head, _)) => (head, "#"),
+        None => (url, ""),
+    };
+    let Some((base, query)) = without_fragment.split_once('?') else {
+        return url.to_owned();
+    };
+    let redacted: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((key, _)) => format!("{key}={REDACTED}"),
+            None => pair.to_owned(),
+        })
+        .collect();
+    format!("{base}?{}{fragment}", redacted.join("&"))
+}
+
+/// `text` with every query value of `url` that appears in it replaced by
+/// [`REDACTED`] (an error's detail that quotes the URL or a part of it).
+pub fn redact_values_of(url: &str, text: &str) -> String {
+    let Some((_, query)) = url.split('#').next().unwrap_or(url).split_once('?') else {
+        return text.to_owned();
+    };
+    let mut text = text.to_owned();
+    for value in query
+        .split('&')
+        .filter_map(|pair| pair.split_once('=').map(|(_, v)| v))
+    {
+        if !value.is_empty() {
+            text = text.replace(value, REDACTED);
+        }
+    }
+    text
+}
+
 impl ClientError {
+    /// A connection to `url` failed: the error names the URL without its
+    /// query values, and `detail` loses them too.
+    pub fn connect(url: &str, detail: &str) -> Self {
+        Self::Connect {
+            url: redact_url(url),
+            detail: redact_values_of(url, detail),
+        }
+    }
+
     /// The typed error for an error status, with the server's message (or
     /// the status itself when it sent none).
     pub fn from_status(status: &str, message: Option<&str>) -> Self {
@@ -86,6 +137,24 @@ impl ClientError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn connection_errors_never_carry_query_values() {
+        let token = "s3cr3t-token_AbC";
+        let url = format!("ws://host:8080/attach/sb-1?sandbox_token={token}&checkpoint=named");
+        let err = ClientError::connect(&url, &format!("refused: {url}"));
+        let text = err.to_string();
+        assert!(!text.contains(token), "{text}");
+        assert!(!text.contains("named"), "{text}");
+        assert!(
+            text.starts_with(
+                "cannot connect to ws://host:8080/attach/sb-1?sandbox_token=REDACTED&checkpoint=REDACTED:"
+            ),
+            "{text}"
+        );
+        assert_eq!(redact_url("ws://host/create"), "ws://host/create");
+        assert_eq!(redact_url("ws://h/a?flag#frag"), "ws://h/a?flag#");
+    }
 
     #[test]
     fn statuses_map_to_typed_errors_with_the_servers_message() {

@@ -11,7 +11,8 @@
 //! One file per group of flags: `storage.rs` (which store for which
 //! artifact), `runtime.rs` (runsc, the sandboxes' limits), `control.rs`
 //! (leases and the reconcile loop), `network.rs` (sandbox networking),
-//! `workspace.rs` (workspace sync); logging and `sandboxd serve` itself here.
+//! `workspace.rs` (workspace sync), `tenant.rs` (what one client may hold);
+//! logging and `sandboxd serve` itself here.
 
 use std::net::{Ipv4Addr, SocketAddr};
 
@@ -22,6 +23,7 @@ mod control;
 mod network;
 mod runtime;
 mod storage;
+mod tenant;
 mod workspace;
 
 pub use admission::{AdmissionArgs, CapacityError};
@@ -29,6 +31,7 @@ pub use control::{ControlArgs, HandoffArg, LeaseSettingsError};
 pub use network::{NetnsWorkaroundArg, NetworkArgs};
 pub use runtime::RuntimeArgs;
 pub use storage::{StorageArgs, StorageLayout, StoreLocation};
+pub use tenant::TenantArgs;
 pub use workspace::WorkspaceArgs;
 
 /// Default listen address when neither `--listen` nor `PORT` is given.
@@ -95,6 +98,8 @@ pub struct ServeArgs {
     pub admission: AdmissionArgs,
     #[command(flatten)]
     pub workspace: WorkspaceArgs,
+    #[command(flatten)]
+    pub tenant: TenantArgs,
     #[command(flatten)]
     pub log: LogArgs,
 }

@@ -29,13 +29,22 @@ pub fn http_base(url: &str) -> String {
 }
 
 /// `GET /images` of the server at `url`, as JSON.
-pub async fn fetch_images(url: &str) -> Result<serde_json::Value, ImagesError> {
+/// `operator_token`: the operator credential (`/images` is an operator
+/// surface for clients not on the server's machine).
+pub async fn fetch_images(
+    url: &str,
+    operator_token: Option<&str>,
+) -> Result<serde_json::Value, ImagesError> {
     let url = format!("{}/images", http_base(url));
     let unreachable = |source| ImagesError::Unreachable {
         url: url.clone(),
         source,
     };
-    let response = reqwest::get(&url).await.map_err(unreachable)?;
+    let mut request = reqwest::Client::new().get(&url);
+    if let Some(token) = operator_token.filter(|token| !token.is_empty()) {
+        request = request.header(crate::api::state::OPERATOR_HEADER, token);
+    }
+    let response = request.send().await.map_err(unreachable)?;
     let status = response.status();
     if !status.is_success() {
         let body = response.text().await.unwrap_or_default();

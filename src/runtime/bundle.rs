@@ -49,6 +49,25 @@ pub struct BundleNetwork {
     pub resolv_conf: std::path::PathBuf,
 }
 
+/// What the sandbox's memory limit keeps from each process for gVisor's own
+/// use (the sentry's), at least: a process may map the limit less this.
+pub const SENTRY_HEADROOM_MIN_BYTES: u64 = 32 << 20;
+
+/// RLIMIT_AS of every process in a sandbox whose memory limit is
+/// `memory_limit_bytes`: the limit less an eighth (at least
+/// [`SENTRY_HEADROOM_MIN_BYTES`]). gVisor has no OOM killer of its own: a
+/// sandbox whose processes use more than its cgroup allows is killed whole
+/// by the host (runsc reports the cgroup limit as the guest's total
+/// memory). With the address space of each process below the limit, one
+/// process that allocates too much gets `ENOMEM` (Python's `MemoryError`)
+/// and the sandbox lives on. `None` when the limit leaves no room.
+pub fn address_space_limit(memory_limit_bytes: u64) -> Option<u64> {
+    let headroom = (memory_limit_bytes / 8).max(SENTRY_HEADROOM_MIN_BYTES);
+    memory_limit_bytes
+        .checked_sub(headroom)
+        .filter(|limit| *limit >= SENTRY_HEADROOM_MIN_BYTES)
+}
+
 /// The OCI annotation that pins the CPU features of a sandbox.
 pub const CPU_FEATURES_ANNOTATION: &str = "dev.gvisor.internal.cpufeatures";
 
@@ -98,6 +117,13 @@ impl BundleSpec {
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
              "options": ["nosuid", "nodev", "mode=1777", format!("size={}m", self.tmp_size_mb)]},
         ]);
+        let mut rlimits = vec![
+            json!({"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096}),
+            json!({"type": "RLIMIT_NPROC", "hard": self.max_processes, "soft": self.max_processes}),
+        ];
+        if let Some(limit) = self.memory_limit_bytes.and_then(address_space_limit) {
+            rlimits.push(json!({"type": "RLIMIT_AS", "hard": limit, "soft": limit}));
+        }
         let mut network_namespace = json!({"type": "network"});
         if let Some(network) = network {
             if let Some(list) = mounts.as_array_mut() {
@@ -132,10 +158,7 @@ impl BundleSpec {
                     "permitted": ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SETGID", "CAP_SETUID"],
                     "inheritable": [],
                 },
-                "rlimits": [
-                    {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
-                    {"type": "RLIMIT_NPROC", "hard": self.max_processes, "soft": self.max_processes},
-                ],
+                "rlimits": rlimits,
             },
             "root": {"path": rootfs, "readonly": false},
             "hostname": "sandbox",
@@ -174,6 +197,26 @@ mod tests {
             tmp_size_mb: 64,
             cpu_features: None,
         }
+    }
+
+    #[test]
+    fn every_process_maps_less_than_the_sandbox_memory_limit() {
+        assert_eq!(address_space_limit(512 << 20), Some(448 << 20));
+        assert_eq!(address_space_limit(2 << 30), Some((2 << 30) - (256 << 20)));
+        assert_eq!(address_space_limit(50 << 20), None);
+        assert_eq!(address_space_limit(256 << 20), Some(224 << 20));
+        let mut limited = spec();
+        limited.memory_limit_bytes = Some(1 << 30);
+        let config = limited.config(Path::new("/rootfs"));
+        let rlimits = config["process"]["rlimits"].as_array().unwrap();
+        assert!(
+            rlimits
+                .iter()
+                .any(|r| r["type"] == "RLIMIT_AS" && r["hard"] == (896u64 << 20))
+        );
+        let config = spec().config(Path::new("/rootfs"));
+        let rlimits = config["process"]["rlimits"].as_array().unwrap();
+        assert!(rlimits.iter().all(|r| r["type"] != "RLIMIT_AS"));
     }
 
     #[test]

@@ -47,7 +47,7 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
     let gvisor = match GvisorRuntime::start(
         args.runtime.gvisor(checkpoint_bucket.clone()),
         Arc::clone(&checkpoint_store),
-        snapshot_store,
+        Arc::clone(&snapshot_store),
     )
     .await
     {
@@ -105,6 +105,7 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
         .map(|runtime| runtime as Arc<dyn SandboxRuntime>);
     let mut parts = Parts::new(instance, metadata_store, runtime);
     parts.checkpoint_store = checkpoint_store;
+    parts.snapshot_store = Some(Arc::clone(&snapshot_store));
     parts.checkpoint_bucket = checkpoint_bucket;
     parts.snapshot_bucket = bucket_name(&layout.snapshots);
     parts.images = gvisor.as_ref().map(|_| images);
@@ -114,6 +115,7 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
         network_egress: network.is_some() && gvisor.is_some(),
         shared_snapshots: args.shared_snapshots,
         max_named_checkpoints: args.admission.max_named_checkpoints,
+        snapshot_quota: args.tenant.snapshot_quota(),
         ..Features::default()
     };
     parts.store_operations = store_operations;
@@ -125,10 +127,20 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
         timeout: Duration::from_secs(args.execute_timeout_s),
     };
     parts.limits = args.admission.limits();
+    parts.socket = args.tenant.socket();
+    parts.connection_deadlines = args.tenant.connection_deadlines();
+    parts.origins = args.tenant.origins();
+    parts.lifetimes = args.tenant.lifetimes();
+    parts.operator_token = args
+        .tenant
+        .operator_token
+        .clone()
+        .filter(|token| !token.is_empty());
     if gvisor.is_some() {
         parts.admission = args
             .admission
             .settings(args.runtime.sandbox_memory_mb, args.runtime.warm_pool)?;
     }
+    parts.max_sandboxes_per_caller = args.tenant.sandboxes_per_caller(parts.admission.as_ref());
     Ok(Booted { parts, gvisor })
 }

@@ -14,6 +14,7 @@
 
 pub mod boot;
 mod connections;
+pub mod origin;
 mod routes;
 
 use std::future::Future;
@@ -36,7 +37,9 @@ use crate::runtime::ImageCatalog;
 use crate::workspace::WorkspaceHooks;
 
 pub use crate::api::state::{AppState, Features};
-pub use connections::Connections;
+pub use connections::{
+    ConnectionDeadlines, Connections, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, Peer,
+};
 pub use routes::app;
 
 /// How many connections (WebSocket sessions included) a server keeps open at
@@ -71,6 +74,8 @@ pub struct Parts {
     pub workspace_hooks: Option<Arc<WorkspaceHooks>>,
     /// Connections open at once, at most.
     pub max_connections: u32,
+    /// How long a connection may take to become a request.
+    pub connection_deadlines: ConnectionDeadlines,
     /// How long a shutdown waits for the sandboxes held here to be
     /// checkpointed, and then for the last connection.
     pub shutdown_grace: Duration,
@@ -84,6 +89,18 @@ pub struct Parts {
     pub admission: Option<crate::api::admission::AdmissionSettings>,
     /// The concurrency caps of forks and `POST /execute`.
     pub limits: crate::api::limits::LimitSettings,
+    /// What one client socket may hold and how long it may stay silent.
+    pub socket: crate::api::session::SocketSettings,
+    /// Which browser origins may call the server.
+    pub origins: origin::OriginPolicy,
+    /// How long a sandbox may run here, and an execution with no client.
+    pub lifetimes: crate::api::live::Lifetimes,
+    /// Sandboxes one caller may hold here (`None`: no limit).
+    pub max_sandboxes_per_caller: Option<usize>,
+    /// The credential that opens the operator surfaces to remote clients.
+    pub operator_token: Option<String>,
+    /// Where filesystem snapshots are kept (for their owners' quotas).
+    pub snapshot_store: Option<Arc<dyn Store>>,
 }
 
 impl Parts {
@@ -98,7 +115,7 @@ impl Parts {
         Self {
             instance,
             metadata_store: Arc::clone(&store),
-            checkpoint_store: store,
+            checkpoint_store: Arc::clone(&store),
             checkpoint_bucket: "local".to_owned(),
             snapshot_bucket: "local".to_owned(),
             runtime,
@@ -110,11 +127,21 @@ impl Parts {
             store_operations: Arc::default(),
             workspace_hooks: None,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            connection_deadlines: ConnectionDeadlines::default(),
             shutdown_grace: Duration::from_secs(10),
             warm_pool: None,
             execute: crate::api::execute::ExecuteLimits::default(),
             admission: None,
             limits: crate::api::limits::LimitSettings::default(),
+            socket: crate::api::session::SocketSettings::default(),
+            origins: origin::OriginPolicy {
+                allowed: Vec::new(),
+                same_origin: true,
+            },
+            lifetimes: crate::api::live::Lifetimes::default(),
+            max_sandboxes_per_caller: None,
+            operator_token: None,
+            snapshot_store: Some(store),
         }
     }
 }
@@ -128,6 +155,7 @@ pub fn counted(store: Arc<dyn Store>, counts: &Arc<OperationCounts>) -> Arc<dyn 
 #[derive(Debug)]
 pub struct Server {
     state: AppState,
+    origins: Arc<origin::OriginPolicy>,
     /// The controller's worker, lease and doorbell loops (with a runtime).
     workers: Option<JoinHandle<()>>,
     connections: Connections,
@@ -154,7 +182,9 @@ impl Server {
         if let Some(runtime) = &parts.warm_pool {
             crate::metrics::register_warm_pool(&mut metrics, runtime);
         }
-        let live: Arc<crate::api::live::LiveSandboxes> = Arc::default();
+        let live = Arc::new(crate::api::live::LiveSandboxes::with_lifetimes(
+            parts.lifetimes,
+        ));
         let admission = match (parts.admission, &controller) {
             (Some(settings), Some(controller)) => {
                 let residents = crate::api::admission::LocalResidents {
@@ -187,11 +217,24 @@ impl Server {
             execute: parts.execute,
             admission,
             limits: Arc::new(crate::api::limits::Limits::new(parts.limits)),
+            socket: parts.socket,
+            callers: Arc::new(crate::api::caller::CallerQuota::new(
+                parts.max_sandboxes_per_caller,
+            )),
+            snapshot_store: parts.snapshot_store.clone(),
+            operator_token_sha256: parts
+                .operator_token
+                .as_deref()
+                .map(crate::api::token::digest),
         };
         Self {
             state,
+            origins: Arc::new(parts.origins),
             workers,
-            connections: Connections::new(parts.max_connections),
+            connections: Connections::with_deadlines(
+                parts.max_connections,
+                parts.connection_deadlines,
+            ),
             shutdown_grace: parts.shutdown_grace,
         }
     }
@@ -214,7 +257,14 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let listener = self.connections.listen(listener);
-        axum::serve(listener, app(self.state.clone()))
+        let app = app(self.state.clone())
+            .layer(axum::middleware::from_fn_with_state(
+                Arc::clone(&self.origins),
+                origin::check_origin,
+            ))
+            .layer(axum::middleware::from_fn(connections::track_requests))
+            .into_make_service_with_connect_info::<Peer>();
+        axum::serve(listener, app)
             .with_graceful_shutdown(shutdown)
             .await?;
         self.shut_down().await;

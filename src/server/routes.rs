@@ -3,14 +3,33 @@
 //! `/metrics`). The WebSocket and `/execute` handlers live in `crate::api`.
 
 use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::IntoResponse;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use controllers::layout::SANDBOXES_PREFIX;
 use serde_json::json;
 
+use crate::api::caller::ClientAddr;
 use crate::api::state::AppState;
+
+/// The client of a request, as the connection layer recorded it.
+type Client = Option<axum::Extension<ClientAddr>>;
+
+/// `None` when the request may see the operator surfaces, else the refusal.
+fn operator_only(state: &AppState, headers: &HeaderMap, client: &Client) -> Option<Response> {
+    if state.is_operator(headers, client.as_deref()) {
+        return None;
+    }
+    tracing::info!(client = %ClientAddr::describe(client.as_deref()), "refused an operator surface to a client without the operator credential");
+    Some(
+        (
+            StatusCode::FORBIDDEN,
+            Json(json!({"error": "this is for operators: send the operator credential (X-Operator-Token, --operator-token)"})),
+        )
+            .into_response(),
+    )
+}
 
 /// The router, apart from `main`, so tests can drive it.
 pub fn app(state: AppState) -> Router {
@@ -51,7 +70,10 @@ async fn status() -> Json<serde_json::Value> {
 /// The sandboxes running on this instance (upstream listed runsc's default
 /// root, which never held its sandboxes: bug B15). `containers` keeps
 /// upstream's key, as a text table; `sandboxes` is the same as objects.
-async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
+async fn list(State(state): State<AppState>, headers: HeaderMap, client: Client) -> Response {
+    if let Some(refused) = operator_only(&state, &headers, &client) {
+        return refused;
+    }
     let mut ids = state
         .controller
         .as_ref()
@@ -73,21 +95,27 @@ async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
             "store_operations": operations,
         }));
     }
-    Json(json!({"containers": table, "sandboxes": sandboxes}))
+    Json(json!({"containers": table, "sandboxes": sandboxes})).into_response()
 }
 
 /// The sandbox images this server has: digest, names, packages, which one is
 /// the default (`sandboxctl images`).
-async fn images(State(state): State<AppState>) -> impl IntoResponse {
+async fn images(State(state): State<AppState>, headers: HeaderMap, client: Client) -> Response {
+    if let Some(refused) = operator_only(&state, &headers, &client) {
+        return refused;
+    }
     let Some(catalog) = &state.images else {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({"error": "this server has no sandbox runtime"})),
-        );
+        )
+            .into_response();
     };
     let catalog = catalog.clone();
-    match tokio::task::spawn_blocking(move || catalog.list().map(|list| (catalog.default, list)))
-        .await
+    let answer = match tokio::task::spawn_blocking(move || {
+        catalog.list().map(|list| (catalog.default, list))
+    })
+    .await
     {
         Ok(Ok((default, images))) => (
             StatusCode::OK,
@@ -101,12 +129,16 @@ async fn images(State(state): State<AppState>) -> impl IntoResponse {
             StatusCode::INTERNAL_SERVER_ERROR,
             Json(json!({"error": err.to_string()})),
         ),
-    }
+    };
+    answer.into_response()
 }
 
 /// The registry's series in the OpenMetrics text format (`src/metrics.rs`).
-async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    match crate::metrics::encode(&state.metrics) {
+async fn metrics(State(state): State<AppState>, headers: HeaderMap, client: Client) -> Response {
+    if let Some(refused) = operator_only(&state, &headers, &client) {
+        return refused;
+    }
+    let answer = match crate::metrics::encode(&state.metrics) {
         Ok(text) => (
             StatusCode::OK,
             [(
@@ -123,7 +155,8 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
             )],
             format!("cannot encode the metrics: {err}"),
         ),
-    }
+    };
+    answer.into_response()
 }
 
 /// The memory ledger as `/readyz` shows it: capacity, committed, free.
@@ -141,7 +174,13 @@ fn headroom(headroom: &crate::api::admission::Headroom) -> serde_json::Value {
 }
 
 /// Ready when the sandbox runtime works and the metadata store answers a listing.
-async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
+/// Only operators see what runs here (the instance, its memory).
+async fn readyz(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    client: Client,
+) -> impl IntoResponse {
+    let operator = state.is_operator(&headers, client.as_deref());
     if state.runtime.is_none() {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -152,9 +191,12 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     }
     match state.metadata_store.list_page(SANDBOXES_PREFIX, None).await {
         Ok(_) => {
-            let mut body = json!({"status": "ready", "instance": state.instance});
-            if let Some(admission) = &state.admission {
-                body["memory"] = headroom(&admission.headroom());
+            let mut body = json!({"status": "ready"});
+            if operator {
+                body["instance"] = json!(state.instance);
+                if let Some(admission) = &state.admission {
+                    body["memory"] = headroom(&admission.headroom());
+                }
             }
             (StatusCode::OK, Json(body))
         }

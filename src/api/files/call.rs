@@ -123,6 +123,9 @@ fn flag(map: &Map<String, Value>, name: &'static str, default: bool) -> Result<b
     }
 }
 
+/// The largest file offset a call may name (a signed 64-bit `off_t`).
+const MAX_OFFSET: u64 = i64::MAX as u64;
+
 fn number(
     map: &Map<String, Value>,
     name: &'static str,
@@ -159,13 +162,16 @@ impl FsCall {
             },
             "list" => FsOp::List {
                 path: path_of(map, "path")?,
-                depth: number(
+                depth: match number(
                     map,
                     "depth",
                     "an integer from 1 to 64",
                     MAX_LIST_DEPTH.into(),
-                )?
-                .map_or(1, |depth| depth.max(1) as u32),
+                )? {
+                    None => 1,
+                    Some(0) => return Err(field("depth", "an integer from 1 to 64")),
+                    Some(depth) => u32::try_from(depth).unwrap_or(u32::MAX),
+                },
                 max_entries: number(
                     map,
                     "max_entries",
@@ -176,7 +182,8 @@ impl FsCall {
             },
             "read" => FsOp::Read {
                 path: path_of(map, "path")?,
-                offset: number(map, "offset", "a non-negative integer", u64::MAX)?.unwrap_or(0),
+                offset: number(map, "offset", "an integer from 0 to 2^63 - 1", MAX_OFFSET)?
+                    .unwrap_or(0),
                 length: number(map, "length", "an integer up to 4194304", MAX_READ_BYTES)?
                     .unwrap_or(MAX_READ_BYTES),
             },
@@ -286,5 +293,8 @@ mod tests {
         assert!(err("upload", json!({"path": "a"})).contains("\"size\""));
         assert!(err("upload", json!({"path": "a", "size": 1, "sha256": "x"})).contains("sha256"));
         assert!(err("chmod", json!({"path": "a"})).contains("unknown filesystem op"));
+        assert!(err("list", json!({"path": "a", "depth": 0})).contains("\"depth\""));
+        assert!(err("read", json!({"path": "a", "offset": 1u64 << 63})).contains("\"offset\""));
+        assert!(parse("read", json!({"path": "a", "offset": (1u64 << 63) - 1})).is_ok());
     }
 }

@@ -69,25 +69,27 @@ fn fs_refusal(sandbox: &SandboxId, err: &FsError) -> Response {
     refusal(http_status(err), &code, message)
 }
 
-/// The token of the request: the bearer header, else the query parameter.
-fn token_of(headers: &HeaderMap, query: &HashMap<String, String>) -> Option<String> {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "))
-        .map(|token| token.trim().to_owned())
-        .or_else(|| query.get("sandbox_token").cloned())
-        .filter(|token| !token.is_empty())
+/// The token of the request: `X-Sandbox-Token`, else the bearer header,
+/// else the query parameter.
+fn token_of(
+    headers: &HeaderMap,
+    query: &HashMap<String, String>,
+) -> Option<(String, token::TokenSource)> {
+    token::of_request(headers, query, true)
 }
 
 /// Checks the token, takes the attach slot and brings the sandbox here.
-async fn hold(state: &AppState, raw_id: &str, token: Option<String>) -> Result<Held, Response> {
+async fn hold(
+    state: &AppState,
+    raw_id: &str,
+    token: Option<(String, token::TokenSource)>,
+) -> Result<Held, Response> {
     let not_found = || refusal(StatusCode::NOT_FOUND, "ENOENT", "no such sandbox");
-    let Some(token) = token else {
+    let Some((token, source)) = token else {
         return Err(refusal(
             StatusCode::UNAUTHORIZED,
             "EACCES",
-            "the sandbox token is missing (Authorization: Bearer <token>)",
+            "the sandbox token is missing (X-Sandbox-Token: <token>)",
         ));
     };
     let Ok(id) = SandboxId::parse(raw_id) else {
@@ -108,11 +110,10 @@ async fn hold(state: &AppState, raw_id: &str, token: Option<String>) -> Result<H
     };
     let metadata = read.metadata.0.clone();
     if !token::matches(&token, &metadata.spec.token_sha256) {
-        return Err(refusal(
-            StatusCode::FORBIDDEN,
-            "EACCES",
-            "Invalid sandbox token.",
-        ));
+        // Answered as an unknown id: a wrong token learns nothing about
+        // which ids exist.
+        tracing::warn!(sandbox = %id, %source, "refused a file request: wrong sandbox token");
+        return Err(not_found());
     }
     if metadata.is_deleted() {
         return Err(not_found());

@@ -12,11 +12,13 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
+use std::sync::Arc;
 
 use axum::extract::ws::{Message, WebSocket};
 use futures::StreamExt;
 use futures::stream::SplitStream;
 
+use super::out::Heard;
 use crate::api::protocol::MAX_MESSAGE_BYTES;
 
 /// At most this many frames are kept from a wait.
@@ -35,16 +37,24 @@ pub struct ClientStream {
     early_bytes: usize,
     /// The socket ended during a wait.
     ended: bool,
+    /// When the client was last heard from (the writer's keepalive).
+    heard: Arc<Heard>,
 }
 
 impl ClientStream {
-    pub fn new(inner: SplitStream<WebSocket>) -> Self {
+    pub fn new(inner: SplitStream<WebSocket>, heard: Arc<Heard>) -> Self {
         Self {
             inner,
             early: VecDeque::new(),
             early_bytes: 0,
             ended: false,
+            heard,
         }
+    }
+
+    /// Reads the socket, recording when the client is heard from.
+    async fn read(&mut self) -> Option<Read> {
+        Self::read_inner(&mut self.inner, &self.heard).await
     }
 
     /// The next message: first those kept from a wait; `None` once the socket is done.
@@ -56,7 +66,7 @@ impl ClientStream {
         if self.ended {
             return None;
         }
-        self.inner.next().await
+        self.read().await
     }
 
     /// Runs `wait` to its end while reading the socket, so that pings are
@@ -68,7 +78,7 @@ impl ClientStream {
                 !self.ended && self.early.len() < EARLY_FRAMES && self.early_bytes < EARLY_BYTES;
             tokio::select! {
                 done = &mut wait => return done,
-                read = self.inner.next(), if room => match read {
+                read = Self::read_inner(&mut self.inner, &self.heard), if room => match read {
                     None => self.ended = true,
                     // Answered by tungstenite as it read them.
                     Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
@@ -82,6 +92,21 @@ impl ClientStream {
                 },
             }
         }
+    }
+}
+
+impl ClientStream {
+    /// [`Self::read`] on the parts `while_waiting` borrows.
+    /// `None` once the socket's writer has stopped (the socket was closed,
+    /// stalled, or its client went silent).
+    async fn read_inner(inner: &mut SplitStream<WebSocket>, heard: &Heard) -> Option<Read> {
+        let _reading = heard.reading();
+        let read = tokio::select! {
+            read = inner.next() => read,
+            () = heard.stopped() => return None,
+        };
+        heard.now();
+        read
     }
 }
 
@@ -125,7 +150,7 @@ mod tests {
             axum::routing::get(move |upgrade: WebSocketUpgrade| async move {
                 upgrade.on_upgrade(move |socket| async move {
                     let (_sink, stream) = socket.split();
-                    let mut stream = ClientStream::new(stream);
+                    let mut stream = ClientStream::new(stream, Heard::new());
                     stream.while_waiting(release.notified()).await;
                     let kept = (stream.early.len(), stream.early_bytes);
                     let mut frames = Vec::new();

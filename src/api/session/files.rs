@@ -16,7 +16,6 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures::StreamExt;
 use serde_json::json;
 use tokio::sync::{Semaphore, mpsc};
 
@@ -28,6 +27,14 @@ use crate::api::protocol::{FrameError, ServerFrame};
 
 /// Binary frames of an upload waiting for the sandbox (each ≤ 1 MiB).
 const UPLOAD_QUEUE: usize = 8;
+
+/// How long an upload waits for its next bytes before it fails.
+pub(super) const UPLOAD_IDLE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// An upload whose bytes stopped coming.
+#[derive(Debug, thiserror::Error)]
+#[error("no bytes arrived for {} s", UPLOAD_IDLE.as_secs())]
+struct UploadStalled;
 
 /// The socket reader's side of uploads: where the binary frames of the
 /// upload announced last go, and how many bytes it still expects.
@@ -89,13 +96,20 @@ impl Session {
                 mode,
                 parents,
             } => {
-                let Some(mut bytes) = bytes else {
+                let Some(bytes) = bytes else {
                     return self
                         .fs_failed(request_id, name, "EINVAL", "no bytes for this upload")
                         .await;
                 };
-                let chunks = futures::stream::poll_fn(move |cx| bytes.poll_recv(cx))
-                    .map(Ok::<_, std::convert::Infallible>);
+                // Bytes that stop coming end the upload (the session takes
+                // no other frame meanwhile).
+                let chunks = Box::pin(futures::stream::unfold(bytes, |mut bytes| async move {
+                    match tokio::time::timeout(UPLOAD_IDLE, bytes.recv()).await {
+                        Ok(Some(data)) => Some((Ok(data), bytes)),
+                        Ok(None) => None,
+                        Err(_) => Some((Err(UploadStalled), bytes)),
+                    }
+                }));
                 let target = UploadTarget {
                     path,
                     mode,

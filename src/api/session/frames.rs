@@ -301,6 +301,21 @@ impl Session {
         } else {
             owner.path(&name)
         };
+        if let Some(store) = &self.snapshot_store
+            && !self.features.shared_snapshots
+            && let Err(refused) = self
+                .features
+                .snapshot_quota
+                .check(store.as_ref(), &path)
+                .await
+        {
+            out.error(
+                Status::FilesystemSnapshotError,
+                &failed(refused.to_string()),
+            )
+            .await;
+            return;
+        }
         match self.controller.snapshot_filesystem(&self.id, &path).await {
             Ok(_) if self.features.shared_snapshots => {
                 out.status(Status::FilesystemSnapshotCreated).await;

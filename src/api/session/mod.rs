@@ -7,9 +7,10 @@
 //! Frames take effect in the order they arrived: one worker per socket handles
 //! them one after another (stdin is never reordered, a checkpoint sent before
 //! an execution is taken before it runs). Only the control frames that must act
-//! while an execution streams (`kill_process`, `kill_sandbox`, `reconnect`)
-//! bypass the queue and act at once. Upstream handled each frame in its own
-//! task, which reordered a burst of stdin frames.
+//! while an execution streams (`kill_process`, `kill_sandbox`, `reconnect`,
+//! `resize`) bypass the queue and act at once, on a second task of their own
+//! (in their order; resizes coalesced to the latest size). Upstream handled
+//! each frame in its own task, which reordered a burst of stdin frames.
 
 mod client_stream;
 mod files;
@@ -29,8 +30,10 @@ use tokio::task::JoinHandle;
 
 pub use client_stream::ClientStream;
 pub use out::{
-    CLOSE_FATAL, CLOSE_NORMAL, CLOSE_TOO_BIG, CLOSE_UNAVAILABLE, Incoming, Out, Outgoing,
-    next_message, next_text, refuse_too_big, report_frame_error,
+    CLOSE_FATAL, CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_STALLED, CLOSE_TOO_BIG, CLOSE_UNAVAILABLE,
+    DEFAULT_PING_INTERVAL, DEFAULT_PING_TIMEOUT, DEFAULT_REPLY_BUDGET_BYTES, DEFAULT_STALL_TIMEOUT,
+    Incoming, Out, Outgoing, SocketSettings, next_message, next_text, refuse_too_big,
+    report_frame_error,
 };
 
 use super::live::{LiveSandbox, LiveSandboxes};
@@ -60,6 +63,9 @@ pub struct Session {
     /// The owner of the snapshots this session takes (the sandbox's token's
     /// snapshot token; `api::snapshot_owner`).
     snapshot_owner: SnapshotProof,
+    /// Where snapshots are kept, to count their owner's quota (`None`: not
+    /// counted).
+    snapshot_store: Option<Arc<dyn controllers::store::Store>>,
     /// What this session asked the controller for and awaits the end of.
     pending: Pending,
     streamer: std::sync::Mutex<Option<JoinHandle<()>>>,
@@ -92,6 +98,67 @@ fn try_reserve(budget: &Arc<Semaphore>, bytes: usize) -> Option<OwnedSemaphorePe
     Arc::clone(budget).try_acquire_many_owned(permits).ok()
 }
 
+/// Frames that act at once waiting for their task, at most (the socket is
+/// not read while they are full).
+const URGENT_FRAMES: usize = 64;
+
+/// The latest terminal size a client asked for, not yet applied.
+#[derive(Debug, Default)]
+struct Resizes {
+    latest: std::sync::Mutex<Option<controllers::runtime::TerminalSize>>,
+    pending: Notify,
+}
+
+impl Resizes {
+    fn take(&self) -> Option<controllers::runtime::TerminalSize> {
+        self.latest
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+}
+
+/// The reader's side of the frames that act at once.
+#[derive(Debug)]
+struct Urgent {
+    frames: mpsc::Sender<Queued>,
+    resizes: Arc<Resizes>,
+}
+
+/// The task's side of the frames that act at once.
+#[derive(Debug)]
+struct UrgentWork {
+    frames: mpsc::Receiver<Queued>,
+    resizes: Arc<Resizes>,
+}
+
+impl Urgent {
+    fn new() -> (Self, UrgentWork) {
+        let (frames, receiver) = mpsc::channel(URGENT_FRAMES);
+        let resizes = Arc::new(Resizes::default());
+        (
+            Self {
+                frames,
+                resizes: Arc::clone(&resizes),
+            },
+            UrgentWork {
+                frames: receiver,
+                resizes,
+            },
+        )
+    }
+
+    /// Replaces the size waiting to be applied.
+    fn resize(&self, size: controllers::runtime::TerminalSize) {
+        *self
+            .resizes
+            .latest
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(size);
+        self.resizes.pending.notify_one();
+    }
+}
+
 /// The frames that must act while an execution streams, ahead of the queue.
 fn acts_at_once(frame: &Queued) -> bool {
     matches!(
@@ -113,6 +180,7 @@ impl Session {
         controller: Arc<SandboxController>,
         features: Features,
         snapshot_owner: SnapshotProof,
+        snapshot_store: Option<Arc<dyn controllers::store::Store>>,
     ) -> Arc<Self> {
         Arc::new(Self {
             id,
@@ -122,6 +190,7 @@ impl Session {
             controller,
             features,
             snapshot_owner,
+            snapshot_store,
             pending: Pending::default(),
             streamer: std::sync::Mutex::new(None),
             settled: Notify::new(),
@@ -140,6 +209,8 @@ impl Session {
         let (queue, queued) = mpsc::channel::<Work>(QUEUED_FRAMES);
         let budget = Arc::new(Semaphore::new(QUEUED_BYTES));
         let worker = tokio::spawn(Arc::clone(&self).work(queued));
+        let (urgent, urgent_work) = Urgent::new();
+        let urgent_worker = tokio::spawn(Arc::clone(&self).work_urgent(urgent_work));
         let mut relay = tokio::spawn(Arc::clone(&self).relay_events(events));
         let mut uploads = files::UploadIntake::default();
         loop {
@@ -166,9 +237,14 @@ impl Session {
                     };
                     let frame_bytes = frame.as_ref().map_or(0, String::len);
                     let parsed = frame.and_then(|text| ClientFrame::parse(&text));
+                    if let Ok(ClientFrame::Resize(size)) = &parsed {
+                        urgent.resize(*size);
+                        continue;
+                    }
                     if acts_at_once(&parsed) {
-                        let session = Arc::clone(&self);
-                        tokio::spawn(async move { session.handle(parsed, None).await });
+                        if urgent.frames.send(parsed).await.is_err() {
+                            break;
+                        }
                         continue;
                     }
                     let permit = match try_reserve(&budget, frame_bytes) {
@@ -201,6 +277,8 @@ impl Session {
         }
         relay.abort();
         drop(queue);
+        drop(urgent);
+        drop(urgent_worker);
         self.ended.store(true, Ordering::Release);
         self.settled.notify_waiters();
         // What was queued still takes effect (a frame received is a frame
@@ -226,6 +304,37 @@ impl Session {
             if checkpoint {
                 self.checkpoint_settled().await;
             }
+        }
+    }
+
+    /// Handles the frames that act at once, in arrival order, on one task:
+    /// a resize is applied as the latest size asked for (a burst of them
+    /// costs one resize each time the task gets to it), the others in turn.
+    async fn work_urgent(self: Arc<Self>, mut work: UrgentWork) {
+        loop {
+            let pending = work.resizes.pending.notified();
+            tokio::pin!(pending);
+            pending.as_mut().enable();
+            if let Some(size) = work.resizes.take() {
+                Arc::clone(&self)
+                    .handle(Ok(ClientFrame::Resize(size)), None)
+                    .await;
+                continue;
+            }
+            tokio::select! {
+                biased;
+                frame = work.frames.recv() => match frame {
+                    Some(frame) => Arc::clone(&self).handle(frame, None).await,
+                    None => break,
+                },
+                () = &mut pending => {}
+            }
+        }
+        // The socket is done: a resize it sent last still applies.
+        if let Some(size) = work.resizes.take() {
+            Arc::clone(&self)
+                .handle(Ok(ClientFrame::Resize(size)), None)
+                .await;
         }
     }
 

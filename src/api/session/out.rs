@@ -2,15 +2,28 @@
 //! behind a writer task (status frames, errors, the close), and the reading
 //! of client text frames with the limits of the wire (binary and oversized
 //! frames refused, a too-big message closed with 1009).
+//!
+//! What waits for the writer is bounded in bytes, not only in frames: every
+//! frame holds its size of the socket's reply budget
+//! ([`SocketSettings::reply_budget_bytes`]) until it is written, and a
+//! sender waits for room. The session's worker is such a sender, so while
+//! replies wait it takes no further request, its queue fills and the socket
+//! is not read: a client that stops reading stops being served. A write
+//! that makes no progress for [`SocketSettings::stall_timeout`] closes the
+//! socket with [`CLOSE_STALLED`]. The writer also pings the client every
+//! [`SocketSettings::ping_interval`], and a client that sends nothing (not
+//! even the pong) for [`SocketSettings::ping_timeout`] after a ping is
+//! closed with [`CLOSE_GOING_AWAY`].
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket};
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
-use tokio::sync::{Notify, OwnedSemaphorePermit, mpsc};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::time::Instant;
 
 use super::client_stream::ClientStream;
 use crate::api::protocol::{FrameError, MAX_FRAME_BYTES, ServerFrame, Status};
@@ -21,14 +34,138 @@ pub const CLOSE_NORMAL: u16 = 1000;
 pub const CLOSE_TOO_BIG: u16 = 1009;
 pub const CLOSE_UNAVAILABLE: u16 = 1011;
 pub const CLOSE_FATAL: u16 = 4000;
+/// RFC 6455: the endpoint goes away (here: a client silent past its ping).
+pub const CLOSE_GOING_AWAY: u16 = 1001;
+/// RFC 6455 policy violation: the client read nothing for the stall timeout.
+pub const CLOSE_STALLED: u16 = 1008;
 
-/// What the writer task sends.
+/// Default of [`SocketSettings::reply_budget_bytes`].
+pub const DEFAULT_REPLY_BUDGET_BYTES: usize = 16 << 20;
+/// Default of [`SocketSettings::stall_timeout`].
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default of [`SocketSettings::ping_interval`].
+pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(20);
+/// Default of [`SocketSettings::ping_timeout`].
+pub const DEFAULT_PING_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// What one client socket may hold of the server and how long it may stay
+/// silent (`--ws-reply-budget-bytes`, `--ws-stall-timeout-s`,
+/// `--ws-ping-interval-s`, `--ws-ping-timeout-s`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketSettings {
+    /// Bytes of frames waiting for the writer, at most (one frame larger
+    /// than this still goes, alone).
+    pub reply_budget_bytes: usize,
+    /// A write that makes no progress this long closes the socket.
+    pub stall_timeout: Duration,
+    /// How often the server pings the client.
+    pub ping_interval: Duration,
+    /// A client that sent nothing for this long (pongs count) is closed.
+    pub ping_timeout: Duration,
+}
+
+impl Default for SocketSettings {
+    fn default() -> Self {
+        Self {
+            reply_budget_bytes: DEFAULT_REPLY_BUDGET_BYTES,
+            stall_timeout: DEFAULT_STALL_TIMEOUT,
+            ping_interval: DEFAULT_PING_INTERVAL,
+            ping_timeout: DEFAULT_PING_TIMEOUT,
+        }
+    }
+}
+
+/// When the client was last heard from, shared by the reading half (which
+/// records it) and the writer (which closes a silent client). Only a client
+/// the server is reading can be silent: one the server does not read (its
+/// queue is full) is never closed for it.
+#[derive(Debug)]
+pub struct Heard {
+    since: Instant,
+    /// Milliseconds after `since` of the last frame read.
+    heard: AtomicU64,
+    /// Milliseconds after `since` the current read began; `u64::MAX` while
+    /// the socket is not being read.
+    reading: AtomicU64,
+    /// The writer stopped (the socket is closed or dead): reads end.
+    stopped: AtomicBool,
+    stop: Notify,
+}
+
+impl Heard {
+    pub(super) fn new() -> Arc<Self> {
+        Arc::new(Self {
+            since: Instant::now(),
+            heard: AtomicU64::new(0),
+            reading: AtomicU64::new(u64::MAX),
+            stopped: AtomicBool::new(false),
+            stop: Notify::new(),
+        })
+    }
+
+    /// The writer stopped: every read of the socket ends.
+    fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+        self.stop.notify_waiters();
+    }
+
+    /// Completes once the writer has stopped.
+    pub async fn stopped(&self) {
+        loop {
+            let notified = self.stop.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.stopped.load(Ordering::Acquire) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    fn elapsed_ms(&self) -> u64 {
+        u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
+    }
+
+    /// The client sent something now.
+    pub fn now(&self) {
+        self.heard.fetch_max(self.elapsed_ms(), Ordering::AcqRel);
+    }
+
+    /// A read of the socket begins; it ends when the guard is dropped.
+    pub fn reading(&self) -> ReadingGuard<'_> {
+        self.reading.store(self.elapsed_ms(), Ordering::Release);
+        ReadingGuard(self)
+    }
+
+    /// How long the socket has been read without the client sending
+    /// anything (zero while it is not read).
+    fn silent_for(&self) -> Duration {
+        let reading = self.reading.load(Ordering::Acquire);
+        if reading == u64::MAX {
+            return Duration::ZERO;
+        }
+        let since = reading.max(self.heard.load(Ordering::Acquire));
+        Duration::from_millis(self.elapsed_ms().saturating_sub(since))
+    }
+}
+
+/// A read of the socket in progress ([`Heard::reading`]).
+#[derive(Debug)]
+pub struct ReadingGuard<'a>(&'a Heard);
+
+impl Drop for ReadingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.reading.store(u64::MAX, Ordering::Release);
+    }
+}
+
+/// What the writer task sends, with the share of the reply budget (and of
+/// a download's window) it holds until it is written.
 #[derive(Debug)]
 pub enum Outgoing {
-    Frame(ServerFrame),
-    /// A binary frame (a download's bytes), and what to release once it
-    /// is written (the download's window: memory stays flat).
-    Binary(Bytes, Option<OwnedSemaphorePermit>),
+    Text(String, Vec<OwnedSemaphorePermit>),
+    /// A binary frame (a download's bytes).
+    Binary(Bytes, Vec<OwnedSemaphorePermit>),
     Close(u16, String),
 }
 
@@ -36,59 +173,89 @@ pub enum Outgoing {
 /// client reads the close frame instead of a reset connection.
 const DRAIN_AFTER_CLOSE: Duration = Duration::from_secs(2);
 
+/// Frames waiting for the writer, at most (the reply budget bounds their
+/// bytes).
+const QUEUED_REPLIES: usize = 256;
+
 /// The sending half of a socket, shared by the tasks of one session.
 #[derive(Debug, Clone)]
 pub struct Out {
     sender: mpsc::Sender<Outgoing>,
     closed: Arc<Notify>,
     closing: Arc<AtomicBool>,
+    /// The reply budget: one permit a byte.
+    budget: Arc<Semaphore>,
+    budget_bytes: usize,
+}
+
+/// Why the writer stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// The socket failed or the session closed it.
+    Done,
+    /// A write made no progress for the stall timeout.
+    Stalled,
+    /// The client sent nothing for the ping timeout.
+    Silent,
 }
 
 impl Out {
     /// Spawns the writer task for `socket`'s sending half.
-    pub fn spawn(socket: WebSocket) -> (Self, ClientStream) {
+    pub fn spawn(socket: WebSocket, settings: SocketSettings) -> (Self, ClientStream) {
         let (mut sink, stream) = socket.split();
-        let (sender, mut receiver) = mpsc::channel::<Outgoing>(256);
+        let (sender, mut receiver) = mpsc::channel::<Outgoing>(QUEUED_REPLIES);
         let closed = Arc::new(Notify::new());
+        let budget_bytes = settings.reply_budget_bytes.clamp(1, u32::MAX as usize);
         let out = Self {
             sender,
             closed: Arc::clone(&closed),
             closing: Arc::new(AtomicBool::new(false)),
+            budget: Arc::new(Semaphore::new(budget_bytes)),
+            budget_bytes,
         };
+        let heard = Heard::new();
+        let stream = ClientStream::new(stream, Arc::clone(&heard));
+        let closing = Arc::clone(&out.closing);
         tokio::spawn(async move {
-            while let Some(outgoing) = receiver.recv().await {
-                match outgoing {
-                    Outgoing::Frame(frame) => {
-                        if sink
-                            .send(Message::Text(Utf8Bytes::from(frame.to_text())))
-                            .await
-                            .is_err()
-                        {
-                            break;
-                        }
-                    }
-                    Outgoing::Binary(data, permit) => {
-                        let sent = sink.send(Message::Binary(data)).await;
-                        drop(permit);
-                        if sent.is_err() {
-                            break;
-                        }
-                    }
-                    Outgoing::Close(code, reason) => {
-                        let _ = sink
-                            .send(Message::Close(Some(CloseFrame {
-                                code,
-                                reason: Utf8Bytes::from(reason),
-                            })))
-                            .await;
-                        break;
-                    }
-                }
+            let stop = write(&mut sink, &mut receiver, &heard, settings).await;
+            let (code, reason) = match stop {
+                Stop::Done => (None, String::new()),
+                Stop::Stalled => (
+                    Some(CLOSE_STALLED),
+                    format!(
+                        "the client read nothing for {} s",
+                        settings.stall_timeout.as_secs()
+                    ),
+                ),
+                Stop::Silent => (
+                    Some(CLOSE_GOING_AWAY),
+                    format!(
+                        "the client answered no ping for {} s",
+                        settings.ping_timeout.as_secs()
+                    ),
+                ),
+            };
+            if let Some(code) = code {
+                // The server's own close: what the client sent and the
+                // session has not taken yet is dropped (nobody reads the
+                // answers), as after any close the server makes.
+                closing.store(true, Ordering::Release);
+                tracing::info!(code, %reason, "closing a client socket");
+                // The close goes after what the writer holds; a client that
+                // reads again within the stall timeout still gets it.
+                let close = Message::Close(Some(CloseFrame {
+                    code,
+                    reason: Utf8Bytes::from(reason),
+                }));
+                let _ = tokio::time::timeout(settings.stall_timeout, sink.send(close)).await;
+                // Nothing more is read from a dead client (a normal close
+                // leaves the reading to the session, which drains it).
+                heard.stop();
             }
             closed.notify_waiters();
             closed.notify_one();
         });
-        (out, ClientStream::new(stream))
+        (out, stream)
     }
 
     /// An `Out` whose frames go nowhere: for an attach made by an HTTP
@@ -100,24 +267,48 @@ impl Out {
             sender,
             closed: Arc::new(Notify::new()),
             closing: Arc::new(AtomicBool::new(false)),
+            budget: Arc::new(Semaphore::new(DEFAULT_REPLY_BUDGET_BYTES)),
+            budget_bytes: DEFAULT_REPLY_BUDGET_BYTES,
         }
     }
 
-    /// Queues a frame; false once the socket is gone.
+    /// Waits for `bytes` of the reply budget (all of it for a larger frame).
+    async fn reserve(&self, bytes: usize) -> Option<OwnedSemaphorePermit> {
+        let permits = u32::try_from(bytes.clamp(1, self.budget_bytes)).unwrap_or(u32::MAX);
+        Arc::clone(&self.budget)
+            .acquire_many_owned(permits)
+            .await
+            .ok()
+    }
+
+    /// Queues a frame once the reply budget has room for it; false once
+    /// the socket is gone.
     pub async fn send(&self, frame: ServerFrame) -> bool {
         if self.closing.load(Ordering::Acquire) {
             return false;
         }
-        self.sender.send(Outgoing::Frame(frame)).await.is_ok()
+        let text = frame.to_text();
+        let Some(permit) = self.reserve(text.len()).await else {
+            return false;
+        };
+        self.sender
+            .send(Outgoing::Text(text, vec![permit]))
+            .await
+            .is_ok()
     }
 
-    /// Queues a binary frame; `permit` is released once it is written.
+    /// Queues a binary frame once the reply budget has room for it;
+    /// `permit` is released once it is written.
     pub async fn binary(&self, data: Bytes, permit: Option<OwnedSemaphorePermit>) -> bool {
         if self.closing.load(Ordering::Acquire) {
             return false;
         }
+        let Some(budget) = self.reserve(data.len()).await else {
+            return false;
+        };
+        let permits = std::iter::once(budget).chain(permit).collect();
         self.sender
-            .send(Outgoing::Binary(data, permit))
+            .send(Outgoing::Binary(data, permits))
             .await
             .is_ok()
     }
@@ -151,6 +342,48 @@ impl Out {
     /// Completes when the writer has stopped.
     pub async fn closed(&self) {
         self.closed.notified().await;
+    }
+}
+
+/// The writer's loop: sends what is queued (each write bounded by the stall
+/// timeout) and pings the client; why it stopped.
+async fn write(
+    sink: &mut futures::stream::SplitSink<WebSocket, Message>,
+    receiver: &mut mpsc::Receiver<Outgoing>,
+    heard: &Heard,
+    settings: SocketSettings,
+) -> Stop {
+    let mut ping = tokio::time::interval_at(
+        Instant::now() + settings.ping_interval,
+        settings.ping_interval.max(Duration::from_millis(10)),
+    );
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let (message, permits) = tokio::select! {
+            outgoing = receiver.recv() => match outgoing {
+                None => return Stop::Done,
+                Some(Outgoing::Text(text, permits)) => (Message::Text(Utf8Bytes::from(text)), permits),
+                Some(Outgoing::Binary(data, permits)) => (Message::Binary(data), permits),
+                Some(Outgoing::Close(code, reason)) => {
+                    let close = Message::Close(Some(CloseFrame { code, reason: Utf8Bytes::from(reason) }));
+                    let _ = tokio::time::timeout(settings.stall_timeout, sink.send(close)).await;
+                    return Stop::Done;
+                }
+            },
+            _ = ping.tick() => {
+                if heard.silent_for() > settings.ping_timeout {
+                    return Stop::Silent;
+                }
+                (Message::Ping(Bytes::new()), Vec::new())
+            }
+        };
+        let sent = tokio::time::timeout(settings.stall_timeout, sink.send(message)).await;
+        drop(permits);
+        match sent {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Stop::Done,
+            Err(_) => return Stop::Stalled,
+        }
     }
 }
 

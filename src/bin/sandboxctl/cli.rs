@@ -270,7 +270,8 @@ pub(crate) enum Command {
         #[arg(short, long, value_enum)]
         output: Option<Format>,
     },
-    /// Remove old tombstones and checkpoints nothing points at.
+    /// Remove old tombstones, sandboxes that failed without ever being
+    /// checkpointed (creates that never ran), and checkpoints nothing points at.
     #[command(
         after_help = "Examples:\n  sandboxctl gc --dry-run\n  sandboxctl gc --keep-checkpoints 1   # also trim each sandbox's history"
     )]
@@ -298,6 +299,10 @@ pub(crate) enum Command {
         /// Print the JSON document instead of the table.
         #[arg(long)]
         json: bool,
+        /// The server's operator credential (`--operator-token` of `sandboxd
+        /// serve`), needed unless on the server's machine.
+        #[arg(long, env = "SANDBOXD_OPERATOR_TOKEN", hide_env_values = true)]
+        operator_token: Option<String>,
         #[command(flatten)]
         server: Server,
     },

@@ -225,8 +225,13 @@ async fn main() -> ExitCode {
             Err(err) => fail(EXIT_REFUSED, &err.to_string()),
         };
     }
-    if let Command::Images { json, server } = &cli.command {
-        return match ctl::fetch_images(&server.url).await {
+    if let Command::Images {
+        json,
+        server,
+        operator_token,
+    } = &cli.command
+    {
+        return match ctl::fetch_images(&server.url, operator_token.as_deref()).await {
             Ok(listing) if *json => {
                 println!("{listing:#}");
                 ExitCode::SUCCESS
@@ -473,6 +478,9 @@ async fn main() -> ExitCode {
                     let verb = if dry_run { "would remove" } else { "removed" };
                     for id in &found.tombstones {
                         println!("{verb} deleted sandbox {id}");
+                    }
+                    for id in &found.failed {
+                        println!("{verb} failed sandbox {id} (never checkpointed)");
                     }
                     for id in &found.trimmed {
                         println!("{verb} superseded checkpoint {id}");

@@ -1,5 +1,7 @@
-//! `sandboxctl gc`: tombstones past their retention, superseded checkpoints
-//! beyond the newest few, and checkpoints no sandbox references.
+//! `sandboxctl gc`: tombstones past their retention, sandboxes that failed
+//! without a checkpoint (creates that never ran) created before it,
+//! superseded checkpoints beyond the newest few, and checkpoints no sandbox
+//! references.
 
 use super::*;
 
@@ -8,6 +10,9 @@ use super::*;
 pub struct GcReport {
     /// Tombstoned sandboxes older than the retention.
     pub tombstones: Vec<String>,
+    /// Sandboxes that failed without ever being checkpointed (nothing to
+    /// restore: a create that never ran), created before the retention.
+    pub failed: Vec<String>,
     /// Checkpoint directories no sandbox points at.
     pub orphan_checkpoints: Vec<String>,
     /// Superseded checkpoints beyond `--keep-checkpoints`, as
@@ -99,8 +104,17 @@ pub async fn gc(
             .chain(carried)
             .collect();
         let deleted_at = status.deleted_at().unwrap_or(metadata.created_at);
-        if status.phase == controllers::api::Phase::Deleted && now - deleted_at > retention {
-            report.tombstones.push(id.clone());
+        let tombstone =
+            status.phase == controllers::api::Phase::Deleted && now - deleted_at > retention;
+        let never_ran = status.phase == controllers::api::Phase::Failed
+            && all.is_empty()
+            && now - metadata.created_at > retention;
+        if tombstone || never_ran {
+            if tombstone {
+                report.tombstones.push(id.clone());
+            } else {
+                report.failed.push(id.clone());
+            }
             if !dry_run {
                 for checkpoint in &all {
                     delete_checkpoint(checkpoint_store, &checkpoint.path).await?;

@@ -65,6 +65,16 @@ impl SandboxRuntime for GvisorRuntime {
         }))
     }
 
+    async fn check_create(&self, options: &CreateOptions) -> Result<(), RuntimeError> {
+        let snapshot = match &options.snapshot_name {
+            Some(name) => Some(self.snapshot_manifest(name).await?),
+            None => None,
+        };
+        self.image_for_create(options.image.as_deref(), snapshot.as_ref())
+            .await
+            .map(drop)
+    }
+
     #[tracing::instrument(skip(self, options), fields(sandbox = %sandbox))]
     async fn create(
         &self,

@@ -18,6 +18,7 @@ mod runtime;
 mod serve_binary;
 mod server_http;
 mod snapshot_ownership;
+mod tenant_limits;
 mod terminal;
 mod warm;
 mod workspace_sync;
