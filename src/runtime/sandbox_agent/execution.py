@@ -31,18 +31,24 @@ def show(*args, **kwargs):
     import __main__
     __main__.flush_figures()
 """
+class InlineBackendFinder:
+    """Provides the inline backend's module from memory when matplotlib
+    imports it: nothing is written to the user's filesystem."""
+    NAME = "sandboxd_inline_backend"
+    def find_spec(self, name, path=None, target=None):
+        if name != self.NAME:
+            return None
+        import importlib.util
+        return importlib.util.spec_from_loader(name, self)
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        exec(INLINE_BACKEND, module.__dict__)
 def install_inline_backend():
-    import tempfile
     if os.environ.get("MPLBACKEND"):
         return
-    try:
-        folder = tempfile.mkdtemp(prefix="sandboxd-inline-")
-        with open(os.path.join(folder, "sandboxd_inline_backend.py"), "w") as module:
-            module.write(INLINE_BACKEND)
-    except OSError:
-        return
-    sys.path.append(folder)
-    os.environ["MPLBACKEND"] = "module://sandboxd_inline_backend"
+    sys.meta_path.append(InlineBackendFinder())
+    os.environ["MPLBACKEND"] = "module://" + InlineBackendFinder.NAME
 install_inline_backend()
 def send_result(kind, data):
     import json
