@@ -264,6 +264,10 @@ pub trait Store: Send + Sync + fmt::Debug {
 
     /// Streams a large object in. Blob names are write-once by convention (fresh
     /// names), so there is no precondition; memory stays flat in the blob's size.
+    /// The generation returned is one landing of these bytes: an upload sent
+    /// twice (retried, or hedged on a slow tail) may land again, leaving the
+    /// same bytes at a later generation, so callers record a blob's size and
+    /// digest, never its generation.
     async fn upload_blob(
         &self,
         key: &ObjectKey,

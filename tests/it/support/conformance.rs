@@ -313,7 +313,8 @@ pub async fn blob_from_a_stream(store: Arc<dyn Store>) {
         .await
         .unwrap();
     assert_eq!(back, data);
-    assert_eq!(store.get(&k).await.unwrap().generation, info.generation);
+    // One landing of these bytes: a hedged twin may have landed after it.
+    assert!(store.get(&k).await.unwrap().generation >= info.generation);
 }
 
 /// A blob adopted from a file reads back the same; a store that says where
