@@ -52,7 +52,7 @@ pub fn history(status: &SandboxStatus) -> Vec<Value> {
     for (name, named) in &status.named_checkpoints {
         all.push(("named", Some(name.as_str()), named));
     }
-    all.sort_by(|a, b| b.2.created_at.cmp(&a.2.created_at));
+    all.sort_by_key(|entry| std::cmp::Reverse(entry.2.created_at));
     all.into_iter()
         .map(|(role, name, reference)| {
             json!({

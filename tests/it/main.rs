@@ -1,10 +1,11 @@
 //! The integration tests: one binary, one module per area, grouped by what
 //! the tests need (docs/testing.md):
 //!
-//! - [`pure`]: nothing outside the process (no root, no runsc): the quick tier;
-//! - [`store`]: fake-gcs-server;
-//! - [`gvisor`]: runsc, the sandbox images and root;
-//! - [`cluster`]: several server processes on one bucket.
+//! - [`pure`] needs nothing outside the process (no root, no runsc): the
+//!   quick tier;
+//! - [`store`] needs fake-gcs-server;
+//! - [`gvisor`] needs runsc, the sandbox images and root;
+//! - [`cluster`] runs several server processes on one bucket.
 //!
 //! `cargo nextest run --test it -E 'test(/^pure::/)'` runs one tier;
 //! `cargo test --test it gvisor::files` one module. [`support`] holds the
