@@ -235,7 +235,7 @@ async def test_results_are_never_sent_unasked(server):
         assert [e for e in events if e.get("event") == "result"] == []
         await ws.send(json.dumps({"language": "bash", "code": "true", "results": True}))
         frame = json.loads(await ws.recv())
-        assert frame["status"] == "SANDBOX_EXECUTION_ERROR" and "results" in frame["message"]
+        assert frame["event"] == "error" and "results" in frame["message"], frame
         await ws.send(json.dumps({"action": "kill_sandbox"}))
         with pytest.raises(websockets.exceptions.ConnectionClosed):
             while True:

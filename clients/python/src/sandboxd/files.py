@@ -316,7 +316,7 @@ class Files:
             async with sandbox._send_lock:
                 await sandbox._send_text_unlocked(_dumps(frame))
                 for chunk in chunks:
-                    await sandbox._send_bytes(bytes(chunk) if isinstance(chunk, memoryview) else chunk)
+                    await sandbox._send_bytes(chunk)
             event = await self._next(call, path)
             if not isinstance(event, dict):
                 raise SandboxError("unexpected binary frame answering an upload")

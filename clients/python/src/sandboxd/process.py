@@ -180,6 +180,11 @@ class SandboxProcess:
             elif status == "SANDBOX_EXECUTION_DONE":
                 self._finish()
 
+    def _refused(self, error: SandboxError) -> None:
+        if not self._started.done():
+            self._started.set_exception(error)
+            self._finish()
+
     def _on_closed(self, why: str) -> None:
         """The connection ended for good while this process ran."""
         if self._done.is_set():

@@ -507,8 +507,11 @@ class Sandbox:
             # Always right after its status, which carries the message too;
             # alone, it answers a frame the server could not read.
             message = str(frame.get("message", ""))
-            if "malformed" in self._pending:
-                self._fail("malformed", SandboxProtocolError(message))
+            process = self._process
+            if process is not None and not process._started.done():
+                # An execution request the server could not read (a field of
+                # the wrong type): it never starts.
+                process._refused(SandboxProtocolError(message))
 
     def _on_status(self, status: str, message: Optional[str], frame: dict[str, Any]) -> None:
         if _is_execution_status(status):
@@ -645,7 +648,7 @@ class Sandbox:
                 return
             raise SandboxConnectionError(f"the sandbox's connection is closed: {err}") from err
 
-    async def _send_bytes(self, data: bytes) -> None:
+    async def _send_bytes(self, data: bytes | memoryview) -> None:
         socket = self._socket
         if socket is None or self._closed_why is not None or self._reconnecting is not None:
             raise SandboxConnectionError("the sandbox's connection is not open")
