@@ -33,7 +33,8 @@ need_root_for() {
 
 if ! cargo nextest --version >/dev/null 2>&1; then
   echo "== installing cargo-nextest from crates.io"
-  cargo install --locked cargo-nextest
+  # Not linted: CI lints through RUSTC_WORKSPACE_WRAPPER, which is for this workspace only.
+  env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS cargo install --locked cargo-nextest
 fi
 
 # The tiers, as nextest filtersets over test names (tests/it/main.rs). The
