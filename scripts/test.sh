@@ -141,8 +141,9 @@ if [ "$status" = 0 ]; then
   # The fuzz targets (pure::fuzz_protocol) run 60 s each here, side by side.
   export FUZZ_SECS="${FUZZ_SECS:-60}"
   run_tier rest "$REST" "$@" || status=$?
-  # The one doctest (src/client/mod.rs): nextest does not run doctests.
-  [ "$status" = 0 ] && { cargo test --doc --all-features -p sandboxd "$@" || status=$?; }
+  # The doctests (one, in src/client/mod.rs): nextest does not run them.
+  # Same packages and features as the tiers, so nothing is compiled again.
+  [ "$status" = 0 ] && { cargo test --doc --workspace --all-features "$@" || status=$?; }
 fi
 if [ "$status" = 0 ]; then
   # The Python client (clients/python) against the server just built: its
