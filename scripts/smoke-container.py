@@ -40,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +48,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from smoke_cluster import Cluster, SmokeFailure, fail, http_get, need, run  # noqa: E402
 
+
+
+# The operator credential the instances are started with (a fresh one per run).
+OPERATOR_TOKEN = "smoke-" + uuid.uuid4().hex
+OPERATOR = {"X-Operator-Token": OPERATOR_TOKEN}
 
 def prerequisites():
     if os.geteuid() != 0:
@@ -97,6 +103,9 @@ def service_config(path, bucket):
     container = service["spec"]["template"]["spec"]["containers"][0]
     port = int(container["ports"][0]["containerPort"])
     env = {e["name"]: str(e["value"]).replace("BUCKET", bucket) for e in container.get("env", [])}
+    # /list and /images answer remote clients only with the operator
+    # credential (docs/security.md): the smoke test is such a client.
+    env["SANDBOXD_OPERATOR_TOKEN"] = OPERATOR_TOKEN
     startup = container["startupProbe"]
     liveness = container["livenessProbe"]
     return {
@@ -218,7 +227,7 @@ async def expect_close(ws, code, what):
 
 def listed_ids(ws_url):
     """The sandboxes an instance runs (GET /list)."""
-    status, listed = http_get(ws_url.replace("ws://", "http://") + "/list")
+    status, listed = http_get(ws_url.replace("ws://", "http://") + "/list", headers=OPERATOR)
     need(status == 200 and isinstance(listed, dict), f"{ws_url}/list: {status} {listed}")
     return [s.get("sandbox_id") for s in listed.get("sandboxes", [])]
 
@@ -412,7 +421,7 @@ def main():
             check_booted_as_image_says(name, config, service)
             status, body = http_get(f"http://{ip}:{service['port']}{service['liveness_path']}")
             need(status == 200, f"{name} liveness {service['liveness_path']}: {status} {body}")
-            status, body = http_get(f"http://{ip}:{service['port']}/images")
+            status, body = http_get(f"http://{ip}:{service['port']}/images", headers=OPERATOR)
             need(status == 200 and body.get("images"), f"{name} /images: {status} {body}")
             print(f"   {name}: ready; sandbox image {body['images'][0]['digest']}")
 

@@ -34,10 +34,11 @@ def run(args, check=True, timeout=120):
     return result
 
 
-def http_get(url, timeout=5):
+def http_get(url, timeout=5, headers=None):
     """(status, parsed JSON or text); status 0 when nothing answers."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        request = urllib.request.Request(url, headers=headers or {})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read().decode()
             status = response.status
     except urllib.error.HTTPError as err:
