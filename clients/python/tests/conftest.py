@@ -159,7 +159,7 @@ class Emulator:
 
     @staticmethod
     def _free_loopback() -> str:
-        for n in range(160, 251):
+        for n in range(201, 251):
             host = f"127.0.0.{n}"
             with socket.socket() as sock:
                 try:
@@ -167,7 +167,7 @@ class Emulator:
                     return host
                 except OSError:
                     continue
-        raise RuntimeError("no free loopback address in 127.0.0.160-250 for fake-gcs-server (port 80 needs root)")
+        raise RuntimeError("no free loopback address in 127.0.0.201-250 for fake-gcs-server (port 80 needs root)")
 
     def start(self) -> "Emulator":
         self.process = subprocess.Popen(

@@ -10,7 +10,7 @@
 //!   store: every pass ends in `Ok` or an error, never a panic.
 //!
 //! `FUZZ_SECS` sets each target's budget (default 3 s; `scripts/test.sh`, and
-//! so CI, runs 60 s). A longer run is one command:
+//! so CI, runs 20 s). A longer run is one command:
 //! `FUZZ_SECS=3600 cargo test --release --test it pure::fuzz_protocol`.
 //! `FUZZ_SEED` replays a run (each target prints its seed).
 
