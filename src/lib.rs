@@ -14,4 +14,5 @@ pub mod runtime;
 pub mod server;
 pub mod store;
 pub mod telemetry;
+pub mod tls;
 pub mod workspace;

@@ -204,7 +204,9 @@ fn checkpointable() -> CreateOptions {
 }
 
 async fn operations_of(server: &ServerProcess, sandbox: &str) -> anyhow::Result<u64> {
-    let listed: serde_json::Value = reqwest::get(format!("http://{}/list", server.addr))
+    let listed: serde_json::Value = testkit::http_client()
+        .get(format!("http://{}/list", server.addr))
+        .send()
         .await?
         .json()
         .await?;

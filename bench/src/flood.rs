@@ -67,7 +67,7 @@ pub async fn run(bench: &FloodBench) -> anyhow::Result<FloodFigures> {
         .await?;
     let pid = server.child.id();
     let base = format!("http://{}", server.addr);
-    let http = reqwest::Client::new();
+    let http = testkit::http_client();
     // One small execution first: the server at work, not at boot.
     http.post(format!("{base}/execute?language=bash&format=json"))
         .body("echo warm")

@@ -148,6 +148,7 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    sandboxd::tls::install_crypto_provider();
     let result = match Cli::parse().command {
         Command::Cluster {
             runs,

@@ -143,7 +143,9 @@ async fn server(
 
 /// The value of an unlabelled series on the server's `/metrics`.
 async fn metric(server: &ServerProcess, name: &str) -> anyhow::Result<f64> {
-    let text = reqwest::get(format!("http://{}/metrics", server.addr))
+    let text = testkit::http_client()
+        .get(format!("http://{}/metrics", server.addr))
+        .send()
         .await?
         .text()
         .await?;

@@ -32,6 +32,7 @@ const BLOCKING_TASKS_GRACE: std::time::Duration = std::time::Duration::from_secs
 const WORKER_STACK_BYTES: usize = 8 * 1024 * 1024;
 
 fn main() -> anyhow::Result<()> {
+    sandboxd::tls::install_crypto_provider();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_stack_size(WORKER_STACK_BYTES)

@@ -40,7 +40,10 @@ pub async fn fetch_images(
         url: url.clone(),
         source,
     };
-    let mut request = reqwest::Client::new().get(&url);
+    let http = crate::tls::http_client_builder()
+        .build()
+        .map_err(unreachable)?;
+    let mut request = http.get(&url);
     if let Some(token) = operator_token.filter(|token| !token.is_empty()) {
         request = request.header(crate::api::state::OPERATOR_HEADER, token);
     }

@@ -156,6 +156,7 @@ impl GcsStore {
     pub async fn connect(config: GcsConfig) -> Result<Self, StoreError> {
         let bucket = config.bucket.clone();
         let setup_error = |detail: String| StoreError::other(format!("gs://{bucket}"), detail);
+        crate::tls::install_crypto_provider();
         let credentials: Credentials = match &config.emulator_endpoint {
             Some(_) => credentials::anonymous::Builder::new().build(),
             None => credentials::Builder::default()

@@ -63,13 +63,15 @@ impl JsonApi {
 
     /// [`Self::new`] with another request deadline.
     pub fn with_timeout(endpoint: &str, credentials: Credentials, timeout: Duration) -> Self {
-        let http = reqwest::Client::builder()
+        let http = crate::tls::http_client_builder()
             .connect_timeout(CONNECT_TIMEOUT.min(timeout))
             .timeout(timeout)
             .build()
             .unwrap_or_else(|err| {
                 tracing::warn!(%err, "cannot configure the GCS JSON client's deadlines; using the defaults");
-                reqwest::Client::new()
+                crate::tls::http_client_builder()
+                    .build()
+                    .unwrap_or_else(|err| panic!("cannot build an HTTP client at all: {err}"))
             });
         Self {
             http,

@@ -195,7 +195,7 @@ impl Emulator {
             bucket: name.to_owned(),
             message,
         };
-        let response = reqwest::Client::new()
+        let response = crate::http_client()
             .post(format!("{}/storage/v1/b?project=test", self.endpoint()))
             .json(&serde_json::json!({ "name": name }))
             .send()

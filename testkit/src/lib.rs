@@ -41,3 +41,24 @@ pub enum FixtureError {
     #[error(transparent)]
     Io(#[from] std::io::Error),
 }
+
+/// A reqwest client builder for the fixtures and tests, with rustls's `ring`
+/// provider installed first (the workspace builds reqwest without a default
+/// provider, see the server's `tls` module: a client built before one is
+/// installed panics).
+pub fn http_client_builder() -> reqwest::ClientBuilder {
+    // An `Err` means a provider is installed already: that one serves.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the fixtures' one place a reqwest client is begun: after the provider"
+    )]
+    reqwest::Client::builder()
+}
+
+/// [`http_client_builder`] with reqwest's defaults.
+pub fn http_client() -> reqwest::Client {
+    http_client_builder()
+        .build()
+        .unwrap_or_else(|err| panic!("a plain reqwest client: {err}"))
+}

@@ -141,7 +141,10 @@ impl Launch {
         };
         let started = Instant::now();
         loop {
-            if let Ok(response) = reqwest::get(format!("http://{}/readyz", server.addr)).await
+            if let Ok(response) = crate::http_client()
+                .get(format!("http://{}/readyz", server.addr))
+                .send()
+                .await
                 && response.status().is_success()
             {
                 return Ok(server);

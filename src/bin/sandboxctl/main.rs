@@ -26,6 +26,7 @@ const EXIT_STORAGE: u8 = 4;
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    sandboxd::tls::install_crypto_provider();
     let cli = Cli::parse();
     let user = match &cli.command {
         Command::Run {

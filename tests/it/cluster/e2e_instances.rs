@@ -35,7 +35,9 @@ async fn servers(names: &[&str]) -> (tempfile::TempDir, String, Vec<ServerProces
 }
 
 async fn read_object(bucket: &str, key: &str) -> String {
-    reqwest::get(format!("{}?alt=media", support::object_url(bucket, key)))
+    testkit::http_client()
+        .get(format!("{}?alt=media", support::object_url(bucket, key)))
+        .send()
         .await
         .unwrap()
         .text()
@@ -45,7 +47,7 @@ async fn read_object(bucket: &str, key: &str) -> String {
 
 /// An operator's overwrite through the emulator's HTTP API (no precondition).
 async fn write_object(bucket: &str, key: &str, body: String) {
-    let response = reqwest::Client::new()
+    let response = testkit::http_client()
         .post(format!(
             "{}/upload/storage/v1/b/{bucket}/o?uploadType=media&name={key}",
             support::emulator().endpoint()

@@ -91,7 +91,7 @@ async fn the_storage_emulator_restarting_mid_run_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let mut emulator = support::disk_emulator::DiskEmulator::start(&dir.path().join("gcs")).await;
     let endpoint = format!("http://{}", emulator.host);
-    let created = reqwest::Client::new()
+    let created = testkit::http_client()
         .post(format!("{endpoint}/storage/v1/b?project=test"))
         .json(&json!({"name": "faults"}))
         .send()

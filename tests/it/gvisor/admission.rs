@@ -90,7 +90,14 @@ async fn pool_until(
 }
 
 async fn get_json(url: &str) -> Value {
-    reqwest::get(url).await.unwrap().json().await.unwrap()
+    testkit::http_client()
+        .get(url)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -169,7 +176,9 @@ async fn a_full_instance_evicts_its_least_recently_used_idle_sandbox_and_refuses
         .phase,
         Phase::Checkpointed
     );
-    let metrics = reqwest::get(format!("http://{}/metrics", server.addr))
+    let metrics = testkit::http_client()
+        .get(format!("http://{}/metrics", server.addr))
+        .send()
         .await
         .unwrap()
         .text()
@@ -256,7 +265,7 @@ async fn forks_named_checkpoints_and_executes_have_caps_of_their_own() {
 
     // The one `/execute` slot taken: 429 naming the cap; freed, it runs.
     let execute = || {
-        reqwest::Client::new()
+        testkit::http_client()
             .post(format!("http://{}/execute?language=bash", server.addr))
             .body("echo hi")
             .send()

@@ -265,7 +265,9 @@ async fn an_instance_going_away_behind_the_proxy_is_invisible_to_the_client() {
     let listed = |server: &support::process::ServerProcess| {
         let url = format!("http://{}/list", server.addr);
         async move {
-            reqwest::get(url)
+            testkit::http_client()
+                .get(url)
+                .send()
                 .await
                 .unwrap()
                 .json::<serde_json::Value>()
@@ -364,7 +366,9 @@ async fn a_kept_execution_follows_a_drained_instance_with_its_output_and_stdin()
     let listed = |server: &support::process::ServerProcess| {
         let url = format!("http://{}/list", server.addr);
         async move {
-            reqwest::get(url)
+            testkit::http_client()
+                .get(url)
+                .send()
                 .await
                 .unwrap()
                 .json::<serde_json::Value>()

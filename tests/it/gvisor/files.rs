@@ -345,7 +345,7 @@ async fn files_outlive_a_checkpoint_and_a_handoff_and_http_reaches_a_sandbox_hel
     )
     .await;
     // While a client is attached, HTTP calls are refused (the one attach slot).
-    let client = reqwest::Client::new();
+    let client = testkit::http_client();
     let busy = client
         .post(http(&b, &format!("/sandboxes/{id}/files")))
         .bearer_auth(&token)

@@ -25,7 +25,7 @@ async fn execute_streams_merged_output_as_text() {
     let dir = tempfile::tempdir().unwrap();
     let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
     let base = server(dir.path()).await;
-    let http = reqwest::Client::new();
+    let http = testkit::http_client();
 
     let response = http
         .post(format!("{base}/execute?language=bash"))
@@ -59,7 +59,7 @@ async fn execute_json_reports_streams_and_exit_code() {
     let dir = tempfile::tempdir().unwrap();
     let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
     let base = server(dir.path()).await;
-    let body: Value = reqwest::Client::new()
+    let body: Value = testkit::http_client()
         .post(format!("{base}/execute?language=bash&format=json"))
         .body("echo out; echo err >&2; exit 3")
         .send()
@@ -78,7 +78,7 @@ async fn execute_rejects_bad_requests_with_422() {
     let dir = tempfile::tempdir().unwrap();
     let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
     let base = server(dir.path()).await;
-    let http = reqwest::Client::new();
+    let http = testkit::http_client();
     for (query, body, needle) in [
         ("language=ruby", "puts 1", "Unsupported language: 'ruby'"),
         ("language=bash", "", "empty"),
@@ -136,7 +136,7 @@ async fn all_destroyed(dir: &std::path::Path, what: &str) {
 
 /// Sends `script` and hangs up after 3 s, before it ends.
 async fn post_and_hang_up(base: &str, query: &str, script: &str) {
-    let http = reqwest::Client::new();
+    let http = testkit::http_client();
     let request = http
         .post(format!("{base}/execute?{query}"))
         .body(script.to_owned());
@@ -195,7 +195,7 @@ async fn execute_output_is_capped_with_a_marker() {
     let dir = tempfile::tempdir().unwrap();
     let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
     let base = limited_server(dir.path()).await;
-    let http = reqwest::Client::new();
+    let http = testkit::http_client();
     let script = "head -c 20000000 /dev/zero | tr '\\0' x; echo; echo finished >&2";
     let body: Value = http
         .post(format!("{base}/execute?language=bash&format=json"))
@@ -234,7 +234,7 @@ async fn execute_kills_a_script_past_its_time_limit() {
     let _cleanup = support::RunscCleanup(dir.path().join("runsc"));
     let base = limited_server(dir.path()).await;
     let started = std::time::Instant::now();
-    let body: Value = reqwest::Client::new()
+    let body: Value = testkit::http_client()
         .post(format!("{base}/execute?language=bash&format=json"))
         .body("echo before; sleep 60; echo after")
         .send()

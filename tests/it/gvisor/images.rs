@@ -527,7 +527,9 @@ async fn clients_pick_images_with_image_list_them_and_restores_onto_another_imag
     assert_eq!(frames[1], "stdout:none\n", "{frames:?}");
 
     // GET /images and sandboxctl images.
-    let listing: serde_json::Value = reqwest::get(format!("http://{}/images", a.addr))
+    let listing: serde_json::Value = testkit::http_client()
+        .get(format!("http://{}/images", a.addr))
+        .send()
         .await
         .unwrap()
         .json()

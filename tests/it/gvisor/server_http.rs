@@ -11,7 +11,7 @@ use sandboxd::store::{GcsConfig, GcsStore, LocalStore};
 use serde_json::{Value, json};
 
 async fn get_json(url: &str) -> (u16, Value) {
-    let response = reqwest::get(url).await.unwrap();
+    let response = testkit::http_client().get(url).send().await.unwrap();
     let status = response.status().as_u16();
     (status, response.json().await.unwrap())
 }
@@ -129,7 +129,7 @@ async fn without_a_runtime_the_server_is_alive_but_not_ready_and_refuses_work() 
     let (code, body) = get_json(&format!("http://{addr}/readyz")).await;
     assert_eq!(code, 503, "{body}");
     assert!(body["error"].as_str().unwrap().contains("runsc"), "{body}");
-    let response = reqwest::Client::new()
+    let response = testkit::http_client()
         .post(format!("http://{addr}/execute?language=bash"))
         .body("echo hi")
         .send()
@@ -171,7 +171,11 @@ async fn the_readme_command_serves_status_on_the_embedded_store() {
     );
     let deadline = Instant::now() + Duration::from_secs(20);
     let body = loop {
-        match reqwest::get(format!("http://127.0.0.1:{port}/status")).await {
+        match testkit::http_client()
+            .get(format!("http://127.0.0.1:{port}/status"))
+            .send()
+            .await
+        {
             Ok(response) => break response.json::<Value>().await.unwrap(),
             Err(_) if Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(50)).await

@@ -197,7 +197,7 @@ async fn idle_connections_never_keep_a_request_out_and_are_closed_at_their_deadl
     }
     let opening = opened.elapsed();
 
-    let client = reqwest::Client::new();
+    let client = testkit::http_client();
     let asked = Instant::now();
     let status = tokio::time::timeout(
         Duration::from_secs(5),
@@ -524,7 +524,7 @@ async fn requests_from_a_foreign_browser_origin_are_refused() {
         ws_with_origin(&create, Some(&format!("http://{addr}"))).await,
         None
     );
-    let client = reqwest::Client::new();
+    let client = testkit::http_client();
     let foreign = client
         .post(format!("http://{addr}/execute?language=bash"))
         .header("origin", "http://evil.example")
@@ -759,7 +759,7 @@ async fn operator_surfaces_need_the_operator_credential() {
     let listener = tokio::net::TcpListener::bind((ip, 0)).await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(server.run(listener, std::future::pending()));
-    let client = reqwest::Client::new();
+    let client = testkit::http_client();
     for path in ["/list", "/metrics", "/images"] {
         let refused = client
             .get(format!("http://{addr}{path}"))

@@ -239,7 +239,9 @@ async fn a_pool_sandbox_holds_nothing_in_the_bucket_until_a_create_takes_it() {
             .map(|o| o.key.as_str())
             .collect::<Vec<_>>()
     );
-    let metrics = reqwest::get(format!("http://{addr}/metrics"))
+    let metrics = testkit::http_client()
+        .get(format!("http://{addr}/metrics"))
+        .send()
         .await
         .unwrap()
         .text()
@@ -459,7 +461,9 @@ async fn the_server_binary_keeps_a_pool_and_leaves_no_container_at_sigterm() {
             .unwrap_or_else(|| panic!("{name} is not on /metrics:\n{text}"))
     };
     let scrape = || async {
-        reqwest::get(format!("http://{}/metrics", server.addr))
+        testkit::http_client()
+            .get(format!("http://{}/metrics", server.addr))
+            .send()
             .await
             .unwrap()
             .text()

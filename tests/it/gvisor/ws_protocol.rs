@@ -855,7 +855,9 @@ async fn list_shows_the_sandboxes_running_here_b15() {
     ws.send(json!({"language": "bash", "code": "sleep 2"}))
         .await;
     assert_eq!(ws.next().await, "SANDBOX_EXECUTION_RUNNING");
-    let listed: serde_json::Value = reqwest::get(format!("http://{}/list", server.addr))
+    let listed: serde_json::Value = testkit::http_client()
+        .get(format!("http://{}/list", server.addr))
+        .send()
         .await
         .unwrap()
         .json()
@@ -872,7 +874,9 @@ async fn list_shows_the_sandboxes_running_here_b15() {
     );
     // At least the create's metadata and lock and the status record.
     assert!(listed["sandboxes"][0]["store_operations"].as_u64().unwrap() >= 3);
-    let metrics = reqwest::get(format!("http://{}/metrics", server.addr))
+    let metrics = testkit::http_client()
+        .get(format!("http://{}/metrics", server.addr))
+        .send()
         .await
         .unwrap()
         .text()
@@ -985,7 +989,9 @@ async fn metrics_expose_operations_durations_and_sizes() {
     ws.until_close().await;
     let mut ws = server.attach(&id, &token).await;
     ws.until_status("SANDBOX_RUNNING").await;
-    let metrics = reqwest::get(format!("http://{}/metrics", server.addr))
+    let metrics = testkit::http_client()
+        .get(format!("http://{}/metrics", server.addr))
+        .send()
         .await
         .unwrap()
         .text()

@@ -21,7 +21,7 @@ async fn written_bytes_are_in_the_emulator_bucket() {
     let body = Bytes::from_static(b"{\n  \"apiVersion\": \"sandboxd.dev/v1\"\n}\n");
     let generation = store.put(&k, body.clone(), PutMode::Create).await.unwrap();
 
-    let http = reqwest::Client::new();
+    let http = testkit::http_client();
     let response = http
         .get(format!(
             "{}?alt=media",
@@ -91,7 +91,7 @@ async fn an_edit_through_the_http_api_defeats_a_stale_compare_and_swap() {
         store.bucket(),
         k.as_str()
     );
-    let response = reqwest::Client::new()
+    let response = testkit::http_client()
         .post(upload)
         .header("content-type", "application/json")
         .body("{\"v\":\"operator\"}")

@@ -39,7 +39,7 @@ async fn bucket() -> (&'static Emulator, String) {
 }
 
 fn client() -> reqwest::Client {
-    reqwest::Client::builder()
+    testkit::http_client_builder()
         .timeout(Duration::from_millis(1500))
         .build()
         .unwrap()
