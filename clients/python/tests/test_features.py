@@ -9,6 +9,8 @@ import os
 import re
 import struct
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -234,3 +236,20 @@ async def test_run_code_returns_values_and_figures(server):
         (value,) = frame.results
         assert value.kind == "execute_result"
         assert "a" in value.data["text/plain"] and "<table" in value.data["text/html"]
+
+
+def test_the_quickstart_runs_and_the_docs_quote_it(server):
+    """examples/quickstart.py as docs/python.md shows it, run as a user would."""
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "examples" / "quickstart.py").read_text()
+    assert f"```python\n{script}```" in (root.parents[1] / "docs" / "python.md").read_text()
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    run = subprocess.run(
+        [sys.executable, str(root / "examples" / "quickstart.py"), server.url],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "file: hello from the quickstart | value: 45", run.stdout
+    assert re.fullmatch(r"figure: \d+ bytes, b'\\x89PNG\\r\\n\\x1a\\n'; fork \w+ reads: hello from the quickstart", lines[1])
+    assert lines[2] == "checkpoints: [('latest', 'quickstart-done'), ('named', 'quickstart-done'), ('previous', None)]"
