@@ -68,9 +68,11 @@ from agents.sandbox.session.dependencies import Dependencies
 from agents.sandbox.session.manager import Instrumentation
 from agents.sandbox.session.pty_output import collect_pty_output
 from agents.sandbox.session.pty_types import (
+    PTY_PROCESSES_MAX,
     PtyExecUpdate,
     allocate_pty_process_id,
     clamp_pty_yield_time_ms,
+    process_id_to_prune_from_meta,
     resolve_pty_write_yield_time_ms,
 )
 from agents.sandbox.session.sandbox_client import BaseSandboxClient, BaseSandboxClientOptions
@@ -288,8 +290,19 @@ class SandboxdSandboxSession(BaseSandboxSession):
             # the ids in use are those of the live one and of ended ones
             # still holding output.
             process_id = allocate_pty_process_id(set(self._pty_processes))
+            self._prune_ended_pty_processes()
             self._pty_processes[process_id] = entry
         return process_id, entry
+
+    def _prune_ended_pty_processes(self) -> None:
+        """Forgets the least recently used ended processes whose last output
+        nobody read, beyond the SDK's limit (only one can be running)."""
+        while len(self._pty_processes) >= PTY_PROCESSES_MAX:
+            meta = [(pid, entry.last_used, not entry.running) for pid, entry in self._pty_processes.items()]
+            victim = process_id_to_prune_from_meta(meta)
+            if victim is None or self._pty_processes[victim].running:
+                return
+            del self._pty_processes[victim]
 
     async def pty_exec_start(
         self,
@@ -304,8 +317,9 @@ class SandboxdSandboxSession(BaseSandboxSession):
         """Starts `command` (on a terminal with `tty=True`, which
         `pty_write_stdin` can type into) and returns its output of the
         first `yield_time_s` (10 s by default), with its exit code if it
-        ended by then, else its process id. Raises `ExecTransportError`
-        (reason `sandbox_busy`) while another PTY process still runs."""
+        ended by then, else its process id. `timeout` bounds the start.
+        Raises `ExecTransportError` (reason `sandbox_busy`) while another
+        PTY process still runs."""
         prepared = tuple(self._prepare_exec_command(*command, shell=shell, user=user))
         display = " ".join(str(c) for c in command)
         process_id, entry = await self._start_pty_process(prepared, display, tty, timeout)
