@@ -131,7 +131,7 @@ async def test_terminal_python_repl_follows_a_resize(server):
 
 def _runsc_turns_ctrl_c_into_sigint() -> bool:
     """gVisor's terminals signal the foreground process group on ^C since
-    its releases of March 2023 (google/gvisor#8562); Debian bookworm's runsc (0.0~20221219)
+    its releases of March 2023; Debian bookworm's runsc (0.0~20221219)
     passes the byte through as input."""
     try:
         out = subprocess.run(["runsc", "--version"], capture_output=True, text=True, check=False).stdout
