@@ -3,9 +3,14 @@ against a real server on runsc."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+import re
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -124,6 +129,51 @@ async def test_terminal_python_repl_follows_a_resize(server):
             await (await sandbox.terminal()).resize(0, 10)
 
 
+def _runsc_turns_ctrl_c_into_sigint() -> bool:
+    """gVisor's terminals signal the foreground process group on ^C since
+    its releases of March 2023; Debian bookworm's runsc (0.0~20221219)
+    passes the byte through as input."""
+    try:
+        out = subprocess.run(["runsc", "--version"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return False
+    match = re.search(r"(\d{8})", out)
+    return match is not None and int(match.group(1)) >= 20230301
+
+
+@pytest.mark.xfail(
+    not _runsc_turns_ctrl_c_into_sigint(),
+    reason="this runsc's terminals do not turn ^C into SIGINT (gVisor before March 2023)",
+    strict=True,
+)
+async def test_ctrl_c_interrupts_the_foreground_program_and_the_terminal_carries_on(server):
+    async with await Sandbox.create(server.url) as sandbox:
+        # A Python REPL: Ctrl-C raises KeyboardInterrupt in the running code.
+        repl = await sandbox.terminal(80, 24, command="python3 -i")
+        await repl.read_until(b">>> ")
+        await repl.write(b"import time; time.sleep(100)\n")
+        await repl.read_until(b"time.sleep(100)\r\n")
+        await repl.interrupt()
+        assert b"KeyboardInterrupt" in await repl.read_until(b">>> ", timeout=10)
+        await repl.write(b"print(6 * 7)\n")
+        assert b"42\r\n" in await repl.read_until(b">>> ")
+        await repl.write(b"exit()\n")
+        assert await repl.wait(30) == 0
+
+        # A shell: Ctrl-C (written as raw bytes) ends its foreground job; the prompt returns.
+        shell = await sandbox.terminal(80, 24, command="PS1='ready$ ' exec bash --norc -i")
+        await shell.read_until(b"ready$ ")
+        await shell.write(b"sleep 100; echo after-sleep $?\n")
+        await asyncio.sleep(0.5)
+        await shell.write(b"\x03")
+        interrupted = await shell.read_until(b"ready$ ", timeout=10)
+        assert b"after-sleep" not in interrupted.replace(b"echo after-sleep", b"")
+        await shell.write(b"echo still-here\n")
+        assert b"still-here\r\n" in await shell.read_until(b"ready$ ")
+        await shell.write(b"exit 3\n")
+        assert await shell.wait(30) == 3
+
+
 async def test_fork_copies_memory_and_files_independently(server):
     async with await Sandbox.create(server.url, enable_sandbox_checkpoint=True) as source:
         await source.files.write("fork.txt", "from the source")
@@ -186,3 +236,20 @@ async def test_run_code_returns_values_and_figures(server):
         (value,) = frame.results
         assert value.kind == "execute_result"
         assert "a" in value.data["text/plain"] and "<table" in value.data["text/html"]
+
+
+def test_the_quickstart_runs_and_the_docs_quote_it(server):
+    """examples/quickstart.py as docs/python.md shows it, run as a user would."""
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "examples" / "quickstart.py").read_text()
+    assert f"```python\n{script}```" in (root.parents[1] / "docs" / "python.md").read_text()
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    run = subprocess.run(
+        [sys.executable, str(root / "examples" / "quickstart.py"), server.url],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "file: hello from the quickstart | value: 45", run.stdout
+    assert re.fullmatch(r"figure: \d+ bytes, b'\\x89PNG\\r\\n\\x1a\\n'; fork \w+ reads: hello from the quickstart", lines[1])
+    assert lines[2] == "checkpoints: [('latest', 'quickstart-done'), ('named', 'quickstart-done'), ('previous', None)]"

@@ -4,6 +4,7 @@ packages from PyPI), against a real server on runsc."""
 from __future__ import annotations
 
 import io
+import re
 import tarfile
 from pathlib import Path
 
@@ -79,6 +80,80 @@ async def test_openai_agents_sandbox_client_and_session(server):
     replacement = await client.resume(client.deserialize_session_state(payload))
     assert replacement.state.sandbox_id != payload["sandbox_id"]
     await client.delete(replacement)
+
+
+async def test_openai_agents_pty_processes(server):
+    """The SDK's PTY interface: a REPL on a terminal typed into, its exit
+    code; a command without a terminal; the one-execution limit; terminate."""
+    from agents.sandbox.errors import ExecTransportError, PtySessionNotFoundError
+
+    from sandboxd.providers.openai_agents import SandboxdSandboxClient, SandboxdSandboxClientOptions
+
+    client = SandboxdSandboxClient()
+    session = await client.create(options=SandboxdSandboxClientOptions(url=server.url))
+    async with session:
+        assert session.supports_pty()
+
+        # A Python REPL on a terminal: output until the prompt, typed input, exit code.
+        started = await session.pty_exec_start("python3 -i -q", tty=True, yield_time_s=3)
+        repl = started.process_id
+        assert repl is not None and started.exit_code is None
+        assert b">>> " in started.output, started.output
+        update = await session.pty_write_stdin(session_id=repl, chars="print(6 * 7)\n", yield_time_s=1)
+        assert b"42\r\n" in update.output and update.process_id == repl and update.exit_code is None
+
+        # While it runs, it holds the sandbox's only execution: other starts and execs fail at once.
+        with pytest.raises(ExecTransportError, match=f"one execution at a time.*PTY process {repl}") as busy:
+            await session.exec("true")
+        assert busy.value.context["reason"] == "sandbox_busy" and busy.value.context["holder_process_id"] == repl
+        with pytest.raises(ExecTransportError, match="python3 -i -q"):
+            await session.pty_exec_start("echo hi", tty=True)
+
+        done = await session.pty_write_stdin(session_id=repl, chars="exit(7)\n", yield_time_s=5)
+        assert done.exit_code == 7 and done.process_id is None
+        with pytest.raises(PtySessionNotFoundError):
+            await session.pty_write_stdin(session_id=repl, chars="")
+        assert (await session.exec("echo free")).stdout == b"free\n"
+
+        # Without a terminal: stdout and stderr merged, in the workspace root, no stdin.
+        quick = await session.pty_exec_start("pwd; echo err >&2; exit 3", yield_time_s=5)
+        assert quick.exit_code == 3 and quick.process_id is None
+        assert b"/workspace\n" in quick.output and b"err\n" in quick.output
+        slow = await session.pty_exec_start("echo begin; sleep 2; echo end", yield_time_s=0.5)
+        assert slow.process_id is not None and slow.exit_code is None and slow.output == b"begin\n"
+        with pytest.raises(RuntimeError, match="stdin is not available for this process"):
+            await session.pty_write_stdin(session_id=slow.process_id, chars="x")
+        polled = await session.pty_write_stdin(session_id=slow.process_id, chars="", yield_time_s=10)
+        assert polled.output == b"end\n" and polled.exit_code == 0 and polled.process_id is None
+
+        # max_output_tokens truncates as the SDK's helper does.
+        long = await session.pty_exec_start("seq 1 5000", yield_time_s=5, max_output_tokens=20)
+        assert long.exit_code == 0 and long.original_token_count is not None and long.original_token_count > 20
+        assert len(long.output) < 400 and b"truncated" in long.output.lower(), long.output
+
+        # A bash on a terminal ended by pty_terminate_all; the sandbox is free again.
+        shell = await session.pty_exec_start("bash --norc -i", tty=True, yield_time_s=1)
+        assert shell.process_id is not None
+        await session.pty_terminate_all()
+        with pytest.raises(PtySessionNotFoundError):
+            await session.pty_write_stdin(session_id=shell.process_id, chars="echo hi\n")
+        assert (await session.exec("echo after")).stdout == b"after\n"
+
+        # The Shell capability's tools (what an agent calls) go through the same interface.
+        from agents.sandbox.capabilities.tools.shell_tool import (
+            ExecCommandArgs,
+            ExecCommandTool,
+            WriteStdinArgs,
+            WriteStdinTool,
+        )
+
+        exec_tool, stdin_tool = ExecCommandTool(session=session), WriteStdinTool(session=session)
+        opened = await exec_tool.run(ExecCommandArgs(cmd="python3 -i -q", tty=True, yield_time_ms=3000))
+        match = re.search(r"Process running with session ID (\d+)", opened)
+        assert match is not None and ">>> " in opened, opened
+        answer = await stdin_tool.run(WriteStdinArgs(session_id=int(match.group(1)), chars="exit(4)\n", yield_time_ms=5000))
+        assert "Process exited with code 4" in answer, answer
+        await client.delete(session)
 
 
 def BaseSandboxClientOptionsParse(payload):

@@ -486,8 +486,8 @@ def start_exec(msg):
     try:
         proc = subprocess.Popen(
             msg["argv"], stdin=in_r, stdout=out_w, stderr=err_w, close_fds=True,
-            start_new_session=True, cwd=msg.get("cwd") or config.HOME,
-            env=config.user_env(msg.get("env") or {}))
+            start_new_session=True, preexec_fn=restore_default_signals,
+            cwd=msg.get("cwd") or config.HOME, env=config.user_env(msg.get("env") or {}))
     except OSError as err:
         for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
             os.close(fd)
@@ -515,10 +515,22 @@ def set_size(fd, size):
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
+def restore_default_signals():
+    """In the child, before exec: SIGINT and SIGTERM back to their defaults.
+    The agent (PID 1) ignores them, and an ignored signal stays ignored
+    across exec, so without this no program in the sandbox could be
+    interrupted: Ctrl-C on a terminal, `kill`, `timeout` would do nothing.
+    (Popen's restore_signals covers SIGPIPE only.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def become_terminal_owner():
-    """In the child, after setsid: the terminal on fd 0 becomes its controlling one."""
+    """In the child, after setsid: the terminal on fd 0 becomes its
+    controlling one, and its signals are the defaults again."""
     import fcntl
     import termios
+    restore_default_signals()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 

@@ -104,6 +104,10 @@ class Terminal:
     def write(self, data: Union[bytes, str]) -> None:
         _run(self._terminal.write(data))
 
+    def interrupt(self) -> None:
+        """Ctrl-C (see the async `Terminal.interrupt`)."""
+        _run(self._terminal.interrupt())
+
     def resize(self, cols: int, rows: int) -> None:
         _run(self._terminal.resize(cols, rows))
 

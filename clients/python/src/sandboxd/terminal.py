@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Optional, Union
 
+from .errors import SandboxTimeoutError
 from .process import SandboxProcess
 
 
@@ -22,15 +23,22 @@ class Terminal:
 
     async def read(self, timeout: Optional[float] = None) -> bytes:
         """The next output, or b"" once the program has ended; raises
-        `TimeoutError` when nothing came within `timeout` seconds."""
+        `SandboxTimeoutError` (a `TimeoutError`) when nothing came within
+        `timeout` seconds."""
         if self._buffer:
             data, self._buffer = self._buffer, b""
             return data
-        chunk = await self.process.stdout._get(timeout)
+        try:
+            chunk = await self.process.stdout._get(timeout)
+        except asyncio.TimeoutError:
+            # On Python 3.10 asyncio's TimeoutError is not the builtin one.
+            raise SandboxTimeoutError(f"no terminal output within {timeout} s") from None
         return b"" if chunk is None else chunk.encode("utf-8")
 
     async def read_until(self, marker: Union[bytes, str], timeout: float = 30.0) -> bytes:
-        """Output up to and including `marker` (what follows stays for the next read)."""
+        """Output up to and including `marker` (what follows stays for the
+        next read). On a timeout (`SandboxTimeoutError`, its message ends
+        with the output seen) that output also stays for the next read."""
         if isinstance(marker, str):
             marker = marker.encode("utf-8")
         loop = asyncio.get_running_loop()
@@ -39,8 +47,16 @@ class Terminal:
         while marker not in seen:
             left = deadline - loop.time()
             if left <= 0:
-                raise TimeoutError(f"{marker!r} did not appear within {timeout} s; got {seen[-500:]!r}")
-            chunk = await self.read(timeout=left)
+                self._buffer = seen + self._buffer
+                raise SandboxTimeoutError(f"{marker!r} did not appear within {timeout} s; got {seen[-500:]!r}")
+            try:
+                chunk = await self.read(timeout=left)
+            except SandboxTimeoutError:
+                # What came stays for the next read: a timeout loses no output.
+                self._buffer = seen + self._buffer
+                raise SandboxTimeoutError(
+                    f"{marker!r} did not appear within {timeout} s; got {seen[-500:]!r}"
+                ) from None
             if not chunk:
                 raise EOFError(f"the terminal ended before {marker!r}; got {seen[-500:]!r}")
             seen += chunk
@@ -64,6 +80,13 @@ class Terminal:
         else:
             raise TypeError(f"terminal input must be bytes or str, not {type(data).__name__}")
         await self.process.write_to_stdin(text)
+
+    async def interrupt(self) -> None:
+        """Ctrl-C: the terminal's line discipline turns the byte `\\x03` into
+        SIGINT for the foreground process group (the program on the
+        terminal, or the job a shell runs in it), as a keyboard does; the
+        terminal itself stays open."""
+        await self.write(b"\x03")
 
     async def resize(self, cols: int, rows: int) -> None:
         await self.process.resize(cols, rows)

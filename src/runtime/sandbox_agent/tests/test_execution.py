@@ -1,6 +1,7 @@
 """Executions as the host sees them: started, output per stream, exit code;
 stdin; kill; one at a time; the persistent Python session."""
 import json
+import signal
 import unittest
 
 from sandbox_agent import protocol, state
@@ -84,6 +85,34 @@ class SplitUtf8Test(unittest.TestCase):
         self.assertEqual(split_utf8(b"a" + snowman), (b"a" + snowman, b""))
         self.assertEqual(split_utf8(b""), (b"", b""))
         self.assertEqual(split_utf8(b"\xc3"), (b"", b"\xc3"))
+
+
+class IgnoredSignalsTest(AgentTest):
+    """The agent ignores SIGINT and SIGTERM (it is PID 1); its programs must not."""
+
+    def setUp(self):
+        super().setUp()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.addCleanup(signal.signal, signum, signal.signal(signum, signal.SIG_IGN))
+
+    def test_an_execution_starts_with_the_default_signals(self):
+        run = self.send("exec", argv=["python3", "-c",
+                                      "import signal as s; print(s.getsignal(s.SIGINT) is s.default_int_handler,"
+                                      " s.getsignal(s.SIGTERM) == s.SIG_DFL)"])
+        self.assertEqual(output(self.run_to_exit(run), run), b"True True\n")
+
+    def test_ctrl_c_on_a_terminal_interrupts_its_program(self):
+        exec_id = self.send("exec", argv=["python3", "-c",
+                                          "import time\n"
+                                          "print('sleeping', flush=True)\n"
+                                          "try:\n    time.sleep(30)\n"
+                                          "except KeyboardInterrupt:\n    print('interrupted')\n"],
+                            pty={"cols": 80, "rows": 24})
+        seen = self.run_until(lambda events: b"sleeping" in output(events, exec_id))
+        self.send("stdin", id=exec_id, data=protocol.b64(b"\x03"))
+        seen += self.run_to_exit(exec_id)
+        self.assertIn(b"interrupted", output(seen, exec_id))
+        self.assertEqual(seen[-1]["code"], 0)
 
 
 class TerminalTest(AgentTest):
