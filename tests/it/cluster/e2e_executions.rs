@@ -207,14 +207,8 @@ async fn keep_executions_without_checkpointing_is_refused_with_a_reason() {
 /// An operator's edit of `metadata.json` through the emulator's HTTP API.
 async fn edit_metadata(bucket: &str, id: &str, edit: impl FnOnce(&mut Value)) {
     let key = format!("sandboxes/{id}/metadata.json");
-    let mut metadata: Value = testkit::http_client()
-        .get(format!("{}?alt=media", support::object_url(bucket, &key)))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let mut metadata: Value =
+        support::get_json(format!("{}?alt=media", support::object_url(bucket, &key))).await;
     edit(&mut metadata);
     let response = testkit::http_client()
         .post(format!(

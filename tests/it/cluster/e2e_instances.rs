@@ -35,14 +35,7 @@ async fn servers(names: &[&str]) -> (tempfile::TempDir, String, Vec<ServerProces
 }
 
 async fn read_object(bucket: &str, key: &str) -> String {
-    testkit::http_client()
-        .get(format!("{}?alt=media", support::object_url(bucket, key)))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    support::get_text(format!("{}?alt=media", support::object_url(bucket, key))).await
 }
 
 /// An operator's overwrite through the emulator's HTTP API (no precondition).

@@ -83,14 +83,7 @@ async fn a_client_back_on_its_first_instance_a_second_after_a_handoff_gets_its_s
     let mut taken = 0.0;
     for server in [&a, &b] {
         let url = server.url("/metrics").replacen("ws://", "http://", 1);
-        let text = testkit::http_client()
-            .get(url)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = support::get_text(url).await;
         taken += text
             .lines()
             .find_map(|line| line.strip_prefix("sandboxd_staged_restores_taken_total "))

@@ -90,14 +90,7 @@ async fn pool_until(
 }
 
 async fn get_json(url: &str) -> Value {
-    testkit::http_client()
-        .get(url)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    support::get_json(url).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -176,14 +169,7 @@ async fn a_full_instance_evicts_its_least_recently_used_idle_sandbox_and_refuses
         .phase,
         Phase::Checkpointed
     );
-    let metrics = testkit::http_client()
-        .get(format!("http://{}/metrics", server.addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = support::get_text(format!("http://{}/metrics", server.addr)).await;
     for series in [
         "sandboxd_admission_evictions_total 2",
         "sandboxd_admission_refusals_total 2",

@@ -527,14 +527,7 @@ async fn clients_pick_images_with_image_list_them_and_restores_onto_another_imag
     assert_eq!(frames[1], "stdout:none\n", "{frames:?}");
 
     // GET /images and sandboxctl images.
-    let listing: serde_json::Value = testkit::http_client()
-        .get(format!("http://{}/images", a.addr))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let listing: serde_json::Value = support::get_json(format!("http://{}/images", a.addr)).await;
     assert_eq!(listing["default"], "default");
     let images = listing["images"].as_array().unwrap();
     let named = |name: &str| {

@@ -239,14 +239,7 @@ async fn a_pool_sandbox_holds_nothing_in_the_bucket_until_a_create_takes_it() {
             .map(|o| o.key.as_str())
             .collect::<Vec<_>>()
     );
-    let metrics = testkit::http_client()
-        .get(format!("http://{addr}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = support::get_text(format!("http://{addr}/metrics")).await;
     assert!(metrics.contains("sandboxd_warm_pool_ready 1"), "{metrics}");
 
     let mut ws = support::ws::Ws::connect(&format!("ws://{addr}/create")).await;
@@ -460,16 +453,7 @@ async fn the_server_binary_keeps_a_pool_and_leaves_no_container_at_sigterm() {
             .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
             .unwrap_or_else(|| panic!("{name} is not on /metrics:\n{text}"))
     };
-    let scrape = || async {
-        testkit::http_client()
-            .get(format!("http://{}/metrics", server.addr))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    };
+    let scrape = || async { support::get_text(format!("http://{}/metrics", server.addr)).await };
     let deadline = Instant::now() + Duration::from_secs(60);
     while metric(&scrape().await, "sandboxd_warm_pool_ready") < 2.0 {
         assert!(Instant::now() < deadline, "the pool never filled");

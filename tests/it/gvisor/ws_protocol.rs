@@ -855,14 +855,7 @@ async fn list_shows_the_sandboxes_running_here_b15() {
     ws.send(json!({"language": "bash", "code": "sleep 2"}))
         .await;
     assert_eq!(ws.next().await, "SANDBOX_EXECUTION_RUNNING");
-    let listed: serde_json::Value = testkit::http_client()
-        .get(format!("http://{}/list", server.addr))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let listed: serde_json::Value = support::get_json(format!("http://{}/list", server.addr)).await;
     assert!(
         listed["containers"].as_str().unwrap().contains(&id),
         "{listed}"
@@ -874,14 +867,7 @@ async fn list_shows_the_sandboxes_running_here_b15() {
     );
     // At least the create's metadata and lock and the status record.
     assert!(listed["sandboxes"][0]["store_operations"].as_u64().unwrap() >= 3);
-    let metrics = testkit::http_client()
-        .get(format!("http://{}/metrics", server.addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = support::get_text(format!("http://{}/metrics", server.addr)).await;
     assert!(metrics.contains("sandboxd_sandboxes_held 1"), "{metrics}");
     assert!(
         metrics.contains("sandboxd_store_operations_total{op=\"put\"}"),
@@ -989,14 +975,7 @@ async fn metrics_expose_operations_durations_and_sizes() {
     ws.until_close().await;
     let mut ws = server.attach(&id, &token).await;
     ws.until_status("SANDBOX_RUNNING").await;
-    let metrics = testkit::http_client()
-        .get(format!("http://{}/metrics", server.addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = support::get_text(format!("http://{}/metrics", server.addr)).await;
     let value = |series: &str| -> f64 {
         metrics
             .lines()

@@ -66,6 +66,25 @@ pub async fn create_bucket() -> String {
     name
 }
 
+/// `GET url` as JSON (a test's read of `/list`, `/metrics`' neighbours, an
+/// object through the emulator); panics with the URL when it fails.
+pub async fn get_json(url: impl reqwest::IntoUrl) -> serde_json::Value {
+    get(url).await.json().await.expect("a JSON body")
+}
+
+/// `GET url` as text.
+pub async fn get_text(url: impl reqwest::IntoUrl) -> String {
+    get(url).await.text().await.expect("a text body")
+}
+
+async fn get(url: impl reqwest::IntoUrl) -> reqwest::Response {
+    testkit::http_client()
+        .get(url)
+        .send()
+        .await
+        .expect("a GET answered")
+}
+
 /// A fresh sandbox id.
 pub fn new_id() -> controllers::api::SandboxId {
     controllers::api::SandboxId::parse(&uuid::Uuid::new_v4().simple().to_string())
