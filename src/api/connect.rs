@@ -169,6 +169,7 @@ async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
     metadata.spec.network = init.network;
     metadata.spec.image = init.image.clone();
     metadata.spec.keep_executions = init.keep_executions;
+    metadata.spec.labels = init.labels.clone();
     metadata.spec.workspace = init.workspace.as_ref().map(|request| WorkspaceSpec {
         id: request.id.clone().unwrap_or_else(|| id.to_string()),
         template: request

@@ -225,6 +225,25 @@ pub struct InitMessage {
     /// Extension: `"keep_executions": true`, a move (handoff, eviction,
     /// drain) checkpoints a running execution instead of killing it.
     pub keep_executions: bool,
+    /// Extension: `"labels": {"key": "value", ...}`, the client's own
+    /// tags, stored in `metadata.json`'s `spec.labels` for operators and
+    /// tools (bounded: [`MAX_LABELS`], keys as [`is_label_key`], values up to
+    /// [`MAX_LABEL_VALUE_LEN`] bytes).
+    pub labels: std::collections::BTreeMap<String, String>,
+}
+
+/// Most labels one sandbox may carry.
+pub const MAX_LABELS: usize = 32;
+
+/// Longest label value, in bytes.
+pub const MAX_LABEL_VALUE_LEN: usize = 256;
+
+/// A label key: 1-63 characters of ASCII letters, digits, `-`, `_` and `.`.
+pub fn is_label_key(key: &str) -> bool {
+    (1..=63).contains(&key.len())
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// The init message's `from_checkpoint`: whose checkpoint to fork, proved
@@ -436,8 +455,33 @@ impl InitMessage {
             workspace: workspace_request(&map)?,
             from_checkpoint: fork_request(&map)?,
             keep_executions: optional_bool(&map, "keep_executions")?,
+            labels: labels(&map)?,
         })
     }
+}
+
+fn labels(
+    map: &Map<String, Value>,
+) -> Result<std::collections::BTreeMap<String, String>, FrameError> {
+    const WRONG: FrameError = FrameError::WrongType {
+        field: "labels",
+        expected: "an object of at most 32 string values (up to 256 bytes each) under keys of \
+                   1-63 letters, digits, '-', '_' and '.'",
+    };
+    let fields = match map.get("labels") {
+        None | Some(Value::Null) => return Ok(Default::default()),
+        Some(Value::Object(fields)) if fields.len() <= MAX_LABELS => fields,
+        Some(_) => return Err(WRONG),
+    };
+    fields
+        .iter()
+        .map(|(key, value)| match value {
+            Value::String(value) if is_label_key(key) && value.len() <= MAX_LABEL_VALUE_LEN => {
+                Ok((key.clone(), value.clone()))
+            }
+            _ => Err(WRONG),
+        })
+        .collect()
 }
 
 fn fork_request(map: &Map<String, Value>) -> Result<Option<ForkRequest>, FrameError> {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import re
 import struct
@@ -193,6 +194,17 @@ async def test_fork_copies_memory_and_files_independently(server):
             await named.kill()
         finally:
             await fork.kill()
+
+
+async def test_labels_reach_the_sandboxs_metadata(server):
+    labels = {"team": "ml", "run.id": "42"}
+    async with await Sandbox.create(server.url, labels=labels) as sandbox:
+        assert sandbox.labels == labels
+        metadata = next(server.home.rglob(f"sandboxes/{sandbox.sandbox_id}/metadata.json"))
+        assert json.loads(metadata.read_text())["spec"]["labels"] == labels
+        await sandbox.kill()
+    with pytest.raises(ValueError, match="labels"):
+        await Sandbox.create(server.url, labels={"not a key": "x"})
 
 
 def _png_size(png: bytes) -> tuple[int, int]:

@@ -422,3 +422,27 @@ fn a_result_is_its_own_event() {
         r#"{"data":{"text/plain":"2"},"event":"result","kind":"execute_result"}"#
     );
 }
+
+#[test]
+fn labels_are_a_bounded_map_of_strings() {
+    assert!(InitMessage::parse("{}").unwrap().labels.is_empty());
+    let labels = InitMessage::parse(r#"{"labels": {"team": "ml", "run.id": "7-b_c"}}"#)
+        .unwrap()
+        .labels;
+    assert_eq!(labels["team"], "ml");
+    assert_eq!(labels["run.id"], "7-b_c");
+    let many: serde_json::Map<String, serde_json::Value> = (0..33)
+        .map(|n| (format!("k{n}"), serde_json::Value::from("v")))
+        .collect();
+    for refused in [
+        r#"{"labels": ["team"]}"#.to_owned(),
+        r#"{"labels": {"team": 7}}"#.to_owned(),
+        r#"{"labels": {"": "x"}}"#.to_owned(),
+        r#"{"labels": {"a b": "x"}}"#.to_owned(),
+        format!(r#"{{"labels": {{"k": "{}"}}}}"#, "v".repeat(257)),
+        serde_json::json!({ "labels": many }).to_string(),
+    ] {
+        let error = InitMessage::parse(&refused).unwrap_err().to_string();
+        assert!(error.contains("labels"), "{refused}: {error}");
+    }
+}

@@ -66,6 +66,9 @@ READY_ERRORS = frozenset(
 RECONNECT_FOR_S = 120.0
 CHECKPOINT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 NETWORK_MODES = ("none", "egress")
+#: Most labels a sandbox may carry (the server refuses more).
+MAX_LABELS = 32
+LABEL_KEY = re.compile(r"^[A-Za-z0-9._-]{1,63}$")
 
 #: Filesystem snapshots this process took, by name: their owner tokens, so
 #: `create(filesystem_snapshot_name=NAME)` works as with the earlier server
@@ -149,6 +152,10 @@ def _ws_url(url: str) -> str:
     return url
 
 
+def _is_label_key(key: Any) -> bool:
+    return isinstance(key, str) and LABEL_KEY.match(key) is not None
+
+
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
@@ -213,6 +220,11 @@ class Sandbox:
     # -- identity --------------------------------------------------------------
 
     @property
+    def labels(self) -> dict[str, str]:
+        """The labels this sandbox was created with here (`{}` otherwise)."""
+        return dict(self.options.get("labels", {}))
+
+    @property
     def sandbox_id(self) -> Optional[str]:
         """The sandbox's id (32 hex digits)."""
         return self._sandbox_id
@@ -258,6 +270,7 @@ class Sandbox:
         enable_workspace_sync: bool = False,
         workspace_template: Optional[str] = None,
         from_checkpoint: Optional[dict[str, str]] = None,
+        labels: Optional[dict[str, str]] = None,
         id_token: Optional[Callable[[str], str]] = None,
         timeout: Optional[float] = None,
     ) -> "Sandbox":
@@ -269,7 +282,9 @@ class Sandbox:
         /images`), `network` (`"none"` or `"egress"`), `workspace_id` +
         `workspace_token` or `enable_workspace_sync` (a `/workspace` synced to
         the store), `from_checkpoint` (a fork: `{"sandbox_id", "sandbox_token",
-        "name"?}`; see `fork()`), `filesystem_snapshot_token` (the owner token
+        "name"?}`; see `fork()`), `labels` (your own string tags, up to 32,
+        kept in the sandbox's `metadata.json` for operators and tools, and in
+        `sandbox.labels`), `filesystem_snapshot_token` (the owner token
         of `filesystem_snapshot_name`; snapshots this process took are found
         by name), `id_token` (a callable url -> Google ID token, replacing the
         ADC fetch of `use_google_auth`), `timeout` (seconds for the create).
@@ -305,6 +320,15 @@ class Sandbox:
                 from_checkpoint
             ):
                 raise ValueError("from_checkpoint must be a dict with sandbox_id and sandbox_token (and optionally name)")
+        if labels is not None and not (
+            isinstance(labels, dict)
+            and len(labels) <= MAX_LABELS
+            and all(_is_label_key(k) and isinstance(v, str) and len(v.encode()) <= 256 for k, v in labels.items())
+        ):
+            raise ValueError(
+                f"labels must be a dict of at most {MAX_LABELS} str values (up to 256 bytes) under keys of "
+                f"1-63 letters, digits, '-', '_' and '.', not {labels!r}"
+            )
         init: dict[str, Any] = {"idle_timeout": idle_timeout}
         if filesystem_snapshot_name:
             init["filesystem_snapshot_name"] = filesystem_snapshot_name
@@ -333,6 +357,8 @@ class Sandbox:
             init["workspace_template"] = workspace_template
         if from_checkpoint is not None:
             init["from_checkpoint"] = dict(from_checkpoint)
+        if labels:
+            init["labels"] = dict(labels)
         instance = cls(
             url,
             "creating",

@@ -184,6 +184,10 @@ class Sandbox:
         return self._inner.sandbox_token
 
     @property
+    def labels(self) -> dict[str, str]:
+        return self._inner.labels
+
+    @property
     def state(self) -> str:
         return self._inner.state
 
