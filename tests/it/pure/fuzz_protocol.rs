@@ -46,7 +46,7 @@ const FRAMES: [&str; 10] = [
     r#"{"action":"snapshot_filesystem","name":"snap"}"#,
     r#"{"action":"reconnect"}"#,
     r#"{"idle_timeout": 60, "enable_checkpoint": true, "enable_sandbox_handoff": true, "filesystem_snapshot_name": "x"}"#,
-    r#"{"idle_timeout": 0, "network": "egress", "image": "default", "enable_workspace_sync": true, "workspace_id": "w", "workspace_token": "0123456789abcdef", "keep_executions": true, "from_checkpoint": {"sandbox_id": "a", "sandbox_token": "b", "name": "c"}}"#,
+    r#"{"idle_timeout": 0, "network": "egress", "image": "default", "enable_workspace_sync": true, "workspace_id": "w", "workspace_token": "0123456789abcdef", "keep_executions": true, "labels": {"team": "ml"}, "from_checkpoint": {"sandbox_id": "a", "sandbox_token": "b", "name": "c"}}"#,
 ];
 
 const AGENT_LINES: [&str; 13] = [
