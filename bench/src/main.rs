@@ -5,6 +5,11 @@
 //! `warm` warm starts (the warm pool and ready templates). Each prints a
 //! table (median, p90) and JSON. They need root and runsc.
 
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a benchmark measures real time with the host's clock"
+)]
+
 mod cluster;
 mod files;
 mod flood;

@@ -122,7 +122,7 @@ pub(super) fn controller_or_error(state: &AppState) -> Result<Arc<SandboxControl
 }
 
 async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
-    let (out, mut stream) = Out::spawn(socket, state.socket);
+    let (out, mut stream) = Out::spawn(socket, state.socket, Arc::clone(&state.clock));
     let init = match next_text(&mut stream).await {
         None => return,
         Some(Err(err @ FrameError::MessageTooBig(_))) => {
@@ -153,7 +153,7 @@ async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
     };
     let id = SandboxId::random();
     let sandbox_token = token::generate();
-    let now = chrono::Utc::now();
+    let now = state.clock.now();
     let mut metadata = SandboxMetadata::new(id.clone(), now, token::digest(&sandbox_token));
     metadata.spec.idle_timeout = init.idle_timeout_s;
     metadata.spec.enable_checkpoint = init.enable_checkpoint;
@@ -493,7 +493,7 @@ async fn serve_attach(
     checkpoint: Option<String>,
 ) {
     let token = credential.token;
-    let (out, mut stream) = Out::spawn(socket, state.socket);
+    let (out, mut stream) = Out::spawn(socket, state.socket, Arc::clone(&state.clock));
     let fatal = |status: Status, message: String| {
         let out = out.clone();
         async move {
@@ -621,7 +621,8 @@ pub(super) fn adopt_resumed_execution(
 ) {
     if let Some(execution) = controller.take_resumed(id) {
         let (touched, poked, sandbox) = (Arc::clone(live), Arc::clone(controller), id.clone());
-        live.adopt_execution(ExecutionState::start(execution, move || {
+        let clock = Arc::clone(live.clock());
+        live.adopt_execution(ExecutionState::start(execution, clock, move || {
             touched.touch();
             poked.poke(&sandbox);
         }));
@@ -681,7 +682,7 @@ pub(super) async fn restore(
     // Claimed until it runs here (then its hold counts it).
     let _claim = admit(state, id).await.map_err(RestoreRefused::AtCapacity)?;
     controller
-        .request_here_from(read, checkpoint, chrono::Utc::now())
+        .request_here_from(read, checkpoint, state.clock.now())
         .await
         .map_err(RestoreRefused::Request)?;
     match await_running(out, events, handoff).await {

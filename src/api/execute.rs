@@ -174,10 +174,11 @@ pub async fn execute(
         }
     };
     let limits = state.execute;
+    let deadline = deadline(state.clock.instant(), limits);
     if json_format {
-        collect(sandbox, execution, limits).await
+        collect(sandbox, execution, limits, deadline).await
     } else {
-        stream(sandbox, execution, limits)
+        stream(sandbox, execution, limits, deadline)
     }
 }
 
@@ -227,9 +228,8 @@ async fn next_event(
     }
 }
 
-/// The time limit's end, from now.
-fn deadline(limits: ExecuteLimits) -> tokio::time::Instant {
-    let now = tokio::time::Instant::now();
+/// The time limit's end, from `now`.
+fn deadline(now: tokio::time::Instant, limits: ExecuteLimits) -> tokio::time::Instant {
     now.checked_add(limits.timeout).unwrap_or(now)
 }
 
@@ -257,13 +257,13 @@ async fn collect(
     sandbox: Disposable,
     mut execution: controllers::runtime::Execution,
     limits: ExecuteLimits,
+    deadline: tokio::time::Instant,
 ) -> Response {
     let (mut stdout, mut stderr, mut exit_code) = (Vec::new(), Vec::new(), None);
     let mut budget = Budget {
         left: limits.max_output_bytes,
         truncated: false,
     };
-    let deadline = deadline(limits);
     let mut timed_out = false;
     loop {
         let event = match next_event(&mut execution, deadline).await {
@@ -314,6 +314,7 @@ fn stream(
     sandbox: Disposable,
     mut execution: controllers::runtime::Execution,
     limits: ExecuteLimits,
+    deadline: tokio::time::Instant,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
     tokio::spawn(async move {
@@ -322,7 +323,6 @@ fn stream(
             left: limits.max_output_bytes,
             truncated: false,
         };
-        let deadline = deadline(limits);
         loop {
             let event = tokio::select! {
                 event = next_event(&mut execution, deadline) => event,

@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use controllers::api::{DesiredState, SandboxId, SandboxMetadata};
+use controllers::clock::Clock;
 use controllers::sandboxes::{ControlError, SandboxController, SandboxEvent};
 use tokio::sync::broadcast;
 use tokio::time::Instant;
@@ -123,6 +124,8 @@ struct Inner {
 #[derive(Debug)]
 pub struct LiveSandbox {
     pub id: SandboxId,
+    /// The instance's clock: the idle timer and the lifetimes run on it.
+    clock: Arc<dyn Clock>,
     inner: Mutex<Inner>,
     /// Told when the last client detaches: the watcher's deadlines change.
     detached: tokio::sync::Notify,
@@ -137,9 +140,19 @@ impl LiveSandbox {
         self.inner().options.clone()
     }
 
+    /// The instance's clock (an execution's deadlines run on it too).
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    fn now(&self) -> Instant {
+        self.clock.instant()
+    }
+
     /// Records client activity (resets the idle timer).
     pub fn touch(&self) {
-        self.inner().last_activity = Instant::now();
+        let now = self.now();
+        self.inner().last_activity = now;
     }
 
     /// The current (or last) execution.
@@ -165,7 +178,7 @@ impl LiveSandbox {
         }
         let execution = start();
         inner.execution = Some(Arc::clone(&execution));
-        inner.last_activity = Instant::now();
+        inner.last_activity = self.now();
         Some(execution)
     }
 
@@ -173,7 +186,7 @@ impl LiveSandbox {
     pub fn adopt_execution(&self, execution: Arc<ExecutionState>) {
         let mut inner = self.inner();
         inner.execution = Some(execution);
-        inner.last_activity = Instant::now();
+        inner.last_activity = self.now();
     }
 
     /// True while a socket is attached.
@@ -200,11 +213,12 @@ impl LiveSandbox {
 }
 
 /// Every sandbox served here, by id.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LiveSandboxes {
     sandboxes: Mutex<HashMap<SandboxId, Arc<LiveSandbox>>>,
     next_attachment: AtomicU64,
     lifetimes: Lifetimes,
+    clock: Arc<dyn Clock>,
 }
 
 /// Why an attach was refused.
@@ -218,11 +232,14 @@ impl LiveSandboxes {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A registry whose sandboxes live at most `lifetimes`.
-    pub fn with_lifetimes(lifetimes: Lifetimes) -> Self {
+    /// A registry whose sandboxes live at most `lifetimes`, timed by
+    /// `clock`.
+    pub fn new(lifetimes: Lifetimes, clock: Arc<dyn Clock>) -> Self {
         Self {
+            sandboxes: Mutex::default(),
+            next_attachment: AtomicU64::new(0),
             lifetimes,
-            ..Self::default()
+            clock,
         }
     }
 
@@ -235,17 +252,19 @@ impl LiveSandboxes {
     pub fn attach(&self, id: &SandboxId) -> Result<(Arc<LiveSandbox>, u64), InUse> {
         let attachment = self.next_attachment.fetch_add(1, Ordering::Relaxed) + 1;
         let mut map = self.map();
+        let now = self.clock.instant();
         let live = map.entry(id.clone()).or_insert_with(|| {
             Arc::new(LiveSandbox {
                 id: id.clone(),
+                clock: Arc::clone(&self.clock),
                 detached: tokio::sync::Notify::new(),
                 inner: Mutex::new(Inner {
                     attached: None,
                     execution: None,
-                    last_activity: Instant::now(),
+                    last_activity: now,
                     options: SandboxOptions::default(),
                     started: false,
-                    hold_began: Instant::now(),
+                    hold_began: now,
                     detached_since: None,
                 }),
             })
@@ -255,7 +274,7 @@ impl LiveSandboxes {
             return Err(InUse);
         }
         inner.attached = Some(attachment);
-        inner.last_activity = Instant::now();
+        inner.last_activity = now;
         inner.detached_since = None;
         drop(inner);
         Ok((Arc::clone(live), attachment))
@@ -266,10 +285,11 @@ impl LiveSandboxes {
     pub fn detach(&self, live: &LiveSandbox, attachment: u64) {
         let mut map = self.map();
         let mut inner = live.inner();
+        let now = self.clock.instant();
         if inner.attached == Some(attachment) {
             inner.attached = None;
-            inner.last_activity = Instant::now();
-            inner.detached_since = Some(Instant::now());
+            inner.last_activity = now;
+            inner.detached_since = Some(now);
             live.detached.notify_one();
         }
         if !inner.started && inner.attached.is_none() {
@@ -297,10 +317,11 @@ impl LiveSandboxes {
                 inner.options = options;
                 return;
             }
+            let now = live.now();
             inner.started = true;
             inner.options = options;
-            inner.last_activity = Instant::now();
-            inner.hold_began = Instant::now();
+            inner.last_activity = now;
+            inner.hold_began = now;
         }
         // Subscribe before anything can happen to the sandbox: a `Deleted`
         // sent before the watcher's first poll would otherwise be missed and
@@ -364,7 +385,7 @@ impl LiveSandboxes {
                         expired = false;
                         // Or the event came just before the hold was
                         // forgotten (a loss is told first): look again.
-                        recheck = Instant::now().checked_add(Duration::from_secs(1));
+                        recheck = live.now().checked_add(Duration::from_secs(1));
                     }
                     Ok(_) => {}
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
@@ -394,8 +415,9 @@ impl LiveSandboxes {
                         continue;
                     }
                     let (idle_for, running, options) = {
+                        let now = live.now();
                         let inner = live.inner();
-                        (inner.last_activity.elapsed(), inner.execution.as_ref().is_some_and(|e| e.is_running()), inner.options.clone())
+                        (now.saturating_duration_since(inner.last_activity), inner.execution.as_ref().is_some_and(|e| e.is_running()), inner.options.clone())
                     };
                     let Some(timeout) = options.idle_timeout else { continue };
                     if running {
@@ -430,10 +452,13 @@ impl LiveSandboxes {
     async fn past_limits(&self, live: &LiveSandbox) -> Option<DesiredState> {
         let lifetimes = self.lifetimes;
         let (held_for, detached_for, execution, options) = {
+            let now = live.now();
             let inner = live.inner();
             (
-                inner.hold_began.elapsed(),
-                inner.detached_since.map(|since| since.elapsed()),
+                now.saturating_duration_since(inner.hold_began),
+                inner
+                    .detached_since
+                    .map(|since| now.saturating_duration_since(since)),
                 inner.execution.clone().filter(|e| e.is_running()),
                 inner.options.clone(),
             )
@@ -466,7 +491,7 @@ impl LiveSandboxes {
             // moment to end the execution).
             let mut inner = live.inner();
             if inner.detached_since.is_some() {
-                inner.detached_since = Some(Instant::now());
+                inner.detached_since = Some(live.now());
             }
         }
         None
@@ -552,7 +577,10 @@ mod tests {
     /// sandbox (the watcher used to subscribe inside its task and miss it).
     #[tokio::test(flavor = "current_thread")]
     async fn the_idle_watcher_sees_a_deleted_sent_before_it_first_runs() {
-        let registry = Arc::new(LiveSandboxes::default());
+        let registry = Arc::new(LiveSandboxes::new(
+            Lifetimes::default(),
+            Arc::new(controllers::clock::SystemClock),
+        ));
         let id = SandboxId::random();
         let (live, attachment) = registry.attach(&id).unwrap();
         let controller = Arc::new(Events::new());
@@ -575,7 +603,10 @@ mod tests {
     /// the watcher still ends on `Deleted`.
     #[tokio::test(flavor = "current_thread")]
     async fn an_idle_timeout_too_large_for_the_clock_does_not_kill_the_watcher() {
-        let registry = Arc::new(LiveSandboxes::default());
+        let registry = Arc::new(LiveSandboxes::new(
+            Lifetimes::default(),
+            Arc::new(controllers::clock::SystemClock),
+        ));
         let id = SandboxId::random();
         let (live, attachment) = registry.attach(&id).unwrap();
         let controller = Arc::new(Events::new());
@@ -611,7 +642,10 @@ mod tests {
     /// the first. It now watches the new hold, and the entry stays.
     #[tokio::test(flavor = "current_thread")]
     async fn a_hold_that_ends_while_an_attach_restores_onto_the_entry_is_watched_on() {
-        let registry = Arc::new(LiveSandboxes::default());
+        let registry = Arc::new(LiveSandboxes::new(
+            Lifetimes::default(),
+            Arc::new(controllers::clock::SystemClock),
+        ));
         let id = SandboxId::random();
         let controller = Arc::new(Events::new());
         let (live, first) = registry.attach(&id).unwrap();

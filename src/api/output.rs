@@ -19,6 +19,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use controllers::clock::Clock;
 use controllers::runtime::{ExecControl, ExecEvent, Execution};
 use tokio::sync::{Notify, mpsc};
 
@@ -51,6 +52,8 @@ pub struct ExecutionState {
     log: Mutex<Log>,
     changed: Notify,
     control: Box<dyn ExecControl>,
+    /// The instance's clock (the wait for a kill's report runs on it).
+    clock: Arc<dyn Clock>,
 }
 
 fn frame_bytes(frame: &ServerFrame) -> usize {
@@ -63,11 +66,16 @@ fn frame_bytes(frame: &ServerFrame) -> usize {
 
 impl ExecutionState {
     /// Starts pumping `execution`'s events; `on_exit` runs once it has ended.
-    pub fn start(execution: Execution, on_exit: impl FnOnce() + Send + 'static) -> Arc<Self> {
+    pub fn start(
+        execution: Execution,
+        clock: Arc<dyn Clock>,
+        on_exit: impl FnOnce() + Send + 'static,
+    ) -> Arc<Self> {
         let state = Arc::new(Self {
             log: Mutex::new(Log::default()),
             changed: Notify::new(),
             control: execution.control,
+            clock,
         });
         tokio::spawn(Arc::clone(&state).pump(execution.events, on_exit));
         state
@@ -187,10 +195,10 @@ impl ExecutionState {
             return;
         }
         // A kill in progress reports FORCE_KILLED first.
-        let deadline = tokio::time::Instant::now() + KILL_REPORT_WAIT;
+        let deadline = self.clock.instant() + KILL_REPORT_WAIT;
         loop {
             let changed = self.changed.notified();
-            if !self.log().killing || tokio::time::Instant::now() >= deadline {
+            if !self.log().killing || self.clock.instant() >= deadline {
                 break;
             }
             let _ = tokio::time::timeout_at(deadline, changed).await;
@@ -373,6 +381,7 @@ mod tests {
                 events,
                 control: Box::new(Killable(sender.clone())),
             },
+            Arc::new(controllers::clock::SystemClock),
             || {},
         );
         (sender, state)
@@ -467,6 +476,7 @@ mod tests {
                 events,
                 control: Box::new(Shared(Arc::clone(&recorder))),
             },
+            Arc::new(controllers::clock::SystemClock),
             || {},
         );
         // Event 2 is half a character: its frame comes with event 3.
@@ -506,6 +516,7 @@ mod tests {
                 events,
                 control: Box::new(Shared(Arc::clone(&recorder))),
             },
+            Arc::new(controllers::clock::SystemClock),
             || {},
         );
         let chunk = Bytes::from(vec![b'x'; 1 << 20]);

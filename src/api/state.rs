@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use controllers::api::InstanceId;
+use controllers::clock::Clock;
 use controllers::runtime::SandboxRuntime;
 use controllers::sandboxes::SandboxController;
 use controllers::store::{OperationCounts, Store};
@@ -51,6 +52,10 @@ pub struct AppState {
     /// opens `/list`, `/metrics`, `/images` and `/readyz`'s detail to a
     /// client that is not on this machine; `None`: only local clients.
     pub operator_token_sha256: Option<String>,
+    /// The instance's time, the controller's clock: every reading of wall
+    /// or monotonic time in the API goes through it (clippy's
+    /// `disallowed-methods` refuses the host's clocks here).
+    pub clock: Arc<dyn Clock>,
 }
 
 /// The header that carries the operator credential.

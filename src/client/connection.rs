@@ -364,6 +364,10 @@ fn finish(shared: &Shared, why: String) {
 }
 
 /// Re-attaches with back-off until `SANDBOX_RUNNING`, then asks for the replay.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the client library runs in the client's process, outside any instance: its reconnect window is the host's time"
+)]
 async fn reconnect(
     shared: &Shared,
     outgoing: &mut mpsc::UnboundedReceiver<String>,

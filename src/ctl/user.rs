@@ -17,6 +17,10 @@ fn progress() -> Progress {
     if !std::io::stderr().is_terminal() {
         return Progress::default();
     }
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "sandboxctl's progress line shows the seconds the user waited, on the host's clock"
+    )]
     let started = std::time::Instant::now();
     Progress::new(move |status| {
         let label = status

@@ -195,6 +195,10 @@ impl QuotaWatch {
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
         let task = tokio::task::spawn_blocking(move || {
+            #[allow(
+                clippy::disallowed_methods,
+                reason = "a blocking thread polls the host's cgroup for a bounded time; no simulation runs runsc"
+            )]
             let started = Instant::now();
             // Each once runsc has set it (the cgroup first appears without).
             let mut lifted = LiftedQuota::default();

@@ -139,6 +139,10 @@ impl DeliveryGate {
     /// a client got.
     pub async fn freeze(&self) -> u64 {
         self.state().frozen = true;
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "waits on runsc and the store on this host for a bounded time (tokio's clock, which a paused runtime moves); no simulation runs the gVisor runtime"
+        )]
         let deadline = tokio::time::Instant::now() + IN_FLIGHT_WAIT;
         loop {
             let idle = self.idle.notified();

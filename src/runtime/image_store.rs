@@ -85,6 +85,10 @@ pub async fn push(
         .map_err(|err| transfer(format!("{}: {err}", scratch.display())))?;
     let file = scratch.join(format!("push-{}.tar", uuid::Uuid::new_v4().simple()));
     let result = async {
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "times work on the host (runsc, processes, files) for a log line; not the instance's clock"
+        )]
         let started = std::time::Instant::now();
         run(Command::new("tar")
             .args(["--sort=name", "--numeric-owner", "--format=gnu", "-C"])
@@ -150,6 +154,10 @@ pub async fn fetch(
     tokio::fs::create_dir_all(scratch)
         .await
         .map_err(|err| transfer(format!("{}: {err}", scratch.display())))?;
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "times work on the host (runsc, processes, files) for a log line; not the instance's clock"
+    )]
     let started = std::time::Instant::now();
     tracing::info!(
         digest,

@@ -153,6 +153,10 @@ async fn build_in(
     tokio::fs::create_dir_all(&rootfs)
         .await
         .map_err(|err| io("creating the build directory", err))?;
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "times work on the host (runsc, processes, files) for a log line; not the instance's clock"
+    )]
     let started = std::time::Instant::now();
     let mut copy_source = base.rootfs.clone().into_os_string();
     copy_source.push("/.");
@@ -168,12 +172,17 @@ async fn build_in(
         .arg(&rootfs))
     .await?;
     let digest = format!("sha256-{}", tree_digest(&rootfs).await?);
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "a template's build date in its image.json, a file on the host; not the instance's clock"
+    )]
+    let created_at = chrono::Utc::now().to_rfc3339();
     let recipe = serde_json::json!({
         "built_as": name,
         "digest": digest,
         "packages": base_packages(&base.rootfs),
         "base": base.digest,
-        "created_at": chrono::Utc::now().to_rfc3339(),
+        "created_at": created_at,
     });
     tokio::fs::write(
         work.join("image.json"),

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use controllers::api::InstanceId;
+use controllers::clock::{Clock, SystemClock};
 use controllers::runtime::SandboxRuntime;
 use controllers::store::OperationCounts;
 
@@ -31,6 +32,9 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
         Some(id) => InstanceId::parse(id)?,
         None => InstanceId::parse(&format!("sandboxd-{}", uuid::Uuid::new_v4().simple()))?,
     };
+    // The instance's one clock: the controllers', the API's and the
+    // workspace sync's.
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let layout = args.storage.layout();
     // Every storage operation is counted (`/metrics`), the runtime's uploads too.
     let store_operations = Arc::new(OperationCounts::default());
@@ -94,6 +98,7 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
                 args.workspace.limits(),
                 args.runtime.runtime_dir.clone(),
                 Arc::default(),
+                Arc::clone(&clock),
             );
             Some(Arc::new(WorkspaceHooks::new(Arc::new(sync), templates)))
         }
@@ -104,6 +109,7 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
         .clone()
         .map(|runtime| runtime as Arc<dyn SandboxRuntime>);
     let mut parts = Parts::new(instance, metadata_store, runtime);
+    parts.clock = clock;
     parts.checkpoint_store = checkpoint_store;
     parts.snapshot_store = Some(Arc::clone(&snapshot_store));
     parts.checkpoint_bucket = checkpoint_bucket;

@@ -29,6 +29,7 @@ use axum::extract::connect_info::Connected;
 use axum::middleware::Next;
 use axum::response::Response;
 use axum::serve::IncomingStream;
+use controllers::clock::Clock;
 use futures::task::AtomicWaker;
 
 use crate::api::caller::ClientAddr;
@@ -67,6 +68,8 @@ const NEVER: u64 = u64::MAX;
 /// What a connection's request handling and its socket share.
 #[derive(Debug)]
 struct Activity {
+    /// The server's clock (its deadlines are read on it).
+    clock: Arc<dyn Clock>,
     epoch: Instant,
     /// Requests being handled now.
     in_flight: AtomicUsize,
@@ -83,8 +86,9 @@ struct Activity {
 }
 
 impl Activity {
-    fn new(epoch: Instant) -> Self {
+    fn new(clock: Arc<dyn Clock>, epoch: Instant) -> Self {
         let activity = Self {
+            clock,
             epoch,
             in_flight: AtomicUsize::new(0),
             upgraded: AtomicBool::new(false),
@@ -98,7 +102,8 @@ impl Activity {
     }
 
     fn now(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(NEVER - 1)
+        let elapsed = self.clock.instant().saturating_duration_since(self.epoch);
+        u64::try_from(elapsed.as_millis()).unwrap_or(NEVER - 1)
     }
 
     fn active(&self) {
@@ -141,23 +146,32 @@ pub struct Connections {
     permits: Arc<Semaphore>,
     limit: u32,
     deadlines: ConnectionDeadlines,
+    clock: Arc<dyn Clock>,
     epoch: Instant,
     /// Every open connection's activity, to find the one to shed.
     open: Arc<Mutex<Vec<Weak<Activity>>>>,
 }
 
 impl Connections {
-    pub fn new(limit: u32) -> Self {
-        Self::with_deadlines(limit, ConnectionDeadlines::default())
+    /// At most `limit` connections, with the default deadlines, timed by
+    /// `clock`.
+    pub fn new(limit: u32, clock: Arc<dyn Clock>) -> Self {
+        Self::with_deadlines(limit, ConnectionDeadlines::default(), clock)
     }
 
-    pub fn with_deadlines(limit: u32, deadlines: ConnectionDeadlines) -> Self {
+    /// At most `limit` connections, each within `deadlines` on `clock`.
+    pub fn with_deadlines(
+        limit: u32,
+        deadlines: ConnectionDeadlines,
+        clock: Arc<dyn Clock>,
+    ) -> Self {
         let limit = limit.max(1);
         Self {
             permits: Arc::new(Semaphore::new(limit as usize)),
             limit,
             deadlines,
-            epoch: Instant::now(),
+            epoch: clock.instant(),
+            clock,
             open: Arc::default(),
         }
     }
@@ -258,7 +272,10 @@ impl axum::serve::Listener for Tracked {
             if let Err(err) = stream.set_nodelay(true) {
                 tracing::warn!(%err, "cannot set TCP_NODELAY on an accepted socket");
             }
-            let activity = Arc::new(Activity::new(self.connections.epoch));
+            let activity = Arc::new(Activity::new(
+                Arc::clone(&self.connections.clock),
+                self.connections.epoch,
+            ));
             if let Ok(mut open) = self.connections.open.lock() {
                 // Closed connections' entries go once they outnumber the limit.
                 if open.len() >= 2 * self.connections.limit as usize {
@@ -373,7 +390,7 @@ impl AsyncRead for Connection {
                 let Some((deadline, what)) = self.activity.deadline(self.deadlines) else {
                     return Poll::Pending;
                 };
-                if Instant::now() >= deadline {
+                if self.activity.clock.instant() >= deadline {
                     return Poll::Ready(Err(self.expired(what)));
                 }
                 self.timer.as_mut().reset(deadline);
@@ -431,7 +448,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_socket_holds_its_permit_until_dropped_and_the_limit_makes_accept_wait() {
-        let connections = Connections::new(1);
+        let connections = Connections::new(1, Arc::new(controllers::clock::SystemClock));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let mut tracked = connections.listen(listener);

@@ -62,7 +62,8 @@ pub struct Parts {
     pub images: Option<ImageCatalog>,
     pub lease: LeaseConfig,
     pub reconciler: ReconcilerConfig,
-    /// The controllers' time (leases, intervals); the system clock in
+    /// The instance's time: the controllers' (leases, intervals) and the
+    /// API's (idle timers, deadlines, timestamps); the system clock in
     /// production, a manual one in simulations.
     pub clock: Arc<dyn Clock>,
     /// What clients may ask for (checked on each init message).
@@ -182,8 +183,9 @@ impl Server {
         if let Some(runtime) = &parts.warm_pool {
             crate::metrics::register_warm_pool(&mut metrics, runtime);
         }
-        let live = Arc::new(crate::api::live::LiveSandboxes::with_lifetimes(
+        let live = Arc::new(crate::api::live::LiveSandboxes::new(
             parts.lifetimes,
+            Arc::clone(&parts.clock),
         ));
         let admission = match (parts.admission, &controller) {
             (Some(settings), Some(controller)) => {
@@ -195,8 +197,12 @@ impl Server {
                     .warm_pool
                     .clone()
                     .map(|runtime| runtime as Arc<dyn crate::api::admission::WarmPoolControl>);
-                let admission =
-                    crate::api::admission::Admission::new(settings, Arc::new(residents), pool);
+                let admission = crate::api::admission::Admission::new(
+                    settings,
+                    Arc::new(residents),
+                    pool,
+                    Arc::clone(&parts.clock),
+                );
                 admission.spawn_pool_governor();
                 crate::metrics::register_admission(&mut metrics, &admission);
                 Some(admission)
@@ -226,6 +232,7 @@ impl Server {
                 .operator_token
                 .as_deref()
                 .map(crate::api::token::digest),
+            clock: Arc::clone(&parts.clock),
         };
         Self {
             state,
@@ -234,6 +241,7 @@ impl Server {
             connections: Connections::with_deadlines(
                 parts.max_connections,
                 parts.connection_deadlines,
+                Arc::clone(&parts.clock),
             ),
             shutdown_grace: parts.shutdown_grace,
         }
@@ -274,7 +282,8 @@ impl Server {
     /// Checkpoints what is held here, waits for the connections, stops the
     /// workers.
     async fn shut_down(mut self) {
-        let deadline = tokio::time::Instant::now() + self.shutdown_grace;
+        let clock = Arc::clone(&self.state.clock);
+        let deadline = clock.instant() + self.shutdown_grace;
         if let Some(controller) = &self.state.controller {
             let held = controller.held_sandboxes().len();
             tracing::info!(
@@ -292,7 +301,7 @@ impl Server {
         }
         // The sessions end with their sandboxes; what is left of the grace
         // (a moment at least) lets them send their last frames.
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let left = deadline.saturating_duration_since(clock.instant());
         let open = self
             .connections
             .closed(left.max(Duration::from_millis(200)))

@@ -114,6 +114,10 @@ impl LocalStore {
         let Ok(entries) = fs::read_dir(self.temp_dir()) else {
             return;
         };
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "compared with files' modification times on this host"
+        )]
         let now = SystemTime::now();
         for entry in entries.flatten() {
             let stale = entry
@@ -481,6 +485,10 @@ fn generation_of(metadata: &fs::Metadata) -> io::Result<Generation> {
 
 /// The next generation: the current time, but always above the previous one.
 fn next_generation(previous: Option<Generation>) -> Generation {
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the local store's generations are host time, like GCS's (and its files' mtimes)"
+    )]
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .ok()

@@ -43,6 +43,10 @@ pub struct MutationPacer {
 impl MutationPacer {
     /// `key` was changed just now.
     pub fn changed(&self, key: &str) {
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "paces writes to a real bucket, whose per-object rate limit runs on real time"
+        )]
         let now = Instant::now();
         let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
         if last.len() >= MAX_REMEMBERED && !last.contains_key(key) {
@@ -68,6 +72,10 @@ impl MutationPacer {
         jitter: Duration,
         landed_at: Option<SystemTime>,
     ) -> Duration {
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "paces writes to a real bucket, whose per-object rate limit runs on real time"
+        )]
         let now = Instant::now();
         let since = self
             .last
@@ -84,6 +92,10 @@ impl MutationPacer {
         // second is up, a token is there (none was taken since, or the
         // precondition fails anyway). Long past, it says nothing.
         let settled = landed_at.and_then(|at| {
+            #[allow(
+                clippy::disallowed_methods,
+                reason = "compared with the time GCS wrote an object (its generation): the host's wall clock, as GCS's"
+            )]
             let ago = SystemTime::now()
                 .duration_since(at)
                 .unwrap_or(Duration::ZERO);
@@ -109,6 +121,10 @@ fn rest_of_second(since: Duration, jitter: Duration) -> Option<Duration> {
 pub fn generation_time(generation: i64) -> Option<SystemTime> {
     let micros = u64::try_from(generation).ok()?;
     let at = UNIX_EPOCH.checked_add(Duration::from_micros(micros))?;
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "compared with the time GCS wrote an object (its generation): the host's wall clock, as GCS's"
+    )]
     let now = SystemTime::now();
     let off = match now.duration_since(at) {
         Ok(ago) => ago,

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use controllers::api::SandboxId;
+use controllers::clock::Clock;
 use controllers::layout::{workspace_blob_key, workspace_owner_key, workspace_state_key};
 use controllers::store::{BlobSource, Generation, PutMode, Store, StoreError};
 
@@ -108,6 +109,8 @@ pub struct WorkspaceSync {
     /// Host directory for contents in transit.
     spool_dir: PathBuf,
     metrics: Arc<WorkspaceMetrics>,
+    /// The instance's clock: the timestamps of states and owners.
+    clock: Arc<dyn Clock>,
 }
 
 /// Attempts at committing a state against concurrent writers.
@@ -120,6 +123,7 @@ impl WorkspaceSync {
         limits: SyncLimits,
         spool_dir: PathBuf,
         metrics: Arc<WorkspaceMetrics>,
+        clock: Arc<dyn Clock>,
     ) -> Self {
         sweep_spool(&spool_dir);
         Self {
@@ -128,11 +132,17 @@ impl WorkspaceSync {
             limits,
             spool_dir,
             metrics,
+            clock,
         }
     }
 
     pub fn metrics(&self) -> &Arc<WorkspaceMetrics> {
         &self.metrics
+    }
+
+    /// Now, in seconds since the epoch (a state's `last_synced_at`).
+    fn now(&self) -> i64 {
+        self.clock.now().timestamp()
     }
 
     fn scan_request(&self) -> ScanRequest {
@@ -175,7 +185,7 @@ impl WorkspaceSync {
                 Err(StoreError::NotFound { .. }) => {
                     let owner = serde_json::json!({
                         "token_sha256": crate::api::token::digest(token),
-                        "created_at": chrono::Utc::now(),
+                        "created_at": self.clock.now(),
                     });
                     match self
                         .store
@@ -226,7 +236,7 @@ impl WorkspaceSync {
             tracing::warn!(%sandbox, path = %refused.path, reason = %refused.reason, "workspace file not synced");
         }
         WorkspaceMetrics::add(&self.metrics.files_refused, scan.refused.len() as u64);
-        Ok((StateFile::new(now(), scan.files.clone()), scan))
+        Ok((StateFile::new(self.now(), scan.files.clone()), scan))
     }
 
     /// Brings the store's files into the sandbox (cold start).
@@ -431,7 +441,7 @@ impl WorkspaceSync {
                 // path still names the old content: plan again.
                 continue;
             }
-            let next = StateFile::new(now(), next_files);
+            let next = StateFile::new(self.now(), next_files);
             let mode = match remote.generation {
                 Some(generation) => PutMode::Update(generation),
                 None => PutMode::Create,
@@ -574,8 +584,4 @@ impl WorkspaceSync {
             self.repair(workspace, after, &lost).await;
         }
     }
-}
-
-fn now() -> i64 {
-    chrono::Utc::now().timestamp()
 }

@@ -8,6 +8,11 @@
 //! GCS crate drops the port from the `Host` header and resumable uploads
 //! against another port hang. Binding port 80 needs root.
 
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test fixtures (the storage latency model, process start-up waits) run on the host's clock"
+)]
+
 mod emulator;
 mod server;
 pub mod storage;

@@ -16,6 +16,10 @@
     clippy::expect_used,
     reason = "tests fail by panicking"
 )]
+#![allow(
+    clippy::disallowed_methods,
+    reason = "the tests measure real waits and stamp their fixtures with the host's clock; the server they test reads its injected one"
+)]
 
 mod cluster;
 mod gvisor;

@@ -34,6 +34,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use controllers::api::SandboxId;
+use controllers::clock::Clock;
 
 pub use ledger::{Candidate, Ledger, Plan, PoolUsage, Usage};
 pub use residents::LocalResidents;
@@ -138,6 +139,8 @@ pub struct Admission {
     evictions: AtomicU64,
     /// What one warm sandbox used when last measured (sizes an empty pool).
     warm_measured: AtomicU64,
+    /// The instance's clock (an admission's wait runs on it).
+    clock: Arc<dyn Clock>,
 }
 
 #[derive(Debug, Default)]
@@ -184,6 +187,7 @@ impl Admission {
         settings: AdmissionSettings,
         residents: Arc<dyn Residents>,
         pool: Option<Arc<dyn WarmPoolControl>>,
+        clock: Arc<dyn Clock>,
     ) -> Arc<Self> {
         Arc::new(Self {
             ledger: Ledger {
@@ -198,6 +202,7 @@ impl Admission {
             refusals: AtomicU64::new(0),
             evictions: AtomicU64::new(0),
             warm_measured: AtomicU64::new(0),
+            clock,
         })
     }
 
@@ -209,7 +214,7 @@ impl Admission {
     /// the warm pool first, then idle sandboxes; refuses when no room can
     /// be made within the configured wait.
     pub async fn admit(self: &Arc<Self>, sandbox: &SandboxId) -> Result<Claim, AtCapacity> {
-        let started = tokio::time::Instant::now();
+        let started = self.clock.instant();
         let deadline = started + self.wait;
         let mut tried = HashSet::new();
         loop {
@@ -217,7 +222,9 @@ impl Admission {
                 Step::Admitted(claim) => return Ok(claim),
                 // Sandboxes may be leaving on their own (a kill, an idle
                 // timeout, a handoff): look again for a moment first.
-                Step::Refused(_) if started.elapsed() < LEAVING_GRACE.min(self.wait) => {}
+                Step::Refused(_)
+                    if self.clock.instant().saturating_duration_since(started)
+                        < LEAVING_GRACE.min(self.wait) => {}
                 Step::Refused(refusal) => {
                     self.refusals.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(%sandbox, %refusal, "admission refused");
@@ -231,7 +238,7 @@ impl Admission {
                 }
                 Step::Wait => {}
             }
-            if tokio::time::Instant::now() >= deadline {
+            if self.clock.instant() >= deadline {
                 let refusal = self.refusal(NOT_IN_TIME);
                 self.refusals.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(%sandbox, %refusal, "admission refused");

@@ -114,6 +114,7 @@ fn admission(
         },
         Arc::new(Arc::clone(residents)),
         pool.map(|pool| pool as Arc<dyn WarmPoolControl>),
+        Arc::new(controllers::clock::SystemClock),
     )
 }
 

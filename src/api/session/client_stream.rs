@@ -150,7 +150,10 @@ mod tests {
             axum::routing::get(move |upgrade: WebSocketUpgrade| async move {
                 upgrade.on_upgrade(move |socket| async move {
                     let (_sink, stream) = socket.split();
-                    let mut stream = ClientStream::new(stream, Heard::new());
+                    let mut stream = ClientStream::new(
+                        stream,
+                        Heard::new(Arc::new(controllers::clock::SystemClock)),
+                    );
                     stream.while_waiting(release.notified()).await;
                     let kept = (stream.early.len(), stream.early_bytes);
                     let mut frames = Vec::new();

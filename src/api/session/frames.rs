@@ -126,8 +126,9 @@ impl Session {
         let live = Arc::clone(&self.live);
         let controller = Arc::clone(&self.controller);
         let id = self.id.clone();
+        let clock = Arc::clone(self.live.clock());
         let started = self.live.begin_execution(move || {
-            ExecutionState::start(execution, move || {
+            ExecutionState::start(execution, clock, move || {
                 live.touch();
                 // A checkpoint may be waiting for this execution to end.
                 controller.poke(&id);

@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket};
 use bytes::Bytes;
+use controllers::clock::Clock;
 use futures::{SinkExt, StreamExt};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::time::Instant;
@@ -81,6 +82,8 @@ impl Default for SocketSettings {
 /// queue is full) is never closed for it.
 #[derive(Debug)]
 pub struct Heard {
+    /// The instance's clock, which the silences are measured on.
+    clock: Arc<dyn Clock>,
     since: Instant,
     /// Milliseconds after `since` of the last frame read.
     heard: AtomicU64,
@@ -93,9 +96,10 @@ pub struct Heard {
 }
 
 impl Heard {
-    pub(super) fn new() -> Arc<Self> {
+    pub(super) fn new(clock: Arc<dyn Clock>) -> Arc<Self> {
         Arc::new(Self {
-            since: Instant::now(),
+            since: clock.instant(),
+            clock,
             heard: AtomicU64::new(0),
             reading: AtomicU64::new(u64::MAX),
             stopped: AtomicBool::new(false),
@@ -123,7 +127,8 @@ impl Heard {
     }
 
     fn elapsed_ms(&self) -> u64 {
-        u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
+        let elapsed = self.clock.instant().saturating_duration_since(self.since);
+        u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX - 1)
     }
 
     /// The client sent something now.
@@ -200,8 +205,13 @@ enum Stop {
 }
 
 impl Out {
-    /// Spawns the writer task for `socket`'s sending half.
-    pub fn spawn(socket: WebSocket, settings: SocketSettings) -> (Self, ClientStream) {
+    /// Spawns the writer task for `socket`'s sending half; its silences and
+    /// pings are timed by `clock`.
+    pub fn spawn(
+        socket: WebSocket,
+        settings: SocketSettings,
+        clock: Arc<dyn Clock>,
+    ) -> (Self, ClientStream) {
         let (mut sink, stream) = socket.split();
         let (sender, mut receiver) = mpsc::channel::<Outgoing>(QUEUED_REPLIES);
         let closed = Arc::new(Notify::new());
@@ -213,7 +223,7 @@ impl Out {
             budget: Arc::new(Semaphore::new(budget_bytes)),
             budget_bytes,
         };
-        let heard = Heard::new();
+        let heard = Heard::new(clock);
         let stream = ClientStream::new(stream, Arc::clone(&heard));
         let closing = Arc::clone(&out.closing);
         tokio::spawn(async move {
@@ -354,7 +364,7 @@ async fn write(
     settings: SocketSettings,
 ) -> Stop {
     let mut ping = tokio::time::interval_at(
-        Instant::now() + settings.ping_interval,
+        heard.clock.instant() + settings.ping_interval,
         settings.ping_interval.max(Duration::from_millis(10)),
     );
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -137,6 +137,10 @@ impl ProgressStream {
             self.pending.push_str("[stderr] ");
         }
         self.pending.push_str(text);
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "sandboxctl's MCP server batches progress on the operator's machine, outside any instance"
+        )]
         self.since.get_or_insert_with(Instant::now);
         if self.pending.len() >= PROGRESS_BATCH {
             self.flush().await;

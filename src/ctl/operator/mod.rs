@@ -143,7 +143,12 @@ async fn ring_holder(store: &dyn Store, sandbox: &SandboxId, holder: Option<Inst
     let Some(holder) = holder else {
         return "; nobody holds it".to_owned();
     };
-    match ring_doorbell(store, Utc::now(), &holder, sandbox, "sandboxctl").await {
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "sandboxctl runs on the operator's machine, outside any instance: its time is the host's"
+    )]
+    let now = Utc::now();
+    match ring_doorbell(store, now, &holder, sandbox, "sandboxctl").await {
         Ok(()) => format!("; rang {holder}, which acts within its doorbell interval"),
         Err(err) => format!("; could not ring {holder} ({err}): it acts within its resync"),
     }

@@ -287,6 +287,10 @@ impl GvisorRuntime {
             dir,
             agent,
             image,
+            #[allow(
+                clippy::disallowed_methods,
+                reason = "the age of a booted runsc container on this host (logged; a prepared one expires); no simulation runs runsc"
+            )]
             booted_at: Instant::now(),
             weight,
         })
@@ -329,6 +333,10 @@ impl GvisorRuntime {
             dir,
             agent,
             image,
+            #[allow(
+                clippy::disallowed_methods,
+                reason = "the age of a booted runsc container on this host (logged; a prepared one expires); no simulation runs runsc"
+            )]
             booted_at: Instant::now(),
             weight: None,
         };
@@ -422,6 +430,10 @@ async fn refill(pool: Arc<WarmPool>, runtime: Weak<GvisorRuntime>) {
         let Some(runtime) = runtime.upgrade() else {
             return;
         };
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "times work on the host (runsc, processes, files) for a log line; not the instance's clock"
+        )]
         let started = Instant::now();
         match runtime.boot_warm().await {
             Ok(warm) => {

@@ -351,6 +351,10 @@ impl SandboxRuntime for GvisorRuntime {
                 api_version: API_VERSION.to_owned(),
                 name: name.to_owned(),
                 source_sandbox: sandbox.clone(),
+                #[allow(
+                    clippy::disallowed_methods,
+                    reason = "the date runsc made this on the host, recorded in its manifest; no simulation runs the gVisor runtime (its fake stamps its own)"
+                )]
                 created_at: Utc::now(),
                 archive: BlobDigest {
                     key: archive_key.to_string(),

@@ -302,11 +302,19 @@ async fn fetch(
     state: &watch::Sender<State>,
     abandoned: &AtomicBool,
 ) -> Option<Arc<Downloaded>> {
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "waits on runsc and the store on this host for a bounded time (tokio's clock, which a paused runtime moves); no simulation runs the gVisor runtime"
+    )]
     let deadline = tokio::time::Instant::now() + WATCH_FOR;
     // Each look is the download itself: found, it streams at once. Looks
     // start every POLL (not POLL after the last answer): the image lands
     // at a random moment, and the wait for the next look is the restore's.
     let reader = loop {
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "waits on runsc and the store on this host for a bounded time (tokio's clock, which a paused runtime moves); no simulation runs the gVisor runtime"
+        )]
         let look = tokio::time::Instant::now();
         if abandoned.load(Ordering::Acquire) || look >= deadline {
             return None;

@@ -100,6 +100,10 @@ impl GvisorRuntime {
         image: &Image,
         command: &ReadyCommand,
     ) -> Result<ReadyImage, RuntimeError> {
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "times work on the host (runsc, processes, files) for a log line; not the instance's clock"
+        )]
         let started = Instant::now();
         let label = format!("(template {})", image.name);
         let (container_id, dir) = self.new_container(None, image)?;

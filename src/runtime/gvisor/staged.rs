@@ -173,6 +173,10 @@ impl StagedRestores {
                     sandbox.clone(),
                     Entry {
                         image: image.clone(),
+                        #[allow(
+                            clippy::disallowed_methods,
+                            reason = "how long a staged runsc restore has been kept on this host; no simulation runs runsc"
+                        )]
                         since: Instant::now(),
                         phase: phase.clone(),
                         launched,
@@ -420,6 +424,10 @@ async fn launch(
 
 /// The checkpoint's manifest, looked for every [`MANIFEST_POLL`] until it
 /// appears (within [`MANIFEST_WATCH_FOR`]).
+#[allow(
+    clippy::disallowed_methods,
+    reason = "waits on runsc and the store on this host for a bounded time (tokio's clock, which a paused runtime moves); no simulation runs the gVisor runtime"
+)]
 async fn watch_manifest(store: &dyn Store, key: &ObjectKey) -> Result<CheckpointManifest, String> {
     let deadline = tokio::time::Instant::now() + MANIFEST_WATCH_FOR;
     loop {

@@ -91,6 +91,10 @@ async fn wait_until_quiet(
     sandbox: &SandboxNetwork,
     agent: &AgentConnection,
 ) -> Result<(), NetworkError> {
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "waits on the host's network stack (connections closing) for a bounded time; no simulation runs runsc"
+    )]
     let started = Instant::now();
     let deadline = started + network.config().checkpoint_wait;
     loop {
@@ -113,6 +117,10 @@ async fn wait_until_quiet(
             );
             return Ok(());
         }
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "waits on the host's network stack (connections closing) for a bounded time; no simulation runs runsc"
+        )]
         let now = Instant::now();
         let longest = lingering
             .iter()

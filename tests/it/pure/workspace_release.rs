@@ -183,6 +183,7 @@ async fn a_second_writers_upload_survives_the_first_writers_release() {
         SyncLimits::default(),
         PathBuf::from(dir.path()),
         Arc::default(),
+        Arc::new(controllers::clock::SystemClock),
     ));
     let (a, b) = (SandboxId::random(), SandboxId::random());
     let shared = b"the same bytes in two sandboxes";

@@ -259,6 +259,7 @@ pub fn server_with_workspaces(
         limits,
         spool,
         Arc::default(),
+        Arc::new(controllers::clock::SystemClock),
     );
     let templates = sandboxd::workspace::hooks::templates_with(None).expect("templates");
     let hooks = sandboxd::workspace::WorkspaceHooks::new(Arc::new(sync), templates);
