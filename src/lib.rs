@@ -6,6 +6,7 @@
 //! serves HTTP. Dependencies point one way, from here to `controllers`.
 
 pub mod api;
+pub mod boot;
 pub mod client;
 pub mod config;
 pub mod ctl;
@@ -14,4 +15,5 @@ pub mod runtime;
 pub mod server;
 pub mod store;
 pub mod telemetry;
+pub mod token;
 pub mod workspace;
