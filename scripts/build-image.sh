@@ -19,7 +19,7 @@
 set -euo pipefail
 
 # Everything the default image holds: what people and agents type first, and
-# python3 for the agent (src/runtime/sandbox_agent/, PID 1).
+# python3 for the agent (src/runtime/agent/sandbox_agent/, PID 1).
 BASE_PACKAGES="bash coreutils python3 python3-pip python3-venv git curl procps ca-certificates less findutils grep sed tar gzip xz-utils file"
 SUITE=bookworm
 MIRROR=${SANDBOXD_IMAGE_MIRROR:-http://deb.debian.org/debian}

@@ -69,7 +69,7 @@ run_tier() {
 
 if [ "$quick" = true ]; then
   # The in-sandbox agent's own unit tests (Python, no root or runsc needed).
-  python3 -B -m unittest discover -s src/runtime/sandbox_agent/tests -t src/runtime
+  python3 -B -m unittest discover -s src/runtime/agent/sandbox_agent/tests -t src/runtime/agent
   run_tier quick "$QUICK" "$@"
   exit 0
 fi
@@ -136,7 +136,7 @@ if [ "$(id -u)" != 0 ] && [ "$(sysctl -n net.ipv4.ip_unprivileged_port_start 2>/
 fi
 
 # The in-sandbox agent's own unit tests (Python, no root or runsc needed).
-python3 -B -m unittest discover -s src/runtime/sandbox_agent/tests -t src/runtime
+python3 -B -m unittest discover -s src/runtime/agent/sandbox_agent/tests -t src/runtime/agent
 
 # The Python client (clients/python) against the server the quick tier just
 # built: its pytest suite starts real servers on runsc (and fake-gcs-server),

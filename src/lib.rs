@@ -16,6 +16,7 @@
 )]
 
 pub mod api;
+pub mod boot;
 pub mod client;
 pub mod config;
 pub mod ctl;
@@ -25,4 +26,5 @@ pub mod server;
 pub mod store;
 pub mod telemetry;
 pub mod tls;
+pub mod token;
 pub mod workspace;

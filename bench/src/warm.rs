@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use sandboxd::client::{CreateOptions, Language, Sandbox};
-use sandboxd::runtime::ready::{ReadyCommand, ReadyLanguage};
+use sandboxd::runtime::images::ready::{ReadyCommand, ReadyLanguage};
 use serde_json::json;
 use testkit::storage::{Profile, StorageModel};
 use testkit::{Backend, Emulator, Launch, ServerProcess};
@@ -178,7 +178,7 @@ async fn build_template(images_dir: &Path, work_dir: &Path) -> anyhow::Result<()
             .to_owned(),
         timeout_s: Some(60),
     };
-    sandboxd::runtime::templates::ready_template(
+    sandboxd::runtime::images::templates::ready_template(
         &catalog,
         "bench-ready",
         Some(&base.digest),

@@ -10,7 +10,7 @@
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::runtime::RuntimeError;
+use crate::runtime::error::RuntimeError;
 
 /// Most bytes one read returns.
 pub const MAX_READ_BYTES: u64 = 4 << 20;

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 
 use crate::api::connect::controller_or_error;
 use crate::api::state::AppState;
-use crate::api::token;
+use crate::token;
 
 /// The sandbox token: the query parameter, else the bearer header.
 fn token_of(headers: &HeaderMap, query: &HashMap<String, String>) -> Option<String> {

@@ -28,6 +28,7 @@ use tracing::Instrument;
 use super::admission::{AtCapacity, Claim};
 use super::caller::{Caller, CallerQuota, ClientAddr};
 use super::events::{NotStarted, await_running};
+use super::features::Features;
 use super::live::{LiveSandbox, SandboxOptions};
 use super::output::ExecutionState;
 use super::protocol::{
@@ -37,8 +38,8 @@ use super::session::{
     CLOSE_FATAL, CLOSE_UNAVAILABLE, ClientStream, Out, Session, next_text, refuse_too_big,
 };
 use super::snapshot_owner::{SnapshotProof, snapshot_token};
-use super::state::{AppState, Features};
-use super::token;
+use super::state::AppState;
+use crate::token;
 
 pub async fn create(
     ws: WebSocketUpgrade,
@@ -387,12 +388,12 @@ fn check_features(init: &InitMessage, state: &AppState) -> Result<(), String> {
         }
     }
     if let Some(image) = &init.image
-        && !crate::runtime::catalog::is_image_name(image)
-        && !crate::runtime::catalog::is_digest(image)
+        && !controllers::api::is_image_name(image)
+        && !controllers::api::is_digest(image)
     {
         return Err(format!(
-            "Failed to create gVisor container: {}",
-            crate::runtime::catalog::ImageError::InvalidName(image.clone())
+            "Failed to create gVisor container: invalid image name {image:?}: {}",
+            controllers::api::IMAGE_NAME_RULE
         ));
     }
     if init.network == controllers::api::NetworkMode::Egress && !state.features.network_egress {

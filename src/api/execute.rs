@@ -17,7 +17,6 @@
 //! marker (and `"timed_out": true`).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::Json;
 use axum::body::{Body, Bytes};
@@ -30,30 +29,8 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::mpsc;
 
+use super::limits::ExecuteLimits;
 use super::state::AppState;
-
-/// What one `POST /execute` may cost.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ExecuteLimits {
-    /// Output returned (stdout and stderr together) before the marker.
-    pub max_output_bytes: usize,
-    /// How long the script may run.
-    pub timeout: Duration,
-}
-
-/// Default of `--execute-max-output-bytes`.
-pub const DEFAULT_MAX_OUTPUT_BYTES: usize = 1 << 20;
-/// Default of `--execute-timeout-s`.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-
-impl Default for ExecuteLimits {
-    fn default() -> Self {
-        Self {
-            max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
-            timeout: DEFAULT_TIMEOUT,
-        }
-    }
-}
 
 impl ExecuteLimits {
     fn truncated_marker(&self) -> String {

@@ -5,9 +5,11 @@
 //! naming the cap and its flag, never queued: a client that floods the
 //! instance gets answers, not a growing backlog. Named checkpoints have a
 //! per-sandbox cap, checked where they are asked for (`session/frames.rs`,
-//! `Features::max_named_checkpoints`).
+//! `Features::max_named_checkpoints`). And what one `POST /execute` may
+//! cost ([`ExecuteLimits`]: its output and its run time).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -86,6 +88,29 @@ impl Limits {
 impl Default for Limits {
     fn default() -> Self {
         Self::new(LimitSettings::default())
+    }
+}
+
+/// What one `POST /execute` may cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExecuteLimits {
+    /// Output returned (stdout and stderr together) before the marker.
+    pub max_output_bytes: usize,
+    /// How long the script may run.
+    pub timeout: Duration,
+}
+
+/// Default of `--execute-max-output-bytes`.
+pub const DEFAULT_MAX_OUTPUT_BYTES: usize = 1 << 20;
+/// Default of `--execute-timeout-s`.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+impl Default for ExecuteLimits {
+    fn default() -> Self {
+        Self {
+            max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
+            timeout: DEFAULT_TIMEOUT,
+        }
     }
 }
 

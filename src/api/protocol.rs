@@ -16,7 +16,7 @@
 
 use serde_json::{Map, Value, json};
 
-use super::files::{CallError, FsCall};
+use super::files::call::{CallError, FsCall};
 use super::snapshot_owner::{SnapshotProof, split_name_and_proof};
 
 use controllers::runtime::TerminalSize;

@@ -95,7 +95,7 @@ mod tests {
 
     #[test]
     fn a_sandbox_token_and_its_snapshot_token_open_the_same_scope_and_others_do_not() {
-        let sandbox_token = crate::api::token::generate();
+        let sandbox_token = crate::token::generate();
         let by_sandbox = SnapshotProof::new(sandbox_token.clone());
         let snapshot = snapshot_token(&sandbox_token);
         let by_snapshot = SnapshotProof::new(snapshot.clone());
@@ -103,7 +103,7 @@ mod tests {
         assert!(controllers::api::is_owner_scope(&by_sandbox.scope()));
         assert_ne!(
             by_sandbox.scope(),
-            SnapshotProof::new(crate::api::token::generate()).scope()
+            SnapshotProof::new(crate::token::generate()).scope()
         );
         // Neither token appears in what is stored.
         let path = by_sandbox.path("base");

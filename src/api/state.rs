@@ -11,6 +11,7 @@ use controllers::runtime::SandboxRuntime;
 use controllers::sandboxes::SandboxController;
 use controllers::store::{OperationCounts, Store};
 
+use super::features::Features;
 use crate::workspace::WorkspaceHooks;
 
 /// What every request handler can reach.
@@ -30,12 +31,10 @@ pub struct AppState {
     pub store_operations: Arc<OperationCounts>,
     /// Workspace sync (`None`: not configured on this server).
     pub workspace_hooks: Option<Arc<WorkspaceHooks>>,
-    /// The sandbox images (`GET /images`); `None` without a runtime.
-    pub images: Option<crate::runtime::ImageCatalog>,
-    /// Every series `/metrics` reports (`crate::metrics`).
+    /// Every series `/metrics` reports (`src/metrics.rs`).
     pub metrics: Arc<prometheus_client::registry::Registry>,
     /// What one `POST /execute` may print and how long it may run.
-    pub execute: crate::api::execute::ExecuteLimits,
+    pub execute: crate::api::limits::ExecuteLimits,
     /// The memory ledger every start passes (`None`: admission is off, as
     /// with no per-sandbox memory limit).
     pub admission: Option<Arc<crate::api::admission::Admission>>,
@@ -80,40 +79,6 @@ impl AppState {
         ) else {
             return false;
         };
-        crate::api::token::matches(given.trim(), expected)
-    }
-}
-
-/// Default of `--max-named-checkpoints`.
-pub const DEFAULT_MAX_NAMED_CHECKPOINTS: usize = 32;
-
-/// What this server can do, as the init message's checks see it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Features {
-    pub checkpoint: bool,
-    pub snapshot: bool,
-    /// Creates may ask for `"network": "egress"` (the runtime has networking).
-    pub network_egress: bool,
-    /// Snapshot names are deployment-wide and need no owner's proof
-    /// (`SANDBOXD_SHARED_SNAPSHOTS`, for a single team; docs/security.md).
-    pub shared_snapshots: bool,
-    /// Named checkpoints one sandbox may keep (`--max-named-checkpoints`).
-    pub max_named_checkpoints: usize,
-    /// Filesystem snapshots one owner may keep.
-    pub snapshot_quota: crate::api::snapshot_quota::SnapshotQuota,
-}
-
-impl Default for Features {
-    /// Checkpoints and snapshots; no egress (a runtime with networking turns
-    /// it on).
-    fn default() -> Self {
-        Self {
-            checkpoint: true,
-            snapshot: true,
-            network_egress: false,
-            shared_snapshots: false,
-            max_named_checkpoints: DEFAULT_MAX_NAMED_CHECKPOINTS,
-            snapshot_quota: crate::api::snapshot_quota::SnapshotQuota::default(),
-        }
+        crate::token::matches(given.trim(), expected)
     }
 }

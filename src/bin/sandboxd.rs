@@ -1,8 +1,9 @@
 //! `sandboxd`: the sandbox server.
 
 use clap::{Parser, Subcommand};
+use sandboxd::boot;
 use sandboxd::config::ServeArgs;
-use sandboxd::server::{Server, boot};
+use sandboxd::server::Server;
 use sandboxd::telemetry;
 
 #[derive(Debug, Parser)]

@@ -33,7 +33,7 @@ pub struct AdmissionArgs {
     pub max_concurrent_forks: usize,
     /// Named checkpoints one sandbox may keep; a checkpoint under a new name
     /// beyond it is refused (`SANDBOX_CHECKPOINT_ERROR`), reusing a name works.
-    #[arg(long, env = "SANDBOXD_MAX_NAMED_CHECKPOINTS", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=10_000), default_value_t = crate::api::state::DEFAULT_MAX_NAMED_CHECKPOINTS)]
+    #[arg(long, env = "SANDBOXD_MAX_NAMED_CHECKPOINTS", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=10_000), default_value_t = crate::api::features::DEFAULT_MAX_NAMED_CHECKPOINTS)]
     pub max_named_checkpoints: usize,
 }
 

@@ -21,7 +21,7 @@ pub const SANDBOX_HOME: &str = "/home/sandbox";
 /// every sandbox).
 pub const WORKSPACE_DIR: &str = "/workspace";
 
-pub use super::agent_program::agent_program;
+pub use crate::runtime::agent::program::agent_program;
 
 /// What varies between deployments.
 #[derive(Debug, Clone, PartialEq)]

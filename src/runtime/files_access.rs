@@ -25,8 +25,10 @@ use controllers::runtime::RuntimeError;
 use serde::de::DeserializeOwned;
 
 use super::agent::{AgentConnection, AgentError};
-use super::agent_protocol::{ChunkDone, EntryDone, FsReadBytesDone, FsReadDone, ListDone, Request};
 use super::gvisor::GvisorRuntime;
+use crate::runtime::agent::protocol::{
+    ChunkDone, EntryDone, FsReadBytesDone, FsReadDone, ListDone, Request,
+};
 
 /// How long one filesystem command may take (a recursive remove of a big
 /// tree is the slowest).
@@ -250,13 +252,13 @@ pub async fn fs_on_agent(
     }
 }
 
-fn typed<T: DeserializeOwned>(event: super::agent_protocol::Event) -> Result<T, FsError> {
+fn typed<T: DeserializeOwned>(event: crate::runtime::agent::protocol::Event) -> Result<T, FsError> {
     event
         .reply()
         .map_err(|err| FsError::BadAnswer(err.to_string()))
 }
 
-fn entry(event: super::agent_protocol::Event) -> Result<FsReply, FsError> {
+fn entry(event: crate::runtime::agent::protocol::Event) -> Result<FsReply, FsError> {
     let done: EntryDone = typed(event)?;
     Ok(FsReply::Entry(checked_entry(done.entry)?))
 }

@@ -15,9 +15,9 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::agent::{AgentConnection, AgentError};
-use super::agent_protocol::{DeleteDone, ReadDone, Request, ScanDone};
 use super::bundle::WORKSPACE_DIR;
 use super::gvisor::GvisorRuntime;
+use crate::runtime::agent::protocol::{DeleteDone, ReadDone, Request, ScanDone};
 use crate::workspace::files::{
     Copied, FilesError, LocalScan, Refused, ScanRequest, WorkspaceFiles,
 };

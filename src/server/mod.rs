@@ -12,10 +12,10 @@
 //! ends their WebSocket sessions; wait for the last connection; stop the
 //! workers.
 
-pub mod boot;
 mod connections;
 pub mod origin;
 mod routes;
+mod warm_pool;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -36,7 +36,8 @@ use tokio::task::JoinHandle;
 use crate::runtime::ImageCatalog;
 use crate::workspace::WorkspaceHooks;
 
-pub use crate::api::state::{AppState, Features};
+pub use crate::api::features::Features;
+pub use crate::api::state::AppState;
 pub use connections::{
     ConnectionDeadlines, Connections, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, Peer,
 };
@@ -84,9 +85,9 @@ pub struct Parts {
     /// pool series).
     pub warm_pool: Option<Arc<crate::runtime::GvisorRuntime>>,
     /// What one `POST /execute` may print and how long it may run.
-    pub execute: crate::api::execute::ExecuteLimits,
+    pub execute: crate::api::limits::ExecuteLimits,
     /// The instance's memory capacity and each sandbox's share (`None`:
-    /// no admission; the binary always sets it, see `boot.rs`).
+    /// no admission; the binary always sets it, see `src/boot.rs`).
     pub admission: Option<crate::api::admission::AdmissionSettings>,
     /// The concurrency caps of forks and `POST /execute`.
     pub limits: crate::api::limits::LimitSettings,
@@ -131,7 +132,7 @@ impl Parts {
             connection_deadlines: ConnectionDeadlines::default(),
             shutdown_grace: Duration::from_secs(10),
             warm_pool: None,
-            execute: crate::api::execute::ExecuteLimits::default(),
+            execute: crate::api::limits::ExecuteLimits::default(),
             admission: None,
             limits: crate::api::limits::LimitSettings::default(),
             socket: crate::api::session::SocketSettings::default(),
@@ -156,6 +157,8 @@ pub fn counted(store: Arc<dyn Store>, counts: &Arc<OperationCounts>) -> Arc<dyn 
 #[derive(Debug)]
 pub struct Server {
     state: AppState,
+    /// The sandbox images `GET /images` lists; `None` without a runtime.
+    images: Option<ImageCatalog>,
     origins: Arc<origin::OriginPolicy>,
     /// The controller's worker, lease and doorbell loops (with a runtime).
     workers: Option<JoinHandle<()>>,
@@ -209,10 +212,10 @@ impl Server {
             }
             _ => None,
         };
+        let images = parts.runtime.as_ref().and(parts.images);
         let state = AppState {
             instance: parts.instance,
             metadata_store: parts.metadata_store,
-            images: parts.runtime.as_ref().and(parts.images),
             runtime: parts.runtime,
             controller,
             live,
@@ -228,14 +231,12 @@ impl Server {
                 parts.max_sandboxes_per_caller,
             )),
             snapshot_store: parts.snapshot_store.clone(),
-            operator_token_sha256: parts
-                .operator_token
-                .as_deref()
-                .map(crate::api::token::digest),
+            operator_token_sha256: parts.operator_token.as_deref().map(crate::token::digest),
             clock: Arc::clone(&parts.clock),
         };
         Self {
             state,
+            images,
             origins: Arc::new(parts.origins),
             workers,
             connections: Connections::with_deadlines(
@@ -265,7 +266,7 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let listener = self.connections.listen(listener);
-        let app = app(self.state.clone())
+        let app = app(self.state.clone(), self.images.clone())
             .layer(axum::middleware::from_fn_with_state(
                 Arc::clone(&self.origins),
                 origin::check_origin,

@@ -6,12 +6,13 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use controllers::layout::SANDBOXES_PREFIX;
 use serde_json::json;
 
 use crate::api::caller::ClientAddr;
 use crate::api::state::AppState;
+use crate::runtime::ImageCatalog;
 
 /// The client of a request, as the connection layer recorded it.
 type Client = Option<axum::Extension<ClientAddr>>;
@@ -32,14 +33,14 @@ fn operator_only(state: &AppState, headers: &HeaderMap, client: &Client) -> Opti
 }
 
 /// The router, apart from `main`, so tests can drive it.
-pub fn app(state: AppState) -> Router {
+pub fn app(state: AppState, images: Option<ImageCatalog>) -> Router {
     Router::new()
         .route("/", get(root))
         .route("/status", get(status))
         .route("/healthz", get(status))
         .route("/readyz", get(readyz))
         .route("/list", get(list))
-        .route("/images", get(images))
+        .route("/images", get(list_images).layer(Extension(images)))
         .route("/metrics", get(metrics))
         .route("/execute", post(crate::api::execute::execute))
         .route("/create", get(crate::api::connect::create))
@@ -100,18 +101,22 @@ async fn list(State(state): State<AppState>, headers: HeaderMap, client: Client)
 
 /// The sandbox images this server has: digest, names, packages, which one is
 /// the default (`sandboxctl images`).
-async fn images(State(state): State<AppState>, headers: HeaderMap, client: Client) -> Response {
+async fn list_images(
+    State(state): State<AppState>,
+    Extension(images): Extension<Option<ImageCatalog>>,
+    headers: HeaderMap,
+    client: Client,
+) -> Response {
     if let Some(refused) = operator_only(&state, &headers, &client) {
         return refused;
     }
-    let Some(catalog) = &state.images else {
+    let Some(catalog) = images else {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({"error": "this server has no sandbox runtime"})),
         )
             .into_response();
     };
-    let catalog = catalog.clone();
     let answer = match tokio::task::spawn_blocking(move || {
         catalog.list().map(|list| (catalog.default, list))
     })

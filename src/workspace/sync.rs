@@ -176,7 +176,7 @@ impl WorkspaceSync {
                             detail: "no token_sha256".to_owned(),
                         });
                     };
-                    return if crate::api::token::matches(token, expected) {
+                    return if crate::token::matches(token, expected) {
                         Ok(())
                     } else {
                         Err(SyncError::WrongToken(workspace.to_owned()))
@@ -184,7 +184,7 @@ impl WorkspaceSync {
                 }
                 Err(StoreError::NotFound { .. }) => {
                     let owner = serde_json::json!({
-                        "token_sha256": crate::api::token::digest(token),
+                        "token_sha256": crate::token::digest(token),
                         "created_at": self.clock.now(),
                     });
                     match self

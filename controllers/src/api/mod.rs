@@ -19,6 +19,7 @@
 
 mod codec;
 mod ids;
+mod image_name;
 mod instance;
 mod lease;
 mod manifest;
@@ -28,6 +29,7 @@ mod snapshot_path;
 
 pub use codec::{ApiObject, DecodeError, decode, encode};
 pub use ids::{InstanceId, InvalidId, SandboxId};
+pub use image_name::{IMAGE_NAME_RULE, is_digest, is_image_name};
 pub use instance::{
     Doorbell, InstanceLease, MAX_RINGS, ReadGenerations, Ring, RungIntent, ring_retention,
 };

@@ -35,11 +35,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use controllers::api::SandboxId;
 use controllers::clock::Clock;
+use controllers::runtime::WarmPoolStats;
 
 pub use ledger::{Candidate, Ledger, Plan, PoolUsage, Usage};
 pub use residents::LocalResidents;
-
-use crate::runtime::WarmPoolStats;
 
 /// How often a waiting admission looks again.
 const POLL: Duration = Duration::from_millis(50);
@@ -75,20 +74,11 @@ pub trait Residents: Send + Sync + fmt::Debug {
     async fn evict(&self, sandbox: &SandboxId) -> Result<(), String>;
 }
 
-/// The warm pool, as admission sizes it.
+/// The warm pool, as admission sizes it (the server plugs the gVisor
+/// runtime's in).
 pub trait WarmPoolControl: Send + Sync + fmt::Debug {
     fn stats(&self) -> WarmPoolStats;
     fn resize(&self, size: usize);
-}
-
-impl WarmPoolControl for crate::runtime::GvisorRuntime {
-    fn stats(&self) -> WarmPoolStats {
-        self.warm_pool()
-    }
-
-    fn resize(&self, size: usize) {
-        self.resize_warm_pool(size);
-    }
 }
 
 /// A refusal: one more sandbox does not fit and no room could be made.

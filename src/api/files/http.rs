@@ -37,7 +37,7 @@ use crate::api::connect::{adopt_resumed_execution, controller_or_error, restore}
 use crate::api::live::{LiveSandbox, SandboxOptions};
 use crate::api::session::Out;
 use crate::api::state::AppState;
-use crate::api::token;
+use crate::token;
 
 /// A sandbox attached for one HTTP request; detached when dropped.
 struct Held {

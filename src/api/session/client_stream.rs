@@ -18,7 +18,7 @@ use axum::extract::ws::{Message, WebSocket};
 use futures::StreamExt;
 use futures::stream::SplitStream;
 
-use super::out::Heard;
+use super::heard::Heard;
 use crate::api::protocol::MAX_MESSAGE_BYTES;
 
 /// At most this many frames are kept from a wait.

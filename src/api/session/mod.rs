@@ -15,6 +15,7 @@
 mod client_stream;
 mod files;
 mod frames;
+mod heard;
 mod out;
 mod pending;
 mod relay;
@@ -36,10 +37,10 @@ pub use out::{
     report_frame_error,
 };
 
+use super::features::Features;
 use super::live::{LiveSandbox, LiveSandboxes};
 use super::protocol::{ClientFrame, FrameError};
 use super::snapshot_owner::SnapshotProof;
-use super::state::Features;
 use pending::Pending;
 
 /// Client frames waiting for the session's worker, in arrival order.

@@ -251,8 +251,8 @@ async fn main() -> ExitCode {
             Err(err) => return fail(EXIT_STORAGE, &err.to_string()),
         };
         let catalog = runtime.images();
-        let scratch = sandboxd::runtime::image_store::default_scratch(&catalog);
-        return match sandboxd::runtime::image_store::push(
+        let scratch = sandboxd::runtime::images::store::default_scratch(&catalog);
+        return match sandboxd::runtime::images::store::push(
             &catalog,
             checkpoints.as_ref(),
             name,
@@ -280,7 +280,7 @@ async fn main() -> ExitCode {
         runtime,
     } = &cli.command
     {
-        use sandboxd::runtime::ready::{ReadyCommand, ReadyLanguage};
+        use sandboxd::runtime::images::ready::{ReadyCommand, ReadyLanguage};
         let (language, code) = match (python, bash) {
             (Some(code), _) => (ReadyLanguage::Python, code.clone()),
             (None, Some(code)) => (ReadyLanguage::Bash, code.clone()),
@@ -292,8 +292,8 @@ async fn main() -> ExitCode {
             timeout_s: *timeout_s,
         };
         let catalog = runtime.images();
-        let scratch = sandboxd::runtime::templates::default_scratch(&catalog);
-        return match sandboxd::runtime::templates::ready_template(
+        let scratch = sandboxd::runtime::images::templates::default_scratch(&catalog);
+        return match sandboxd::runtime::images::templates::ready_template(
             &catalog,
             name,
             base.as_deref(),
@@ -321,8 +321,8 @@ async fn main() -> ExitCode {
             Err(err) => return fail(EXIT_STORAGE, &err.to_string()),
         };
         let catalog = runtime.images();
-        let scratch = sandboxd::runtime::templates::default_scratch(&catalog);
-        return match sandboxd::runtime::templates::template_from_snapshot(
+        let scratch = sandboxd::runtime::images::templates::default_scratch(&catalog);
+        return match sandboxd::runtime::images::templates::template_from_snapshot(
             &catalog,
             snapshots.as_ref(),
             from_snapshot,
@@ -340,7 +340,7 @@ async fn main() -> ExitCode {
                 );
                 ExitCode::SUCCESS
             }
-            Err(err @ sandboxd::runtime::templates::TemplateError::NoSnapshot(_)) => {
+            Err(err @ sandboxd::runtime::images::templates::TemplateError::NoSnapshot(_)) => {
                 fail(EXIT_NOT_FOUND, &err.to_string())
             }
             Err(err) => fail(EXIT_REFUSED, &err.to_string()),

@@ -21,9 +21,9 @@ use controllers::store::{PutMode, Store};
 use super::prefetch::{self, Downloaded};
 use super::{GvisorRuntime, LocalSandbox};
 use crate::runtime::agent::AgentError;
-use crate::runtime::agent_protocol::{CheckpointReady, Request};
-use crate::runtime::cpu_quota;
-use crate::runtime::image_follower::ImageFollower;
+use crate::runtime::agent::protocol::{CheckpointReady, Request};
+use crate::runtime::checkpoint::cpu_quota;
+use crate::runtime::checkpoint::follower::ImageFollower;
 use crate::runtime::network;
 
 impl GvisorRuntime {

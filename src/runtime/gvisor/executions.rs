@@ -18,9 +18,9 @@ use controllers::runtime::{
 use tokio::sync::mpsc;
 
 use super::{GvisorRuntime, LocalSandbox};
+use crate::runtime::agent::delivery::DeliveryGate;
+use crate::runtime::agent::protocol::{JournalEntry, JournalsReply, Request};
 use crate::runtime::agent::{AgentConnection, ExecEvents};
-use crate::runtime::agent_protocol::{JournalEntry, JournalsReply, Request};
-use crate::runtime::delivery::DeliveryGate;
 
 impl GvisorRuntime {
     /// After a restore: takes up the execution the checkpoint kept (its

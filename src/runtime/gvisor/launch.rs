@@ -14,16 +14,16 @@ use tokio::net::unix::pipe;
 
 use super::prefetch::Downloaded;
 use super::{AGENT_READY_TIMEOUT, GvisorRuntime};
-use crate::runtime::agent::{AgentConnection, AgentError, check_version};
-use crate::runtime::agent_protocol::{
+use crate::runtime::agent::protocol::{
     AGENT_PROTOCOL_VERSION, OLDEST_AGENT_PROTOCOL_VERSION, Pong, Request,
 };
+use crate::runtime::agent::{AgentConnection, AgentError, check_version};
 use crate::runtime::bundle::BundleNetwork;
-use crate::runtime::catalog::Image;
-use crate::runtime::cpu_quota;
-use crate::runtime::images::{download_verified, mismatch, sha256_of};
+use crate::runtime::checkpoint::cpu_quota;
+use crate::runtime::checkpoint::transfer::{download_verified, mismatch, sha256_of};
+use crate::runtime::images::catalog::Image;
+use crate::runtime::images::ready::ReadyCommand;
 use crate::runtime::network::SandboxNetwork;
-use crate::runtime::ready::ReadyCommand;
 use crate::runtime::runsc::{InitStdio, LaunchNetwork};
 
 /// A started container: its id, directory, agent, network and image.

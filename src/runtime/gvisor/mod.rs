@@ -40,15 +40,15 @@ use controllers::store::Store;
 
 use super::agent::AgentConnection;
 use super::bundle::{BundleSpec, SANDBOX_HOME, WORKSPACE_DIR};
-use super::catalog::{Image, ImageCatalog};
-use super::delivery::DeliveryGate;
-use super::images::{check_cpu_features, host_cpu_features};
 use super::network::{HostNetwork, NetworkConfig, SandboxNetwork};
 use super::runsc::Runsc;
+use crate::runtime::agent::delivery::DeliveryGate;
+use crate::runtime::checkpoint::transfer::{check_cpu_features, host_cpu_features};
+use crate::runtime::images::catalog::{Image, ImageCatalog};
 use housekeeping::{owners_dir, prune_orphaned_checkpoints, sweep_temporaries};
 use owner::Owner;
 
-pub use pool::WarmPoolStats;
+pub use controllers::runtime::WarmPoolStats;
 
 /// How long a new or restored agent may take to answer.
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);

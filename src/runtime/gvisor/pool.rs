@@ -43,14 +43,14 @@ use std::time::{Duration, Instant};
 use std::collections::HashMap;
 
 use controllers::api::{NetworkMode, SandboxId};
-use controllers::runtime::{CreateOptions, RuntimeError};
+use controllers::runtime::{CreateOptions, RuntimeError, WarmPoolStats};
 
 use super::GvisorRuntime;
 use crate::runtime::agent::AgentConnection;
-use crate::runtime::catalog::Image;
 use crate::runtime::cgroup::{self, LoweredWeight, WeightWatch};
-use crate::runtime::cpu_quota::CGROUP_ROOT;
-use crate::runtime::ready::read_ready_command;
+use crate::runtime::checkpoint::cpu_quota::CGROUP_ROOT;
+use crate::runtime::images::catalog::Image;
+use crate::runtime::images::ready::read_ready_command;
 
 /// How long a container booted for a create waits for it (its pass comes
 /// within milliseconds of the create's writes; this only bounds a leak).
@@ -85,24 +85,6 @@ impl WarmSandbox {
         }
         (self.container_id, self.dir, self.agent, self.image)
     }
-}
-
-/// What the pool holds now, and how it served creates.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct WarmPoolStats {
-    /// How many sandboxes it keeps ready (`--warm-pool`, or less after a shrink).
-    pub target: usize,
-    /// How many are ready now.
-    pub ready: usize,
-    /// The memory the ready ones use (their memory cgroups; 0 where unreadable).
-    pub memory_bytes: u64,
-    /// Creates that took a warm sandbox.
-    pub hits: u64,
-    /// Creates of the pool's image and network that found none ready.
-    pub misses: u64,
-    /// Boots the refill made, and those that failed.
-    pub boots: u64,
-    pub boot_failures: u64,
 }
 
 /// The pool's state, shared by the runtime and its refill task.

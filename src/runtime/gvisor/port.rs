@@ -21,10 +21,10 @@ use super::executions::{exec_command, relay_execution};
 use super::launch::check_agent_version;
 use super::{GvisorRuntime, SNAPSHOT_PATHS, prefetch};
 use crate::runtime::agent::AgentError;
-use crate::runtime::agent_protocol::{ArchiveDone, Request};
-use crate::runtime::delivery::DeliveryGate;
-use crate::runtime::images::{check_cpu_features, sha256_file};
-use crate::runtime::ready::read_ready_command;
+use crate::runtime::agent::delivery::DeliveryGate;
+use crate::runtime::agent::protocol::{ArchiveDone, Request};
+use crate::runtime::checkpoint::transfer::{check_cpu_features, sha256_file};
+use crate::runtime::images::ready::read_ready_command;
 
 #[async_trait]
 impl SandboxRuntime for GvisorRuntime {

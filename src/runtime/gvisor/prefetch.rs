@@ -25,7 +25,7 @@ use controllers::api::SandboxId;
 use controllers::store::{ObjectKey, Store, StoreError};
 use tokio::sync::watch;
 
-use super::super::images::write_hashed;
+use crate::runtime::checkpoint::transfer::write_hashed;
 
 /// Watches and downloads at once, for all sandboxes.
 const MAX_PREFETCHES: usize = 8;

@@ -1,4 +1,4 @@
-//! Ready templates on this host (`runtime::ready`): the first create of an
+//! Ready templates on this host (`runtime::images::ready`): the first create of an
 //! image that names a start command boots a sandbox, runs the command until
 //! it exits 0, and checkpoints it into the runtime's state directory
 //! (`ready/ready-<owner>-<uuid>.d/<digest>/checkpoint.img`, never the bucket: the work is paid once
@@ -26,10 +26,10 @@ use super::GvisorRuntime;
 use super::executions::exec_command;
 use super::owner::Owner;
 use crate::runtime::agent::AgentConnection;
-use crate::runtime::agent_protocol::{CheckpointReady, Request};
-use crate::runtime::catalog::Image;
-use crate::runtime::cpu_quota;
-use crate::runtime::ready::{ReadyCommand, ReadyLanguage};
+use crate::runtime::agent::protocol::{CheckpointReady, Request};
+use crate::runtime::checkpoint::cpu_quota;
+use crate::runtime::images::catalog::Image;
+use crate::runtime::images::ready::{ReadyCommand, ReadyLanguage};
 
 /// The most of a failed start command's output an error quotes.
 const OUTPUT_TAIL: usize = 2048;

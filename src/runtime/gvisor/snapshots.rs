@@ -14,10 +14,10 @@ use controllers::layout::snapshot_manifest_key;
 use controllers::runtime::RuntimeError;
 
 use super::GvisorRuntime;
+use crate::runtime::agent::protocol::Request;
 use crate::runtime::agent::{AgentConnection, AgentError};
-use crate::runtime::agent_protocol::Request;
-use crate::runtime::catalog::Image;
-use crate::runtime::images::download_verified;
+use crate::runtime::checkpoint::transfer::download_verified;
+use crate::runtime::images::catalog::Image;
 
 impl GvisorRuntime {
     /// The manifest of the filesystem snapshot `name`.
@@ -57,8 +57,9 @@ impl GvisorRuntime {
         snapshot: Option<&SnapshotManifest>,
     ) -> Result<Image, RuntimeError> {
         let images = &self.config.images;
-        let invalid =
-            |err: crate::runtime::catalog::ImageError| RuntimeError::Invalid(err.to_string());
+        let invalid = |err: crate::runtime::images::catalog::ImageError| {
+            RuntimeError::Invalid(err.to_string())
+        };
         match (requested, snapshot.and_then(|s| s.sandbox_image.as_deref())) {
             (Some(name), _) => images.resolve(name).map_err(invalid),
             (None, Some(digest)) => self.image_by_digest(digest).await.map_err(|err| {
@@ -79,7 +80,7 @@ impl GvisorRuntime {
             Err(err) => err,
         };
         let _one_at_a_time = self.image_fetch.lock().await;
-        crate::runtime::image_store::fetch(
+        crate::runtime::images::store::fetch(
             images,
             self.checkpoints.as_ref(),
             digest,
@@ -167,6 +168,6 @@ impl GvisorRuntime {
 #[derive(Debug, thiserror::Error)]
 #[error("{missing}; {fetch}")]
 pub(super) struct ImageUnavailable {
-    missing: crate::runtime::catalog::ImageError,
-    fetch: crate::runtime::image_store::ImageStoreError,
+    missing: crate::runtime::images::catalog::ImageError,
+    fetch: crate::runtime::images::store::ImageStoreError,
 }

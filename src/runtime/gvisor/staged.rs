@@ -42,9 +42,9 @@ use tokio::sync::watch;
 use super::GvisorRuntime;
 use super::launch::check_agent_version;
 use crate::runtime::agent::AgentConnection;
-use crate::runtime::agent_protocol::Request;
-use crate::runtime::catalog::Image;
-use crate::runtime::images::check_cpu_features;
+use crate::runtime::agent::protocol::Request;
+use crate::runtime::checkpoint::transfer::check_cpu_features;
+use crate::runtime::images::catalog::Image;
 
 /// Staged restores at once, per server (each costs a sandbox's memory).
 const MAX_STAGED: usize = 2;

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use super::conntrack::{self, Lingering};
 use super::{HostNetwork, NetworkError, SandboxNetwork, firewall};
 use crate::runtime::agent::AgentConnection;
-use crate::runtime::agent_protocol::{ConnectionsClosed, Request};
+use crate::runtime::agent::protocol::{ConnectionsClosed, Request};
 
 /// How often the quiet check runs while waiting.
 const POLL: Duration = Duration::from_millis(200);

@@ -330,7 +330,7 @@ async fn the_warm_pool_counts_against_capacity_and_gives_way_first() {
 /// and what admission counts for it).
 const SMALL_SANDBOX: u64 = 256 << 20;
 /// What each of them fills and touches: 72 % of its limit. Before the
-/// checkpoint and restore got memory headroom (`runtime::cpu_quota`) the
+/// checkpoint and restore got memory headroom (`runtime::checkpoint::cpu_quota`) the
 /// sandbox's memcg OOM-killed gVisor's sentry in the restore at 62–72 %
 /// (`SANDBOX_RESTORE_ERROR` "containerManager.Restore failed: EOF"); with
 /// the headroom taken away this test fails so.

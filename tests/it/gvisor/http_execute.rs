@@ -175,7 +175,7 @@ async fn limited_server(dir: &std::path::Path) -> String {
         Some(Arc::new(support::runtime(dir).await)),
         Arc::default(),
         |parts| {
-            parts.execute = sandboxd::api::execute::ExecuteLimits {
+            parts.execute = sandboxd::api::limits::ExecuteLimits {
                 max_output_bytes: 64 << 10,
                 timeout: std::time::Duration::from_secs(3),
             }

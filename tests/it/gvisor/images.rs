@@ -295,7 +295,7 @@ async fn a_template_from_a_snapshot_starts_with_the_snapshots_files() {
     h.runtime.destroy(&source).await.unwrap();
 
     let scratch = tempfile::tempdir().unwrap();
-    let template = sandboxd::runtime::templates::template_from_snapshot(
+    let template = sandboxd::runtime::images::templates::template_from_snapshot(
         &images,
         store.as_ref(),
         &snapshot_name,
@@ -339,7 +339,7 @@ async fn a_template_from_a_snapshot_starts_with_the_snapshots_files() {
     assert_eq!(stdout, "from the snapshot\n");
     // A template that exists already under another name is the same digest;
     // a bad name is refused before anything is built.
-    let err = sandboxd::runtime::templates::template_from_snapshot(
+    let err = sandboxd::runtime::images::templates::template_from_snapshot(
         &images,
         store.as_ref(),
         &snapshot_name,
@@ -350,7 +350,7 @@ async fn a_template_from_a_snapshot_starts_with_the_snapshots_files() {
     .await
     .expect_err("bad name");
     assert!(err.to_string().contains("invalid image name"), "{err}");
-    let err = sandboxd::runtime::templates::template_from_snapshot(
+    let err = sandboxd::runtime::images::templates::template_from_snapshot(
         &images,
         store.as_ref(),
         "never-taken",
@@ -420,7 +420,7 @@ async fn a_checkpoint_restores_only_onto_the_image_it_was_taken_on() {
     );
     // Once pushed to the store, B fetches it (verified against the digest) and restores.
     let scratch = tempfile::tempdir().unwrap();
-    let (pushed, uploaded) = sandboxd::runtime::image_store::push(
+    let (pushed, uploaded) = sandboxd::runtime::images::store::push(
         &support::images(),
         store.as_ref(),
         "default",
@@ -430,7 +430,7 @@ async fn a_checkpoint_restores_only_onto_the_image_it_was_taken_on() {
     .unwrap();
     assert!(uploaded);
     assert_eq!(pushed.digest, taken_on);
-    let (_, again) = sandboxd::runtime::image_store::push(
+    let (_, again) = sandboxd::runtime::images::store::push(
         &support::images(),
         store.as_ref(),
         "default",
@@ -620,7 +620,7 @@ async fn the_server_refuses_to_start_without_its_image_and_says_how_to_build_it(
 async fn a_checkpoint_of_another_agent_version_is_refused_over_the_wire() {
     use controllers::api::{CheckpointManifest, decode, encode};
     use controllers::store::PutMode;
-    use sandboxd::runtime::agent_protocol::{
+    use sandboxd::runtime::agent::protocol::{
         AGENT_PROTOCOL_VERSION, OLDEST_AGENT_PROTOCOL_VERSION,
     };
     use serde_json::json;

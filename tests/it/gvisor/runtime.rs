@@ -14,7 +14,7 @@ use controllers::runtime::{
     SandboxRuntime,
 };
 use controllers::store::Store;
-use sandboxd::runtime::agent_protocol::AGENT_PROTOCOL_VERSION;
+use sandboxd::runtime::agent::protocol::AGENT_PROTOCOL_VERSION;
 use sandboxd::runtime::{BundleSpec, GvisorConfig, GvisorRuntime, Runsc};
 
 /// Python that prints how many `sleep` processes exist in the sandbox.
@@ -374,7 +374,7 @@ async fn a_checkpoint_restores_on_another_host_with_processes_files_and_python_s
     // Another "host": another runsc root, state directory and container id.
     b.runtime.restore(&id, &manifest).await.unwrap();
     assert!(b.runtime.is_running(&id));
-    // The quota lifted while runsc restored is back (`runtime/cpu_quota.rs`).
+    // The quota lifted while runsc restored is back (`runtime/checkpoint/cpu_quota.rs`).
     assert_eq!(cpu_quota_of_only_container(&b), "100000");
     let python = run(
         &b.runtime,

@@ -13,7 +13,7 @@ use controllers::runtime::{
     CheckpointRequest, Command, CreateOptions, ExecEvent, ExecRequest, SandboxRuntime,
 };
 use controllers::store::Store;
-use sandboxd::runtime::ready::{ReadyCommand, ReadyLanguage};
+use sandboxd::runtime::images::ready::{ReadyCommand, ReadyLanguage};
 use sandboxd::runtime::{GvisorRuntime, ImageCatalog, WarmPoolStats};
 use sandboxd::store::LocalStore;
 use serde_json::json;
@@ -299,7 +299,7 @@ async fn ready_template(command: &ReadyCommand) -> (tempfile::TempDir, ImageCata
     .unwrap();
     std::os::unix::fs::symlink(&default.digest, dir.path().join("default")).unwrap();
     let catalog = ImageCatalog::new(dir.path(), "default");
-    sandboxd::runtime::templates::ready_template(
+    sandboxd::runtime::images::templates::ready_template(
         &catalog,
         "ready",
         None,

@@ -32,7 +32,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sandboxd::api::protocol::{ClientFrame, InitMessage};
 use sandboxd::runtime::agent::AgentConnection;
-use sandboxd::runtime::agent_protocol::{Event, Request, ScanDone};
+use sandboxd::runtime::agent::protocol::{Event, Request, ScanDone};
 use serde_json::json;
 use tokio::net::unix::pipe;
 

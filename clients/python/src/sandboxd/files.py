@@ -11,12 +11,11 @@ import itertools
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Optional, Union
+from typing import Any, BinaryIO, Iterator, Optional, Union
 
+from ._channel import Channel
 from .errors import SandboxConnectionError, SandboxDigestError, SandboxError, file_error
 
-if TYPE_CHECKING:
-    from .sandbox import Sandbox
 
 #: Binary frames of an upload (the server takes at most 1 MiB each).
 CHUNK = 1 << 20
@@ -104,7 +103,7 @@ class Files:
     `SandboxFileError` subclasses named after the errno (`ENOENT` is
     `SandboxFileNotFoundError`, also a `FileNotFoundError`)."""
 
-    def __init__(self, sandbox: "Sandbox") -> None:
+    def __init__(self, sandbox: Channel) -> None:
         self._sandbox = sandbox
         self._calls: dict[str, _Call] = {}
         self._ids = itertools.count(1)

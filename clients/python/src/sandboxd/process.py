@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 import base64
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
+from ._channel import ProcessHost
 from .errors import SandboxConnectionError, SandboxError, SandboxTimeoutError, error_for
 
-if TYPE_CHECKING:
-    from .sandbox import Sandbox
 
 #: How long `kill()` waits for the execution's end (the official client's 5 s).
 KILL_WAIT_S = 5.0
@@ -122,7 +121,7 @@ class SandboxProcess:
     """A running execution. `stdout` and `stderr` stream its output;
     `wait()` returns its exit code (128 + signal when killed)."""
 
-    def __init__(self, sandbox: "Sandbox", *, terminal: bool = False) -> None:
+    def __init__(self, sandbox: ProcessHost, *, terminal: bool = False) -> None:
         self._sandbox = sandbox
         self.stdout = SandboxStream()
         self.stderr = SandboxStream()

@@ -17,7 +17,7 @@
 //!   exactly as it would be after a read.
 //!
 //! Both live in the sandbox's slot (`slots.rs`). This instance's own writes
-//! of one `metadata.json` take turns ([`Slots::write_turn`]): an intent written while the reconciler's
+//! of one `metadata.json` take turns (`Slots::write_turn`): an intent written while the reconciler's
 //! status write is in flight (a client's checkpoint right after its create
 //! meets RecordRunning) would start from the generation before it, fail its
 //! precondition and pay a read and a second write; waiting its turn, it
@@ -26,53 +26,20 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use crate::api::{Lease, RungIntent, SandboxId, SandboxMetadata, SandboxSpec};
-use crate::store::{Generation, Versioned};
+use crate::api::{Lease, RungIntent, SandboxId, SandboxMetadata};
+use crate::store::Generation;
+
+pub use super::slots::ReadMetadata;
+use super::slots::{Primed, SpecChange};
 
 use super::super::events::{CheckpointFailure, SandboxEvent};
-use super::slots::Slots;
 use super::{ReadLease, Reconciler, chrono_duration};
-
-/// `metadata.json` as read or written, with its generation.
-pub type ReadMetadata = (SandboxMetadata, Generation);
 
 /// Both objects as an attaching client's instance read them (at once).
 #[derive(Debug, Clone)]
 pub struct AttachRead {
     pub metadata: ReadMetadata,
     pub lock: Option<(Lease, Generation)>,
-}
-
-impl Slots {
-    /// Remembers `object` as `sandbox`'s metadata unless a newer generation
-    /// is remembered already: a read answered after this instance's own
-    /// write landed (the two travel apart) must not stand in for that write.
-    pub(super) fn remember(&self, sandbox: &SandboxId, object: &Versioned) {
-        self.update(sandbox, |slot| match &mut slot.known {
-            Some(current) if current.generation > object.generation => {}
-            known => *known = Some(object.clone()),
-        });
-    }
-
-    /// `sandbox`'s metadata as last read or written here.
-    pub(super) fn known(&self, sandbox: &SandboxId) -> Option<Versioned> {
-        self.view(sandbox, |slot| slot.known.clone())
-    }
-
-    pub(super) fn forget_known(&self, sandbox: &SandboxId) {
-        self.update(sandbox, |slot| slot.known = None);
-    }
-
-    /// Waits until no other write of `sandbox`'s metadata by this instance
-    /// is in flight; the turn lasts until the guard drops. Only an
-    /// optimisation (module docs): a turn lost to the slots' bound costs at
-    /// most a failed precondition.
-    pub(super) async fn write_turn(&self, sandbox: &SandboxId) -> tokio::sync::OwnedMutexGuard<()> {
-        let turn = self.update(sandbox, |slot| {
-            Arc::clone(slot.write_turn.get_or_insert_with(Arc::default))
-        });
-        turn.lock_owned().await
-    }
 }
 
 /// How long primed objects stand in for a read. A pass that comes later
@@ -97,35 +64,6 @@ impl Drop for IntentGuard<'_> {
             slot.intents.in_flight = slot.intents.in_flight.saturating_sub(1);
         });
     }
-}
-
-/// The intent writers of this instance on one sandbox: how many are at
-/// work and how many ever started, so a pass can tell that one started (and
-/// maybe finished) while it read.
-#[derive(Debug, Default, Clone, Copy)]
-pub(super) struct IntentCount {
-    pub(super) in_flight: usize,
-    pub(super) started: u64,
-}
-
-impl IntentCount {
-    pub(super) fn is_idle_and_unstarted(&self) -> bool {
-        self.in_flight == 0 && self.started == 0
-    }
-}
-
-/// A change of a sandbox's spec, as an intent writer makes it.
-pub(crate) type SpecChange = Arc<dyn Fn(&mut SandboxSpec) + Send + Sync>;
-
-/// Both objects as an intent writer here left them, for the next full pass.
-#[derive(Debug, Clone)]
-pub(super) struct Primed {
-    pub(super) metadata: ReadMetadata,
-    pub(super) lock: Option<ReadLease>,
-    /// When they were primed, and in which era of this instance's lease: a
-    /// lapse since (a pause) voids them.
-    at: chrono::DateTime<chrono::Utc>,
-    era: u64,
 }
 
 impl Reconciler {
@@ -328,35 +266,5 @@ impl Reconciler {
         self.watch(sandbox).is_some_and(|watch| {
             watch.checkpointable && now >= watch.last_checkpoint + chrono_duration(interval)
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_second_write_of_one_sandbox_waits_its_turn_and_another_sandbox_does_not() {
-        let known = Slots::default();
-        let (one, other) = (SandboxId::random(), SandboxId::random());
-        let first = known.write_turn(&one).await;
-        let waiting = tokio::spawn({
-            let (known, one) = (known.clone(), one.clone());
-            async move {
-                let _turn = known.write_turn(&one).await;
-            }
-        });
-        // Another sandbox's writes never wait for this one's.
-        let _other =
-            tokio::time::timeout(std::time::Duration::from_secs(5), known.write_turn(&other))
-                .await
-                .expect("another sandbox's turn is free");
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        assert!(!waiting.is_finished(), "the second write did not wait");
-        drop(first);
-        tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
-            .await
-            .expect("the second write got its turn")
-            .expect("no panic");
     }
 }

@@ -26,12 +26,13 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use chrono::{DateTime, Utc};
 
-use crate::api::SandboxId;
+use crate::api::SandboxSpec;
+use crate::api::{SandboxId, SandboxMetadata};
 use crate::leasing::HeldLease;
-use crate::store::Versioned;
+use crate::leasing::ReadLease;
+use crate::store::{Generation, Versioned};
 
 use super::local::Watch;
-use super::primed::{IntentCount, Primed, SpecChange};
 
 /// The most sandboxes with a slot before the hints in them (remembered
 /// metadata, idle write turns, settled intent counts) are dropped: they are
@@ -360,6 +361,72 @@ impl Slots {
     }
 }
 
+/// `metadata.json` as read or written, with its generation.
+pub type ReadMetadata = (SandboxMetadata, Generation);
+
+/// The intent writers of this instance on one sandbox: how many are at
+/// work and how many ever started, so a pass can tell that one started (and
+/// maybe finished) while it read.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct IntentCount {
+    pub(super) in_flight: usize,
+    pub(super) started: u64,
+}
+
+impl IntentCount {
+    pub(super) fn is_idle_and_unstarted(&self) -> bool {
+        self.in_flight == 0 && self.started == 0
+    }
+}
+
+/// A change of a sandbox's spec, as an intent writer makes it.
+pub(crate) type SpecChange = Arc<dyn Fn(&mut SandboxSpec) + Send + Sync>;
+
+/// Both objects as an intent writer here left them, for the next full pass.
+#[derive(Debug, Clone)]
+pub(super) struct Primed {
+    pub(super) metadata: ReadMetadata,
+    pub(super) lock: Option<ReadLease>,
+    /// When they were primed, and in which era of this instance's lease: a
+    /// lapse since (a pause) voids them.
+    pub(super) at: chrono::DateTime<chrono::Utc>,
+    pub(super) era: u64,
+}
+
+/// What this instance knows of a sandbox's metadata, and whose turn it is
+/// to write it (`primed.rs`).
+impl Slots {
+    /// Remembers `object` as `sandbox`'s metadata unless a newer generation
+    /// is remembered already: a read answered after this instance's own
+    /// write landed (the two travel apart) must not stand in for that write.
+    pub(super) fn remember(&self, sandbox: &SandboxId, object: &Versioned) {
+        self.update(sandbox, |slot| match &mut slot.known {
+            Some(current) if current.generation > object.generation => {}
+            known => *known = Some(object.clone()),
+        });
+    }
+
+    /// `sandbox`'s metadata as last read or written here.
+    pub(super) fn known(&self, sandbox: &SandboxId) -> Option<Versioned> {
+        self.view(sandbox, |slot| slot.known.clone())
+    }
+
+    pub(super) fn forget_known(&self, sandbox: &SandboxId) {
+        self.update(sandbox, |slot| slot.known = None);
+    }
+
+    /// Waits until no other write of `sandbox`'s metadata by this instance
+    /// is in flight; the turn lasts until the guard drops. Only an
+    /// optimisation (module docs): a turn lost to the slots' bound costs at
+    /// most a failed precondition.
+    pub(super) async fn write_turn(&self, sandbox: &SandboxId) -> tokio::sync::OwnedMutexGuard<()> {
+        let turn = self.update(sandbox, |slot| {
+            Arc::clone(slot.write_turn.get_or_insert_with(Arc::default))
+        });
+        turn.lock_owned().await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use chrono::TimeZone;
@@ -469,5 +536,30 @@ mod tests {
         assert_eq!(slots.all().len(), 1, "a client still waits");
         slots.update(&sandbox, |slot| slot.waiting = None);
         assert!(slots.all().is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_write_of_one_sandbox_waits_its_turn_and_another_sandbox_does_not() {
+        let known = Slots::default();
+        let (one, other) = (SandboxId::random(), SandboxId::random());
+        let first = known.write_turn(&one).await;
+        let waiting = tokio::spawn({
+            let (known, one) = (known.clone(), one.clone());
+            async move {
+                let _turn = known.write_turn(&one).await;
+            }
+        });
+        // Another sandbox's writes never wait for this one's.
+        let _other =
+            tokio::time::timeout(std::time::Duration::from_secs(5), known.write_turn(&other))
+                .await
+                .expect("another sandbox's turn is free");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "the second write did not wait");
+        drop(first);
+        tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+            .await
+            .expect("the second write got its turn")
+            .expect("no panic");
     }
 }

@@ -14,15 +14,16 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+pub use controllers::api::{IMAGE_NAME_RULE, is_digest, is_image_name};
+
 /// The image a sandbox gets when its creator names none.
 pub const DEFAULT_IMAGE: &str = "default";
-/// The prefix of a digest directory (`sha256-<64 hex>`).
-const DIGEST_PREFIX: &str = "sha256-";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
     #[error(
-        "invalid image name {0:?}: lower-case letters, digits, '.', '_' and '-', starting with a letter or digit, at most 63 characters (or a digest sha256-<64 hex>)"
+        "invalid image name {0:?}: {rule}",
+        rule = IMAGE_NAME_RULE
     )]
     InvalidName(String),
     #[error(
@@ -71,28 +72,6 @@ pub struct ImageCatalog {
     pub dir: PathBuf,
     /// The name sandboxes get without `"image"`.
     pub default: String,
-}
-
-/// Whether `name` may name an image (what `scripts/build-image.sh` accepts).
-pub fn is_image_name(name: &str) -> bool {
-    let bytes = name.as_bytes();
-    !bytes.is_empty()
-        && bytes.len() <= 63
-        && (bytes[0].is_ascii_lowercase() || bytes[0].is_ascii_digit())
-        && bytes.iter().all(|b| {
-            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
-        })
-        && !name.starts_with(DIGEST_PREFIX)
-}
-
-/// Whether `text` is a digest (`sha256-` and 64 lower-case hex digits).
-pub fn is_digest(text: &str) -> bool {
-    text.strip_prefix(DIGEST_PREFIX).is_some_and(|hex| {
-        hex.len() == 64
-            && hex
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    })
 }
 
 impl ImageCatalog {

@@ -1,6 +1,6 @@
 //! The host's end of the agent channel: JSON lines over the init process's
 //! stdin and stdout (see `sandbox_agent/__init__.py` for why stdio), each a
-//! message of [`super::agent_protocol`], some followed by raw bytes (an
+//! message of [`super::protocol`], some followed by raw bytes (an
 //! agent of version 2 on; see [`AgentConnection::exchange`]).
 //!
 //! One writer (commands, serialised by a mutex) and one reader task that routes
@@ -27,14 +27,13 @@ use bytes::Bytes;
 use controllers::runtime::ExecEvent;
 use serde::de::DeserializeOwned;
 
-pub use super::agent_routes::{ExecEvents, MAX_QUEUED_OUTPUT_BYTES, Sequenced};
-use super::agent_routes::{ExecRoute, Routes};
+use super::routes::{ExecEvents, ExecRoute, Reply, Routes};
 
-use super::agent_lines::{
+use super::lines::{
     AgentLine, MAX_AGENT_LINE_BYTES, MAX_AGENT_PAYLOAD_BYTES, Payload, next_line, payload_length,
     read_payload,
 };
-use super::agent_protocol::{
+use super::protocol::{
     AGENT_PROTOCOL_VERSION, Command, Event, MalformedReply, OLDEST_AGENT_PROTOCOL_VERSION,
     RAW_BYTES_VERSION, Request,
 };
@@ -73,10 +72,6 @@ pub fn check_version(agent: u32) -> Result<u32, AgentError> {
         })
     }
 }
-
-/// What a waiter gets: the reply event and the raw bytes after it (empty
-/// if none), or the agent's error message.
-pub(super) type Reply = Result<(Event, Bytes), String>;
 
 /// A command line and the raw bytes that follow it, for the writer task.
 type Framed = (Vec<u8>, Bytes);
@@ -215,7 +210,7 @@ impl AgentConnection {
     }
 
     /// [`Self::request`], the reply read as `T` (the request's reply type in
-    /// [`super::agent_protocol`]).
+    /// [`super::protocol`]).
     pub async fn ask<T: DeserializeOwned>(
         &self,
         request: Request,
@@ -570,5 +565,5 @@ fn decode(data: Option<&str>) -> Result<Bytes, DataError> {
 }
 
 #[cfg(test)]
-#[path = "agent_tests.rs"]
+#[path = "connection_tests.rs"]
 mod tests;

@@ -23,7 +23,11 @@ use tokio::sync::mpsc;
 
 use crate::api::{CheckpointManifest, SandboxId, SnapshotManifest};
 use crate::files::{FsError, FsReply, FsRequest};
-use crate::store::{ObjectKey, StoreError};
+use crate::store::ObjectKey;
+
+pub mod error;
+
+pub use error::RuntimeError;
 
 /// Completes once a handoff's image watched for by
 /// [`SandboxRuntime::prefetch_checkpoint`] is in the store, or the watch
@@ -175,31 +179,24 @@ pub struct CheckpointRequest {
     pub keep_executions: bool,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum RuntimeError {
-    #[error("sandbox {0} is not running on this host")]
-    NotFound(SandboxId),
-    #[error("sandbox {0} already runs on this host")]
-    AlreadyExists(SandboxId),
-    #[error("sandbox {0} has an execution in progress")]
-    ExecutionInProgress(SandboxId),
-    /// A checkpoint is being taken: nothing may start until it ends (it
-    /// would be frozen half-way into the image).
-    #[error("sandbox {0} is being checkpointed")]
-    Checkpointing(SandboxId),
-    #[error("the checkpoint image {key} is corrupt: {detail}")]
-    CorruptImage { key: String, detail: String },
-    #[error("the checkpoint cannot be restored on this host: {0}")]
-    Incompatible(String),
-    #[error("invalid request: {0}")]
-    Invalid(String),
-    /// The sandbox died or was destroyed while the operation ran.
-    #[error("sandbox {sandbox} was lost: {detail}")]
-    Lost { sandbox: SandboxId, detail: String },
-    #[error("runtime failure: {0}")]
-    Failed(String),
-    #[error(transparent)]
-    Store(#[from] StoreError),
+/// What a runtime's warm pool (sandboxes booted ahead of demand) holds now,
+/// and how it served creates: what admission sizes it by and `/metrics`
+/// reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WarmPoolStats {
+    /// How many sandboxes it keeps ready (`--warm-pool`, or less after a shrink).
+    pub target: usize,
+    /// How many are ready now.
+    pub ready: usize,
+    /// The memory the ready ones use (their memory cgroups; 0 where unreadable).
+    pub memory_bytes: u64,
+    /// Creates that took a warm sandbox.
+    pub hits: u64,
+    /// Creates of the pool's image and network that found none ready.
+    pub misses: u64,
+    /// Boots the refill made, and those that failed.
+    pub boots: u64,
+    pub boot_failures: u64,
 }
 
 /// Runs sandboxes on this host.

@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use super::agent::AgentConnection;
-use super::agent_protocol::Request;
+use super::connection::AgentConnection;
+use super::protocol::Request;
 
 /// Acknowledge to the agent after this many delivered events.
 const ACK_EVERY: u64 = 16;

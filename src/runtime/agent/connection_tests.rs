@@ -6,6 +6,7 @@ use std::os::fd::OwnedFd;
 use serde_json::{Value, json};
 
 use super::*;
+use crate::runtime::agent::MAX_QUEUED_OUTPUT_BYTES;
 
 fn archive() -> Request {
     Request::Archive {

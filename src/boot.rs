@@ -2,6 +2,10 @@
 //! stores, whether the gVisor runtime starts (and with which network), which
 //! features clients may ask for, workspace sync. The binary's `main` is left
 //! with logging, the listener and the signal.
+//!
+//! It stands above both the flags (`crate::config`) and the composition root
+//! (`crate::server`): the configuration builds the lower layers' settings,
+//! the server knows nothing of flags, and this module joins the two.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,9 +15,9 @@ use controllers::clock::{Clock, SystemClock};
 use controllers::runtime::SandboxRuntime;
 use controllers::store::OperationCounts;
 
-use super::{Features, Parts, counted};
 use crate::config::{ServeArgs, StoreLocation};
 use crate::runtime::GvisorRuntime;
+use crate::server::{Features, Parts, counted};
 use crate::store;
 use crate::workspace::{WorkspaceFiles, WorkspaceHooks, WorkspaceSync};
 
@@ -128,7 +132,7 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
     parts.workspace_hooks = workspace_hooks;
     parts.shutdown_grace = Duration::from_secs(args.shutdown_grace_s);
     parts.warm_pool.clone_from(&gvisor);
-    parts.execute = crate::api::execute::ExecuteLimits {
+    parts.execute = crate::api::limits::ExecuteLimits {
         max_output_bytes: args.execute_max_output_bytes,
         timeout: Duration::from_secs(args.execute_timeout_s),
     };

@@ -1,6 +1,9 @@
 //! Sandbox tokens: 32 random bytes, hex-encoded, handed to the client once;
 //! only their SHA-256 is stored (`spec.token_sha256`), and checks compare
 //! digests in constant time.
+//!
+//! A module of its own, below the API layer and workspace sync, which both
+//! check tokens (and the operator credential, checked the same way).
 
 use std::collections::HashMap;
 

@@ -1,6 +1,6 @@
 //! Templates from filesystem snapshots: a new image that is a base image plus
 //! a snapshot's files (a new sandbox created from an existing artifact); and
-//! ready templates, a base image plus a start command (`runtime::ready`).
+//! ready templates, a base image plus a start command (`runtime::images::ready`).
 //!
 //! Sandboxes created on the template start with the snapshot's files already
 //! in their root filesystem: nothing is unpacked at create. The build is the
@@ -21,8 +21,8 @@ use tokio::io::AsyncReadExt;
 use tokio::process::Command;
 
 use super::catalog::{Image, ImageCatalog, ImageError, is_image_name};
-use super::images::download_verified;
 use super::ready::{ReadyCommand, ready_archive};
+use crate::runtime::checkpoint::transfer::download_verified;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
@@ -99,7 +99,7 @@ pub async fn template_from_snapshot(
 
 /// Builds the ready template `name`: `base` (the default image without
 /// one) plus `/etc/sandboxd/ready.json` naming `command`, which every
-/// instance runs once and then restores (`runtime::ready`). `scratch` holds
+/// instance runs once and then restores (`runtime::images::ready`). `scratch` holds
 /// the archive while it is built.
 pub async fn ready_template(
     catalog: &ImageCatalog,

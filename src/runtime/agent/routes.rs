@@ -1,7 +1,7 @@
 //! Where the agent's reader sends each event: execution output to that
 //! execution's channel (bounded by [`MAX_QUEUED_OUTPUT_BYTES`] of queued
 //! output), replies to the request waiting for them, archive chunks to their
-//! sink. Split from `agent.rs`, which owns the connection and its tasks.
+//! sink. Split from `connection.rs`, which owns the connection and its tasks.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -11,7 +11,11 @@ use bytes::Bytes;
 use controllers::runtime::ExecEvent;
 use tokio::sync::{mpsc, oneshot};
 
-use super::agent::Reply;
+use super::protocol::Event;
+
+/// What a waiter gets: the reply event and the raw bytes after it (empty
+/// if none), or the agent's error message.
+pub(super) type Reply = Result<(Event, Bytes), String>;
 
 /// An execution's event and the agent's number for it (0: not numbered,
 /// the execution is not resumable).

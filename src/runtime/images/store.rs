@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use tokio::process::Command;
 
 use super::catalog::{Image, ImageCatalog, ImageError, is_digest};
-use super::images::{download_verified, sha256_file};
+use crate::runtime::checkpoint::transfer::{download_verified, sha256_file};
 
 /// Where images live in the store.
 pub const IMAGES_PREFIX: &str = "sandbox_images";

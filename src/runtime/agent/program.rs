@@ -1,5 +1,5 @@
 //! The agent as the program a sandbox's init runs: the `sandbox_agent`
-//! Python package (`src/runtime/sandbox_agent/`, one module per concern)
+//! Python package (`src/runtime/agent/sandbox_agent/`, one module per concern)
 //! embedded in the binary, with a loader that imports it from memory.
 //!
 //! The init runs `python3 -S -c <program> <config>`: nothing has to exist in
@@ -98,7 +98,8 @@ pub fn agent_program() -> &'static str {
 }
 
 fn build() -> String {
-    let mut program = String::from("# sandboxd agent (src/runtime/sandbox_agent), embedded\n");
+    let mut program =
+        String::from("# sandboxd agent (src/runtime/agent/sandbox_agent), embedded\n");
     program.push_str("SOURCES = {\n");
     for (name, source) in MODULES {
         // A JSON string is a valid Python string literal.
@@ -128,8 +129,8 @@ mod tests {
 
     #[test]
     fn every_module_of_the_package_is_embedded() {
-        let dir =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/runtime/sandbox_agent");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("src/runtime/agent/sandbox_agent");
         let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
             .expect("the package directory")
             .filter_map(|entry| entry.ok()?.file_name().into_string().ok())

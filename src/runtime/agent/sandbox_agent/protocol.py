@@ -17,7 +17,7 @@ import time
 
 # The protocol version: `hello` and `pong` carry it, the host refuses an agent
 # that speaks another (and a checkpoint records it). Bump it with
-# `AGENT_PROTOCOL_VERSION` in src/runtime/agent_protocol.rs and protocol.json
+# `AGENT_PROTOCOL_VERSION` in src/runtime/agent/protocol.rs and protocol.json
 # when a message changes incompatibly. 2: messages may carry raw bytes.
 VERSION = 2
 READ_CHUNK = 65536

@@ -14,7 +14,7 @@ host -> agent: {"op": ...}   agent -> host: {"ev": ...}   bytes are base64,
 except file chunks (version 2): raw, right after a line that says
 `"bytes": N` (see `protocol`).
 Every message is listed in `protocol.json` beside this package; the host's
-`src/runtime/agent_protocol.rs` and the tests of both sides check against it.
+`src/runtime/agent/protocol.rs` and the tests of both sides check against it.
 
 Modules, one concern each:
   protocol    the channel: the protocol version, writing events, reading commands
@@ -29,6 +29,6 @@ Modules, one concern each:
   loop        the main loop: commands, pipes, reaping; `main`
 
 The host runs it inline (`python3 -S -c <bootstrap>`, no file in the sandbox):
-`src/runtime/agent_program.rs` embeds these files and a loader that imports
+`src/runtime/agent/program.rs` embeds these files and a loader that imports
 them from memory.
 """

@@ -529,5 +529,5 @@ pub struct ChunkDone {
 }
 
 #[cfg(test)]
-#[path = "agent_protocol_tests.rs"]
+#[path = "protocol_tests.rs"]
 mod tests;
