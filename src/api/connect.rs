@@ -192,16 +192,19 @@ async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
             return fail(format!("Failed to create gVisor container {id}: {err}")).await;
         }
     }
-    if let (Some(workspace), Some(hooks)) = (&metadata.spec.workspace, &state.workspace_hooks) {
-        // A named workspace belongs to whoever first used it with its token;
-        // one named after this sandbox is owned by the sandbox's token.
+    if let (Some(workspace), Some(hooks)) = (&mut metadata.spec.workspace, &state.workspace_hooks) {
+        // A named workspace lives under the scope of the token that names
+        // it; one named after this sandbox under the sandbox token's.
         let token = init
             .workspace
             .as_ref()
             .and_then(|w| w.token.as_deref())
             .unwrap_or(&sandbox_token);
-        if let Err(message) = hooks.authorize(&workspace.id, token).await {
-            return fail(format!("Failed to create gVisor container: {message}")).await;
+        match hooks.resolve(&workspace.id, token).await {
+            Ok(path) => workspace.id = path,
+            Err(message) => {
+                return fail(format!("Failed to create gVisor container: {message}")).await;
+            }
         }
     }
     let Ok((live, attachment)) = state.live.attach(&id) else {
