@@ -546,11 +546,9 @@ async fn serve_attach(
             client = %credential.client,
             "refused an attach: wrong sandbox token"
         );
-        return fatal(
-            Status::PermissionDenialError,
-            "Invalid sandbox token.".to_owned(),
-        )
-        .await;
+        // Answered as an unknown id: a wrong token learns nothing about
+        // which ids exist (docs/security.md).
+        return not_found().await;
     }
     if metadata.is_deleted() {
         return not_found().await;
