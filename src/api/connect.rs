@@ -37,7 +37,7 @@ use super::session::{
     CLOSE_FATAL, CLOSE_UNAVAILABLE, ClientStream, Out, Session, next_text, refuse_too_big,
 };
 use super::snapshot_owner::{SnapshotProof, snapshot_token};
-use super::state::{AppState, Features};
+use super::state::AppState;
 use super::token;
 
 pub async fn create(
@@ -159,13 +159,10 @@ async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
     metadata.spec.enable_checkpoint = init.enable_checkpoint;
     metadata.spec.enable_sandbox_handoff = init.enable_sandbox_handoff;
     metadata.spec.enable_idle_timeout_auto_checkpoint = init.enable_idle_timeout_auto_checkpoint;
-    metadata.spec.filesystem_snapshot_name = init.filesystem_snapshot_name.as_ref().map(|name| {
-        snapshot_path(
-            state.features,
-            name,
-            init.filesystem_snapshot_proof.as_ref(),
-        )
-    });
+    if let Some(name) = &init.filesystem_snapshot_name {
+        metadata.spec.filesystem_snapshot_name =
+            Some(snapshot_path(&state, name, init.filesystem_snapshot_proof.as_ref()).await);
+    }
     metadata.spec.network = init.network;
     metadata.spec.image = init.image.clone();
     metadata.spec.keep_executions = init.keep_executions;
@@ -330,14 +327,30 @@ pub(super) async fn admit(
 /// Where a create finds snapshot `name`: deployment-wide when snapshots are
 /// shared, else under the owner `proof` opens (without one, under nobody's:
 /// refused exactly like an unknown name, which is what it is to this client).
-fn snapshot_path(features: Features, name: &str, proof: Option<&SnapshotProof>) -> String {
-    if features.shared_snapshots {
+/// An owner's proof also opens a snapshot taken before read-only tokens,
+/// under the earlier scope, when the current one has no such name.
+async fn snapshot_path(state: &AppState, name: &str, proof: Option<&SnapshotProof>) -> String {
+    if state.features.shared_snapshots {
         return name.to_owned();
     }
-    proof
-        .cloned()
-        .unwrap_or_else(SnapshotProof::nobody)
-        .path(name)
+    let proof = proof.cloned().unwrap_or_else(SnapshotProof::nobody);
+    let path = proof.path(name);
+    let (Some(store), Some(earlier)) = (&state.snapshot_store, proof.earlier_path(name)) else {
+        return path;
+    };
+    let exists = |path: String| async move {
+        match controllers::layout::snapshot_manifest_key(&path) {
+            Some(key) => !matches!(
+                store.get(&key).await,
+                Err(controllers::store::StoreError::NotFound { .. })
+            ),
+            None => false,
+        }
+    };
+    if !exists(path.clone()).await && exists(earlier.clone()).await {
+        return earlier;
+    }
+    path
 }
 
 /// The sandbox a fork starts from, once its token is proved, and which of
