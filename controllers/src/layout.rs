@@ -128,29 +128,33 @@ pub fn snapshot_manifest_key(name: &str) -> Option<ObjectKey> {
 /// Prefix of every synced workspace's directory.
 pub const WORKSPACES_PREFIX: &str = "workspaces/";
 
-/// `workspaces/<id>/sandbox-state`: the workspace's committed state file (the
+/// `workspaces/<path>/sandbox-state`: the workspace's committed state file (the
 /// sandbox-side name, `.sandbox-state`, is not a valid key: segments cannot
-/// start with a dot). `None` for an invalid workspace name.
+/// start with a dot). `None` for an invalid workspace path.
+///
+/// A workspace path is `owner.<scope>/<name>` (`crate::api::is_workspace_path`)
+/// or, for a workspace from before owner scopes, `<name>`.
 pub fn workspace_state_key(workspace: &str) -> Option<ObjectKey> {
-    crate::api::is_resource_name(workspace)
+    crate::api::is_workspace_path(workspace)
         .then(|| key(format!("{WORKSPACES_PREFIX}{workspace}/sandbox-state")))
 }
 
-/// `workspaces/<id>/owner.json`: the SHA-256 of the token that owns the
-/// workspace. `None` for an invalid workspace name.
+/// `workspaces/<name>/owner.json`: the SHA-256 of the token that owns a
+/// workspace of the earlier, unscoped layout (read, never written now).
+/// `None` for an invalid workspace name.
 pub fn workspace_owner_key(workspace: &str) -> Option<ObjectKey> {
     crate::api::is_resource_name(workspace)
         .then(|| key(format!("{WORKSPACES_PREFIX}{workspace}/owner.json")))
 }
 
-/// `workspaces/<id>/files/<md5>`: one file content, stored once per checksum.
-/// `None` for an invalid workspace name or checksum.
+/// `workspaces/<path>/files/<md5>`: one file content, stored once per checksum.
+/// `None` for an invalid workspace path or checksum.
 pub fn workspace_blob_key(workspace: &str, md5: &str) -> Option<ObjectKey> {
     let is_md5 = md5.len() == 32
         && md5
             .bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-    (crate::api::is_resource_name(workspace) && is_md5)
+    (crate::api::is_workspace_path(workspace) && is_md5)
         .then(|| key(format!("{WORKSPACES_PREFIX}{workspace}/files/{md5}")))
 }
 
@@ -237,5 +241,12 @@ mod tests {
             workspace_state_key("proj").unwrap().as_str(),
             "workspaces/proj/sandbox-state"
         );
+        let owned = format!("owner.{}/proj", "0".repeat(32));
+        assert_eq!(
+            workspace_state_key(&owned).unwrap().as_str(),
+            format!("workspaces/{owned}/sandbox-state")
+        );
+        assert!(workspace_state_key("owner.0/proj").is_none());
+        assert!(workspace_owner_key(&owned).is_none());
     }
 }

@@ -67,8 +67,8 @@ pub fn history(status: &SandboxStatus) -> Vec<Value> {
 }
 
 /// `GET /sandboxes/{id}/checkpoints`: `200 {"sandbox_id", "checkpoints": [...]}`;
-/// `401` without a token, `403` with a wrong one, `404` for an unknown or
-/// deleted sandbox, `503` when the store cannot be read.
+/// `401` without a token, `404` for an unknown or deleted sandbox and for
+/// a wrong token (answered alike, so a token learns nothing of other ids), `503` when the store cannot be read.
 pub async fn list(
     Path(sandbox_id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
@@ -95,7 +95,8 @@ pub async fn list(
         Err(err) => return refusal(StatusCode::SERVICE_UNAVAILABLE, err.to_string()),
     };
     if !token::matches(&token, &metadata.spec.token_sha256) {
-        return refusal(StatusCode::FORBIDDEN, "Invalid sandbox token.");
+        // Answered as an unknown id: a wrong token learns nothing.
+        return not_found();
     }
     if metadata.is_deleted() {
         return not_found();

@@ -28,7 +28,6 @@ use tracing::Instrument;
 use super::admission::{AtCapacity, Claim};
 use super::caller::{Caller, CallerQuota, ClientAddr};
 use super::events::{NotStarted, await_running};
-use super::features::Features;
 use super::live::{LiveSandbox, SandboxOptions};
 use super::output::ExecutionState;
 use super::protocol::{
@@ -160,13 +159,10 @@ async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
     metadata.spec.enable_checkpoint = init.enable_checkpoint;
     metadata.spec.enable_sandbox_handoff = init.enable_sandbox_handoff;
     metadata.spec.enable_idle_timeout_auto_checkpoint = init.enable_idle_timeout_auto_checkpoint;
-    metadata.spec.filesystem_snapshot_name = init.filesystem_snapshot_name.as_ref().map(|name| {
-        snapshot_path(
-            state.features,
-            name,
-            init.filesystem_snapshot_proof.as_ref(),
-        )
-    });
+    if let Some(name) = &init.filesystem_snapshot_name {
+        metadata.spec.filesystem_snapshot_name =
+            Some(snapshot_path(&state, name, init.filesystem_snapshot_proof.as_ref()).await);
+    }
     metadata.spec.network = init.network;
     metadata.spec.image = init.image.clone();
     metadata.spec.keep_executions = init.keep_executions;
@@ -194,16 +190,19 @@ async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
             return fail(format!("Failed to create gVisor container {id}: {err}")).await;
         }
     }
-    if let (Some(workspace), Some(hooks)) = (&metadata.spec.workspace, &state.workspace_hooks) {
-        // A named workspace belongs to whoever first used it with its token;
-        // one named after this sandbox is owned by the sandbox's token.
+    if let (Some(workspace), Some(hooks)) = (&mut metadata.spec.workspace, &state.workspace_hooks) {
+        // A named workspace lives under the scope of the token that names
+        // it; one named after this sandbox under the sandbox token's.
         let token = init
             .workspace
             .as_ref()
             .and_then(|w| w.token.as_deref())
             .unwrap_or(&sandbox_token);
-        if let Err(message) = hooks.authorize(&workspace.id, token).await {
-            return fail(format!("Failed to create gVisor container: {message}")).await;
+        match hooks.resolve(&workspace.id, token).await {
+            Ok(path) => workspace.id = path,
+            Err(message) => {
+                return fail(format!("Failed to create gVisor container: {message}")).await;
+            }
         }
     }
     let Ok((live, attachment)) = state.live.attach(&id) else {
@@ -329,14 +328,30 @@ pub(super) async fn admit(
 /// Where a create finds snapshot `name`: deployment-wide when snapshots are
 /// shared, else under the owner `proof` opens (without one, under nobody's:
 /// refused exactly like an unknown name, which is what it is to this client).
-fn snapshot_path(features: Features, name: &str, proof: Option<&SnapshotProof>) -> String {
-    if features.shared_snapshots {
+/// An owner's proof also opens a snapshot taken before read-only tokens,
+/// under the earlier scope, when the current one has no such name.
+async fn snapshot_path(state: &AppState, name: &str, proof: Option<&SnapshotProof>) -> String {
+    if state.features.shared_snapshots {
         return name.to_owned();
     }
-    proof
-        .cloned()
-        .unwrap_or_else(SnapshotProof::nobody)
-        .path(name)
+    let proof = proof.cloned().unwrap_or_else(SnapshotProof::nobody);
+    let path = proof.path(name);
+    let (Some(store), Some(earlier)) = (&state.snapshot_store, proof.earlier_path(name)) else {
+        return path;
+    };
+    let exists = |path: String| async move {
+        match controllers::layout::snapshot_manifest_key(&path) {
+            Some(key) => !matches!(
+                store.get(&key).await,
+                Err(controllers::store::StoreError::NotFound { .. })
+            ),
+            None => false,
+        }
+    };
+    if !exists(path.clone()).await && exists(earlier.clone()).await {
+        return earlier;
+    }
+    path
 }
 
 /// The sandbox a fork starts from, once its token is proved, and which of
@@ -545,11 +560,9 @@ async fn serve_attach(
             client = %credential.client,
             "refused an attach: wrong sandbox token"
         );
-        return fatal(
-            Status::PermissionDenialError,
-            "Invalid sandbox token.".to_owned(),
-        )
-        .await;
+        // Answered as an unknown id: a wrong token learns nothing about
+        // which ids exist (docs/security.md).
+        return not_found().await;
     }
     if metadata.is_deleted() {
         return not_found().await;

@@ -129,13 +129,10 @@ impl WorkspaceHooks {
         self.sync.metrics()
     }
 
-    /// Checks (or, for a new workspace, records) the token that owns it.
-    pub async fn authorize(
-        &self,
-        workspace: &str,
-        token: &str,
-    ) -> Result<(), super::sync::SyncError> {
-        self.sync.authorize(workspace, token).await
+    /// The path of workspace `name` as `token` opens it
+    /// ([`WorkspaceSync::resolve`]).
+    pub async fn resolve(&self, name: &str, token: &str) -> Result<String, super::sync::SyncError> {
+        self.sync.resolve(name, token).await
     }
 
     /// Whether `name` is a template this instance knows (checked at create).
@@ -200,7 +197,7 @@ impl WorkspaceHooks {
                 "syncing workspace {:?} to the store failed: {err}; \
                  what this execution changed in /workspace is not stored \
                  (the next execution's sync tries again)",
-                binding.workspace
+                controllers::api::workspace_name_of(&binding.workspace)
             )));
         }
         Ok(())
@@ -240,7 +237,7 @@ impl LifecycleHooks for WorkspaceHooks {
             WorkspaceMetrics::add(&self.metrics().cold_start_failures, 1);
             let message = format!(
                 "syncing workspace {:?} into the sandbox: {err}",
-                workspace.id
+                controllers::api::workspace_name_of(&workspace.id)
             );
             if start == ColdStart::Created {
                 return Err(HookError(message));

@@ -1,6 +1,7 @@
 //! One sync of one sandbox's workspace against the store.
 //!
-//! Objects under `workspaces/<id>/`: `files/<md5>` holds each distinct content
+//! Objects under `workspaces/<path>/` (the path is `owner.<scope>/<name>`,
+//! see [`super::owner`], or an earlier workspace's `<name>`): `files/<md5>` holds each distinct content
 //! once (write-once: a name is its checksum), `sandbox-state` names the files.
 //! A sync up uploads missing contents first, then commits the new state with
 //! a conditional write, then deletes contents nothing references any more; a
@@ -76,10 +77,6 @@ pub enum SyncError {
     Timeout(Duration),
     #[error("the workspace state kept changing under this sync (another sandbox writes it)")]
     Contended,
-    #[error("wrong workspace_token for workspace {0:?}")]
-    WrongToken(String),
-    #[error("the workspace's owner record ({key}) is invalid: {detail}")]
-    InvalidOwner { key: String, detail: String },
 }
 
 /// The store's state as this host last saw it, with its generation (`None`:
@@ -154,54 +151,30 @@ impl WorkspaceSync {
         }
     }
 
-    /// Checks that `token` owns `workspace`, or makes it the owner of a
-    /// workspace nobody owns yet (a create-only write, so two first users
-    /// cannot both win). Only the token's SHA-256 is stored.
-    pub async fn authorize(&self, workspace: &str, token: &str) -> Result<(), SyncError> {
-        let key = workspace_owner_key(workspace)
-            .ok_or_else(|| SyncError::InvalidName(workspace.to_owned()))?;
-        for _ in 0..2 {
-            match self.store.get(&key).await {
-                Ok(object) => {
-                    let owner: serde_json::Value =
-                        serde_json::from_slice(&object.data).map_err(|err| {
-                            SyncError::InvalidOwner {
-                                key: key.to_string(),
-                                detail: err.to_string(),
-                            }
-                        })?;
-                    let Some(expected) = owner["token_sha256"].as_str() else {
-                        return Err(SyncError::InvalidOwner {
-                            key: key.to_string(),
-                            detail: "no token_sha256".to_owned(),
-                        });
-                    };
-                    return if crate::token::matches(token, expected) {
-                        Ok(())
-                    } else {
-                        Err(SyncError::WrongToken(workspace.to_owned()))
-                    };
-                }
-                Err(StoreError::NotFound { .. }) => {
-                    let owner = serde_json::json!({
-                        "token_sha256": crate::token::digest(token),
-                        "created_at": self.clock.now(),
-                    });
-                    match self
-                        .store
-                        .put(&key, owner.to_string().into(), PutMode::Create)
-                        .await
-                    {
-                        Ok(_) => return Ok(()),
-                        // Someone claimed it meanwhile: check against theirs.
-                        Err(StoreError::PreconditionFailed { .. }) => continue,
-                        Err(err) => return Err(err.into()),
+    /// The path (`spec.workspace.id`) of workspace `name` as `token` opens
+    /// it: the token's own scope (`super::owner`), or the earlier unscoped
+    /// `workspaces/<name>/` when its `owner.json` records this token. Never
+    /// refuses a token: one that does not own the earlier workspace gets a
+    /// workspace of its own, so a create learns nothing of other owners.
+    pub async fn resolve(&self, name: &str, token: &str) -> Result<String, SyncError> {
+        let key =
+            workspace_owner_key(name).ok_or_else(|| SyncError::InvalidName(name.to_owned()))?;
+        match self.store.get(&key).await {
+            Ok(object) => {
+                let owner: serde_json::Value =
+                    serde_json::from_slice(&object.data).unwrap_or_default();
+                match owner["token_sha256"].as_str() {
+                    Some(expected) if crate::token::matches(token, expected) => {
+                        return Ok(name.to_owned());
                     }
+                    Some(_) => {}
+                    None => tracing::warn!(%key, "invalid workspace owner record ignored"),
                 }
-                Err(err) => return Err(err.into()),
             }
+            Err(StoreError::NotFound { .. }) => {}
+            Err(err) => return Err(err.into()),
         }
-        Err(SyncError::Contended)
+        Ok(super::owner::owned_path(token, name))
     }
 
     /// Reads the store's state (one GET).

@@ -70,11 +70,14 @@ pub struct SandboxSpec {
     pub extra: ExtraFields,
 }
 
-/// A synced workspace: `/workspace` mirrored incrementally to `workspaces/<id>/`.
+/// A synced workspace: `/workspace` mirrored incrementally to `workspaces/<id>/`,
+/// where `id` is `owner.<scope>/<name>` (scoped by the workspace token) or,
+/// for a workspace from before owner scopes, `<name>`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkspaceSpec {
-    /// The workspace's name. Sandboxes given the same name share its files
-    /// (one at a time: see `docs/workspaces.md`).
+    /// The workspace's path (`owner.<scope>/<name>` or an earlier `<name>`).
+    /// Sandboxes given the same name and token share its files (one at a
+    /// time: see `docs/workspaces.md`).
     pub id: String,
     /// Which set of lifecycle hooks runs (a template the server defines).
     #[serde(default = "default_workspace_template")]
@@ -402,8 +405,11 @@ impl ApiObject for SandboxMetadata {
             return Err(field("spec.restore_request.checkpoint", RESOURCE_NAME_RULE));
         }
         if let Some(workspace) = &self.spec.workspace {
-            if !is_resource_name(&workspace.id) {
-                return Err(field("spec.workspace.id", RESOURCE_NAME_RULE));
+            if !super::is_workspace_path(&workspace.id) {
+                return Err(field(
+                    "spec.workspace.id",
+                    "a name, or owner.<scope>/<name> (32 hex digits of scope)",
+                ));
             }
             if !is_resource_name(&workspace.template) {
                 return Err(field("spec.workspace.template", RESOURCE_NAME_RULE));

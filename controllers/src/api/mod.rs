@@ -43,8 +43,8 @@ pub use metadata::{
 };
 pub use network::{NetworkMode, UnknownNetworkMode};
 pub use snapshot_path::{
-    OWNER_SCOPE_LEN, OWNER_SCOPE_PREFIX, is_owner_scope, is_snapshot_path, owned_snapshot_path,
-    snapshot_name_of, split_snapshot_path,
+    OWNER_SCOPE_LEN, OWNER_SCOPE_PREFIX, is_owner_scope, is_snapshot_path, is_workspace_path,
+    owned_snapshot_path, snapshot_name_of, split_snapshot_path, workspace_name_of,
 };
 
 /// The `apiVersion` of every object this version writes and understands.

@@ -51,6 +51,19 @@ pub fn is_snapshot_path(path: &str) -> bool {
     split_snapshot_path(path).is_some()
 }
 
+/// True for a valid workspace path: a synced workspace is scoped by its
+/// owner the way a snapshot is (`workspaces/owner.<scope>/<name>/`, the
+/// scope a hash of the workspace token), and `<name>` alone is the earlier
+/// layout, which existing workspaces keep.
+pub fn is_workspace_path(path: &str) -> bool {
+    split_snapshot_path(path).is_some()
+}
+
+/// The name part of a workspace path, for messages (never the scope).
+pub fn workspace_name_of(path: &str) -> &str {
+    snapshot_name_of(path)
+}
+
 /// The name part of a snapshot path (the whole string if it is not one):
 /// what messages show, so a refusal never names another owner's scope.
 pub fn snapshot_name_of(path: &str) -> &str {

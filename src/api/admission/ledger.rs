@@ -27,7 +27,8 @@ pub struct Ledger {
     pub sandbox: u64,
 }
 
-/// The warm pool now: how many wait and what they use.
+/// The warm pool now: how many wait, what they use, and how many its
+/// refill is still to boot.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolUsage {
     pub ready: usize,
@@ -35,25 +36,33 @@ pub struct PoolUsage {
     pub bytes: u64,
     /// What one used when last measured (0: never), for an empty pool.
     pub measured_each: u64,
+    /// Below its target: sandboxes the refill boots (one may be booting
+    /// now) unless the target is lowered. They are committed already: a
+    /// create admitted beside the ready ones alone would be overtaken by
+    /// the next boot, and the instance would hold more than its capacity.
+    pub booting: usize,
 }
 
 impl PoolUsage {
-    /// What one warm sandbox uses, measured or estimated.
+    /// What one warm sandbox uses, measured or estimated; an average is
+    /// rounded up, so that many of them never add up to more than counted.
     pub fn per_sandbox(&self) -> u64 {
         match (self.ready, self.bytes, self.measured_each) {
             (0, _, 0) | (_, 0, 0) => WARM_SANDBOX_ESTIMATE,
             (0, _, measured) | (_, 0, measured) => measured,
-            (ready, bytes, _) => (bytes / ready as u64).max(1),
+            (ready, bytes, _) => bytes.div_ceil(ready as u64).max(1),
         }
     }
 
-    /// What the pool commits (estimated where it cannot be read).
+    /// What the pool commits: the ready ones (estimated where they cannot
+    /// be read) and those still to boot.
     pub fn committed(&self) -> u64 {
-        if self.bytes > 0 {
+        let ready = if self.bytes > 0 {
             self.bytes
         } else {
             (self.ready as u64).saturating_mul(WARM_SANDBOX_ESTIMATE)
-        }
+        };
+        ready.saturating_add((self.booting as u64).saturating_mul(self.per_sandbox()))
     }
 }
 
@@ -190,6 +199,7 @@ mod tests {
                 ready,
                 bytes: ready as u64 * 22 * MIB,
                 measured_each: 0,
+                booting: 0,
             },
             evicting,
         }
@@ -206,6 +216,7 @@ mod tests {
                 ready: 2,
                 bytes: 0,
                 measured_each: 0,
+                booting: 0,
             },
             evicting: 0,
         };
@@ -294,6 +305,7 @@ mod tests {
             ready: 1,
             bytes: 22 * MIB,
             measured_each: 0,
+            booting: 0,
         };
         assert_eq!(ledger().pool_room(2, &pool), 0);
         assert_eq!(ledger().pool_room(1, &pool), 46);
@@ -302,12 +314,74 @@ mod tests {
             ready: 0,
             bytes: 0,
             measured_each: 22 * MIB,
+            booting: 0,
         };
         assert_eq!(ledger().pool_room(1, &emptied), 46);
         assert_eq!(
             ledger().pool_room(0, &PoolUsage::default()),
             (2048 / 64) as usize
         );
+    }
+
+    /// What the instance commits once a plan is carried out: the pool holds
+    /// what it keeps (or grows to its target), and the create one sandbox
+    /// (booted cold: the worst case, taking no warm one).
+    fn committed_after(ledger: &Ledger, usage: &Usage, per_warm: u64) -> u64 {
+        let pool = match ledger.plan(usage, 0) {
+            Plan::Admit {
+                pool_keep: Some(keep),
+            } => keep,
+            Plan::Admit { pool_keep: None } => usage.pool.ready + usage.pool.booting,
+            other => panic!("expected an admission, got {other:?}"),
+        };
+        ledger.sandboxes(usage.sandboxes + 1) + pool as u64 * per_warm
+    }
+
+    #[test]
+    fn the_pool_never_commits_past_capacity_with_a_boot_in_flight() {
+        // Room for one sandbox and 50 MiB: two warm sandboxes of 22 MiB are
+        // ready and the refill boots a third (the pool's target is 3).
+        let ledger = Ledger {
+            capacity: 1024 * MIB + 50 * MIB,
+            sandbox: 1024 * MIB,
+        };
+        let usage = Usage {
+            sandboxes: 0,
+            pool: PoolUsage {
+                ready: 2,
+                bytes: 44 * MIB,
+                measured_each: 22 * MIB,
+                booting: 1,
+            },
+            evicting: 0,
+        };
+        assert_eq!(ledger.committed(&usage), 66 * MIB);
+        let after = committed_after(&ledger, &usage, 22 * MIB);
+        assert!(
+            after <= ledger.capacity,
+            "committed {after} > capacity {}",
+            ledger.capacity
+        );
+        // The governor's target never adds up past the room either.
+        let target = ledger.pool_room(1, &usage.pool);
+        assert!(ledger.sandboxes(1) + target as u64 * 22 * MIB <= ledger.capacity);
+    }
+
+    #[test]
+    fn an_uneven_pool_is_sized_by_its_average_rounded_up() {
+        // Three warm sandboxes of 33 MiB and 2 bytes in all; 99 MiB and a
+        // byte of room: three would not fit, two do.
+        let pool = PoolUsage {
+            ready: 3,
+            bytes: 99 * MIB + 2,
+            measured_each: 0,
+            booting: 0,
+        };
+        let ledger = Ledger {
+            capacity: 99 * MIB + 1,
+            sandbox: 1024 * MIB,
+        };
+        assert_eq!(ledger.pool_room(0, &pool), 2);
     }
 
     fn candidate(n: u128, age_s: u64) -> Candidate {

@@ -326,6 +326,7 @@ impl Admission {
                 ready: stats.ready,
                 bytes: stats.memory_bytes,
                 measured_each: self.warm_measured.load(Ordering::Relaxed),
+                booting: stats.target.saturating_sub(stats.ready),
             }
         });
         let usage = Usage {

@@ -297,6 +297,18 @@ impl Session {
             return;
         }
         let owner = proof.unwrap_or_else(|| self.snapshot_owner.clone());
+        if !owner.is_owner() && !self.features.shared_snapshots {
+            // A read-only token creates from its owner's snapshots and
+            // overwrites none; refused whether the name exists or not.
+            out.error(
+                Status::FilesystemSnapshotError,
+                &failed(format!(
+                    "no filesystem snapshot named {name:?} that this token may write"
+                )),
+            )
+            .await;
+            return;
+        }
         let path = if self.features.shared_snapshots {
             name.clone()
         } else {
@@ -328,6 +340,7 @@ impl Session {
                     "status": Status::FilesystemSnapshotCreated.as_str(),
                     "filesystem_snapshot_name": name,
                     "filesystem_snapshot_token": owner.snapshot_token(),
+                    "filesystem_snapshot_read_token": owner.read_token(),
                 })))
                 .await;
             }

@@ -177,3 +177,90 @@ pub(in crate::ctl) async fn delete_checkpoint(
 ) -> Result<(), OperatorError> {
     Ok(controllers::sandboxes::delete_checkpoint_objects(store, image_path).await?)
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        reason = "tests fail by panicking"
+    )]
+
+    use chrono::{Duration, Utc};
+    use controllers::api::{CheckpointRef, Phase, SandboxId, SandboxMetadata, encode};
+    use controllers::layout::metadata_key;
+    use controllers::store::{PutMode, Store};
+    use controllers::testing::MemoryStore;
+
+    /// Writes a sandbox created `age` ago in `phase`, with a checkpoint or not.
+    async fn sandbox(store: &MemoryStore, n: u128, age: Duration, phase: Phase, checkpoint: bool) {
+        let id = SandboxId::from_u128(n);
+        let created = Utc::now() - age;
+        let mut metadata = SandboxMetadata::new(id.clone(), created, "ab".repeat(32));
+        metadata.status.phase = phase;
+        if checkpoint {
+            metadata.status.epoch = 1;
+            metadata.status.latest_checkpoint = Some(CheckpointRef {
+                bucket: "b".to_owned(),
+                path: controllers::layout::checkpoint_image_key(&SandboxId::from_u128(n + 100))
+                    .to_string(),
+                epoch: 1,
+                sha256: "0".repeat(64),
+                size: 1,
+                created_at: created,
+                name: None,
+                extra: controllers::api::ExtraFields::new(),
+            });
+        }
+        store
+            .put(&metadata_key(&id), encode(&metadata), PutMode::Create)
+            .await
+            .unwrap();
+    }
+
+    /// A create that failed without ever running leaves a `Failed` record:
+    /// `gc` removes it once older than the retention, and keeps a recent
+    /// one, a failed sandbox with a checkpoint (it can be restored) and a
+    /// running one.
+    #[tokio::test]
+    async fn failed_records_past_the_retention_are_collected() {
+        let store = MemoryStore::new();
+        let hour = Duration::hours(1);
+        sandbox(&store, 1, hour, Phase::Failed, false).await;
+        sandbox(&store, 2, Duration::seconds(5), Phase::Failed, false).await;
+        sandbox(&store, 3, hour, Phase::Failed, true).await;
+        sandbox(&store, 4, hour, Phase::Running, false).await;
+        let retention = Duration::seconds(600);
+        let old_failed = SandboxId::from_u128(1).to_string();
+
+        let dry = super::gc(&store, &store, retention, Utc::now(), true, None)
+            .await
+            .unwrap();
+        assert_eq!(dry.failed, std::slice::from_ref(&old_failed));
+        assert!(
+            store
+                .get(&metadata_key(&SandboxId::from_u128(1)))
+                .await
+                .is_ok()
+        );
+
+        let report = super::gc(&store, &store, retention, Utc::now(), false, None)
+            .await
+            .unwrap();
+        assert_eq!(report.failed, [old_failed]);
+        assert!(
+            store
+                .get(&metadata_key(&SandboxId::from_u128(1)))
+                .await
+                .is_err()
+        );
+        for kept in 2..=4 {
+            let key = metadata_key(&SandboxId::from_u128(kept));
+            assert!(store.get(&key).await.is_ok(), "sandbox {kept} was removed");
+        }
+        let again = super::gc(&store, &store, retention, Utc::now(), false, None)
+            .await
+            .unwrap();
+        assert!(again.failed.is_empty(), "{again:?}");
+    }
+}

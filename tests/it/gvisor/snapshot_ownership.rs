@@ -3,7 +3,8 @@
 //! neither read nor overwrite a snapshot it only knows the name of, its
 //! refusal is the one an unknown name gets, the owner proves itself with its
 //! sandbox token or the snapshot token (also inside the name, which is what
-//! the earlier clients can send), a shared deployment keeps the earlier
+//! the earlier clients can send), a consumer's read-only token creates from
+//! a snapshot and overwrites none, a shared deployment keeps the earlier
 //! server's names, and `sandboxctl gc`'s snapshot collection keeps what is
 //! current and removes what is expired or superseded.
 
@@ -312,4 +313,114 @@ async fn gc_removes_expired_snapshots_and_superseded_archives_only() {
         .await
         .unwrap();
     assert_eq!(kept, sandboxd::ctl::SnapshotGcReport::default());
+}
+
+/// `snapshot_filesystem` of `name` refused; the error's message, ids replaced.
+async fn snapshot_refused(ws: &mut Ws, name: &str, extra: Value) -> String {
+    let mut frame = json!({"action": "snapshot_filesystem", "name": name});
+    if let (Some(frame), Some(extra)) = (frame.as_object_mut(), extra.as_object()) {
+        frame.extend(extra.clone());
+    }
+    ws.send(frame).await;
+    loop {
+        let frame = ws.next_value().await;
+        assert_ne!(
+            frame["status"], "SANDBOX_FILESYSTEM_SNAPSHOT_CREATED",
+            "{frame}"
+        );
+        if frame["event"] == "error" {
+            return without_ids(frame["message"].as_str().unwrap());
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_token_creates_from_a_snapshot_and_overwrites_none() {
+    let server = Server::start().await;
+    let (mut alice, _, alice_token) = sandbox_saying(&server, "alice").await;
+    let created = snapshot(&mut alice, "base", json!({})).await;
+    let read_token = created["filesystem_snapshot_read_token"]
+        .as_str()
+        .expect("the read-only token comes with CREATED")
+        .to_owned();
+    assert!(read_token.starts_with("ssr-"), "{created}");
+    assert_ne!(created["filesystem_snapshot_token"], read_token);
+
+    // A consumer with the read-only token creates from it, both ways.
+    for init in [
+        json!({"filesystem_snapshot_name": "base", "filesystem_snapshot_token": read_token}),
+        json!({"filesystem_snapshot_name": format!("base@{read_token}")}),
+    ] {
+        assert_eq!(create_from(&server, init).await, Ok("alice".to_owned()));
+    }
+
+    // It cannot overwrite: refused, in the same words for a name that
+    // exists and one that does not.
+    let (mut mallory, _, _) = sandbox_saying(&server, "mallory").await;
+    let proof = json!({"filesystem_snapshot_token": read_token});
+    let existing = snapshot_refused(&mut mallory, "base", proof.clone()).await;
+    let unknown = snapshot_refused(&mut mallory, "never-taken", proof).await;
+    assert!(
+        existing.contains("no filesystem snapshot named"),
+        "{existing}"
+    );
+    assert_eq!(existing, unknown.replace("never-taken", "base"));
+    assert_eq!(
+        create_from(
+            &server,
+            json!({"filesystem_snapshot_name": "base", "filesystem_snapshot_token": alice_token}),
+        )
+        .await,
+        Ok("alice".to_owned())
+    );
+    // The owner's proofs keep overwrite.
+    let owner_token = created["filesystem_snapshot_token"].clone();
+    snapshot(
+        &mut mallory,
+        "base",
+        json!({"filesystem_snapshot_token": owner_token}),
+    )
+    .await;
+    assert_eq!(
+        create_from(
+            &server,
+            json!({"filesystem_snapshot_name": "base", "filesystem_snapshot_token": read_token}),
+        )
+        .await,
+        Ok("mallory".to_owned())
+    );
+
+    // A snapshot taken before read-only tokens (under the scope of the
+    // snapshot token) still opens for the owner, not for the reader.
+    snapshot(&mut alice, "old", json!({})).await;
+    let owner = sandboxd::api::snapshot_owner::SnapshotProof::new(alice_token.clone());
+    let current = snapshot_manifest_key(&owner.path("old")).unwrap();
+    let earlier = snapshot_manifest_key(&owner.earlier_path("old").unwrap()).unwrap();
+    let mut manifest: Value =
+        serde_json::from_slice(&server.store.get(&current).await.unwrap().data).unwrap();
+    manifest["name"] = json!(owner.earlier_path("old").unwrap());
+    server
+        .store
+        .put(&earlier, manifest.to_string().into(), PutMode::Create)
+        .await
+        .unwrap();
+    server.store.delete(&current).await.unwrap();
+    assert_eq!(
+        create_from(
+            &server,
+            json!({"filesystem_snapshot_name": "old", "filesystem_snapshot_token": alice_token}),
+        )
+        .await,
+        Ok("alice".to_owned())
+    );
+    let refused = create_from(
+        &server,
+        json!({"filesystem_snapshot_name": "old", "filesystem_snapshot_token": read_token}),
+    )
+    .await
+    .expect_err("the earlier scope is the owner's");
+    assert!(
+        refused.contains("no filesystem snapshot named"),
+        "{refused}"
+    );
 }

@@ -844,3 +844,56 @@ async fn a_burst_of_resizes_ends_at_the_last_size() {
     ws.send(json!({"action": "kill_process"})).await;
     ws.until_status("SANDBOX_EXECUTION_DONE").await;
 }
+
+/// A sandbox runs here at most `--max-sandbox-lifetime-s` in one go (6 s in
+/// the test, also with `idle_timeout: 0`): a checkpointable one is then
+/// checkpointed and restores with its state at its next attach, any other is
+/// deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_leaves_at_its_maximum_lifetime() {
+    const LIFETIME: Duration = Duration::from_secs(6);
+    let store: std::sync::Arc<dyn controllers::store::Store> =
+        std::sync::Arc::new(controllers::testing::MemoryStore::new());
+    let server = support::ws::Server::sharing("lifetime", store, |parts| {
+        parts.lifetimes.max_lifetime = LIFETIME;
+    })
+    .await;
+    let (mut kept, kept_id, kept_token) = server
+        .create(json!({"idle_timeout": 0, "enable_checkpoint": true}))
+        .await;
+    kept.exec("bash", "echo state > /tmp/state").await;
+    let (plain, plain_id, plain_token) = server.create(json!({"idle_timeout": 0})).await;
+    let started = Instant::now();
+    drop((kept, plain));
+    let controller = server.state.controller.clone().unwrap();
+    let held = |id: &str| controller.is_held_here(&controllers::api::SandboxId::parse(id).unwrap());
+    while (held(&kept_id) || held(&plain_id))
+        && started.elapsed() < LIFETIME + Duration::from_secs(60)
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let left_after = started.elapsed();
+    eprintln!("both sandboxes left {left_after:?} after their start (lifetime {LIFETIME:?})");
+    assert!(
+        !held(&kept_id) && !held(&plain_id),
+        "still held after {left_after:?}"
+    );
+    assert!(
+        left_after >= LIFETIME,
+        "left after {left_after:?}, before the lifetime"
+    );
+    assert_eq!(
+        support::ws::metadata(&server, &kept_id).await.status.phase,
+        controllers::api::Phase::Checkpointed
+    );
+
+    let mut back = server.attach(&kept_id, &kept_token).await;
+    let frames = back.until_status("SANDBOX_RUNNING").await;
+    assert_eq!(frames.last().unwrap(), "SANDBOX_RUNNING", "{frames:?}");
+    assert_eq!(back.stdout_of("bash", "cat /tmp/state").await, "state\n");
+    let mut gone = server.attach(&plain_id, &plain_token).await;
+    assert_eq!(
+        gone.until_close().await,
+        ["SANDBOX_NOT_FOUND", "close:1011"]
+    );
+}

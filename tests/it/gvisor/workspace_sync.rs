@@ -9,6 +9,7 @@ use std::sync::Arc;
 use controllers::store::{ObjectKey, Operation, OperationCounts, Store};
 use sandboxd::server::counted;
 use sandboxd::store::LocalStore;
+use sandboxd::workspace::owner::owned_path;
 use sandboxd::workspace::{SyncLimits, WorkspaceMetrics};
 use serde_json::{Value, json};
 use support::ws::{Server, Ws};
@@ -65,8 +66,13 @@ impl Fixture {
             .sum()
     }
 
-    async fn remote_state(&self, workspace: &str) -> Value {
-        let key = ObjectKey::new(format!("workspaces/{workspace}/sandbox-state")).unwrap();
+    /// The stored state of workspace `name` owned by [`TOKEN`].
+    async fn remote_state(&self, name: &str) -> Value {
+        self.remote_state_at(&owned_path(TOKEN, name)).await
+    }
+
+    async fn remote_state_at(&self, path: &str) -> Value {
+        let key = ObjectKey::new(format!("workspaces/{path}/sandbox-state")).unwrap();
         serde_json::from_slice(&self.workspaces.get(&key).await.unwrap().data).unwrap()
     }
 
@@ -82,8 +88,9 @@ impl Fixture {
     }
 
     /// Overwrites a workspace's stored state, as an operator could.
-    async fn write_state(&self, workspace: &str, state: &Value) {
-        let key = ObjectKey::new(format!("workspaces/{workspace}/sandbox-state")).unwrap();
+    async fn write_state(&self, name: &str, state: &Value) {
+        let path = owned_path(TOKEN, name);
+        let key = ObjectKey::new(format!("workspaces/{path}/sandbox-state")).unwrap();
         self.workspaces
             .put(
                 &key,
@@ -255,7 +262,10 @@ async fn a_deleted_file_is_deleted_on_the_other_side() {
     assert_eq!(paths(&fx.remote_state("shared").await), ["keep"]);
     let contents = fx
         .workspaces
-        .list_all("workspaces/shared/files/")
+        .list_all(&format!(
+            "workspaces/{}/files/",
+            owned_path(TOKEN, "shared")
+        ))
         .await
         .unwrap();
     assert_eq!(
@@ -308,7 +318,7 @@ async fn symlinks_escaping_the_workspace_and_oversized_or_bad_state_are_refused(
     assert!(
         frames
             .iter()
-            .any(|f| f.contains("invalid") && f.contains("workspaces/evil/sandbox-state")),
+            .any(|f| f.contains("invalid") && f.contains("/evil/sandbox-state")),
         "{frames:?}"
     );
     let bad_md5 = json!({"version": "1.0", "last_synced_at": 1, "files": [
@@ -351,9 +361,17 @@ async fn symlinks_escaping_the_workspace_and_oversized_or_bad_state_are_refused(
 #[tokio::test]
 async fn enable_workspace_sync_without_a_name_uses_the_sandbox_id() {
     let fx = fixture().await;
-    let (mut ws, id, _) = fx.create(json!({"enable_workspace_sync": true})).await;
+    let (mut ws, id, token) = fx.create(json!({"enable_workspace_sync": true})).await;
     ws.stdout_of("bash", "echo mine > /workspace/f").await;
-    assert_eq!(paths(&fx.remote_state(&id).await), ["f"]);
+    assert_eq!(
+        paths(&fx.remote_state_at(&owned_path(&token, &id)).await),
+        ["f"]
+    );
+    // The sandbox token opens it by name, as a workspace token.
+    let (mut again, _, _) = fx
+        .create(json!({"workspace_id": id, "workspace_token": token}))
+        .await;
+    assert_eq!(again.stdout_of("bash", "cat /workspace/f").await, "mine\n");
 }
 
 #[tokio::test]
@@ -466,38 +484,50 @@ async fn a_restore_follows_a_file_that_became_a_directory() {
 }
 
 #[tokio::test]
-async fn a_named_workspace_belongs_to_the_token_that_first_used_it() {
+async fn a_named_workspace_is_scoped_by_its_token_and_a_wrong_token_finds_no_workspace() {
     let fx = fixture().await;
     let (mut owner, _, _) = fx
-        .create(json!({"workspace_id": "private", "workspace_token": TOKEN}))
+        .create(json!({"workspace_id": "team-main", "workspace_token": TOKEN}))
         .await;
     owner.stdout_of("bash", "echo secret > /workspace/s").await;
-    let owner_record = fx
-        .workspaces
-        .get(&ObjectKey::new("workspaces/private/owner.json").unwrap())
-        .await
-        .unwrap();
-    let record: Value = serde_json::from_slice(&owner_record.data).unwrap();
+
+    // Another tenant naming the same workspace with its own token is not
+    // refused: it gets a workspace of its own, empty, and learns nothing.
+    let other_token = "someone-else-entirely";
+    let (mut other, _, _) = fx
+        .create(json!({"workspace_id": "team-main", "workspace_token": other_token}))
+        .await;
+    assert_eq!(other.stdout_of("bash", "ls /workspace").await, "");
+    other.stdout_of("bash", "echo theirs > /workspace/t").await;
+    assert_eq!(owner.stdout_of("bash", "ls /workspace").await, "s\n");
+    assert_eq!(paths(&fx.remote_state("team-main").await), ["s"]);
     assert_eq!(
-        record["token_sha256"].as_str().unwrap().len(),
-        64,
-        "{record}"
+        paths(
+            &fx.remote_state_at(&owned_path(other_token, "team-main"))
+                .await
+        ),
+        ["t"]
     );
-    assert!(
-        !String::from_utf8_lossy(&owner_record.data).contains(TOKEN),
-        "the token itself is stored"
+    let (mut again, _, _) = fx
+        .create(json!({"workspace_id": "team-main", "workspace_token": TOKEN}))
+        .await;
+    assert_eq!(
+        again.stdout_of("bash", "cat /workspace/s").await,
+        "secret\n"
     );
 
-    for (init, needle) in [
-        (
-            json!({"workspace_id": "private", "workspace_token": "someone-else-entirely"}),
-            "wrong workspace_token",
-        ),
-        (json!({"workspace_id": "private"}), "workspace_token"),
-        (
-            json!({"workspace_id": "private", "workspace_token": "short"}),
-            "workspace_token",
-        ),
+    // The bucket holds no token, and no owner record.
+    let listed = fx.workspaces.list_all("workspaces/").await.unwrap();
+    for object in &listed {
+        let key = object.key.as_str();
+        assert!(!key.contains(TOKEN) && !key.contains(other_token), "{key}");
+        assert!(!key.ends_with("owner.json"), "{key}");
+    }
+
+    // Still refused: no token, a short one.
+    for init in [
+        json!({"workspace_id": "team-main"}),
+        json!({"workspace_id": "team-main", "workspace_token": "short"}),
     ] {
         let frames = fx.create_frames(init.clone()).await;
         assert!(
@@ -505,13 +535,50 @@ async fn a_named_workspace_belongs_to_the_token_that_first_used_it() {
             "{init}: {frames:?}"
         );
         assert!(
-            frames.iter().any(|f| f.contains(needle)),
+            frames.iter().any(|f| f.contains("workspace_token")),
             "{init}: {frames:?}"
         );
     }
-    assert_eq!(
-        counter(&fx.metrics().files_downloaded),
-        0,
-        "nothing reached the intruder"
-    );
+}
+
+#[tokio::test]
+async fn a_workspace_of_the_earlier_layout_stays_its_owners() {
+    let fx = fixture().await;
+    // What the earlier server left: `workspaces/legacy/` and its owner record.
+    let (mut seed, _, _) = fx
+        .create(json!({"workspace_id": "seed", "workspace_token": TOKEN}))
+        .await;
+    seed.stdout_of("bash", "echo old > /workspace/o").await;
+    let seeded = fx.workspaces.list_all("workspaces/").await.unwrap();
+    for object in &seeded {
+        let key = object.key.as_str();
+        let suffix = key.rsplit_once("/seed/").unwrap().1;
+        let data = fx.workspaces.get(&object.key).await.unwrap().data;
+        let legacy = ObjectKey::new(format!("workspaces/legacy/{suffix}")).unwrap();
+        fx.workspaces
+            .put(&legacy, data, controllers::store::PutMode::Overwrite)
+            .await
+            .unwrap();
+    }
+    let owner = json!({"token_sha256": sandboxd::token::digest(TOKEN)});
+    fx.workspaces
+        .put(
+            &ObjectKey::new("workspaces/legacy/owner.json").unwrap(),
+            owner.to_string().into(),
+            controllers::store::PutMode::Create,
+        )
+        .await
+        .unwrap();
+
+    let (mut owner, _, _) = fx
+        .create(json!({"workspace_id": "legacy", "workspace_token": TOKEN}))
+        .await;
+    assert_eq!(owner.stdout_of("bash", "cat /workspace/o").await, "old\n");
+    owner.stdout_of("bash", "echo new > /workspace/n").await;
+    assert_eq!(paths(&fx.remote_state_at("legacy").await), ["n", "o"]);
+
+    let (mut other, _, _) = fx
+        .create(json!({"workspace_id": "legacy", "workspace_token": "someone-else-entirely"}))
+        .await;
+    assert_eq!(other.stdout_of("bash", "ls /workspace").await, "");
 }

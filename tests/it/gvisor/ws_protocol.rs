@@ -263,9 +263,12 @@ async fn a_second_attach_is_in_use_and_steals_nothing_b7() {
         second.until_close().await,
         strings(&["SANDBOX_IN_USE", "close:1011"])
     );
-    // A wrong token on an attached sandbox is a permission error, as upstream.
+    // A wrong token on an attached sandbox is answered as an unknown id.
     let mut wrong = server.attach(&id, "0000").await;
-    assert_eq!(wrong.next().await, "SANDBOX_PERMISSION_DENIAL_ERROR");
+    assert_eq!(
+        wrong.until_close().await,
+        strings(&["SANDBOX_NOT_FOUND", "close:1011"])
+    );
     // The attached client still gets its own notifications.
     first.send(json!({"action": "kill_sandbox"})).await;
     assert_eq!(
@@ -297,11 +300,7 @@ async fn a_wrong_token_restores_nothing_b6() {
     let mut wrong = server.attach(&id, &"f".repeat(64)).await;
     assert_eq!(
         wrong.until_close().await,
-        strings(&[
-            "SANDBOX_PERMISSION_DENIAL_ERROR",
-            "error:Invalid sandbox token.",
-            "close:4000"
-        ])
+        strings(&["SANDBOX_NOT_FOUND", "close:1011"])
     );
     let after = metadata(&server, &id).await;
     assert_eq!(after, before, "a rejected attach changes nothing");
@@ -1232,4 +1231,58 @@ async fn a_reconnect_while_output_streams_loses_nothing() {
         &missing[..missing.len().min(10)]
     );
     assert_eq!(numbers, (0..LINES).collect::<Vec<_>>());
+}
+
+/// An unknown id and a known id with a wrong token get the same answer, on
+/// the WebSocket attach and on every HTTP route that takes a sandbox token:
+/// a token learns nothing about which ids exist.
+#[tokio::test]
+async fn an_unknown_id_and_a_wrong_token_are_answered_alike() {
+    let server = Server::start().await;
+    let (_running, running_id, _) = server.create(json!({"idle_timeout": 60})).await;
+    let (mut ws, stopped_id, _) = server
+        .create(json!({"idle_timeout": 60, "enable_checkpoint": true}))
+        .await;
+    ws.send(json!({"action": "checkpoint"})).await;
+    assert_eq!(ws.until_close().await.last().unwrap(), "close:1000");
+    let unknown = SandboxId::random().to_string();
+    let wrong = "f".repeat(64);
+
+    let mut answers = Vec::new();
+    for id in [&unknown, &running_id, &stopped_id] {
+        let mut attach = server.attach(id, &wrong).await;
+        answers.push(attach.until_close().await);
+    }
+    assert_eq!(
+        answers[0],
+        strings(&["SANDBOX_NOT_FOUND", "close:1011"]),
+        "{answers:?}"
+    );
+    assert!(answers.iter().all(|a| a == &answers[0]), "{answers:?}");
+
+    let client = reqwest::Client::new();
+    let base = format!("http://{}", server.addr);
+    for route in ["files", "files/content", "checkpoints"] {
+        let mut answers = Vec::new();
+        for id in [&unknown, &running_id, &stopped_id] {
+            let url = format!("{base}/sandboxes/{id}/{route}");
+            let request = match route {
+                "files" => client.post(url).json(&json!({"op": "stat", "path": "a"})),
+                "files/content" => client.get(url).query(&[("path", "a")]),
+                _ => client.get(url),
+            };
+            let response = request
+                .bearer_auth(&wrong)
+                .header("x-sandbox-token", &wrong)
+                .send()
+                .await
+                .unwrap();
+            answers.push((response.status().as_u16(), response.text().await.unwrap()));
+        }
+        assert_eq!(answers[0].0, 404, "{route}: {answers:?}");
+        assert!(
+            answers.iter().all(|a| a == &answers[0]),
+            "{route}: {answers:?}"
+        );
+    }
 }
