@@ -104,8 +104,9 @@ class IgnoredSignalsTest(AgentTest):
     def test_ctrl_c_on_a_terminal_interrupts_its_program(self):
         exec_id = self.send("exec", argv=["python3", "-c",
                                           "import time\n"
-                                          "print('sleeping', flush=True)\n"
-                                          "try:\n    time.sleep(30)\n"
+                                          "try:\n"
+                                          "    print('sleeping', flush=True)\n"
+                                          "    time.sleep(30)\n"
                                           "except KeyboardInterrupt:\n    print('interrupted')\n"],
                             pty={"cols": 80, "rows": 24})
         seen = self.run_until(lambda events: b"sleeping" in output(events, exec_id))
