@@ -342,9 +342,12 @@ async fn after_a_crash_between_checkpoints_the_workspace_has_the_last_finished_e
         "echo v2 > /workspace/v && echo v2 > /tmp/v && mkdir -p /workspace/out && echo new > /workspace/out/result",
     )
     .await;
-    let state: Value =
-        serde_json::from_str(&read_object(&bucket, "workspaces/crash-proof/sandbox-state").await)
-            .unwrap();
+    let path =
+        sandboxd::workspace::owner::owned_path("crash-proof-token-0123456789", "crash-proof");
+    let state: Value = serde_json::from_str(
+        &read_object(&bucket, &format!("workspaces/{path}/sandbox-state")).await,
+    )
+    .unwrap();
     assert_eq!(state["files"].as_array().unwrap().len(), 2, "{state}");
     servers[0].signal("-KILL");
 

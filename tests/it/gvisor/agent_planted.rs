@@ -83,7 +83,8 @@ async fn planted_symlinks_and_fifos_neither_redirect_nor_block_the_agent() {
         stdout_of(&mut ws, CHECK).await,
         "untouched\nstate-is-a-file\n"
     );
-    let key = ObjectKey::new("workspaces/planted/sandbox-state").unwrap();
+    let path = sandboxd::workspace::owner::owned_path(TOKEN, "planted");
+    let key = ObjectKey::new(format!("workspaces/{path}/sandbox-state")).unwrap();
     let stored: Value = serde_json::from_slice(&workspaces.get(&key).await.unwrap().data).unwrap();
     let paths: Vec<&str> = stored["files"]
         .as_array()
