@@ -1260,7 +1260,7 @@ async fn an_unknown_id_and_a_wrong_token_are_answered_alike() {
     );
     assert!(answers.iter().all(|a| a == &answers[0]), "{answers:?}");
 
-    let client = reqwest::Client::new();
+    let client = testkit::http_client();
     let base = format!("http://{}", server.addr);
     for route in ["files", "files/content", "checkpoints"] {
         let mut answers = Vec::new();

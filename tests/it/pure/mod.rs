@@ -3,6 +3,7 @@
 
 mod deploy_files;
 mod fuzz_protocol;
+mod http_clients;
 mod local_store_processes;
 mod store_conformance;
 mod workspace_release;
