@@ -10,10 +10,6 @@
 #                             fake-gcs-server and the sandbox images, installed
 #                             and built here when missing, as root)
 #
-# SANDBOXD_TEST_BESIDE_REST, when set, is a command run beside the rest tier
-# once the quick tier has built everything (CI builds and boots the
-# production container image there); its failure fails the run.
-#
 # Other arguments go to nextest (`--locked`, `-E 'test(/files/)'`). With
 # NEXTEST_PROFILE=ci each tier's JUnit is kept in target/nextest/ci/ and
 # scripts/test-report.py prints the slowest tests and each tier's total.
@@ -170,10 +166,6 @@ status=0
 run_tier quick "$QUICK" "$@" || status=$?
 if [ "$status" = 0 ]; then
   python_client_tests > target/python-client.log 2>&1 & python_job=$!
-  beside_job=
-  if [ -n "${SANDBOXD_TEST_BESIDE_REST:-}" ]; then
-    bash -c "$SANDBOXD_TEST_BESIDE_REST" > target/beside-rest.log 2>&1 & beside_job=$!
-  fi
   # The fuzz targets (pure::fuzz_protocol) run FUZZ_SECS each here, side by side.
   export FUZZ_SECS="${FUZZ_SECS:-20}"
   run_tier rest "$REST" "$@" || status=$?
@@ -184,13 +176,6 @@ if [ "$status" = 0 ]; then
   wait "$python_job" || python_status=$?
   cat target/python-client.log
   [ "$python_status" = 0 ] || status=$python_status
-  if [ -n "$beside_job" ]; then
-    beside_status=0
-    wait "$beside_job" || beside_status=$?
-    cat target/beside-rest.log
-    echo "== beside the rest tier: ${SANDBOXD_TEST_BESIDE_REST} (exit ${beside_status})"
-    [ "$beside_status" = 0 ] || status=$beside_status
-  fi
 fi
 if [ "$profile" = ci ]; then
   python3 scripts/test-report.py target/nextest/ci/junit-*.xml || true
