@@ -216,6 +216,9 @@ class Sandbox:
         self.files = Files(self)
         #: The options the sandbox was created with (what this client sent).
         self.options: dict[str, Any] = {}
+        #: The message of the last status update, until an `error` event
+        #: repeating it arrives (the server sends both for one refusal).
+        self._last_status_message: Optional[str] = None
 
     # -- identity --------------------------------------------------------------
 
@@ -528,11 +531,18 @@ class Sandbox:
             self._sandbox_id = frame.get("sandbox_id")
             self._sandbox_token = frame.get("sandbox_token")
         elif event == "status_update":
+            self._last_status_message = frame.get("message")
             self._on_status(str(frame.get("status", "")), frame.get("message"), frame)
         elif event == "error":
             # Always right after its status, which carries the message too;
             # alone, it answers a frame the server could not read.
             message = str(frame.get("message", ""))
+            echoed, self._last_status_message = self._last_status_message, None
+            if message == echoed:
+                # The status just handled said it (an execution refused for
+                # its language, say): the next execution, which may already
+                # wait for its start, must not take it for its own refusal.
+                return
             process = self._process
             if process is not None and not process._started.done():
                 # An execution request the server could not read (a field of
