@@ -10,6 +10,12 @@
 #                             fake-gcs-server and the sandbox images, installed
 #                             and built here when missing, as root)
 #
+# SANDBOXD_TEST_BESIDE_QUICK, when set, is a command run beside the quick
+# tier's tests, once everything is built and before the rest tier starts
+# (CI builds and boots the production container image there: it needs the
+# binaries, and none of the quick tier's tests starts runsc); its failure
+# fails the run.
+#
 # Other arguments go to nextest (`--locked`, `-E 'test(/files/)'`). With
 # NEXTEST_PROFILE=ci each tier's JUnit is kept in target/nextest/ci/ and
 # scripts/test-report.py prints the slowest tests and each tier's total.
@@ -163,7 +169,26 @@ fi
 
 # Quick tier first: a broken build or a broken pure test fails in minutes.
 status=0
-run_tier quick "$QUICK" "$@" || status=$?
+beside_job=
+if [ -n "${SANDBOXD_TEST_BESIDE_QUICK:-}" ]; then
+  # The build alone (nextest lists what it built), so that the command can
+  # start before the quick tier's tests do.
+  build_started=$(date +%s)
+  cargo nextest list --workspace --all-features -E 'none()' "$@" >/dev/null || status=$?
+  echo "== build: $(( $(date +%s) - build_started )) s (exit ${status})"
+  if [ "$status" = 0 ]; then
+    bash -c "$SANDBOXD_TEST_BESIDE_QUICK" > target/beside-quick.log 2>&1 & beside_job=$!
+  fi
+fi
+[ "$status" = 0 ] && { run_tier quick "$QUICK" "$@" || status=$?; }
+if [ -n "$beside_job" ]; then
+  beside_status=0
+  beside_started=$(date +%s)
+  wait "$beside_job" || beside_status=$?
+  cat target/beside-quick.log
+  echo "== beside the quick tier: ${SANDBOXD_TEST_BESIDE_QUICK} (exit ${beside_status}; waited $(( $(date +%s) - beside_started )) s after the tier)"
+  [ "$beside_status" = 0 ] || status=$beside_status
+fi
 if [ "$status" = 0 ]; then
   python_client_tests > target/python-client.log 2>&1 & python_job=$!
   # The fuzz targets (pure::fuzz_protocol) run FUZZ_SECS each here, side by side.
