@@ -5,9 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::api::{SandboxId, SandboxMetadata, SnapshotRef};
+use crate::api::{SandboxId, SnapshotRef};
 use crate::files::{FsError, FsReply, FsRequest};
-use crate::layout::metadata_key;
 use crate::runtime::{ExecEvent, ExecRequest, Execution, RuntimeError};
 
 use super::super::reconciler::Reconciler;
@@ -101,16 +100,14 @@ impl SandboxController {
             extra: crate::api::ExtraFields::new(),
         };
         let recorded = reference.clone();
-        let written =
-            crate::fencing::fenced_update::<SandboxMetadata, std::convert::Infallible, _>(
-                self.reconciler.metadata_store().as_ref(),
-                &metadata_key(sandbox),
-                held.epoch,
-                |metadata| {
-                    metadata.status.latest_snapshot = Some(recorded.clone());
-                    Ok(())
-                },
-            )
+        // Through the reconciler's one status writer: it takes this
+        // sandbox's write turn and starts from the generation this instance
+        // last wrote, as every other status write here does.
+        let written = self
+            .reconciler
+            .write_status(sandbox, held.epoch, |status| {
+                status.latest_snapshot = Some(recorded.clone());
+            })
             .await;
         if let Err(err) = written {
             // The snapshot exists; only its mention in the metadata is missing.

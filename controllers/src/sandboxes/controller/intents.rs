@@ -1,8 +1,9 @@
 //! The intents the API layer writes through the controller: create, fork,
 //! ask for a sandbox here (or withdraw), ask for a checkpoint or deletion
 //! (ringing the holder elsewhere), and the shutdown drain. Each writes
-//! `metadata.json`'s spec or the lease's `wanted_by` and queues a
-//! reconcile; none touches the runtime.
+//! `metadata.json`'s spec, or takes a free lock, or rings the holder (the
+//! ring carries the intent; only a free lock another instance wants gets
+//! `wanted_by`), and queues a reconcile; none touches the runtime.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -185,8 +186,8 @@ impl SandboxController {
     /// [`Self::read_for_attach`]): the spec and the lock are written at
     /// once, each conditional on what was read. A lock nobody holds or
     /// wants is taken in the same write (the intent fulfilled at once: the
-    /// pass adopts it); otherwise the intent goes into `wanted_by` and the
-    /// holder is rung.
+    /// pass adopts it); a held lock is left alone and its holder is rung
+    /// with the intent.
     ///
     /// A lock taken here while the spec's write is still under way (GCS
     /// holds a write of one object to about one a second, and a client

@@ -1,6 +1,6 @@
 //! The sandbox controller of one instance: the work queue, its worker loop,
 //! and the narrow surface the API layer may use. That surface writes intents
-//! (spec fields, the lease's `wanted_by`) and queues a reconcile; it never
+//! (spec fields, a free lock, a ring to the holder) and queues a reconcile; it never
 //! creates, checkpoints or restores a sandbox itself. Executions and
 //! filesystem snapshots pass through to the runtime, but only for a sandbox
 //! this instance holds. A fork copies its source's checkpoint (data, not

@@ -9,25 +9,30 @@ use std::time::Duration;
 use super::*;
 
 impl Reconciler {
-    /// The local sandbox died while held: record `Failed`, release.
+    /// The local sandbox died while held: record `Failed`, then release (as
+    /// a deletion and a lost checkpoint do), so that no taker finds the lock
+    /// free while the status still says the sandbox runs.
     pub(super) async fn mark_died(
         &self,
         sandbox: &SandboxId,
         held: HeldLease,
     ) -> Result<Requeue, ReconcileError> {
         self.forget(sandbox);
+        let cause = LossCause::Died;
+        let message = cause.to_string();
+        let recorded = self
+            .write_status(sandbox, held.epoch, |status| {
+                status.phase = Phase::Failed;
+                status.holder = None;
+                status.last_error = Some(message.clone());
+                self.ready(status, ReadyReason::Failed, &message);
+            })
+            .await;
+        // Released even when the record was refused: the hold ends either way.
         if let Err(err) = self.leases.release(&held).await {
             tracing::warn!(%sandbox, %err, "cannot release the lease of a sandbox that stopped");
         }
-        let cause = LossCause::Died;
-        let message = cause.to_string();
-        self.write_status(sandbox, held.epoch, |status| {
-            status.phase = Phase::Failed;
-            status.holder = None;
-            status.last_error = Some(message.clone());
-            self.ready(status, ReadyReason::Failed, &message);
-        })
-        .await?;
+        recorded?;
         self.emit(sandbox, SandboxEvent::Lost(cause));
         Ok(Requeue::Never)
     }

@@ -366,8 +366,9 @@ impl Reconciler {
         status.set_ready(reason, message, self.clock.now());
     }
 
-    /// Writes `status` fields under `epoch`, refusing if a newer holder wrote.
-    async fn write_status(
+    /// Writes `status` fields under `epoch`, refusing if a newer holder
+    /// wrote: the one writer of a sandbox's `status` on this instance.
+    pub(crate) async fn write_status(
         &self,
         sandbox: &SandboxId,
         epoch: u64,
