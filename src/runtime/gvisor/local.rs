@@ -234,7 +234,8 @@ impl Local {
 }
 
 /// The entries of every sandbox this runtime holds something of, behind one
-/// lock, and the tickets of their reservations.
+/// lock, and the tickets of their reservations: the runtime's one
+/// per-sandbox map (not the controllers' slot: see the module's doc).
 #[derive(Default)]
 pub(super) struct Locals {
     entries: Mutex<HashMap<SandboxId, Local>>,
