@@ -213,6 +213,13 @@ impl LiveSandbox {
 }
 
 /// Every sandbox served here, by id.
+///
+/// Not in the controllers' per-sandbox slot (`reconciler/slots.rs`): this
+/// is the API layer's own state (a socket's attach slot, the execution it
+/// streams, the idle timer), and the API reaches the controllers only
+/// through `SandboxController`, which knows nothing of sockets and lends
+/// out no slot. One map for the API, as the slots are one for the
+/// controllers and `gvisor/local.rs` one for the runtime.
 #[derive(Debug)]
 pub struct LiveSandboxes {
     sandboxes: Mutex<HashMap<SandboxId, Arc<LiveSandbox>>>,

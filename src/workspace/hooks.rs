@@ -113,6 +113,11 @@ struct Binding {
 pub struct WorkspaceHooks {
     sync: Arc<WorkspaceSync>,
     templates: BTreeMap<String, HookTemplate>,
+    /// The sandboxes with a synced workspace here, by id. Not in the
+    /// controllers' slot: a binding (its template, the store's state as
+    /// last seen) is this adapter's, behind the `LifecycleHooks` port,
+    /// which the reconciler calls with a sandbox id only; to keep it in the
+    /// slot the port would have to hand back an opaque per-sandbox value.
     bindings: Mutex<HashMap<SandboxId, Arc<Binding>>>,
 }
 

@@ -159,8 +159,60 @@ pub struct Leases {
     /// 27), by sandbox: on a holder, those its doorbell brought; on a
     /// ringer, its own. Every lock this instance reads counts them
     /// ([`Lease::hear`]), so both see the same `wanted_by` the lock will
-    /// carry after the holder's transfer.
-    heard: Arc<Mutex<HashMap<SandboxId, RungIntent>>>,
+    /// carry after the holder's transfer. Kept in the reconciler's slots
+    /// once a reconciler takes these leases ([`Leases::keep_rung_in`]).
+    heard: Arc<dyn RungIntents>,
+}
+
+/// Where an instance keeps the attach intents rings carried (decision 27),
+/// at most one per sandbox: the reconciler's per-sandbox slots
+/// (`sandboxes/reconciler/slots.rs`), beside everything else the instance
+/// knows of the sandbox.
+pub trait RungIntents: Send + Sync + std::fmt::Debug {
+    /// The intent kept for `sandbox`, if any.
+    fn rung(&self, sandbox: &SandboxId) -> Option<RungIntent>;
+    /// Replaces the intent kept for `sandbox` with what `change` makes of it.
+    fn change_rung(
+        &self,
+        sandbox: &SandboxId,
+        change: &mut dyn FnMut(Option<RungIntent>) -> Option<RungIntent>,
+    );
+    /// Forgets every intent expired at `now`.
+    fn forget_expired(&self, now: DateTime<Utc>);
+}
+
+/// The rung intents of leases no reconciler took (sandboxctl's verbs,
+/// tests of the leases alone). Not in a slot because there is none: the
+/// slots are the reconciler's, which keeps its intents there instead
+/// ([`Leases::keep_rung_in`]).
+#[derive(Debug, Default)]
+struct HeardAlone(Mutex<HashMap<SandboxId, RungIntent>>);
+
+impl HeardAlone {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, RungIntent>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl RungIntents for HeardAlone {
+    fn rung(&self, sandbox: &SandboxId) -> Option<RungIntent> {
+        self.lock().get(sandbox).cloned()
+    }
+
+    fn change_rung(
+        &self,
+        sandbox: &SandboxId,
+        change: &mut dyn FnMut(Option<RungIntent>) -> Option<RungIntent>,
+    ) {
+        let mut heard = self.lock();
+        if let Some(rung) = change(heard.remove(sandbox)) {
+            heard.insert(sandbox.clone(), rung);
+        }
+    }
+
+    fn forget_expired(&self, now: DateTime<Utc>) {
+        self.lock().retain(|_, old| old.intent.expires_at > now);
+    }
 }
 
 impl Leases {
@@ -182,42 +234,40 @@ impl Leases {
             instance,
             config,
             instance_lease,
-            heard: Arc::default(),
+            heard: Arc::new(HeardAlone::default()),
         }
+    }
+
+    /// Keeps the intents rings carry in `intents` from now on (the
+    /// reconciler's slots; see [`RungIntents`]). Call before any is heard,
+    /// on the copy every user shares.
+    pub fn keep_rung_in(&mut self, intents: Arc<dyn RungIntents>) {
+        self.heard = intents;
     }
 
     /// Remembers an attach intent a ring carried for `sandbox` (the newest
     /// one per sandbox, the later heard of two as new; expired ones are
     /// dropped).
     pub fn hear(&self, sandbox: &SandboxId, rung: RungIntent) {
-        let now = self.clock.now();
-        let mut heard = self.heard.lock().unwrap_or_else(PoisonError::into_inner);
-        heard.retain(|_, old| old.intent.expires_at > now);
-        match heard.get(sandbox) {
-            Some(old) if old.intent.requested_at > rung.intent.requested_at => {}
-            _ => {
-                heard.insert(sandbox.clone(), rung);
-            }
-        }
+        self.heard.forget_expired(self.clock.now());
+        self.heard.change_rung(sandbox, &mut |old| match old {
+            Some(old) if old.intent.requested_at > rung.intent.requested_at => Some(old),
+            _ => Some(rung.clone()),
+        });
     }
 
     /// Forgets this instance's own rung intent for `sandbox` (its client
     /// gave up).
     fn forget_own_intent(&self, sandbox: &SandboxId) {
-        let mut heard = self.heard.lock().unwrap_or_else(PoisonError::into_inner);
-        if heard
-            .get(sandbox)
-            .is_some_and(|rung| rung.intent.instance == self.instance)
-        {
-            heard.remove(sandbox);
-        }
+        self.heard.change_rung(sandbox, &mut |rung| {
+            rung.filter(|rung| rung.intent.instance != self.instance)
+        });
     }
 
     /// True if this instance's own intent for `sandbox` went by ring for a
     /// hold older than `lease`'s: another instance got the sandbox since.
     pub fn own_intent_spent(&self, sandbox: &SandboxId, lease: &Lease) -> bool {
-        let heard = self.heard.lock().unwrap_or_else(PoisonError::into_inner);
-        heard.get(sandbox).is_some_and(|rung| {
+        self.heard.rung(sandbox).is_some_and(|rung| {
             rung.intent.instance == self.instance
                 && rung.epoch < lease.epoch
                 && lease.holder.as_ref() != Some(&self.instance)
@@ -227,9 +277,8 @@ impl Leases {
     /// `lease` as this instance sees it: with the intent a ring carried for
     /// it, if any applies ([`Lease::hear`]).
     pub fn with_heard(&self, sandbox: &SandboxId, mut lease: Lease) -> Lease {
-        let heard = self.heard.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(rung) = heard.get(sandbox) {
-            lease.hear(rung, self.clock.now());
+        if let Some(rung) = self.heard.rung(sandbox) {
+            lease.hear(&rung, self.clock.now());
         }
         lease
     }

@@ -12,15 +12,10 @@
 //! the sandbox never subscribe, so a rejected attach cannot steal the
 //! attached client's notifications (upstream bug B7).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
-
 use tokio::sync::broadcast;
 
+use super::reconciler::Slots;
 use crate::api::{InstanceId, SandboxId};
-
-/// How many events a slow subscriber may fall behind before it misses some.
-const CHANNEL_CAPACITY: usize = 64;
 
 /// How a sandbox is started on this instance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,32 +173,30 @@ impl SandboxEvent {
     }
 }
 
-/// The per-sandbox broadcast channels of one instance.
+/// The per-sandbox broadcast channels of one instance. Each sandbox's
+/// channel lives in its slot (`reconciler/slots.rs`), beside the rest of
+/// what this instance knows of it: the bus is a handle on those slots, and
+/// the reconciler built with it keeps its state in the same ones. Cheap to
+/// clone: clones share the slots.
 #[derive(Debug, Clone, Default)]
 pub struct ProgressBus {
-    channels: Arc<Mutex<HashMap<SandboxId, broadcast::Sender<SandboxEvent>>>>,
+    slots: Slots,
 }
 
 impl ProgressBus {
     pub fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<SandboxEvent> {
-        let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
-        channels
-            .entry(sandbox.clone())
-            .or_insert_with(|| broadcast::channel(CHANNEL_CAPACITY).0)
-            .subscribe()
+        self.slots.subscribe(sandbox)
     }
 
     /// Sends `event` to the current subscribers (none is fine), and forgets
     /// channels nobody listens to any more.
     pub fn emit(&self, sandbox: &SandboxId, event: SandboxEvent) {
         tracing::debug!(%sandbox, ?event, "sandbox event");
-        let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(sender) = channels.get(sandbox) {
-            if sender.receiver_count() == 0 {
-                channels.remove(sandbox);
-            } else {
-                let _ = sender.send(event);
-            }
-        }
+        self.slots.publish(sandbox, event);
+    }
+
+    /// The slots the channels live in: the reconciler's.
+    pub(super) fn slots(&self) -> &Slots {
+        &self.slots
     }
 }

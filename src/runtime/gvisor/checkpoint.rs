@@ -19,7 +19,7 @@ use controllers::runtime::{CheckpointRequest, RuntimeError};
 use controllers::store::{PutMode, Store};
 
 use super::prefetch::{self, Downloaded};
-use super::{GvisorRuntime, LocalSandbox};
+use super::{GvisorRuntime, Local, LocalSandbox};
 use crate::runtime::agent::AgentError;
 use crate::runtime::agent::protocol::{CheckpointReady, Request};
 use crate::runtime::checkpoint::cpu_quota;
@@ -121,7 +121,7 @@ impl GvisorRuntime {
                 Ok("running")
             );
             if !still_running {
-                self.sandboxes().remove(sandbox);
+                self.locals.step(sandbox, Local::stop);
                 self.delete_and_detach_in_background(
                     local.container_id.clone(),
                     local.dir.clone(),
@@ -142,8 +142,9 @@ impl GvisorRuntime {
                 "checkpoint failed, sandbox still running: {err}"
             )));
         }
-        // The container is stopped now: it no longer runs here.
-        self.sandboxes().remove(sandbox);
+        // The container is stopped now: it no longer runs here (nor does
+        // an execution a restore brought back and nobody took).
+        self.locals.step(sandbox, Local::stop);
         let agent_version = local.agent.version();
         let upload = async {
             let (sha256, size) = follower.finish().await.map_err(|err| {

@@ -17,7 +17,7 @@ use controllers::runtime::{
 };
 use tokio::sync::mpsc;
 
-use super::{GvisorRuntime, LocalSandbox};
+use super::{GvisorRuntime, Local, LocalSandbox};
 use crate::runtime::agent::delivery::DeliveryGate;
 use crate::runtime::agent::protocol::{JournalEntry, JournalsReply, Request};
 use crate::runtime::agent::{AgentConnection, ExecEvents};
@@ -56,10 +56,8 @@ impl GvisorRuntime {
                     let gate = DeliveryGate::new(id.clone(), acked, local.agent.clone());
                     local.set_gate(Some(Arc::clone(&gate)));
                     let execution = relay_execution(local, id, events, Some(gate));
-                    self.resumed
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .insert(sandbox.clone(), execution);
+                    self.locals
+                        .step(sandbox, |state| Local::resume(state, local, execution));
                     tracing::info!(%sandbox, running, acked, "execution resumed with the sandbox");
                 }
                 Err(err) => tracing::warn!(%sandbox, %err, "cannot take up the kept execution"),

@@ -1,5 +1,5 @@
 //! `SandboxRuntime` on gVisor through the `runsc` CLI: [`GvisorRuntime`],
-//! what it holds (the sandboxes running here, reservations, background
+//! what it holds (each sandbox's state here in one map, `local`; background
 //! deletions) and its lifecycle (start, networking, settle).
 //!
 //! Each sandbox is one runsc container whose init is the agent; executions go
@@ -21,6 +21,7 @@ mod checkpoint;
 mod executions;
 mod housekeeping;
 mod launch;
+mod local;
 mod owner;
 mod pool;
 mod port;
@@ -29,13 +30,12 @@ mod ready;
 mod snapshots;
 mod staged;
 
-use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use controllers::api::{NetworkMode, SandboxId};
-use controllers::runtime::{Execution, RuntimeError, SandboxRuntime};
+use controllers::runtime::{RuntimeError, SandboxRuntime};
 use controllers::store::Store;
 
 use super::agent::AgentConnection;
@@ -46,6 +46,7 @@ use crate::runtime::agent::delivery::DeliveryGate;
 use crate::runtime::checkpoint::transfer::{check_cpu_features, host_cpu_features};
 use crate::runtime::images::catalog::{Image, ImageCatalog};
 use housekeeping::{owners_dir, prune_orphaned_checkpoints, sweep_temporaries};
+use local::{Ahead, Local, Locals};
 use owner::Owner;
 
 pub use controllers::runtime::WarmPoolStats;
@@ -120,9 +121,9 @@ pub struct GvisorRuntime {
     config: GvisorConfig,
     checkpoints: Arc<dyn Store>,
     snapshots: Arc<dyn Store>,
-    sandboxes: Mutex<HashMap<SandboxId, Arc<LocalSandbox>>>,
-    /// Ids being created or restored right now, so two cannot race.
-    reserved: Mutex<HashSet<SandboxId>>,
+    /// Each sandbox's state here (`local`): prepared for its create, staged
+    /// ahead of its handoff, being created or restored, or running.
+    locals: Locals,
     /// Background `runsc delete`s still running; [`GvisorRuntime::settle`] waits for them.
     deletions: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     runsc_version: String,
@@ -133,8 +134,6 @@ pub struct GvisorRuntime {
     owner: Owner,
     /// One image fetch at a time (two restores needing it fetch it once).
     image_fetch: tokio::sync::Mutex<()>,
-    /// Executions restores brought back, until the API takes them.
-    resumed: Mutex<HashMap<SandboxId, Execution>>,
     /// Sandboxes booted ahead of demand (`pool`).
     pool: Arc<pool::WarmPool>,
     /// Ready templates' checkpoints made here (`ready`).
@@ -249,15 +248,13 @@ impl GvisorRuntime {
             config,
             checkpoints,
             snapshots,
-            sandboxes: Mutex::new(HashMap::new()),
-            reserved: Mutex::new(HashSet::new()),
+            locals: Locals::default(),
             deletions: Mutex::new(Vec::new()),
             runsc_version,
             cpu_features,
             network: None,
             owner,
             image_fetch: tokio::sync::Mutex::new(()),
-            resumed: Mutex::new(HashMap::new()),
             pool: Arc::default(),
             ready,
             prefetches: prefetch::Prefetches::default(),
@@ -304,12 +301,6 @@ impl GvisorRuntime {
         &self.runsc_version
     }
 
-    fn sandboxes(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, Arc<LocalSandbox>>> {
-        self.sandboxes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// The agent of a sandbox running here.
     pub(in crate::runtime) fn agent_of(
         &self,
@@ -319,9 +310,8 @@ impl GvisorRuntime {
     }
 
     fn get(&self, sandbox: &SandboxId) -> Result<Arc<LocalSandbox>, RuntimeError> {
-        self.sandboxes()
-            .get(sandbox)
-            .cloned()
+        self.locals
+            .running(sandbox)
             .ok_or_else(|| RuntimeError::NotFound(sandbox.clone()))
     }
 
@@ -330,6 +320,8 @@ impl GvisorRuntime {
         &self.config.images
     }
 
+    /// The sandbox runs: its reservation ends in the running state, and
+    /// whatever was ready ahead for it and not taken is discarded.
     fn register(
         &self,
         sandbox: &SandboxId,
@@ -348,20 +340,41 @@ impl GvisorRuntime {
             image,
             gate: Mutex::new(None),
         });
-        self.sandboxes().insert(sandbox.clone(), Arc::clone(&local));
+        let left = self
+            .locals
+            .step(sandbox, |state| Local::run(state, Arc::clone(&local)));
+        if let Some(left) = left {
+            self.discard_ahead(left);
+        }
         local
+    }
+
+    /// Discards what was ready ahead of a create or restore nobody took.
+    fn discard_ahead(&self, ahead: Ahead) {
+        match ahead {
+            Ahead::Prepared(booted) => self.discard_warm(booted),
+            Ahead::Staged(stage) => {
+                if let Some(restored) = stage.end() {
+                    self.delete_in_background(restored.container_id, restored.dir);
+                }
+            }
+        }
     }
 
     /// Reserves `sandbox` for a create or restore; the reservation ends when the
     /// returned guard drops (after `register` on success).
     fn claim(&self, sandbox: &SandboxId) -> Result<Reservation<'_>, RuntimeError> {
-        let mut reserved = self.reserved.lock().unwrap_or_else(PoisonError::into_inner);
-        if self.sandboxes().contains_key(sandbox) || !reserved.insert(sandbox.clone()) {
+        let ticket = self.locals.ticket();
+        if !self
+            .locals
+            .step(sandbox, |state| Local::reserve(state, ticket))
+        {
             return Err(RuntimeError::AlreadyExists(sandbox.clone()));
         }
         Ok(Reservation {
             runtime: self,
             sandbox: sandbox.clone(),
+            ticket,
         })
     }
 
@@ -404,7 +417,13 @@ impl GvisorRuntime {
     pub async fn settle(&self) {
         self.close_warm_pool().await;
         self.staged.close(self);
-        let running: Vec<SandboxId> = self.sandboxes().keys().cloned().collect();
+        let running: Vec<SandboxId> = self
+            .locals
+            .all()
+            .iter()
+            .filter(|(_, local)| local.running().is_some())
+            .map(|(sandbox, _)| sandbox.clone())
+            .collect();
         for sandbox in running {
             let _ = self.destroy(&sandbox).await;
         }
@@ -420,18 +439,20 @@ impl GvisorRuntime {
     }
 }
 
-/// A create or restore in progress for one sandbox id.
+/// A create or restore in progress for one sandbox id; dropped before the
+/// sandbox runs, its state goes back to what was ready ahead, or is
+/// forgotten.
 struct Reservation<'a> {
     runtime: &'a GvisorRuntime,
     sandbox: SandboxId,
+    ticket: u64,
 }
 
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
+        let ticket = self.ticket;
         self.runtime
-            .reserved
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.sandbox);
+            .locals
+            .step(&self.sandbox, |state| Local::unreserve(state, ticket));
     }
 }

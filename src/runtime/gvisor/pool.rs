@@ -40,12 +40,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
-use std::collections::HashMap;
-
 use controllers::api::{NetworkMode, SandboxId};
 use controllers::runtime::{CreateOptions, RuntimeError, WarmPoolStats};
 
 use super::GvisorRuntime;
+use super::local::{Ahead, Local};
 use crate::runtime::agent::AgentConnection;
 use crate::runtime::cgroup::{self, LoweredWeight, WeightWatch};
 use crate::runtime::checkpoint::cpu_quota::CGROUP_ROOT;
@@ -99,17 +98,11 @@ pub(super) struct WarmPool {
     boots: AtomicU64,
     boot_failures: AtomicU64,
     refill: Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// Containers booted for creates still being recorded (decision 23).
-    prepared: Mutex<HashMap<SandboxId, WarmSandbox>>,
 }
 
 impl WarmPool {
     fn ready(&self) -> std::sync::MutexGuard<'_, Vec<WarmSandbox>> {
         self.ready.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn prepared(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, WarmSandbox>> {
-        self.prepared.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn short(&self) -> bool {
@@ -222,7 +215,7 @@ impl GvisorRuntime {
         taken
     }
 
-    fn discard_warm(&self, warm: WarmSandbox) {
+    pub(super) fn discard_warm(&self, warm: WarmSandbox) {
         self.delete_in_background(warm.container_id, warm.dir);
     }
 
@@ -241,7 +234,7 @@ impl GvisorRuntime {
             let _ = task.await;
         }
         let ready: Vec<WarmSandbox> = self.pool.ready().drain(..).collect();
-        let prepared: Vec<WarmSandbox> = self.pool.prepared().drain().map(|(_, b)| b).collect();
+        let prepared = self.take_prepared_where(|_| true);
         for warm in ready.into_iter().chain(prepared) {
             self.discard_warm(warm);
         }
@@ -322,9 +315,11 @@ impl GvisorRuntime {
             booted_at: Instant::now(),
             weight: None,
         };
-        let replaced = self.pool.prepared().insert(sandbox.clone(), booted);
-        if let Some(replaced) = replaced {
-            self.discard_warm(replaced);
+        let discarded = self
+            .locals
+            .step(sandbox, |state| Local::prepare(state, booted));
+        if let Some(discarded) = discarded {
+            self.discard_warm(discarded);
         }
         Ok(())
     }
@@ -332,7 +327,7 @@ impl GvisorRuntime {
     /// The container [`Self::prepare_boot`] booted for `sandbox`, if it
     /// fits `image` and is alive (else it is discarded).
     pub(super) fn take_prepared(&self, sandbox: &SandboxId, image: &Image) -> Option<WarmSandbox> {
-        let prepared = self.pool.prepared().remove(sandbox)?;
+        let prepared = self.locals.step(sandbox, Local::take_prepared)?;
         if prepared.fits(image, NetworkMode::None) && !prepared.agent.is_gone() {
             tracing::debug!(%sandbox, container = %prepared.container_id, waited_ms = prepared.booted_at.elapsed().as_millis() as u64, "took the container booted beside the create's writes");
             return Some(prepared);
@@ -343,7 +338,7 @@ impl GvisorRuntime {
 
     /// The create `sandbox`'s boot was prepared for will not come.
     pub(super) fn forget_prepared(&self, sandbox: &SandboxId) {
-        let prepared = self.pool.prepared().remove(sandbox);
+        let prepared = self.locals.step(sandbox, Local::forget_prepared);
         if let Some(prepared) = prepared {
             self.discard_warm(prepared);
         }
@@ -352,21 +347,42 @@ impl GvisorRuntime {
     /// Discards prepared containers no create took within
     /// [`PREPARED_FOR`] (a create whose pass never came).
     fn forget_stale_prepared(&self) {
-        let stale: Vec<WarmSandbox> = {
-            let mut prepared = self.pool.prepared();
-            let old: Vec<SandboxId> = prepared
-                .iter()
-                .filter(|(_, booted)| booted.booted_at.elapsed() > PREPARED_FOR)
-                .map(|(sandbox, _)| sandbox.clone())
-                .collect();
-            old.iter()
-                .filter_map(|sandbox| prepared.remove(sandbox))
-                .collect()
-        };
+        let stale = self.take_prepared_where(|booted| booted.booted_at.elapsed() > PREPARED_FOR);
         for booted in stale {
             tracing::warn!(container = %booted.container_id, "no create took a prepared container; discarding it");
             self.discard_warm(booted);
         }
+    }
+
+    /// Takes every container booted for a create (waiting for it, or for
+    /// its reservation to take it) that `pick` picks, out of its sandbox's
+    /// state.
+    fn take_prepared_where(&self, pick: impl Fn(&WarmSandbox) -> bool) -> Vec<WarmSandbox> {
+        let mut locals = self.locals.all();
+        let picked: Vec<SandboxId> = locals
+            .iter()
+            .filter(|(_, local)| match local {
+                Local::Prepared(booted)
+                | Local::Reserved {
+                    ahead: Some(Ahead::Prepared(booted)),
+                    ..
+                } => pick(booted),
+                _ => false,
+            })
+            .map(|(sandbox, _)| sandbox.clone())
+            .collect();
+        let mut taken = Vec::new();
+        for sandbox in picked {
+            let Some(state) = locals.remove(&sandbox) else {
+                continue;
+            };
+            let (next, booted) = Local::forget_prepared(Some(state));
+            if let Some(next) = next {
+                locals.insert(sandbox, next);
+            }
+            taken.extend(booted);
+        }
+        taken
     }
 
     /// Adds a booted sandbox unless the pool closed or shrank meanwhile.

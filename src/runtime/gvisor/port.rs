@@ -19,7 +19,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::executions::{exec_command, relay_execution};
 use super::launch::check_agent_version;
-use super::{GvisorRuntime, SNAPSHOT_PATHS, prefetch};
+use super::{GvisorRuntime, Local, SNAPSHOT_PATHS, prefetch};
 use crate::runtime::agent::AgentError;
 use crate::runtime::agent::delivery::DeliveryGate;
 use crate::runtime::agent::protocol::{ArchiveDone, Request};
@@ -49,14 +49,14 @@ impl SandboxRuntime for GvisorRuntime {
         }
         // A staged restore of it has (or will take) the download already: a
         // waiting taker's next pass must not fetch it again.
-        if !self.staged.covers(sandbox, image) {
+        if !self.staged.covers(&self.locals, sandbox, image) {
             let dest = self
                 .config
                 .state_dir
                 .join(self.owner.temporary(prefetch::TEMPORARY_KIND, "img"));
             self.prefetches
                 .start(self.checkpoints.clone(), sandbox, image, dest);
-            self.staged.start(sandbox, image);
+            self.staged.start(&self.locals, sandbox, image);
         }
         // Still watched for, not found: the holder is still checkpointing.
         let landed = self.prefetches.awaited(image)?;
@@ -218,9 +218,9 @@ impl SandboxRuntime for GvisorRuntime {
         let outcome = self.checkpoint_held(sandbox, &local, request).await;
         if outcome.is_err() {
             let still_here = self
-                .sandboxes()
-                .get(sandbox)
-                .is_some_and(|current| Arc::ptr_eq(current, &local));
+                .locals
+                .running(sandbox)
+                .is_some_and(|current| Arc::ptr_eq(&current, &local));
             if keep && still_here {
                 self.resume_after_failure(&local).await;
             }
@@ -229,13 +229,10 @@ impl SandboxRuntime for GvisorRuntime {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .checkpointing = false;
-        } else {
-            // Not taken here: it went on with the checkpoint.
-            self.resumed
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(sandbox);
         }
+        // Done, the sandbox no longer runs here: an execution its restore
+        // brought back and nobody took went on with the checkpoint (and out
+        // of the runtime with its state).
         outcome
     }
 
@@ -378,13 +375,9 @@ impl SandboxRuntime for GvisorRuntime {
     #[tracing::instrument(skip(self), fields(sandbox = %sandbox))]
     async fn destroy(&self, sandbox: &SandboxId) -> Result<(), RuntimeError> {
         GvisorRuntime::forget_prepared(self, sandbox);
-        self.resumed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(sandbox);
         let local = self
-            .sandboxes()
-            .remove(sandbox)
+            .locals
+            .step(sandbox, Local::stop)
             .ok_or_else(|| RuntimeError::NotFound(sandbox.clone()))?;
         self.delete_and_detach_in_background(
             local.container_id.clone(),
@@ -395,16 +388,13 @@ impl SandboxRuntime for GvisorRuntime {
     }
 
     fn is_running(&self, sandbox: &SandboxId) -> bool {
-        self.sandboxes()
-            .get(sandbox)
+        self.locals
+            .running(sandbox)
             .is_some_and(|local| !local.agent.is_gone())
     }
 
     fn take_resumed(&self, sandbox: &SandboxId) -> Option<Execution> {
-        self.resumed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(sandbox)
+        self.locals.step(sandbox, Local::take_resumed)
     }
 
     #[tracing::instrument(level = "debug", skip(self, request), fields(sandbox = %sandbox))]

@@ -28,7 +28,6 @@
 //! for [`REMEMBER_FOR`] (as long as the prefetch keeps a download), so a
 //! waiting taker's passes neither stage nor fetch that image again.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
@@ -41,6 +40,7 @@ use tokio::sync::watch;
 
 use super::GvisorRuntime;
 use super::launch::check_agent_version;
+use super::local::{Local, Locals};
 use crate::runtime::agent::AgentConnection;
 use crate::runtime::agent::protocol::Request;
 use crate::runtime::checkpoint::transfer::check_cpu_features;
@@ -102,7 +102,9 @@ impl Phase {
     }
 }
 
-struct Entry {
+/// One sandbox's staged restore: its state in the runtime's map
+/// ([`Local::Staged`]) until a restore under the hold takes it.
+pub(super) struct Stage {
     /// The image it restores: asked again for the same one (every pass of
     /// a waiting taker asks), nothing new starts, even after a refusal.
     image: ObjectKey,
@@ -112,10 +114,21 @@ struct Entry {
     launched: watch::Receiver<bool>,
 }
 
-/// The staged restores of one runtime, by sandbox.
+impl Stage {
+    fn is_over(&self) -> bool {
+        lock(&self.phase).is_over()
+    }
+
+    /// Ends it: what it restored, if it was ready (the caller destroys it).
+    pub(super) fn end(&self) -> Option<Box<Restored>> {
+        end(&self.phase)
+    }
+}
+
+/// What the staged restores of one runtime share; each one is its
+/// sandbox's state in the runtime's map (`local`).
 #[derive(Default)]
 pub(super) struct StagedRestores {
-    entries: Mutex<HashMap<SandboxId, Entry>>,
     /// Set by [`GvisorRuntime::enable_staged_restores`]: unset, nothing is
     /// staged.
     runtime: OnceLock<Weak<GvisorRuntime>>,
@@ -139,7 +152,7 @@ impl StagedRestores {
     /// Stages the restore of `image` of `sandbox`, whose download the
     /// prefetch has started watching for, unless staging is off, one is
     /// staged for it already or [`MAX_STAGED`] are.
-    pub(super) fn start(&self, sandbox: &SandboxId, image: &ObjectKey) {
+    pub(super) fn start(&self, locals: &Locals, sandbox: &SandboxId, image: &ObjectKey) {
         let Some(runtime) = self.runtime.get().cloned() else {
             return;
         };
@@ -148,21 +161,28 @@ impl StagedRestores {
         }
         let mut replaced = None;
         let started = {
-            let mut entries = lock(&self.entries);
-            entries.retain(|_, entry| {
-                !(lock(&entry.phase).is_over() && entry.since.elapsed() > REMEMBER_FOR)
+            let mut entries = locals.all();
+            entries.retain(|_, local| {
+                !matches!(local, Local::Staged(stage)
+                    if stage.is_over() && stage.since.elapsed() > REMEMBER_FOR)
             });
-            if let Some(entry) = entries.get(sandbox) {
-                if &entry.image == image {
-                    return;
+            match entries.get(sandbox) {
+                Some(Local::Staged(stage)) if &stage.image == image => return,
+                Some(Local::Staged(_)) => {
+                    // Another handoff of the sandbox (a new epoch): the old
+                    // stage ends, and whatever it restored goes.
+                    if let Some(Local::Staged(old)) = entries.remove(sandbox) {
+                        replaced = Some(old.end());
+                    }
                 }
-                // Another handoff of the sandbox (a new epoch): the old
-                // stage ends, and whatever it restored goes.
-                replaced = entries.remove(sandbox).map(|entry| end(&entry.phase));
+                // Prepared for a create, being created or restored, or
+                // running here: nothing to stage.
+                Some(_) => return,
+                None => {}
             }
             let live = entries
                 .values()
-                .filter(|entry| !lock(&entry.phase).is_over())
+                .filter(|local| matches!(local, Local::Staged(stage) if !stage.is_over()))
                 .count();
             if live >= MAX_STAGED {
                 None
@@ -171,7 +191,7 @@ impl StagedRestores {
                 let (sender, launched) = watch::channel(false);
                 entries.insert(
                     sandbox.clone(),
-                    Entry {
+                    Local::Staged(Stage {
                         image: image.clone(),
                         #[allow(
                             clippy::disallowed_methods,
@@ -180,7 +200,7 @@ impl StagedRestores {
                         since: Instant::now(),
                         phase: phase.clone(),
                         launched,
-                    },
+                    }),
                 );
                 Some((phase, sender))
             }
@@ -203,10 +223,10 @@ impl StagedRestores {
     /// True when a staged restore of `image` of `sandbox` has the
     /// prefetch's download, or will take it: waiting, under way, ready, or
     /// ended after it took it (lately).
-    pub(super) fn covers(&self, sandbox: &SandboxId, image: &ObjectKey) -> bool {
-        lock(&self.entries).get(sandbox).is_some_and(|entry| {
-            &entry.image == image && !matches!(*lock(&entry.phase), Phase::Over { fetched: false })
-        })
+    pub(super) fn covers(&self, locals: &Locals, sandbox: &SandboxId, image: &ObjectKey) -> bool {
+        matches!(locals.all().get(sandbox), Some(Local::Staged(stage))
+            if &stage.image == image
+                && !matches!(*lock(&stage.phase), Phase::Over { fetched: false }))
     }
 
     /// The container staged for exactly `manifest`'s checkpoint of
@@ -218,7 +238,7 @@ impl StagedRestores {
         sandbox: &SandboxId,
         manifest: &CheckpointManifest,
     ) -> Option<Restored> {
-        let mut entry = lock(&self.entries).remove(sandbox)?;
+        let mut entry = runtime.locals.step(sandbox, Local::take_staged)?;
         if self.closed.load(Ordering::Acquire) || entry.image.as_str() != manifest.image.key {
             // Staged for another checkpoint (or shutting down): not waited for.
             if let Some(restored) = end(&entry.phase) {
@@ -264,10 +284,13 @@ impl StagedRestores {
     }
 
     /// Staged restores restored and not taken yet.
-    pub(super) fn ready(&self) -> usize {
-        lock(&self.entries)
+    pub(super) fn ready(&self, locals: &Locals) -> usize {
+        locals
+            .all()
             .values()
-            .filter(|entry| matches!(*lock(&entry.phase), Phase::Ready(_)))
+            .filter(|local| {
+                matches!(local, Local::Staged(stage) if matches!(*lock(&stage.phase), Phase::Ready(_)))
+            })
             .count()
     }
 
@@ -280,12 +303,23 @@ impl StagedRestores {
     /// launches under way when they end, and nothing is staged after.
     pub(super) fn close(&self, runtime: &GvisorRuntime) {
         self.closed.store(true, Ordering::Release);
-        let entries: Vec<Entry> = lock(&self.entries)
-            .drain()
-            .map(|(_, entry)| entry)
-            .collect();
-        for entry in entries {
-            if let Some(restored) = end(&entry.phase) {
+        let stages: Vec<Stage> = {
+            let mut entries = runtime.locals.all();
+            let staged: Vec<SandboxId> = entries
+                .iter()
+                .filter(|(_, local)| matches!(local, Local::Staged(_)))
+                .map(|(sandbox, _)| sandbox.clone())
+                .collect();
+            staged
+                .iter()
+                .filter_map(|sandbox| match entries.remove(sandbox) {
+                    Some(Local::Staged(stage)) => Some(stage),
+                    _ => None,
+                })
+                .collect()
+        };
+        for stage in stages {
+            if let Some(restored) = stage.end() {
                 runtime.delete_in_background(restored.container_id, restored.dir);
             }
         }
@@ -310,7 +344,7 @@ impl GvisorRuntime {
     /// Staged restores now: restored and waiting for their transfer, and
     /// how many a restore under the hold has taken up since the start.
     pub fn staged_restores(&self) -> (usize, usize) {
-        (self.staged.ready(), self.staged.taken())
+        (self.staged.ready(&self.locals), self.staged.taken())
     }
 }
 

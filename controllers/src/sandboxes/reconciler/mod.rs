@@ -55,7 +55,7 @@ pub use config::{HandoffPolicy, ReconcilerConfig};
 pub use fork::{ForkError, ForkPoint};
 use local::Watch;
 pub use primed::{AttachRead, ReadMetadata};
-use slots::Slots;
+pub(super) use slots::Slots;
 pub(crate) use start::create_options;
 
 use super::events::{
@@ -189,17 +189,22 @@ pub struct ReconcilerParts {
 
 impl Reconciler {
     pub fn new(parts: ReconcilerParts) -> Self {
+        // One map per sandbox: the bus's channels and the rung intents the
+        // leases count live in these slots too.
+        let slots = parts.bus.slots().clone();
+        let mut leases = parts.leases;
+        leases.keep_rung_in(Arc::new(slots.clone()));
         Self {
             metadata: parts.metadata,
             checkpoints: parts.checkpoints,
             checkpoint_bucket: parts.checkpoint_bucket,
             snapshot_bucket: parts.snapshot_bucket,
             runtime: parts.runtime,
-            leases: parts.leases,
+            leases,
             clock: parts.clock,
             bus: parts.bus,
             config: parts.config,
-            slots: Slots::default(),
+            slots,
             last_busy: Mutex::new(None),
             spec_tickets: std::sync::atomic::AtomicU64::new(0),
             shared: std::sync::OnceLock::new(),

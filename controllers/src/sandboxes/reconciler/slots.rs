@@ -25,11 +25,14 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use chrono::{DateTime, Utc};
+use tokio::sync::broadcast;
 
 use crate::api::SandboxSpec;
-use crate::api::{SandboxId, SandboxMetadata};
+use crate::api::{RungIntent, SandboxId, SandboxMetadata};
 use crate::leasing::HeldLease;
 use crate::leasing::ReadLease;
+use crate::leasing::RungIntents;
+use crate::sandboxes::events::SandboxEvent;
 use crate::store::{Generation, Versioned};
 
 use super::local::Watch;
@@ -38,6 +41,9 @@ use super::local::Watch;
 /// metadata, idle write turns, settled intent counts) are dropped: they are
 /// only ever hints.
 const MAX_SLOTS: usize = 10_000;
+
+/// How many events a slow subscriber may fall behind before it misses some.
+const CHANNEL_CAPACITY: usize = 64;
 
 /// What this instance knows only locally about one sandbox.
 #[derive(Default)]
@@ -80,6 +86,13 @@ pub(super) struct Slot {
     /// A wake is pending for the landing of the image a taker waits for
     /// (one at a time).
     pub(super) image_wait: bool,
+    /// The sandbox's progress channel (`events.rs`), while sessions here
+    /// subscribe to it.
+    progress: Option<broadcast::Sender<SandboxEvent>>,
+    /// The attach intent a ring carried for it (decision 27): on a holder,
+    /// the one its doorbell brought; on a ringer, its own. The leases count
+    /// it in every lock they read (`Leases::with_heard`).
+    rung: Option<RungIntent>,
 }
 
 impl Slot {
@@ -105,6 +118,8 @@ impl Slot {
             && self.pending_spec.is_none()
             && self.intents.is_idle_and_unstarted()
             && !self.image_wait
+            && self.progress.is_none()
+            && self.rung.is_none()
     }
 
     /// Drops what is only a hint (see [`MAX_SLOTS`]); old losses go with
@@ -318,14 +333,19 @@ impl std::fmt::Debug for Slot {
             .field("primed", &self.primed.is_some())
             .field("pending_spec", &self.pending_spec.is_some())
             .field("intents", &self.intents)
+            .field("progress", &self.progress.is_some())
             .finish_non_exhaustive()
     }
 }
 
 /// The slots of every sandbox this instance knows locally, behind one lock.
 /// Cheap to clone: clones share the slots.
+///
+/// The one per-sandbox map of the controllers: the reconciler's state, the
+/// progress channels (`events.rs`, whose bus is a handle on these slots) and
+/// its intent writers' notes all live here.
 #[derive(Debug, Default, Clone)]
-pub(super) struct Slots(Arc<Mutex<HashMap<SandboxId, Slot>>>);
+pub(in crate::sandboxes) struct Slots(Arc<Mutex<HashMap<SandboxId, Slot>>>);
 
 impl Slots {
     /// Every slot at once (for what looks across sandboxes).
@@ -358,6 +378,66 @@ impl Slots {
             slots.remove(sandbox);
         }
         outcome
+    }
+
+    /// Subscribes to `sandbox`'s progress channel (made if it has none).
+    pub(in crate::sandboxes) fn subscribe(
+        &self,
+        sandbox: &SandboxId,
+    ) -> broadcast::Receiver<SandboxEvent> {
+        self.update(sandbox, |slot| {
+            slot.progress
+                .get_or_insert_with(|| broadcast::channel(CHANNEL_CAPACITY).0)
+                .subscribe()
+        })
+    }
+
+    /// Sends `event` on `sandbox`'s progress channel, if it has one, and
+    /// forgets a channel nobody listens to any more. A sandbox without a
+    /// slot gets none.
+    pub(in crate::sandboxes) fn publish(&self, sandbox: &SandboxId, event: SandboxEvent) {
+        let mut slots = self.all();
+        let Some(slot) = slots.get_mut(sandbox) else {
+            return;
+        };
+        if let Some(sender) = &slot.progress {
+            if sender.receiver_count() == 0 {
+                slot.progress = None;
+            } else {
+                let _ = sender.send(event);
+            }
+        }
+        if slot.is_empty() {
+            slots.remove(sandbox);
+        }
+    }
+}
+
+impl RungIntents for Slots {
+    fn rung(&self, sandbox: &SandboxId) -> Option<RungIntent> {
+        self.all().get(sandbox).and_then(|slot| slot.rung.clone())
+    }
+
+    fn change_rung(
+        &self,
+        sandbox: &SandboxId,
+        change: &mut dyn FnMut(Option<RungIntent>) -> Option<RungIntent>,
+    ) {
+        self.update(sandbox, |slot| slot.rung = change(slot.rung.take()));
+    }
+
+    fn forget_expired(&self, now: DateTime<Utc>) {
+        let mut slots = self.all();
+        for slot in slots.values_mut() {
+            if slot
+                .rung
+                .as_ref()
+                .is_some_and(|rung| rung.intent.expires_at <= now)
+            {
+                slot.rung = None;
+            }
+        }
+        slots.retain(|_, slot| !slot.is_empty());
     }
 }
 
