@@ -569,6 +569,72 @@ async fn an_allocation_past_the_memory_limit_fails_in_the_guest_and_the_sandbox_
     );
 }
 
+/// Row 4: a 700 MB upload through the HTTP file API into a sandbox of
+/// 512 MiB (its disk budget: half of that) ends at the budget with `507`,
+/// `ENOSPC` and "disk full" (before, the root overlay held it in memory,
+/// the host's memory cgroup killed the whole sandbox and the upload got
+/// `503 … attach again`); user code writing past it in its home and in
+/// `/var/tmp` gets `ENOSPC` too, and the sandbox runs on with its state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_past_the_disk_budget_get_disk_full_and_the_sandbox_lives() {
+    support::SANDBOX_MEMORY_BYTES.with(|bytes| bytes.set(512 << 20));
+    let server = support::ws::Server::start().await;
+    let (mut ws, id, token) = server.create(json!({})).await;
+    let frames = ws.exec("bash", "echo state before > /tmp/kept").await;
+    assert!(frames.iter().any(|f| f == "exit_code:0"), "{frames:?}");
+    drop(ws);
+
+    let started = Instant::now();
+    let put = testkit::http_client()
+        .put(format!(
+            "http://{}/sandboxes/{id}/files/content",
+            server.addr
+        ))
+        .query(&[("path", "big.bin")])
+        .header("X-Sandbox-Token", &token)
+        .body(vec![b'A'; 700 << 20])
+        .send()
+        .await
+        .expect("an answer to the upload");
+    let status = put.status();
+    let body: serde_json::Value = put.json().await.expect("a JSON answer");
+    eprintln!(
+        "700 MB upload into a 512 MiB sandbox: {status} {body} after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(status, 507, "{body}");
+    assert_eq!(body["code"], "ENOSPC", "{body}");
+    let message = body["message"].as_str().unwrap_or_default();
+    assert!(message.contains("disk full"), "{body}");
+    assert!(!message.contains("attach again"), "{body}");
+
+    let mut ws = server.attach(&id, &token).await;
+    let frames = ws
+        .exec(
+            "bash",
+            "ls -a ~ | grep -c sandboxd-upload; head -c 700M /dev/zero > ~/f; \
+             head -c 700M /dev/zero > /var/tmp/f; rm -f ~/f /var/tmp/f; echo still-here",
+        )
+        .await;
+    eprintln!("700 MB written by user code: {frames:?}");
+    let text = frames.join("\n");
+    assert!(
+        text.contains("stdout:0\n"),
+        "the upload left its temporary: {frames:?}"
+    );
+    assert_eq!(
+        text.matches("No space left on device").count(),
+        2,
+        "{frames:?}"
+    );
+    assert!(text.contains("stdout:still-here"), "{frames:?}");
+    let frames = ws.exec("bash", "cat /tmp/kept").await;
+    assert!(
+        frames.iter().any(|f| f == "stdout:state before\n"),
+        "the sandbox did not survive: {frames:?}"
+    );
+}
+
 /// A raw WebSocket client with the request headers a test chooses.
 type Socket =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
