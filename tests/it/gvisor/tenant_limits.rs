@@ -635,6 +635,79 @@ async fn writes_past_the_disk_budget_get_disk_full_and_the_sandbox_lives() {
     );
 }
 
+/// Row 4: a terminal that writes as fast as it can (64 KiB lines in a loop
+/// for 20 s) while the client reads: the server's memory stays bounded, the
+/// sandbox (512 MiB) is not killed (the agent holds the terminal's session
+/// while it cannot keep up, `sandbox_agent/flow.py`), the writer ends on its
+/// own and the sandbox keeps its state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminal_flood_keeps_the_server_bounded_and_the_sandbox_alive() {
+    const FLOOD_S: u64 = 20;
+    let dir = tempfile::tempdir().unwrap();
+    let server = server_process(dir.path(), "flood", &["--sandbox-memory-mb", "512"]).await;
+    let pid = server.child.id();
+    let (mut ws, _, _) = create(&server.addr).await;
+    let frames = ws.exec("bash", "echo state before > /tmp/kept").await;
+    assert!(frames.iter().any(|f| f == "exit_code:0"), "{frames:?}");
+    let before = rss_mib(pid);
+    let code = format!(
+        "python3 -c \"import os, time\nend = time.time() + {FLOOD_S}\nwhile time.time() < end: \
+         os.write(1, b'A' * 65535 + b'\\n')\"; echo flood-over"
+    );
+    ws.send(json!({"language": "bash", "code": code, "pty": {"cols": 80, "rows": 24}}))
+        .await;
+    let started = Instant::now();
+    let (mut peak, mut bytes, mut frames) = (before, 0usize, Vec::new());
+    let mut sampled = Instant::now();
+    loop {
+        let frame = ws.next_value().await;
+        if frame["event"] == "stdout" {
+            bytes += frame["data"].as_str().map_or(0, str::len);
+        } else if frame["event"] != "stderr" {
+            // Output a client that falls behind loses comes as stderr notices.
+            frames.push(frame.to_string());
+        }
+        if sampled.elapsed() > Duration::from_millis(100) {
+            peak = peak.max(rss_mib(pid));
+            sampled = Instant::now();
+        }
+        if frame["status"] == "SANDBOX_EXECUTION_DONE"
+            || frame["status"]
+                .as_str()
+                .is_some_and(|s| s.ends_with("_ERROR"))
+            || started.elapsed() > Duration::from_secs(FLOOD_S * 6)
+        {
+            break;
+        }
+    }
+    let took = started.elapsed();
+    peak = peak.max(rss_mib(pid));
+    eprintln!(
+        "terminal flood: {} MB read in {took:?}; server RSS {before} MiB before, {peak} MiB peak; \
+         frames other than output: {frames:?}",
+        bytes / 1_000_000
+    );
+    // Exit code 0: the writer ended on its own and `echo` ran after it (its
+    // line itself may be among output dropped for a reader that fell behind).
+    assert!(
+        frames.iter().any(|f| f.contains("\"exit_code\":0")),
+        "{frames:?}"
+    );
+    assert!(
+        frames.iter().any(|f| f.contains("SANDBOX_EXECUTION_DONE")),
+        "{frames:?}"
+    );
+    assert!(
+        peak < before + 100,
+        "the server grew from {before} MiB to {peak} MiB"
+    );
+    let frames = ws.exec("bash", "cat /tmp/kept").await;
+    assert!(
+        frames.iter().any(|f| f == "stdout:state before\n"),
+        "the sandbox did not survive: {frames:?}"
+    );
+}
+
 /// A raw WebSocket client with the request headers a test chooses.
 type Socket =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
