@@ -708,6 +708,28 @@ async fn a_terminal_flood_keeps_the_server_bounded_and_the_sandbox_alive() {
     );
 }
 
+/// Row 4: processes that together take more than a 512 MiB sandbox's
+/// memory (two of 300 MB, each under its own address-space cap) still get
+/// the whole sandbox killed by the host's memory cgroup (gVisor has no OOM
+/// killer of its own); the client is told so in words: "out of memory",
+/// never "attach again" (before, only `exit_code` 137).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_the_host_kills_for_memory_is_reported_out_of_memory() {
+    support::SANDBOX_MEMORY_BYTES.with(|bytes| bytes.set(512 << 20));
+    let server = support::ws::Server::start().await;
+    let (mut ws, _, _) = server.create(json!({})).await;
+    let code = "import subprocess, sys\n\
+        hog = 'import time\\nb = bytearray(300 << 20)\\nb[::4096] = bytes([1]) * len(b[::4096])\\ntime.sleep(60)'\n\
+        procs = [subprocess.Popen([sys.executable, '-c', hog]) for _ in range(2)]\n\
+        [p.wait() for p in procs]";
+    let frames = ws.exec("python", code).await;
+    eprintln!("600 MB in two processes of a 512 MiB sandbox: {frames:?}");
+    let text = frames.join("\n");
+    assert!(text.contains("out of memory"), "{frames:?}");
+    assert!(!text.contains("attach again"), "{frames:?}");
+    assert!(frames.iter().any(|f| f == "exit_code:137"), "{frames:?}");
+}
+
 /// A raw WebSocket client with the request headers a test chooses.
 type Socket =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
