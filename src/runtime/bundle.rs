@@ -95,6 +95,24 @@ pub fn user_writable_mounts(disk_mb: u64) -> [(&'static str, u32, &'static str, 
     ]
 }
 
+/// Whether the image at `rootfs` holds nothing at `path` that a tmpfs
+/// mounted over it would hide: the directory is absent or empty, or holds
+/// only files named as in the image's `/etc/skel` (what `useradd
+/// --create-home` put in the home; the agent copies them in again). A
+/// template image (made from a filesystem snapshot) holds its files there
+/// and keeps the root overlay at that path: the disk budget does not cover
+/// it (docs/security.md).
+pub fn holds_nothing_of_its_own(rootfs: &Path, path: &str) -> bool {
+    let inside = |path: &str| rootfs.join(path.trim_start_matches('/'));
+    let Ok(entries) = std::fs::read_dir(inside(path)) else {
+        return true;
+    };
+    entries.flatten().all(|entry| {
+        entry.file_type().is_ok_and(|kind| kind.is_file())
+            && inside("/etc/skel").join(entry.file_name()).is_file()
+    })
+}
+
 /// The disk budget in MiB when none is configured: half the memory limit
 /// (files live in sandbox memory, so a budget near the limit would end in the
 /// host's OOM kill instead of `ENOSPC`), 1 GiB without a limit.
@@ -152,7 +170,10 @@ impl BundleSpec {
              "options": ["nosuid", "nodev", "mode=1777", format!("size={}m", self.tmp_size_mb)]},
         ]);
         if let Some(list) = mounts.as_array_mut() {
-            for (path, owner, mode, size_mb) in user_writable_mounts(self.disk_size_mb) {
+            for (path, owner, mode, size_mb) in user_writable_mounts(self.disk_size_mb)
+                .into_iter()
+                .filter(|(path, ..)| holds_nothing_of_its_own(rootfs, path))
+            {
                 list.push(
                     json!({"destination": path, "type": "tmpfs", "source": "tmpfs",
                     "options": ["nosuid", "nodev", format!("mode={mode}"), format!("uid={owner}"),
@@ -289,6 +310,37 @@ mod tests {
         assert_eq!(default_disk_size_mb(Some(512 << 20)), 256);
         assert_eq!(default_disk_size_mb(Some(2 << 30)), 1024);
         assert_eq!(default_disk_size_mb(None), 1024);
+    }
+
+    #[test]
+    fn a_template_keeps_what_its_image_holds_unhidden() {
+        let rootfs = tempfile::tempdir().expect("temp dir");
+        let at = |path: &str| rootfs.path().join(path);
+        for dir in ["etc/skel", "home/sandbox", "workspace/data"] {
+            std::fs::create_dir_all(at(dir)).expect("dir");
+        }
+        for file in [
+            "etc/skel/.bashrc",
+            "home/sandbox/.bashrc",
+            "workspace/data/n",
+        ] {
+            std::fs::write(at(file), "x").expect("file");
+        }
+        assert!(holds_nothing_of_its_own(rootfs.path(), "/home/sandbox"));
+        assert!(!holds_nothing_of_its_own(rootfs.path(), "/workspace"));
+        assert!(holds_nothing_of_its_own(rootfs.path(), "/var/tmp"));
+        std::fs::write(at("home/sandbox/notes.txt"), "mine").expect("file");
+        assert!(!holds_nothing_of_its_own(rootfs.path(), "/home/sandbox"));
+        let config = spec().config(rootfs.path());
+        let mounted: Vec<&str> = config["mounts"]
+            .as_array()
+            .expect("mounts")
+            .iter()
+            .filter_map(|m| m["destination"].as_str())
+            .collect();
+        assert!(mounted.contains(&"/var/tmp"), "{mounted:?}");
+        assert!(!mounted.contains(&"/home/sandbox"), "{mounted:?}");
+        assert!(!mounted.contains(&"/workspace"), "{mounted:?}");
     }
 
     #[test]
