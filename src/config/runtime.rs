@@ -57,6 +57,11 @@ pub struct RuntimeArgs {
     /// Size of each sandbox's /tmp (memory-backed) in MiB.
     #[arg(long, env = "SANDBOX_TMP_SIZE_MB", value_parser = clap::value_parser!(u64).range(1..=1_048_576), default_value_t = 512)]
     pub sandbox_tmp_mb: u64,
+    /// Each sandbox's disk budget in MiB: the size of its home, `/workspace`
+    /// and `/var/tmp` (each memory-backed, like `/tmp`); a write past it gets
+    /// `ENOSPC` ("disk full"). 0: half the memory limit (1 GiB without one).
+    #[arg(long, env = "SANDBOX_DISK_MB", value_parser = clap::value_parser!(u64).range(0..=1_048_576), default_value_t = 0)]
+    pub sandbox_disk_mb: u64,
     /// Pin the CPU features sandboxes see (comma-separated `/proc/cpuinfo`
     /// flags, e.g. the common set of Cloud Run's machine types), so
     /// checkpoints restore across hosts; needs a runsc that honours
@@ -88,6 +93,11 @@ impl RuntimeArgs {
         (!features.is_empty()).then_some(features)
     }
 
+    /// Each sandbox's memory limit, if it has one.
+    fn memory_limit_bytes(&self) -> Option<u64> {
+        (self.sandbox_memory_mb > 0).then_some(self.sandbox_memory_mb << 20)
+    }
+
     /// The image directory and default image these settings name.
     pub fn images(&self) -> crate::runtime::ImageCatalog {
         crate::runtime::ImageCatalog::new(self.images_dir.clone(), self.default_image.clone())
@@ -109,11 +119,14 @@ impl RuntimeArgs {
             images: self.images(),
             bundle: crate::runtime::BundleSpec {
                 python: self.sandbox_python.clone(),
-                memory_limit_bytes: (self.sandbox_memory_mb > 0)
-                    .then_some(self.sandbox_memory_mb << 20),
+                memory_limit_bytes: self.memory_limit_bytes(),
                 cpu_limit: (self.sandbox_cpus > 0.0).then_some(self.sandbox_cpus),
                 max_processes: self.sandbox_max_processes,
                 tmp_size_mb: self.sandbox_tmp_mb,
+                disk_size_mb: match self.sandbox_disk_mb {
+                    0 => crate::runtime::bundle::default_disk_size_mb(self.memory_limit_bytes()),
+                    configured => configured,
+                },
                 cpu_features: self.pinned_cpu_features(),
             },
             checkpoint_bucket,

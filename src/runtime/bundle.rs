@@ -35,6 +35,9 @@ pub struct BundleSpec {
     pub max_processes: u64,
     /// Size of the `/tmp` tmpfs in MiB.
     pub tmp_size_mb: u64,
+    /// The disk budget in MiB of the home and `/workspace` together (half
+    /// each, see [`user_writable_mounts`]).
+    pub disk_size_mb: u64,
     /// CPU features sandboxes see, pinned with the OCI annotation
     /// `dev.gvisor.internal.cpufeatures` (runsc versions that support it), so
     /// checkpoints restore on any host with at least these. `None`: the host's.
@@ -66,6 +69,55 @@ pub fn address_space_limit(memory_limit_bytes: u64) -> Option<u64> {
     memory_limit_bytes
         .checked_sub(headroom)
         .filter(|limit| *limit >= SENTRY_HEADROOM_MIN_BYTES)
+}
+
+/// Scratch size of `/var/tmp` in MiB.
+pub const VAR_TMP_SIZE_MB: u64 = 64;
+
+/// The places of an image user code may write besides `/tmp`, each a sized
+/// tmpfs: `(path, owner uid and gid, mode, size in MiB)`. runsc's root
+/// overlay (`--overlay2=root:memory`) has no size of its own, so a write
+/// there only ended when the host's memory cgroup killed the whole sandbox;
+/// a sized tmpfs answers `ENOSPC` instead. Every tmpfs lives in sandbox
+/// memory and this runsc cannot share one size between mount points, so the
+/// disk budget `disk_mb` is split: half each for the home and `/workspace`;
+/// `/var/tmp` and `/run/lock` (world-writable in Debian images) get small
+/// fixed sizes. The images' home is what `useradd --create-home` made of
+/// `/etc/skel`, which the agent copies into the empty tmpfs at boot
+/// (`config.seed_home`).
+pub fn user_writable_mounts(disk_mb: u64) -> [(&'static str, u32, &'static str, u64); 4] {
+    let half = (disk_mb / 2).max(1);
+    [
+        (SANDBOX_HOME, SANDBOX_UID, "0755", half),
+        (WORKSPACE_DIR, SANDBOX_UID, "0755", half),
+        ("/var/tmp", 0, "1777", VAR_TMP_SIZE_MB),
+        ("/run/lock", 0, "1777", 1),
+    ]
+}
+
+/// Whether the image at `rootfs` holds nothing at `path` that a tmpfs
+/// mounted over it would hide: the directory is absent or empty, or holds
+/// only files named as in the image's `/etc/skel` (what `useradd
+/// --create-home` put in the home; the agent copies them in again). A
+/// template image (made from a filesystem snapshot) holds its files there
+/// and keeps the root overlay at that path: the disk budget does not cover
+/// it (docs/security.md).
+pub fn holds_nothing_of_its_own(rootfs: &Path, path: &str) -> bool {
+    let inside = |path: &str| rootfs.join(path.trim_start_matches('/'));
+    let Ok(entries) = std::fs::read_dir(inside(path)) else {
+        return true;
+    };
+    entries.flatten().all(|entry| {
+        entry.file_type().is_ok_and(|kind| kind.is_file())
+            && inside("/etc/skel").join(entry.file_name()).is_file()
+    })
+}
+
+/// The disk budget in MiB when none is configured: half the memory limit
+/// (files live in sandbox memory, so a budget near the limit would end in the
+/// host's OOM kill instead of `ENOSPC`), 1 GiB without a limit.
+pub fn default_disk_size_mb(memory_limit_bytes: Option<u64>) -> u64 {
+    memory_limit_bytes.map_or(1024, |bytes| (bytes >> 21).max(1))
 }
 
 /// The OCI annotation that pins the CPU features of a sandbox.
@@ -117,6 +169,18 @@ impl BundleSpec {
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
              "options": ["nosuid", "nodev", "mode=1777", format!("size={}m", self.tmp_size_mb)]},
         ]);
+        if let Some(list) = mounts.as_array_mut() {
+            for (path, owner, mode, size_mb) in user_writable_mounts(self.disk_size_mb)
+                .into_iter()
+                .filter(|(path, ..)| holds_nothing_of_its_own(rootfs, path))
+            {
+                list.push(
+                    json!({"destination": path, "type": "tmpfs", "source": "tmpfs",
+                    "options": ["nosuid", "nodev", format!("mode={mode}"), format!("uid={owner}"),
+                        format!("gid={owner}"), format!("size={size_mb}m")]}),
+                );
+            }
+        }
         let mut rlimits = vec![
             json!({"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096}),
             json!({"type": "RLIMIT_NPROC", "hard": self.max_processes, "soft": self.max_processes}),
@@ -195,6 +259,7 @@ mod tests {
             cpu_limit: None,
             max_processes: 64,
             tmp_size_mb: 64,
+            disk_size_mb: 128,
             cpu_features: None,
         }
     }
@@ -220,6 +285,65 @@ mod tests {
     }
 
     #[test]
+    fn the_users_writable_places_are_sized_by_the_disk_budget() {
+        let config = spec().config(Path::new("/rootfs"));
+        let mounts = config["mounts"].as_array().expect("mounts");
+        for (dir, size) in [
+            ("/home/sandbox", "size=64m"),
+            ("/workspace", "size=64m"),
+            ("/var/tmp", "size=64m"),
+            ("/run/lock", "size=1m"),
+        ] {
+            let mount = mounts
+                .iter()
+                .find(|m| m["destination"] == dir)
+                .expect("a mount");
+            assert_eq!(mount["type"], "tmpfs");
+            assert!(
+                mount["options"]
+                    .as_array()
+                    .expect("options")
+                    .contains(&json!(size)),
+                "{mount}"
+            );
+        }
+        assert_eq!(default_disk_size_mb(Some(512 << 20)), 256);
+        assert_eq!(default_disk_size_mb(Some(2 << 30)), 1024);
+        assert_eq!(default_disk_size_mb(None), 1024);
+    }
+
+    #[test]
+    fn a_template_keeps_what_its_image_holds_unhidden() {
+        let rootfs = tempfile::tempdir().expect("temp dir");
+        let at = |path: &str| rootfs.path().join(path);
+        for dir in ["etc/skel", "home/sandbox", "workspace/data"] {
+            std::fs::create_dir_all(at(dir)).expect("dir");
+        }
+        for file in [
+            "etc/skel/.bashrc",
+            "home/sandbox/.bashrc",
+            "workspace/data/n",
+        ] {
+            std::fs::write(at(file), "x").expect("file");
+        }
+        assert!(holds_nothing_of_its_own(rootfs.path(), "/home/sandbox"));
+        assert!(!holds_nothing_of_its_own(rootfs.path(), "/workspace"));
+        assert!(holds_nothing_of_its_own(rootfs.path(), "/var/tmp"));
+        std::fs::write(at("home/sandbox/notes.txt"), "mine").expect("file");
+        assert!(!holds_nothing_of_its_own(rootfs.path(), "/home/sandbox"));
+        let config = spec().config(rootfs.path());
+        let mounted: Vec<&str> = config["mounts"]
+            .as_array()
+            .expect("mounts")
+            .iter()
+            .filter_map(|m| m["destination"].as_str())
+            .collect();
+        assert!(mounted.contains(&"/var/tmp"), "{mounted:?}");
+        assert!(!mounted.contains(&"/home/sandbox"), "{mounted:?}");
+        assert!(!mounted.contains(&"/workspace"), "{mounted:?}");
+    }
+
+    #[test]
     fn a_none_bundle_has_a_fresh_network_namespace_and_no_extra_mount() {
         let config = spec().config(Path::new("/images/x/rootfs"));
         let namespaces = config["linux"]["namespaces"]
@@ -227,7 +351,7 @@ mod tests {
             .expect("namespaces");
         assert!(namespaces.contains(&json!({"type": "network"})));
         let mounts = config["mounts"].as_array().expect("mounts");
-        assert_eq!(mounts.len(), 4);
+        assert_eq!(mounts.len(), 4 + user_writable_mounts(0).len());
         assert!(
             mounts
                 .iter()

@@ -95,6 +95,30 @@ pub fn memory_bytes(cgroup_root: &Path, container_id: &str) -> Option<u64> {
     .find_map(|file| std::fs::read_to_string(file).ok()?.trim().parse().ok())
 }
 
+/// How many processes the host's memory cgroup of container `container_id`
+/// has OOM-killed (`oom_kill` of v1's `memory.oom_control`, v2's
+/// `memory.events`), if its cgroup says. gVisor runs every process of a
+/// sandbox inside its sentry, so any such kill ended the whole sandbox.
+pub fn oom_kills(cgroup_root: &Path, container_id: &str) -> Option<u64> {
+    [
+        cgroup_root
+            .join("memory")
+            .join(container_id)
+            .join("memory.oom_control"),
+        cgroup_root.join(container_id).join("memory.events"),
+    ]
+    .iter()
+    .find_map(|file| {
+        std::fs::read_to_string(file)
+            .ok()?
+            .lines()
+            .find_map(|line| line.strip_prefix("oom_kill "))?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
 /// Watches for the cgroup of a container runsc is starting and lowers its
 /// CPU weight as soon as it exists, so the boot itself (the sentry and the
 /// agent starting up) already runs at the lowest weight.
@@ -179,6 +203,24 @@ mod tests {
         assert_eq!(memory_bytes(root.path(), "sbx1"), Some(4096));
         assert_eq!(memory_bytes(root.path(), "sbx2"), Some(8192));
         assert_eq!(memory_bytes(root.path(), "sbx3"), None);
+    }
+
+    #[test]
+    fn oom_kills_are_read_from_either_version() {
+        let root = tempfile::tempdir().expect("temp dir");
+        cgroup(
+            root.path(),
+            "memory/sbx1/memory.oom_control",
+            "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n",
+        );
+        cgroup(
+            root.path(),
+            "sbx2/memory.events",
+            "low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\n",
+        );
+        assert_eq!(oom_kills(root.path(), "sbx1"), Some(1));
+        assert_eq!(oom_kills(root.path(), "sbx2"), Some(2));
+        assert_eq!(oom_kills(root.path(), "sbx3"), None);
     }
 
     /// The cgroup appears while the boot runs: lowered at once.

@@ -4,7 +4,9 @@
 //! Global flags on every call (`docs/gvisor.md`):
 //! `--root` (this server's own state directory), `--platform`, `--network=none`
 //! and `--overlay2=root:memory` (writes to the root filesystem stay in sandbox
-//! memory and are saved in checkpoints). `egress` sandboxes start and restore
+//! memory and are saved in checkpoints; this runsc's overlay takes no size,
+//! so the places user code may write are sized tmpfs mounts of the bundle,
+//! `bundle::user_writable_mounts`). `egress` sandboxes start and restore
 //! with `--network=sandbox` instead ([`LaunchNetwork`]), on this runsc inside
 //! the `/proc/sys/net` wrapper (`network::NetnsWorkaround`).
 

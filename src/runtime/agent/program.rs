@@ -29,6 +29,7 @@ const MODULES: &[(&str, &str)] = &[
         "sandbox_agent.state",
         include_str!("sandbox_agent/state.py"),
     ),
+    ("sandbox_agent.flow", include_str!("sandbox_agent/flow.py")),
     (
         "sandbox_agent.execution",
         include_str!("sandbox_agent/execution.py"),

@@ -158,6 +158,25 @@ impl ExecControl for AgentExecControl {
 
 /// Relays an execution's events from the agent to the returned
 /// [`Execution`], freeing the execution slot the moment the exit is seen.
+/// The exit code of an execution whose sandbox stopped under it.
+const KILLED: i32 = 137;
+
+/// What the client reads when the host's memory cgroup killed the sandbox
+/// under an execution: processes together (each is capped below the limit,
+/// `bundle::address_space_limit`) or files in its memory-backed places
+/// with them took more than its memory limit.
+const OUT_OF_MEMORY: &[u8] = b"\n[sandboxd] out of memory: the sandbox used more than its memory \
+    limit (its processes and the files in its memory-backed /tmp, home and /workspace together) \
+    and the host killed it whole; what it held since its last checkpoint is lost\n";
+
+/// The OOM kills of a container's memory cgroup so far.
+fn oom_kills(container_id: &str) -> Option<u64> {
+    crate::runtime::cgroup::oom_kills(
+        std::path::Path::new(crate::runtime::checkpoint::cpu_quota::CGROUP_ROOT),
+        container_id,
+    )
+}
+
 pub(super) fn relay_execution(
     local: &LocalSandbox,
     id: String,
@@ -168,6 +187,8 @@ pub(super) fn relay_execution(
     let slot = local.current_exec.clone();
     let relay_id = id.clone();
     let numbering = gate.clone();
+    let container_id = local.container_id.clone();
+    let oom_kills_before = oom_kills(&container_id);
     tokio::spawn(async move {
         // Frees the slot only if it still names this execution.
         let release = || {
@@ -189,6 +210,14 @@ pub(super) fn relay_execution(
             let exited = matches!(event, ExecEvent::Exited(_));
             if exited {
                 release();
+            }
+            if matches!(event, ExecEvent::Exited(KILLED))
+                && oom_kills(&container_id).unwrap_or(0) > oom_kills_before.unwrap_or(0)
+            {
+                tracing::warn!(container = %container_id, "the host's memory cgroup killed a sandbox");
+                let _ = tx
+                    .send(ExecEvent::Stderr(Bytes::from_static(OUT_OF_MEMORY)))
+                    .await;
             }
             let _ = tx.send(event).await;
             if exited {

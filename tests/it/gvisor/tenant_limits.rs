@@ -569,6 +569,167 @@ async fn an_allocation_past_the_memory_limit_fails_in_the_guest_and_the_sandbox_
     );
 }
 
+/// Row 4: a 700 MB upload through the HTTP file API into a sandbox of
+/// 512 MiB (its disk budget: half of that) ends at the budget with `507`,
+/// `ENOSPC` and "disk full" (before, the root overlay held it in memory,
+/// the host's memory cgroup killed the whole sandbox and the upload got
+/// `503 … attach again`); user code writing past it in its home and in
+/// `/var/tmp` gets `ENOSPC` too, and the sandbox runs on with its state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_past_the_disk_budget_get_disk_full_and_the_sandbox_lives() {
+    support::SANDBOX_MEMORY_BYTES.with(|bytes| bytes.set(512 << 20));
+    let server = support::ws::Server::start().await;
+    let (mut ws, id, token) = server.create(json!({})).await;
+    let frames = ws.exec("bash", "echo state before > /tmp/kept").await;
+    assert!(frames.iter().any(|f| f == "exit_code:0"), "{frames:?}");
+    drop(ws);
+
+    let started = Instant::now();
+    let put = testkit::http_client()
+        .put(format!(
+            "http://{}/sandboxes/{id}/files/content",
+            server.addr
+        ))
+        .query(&[("path", "big.bin")])
+        .header("X-Sandbox-Token", &token)
+        .body(vec![b'A'; 700 << 20])
+        .send()
+        .await
+        .expect("an answer to the upload");
+    let status = put.status();
+    let body: serde_json::Value = put.json().await.expect("a JSON answer");
+    eprintln!(
+        "700 MB upload into a 512 MiB sandbox: {status} {body} after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(status, 507, "{body}");
+    assert_eq!(body["code"], "ENOSPC", "{body}");
+    let message = body["message"].as_str().unwrap_or_default();
+    assert!(message.contains("disk full"), "{body}");
+    assert!(!message.contains("attach again"), "{body}");
+
+    let mut ws = server.attach(&id, &token).await;
+    let frames = ws
+        .exec(
+            "bash",
+            "ls -a ~ | grep -c sandboxd-upload; head -c 700M /dev/zero > ~/f; \
+             head -c 700M /dev/zero > /var/tmp/f; rm -f ~/f /var/tmp/f; echo still-here",
+        )
+        .await;
+    eprintln!("700 MB written by user code: {frames:?}");
+    let text = frames.join("\n");
+    assert!(
+        text.contains("stdout:0\n"),
+        "the upload left its temporary: {frames:?}"
+    );
+    assert_eq!(
+        text.matches("No space left on device").count(),
+        2,
+        "{frames:?}"
+    );
+    assert!(text.contains("stdout:still-here"), "{frames:?}");
+    let frames = ws.exec("bash", "cat /tmp/kept").await;
+    assert!(
+        frames.iter().any(|f| f == "stdout:state before\n"),
+        "the sandbox did not survive: {frames:?}"
+    );
+}
+
+/// Row 4: a terminal that writes as fast as it can (64 KiB lines in a loop
+/// for 20 s) while the client reads: the server's memory stays bounded, the
+/// sandbox (512 MiB) is not killed (the agent holds the terminal's session
+/// while it cannot keep up, `sandbox_agent/flow.py`), the writer ends on its
+/// own and the sandbox keeps its state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminal_flood_keeps_the_server_bounded_and_the_sandbox_alive() {
+    const FLOOD_S: u64 = 20;
+    let dir = tempfile::tempdir().unwrap();
+    let server = server_process(dir.path(), "flood", &["--sandbox-memory-mb", "512"]).await;
+    let pid = server.child.id();
+    let (mut ws, _, _) = create(&server.addr).await;
+    let frames = ws.exec("bash", "echo state before > /tmp/kept").await;
+    assert!(frames.iter().any(|f| f == "exit_code:0"), "{frames:?}");
+    let before = rss_mib(pid);
+    let code = format!(
+        "python3 -c \"import os, time\nend = time.time() + {FLOOD_S}\nwhile time.time() < end: \
+         os.write(1, b'A' * 65535 + b'\\n')\"; echo flood-over"
+    );
+    ws.send(json!({"language": "bash", "code": code, "pty": {"cols": 80, "rows": 24}}))
+        .await;
+    let started = Instant::now();
+    let (mut peak, mut bytes, mut frames) = (before, 0usize, Vec::new());
+    let mut sampled = Instant::now();
+    loop {
+        let frame = ws.next_value().await;
+        if frame["event"] == "stdout" {
+            bytes += frame["data"].as_str().map_or(0, str::len);
+        } else if frame["event"] != "stderr" {
+            // Output a client that falls behind loses comes as stderr notices.
+            frames.push(frame.to_string());
+        }
+        if sampled.elapsed() > Duration::from_millis(100) {
+            peak = peak.max(rss_mib(pid));
+            sampled = Instant::now();
+        }
+        if frame["status"] == "SANDBOX_EXECUTION_DONE"
+            || frame["status"]
+                .as_str()
+                .is_some_and(|s| s.ends_with("_ERROR"))
+            || started.elapsed() > Duration::from_secs(FLOOD_S * 6)
+        {
+            break;
+        }
+    }
+    let took = started.elapsed();
+    peak = peak.max(rss_mib(pid));
+    eprintln!(
+        "terminal flood: {} MB read in {took:?}; server RSS {before} MiB before, {peak} MiB peak; \
+         frames other than output: {frames:?}",
+        bytes / 1_000_000
+    );
+    // Exit code 0: the writer ended on its own and `echo` ran after it (its
+    // line itself may be among output dropped for a reader that fell behind).
+    assert!(
+        frames.iter().any(|f| f.contains("\"exit_code\":0")),
+        "{frames:?}"
+    );
+    assert!(
+        frames.iter().any(|f| f.contains("SANDBOX_EXECUTION_DONE")),
+        "{frames:?}"
+    );
+    assert!(
+        peak < before + 100,
+        "the server grew from {before} MiB to {peak} MiB"
+    );
+    let frames = ws.exec("bash", "cat /tmp/kept").await;
+    assert!(
+        frames.iter().any(|f| f == "stdout:state before\n"),
+        "the sandbox did not survive: {frames:?}"
+    );
+}
+
+/// Row 4: processes that together take more than a 512 MiB sandbox's
+/// memory (two of 300 MB, each under its own address-space cap) still get
+/// the whole sandbox killed by the host's memory cgroup (gVisor has no OOM
+/// killer of its own); the client is told so in words: "out of memory",
+/// never "attach again" (before, only `exit_code` 137).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_the_host_kills_for_memory_is_reported_out_of_memory() {
+    support::SANDBOX_MEMORY_BYTES.with(|bytes| bytes.set(512 << 20));
+    let server = support::ws::Server::start().await;
+    let (mut ws, _, _) = server.create(json!({})).await;
+    let code = "import subprocess, sys\n\
+        hog = 'import time\\nb = bytearray(300 << 20)\\nb[::4096] = bytes([1]) * len(b[::4096])\\ntime.sleep(60)'\n\
+        procs = [subprocess.Popen([sys.executable, '-c', hog]) for _ in range(2)]\n\
+        [p.wait() for p in procs]";
+    let frames = ws.exec("python", code).await;
+    eprintln!("600 MB in two processes of a 512 MiB sandbox: {frames:?}");
+    let text = frames.join("\n");
+    assert!(text.contains("out of memory"), "{frames:?}");
+    assert!(!text.contains("attach again"), "{frames:?}");
+    assert!(frames.iter().any(|f| f == "exit_code:137"), "{frames:?}");
+}
+
 /// A raw WebSocket client with the request headers a test chooses.
 type Socket =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;

@@ -207,6 +207,9 @@ pub async fn runtime_with_images(
             cpu_limit: Some(1.0),
             max_processes: 64,
             tmp_size_mb: 256,
+            disk_size_mb: sandboxd::runtime::bundle::default_disk_size_mb(Some(
+                SANDBOX_MEMORY_BYTES.with(std::cell::Cell::get),
+            )),
             cpu_features: None,
         },
         checkpoint_bucket: "local".into(),

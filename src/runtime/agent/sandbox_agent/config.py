@@ -30,6 +30,37 @@ def user_env(extra):
     return env
 
 
+SKEL = "/etc/skel"
+
+
+def seed_home():
+    """Fills an empty home with the image's `/etc/skel`, as `useradd
+    --create-home` made the image's own home: the home is a tmpfs of the
+    sandbox's disk budget mounted over it (`bundle::USER_WRITABLE_DIRS`).
+    Only the top level's regular files (Debian's skel has three); a home
+    that holds anything is left alone."""
+    try:
+        if os.listdir(HOME) or not os.path.isdir(SKEL):
+            return
+        names = os.listdir(SKEL)
+    except OSError:
+        return
+    for name in names:
+        source = os.path.join(SKEL, name)
+        if os.path.islink(source) or not os.path.isfile(source):
+            continue
+        target = os.path.join(HOME, name)
+        try:
+            with open(source, "rb") as data:
+                content = data.read()
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "wb") as out:
+                out.write(content)
+            os.chown(target, UID, GID)
+        except OSError:
+            continue
+
+
 def drop_privileges():
     """Creates the user's home as root, then becomes the user for good.
 
@@ -41,6 +72,7 @@ def drop_privileges():
     os.makedirs(HOME, exist_ok=True)
     os.chown(HOME, UID, GID)
     os.chmod(HOME, 0o755)
+    seed_home()
     os.makedirs(WORKSPACE, exist_ok=True)
     os.chown(WORKSPACE, UID, GID)
     os.setgroups([])

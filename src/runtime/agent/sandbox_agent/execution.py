@@ -13,7 +13,7 @@ import signal
 import subprocess
 import time
 
-from . import config, protocol, state
+from . import config, flow, protocol, state
 
 REPL_SOURCE = r'''
 import os, signal, sys, traceback
@@ -200,6 +200,8 @@ def unregister_outputs(execution):
 class Execution:
     """One execution: a process (or a persistent-session cell) and its pipes."""
 
+    flow = None  # a terminal's flow control (`flow.TerminalFlow`)
+
     def __init__(self, exec_id, pid, stdin_fd, out_fds, session=None, resumable=False):
         self.id = exec_id
         self.resumable = resumable
@@ -223,19 +225,34 @@ class Execution:
             set_nonblocking(stdin_fd)
 
     def pump(self, fd):
+        """Reads what a wake found: one read, or for a terminal up to
+        `flow.PUMP_BYTES`, holding its session while it stays full."""
         stream = self.out_fds.get(fd)
         if stream is None:
             return
-        try:
-            data = os.read(fd, protocol.READ_CHUNK)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if data:
+        taken = 0
+        while True:
+            try:
+                data = os.read(fd, protocol.READ_CHUNK)
+            except BlockingIOError:
+                if self.flow is not None:
+                    self.flow.drained()
+                return
+            except OSError:
+                data = b""
+            if not data:
+                if self.flow is not None:
+                    self.flow.release()
+                if self.session is None:
+                    self.close_out(fd)
+                return
             self.output(stream, data)
-        elif self.session is None:
-            self.close_out(fd)
+            if self.flow is None:
+                return
+            taken += len(data)
+            if taken >= flow.PUMP_BYTES:
+                self.flow.still_full()
+                return
 
     def output(self, stream, data):
         if self.resumable:
@@ -359,6 +376,8 @@ class Execution:
             self.pending_exit = code
             return
         self.finished = True
+        if self.flow is not None:
+            self.flow.release()  # nothing of the session stays stopped
         self.drain()
         self.flush_partial()
         if self.session is None:
@@ -555,6 +574,7 @@ def start_terminal(msg, exec_id, resumable):
     proc.returncode = 0
     execution = Execution(exec_id, proc.pid, os.dup(master), {master: 1}, resumable=resumable)
     execution.terminal = master
+    execution.flow = flow.TerminalFlow(proc.pid)
     state.EXECS[exec_id] = execution
     if resumable:
         state.JOURNALS[exec_id] = execution

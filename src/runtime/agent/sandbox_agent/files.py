@@ -369,8 +369,13 @@ def handled(run):
         except OSError as err:
             name = errno.errorcode.get(err.errno, "EIO")
             detail = err.strerror or str(err)
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                detail = "disk full: %s (the sandbox's disk budget is used up)" % detail
             where = err.filename if err.filename is not None else msg.get("path")
-            protocol.error(msg.get("id"), "%s: %s: %r" % (name, detail, where))
+            if where is None:
+                protocol.error(msg.get("id"), "%s: %s" % (name, detail))
+            else:
+                protocol.error(msg.get("id"), "%s: %s: %r" % (name, detail, where))
         except (KeyError, TypeError, ValueError) as err:
             protocol.error(msg.get("id"), "EINVAL: bad request: %s" % err)
     return handle

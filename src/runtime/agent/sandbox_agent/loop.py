@@ -5,6 +5,7 @@ import os
 import selectors
 import signal
 import sys
+import time
 
 from . import config, protocol, state
 from .execution import Execution, PythonSession, exit_code
@@ -72,6 +73,8 @@ def main(argv=None):
     state.SEL.register(COMMANDS.wake, selectors.EVENT_READ, ("cmd", None))
     COMMANDS.start()
     config.drop_privileges()
+    # What the boot wrote (the home's skel) is not the user's change.
+    state.START_TIME = time.time()
     protocol.emit({"ev": "hello", "version": protocol.VERSION, "pid": os.getpid()})
     while True:
         loop_once(1.0)
