@@ -99,7 +99,7 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
             let sync = WorkspaceSync::new(
                 store,
                 Arc::clone(gvisor) as Arc<dyn WorkspaceFiles>,
-                args.workspace.limits(),
+                args.workspace.limits(args.runtime.workspace_size_mb()),
                 args.runtime.runtime_dir.clone(),
                 Arc::default(),
                 Arc::clone(&clock),

@@ -93,6 +93,19 @@ impl RuntimeArgs {
         (!features.is_empty()).then_some(features)
     }
 
+    /// Each sandbox's disk budget in MiB (`--sandbox-disk-mb`, or its default).
+    pub fn disk_size_mb(&self) -> u64 {
+        match self.sandbox_disk_mb {
+            0 => crate::runtime::bundle::default_disk_size_mb(self.memory_limit_bytes()),
+            configured => configured,
+        }
+    }
+
+    /// The size of each sandbox's `/workspace` mount in MiB.
+    pub fn workspace_size_mb(&self) -> u64 {
+        crate::runtime::bundle::workspace_size_mb(self.disk_size_mb())
+    }
+
     /// Each sandbox's memory limit, if it has one.
     fn memory_limit_bytes(&self) -> Option<u64> {
         (self.sandbox_memory_mb > 0).then_some(self.sandbox_memory_mb << 20)
@@ -123,10 +136,7 @@ impl RuntimeArgs {
                 cpu_limit: (self.sandbox_cpus > 0.0).then_some(self.sandbox_cpus),
                 max_processes: self.sandbox_max_processes,
                 tmp_size_mb: self.sandbox_tmp_mb,
-                disk_size_mb: match self.sandbox_disk_mb {
-                    0 => crate::runtime::bundle::default_disk_size_mb(self.memory_limit_bytes()),
-                    configured => configured,
-                },
+                disk_size_mb: self.disk_size_mb(),
                 cpu_features: self.pinned_cpu_features(),
             },
             checkpoint_bucket,

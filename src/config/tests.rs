@@ -159,3 +159,23 @@ fn admission_settings_come_from_the_capacity_minus_the_reserve() {
     let detected = parse(&[]).admission.settings(1, 0).unwrap().unwrap();
     assert!(detected.capacity_bytes > 0);
 }
+
+#[test]
+fn the_workspace_syncs_no_more_than_its_mount_holds() {
+    // Defaults: 2048 MiB of memory, a 1024 MiB disk budget, a 512 MiB
+    // `/workspace`: the sync's 1024 MiB default is held to it.
+    let args = parse(&[]);
+    assert_eq!(args.runtime.disk_size_mb(), 1024);
+    assert_eq!(args.runtime.workspace_size_mb(), 512);
+    let limits = args.workspace.limits(args.runtime.workspace_size_mb());
+    assert_eq!(limits.max_total_bytes, 512 << 20);
+    // A larger budget lets the configured total through, no further.
+    let args = parse(&[
+        "--sandbox-disk-mb",
+        "8192",
+        "--workspace-max-total-mb",
+        "3000",
+    ]);
+    let limits = args.workspace.limits(args.runtime.workspace_size_mb());
+    assert_eq!(limits.max_total_bytes, 3000 << 20);
+}

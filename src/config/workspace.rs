@@ -15,7 +15,9 @@ pub struct WorkspaceArgs {
     /// Largest file synced, in MiB (larger ones are left out and logged).
     #[arg(long, env = "SANDBOXD_WORKSPACE_MAX_FILE_MB", value_parser = clap::value_parser!(u64).range(1..=1_048_576), default_value_t = 100)]
     pub workspace_max_file_mb: u64,
-    /// Largest workspace synced, in MiB (a larger one fails its sync).
+    /// Largest workspace synced, in MiB (a larger one fails its sync); held
+    /// to the size of the sandboxes' `/workspace` mount (half the disk
+    /// budget), so that what is synced always fits where it is restored.
     #[arg(long, env = "SANDBOXD_WORKSPACE_MAX_TOTAL_MB", value_parser = clap::value_parser!(u64).range(1..=1_048_576), default_value_t = 1024)]
     pub workspace_max_total_mb: u64,
     /// Most files a synced workspace may hold (a larger one fails its sync).
@@ -31,10 +33,15 @@ pub struct WorkspaceArgs {
 }
 
 impl WorkspaceArgs {
-    pub fn limits(&self) -> crate::workspace::SyncLimits {
+    /// The sync's limits, for sandboxes whose `/workspace` mount holds
+    /// `workspace_size_mb`.
+    pub fn limits(&self, workspace_size_mb: u64) -> crate::workspace::SyncLimits {
         crate::workspace::SyncLimits {
             max_file_bytes: self.workspace_max_file_mb.saturating_mul(1 << 20),
-            max_total_bytes: self.workspace_max_total_mb.saturating_mul(1 << 20),
+            max_total_bytes: self
+                .workspace_max_total_mb
+                .min(workspace_size_mb)
+                .saturating_mul(1 << 20),
             max_files: self.workspace_max_files,
             timeout: std::time::Duration::from_secs(self.workspace_sync_timeout_s.max(1)),
             stale_threshold_s: self.sync_stale_threshold_s,

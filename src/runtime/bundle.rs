@@ -86,13 +86,20 @@ pub const VAR_TMP_SIZE_MB: u64 = 64;
 /// `/etc/skel`, which the agent copies into the empty tmpfs at boot
 /// (`config.seed_home`).
 pub fn user_writable_mounts(disk_mb: u64) -> [(&'static str, u32, &'static str, u64); 4] {
-    let half = (disk_mb / 2).max(1);
+    let half = workspace_size_mb(disk_mb);
     [
         (SANDBOX_HOME, SANDBOX_UID, "0755", half),
         (WORKSPACE_DIR, SANDBOX_UID, "0755", half),
         ("/var/tmp", 0, "1777", VAR_TMP_SIZE_MB),
         ("/run/lock", 0, "1777", 1),
     ]
+}
+
+/// The size of `/workspace` (and of the home) under the disk budget
+/// `disk_mb`: half of it each. The workspace sync's total is held to it, so
+/// that a synced workspace never restores into a mount too small for it.
+pub fn workspace_size_mb(disk_mb: u64) -> u64 {
+    (disk_mb / 2).max(1)
 }
 
 /// Whether the image at `rootfs` holds nothing at `path` that a tmpfs
