@@ -186,7 +186,7 @@ if [ -n "$beside_job" ]; then
   beside_started=$(date +%s)
   wait "$beside_job" || beside_status=$?
   cat target/beside-quick.log
-  echo "== beside the quick tier: ${SANDBOXD_TEST_BESIDE_QUICK} (exit ${beside_status}; waited $(( $(date +%s) - beside_started )) s after the tier)"
+  echo "== beside the quick tier: exit ${beside_status}, waited for $(( $(date +%s) - beside_started )) s after the tier"
   [ "$beside_status" = 0 ] || status=$beside_status
 fi
 if [ "$status" = 0 ]; then
