@@ -154,11 +154,13 @@ async def main(sandboxctl, url):
             running = asyncio.create_task(
                 run(session, sandbox, "bash", "echo begun > /tmp/begun; sleep 3; echo finished")
             )
+            # `echo begun > /tmp/begun` creates the file empty, then writes
+            # it: a read between the two (a loaded machine) finds it empty.
             for _ in range(100):
                 begun = await session.call_tool(
                     "read_file", {"sandbox_id": sandbox, "path": "/tmp/begun"}
                 )
-                if not is_error(begun):
+                if not is_error(begun) and text_of(begun) != "":
                     break
                 await asyncio.sleep(0.1)
             assert text_of(begun) == "begun\n", text_of(begun)
