@@ -282,6 +282,15 @@ def probe(host, port, timeout=3):
     try:
         s = socket.create_connection((host, port), timeout=timeout)
         data = s.recv(100).decode().strip()
+        # The world's servers close after their line: wait for that close
+        # before closing, so that the sandbox never closes first and keeps
+        # no TIME_WAIT endpoint, which this runsc cannot checkpoint for
+        # 60 s (a probe that closed first under load made a handoff expire).
+        try:
+            while s.recv(100):
+                pass
+        except OSError:
+            pass
         s.close()
         return "ok " + data
     except socket.timeout:
