@@ -602,6 +602,20 @@ impl Leases {
         read: Option<ReadLease>,
         metadata: Option<Generation>,
     ) -> Result<AttachIntent, LeaseError> {
+        Ok(self
+            .request_attach_writing(sandbox, read, metadata)
+            .await?
+            .0)
+    }
+
+    /// [`Self::request_attach_from`], with the lock as written (`None`:
+    /// the intent went by ring alone, the lock is as read).
+    pub async fn request_attach_writing(
+        &self,
+        sandbox: &SandboxId,
+        read: Option<ReadLease>,
+        metadata: Option<Generation>,
+    ) -> Result<(AttachIntent, Option<ReadLease>), LeaseError> {
         if let Some((lease, generation)) = &read
             && let Some(holder) = lease.holder.as_ref().filter(|h| *h != &self.instance)
         {
@@ -610,7 +624,7 @@ impl Leases {
                 metadata: metadata.0,
             });
             match self.ring_intent(sandbox, holder, lease.epoch, read).await {
-                Ok(intent) => return Ok(intent),
+                Ok(intent) => return Ok((intent, None)),
                 Err(err) => {
                     tracing::warn!(%sandbox, %holder, %err, "cannot ring the holder's doorbell; writing the intent into the lock");
                 }
@@ -627,9 +641,9 @@ impl Leases {
             lease.wanted_by = Some(intent.clone());
             Ok(Step::Write(Box::new(lease), intent))
         });
-        let (intent, lease, _) = write.await?;
+        let (intent, lease, generation) = write.await?;
         self.ring_holder(sandbox, &lease).await;
-        Ok(intent)
+        Ok((intent, Some((lease, generation))))
     }
 
     /// Rings `holder` with this instance's attach intent for `sandbox`,

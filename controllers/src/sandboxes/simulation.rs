@@ -219,12 +219,11 @@ impl Sim {
             metadata.spec.enable_checkpoint = true;
             metadata.spec.enable_sandbox_handoff = true;
             let node = self.rng.random_range(0..self.nodes.len());
-            self.nodes[node].controller.create(&metadata).await.unwrap();
-            let _ = self.nodes[node]
-                .controller
-                .reconciler()
-                .reconcile(&id)
-                .await;
+            let controller = &self.nodes[node].controller;
+            controller
+                .serving(&id, controller.create(&metadata))
+                .await
+                .unwrap();
         }
     }
 
@@ -326,21 +325,32 @@ impl Sim {
                 }
             }
             40..52 if awake => {
-                let _ = controller.request_here(&id, None, self.clock.now()).await;
+                let _ = controller
+                    .serving(&id, controller.request_here(&id, None, self.clock.now()))
+                    .await;
             }
             52..58 if awake => {
                 let _ = controller
-                    .request_state(&id, DesiredState::Checkpointed, None)
+                    .serving(
+                        &id,
+                        controller.request_state(&id, DesiredState::Checkpointed, None),
+                    )
                     .await;
             }
             58..60 if awake => {
                 let _ = controller
-                    .request_state(&id, DesiredState::Deleted, None)
+                    .serving(
+                        &id,
+                        controller.request_state(&id, DesiredState::Deleted, None),
+                    )
                     .await;
             }
             60..64 if awake => {
                 let _ = controller
-                    .request_state(&id, DesiredState::Running, None)
+                    .serving(
+                        &id,
+                        controller.request_state(&id, DesiredState::Running, None),
+                    )
                     .await;
             }
             64..72 if awake => {
@@ -550,13 +560,15 @@ async fn run_seed(seed: u64) {
     sim.wake(usize::MAX).await;
     sim.clock.advance(Duration::seconds(120));
     for id in sim.sandboxes.clone() {
-        let _ = sim.nodes[0]
-            .controller
-            .request_state(&id, DesiredState::Running, None)
+        let controller = &sim.nodes[0].controller;
+        let _ = controller
+            .serving(
+                &id,
+                controller.request_state(&id, DesiredState::Running, None),
+            )
             .await;
-        let _ = sim.nodes[0]
-            .controller
-            .request_here(&id, None, sim.clock.now())
+        let _ = controller
+            .serving(&id, controller.request_here(&id, None, sim.clock.now()))
             .await;
         for _ in 0..6 {
             for node in &sim.nodes {

@@ -249,8 +249,7 @@ async fn operator_edits_of_the_bucket_never_panic_a_reconciler() {
         let mut metadata = SandboxMetadata::new(id.clone(), clock.now(), "a".repeat(64));
         metadata.spec.enable_checkpoint = true;
         metadata.spec.idle_timeout = Some(60);
-        a.create(&metadata).await.unwrap();
-        a.reconciler().reconcile(&id).await.unwrap();
+        a.serving(&id, a.create(&metadata)).await.unwrap();
         a.reconciler()
             .leases()
             .instance_lease()
@@ -258,7 +257,9 @@ async fn operator_edits_of_the_bucket_never_panic_a_reconciler() {
             .await
             .unwrap();
         if rng.random_bool(0.5) {
-            b.request_here(&id, None, clock.now()).await.ok();
+            b.serving(&id, b.request_here(&id, None, clock.now()))
+                .await
+                .ok();
         }
         // An operator edits one of the objects by hand.
         let keys = [

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::api::SandboxId;
 
+use super::super::reconciler::Command;
 use super::{ControlError, SandboxController};
 
 /// What this instance last read from its doorbell.
@@ -108,18 +109,19 @@ impl SandboxController {
                 .map(|ring| (ring.sandbox.clone(), ring.rung_at))
                 .collect();
             state.answered.retain(|ring| present.contains(ring));
-            let leases = self.reconciler.leases();
             let mut rung = Vec::new();
             for ring in bell.rings {
                 if !state.answered.insert((ring.sandbox.clone(), ring.rung_at)) {
                     continue;
                 }
-                // An attach intent that came by ring only (decision 27):
-                // this instance's reads of the lock count it from now on.
-                if let Some(intent) = ring.intent {
-                    self.reconciler.prime_from_ring(&ring.sandbox, &intent);
-                    leases.hear(&ring.sandbox, intent);
-                }
+                // The sandbox's pass hears the attach intent that came by
+                // ring only (decision 27).
+                self.reconciler.send(
+                    &ring.sandbox,
+                    Command::Rung {
+                        intent: ring.intent,
+                    },
+                );
                 if !rung.contains(&ring.sandbox) {
                     rung.push(ring.sandbox);
                 }
@@ -128,7 +130,6 @@ impl SandboxController {
         };
         for sandbox in &rung {
             tracing::debug!(%sandbox, "doorbell rung");
-            self.reconciler.note_rung(sandbox);
             self.enqueue(sandbox);
         }
         Ok(rung)

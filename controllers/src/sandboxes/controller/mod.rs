@@ -1,7 +1,8 @@
 //! The sandbox controller of one instance: the work queue, its worker loop,
-//! and the narrow surface the API layer may use. That surface writes intents
-//! (spec fields, a free lock, a ring to the holder) and queues a reconcile; it never
-//! creates, checkpoints or restores a sandbox itself. Executions and
+//! and the narrow surface the API layer may use. That surface sends
+//! commands to a sandbox's pass (a create, an attach, a desired state) and
+//! awaits their replies; it never writes a sandbox's objects, nor creates,
+//! checkpoints or restores a sandbox itself. Executions and
 //! filesystem snapshots pass through to the runtime, but only for a sandbox
 //! this instance holds. A fork copies its source's checkpoint (data, not
 //! state) before recording the new sandbox.
@@ -80,8 +81,6 @@ pub struct SandboxController {
     bus: ProgressBus,
     reconcile_errors: std::sync::atomic::AtomicU64,
     doorbell: std::sync::Mutex<DoorbellState>,
-    /// This controller, for the tasks its calls leave running.
-    me: std::sync::Weak<Self>,
 }
 
 impl SandboxController {
@@ -91,13 +90,12 @@ impl SandboxController {
         Reconciler::share(&reconciler);
         let queue = WorkQueue::new(Arc::clone(reconciler.clock()));
         reconciler.wake_with(queue.clone());
-        Arc::new_cyclic(|me| Self {
+        Arc::new(Self {
             reconciler,
             queue,
             bus,
             reconcile_errors: std::sync::atomic::AtomicU64::new(0),
             doorbell: std::sync::Mutex::new(DoorbellState::default()),
-            me: me.clone(),
         })
     }
 
@@ -180,6 +178,31 @@ impl SandboxController {
     /// it soon. Costs nothing in storage unless a step is due.
     pub fn poke(&self, sandbox: &SandboxId) {
         self.queue.add(sandbox);
+    }
+
+    /// Runs `command` (a create, an attach, a desired state) with the pass
+    /// of `sandbox` that serves it, as a worker would: for callers that
+    /// run no workers and drive passes by hand (tests, the simulation).
+    #[cfg(any(test, feature = "testing"))]
+    pub async fn serving<T>(
+        &self,
+        sandbox: &SandboxId,
+        command: impl std::future::Future<Output = T>,
+    ) -> T {
+        let mut command = std::pin::pin!(command);
+        loop {
+            // The command may fail before it is sent (nothing to serve).
+            tokio::select! {
+                biased;
+                outcome = &mut command => return outcome,
+                () = tokio::task::yield_now() => {}
+            }
+            if self.reconciler.commands_waiting(sandbox) > 0 {
+                break;
+            }
+        }
+        let (outcome, _) = tokio::join!(command, self.reconciler.reconcile(sandbox));
+        outcome
     }
 
     /// Takes every sandbox queued now (tests run no workers).

@@ -131,38 +131,34 @@ impl Reconciler {
     }
 
     /// A client here waits for `sandbox` to start (its intent was written).
-    pub fn mark_waiting(&self, sandbox: &SandboxId) {
+    pub(super) fn mark_waiting(&self, sandbox: &SandboxId) {
         let now = self.clock.now();
         self.slots.update(sandbox, |slot| {
             slot.waiting.get_or_insert(now);
         });
     }
 
-    /// [`Self::take_waiting`] for a pass that decided to tell the waiter
-    /// its start will not come, on what it read when no intent here had
-    /// begun since `intents_before`: a client whose attach began after that
-    /// read (its intent's writer counts itself before it marks the client
-    /// waiting) is not that pass's to fail, and stays waiting. Taking
-    /// first and checking after closes the gap between the two.
-    pub(crate) fn take_waiter_read_for(
-        &self,
-        sandbox: &SandboxId,
-        intents_before: u64,
-    ) -> Option<DateTime<Utc>> {
-        let since = self.take_waiting(sandbox)?;
-        if self.intents_settled(sandbox) == Some(intents_before) {
-            return Some(since);
-        }
-        self.slots.update(sandbox, |slot| {
-            slot.waiting.get_or_insert(since);
-        });
-        None
-    }
-
     /// Since when a client here waited for `sandbox`, if one did; it no
     /// longer waits.
     pub(crate) fn take_waiting(&self, sandbox: &SandboxId) -> Option<DateTime<Utc>> {
         self.slots.update(sandbox, |slot| slot.waiting.take())
+    }
+
+    /// True while a client here waits for `sandbox` to start.
+    pub(crate) fn is_waiting(&self, sandbox: &SandboxId) -> bool {
+        self.slots.view(sandbox, |slot| slot.waiting.is_some())
+    }
+
+    /// True when the periodic checkpoint of a held, checkpointable sandbox
+    /// is due.
+    pub(super) fn checkpoint_due(&self, sandbox: &SandboxId) -> bool {
+        let Some(interval) = self.config.checkpoint_interval else {
+            return false;
+        };
+        let now = self.clock.now();
+        self.watch(sandbox).is_some_and(|watch| {
+            watch.checkpointable && now >= watch.last_checkpoint + chrono_duration(interval)
+        })
     }
 
     /// Remembers that `sandbox` was just stopped as lost to another
@@ -187,7 +183,7 @@ impl Reconciler {
     }
 
     /// The doorbell was rung for `sandbox` (held here) just now.
-    pub fn note_rung(&self, sandbox: &SandboxId) {
+    pub(super) fn note_rung(&self, sandbox: &SandboxId) {
         let now = self.clock.now();
         self.slots
             .update(sandbox, |slot| slot.rung_here = Some(now));

@@ -2,11 +2,13 @@
 //! (`metadata.json` spec, the lease's `wanted_by` or a rung intent) and
 //! observed state (the lease, the local runtime), perform the step the
 //! decision table picks, and say when to look again (`docs/principles.md`).
-//! A step may make several writes (a handover checkpoints, uploads and
-//! transfers the hold in one fenced write), a create or an attach may have
-//! taken the hold in its own intent write (the pass then adopts it), and
-//! bookkeeping records run in tasks of their own, off the queue
-//! (decision 21).
+//! A pass first serves the commands callers left for it (`commands`: a
+//! create, an attach, a desired state, a ring), whose writes are the only
+//! writes of the sandbox's objects not made by a step; a create or an
+//! attach may take the hold in its own write (the pass then adopts it). A
+//! step may make several writes (a handover checkpoints, uploads and
+//! transfers the hold in one fenced write), and bookkeeping records run in
+//! tasks of their own, off the queue (decision 21).
 //!
 //! A held sandbox nothing happened to gets a light pass (no storage request)
 //! until its resync, as the light table (`super::decision::decide_light`)
@@ -41,20 +43,22 @@ use crate::store::{Generation, Store, StoreError, Versioned};
 use super::decision::{Observed, Step, decide};
 
 mod checkpoint;
+mod commands;
 mod config;
 mod fork;
 mod hold;
 mod local;
 mod pass;
-mod primed;
 mod slots;
 mod start;
 
 pub use checkpoint::{delete_checkpoint_objects, record_carried};
+pub use commands::AttachRead;
+pub(crate) use commands::{Command, Reply};
 pub use config::{HandoffPolicy, ReconcilerConfig};
 pub use fork::{ForkError, ForkPoint};
 use local::Watch;
-pub use primed::{AttachRead, ReadMetadata};
+pub use slots::ReadMetadata;
 pub(super) use slots::Slots;
 pub(crate) use start::create_options;
 
@@ -154,8 +158,6 @@ pub struct Reconciler {
     /// When this instance last held or started anything: its instance lease
     /// is renewed until a lease after that.
     last_busy: Mutex<Option<DateTime<Utc>>>,
-    /// The last ticket handed to a spec write (`spec_pending`).
-    spec_tickets: std::sync::atomic::AtomicU64,
     /// This reconciler, once shared behind an `Arc` (by its controller):
     /// steps that must outlive a pass (a checkpoint's record) run in tasks
     /// of their own on it.
@@ -206,7 +208,6 @@ impl Reconciler {
             config: parts.config,
             slots,
             last_busy: Mutex::new(None),
-            spec_tickets: std::sync::atomic::AtomicU64::new(0),
             shared: std::sync::OnceLock::new(),
             background: BackgroundSteps::default(),
             wake: std::sync::OnceLock::new(),
@@ -340,18 +341,8 @@ impl Reconciler {
         self.slots.known(sandbox)
     }
 
-    /// Waits for this instance's write of `sandbox`'s metadata in flight, if
-    /// any; hold the guard across a read-modify-write (see `primed.rs`).
-    pub async fn metadata_write_turn(
-        &self,
-        sandbox: &SandboxId,
-    ) -> tokio::sync::OwnedMutexGuard<()> {
-        self.slots.write_turn(sandbox).await
-    }
-
-    /// Remembers `metadata.json` as written at `generation` by an intent
-    /// writer here.
-    pub fn remember_metadata(
+    /// Remembers `metadata.json` as written here at `generation`.
+    pub(super) fn remember_metadata(
         &self,
         sandbox: &SandboxId,
         metadata: &SandboxMetadata,

@@ -1,33 +1,48 @@
-//! One pass for one sandbox. A held sandbox nothing happened to gets a
-//! light pass (lease upkeep; in the minute after its client left, the
-//! departure watch's read of both objects); anything else gets a full pass:
-//! both objects read (or primed), the decision table's one step, performed.
+//! One pass for one sandbox: first the commands callers left for it
+//! (`commands.rs`), then one step. A held sandbox nothing happened to gets
+//! a light pass (lease upkeep; in the minute after its client left, the
+//! departure watch's read of both objects); anything else gets a full
+//! pass: what the pass decides on ([`Reconciler::observe`]), the decision
+//! table's one step, performed.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use super::commands::Served;
 use super::*;
 use crate::sandboxes::decision::{LightStep, Quiet, decide_light};
 
+/// Both objects as a pass decides on them: as its commands' writes left
+/// them, else as read.
+type View = (ReadMetadata, Option<ReadLease>);
+
 impl Reconciler {
-    /// One step toward the desired state of `sandbox`. A held sandbox with
-    /// nothing new gets a light pass (lease upkeep, maybe one lock read); a
-    /// full pass reads metadata and lock and decides.
+    /// One step toward the desired state of `sandbox`, after serving the
+    /// commands waiting for it. A held sandbox with nothing new gets a
+    /// light pass (lease upkeep, maybe one read of both objects); a full
+    /// pass decides on what its commands wrote, or on both objects read.
     #[tracing::instrument(skip(self), fields(instance = %self.leases.instance()))]
     pub async fn reconcile(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
+        let Served { view } = self.serve(sandbox).await;
         let full_pass_wanted = self.take_full_pass_wanted(sandbox);
-        if let Some((held, watch)) = self.held_and_watch(sandbox)
-            && let Some(requeue) = self
-                .light_pass(sandbox, full_pass_wanted, held, watch)
-                .await?
-        {
-            return Ok(requeue);
+        let light = match self.held_and_watch(sandbox) {
+            Some((held, watch)) if view.is_none() => {
+                self.light_pass(sandbox, full_pass_wanted, held, watch)
+                    .await
+            }
+            _ => Ok(Err(view)),
+        };
+        match light {
+            Ok(Ok(requeue)) => Ok(requeue),
+            Ok(Err(view)) => {
+                let outcome = self.full_pass(sandbox, view).await;
+                let now = self.clock.now();
+                self.update_watch(sandbox, |watch| watch.last_full_pass = now);
+                outcome
+            }
+            Err(err) => Err(err),
         }
-        let outcome = self.full_pass(sandbox).await;
-        let now = self.clock.now();
-        self.update_watch(sandbox, |watch| watch.last_full_pass = now);
-        outcome
     }
 
     /// The hold on `sandbox` and how it is watched, if it is held here.
@@ -38,15 +53,15 @@ impl Reconciler {
     }
 
     /// Lease upkeep for a held sandbox nothing happened to, as the light
-    /// table (`decide_light`) says. `None`: something changed or is due, do
-    /// a full pass.
+    /// table (`decide_light`) says. `Err`: something changed or is due, do
+    /// a full pass (on both objects, if this pass read them).
     async fn light_pass(
         &self,
         sandbox: &SandboxId,
         full_pass_wanted: bool,
         held: HeldLease,
         watch: Watch,
-    ) -> Result<Option<Requeue>, ReconcileError> {
+    ) -> Result<Result<Requeue, Option<View>>, ReconcileError> {
         let now = self.clock.now();
         let lock_read: Option<ReadLease>;
         let mut seen = Quiet {
@@ -64,12 +79,11 @@ impl Reconciler {
             vouched: self.leases.is_safe(&held),
         };
         let mut step = decide_light(&seen);
+        let mut view = None;
         if step == LightStep::ReadBoth {
             // Both objects at once: the full pass a change calls for (an
             // attach elsewhere) decides on these reads, not on a second
-            // round trip (decision 7, the departure watch), unless an
-            // intent writer here started meanwhile (its writes are newer).
-            let intents_before = self.intents_settled(sandbox);
+            // round trip (decision 7, the departure watch).
             let (metadata, lock) = tokio::join!(
                 self.read_metadata_versioned(sandbox),
                 self.leases.read(sandbox)
@@ -81,10 +95,8 @@ impl Reconciler {
             step = decide_light(&seen);
             if step == LightStep::Changed
                 && let Ok(Some(metadata)) = metadata
-                && intents_before.is_some()
-                && self.intents_settled(sandbox) == intents_before
             {
-                self.prime_with_read(sandbox, metadata, lock_read.clone());
+                view = Some((metadata, lock_read.clone()));
             }
         }
         match step {
@@ -95,28 +107,32 @@ impl Reconciler {
                 if seen.watching {
                     next = next.min(self.config.detached_poll);
                 }
-                Ok(Some(Requeue::After(next.max(Duration::from_millis(10)))))
+                Ok(Ok(Requeue::After(next.max(Duration::from_millis(10)))))
             }
-            LightStep::Full | LightStep::ReadBoth | LightStep::Changed => Ok(None),
+            LightStep::Full | LightStep::ReadBoth | LightStep::Changed => Ok(Err(view)),
         }
     }
 
-    /// Reads metadata and lock, asks the decision table for the one next
-    /// step, and performs it.
-    async fn full_pass(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
-        let Some(intents_before) = self.intents_settled(sandbox) else {
-            // Its writer primes the next pass and queues it when done.
-            self.want_full_pass(sandbox);
-            return Ok(Requeue::After(primed::INTENT_WAIT));
-        };
-        // What an intent writer here just wrote and read, or both reads at
-        // once: one round trip, not two (a rung handoff starts here).
-        let (metadata, lease) = match self.take_primed(sandbox) {
-            // With the intent a ring carried, as a read counts it.
-            Some(primed) => (
-                Ok(Some(primed.metadata)),
-                Ok(primed
-                    .lock
+    /// What a full pass decides on, its rules in one place: `view` (what
+    /// this pass's commands wrote, or what its light pass read), else both
+    /// objects read at once (one round trip, not two); the lock with the
+    /// intent a ring carried counted in it; the metadata replaced by what
+    /// this owner wrote since if that is newer (a record that landed while
+    /// the read was on its way), with the spec change this owner is still
+    /// writing applied (`commands.rs`), unless the sandbox is being deleted
+    /// (that write will be refused).
+    async fn observe(
+        &self,
+        sandbox: &SandboxId,
+        view: Option<View>,
+    ) -> (
+        Result<Option<ReadMetadata>, ReconcileError>,
+        Result<Option<ReadLease>, LeaseError>,
+    ) {
+        let (mut metadata, lock) = match view {
+            Some((metadata, lock)) => (
+                Ok(Some(metadata)),
+                Ok(lock
                     .map(|(lock, generation)| (self.leases.with_heard(sandbox, lock), generation))),
             ),
             None => tokio::join!(
@@ -124,6 +140,29 @@ impl Reconciler {
                 self.leases.read(sandbox)
             ),
         };
+        if let Ok(Some(read)) = &mut metadata {
+            if let Some(known) = self.known_metadata(sandbox)
+                && known.generation > read.1
+                && let Ok(newer) = crate::api::decode::<SandboxMetadata>(&known.data)
+            {
+                *read = (newer, known.generation);
+            }
+            let in_flight = self.slots.view(sandbox, |slot| slot.spec_in_flight.clone());
+            if let Some(change) = in_flight.filter(|_| !read.0.is_deleted()) {
+                change(&mut read.0.spec);
+            }
+        }
+        (metadata, lock)
+    }
+
+    /// Decides on what [`Self::observe`] gives, and performs the one step
+    /// the decision table picks.
+    async fn full_pass(
+        &self,
+        sandbox: &SandboxId,
+        view: Option<View>,
+    ) -> Result<Requeue, ReconcileError> {
+        let (metadata, lease) = self.observe(sandbox, view).await;
         if let Some(unreadable) = self.cut_off(sandbox, &metadata, &lease) {
             // Held, past what the instance lease vouches for, and the bucket
             // cannot be read to re-verify the hold: another instance may
@@ -132,22 +171,8 @@ impl Reconciler {
                 .await;
             return Ok(Requeue::Never);
         }
-        if self.intents_settled(sandbox) != Some(intents_before) {
-            // One started (and maybe ended) while this pass read: what it
-            // read may predate it; decide on what the writer wrote.
-            self.want_full_pass(sandbox);
-            return Ok(Requeue::After(primed::INTENT_WAIT));
-        }
         let metadata = match metadata {
-            Ok(mut metadata) => {
-                // An intent of ours still on its way to the bucket counts
-                // as written (decision 21).
-                if let Some(read) = &mut metadata {
-                    self.newer_known(sandbox, read);
-                    self.overlay_pending_spec(sandbox, &mut read.0);
-                }
-                metadata
-            }
+            Ok(metadata) => metadata,
             Err(err) => {
                 if let ReconcileError::Invalid { .. } = &err {
                     // An operator's typo: report it to whoever waits, keep
@@ -185,8 +210,7 @@ impl Reconciler {
             checkpoint_due: self.checkpoint_due(sandbox),
         });
         tracing::debug!(%sandbox, ?step, "decided");
-        self.perform(sandbox, step, metadata, lease, held, intents_before)
-            .await
+        self.perform(sandbox, step, metadata, lease, held).await
     }
 
     /// Why the hold on `sandbox` can no longer be vouched for nor
@@ -220,7 +244,6 @@ impl Reconciler {
         read: Option<ReadMetadata>,
         lock: Option<ReadLease>,
         held: Option<HeldLease>,
-        intents_before: u64,
     ) -> Result<Requeue, ReconcileError> {
         let metadata = read.as_ref().map(|(metadata, _)| metadata);
         let lease = lock.as_ref().map(|(lease, _)| lease.clone());
@@ -305,11 +328,11 @@ impl Reconciler {
             Step::AwaitHolder => Ok(Requeue::After(self.config.resync_interval)),
             Step::Tombstone => self.tombstone_unheld(sandbox).await,
             Step::NotWantedHere => {
-                self.tell_waiter_not_wanted(sandbox, lease.as_ref(), intents_before);
+                self.tell_waiter_not_wanted(sandbox, lease.as_ref());
                 Ok(Requeue::Never)
             }
             Step::CheckpointedMeanwhile => {
-                if self.take_waiter_read_for(sandbox, intents_before).is_some() {
+                if self.take_waiting(sandbox).is_some() {
                     self.emit(
                         sandbox,
                         SandboxEvent::StartFailed {

@@ -2,9 +2,8 @@
 //! [`Slot`] per sandbox, all of them behind one lock ([`Slots`]).
 //!
 //! A sandbox's life on this instance (a client waiting, the lease being
-//! acquired, the start, the hold, its checkpoints, its loss) and what the
-//! intent writers here left for its next pass used to be membership in a
-//! dozen maps and sets, each behind its own lock: nothing tied one
+//! acquired, the start, the hold, its checkpoints, its loss) used to be
+//! membership in a dozen maps and sets, each behind its own lock: nothing tied one
 //! sandbox's entries together, and a reader could see one map changed and
 //! the next not yet. One slot per sandbox gathers them, so one lock
 //! acquisition sees (and changes) all of a sandbox's local state at once.
@@ -16,7 +15,12 @@
 //! every transition one method returning the next state. A sandbox cannot
 //! be held and starting at once, nor watched without being held. What is
 //! not a phase (a client waiting, a loss remembered, records in flight,
-//! what intent writers left for the next pass) sits beside it.
+//! the commands waiting for the next pass) sits beside it.
+//!
+//! The sandbox's own pass (and the tasks it starts: a start's record, a
+//! wake on an image's landing) changes its state; others put commands in
+//! its inbox (`commands.rs`), read it, or bring news that decides nothing
+//! by itself (a client attached or active, a progress subscription).
 //!
 //! The map is shared behind an `Arc` so that tasks outliving a pass (a
 //! start's record, a wake on an image's landing) reach their sandbox's slot.
@@ -27,10 +31,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use chrono::{DateTime, Utc};
 use tokio::sync::broadcast;
 
-use crate::api::SandboxSpec;
 use crate::api::{RungIntent, SandboxId, SandboxMetadata};
 use crate::leasing::HeldLease;
-use crate::leasing::ReadLease;
 use crate::leasing::RungIntents;
 use crate::sandboxes::events::SandboxEvent;
 use crate::store::{Generation, Versioned};
@@ -71,18 +73,12 @@ pub(super) struct Slot {
     pub(super) known: Option<Versioned>,
     /// The turn of this instance's writes of the sandbox's metadata.
     pub(super) write_turn: Option<Arc<tokio::sync::Mutex<()>>>,
-    /// What an intent writer here just wrote or read (metadata and lock,
-    /// with generations): the next full pass decides on it instead of
-    /// reading both again.
-    pub(super) primed: Option<Primed>,
-    /// The spec change an intent writer here is still writing, with the
-    /// ticket of its write.
-    pub(super) pending_spec: Option<(u64, SpecChange)>,
-    /// The intent writers here at work on the sandbox (and how many ever
-    /// started): a pass decides nothing until they are done, so it never
-    /// acts on half of an intent (a spec not yet written beside a hold
-    /// already taken).
-    pub(super) intents: IntentCount,
+    /// Commands for the sandbox's next pass (`commands.rs`), in the order
+    /// they came.
+    pub(super) inbox: Vec<super::commands::Command>,
+    /// A change of the spec a pass here is still writing (it outlasted
+    /// that pass, `commands.rs`): later passes count it as written.
+    pub(super) spec_in_flight: Option<super::commands::SpecChange>,
     /// A wake is pending for the landing of the image a taker waits for
     /// (one at a time).
     pub(super) image_wait: bool,
@@ -114,9 +110,8 @@ impl Slot {
             && !self.full_pass_wanted
             && self.known.is_none()
             && self.write_turn.is_none()
-            && self.primed.is_none()
-            && self.pending_spec.is_none()
-            && self.intents.is_idle_and_unstarted()
+            && self.inbox.is_empty()
+            && self.spec_in_flight.is_none()
             && !self.image_wait
             && self.progress.is_none()
             && self.rung.is_none()
@@ -133,9 +128,6 @@ impl Slot {
             .is_some_and(|turn| Arc::strong_count(turn) <= 1)
         {
             self.write_turn = None;
-        }
-        if self.intents.in_flight == 0 {
-            self.intents = IntentCount::default();
         }
     }
 
@@ -330,9 +322,7 @@ impl std::fmt::Debug for Slot {
             .field("waiting", &self.waiting)
             .field("recording", &self.recording)
             .field("full_pass_wanted", &self.full_pass_wanted)
-            .field("primed", &self.primed.is_some())
-            .field("pending_spec", &self.pending_spec.is_some())
-            .field("intents", &self.intents)
+            .field("inbox", &self.inbox.len())
             .field("progress", &self.progress.is_some())
             .finish_non_exhaustive()
     }
@@ -343,7 +333,7 @@ impl std::fmt::Debug for Slot {
 ///
 /// The one per-sandbox map of the controllers: the reconciler's state, the
 /// progress channels (`events.rs`, whose bus is a handle on these slots) and
-/// its intent writers' notes all live here.
+/// the commands for each sandbox's pass all live here.
 #[derive(Debug, Default, Clone)]
 pub(in crate::sandboxes) struct Slots(Arc<Mutex<HashMap<SandboxId, Slot>>>);
 
@@ -444,37 +434,8 @@ impl RungIntents for Slots {
 /// `metadata.json` as read or written, with its generation.
 pub type ReadMetadata = (SandboxMetadata, Generation);
 
-/// The intent writers of this instance on one sandbox: how many are at
-/// work and how many ever started, so a pass can tell that one started (and
-/// maybe finished) while it read.
-#[derive(Debug, Default, Clone, Copy)]
-pub(super) struct IntentCount {
-    pub(super) in_flight: usize,
-    pub(super) started: u64,
-}
-
-impl IntentCount {
-    pub(super) fn is_idle_and_unstarted(&self) -> bool {
-        self.in_flight == 0 && self.started == 0
-    }
-}
-
-/// A change of a sandbox's spec, as an intent writer makes it.
-pub(crate) type SpecChange = Arc<dyn Fn(&mut SandboxSpec) + Send + Sync>;
-
-/// Both objects as an intent writer here left them, for the next full pass.
-#[derive(Debug, Clone)]
-pub(super) struct Primed {
-    pub(super) metadata: ReadMetadata,
-    pub(super) lock: Option<ReadLease>,
-    /// When they were primed, and in which era of this instance's lease: a
-    /// lapse since (a pause) voids them.
-    pub(super) at: chrono::DateTime<chrono::Utc>,
-    pub(super) era: u64,
-}
-
 /// What this instance knows of a sandbox's metadata, and whose turn it is
-/// to write it (`primed.rs`).
+/// to write it.
 impl Slots {
     /// Remembers `object` as `sandbox`'s metadata unless a newer generation
     /// is remembered already: a read answered after this instance's own

@@ -43,14 +43,9 @@ impl Reconciler {
     /// Desired running, not wanted here: a client here that waits for it
     /// (its intent was replaced by another instance's, or expired) is told
     /// now rather than left waiting for a start that will not come.
-    pub(super) fn tell_waiter_not_wanted(
-        &self,
-        sandbox: &SandboxId,
-        lease: Option<&Lease>,
-        intents_before: u64,
-    ) {
+    pub(super) fn tell_waiter_not_wanted(&self, sandbox: &SandboxId, lease: Option<&Lease>) {
         let now = self.clock.now();
-        if self.take_waiter_read_for(sandbox, intents_before).is_some() {
+        if self.take_waiting(sandbox).is_some() {
             // Another live intent won, or (an intent that went by ring,
             // decision 27) the holder handed it to another instance.
             let elsewhere = lease.and_then(|l| {

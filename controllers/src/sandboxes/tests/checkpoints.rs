@@ -16,8 +16,7 @@ async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
     a.run(&id, "x=1").await;
 
     let mut events = a.controller.subscribe(&id);
-    a.controller
-        .request_state(&id, DesiredState::Checkpointed, Some("first"))
+    a.request_state(&id, DesiredState::Checkpointed, Some("first"))
         .await
         .unwrap();
     assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
@@ -46,10 +45,7 @@ async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
 
     // Another instance restores it: same memory, next epoch.
     let b = world.instance("b");
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     b.reconcile(&id).await.unwrap();
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["x=1".to_owned()]);
     let status = world.metadata(&id).await.status;
@@ -63,26 +59,20 @@ async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
     let a = world.instance("a");
     let id = a.create(&world).await;
     a.run(&id, "one").await;
-    a.controller
-        .request_state(&id, DesiredState::Checkpointed, Some("early"))
+    a.request_state(&id, DesiredState::Checkpointed, Some("early"))
         .await
         .unwrap();
     a.reconcile(&id).await.unwrap();
-    a.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    a.request_here(&id, None, world.clock.now()).await.unwrap();
     a.reconcile(&id).await.unwrap();
     a.run(&id, "two").await;
-    a.controller
-        .request_state(&id, DesiredState::Checkpointed, None)
+    a.request_state(&id, DesiredState::Checkpointed, None)
         .await
         .unwrap();
     a.reconcile(&id).await.unwrap();
 
     // Ask for the early one by name.
-    a.controller
-        .request_here(&id, Some("early"), world.clock.now())
+    a.request_here(&id, Some("early"), world.clock.now())
         .await
         .unwrap();
     a.reconcile(&id).await.unwrap();
@@ -90,16 +80,12 @@ async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
 
     // The request was one-shot: the next checkpoint/restore uses the latest.
     a.run(&id, "three").await;
-    a.controller
-        .request_state(&id, DesiredState::Checkpointed, None)
+    a.request_state(&id, DesiredState::Checkpointed, None)
         .await
         .unwrap();
     a.reconcile(&id).await.unwrap();
     world.clock.advance(Duration::seconds(1));
-    a.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    a.request_here(&id, None, world.clock.now()).await.unwrap();
     a.reconcile(&id).await.unwrap();
     assert_eq!(
         a.runtime.memory(&id).unwrap(),
@@ -112,14 +98,12 @@ async fn an_unknown_checkpoint_name_fails_the_restore_and_keeps_the_sandbox() {
     let world = World::new();
     let a = world.instance("a");
     let id = a.create(&world).await;
-    a.controller
-        .request_state(&id, DesiredState::Checkpointed, None)
+    a.request_state(&id, DesiredState::Checkpointed, None)
         .await
         .unwrap();
     a.reconcile(&id).await.unwrap();
     let mut events = a.controller.subscribe(&id);
-    a.controller
-        .request_here(&id, Some("nope"), world.clock.now())
+    a.request_here(&id, Some("nope"), world.clock.now())
         .await
         .unwrap();
     a.reconcile(&id).await.unwrap();
@@ -159,11 +143,9 @@ async fn a_checkpoint_waits_for_a_running_execution() {
         .await
         .unwrap();
     let mut events = a.controller.subscribe(&id);
-    a.controller
-        .request_state(&id, DesiredState::Checkpointed, None)
-        .await
-        .unwrap();
+    let asked = a.send_state(&id, DesiredState::Checkpointed).await;
     assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    asked.await.unwrap().unwrap();
     assert_eq!(
         drain(&mut events),
         vec![
@@ -188,8 +170,7 @@ async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay
         .enumerate()
     {
         a.run(&id, &format!("round {round}")).await;
-        a.controller
-            .request_state(&id, DesiredState::Checkpointed, name)
+        a.request_state(&id, DesiredState::Checkpointed, name)
             .await
             .unwrap();
         a.reconcile(&id).await.unwrap();
@@ -203,10 +184,7 @@ async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay
                 .path,
         );
         world.clock.advance(Duration::seconds(1));
-        a.controller
-            .request_here(&id, None, world.clock.now())
-            .await
-            .unwrap();
+        a.request_here(&id, None, world.clock.now()).await.unwrap();
         a.reconcile(&id).await.unwrap();
     }
     let status = world.metadata(&id).await.status;
@@ -262,10 +240,7 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
     a.runtime.crash(&id);
     let b = world.instance("b");
     world.clock.advance(Duration::seconds(40));
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     b.reconcile(&id).await.unwrap();
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["saved".to_owned()]);
 }
@@ -276,14 +251,12 @@ async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_runni
     let a = world.instance("a");
     let id = SandboxId::random();
     let metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
-    a.controller.create(&metadata).await.unwrap();
+    a.create_from(&metadata).await.unwrap();
     a.reconcile(&id).await.unwrap();
     let mut events = a.controller.subscribe(&id);
-    a.controller
-        .request_state(&id, DesiredState::Checkpointed, None)
-        .await
-        .unwrap();
+    let asked = a.send_state(&id, DesiredState::Checkpointed).await;
     assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    asked.await.unwrap().unwrap();
     assert_eq!(
         drain(&mut events),
         [SandboxEvent::CheckpointFailed(
@@ -351,9 +324,7 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     // primed checkpoints meanwhile (decision 22).
     gated.hook.closed.store(true, Ordering::SeqCst);
     let mut events = a.controller.subscribe(&id);
-    let request = a
-        .controller
-        .request_state(&id, DesiredState::Checkpointed, None);
+    let request = a.request_state(&id, DesiredState::Checkpointed, None);
     tokio::time::timeout(std::time::Duration::from_secs(10), request)
         .await
         .expect("the request waited for its intent's write")
@@ -402,8 +373,7 @@ pub(super) async fn checkpointed_before_its_record(
     a.run(&id, "x=1").await;
     gated.hook.closed.store(true, Ordering::SeqCst);
     let mut events = a.controller.subscribe(&id);
-    a.controller
-        .request_state(&id, DesiredState::Checkpointed, Some(name))
+    a.request_state(&id, DesiredState::Checkpointed, Some(name))
         .await
         .unwrap();
     a.controller.reconciler().reconcile(&id).await.unwrap();
@@ -430,14 +400,10 @@ async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
     let a = world.instance("a");
     let id = checkpointed_before_its_record(&world, &gated, &a, "base").await;
     let within = std::time::Duration::from_secs(10);
-    tokio::time::timeout(
-        within,
-        a.controller
-            .request_here(&id, Some("base"), world.clock.now()),
-    )
-    .await
-    .expect("the attach waited for the record")
-    .unwrap();
+    tokio::time::timeout(within, a.request_here(&id, Some("base"), world.clock.now()))
+        .await
+        .expect("the attach waited for the record")
+        .unwrap();
     let restored = tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
         .await
         .expect("the pass waited for the record");
@@ -447,41 +413,6 @@ async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
     a.controller.reconciler().background_settled().await;
     let status = world.metadata(&id).await.status;
     assert!(status.named_checkpoints.contains_key("base"), "{status:?}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_checkpoint_intent_that_cannot_be_written_before_its_pass_fails_clearly() {
-    let (world, gated) = gated_world();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
-    a.run(&id, "x=1").await;
-
-    gated.hook.closed.store(true, Ordering::SeqCst);
-    gated.hook.gate.add_permits(1000);
-    let mut events = a.controller.subscribe(&id);
-    a.controller
-        .request_state(&id, DesiredState::Checkpointed, None)
-        .await
-        .unwrap();
-    // No pass ran before the write failed: the client is told, and the
-    // sandbox runs on, its memory intact.
-    a.controller.reconciler().background_settled().await;
-    let seen = drain(&mut events);
-    assert!(
-        matches!(
-            seen.as_slice(),
-            [SandboxEvent::CheckpointFailed(CheckpointFailure::Runtime(detail))]
-                if detail.contains("could not be recorded")
-        ),
-        "{seen:?}"
-    );
-    gated.hook.closed.store(false, Ordering::SeqCst);
-    a.reconcile(&id).await.unwrap();
-    assert_eq!(a.runtime.memory(&id).unwrap(), vec!["x=1".to_owned()]);
-    assert_eq!(
-        world.metadata(&id).await.spec.desired_state,
-        DesiredState::Running
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -528,10 +459,7 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
 
     // B asks for it meanwhile; A's next pass hands it over at once.
     world.clock.advance(Duration::milliseconds(100));
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     assert_eq!(
         a.controller.answer_doorbell().await.unwrap(),
         vec![id.clone()]
@@ -610,12 +538,10 @@ async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile
     let epoch = world.lease(&id).await.epoch;
 
     let mut events = a.controller.subscribe(&id);
-    a.controller
-        .request_state(&id, DesiredState::Checkpointed, None)
-        .await
-        .unwrap();
+    let asked = a.send_state(&id, DesiredState::Checkpointed).await;
     *wrapper.hook.sandbox.lock().unwrap() = Some(id.clone());
     let _ = a.reconcile(&id).await;
+    asked.await.unwrap().unwrap();
     let seen = drain(&mut events);
     assert!(
         !seen

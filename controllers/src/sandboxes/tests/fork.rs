@@ -12,8 +12,7 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     let a = world.instance("a");
     let source = a.create(&world).await;
     a.run(&source, "x=1").await;
-    a.controller
-        .request_state(&source, DesiredState::Checkpointed, Some("first"))
+    a.request_state(&source, DesiredState::Checkpointed, Some("first"))
         .await
         .unwrap();
     a.reconcile(&source).await.unwrap();
@@ -26,8 +25,7 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
         let fork = SandboxId::random();
         let mut metadata = SandboxMetadata::new(fork.clone(), world.clock.now(), TOKEN_HASH.into());
         metadata.spec.enable_checkpoint = true;
-        b.controller
-            .fork(&source_doc, &ForkPoint::Latest, metadata)
+        b.fork_from(&source_doc, &ForkPoint::Latest, metadata)
             .await
             .unwrap();
         b.reconcile(&fork).await.unwrap();
@@ -66,8 +64,7 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     let late = SandboxId::random();
     let metadata = SandboxMetadata::new(late.clone(), world.clock.now(), TOKEN_HASH.into());
     let err = b
-        .controller
-        .fork(&source_doc, &ForkPoint::Latest, metadata)
+        .fork_from(&source_doc, &ForkPoint::Latest, metadata)
         .await
         .unwrap_err();
     assert!(
@@ -80,8 +77,7 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     let named = SandboxId::random();
     let metadata = SandboxMetadata::new(named.clone(), world.clock.now(), TOKEN_HASH.into());
     let err = b
-        .controller
-        .fork(&source_doc, &ForkPoint::Named("nope".into()), metadata)
+        .fork_from(&source_doc, &ForkPoint::Named("nope".into()), metadata)
         .await
         .unwrap_err();
     assert!(
@@ -93,8 +89,7 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     let fresh_doc = world.metadata(&fresh).await;
     let metadata = SandboxMetadata::new(named.clone(), world.clock.now(), TOKEN_HASH.into());
     let err = b
-        .controller
-        .fork(&fresh_doc, &ForkPoint::Latest, metadata)
+        .fork_from(&fresh_doc, &ForkPoint::Latest, metadata)
         .await
         .unwrap_err();
     assert!(err.to_string().contains("has no checkpoint yet"), "{err}");
@@ -122,8 +117,7 @@ async fn a_fork_starts_from_a_checkpoint_whose_record_has_not_landed() {
     for point in [ForkPoint::Latest, ForkPoint::Named("base".into())] {
         let fork = SandboxId::random();
         let metadata = SandboxMetadata::new(fork.clone(), world.clock.now(), TOKEN_HASH.into());
-        b.controller
-            .fork(&source_doc, &point, metadata)
+        b.fork_from(&source_doc, &point, metadata)
             .await
             .unwrap_or_else(|err| panic!("{point:?}: {err}"));
         b.reconcile(&fork).await.unwrap();

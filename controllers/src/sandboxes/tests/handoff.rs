@@ -18,10 +18,7 @@ async fn another_instance_asking_gets_the_sandbox_handed_over() {
 
     // A's client left: A watches the lock closely.
     a.controller.client_attached(&id, false);
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     // B waits: A holds a live lease.
     assert!(matches!(b.reconcile(&id).await.unwrap(), Requeue::After(_)));
     assert!(b.runtime.memory(&id).is_none());
@@ -54,10 +51,7 @@ async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
     a.run(&id, "state").await;
     a.controller.client_attached(&id, false);
     a.runtime.lose_on_checkpoint(&id);
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     a.controller.answer_doorbell().await.unwrap();
     a.reconcile(&id).await.unwrap();
     assert_eq!(world.lease(&id).await.holder, None, "let go");
@@ -100,10 +94,7 @@ async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_ag
             metadata.spec.labels.insert("team".into(), "blue".into());
             world.edit_metadata(&metadata).await;
         }
-        b.controller
-            .request_here(&id, None, world.clock.now())
-            .await
-            .unwrap();
+        b.request_here(&id, None, world.clock.now()).await.unwrap();
         a.controller.answer_doorbell().await.unwrap();
         let reads = counts.count(Operation::Get);
         a.reconcile(&id).await.unwrap();
@@ -134,16 +125,7 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
     a.run(&id, "state").await;
     a.controller.client_attached(&id, false);
     b.runtime.watch_images();
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
-    // The intent's spec write may end after `request_here` returns (its
-    // lock write landed first), and queues a pass when it does: let it.
-    while b.controller.reconciler().spec_write_pending(&id) {
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     b.controller.drain_queue();
     assert_eq!(
         b.reconcile(&id).await.unwrap(),
@@ -178,10 +160,7 @@ async fn the_taker_asks_for_the_image_the_holder_hands_over_with_before_the_tran
     let id = a.create(&world).await;
     a.run(&id, "state").await;
     a.controller.client_attached(&id, false);
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     assert!(matches!(b.reconcile(&id).await.unwrap(), Requeue::After(_)));
     // Waiting, B knows the image's name already: A holds at epoch 1.
     let expected = checkpoint_image_key(&handoff_checkpoint_id(
@@ -211,10 +190,7 @@ async fn an_attach_intent_rings_the_holder_even_with_its_client_attached() {
     let id = a.create(&world).await;
     a.reconcile(&id).await.unwrap();
     assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     // The doorbell names the sandbox once, however often it is read.
     assert_eq!(
         a.controller.answer_doorbell().await.unwrap(),
@@ -253,10 +229,7 @@ async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
     let b = world.instance("b");
     let id = a.create(&world).await;
     a.live_through(&world, 10).await;
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     assert_eq!(
         world
             .lease(&id)
@@ -280,10 +253,7 @@ async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
     let a = world.instance("a");
     let b = world.instance("b");
     let id = a.create(&world).await;
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     let doorbell = crate::layout::doorbell_key(&InstanceId::parse("a").unwrap());
     world.store.delete(&doorbell).await.unwrap();
     b.reconcile(&id).await.unwrap();
@@ -311,16 +281,10 @@ async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
     let b = world.instance("b");
     let id = x.create(&world).await;
     let mut waiting_on_a = a.controller.subscribe(&id);
-    a.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    a.request_here(&id, None, world.clock.now()).await.unwrap();
     // A client on B asks too, after A's, before X handed over.
     world.clock.advance(Duration::milliseconds(10));
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     a.reconcile(&id).await.unwrap();
     x.controller.answer_doorbell().await.unwrap();
     x.reconcile(&id).await.unwrap();
@@ -353,16 +317,12 @@ async fn an_attach_to_a_free_lock_takes_it_in_its_own_write() {
     let world = World::new();
     let a = world.instance("a");
     let id = a.create(&world).await;
-    a.controller
-        .request_state(&id, DesiredState::Checkpointed, None)
+    a.request_state(&id, DesiredState::Checkpointed, None)
         .await
         .unwrap();
     a.reconcile(&id).await.unwrap();
     let epoch = world.lease(&id).await.epoch;
-    a.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    a.request_here(&id, None, world.clock.now()).await.unwrap();
     let lock = world.lease(&id).await;
     assert_eq!(lock.holder.as_ref().map(|h| h.as_str()), Some("a"));
     assert_eq!(lock.epoch, epoch + 1);
@@ -459,7 +419,9 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     // B's pass reads metadata (no checkpoint yet), then stops before the lock.
     let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
     let (b, runtime) = PauseBeforeLockRead::instance(&store, &world);
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.serving(&id, b.request_here(&id, None, world.clock.now()))
+        .await
+        .unwrap();
     store.hook.armed.store(true, Ordering::Release);
     let pass = {
         let b = Arc::clone(&b);
@@ -483,45 +445,58 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     );
 }
 
-/// A pass that read before a client's attach here began (a trailing pass of
-/// a checkpoint, deciding "checkpointed meanwhile") must not fail that
-/// client: it takes only a waiter that was there when it read. Found by the
-/// paths benchmark on loopback: the attach right after `CHECKPOINTED` got
+/// A client that attaches right after its checkpoint was asked is not
+/// failed by the checkpoint ("checkpointed meanwhile"): its attach is
+/// served by a pass before that pass decides. Found by the paths benchmark
+/// on loopback: the attach right after `CHECKPOINTED` got
 /// `SANDBOX_RESTORE_ERROR` and its hold was released as an orphan.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pass_that_read_before_an_attach_began_leaves_its_client_waiting() {
+async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
     let world = World::new();
     let a = world.instance("a");
     let id = a.create(&world).await;
-    let reconciler = a.controller.reconciler();
-    // A pass reads: no intent in flight.
-    let read_at = reconciler.intents_settled(&id).unwrap();
-    // A client's attach begins: its writer counts itself, then marks the
-    // client waiting.
-    {
-        let _writing = reconciler.writing_intent(&id);
-        reconciler.mark_waiting(&id);
+    a.run(&id, "state").await;
+    let mut events = a.controller.subscribe(&id);
+    let asks = {
+        let (controller, id, now) = (Arc::clone(&a.controller), id.clone(), world.clock.now());
+        tokio::spawn(async move {
+            let checkpointed = controller
+                .request_state(&id, DesiredState::Checkpointed, None)
+                .await;
+            let attached = controller.request_here(&id, None, now).await;
+            checkpointed.and(attached)
+        })
+    };
+    while a.controller.reconciler().commands_waiting(&id) < 1 {
+        tokio::task::yield_now().await;
     }
+    // The checkpoint's pass; the attach is asked as it ends.
+    a.reconcile(&id).await.unwrap();
+    while a.controller.reconciler().commands_waiting(&id) < 1 {
+        tokio::task::yield_now().await;
+    }
+    a.reconcile(&id).await.unwrap();
+    asks.await.unwrap().unwrap();
+    a.reconcile(&id).await.unwrap();
+    let seen = drain(&mut events);
     assert!(
-        reconciler.take_waiter_read_for(&id, read_at).is_none(),
-        "the pass took a waiter that came after its read"
+        !seen
+            .iter()
+            .any(|e| matches!(e, SandboxEvent::StartFailed { .. })),
+        "the attaching client was failed: {seen:?}"
     );
-    assert!(reconciler.is_waiting(&id), "the client still waits");
-    // A pass that read after the attach began decides for it.
-    let later = reconciler.intents_settled(&id).unwrap();
-    assert!(reconciler.take_waiter_read_for(&id, later).is_some());
-    assert!(!reconciler.is_waiting(&id));
+    assert!(a.controller.is_held_here(&id));
+    assert_eq!(a.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
 }
 
-/// An intent of the waiting instance that lands while its pass reads (the
-/// write was slowed by GCS's write rate; its pending overlay is then gone)
-/// must not be undone by that read: the pass decides on what this instance
-/// wrote, not on the older state the read returns. Found by the paths
-/// benchmark under `gcs-regional`: the client attached through B right
-/// after a checkpoint and an attach on A got `SANDBOX_RESTORE_ERROR`
-/// ("checkpointed by its instance ... attach again").
+/// An attach whose spec write is slowed (GCS's write rate) while its lock
+/// write lands: the pass decides on the spec as it is being written, not
+/// on the older state in the bucket. Found by the paths benchmark under
+/// `gcs-regional`: the client attached through B right after a checkpoint
+/// and an attach on A got `SANDBOX_RESTORE_ERROR` ("checkpointed by its
+/// instance ... attach again").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_intent_that_lands_while_a_pass_reads_is_not_undone_by_that_read() {
+async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
     let world = World::new();
     let a = world.instance("a");
     let id = a.create(&world).await;
@@ -538,42 +513,35 @@ async fn an_intent_that_lands_while_a_pass_reads_is_not_undone_by_that_read() {
     let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
     let (b, _runtime) = PauseBeforeLockRead::instance(&store, &world);
     let mut events = b.subscribe(&id);
-    // B's attach: its `running` is slowed; the request returns once its
-    // intent is in the lock.
+    // B's attach: its `running` is held back; its pass decides meanwhile.
     store.hook.hold_metadata.store(true, Ordering::Release);
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
-    // B's pass reads metadata (still `checkpointed`) and stops before the
-    // lock; B's `running` lands meanwhile.
-    store.hook.armed.store(true, Ordering::Release);
     let pass = {
-        let b = Arc::clone(&b);
-        let id = id.clone();
-        tokio::spawn(async move { b.reconciler().reconcile(&id).await })
+        let (b, id, now) = (Arc::clone(&b), id.clone(), world.clock.now());
+        tokio::spawn(async move { b.serving(&id, b.request_here(&id, None, now)).await })
     };
-    store.hook.paused.notified().await;
-    store.hook.metadata_gate.add_permits(100);
-    for _ in 0..200 {
-        if world.metadata(&id).await.spec.desired_state == DesiredState::Running {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    let mut decided = Vec::new();
+    while !decided.contains(&SandboxEvent::LeaseAcquiring) {
+        decided.push(events.recv().await.unwrap());
     }
+    assert_eq!(
+        world.metadata(&id).await.spec.desired_state,
+        DesiredState::Checkpointed,
+        "the spec write is still held back"
+    );
+    store.hook.metadata_gate.add_permits(100);
+    pass.await.unwrap().unwrap();
+    b.reconciler().background_settled().await;
     assert_eq!(
         world.metadata(&id).await.spec.desired_state,
         DesiredState::Running
     );
-    // Its pending overlay is gone by now (the write's task ends with it).
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    store.hook.resume.notify_one();
-    pass.await.unwrap().unwrap();
-    let seen = drain(&mut events);
+    decided.extend(drain(&mut events));
     assert!(
-        !seen
+        !decided
             .iter()
             .any(|e| matches!(e, SandboxEvent::StartFailed { .. })),
-        "the waiting client was failed on the stale read: {seen:?}"
+        "the waiting client was failed on the stale spec: {decided:?}"
     );
-    b.reconciler().background_settled().await;
 }
 
 /// The doorbell is read at the departure watch's pace for the minute after

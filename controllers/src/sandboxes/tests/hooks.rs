@@ -83,7 +83,7 @@ async fn hooks_run_at_cold_start_after_each_execution_and_on_terminate() {
         template: "default".into(),
         extra: crate::api::ExtraFields::new(),
     });
-    a.controller.create(&metadata).await.unwrap();
+    a.create_from(&metadata).await.unwrap();
     a.reconcile(&id).await.unwrap();
     assert_eq!(
         hooks.calls(),
@@ -103,8 +103,7 @@ async fn hooks_run_at_cold_start_after_each_execution_and_on_terminate() {
     }
     assert_eq!(hooks.calls().len(), 2);
 
-    a.controller
-        .request_state(&id, DesiredState::Deleted, None)
+    a.request_state(&id, DesiredState::Deleted, None)
         .await
         .unwrap();
     a.reconcile(&id).await.unwrap();
@@ -121,7 +120,7 @@ async fn a_failed_cold_start_hook_fails_the_create_and_leaves_nothing_running() 
     let id = SandboxId::random();
     let mut events = a.controller.subscribe(&id);
     let metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
-    a.controller.create(&metadata).await.unwrap();
+    a.create_from(&metadata).await.unwrap();
     let _ = a.reconcile(&id).await;
     let seen = drain(&mut events);
     assert!(

@@ -80,10 +80,7 @@ async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
     let a = world.instance("a");
     let b = world.instance("b");
     let id = a.create_checkpointed(&world).await;
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     // A ignores the ring (say it is busy); far past the lock's own lease,
     // A's instance lease keeps the hold.
     for _ in 0..6 {
@@ -98,10 +95,7 @@ async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
     b.reconcile(&id).await.unwrap();
     assert!(b.runtime.memory(&id).is_none(), "not before lease + skew");
     world.clock.advance(Duration::seconds(2));
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     b.reconcile(&id).await.unwrap();
     assert!(b.runtime.memory(&id).is_some(), "taken over");
     assert_eq!(world.lease(&id).await.epoch, 3);
@@ -116,8 +110,7 @@ async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them
     let taken = a.create_checkpointed(&world).await;
     // A freezes past its lease; B takes `taken` meanwhile.
     world.clock.advance(Duration::seconds(40));
-    b.controller
-        .request_here(&taken, None, world.clock.now())
+    b.request_here(&taken, None, world.clock.now())
         .await
         .unwrap();
     b.reconcile(&taken).await.unwrap();
@@ -154,10 +147,7 @@ async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung
     // instance lease keeps the old hold alive.
     let a2 = world.instance("a");
     a2.heartbeat().await;
-    b.controller
-        .request_here(&id, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     assert_eq!(
         a2.controller.answer_doorbell().await.unwrap(),
         vec![id.clone()]
@@ -253,8 +243,7 @@ async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted
 
     let deleted = a.create(&world).await;
     let execution = a.controller.exec(&deleted, hold()).await.unwrap();
-    a.controller
-        .request_state(&deleted, DesiredState::Deleted, None)
+    a.request_state(&deleted, DesiredState::Deleted, None)
         .await
         .unwrap();
     a.reconcile(&deleted).await.unwrap();

@@ -10,7 +10,7 @@ async fn create_runs_the_sandbox_under_a_new_lease() {
     let id = SandboxId::random();
     let mut events = a.controller.subscribe(&id);
     let metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
-    a.controller.create(&metadata).await.unwrap();
+    a.create_from(&metadata).await.unwrap();
     let requeue = a.reconcile(&id).await.unwrap();
 
     assert!(matches!(requeue, Requeue::After(_)));
@@ -50,7 +50,7 @@ async fn a_second_create_with_the_same_id_is_refused() {
     let id = a.create(&world).await;
     let again = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
     assert!(matches!(
-        a.controller.create(&again).await,
+        a.create_from(&again).await,
         Err(ControlError::AlreadyExists(_))
     ));
 }
@@ -61,12 +61,10 @@ async fn delete_destroys_tombstones_releases_and_purges_later() {
     let a = world.instance("a");
     let id = a.create(&world).await;
     let mut events = a.controller.subscribe(&id);
-    a.controller
-        .request_state(&id, DesiredState::Deleted, None)
+    // The pass that serves the request deletes it.
+    a.request_state(&id, DesiredState::Deleted, None)
         .await
         .unwrap();
-    let retention = std::time::Duration::from_secs(600);
-    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::After(retention));
     assert_eq!(
         drain(&mut events),
         vec![
@@ -80,7 +78,8 @@ async fn delete_destroys_tombstones_releases_and_purges_later() {
     assert_eq!(world.metadata(&id).await.status.phase, Phase::Deleted);
     assert_eq!(world.lease(&id).await.holder, None);
     // The tombstone stays for the retention, then everything goes.
-    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    let retention = std::time::Duration::from_secs(600);
+    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::After(retention));
     assert!(world.store.get(&metadata_key(&id)).await.is_ok());
     world.clock.advance(Duration::seconds(601));
     assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
@@ -94,8 +93,7 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
     let a = world.instance("a");
     let b = world.instance("b");
     let id = a.create(&world).await;
-    a.controller
-        .request_state(&id, DesiredState::Deleted, None)
+    a.request_state(&id, DesiredState::Deleted, None)
         .await
         .unwrap();
     let refused = |outcome: Result<(), ControlError>| {
@@ -105,18 +103,10 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
     };
     // Before its holder acts: a checkpoint or an attach elsewhere does not
     // take the delete back.
-    refused(
-        b.controller
-            .request_state(&id, DesiredState::Checkpointed, None)
-            .await,
-    )
-    .unwrap();
+    refused(b.request_state(&id, DesiredState::Checkpointed, None).await).unwrap();
     // An attach whose ring lands before its spec write is answered returns
     // at once; the refusal of that write then comes in the background.
-    let attach = b
-        .controller
-        .request_here(&id, None, world.clock.now())
-        .await;
+    let attach = b.request_here(&id, None, world.clock.now()).await;
     assert!(
         matches!(attach, Ok(()) | Err(ControlError::Deleted(_))),
         "{attach:?}"
@@ -126,22 +116,14 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
     assert_eq!(tombstone.status.phase, Phase::Deleted);
     assert_eq!(tombstone.spec.desired_state, DesiredState::Deleted);
     // The tombstone takes none either.
-    refused(
-        b.controller
-            .request_state(&id, DesiredState::Running, None)
-            .await,
-    )
-    .unwrap();
+    refused(b.request_state(&id, DesiredState::Running, None).await).unwrap();
     // An operator sets it running again and a client attaches: the hold
     // that attach takes is released and nothing starts; `sandboxctl
     // delete` (desired `deleted` again) lets the purge go on.
     let mut edited = world.metadata(&id).await;
     edited.spec.desired_state = DesiredState::Running;
     world.edit_metadata(&edited).await;
-    let _ = b
-        .controller
-        .request_here(&id, None, world.clock.now())
-        .await;
+    let _ = b.request_here(&id, None, world.clock.now()).await;
     for _ in 0..3 {
         b.reconcile(&id).await.unwrap();
         a.reconcile(&id).await.unwrap();
@@ -151,8 +133,7 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
     world.clock.advance(Duration::seconds(601));
     a.reconcile(&id).await.unwrap();
     assert!(world.store.get(&metadata_key(&id)).await.is_ok());
-    a.controller
-        .request_state(&id, DesiredState::Deleted, None)
+    a.request_state(&id, DesiredState::Deleted, None)
         .await
         .unwrap();
     a.reconcile(&id).await.unwrap();

@@ -139,11 +139,76 @@ impl Instance {
         outcome
     }
 
+    /// Asks for `id` here, with the pass that serves the ask.
+    async fn request_here(
+        &self,
+        id: &SandboxId,
+        checkpoint: Option<&str>,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), ControlError> {
+        let controller = &self.controller;
+        controller
+            .serving(id, controller.request_here(id, checkpoint, now))
+            .await
+    }
+
+    /// Asks for `id` to be in `desired`, with the pass that serves the ask.
+    async fn request_state(
+        &self,
+        id: &SandboxId,
+        desired: DesiredState,
+        name: Option<&str>,
+    ) -> Result<(), ControlError> {
+        let controller = &self.controller;
+        controller
+            .serving(id, controller.request_state(id, desired, name))
+            .await
+    }
+
+    /// Asks for `id` to be in `desired` without running a pass: the next
+    /// [`Self::reconcile`] serves the ask; the handle gives its reply.
+    async fn send_state(
+        &self,
+        id: &SandboxId,
+        desired: DesiredState,
+    ) -> tokio::task::JoinHandle<Result<(), ControlError>> {
+        let (controller, sandbox) = (Arc::clone(&self.controller), id.clone());
+        let asked =
+            tokio::spawn(async move { controller.request_state(&sandbox, desired, None).await });
+        while self.controller.reconciler().commands_waiting(id) == 0 {
+            tokio::task::yield_now().await;
+        }
+        asked
+    }
+
+    /// Forks `source` at `point` as `metadata`, with the pass that serves
+    /// the fork's create.
+    async fn fork_from(
+        &self,
+        source: &SandboxMetadata,
+        point: &ForkPoint,
+        metadata: SandboxMetadata,
+    ) -> Result<(), ControlError> {
+        let controller = &self.controller;
+        let id = metadata.sandbox_id.clone();
+        controller
+            .serving(&id, controller.fork(source, point, metadata))
+            .await
+    }
+
+    /// Records `metadata` as a new sandbox, with the pass that serves it.
+    async fn create_from(&self, metadata: &SandboxMetadata) -> Result<(), ControlError> {
+        let controller = &self.controller;
+        controller
+            .serving(&metadata.sandbox_id, controller.create(metadata))
+            .await
+    }
+
     async fn create(&self, world: &World) -> SandboxId {
         let id = SandboxId::random();
         let mut metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
         metadata.spec.enable_checkpoint = true;
-        self.controller.create(&metadata).await.unwrap();
+        self.create_from(&metadata).await.unwrap();
         self.reconcile(&id).await.unwrap();
         id
     }
@@ -174,13 +239,11 @@ impl Instance {
     /// then asked back here).
     async fn create_checkpointed(&self, world: &World) -> SandboxId {
         let id = self.create(world).await;
-        self.controller
-            .request_state(&id, DesiredState::Checkpointed, None)
+        self.request_state(&id, DesiredState::Checkpointed, None)
             .await
             .unwrap();
         self.reconcile(&id).await.unwrap();
-        self.controller
-            .request_here(&id, None, world.clock.now())
+        self.request_here(&id, None, world.clock.now())
             .await
             .unwrap();
         self.reconcile(&id).await.unwrap();

@@ -97,9 +97,12 @@ async fn attach(instance: &Instance, id: &SandboxId, world: &World) {
         .await
         .unwrap()
         .unwrap();
-    instance
-        .controller
-        .request_here_from(read, None, world.clock.now())
+    let controller = &instance.controller;
+    controller
+        .serving(
+            id,
+            controller.request_here_from(read, None, world.clock.now()),
+        )
         .await
         .unwrap();
 }
@@ -110,7 +113,7 @@ async fn create(instance: &Instance, world: &World) -> (SandboxId, u128) {
     metadata.spec.enable_checkpoint = true;
     let mut events = instance.controller.subscribe(&id);
     let start = Instant::now();
-    instance.controller.create(&metadata).await.unwrap();
+    instance.create_from(&metadata).await.unwrap();
     let count = until_event(instance, &id, &mut events, start, running).await;
     (id, count)
 }
@@ -119,7 +122,6 @@ async fn checkpoint(instance: &Instance, id: &SandboxId) -> u128 {
     let mut events = instance.controller.subscribe(id);
     let start = Instant::now();
     instance
-        .controller
         .request_state(id, DesiredState::Checkpointed, None)
         .await
         .unwrap();
