@@ -26,8 +26,7 @@
 //! An unreadable `lock.json` (an operator's typo) is reported as
 //! [`LeaseError::Invalid`] and never overwritten.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use chrono::{DateTime, Duration, Utc};
 
@@ -160,8 +159,9 @@ pub struct Leases {
     /// ringer, its own. Every lock this instance reads counts them
     /// ([`Lease::hear`]), so both see the same `wanted_by` the lock will
     /// carry after the holder's transfer. Kept in the reconciler's slots
-    /// once a reconciler takes these leases ([`Leases::keep_rung_in`]).
-    heard: Arc<dyn RungIntents>,
+    /// once a reconciler takes these leases ([`Leases::keep_rung_in`]);
+    /// leases used alone (`sandboxctl`'s verbs) hear nothing.
+    heard: Option<Arc<dyn RungIntents>>,
 }
 
 /// Where an instance keeps the attach intents rings carried (decision 27),
@@ -179,40 +179,6 @@ pub trait RungIntents: Send + Sync + std::fmt::Debug {
     );
     /// Forgets every intent expired at `now`.
     fn forget_expired(&self, now: DateTime<Utc>);
-}
-
-/// The rung intents of leases no reconciler took (sandboxctl's verbs,
-/// tests of the leases alone). Not in a slot because there is none: the
-/// slots are the reconciler's, which keeps its intents there instead
-/// ([`Leases::keep_rung_in`]).
-#[derive(Debug, Default)]
-struct HeardAlone(Mutex<HashMap<SandboxId, RungIntent>>);
-
-impl HeardAlone {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, RungIntent>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-impl RungIntents for HeardAlone {
-    fn rung(&self, sandbox: &SandboxId) -> Option<RungIntent> {
-        self.lock().get(sandbox).cloned()
-    }
-
-    fn change_rung(
-        &self,
-        sandbox: &SandboxId,
-        change: &mut dyn FnMut(Option<RungIntent>) -> Option<RungIntent>,
-    ) {
-        let mut heard = self.lock();
-        if let Some(rung) = change(heard.remove(sandbox)) {
-            heard.insert(sandbox.clone(), rung);
-        }
-    }
-
-    fn forget_expired(&self, now: DateTime<Utc>) {
-        self.lock().retain(|_, old| old.intent.expires_at > now);
-    }
 }
 
 impl Leases {
@@ -234,7 +200,7 @@ impl Leases {
             instance,
             config,
             instance_lease,
-            heard: Arc::new(HeardAlone::default()),
+            heard: None,
         }
     }
 
@@ -242,15 +208,18 @@ impl Leases {
     /// reconciler's slots; see [`RungIntents`]). Call before any is heard,
     /// on the copy every user shares.
     pub fn keep_rung_in(&mut self, intents: Arc<dyn RungIntents>) {
-        self.heard = intents;
+        self.heard = Some(intents);
     }
 
     /// Remembers an attach intent a ring carried for `sandbox` (the newest
     /// one per sandbox, the later heard of two as new; expired ones are
     /// dropped).
     pub fn hear(&self, sandbox: &SandboxId, rung: RungIntent) {
-        self.heard.forget_expired(self.clock.now());
-        self.heard.change_rung(sandbox, &mut |old| match old {
+        let Some(heard) = &self.heard else {
+            return;
+        };
+        heard.forget_expired(self.clock.now());
+        heard.change_rung(sandbox, &mut |old| match old {
             Some(old) if old.intent.requested_at > rung.intent.requested_at => Some(old),
             _ => Some(rung.clone()),
         });
@@ -259,7 +228,10 @@ impl Leases {
     /// Forgets this instance's own rung intent for `sandbox` (its client
     /// gave up).
     fn forget_own_intent(&self, sandbox: &SandboxId) {
-        self.heard.change_rung(sandbox, &mut |rung| {
+        let Some(heard) = &self.heard else {
+            return;
+        };
+        heard.change_rung(sandbox, &mut |rung| {
             rung.filter(|rung| rung.intent.instance != self.instance)
         });
     }
@@ -267,7 +239,7 @@ impl Leases {
     /// True if this instance's own intent for `sandbox` went by ring for a
     /// hold older than `lease`'s: another instance got the sandbox since.
     pub fn own_intent_spent(&self, sandbox: &SandboxId, lease: &Lease) -> bool {
-        self.heard.rung(sandbox).is_some_and(|rung| {
+        self.rung(sandbox).is_some_and(|rung| {
             rung.intent.instance == self.instance
                 && rung.epoch < lease.epoch
                 && lease.holder.as_ref() != Some(&self.instance)
@@ -277,10 +249,15 @@ impl Leases {
     /// `lease` as this instance sees it: with the intent a ring carried for
     /// it, if any applies ([`Lease::hear`]).
     pub fn with_heard(&self, sandbox: &SandboxId, mut lease: Lease) -> Lease {
-        if let Some(rung) = self.heard.rung(sandbox) {
+        if let Some(rung) = self.rung(sandbox) {
             lease.hear(&rung, self.clock.now());
         }
         lease
+    }
+
+    /// The intent a ring carried for `sandbox`, if one is kept.
+    fn rung(&self, sandbox: &SandboxId) -> Option<RungIntent> {
+        self.heard.as_ref().and_then(|heard| heard.rung(sandbox))
     }
 
     pub fn instance(&self) -> &InstanceId {

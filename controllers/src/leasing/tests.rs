@@ -20,7 +20,7 @@ fn instance(name: &str) -> InstanceId {
 }
 
 fn leases(store: &Arc<MemoryStore>, clock: &ManualClock, name: &str) -> Leases {
-    Leases::new(
+    let mut leases = Leases::new(
         store.clone(),
         Arc::new(clock.clone()),
         instance(name),
@@ -30,7 +30,46 @@ fn leases(store: &Arc<MemoryStore>, clock: &ManualClock, name: &str) -> Leases {
             intent_ttl: Duration::seconds(60),
             ring_spacing: std::time::Duration::ZERO,
         },
-    )
+    );
+    leases.keep_rung_in(Arc::new(Heard::default()));
+    leases
+}
+
+/// Where these tests' leases keep the intents rings carry (a reconciler's
+/// slots, in the server).
+#[derive(Debug, Default)]
+struct Heard(std::sync::Mutex<Vec<(SandboxId, RungIntent)>>);
+
+impl RungIntents for Heard {
+    fn rung(&self, sandbox: &SandboxId) -> Option<RungIntent> {
+        let heard = self.0.lock().unwrap();
+        heard
+            .iter()
+            .find(|(id, _)| id == sandbox)
+            .map(|(_, rung)| rung.clone())
+    }
+
+    fn change_rung(
+        &self,
+        sandbox: &SandboxId,
+        change: &mut dyn FnMut(Option<RungIntent>) -> Option<RungIntent>,
+    ) {
+        let mut heard = self.0.lock().unwrap();
+        let old = heard
+            .iter()
+            .position(|(id, _)| id == sandbox)
+            .map(|at| heard.remove(at).1);
+        if let Some(rung) = change(old) {
+            heard.push((sandbox.clone(), rung));
+        }
+    }
+
+    fn forget_expired(&self, now: chrono::DateTime<chrono::Utc>) {
+        self.0
+            .lock()
+            .unwrap()
+            .retain(|(_, rung)| rung.intent.expires_at > now);
+    }
 }
 
 async fn stored_lease(store: &MemoryStore) -> Lease {

@@ -236,11 +236,15 @@ impl Reconciler {
         let leases = &self.leases;
         let me = leases.instance().clone();
         self.mark_waiting(sandbox);
-        let mut intended = read.metadata.clone();
+        // The metadata as this owner sees it: what it wrote since the
+        // caller's read, or is still writing (a checkpoint asked just
+        // before), counts.
+        let seen = self.as_owner_sees(sandbox, read.metadata.clone());
+        let mut intended = seen.clone();
         change(&mut intended.0.spec);
-        // The spec as read already says so (the usual attach to a running
+        // The spec already says so (the usual attach to a running
         // sandbox): the holder may decide on what it knows of it.
-        let spec_unchanged = intended.0.spec == read.metadata.0.spec;
+        let spec_unchanged = intended.0.spec == seen.0.spec;
         let metadata_read = spec_unchanged.then_some(read.metadata.1);
         let free = read.lock.as_ref().is_none_or(|(lease, _)| {
             lease.holder.is_none() && lease.wanted_elsewhere(&me, at).is_none()

@@ -257,10 +257,6 @@ impl Reconciler {
         &self.config
     }
 
-    pub fn metadata_store(&self) -> &Arc<dyn Store> {
-        &self.metadata
-    }
-
     fn emit(&self, sandbox: &SandboxId, event: SandboxEvent) {
         self.bus.emit(sandbox, event);
     }

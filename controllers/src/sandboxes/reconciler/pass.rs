@@ -141,18 +141,30 @@ impl Reconciler {
             ),
         };
         if let Ok(Some(read)) = &mut metadata {
-            if let Some(known) = self.known_metadata(sandbox)
-                && known.generation > read.1
-                && let Ok(newer) = crate::api::decode::<SandboxMetadata>(&known.data)
-            {
-                *read = (newer, known.generation);
-            }
-            let in_flight = self.slots.view(sandbox, |slot| slot.spec_in_flight.clone());
-            if let Some(change) = in_flight.filter(|_| !read.0.is_deleted()) {
-                change(&mut read.0.spec);
-            }
+            *read = self.as_owner_sees(sandbox, read.clone());
         }
         (metadata, lock)
+    }
+
+    /// `read` as this owner sees it: replaced by what it wrote since if
+    /// that is newer, with the spec change it is still writing applied
+    /// unless the sandbox is being deleted (that write will be refused).
+    pub(super) fn as_owner_sees(
+        &self,
+        sandbox: &SandboxId,
+        mut read: ReadMetadata,
+    ) -> ReadMetadata {
+        if let Some(known) = self.known_metadata(sandbox)
+            && known.generation > read.1
+            && let Ok(newer) = crate::api::decode::<SandboxMetadata>(&known.data)
+        {
+            read = (newer, known.generation);
+        }
+        let in_flight = self.slots.view(sandbox, |slot| slot.spec_in_flight.clone());
+        if let Some(change) = in_flight.filter(|_| !read.0.is_deleted()) {
+            change(&mut read.0.spec);
+        }
+        read
     }
 
     /// Decides on what [`Self::observe`] gives, and performs the one step
