@@ -260,8 +260,8 @@ async fn collect(
                 exit_code = Some(code);
                 break;
             }
-            // Disposable sandboxes have no after-exec hooks.
-            ExecEvent::AfterExecFailed(_) => {}
+            // Disposable sandboxes have no after-exec hooks, nor checkpoints.
+            ExecEvent::AfterExecFailed(_) | ExecEvent::ForceKilled => {}
             // Nor leases: never sent for them; the end, if it were.
             ExecEvent::HoldLost => break,
         }
@@ -309,7 +309,9 @@ fn stream(
             };
             let chunk = match event {
                 Some(Some(ExecEvent::Stdout(data) | ExecEvent::Stderr(data))) => data,
-                Some(Some(ExecEvent::AfterExecFailed(_) | ExecEvent::Result(_))) => continue,
+                Some(Some(
+                    ExecEvent::AfterExecFailed(_) | ExecEvent::Result(_) | ExecEvent::ForceKilled,
+                )) => continue,
                 Some(Some(ExecEvent::Exited(_) | ExecEvent::HoldLost) | None) => break,
                 None => {
                     let _ = tx.send(Ok(Bytes::from(limits.timed_out_marker()))).await;

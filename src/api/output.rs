@@ -41,9 +41,9 @@ struct Log {
     finished: bool,
     /// A kill_process is between "asked" and "reported".
     killing: bool,
-    /// The controller is about to kill it (a forced checkpoint for a handoff
-    /// or a shutdown): report FORCE_KILLED when it ends.
-    forced: bool,
+    /// The runtime killed it for a forced checkpoint (a handoff's or a
+    /// shutdown's): its FORCE_KILLED is in the log, or about to be.
+    killed_by_checkpoint: bool,
 }
 
 /// A running or finished execution.
@@ -131,10 +131,17 @@ impl ExecutionState {
         let mut hold_lost = false;
         let mut number = 0;
         while let Some(event) = events.recv().await {
-            if let ExecEvent::AfterExecFailed(message) = event {
-                // Not an output event: no number of its own.
-                after_exec_failed = Some(message);
-                continue;
+            // Not output events: no number of their own.
+            match event {
+                ExecEvent::AfterExecFailed(message) => {
+                    after_exec_failed = Some(message);
+                    continue;
+                }
+                ExecEvent::ForceKilled => {
+                    self.log().killed_by_checkpoint = true;
+                    continue;
+                }
+                _ => {}
             }
             number += 1;
             match event {
@@ -171,7 +178,7 @@ impl ExecutionState {
                     hold_lost = true;
                     break;
                 }
-                ExecEvent::AfterExecFailed(_) => {}
+                ExecEvent::AfterExecFailed(_) | ExecEvent::ForceKilled => {}
             }
         }
         for (rest, frame) in [
@@ -203,7 +210,7 @@ impl ExecutionState {
             }
             let _ = tokio::time::timeout_at(deadline, changed).await;
         }
-        if std::mem::take(&mut self.log().forced) {
+        if self.log().killed_by_checkpoint {
             self.push(ServerFrame::status(Status::ExecutionForceKilled));
         }
         // The upload after the execution failed: an execution error before
@@ -287,13 +294,12 @@ impl ExecutionState {
         true
     }
 
-    /// The controller will kill this execution (or, with `false`, changed its
-    /// mind): its end is then reported as FORCE_KILLED, as upstream's handoff did.
-    pub fn expect_forced_kill(&self, expected: bool) {
-        let mut log = self.log();
-        if !log.finished {
-            log.forced = expected;
-        }
+    /// True once the runtime said it killed this execution for a forced
+    /// checkpoint: its end is reported as FORCE_KILLED, as upstream's handoff
+    /// did, after the session's LOCK_RELEASE_REQUESTED and CHECKPOINTING
+    /// (the streamer waits for its relay to say them).
+    pub fn killed_by_checkpoint(&self) -> bool {
+        self.log().killed_by_checkpoint
     }
 
     /// The next frame to send with the number of the runtime event it came

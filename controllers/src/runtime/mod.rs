@@ -101,6 +101,10 @@ pub enum ExecEvent {
     /// client learns it before the execution's end. Not an output event:
     /// it takes no event number of its own.
     AfterExecFailed(String),
+    /// The runtime killed the execution itself, for a forced checkpoint (a
+    /// handoff's or a shutdown's): its end follows, and is reported as
+    /// forced. Not an output event: it takes no event number.
+    ForceKilled,
     /// The hold on the sandbox was lost while the execution ran (another
     /// instance took it over): its end must not be reported, nor taken for
     /// a stop. Sent by the controller's relay, never by a runtime; the last

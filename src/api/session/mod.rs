@@ -73,6 +73,13 @@ pub struct Session {
     /// Told after every controller event and when the session ends: a worker
     /// waiting for a checkpoint to settle looks again.
     settled: Notify,
+    /// The relay said CHECKPOINTING (and, before it, a handoff's
+    /// LOCK_RELEASE_REQUESTED) for the checkpoint under way. The controller
+    /// says it before the runtime kills a running execution, but the relay
+    /// and the streamer are two tasks: the streamer holds that execution's
+    /// FORCE_KILLED until this is true, so the socket gets them in
+    /// upstream's order. Written by the relay only.
+    checkpoint_said: AtomicBool,
     ended: AtomicBool,
 }
 
@@ -195,6 +202,7 @@ impl Session {
             pending: Pending::default(),
             streamer: std::sync::Mutex::new(None),
             settled: Notify::new(),
+            checkpoint_said: AtomicBool::new(false),
             ended: AtomicBool::new(false),
         })
     }

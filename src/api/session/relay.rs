@@ -4,6 +4,7 @@
 //! and which events end the session (`docs/wire-contract.md` §3.7–3.10).
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use controllers::api::{DesiredState, SandboxId};
 use controllers::sandboxes::SandboxEvent;
@@ -27,6 +28,8 @@ impl Session {
                 Ok(event) => self.relay(event).await,
                 Err(broadcast::error::RecvError::Lagged(missed)) => {
                     tracing::warn!(sandbox = %self.id, missed, "session fell behind the controller's events");
+                    // A CHECKPOINTING may be among them: hold no output back.
+                    self.checkpoint_said.store(true, Ordering::Release);
                     false
                 }
                 Err(broadcast::error::RecvError::Closed) => true,
@@ -40,22 +43,6 @@ impl Session {
 
     /// Turns a controller event into status frames. True when the session ends.
     async fn relay(&self, event: SandboxEvent) -> bool {
-        match &event {
-            SandboxEvent::CheckpointStarted => {
-                // Unless it is kept: it goes on after the restore.
-                if let Some(execution) = self.live.execution()
-                    && !self.live.options().keep_executions
-                {
-                    execution.expect_forced_kill(true);
-                }
-            }
-            SandboxEvent::CheckpointWaitsForExecution => {
-                if let Some(execution) = self.live.execution() {
-                    execution.expect_forced_kill(false);
-                }
-            }
-            _ => {}
-        }
         let reply = reply(
             &self.id,
             &event,
@@ -67,6 +54,14 @@ impl Session {
             if !self.out.send(frame).await {
                 break;
             }
+        }
+        // Said: an execution the checkpoint kills may report it now.
+        match &event {
+            SandboxEvent::CheckpointStarted => self.checkpoint_said.store(true, Ordering::Release),
+            SandboxEvent::CheckpointWaitsForExecution => {
+                self.checkpoint_said.store(false, Ordering::Release);
+            }
+            _ => {}
         }
         if reply.cancel_checkpoint {
             self.cancel_checkpoint().await;

@@ -5,14 +5,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::sync::atomic::Ordering;
+
 use crate::api::output::ExecutionState;
-use crate::api::protocol::Status;
+use crate::api::protocol::{ServerFrame, Status};
 
 use super::Session;
 
 /// How often a streamer held back by a checkpoint that keeps the execution
 /// looks again (the checkpoint may fail and delivery go on here).
 const FROZEN_POLL: Duration = Duration::from_millis(100);
+
+/// How long a forced kill's FORCE_KILLED waits for the relay's
+/// CHECKPOINTING at most (it was emitted before the kill: only a relay far
+/// behind takes this long).
+const CHECKPOINT_SAID_WAIT: Duration = Duration::from_secs(5);
 
 /// A frame between `begin_delivery` and `end_delivery`: a streamer aborted
 /// while it waits for the socket's writer (a `reconnect` replaced it) ends
@@ -56,6 +63,7 @@ impl Session {
     /// by a `reconnect` (or stopped with the session) loses nothing.
     pub(super) fn stream(self: &Arc<Self>, execution: Arc<ExecutionState>) {
         let out = self.out.clone();
+        let session = Arc::clone(self);
         let mut streamer = self
             .streamer
             .lock()
@@ -84,6 +92,11 @@ impl Session {
                     }
                     tokio::time::sleep(FROZEN_POLL).await;
                 }
+                if execution.killed_by_checkpoint()
+                    && frame == ServerFrame::status(Status::ExecutionForceKilled)
+                {
+                    session.checkpoint_said().await;
+                }
                 let delivery = Delivery {
                     execution: &execution,
                     event,
@@ -98,6 +111,26 @@ impl Session {
             }
         });
         *streamer = Some(task);
+    }
+
+    /// Waits until the relay has said CHECKPOINTING for the checkpoint that
+    /// killed the execution being streamed ([`Session::checkpoint_said`]),
+    /// or [`CHECKPOINT_SAID_WAIT`] at most.
+    async fn checkpoint_said(&self) {
+        let said = async {
+            loop {
+                let settled = self.settled.notified();
+                tokio::pin!(settled);
+                settled.as_mut().enable();
+                if self.checkpoint_said.load(Ordering::Acquire)
+                    || self.ended.load(Ordering::Acquire)
+                {
+                    return;
+                }
+                settled.await;
+            }
+        };
+        let _ = tokio::time::timeout(CHECKPOINT_SAID_WAIT, said).await;
     }
 
     /// Replays the current execution's undelivered output, then streams it live.

@@ -251,6 +251,7 @@ async fn output_queued_for_a_slow_consumer_is_bounded_with_a_notice() {
             }
             ExecEvent::AfterExecFailed(message) => panic!("the agent sent {message:?}"),
             ExecEvent::HoldLost => panic!("a runtime never sends HoldLost"),
+            ExecEvent::ForceKilled => panic!("the agent sends no ForceKilled"),
             ExecEvent::Result(_) => panic!("no rich result was asked for"),
         }
     }

@@ -190,12 +190,15 @@ pub(super) fn relay_execution(
     let container_id = local.container_id.clone();
     let oom_kills_before = oom_kills(&container_id);
     tokio::spawn(async move {
-        // Frees the slot only if it still names this execution.
+        // Frees the slot only if it still names this execution; true if a
+        // forced checkpoint killed it.
         let release = || {
             let mut current = slot.lock().unwrap_or_else(PoisonError::into_inner);
             if current.exec.as_deref() == Some(relay_id.as_str()) {
                 current.exec = None;
+                return std::mem::take(&mut current.forced_kill);
             }
+            false
         };
         let mut count = 0;
         while let Some((seq, event)) = agent_events.recv().await {
@@ -208,8 +211,8 @@ pub(super) fn relay_execution(
                 tracing::warn!(execution = %relay_id, seq, expected = gate.seq(count), "resumable execution's events out of sequence");
             }
             let exited = matches!(event, ExecEvent::Exited(_));
-            if exited {
-                release();
+            if exited && release() {
+                let _ = tx.send(ExecEvent::ForceKilled).await;
             }
             if matches!(event, ExecEvent::Exited(KILLED))
                 && oom_kills(&container_id).unwrap_or(0) > oom_kills_before.unwrap_or(0)
@@ -224,7 +227,7 @@ pub(super) fn relay_execution(
                 return;
             }
         }
-        release();
+        let _ = release();
     });
     Execution {
         events: rx,

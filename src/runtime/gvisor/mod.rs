@@ -62,6 +62,10 @@ struct ExecSlot {
     /// between the agent's preparation and `runsc checkpoint` would be frozen
     /// half-way into the image).
     checkpointing: bool,
+    /// The checkpoint under way kills the running execution (forced, not
+    /// keeping it): its relay reports the end as forced. Written under the
+    /// same lock as `exec`, before the agent is asked to kill.
+    forced_kill: bool,
 }
 /// Directories a filesystem snapshot saves: everything user code (uid 1000)
 /// can write.

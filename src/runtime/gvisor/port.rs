@@ -212,6 +212,7 @@ impl SandboxRuntime for GvisorRuntime {
             if current.exec.is_some() && !request.force && !request.keep_executions {
                 return Err(RuntimeError::ExecutionInProgress(sandbox.clone()));
             }
+            current.forced_kill = current.exec.is_some() && !request.keep_executions;
             current.checkpointing = true;
         }
         let keep = request.keep_executions;
@@ -224,11 +225,12 @@ impl SandboxRuntime for GvisorRuntime {
             if keep && still_here {
                 self.resume_after_failure(&local).await;
             }
-            local
+            let mut current = local
                 .current_exec
                 .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .checkpointing = false;
+                .unwrap_or_else(PoisonError::into_inner);
+            current.checkpointing = false;
+            current.forced_kill = false;
         }
         // Done, the sandbox no longer runs here: an execution its restore
         // brought back and nobody took went on with the checkpoint (and out

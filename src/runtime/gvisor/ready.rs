@@ -199,7 +199,7 @@ impl GvisorRuntime {
                     ExecEvent::Result(_) => {}
                     // The agent's own events: no after-exec hook runs
                     // here, and no controller relays them.
-                    ExecEvent::AfterExecFailed(_) | ExecEvent::HoldLost => {}
+                    ExecEvent::AfterExecFailed(_) | ExecEvent::HoldLost | ExecEvent::ForceKilled => {}
                 }
             }
             None

@@ -159,6 +159,11 @@ impl Reconciler {
             self.emit(sandbox, SandboxEvent::LeaseAcquiring);
         }
         let starting = StartingGuard::new(&self.slots, sandbox);
+        // Taken over from a holder that died holding it (its lease ran out):
+        // it may have run the sandbox without recording so.
+        let holder_died = lock.as_ref().is_some_and(|(lease, _)| {
+            lease.holder.is_some() && !lease.is_held_by(self.leases.instance())
+        });
         let held = match self.leases.acquire_from(sandbox, lock.clone()).await {
             Ok(held) => held,
             Err(LeaseError::HeldByOther { holder, .. }) => {
@@ -209,7 +214,8 @@ impl Reconciler {
                 }
             }
         };
-        self.start_held(sandbox, &metadata, held, starting).await
+        self.start_held(sandbox, &metadata, held, holder_died, starting)
+            .await
     }
 
     /// The lock names this instance and a client here waits: a transfer
@@ -232,7 +238,8 @@ impl Reconciler {
                 return Err(err.into());
             }
         };
-        self.start_held(sandbox, &metadata, held, starting).await
+        self.start_held(sandbox, &metadata, held, false, starting)
+            .await
     }
 
     /// Restores or creates the sandbox under `held`, tells the waiting
@@ -243,13 +250,14 @@ impl Reconciler {
         sandbox: &SandboxId,
         metadata: &SandboxMetadata,
         held: HeldLease,
+        holder_died: bool,
         _starting: StartingGuard<'_>,
     ) -> Result<Requeue, ReconcileError> {
         self.done_acquiring(sandbox);
         self.emit(sandbox, SandboxEvent::LeaseAcquired);
         let waited_since = self.take_waiting(sandbox);
         let started = self.clock.instant();
-        let outcome = self.start(sandbox, metadata, &held).await;
+        let outcome = self.start(sandbox, metadata, &held, holder_died).await;
         match &outcome {
             Ok((kind, _)) => match kind {
                 StartKind::Create => crate::sandboxes::Metrics::add(&self.metrics.creates, 1),
@@ -443,12 +451,18 @@ impl Reconciler {
     /// Creates or restores the sandbox under a freshly taken hold. Restores
     /// the requested named checkpoint, else the newer of the lock's and
     /// `status`'s latest (with the manifest the lock carries, if it is that
-    /// one's: no read). Returns what it did and the restore request served.
+    /// one's: no read). A sandbox never recorded as running is created,
+    /// unless its hold was taken over from a holder that died holding it
+    /// (`holder_died`): that one may have run it and told its client so
+    /// before its record landed (the record follows RUNNING), and a fresh
+    /// sandbox under the same id would hide the loss. Returns what it did and
+    /// the restore request served.
     pub(super) async fn start(
         &self,
         sandbox: &SandboxId,
         metadata: &SandboxMetadata,
         held: &HeldLease,
+        holder_died: bool,
     ) -> Result<(StartKind, Option<DateTime<Utc>>), (StartKind, StartFailure)> {
         let restore_request = metadata
             .spec
@@ -476,7 +490,7 @@ impl Reconciler {
         let served_request = restore_request.map(|r| r.requested_at);
         let kind = match (&source, metadata.status.phase) {
             (Some(_), _) => StartKind::Restore,
-            (None, Phase::Pending | Phase::Creating) => StartKind::Create,
+            (None, Phase::Pending | Phase::Creating) if !holder_died => StartKind::Create,
             (None, Phase::Failed) => {
                 let cause = metadata
                     .status

@@ -170,6 +170,40 @@ async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung
     );
 }
 
+/// The holder tells its client RUNNING before its record of it lands (the
+/// record follows, in its own write). Should it die in between, the bucket
+/// still says the sandbox is being created: the taker must not create a
+/// fresh one under the same id, which would hide that its state is lost.
+#[tokio::test]
+async fn a_sandbox_whose_holder_died_before_recording_it_runs_is_not_created_afresh() {
+    let world = World::new();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    // The record of RUNNING never landed.
+    let mut metadata = world.metadata(&id).await;
+    metadata.status.phase = Phase::Creating;
+    metadata.status.holder = None;
+    world.edit_metadata(&metadata).await;
+    a.runtime.crash(&id);
+    drop(a);
+    world.clock.advance(Duration::seconds(40));
+    let mut events = b.controller.subscribe(&id);
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_none(), "nothing created");
+    assert!(
+        drain(&mut events).iter().any(|event| matches!(
+            event,
+            SandboxEvent::StartFailed {
+                kind: StartKind::Restore,
+                cause: StartFailure::NoCheckpoint
+            }
+        )),
+        "a clear error"
+    );
+}
+
 #[tokio::test]
 async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
     let world = World::new();
