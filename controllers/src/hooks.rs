@@ -39,19 +39,32 @@ pub trait LifecycleHooks: Send + Sync + fmt::Debug {
     /// The sandbox now runs here (created or restored), not yet reported
     /// running. An error fails the start: the sandbox is destroyed here (its
     /// checkpoint stays). The implementation decides what is worth failing a
-    /// restore for: a restored sandbox has its own files.
+    /// restore for: a restored sandbox has its own files. What it returns
+    /// is the sandbox's binding for the later points, kept with the hold.
     async fn on_cold_start(
         &self,
         _sandbox: &SandboxId,
         _spec: &SandboxSpec,
         _start: ColdStart,
-    ) -> Result<(), HookError> {
-        Ok(())
+    ) -> Result<Option<HookBinding>, HookError> {
+        Ok(None)
     }
+}
 
+/// What the hooks keep for one sandbox while it runs here (a workspace's
+/// template and the store's state as last seen), and the later hook points.
+/// Opaque to the controllers: the reconciler keeps it in the sandbox's slot
+/// with its hold and drops it when the hold ends, so the hooks need no map
+/// of their own.
+pub type HookBinding = std::sync::Arc<dyn BoundHooks>;
+
+/// The hook points after the cold start, of one sandbox's binding. Every
+/// method has a do-nothing default.
+#[async_trait]
+pub trait BoundHooks: Send + Sync + fmt::Debug {
     /// Whether [`Self::after_exec`] must run for this sandbox's executions;
     /// when false their events are not relayed through the hooks at all.
-    fn wants_after_exec(&self, _sandbox: &SandboxId) -> bool {
+    fn wants_after_exec(&self) -> bool {
         false
     }
 
@@ -65,10 +78,6 @@ pub trait LifecycleHooks: Send + Sync + fmt::Debug {
 
     /// The sandbox is about to be destroyed for good (deleted). Non-critical.
     async fn on_terminate(&self, _sandbox: &SandboxId) {}
-
-    /// The sandbox left this instance (checkpointed away, lost or destroyed):
-    /// forget whatever was kept for it.
-    fn forget(&self, _sandbox: &SandboxId) {}
 }
 
 /// No hooks at all: the default.
@@ -82,7 +91,7 @@ impl LifecycleHooks for NoHooks {}
 /// knows the hook (e.g. the workspace upload) has run.
 pub fn run_after_exec(
     mut execution: Execution,
-    hooks: std::sync::Arc<dyn LifecycleHooks>,
+    hooks: HookBinding,
     sandbox: SandboxId,
 ) -> Execution {
     let (tx, rx) = tokio::sync::mpsc::channel(64);

@@ -15,12 +15,12 @@
 //!
 //! More can be configured (`SANDBOXD_WORKSPACE_TEMPLATES`, JSON).
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use controllers::api::{SandboxId, SandboxSpec};
-use controllers::hooks::{ColdStart, HookError, LifecycleHooks};
+use controllers::hooks::{BoundHooks, ColdStart, HookBinding, HookError, LifecycleHooks};
 use serde::Deserialize;
 
 use super::metrics::WorkspaceMetrics;
@@ -98,9 +98,11 @@ pub fn templates_with(config: Option<&str>) -> Result<BTreeMap<String, HookTempl
     Ok(templates)
 }
 
-/// A sandbox with a synced workspace, as this instance runs it.
+/// A sandbox with a synced workspace, as this instance runs it: the
+/// binding its cold start returns, which the reconciler keeps with its hold.
 #[derive(Debug)]
 struct Binding {
+    sync: Arc<WorkspaceSync>,
     workspace: String,
     template: HookTemplate,
     /// The store's state as last seen, so an unchanged sync up costs nothing.
@@ -108,26 +110,79 @@ struct Binding {
     known: tokio::sync::Mutex<Option<RemoteState>>,
 }
 
+impl Binding {
+    async fn run(
+        &self,
+        sandbox: &SandboxId,
+        actions: &[HookAction],
+    ) -> Result<(), super::sync::SyncError> {
+        let mut known = self.known.lock().await;
+        for action in actions {
+            let (state, _report) = match action {
+                HookAction::SyncDown => self.sync.sync_down(sandbox, &self.workspace).await?,
+                HookAction::SyncUp => {
+                    self.sync
+                        .sync_up(sandbox, &self.workspace, known.clone())
+                        .await?
+                }
+            };
+            *known = Some(state);
+        }
+        Ok(())
+    }
+
+    /// Runs the hook point's actions; a failure is counted, logged and
+    /// returned (the after-exec one reaches the execution's client).
+    async fn run_noncritical(&self, sandbox: &SandboxId, point: &str) -> Result<(), HookError> {
+        let metrics = self.sync.metrics();
+        let (actions, failures) = match point {
+            "after_exec" => (&self.template.after_exec, &metrics.after_exec_failures),
+            _ => (&self.template.terminate, &metrics.terminate_failures),
+        };
+        if actions.is_empty() {
+            return Ok(());
+        }
+        if let Err(err) = self.run(sandbox, actions).await {
+            WorkspaceMetrics::add(failures, 1);
+            // The store's state may have moved (or be unknown): read it next time.
+            *self.known.lock().await = None;
+            tracing::warn!(%sandbox, workspace = %self.workspace, point, %err, "workspace hook failed");
+            return Err(HookError(format!(
+                "syncing workspace {:?} to the store failed: {err}; \
+                 what this execution changed in /workspace is not stored \
+                 (the next execution's sync tries again)",
+                controllers::api::workspace_name_of(&self.workspace)
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl BoundHooks for Binding {
+    fn wants_after_exec(&self) -> bool {
+        !self.template.after_exec.is_empty()
+    }
+
+    async fn after_exec(&self, sandbox: &SandboxId) -> Result<(), HookError> {
+        self.run_noncritical(sandbox, "after_exec").await
+    }
+
+    async fn on_terminate(&self, sandbox: &SandboxId) {
+        let _ = self.run_noncritical(sandbox, "terminate").await;
+    }
+}
+
 /// The workspace hooks of one instance.
 #[derive(Debug)]
 pub struct WorkspaceHooks {
     sync: Arc<WorkspaceSync>,
     templates: BTreeMap<String, HookTemplate>,
-    /// The sandboxes with a synced workspace here, by id. Not in the
-    /// controllers' slot: a binding (its template, the store's state as
-    /// last seen) is this adapter's, behind the `LifecycleHooks` port,
-    /// which the reconciler calls with a sandbox id only; to keep it in the
-    /// slot the port would have to hand back an opaque per-sandbox value.
-    bindings: Mutex<HashMap<SandboxId, Arc<Binding>>>,
 }
 
 impl WorkspaceHooks {
     pub fn new(sync: Arc<WorkspaceSync>, templates: BTreeMap<String, HookTemplate>) -> Self {
-        Self {
-            sync,
-            templates,
-            bindings: Mutex::new(HashMap::new()),
-        }
+        Self { sync, templates }
     }
 
     pub fn metrics(&self) -> &Arc<WorkspaceMetrics> {
@@ -144,69 +199,6 @@ impl WorkspaceHooks {
     pub fn has_template(&self, name: &str) -> bool {
         self.templates.contains_key(name)
     }
-
-    fn bindings(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, Arc<Binding>>> {
-        self.bindings.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn binding(&self, sandbox: &SandboxId) -> Option<Arc<Binding>> {
-        self.bindings().get(sandbox).cloned()
-    }
-
-    async fn run(
-        &self,
-        sandbox: &SandboxId,
-        binding: &Binding,
-        actions: &[HookAction],
-    ) -> Result<(), super::sync::SyncError> {
-        let mut known = binding.known.lock().await;
-        for action in actions {
-            let (state, _report) = match action {
-                HookAction::SyncDown => self.sync.sync_down(sandbox, &binding.workspace).await?,
-                HookAction::SyncUp => {
-                    self.sync
-                        .sync_up(sandbox, &binding.workspace, known.clone())
-                        .await?
-                }
-            };
-            *known = Some(state);
-        }
-        Ok(())
-    }
-
-    /// Runs the hook point's actions; a failure is counted, logged and
-    /// returned (the after-exec one reaches the execution's client).
-    async fn run_noncritical(&self, sandbox: &SandboxId, point: &str) -> Result<(), HookError> {
-        let Some(binding) = self.binding(sandbox) else {
-            return Ok(());
-        };
-        let (actions, failures) = match point {
-            "after_exec" => (
-                &binding.template.after_exec,
-                &self.metrics().after_exec_failures,
-            ),
-            _ => (
-                &binding.template.terminate,
-                &self.metrics().terminate_failures,
-            ),
-        };
-        if actions.is_empty() {
-            return Ok(());
-        }
-        if let Err(err) = self.run(sandbox, &binding, actions).await {
-            WorkspaceMetrics::add(failures, 1);
-            // The store's state may have moved (or be unknown): read it next time.
-            *binding.known.lock().await = None;
-            tracing::warn!(%sandbox, workspace = %binding.workspace, point, %err, "workspace hook failed");
-            return Err(HookError(format!(
-                "syncing workspace {:?} to the store failed: {err}; \
-                 what this execution changed in /workspace is not stored \
-                 (the next execution's sync tries again)",
-                controllers::api::workspace_name_of(&binding.workspace)
-            )));
-        }
-        Ok(())
-    }
 }
 
 #[async_trait]
@@ -216,10 +208,9 @@ impl LifecycleHooks for WorkspaceHooks {
         sandbox: &SandboxId,
         spec: &SandboxSpec,
         start: ColdStart,
-    ) -> Result<(), HookError> {
+    ) -> Result<Option<HookBinding>, HookError> {
         let Some(workspace) = &spec.workspace else {
-            self.bindings().remove(sandbox);
-            return Ok(());
+            return Ok(None);
         };
         let Some(template) = self.templates.get(&workspace.template) else {
             WorkspaceMetrics::add(&self.metrics().cold_start_failures, 1);
@@ -234,11 +225,12 @@ impl LifecycleHooks for WorkspaceHooks {
             )));
         };
         let binding = Arc::new(Binding {
+            sync: Arc::clone(&self.sync),
             workspace: workspace.id.clone(),
             template: template.clone(),
             known: tokio::sync::Mutex::new(None),
         });
-        if let Err(err) = self.run(sandbox, &binding, &template.cold_start).await {
+        if let Err(err) = binding.run(sandbox, &template.cold_start).await {
             WorkspaceMetrics::add(&self.metrics().cold_start_failures, 1);
             let message = format!(
                 "syncing workspace {:?} into the sandbox: {err}",
@@ -253,25 +245,7 @@ impl LifecycleHooks for WorkspaceHooks {
             tracing::warn!(%sandbox, %message, "workspace sync on restore failed; the sandbox runs with its checkpoint's files");
             *binding.known.lock().await = None;
         }
-        self.bindings().insert(sandbox.clone(), binding);
-        Ok(())
-    }
-
-    fn wants_after_exec(&self, sandbox: &SandboxId) -> bool {
-        self.binding(sandbox)
-            .is_some_and(|binding| !binding.template.after_exec.is_empty())
-    }
-
-    async fn after_exec(&self, sandbox: &SandboxId) -> Result<(), HookError> {
-        self.run_noncritical(sandbox, "after_exec").await
-    }
-
-    async fn on_terminate(&self, sandbox: &SandboxId) {
-        let _ = self.run_noncritical(sandbox, "terminate").await;
-    }
-
-    fn forget(&self, sandbox: &SandboxId) {
-        self.bindings().remove(sandbox);
+        Ok(Some(binding))
     }
 }
 

@@ -199,7 +199,9 @@ impl GvisorRuntime {
                     ExecEvent::Result(_) => {}
                     // The agent's own events: no after-exec hook runs
                     // here, and no controller relays them.
-                    ExecEvent::AfterExecFailed(_) | ExecEvent::HoldLost | ExecEvent::ForceKilled => {}
+                    ExecEvent::AfterExecFailed(_)
+                    | ExecEvent::HoldLost
+                    | ExecEvent::ForceKilled => {}
                 }
             }
             None

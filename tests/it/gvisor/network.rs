@@ -267,6 +267,7 @@ async fn finish(mut execution: Execution) -> String {
             // The runtime alone runs no after-exec hooks.
             ExecEvent::AfterExecFailed(message) => panic!("after-exec hook failed: {message}"),
             ExecEvent::HoldLost => panic!("a runtime never sends HoldLost"),
+            ExecEvent::ForceKilled => panic!("no checkpoint killed it"),
             ExecEvent::Result(_) => panic!("no rich results were asked for"),
             ExecEvent::Exited(code) => {
                 assert_eq!(code, 0, "{}", String::from_utf8_lossy(&stderr));

@@ -79,6 +79,7 @@ async fn finish(mut execution: Execution) -> Outcome {
             // The runtime alone runs no after-exec hooks.
             ExecEvent::AfterExecFailed(message) => panic!("after-exec hook failed: {message}"),
             ExecEvent::HoldLost => panic!("a runtime never sends HoldLost"),
+            ExecEvent::ForceKilled => panic!("no checkpoint killed it"),
             ExecEvent::Result(_) => panic!("no rich results were asked for"),
             ExecEvent::Exited(code) => {
                 return Outcome {

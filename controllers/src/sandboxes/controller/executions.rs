@@ -44,11 +44,11 @@ impl SandboxController {
                 other => break other?,
             }
         };
-        let hooks = self.reconciler.hooks();
-        let execution = if hooks.wants_after_exec(sandbox) {
-            crate::hooks::run_after_exec(execution, Arc::clone(hooks), sandbox.clone())
-        } else {
-            execution
+        let execution = match self.reconciler.hook_binding(sandbox) {
+            Some(hooks) if hooks.wants_after_exec() => {
+                crate::hooks::run_after_exec(execution, hooks, sandbox.clone())
+            }
+            _ => execution,
         };
         Ok(fence_exit(
             execution,
@@ -61,11 +61,11 @@ impl SandboxController {
     /// with `keep_executions`), once, wrapped like one [`Self::exec`] started.
     pub fn take_resumed(&self, sandbox: &SandboxId) -> Option<Execution> {
         let execution = self.reconciler.runtime().take_resumed(sandbox)?;
-        let hooks = self.reconciler.hooks();
-        let execution = if hooks.wants_after_exec(sandbox) {
-            crate::hooks::run_after_exec(execution, Arc::clone(hooks), sandbox.clone())
-        } else {
-            execution
+        let execution = match self.reconciler.hook_binding(sandbox) {
+            Some(hooks) if hooks.wants_after_exec() => {
+                crate::hooks::run_after_exec(execution, hooks, sandbox.clone())
+            }
+            _ => execution,
         };
         Some(fence_exit(
             execution,

@@ -198,8 +198,10 @@ impl Reconciler {
         let _transition = self.metrics.in_transition(sandbox.as_str(), "deleting");
         self.emit(sandbox, SandboxEvent::Stopping);
         crate::sandboxes::Metrics::add(&self.metrics.deletes, 1);
-        if self.runtime.is_running(sandbox) {
-            self.hooks.on_terminate(sandbox).await;
+        if self.runtime.is_running(sandbox)
+            && let Some(hooks) = self.hook_binding(sandbox)
+        {
+            hooks.on_terminate(sandbox).await;
         }
         match self.runtime.destroy(sandbox).await {
             Ok(()) | Err(RuntimeError::NotFound(_)) => {}

@@ -44,6 +44,12 @@ impl Reconciler {
         self.slots.view(sandbox, |slot| slot.state.held().cloned())
     }
 
+    /// The hooks' binding of a sandbox held here (`None`: not held, or no
+    /// hook keeps anything for it).
+    pub fn hook_binding(&self, sandbox: &SandboxId) -> Option<crate::hooks::HookBinding> {
+        self.slots.view(sandbox, |slot| slot.state.hooks().cloned())
+    }
+
     /// Every sandbox this instance holds.
     pub fn held_sandboxes(&self) -> Vec<SandboxId> {
         self.slots
@@ -116,7 +122,6 @@ impl Reconciler {
     pub(super) fn forget(&self, sandbox: &SandboxId) {
         self.slots
             .update(sandbox, |slot| slot.step(|state| (state.released(), ())));
-        self.hooks.forget(sandbox);
     }
 
     /// The next pass of `sandbox` reads everything (an intent was written).

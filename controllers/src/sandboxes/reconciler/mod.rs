@@ -31,7 +31,7 @@ use crate::api::{
 };
 use crate::clock::Clock;
 use crate::fencing::{FenceError, fenced_update_from};
-use crate::hooks::{ColdStart, LifecycleHooks, NoHooks};
+use crate::hooks::{ColdStart, HookBinding, LifecycleHooks, NoHooks};
 use crate::layout::{
     checkpoint_id_of_image, checkpoint_image_key, checkpoint_manifest_key, handoff_checkpoint_id,
     lock_key, metadata_key,
@@ -221,10 +221,6 @@ impl Reconciler {
     pub fn with_hooks(mut self, hooks: Arc<dyn LifecycleHooks>) -> Self {
         self.hooks = hooks;
         self
-    }
-
-    pub fn hooks(&self) -> &Arc<dyn LifecycleHooks> {
-        &self.hooks
     }
 
     pub fn metrics(&self) -> &super::metrics::Metrics {

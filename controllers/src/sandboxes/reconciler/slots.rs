@@ -32,6 +32,7 @@ use chrono::{DateTime, Utc};
 use tokio::sync::broadcast;
 
 use crate::api::{RungIntent, SandboxId, SandboxMetadata};
+use crate::hooks::HookBinding;
 use crate::leasing::HeldLease;
 use crate::leasing::RungIntents;
 use crate::sandboxes::events::SandboxEvent;
@@ -175,6 +176,8 @@ pub(super) enum LocalState {
         lease: HeldLease,
         /// How closely it is watched.
         watch: Watch,
+        /// What its lifecycle hooks keep for it while it runs here.
+        hooks: Option<HookBinding>,
     },
 }
 
@@ -252,15 +255,23 @@ impl LocalState {
     }
 
     /// The start took the hold up: the sandbox runs here.
-    pub(super) fn hold(lease: HeldLease, watch: Watch) -> Self {
-        Self::Held { lease, watch }
+    pub(super) fn hold(lease: HeldLease, watch: Watch, hooks: Option<HookBinding>) -> Self {
+        Self::Held {
+            lease,
+            watch,
+            hooks,
+        }
     }
 
     /// The hold was renewed: held under `lease` from now on. A sandbox no
     /// longer held (stopped meanwhile) is not held again by a renewal.
     pub(super) fn renewed(self, lease: HeldLease) -> Self {
         match self {
-            Self::Held { watch, .. } => Self::Held { lease, watch },
+            Self::Held { watch, hooks, .. } => Self::Held {
+                lease,
+                watch,
+                hooks,
+            },
             state => state,
         }
     }
@@ -270,6 +281,14 @@ impl LocalState {
         match self {
             Self::Held { .. } => Self::Idle,
             state => state,
+        }
+    }
+
+    /// The hooks' binding of a sandbox held here.
+    pub(super) fn hooks(&self) -> Option<&HookBinding> {
+        match self {
+            Self::Held { hooks, .. } => hooks.as_ref(),
+            _ => None,
         }
     }
 
@@ -510,7 +529,7 @@ mod tests {
         let state = state.begin_start().done_acquiring();
         assert!(state.is_starting() && state.is_busy());
         // The start's guard ends after the hold is taken up: it stays held.
-        let state = LocalState::hold(held(3), watch()).start_ended();
+        let state = LocalState::hold(held(3), watch(), None).start_ended();
         assert!(!state.is_starting());
         assert_eq!(state.held().map(|held| held.epoch), Some(3));
         assert!(state.watch().is_some());
@@ -550,7 +569,7 @@ mod tests {
 
     #[test]
     fn a_hold_is_never_started_again_nor_renewed_back_after_it_ended() {
-        let state = LocalState::hold(held(3), watch());
+        let state = LocalState::hold(held(3), watch(), None);
         let state = state.begin_start();
         assert!(!state.is_starting(), "a held sandbox is not started");
         let state = state.renewed(held(4));

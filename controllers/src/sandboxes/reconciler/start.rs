@@ -259,7 +259,7 @@ impl Reconciler {
         let started = self.clock.instant();
         let outcome = self.start(sandbox, metadata, &held, holder_died).await;
         match &outcome {
-            Ok((kind, _)) => match kind {
+            Ok((kind, _, _)) => match kind {
                 StartKind::Create => crate::sandboxes::Metrics::add(&self.metrics.creates, 1),
                 StartKind::Restore => {
                     self.metrics
@@ -274,7 +274,7 @@ impl Reconciler {
             Err(_) => crate::sandboxes::Metrics::add(&self.metrics.failures, 1),
         }
         match outcome {
-            Ok((_, served_request)) => {
+            Ok((_, served_request, hooks)) => {
                 let watch = Watch {
                     last_full_pass: self.clock.now(),
                     detached_since: None,
@@ -283,7 +283,7 @@ impl Reconciler {
                     last_checkpoint: self.clock.now(),
                 };
                 self.slots.update(sandbox, |slot| {
-                    slot.step(|_| (LocalState::hold(held.clone(), watch), ()));
+                    slot.step(|_| (LocalState::hold(held.clone(), watch, hooks), ()));
                 });
                 self.emit(sandbox, SandboxEvent::Running { epoch: held.epoch });
                 // The record after the client hears it runs, in its own
@@ -456,14 +456,15 @@ impl Reconciler {
     /// (`holder_died`): that one may have run it and told its client so
     /// before its record landed (the record follows RUNNING), and a fresh
     /// sandbox under the same id would hide the loss. Returns what it did and
-    /// the restore request served.
+    /// the restore request served, and the hooks' binding for it.
     pub(super) async fn start(
         &self,
         sandbox: &SandboxId,
         metadata: &SandboxMetadata,
         held: &HeldLease,
         holder_died: bool,
-    ) -> Result<(StartKind, Option<DateTime<Utc>>), (StartKind, StartFailure)> {
+    ) -> Result<(StartKind, Option<DateTime<Utc>>, Option<HookBinding>), (StartKind, StartFailure)>
+    {
         let restore_request = metadata
             .spec
             .restore_request
@@ -541,18 +542,19 @@ impl Reconciler {
             StartKind::Create => ColdStart::Created,
             StartKind::Restore => ColdStart::Restored,
         };
-        if let Err(err) = self
+        match self
             .hooks
             .on_cold_start(sandbox, &metadata.spec, start)
             .await
         {
-            self.hooks.forget(sandbox);
-            if let Err(destroy) = self.runtime.destroy(sandbox).await {
-                tracing::warn!(%sandbox, %destroy, "cannot destroy a sandbox whose cold start hook failed");
+            Ok(hooks) => Ok((kind, served_request, hooks)),
+            Err(err) => {
+                if let Err(destroy) = self.runtime.destroy(sandbox).await {
+                    tracing::warn!(%sandbox, %destroy, "cannot destroy a sandbox whose cold start hook failed");
+                }
+                Err((kind, StartFailure::ColdStartHook(err.to_string())))
             }
-            return Err((kind, StartFailure::ColdStartHook(err.to_string())));
         }
-        Ok((kind, served_request))
     }
 
     /// Reads the manifest of a recorded checkpoint and checks it describes

@@ -6,26 +6,34 @@ use super::*;
 #[derive(Debug)]
 struct RecordingHooks {
     runtime: FakeRuntime,
-    calls: std::sync::Mutex<Vec<String>>,
+    calls: Arc<std::sync::Mutex<Vec<String>>>,
     fail_cold_start: bool,
+}
+
+/// A sandbox's binding: records the later points, and its own drop (the
+/// reconciler lets go of it when the hold ends).
+#[derive(Debug)]
+struct RecordingBinding {
+    runtime: FakeRuntime,
+    calls: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl RecordingHooks {
     fn new(runtime: &FakeRuntime, fail_cold_start: bool) -> Arc<Self> {
         Arc::new(Self {
             runtime: runtime.clone(),
-            calls: std::sync::Mutex::default(),
+            calls: Arc::default(),
             fail_cold_start,
         })
-    }
-
-    fn record(&self, call: String) {
-        self.calls.lock().unwrap().push(call);
     }
 
     fn calls(&self) -> Vec<String> {
         self.calls.lock().unwrap().clone()
     }
+}
+
+fn record(calls: &std::sync::Mutex<Vec<String>>, call: String) {
+    calls.lock().unwrap().push(call);
 }
 
 #[async_trait::async_trait]
@@ -35,34 +43,43 @@ impl crate::hooks::LifecycleHooks for RecordingHooks {
         sandbox: &SandboxId,
         spec: &crate::api::SandboxSpec,
         start: crate::hooks::ColdStart,
-    ) -> Result<(), crate::hooks::HookError> {
+    ) -> Result<Option<crate::hooks::HookBinding>, crate::hooks::HookError> {
         let running = self.runtime.memory(sandbox).is_some();
         let workspace = spec.workspace.as_ref().map(|w| w.id.clone());
-        self.record(format!(
-            "cold_start {start:?} running={running} workspace={workspace:?}"
-        ));
+        record(
+            &self.calls,
+            format!("cold_start {start:?} running={running} workspace={workspace:?}"),
+        );
         if self.fail_cold_start {
             return Err(crate::hooks::HookError("the bucket is on fire".into()));
         }
-        Ok(())
+        Ok(Some(Arc::new(RecordingBinding {
+            runtime: self.runtime.clone(),
+            calls: Arc::clone(&self.calls),
+        })))
     }
+}
 
-    fn wants_after_exec(&self, _sandbox: &SandboxId) -> bool {
+#[async_trait::async_trait]
+impl crate::hooks::BoundHooks for RecordingBinding {
+    fn wants_after_exec(&self) -> bool {
         true
     }
 
     async fn after_exec(&self, _sandbox: &SandboxId) -> Result<(), crate::hooks::HookError> {
-        self.record("after_exec".into());
+        record(&self.calls, "after_exec".into());
         Ok(())
     }
 
     async fn on_terminate(&self, sandbox: &SandboxId) {
         let running = self.runtime.memory(sandbox).is_some();
-        self.record(format!("terminate running={running}"));
+        record(&self.calls, format!("terminate running={running}"));
     }
+}
 
-    fn forget(&self, _sandbox: &SandboxId) {
-        self.record("forget".into());
+impl Drop for RecordingBinding {
+    fn drop(&mut self) {
+        record(&self.calls, "forget".into());
     }
 }
 
