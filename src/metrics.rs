@@ -38,7 +38,8 @@ pub fn registry(
             .metrics()
             .register(&mut registry, move || {
                 held.upgrade()
-                    .map_or(0, |controller| controller.held_sandboxes().len())
+                    .map(|controller| controller.reconciler().census())
+                    .unwrap_or_default()
             });
     }
     if let Some(hooks) = workspace_hooks {

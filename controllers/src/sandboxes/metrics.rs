@@ -2,8 +2,6 @@
 //! metrics; the server registers them ([`Metrics::register`]) in the registry
 //! its `/metrics` encodes, so no exposition text is written by hand here.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
@@ -36,8 +34,14 @@ impl Histogram {
     }
 }
 
-/// Sandboxes in a transition here right now, by sandbox.
-type Transitions = Arc<Mutex<HashMap<String, &'static str>>>;
+/// What `sandboxd_sandboxes{phase}` counts, taken from the sandboxes'
+/// slots at each scrape: the sandboxes held here, and the transition each
+/// sandbox in one is in.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Census {
+    pub held: usize,
+    pub in_transition: Vec<&'static str>,
+}
 
 /// The reconciler's counters.
 #[derive(Debug, Default)]
@@ -55,56 +59,24 @@ pub struct Metrics {
     pub lost: Counter,
     pub deletes: Counter,
     pub failures: Counter,
-    /// Sandboxes in a transition here right now, by phase.
-    transitions: Transitions,
-}
-
-/// Marks a sandbox as in a transition (`creating`, `restoring`,
-/// `checkpointing`, `deleting`) until dropped.
-#[derive(Debug)]
-pub struct InTransition<'a> {
-    metrics: &'a Metrics,
-    sandbox: String,
-}
-
-impl Drop for InTransition<'_> {
-    fn drop(&mut self) {
-        self.metrics
-            .transitions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.sandbox);
-    }
 }
 
 impl Metrics {
-    /// Counts `sandbox` under `phase` while the guard lives.
-    pub fn in_transition(&self, sandbox: &str, phase: &'static str) -> InTransition<'_> {
-        self.transitions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(sandbox.to_owned(), phase);
-        InTransition {
-            metrics: self,
-            sandbox: sandbox.to_owned(),
-        }
-    }
-
     pub fn add(counter: &Counter, value: u64) {
         counter.inc_by(value);
     }
 
-    /// Registers every series in `registry`. `held` says, at each scrape, how
-    /// many sandboxes this instance holds: those not in a transition count as
-    /// running in `sandboxd_sandboxes{phase}`.
+    /// Registers every series in `registry`. `census` says, at each scrape,
+    /// how many sandboxes this instance holds and which transitions are
+    /// under way: held ones not checkpointing or deleting count as running
+    /// in `sandboxd_sandboxes{phase}`.
     pub fn register(
         &self,
         registry: &mut Registry,
-        held: impl Fn() -> usize + Send + Sync + 'static,
+        census: impl Fn() -> Census + Send + Sync + 'static,
     ) {
         registry.register_collector(Box::new(ByPhase {
-            transitions: Arc::clone(&self.transitions),
-            held: Box::new(held),
+            census: Box::new(census),
         }));
         let counters = [
             ("sandboxd_creates", "Sandboxes created here", &self.creates),
@@ -159,8 +131,7 @@ impl Metrics {
 
 /// `sandboxd_sandboxes{phase}`, computed at each scrape.
 struct ByPhase {
-    transitions: Transitions,
-    held: Box<dyn Fn() -> usize + Send + Sync>,
+    census: Box<dyn Fn() -> Census + Send + Sync>,
 }
 
 impl std::fmt::Debug for ByPhase {
@@ -171,14 +142,11 @@ impl std::fmt::Debug for ByPhase {
 
 impl Collector for ByPhase {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let transitions = self
-            .transitions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        let in_phase = |phase: &str| transitions.values().filter(|p| **p == phase).count();
-        let running =
-            (self.held)().saturating_sub(in_phase("checkpointing") + in_phase("deleting"));
+        let census = (self.census)();
+        let in_phase = |phase: &str| census.in_transition.iter().filter(|p| **p == phase).count();
+        let running = census
+            .held
+            .saturating_sub(in_phase("checkpointing") + in_phase("deleting"));
         let gauge = ConstGauge::new(0_i64);
         let mut family = encoder.encode_descriptor(
             "sandboxd_sandboxes",
@@ -201,6 +169,8 @@ impl Collector for ByPhase {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
 
     fn render(registry: &Registry) -> String {
@@ -213,9 +183,12 @@ mod tests {
     fn sandboxes_are_counted_by_phase_and_histograms_are_cumulative() {
         let metrics = Metrics::default();
         let mut registry = Registry::default();
-        metrics.register(&mut registry, || 3);
-        let checkpointing = metrics.in_transition("a", "checkpointing");
-        let _restoring = metrics.in_transition("b", "restoring");
+        let census = Arc::new(std::sync::Mutex::new(Census {
+            held: 3,
+            in_transition: vec!["checkpointing", "restoring"],
+        }));
+        let scraped = Arc::clone(&census);
+        metrics.register(&mut registry, move || scraped.lock().unwrap().clone());
         metrics
             .checkpoint_seconds
             .observe(Duration::from_millis(300));
@@ -234,7 +207,7 @@ mod tests {
         ] {
             assert!(text.contains(series), "{series} missing in:\n{text}");
         }
-        drop(checkpointing);
+        census.lock().unwrap().in_transition = vec!["restoring"];
         assert!(render(&registry).contains("sandboxd_sandboxes{phase=\"running\"} 3"));
     }
 }

@@ -14,7 +14,7 @@ pub use controller::{ControlError, SandboxController};
 pub use events::{
     CheckpointFailure, LossCause, ProgressBus, SandboxEvent, StartFailure, StartKind,
 };
-pub use metrics::{Histogram, Metrics};
+pub use metrics::{Census, Histogram, Metrics};
 pub use reconciler::{
     AttachRead, ForkError, ForkPoint, HandoffPolicy, ReadMetadata, ReconcileError, Reconciler,
     ReconcilerConfig, ReconcilerParts, Requeue, delete_checkpoint_objects, record_carried,

@@ -184,9 +184,7 @@ impl Reconciler {
         mut lock: Option<ReadLease>,
         force: bool,
     ) -> Result<Requeue, ReconcileError> {
-        let _transition = self
-            .metrics
-            .in_transition(sandbox.as_str(), "checkpointing");
+        let _transition = self.slots.in_transition(sandbox, "checkpointing");
         if !self.leases.is_safe(&held) {
             held = self.leases.renew(&held).await?;
             self.renewed(sandbox, held.clone());

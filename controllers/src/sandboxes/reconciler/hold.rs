@@ -195,7 +195,7 @@ impl Reconciler {
         sandbox: &SandboxId,
         held: HeldLease,
     ) -> Result<Requeue, ReconcileError> {
-        let _transition = self.metrics.in_transition(sandbox.as_str(), "deleting");
+        let _transition = self.slots.in_transition(sandbox, "deleting");
         self.emit(sandbox, SandboxEvent::Stopping);
         crate::sandboxes::Metrics::add(&self.metrics.deletes, 1);
         if self.runtime.is_running(sandbox)

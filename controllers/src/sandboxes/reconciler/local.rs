@@ -50,6 +50,12 @@ impl Reconciler {
         self.slots.view(sandbox, |slot| slot.state.hooks().cloned())
     }
 
+    /// The sandboxes held here and their transitions, for
+    /// `sandboxd_sandboxes{phase}`.
+    pub fn census(&self) -> crate::sandboxes::metrics::Census {
+        self.slots.census()
+    }
+
     /// Every sandbox this instance holds.
     pub fn held_sandboxes(&self) -> Vec<SandboxId> {
         self.slots

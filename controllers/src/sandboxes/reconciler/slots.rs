@@ -83,6 +83,10 @@ pub(super) struct Slot {
     /// A wake is pending for the landing of the image a taker waits for
     /// (one at a time).
     pub(super) image_wait: bool,
+    /// The transition its pass is in (`creating`, `restoring`,
+    /// `checkpointing`, `deleting`: `sandboxd_sandboxes{phase}`), while it
+    /// lasts ([`InTransition`]).
+    transition: Option<&'static str>,
     /// The sandbox's progress channel (`events.rs`), while sessions here
     /// subscribe to it.
     progress: Option<broadcast::Sender<SandboxEvent>>,
@@ -114,6 +118,7 @@ impl Slot {
             && self.inbox.is_empty()
             && self.spec_in_flight.is_none()
             && !self.image_wait
+            && self.transition.is_none()
             && self.progress.is_none()
             && self.rung.is_none()
     }
@@ -347,6 +352,20 @@ impl std::fmt::Debug for Slot {
     }
 }
 
+/// Marks a sandbox's slot as in a transition until dropped.
+#[derive(Debug)]
+pub(super) struct InTransition {
+    slots: Slots,
+    sandbox: SandboxId,
+}
+
+impl Drop for InTransition {
+    fn drop(&mut self) {
+        self.slots
+            .update(&self.sandbox, |slot| slot.transition = None);
+    }
+}
+
 /// The slots of every sandbox this instance knows locally, behind one lock.
 /// Cheap to clone: clones share the slots.
 ///
@@ -360,6 +379,27 @@ impl Slots {
     /// Every slot at once (for what looks across sandboxes).
     pub(super) fn all(&self) -> MutexGuard<'_, HashMap<SandboxId, Slot>> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Marks `sandbox` as in transition `phase` until the guard is dropped.
+    pub(super) fn in_transition(&self, sandbox: &SandboxId, phase: &'static str) -> InTransition {
+        self.update(sandbox, |slot| slot.transition = Some(phase));
+        InTransition {
+            slots: self.clone(),
+            sandbox: sandbox.clone(),
+        }
+    }
+
+    /// The sandboxes held here, and the transition of each sandbox in one.
+    pub(super) fn census(&self) -> crate::sandboxes::metrics::Census {
+        let slots = self.all();
+        crate::sandboxes::metrics::Census {
+            held: slots
+                .values()
+                .filter(|slot| slot.state.held().is_some())
+                .count(),
+            in_transition: slots.values().filter_map(|slot| slot.transition).collect(),
+        }
     }
 
     /// Reads `sandbox`'s slot (an empty one if it has none).

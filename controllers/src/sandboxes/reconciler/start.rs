@@ -510,7 +510,7 @@ impl Reconciler {
             StartKind::Create => "creating",
             StartKind::Restore => "restoring",
         };
-        let _transition = self.metrics.in_transition(sandbox.as_str(), transition);
+        let _transition = self.slots.in_transition(sandbox, transition);
         match &source {
             Some(reference) => {
                 self.emit(sandbox, SandboxEvent::Restoring);
