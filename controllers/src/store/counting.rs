@@ -81,6 +81,10 @@ impl StorageBill {
 #[derive(Debug, Default)]
 pub struct OperationCounts {
     by_kind: [AtomicU64; 6],
+    /// Operations by the sandbox id in the object's key. Not in the
+    /// controllers' slot: this decorator sits under every store user (the
+    /// reconciler, the API's fork and snapshot reads, `sandboxctl`) and sees
+    /// keys, not sandboxes; it also counts sandboxes no pass here owns.
     by_sandbox: Mutex<HashMap<String, u64>>,
 }
 
