@@ -658,7 +658,7 @@ async fn a_named_checkpoint_can_be_attached_to_later() {
 #[tokio::test]
 async fn a_filesystem_snapshot_seeds_a_new_sandbox() {
     let server = Server::start().await;
-    let (mut ws, _, token) = server.create(json!({})).await;
+    let (mut ws, id, token) = server.create(json!({})).await;
     ws.exec("bash", "mkdir -p /tmp/data && echo seeded > /tmp/data/f")
         .await;
     ws.send(json!({"action": "snapshot_filesystem", "name": "seed-1"}))
@@ -670,6 +670,11 @@ async fn a_filesystem_snapshot_seeds_a_new_sandbox() {
             "SANDBOX_FILESYSTEM_SNAPSHOT_CREATED"
         ])
     );
+    // Recorded (by the sandbox's own pass) before the client heard it.
+    // (Stored under its owner's prefix: `owner.<hash>/seed-1`.)
+    let recorded = metadata(&server, &id).await.status.latest_snapshot;
+    let name = recorded.map(|s| s.name).unwrap_or_default();
+    assert!(name.ends_with("/seed-1"), "{name:?}");
     ws.send(json!({"action": "snapshot_filesystem", "name": "Bad/Name"}))
         .await;
     assert_eq!(ws.next().await, "SANDBOX_FILESYSTEM_SNAPSHOT_CREATING");

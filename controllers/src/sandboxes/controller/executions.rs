@@ -9,7 +9,7 @@ use crate::api::{SandboxId, SnapshotRef};
 use crate::files::{FsError, FsReply, FsRequest};
 use crate::runtime::{ExecEvent, ExecRequest, Execution, RuntimeError};
 
-use super::super::reconciler::Reconciler;
+use super::super::reconciler::{Command, Reconciler};
 use super::{ControlError, SandboxController};
 
 impl SandboxController {
@@ -81,10 +81,9 @@ impl SandboxController {
         sandbox: &SandboxId,
         name: &str,
     ) -> Result<SnapshotRef, ControlError> {
-        let held = self
-            .reconciler
-            .held(sandbox)
-            .ok_or_else(|| ControlError::NotHere(sandbox.clone()))?;
+        if !self.is_held_here(sandbox) {
+            return Err(ControlError::NotHere(sandbox.clone()));
+        }
         let manifest = self
             .reconciler
             .runtime()
@@ -99,15 +98,10 @@ impl SandboxController {
             created_at: manifest.created_at,
             extra: crate::api::ExtraFields::new(),
         };
-        let recorded = reference.clone();
-        // Through the reconciler's one status writer: it takes this
-        // sandbox's write turn and starts from the generation this instance
-        // last wrote, as every other status write here does.
+        // Recorded by the sandbox's own pass, as every write of its objects.
+        let snapshot = Box::new(reference.clone());
         let written = self
-            .reconciler
-            .write_status(sandbox, held.epoch, |status| {
-                status.latest_snapshot = Some(recorded.clone());
-            })
+            .command(sandbox, |reply| Command::RecordSnapshot { snapshot, reply })
             .await;
         if let Err(err) = written {
             // The snapshot exists; only its mention in the metadata is missing.

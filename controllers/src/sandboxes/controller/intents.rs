@@ -17,7 +17,7 @@ use super::{ControlError, SandboxController};
 impl SandboxController {
     /// Gives `sandbox`'s pass the command `make` builds around its reply,
     /// queues the pass, and awaits the reply.
-    async fn command(
+    pub(super) async fn command(
         &self,
         sandbox: &SandboxId,
         make: impl FnOnce(Reply) -> Command,

@@ -26,8 +26,8 @@ use chrono::{DateTime, Utc};
 use tokio::sync::oneshot;
 
 use crate::api::{
-    DesiredState, RestoreRequest, RungIntent, SandboxId, SandboxMetadata, SandboxSpec, decode,
-    encode,
+    DesiredState, RestoreRequest, RungIntent, SandboxId, SandboxMetadata, SandboxSpec, SnapshotRef,
+    decode, encode,
 };
 use crate::layout::metadata_key;
 use crate::leasing::LeaseError;
@@ -69,6 +69,12 @@ pub(crate) enum Command {
     },
     /// This instance's client gave up waiting for it.
     Withdraw { reply: Reply },
+    /// Record a filesystem snapshot just taken of it, held here, in
+    /// `status.latest_snapshot`.
+    RecordSnapshot {
+        snapshot: Box<SnapshotRef>,
+        reply: Reply,
+    },
     /// This instance's doorbell was rung for it, with the attach intent
     /// the ring carried, if any (decision 27).
     Rung { intent: Option<RungIntent> },
@@ -140,10 +146,32 @@ impl Reconciler {
                     let outcome = self.leases.withdraw_attach(sandbox).await;
                     let _ = reply.send(outcome.map_err(Into::into));
                 }
+                Command::RecordSnapshot { snapshot, reply } => {
+                    let outcome = self.record_snapshot(sandbox, *snapshot).await;
+                    // The status moved on: the pass reads what it decides on.
+                    served.view = None;
+                    let _ = reply.send(outcome);
+                }
                 Command::Rung { intent } => self.serve_ring(sandbox, intent, &mut served),
             }
         }
         served
+    }
+
+    /// Records `snapshot` as the sandbox's latest, fenced by its hold here.
+    async fn record_snapshot(
+        &self,
+        sandbox: &SandboxId,
+        snapshot: SnapshotRef,
+    ) -> Result<(), ControlError> {
+        let held = self
+            .held(sandbox)
+            .ok_or_else(|| ControlError::NotHere(sandbox.clone()))?;
+        self.write_status(sandbox, held.epoch, |status| {
+            status.latest_snapshot = Some(snapshot.clone());
+        })
+        .await?;
+        Ok(())
     }
 
     /// A create is its own acquisition (decision 18): `metadata.json` and a
