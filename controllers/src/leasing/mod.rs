@@ -525,6 +525,28 @@ impl Leases {
         .map(|_| ())
     }
 
+    /// Gives up a hold whose start failed, and this instance's attach intent
+    /// in the same write (its waiting client was told): one write where a
+    /// release and a withdrawal would make two to an object GCS lets change
+    /// about once a second.
+    pub async fn release_and_withdraw(&self, held: &HeldLease) -> Result<(), LeaseError> {
+        self.forget_own_intent(&held.sandbox);
+        self.modify(&held.sandbox, |existing, _now| {
+            let mut lease = self.still_mine(held, existing)?;
+            lease.holder = None;
+            if lease
+                .wanted_by
+                .as_ref()
+                .is_some_and(|intent| intent.instance == self.instance)
+            {
+                lease.wanted_by = None;
+            }
+            Ok(Step::Write(Box::new(lease), ()))
+        })
+        .await
+        .map(|_| ())
+    }
+
     /// Gives up a hold at `epoch` that names this instance but that it does
     /// not run (see the reconciler's orphan row). Nothing is written if the
     /// lock moved on meanwhile.

@@ -333,11 +333,18 @@ impl Reconciler {
                         status.last_error = Some(message.clone());
                     })
                     .await;
-                if let Err(err) = self.leases.release(&held).await {
-                    tracing::warn!(%sandbox, %err, "cannot release the lease after a failed start");
-                }
-                if let Err(err) = self.leases.withdraw_attach(sandbox).await {
-                    tracing::warn!(%sandbox, %err, "cannot withdraw the attach intent after a failed start");
+                match self.leases.release_and_withdraw(&held).await {
+                    Ok(()) => {}
+                    // Not ours any more: the intent may still name this
+                    // instance.
+                    Err(LeaseError::Lost { .. }) => {
+                        if let Err(err) = self.leases.withdraw_attach(sandbox).await {
+                            tracing::warn!(%sandbox, %err, "cannot withdraw the attach intent after a failed start");
+                        }
+                    }
+                    Err(err) => {
+                        tracing::warn!(%sandbox, %err, "cannot release the lease after a failed start");
+                    }
                 }
                 self.emit(sandbox, SandboxEvent::StartFailed { kind, cause });
                 recorded.map(|_| Requeue::Never)

@@ -204,6 +204,64 @@ async fn a_sandbox_whose_holder_died_before_recording_it_runs_is_not_created_afr
     );
 }
 
+/// Counts the requests (reads and writes) of `lock.json`.
+#[derive(Debug, Default)]
+struct LockRequests(std::sync::atomic::AtomicUsize);
+
+#[async_trait::async_trait]
+impl super::hooked_store::BeforeRequest for LockRequests {
+    async fn before(
+        &self,
+        request: super::hooked_store::Request<'_>,
+        _store: &crate::testing::MemoryStore,
+    ) -> Result<(), crate::store::StoreError> {
+        if request.writes("/lock.json") || request.reads("/lock.json") {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        Ok(())
+    }
+}
+
+/// A start that fails gives up the hold and this instance's intent in one
+/// request: each request to the lock is a sequential round trip.
+#[tokio::test]
+async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
+    let mut counted = None;
+    let world = World::wrapped(|store| {
+        let wrapper = Arc::new(super::hooked_store::HookedStore::new(
+            store,
+            LockRequests::default(),
+        ));
+        counted = Some(Arc::clone(&wrapper));
+        wrapper
+    });
+    let counted = counted.unwrap();
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    a.runtime.crash(&id);
+    drop(a);
+    world.clock.advance(Duration::seconds(40));
+    let before = counted.hook.0.load(std::sync::atomic::Ordering::SeqCst);
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.reconcile(&id).await.unwrap();
+    assert!(
+        b.runtime.memory(&id).is_none(),
+        "no checkpoint: nothing runs"
+    );
+    let lease = world.lease(&id).await;
+    assert_eq!(
+        (lease.holder, lease.wanted_by),
+        (None, None),
+        "released and withdrawn"
+    );
+    // The attach's read and intent, the pass's read and acquisition, and
+    // one write that releases and withdraws (a release and a separate
+    // withdrawal made six).
+    let requests = counted.hook.0.load(std::sync::atomic::Ordering::SeqCst) - before;
+    assert_eq!(requests, 5);
+}
+
 #[tokio::test]
 async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
     let world = World::new();
