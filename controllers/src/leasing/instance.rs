@@ -96,6 +96,8 @@ pub struct InstanceLeases {
     seen_live: Arc<Mutex<HashMap<InstanceId, SeenLive>>>,
     /// Held by the renewal [`Self::renew_if_needed`] has in flight.
     renewing: Arc<tokio::sync::Mutex<()>>,
+    /// Told after every renewal that landed (holds may be vouched for again).
+    renewed: Arc<tokio::sync::Notify>,
 }
 
 /// Another instance's lease as read live, and when (this instance's clock).
@@ -127,7 +129,13 @@ impl InstanceLeases {
             rings_written: Arc::default(),
             seen_live: Arc::default(),
             renewing: Arc::default(),
+            renewed: Arc::default(),
         }
+    }
+
+    /// Resolves at the next renewal that lands.
+    pub fn renewed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.renewed.notified()
     }
 
     fn own(&self) -> std::sync::MutexGuard<'_, OwnLease> {
@@ -211,7 +219,10 @@ impl InstanceLeases {
         own.started_at = Some(started_at);
         // Another renewal may have landed meanwhile; keep the newest.
         own.renewed_at = Some(own.renewed_at.map_or(now, |r| r.max(now)));
-        Ok(own.era)
+        let era = own.era;
+        drop(own);
+        self.renewed.notify_waiters();
+        Ok(era)
     }
 
     /// Reads another instance's lease. `None`: it has none (never held

@@ -60,11 +60,14 @@ struct Outcome {
     code: i32,
     /// When each stdout chunk arrived, relative to the start.
     stdout_times: Vec<Duration>,
+    /// The runtime said it killed the execution for a forced checkpoint.
+    force_killed: bool,
 }
 
 async fn finish(mut execution: Execution) -> Outcome {
     let started = Instant::now();
     let (mut stdout, mut stderr, mut stdout_times) = (Vec::new(), Vec::new(), Vec::new());
+    let mut force_killed = false;
     loop {
         let event = tokio::time::timeout(Duration::from_secs(60), execution.events.recv())
             .await
@@ -79,7 +82,7 @@ async fn finish(mut execution: Execution) -> Outcome {
             // The runtime alone runs no after-exec hooks.
             ExecEvent::AfterExecFailed(message) => panic!("after-exec hook failed: {message}"),
             ExecEvent::HoldLost => panic!("a runtime never sends HoldLost"),
-            ExecEvent::ForceKilled => panic!("no checkpoint killed it"),
+            ExecEvent::ForceKilled => force_killed = true,
             ExecEvent::Result(_) => panic!("no rich results were asked for"),
             ExecEvent::Exited(code) => {
                 return Outcome {
@@ -87,6 +90,7 @@ async fn finish(mut execution: Execution) -> Outcome {
                     stderr: String::from_utf8_lossy(&stderr).into_owned(),
                     code,
                     stdout_times,
+                    force_killed,
                 };
             }
         }
@@ -462,7 +466,12 @@ async fn a_forced_checkpoint_kills_the_running_execution_first() {
         )
         .await
         .unwrap();
-    assert_eq!(finish(execution).await.code, 137);
+    let killed = finish(execution).await;
+    assert_eq!(killed.code, 137);
+    assert!(
+        killed.force_killed,
+        "the runtime says it killed it, before the exit"
+    );
     h.runtime.restore(&id, &manifest).await.unwrap();
     let left = run(&h.runtime, &id, Command::Python(COUNT_SLEEPS.into())).await;
     assert_eq!(left.stdout.trim(), "0");

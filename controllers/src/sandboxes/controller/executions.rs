@@ -27,6 +27,11 @@ impl SandboxController {
         // the checkpoint moved the sandbox away, the wait ends with the hold.
         let give_up = self.reconciler.clock().instant() + CHECKPOINT_WAIT;
         let execution = loop {
+            // Armed before trying: the checkpoint's end (its restore here
+            // noted in the slot, or the sandbox stopped) is not missed.
+            let changed = self.reconciler.state_changed();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
             match self
                 .reconciler
                 .runtime()
@@ -39,7 +44,10 @@ impl SandboxController {
                     if self.is_held_here(sandbox)
                         && self.reconciler.clock().instant() < give_up =>
                 {
-                    tokio::time::sleep(FENCE_EXIT_POLL).await;
+                    tokio::select! {
+                        () = changed => {}
+                        () = tokio::time::sleep_until(give_up) => {}
+                    }
                 }
                 other => break other?,
             }
@@ -121,11 +129,17 @@ impl SandboxController {
         }
         let give_up = self.reconciler.clock().instant() + CHECKPOINT_WAIT;
         loop {
+            let changed = self.reconciler.state_changed();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
             match self.reconciler.runtime().fs(sandbox, request.clone()).await {
                 Err(FsError::Runtime(
                     RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_),
                 )) if self.is_held_here(sandbox) && self.reconciler.clock().instant() < give_up => {
-                    tokio::time::sleep(FENCE_EXIT_POLL).await;
+                    tokio::select! {
+                        () = changed => {}
+                        () = tokio::time::sleep_until(give_up) => {}
+                    }
                 }
                 other => return other,
             }
@@ -138,9 +152,6 @@ const CHECKPOINT_WAIT: Duration = Duration::from_secs(30);
 
 /// How long an exit held back by [`fence_exit`] waits at most.
 const FENCE_EXIT_GIVE_UP: Duration = Duration::from_secs(600);
-
-/// How often an exit held back by [`fence_exit`] looks at the hold again.
-const FENCE_EXIT_POLL: Duration = Duration::from_millis(50);
 
 /// Relays an execution's events, but reports its end only while this
 /// instance can vouch for its hold. A holder frozen past its lease (the runsc
@@ -182,6 +193,13 @@ fn fence_exit(
         };
         let give_up = reconciler.clock().instant() + FENCE_EXIT_GIVE_UP;
         loop {
+            // Armed before looking: a change between the look and the wait
+            // is not missed.
+            let changed = reconciler.state_changed();
+            let renewed = reconciler.leases().instance_lease().renewed();
+            tokio::pin!(changed, renewed);
+            changed.as_mut().enable();
+            renewed.as_mut().enable();
             match reconciler.held(&sandbox) {
                 Some(held) if reconciler.leases().is_safe(&held) => {
                     if let Some(exit) = exit {
@@ -190,7 +208,14 @@ fn fence_exit(
                     return;
                 }
                 Some(_) if reconciler.clock().instant() < give_up => {
-                    tokio::time::sleep(FENCE_EXIT_POLL).await;
+                    // Vouched for again by a renewal of the instance lease
+                    // or a re-verification (a change of the slot), or lost
+                    // (a change of the slot too).
+                    tokio::select! {
+                        () = changed => {}
+                        () = renewed => {}
+                        () = tokio::time::sleep_until(give_up) => {}
+                    }
                 }
                 held => {
                     // Lost to another instance, or never vouched for again:

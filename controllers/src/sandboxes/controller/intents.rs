@@ -43,12 +43,17 @@ impl SandboxController {
     }
 
     /// Reads what an attach needs, both objects at once: `metadata.json`
-    /// (the token, the options) and `lock.json` (who holds it). `None`: the
-    /// sandbox does not exist.
+    /// (the token, the options) and `lock.json` (who holds it); for a
+    /// sandbox held here, what its owner knows of both instead
+    /// (`Reconciler::owner_read`). `None`: the sandbox does not exist.
     pub async fn read_for_attach(
         &self,
         sandbox: &SandboxId,
     ) -> Result<Option<AttachRead>, ControlError> {
+        // Held here: its owner knows both (no bucket request).
+        if let Some(read) = self.reconciler.owner_read(sandbox) {
+            return Ok(Some(read));
+        }
         let (metadata, lock) = tokio::join!(
             self.reconciler.read_metadata_versioned(sandbox),
             self.reconciler.leases().read(sandbox)

@@ -56,6 +56,11 @@ impl Reconciler {
         self.slots.census()
     }
 
+    /// Resolves at the next change of any sandbox's state here.
+    pub fn state_changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.slots.changed()
+    }
+
     /// Every sandbox this instance holds.
     pub fn held_sandboxes(&self) -> Vec<SandboxId> {
         self.slots

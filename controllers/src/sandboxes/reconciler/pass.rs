@@ -167,6 +167,23 @@ impl Reconciler {
         read
     }
 
+    /// What an attach reads, answered from what this owner knows of a
+    /// sandbox it holds and its instance lease vouches for: the metadata it
+    /// last read or wrote (as [`Self::as_owner_sees`] it) and the lock as
+    /// held, with no bucket request. `None`: not held here, not vouched
+    /// for, or its metadata not known (the caller reads the bucket).
+    pub fn owner_read(&self, sandbox: &SandboxId) -> Option<super::AttachRead> {
+        let held = self
+            .held(sandbox)
+            .filter(|held| self.leases.is_safe(held))?;
+        let known = self.known_metadata(sandbox)?;
+        let metadata = crate::api::decode::<SandboxMetadata>(&known.data).ok()?;
+        Some(super::AttachRead {
+            metadata: self.as_owner_sees(sandbox, (metadata, known.generation)),
+            lock: Some((held.lease, held.generation)),
+        })
+    }
+
     /// Decides on what [`Self::observe`] gives, and performs the one step
     /// the decision table picks.
     async fn full_pass(

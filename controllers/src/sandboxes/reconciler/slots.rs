@@ -373,12 +373,23 @@ impl Drop for InTransition {
 /// progress channels (`events.rs`, whose bus is a handle on these slots) and
 /// the commands for each sandbox's pass all live here.
 #[derive(Debug, Default, Clone)]
-pub(in crate::sandboxes) struct Slots(Arc<Mutex<HashMap<SandboxId, Slot>>>);
+pub(in crate::sandboxes) struct Slots {
+    map: Arc<Mutex<HashMap<SandboxId, Slot>>>,
+    /// Told after every change of a slot: what waits for a sandbox's state
+    /// to move (an execution's end waiting for its hold to be vouched for)
+    /// looks again then, instead of polling.
+    changed: Arc<tokio::sync::Notify>,
+}
 
 impl Slots {
     /// Every slot at once (for what looks across sandboxes).
     pub(super) fn all(&self) -> MutexGuard<'_, HashMap<SandboxId, Slot>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        self.map.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Resolves at the next change of any slot (see [`Slots::changed`]).
+    pub(super) fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
     }
 
     /// Marks `sandbox` as in transition `phase` until the guard is dropped.
@@ -426,6 +437,8 @@ impl Slots {
         if slot.is_empty() {
             slots.remove(sandbox);
         }
+        drop(slots);
+        self.changed.notify_waiters();
         outcome
     }
 

@@ -120,3 +120,46 @@ impl<H: BeforeRequest> Store for HookedStore<H> {
         self.store.download_blob(key).await
     }
 }
+
+/// Counts the requests `counts` picks, and lets every one through.
+#[derive(Debug)]
+pub(super) struct Counted {
+    counts: fn(&Request<'_>) -> bool,
+    seen: std::sync::atomic::AtomicUsize,
+}
+
+impl Counted {
+    /// How many requests were counted so far.
+    pub(super) fn seen(&self) -> usize {
+        self.seen.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+#[async_trait]
+impl BeforeRequest for Counted {
+    async fn before(&self, request: Request<'_>, _store: &MemoryStore) -> Result<(), StoreError> {
+        if (self.counts)(&request) {
+            self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        Ok(())
+    }
+}
+
+/// A world whose instances' requests `counts` picks are counted.
+pub(super) fn counted_world(
+    counts: fn(&Request<'_>) -> bool,
+) -> (super::World, Arc<HookedStore<Counted>>) {
+    let mut counted = None;
+    let world = super::World::wrapped(|store| {
+        let wrapper = Arc::new(HookedStore::new(
+            store,
+            Counted {
+                counts,
+                seen: std::sync::atomic::AtomicUsize::new(0),
+            },
+        ));
+        counted = Some(Arc::clone(&wrapper));
+        wrapper
+    });
+    (world, counted.expect("World::wrapped calls its wrapper"))
+}

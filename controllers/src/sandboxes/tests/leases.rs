@@ -204,45 +204,20 @@ async fn a_sandbox_whose_holder_died_before_recording_it_runs_is_not_created_afr
     );
 }
 
-/// Counts the requests (reads and writes) of `lock.json`.
-#[derive(Debug, Default)]
-struct LockRequests(std::sync::atomic::AtomicUsize);
-
-#[async_trait::async_trait]
-impl super::hooked_store::BeforeRequest for LockRequests {
-    async fn before(
-        &self,
-        request: super::hooked_store::Request<'_>,
-        _store: &crate::testing::MemoryStore,
-    ) -> Result<(), crate::store::StoreError> {
-        if request.writes("/lock.json") || request.reads("/lock.json") {
-            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        }
-        Ok(())
-    }
-}
-
 /// A start that fails gives up the hold and this instance's intent in one
 /// request: each request to the lock is a sequential round trip.
 #[tokio::test]
 async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
-    let mut counted = None;
-    let world = World::wrapped(|store| {
-        let wrapper = Arc::new(super::hooked_store::HookedStore::new(
-            store,
-            LockRequests::default(),
-        ));
-        counted = Some(Arc::clone(&wrapper));
-        wrapper
+    let (world, counted) = super::hooked_store::counted_world(|request| {
+        request.reads("/lock.json") || request.writes("/lock.json")
     });
-    let counted = counted.unwrap();
     let a = world.instance("a");
     let b = world.instance("b");
     let id = a.create(&world).await;
     a.runtime.crash(&id);
     drop(a);
     world.clock.advance(Duration::seconds(40));
-    let before = counted.hook.0.load(std::sync::atomic::Ordering::SeqCst);
+    let before = counted.hook.seen();
     b.request_here(&id, None, world.clock.now()).await.unwrap();
     b.reconcile(&id).await.unwrap();
     assert!(
@@ -258,8 +233,33 @@ async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
     // The attach's read and intent, the pass's read and acquisition, and
     // one write that releases and withdraws (a release and a separate
     // withdrawal made six).
-    let requests = counted.hook.0.load(std::sync::atomic::Ordering::SeqCst) - before;
+    let requests = counted.hook.seen() - before;
     assert_eq!(requests, 5);
+}
+
+/// An attach to a sandbox held here (and vouched for) is answered from what
+/// its owner knows: no bucket request.
+#[tokio::test]
+async fn an_attach_read_of_a_sandbox_held_here_makes_no_bucket_request() {
+    let (world, counted) = super::hooked_store::counted_world(|_| true);
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create(&world).await;
+    let before = counted.hook.seen();
+    let read = a.controller.read_for_attach(&id).await.unwrap().unwrap();
+    assert_eq!(counted.hook.seen(), before, "no request");
+    assert_eq!(read.metadata.0, world.metadata(&id).await);
+    assert_eq!(
+        read.lock.map(|(lease, _)| lease),
+        Some(world.lease(&id).await)
+    );
+    // Elsewhere it is read from the bucket.
+    b.controller.read_for_attach(&id).await.unwrap().unwrap();
+    assert_eq!(
+        counted.hook.seen(),
+        before + 2,
+        "metadata and lock, at once"
+    );
 }
 
 #[tokio::test]
