@@ -190,29 +190,18 @@ impl SandboxController {
     pub async fn drain(&self, grace: Duration) -> usize {
         self.reconciler.start_draining();
         let deadline = self.reconciler.clock().instant() + grace;
-        for sandbox in self.held_sandboxes() {
-            let desired = match self.read(&sandbox).await {
-                // Being deleted already: its pass finishes that (deletion
-                // is final, decision 28).
-                Ok(Some(metadata)) if metadata.is_deleted() => {
-                    self.enqueue(&sandbox);
-                    continue;
-                }
-                Ok(Some(metadata)) if metadata.spec.enable_checkpoint => DesiredState::Checkpointed,
-                _ => DesiredState::Deleted,
-            };
-            // A client waits for it on another instance: hand it over (the
-            // drain forces the checkpoint) rather than overwrite that
-            // attach's `running` with `checkpointed`, which would leave it
-            // waiting for a start that never comes.
-            if desired == DesiredState::Checkpointed && self.wanted_elsewhere(&sandbox).await {
-                self.enqueue(&sandbox);
-                continue;
-            }
-            if let Err(err) = self.request_state(&sandbox, desired, None).await {
+        // Each sandbox's own pass decides what the drain asks of it
+        // (`Command::Drain`); all at once.
+        let held = self.held_sandboxes();
+        let asked = held.iter().map(|sandbox| async move {
+            let asked = self
+                .command(sandbox, |reply| Command::Drain { reply })
+                .await;
+            if let Err(err) = asked {
                 tracing::warn!(%sandbox, %err, "cannot ask for the sandbox to stop at shutdown");
             }
-        }
+        });
+        let _ = tokio::time::timeout_at(deadline, futures::future::join_all(asked)).await;
         loop {
             let left = self.held_sandboxes().len();
             if left == 0 || self.reconciler.clock().instant() >= deadline {
@@ -223,17 +212,6 @@ impl SandboxController {
                 return left;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// True when another instance's live attach intent names `sandbox`.
-    async fn wanted_elsewhere(&self, sandbox: &SandboxId) -> bool {
-        let leases = self.reconciler.leases();
-        match leases.read(sandbox).await {
-            Ok(Some((lease, _))) => lease
-                .wanted_elsewhere(leases.instance(), self.reconciler.clock().now())
-                .is_some(),
-            _ => false,
         }
     }
 }

@@ -198,6 +198,27 @@ pub(crate) fn wanted_elsewhere(me: &InstanceId, lock: Option<&Lease>, now: DateT
     lock.is_some_and(|lock| lock.wanted_elsewhere(me, now).is_some())
 }
 
+/// What a sandbox held here asks for at shutdown (the drain): `None` when
+/// its pass finishes what is under way by itself (being deleted already,
+/// decision 28; or wanted by a client elsewhere, which a hand-over serves:
+/// overwriting that attach's `running` with `checkpointed` would leave it
+/// waiting for a start that never comes); else a checkpoint, or a deletion
+/// for a sandbox that cannot be checkpointed (or whose metadata is gone).
+pub(crate) fn drain_to(
+    me: &InstanceId,
+    metadata: Option<&SandboxMetadata>,
+    lock: Option<&Lease>,
+    now: DateTime<Utc>,
+) -> Option<DesiredState> {
+    match metadata {
+        Some(metadata) if metadata.is_deleted() => None,
+        Some(metadata) if metadata.spec.enable_checkpoint => {
+            (!wanted_elsewhere(me, lock, now)).then_some(DesiredState::Checkpointed)
+        }
+        _ => Some(DesiredState::Deleted),
+    }
+}
+
 /// What a pass of a sandbox knows before it reads both objects.
 #[derive(Debug, Clone)]
 pub(crate) struct Quiet<'a> {

@@ -474,3 +474,36 @@ fn the_departure_watch_reads_the_lock_and_goes_full_on_what_the_table_stops_or_h
     assert_eq!(decide_light(&seen), LightStep::Changed);
     assert_eq!(wanted.decide(), Step::HandOver);
 }
+
+#[test]
+fn the_drain_checkpoints_deletes_or_leaves_a_sandbox_to_its_pass() {
+    let drain = |case: &Case| {
+        drain_to(
+            &case.me,
+            case.metadata.as_ref(),
+            case.lock.as_ref(),
+            case.now,
+        )
+    };
+    let held = Case::held_here();
+    assert_eq!(drain(&held), Some(DesiredState::Checkpointed));
+    // Wanted elsewhere: the hand-over serves that client.
+    assert_eq!(drain(&Case::held_here().wanted_by("b")), None);
+    // Its own intent is no reason to leave it running.
+    assert_eq!(
+        drain(&Case::held_here().wanted_by("a")),
+        Some(DesiredState::Checkpointed)
+    );
+    // Not checkpointable (wanted elsewhere or not), or its metadata gone:
+    // deleted.
+    let mut plain = Case::held_here().wanted_by("b");
+    plain.metadata.as_mut().unwrap().spec.enable_checkpoint = false;
+    assert_eq!(drain(&plain), Some(DesiredState::Deleted));
+    let mut vanished = Case::held_here();
+    vanished.metadata = None;
+    assert_eq!(drain(&vanished), Some(DesiredState::Deleted));
+    // Being deleted already: its pass finishes that.
+    let mut deleting = Case::held_here();
+    deleting.metadata.as_mut().unwrap().spec.desired_state = DesiredState::Deleted;
+    assert_eq!(drain(&deleting), None);
+}

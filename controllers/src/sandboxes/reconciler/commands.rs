@@ -69,6 +69,10 @@ pub(crate) enum Command {
     },
     /// This instance's client gave up waiting for it.
     Withdraw { reply: Reply },
+    /// The instance shuts down: checkpoint it, delete it if it cannot be,
+    /// or let a hand-over under way serve the client waiting elsewhere
+    /// (`decision::drain_to`).
+    Drain { reply: Reply },
     /// Record a filesystem snapshot just taken of it, held here, in
     /// `status.latest_snapshot`.
     RecordSnapshot {
@@ -146,6 +150,10 @@ impl Reconciler {
                     let outcome = self.leases.withdraw_attach(sandbox).await;
                     let _ = reply.send(outcome.map_err(Into::into));
                 }
+                Command::Drain { reply } => {
+                    let outcome = self.serve_drain(sandbox, &mut served).await;
+                    let _ = reply.send(outcome);
+                }
                 Command::RecordSnapshot { snapshot, reply } => {
                     let outcome = self.record_snapshot(sandbox, *snapshot).await;
                     // The status moved on: the pass reads what it decides on.
@@ -156,6 +164,31 @@ impl Reconciler {
             }
         }
         served
+    }
+
+    /// Decides, on both objects, what the drain asks of the sandbox, and
+    /// asks it (`decision::drain_to`). Deciding on nothing new leaves the
+    /// pass what was read.
+    async fn serve_drain(
+        &self,
+        sandbox: &SandboxId,
+        served: &mut Served,
+    ) -> Result<(), ControlError> {
+        let (metadata, lock) = self.observe(sandbox, served.view.take()).await;
+        let (metadata, lock) = (metadata.ok().flatten(), lock.ok().flatten());
+        let desired = crate::sandboxes::decision::drain_to(
+            self.leases.instance(),
+            metadata.as_ref().map(|(metadata, _)| metadata),
+            lock.as_ref().map(|(lease, _)| lease),
+            self.clock.now(),
+        );
+        match desired {
+            Some(desired) => self.serve_desire(sandbox, desired, None, served).await,
+            None => {
+                served.view = metadata.map(|metadata| (metadata, lock));
+                Ok(())
+            }
+        }
     }
 
     /// Records `snapshot` as the sandbox's latest, fenced by its hold here.

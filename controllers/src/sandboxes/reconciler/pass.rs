@@ -121,7 +121,7 @@ impl Reconciler {
     /// the read was on its way), with the spec change this owner is still
     /// writing applied (`commands.rs`), unless the sandbox is being deleted
     /// (that write will be refused).
-    async fn observe(
+    pub(super) async fn observe(
         &self,
         sandbox: &SandboxId,
         view: Option<View>,
