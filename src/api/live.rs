@@ -167,19 +167,19 @@ impl LiveSandbox {
             .is_some_and(|execution| execution.is_running())
     }
 
-    /// Installs a new execution unless one is running (then `None`).
-    pub fn begin_execution(
-        &self,
-        start: impl FnOnce() -> Arc<ExecutionState>,
-    ) -> Option<Arc<ExecutionState>> {
-        let mut inner = self.inner();
-        if inner.execution.as_ref().is_some_and(|e| e.is_running()) {
-            return None;
+    /// Makes `execution`, which the runtime just started, the current one.
+    /// The runtime runs one execution at a time and freed its slot when the
+    /// previous one exited; that one's end may still be on its way into its
+    /// log (its exit held back until the hold is vouched for, say): it is
+    /// waited for, [`PREVIOUS_END_WAIT`] at most, so its DONE is not cut off.
+    pub async fn begin_execution(&self, execution: Arc<ExecutionState>) {
+        let previous = self.inner().execution.clone();
+        if let Some(previous) = previous {
+            let _ = tokio::time::timeout(PREVIOUS_END_WAIT, previous.ended()).await;
         }
-        let execution = start();
-        inner.execution = Some(Arc::clone(&execution));
+        let mut inner = self.inner();
+        inner.execution = Some(execution);
         inner.last_activity = self.now();
-        Some(execution)
     }
 
     /// Makes `execution` (one that moved here with the sandbox) the current one.
@@ -211,6 +211,10 @@ impl LiveSandbox {
         })
     }
 }
+
+/// How long a new execution waits for the previous one's end to reach its
+/// log ([`LiveSandbox::begin_execution`]).
+const PREVIOUS_END_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Every sandbox served here, by id.
 ///

@@ -245,6 +245,19 @@ impl ExecutionState {
         !self.log().finished
     }
 
+    /// Resolves once the execution has ended (DONE is in the log).
+    pub async fn ended(&self) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if !self.is_running() {
+                return;
+            }
+            changed.await;
+        }
+    }
+
     /// True while the log holds frames nobody has read.
     pub fn has_undelivered(&self) -> bool {
         !self.log().frames.is_empty()

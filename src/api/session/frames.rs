@@ -81,11 +81,9 @@ impl Session {
             (Language::Python, false) => Command::Python(code),
             (Language::Python, true) => Command::PythonSession(code),
         };
+        // One execution at a time is the runtime's to say (its execution
+        // slot): this session does not check it again.
         let in_progress = "An execution is already in progress.";
-        if self.live.execution_running() {
-            self.out.error(Status::ExecutionError, in_progress).await;
-            return;
-        }
         let execution = match self
             .controller
             .exec(
@@ -127,22 +125,14 @@ impl Session {
         let controller = Arc::clone(&self.controller);
         let id = self.id.clone();
         let clock = Arc::clone(self.live.clock());
-        let started = self.live.begin_execution(move || {
-            ExecutionState::start(execution, clock, move || {
-                live.touch();
-                // A checkpoint may be waiting for this execution to end.
-                controller.poke(&id);
-            })
+        let execution = ExecutionState::start(execution, clock, move || {
+            live.touch();
+            // A checkpoint may be waiting for this execution to end.
+            controller.poke(&id);
         });
-        match started {
-            Some(execution) => {
-                self.out.status(Status::ExecutionRunning).await;
-                self.stream(execution);
-            }
-            None => {
-                self.out.error(Status::ExecutionError, in_progress).await;
-            }
-        }
+        self.live.begin_execution(Arc::clone(&execution)).await;
+        self.out.status(Status::ExecutionRunning).await;
+        self.stream(execution);
     }
 
     async fn stdin(&self, data: String) {
