@@ -33,14 +33,11 @@ pub fn registry(
     registry.register_collector(Box::new(Controller(controller.cloned())));
     if let Some(controller) = controller {
         let held = Arc::downgrade(controller);
-        controller
-            .reconciler()
-            .metrics()
-            .register(&mut registry, move || {
-                held.upgrade()
-                    .map(|controller| controller.reconciler().census())
-                    .unwrap_or_default()
-            });
+        controller.metrics().register(&mut registry, move || {
+            held.upgrade()
+                .map(|controller| controller.census())
+                .unwrap_or_default()
+        });
     }
     if let Some(hooks) = workspace_hooks {
         registry.register_collector(Box::new(Workspace(Arc::clone(hooks))));

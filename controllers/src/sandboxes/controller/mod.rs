@@ -99,8 +99,22 @@ impl SandboxController {
         })
     }
 
+    /// The reconciler itself, for tests and the simulation only: outside
+    /// them nothing reaches a sandbox's passes but the work queue.
+    #[cfg(any(test, feature = "testing"))]
     pub fn reconciler(&self) -> &Reconciler {
         &self.reconciler
+    }
+
+    /// The reconciler's counters, for the server's `/metrics`.
+    pub fn metrics(&self) -> &super::Metrics {
+        self.reconciler.metrics()
+    }
+
+    /// The sandboxes held here and their transitions, for
+    /// `sandboxd_sandboxes{phase}`.
+    pub fn census(&self) -> super::Census {
+        self.reconciler.census()
     }
 
     /// Runs the worker loop (each queued sandbox is reconciled in its own
