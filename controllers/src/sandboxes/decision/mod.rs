@@ -186,6 +186,15 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
     }
 }
 
+/// When a full pass could not read the bucket: a hold here that its
+/// instance lease no longer vouches for cannot be re-verified, and another
+/// instance may take it over meanwhile: it is stopped as lost (two copies
+/// must never run). `false`: the pass fails and is retried (nothing held
+/// here, or the hold is still vouched for).
+pub(crate) fn cut_off(held: Option<&HeldLease>, vouched: bool) -> bool {
+    held.is_some() && !vouched
+}
+
 /// True while `lock` still names this instance's hold at its epoch (else
 /// the hold was lost: [`Step::StopLost`]).
 pub(crate) fn still_ours(me: &InstanceId, lock: Option<&Lease>, held: &HeldLease) -> bool {

@@ -507,3 +507,17 @@ fn the_drain_checkpoints_deletes_or_leaves_a_sandbox_to_its_pass() {
     deleting.metadata.as_mut().unwrap().spec.desired_state = DesiredState::Deleted;
     assert_eq!(drain(&deleting), None);
 }
+
+#[test]
+fn an_unreadable_bucket_stops_only_a_hold_no_longer_vouched_for() {
+    let held = Case::held_here();
+    assert!(
+        cut_off(held.held.as_ref(), false),
+        "unvouched: stopped as lost"
+    );
+    assert!(
+        !cut_off(held.held.as_ref(), true),
+        "vouched: the pass is retried"
+    );
+    assert!(!cut_off(None, false), "nothing held here: retried");
+}

@@ -243,26 +243,24 @@ impl Reconciler {
     }
 
     /// Why the hold on `sandbox` can no longer be vouched for nor
-    /// re-verified: held here, the instance lease lapsed, and a read of its
-    /// objects failed in the store (not an operator's invalid document).
+    /// re-verified (`decision::cut_off`): a read of its objects failed in
+    /// the store (not an operator's invalid document) while it is held here
+    /// and the instance lease lapsed.
     fn cut_off<M, L>(
         &self,
         sandbox: &SandboxId,
         metadata: &Result<M, ReconcileError>,
         lease: &Result<L, LeaseError>,
     ) -> Option<String> {
-        let held = self.held(sandbox)?;
-        if self.leases.is_safe(&held) {
-            return None;
-        }
         let failed = match (metadata, lease) {
             (Err(err @ ReconcileError::Store(_)), _) => err.to_string(),
             (_, Err(err @ LeaseError::Store(_))) => err.to_string(),
             _ => return None,
         };
-        Some(format!(
-            "the bucket cannot be read to re-verify the hold: {failed}"
-        ))
+        let held = self.held(sandbox);
+        let vouched = held.as_ref().is_some_and(|held| self.leases.is_safe(held));
+        crate::sandboxes::decision::cut_off(held.as_ref(), vouched)
+            .then(|| format!("the bucket cannot be read to re-verify the hold: {failed}"))
     }
 
     /// Performs the step the decision table chose.
