@@ -177,9 +177,7 @@ impl LiveSandbox {
         if let Some(previous) = previous {
             let _ = tokio::time::timeout(PREVIOUS_END_WAIT, previous.ended()).await;
         }
-        let mut inner = self.inner();
-        inner.execution = Some(execution);
-        inner.last_activity = self.now();
+        self.adopt_execution(execution);
     }
 
     /// Makes `execution` (one that moved here with the sandbox) the current one.

@@ -92,8 +92,8 @@ impl Session {
                     }
                     tokio::time::sleep(FROZEN_POLL).await;
                 }
-                if execution.killed_by_checkpoint()
-                    && frame == ServerFrame::status(Status::ExecutionForceKilled)
+                if frame == ServerFrame::status(Status::ExecutionForceKilled)
+                    && execution.killed_by_checkpoint()
                 {
                     session.checkpoint_said().await;
                 }

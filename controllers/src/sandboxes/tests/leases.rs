@@ -158,16 +158,29 @@ async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung
     // No checkpoint was ever taken: B says so instead of hanging.
     let mut events = b.controller.subscribe(&id);
     b.reconcile(&id).await.unwrap();
-    assert!(
-        drain(&mut events).iter().any(|event| matches!(
+    assert!(said_no_checkpoint(&mut events), "a clear error");
+}
+
+/// True when `events` held a start that failed for want of a checkpoint.
+fn said_no_checkpoint(events: &mut broadcast::Receiver<SandboxEvent>) -> bool {
+    drain(events).iter().any(|event| {
+        matches!(
             event,
             SandboxEvent::StartFailed {
                 kind: StartKind::Restore,
                 cause: StartFailure::NoCheckpoint
             }
-        )),
-        "a clear error"
-    );
+        )
+    })
+}
+
+/// A sandbox `holder` created and then died holding, its lease run out.
+async fn created_by_a_dead_holder(world: &World, holder: Instance) -> SandboxId {
+    let id = holder.create(world).await;
+    holder.runtime.crash(&id);
+    drop(holder);
+    world.clock.advance(Duration::seconds(40));
+    id
 }
 
 /// The holder tells its client RUNNING before its record of it lands (the
@@ -179,29 +192,17 @@ async fn a_sandbox_whose_holder_died_before_recording_it_runs_is_not_created_afr
     let world = World::new();
     let a = world.instance("a");
     let b = world.instance("b");
-    let id = a.create(&world).await;
+    let id = created_by_a_dead_holder(&world, a).await;
     // The record of RUNNING never landed.
     let mut metadata = world.metadata(&id).await;
     metadata.status.phase = Phase::Creating;
     metadata.status.holder = None;
     world.edit_metadata(&metadata).await;
-    a.runtime.crash(&id);
-    drop(a);
-    world.clock.advance(Duration::seconds(40));
     let mut events = b.controller.subscribe(&id);
     b.request_here(&id, None, world.clock.now()).await.unwrap();
     b.reconcile(&id).await.unwrap();
     assert!(b.runtime.memory(&id).is_none(), "nothing created");
-    assert!(
-        drain(&mut events).iter().any(|event| matches!(
-            event,
-            SandboxEvent::StartFailed {
-                kind: StartKind::Restore,
-                cause: StartFailure::NoCheckpoint
-            }
-        )),
-        "a clear error"
-    );
+    assert!(said_no_checkpoint(&mut events), "a clear error");
 }
 
 /// A start that fails gives up the hold and this instance's intent in one
@@ -213,10 +214,7 @@ async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
     });
     let a = world.instance("a");
     let b = world.instance("b");
-    let id = a.create(&world).await;
-    a.runtime.crash(&id);
-    drop(a);
-    world.clock.advance(Duration::seconds(40));
+    let id = created_by_a_dead_holder(&world, a).await;
     let before = counted.hook.seen();
     b.request_here(&id, None, world.clock.now()).await.unwrap();
     b.reconcile(&id).await.unwrap();
