@@ -69,9 +69,13 @@ pub fn lower_weight(cgroup_root: &Path, container_id: &str) -> Option<LoweredWei
             LOWERED_WEIGHT,
         ),
     ];
+    // A weight that is not a number is not one to put back later: the file
+    // is being made (read between its creation and its first write), so the
+    // watch looks again.
     let (file, previous, least) = candidates.into_iter().find_map(|(file, least)| {
-        let previous = std::fs::read_to_string(&file).ok()?;
-        Some((file, previous.trim().to_owned(), least))
+        let previous = std::fs::read_to_string(&file).ok()?.trim().to_owned();
+        previous.parse::<u64>().ok()?;
+        Some((file, previous, least))
     })?;
     match std::fs::write(&file, least) {
         Ok(()) => Some(LoweredWeight { file, previous }),
@@ -223,13 +227,27 @@ mod tests {
         assert_eq!(oom_kills(root.path(), "sbx3"), None);
     }
 
-    /// The cgroup appears while the boot runs: lowered at once.
+    /// A weight file read before its first write (empty) is not lowered:
+    /// putting back "" would leave the container without a weight.
+    #[test]
+    fn a_weight_file_not_yet_written_is_not_lowered() {
+        let root = tempfile::tempdir().expect("temp dir");
+        let file = cgroup(root.path(), "cpu/sbx5/cpu.shares", "");
+        assert!(lower_weight(root.path(), "sbx5").is_none());
+        assert_eq!(std::fs::read_to_string(&file).expect("read"), "");
+    }
+
+    /// The cgroup appears while the boot runs: lowered at once. The file is
+    /// created empty and written after, as a plain write does, so the watch
+    /// may read it between the two (CI once saw it do so).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_watch_lowers_the_weight_of_a_cgroup_made_while_it_runs() {
         let root = tempfile::tempdir().expect("temp dir");
         let watch = WeightWatch::start(root.path().to_owned(), "sbx4".to_owned());
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let file = cgroup(root.path(), "cpu/sbx4/cpu.shares", "1024\n");
+        let file = cgroup(root.path(), "cpu/sbx4/cpu.shares", "");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        std::fs::write(&file, "1024\n").expect("write");
         let deadline = Instant::now() + Duration::from_secs(5);
         while std::fs::read_to_string(&file).expect("read") != "128" {
             assert!(Instant::now() < deadline, "the watch lowers the weight");
