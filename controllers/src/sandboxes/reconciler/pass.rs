@@ -17,6 +17,20 @@ use crate::sandboxes::decision::{LightStep, Quiet, decide_light};
 /// them, else as read.
 type View = (ReadMetadata, Option<ReadLease>);
 
+/// How many times one pass drops a read for a command that came meanwhile.
+const GIVE_WAY_AT_MOST: u32 = 4;
+
+/// What a light pass leaves for the rest of the pass.
+enum Light {
+    /// Upkeep done; look again then.
+    Done(Requeue),
+    /// A command came while it read: serve it first.
+    Commanded,
+    /// Something changed or is due: a full pass, on both objects if this
+    /// pass read them.
+    Full(Option<Box<View>>),
+}
+
 impl Reconciler {
     /// One step toward the desired state of `sandbox`, after serving the
     /// commands waiting for it. A held sandbox with nothing new gets a
@@ -24,24 +38,63 @@ impl Reconciler {
     /// pass decides on what its commands wrote, or on both objects read.
     #[tracing::instrument(skip(self), fields(instance = %self.leases.instance()))]
     pub async fn reconcile(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
-        let Served { view } = self.serve(sandbox).await;
-        let full_pass_wanted = self.take_full_pass_wanted(sandbox);
-        let light = match self.held_and_watch(sandbox) {
-            Some((held, watch)) if view.is_none() => {
-                self.light_pass(sandbox, full_pass_wanted, held, watch)
-                    .await
+        let mut rounds = 0_u32;
+        loop {
+            let give_way = rounds < GIVE_WAY_AT_MOST;
+            rounds = rounds.saturating_add(1);
+            let Served { view } = self.serve(sandbox).await;
+            let full_pass_wanted = self.take_full_pass_wanted(sandbox);
+            let light = match self.held_and_watch(sandbox) {
+                Some((held, watch)) if view.is_none() => {
+                    self.light_pass(sandbox, full_pass_wanted, held, watch, give_way)
+                        .await?
+                }
+                _ => Light::Full(view.map(Box::new)),
+            };
+            let view = match light {
+                Light::Done(requeue) => return Ok(requeue),
+                Light::Commanded => continue,
+                Light::Full(view) => view.map(|view| *view),
+            };
+            let Some(outcome) = self.full_pass(sandbox, view, give_way).await.transpose() else {
+                continue;
+            };
+            let now = self.clock.now();
+            self.update_watch(sandbox, |watch| watch.last_full_pass = now);
+            return outcome;
+        }
+    }
+
+    /// `read`, unless a command for `sandbox` comes first (`None`): a pass
+    /// that is only reading gives way to it, so a caller's command is
+    /// served at once rather than after a read its writes make stale. The
+    /// read is dropped; nothing was written. A pass that gave way
+    /// [`GIVE_WAY_AT_MOST`] times reads to the end (commands that come
+    /// faster than a read do not starve it).
+    async fn unless_commanded<T>(
+        &self,
+        sandbox: &SandboxId,
+        give_way: bool,
+        read: impl std::future::Future<Output = T>,
+    ) -> Option<T> {
+        if !give_way {
+            return Some(read.await);
+        }
+        let commanded = async {
+            loop {
+                let changed = self.slots.changed();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                if self.slots.view(sandbox, |slot| !slot.inbox.is_empty()) {
+                    return;
+                }
+                changed.await;
             }
-            _ => Ok(Err(view)),
         };
-        match light {
-            Ok(Ok(requeue)) => Ok(requeue),
-            Ok(Err(view)) => {
-                let outcome = self.full_pass(sandbox, view).await;
-                let now = self.clock.now();
-                self.update_watch(sandbox, |watch| watch.last_full_pass = now);
-                outcome
-            }
-            Err(err) => Err(err),
+        tokio::select! {
+            biased;
+            value = read => Some(value),
+            () = commanded => None,
         }
     }
 
@@ -53,15 +106,15 @@ impl Reconciler {
     }
 
     /// Lease upkeep for a held sandbox nothing happened to, as the light
-    /// table (`decide_light`) says. `Err`: something changed or is due, do
-    /// a full pass (on both objects, if this pass read them).
+    /// table (`decide_light`) says.
     async fn light_pass(
         &self,
         sandbox: &SandboxId,
         full_pass_wanted: bool,
         held: HeldLease,
         watch: Watch,
-    ) -> Result<Result<Requeue, Option<View>>, ReconcileError> {
+        give_way: bool,
+    ) -> Result<Light, ReconcileError> {
         let now = self.clock.now();
         let lock_read: Option<ReadLease>;
         let mut seen = Quiet {
@@ -84,10 +137,16 @@ impl Reconciler {
             // Both objects at once: the full pass a change calls for (an
             // attach elsewhere) decides on these reads, not on a second
             // round trip (decision 7, the departure watch).
-            let (metadata, lock) = tokio::join!(
-                self.read_metadata_versioned(sandbox),
-                self.leases.read(sandbox)
-            );
+            let both = async {
+                tokio::join!(
+                    self.read_metadata_versioned(sandbox),
+                    self.leases.read(sandbox)
+                )
+            };
+            let Some((metadata, lock)) = self.unless_commanded(sandbox, give_way, both).await
+            else {
+                return Ok(Light::Commanded);
+            };
             lock_read = lock?;
             seen.lock_read = Some(lock_read.as_ref().map(|(lease, _)| lease));
             // Whether the instance lease still vouches, after the read.
@@ -107,9 +166,13 @@ impl Reconciler {
                 if seen.watching {
                     next = next.min(self.config.detached_poll);
                 }
-                Ok(Ok(Requeue::After(next.max(Duration::from_millis(10)))))
+                Ok(Light::Done(Requeue::After(
+                    next.max(Duration::from_millis(10)),
+                )))
             }
-            LightStep::Full | LightStep::ReadBoth | LightStep::Changed => Ok(Err(view)),
+            LightStep::Full | LightStep::ReadBoth | LightStep::Changed => {
+                Ok(Light::Full(view.map(Box::new)))
+            }
         }
     }
 
@@ -185,20 +248,26 @@ impl Reconciler {
     }
 
     /// Decides on what [`Self::observe`] gives, and performs the one step
-    /// the decision table picks.
+    /// the decision table picks. `None`: a command came while it read.
     async fn full_pass(
         &self,
         sandbox: &SandboxId,
         view: Option<View>,
-    ) -> Result<Requeue, ReconcileError> {
-        let (metadata, lease) = self.observe(sandbox, view).await;
+        give_way: bool,
+    ) -> Result<Option<Requeue>, ReconcileError> {
+        let Some((metadata, lease)) = self
+            .unless_commanded(sandbox, give_way, self.observe(sandbox, view))
+            .await
+        else {
+            return Ok(None);
+        };
         if let Some(unreadable) = self.cut_off(sandbox, &metadata, &lease) {
             // Held, past what the instance lease vouches for, and the bucket
             // cannot be read to re-verify the hold: another instance may
             // take it over meanwhile; two copies must never run.
             self.stop_lost(sandbox, LossCause::RenewalFailed(unreadable))
                 .await;
-            return Ok(Requeue::Never);
+            return Ok(Some(Requeue::Never));
         }
         let metadata = match metadata {
             Ok(metadata) => metadata,
@@ -239,7 +308,9 @@ impl Reconciler {
             checkpoint_due: self.checkpoint_due(sandbox),
         });
         tracing::debug!(%sandbox, ?step, "decided");
-        self.perform(sandbox, step, metadata, lease, held).await
+        self.perform(sandbox, step, metadata, lease, held)
+            .await
+            .map(Some)
     }
 
     /// Why the hold on `sandbox` can no longer be vouched for nor

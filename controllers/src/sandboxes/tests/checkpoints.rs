@@ -560,3 +560,83 @@ async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile
         "the takeover stands"
     );
 }
+
+/// A `metadata.json` read waits while `closed` (counted in `waiting`).
+#[derive(Debug, Default)]
+struct HeldMetadataReads {
+    closed: AtomicBool,
+    waiting: std::sync::atomic::AtomicUsize,
+    gate: tokio::sync::Notify,
+}
+
+#[async_trait::async_trait]
+impl BeforeRequest for HeldMetadataReads {
+    async fn before(&self, request: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
+        if request.reads("metadata.json") && self.closed.load(Ordering::SeqCst) {
+            self.waiting.fetch_add(1, Ordering::SeqCst);
+            self.gate.notified().await;
+        }
+        Ok(())
+    }
+}
+
+/// A pass that is reading both objects gives way to a command that comes
+/// meanwhile: the command is served at once, not after the read (whose
+/// result its writes would make stale).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
+    let mut held = None;
+    let world = World::wrapped(|store| {
+        let wrapper = Arc::new(HookedStore::new(store, HeldMetadataReads::default()));
+        held = Some(Arc::clone(&wrapper));
+        wrapper
+    });
+    let held = held.unwrap();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
+    a.run(&id, "x=1").await;
+
+    held.hook.closed.store(true, Ordering::SeqCst);
+    a.controller.reconciler().want_full_pass(&id);
+    let mut events = a.controller.subscribe(&id);
+    let pass = tokio::spawn({
+        let (controller, id) = (Arc::clone(&a.controller), id.clone());
+        async move { controller.reconciler().reconcile(&id).await }
+    });
+    while held.hook.waiting.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    // Sent by hand: the pass may serve it before a look at the inbox would.
+    let asked = tokio::spawn({
+        let (controller, id) = (Arc::clone(&a.controller), id.clone());
+        async move {
+            controller
+                .request_state(&id, DesiredState::Checkpointed, None)
+                .await
+        }
+    });
+    let within = std::time::Duration::from_secs(10);
+    tokio::time::timeout(within, asked)
+        .await
+        .expect("the command waited for the pass's read")
+        .unwrap()
+        .unwrap();
+    tokio::time::timeout(within, pass)
+        .await
+        .expect("the pass waited for its read")
+        .unwrap()
+        .unwrap();
+    assert!(
+        drain(&mut events)
+            .iter()
+            .any(|e| matches!(e, SandboxEvent::Checkpointed { .. })),
+        "the same pass checkpointed"
+    );
+    assert_eq!(
+        held.hook.waiting.load(Ordering::SeqCst),
+        1,
+        "one read, dropped"
+    );
+    held.hook.closed.store(false, Ordering::SeqCst);
+    held.hook.gate.notify_waiters();
+}
