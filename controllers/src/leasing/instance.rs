@@ -142,20 +142,9 @@ impl InstanceLeases {
         self.own.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn duration_secs(&self) -> u64 {
-        u64::try_from(self.config.duration.num_seconds())
-            .unwrap_or(1)
-            .max(1)
-    }
-
     /// The current era (see the module docs).
     pub fn era(&self) -> u64 {
         self.own().era
-    }
-
-    /// When this instance last renewed its lease.
-    pub fn renewed_at(&self) -> Option<DateTime<Utc>> {
-        self.own().renewed_at
     }
 
     /// True while this instance may act on holds of `era` on the strength of
@@ -199,7 +188,11 @@ impl InstanceLeases {
             let own = self.own();
             (own.renewed_at, own.started_at.unwrap_or(now))
         };
-        let mut lease = InstanceLease::new(self.instance.clone(), started_at, self.duration_secs());
+        let mut lease = InstanceLease::new(
+            self.instance.clone(),
+            started_at,
+            self.config.duration_secs(),
+        );
         lease.renewed_at = now;
         self.store
             .put(

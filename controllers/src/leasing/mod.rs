@@ -60,6 +60,15 @@ pub struct LeaseConfig {
     pub ring_spacing: std::time::Duration,
 }
 
+impl LeaseConfig {
+    /// The lease's duration in whole seconds, at least one.
+    pub fn duration_secs(&self) -> u64 {
+        u64::try_from(self.duration.num_seconds())
+            .unwrap_or(1)
+            .max(1)
+    }
+}
+
 impl Default for LeaseConfig {
     fn default() -> Self {
         Self {
@@ -408,7 +417,7 @@ impl Leases {
             lease.epoch += 1;
             lease.acquired_at = Some(now);
             lease.renewed_at = Some(now);
-            lease.lease_duration_s = self.duration_secs();
+            lease.lease_duration_s = self.config.duration_secs();
             let epoch = lease.epoch;
             Ok(Step::Write(Box::new(lease), epoch))
         })
@@ -481,7 +490,7 @@ impl Leases {
                     lease.epoch += 1;
                     lease.acquired_at = Some(now);
                     lease.renewed_at = Some(now);
-                    lease.lease_duration_s = self.duration_secs();
+                    lease.lease_duration_s = self.config.duration_secs();
                     lease.wanted_by = None;
                     HandBack::TransferredTo {
                         instance: intent.instance,
@@ -717,13 +726,7 @@ impl Leases {
     }
 
     fn fresh_lease(&self) -> Lease {
-        Lease::unheld(self.duration_secs())
-    }
-
-    fn duration_secs(&self) -> u64 {
-        u64::try_from(self.config.duration.num_seconds())
-            .unwrap_or(1)
-            .max(1)
+        Lease::unheld(self.config.duration_secs())
     }
 
     fn still_mine(&self, held: &HeldLease, existing: Option<Lease>) -> Result<Lease, LeaseError> {

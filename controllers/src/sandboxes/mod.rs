@@ -19,7 +19,6 @@ pub use reconciler::{
     AttachRead, ForkError, ForkPoint, HandoffPolicy, ReadMetadata, ReconcileError, Reconciler,
     ReconcilerConfig, ReconcilerParts, Requeue, delete_checkpoint_objects, record_carried,
 };
-pub use workqueue::WorkQueue;
 
 #[cfg(test)]
 mod economy;

@@ -10,7 +10,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::api::SandboxId;
-use crate::clock::{Clock, SystemClock};
+use crate::clock::Clock;
 
 #[derive(Debug, Default)]
 struct State {
@@ -29,12 +29,6 @@ pub struct WorkQueue {
     ready: Arc<Notify>,
     /// Reads the time delayed adds are due at.
     clock: Arc<dyn Clock>,
-}
-
-impl Default for WorkQueue {
-    fn default() -> Self {
-        Self::new(Arc::new(SystemClock))
-    }
 }
 
 impl WorkQueue {
@@ -142,6 +136,7 @@ impl WorkQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::SystemClock;
 
     fn id(n: u128) -> SandboxId {
         SandboxId::from_u128(n)
@@ -149,7 +144,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_id_is_queued_once_and_rerun_when_added_while_active() {
-        let queue = WorkQueue::default();
+        let queue = WorkQueue::new(Arc::new(SystemClock));
         queue.add(&id(1));
         queue.add(&id(1));
         queue.add(&id(2));
@@ -164,7 +159,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_later_delayed_add_does_not_postpone_an_earlier_one() {
-        let queue = WorkQueue::default();
+        let queue = WorkQueue::new(Arc::new(SystemClock));
         queue.add_after(&id(7), Duration::from_secs(1));
         queue.add_after(&id(7), Duration::from_secs(60));
         let started = SystemClock.instant();

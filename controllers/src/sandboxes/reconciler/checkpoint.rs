@@ -263,31 +263,19 @@ impl Reconciler {
         // itself, and this one is refused by the fence).
         self.emit(sandbox, SandboxEvent::LeaseReleasing);
         let hand_back = self.leases.hand_back(&held, lock, &reference, &manifest);
-        let (recording, handed) = match self.shared() {
-            // The record in a task of its own: GCS's per-object write rate
-            // can hold it up for a second or more, and this pass (the
-            // sandbox's turn in the work queue) must not wait for it once
-            // the hand-back carries the checkpoint: an attach right after
-            // the checkpoint would wait for the record, not for the lock.
-            Some(me) => {
-                let task = self.spawn_background({
-                    let (sandbox, reference) = (sandbox.clone(), reference.clone());
-                    async move {
-                        me.record_checkpoint(&sandbox, held.epoch, &reference, name)
-                            .await
-                    }
-                });
-                (Recording::Task(task), hand_back.await)
+        // The record in a task of its own: GCS's per-object write rate can
+        // hold it up for a second or more, and this pass (the sandbox's turn
+        // in the work queue) must not wait for it once the hand-back carries
+        // the checkpoint: an attach right after the checkpoint would wait
+        // for the record, not for the lock.
+        let recording = self.spawn_shared({
+            let (sandbox, reference, epoch) = (sandbox.clone(), reference.clone(), held.epoch);
+            move |me| async move {
+                me.record_checkpoint(&sandbox, epoch, &reference, name)
+                    .await
             }
-            // A reconciler not shared behind an `Arc` (some unit tests).
-            None => {
-                let (recorded, handed) = tokio::join!(
-                    self.record_checkpoint(sandbox, held.epoch, &reference, name),
-                    hand_back
-                );
-                (Recording::Done(recorded), handed)
-            }
-        };
+        });
+        let handed = hand_back.await;
         self.failpoint(metadata, "handoff:after-record");
         let safe = match &handed {
             Ok(HandBack::TransferredTo { instance, epoch }) => {
@@ -300,7 +288,12 @@ impl Reconciler {
                 // it: a pass soon releases that orphan (the next holder
                 // waits until then). The checkpoint is safe if recorded.
                 tracing::warn!(%sandbox, %err, "cannot release the lease after a checkpoint");
-                match recording.outcome().await {
+                let recorded = recording.await.unwrap_or_else(|err| {
+                    Err(ReconcileError::Interrupted(format!(
+                        "the checkpoint's record ended abnormally: {err}"
+                    )))
+                });
+                match recorded {
                     Ok(()) => self.not_taken_over(sandbox, held.epoch, &reference).await,
                     Err(err) => Err(err),
                 }
@@ -484,25 +477,5 @@ impl Reconciler {
         }
         tracing::info!(%sandbox, "purged a deleted sandbox's objects");
         Ok(Requeue::Never)
-    }
-}
-
-/// A checkpoint's record, under way in a task of its own or done inline.
-enum Recording {
-    Task(tokio::task::JoinHandle<Result<(), ReconcileError>>),
-    Done(Result<(), ReconcileError>),
-}
-
-impl Recording {
-    /// Waits for the record.
-    async fn outcome(self) -> Result<(), ReconcileError> {
-        match self {
-            Self::Done(outcome) => outcome,
-            Self::Task(task) => task.await.unwrap_or_else(|err| {
-                Err(ReconcileError::Interrupted(format!(
-                    "the checkpoint's record ended abnormally: {err}"
-                )))
-            }),
-        }
     }
 }

@@ -109,18 +109,8 @@ impl Reconciler {
             )
             .await
             .map_err(ReconcileError::from)?;
-        let recorded = CheckpointRef {
-            bucket: self.checkpoint_bucket.clone(),
-            path: copy.image.key.clone(),
-            epoch: 0,
-            sha256: copy.image.sha256.clone(),
-            size: copy.image.size,
-            created_at: copy.created_at,
-            name: None,
-            extra: ExtraFields::new(),
-        };
         Ok(ForkedCheckpoint {
-            reference: recorded,
+            reference: self.checkpoint_ref(&copy, 0, None),
             manifest: copy,
             source_checkpoint,
         })

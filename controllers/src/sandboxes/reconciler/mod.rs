@@ -322,6 +322,25 @@ impl Reconciler {
         }))
     }
 
+    /// Runs `step` on this reconciler, shared, in a task of its own
+    /// ([`Self::spawn_background`]). Every reconciler is shared once its
+    /// controller is made (`SandboxController::new`), before any pass.
+    pub(super) fn spawn_shared<T, F>(
+        &self,
+        step: impl FnOnce(Arc<Self>) -> F,
+    ) -> tokio::task::JoinHandle<Result<T, ReconcileError>>
+    where
+        T: Send + 'static,
+        F: std::future::Future<Output = Result<T, ReconcileError>> + Send + 'static,
+    {
+        match self.shared() {
+            Some(me) => self.spawn_background(step(me)),
+            None => self.spawn_background(async {
+                Err(ReconcileError::Internal("the reconciler is not shared"))
+            }),
+        }
+    }
+
     /// Waits until no step runs in a task of its own (a checkpoint's
     /// record that outlived its pass).
     pub async fn background_settled(&self) {

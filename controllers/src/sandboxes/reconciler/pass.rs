@@ -392,15 +392,11 @@ impl Reconciler {
             }
             Step::RecordRunning => {
                 let held = held.ok_or(needs("a hold to record"))?;
-                if self.record_running_in_background(sandbox, &held, lease.clone(), None) {
-                    // Bookkeeping off the pass (decision 21): a ring that
-                    // comes while the record meets the write rate is
-                    // answered by the next pass, not after the record.
-                    return self.keep_running(sandbox, held).await;
-                }
-                self.record_running(sandbox, &held, lease.as_ref(), None)
-                    .await?;
-                Ok(Requeue::After(Duration::ZERO))
+                // Bookkeeping off the pass (decision 21): a ring that comes
+                // while the record meets the write rate is answered by the
+                // next pass, not after the record.
+                self.record_running_in_background(sandbox, &held, lease.clone(), None);
+                self.keep_running(sandbox, held).await
             }
             Step::PeriodicCheckpoint => {
                 let held = held.ok_or(needs("a hold to checkpoint"))?;

@@ -84,9 +84,7 @@ impl Reconciler {
         holder: &crate::api::InstanceId,
         lease: Option<&Lease>,
     ) -> Duration {
-        if self.note_acquiring(sandbox) {
-            self.emit(sandbox, SandboxEvent::LeaseAcquiring);
-        }
+        self.note_acquiring(sandbox);
         let now = self.clock.now();
         let due = self.slots.update(sandbox, |slot| {
             slot.state
@@ -133,11 +131,15 @@ impl Reconciler {
         });
     }
 
-    /// Remembers that this instance waits to acquire `sandbox`; true the
-    /// first time (the client is told `LOCK_ACQUIRING` once).
-    fn note_acquiring(&self, sandbox: &SandboxId) -> bool {
-        self.slots
+    /// Remembers that this instance waits to acquire `sandbox`; the first
+    /// time, the client is told `LOCK_ACQUIRING`.
+    fn note_acquiring(&self, sandbox: &SandboxId) {
+        if self
+            .slots
             .update(sandbox, |slot| slot.step(LocalState::wait_to_acquire))
+        {
+            self.emit(sandbox, SandboxEvent::LeaseAcquiring);
+        }
     }
 
     /// Forgets the waiting-to-acquire bookkeeping of `sandbox`.
@@ -155,9 +157,7 @@ impl Reconciler {
         metadata: SandboxMetadata,
         lock: Option<ReadLease>,
     ) -> Result<Requeue, ReconcileError> {
-        if self.note_acquiring(sandbox) {
-            self.emit(sandbox, SandboxEvent::LeaseAcquiring);
-        }
+        self.note_acquiring(sandbox);
         let starting = StartingGuard::new(&self.slots, sandbox);
         // Taken over from a holder that died holding it (its lease ran out):
         // it may have run the sandbox without recording so.
@@ -227,9 +227,7 @@ impl Reconciler {
         metadata: SandboxMetadata,
         (lease, generation): ReadLease,
     ) -> Result<Requeue, ReconcileError> {
-        if self.note_acquiring(sandbox) {
-            self.emit(sandbox, SandboxEvent::LeaseAcquiring);
-        }
+        self.note_acquiring(sandbox);
         let starting = StartingGuard::new(&self.slots, sandbox);
         let held = match self.leases.adopt(sandbox, &lease, generation).await {
             Ok(held) => held,
@@ -293,22 +291,8 @@ impl Reconciler {
                 // hold's checkpoint be recorded first, the record leaves
                 // the phase alone (`record_running`).
                 let lock = Some(held.lease.clone());
-                if self.record_running_in_background(sandbox, &held, lock, served_request) {
-                    return Ok(Requeue::After(self.config.resync_interval));
-                }
-                let recorded = self
-                    .record_running(sandbox, &held, Some(&held.lease), served_request)
-                    .await;
-                match recorded {
-                    Ok(()) => Ok(Requeue::After(self.config.resync_interval)),
-                    Err(err) if err.is_fenced() => {
-                        self.stop_lost(sandbox, LossCause::TakenOver { holder: None })
-                            .await;
-                        Ok(Requeue::Never)
-                    }
-                    // The next full pass records it (the RecordRunning row).
-                    Err(err) => Err(err),
-                }
+                self.record_running_in_background(sandbox, &held, lock, served_request);
+                Ok(Requeue::After(self.config.resync_interval))
             }
             Err((kind, cause)) => {
                 tracing::warn!(%sandbox, %kind, %cause, "cannot start the sandbox");
@@ -396,23 +380,19 @@ impl Reconciler {
     }
 
     /// Runs [`Self::record_running`] of `held` in a task of its own, unless
-    /// one for that hold is at work already. False when this reconciler is
-    /// not shared (some unit tests): the caller records inline.
+    /// one for that hold is at work already.
     pub(super) fn record_running_in_background(
         &self,
         sandbox: &SandboxId,
         held: &HeldLease,
         lock: Option<Lease>,
         served_request: Option<DateTime<Utc>>,
-    ) -> bool {
-        let Some(me) = self.shared() else {
-            return false;
-        };
+    ) {
         if !self
             .slots
             .update(sandbox, |slot| slot.recording.insert(held.epoch))
         {
-            return true;
+            return;
         }
         let recording = Recording {
             slots: self.slots.clone(),
@@ -420,14 +400,14 @@ impl Reconciler {
             epoch: held.epoch,
         };
         let (sandbox, held) = (sandbox.clone(), held.clone());
-        self.spawn_background(async move {
+        drop(self.spawn_shared(move |me| async move {
             let recorded = me
                 .record_running(&sandbox, &held, lock.as_ref(), served_request)
                 .await;
             me.recorded_running(&sandbox, held.epoch, recorded).await;
             drop(recording);
-        });
-        true
+            Ok(())
+        }));
     }
 
     /// What a start's record of itself comes to: a newer holder fenced it
