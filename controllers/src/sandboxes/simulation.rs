@@ -29,85 +29,38 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::broadcast;
 
+use super::tests::hooked_store::{BeforeRequest, HookedStore, Request};
 use super::*;
 use crate::api::{DesiredState, InstanceId, Lease, SandboxId, SandboxMetadata, decode};
 use crate::clock::Clock;
 use crate::layout::{checkpoint_id_of_image, checkpoint_manifest_key, lock_key, metadata_key};
 use crate::leasing::{LeaseConfig, Leases};
 use crate::runtime::{Command, ExecRequest, SandboxRuntime};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 use crate::testing::{FakeRuntime, Fault, ManualClock, MemoryStore};
 
 /// One node's view of the shared store: after a countdown set by a pause, its
-/// operations block until the pause ends, so a reconcile pass can stop halfway
+/// requests block until the pause ends, so a reconcile pass can stop halfway
 /// (a holder frozen between reading its lease and writing its checkpoint).
 #[derive(Debug)]
-struct GatedStore {
-    inner: Arc<MemoryStore>,
-    /// Operations left before blocking; negative: not pausing.
+struct Gate {
+    /// Requests left before blocking; negative: not pausing.
     countdown: std::sync::atomic::AtomicI64,
     open: tokio::sync::watch::Receiver<bool>,
 }
 
-impl GatedStore {
-    async fn gate(&self) {
+#[async_trait::async_trait]
+impl BeforeRequest for Gate {
+    async fn before(&self, _: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
         use std::sync::atomic::Ordering;
         let left = self.countdown.load(Ordering::Acquire);
         if left > 0 {
             self.countdown.fetch_sub(1, Ordering::AcqRel);
-            return;
-        }
-        if left == 0 {
+        } else if left == 0 {
             let mut open = self.open.clone();
             let _ = open.wait_for(|open| *open).await;
         }
-    }
-}
-
-#[async_trait::async_trait]
-impl Store for GatedStore {
-    async fn get(
-        &self,
-        key: &crate::store::ObjectKey,
-    ) -> Result<crate::store::Versioned, crate::store::StoreError> {
-        self.gate().await;
-        self.inner.get(key).await
-    }
-    async fn put(
-        &self,
-        key: &crate::store::ObjectKey,
-        data: bytes::Bytes,
-        mode: crate::store::PutMode,
-    ) -> Result<crate::store::Generation, crate::store::StoreError> {
-        self.gate().await;
-        self.inner.put(key, data, mode).await
-    }
-    async fn list_page(
-        &self,
-        prefix: &str,
-        page_token: Option<String>,
-    ) -> Result<crate::store::ListPage, crate::store::StoreError> {
-        self.gate().await;
-        self.inner.list_page(prefix, page_token).await
-    }
-    async fn delete(&self, key: &crate::store::ObjectKey) -> Result<(), crate::store::StoreError> {
-        self.gate().await;
-        self.inner.delete(key).await
-    }
-    async fn upload_blob(
-        &self,
-        key: &crate::store::ObjectKey,
-        source: crate::store::BlobSource,
-    ) -> Result<crate::store::ObjectInfo, crate::store::StoreError> {
-        self.gate().await;
-        self.inner.upload_blob(key, source).await
-    }
-    async fn download_blob(
-        &self,
-        key: &crate::store::ObjectKey,
-    ) -> Result<crate::store::BlobReader, crate::store::StoreError> {
-        self.gate().await;
-        self.inner.download_blob(key).await
+        Ok(())
     }
 }
 
@@ -121,7 +74,7 @@ struct Node {
     /// Skips its turns until this step (a paused process).
     paused_until: usize,
     progress: Vec<broadcast::Receiver<SandboxEvent>>,
-    store: Arc<GatedStore>,
+    store: Arc<HookedStore<Gate>>,
     open: tokio::sync::watch::Sender<bool>,
     /// A reconcile pass frozen by the pause, finished when it ends.
     frozen: Option<tokio::task::JoinHandle<()>>,
@@ -171,11 +124,13 @@ impl Sim {
         let skew_ms = self.rng.random_range(-1_000..=1_000);
         let clock: Arc<dyn Clock> = Arc::new(self.clock.offset(Duration::milliseconds(skew_ms)));
         let (open, open_receiver) = tokio::sync::watch::channel(true);
-        let store = Arc::new(GatedStore {
-            inner: self.store.clone(),
-            countdown: std::sync::atomic::AtomicI64::new(-1),
-            open: open_receiver,
-        });
+        let store = Arc::new(HookedStore::new(
+            self.store.clone(),
+            Gate {
+                countdown: std::sync::atomic::AtomicI64::new(-1),
+                open: open_receiver,
+            },
+        ));
         let runtime = FakeRuntime::new(store.clone());
         let bus = ProgressBus::default();
         let leases = Leases::new(
@@ -237,6 +192,7 @@ impl Sim {
         for node in &mut self.nodes {
             if node.paused_until <= step {
                 node.store
+                    .hook
                     .countdown
                     .store(-1, std::sync::atomic::Ordering::Release);
                 let _ = node.open.send(true);
@@ -395,6 +351,7 @@ impl Sim {
                 let _ = target.open.send(false);
                 target
                     .store
+                    .hook
                     .countdown
                     .store(countdown, std::sync::atomic::Ordering::Release);
                 let pass_controller = Arc::clone(&target.controller);

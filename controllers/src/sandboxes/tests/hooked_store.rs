@@ -17,7 +17,7 @@ use crate::testing::MemoryStore;
 
 /// A request about to reach the memory store.
 #[derive(Debug, Clone, Copy)]
-pub(super) enum Request<'a> {
+pub(in crate::sandboxes) enum Request<'a> {
     Get(&'a ObjectKey),
     Put(&'a ObjectKey),
     List,
@@ -56,19 +56,21 @@ impl Request<'_> {
 
 /// What runs before each request.
 #[async_trait]
-pub(super) trait BeforeRequest: Send + Sync + std::fmt::Debug {
+pub(in crate::sandboxes) trait BeforeRequest:
+    Send + Sync + std::fmt::Debug
+{
     async fn before(&self, request: Request<'_>, store: &MemoryStore) -> Result<(), StoreError>;
 }
 
 /// [`MemoryStore`] behind a [`BeforeRequest`] hook.
 #[derive(Debug)]
-pub(super) struct HookedStore<H> {
-    pub(super) store: Arc<MemoryStore>,
-    pub(super) hook: H,
+pub(in crate::sandboxes) struct HookedStore<H> {
+    pub(in crate::sandboxes) store: Arc<MemoryStore>,
+    pub(in crate::sandboxes) hook: H,
 }
 
 impl<H> HookedStore<H> {
-    pub(super) fn new(store: Arc<MemoryStore>, hook: H) -> Self {
+    pub(in crate::sandboxes) fn new(store: Arc<MemoryStore>, hook: H) -> Self {
         Self { store, hook }
     }
 }

@@ -6,7 +6,7 @@
 mod checkpoints;
 mod fork;
 mod handoff;
-mod hooked_store;
+pub(super) mod hooked_store;
 mod hooks;
 mod leases;
 mod lifecycle;
