@@ -298,19 +298,10 @@ impl BeforeRequest for GatedMetadataWrites {
 
 /// A world whose `metadata.json` writes can be held and failed.
 pub(super) fn gated_world() -> (World, Arc<HookedStore<GatedMetadataWrites>>) {
-    let mut gated = None;
-    let world = World::wrapped(|store| {
-        let wrapper = Arc::new(HookedStore::new(
-            store,
-            GatedMetadataWrites {
-                closed: AtomicBool::new(false),
-                gate: tokio::sync::Semaphore::new(0),
-            },
-        ));
-        gated = Some(Arc::clone(&wrapper));
-        wrapper
-    });
-    (world, gated.unwrap())
+    World::hooked(GatedMetadataWrites {
+        closed: AtomicBool::new(false),
+        gate: tokio::sync::Semaphore::new(0),
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -522,16 +513,7 @@ impl BeforeRequest for TakenOverDuringCheckpoint {
 /// the hold over meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile() {
-    let mut wrapper = None;
-    let world = World::wrapped(|store| {
-        let wrapped = Arc::new(HookedStore::new(
-            store,
-            TakenOverDuringCheckpoint::default(),
-        ));
-        wrapper = Some(Arc::clone(&wrapped));
-        wrapped
-    });
-    let wrapper = wrapper.unwrap();
+    let (world, wrapper) = World::hooked(TakenOverDuringCheckpoint::default());
     let a = world.instance("a");
     let id = a.create(&world).await;
     a.run(&id, "x=1").await;
@@ -585,13 +567,7 @@ impl BeforeRequest for HeldMetadataReads {
 /// result its writes would make stale).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
-    let mut held = None;
-    let world = World::wrapped(|store| {
-        let wrapper = Arc::new(HookedStore::new(store, HeldMetadataReads::default()));
-        held = Some(Arc::clone(&wrapper));
-        wrapper
-    });
-    let held = held.unwrap();
+    let (world, held) = World::hooked(HeldMetadataReads::default());
     let a = world.instance("a");
     let id = a.create(&world).await;
     a.run(&id, "x=1").await;

@@ -151,17 +151,8 @@ impl BeforeRequest for Counted {
 pub(super) fn counted_world(
     counts: fn(&Request<'_>) -> bool,
 ) -> (super::World, Arc<HookedStore<Counted>>) {
-    let mut counted = None;
-    let world = super::World::wrapped(|store| {
-        let wrapper = Arc::new(HookedStore::new(
-            store,
-            Counted {
-                counts,
-                seen: std::sync::atomic::AtomicUsize::new(0),
-            },
-        ));
-        counted = Some(Arc::clone(&wrapper));
-        wrapper
-    });
-    (world, counted.expect("World::wrapped calls its wrapper"))
+    super::World::hooked(Counted {
+        counts,
+        seen: std::sync::atomic::AtomicUsize::new(0),
+    })
 }

@@ -63,6 +63,21 @@ impl World {
         }
     }
 
+    /// A world whose instances see the store through `hook`, and the hooked
+    /// store (to reach the hook).
+    fn hooked<H: hooked_store::BeforeRequest + 'static>(
+        hook: H,
+    ) -> (Self, Arc<hooked_store::HookedStore<H>>) {
+        let store = Arc::new(MemoryStore::new());
+        let hooked = Arc::new(hooked_store::HookedStore::new(store.clone(), hook));
+        let world = Self {
+            bucket: hooked.clone(),
+            store,
+            clock: ManualClock::new(),
+        };
+        (world, hooked)
+    }
+
     fn instance(&self, name: &str) -> Instance {
         self.instance_with(name, ReconcilerConfig::default())
     }
