@@ -30,7 +30,8 @@ use crate::api::{
 use crate::clock::Clock;
 use crate::layout::{doorbell_key, instance_lease_key};
 use crate::store::{
-    Decision, Generation, PutMode, RmwError, Store, StoreError, Versioned, read_modify_write_from,
+    Decision, Generation, ObjectKey, PutMode, RmwError, Store, StoreError, Versioned,
+    read_modify_write_from,
 };
 
 /// What this instance knows of its own lease.
@@ -264,17 +265,7 @@ impl InstanceLeases {
 
     /// Reads this instance's doorbell: `None` when nobody ever rang.
     pub async fn read_doorbell(&self) -> Result<Option<(Doorbell, Generation)>, LeaseError> {
-        let key = doorbell_key(&self.instance);
-        match self.store.get(&key).await {
-            Ok(current) => decode::<Doorbell>(&current.data)
-                .map(|bell| Some((bell, current.generation)))
-                .map_err(|source| LeaseError::InvalidObject {
-                    key: key.to_string(),
-                    source,
-                }),
-            Err(StoreError::NotFound { .. }) => Ok(None),
-            Err(err) => Err(err.into()),
-        }
+        read_object(self.store.as_ref(), &doorbell_key(&self.instance)).await
     }
 
     /// Rings `holder`'s doorbell for `sandbox`, as this instance. Rings to
@@ -414,10 +405,18 @@ pub async fn read_instance_lease(
     store: &dyn Store,
     instance: &InstanceId,
 ) -> Result<Option<InstanceLease>, LeaseError> {
-    let key = instance_lease_key(instance);
-    match store.get(&key).await {
-        Ok(current) => decode::<InstanceLease>(&current.data)
-            .map(Some)
+    let read = read_object(store, &instance_lease_key(instance)).await?;
+    Ok(read.map(|(lease, _)| lease))
+}
+
+/// Reads and decodes the object at `key`, with its generation, if it exists.
+async fn read_object<T: crate::api::ApiObject>(
+    store: &dyn Store,
+    key: &ObjectKey,
+) -> Result<Option<(T, Generation)>, LeaseError> {
+    match store.get(key).await {
+        Ok(current) => decode::<T>(&current.data)
+            .map(|object| Some((object, current.generation)))
             .map_err(|source| LeaseError::InvalidObject {
                 key: key.to_string(),
                 source,

@@ -264,6 +264,16 @@ impl Leases {
         lease
     }
 
+    /// `sandbox`'s `lock.json` as stored in `data`, as this instance sees it
+    /// ([`Self::with_heard`]).
+    fn decode_heard(&self, sandbox: &SandboxId, data: &[u8]) -> Result<Lease, LeaseError> {
+        let lease = decode::<Lease>(data).map_err(|source| LeaseError::Invalid {
+            sandbox: sandbox.clone(),
+            source,
+        })?;
+        Ok(self.with_heard(sandbox, lease))
+    }
+
     /// The intent a ring carried for `sandbox`, if one is kept.
     fn rung(&self, sandbox: &SandboxId) -> Option<RungIntent> {
         self.heard.as_ref().and_then(|heard| heard.rung(sandbox))
@@ -318,14 +328,10 @@ impl Leases {
         sandbox: &SandboxId,
     ) -> Result<Option<(Lease, Generation)>, LeaseError> {
         match self.store.get(&lock_key(sandbox)).await {
-            Ok(current) => {
-                let lease =
-                    decode::<Lease>(&current.data).map_err(|source| LeaseError::Invalid {
-                        sandbox: sandbox.clone(),
-                        source,
-                    })?;
-                Ok(Some((self.with_heard(sandbox, lease), current.generation)))
-            }
+            Ok(current) => Ok(Some((
+                self.decode_heard(sandbox, &current.data)?,
+                current.generation,
+            ))),
             Err(StoreError::NotFound { .. }) => Ok(None),
             Err(err) => Err(err.into()),
         }
@@ -413,11 +419,7 @@ impl Leases {
             {
                 lease.wanted_by = None;
             }
-            lease.holder = Some(self.instance.clone());
-            lease.epoch += 1;
-            lease.acquired_at = Some(now);
-            lease.renewed_at = Some(now);
-            lease.lease_duration_s = self.config.duration_secs();
+            self.take_hold(&mut lease, self.instance.clone(), now);
             let epoch = lease.epoch;
             Ok(Step::Write(Box::new(lease), epoch))
         })
@@ -431,10 +433,7 @@ impl Leases {
     pub async fn create_held(&self, sandbox: &SandboxId) -> Result<Option<HeldLease>, LeaseError> {
         let now = self.clock.now();
         let mut lease = self.fresh_lease();
-        lease.holder = Some(self.instance.clone());
-        lease.epoch = 1;
-        lease.acquired_at = Some(now);
-        lease.renewed_at = Some(now);
+        self.take_hold(&mut lease, self.instance.clone(), now);
         let key = lock_key(sandbox);
         let (ensured, written) = tokio::join!(
             self.ensure_instance_lease(),
@@ -486,11 +485,7 @@ impl Leases {
             lease.checkpoint_manifest = Some(Box::new(manifest.clone()));
             let outcome = match lease.wanted_elsewhere(&self.instance, now).cloned() {
                 Some(intent) => {
-                    lease.holder = Some(intent.instance.clone());
-                    lease.epoch += 1;
-                    lease.acquired_at = Some(now);
-                    lease.renewed_at = Some(now);
-                    lease.lease_duration_s = self.config.duration_secs();
+                    self.take_hold(&mut lease, intent.instance.clone(), now);
                     lease.wanted_by = None;
                     HandBack::TransferredTo {
                         instance: intent.instance,
@@ -640,12 +635,7 @@ impl Leases {
         }
         let write = self.modify_from(sandbox, read, |existing, now| {
             let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
-            let intent = AttachIntent {
-                instance: self.instance.clone(),
-                requested_at: now,
-                expires_at: now + self.config.intent_ttl,
-                extra: ExtraFields::new(),
-            };
+            let intent = self.own_intent(now);
             lease.wanted_by = Some(intent.clone());
             Ok(Step::Write(Box::new(lease), intent))
         });
@@ -663,13 +653,7 @@ impl Leases {
         epoch: u64,
         read: Option<ReadGenerations>,
     ) -> Result<AttachIntent, LeaseError> {
-        let now = self.clock.now();
-        let intent = AttachIntent {
-            instance: self.instance.clone(),
-            requested_at: now,
-            expires_at: now + self.config.intent_ttl,
-            extra: ExtraFields::new(),
-        };
+        let intent = self.own_intent(self.clock.now());
         let rung = RungIntent {
             epoch,
             intent: intent.clone(),
@@ -723,6 +707,25 @@ impl Leases {
         })
         .await
         .map(|_| ())
+    }
+
+    /// This instance's attach intent, written or rung at `now`.
+    fn own_intent(&self, now: DateTime<Utc>) -> AttachIntent {
+        AttachIntent {
+            instance: self.instance.clone(),
+            requested_at: now,
+            expires_at: now + self.config.intent_ttl,
+            extra: ExtraFields::new(),
+        }
+    }
+
+    /// Makes `instance` the holder of `lease` at its next epoch, from `now`.
+    fn take_hold(&self, lease: &mut Lease, instance: InstanceId, now: DateTime<Utc>) {
+        lease.holder = Some(instance);
+        lease.epoch += 1;
+        lease.acquired_at = Some(now);
+        lease.renewed_at = Some(now);
+        lease.lease_duration_s = self.config.duration_secs();
     }
 
     fn fresh_lease(&self) -> Lease {
@@ -791,17 +794,9 @@ impl Leases {
             generation,
         });
         let outcome = read_modify_write_from(self.store.as_ref(), &key, known, |current| {
-            let existing = match current {
-                Some(object) => {
-                    let lease =
-                        decode::<Lease>(&object.data).map_err(|source| LeaseError::Invalid {
-                            sandbox: sandbox.clone(),
-                            source,
-                        })?;
-                    Some(self.with_heard(sandbox, lease))
-                }
-                None => None,
-            };
+            let existing = current
+                .map(|object| self.decode_heard(sandbox, &object.data))
+                .transpose()?;
             let unchanged = existing.clone();
             Ok(match decide(existing, now())? {
                 Step::Done(value) => {

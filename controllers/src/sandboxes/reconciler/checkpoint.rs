@@ -233,13 +233,9 @@ impl Reconciler {
                 self.emit(sandbox, SandboxEvent::Stopping);
                 let cause = CheckpointFailure::SandboxLost(detail);
                 let message = format!("checkpoint failed: {cause}");
-                self.write_status(sandbox, held.epoch, |status| {
-                    status.phase = Phase::Failed;
-                    status.holder = None;
-                    status.last_error = Some(message.clone());
-                    self.ready(status, ReadyReason::Failed, &message);
-                })
-                .await?;
+                let failed = (Phase::Failed, ReadyReason::Failed);
+                self.record_stopped(sandbox, held.epoch, failed, Some(&message))
+                    .await?;
                 if let Err(err) = self.leases.release(&held).await {
                     tracing::warn!(%sandbox, %err, "cannot release the lease of a lost sandbox");
                 }

@@ -387,11 +387,7 @@ impl Reconciler {
             }
         };
         let held = self.held(sandbox);
-        let known = self.known_metadata(sandbox).and_then(|known| {
-            decode::<SandboxMetadata>(&known.data)
-                .ok()
-                .map(|metadata| (metadata, known.generation))
-        });
+        let known = self.known_read(sandbox);
         if desired == DesiredState::Checkpointed
             && let Some(held) = &held
             && let Some(stored) = known.filter(|(stored, _)| !stored.is_deleted())
@@ -441,17 +437,11 @@ impl Reconciler {
         if held.epoch != rung.epoch || held.generation != Generation(read.lock) {
             return;
         }
-        let Some(known) = self
-            .known_metadata(sandbox)
-            .filter(|known| known.generation >= Generation(read.metadata))
-        else {
-            return;
-        };
-        if let Ok(metadata) = decode::<SandboxMetadata>(&known.data) {
-            served.view = Some((
-                (metadata, known.generation),
-                Some((held.lease, held.generation)),
-            ));
+        if let Some(known) = self
+            .known_read(sandbox)
+            .filter(|(_, generation)| *generation >= Generation(read.metadata))
+        {
+            served.view = Some((known, Some((held.lease, held.generation))));
         }
     }
 

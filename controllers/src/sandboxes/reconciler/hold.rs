@@ -20,13 +20,9 @@ impl Reconciler {
         self.forget(sandbox);
         let cause = LossCause::Died;
         let message = cause.to_string();
+        let failed = (Phase::Failed, ReadyReason::Failed);
         let recorded = self
-            .write_status(sandbox, held.epoch, |status| {
-                status.phase = Phase::Failed;
-                status.holder = None;
-                status.last_error = Some(message.clone());
-                self.ready(status, ReadyReason::Failed, &message);
-            })
+            .record_stopped(sandbox, held.epoch, failed, Some(&message))
             .await;
         // Released even when the record was refused: the hold ends either way.
         if let Err(err) = self.leases.release(&held).await {
@@ -211,12 +207,9 @@ impl Reconciler {
             }
         }
         self.forget(sandbox);
-        self.write_status(sandbox, held.epoch, |status| {
-            status.phase = Phase::Deleted;
-            status.holder = None;
-            self.ready(status, ReadyReason::Deleted, "");
-        })
-        .await?;
+        let deleted = (Phase::Deleted, ReadyReason::Deleted);
+        self.record_stopped(sandbox, held.epoch, deleted, None)
+            .await?;
         self.emit(sandbox, SandboxEvent::LeaseReleasing);
         self.leases.release(&held).await?;
         self.emit(sandbox, SandboxEvent::LeaseReleased);
@@ -240,12 +233,9 @@ impl Reconciler {
             Err(err) => return Err(err.into()),
         };
         self.emit(sandbox, SandboxEvent::Stopping);
-        self.write_status(sandbox, held.epoch, |status| {
-            status.phase = Phase::Deleted;
-            status.holder = None;
-            self.ready(status, ReadyReason::Deleted, "");
-        })
-        .await?;
+        let deleted = (Phase::Deleted, ReadyReason::Deleted);
+        self.record_stopped(sandbox, held.epoch, deleted, None)
+            .await?;
         self.leases.release(&held).await?;
         self.emit(sandbox, SandboxEvent::Deleted);
         Ok(Requeue::After(self.config.tombstone_retention))

@@ -163,7 +163,7 @@ pub struct Reconciler {
     /// of their own on it.
     shared: std::sync::OnceLock<std::sync::Weak<Reconciler>>,
     /// Those tasks still at work, so a drain (and a test) can wait for them.
-    background: BackgroundSteps,
+    background: Arc<tokio::sync::watch::Sender<usize>>,
     /// The controller's queue, to wake a waiting taker when its handoff's
     /// image lands (`await_handover`); unset without a controller.
     wake: std::sync::OnceLock<super::workqueue::WorkQueue>,
@@ -209,7 +209,7 @@ impl Reconciler {
             slots,
             last_busy: Mutex::new(None),
             shared: std::sync::OnceLock::new(),
-            background: BackgroundSteps::default(),
+            background: Arc::default(),
             wake: std::sync::OnceLock::new(),
             draining: std::sync::atomic::AtomicBool::new(false),
             metrics: Arc::default(),
@@ -314,7 +314,8 @@ impl Reconciler {
         &self,
         step: impl std::future::Future<Output = T> + Send + 'static,
     ) -> tokio::task::JoinHandle<T> {
-        let running = self.background.start();
+        self.background.send_modify(|running| *running += 1);
+        let running = BackgroundStep(Arc::clone(&self.background));
         tokio::spawn(tracing::Instrument::in_current_span(async move {
             let outcome = step.await;
             drop(running);
@@ -344,12 +345,23 @@ impl Reconciler {
     /// Waits until no step runs in a task of its own (a checkpoint's
     /// record that outlived its pass).
     pub async fn background_settled(&self) {
-        self.background.settled().await;
+        let _ = self
+            .background
+            .subscribe()
+            .wait_for(|running| *running == 0)
+            .await;
     }
 
     /// `metadata.json` as this instance last read or wrote it.
     pub fn known_metadata(&self, sandbox: &SandboxId) -> Option<Versioned> {
         self.slots.known(sandbox)
+    }
+
+    /// [`Self::known_metadata`], decoded.
+    pub(super) fn known_read(&self, sandbox: &SandboxId) -> Option<ReadMetadata> {
+        let known = self.slots.known(sandbox)?;
+        let metadata = crate::api::decode::<SandboxMetadata>(&known.data).ok()?;
+        Some((metadata, known.generation))
     }
 
     /// Remembers `metadata.json` as written here at `generation`.
@@ -371,6 +383,26 @@ impl Reconciler {
     /// Sets the `Ready` condition.
     fn ready(&self, status: &mut SandboxStatus, reason: ReadyReason, message: &str) {
         status.set_ready(reason, message, self.clock.now());
+    }
+
+    /// Records under `epoch` that the sandbox runs nowhere: `phase`, no
+    /// holder, `Ready` for `reason`, and `error`, if any, as its last.
+    async fn record_stopped(
+        &self,
+        sandbox: &SandboxId,
+        epoch: u64,
+        (phase, reason): (Phase, ReadyReason),
+        error: Option<&str>,
+    ) -> Result<SandboxMetadata, ReconcileError> {
+        self.write_status(sandbox, epoch, |status| {
+            status.phase = phase;
+            status.holder = None;
+            if let Some(error) = error {
+                status.last_error = Some(error.to_owned());
+            }
+            self.ready(status, reason, error.unwrap_or_default());
+        })
+        .await
     }
 
     /// Writes `status` fields under `epoch`, refusing if a newer holder
@@ -398,51 +430,12 @@ impl Reconciler {
     }
 }
 
-/// How many steps run in tasks of their own, and a wake-up when none does.
-#[derive(Debug, Default)]
-struct BackgroundSteps {
-    running: Arc<(Mutex<usize>, tokio::sync::Notify)>,
-}
-
-/// One background step at work, until dropped.
-struct BackgroundStep(Arc<(Mutex<usize>, tokio::sync::Notify)>);
+/// One step at work in a task of its own, counted until dropped.
+struct BackgroundStep(Arc<tokio::sync::watch::Sender<usize>>);
 
 impl Drop for BackgroundStep {
     fn drop(&mut self) {
-        let (count, idle) = &*self.0;
-        let mut count = count
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *count = count.saturating_sub(1);
-        if *count == 0 {
-            idle.notify_waiters();
-        }
-    }
-}
-
-impl BackgroundSteps {
-    fn start(&self) -> BackgroundStep {
-        let (count, _) = &*self.running;
-        *count
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
-        BackgroundStep(Arc::clone(&self.running))
-    }
-
-    async fn settled(&self) {
-        let (count, idle) = &*self.running;
-        loop {
-            let notified = idle.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if *count
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                == 0
-            {
-                return;
-            }
-            notified.await;
-        }
+        self.0
+            .send_modify(|running| *running = running.saturating_sub(1));
     }
 }

@@ -217,11 +217,10 @@ impl Reconciler {
         sandbox: &SandboxId,
         mut read: ReadMetadata,
     ) -> ReadMetadata {
-        if let Some(known) = self.known_metadata(sandbox)
-            && known.generation > read.1
-            && let Ok(newer) = crate::api::decode::<SandboxMetadata>(&known.data)
+        if let Some(known) = self.known_read(sandbox)
+            && known.1 > read.1
         {
-            read = (newer, known.generation);
+            read = known;
         }
         let in_flight = self.slots.view(sandbox, |slot| slot.spec_in_flight.clone());
         if let Some(change) = in_flight.filter(|_| !read.0.is_deleted()) {
@@ -239,10 +238,9 @@ impl Reconciler {
         let held = self
             .held(sandbox)
             .filter(|held| self.leases.is_safe(held))?;
-        let known = self.known_metadata(sandbox)?;
-        let metadata = crate::api::decode::<SandboxMetadata>(&known.data).ok()?;
+        let known = self.known_read(sandbox)?;
         Some(super::AttachRead {
-            metadata: self.as_owner_sees(sandbox, (metadata, known.generation)),
+            metadata: self.as_owner_sees(sandbox, known),
             lock: Some((held.lease, held.generation)),
         })
     }

@@ -85,7 +85,7 @@ pub(super) struct Slot {
     pub(super) image_wait: bool,
     /// The transition its pass is in (`creating`, `restoring`,
     /// `checkpointing`, `deleting`: `sandboxd_sandboxes{phase}`), while it
-    /// lasts ([`InTransition`]).
+    /// lasts ([`Slots::in_transition`]).
     transition: Option<&'static str>,
     /// The sandbox's progress channel (`events.rs`), while sessions here
     /// subscribe to it.
@@ -352,17 +352,20 @@ impl std::fmt::Debug for Slot {
     }
 }
 
-/// Marks a sandbox's slot as in a transition until dropped.
-#[derive(Debug)]
-pub(super) struct InTransition {
+/// A change of a sandbox's slot made when dropped: what a phase set (a
+/// start, a transition, a record in flight) is undone however its holder
+/// ends (done, failed, or cancelled with its pass).
+pub(super) struct OnDrop {
     slots: Slots,
     sandbox: SandboxId,
+    undo: Option<Box<dyn FnOnce(&mut Slot) + Send>>,
 }
 
-impl Drop for InTransition {
+impl Drop for OnDrop {
     fn drop(&mut self) {
-        self.slots
-            .update(&self.sandbox, |slot| slot.transition = None);
+        if let Some(undo) = self.undo.take() {
+            self.slots.update(&self.sandbox, undo);
+        }
     }
 }
 
@@ -392,13 +395,23 @@ impl Slots {
         self.changed.notified()
     }
 
-    /// Marks `sandbox` as in transition `phase` until the guard is dropped.
-    pub(super) fn in_transition(&self, sandbox: &SandboxId, phase: &'static str) -> InTransition {
-        self.update(sandbox, |slot| slot.transition = Some(phase));
-        InTransition {
+    /// Changes `sandbox`'s slot by `undo` when the guard returned drops.
+    pub(super) fn on_drop(
+        &self,
+        sandbox: &SandboxId,
+        undo: impl FnOnce(&mut Slot) + Send + 'static,
+    ) -> OnDrop {
+        OnDrop {
             slots: self.clone(),
             sandbox: sandbox.clone(),
+            undo: Some(Box::new(undo)),
         }
+    }
+
+    /// Marks `sandbox` as in transition `phase` until the guard is dropped.
+    pub(super) fn in_transition(&self, sandbox: &SandboxId, phase: &'static str) -> OnDrop {
+        self.update(sandbox, |slot| slot.transition = Some(phase));
+        self.on_drop(sandbox, |slot| slot.transition = None)
     }
 
     /// The sandboxes held here, and the transition of each sandbox in one.

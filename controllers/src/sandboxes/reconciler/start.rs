@@ -5,38 +5,20 @@
 use std::time::Duration;
 
 use super::checkpoint::{record_carried, unreferenced};
-use super::slots::{LocalState, Slots};
+use super::slots::{LocalState, OnDrop, Slots};
 use super::*;
 use crate::runtime::ImageLanded;
 
 /// How often an instance waiting for a sandbox rings its holder again.
 const RERING_INTERVAL: Duration = Duration::from_secs(5);
 
-/// A start in flight: the sandbox is [`LocalState::Starting`] from `new`
+/// A start in flight: the sandbox is [`LocalState::Starting`] from now
 /// until the start takes the hold up; dropped before that (a failure, an
 /// early return, the pass cancelled), it goes back to the state it started
 /// from (`LocalState::start_ended`).
-pub(super) struct StartingGuard<'a> {
-    slots: &'a Slots,
-    sandbox: SandboxId,
-}
-
-impl<'a> StartingGuard<'a> {
-    pub(super) fn new(slots: &'a Slots, sandbox: &SandboxId) -> Self {
-        slots.update(sandbox, |slot| slot.step(|state| (state.begin_start(), ())));
-        Self {
-            slots,
-            sandbox: sandbox.clone(),
-        }
-    }
-}
-
-impl Drop for StartingGuard<'_> {
-    fn drop(&mut self) {
-        self.slots.update(&self.sandbox, |slot| {
-            slot.step(|state| (state.start_ended(), ()))
-        });
-    }
+fn starting(slots: &Slots, sandbox: &SandboxId) -> OnDrop {
+    slots.update(sandbox, |slot| slot.step(|state| (state.begin_start(), ())));
+    slots.on_drop(sandbox, |slot| slot.step(|state| (state.start_ended(), ())))
 }
 
 impl Reconciler {
@@ -158,7 +140,7 @@ impl Reconciler {
         lock: Option<ReadLease>,
     ) -> Result<Requeue, ReconcileError> {
         self.note_acquiring(sandbox);
-        let starting = StartingGuard::new(&self.slots, sandbox);
+        let starting = starting(&self.slots, sandbox);
         // Taken over from a holder that died holding it (its lease ran out):
         // it may have run the sandbox without recording so.
         let holder_died = lock.as_ref().is_some_and(|(lease, _)| {
@@ -228,7 +210,7 @@ impl Reconciler {
         (lease, generation): ReadLease,
     ) -> Result<Requeue, ReconcileError> {
         self.note_acquiring(sandbox);
-        let starting = StartingGuard::new(&self.slots, sandbox);
+        let starting = starting(&self.slots, sandbox);
         let held = match self.leases.adopt(sandbox, &lease, generation).await {
             Ok(held) => held,
             Err(err) => {
@@ -249,7 +231,7 @@ impl Reconciler {
         metadata: &SandboxMetadata,
         held: HeldLease,
         holder_died: bool,
-        _starting: StartingGuard<'_>,
+        _starting: OnDrop,
     ) -> Result<Requeue, ReconcileError> {
         self.done_acquiring(sandbox);
         self.emit(sandbox, SandboxEvent::LeaseAcquired);
@@ -303,19 +285,14 @@ impl Reconciler {
                 }
                 let previous_phase = metadata.status.phase;
                 let message = format!("{kind} failed: {cause}");
+                // A failed restore leaves the checkpoint as it was: the next
+                // attach may try again.
+                let ended = match kind {
+                    StartKind::Create => (Phase::Failed, ReadyReason::Failed),
+                    StartKind::Restore => (previous_phase, ReadyReason::RestoreFailed),
+                };
                 let recorded = self
-                    .write_status(sandbox, held.epoch, |status| {
-                        // A failed restore leaves the checkpoint as it was:
-                        // the next attach may try again.
-                        let (phase, reason) = match kind {
-                            StartKind::Create => (Phase::Failed, ReadyReason::Failed),
-                            StartKind::Restore => (previous_phase, ReadyReason::RestoreFailed),
-                        };
-                        status.phase = phase;
-                        self.ready(status, reason, &message);
-                        status.holder = None;
-                        status.last_error = Some(message.clone());
-                    })
+                    .record_stopped(sandbox, held.epoch, ended, Some(&message))
                     .await;
                 match self.leases.release_and_withdraw(&held).await {
                     Ok(()) => {}
@@ -388,17 +365,16 @@ impl Reconciler {
         lock: Option<Lease>,
         served_request: Option<DateTime<Utc>>,
     ) {
+        let epoch = held.epoch;
         if !self
             .slots
-            .update(sandbox, |slot| slot.recording.insert(held.epoch))
+            .update(sandbox, |slot| slot.recording.insert(epoch))
         {
             return;
         }
-        let recording = Recording {
-            slots: self.slots.clone(),
-            sandbox: sandbox.clone(),
-            epoch: held.epoch,
-        };
+        let recording = self.slots.on_drop(sandbox, move |slot| {
+            slot.recording.remove(&epoch);
+        });
         let (sandbox, held) = (sandbox.clone(), held.clone());
         drop(self.spawn_shared(move |me| async move {
             let recorded = me
@@ -585,20 +561,5 @@ pub(crate) fn create_options(spec: &crate::api::SandboxSpec) -> CreateOptions {
         snapshot_name: spec.filesystem_snapshot_name.clone(),
         network: spec.network,
         image: spec.image.clone(),
-    }
-}
-
-/// A RecordRunning at work in a task, until dropped.
-struct Recording {
-    slots: Slots,
-    sandbox: SandboxId,
-    epoch: u64,
-}
-
-impl Drop for Recording {
-    fn drop(&mut self) {
-        self.slots.update(&self.sandbox, |slot| {
-            slot.recording.remove(&self.epoch);
-        });
     }
 }
