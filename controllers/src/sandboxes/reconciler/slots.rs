@@ -352,13 +352,16 @@ impl std::fmt::Debug for Slot {
     }
 }
 
+/// What an [`OnDrop`] does to its slot.
+type Undo = Box<dyn FnOnce(&mut Slot) + Send>;
+
 /// A change of a sandbox's slot made when dropped: what a phase set (a
 /// start, a transition, a record in flight) is undone however its holder
 /// ends (done, failed, or cancelled with its pass).
 pub(super) struct OnDrop {
     slots: Slots,
     sandbox: SandboxId,
-    undo: Option<Box<dyn FnOnce(&mut Slot) + Send>>,
+    undo: Option<Undo>,
 }
 
 impl Drop for OnDrop {
