@@ -361,35 +361,13 @@ impl PauseBeforeLockRead {
     }
 
     /// Instance `b` of the world whose store this wraps, seeing the bucket
-    /// through it; and its runtime.
-    fn instance(
-        store: &Arc<HookedStore<Self>>,
-        world: &World,
-    ) -> (Arc<SandboxController>, FakeRuntime) {
-        let store: Arc<dyn Store> = store.clone();
-        let runtime = FakeRuntime::new(store.clone());
-        let bus = ProgressBus::default();
-        let leases = Leases::new(
-            store.clone(),
-            Arc::new(world.clock.clone()),
-            InstanceId::parse("b").unwrap(),
-            LeaseConfig::default(),
-        );
-        let controller = SandboxController::new(
-            Reconciler::new(ReconcilerParts {
-                metadata: store.clone(),
-                checkpoints: store,
-                checkpoint_bucket: "test-bucket".to_owned(),
-                snapshot_bucket: "test-bucket".to_owned(),
-                runtime: Arc::new(runtime.clone()),
-                leases,
-                clock: Arc::new(world.clock.clone()),
-                bus: bus.clone(),
-                config: ReconcilerConfig::default(),
-            }),
-            bus,
-        );
-        (controller, runtime)
+    /// through it.
+    fn instance(store: &Arc<HookedStore<Self>>, world: &World) -> Instance {
+        let clock = Arc::new(world.clock.clone());
+        let (lease, config) = (LeaseConfig::default(), ReconcilerConfig::default());
+        Instance::build(store.clone(), clock, "b", lease, config, |_| {
+            Arc::new(crate::hooks::NoHooks)
+        })
     }
 }
 
@@ -418,13 +396,11 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     a.run(&id, "state").await;
     // B's pass reads metadata (no checkpoint yet), then stops before the lock.
     let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
-    let (b, runtime) = PauseBeforeLockRead::instance(&store, &world);
-    b.serving(&id, b.request_here(&id, None, world.clock.now()))
-        .await
-        .unwrap();
+    let b = PauseBeforeLockRead::instance(&store, &world);
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     store.hook.armed.store(true, Ordering::Release);
     let pass = {
-        let b = Arc::clone(&b);
+        let b = Arc::clone(&b.controller);
         let id = id.clone();
         tokio::spawn(async move { b.reconciler().reconcile(&id).await })
     };
@@ -439,7 +415,7 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     store.hook.resume.notify_one();
     pass.await.unwrap().unwrap();
     assert_eq!(
-        runtime.memory(&id),
+        b.runtime.memory(&id),
         Some(vec!["state".to_owned()]),
         "restored from the checkpoint recorded after the pass read metadata"
     );
@@ -511,12 +487,12 @@ async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
         .await
         .unwrap();
     let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
-    let (b, _runtime) = PauseBeforeLockRead::instance(&store, &world);
-    let mut events = b.subscribe(&id);
+    let b = PauseBeforeLockRead::instance(&store, &world);
+    let mut events = b.controller.subscribe(&id);
     // B's attach: its `running` is held back; its pass decides meanwhile.
     store.hook.hold_metadata.store(true, Ordering::Release);
     let pass = {
-        let (b, id, now) = (Arc::clone(&b), id.clone(), world.clock.now());
+        let (b, id, now) = (Arc::clone(&b.controller), id.clone(), world.clock.now());
         tokio::spawn(async move { b.serving(&id, b.request_here(&id, None, now)).await })
     };
     let mut decided = Vec::new();
@@ -530,7 +506,7 @@ async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
     );
     store.hook.metadata_gate.add_permits(100);
     pass.await.unwrap().unwrap();
-    b.reconciler().background_settled().await;
+    b.controller.reconciler().background_settled().await;
     assert_eq!(
         world.metadata(&id).await.spec.desired_state,
         DesiredState::Running

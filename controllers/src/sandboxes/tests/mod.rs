@@ -31,9 +31,10 @@ use crate::testing::{FakeRuntime, ManualClock, MemoryStore};
 
 const TOKEN_HASH: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 
-struct Instance {
-    controller: Arc<SandboxController>,
-    runtime: FakeRuntime,
+/// An instance: its controller and the fake runtime it runs sandboxes on.
+pub(super) struct Instance {
+    pub(super) controller: Arc<SandboxController>,
+    pub(super) runtime: FakeRuntime,
 }
 
 struct World {
@@ -93,36 +94,14 @@ impl World {
         config: ReconcilerConfig,
         hooks: impl FnOnce(&FakeRuntime) -> Arc<dyn crate::hooks::LifecycleHooks>,
     ) -> Instance {
-        let runtime = FakeRuntime::new(self.bucket.clone());
-        let hooks = hooks(&runtime);
-        let bus = ProgressBus::default();
-        let leases = Leases::new(
-            self.bucket.clone(),
-            Arc::new(self.clock.clone()),
-            InstanceId::parse(name).unwrap(),
-            LeaseConfig {
-                duration: Duration::seconds(30),
-                skew_tolerance: Duration::seconds(5),
-                intent_ttl: Duration::seconds(60),
-                ring_spacing: std::time::Duration::ZERO,
-            },
-        );
-        let reconciler = Reconciler::new(ReconcilerParts {
-            metadata: self.bucket.clone(),
-            checkpoints: self.bucket.clone(),
-            checkpoint_bucket: "test-bucket".to_owned(),
-            snapshot_bucket: "test-bucket".to_owned(),
-            runtime: Arc::new(runtime.clone()),
-            leases,
-            clock: Arc::new(self.clock.clone()),
-            bus: bus.clone(),
-            config,
-        })
-        .with_hooks(hooks);
-        Instance {
-            controller: SandboxController::new(reconciler, bus),
-            runtime,
-        }
+        let lease = LeaseConfig {
+            duration: Duration::seconds(30),
+            skew_tolerance: Duration::seconds(5),
+            intent_ttl: Duration::seconds(60),
+            ring_spacing: std::time::Duration::ZERO,
+        };
+        let clock = Arc::new(self.clock.clone());
+        Instance::build(self.bucket.clone(), clock, name, lease, config, hooks)
     }
 
     async fn metadata(&self, id: &SandboxId) -> SandboxMetadata {
@@ -147,6 +126,37 @@ impl World {
 }
 
 impl Instance {
+    /// Instance `name` on `bucket` and `clock`, with a fake runtime on
+    /// `bucket` and the hooks `hooks` builds (given that runtime).
+    pub(super) fn build(
+        bucket: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        name: &str,
+        lease: LeaseConfig,
+        config: ReconcilerConfig,
+        hooks: impl FnOnce(&FakeRuntime) -> Arc<dyn crate::hooks::LifecycleHooks>,
+    ) -> Self {
+        let runtime = FakeRuntime::new(bucket.clone());
+        let bus = ProgressBus::default();
+        let name = InstanceId::parse(name).unwrap();
+        let reconciler = Reconciler::new(ReconcilerParts {
+            metadata: bucket.clone(),
+            checkpoints: bucket.clone(),
+            checkpoint_bucket: "test-bucket".to_owned(),
+            snapshot_bucket: "test-bucket".to_owned(),
+            runtime: Arc::new(runtime.clone()),
+            leases: Leases::new(bucket, clock.clone(), name, lease),
+            clock,
+            bus: bus.clone(),
+            config,
+        })
+        .with_hooks(hooks(&runtime));
+        Self {
+            controller: SandboxController::new(reconciler, bus),
+            runtime,
+        }
+    }
+
     /// One pass, and the steps it left running in tasks of their own.
     async fn reconcile(&self, id: &SandboxId) -> Result<Requeue, ReconcileError> {
         let outcome = self.controller.reconciler().reconcile(id).await;
