@@ -6,9 +6,7 @@ use super::*;
 
 #[tokio::test]
 async fn a_holder_that_lost_its_lease_stops_without_writing() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     // An operator hands the lease to someone else.
     let mut lease = world.lease(&id).await;
     lease.holder = Some(InstanceId::parse("c").unwrap());
@@ -95,8 +93,7 @@ async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
     b.reconcile(&id).await.unwrap();
     assert!(b.runtime.memory(&id).is_none(), "not before lease + skew");
     world.clock.advance(Duration::seconds(2));
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
-    b.reconcile(&id).await.unwrap();
+    b.bring_here(&id, &world).await;
     assert!(b.runtime.memory(&id).is_some(), "taken over");
     assert_eq!(world.lease(&id).await.epoch, 3);
 }
@@ -139,10 +136,8 @@ async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them
 
 #[tokio::test]
 async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung() {
-    let world = World::new();
-    let a = world.instance("a");
+    let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
-    let id = a.create(&world).await;
     // A restarts with the same id: the new incarnation holds nothing, but its
     // instance lease keeps the old hold alive.
     let a2 = world.instance("a");
@@ -199,8 +194,7 @@ async fn a_sandbox_whose_holder_died_before_recording_it_runs_is_not_created_afr
     metadata.status.holder = None;
     world.edit_metadata(&metadata).await;
     let mut events = b.controller.subscribe(&id);
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
-    b.reconcile(&id).await.unwrap();
+    b.bring_here(&id, &world).await;
     assert!(b.runtime.memory(&id).is_none(), "nothing created");
     assert!(said_no_checkpoint(&mut events), "a clear error");
 }
@@ -216,8 +210,7 @@ async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
     let b = world.instance("b");
     let id = created_by_a_dead_holder(&world, a).await;
     let before = counted.hook.seen();
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
-    b.reconcile(&id).await.unwrap();
+    b.bring_here(&id, &world).await;
     assert!(
         b.runtime.memory(&id).is_none(),
         "no checkpoint: nothing runs"
@@ -262,9 +255,7 @@ async fn an_attach_read_of_a_sandbox_held_here_makes_no_bucket_request() {
 
 #[tokio::test]
 async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     // A newer holder's record (as a zombie would find it), then a deletion.
     let mut metadata = world.metadata(&id).await;
     metadata.status.epoch = 99;

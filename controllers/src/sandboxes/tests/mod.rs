@@ -79,6 +79,14 @@ impl World {
         (world, hooked)
     }
 
+    /// A world whose instance `a` holds a sandbox it created ([`Instance::create`]).
+    async fn with_a_sandbox() -> (Self, Instance, SandboxId) {
+        let world = Self::new();
+        let a = world.instance("a");
+        let id = a.create(&world).await;
+        (world, a, id)
+    }
+
     fn instance(&self, name: &str) -> Instance {
         self.instance_with(name, ReconcilerConfig::default())
     }
@@ -206,6 +214,24 @@ impl Instance {
         asked
     }
 
+    /// Asks for `id` to be checkpointed (as `name`) with the pass that
+    /// serves the ask, then runs one more pass.
+    async fn checkpoint(&self, id: &SandboxId, name: Option<&str>) {
+        self.request_state(id, DesiredState::Checkpointed, name)
+            .await
+            .unwrap();
+        self.reconcile(id).await.unwrap();
+    }
+
+    /// Asks for `id` here (from its latest checkpoint, if any) with the pass
+    /// that serves the ask, then runs one more pass.
+    async fn bring_here(&self, id: &SandboxId, world: &World) {
+        self.request_here(id, None, world.clock.now())
+            .await
+            .unwrap();
+        self.reconcile(id).await.unwrap();
+    }
+
     /// Forks `source` at `point` as `metadata`, with the pass that serves
     /// the fork's create.
     async fn fork_from(
@@ -264,14 +290,8 @@ impl Instance {
     /// then asked back here).
     async fn create_checkpointed(&self, world: &World) -> SandboxId {
         let id = self.create(world).await;
-        self.request_state(&id, DesiredState::Checkpointed, None)
-            .await
-            .unwrap();
-        self.reconcile(&id).await.unwrap();
-        self.request_here(&id, None, world.clock.now())
-            .await
-            .unwrap();
-        self.reconcile(&id).await.unwrap();
+        self.checkpoint(&id, None).await;
+        self.bring_here(&id, world).await;
         assert!(self.controller.is_held_here(&id));
         id
     }
