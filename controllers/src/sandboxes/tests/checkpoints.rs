@@ -388,11 +388,7 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
     // `metadata.json` hangs, as one refused by GCS's write rate retries.
     let mut metadata = world.metadata(&id).await;
     metadata.status.phase = Phase::Pending;
-    world
-        .store
-        .put(&metadata_key(&id), encode(&metadata), PutMode::Overwrite)
-        .await
-        .unwrap();
+    world.edit_metadata(&metadata).await;
     gated.hook.closed.store(true, Ordering::SeqCst);
     // A ring without an intent yet (the ringer's intent write was refused
     // and is retried): A's pass finds `status` behind and records that it

@@ -460,11 +460,7 @@ async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
     // `running`, written by an attach there, still on its way).
     let mut metadata = world.metadata(&id).await;
     metadata.spec.desired_state = DesiredState::Checkpointed;
-    world
-        .store
-        .put(&metadata_key(&id), encode(&metadata), PutMode::Overwrite)
-        .await
-        .unwrap();
+    world.edit_metadata(&metadata).await;
     let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
     let b = PauseBeforeLockRead::instance(&store, &world);
     let mut events = b.controller.subscribe(&id);

@@ -8,14 +8,7 @@ use super::*;
 async fn a_holder_that_lost_its_lease_stops_without_writing() {
     let (world, a, id) = World::with_a_sandbox().await;
     // An operator hands the lease to someone else.
-    let mut lease = world.lease(&id).await;
-    lease.holder = Some(InstanceId::parse("c").unwrap());
-    lease.epoch += 1;
-    world
-        .store
-        .put(&lock_key(&id), encode(&lease), PutMode::Overwrite)
-        .await
-        .unwrap();
+    world.hand_lock_to(&id, "c").await;
     let before = world.store.get(&metadata_key(&id)).await.unwrap();
     let mut events = a.controller.subscribe(&id);
     // A raw edit without a ring: noticed at the next resync.
@@ -260,11 +253,7 @@ async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
     let mut metadata = world.metadata(&id).await;
     metadata.status.epoch = 99;
     metadata.spec.desired_state = DesiredState::Deleted;
-    world
-        .store
-        .put(&metadata_key(&id), encode(&metadata), PutMode::Overwrite)
-        .await
-        .unwrap();
+    world.edit_metadata(&metadata).await;
     a.controller.enqueue(&id);
     let err = a.reconcile(&id).await.unwrap_err();
     assert!(
@@ -308,14 +297,7 @@ async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted
     let lost = a.create(&world).await;
     let execution = a.controller.exec(&lost, hold()).await.unwrap();
     // Another instance holds it now (as after A froze past its lease).
-    let mut lease = world.lease(&lost).await;
-    lease.holder = Some(InstanceId::parse("b").unwrap());
-    lease.epoch += 1;
-    world
-        .store
-        .put(&lock_key(&lost), encode(&lease), PutMode::Overwrite)
-        .await
-        .unwrap();
+    world.hand_lock_to(&lost, "b").await;
     a.controller.enqueue(&lost);
     a.reconcile(&lost).await.unwrap();
     assert!(!a.controller.is_held_here(&lost));

@@ -120,6 +120,18 @@ impl World {
         decode(&self.store.get(&lock_key(id)).await.unwrap().data).unwrap()
     }
 
+    /// Hands `id`'s lock to `holder` at the next epoch, as an operator's
+    /// edit would (unconditionally).
+    async fn hand_lock_to(&self, id: &SandboxId, holder: &str) {
+        let mut lease = self.lease(id).await;
+        lease.holder = Some(InstanceId::parse(holder).unwrap());
+        lease.epoch += 1;
+        self.store
+            .put(&lock_key(id), encode(&lease), PutMode::Overwrite)
+            .await
+            .unwrap();
+    }
+
     /// Writes `metadata` as an operator's edit would (unconditionally).
     async fn edit_metadata(&self, metadata: &SandboxMetadata) {
         self.store
