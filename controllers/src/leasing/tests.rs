@@ -7,7 +7,7 @@ use chrono::Duration;
 use super::*;
 use crate::api::{SandboxMetadata, decode};
 use crate::fencing::{FenceError, fenced_update};
-use crate::layout::metadata_key;
+use crate::layout::{doorbell_key, metadata_key};
 use crate::store::PutMode;
 use crate::testing::{Fault, ManualClock, MemoryStore};
 
@@ -74,6 +74,29 @@ impl RungIntents for Heard {
 
 async fn stored_lease(store: &MemoryStore) -> Lease {
     decode(&store.get(&lock_key(&sandbox())).await.unwrap().data).unwrap()
+}
+
+/// Instance `name`'s leases on `store`, writing to one doorbell at most once
+/// per `spacing_ms`.
+fn ringer(store: &Arc<dyn Store>, clock: &ManualClock, name: &str, spacing_ms: u64) -> Leases {
+    let config = LeaseConfig {
+        ring_spacing: std::time::Duration::from_millis(spacing_ms),
+        ..LeaseConfig::default()
+    };
+    let clock = Arc::new(clock.clone());
+    Leases::new(store.clone(), clock, instance(name), config)
+}
+
+/// Checks that `holder`'s doorbell in `store` has a ring for each of `sandboxes`.
+async fn assert_rung(store: &MemoryStore, holder: &InstanceId, sandboxes: &[SandboxId]) {
+    let bell: crate::api::Doorbell =
+        decode(&store.get(&doorbell_key(holder)).await.unwrap().data).unwrap();
+    for sandbox in sandboxes {
+        assert!(
+            bell.rings.iter().any(|ring| &ring.sandbox == sandbox),
+            "{sandbox} was rung"
+        );
+    }
 }
 
 #[tokio::test]
@@ -440,16 +463,7 @@ async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
     let memory = Arc::new(MemoryStore::new());
     let counts = Arc::new(OperationCounts::default());
     let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory.clone(), counts.clone()));
-    let clock = ManualClock::new();
-    let ringer = Leases::new(
-        store,
-        Arc::new(clock.clone()),
-        instance("b"),
-        LeaseConfig {
-            ring_spacing: std::time::Duration::from_millis(300),
-            ..LeaseConfig::default()
-        },
-    );
+    let ringer = ringer(&store, &ManualClock::new(), "b", 300);
     let sandboxes: Vec<SandboxId> = (0..30u128).map(SandboxId::from_u128).collect();
     #[allow(clippy::disallowed_methods, reason = "the test measures its own run")]
     let started = std::time::Instant::now();
@@ -475,20 +489,7 @@ async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
         started.elapsed() < std::time::Duration::from_secs(2),
         "every ringer was answered within the spacing"
     );
-    let bell: crate::api::Doorbell = decode(
-        &memory
-            .get(&crate::layout::doorbell_key(&instance("a")))
-            .await
-            .unwrap()
-            .data,
-    )
-    .unwrap();
-    for sandbox in &sandboxes {
-        assert!(
-            bell.rings.iter().any(|ring| &ring.sandbox == sandbox),
-            "{sandbox} was rung"
-        );
-    }
+    assert_rung(&memory, &instance("a"), &sandboxes).await;
 }
 
 /// A ringer that rang a holder before starts its next ring from the
@@ -502,15 +503,7 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
     let counts = Arc::new(OperationCounts::default());
     let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory.clone(), counts.clone()));
     let clock = ManualClock::new();
-    let ringer = Leases::new(
-        store,
-        Arc::new(clock.clone()),
-        instance("b"),
-        LeaseConfig {
-            ring_spacing: std::time::Duration::ZERO,
-            ..LeaseConfig::default()
-        },
-    );
+    let ringer = ringer(&store, &clock, "b", 0);
     let rings = ringer.instance_lease();
     let [first, second, third, other] = [1u128, 2, 3, 4].map(SandboxId::from_u128);
     rings.ring(&instance("a"), &first, None).await.unwrap();
@@ -530,20 +523,12 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
         .await
         .unwrap();
     rings.ring(&instance("a"), &third, None).await.unwrap();
-    let bell: crate::api::Doorbell = decode(
-        &memory
-            .get(&crate::layout::doorbell_key(&instance("a")))
-            .await
-            .unwrap()
-            .data,
+    assert_rung(
+        &memory,
+        &instance("a"),
+        &[first.clone(), second, third, other.clone()],
     )
-    .unwrap();
-    for sandbox in [&first, &second, &third, &other] {
-        assert!(
-            bell.rings.iter().any(|ring| &ring.sandbox == sandbox),
-            "{sandbox} was rung"
-        );
-    }
+    .await;
     // Found stale once, the ringer reads first for a while: another
     // instance ringing the same holder in turn (a mass reconnect) would
     // otherwise cost a refused write per ring.
@@ -574,18 +559,8 @@ async fn a_batch_of_a_burst_reads_first_and_no_write_is_refused() {
     let counts = Arc::new(OperationCounts::default());
     let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory.clone(), counts.clone()));
     let clock = ManualClock::new();
-    let ringer = |name: &str| {
-        Leases::new(
-            store.clone(),
-            Arc::new(clock.clone()),
-            instance(name),
-            LeaseConfig {
-                ring_spacing: std::time::Duration::from_millis(200),
-                ..LeaseConfig::default()
-            },
-        )
-    };
-    let (b, c) = (ringer("b"), ringer("c"));
+    let b = ringer(&store, &clock, "b", 200);
+    let c = ringer(&store, &clock, "c", 200);
     let [first, second, third] = [1u128, 2, 3].map(SandboxId::from_u128);
     let holder = instance("a");
     b.instance_lease()
@@ -608,20 +583,7 @@ async fn a_batch_of_a_burst_reads_first_and_no_write_is_refused() {
         1,
         "the batch was written once, not refused and written again"
     );
-    let bell: crate::api::Doorbell = decode(
-        &memory
-            .get(&crate::layout::doorbell_key(&holder))
-            .await
-            .unwrap()
-            .data,
-    )
-    .unwrap();
-    for sandbox in [&first, &second, &third] {
-        assert!(
-            bell.rings.iter().any(|ring| &ring.sandbox == sandbox),
-            "{sandbox} was rung"
-        );
-    }
+    assert_rung(&memory, &holder, &[first, second, third]).await;
 }
 
 /// A handoff's hand-back transfers the hold to the instance whose live

@@ -11,12 +11,13 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+use super::tests::Instance;
 use super::*;
-use crate::api::{InstanceId, SandboxId, SandboxMetadata};
+use crate::api::{SandboxId, SandboxMetadata};
 use crate::clock::Clock;
-use crate::leasing::{LeaseConfig, Leases};
+use crate::leasing::LeaseConfig;
 use crate::store::{CountingStore, OperationCounts, StorageBill, Store};
-use crate::testing::{FakeRuntime, MemoryStore};
+use crate::testing::MemoryStore;
 
 /// Wall time that follows tokio's (paused) clock.
 #[derive(Debug)]
@@ -57,25 +58,11 @@ async fn idle_bill(held: usize, clients: Clients, hours: u64) -> (StorageBill, S
         base: Utc::now(),
         start: tokio::time::Instant::now(),
     });
-    let bus = ProgressBus::default();
-    let runtime = FakeRuntime::new(store.clone());
-    let reconciler = Reconciler::new(ReconcilerParts {
-        metadata: store.clone(),
-        checkpoints: store.clone(),
-        checkpoint_bucket: "b".into(),
-        snapshot_bucket: "b".into(),
-        runtime: Arc::new(runtime),
-        leases: Leases::new(
-            store.clone(),
-            clock.clone(),
-            InstanceId::parse("economy").unwrap(),
-            LeaseConfig::default(),
-        ),
-        clock: clock.clone(),
-        bus: bus.clone(),
-        config: ReconcilerConfig::default(),
-    });
-    let controller = SandboxController::new(reconciler, bus);
+    let (lease, config) = (LeaseConfig::default(), ReconcilerConfig::default());
+    let controller = Instance::build(store, clock.clone(), "economy", lease, config, |_| {
+        Arc::new(crate::hooks::NoHooks)
+    })
+    .controller;
     let workers = controller.spawn_workers();
     let mut ids = Vec::new();
     for _ in 0..held {

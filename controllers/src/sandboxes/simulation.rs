@@ -29,12 +29,13 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::broadcast;
 
+use super::tests::Instance;
 use super::tests::hooked_store::{BeforeRequest, HookedStore, Request};
 use super::*;
-use crate::api::{DesiredState, InstanceId, Lease, SandboxId, SandboxMetadata, decode};
+use crate::api::{DesiredState, Lease, SandboxId, SandboxMetadata, decode};
 use crate::clock::Clock;
 use crate::layout::{checkpoint_id_of_image, checkpoint_manifest_key, lock_key, metadata_key};
-use crate::leasing::{LeaseConfig, Leases};
+use crate::leasing::LeaseConfig;
 use crate::runtime::{Command, ExecRequest, SandboxRuntime};
 use crate::store::{Store, StoreError};
 use crate::testing::{FakeRuntime, Fault, ManualClock, MemoryStore};
@@ -91,7 +92,6 @@ struct Sim {
     seen: HashMap<SandboxId, (u64, u64)>,
     /// Epoch of the newest acknowledged checkpoint per sandbox.
     acknowledged: HashMap<SandboxId, u64>,
-    lease: LeaseConfig,
 }
 
 impl Sim {
@@ -105,10 +105,6 @@ impl Sim {
             sandboxes: (1..=SANDBOXES).map(SandboxId::from_u128).collect(),
             seen: HashMap::new(),
             acknowledged: HashMap::new(),
-            lease: LeaseConfig {
-                ring_spacing: std::time::Duration::ZERO,
-                ..LeaseConfig::default()
-            },
         };
         for _ in 0..3 {
             let node = sim.node();
@@ -131,26 +127,17 @@ impl Sim {
                 open: open_receiver,
             },
         ));
-        let runtime = FakeRuntime::new(store.clone());
-        let bus = ProgressBus::default();
-        let leases = Leases::new(
-            store.clone(),
-            clock.clone(),
-            InstanceId::parse(&name).unwrap(),
-            self.lease.clone(),
-        );
-        let reconciler = Reconciler::new(ReconcilerParts {
-            metadata: store.clone(),
-            checkpoints: store.clone(),
-            checkpoint_bucket: "sim".into(),
-            snapshot_bucket: "sim".into(),
-            runtime: Arc::new(runtime.clone()),
-            leases,
-            clock,
-            bus: bus.clone(),
-            config: ReconcilerConfig::default(),
+        let lease = LeaseConfig {
+            ring_spacing: std::time::Duration::ZERO,
+            ..LeaseConfig::default()
+        };
+        let config = ReconcilerConfig::default();
+        let Instance {
+            controller,
+            runtime,
+        } = Instance::build(store.clone(), clock, &name, lease, config, |_| {
+            Arc::new(crate::hooks::NoHooks)
         });
-        let controller = SandboxController::new(reconciler, bus);
         let progress = self
             .sandboxes
             .iter()

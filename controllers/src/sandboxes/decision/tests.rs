@@ -419,14 +419,6 @@ fn anything_the_full_table_acts_on_takes_a_full_pass() {
         ..quiet(&case)
     };
     assert_eq!(decide_light(&lapsed), LightStep::Full);
-    assert_eq!(
-        Case {
-            vouched: false,
-            ..Case::held_here()
-        }
-        .decide(),
-        Step::Reverify
-    );
 }
 
 #[test]

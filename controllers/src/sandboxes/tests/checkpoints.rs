@@ -10,9 +10,7 @@ use crate::store::StoreError;
 
 #[tokio::test]
 async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     a.run(&id, "x=1").await;
 
     let mut events = a.controller.subscribe(&id);
@@ -45,8 +43,7 @@ async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
 
     // Another instance restores it: same memory, next epoch.
     let b = world.instance("b");
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
-    b.reconcile(&id).await.unwrap();
+    b.bring_here(&id, &world).await;
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["x=1".to_owned()]);
     let status = world.metadata(&id).await.status;
     assert_eq!((status.phase, status.epoch), (Phase::Running, 2));
@@ -55,21 +52,12 @@ async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
 
 #[tokio::test]
 async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     a.run(&id, "one").await;
-    a.request_state(&id, DesiredState::Checkpointed, Some("early"))
-        .await
-        .unwrap();
-    a.reconcile(&id).await.unwrap();
-    a.request_here(&id, None, world.clock.now()).await.unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.checkpoint(&id, Some("early")).await;
+    a.bring_here(&id, &world).await;
     a.run(&id, "two").await;
-    a.request_state(&id, DesiredState::Checkpointed, None)
-        .await
-        .unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.checkpoint(&id, None).await;
 
     // Ask for the early one by name.
     a.request_here(&id, Some("early"), world.clock.now())
@@ -80,13 +68,9 @@ async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
 
     // The request was one-shot: the next checkpoint/restore uses the latest.
     a.run(&id, "three").await;
-    a.request_state(&id, DesiredState::Checkpointed, None)
-        .await
-        .unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.checkpoint(&id, None).await;
     world.clock.advance(Duration::seconds(1));
-    a.request_here(&id, None, world.clock.now()).await.unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.bring_here(&id, &world).await;
     assert_eq!(
         a.runtime.memory(&id).unwrap(),
         vec!["one".to_owned(), "three".to_owned()]
@@ -95,13 +79,8 @@ async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
 
 #[tokio::test]
 async fn an_unknown_checkpoint_name_fails_the_restore_and_keeps_the_sandbox() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
-    a.request_state(&id, DesiredState::Checkpointed, None)
-        .await
-        .unwrap();
-    a.reconcile(&id).await.unwrap();
+    let (world, a, id) = World::with_a_sandbox().await;
+    a.checkpoint(&id, None).await;
     let mut events = a.controller.subscribe(&id);
     a.request_here(&id, Some("nope"), world.clock.now())
         .await
@@ -134,9 +113,7 @@ async fn an_unknown_checkpoint_name_fails_the_restore_and_keeps_the_sandbox() {
 
 #[tokio::test]
 async fn a_checkpoint_waits_for_a_running_execution() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     let execution = a
         .controller
         .exec(&id, ExecRequest::new(Command::Bash("hold".into())))
@@ -161,19 +138,14 @@ async fn a_checkpoint_waits_for_a_running_execution() {
 
 #[tokio::test]
 async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     let mut images = Vec::new();
     for (round, name) in [Some("keep-me"), None, None, None, None]
         .into_iter()
         .enumerate()
     {
         a.run(&id, &format!("round {round}")).await;
-        a.request_state(&id, DesiredState::Checkpointed, name)
-            .await
-            .unwrap();
-        a.reconcile(&id).await.unwrap();
+        a.checkpoint(&id, name).await;
         images.push(
             world
                 .metadata(&id)
@@ -184,8 +156,7 @@ async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay
                 .path,
         );
         world.clock.advance(Duration::seconds(1));
-        a.request_here(&id, None, world.clock.now()).await.unwrap();
-        a.reconcile(&id).await.unwrap();
+        a.bring_here(&id, &world).await;
     }
     let status = world.metadata(&id).await.status;
     let previous: Vec<&str> = status
@@ -240,8 +211,7 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
     a.runtime.crash(&id);
     let b = world.instance("b");
     world.clock.advance(Duration::seconds(40));
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
-    b.reconcile(&id).await.unwrap();
+    b.bring_here(&id, &world).await;
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["saved".to_owned()]);
 }
 
@@ -418,11 +388,7 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
     // `metadata.json` hangs, as one refused by GCS's write rate retries.
     let mut metadata = world.metadata(&id).await;
     metadata.status.phase = Phase::Pending;
-    world
-        .store
-        .put(&metadata_key(&id), encode(&metadata), PutMode::Overwrite)
-        .await
-        .unwrap();
+    world.edit_metadata(&metadata).await;
     gated.hook.closed.store(true, Ordering::SeqCst);
     // A ring without an intent yet (the ringer's intent write was refused
     // and is retried): A's pass finds `status` behind and records that it

@@ -10,10 +10,8 @@ use crate::store::StoreError;
 
 #[tokio::test]
 async fn another_instance_asking_gets_the_sandbox_handed_over() {
-    let world = World::new();
-    let a = world.instance("a");
+    let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
-    let id = a.create(&world).await;
     a.run(&id, "state").await;
 
     // A's client left: A watches the lock closely.
@@ -44,10 +42,8 @@ async fn another_instance_asking_gets_the_sandbox_handed_over() {
 /// stopped instance.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
-    let world = World::new();
-    let a = world.instance("a");
+    let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
-    let id = a.create(&world).await;
     a.run(&id, "state").await;
     a.controller.client_attached(&id, false);
     a.runtime.lose_on_checkpoint(&id);
@@ -154,10 +150,8 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
 
 #[tokio::test]
 async fn the_taker_asks_for_the_image_the_holder_hands_over_with_before_the_transfer() {
-    let world = World::new();
-    let a = world.instance("a");
+    let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
-    let id = a.create(&world).await;
     a.run(&id, "state").await;
     a.controller.client_attached(&id, false);
     b.request_here(&id, None, world.clock.now()).await.unwrap();
@@ -184,10 +178,8 @@ async fn the_taker_asks_for_the_image_the_holder_hands_over_with_before_the_tran
 
 #[tokio::test]
 async fn an_attach_intent_rings_the_holder_even_with_its_client_attached() {
-    let world = World::new();
-    let a = world.instance("a");
+    let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
-    let id = a.create(&world).await;
     a.reconcile(&id).await.unwrap();
     assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
     b.request_here(&id, None, world.clock.now()).await.unwrap();
@@ -249,10 +241,8 @@ async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
 
 #[tokio::test]
 async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
-    let world = World::new();
-    let a = world.instance("a");
+    let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
-    let id = a.create(&world).await;
     b.request_here(&id, None, world.clock.now()).await.unwrap();
     let doorbell = crate::layout::doorbell_key(&InstanceId::parse("a").unwrap());
     world.store.delete(&doorbell).await.unwrap();
@@ -314,13 +304,8 @@ async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
 /// starts the sandbox without acquiring it again.
 #[tokio::test]
 async fn an_attach_to_a_free_lock_takes_it_in_its_own_write() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
-    a.request_state(&id, DesiredState::Checkpointed, None)
-        .await
-        .unwrap();
-    a.reconcile(&id).await.unwrap();
+    let (world, a, id) = World::with_a_sandbox().await;
+    a.checkpoint(&id, None).await;
     let epoch = world.lease(&id).await.epoch;
     a.request_here(&id, None, world.clock.now()).await.unwrap();
     let lock = world.lease(&id).await;
@@ -361,35 +346,13 @@ impl PauseBeforeLockRead {
     }
 
     /// Instance `b` of the world whose store this wraps, seeing the bucket
-    /// through it; and its runtime.
-    fn instance(
-        store: &Arc<HookedStore<Self>>,
-        world: &World,
-    ) -> (Arc<SandboxController>, FakeRuntime) {
-        let store: Arc<dyn Store> = store.clone();
-        let runtime = FakeRuntime::new(store.clone());
-        let bus = ProgressBus::default();
-        let leases = Leases::new(
-            store.clone(),
-            Arc::new(world.clock.clone()),
-            InstanceId::parse("b").unwrap(),
-            LeaseConfig::default(),
-        );
-        let controller = SandboxController::new(
-            Reconciler::new(ReconcilerParts {
-                metadata: store.clone(),
-                checkpoints: store,
-                checkpoint_bucket: "test-bucket".to_owned(),
-                snapshot_bucket: "test-bucket".to_owned(),
-                runtime: Arc::new(runtime.clone()),
-                leases,
-                clock: Arc::new(world.clock.clone()),
-                bus: bus.clone(),
-                config: ReconcilerConfig::default(),
-            }),
-            bus,
-        );
-        (controller, runtime)
+    /// through it.
+    fn instance(store: &Arc<HookedStore<Self>>, world: &World) -> Instance {
+        let clock = Arc::new(world.clock.clone());
+        let (lease, config) = (LeaseConfig::default(), ReconcilerConfig::default());
+        Instance::build(store.clone(), clock, "b", lease, config, |_| {
+            Arc::new(crate::hooks::NoHooks)
+        })
     }
 }
 
@@ -412,19 +375,15 @@ impl BeforeRequest for PauseBeforeLockRead {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     a.run(&id, "state").await;
     // B's pass reads metadata (no checkpoint yet), then stops before the lock.
     let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
-    let (b, runtime) = PauseBeforeLockRead::instance(&store, &world);
-    b.serving(&id, b.request_here(&id, None, world.clock.now()))
-        .await
-        .unwrap();
+    let b = PauseBeforeLockRead::instance(&store, &world);
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
     store.hook.armed.store(true, Ordering::Release);
     let pass = {
-        let b = Arc::clone(&b);
+        let b = Arc::clone(&b.controller);
         let id = id.clone();
         tokio::spawn(async move { b.reconciler().reconcile(&id).await })
     };
@@ -439,7 +398,7 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     store.hook.resume.notify_one();
     pass.await.unwrap().unwrap();
     assert_eq!(
-        runtime.memory(&id),
+        b.runtime.memory(&id),
         Some(vec!["state".to_owned()]),
         "restored from the checkpoint recorded after the pass read metadata"
     );
@@ -452,9 +411,7 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
 /// `SANDBOX_RESTORE_ERROR` and its hold was released as an orphan.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     a.run(&id, "state").await;
     let mut events = a.controller.subscribe(&id);
     let asks = {
@@ -497,26 +454,20 @@ async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
 /// instance ... attach again").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     a.run(&id, "state").await;
     // The bucket says `checkpointed` while A holds and runs it (A's own
     // `running`, written by an attach there, still on its way).
     let mut metadata = world.metadata(&id).await;
     metadata.spec.desired_state = DesiredState::Checkpointed;
-    world
-        .store
-        .put(&metadata_key(&id), encode(&metadata), PutMode::Overwrite)
-        .await
-        .unwrap();
+    world.edit_metadata(&metadata).await;
     let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
-    let (b, _runtime) = PauseBeforeLockRead::instance(&store, &world);
-    let mut events = b.subscribe(&id);
+    let b = PauseBeforeLockRead::instance(&store, &world);
+    let mut events = b.controller.subscribe(&id);
     // B's attach: its `running` is held back; its pass decides meanwhile.
     store.hook.hold_metadata.store(true, Ordering::Release);
     let pass = {
-        let (b, id, now) = (Arc::clone(&b), id.clone(), world.clock.now());
+        let (b, id, now) = (Arc::clone(&b.controller), id.clone(), world.clock.now());
         tokio::spawn(async move { b.serving(&id, b.request_here(&id, None, now)).await })
     };
     let mut decided = Vec::new();
@@ -530,7 +481,7 @@ async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
     );
     store.hook.metadata_gate.add_permits(100);
     pass.await.unwrap().unwrap();
-    b.reconciler().background_settled().await;
+    b.controller.reconciler().background_settled().await;
     assert_eq!(
         world.metadata(&id).await.spec.desired_state,
         DesiredState::Running
@@ -549,9 +500,7 @@ async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
 /// pace while a client here is active, and at the idle pace otherwise.
 #[tokio::test]
 async fn the_doorbell_is_read_fastest_just_after_a_client_left() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     let reconciler = a.controller.reconciler();
     let config = ReconcilerConfig::default();
     assert_eq!(reconciler.doorbell_interval(), config.doorbell_poll);

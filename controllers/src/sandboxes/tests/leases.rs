@@ -6,18 +6,9 @@ use super::*;
 
 #[tokio::test]
 async fn a_holder_that_lost_its_lease_stops_without_writing() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     // An operator hands the lease to someone else.
-    let mut lease = world.lease(&id).await;
-    lease.holder = Some(InstanceId::parse("c").unwrap());
-    lease.epoch += 1;
-    world
-        .store
-        .put(&lock_key(&id), encode(&lease), PutMode::Overwrite)
-        .await
-        .unwrap();
+    world.hand_lock_to(&id, "c").await;
     let before = world.store.get(&metadata_key(&id)).await.unwrap();
     let mut events = a.controller.subscribe(&id);
     // A raw edit without a ring: noticed at the next resync.
@@ -95,8 +86,7 @@ async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
     b.reconcile(&id).await.unwrap();
     assert!(b.runtime.memory(&id).is_none(), "not before lease + skew");
     world.clock.advance(Duration::seconds(2));
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
-    b.reconcile(&id).await.unwrap();
+    b.bring_here(&id, &world).await;
     assert!(b.runtime.memory(&id).is_some(), "taken over");
     assert_eq!(world.lease(&id).await.epoch, 3);
 }
@@ -139,10 +129,8 @@ async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them
 
 #[tokio::test]
 async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung() {
-    let world = World::new();
-    let a = world.instance("a");
+    let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
-    let id = a.create(&world).await;
     // A restarts with the same id: the new incarnation holds nothing, but its
     // instance lease keeps the old hold alive.
     let a2 = world.instance("a");
@@ -199,8 +187,7 @@ async fn a_sandbox_whose_holder_died_before_recording_it_runs_is_not_created_afr
     metadata.status.holder = None;
     world.edit_metadata(&metadata).await;
     let mut events = b.controller.subscribe(&id);
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
-    b.reconcile(&id).await.unwrap();
+    b.bring_here(&id, &world).await;
     assert!(b.runtime.memory(&id).is_none(), "nothing created");
     assert!(said_no_checkpoint(&mut events), "a clear error");
 }
@@ -216,8 +203,7 @@ async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
     let b = world.instance("b");
     let id = created_by_a_dead_holder(&world, a).await;
     let before = counted.hook.seen();
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
-    b.reconcile(&id).await.unwrap();
+    b.bring_here(&id, &world).await;
     assert!(
         b.runtime.memory(&id).is_none(),
         "no checkpoint: nothing runs"
@@ -262,18 +248,12 @@ async fn an_attach_read_of_a_sandbox_held_here_makes_no_bucket_request() {
 
 #[tokio::test]
 async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     // A newer holder's record (as a zombie would find it), then a deletion.
     let mut metadata = world.metadata(&id).await;
     metadata.status.epoch = 99;
     metadata.spec.desired_state = DesiredState::Deleted;
-    world
-        .store
-        .put(&metadata_key(&id), encode(&metadata), PutMode::Overwrite)
-        .await
-        .unwrap();
+    world.edit_metadata(&metadata).await;
     a.controller.enqueue(&id);
     let err = a.reconcile(&id).await.unwrap_err();
     assert!(
@@ -317,14 +297,7 @@ async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted
     let lost = a.create(&world).await;
     let execution = a.controller.exec(&lost, hold()).await.unwrap();
     // Another instance holds it now (as after A froze past its lease).
-    let mut lease = world.lease(&lost).await;
-    lease.holder = Some(InstanceId::parse("b").unwrap());
-    lease.epoch += 1;
-    world
-        .store
-        .put(&lock_key(&lost), encode(&lease), PutMode::Overwrite)
-        .await
-        .unwrap();
+    world.hand_lock_to(&lost, "b").await;
     a.controller.enqueue(&lost);
     a.reconcile(&lost).await.unwrap();
     assert!(!a.controller.is_held_here(&lost));

@@ -45,9 +45,7 @@ async fn create_runs_the_sandbox_under_a_new_lease() {
 
 #[tokio::test]
 async fn a_second_create_with_the_same_id_is_refused() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     let again = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
     assert!(matches!(
         a.create_from(&again).await,
@@ -57,9 +55,7 @@ async fn a_second_create_with_the_same_id_is_refused() {
 
 #[tokio::test]
 async fn delete_destroys_tombstones_releases_and_purges_later() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     let mut events = a.controller.subscribe(&id);
     // The pass that serves the request deletes it.
     a.request_state(&id, DesiredState::Deleted, None)
@@ -89,10 +85,8 @@ async fn delete_destroys_tombstones_releases_and_purges_later() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
-    let world = World::new();
-    let a = world.instance("a");
+    let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
-    let id = a.create(&world).await;
     a.request_state(&id, DesiredState::Deleted, None)
         .await
         .unwrap();
@@ -144,9 +138,7 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
 
 #[tokio::test]
 async fn invalid_json_from_an_operator_is_reported_and_changes_nothing() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     world
         .store
         .put(
@@ -167,9 +159,7 @@ async fn invalid_json_from_an_operator_is_reported_and_changes_nothing() {
 
 #[tokio::test]
 async fn a_sandbox_that_died_is_marked_failed_and_released() {
-    let world = World::new();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
+    let (world, a, id) = World::with_a_sandbox().await;
     a.runtime.crash(&id);
     let mut events = a.controller.subscribe(&id);
     a.reconcile(&id).await.unwrap();

@@ -31,9 +31,10 @@ use crate::testing::{FakeRuntime, ManualClock, MemoryStore};
 
 const TOKEN_HASH: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 
-struct Instance {
-    controller: Arc<SandboxController>,
-    runtime: FakeRuntime,
+/// An instance: its controller and the fake runtime it runs sandboxes on.
+pub(super) struct Instance {
+    pub(super) controller: Arc<SandboxController>,
+    pub(super) runtime: FakeRuntime,
 }
 
 struct World {
@@ -78,6 +79,14 @@ impl World {
         (world, hooked)
     }
 
+    /// A world whose instance `a` holds a sandbox it created ([`Instance::create`]).
+    async fn with_a_sandbox() -> (Self, Instance, SandboxId) {
+        let world = Self::new();
+        let a = world.instance("a");
+        let id = a.create(&world).await;
+        (world, a, id)
+    }
+
     fn instance(&self, name: &str) -> Instance {
         self.instance_with(name, ReconcilerConfig::default())
     }
@@ -93,36 +102,14 @@ impl World {
         config: ReconcilerConfig,
         hooks: impl FnOnce(&FakeRuntime) -> Arc<dyn crate::hooks::LifecycleHooks>,
     ) -> Instance {
-        let runtime = FakeRuntime::new(self.bucket.clone());
-        let hooks = hooks(&runtime);
-        let bus = ProgressBus::default();
-        let leases = Leases::new(
-            self.bucket.clone(),
-            Arc::new(self.clock.clone()),
-            InstanceId::parse(name).unwrap(),
-            LeaseConfig {
-                duration: Duration::seconds(30),
-                skew_tolerance: Duration::seconds(5),
-                intent_ttl: Duration::seconds(60),
-                ring_spacing: std::time::Duration::ZERO,
-            },
-        );
-        let reconciler = Reconciler::new(ReconcilerParts {
-            metadata: self.bucket.clone(),
-            checkpoints: self.bucket.clone(),
-            checkpoint_bucket: "test-bucket".to_owned(),
-            snapshot_bucket: "test-bucket".to_owned(),
-            runtime: Arc::new(runtime.clone()),
-            leases,
-            clock: Arc::new(self.clock.clone()),
-            bus: bus.clone(),
-            config,
-        })
-        .with_hooks(hooks);
-        Instance {
-            controller: SandboxController::new(reconciler, bus),
-            runtime,
-        }
+        let lease = LeaseConfig {
+            duration: Duration::seconds(30),
+            skew_tolerance: Duration::seconds(5),
+            intent_ttl: Duration::seconds(60),
+            ring_spacing: std::time::Duration::ZERO,
+        };
+        let clock = Arc::new(self.clock.clone());
+        Instance::build(self.bucket.clone(), clock, name, lease, config, hooks)
     }
 
     async fn metadata(&self, id: &SandboxId) -> SandboxMetadata {
@@ -131,6 +118,18 @@ impl World {
 
     async fn lease(&self, id: &SandboxId) -> Lease {
         decode(&self.store.get(&lock_key(id)).await.unwrap().data).unwrap()
+    }
+
+    /// Hands `id`'s lock to `holder` at the next epoch, as an operator's
+    /// edit would (unconditionally).
+    async fn hand_lock_to(&self, id: &SandboxId, holder: &str) {
+        let mut lease = self.lease(id).await;
+        lease.holder = Some(InstanceId::parse(holder).unwrap());
+        lease.epoch += 1;
+        self.store
+            .put(&lock_key(id), encode(&lease), PutMode::Overwrite)
+            .await
+            .unwrap();
     }
 
     /// Writes `metadata` as an operator's edit would (unconditionally).
@@ -147,6 +146,37 @@ impl World {
 }
 
 impl Instance {
+    /// Instance `name` on `bucket` and `clock`, with a fake runtime on
+    /// `bucket` and the hooks `hooks` builds (given that runtime).
+    pub(super) fn build(
+        bucket: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        name: &str,
+        lease: LeaseConfig,
+        config: ReconcilerConfig,
+        hooks: impl FnOnce(&FakeRuntime) -> Arc<dyn crate::hooks::LifecycleHooks>,
+    ) -> Self {
+        let runtime = FakeRuntime::new(bucket.clone());
+        let bus = ProgressBus::default();
+        let name = InstanceId::parse(name).unwrap();
+        let reconciler = Reconciler::new(ReconcilerParts {
+            metadata: bucket.clone(),
+            checkpoints: bucket.clone(),
+            checkpoint_bucket: "test-bucket".to_owned(),
+            snapshot_bucket: "test-bucket".to_owned(),
+            runtime: Arc::new(runtime.clone()),
+            leases: Leases::new(bucket, clock.clone(), name, lease),
+            clock,
+            bus: bus.clone(),
+            config,
+        })
+        .with_hooks(hooks(&runtime));
+        Self {
+            controller: SandboxController::new(reconciler, bus),
+            runtime,
+        }
+    }
+
     /// One pass, and the steps it left running in tasks of their own.
     async fn reconcile(&self, id: &SandboxId) -> Result<Requeue, ReconcileError> {
         let outcome = self.controller.reconciler().reconcile(id).await;
@@ -194,6 +224,24 @@ impl Instance {
             tokio::task::yield_now().await;
         }
         asked
+    }
+
+    /// Asks for `id` to be checkpointed (as `name`) with the pass that
+    /// serves the ask, then runs one more pass.
+    async fn checkpoint(&self, id: &SandboxId, name: Option<&str>) {
+        self.request_state(id, DesiredState::Checkpointed, name)
+            .await
+            .unwrap();
+        self.reconcile(id).await.unwrap();
+    }
+
+    /// Asks for `id` here (from its latest checkpoint, if any) with the pass
+    /// that serves the ask, then runs one more pass.
+    async fn bring_here(&self, id: &SandboxId, world: &World) {
+        self.request_here(id, None, world.clock.now())
+            .await
+            .unwrap();
+        self.reconcile(id).await.unwrap();
     }
 
     /// Forks `source` at `point` as `metadata`, with the pass that serves
@@ -254,14 +302,8 @@ impl Instance {
     /// then asked back here).
     async fn create_checkpointed(&self, world: &World) -> SandboxId {
         let id = self.create(world).await;
-        self.request_state(&id, DesiredState::Checkpointed, None)
-            .await
-            .unwrap();
-        self.reconcile(&id).await.unwrap();
-        self.request_here(&id, None, world.clock.now())
-            .await
-            .unwrap();
-        self.reconcile(&id).await.unwrap();
+        self.checkpoint(&id, None).await;
+        self.bring_here(&id, world).await;
         assert!(self.controller.is_held_here(&id));
         id
     }
