@@ -566,12 +566,6 @@ impl Leases {
         .map(|_| ())
     }
 
-    /// Checks, with one read, that the lease is still ours at the same epoch.
-    pub async fn check(&self, held: &HeldLease) -> Result<Lease, LeaseError> {
-        let existing = self.read(&held.sandbox).await?.map(|(lease, _)| lease);
-        self.still_mine(held, existing)
-    }
-
     /// True while this instance may act on `held`: its lock was renewed less
     /// than a lease ago (minus the tolerated skew), or this instance's lease
     /// vouches for the hold's era.
@@ -584,10 +578,12 @@ impl Leases {
     /// configured TTL. Creates an unheld lock if the sandbox has none.
     /// Rings the holder's doorbell so it hands the sandbox over at once.
     pub async fn request_attach(&self, sandbox: &SandboxId) -> Result<AttachIntent, LeaseError> {
-        self.request_attach_from(sandbox, None, None).await
+        Ok(self.request_attach_writing(sandbox, None, None).await?.0)
     }
 
-    /// [`Self::request_attach`] from the lock as read moments ago.
+    /// [`Self::request_attach`] from the lock as read moments ago, with the
+    /// lock as written (`None`: the intent went by ring alone, the lock is
+    /// as read).
     ///
     /// When `read` names another holder, the intent goes to it in the ring
     /// alone, not into `lock.json` (decision 27): the holder's transfer is
@@ -599,20 +595,6 @@ impl Leases {
     /// only thing to write). `metadata`: the generation of `metadata.json`
     /// read with `read`, if the caller does not write it; the ring then
     /// tells the holder both generations.
-    pub async fn request_attach_from(
-        &self,
-        sandbox: &SandboxId,
-        read: Option<ReadLease>,
-        metadata: Option<Generation>,
-    ) -> Result<AttachIntent, LeaseError> {
-        Ok(self
-            .request_attach_writing(sandbox, read, metadata)
-            .await?
-            .0)
-    }
-
-    /// [`Self::request_attach_from`], with the lock as written (`None`:
-    /// the intent went by ring alone, the lock is as read).
     pub async fn request_attach_writing(
         &self,
         sandbox: &SandboxId,
