@@ -387,7 +387,7 @@ impl Reconciler {
             }
         };
         let held = self.held(sandbox);
-        let known = self.known_read(sandbox);
+        let known = self.known_read(sandbox, Generation(0));
         if desired == DesiredState::Checkpointed
             && let Some(held) = &held
             && let Some(stored) = known.filter(|(stored, _)| !stored.is_deleted())
@@ -437,10 +437,7 @@ impl Reconciler {
         if held.epoch != rung.epoch || held.generation != Generation(read.lock) {
             return;
         }
-        if let Some(known) = self
-            .known_read(sandbox)
-            .filter(|(_, generation)| *generation >= Generation(read.metadata))
-        {
+        if let Some(known) = self.known_read(sandbox, Generation(read.metadata)) {
             served.view = Some((known, Some((held.lease, held.generation))));
         }
     }

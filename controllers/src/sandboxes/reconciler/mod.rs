@@ -357,9 +357,17 @@ impl Reconciler {
         self.slots.known(sandbox)
     }
 
-    /// [`Self::known_metadata`], decoded.
-    pub(super) fn known_read(&self, sandbox: &SandboxId) -> Option<ReadMetadata> {
-        let known = self.slots.known(sandbox)?;
+    /// [`Self::known_metadata`], decoded, if its generation is `at_least`
+    /// that (it is not decoded otherwise).
+    pub(super) fn known_read(
+        &self,
+        sandbox: &SandboxId,
+        at_least: Generation,
+    ) -> Option<ReadMetadata> {
+        let known = self
+            .slots
+            .known(sandbox)
+            .filter(|known| known.generation >= at_least)?;
         let metadata = crate::api::decode::<SandboxMetadata>(&known.data).ok()?;
         Some((metadata, known.generation))
     }

@@ -217,9 +217,7 @@ impl Reconciler {
         sandbox: &SandboxId,
         mut read: ReadMetadata,
     ) -> ReadMetadata {
-        if let Some(known) = self.known_read(sandbox)
-            && known.1 > read.1
-        {
+        if let Some(known) = self.known_read(sandbox, Generation(read.1.0 + 1)) {
             read = known;
         }
         let in_flight = self.slots.view(sandbox, |slot| slot.spec_in_flight.clone());
@@ -238,7 +236,7 @@ impl Reconciler {
         let held = self
             .held(sandbox)
             .filter(|held| self.leases.is_safe(held))?;
-        let known = self.known_read(sandbox)?;
+        let known = self.known_read(sandbox, Generation(0))?;
         Some(super::AttachRead {
             metadata: self.as_owner_sees(sandbox, known),
             lock: Some((held.lease, held.generation)),

@@ -358,6 +358,7 @@ type Undo = Box<dyn FnOnce(&mut Slot) + Send>;
 /// A change of a sandbox's slot made when dropped: what a phase set (a
 /// start, a transition, a record in flight) is undone however its holder
 /// ends (done, failed, or cancelled with its pass).
+#[must_use = "the change is undone when the guard drops"]
 pub(super) struct OnDrop {
     slots: Slots,
     sandbox: SandboxId,

@@ -16,7 +16,7 @@ const RERING_INTERVAL: Duration = Duration::from_secs(5);
 /// until the start takes the hold up; dropped before that (a failure, an
 /// early return, the pass cancelled), it goes back to the state it started
 /// from (`LocalState::start_ended`).
-fn starting(slots: &Slots, sandbox: &SandboxId) -> OnDrop {
+fn begin_start(slots: &Slots, sandbox: &SandboxId) -> OnDrop {
     slots.update(sandbox, |slot| slot.step(|state| (state.begin_start(), ())));
     slots.on_drop(sandbox, |slot| slot.step(|state| (state.start_ended(), ())))
 }
@@ -140,7 +140,7 @@ impl Reconciler {
         lock: Option<ReadLease>,
     ) -> Result<Requeue, ReconcileError> {
         self.note_acquiring(sandbox);
-        let starting = starting(&self.slots, sandbox);
+        let starting = begin_start(&self.slots, sandbox);
         // Taken over from a holder that died holding it (its lease ran out):
         // it may have run the sandbox without recording so.
         let holder_died = lock.as_ref().is_some_and(|(lease, _)| {
@@ -210,7 +210,7 @@ impl Reconciler {
         (lease, generation): ReadLease,
     ) -> Result<Requeue, ReconcileError> {
         self.note_acquiring(sandbox);
-        let starting = starting(&self.slots, sandbox);
+        let starting = begin_start(&self.slots, sandbox);
         let held = match self.leases.adopt(sandbox, &lease, generation).await {
             Ok(held) => held,
             Err(err) => {
