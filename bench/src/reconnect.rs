@@ -90,6 +90,32 @@ pub struct Reconnect {
     pub failures: Vec<String>,
     /// Store requests while the attaches ran, with the 429s among them.
     pub requests: Tally,
+    /// The same requests by instance, kind and object, most first.
+    pub breakdown: Vec<(String, usize)>,
+}
+
+/// What a request was for: the instance whose proxy it went through, its
+/// kind, and its object's last name with the ids left out
+/// (`A read lock.json 404`), so a run shows which polls and writes it made.
+fn class_of(record: &testkit::storage::RequestRecord) -> String {
+    let name = record.object.rsplit('/').next().unwrap_or_default();
+    let name = if name.is_empty() { "(listing)" } else { name };
+    let status = match record.status {
+        200..=299 => String::new(),
+        status => format!(" {status}"),
+    };
+    format!("{} {:?} {name}{status}", record.instance, record.kind).to_lowercase()
+}
+
+/// `records` counted by [`class_of`], most first.
+fn breakdown(records: &[testkit::storage::RequestRecord]) -> Vec<(String, usize)> {
+    let mut counts = std::collections::BTreeMap::<String, usize>::new();
+    for record in records {
+        *counts.entry(class_of(record)).or_default() += 1;
+    }
+    let mut counts: Vec<(String, usize)> = counts.into_iter().collect();
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    counts
 }
 
 pub async fn measure(
@@ -147,7 +173,8 @@ pub async fn measure(
         .checked_sub(since_began)
         .unwrap_or(started)
         .max(started);
-    let requests = Tally::of(&model.records_between(from, Instant::now()));
+    let records = model.records_between(from, Instant::now());
+    let requests = Tally::of(&records);
     attaches.sort_by(f64::total_cmp);
     let median = attaches
         .get(attaches.len() / 2)
@@ -161,6 +188,7 @@ pub async fn measure(
         slowest: Duration::from_secs_f64(slowest.max(0.0)),
         failures,
         requests,
+        breakdown: breakdown(&records),
     })
 }
 
@@ -168,7 +196,7 @@ pub fn render(profile: &str, r: &Reconnect) -> String {
     format!(
         "mass reconnect under {profile}: {} sandboxes held by A, clients reconnect through B and C within 1 s: \
          {} SANDBOX_RUNNING, all done {:.2} s after the first attach, median attach {:.2} s, slowest {:.2} s; \
-         store requests meanwhile {} ({} answered 429); failures: {}\n",
+         store requests meanwhile {} ({} answered 429; by instance, kind and object: {}); failures: {}\n",
         r.sandboxes,
         r.running,
         r.all_done.as_secs_f64(),
@@ -176,6 +204,11 @@ pub fn render(profile: &str, r: &Reconnect) -> String {
         r.slowest.as_secs_f64(),
         r.requests.total,
         r.requests.throttled,
+        r.breakdown
+            .iter()
+            .map(|(class, n)| format!("{class} {n}"))
+            .collect::<Vec<_>>()
+            .join(", "),
         if r.failures.is_empty() {
             "none".to_owned()
         } else {
@@ -194,6 +227,7 @@ pub fn to_json(profile: &str, r: &Reconnect) -> Value {
         "slowest_attach_s": r.slowest.as_secs_f64(),
         "requests": r.requests.total,
         "throttled_429": r.requests.throttled,
+        "requests_by_class": r.breakdown.iter().map(|(class, n)| json!({"class": class, "count": n})).collect::<Vec<_>>(),
         "failures": r.failures,
     })
 }

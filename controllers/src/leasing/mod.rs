@@ -301,10 +301,11 @@ impl Leases {
             .await
     }
 
-    /// True if `lease`'s holder may be taken over at `now`: the lock's own
-    /// lease has expired and so has the holder's instance lease. Reads the
-    /// holder's instance lease only when the lock's has expired.
-    async fn holder_gone(&self, lease: &Lease) -> Result<bool, LeaseError> {
+    /// True if `lease`'s hold may be taken over now: it names no holder, or
+    /// the lock's own lease has expired and so has the holder's instance
+    /// lease. Reads the holder's instance lease only when the lock's has
+    /// expired (a live one is remembered for a moment, `is_live`).
+    pub(crate) async fn holder_gone(&self, lease: &Lease) -> Result<bool, LeaseError> {
         let now = self.clock.now();
         match &lease.holder {
             None => Ok(true),

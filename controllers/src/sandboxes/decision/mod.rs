@@ -36,8 +36,10 @@ pub(crate) struct Observed<'a> {
     pub running_here: bool,
     /// A pass of this instance is acquiring and starting it right now.
     pub starting_here: bool,
-    /// The lock counts as expired for a taker (its own lease plus the skew).
-    pub lock_expired: bool,
+    /// The lock's hold may be taken over: it names no holder, or its own
+    /// lease (plus the skew) and its holder's instance lease have both run
+    /// out (`Leases::holder_gone`).
+    pub holder_gone: bool,
     /// A client here waits for the sandbox to start (it asked for it here).
     pub waiting_here: bool,
     /// A periodic checkpoint of the held sandbox is due.
@@ -82,7 +84,7 @@ pub(crate) enum Step {
     ReleaseOrphan { epoch: u64 },
     /// A tombstone: remove the objects once the retention has passed.
     Purge,
-    /// Desired `deleted`, held elsewhere by a live lock: its holder converges it.
+    /// Desired `deleted`, held elsewhere by a live holder: it converges it.
     AwaitHolder,
     /// Desired `deleted`, nobody holds it: write the tombstone under a lease.
     Tombstone,
@@ -92,8 +94,8 @@ pub(crate) enum Step {
     /// (its `running` was overwritten, e.g. by its holder's shutdown) is told
     /// to attach again rather than left waiting.
     CheckpointedMeanwhile,
-    /// Desired `running`, wanted here, and the lock is free or expired:
-    /// acquire, then restore or create.
+    /// Desired `running`, wanted here, and the hold free or its holder
+    /// gone: acquire, then restore or create.
     Acquire,
     /// Desired `running`, wanted here, held by another live holder: it hands
     /// the sandbox over (in one write naming this instance); look again soon,
@@ -171,12 +173,12 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
         };
     }
     match metadata.spec.desired_state {
-        DesiredState::Deleted if seen.lock.is_some() && !seen.lock_expired => Step::AwaitHolder,
+        DesiredState::Deleted if seen.lock.is_some() && !seen.holder_gone => Step::AwaitHolder,
         DesiredState::Deleted => Step::Tombstone,
         DesiredState::Checkpointed => Step::CheckpointedMeanwhile,
         DesiredState::Running => match seen.lock {
             Some(lock) if lock.wanted_by_me(seen.me, seen.now) => match &lock.holder {
-                Some(holder) if holder != seen.me && !seen.lock_expired => Step::AwaitHandover {
+                Some(holder) if holder != seen.me && !seen.holder_gone => Step::AwaitHandover {
                     holder: holder.clone(),
                 },
                 _ => Step::Acquire,

@@ -18,7 +18,7 @@ struct Case {
     vouched: bool,
     running_here: bool,
     starting_here: bool,
-    lock_expired: bool,
+    holder_gone: bool,
     waiting_here: bool,
     checkpoint_due: bool,
 }
@@ -42,7 +42,7 @@ impl Case {
             vouched: false,
             running_here: false,
             starting_here: false,
-            lock_expired: true,
+            holder_gone: true,
             waiting_here: false,
             checkpoint_due: false,
         }
@@ -71,7 +71,7 @@ impl Case {
         status.epoch = 3;
         case.vouched = true;
         case.running_here = true;
-        case.lock_expired = false;
+        case.holder_gone = false;
         case
     }
 
@@ -80,7 +80,7 @@ impl Case {
         lock.holder = Some(instance(holder));
         lock.epoch = epoch;
         lock.renewed_at = Some(self.now);
-        self.lock_expired = false;
+        self.holder_gone = false;
         self
     }
 
@@ -112,7 +112,7 @@ impl Case {
             vouched: self.vouched,
             running_here: self.running_here,
             starting_here: self.starting_here,
-            lock_expired: self.lock_expired,
+            holder_gone: self.holder_gone,
             waiting_here: self.waiting_here,
             checkpoint_due: self.checkpoint_due,
         })
@@ -227,7 +227,7 @@ fn desired_deleted_and_not_held_purges_awaits_or_tombstones() {
     let case = Case::new().desired(DesiredState::Deleted).held_by("b", 2);
     assert_eq!(case.decide(), Step::AwaitHolder);
     let mut case = Case::new().desired(DesiredState::Deleted).held_by("b", 2);
-    case.lock_expired = true;
+    case.holder_gone = true;
     assert_eq!(case.decide(), Step::Tombstone);
     assert_eq!(
         Case::new().desired(DesiredState::Deleted).decide(),
@@ -279,11 +279,11 @@ fn desired_running_and_not_held_acquires_only_when_wanted_here() {
         "a live holder hands it over"
     );
     let mut case = Case::new().held_by("b", 2).wanted_by("a");
-    case.lock_expired = true;
+    case.holder_gone = true;
     assert_eq!(
         case.decide(),
         Step::Acquire,
-        "acquire decides whether an expired holder is gone"
+        "a holder whose lock and instance lease both ran out is taken over"
     );
     assert_eq!(
         Case::new().desired(DesiredState::Checkpointed).decide(),

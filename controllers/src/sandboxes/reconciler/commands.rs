@@ -423,7 +423,6 @@ impl Reconciler {
     /// ringer's read, the intent heard) instead of reading both again: a
     /// round trip off every handoff.
     fn serve_ring(&self, sandbox: &SandboxId, intent: Option<RungIntent>, served: &mut Served) {
-        self.note_rung(sandbox);
         let Some(rung) = intent else {
             return;
         };

@@ -99,7 +99,7 @@ impl Reconciler {
         if !self.leases.is_safe(&held) {
             return self.reverify(sandbox, held).await;
         }
-        Ok(self.kept(sandbox))
+        Ok(Requeue::After(self.next_look(sandbox)))
     }
 
     /// The instance lease lapsed since the hold was taken: re-verifies the
@@ -112,7 +112,7 @@ impl Reconciler {
         held: HeldLease,
     ) -> Result<Requeue, ReconcileError> {
         if self.leases.is_safe(&held) {
-            return Ok(self.kept(sandbox));
+            return Ok(Requeue::After(self.next_look(sandbox)));
         }
         let next = self.next_look(sandbox);
         let reverified = async {
@@ -137,20 +137,6 @@ impl Reconciler {
                 Ok(Requeue::Never)
             }
         }
-    }
-
-    /// When a vouched-for hold is looked at again: at once after a ring
-    /// whose intent has not landed yet, else at the watch's next poll or
-    /// the resync.
-    fn kept(&self, sandbox: &SandboxId) -> Requeue {
-        let next = self.next_look(sandbox);
-        if self.rung_recently(sandbox) {
-            // Rung, but no intent yet: it was written at the same time
-            // as the ring and may land a moment later.
-            self.want_full_pass(sandbox);
-            return Requeue::After(super::local::RING_RECHECK);
-        }
-        Requeue::After(next)
     }
 
     /// The departure watch's poll while the client left within the

@@ -15,11 +15,6 @@ use crate::leasing::HeldLease;
 
 use super::{Reconciler, chrono_duration};
 
-/// How long after a ring a pass that finds no intent looks again.
-pub(super) const RING_FOLLOW_UP: Duration = Duration::from_secs(1);
-/// How soon it looks again.
-pub(super) const RING_RECHECK: Duration = Duration::from_millis(50);
-
 /// How long a loss is remembered for the executions it cut off (their
 /// relays look within a poll of the loss; the rest is margin).
 pub(super) const LOST_MEMORY: std::time::Duration = std::time::Duration::from_secs(600);
@@ -196,27 +191,6 @@ impl Reconciler {
         self.slots
             .view(sandbox, |slot| slot.lost)
             .is_some_and(|at| self.clock.instant().duration_since(at) < LOST_MEMORY)
-    }
-
-    /// The doorbell was rung for `sandbox` (held here) just now.
-    pub(super) fn note_rung(&self, sandbox: &SandboxId) {
-        let now = self.clock.now();
-        self.slots
-            .update(sandbox, |slot| slot.rung_here = Some(now));
-    }
-
-    /// True within [`RING_FOLLOW_UP`] of a ring for `sandbox`: its intent
-    /// may not have landed when the pass read the lock.
-    pub(super) fn rung_recently(&self, sandbox: &SandboxId) -> bool {
-        let now = self.clock.now();
-        self.slots.update(sandbox, |slot| match slot.rung_here {
-            Some(at) if now < at + chrono_duration(RING_FOLLOW_UP) => true,
-            Some(_) => {
-                slot.rung_here = None;
-                false
-            }
-            None => false,
-        })
     }
 
     /// The API layer's news: a client attached to (or left) a sandbox held here.

@@ -287,6 +287,10 @@ impl Reconciler {
             None => None,
         };
         let held = self.held(sandbox);
+        let holder_gone = match &lease {
+            Some((lease, _)) => self.leases.holder_gone(lease).await?,
+            None => true,
+        };
         let now = self.clock.now();
         let step = decide(&Observed {
             me: self.leases.instance(),
@@ -297,9 +301,7 @@ impl Reconciler {
             vouched: held.as_ref().is_some_and(|held| self.leases.is_safe(held)),
             running_here: self.runtime.is_running(sandbox),
             starting_here: self.is_starting(sandbox),
-            lock_expired: lease
-                .as_ref()
-                .is_none_or(|(lease, _)| lease.is_free(now, self.leases.config().skew_tolerance)),
+            holder_gone,
             waiting_here: self.is_waiting(sandbox),
             checkpoint_due: self.checkpoint_due(sandbox),
         });

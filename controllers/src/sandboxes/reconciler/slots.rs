@@ -58,10 +58,6 @@ pub(super) struct Slot {
     pub(super) waiting: Option<DateTime<Utc>>,
     /// The epochs of holds whose RecordRunning runs in a task right now.
     pub(super) recording: BTreeSet<u64>,
-    /// When this instance's doorbell was last rung for the sandbox it holds:
-    /// for a moment after, a pass that finds no intent looks again (the
-    /// ringer writes the intent and rings at the same time).
-    pub(super) rung_here: Option<DateTime<Utc>>,
     /// When this instance last stopped the sandbox as lost to another (kept
     /// `LOST_MEMORY`): an execution's relay must not report an end the loss
     /// cut off.
@@ -110,7 +106,6 @@ impl Slot {
         matches!(self.state, LocalState::Idle)
             && self.waiting.is_none()
             && self.recording.is_empty()
-            && self.rung_here.is_none()
             && self.lost.is_none()
             && !self.full_pass_wanted
             && self.known.is_none()

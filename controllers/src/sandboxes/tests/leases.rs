@@ -91,6 +91,33 @@ async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
     assert_eq!(world.lease(&id).await.epoch, 3);
 }
 
+/// A quiet hold's lock has long run out, its holder's instance lease has
+/// not: the taker's passes decide to wait for the handover (the holder's
+/// liveness is judged before `decide`), with no attempt to acquire and no
+/// renewal of the taker's own instance lease on each poll.
+#[tokio::test]
+async fn a_taker_waiting_for_a_quiet_live_holder_writes_nothing() {
+    let (world, counted) = super::hooked_store::counted_world(|request| {
+        request.writes("lock.json") || request.writes("instances/b/lease.json")
+    });
+    let a = world.instance("a");
+    let b = world.instance("b");
+    let id = a.create_checkpointed(&world).await;
+    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    let before = counted.hook.seen();
+    // Past the lock's own lease (30 s and the skew), within the intent's.
+    for _ in 0..5 {
+        world.clock.advance(Duration::seconds(10));
+        a.heartbeat().await;
+        assert_eq!(
+            b.reconcile(&id).await.unwrap(),
+            Requeue::After(b.controller.reconciler().config().acquire_poll),
+            "it waits for the handover"
+        );
+    }
+    assert_eq!(counted.hook.seen(), before, "no lock or lease write");
+}
+
 #[tokio::test]
 async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them() {
     let world = World::new();
