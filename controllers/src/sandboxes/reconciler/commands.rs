@@ -18,7 +18,9 @@
 //! the hand-back that carries it lands). The pass decides on the spec as
 //! it is being written; until the write ends, the owner's later passes
 //! apply the change to what they read (`Slot::spec_in_flight`, applied in
-//! `pass.rs`'s one view), and its end queues a pass.
+//! `pass.rs`'s one view), and its end is reported to the pass
+//! (`Ended::SpecWritten`), as every task that outlives its pass reports its
+//! end ([`Reconciler::report`]).
 
 use std::sync::Arc;
 
@@ -82,6 +84,26 @@ pub(crate) enum Command {
     /// This instance's doorbell was rung for it, with the attach intent
     /// the ring carried, if any (decision 27).
     Rung { intent: Option<RungIntent> },
+    /// A step that outlived its pass ended (sent by its task,
+    /// [`Reconciler::report`]): what it changes here, its pass changes.
+    Ended(Box<Ended>),
+}
+
+/// The end of a step that outlived its pass.
+pub(crate) enum Ended {
+    /// The record of the hold at `epoch` (a start's, in a task of its own).
+    Recorded {
+        epoch: u64,
+        outcome: Result<(), ReconcileError>,
+    },
+    /// The write of `change` (`Slot::spec_in_flight`), for the intent `what`.
+    SpecWritten {
+        change: SpecChange,
+        outcome: Result<(), ControlError>,
+        what: &'static str,
+    },
+    /// The image the waiting taker watches for landed, or its watch ended.
+    ImageLanded,
 }
 
 /// What serving a pass's commands left for it.
@@ -104,6 +126,16 @@ impl Reconciler {
             slot.inbox.push(command);
             slot.full_pass_wanted = true;
         });
+    }
+
+    /// Sends `command` to `sandbox`'s pass and queues that pass (when a
+    /// controller queues passes; otherwise the next pass serves it): how a
+    /// task that outlived its pass reports its end to the sandbox's owner.
+    pub(super) fn report(&self, sandbox: &SandboxId, ended: Ended) {
+        self.send(sandbox, Command::Ended(Box::new(ended)));
+        if let Some(queue) = self.wake.get() {
+            queue.add(sandbox);
+        }
     }
 
     /// How many commands wait for `sandbox`'s next pass.
@@ -161,9 +193,38 @@ impl Reconciler {
                     let _ = reply.send(outcome);
                 }
                 Command::Rung { intent } => self.serve_ring(sandbox, intent, &mut served),
+                Command::Ended(ended) => self.serve_ended(sandbox, *ended).await,
             }
         }
         served
+    }
+
+    /// Takes up the end of a step that outlived its pass.
+    async fn serve_ended(&self, sandbox: &SandboxId, ended: Ended) {
+        match ended {
+            Ended::Recorded { epoch, outcome } => {
+                self.recorded_running(sandbox, epoch, outcome).await;
+            }
+            Ended::SpecWritten {
+                change,
+                outcome,
+                what,
+            } => {
+                if let Err(err) = outcome {
+                    tracing::warn!(%sandbox, %err, intent = what, "the intent was not written; this pass reads the stored spec");
+                }
+                self.slots.update(sandbox, |slot| {
+                    if slot
+                        .spec_in_flight
+                        .as_ref()
+                        .is_some_and(|current| Arc::ptr_eq(current, &change))
+                    {
+                        slot.spec_in_flight = None;
+                    }
+                });
+            }
+            Ended::ImageLanded => self.slots.update(sandbox, |slot| slot.image_wait = false),
+        }
     }
 
     /// Decides, on both objects, what the drain asks of the sandbox, and
@@ -454,7 +515,8 @@ impl Reconciler {
 
     /// `change` is being written by `write`, which outlasts this pass:
     /// later passes apply it to what they read until the write ends, whose
-    /// end queues a pass (that reads it landed, or the spec as stored).
+    /// end is reported to the sandbox's pass (which then reads it landed,
+    /// or the spec as stored).
     fn spec_in_flight(
         &self,
         sandbox: &SandboxId,
@@ -465,25 +527,18 @@ impl Reconciler {
         self.slots.update(sandbox, |slot| {
             slot.spec_in_flight = Some(Arc::clone(&change));
         });
-        let (slots, wake) = (self.slots.clone(), self.wake.get().cloned());
         let sandbox = sandbox.clone();
-        drop(self.spawn_background(async move {
-            if let Err(err) = spec_written(write.await) {
-                tracing::warn!(%sandbox, %err, intent = what, "the intent was not written; the next pass reads the stored spec");
-            }
-            slots.update(&sandbox, |slot| {
-                if slot
-                    .spec_in_flight
-                    .as_ref()
-                    .is_some_and(|current| Arc::ptr_eq(current, &change))
-                {
-                    slot.spec_in_flight = None;
-                }
-                slot.full_pass_wanted = true;
-            });
-            if let Some(queue) = wake {
-                queue.add(&sandbox);
-            }
+        drop(self.spawn_shared(move |me| async move {
+            let outcome = spec_written(write.await).map(drop);
+            me.report(
+                &sandbox,
+                Ended::SpecWritten {
+                    change,
+                    outcome,
+                    what,
+                },
+            );
+            Ok(())
         }));
     }
 

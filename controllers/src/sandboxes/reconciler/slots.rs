@@ -17,13 +17,12 @@
 //! not a phase (a client waiting, a loss remembered, records in flight,
 //! the commands waiting for the next pass) sits beside it.
 //!
-//! The sandbox's own pass (and the tasks it starts: a start's record, a
-//! wake on an image's landing) changes its state; others put commands in
-//! its inbox (`commands.rs`), read it, or bring news that decides nothing
-//! by itself (a client attached or active, a progress subscription).
-//!
-//! The map is shared behind an `Arc` so that tasks outliving a pass (a
-//! start's record, a wake on an image's landing) reach their sandbox's slot.
+//! The sandbox's own pass changes its state; others put commands in its
+//! inbox (`commands.rs`), read it, or bring news that decides nothing by
+//! itself (a client attached or active, a progress subscription). A task
+//! that outlives its pass (a start's record, a spec write, a wait for an
+//! image's landing) reports its end as a command too (`Command::Ended`);
+//! it only takes back, when it ends, the mark it set (`Slots::on_drop`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};

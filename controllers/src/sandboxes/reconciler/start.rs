@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use super::checkpoint::{record_carried, unreferenced};
+use super::commands::Ended;
 use super::slots::{LocalState, OnDrop, Slots};
 use super::*;
 use crate::runtime::ImageLanded;
@@ -94,10 +95,11 @@ impl Reconciler {
         next
     }
 
-    /// Queues a pass of `sandbox` once `landed` completes (one wait per
+    /// Reports `landed` to `sandbox`'s pass once it completes (one wait per
     /// sandbox at a time; the runtime's watch ends within its own limit).
+    /// Not a background step: a drain or a test need not wait for it.
     fn wake_when_landed(&self, sandbox: &SandboxId, landed: ImageLanded) {
-        let Some(queue) = self.wake.get().cloned() else {
+        let Some(me) = self.shared().filter(|_| self.wake.get().is_some()) else {
             return;
         };
         if self.slots.update(sandbox, |slot| {
@@ -105,11 +107,10 @@ impl Reconciler {
         }) {
             return;
         }
-        let (slots, sandbox) = (self.slots.clone(), sandbox.clone());
+        let sandbox = sandbox.clone();
         tokio::spawn(async move {
             landed.await;
-            slots.update(&sandbox, |slot| slot.image_wait = false);
-            queue.add(&sandbox);
+            me.report(&sandbox, Ended::ImageLanded);
         });
     }
 
@@ -377,18 +378,18 @@ impl Reconciler {
         });
         let (sandbox, held) = (sandbox.clone(), held.clone());
         drop(self.spawn_shared(move |me| async move {
-            let recorded = me
+            let outcome = me
                 .record_running(&sandbox, &held, lock.as_ref(), served_request)
                 .await;
-            me.recorded_running(&sandbox, held.epoch, recorded).await;
             drop(recording);
+            me.report(&sandbox, Ended::Recorded { epoch, outcome });
             Ok(())
         }));
     }
 
     /// What a start's record of itself comes to: a newer holder fenced it
     /// (this copy must stop), or it failed (the next full pass records it).
-    async fn recorded_running(
+    pub(super) async fn recorded_running(
         &self,
         sandbox: &SandboxId,
         epoch: u64,

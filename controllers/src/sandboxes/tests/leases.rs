@@ -341,3 +341,32 @@ async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted
     let last = last_event(execution).await;
     assert!(last.is_none(), "{last:?}");
 }
+
+/// A start's record that a newer holder fenced, in its task of its own, is
+/// reported to the sandbox's pass, and that pass stops the copy: a loss is
+/// acted on by the sandbox's own pass, never beside it.
+#[tokio::test]
+async fn a_record_fenced_by_a_newer_holder_stops_the_copy_in_its_own_pass() {
+    let (world, a, id) = World::with_a_sandbox().await;
+    // A newer holder's record (an operator's edit stands in for it): a
+    // later epoch in `status` fences A's record, and the phase it names
+    // makes A's next full pass record again.
+    let mut metadata = world.metadata(&id).await;
+    metadata.status.epoch += 1;
+    metadata.status.phase = Phase::Pending;
+    world.edit_metadata(&metadata).await;
+    a.controller.reconciler().want_full_pass(&id);
+    a.reconcile(&id).await.unwrap();
+    assert!(
+        a.controller.is_held_here(&id) && a.runtime.memory(&id).is_some(),
+        "the record's task stops nothing itself"
+    );
+    assert_eq!(
+        a.controller.reconciler().commands_waiting(&id),
+        1,
+        "its end waits for the sandbox's pass"
+    );
+    a.reconcile(&id).await.unwrap();
+    assert!(!a.controller.is_held_here(&id), "the pass stopped the hold");
+    assert!(a.runtime.memory(&id).is_none(), "and the copy");
+}
