@@ -287,8 +287,13 @@ impl Reconciler {
             None => None,
         };
         let held = self.held(sandbox);
+        // A holder whose instance lease cannot be read counts as alive: the
+        // taker waits and looks again rather than fail its pass.
         let holder_gone = match &lease {
-            Some((lease, _)) => self.leases.holder_gone(lease).await?,
+            Some((lease, _)) => self.leases.holder_gone(lease).await.unwrap_or_else(|err| {
+                tracing::warn!(%sandbox, %err, "cannot read the holder's instance lease");
+                false
+            }),
             None => true,
         };
         let now = self.clock.now();

@@ -116,6 +116,22 @@ async fn a_taker_waiting_for_a_quiet_live_holder_writes_nothing() {
         );
     }
     assert_eq!(counted.hook.seen(), before, "no lock or lease write");
+    // A holder whose instance lease cannot be read counts as alive.
+    world
+        .store
+        .put(
+            &crate::layout::instance_lease_key(&InstanceId::parse("a").unwrap()),
+            Bytes::from_static(b"{not json"),
+            PutMode::Overwrite,
+        )
+        .await
+        .unwrap();
+    world.clock.advance(Duration::seconds(2));
+    assert_eq!(
+        b.reconcile(&id).await.unwrap(),
+        Requeue::After(b.controller.reconciler().config().acquire_poll),
+        "it still waits, and its pass does not fail"
+    );
 }
 
 #[tokio::test]
