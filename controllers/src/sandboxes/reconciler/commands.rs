@@ -91,11 +91,9 @@ pub(crate) enum Command {
 
 /// The end of a step that outlived its pass.
 pub(crate) enum Ended {
-    /// The record of the hold at `epoch` (a start's, in a task of its own).
-    Recorded {
-        epoch: u64,
-        outcome: Result<(), ReconcileError>,
-    },
+    /// The record of the hold at `epoch` (a start's, in a task of its own)
+    /// failed with `error`.
+    RecordFailed { epoch: u64, error: ReconcileError },
     /// The write of `change` (`Slot::spec_in_flight`), for the intent `what`.
     SpecWritten {
         change: SpecChange,
@@ -104,6 +102,19 @@ pub(crate) enum Ended {
     },
     /// The image the waiting taker watches for landed, or its watch ended.
     ImageLanded,
+}
+
+impl Ended {
+    /// Whether the sandbox's pass must run for it now, or may wait for its
+    /// next look: a record that failed for any reason but a newer holder's
+    /// fence is retried by that look, not at once (a store refusing fast
+    /// would otherwise make a record and its report go round and round).
+    fn wants_a_pass_now(&self) -> bool {
+        match self {
+            Self::RecordFailed { error, .. } => error.is_fenced(),
+            Self::SpecWritten { .. } | Self::ImageLanded => true,
+        }
+    }
 }
 
 /// What serving a pass's commands left for it.
@@ -128,12 +139,14 @@ impl Reconciler {
         });
     }
 
-    /// Sends `command` to `sandbox`'s pass and queues that pass (when a
-    /// controller queues passes; otherwise the next pass serves it): how a
-    /// task that outlived its pass reports its end to the sandbox's owner.
+    /// Sends `ended` to `sandbox`'s pass, and queues that pass when the end
+    /// wants it now ([`Ended::wants_a_pass_now`]; without a controller the
+    /// next pass serves it): how a task that outlived its pass reports its
+    /// end to the sandbox's owner.
     pub(super) fn report(&self, sandbox: &SandboxId, ended: Ended) {
+        let now = ended.wants_a_pass_now();
         self.send(sandbox, Command::Ended(Box::new(ended)));
-        if let Some(queue) = self.wake.get() {
+        if let Some(queue) = self.wake.get().filter(|_| now) {
             queue.add(sandbox);
         }
     }
@@ -202,8 +215,8 @@ impl Reconciler {
     /// Takes up the end of a step that outlived its pass.
     async fn serve_ended(&self, sandbox: &SandboxId, ended: Ended) {
         match ended {
-            Ended::Recorded { epoch, outcome } => {
-                self.recorded_running(sandbox, epoch, outcome).await;
+            Ended::RecordFailed { epoch, error } => {
+                self.record_failed(sandbox, epoch, error).await;
             }
             Ended::SpecWritten {
                 change,

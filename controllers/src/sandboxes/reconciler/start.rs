@@ -99,9 +99,10 @@ impl Reconciler {
     /// sandbox at a time; the runtime's watch ends within its own limit).
     /// Not a background step: a drain or a test need not wait for it.
     fn wake_when_landed(&self, sandbox: &SandboxId, landed: ImageLanded) {
-        let Some(me) = self.shared().filter(|_| self.wake.get().is_some()) else {
+        let Some(me) = self.shared.get().filter(|_| self.wake.get().is_some()) else {
             return;
         };
+        let me = me.clone();
         if self.slots.update(sandbox, |slot| {
             std::mem::replace(&mut slot.image_wait, true)
         }) {
@@ -110,7 +111,9 @@ impl Reconciler {
         let sandbox = sandbox.clone();
         tokio::spawn(async move {
             landed.await;
-            me.report(&sandbox, Ended::ImageLanded);
+            if let Some(me) = me.upgrade() {
+                me.report(&sandbox, Ended::ImageLanded);
+            }
         });
     }
 
@@ -382,33 +385,25 @@ impl Reconciler {
                 .record_running(&sandbox, &held, lock.as_ref(), served_request)
                 .await;
             drop(recording);
-            me.report(&sandbox, Ended::Recorded { epoch, outcome });
+            if let Err(error) = outcome {
+                me.report(&sandbox, Ended::RecordFailed { epoch, error });
+            }
             Ok(())
         }));
     }
 
-    /// What a start's record of itself comes to: a newer holder fenced it
-    /// (this copy must stop), or it failed (the next full pass records it).
-    pub(super) async fn recorded_running(
-        &self,
-        sandbox: &SandboxId,
-        epoch: u64,
-        recorded: Result<(), ReconcileError>,
-    ) {
-        match recorded {
-            Ok(()) => {}
-            // Only the copy this record was for: a record that took long
-            // may be fenced after this instance has taken the sandbox back
-            // at a newer epoch, and that copy is not lost.
-            Err(err) if err.is_fenced() && self.held(sandbox).is_some_and(|h| h.epoch == epoch) => {
-                self.stop_lost(sandbox, LossCause::TakenOver { holder: None })
-                    .await;
-            }
-            Err(err) if err.is_fenced() => {}
-            Err(err) => {
-                tracing::warn!(%sandbox, %err, "cannot record that the sandbox runs; the next full pass does");
-                self.want_full_pass(sandbox);
-            }
+    /// A start's record of itself failed: a newer holder fenced it (this
+    /// copy must stop), or anything else (the next full pass records it).
+    pub(super) async fn record_failed(&self, sandbox: &SandboxId, epoch: u64, err: ReconcileError) {
+        // Only the copy this record was for: a record that took long may be
+        // fenced after this instance has taken the sandbox back at a newer
+        // epoch, and that copy is not lost.
+        if !err.is_fenced() {
+            tracing::warn!(%sandbox, %err, "cannot record that the sandbox runs; the next full pass does");
+            self.want_full_pass(sandbox);
+        } else if self.held(sandbox).is_some_and(|held| held.epoch == epoch) {
+            self.stop_lost(sandbox, LossCause::TakenOver { holder: None })
+                .await;
         }
     }
 
