@@ -42,7 +42,7 @@ impl Reconciler {
     ) -> Result<Requeue, ReconcileError> {
         self.report_checkpoint_failure(sandbox, held.epoch, CheckpointFailure::NotConfigured)
             .await?;
-        self.keep_running(sandbox, held).await
+        Ok(Requeue::After(self.next_look(sandbox)))
     }
 
     /// Another instance wants the sandbox: checkpoint (forced unless the
@@ -87,33 +87,14 @@ impl Reconciler {
         Ok(Requeue::After(Duration::ZERO))
     }
 
-    /// Keeps a held sandbox the instance lease vouches for running:
-    /// nothing to write. Should the lease have lapsed since the pass
-    /// decided, the hold is re-verified ([`Self::reverify`]). Says when to
-    /// look again.
-    pub(super) async fn keep_running(
-        &self,
-        sandbox: &SandboxId,
-        held: HeldLease,
-    ) -> Result<Requeue, ReconcileError> {
-        if !self.leases.is_safe(&held) {
-            return self.reverify(sandbox, held).await;
-        }
-        Ok(Requeue::After(self.next_look(sandbox)))
-    }
-
-    /// The instance lease lapsed since the hold was taken: re-verifies the
-    /// hold with one conditional write to its lock (a taker's concurrent
-    /// write then fails), or stops it. Vouched for again meanwhile (its
-    /// loop renewed the instance lease), it is simply kept.
+    /// The instance lease lapsed since the hold was taken (`decide` saw it
+    /// not vouched for): re-verifies the hold with one conditional write to
+    /// its lock (a taker's concurrent write then fails), or stops it.
     pub(super) async fn reverify(
         &self,
         sandbox: &SandboxId,
         held: HeldLease,
     ) -> Result<Requeue, ReconcileError> {
-        if self.leases.is_safe(&held) {
-            return Ok(Requeue::After(self.next_look(sandbox)));
-        }
         let next = self.next_look(sandbox);
         let reverified = async {
             self.leases.ensure_instance_lease().await?;
@@ -139,9 +120,9 @@ impl Reconciler {
         }
     }
 
-    /// The departure watch's poll while the client left within the
-    /// detached window, else the resync.
-    fn next_look(&self, sandbox: &SandboxId) -> Duration {
+    /// When a held sandbox is looked at again: the departure watch's poll
+    /// while the client left within the detached window, else the resync.
+    pub(super) fn next_look(&self, sandbox: &SandboxId) -> Duration {
         let now = self.clock.now();
         let watching = self
             .watch(sandbox)

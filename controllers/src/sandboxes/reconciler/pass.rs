@@ -389,17 +389,14 @@ impl Reconciler {
                 let held = held.ok_or(needs("a hold to re-verify"))?;
                 self.reverify(sandbox, held).await
             }
-            Step::KeepRunning => {
-                let held = held.ok_or(needs("a hold to keep"))?;
-                self.keep_running(sandbox, held).await
-            }
+            Step::KeepRunning => Ok(Requeue::After(self.next_look(sandbox))),
             Step::RecordRunning => {
                 let held = held.ok_or(needs("a hold to record"))?;
                 // Bookkeeping off the pass (decision 21): a ring that comes
                 // while the record meets the write rate is answered by the
                 // next pass, not after the record.
                 self.record_running_in_background(sandbox, &held, lease.clone(), None);
-                self.keep_running(sandbox, held).await
+                Ok(Requeue::After(self.next_look(sandbox)))
             }
             Step::PeriodicCheckpoint => {
                 let held = held.ok_or(needs("a hold to checkpoint"))?;
