@@ -146,15 +146,8 @@ async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay
     {
         a.run(&id, &format!("round {round}")).await;
         a.checkpoint(&id, name).await;
-        images.push(
-            world
-                .metadata(&id)
-                .await
-                .status
-                .latest_checkpoint
-                .unwrap()
-                .path,
-        );
+        let latest = world.metadata(&id).await.status.latest_checkpoint;
+        images.push(latest.unwrap().path);
         world.clock.advance(Duration::seconds(1));
         a.bring_here(&id, &world).await;
     }
@@ -293,8 +286,7 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     a.controller.reconciler().reconcile(&id).await.unwrap();
     let seen = drain(&mut events);
     assert!(
-        seen.iter()
-            .any(|e| matches!(e, SandboxEvent::Checkpointed { .. })),
+        heard!(seen, SandboxEvent::Checkpointed { .. }),
         "checkpointed while the intent was being written: {seen:?}"
     );
     assert!(a.runtime.memory(&id).is_none());
@@ -312,12 +304,7 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     gated.hook.closed.store(false, Ordering::SeqCst);
     a.controller.reconciler().background_settled().await;
     let seen = drain(&mut events);
-    assert!(
-        !seen
-            .iter()
-            .any(|e| matches!(e, SandboxEvent::CheckpointFailed(_))),
-        "{seen:?}"
-    );
+    assert!(!heard!(seen, SandboxEvent::CheckpointFailed(_)), "{seen:?}");
 }
 
 /// A sandbox of `a` (memory `x=1`) checkpointed under `name` while the
@@ -338,11 +325,10 @@ pub(super) async fn checkpointed_before_its_record(
         .await
         .unwrap();
     a.controller.reconciler().reconcile(&id).await.unwrap();
-    assert!(
-        drain(&mut events)
-            .iter()
-            .any(|e| matches!(e, SandboxEvent::Checkpointed { .. }))
-    );
+    assert!(heard!(
+        drain(&mut events),
+        SandboxEvent::Checkpointed { .. }
+    ));
     let status = world.metadata(&id).await.status;
     assert!(
         status.latest_checkpoint.is_none() && status.named_checkpoints.is_empty(),
@@ -393,41 +379,25 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
     // A ring without an intent yet (the ringer's intent write was refused
     // and is retried): A's pass finds `status` behind and records that it
     // runs, in a task of its own; the pass ends.
-    crate::leasing::ring_doorbell(
-        world.store.as_ref(),
-        world.clock.now(),
-        &InstanceId::parse("a").unwrap(),
-        &id,
-        "b",
-    )
-    .await
-    .unwrap();
-    assert_eq!(
-        a.controller.answer_doorbell().await.unwrap(),
-        vec![id.clone()]
-    );
-    tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        a.controller.reconciler().reconcile(&id),
-    )
-    .await
-    .expect("the pass waited for its status record")
-    .unwrap();
+    let (store, holder) = (world.store.as_ref(), InstanceId::parse("a").unwrap());
+    crate::leasing::ring_doorbell(store, world.clock.now(), &holder, &id, "b")
+        .await
+        .unwrap();
+    assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
+    let within = std::time::Duration::from_secs(10);
+    tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
+        .await
+        .expect("the pass waited for its status record")
+        .unwrap();
 
     // B asks for it meanwhile; A's next pass hands it over at once.
     world.clock.advance(Duration::milliseconds(100));
     b.request_here(&id, None, world.clock.now()).await.unwrap();
-    assert_eq!(
-        a.controller.answer_doorbell().await.unwrap(),
-        vec![id.clone()]
-    );
-    tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        a.controller.reconciler().reconcile(&id),
-    )
-    .await
-    .expect("the hand-over waited for the status record")
-    .unwrap();
+    assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
+    tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
+        .await
+        .expect("the hand-over waited for the status record")
+        .unwrap();
     assert!(a.runtime.memory(&id).is_none(), "handed over");
     b.controller.reconciler().reconcile(&id).await.unwrap();
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
@@ -492,16 +462,10 @@ async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile
     asked.await.unwrap().unwrap();
     let seen = drain(&mut events);
     assert!(
-        !seen
-            .iter()
-            .any(|event| matches!(event, SandboxEvent::Checkpointed { .. })),
+        !heard!(seen, SandboxEvent::Checkpointed { .. }),
         "acknowledged although the hold was taken over: {seen:?}"
     );
-    assert!(
-        seen.iter()
-            .any(|event| matches!(event, SandboxEvent::CheckpointFailed(_))),
-        "{seen:?}"
-    );
+    assert!(heard!(seen, SandboxEvent::CheckpointFailed(_)), "{seen:?}");
     assert_eq!(
         world.lease(&id).await.epoch,
         epoch + 1,
@@ -549,13 +513,10 @@ async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
         tokio::task::yield_now().await;
     }
     // Sent by hand: the pass may serve it before a look at the inbox would.
-    let asked = tokio::spawn({
-        let (controller, id) = (Arc::clone(&a.controller), id.clone());
-        async move {
-            controller
-                .request_state(&id, DesiredState::Checkpointed, None)
-                .await
-        }
+    let (controller, sandbox) = (Arc::clone(&a.controller), id.clone());
+    let asked = tokio::spawn(async move {
+        let checkpointed = DesiredState::Checkpointed;
+        controller.request_state(&sandbox, checkpointed, None).await
     });
     let within = std::time::Duration::from_secs(10);
     tokio::time::timeout(within, asked)
@@ -569,9 +530,7 @@ async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
         .unwrap()
         .unwrap();
     assert!(
-        drain(&mut events)
-            .iter()
-            .any(|e| matches!(e, SandboxEvent::Checkpointed { .. })),
+        heard!(drain(&mut events), SandboxEvent::Checkpointed { .. }),
         "the same pass checkpointed"
     );
     assert_eq!(

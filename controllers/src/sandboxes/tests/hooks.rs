@@ -120,9 +120,7 @@ async fn hooks_run_at_cold_start_after_each_execution_and_on_terminate() {
     }
     assert_eq!(hooks.calls().len(), 2);
 
-    a.request_state(&id, DesiredState::Deleted, None)
-        .await
-        .unwrap();
+    a.delete(&id).await;
     a.reconcile(&id).await.unwrap();
     assert_eq!(&hooks.calls()[2..], ["terminate running=true", "forget"]);
     assert!(a.runtime.memory(&id).is_none());
@@ -141,13 +139,13 @@ async fn a_failed_cold_start_hook_fails_the_create_and_leaves_nothing_running() 
     let _ = a.reconcile(&id).await;
     let seen = drain(&mut events);
     assert!(
-        seen.iter().any(|p| matches!(
-            p,
+        heard!(
+            seen,
             SandboxEvent::StartFailed {
                 kind: StartKind::Create,
                 cause: StartFailure::ColdStartHook(detail),
             } if detail.contains("the bucket is on fire")
-        )),
+        ),
         "{seen:?}"
     );
     assert!(a.runtime.memory(&id).is_none(), "the sandbox still runs");
