@@ -119,6 +119,13 @@ impl Case {
         self
     }
 
+    /// Checks that the table decides `expected` for this case; `why` names
+    /// the row. A failure points at the caller's line.
+    #[track_caller]
+    fn decides(&self, expected: Step, why: &str) {
+        assert_eq!(self.decide(), expected, "{why}");
+    }
+
     fn decide(&self) -> Step {
         decide(&Observed {
             me: &self.me,
@@ -169,17 +176,10 @@ fn a_held_sandbox_that_died_is_marked_failed() {
 
 #[test]
 fn desired_deleted_and_checkpointed_converge_when_held() {
-    assert_eq!(
-        Case::held_here().desired(DesiredState::Deleted).decide(),
-        Step::Delete
-    );
-    assert_eq!(
-        Case::held_here()
-            .desired(DesiredState::Checkpointed)
-            .decide(),
-        Step::CheckpointAndRelease
-    );
+    let case = Case::held_here().desired(DesiredState::Deleted);
+    case.decides(Step::Delete, "deleted");
     let case = Case::held_here().desired(DesiredState::Checkpointed);
+    case.decides(Step::CheckpointAndRelease, "checkpointed");
     let case = case.with_metadata(|metadata| metadata.spec.enable_checkpoint = false);
     assert_eq!(case.decide(), Step::RefuseCheckpoint);
 }
@@ -188,18 +188,10 @@ fn desired_deleted_and_checkpointed_converge_when_held() {
 fn another_instances_live_intent_is_a_handover_if_checkpointable() {
     assert_eq!(Case::held_here().wanted_by("b").decide(), Step::HandOver);
     let expired = Case::held_here().wanted_by_for("b", Duration::zero());
-    assert_eq!(
-        expired.decide(),
-        Step::KeepRunning,
-        "an expired intent is ignored"
-    );
+    expired.decides(Step::KeepRunning, "an expired intent is ignored");
     let case = Case::held_here().wanted_by("b");
     let case = case.with_metadata(|metadata| metadata.spec.enable_checkpoint = false);
-    assert_eq!(
-        case.decide(),
-        Step::KeepRunning,
-        "cannot move without checkpoints"
-    );
+    case.decides(Step::KeepRunning, "cannot move without checkpoints");
     assert_eq!(Case::held_here().wanted_by("a").decide(), Step::KeepRunning);
 }
 
@@ -216,11 +208,7 @@ fn a_lock_naming_this_instance_without_a_hold_is_an_orphan_unless_starting() {
     assert_eq!(case.decide(), Step::ReleaseOrphan { epoch: 7 });
     let case = Case::new().held_by("a", 7).wanted_by("a");
     let case = case.with(|case| case.starting_here = true);
-    assert_eq!(
-        case.decide(),
-        Step::Acquire,
-        "its own start in flight is no orphan"
-    );
+    case.decides(Step::Acquire, "its own start in flight is no orphan");
 }
 
 #[test]
@@ -232,24 +220,20 @@ fn desired_deleted_and_not_held_purges_awaits_or_tombstones() {
     assert_eq!(case.decide(), Step::AwaitHolder);
     let case = case.with(|case| case.holder_gone = true);
     assert_eq!(case.decide(), Step::Tombstone);
-    assert_eq!(
-        Case::new().desired(DesiredState::Deleted).decide(),
-        Step::Tombstone
-    );
+    let case = Case::new().desired(DesiredState::Deleted);
+    case.decides(Step::Tombstone, "nobody holds it");
 }
 
 #[test]
 fn a_tombstone_is_never_started_again_whatever_its_spec_says() {
     let tombstone = |case: Case| case.with_metadata(|m| m.status.phase = Phase::Deleted);
-    assert_eq!(
-        tombstone(Case::new().desired(DesiredState::Deleted)).decide(),
-        Step::Purge
-    );
+    let case = tombstone(Case::new().desired(DesiredState::Deleted));
+    case.decides(Step::Purge, "a tombstone with its spec deleted");
     for desired in [DesiredState::Running, DesiredState::Checkpointed] {
         // Its spec set back by hand: not started, not purged either.
         let case = tombstone(Case::new().desired(desired).wanted_by("a"));
         let case = case.with(|case| case.waiting_here = true);
-        assert_eq!(case.decide(), Step::Nothing, "{desired:?}");
+        case.decides(Step::Nothing, &format!("{desired:?}"));
     }
     // A hold taken for it (an attach's own write) is released, not adopted.
     let case = tombstone(Case::new().held_by("a", 4).wanted_by("a"));
@@ -269,24 +253,20 @@ fn desired_running_and_not_held_acquires_only_when_wanted_here() {
     assert_eq!(Case::new().wanted_by("a").decide(), Step::Acquire);
     assert_eq!(Case::new().wanted_by("b").decide(), Step::NotWantedHere);
     assert_eq!(Case::new().decide(), Step::NotWantedHere);
-    assert_eq!(
-        Case::new().held_by("b", 2).wanted_by("a").decide(),
+    let live_holder = Case::new().held_by("b", 2).wanted_by("a");
+    live_holder.decides(
         Step::AwaitHandover {
-            holder: instance("b")
+            holder: instance("b"),
         },
-        "a live holder hands it over"
+        "a live holder hands it over",
     );
-    let case = Case::new().held_by("b", 2).wanted_by("a");
-    let case = case.with(|case| case.holder_gone = true);
-    assert_eq!(
-        case.decide(),
+    let case = live_holder.with(|case| case.holder_gone = true);
+    case.decides(
         Step::Acquire,
-        "a holder whose lock and instance lease both ran out is taken over"
+        "a holder whose lock and instance lease both ran out is taken over",
     );
-    assert_eq!(
-        Case::new().desired(DesiredState::Checkpointed).decide(),
-        Step::CheckpointedMeanwhile
-    );
+    let case = Case::new().desired(DesiredState::Checkpointed);
+    case.decides(Step::CheckpointedMeanwhile, "checkpointed meanwhile");
 }
 
 #[test]
@@ -294,12 +274,11 @@ fn a_lock_naming_this_instance_is_adopted_when_a_client_here_waits() {
     let waiting = Case::new()
         .held_by("a", 4)
         .with(|case| case.waiting_here = true);
-    assert_eq!(waiting.decide(), Step::Adopt, "a transfer or an own write");
+    waiting.decides(Step::Adopt, "a transfer or an own write");
     let case = waiting.desired(DesiredState::Checkpointed);
-    assert_eq!(
-        case.decide(),
+    case.decides(
         Step::ReleaseOrphan { epoch: 4 },
-        "not wanted running any more"
+        "not wanted running any more",
     );
 }
 
@@ -307,21 +286,17 @@ fn a_lock_naming_this_instance_is_adopted_when_a_client_here_waits() {
 fn a_held_sandbox_whose_status_lags_is_recorded_before_anything_else_routine() {
     let older = |case: Case| case.with_metadata(|metadata| metadata.status.epoch = 2);
     let case = older(Case::held_here());
-    assert_eq!(case.decide(), Step::RecordRunning, "an older epoch");
+    case.decides(Step::RecordRunning, "an older epoch");
     let case = Case::held_here().with_metadata(|m| m.status.phase = Phase::Restoring);
-    assert_eq!(case.decide(), Step::RecordRunning, "not yet Running");
+    case.decides(Step::RecordRunning, "not yet Running");
     let carried = Case::held_here().with(|case| {
         case.lock.as_mut().unwrap().checkpoint = Some(checkpoint(3, 10));
     });
-    assert_eq!(
-        carried.decide(),
-        Step::RecordRunning,
-        "the lock carries a newer checkpoint"
-    );
+    carried.decides(Step::RecordRunning, "the lock carries a newer checkpoint");
     let case = carried.with_metadata(|m| m.status.latest_checkpoint = Some(checkpoint(3, 10)));
-    assert_eq!(case.decide(), Step::KeepRunning, "already recorded");
+    case.decides(Step::KeepRunning, "already recorded");
     let case = older(Case::held_here().wanted_by("b"));
-    assert_eq!(case.decide(), Step::HandOver, "a handover comes first");
+    case.decides(Step::HandOver, "a handover comes first");
 }
 
 #[test]
@@ -329,7 +304,7 @@ fn a_due_periodic_checkpoint_is_a_step_of_the_table() {
     let mut case = Case::held_here().with(|case| case.checkpoint_due = true);
     assert_eq!(case.decide(), Step::PeriodicCheckpoint);
     case.vouched = false;
-    assert_eq!(case.decide(), Step::Reverify, "never on an unvouched hold");
+    case.decides(Step::Reverify, "never on an unvouched hold");
 }
 
 #[test]
