@@ -212,8 +212,7 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
 async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_running() {
     let world = World::new();
     let a = world.instance("a");
-    let id = SandboxId::random();
-    let metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
+    let (id, metadata) = world.new_sandbox(false);
     a.create_from(&metadata).await.unwrap();
     a.reconcile(&id).await.unwrap();
     let mut events = a.controller.subscribe(&id);
@@ -270,9 +269,7 @@ pub(super) fn gated_world() -> (World, Arc<HookedStore<GatedMetadataWrites>>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     let (world, gated) = gated_world();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
-    a.run(&id, "x=1").await;
+    let (a, id) = world.a_running("x=1").await;
 
     // The intent's write hangs: the request returns, and the pass it
     // primed checkpoints meanwhile (decision 22).
@@ -365,10 +362,8 @@ async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate() {
     let (world, gated) = gated_world();
-    let a = world.instance("a");
+    let (a, id) = world.a_running("state").await;
     let b = world.instance("b");
-    let id = a.create(&world).await;
-    a.run(&id, "state").await;
 
     // `status` is behind (an operator's edit), and every write of
     // `metadata.json` hangs, as one refused by GCS's write rate retries.
@@ -450,9 +445,7 @@ impl BeforeRequest for TakenOverDuringCheckpoint {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile() {
     let (world, wrapper) = World::hooked(TakenOverDuringCheckpoint::default());
-    let a = world.instance("a");
-    let id = a.create(&world).await;
-    a.run(&id, "x=1").await;
+    let (a, id) = world.a_running("x=1").await;
     let epoch = world.lease(&id).await.epoch;
 
     let mut events = a.controller.subscribe(&id);
@@ -498,9 +491,7 @@ impl BeforeRequest for HeldMetadataReads {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
     let (world, held) = World::hooked(HeldMetadataReads::default());
-    let a = world.instance("a");
-    let id = a.create(&world).await;
-    a.run(&id, "x=1").await;
+    let (a, id) = world.a_running("x=1").await;
 
     held.hook.closed.store(true, Ordering::SeqCst);
     a.controller.reconciler().want_full_pass(&id);

@@ -80,10 +80,8 @@ async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_ag
     for edited in [false, true] {
         let counts = Arc::new(OperationCounts::default());
         let world = World::wrapped(|store| Arc::new(CountingStore::new(store, counts.clone())));
-        let a = world.instance("a");
+        let (a, id) = world.a_running("state").await;
         let b = world.instance("b");
-        let id = a.create(&world).await;
-        a.run(&id, "state").await;
         a.controller.client_attached(&id, false);
         if edited {
             let mut metadata = world.metadata(&id).await;
@@ -114,11 +112,9 @@ async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_ag
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it() {
     let world = World::new();
-    let a = world.instance("a");
+    let (a, id) = world.a_running("state").await;
     let b = world.instance("b");
     let config = ReconcilerConfig::default();
-    let id = a.create(&world).await;
-    a.run(&id, "state").await;
     a.controller.client_attached(&id, false);
     b.runtime.watch_images();
     b.request_here(&id, None, world.clock.now()).await.unwrap();

@@ -7,9 +7,8 @@ use super::*;
 async fn create_runs_the_sandbox_under_a_new_lease() {
     let world = World::new();
     let a = world.instance("a");
-    let id = SandboxId::random();
+    let (id, metadata) = world.new_sandbox(false);
     let mut events = a.controller.subscribe(&id);
-    let metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
     a.create_from(&metadata).await.unwrap();
     let requeue = a.reconcile(&id).await.unwrap();
 

@@ -113,6 +113,24 @@ impl World {
         Instance::build(self.bucket.clone(), clock, name, lease, config, hooks)
     }
 
+    /// A new sandbox's id and record, made now; `checkpointable` sets
+    /// `enable_checkpoint`.
+    fn new_sandbox(&self, checkpointable: bool) -> (SandboxId, SandboxMetadata) {
+        let id = SandboxId::random();
+        let mut metadata = SandboxMetadata::new(id.clone(), self.clock.now(), TOKEN_HASH.into());
+        metadata.spec.enable_checkpoint = checkpointable;
+        (id, metadata)
+    }
+
+    /// Instance `a`, holding a sandbox it created and ran `code` in (the
+    /// state a checkpoint or a handoff carries).
+    async fn a_running(&self, code: &str) -> (Instance, SandboxId) {
+        let a = self.instance("a");
+        let id = a.create(self).await;
+        a.run(&id, code).await;
+        (a, id)
+    }
+
     async fn metadata(&self, id: &SandboxId) -> SandboxMetadata {
         decode(&self.store.get(&metadata_key(id)).await.unwrap().data).unwrap()
     }
@@ -269,9 +287,7 @@ impl Instance {
     }
 
     async fn create(&self, world: &World) -> SandboxId {
-        let id = SandboxId::random();
-        let mut metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
-        metadata.spec.enable_checkpoint = true;
+        let (id, metadata) = world.new_sandbox(true);
         self.create_from(&metadata).await.unwrap();
         self.reconcile(&id).await.unwrap();
         id

@@ -98,9 +98,7 @@ async fn attach(instance: &Instance, id: &SandboxId, world: &World) {
 }
 
 async fn create(instance: &Instance, world: &World) -> (SandboxId, u128) {
-    let id = SandboxId::random();
-    let mut metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
-    metadata.spec.enable_checkpoint = true;
+    let (id, metadata) = world.new_sandbox(true);
     let mut events = instance.controller.subscribe(&id);
     let start = Instant::now();
     instance.create_from(&metadata).await.unwrap();
