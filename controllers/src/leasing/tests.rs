@@ -24,6 +24,16 @@ fn store_and_clock() -> (Arc<MemoryStore>, ManualClock) {
     (Arc::new(MemoryStore::new()), ManualClock::new())
 }
 
+/// Leases of the instances `names` on one empty store, and that store and
+/// its clock: most tests here set two or three instances against each other.
+fn leases_on_one_store<const N: usize>(
+    names: [&str; N],
+) -> (Arc<MemoryStore>, ManualClock, [Leases; N]) {
+    let (store, clock) = store_and_clock();
+    let leases = names.map(|name| leases(&store, &clock, name));
+    (store, clock, leases)
+}
+
 /// A memory store seen through an operation counter, for the ring tests that
 /// count requests: the store, its counts, and the counted view of it.
 fn counted_store() -> (Arc<MemoryStore>, Arc<OperationCounts>, Arc<dyn Store>) {
@@ -133,8 +143,7 @@ async fn assert_rung(store: &MemoryStore, holder: &InstanceId, sandboxes: &[Sand
 
 #[tokio::test]
 async fn first_acquire_creates_the_lease_at_epoch_one() {
-    let (store, clock) = store_and_clock();
-    let a = leases(&store, &clock, "a");
+    let (store, clock, [a]) = leases_on_one_store(["a"]);
     let held = a.acquire(&sandbox()).await.unwrap();
     assert_eq!(held.epoch, 1);
     let lease = stored_lease(&store).await;
@@ -148,8 +157,7 @@ async fn first_acquire_creates_the_lease_at_epoch_one() {
 
 #[tokio::test]
 async fn a_held_lease_refuses_others_until_it_expires() {
-    let (store, clock) = store_and_clock();
-    let [a, b] = ["a", "b"].map(|name| leases(&store, &clock, name));
+    let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
     let held_a = a.acquire(&sandbox()).await.unwrap();
 
     let err = b.acquire(&sandbox()).await.unwrap_err();
@@ -191,8 +199,7 @@ async fn a_held_lease_refuses_others_until_it_expires() {
 
 #[tokio::test]
 async fn release_clears_the_holder_and_keeps_the_object_and_epoch() {
-    let (store, clock) = store_and_clock();
-    let [a, b] = ["a", "b"].map(|name| leases(&store, &clock, name));
+    let (store, _, [a, b]) = leases_on_one_store(["a", "b"]);
     let held = a.acquire(&sandbox()).await.unwrap();
     a.release(&held).await.unwrap();
     let lease = stored_lease(&store).await;
@@ -204,8 +211,7 @@ async fn release_clears_the_holder_and_keeps_the_object_and_epoch() {
 
 #[tokio::test]
 async fn an_attach_intent_reserves_the_sandbox_for_the_asking_instance() {
-    let (store, clock) = store_and_clock();
-    let [a, b, c] = ["a", "b", "c"].map(|name| leases(&store, &clock, name));
+    let (store, clock, [a, b, c]) = leases_on_one_store(["a", "b", "c"]);
     let held = a.acquire(&sandbox()).await.unwrap();
 
     let intent = b.request_attach(&sandbox()).await.unwrap();
@@ -230,8 +236,7 @@ async fn an_attach_intent_reserves_the_sandbox_for_the_asking_instance() {
 
 #[tokio::test]
 async fn a_stale_intent_stops_blocking() {
-    let (store, clock) = store_and_clock();
-    let [b, c] = ["b", "c"].map(|name| leases(&store, &clock, name));
+    let (store, clock, [b, c]) = leases_on_one_store(["b", "c"]);
     b.request_attach(&sandbox()).await.unwrap();
     assert!(c.acquire(&sandbox()).await.is_err());
     clock.advance(Duration::seconds(61));
@@ -245,8 +250,7 @@ async fn a_stale_intent_stops_blocking() {
 
 #[tokio::test]
 async fn withdrawing_an_intent_only_removes_ones_own() {
-    let (store, clock) = store_and_clock();
-    let [b, c] = ["b", "c"].map(|name| leases(&store, &clock, name));
+    let (store, _, [b, c]) = leases_on_one_store(["b", "c"]);
     b.request_attach(&sandbox()).await.unwrap();
     c.withdraw_attach(&sandbox()).await.unwrap();
     assert_eq!(stored_intent_of(&store).await, Some(instance("b")));
@@ -294,8 +298,7 @@ async fn instances_whose_clocks_disagree_by_three_seconds_never_overlap() {
 
 #[tokio::test]
 async fn an_operator_clearing_the_holder_makes_the_holder_see_the_loss() {
-    let (store, clock) = store_and_clock();
-    let a = leases(&store, &clock, "a");
+    let (store, _, [a]) = leases_on_one_store(["a"]);
     let held = a.acquire(&sandbox()).await.unwrap();
     let key = lock_key(&sandbox());
     let current = store.get(&key).await.unwrap();
@@ -314,8 +317,7 @@ async fn an_operator_clearing_the_holder_makes_the_holder_see_the_loss() {
 
 #[tokio::test]
 async fn an_invalid_lock_is_reported_by_field_and_never_overwritten() {
-    let (store, clock) = store_and_clock();
-    let a = leases(&store, &clock, "a");
+    let (store, _, [a]) = leases_on_one_store(["a"]);
     let text = "{\n  \"apiVersion\": \"sandboxd.dev/v1\",\n  \"holder\": null,\n  \"epoch\": \"three\",\n  \"lease_duration_s\": 30\n}\n";
     store
         .put(&lock_key(&sandbox()), text.into(), PutMode::Create)
@@ -348,8 +350,7 @@ async fn of_ten_concurrent_acquirers_exactly_one_wins() {
 
 #[tokio::test]
 async fn an_acquire_whose_response_was_lost_is_recognised_on_retry() {
-    let (store, clock) = store_and_clock();
-    let a = leases(&store, &clock, "a");
+    let (store, _, [a]) = leases_on_one_store(["a"]);
     // The read succeeds, the write lands but its response is lost.
     store.inject([Fault::Pass, Fault::LostResponse]);
     let err = a.acquire(&sandbox()).await.unwrap_err();
@@ -566,8 +567,7 @@ async fn a_batch_of_a_burst_reads_first_and_no_write_is_refused() {
 /// intent names it, in one write that carries the checkpoint.
 #[tokio::test]
 async fn a_hand_back_transfers_the_hold_to_the_live_intent_with_the_checkpoint() {
-    let (store, clock) = store_and_clock();
-    let [a, b] = ["a", "b"].map(|name| leases(&store, &clock, name));
+    let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
     let held = a.acquire(&sandbox()).await.unwrap();
     b.request_attach(&sandbox()).await.unwrap();
     let read = a.read(&sandbox()).await.unwrap();
@@ -587,8 +587,7 @@ async fn a_hand_back_transfers_the_hold_to_the_live_intent_with_the_checkpoint()
 
 #[tokio::test]
 async fn a_holder_read_live_is_not_read_again_within_a_second_and_gone_is_always_read() {
-    let (store, clock) = store_and_clock();
-    let [a, b] = ["a", "b"].map(|name| leases(&store, &clock, name));
+    let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
     a.instance_lease().renew().await.unwrap();
     let watcher = b.instance_lease();
 
@@ -615,8 +614,7 @@ async fn a_holder_read_live_is_not_read_again_within_a_second_and_gone_is_always
 
 #[tokio::test]
 async fn a_remembered_live_lease_that_runs_out_meanwhile_is_read_again() {
-    let (store, clock) = store_and_clock();
-    let [a, b] = ["a", "b"].map(|name| leases(&store, &clock, name));
+    let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
     a.instance_lease().renew().await.unwrap();
     // 34.5 s after the renewal: live for 0.5 s more (30 s lease, 5 s skew).
     clock.advance(Duration::milliseconds(34_500));
@@ -685,8 +683,7 @@ fn handed_checkpoint(
 /// with the hold it was about.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write() {
-    let (store, clock) = store_and_clock();
-    let [a, b] = ["a", "b"].map(|name| leases(&store, &clock, name));
+    let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
     let held = a.acquire(&sandbox()).await.unwrap();
     let before = store.get(&lock_key(&sandbox())).await.unwrap().generation;
 
@@ -741,8 +738,7 @@ async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write(
 /// A ring that cannot be written leaves the intent to the lock, as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_intent_whose_ring_fails_is_written_into_the_lock() {
-    let (store, clock) = store_and_clock();
-    let [a, b] = ["a", "b"].map(|name| leases(&store, &clock, name));
+    let (store, _, [a, b]) = leases_on_one_store(["a", "b"]);
     a.acquire(&sandbox()).await.unwrap();
     let read = b.read(&sandbox()).await.unwrap();
     // The ring's read of the doorbell fails.
