@@ -592,24 +592,23 @@ async fn a_holder_read_live_is_not_read_again_within_a_second_and_gone_is_always
     let watcher = b.instance_lease();
 
     let before = store.operations();
-    assert!(watcher.is_live(&instance("a")).await.unwrap());
-    assert_eq!(store.operations(), before + 1, "the first answer is read");
-    clock.advance(Duration::milliseconds(900));
-    assert!(watcher.is_live(&instance("a")).await.unwrap());
-    assert_eq!(
-        store.operations(),
-        before + 1,
-        "live, read 0.9 s ago: no read"
-    );
-    clock.advance(Duration::milliseconds(200));
-    assert!(watcher.is_live(&instance("a")).await.unwrap());
-    assert_eq!(store.operations(), before + 2, "read 1.1 s ago: read again");
-
-    // Past the lease and the skew: found gone, on a read, every time.
-    clock.advance(Duration::seconds(36));
-    assert!(!watcher.is_live(&instance("a")).await.unwrap());
-    assert!(!watcher.is_live(&instance("a")).await.unwrap());
-    assert_eq!(store.operations(), before + 4);
+    // Each row: time passed, then the answer and the reads made so far.
+    for (passed_ms, live, reads, why) in [
+        (0, true, 1, "the first answer is read"),
+        (900, true, 1, "live, read 0.9 s ago: no read"),
+        (200, true, 2, "read 1.1 s ago: read again"),
+        // Past the lease and the skew: found gone, on a read, every time.
+        (36_000, false, 3, "gone, read"),
+        (0, false, 4, "gone again, read again"),
+    ] {
+        clock.advance(Duration::milliseconds(passed_ms));
+        assert_eq!(
+            watcher.is_live(&instance("a")).await.unwrap(),
+            live,
+            "{why}"
+        );
+        assert_eq!(store.operations(), before + reads, "{why}");
+    }
 }
 
 #[tokio::test]

@@ -126,13 +126,10 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
 #[tokio::test]
 async fn invalid_json_from_an_operator_is_reported_and_changes_nothing() {
     let (world, a, id) = World::with_a_sandbox().await;
+    let oops = Bytes::from_static(b"{\"apiVersion\": \"sandboxd.dev/v1\", oops");
     world
         .store
-        .put(
-            &metadata_key(&id),
-            Bytes::from_static(b"{\"apiVersion\": \"sandboxd.dev/v1\", oops"),
-            PutMode::Overwrite,
-        )
+        .put(&metadata_key(&id), oops, PutMode::Overwrite)
         .await
         .unwrap();
     // Between full passes only the lease is looked after.

@@ -153,12 +153,9 @@ impl World {
 
     /// Writes `metadata` as an operator's edit would (unconditionally).
     async fn edit_metadata(&self, metadata: &SandboxMetadata) {
+        let key = metadata_key(&metadata.sandbox_id);
         self.store
-            .put(
-                &metadata_key(&metadata.sandbox_id),
-                crate::api::encode(metadata),
-                PutMode::Overwrite,
-            )
+            .put(&key, encode(metadata), PutMode::Overwrite)
             .await
             .unwrap();
     }
