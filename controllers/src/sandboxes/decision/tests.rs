@@ -152,13 +152,12 @@ fn metadata_gone_stops_what_runs_here_else_nothing() {
 
 #[test]
 fn a_lock_naming_another_holder_or_epoch_means_lost() {
-    let case = Case::held_here().held_by("b", 4);
-    assert_eq!(
-        case.decide(),
-        Step::StopLost {
-            holder: Some(instance("b"))
-        }
-    );
+    let lost_to_b = Step::StopLost {
+        holder: Some(instance("b")),
+    };
+    Case::held_here()
+        .held_by("b", 4)
+        .decides(lost_to_b, "another holder");
     let case = Case::held_here().held_by("a", 4);
     assert!(
         matches!(case.decide(), Step::StopLost { .. }),
@@ -254,12 +253,10 @@ fn desired_running_and_not_held_acquires_only_when_wanted_here() {
     assert_eq!(Case::new().wanted_by("b").decide(), Step::NotWantedHere);
     assert_eq!(Case::new().decide(), Step::NotWantedHere);
     let live_holder = Case::new().held_by("b", 2).wanted_by("a");
-    live_holder.decides(
-        Step::AwaitHandover {
-            holder: instance("b"),
-        },
-        "a live holder hands it over",
-    );
+    let await_b = Step::AwaitHandover {
+        holder: instance("b"),
+    };
+    live_holder.decides(await_b, "a live holder hands it over");
     let case = live_holder.with(|case| case.holder_gone = true);
     case.decides(
         Step::Acquire,

@@ -287,12 +287,9 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
         "checkpointed while the intent was being written: {seen:?}"
     );
     assert!(a.runtime.memory(&id).is_none());
+    let carried = world.lease(&id).await.checkpoint;
     assert!(
-        world
-            .lease(&id)
-            .await
-            .checkpoint
-            .is_some_and(|c| c.path.ends_with("checkpoint.img")),
+        carried.is_some_and(|c| c.path.ends_with("checkpoint.img")),
         "the hand-back carries the checkpoint"
     );
 

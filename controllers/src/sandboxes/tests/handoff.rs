@@ -215,12 +215,9 @@ async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
     let id = a.create(&world).await;
     a.live_through(&world, 10).await;
     b.request_here(&id, None, world.clock.now()).await.unwrap();
+    let intent = world.lease(&id).await.wanted_by;
     assert_eq!(
-        world
-            .lease(&id)
-            .await
-            .wanted_by
-            .map(|intent| intent.instance),
+        intent.map(|intent| intent.instance),
         Some(InstanceId::parse("b").unwrap()),
         "written into the lock"
     );
