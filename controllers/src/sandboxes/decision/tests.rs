@@ -343,6 +343,9 @@ fn quiet<'a>(case: &'a Case) -> Quiet<'a> {
     }
 }
 
+/// One way a pass differs from a quiet one, for a table of them.
+type QuietChange = fn(&mut Quiet<'_>);
+
 /// A departure watch's pass of `case`, with the lock as that pass read it
 /// (`None` before the read).
 fn watching<'a>(case: &'a Case, lock_read: Option<Option<&'a Lease>>) -> Quiet<'a> {
@@ -362,7 +365,7 @@ fn a_held_sandbox_nothing_happened_to_stays_light() {
 #[test]
 fn anything_the_full_table_acts_on_takes_a_full_pass() {
     let case = Case::held_here();
-    let changes: [(&str, fn(&mut Quiet<'_>)); 6] = [
+    let changes: [(&str, QuietChange); 6] = [
         ("not held", |pass| pass.held = None),
         ("a full pass wanted", |pass| pass.full_pass_wanted = true),
         ("a resync due", |pass| pass.resync_due = true),
