@@ -8,7 +8,7 @@ use super::*;
 use crate::api::{SandboxMetadata, decode};
 use crate::fencing::{FenceError, fenced_update};
 use crate::layout::{doorbell_key, metadata_key};
-use crate::store::PutMode;
+use crate::store::{CountingStore, ObjectKey, Operation, OperationCounts, PutMode};
 use crate::testing::{Fault, ManualClock, MemoryStore};
 
 fn sandbox() -> SandboxId {
@@ -19,18 +19,52 @@ fn instance(name: &str) -> InstanceId {
     InstanceId::parse(name).unwrap()
 }
 
+/// An empty store and a clock at its start: where every test here begins.
+fn store_and_clock() -> (Arc<MemoryStore>, ManualClock) {
+    (Arc::new(MemoryStore::new()), ManualClock::new())
+}
+
+/// Leases of the instances `names` on one empty store, and that store and
+/// its clock: most tests here set two or three instances against each other.
+fn leases_on_one_store<const N: usize>(
+    names: [&str; N],
+) -> (Arc<MemoryStore>, ManualClock, [Leases; N]) {
+    let (store, clock) = store_and_clock();
+    let leases = names.map(|name| leases(&store, &clock, name));
+    (store, clock, leases)
+}
+
+/// A memory store seen through an operation counter, for the ring tests that
+/// count requests: the store, its counts, and the counted view of it.
+fn counted_store() -> (Arc<MemoryStore>, Arc<OperationCounts>, Arc<dyn Store>) {
+    let memory = Arc::new(MemoryStore::new());
+    let counts = Arc::new(OperationCounts::default());
+    let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory.clone(), counts.clone()));
+    (memory, counts, store)
+}
+
+/// The reads and writes `counts` saw while `run` ran: what a ring cost.
+async fn reads_and_writes_of(
+    counts: &OperationCounts,
+    run: impl Future<Output = ()>,
+) -> (u64, u64) {
+    let (reads, writes) = (counts.count(Operation::Get), counts.count(Operation::Put));
+    run.await;
+    (
+        counts.count(Operation::Get) - reads,
+        counts.count(Operation::Put) - writes,
+    )
+}
+
 fn leases(store: &Arc<MemoryStore>, clock: &ManualClock, name: &str) -> Leases {
-    let mut leases = Leases::new(
-        store.clone(),
-        Arc::new(clock.clone()),
-        instance(name),
-        LeaseConfig {
-            duration: Duration::seconds(30),
-            skew_tolerance: Duration::seconds(5),
-            intent_ttl: Duration::seconds(60),
-            ring_spacing: std::time::Duration::ZERO,
-        },
-    );
+    let config = LeaseConfig {
+        duration: Duration::seconds(30),
+        skew_tolerance: Duration::seconds(5),
+        intent_ttl: Duration::seconds(60),
+        ring_spacing: std::time::Duration::ZERO,
+    };
+    let clock = Arc::new(clock.clone());
+    let mut leases = Leases::new(store.clone(), clock, instance(name), config);
     leases.keep_rung_in(Arc::new(Heard::default()));
     leases
 }
@@ -76,6 +110,14 @@ async fn stored_lease(store: &MemoryStore) -> Lease {
     decode(&store.get(&lock_key(&sandbox())).await.unwrap().data).unwrap()
 }
 
+/// The instance the stored lock's attach intent names, if any.
+async fn stored_intent_of(store: &MemoryStore) -> Option<InstanceId> {
+    stored_lease(store)
+        .await
+        .wanted_by
+        .map(|intent| intent.instance)
+}
+
 /// Instance `name`'s leases on `store`, writing to one doorbell at most once
 /// per `spacing_ms`.
 fn ringer(store: &Arc<dyn Store>, clock: &ManualClock, name: &str, spacing_ms: u64) -> Leases {
@@ -101,9 +143,7 @@ async fn assert_rung(store: &MemoryStore, holder: &InstanceId, sandboxes: &[Sand
 
 #[tokio::test]
 async fn first_acquire_creates_the_lease_at_epoch_one() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let a = leases(&store, &clock, "a");
+    let (store, clock, [a]) = leases_on_one_store(["a"]);
     let held = a.acquire(&sandbox()).await.unwrap();
     assert_eq!(held.epoch, 1);
     let lease = stored_lease(&store).await;
@@ -117,10 +157,7 @@ async fn first_acquire_creates_the_lease_at_epoch_one() {
 
 #[tokio::test]
 async fn a_held_lease_refuses_others_until_it_expires() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let a = leases(&store, &clock, "a");
-    let b = leases(&store, &clock, "b");
+    let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
     let held_a = a.acquire(&sandbox()).await.unwrap();
 
     let err = b.acquire(&sandbox()).await.unwrap_err();
@@ -162,10 +199,7 @@ async fn a_held_lease_refuses_others_until_it_expires() {
 
 #[tokio::test]
 async fn release_clears_the_holder_and_keeps_the_object_and_epoch() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let a = leases(&store, &clock, "a");
-    let b = leases(&store, &clock, "b");
+    let (store, _, [a, b]) = leases_on_one_store(["a", "b"]);
     let held = a.acquire(&sandbox()).await.unwrap();
     a.release(&held).await.unwrap();
     let lease = stored_lease(&store).await;
@@ -177,21 +211,14 @@ async fn release_clears_the_holder_and_keeps_the_object_and_epoch() {
 
 #[tokio::test]
 async fn an_attach_intent_reserves_the_sandbox_for_the_asking_instance() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let a = leases(&store, &clock, "a");
-    let b = leases(&store, &clock, "b");
-    let c = leases(&store, &clock, "c");
+    let (store, clock, [a, b, c]) = leases_on_one_store(["a", "b", "c"]);
     let held = a.acquire(&sandbox()).await.unwrap();
 
     let intent = b.request_attach(&sandbox()).await.unwrap();
     assert_eq!(intent.expires_at, clock.now() + Duration::seconds(60));
     // The holder renews: the intent survives its writes.
     let held = a.renew(&held).await.unwrap();
-    assert_eq!(
-        stored_lease(&store).await.wanted_by.unwrap().instance,
-        instance("b")
-    );
+    assert_eq!(stored_intent_of(&store).await, Some(instance("b")));
 
     a.release(&held).await.unwrap();
     assert!(matches!(
@@ -209,10 +236,7 @@ async fn an_attach_intent_reserves_the_sandbox_for_the_asking_instance() {
 
 #[tokio::test]
 async fn a_stale_intent_stops_blocking() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let b = leases(&store, &clock, "b");
-    let c = leases(&store, &clock, "c");
+    let (store, clock, [b, c]) = leases_on_one_store(["b", "c"]);
     b.request_attach(&sandbox()).await.unwrap();
     assert!(c.acquire(&sandbox()).await.is_err());
     clock.advance(Duration::seconds(61));
@@ -226,24 +250,17 @@ async fn a_stale_intent_stops_blocking() {
 
 #[tokio::test]
 async fn withdrawing_an_intent_only_removes_ones_own() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let b = leases(&store, &clock, "b");
-    let c = leases(&store, &clock, "c");
+    let (store, _, [b, c]) = leases_on_one_store(["b", "c"]);
     b.request_attach(&sandbox()).await.unwrap();
     c.withdraw_attach(&sandbox()).await.unwrap();
-    assert_eq!(
-        stored_lease(&store).await.wanted_by.unwrap().instance,
-        instance("b")
-    );
+    assert_eq!(stored_intent_of(&store).await, Some(instance("b")));
     b.withdraw_attach(&sandbox()).await.unwrap();
     assert_eq!(stored_lease(&store).await.wanted_by, None);
 }
 
 #[tokio::test]
 async fn instances_whose_clocks_disagree_by_three_seconds_never_overlap() {
-    let store = Arc::new(MemoryStore::new());
-    let clock_a = ManualClock::new();
+    let (store, clock_a) = store_and_clock();
     let clock_b = clock_a.skewed(Duration::seconds(3)); // B runs 3 s ahead
     let a = leases(&store, &clock_a, "a");
     let b = leases(&store, &clock_b, "b");
@@ -281,20 +298,15 @@ async fn instances_whose_clocks_disagree_by_three_seconds_never_overlap() {
 
 #[tokio::test]
 async fn an_operator_clearing_the_holder_makes_the_holder_see_the_loss() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let a = leases(&store, &clock, "a");
+    let (store, _, [a]) = leases_on_one_store(["a"]);
     let held = a.acquire(&sandbox()).await.unwrap();
-    let current = store.get(&lock_key(&sandbox())).await.unwrap();
+    let key = lock_key(&sandbox());
+    let current = store.get(&key).await.unwrap();
     let edited = String::from_utf8(current.data.to_vec())
         .unwrap()
         .replace("\"holder\": \"a\"", "\"holder\": null");
     store
-        .put(
-            &lock_key(&sandbox()),
-            edited.into(),
-            PutMode::Update(current.generation),
-        )
+        .put(&key, edited.into(), PutMode::Update(current.generation))
         .await
         .unwrap();
     assert!(matches!(
@@ -305,9 +317,7 @@ async fn an_operator_clearing_the_holder_makes_the_holder_see_the_loss() {
 
 #[tokio::test]
 async fn an_invalid_lock_is_reported_by_field_and_never_overwritten() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let a = leases(&store, &clock, "a");
+    let (store, _, [a]) = leases_on_one_store(["a"]);
     let text = "{\n  \"apiVersion\": \"sandboxd.dev/v1\",\n  \"holder\": null,\n  \"epoch\": \"three\",\n  \"lease_duration_s\": 30\n}\n";
     store
         .put(&lock_key(&sandbox()), text.into(), PutMode::Create)
@@ -324,8 +334,7 @@ async fn an_invalid_lock_is_reported_by_field_and_never_overwritten() {
 
 #[tokio::test]
 async fn of_ten_concurrent_acquirers_exactly_one_wins() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
+    let (store, clock) = store_and_clock();
     let attempts = (0..10).map(|i| {
         let leases = leases(&store, &clock, &format!("i{i}"));
         tokio::spawn(async move { leases.acquire(&sandbox()).await })
@@ -341,9 +350,7 @@ async fn of_ten_concurrent_acquirers_exactly_one_wins() {
 
 #[tokio::test]
 async fn an_acquire_whose_response_was_lost_is_recognised_on_retry() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let a = leases(&store, &clock, "a");
+    let (store, _, [a]) = leases_on_one_store(["a"]);
     // The read succeeds, the write lands but its response is lost.
     store.inject([Fault::Pass, Fault::LostResponse]);
     let err = a.acquire(&sandbox()).await.unwrap_err();
@@ -358,17 +365,23 @@ async fn an_acquire_whose_response_was_lost_is_recognised_on_retry() {
     );
 }
 
-#[tokio::test]
-async fn fenced_updates_refuse_writers_with_an_older_epoch() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
+/// A store whose only object is the sandbox's `metadata.json`, recording
+/// `epoch`: the fence tests' start. Returns the store, the key and the record.
+async fn stored_metadata_at(epoch: u64) -> (Arc<MemoryStore>, ObjectKey, SandboxMetadata) {
+    let (store, clock) = store_and_clock();
     let key = metadata_key(&sandbox());
     let mut metadata = SandboxMetadata::new(sandbox(), clock.now(), "ab".repeat(32));
-    metadata.status.epoch = 3;
+    metadata.status.epoch = epoch;
     store
         .put(&key, encode(&metadata), PutMode::Create)
         .await
         .unwrap();
+    (store, key, metadata)
+}
+
+#[tokio::test]
+async fn fenced_updates_refuse_writers_with_an_older_epoch() {
+    let (store, key, _) = stored_metadata_at(3).await;
 
     let stale = fenced_update::<SandboxMetadata, String, _>(store.as_ref(), &key, 2, |m| {
         m.status.last_error = Some("from a zombie".into());
@@ -408,14 +421,7 @@ async fn fenced_updates_refuse_writers_with_an_older_epoch() {
 
 #[tokio::test]
 async fn fenced_updates_retry_a_lost_race_and_recheck_the_fence() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let key = metadata_key(&sandbox());
-    let metadata = SandboxMetadata::new(sandbox(), clock.now(), "ab".repeat(32));
-    store
-        .put(&key, encode(&metadata), PutMode::Create)
-        .await
-        .unwrap();
+    let (store, key, metadata) = stored_metadata_at(0).await;
 
     // The first attempt's change runs, then a newer holder writes before our put.
     let mut first = true;
@@ -454,10 +460,7 @@ async fn fenced_updates_retry_a_lost_race_and_recheck_the_fence() {
 /// per `ring_spacing` (plus the first), and every sandbox is in it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
-    use crate::store::{CountingStore, Operation, OperationCounts};
-    let memory = Arc::new(MemoryStore::new());
-    let counts = Arc::new(OperationCounts::default());
-    let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory.clone(), counts.clone()));
+    let (memory, counts, store) = counted_store();
     let ringer = ringer(&store, &ManualClock::new(), "b", 300);
     let sandboxes: Vec<SandboxId> = (0..30u128).map(SandboxId::from_u128).collect();
     #[allow(clippy::disallowed_methods, reason = "the test measures its own run")]
@@ -493,22 +496,15 @@ async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
 /// both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
-    use crate::store::{CountingStore, Operation, OperationCounts};
-    let memory = Arc::new(MemoryStore::new());
-    let counts = Arc::new(OperationCounts::default());
-    let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory.clone(), counts.clone()));
+    let (memory, counts, store) = counted_store();
     let clock = ManualClock::new();
     let ringer = ringer(&store, &clock, "b", 0);
     let rings = ringer.instance_lease();
     let [first, second, third, other] = [1u128, 2, 3, 4].map(SandboxId::from_u128);
     rings.ring(&instance("a"), &first, None).await.unwrap();
-    let (reads, writes) = (counts.count(Operation::Get), counts.count(Operation::Put));
-    rings.ring(&instance("a"), &second, None).await.unwrap();
+    let second_ring = async { rings.ring(&instance("a"), &second, None).await.unwrap() };
     assert_eq!(
-        (
-            counts.count(Operation::Get) - reads,
-            counts.count(Operation::Put) - writes
-        ),
+        reads_and_writes_of(&counts, second_ring).await,
         (0, 1),
         "a second ring is one write, no read"
     );
@@ -527,16 +523,14 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
     // Found stale once, the ringer reads first for a while: another
     // instance ringing the same holder in turn (a mass reconnect) would
     // otherwise cost a refused write per ring.
-    let (reads, writes) = (counts.count(Operation::Get), counts.count(Operation::Put));
-    ring_doorbell(memory.as_ref(), clock.now(), &instance("a"), &other, "c")
-        .await
-        .unwrap();
-    rings.ring(&instance("a"), &first, None).await.unwrap();
+    let ring_in_turn = async {
+        ring_doorbell(memory.as_ref(), clock.now(), &instance("a"), &other, "c")
+            .await
+            .unwrap();
+        rings.ring(&instance("a"), &first, None).await.unwrap();
+    };
     assert_eq!(
-        (
-            counts.count(Operation::Get) - reads,
-            counts.count(Operation::Put) - writes
-        ),
+        reads_and_writes_of(&counts, ring_in_turn).await,
         (1, 1),
         "a read and one write, no refused write"
     );
@@ -549,30 +543,18 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
 /// spends the object's write rate, at the moment it is scarcest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_a_burst_reads_first_and_no_write_is_refused() {
-    use crate::store::{CountingStore, Operation, OperationCounts};
-    let memory = Arc::new(MemoryStore::new());
-    let counts = Arc::new(OperationCounts::default());
-    let store: Arc<dyn Store> = Arc::new(CountingStore::new(memory.clone(), counts.clone()));
+    let (memory, counts, store) = counted_store();
     let clock = ManualClock::new();
-    let b = ringer(&store, &clock, "b", 200);
-    let c = ringer(&store, &clock, "c", 200);
+    let [b, c] = ["b", "c"].map(|name| ringer(&store, &clock, name, 200));
+    let (b, c) = (b.instance_lease(), c.instance_lease());
     let [first, second, third] = [1u128, 2, 3].map(SandboxId::from_u128);
     let holder = instance("a");
-    b.instance_lease()
-        .ring(&holder, &first, None)
-        .await
-        .unwrap();
-    c.instance_lease()
-        .ring(&holder, &second, None)
-        .await
-        .unwrap();
+    b.ring(&holder, &first, None).await.unwrap();
+    c.ring(&holder, &second, None).await.unwrap();
     let writes = counts.count(Operation::Put);
     assert_eq!(writes, 2, "each first ring is one write");
     // B again within its spacing: a batch of the burst.
-    b.instance_lease()
-        .ring(&holder, &third, None)
-        .await
-        .unwrap();
+    b.ring(&holder, &third, None).await.unwrap();
     assert_eq!(
         counts.count(Operation::Put) - writes,
         1,
@@ -585,10 +567,7 @@ async fn a_batch_of_a_burst_reads_first_and_no_write_is_refused() {
 /// intent names it, in one write that carries the checkpoint.
 #[tokio::test]
 async fn a_hand_back_transfers_the_hold_to_the_live_intent_with_the_checkpoint() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let a = leases(&store, &clock, "a");
-    let b = leases(&store, &clock, "b");
+    let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
     let held = a.acquire(&sandbox()).await.unwrap();
     b.request_attach(&sandbox()).await.unwrap();
     let read = a.read(&sandbox()).await.unwrap();
@@ -608,40 +587,33 @@ async fn a_hand_back_transfers_the_hold_to_the_live_intent_with_the_checkpoint()
 
 #[tokio::test]
 async fn a_holder_read_live_is_not_read_again_within_a_second_and_gone_is_always_read() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let a = leases(&store, &clock, "a");
-    let b = leases(&store, &clock, "b");
+    let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
     a.instance_lease().renew().await.unwrap();
     let watcher = b.instance_lease();
 
     let before = store.operations();
-    assert!(watcher.is_live(&instance("a")).await.unwrap());
-    assert_eq!(store.operations(), before + 1, "the first answer is read");
-    clock.advance(Duration::milliseconds(900));
-    assert!(watcher.is_live(&instance("a")).await.unwrap());
-    assert_eq!(
-        store.operations(),
-        before + 1,
-        "live, read 0.9 s ago: no read"
-    );
-    clock.advance(Duration::milliseconds(200));
-    assert!(watcher.is_live(&instance("a")).await.unwrap());
-    assert_eq!(store.operations(), before + 2, "read 1.1 s ago: read again");
-
-    // Past the lease and the skew: found gone, on a read, every time.
-    clock.advance(Duration::seconds(36));
-    assert!(!watcher.is_live(&instance("a")).await.unwrap());
-    assert!(!watcher.is_live(&instance("a")).await.unwrap());
-    assert_eq!(store.operations(), before + 4);
+    // Each row: time passed, then the answer and the reads made so far.
+    for (passed_ms, live, reads, why) in [
+        (0, true, 1, "the first answer is read"),
+        (900, true, 1, "live, read 0.9 s ago: no read"),
+        (200, true, 2, "read 1.1 s ago: read again"),
+        // Past the lease and the skew: found gone, on a read, every time.
+        (36_000, false, 3, "gone, read"),
+        (0, false, 4, "gone again, read again"),
+    ] {
+        clock.advance(Duration::milliseconds(passed_ms));
+        assert_eq!(
+            watcher.is_live(&instance("a")).await.unwrap(),
+            live,
+            "{why}"
+        );
+        assert_eq!(store.operations(), before + reads, "{why}");
+    }
 }
 
 #[tokio::test]
 async fn a_remembered_live_lease_that_runs_out_meanwhile_is_read_again() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let a = leases(&store, &clock, "a");
-    let b = leases(&store, &clock, "b");
+    let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
     a.instance_lease().renew().await.unwrap();
     // 34.5 s after the renewal: live for 0.5 s more (30 s lease, 5 s skew).
     clock.advance(Duration::milliseconds(34_500));
@@ -710,10 +682,7 @@ fn handed_checkpoint(
 /// with the hold it was about.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let a = leases(&store, &clock, "a");
-    let b = leases(&store, &clock, "b");
+    let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
     let held = a.acquire(&sandbox()).await.unwrap();
     let before = store.get(&lock_key(&sandbox())).await.unwrap().generation;
 
@@ -768,10 +737,7 @@ async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write(
 /// A ring that cannot be written leaves the intent to the lock, as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_intent_whose_ring_fails_is_written_into_the_lock() {
-    let store = Arc::new(MemoryStore::new());
-    let clock = ManualClock::new();
-    let a = leases(&store, &clock, "a");
-    let b = leases(&store, &clock, "b");
+    let (store, _, [a, b]) = leases_on_one_store(["a", "b"]);
     a.acquire(&sandbox()).await.unwrap();
     let read = b.read(&sandbox()).await.unwrap();
     // The ring's read of the doorbell fails.
@@ -779,11 +745,5 @@ async fn an_attach_intent_whose_ring_fails_is_written_into_the_lock() {
     b.request_attach_writing(&sandbox(), read, None)
         .await
         .unwrap();
-    assert_eq!(
-        stored_lease(&store)
-            .await
-            .wanted_by
-            .map(|intent| intent.instance),
-        Some(instance("b"))
-    );
+    assert_eq!(stored_intent_of(&store).await, Some(instance("b")));
 }

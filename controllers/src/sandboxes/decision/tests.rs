@@ -84,15 +84,32 @@ impl Case {
         self
     }
 
-    fn wanted_by(mut self, who: &str) -> Self {
+    fn wanted_by(self, who: &str) -> Self {
+        self.wanted_by_for(who, Duration::seconds(60))
+    }
+
+    /// An intent of `who`'s that runs out `ttl` from now.
+    fn wanted_by_for(mut self, who: &str, ttl: Duration) -> Self {
         let now = self.now;
         self.lock.get_or_insert_with(|| Lease::unheld(15)).wanted_by = Some(AttachIntent {
             instance: instance(who),
             requested_at: now,
-            expires_at: now + Duration::seconds(60),
+            expires_at: now + ttl,
             extra: ExtraFields::new(),
         });
         self
+    }
+
+    /// `self` after `change`: a fixture with one field set apart, in one
+    /// expression.
+    fn with(mut self, change: impl FnOnce(&mut Self)) -> Self {
+        change(&mut self);
+        self
+    }
+
+    /// `self` with `change` made to its metadata (every fixture has some).
+    fn with_metadata(self, change: impl FnOnce(&mut SandboxMetadata)) -> Self {
+        self.with(|case| change(case.metadata.as_mut().unwrap()))
     }
 
     fn desired(mut self, desired: DesiredState) -> Self {
@@ -100,6 +117,13 @@ impl Case {
             metadata.spec.desired_state = desired;
         }
         self
+    }
+
+    /// Checks that the table decides `expected` for this case; `why` names
+    /// the row. A failure points at the caller's line.
+    #[track_caller]
+    fn decides(&self, expected: Step, why: &str) {
+        assert_eq!(self.decide(), expected, "{why}");
     }
 
     fn decide(&self) -> Step {
@@ -121,88 +145,59 @@ impl Case {
 
 #[test]
 fn metadata_gone_stops_what_runs_here_else_nothing() {
-    let mut case = Case::held_here();
-    case.metadata = None;
-    assert_eq!(case.decide(), Step::StopVanished);
-    let mut case = Case::new();
-    case.metadata = None;
-    assert_eq!(case.decide(), Step::Nothing);
+    let vanished = |case: Case| case.with(|case| case.metadata = None).decide();
+    assert_eq!(vanished(Case::held_here()), Step::StopVanished);
+    assert_eq!(vanished(Case::new()), Step::Nothing);
 }
 
 #[test]
 fn a_lock_naming_another_holder_or_epoch_means_lost() {
-    let case = Case::held_here().held_by("b", 4);
-    assert_eq!(
-        case.decide(),
-        Step::StopLost {
-            holder: Some(instance("b"))
-        }
-    );
+    let lost_to_b = Step::StopLost {
+        holder: Some(instance("b")),
+    };
+    Case::held_here()
+        .held_by("b", 4)
+        .decides(lost_to_b, "another holder");
     let case = Case::held_here().held_by("a", 4);
     assert!(
         matches!(case.decide(), Step::StopLost { .. }),
         "a newer epoch of ours is not ours"
     );
-    let mut case = Case::held_here();
-    case.lock = None;
+    let case = Case::held_here().with(|case| case.lock = None);
     assert_eq!(case.decide(), Step::StopLost { holder: None });
 }
 
 #[test]
 fn a_held_sandbox_that_died_is_marked_failed() {
-    let mut case = Case::held_here();
-    case.running_here = false;
+    let case = Case::held_here().with(|case| case.running_here = false);
     assert_eq!(case.decide(), Step::MarkDied);
 }
 
 #[test]
 fn desired_deleted_and_checkpointed_converge_when_held() {
-    assert_eq!(
-        Case::held_here().desired(DesiredState::Deleted).decide(),
-        Step::Delete
-    );
-    assert_eq!(
-        Case::held_here()
-            .desired(DesiredState::Checkpointed)
-            .decide(),
-        Step::CheckpointAndRelease
-    );
-    let mut case = Case::held_here().desired(DesiredState::Checkpointed);
-    case.metadata.as_mut().unwrap().spec.enable_checkpoint = false;
+    let case = Case::held_here().desired(DesiredState::Deleted);
+    case.decides(Step::Delete, "deleted");
+    let case = Case::held_here().desired(DesiredState::Checkpointed);
+    case.decides(Step::CheckpointAndRelease, "checkpointed");
+    let case = case.with_metadata(|metadata| metadata.spec.enable_checkpoint = false);
     assert_eq!(case.decide(), Step::RefuseCheckpoint);
 }
 
 #[test]
 fn another_instances_live_intent_is_a_handover_if_checkpointable() {
     assert_eq!(Case::held_here().wanted_by("b").decide(), Step::HandOver);
-    let mut case = Case::held_here().wanted_by("b");
-    case.lock
-        .as_mut()
-        .unwrap()
-        .wanted_by
-        .as_mut()
-        .unwrap()
-        .expires_at = case.now;
-    assert_eq!(
-        case.decide(),
-        Step::KeepRunning,
-        "an expired intent is ignored"
-    );
-    let mut case = Case::held_here().wanted_by("b");
-    case.metadata.as_mut().unwrap().spec.enable_checkpoint = false;
-    assert_eq!(
-        case.decide(),
-        Step::KeepRunning,
-        "cannot move without checkpoints"
-    );
+    let expired = Case::held_here().wanted_by_for("b", Duration::zero());
+    expired.decides(Step::KeepRunning, "an expired intent is ignored");
+    let case = Case::held_here().wanted_by("b");
+    let case = case.with_metadata(|metadata| metadata.spec.enable_checkpoint = false);
+    case.decides(Step::KeepRunning, "cannot move without checkpoints");
     assert_eq!(Case::held_here().wanted_by("a").decide(), Step::KeepRunning);
 }
 
 #[test]
 fn an_unvouched_hold_is_reverified_a_vouched_one_kept() {
     assert_eq!(Case::held_here().decide(), Step::KeepRunning);
-    let mut case = Case::held_here();
-    case.vouched = false;
+    let case = Case::held_here().with(|case| case.vouched = false);
     assert_eq!(case.decide(), Step::Reverify);
 }
 
@@ -210,56 +205,42 @@ fn an_unvouched_hold_is_reverified_a_vouched_one_kept() {
 fn a_lock_naming_this_instance_without_a_hold_is_an_orphan_unless_starting() {
     let case = Case::new().held_by("a", 7);
     assert_eq!(case.decide(), Step::ReleaseOrphan { epoch: 7 });
-    let mut case = Case::new().held_by("a", 7).wanted_by("a");
-    case.starting_here = true;
-    assert_eq!(
-        case.decide(),
-        Step::Acquire,
-        "its own start in flight is no orphan"
-    );
+    let case = Case::new().held_by("a", 7).wanted_by("a");
+    let case = case.with(|case| case.starting_here = true);
+    case.decides(Step::Acquire, "its own start in flight is no orphan");
 }
 
 #[test]
 fn desired_deleted_and_not_held_purges_awaits_or_tombstones() {
-    let mut case = Case::new().desired(DesiredState::Deleted);
-    case.metadata.as_mut().unwrap().status.phase = Phase::Deleted;
+    let case = Case::new().desired(DesiredState::Deleted);
+    let case = case.with_metadata(|metadata| metadata.status.phase = Phase::Deleted);
     assert_eq!(case.decide(), Step::Purge);
     let case = Case::new().desired(DesiredState::Deleted).held_by("b", 2);
     assert_eq!(case.decide(), Step::AwaitHolder);
-    let mut case = Case::new().desired(DesiredState::Deleted).held_by("b", 2);
-    case.holder_gone = true;
+    let case = case.with(|case| case.holder_gone = true);
     assert_eq!(case.decide(), Step::Tombstone);
-    assert_eq!(
-        Case::new().desired(DesiredState::Deleted).decide(),
-        Step::Tombstone
-    );
+    let case = Case::new().desired(DesiredState::Deleted);
+    case.decides(Step::Tombstone, "nobody holds it");
 }
 
 #[test]
 fn a_tombstone_is_never_started_again_whatever_its_spec_says() {
-    let tombstone = |case: Case| {
-        let mut case = case;
-        case.metadata.as_mut().unwrap().status.phase = Phase::Deleted;
-        case
-    };
-    assert_eq!(
-        tombstone(Case::new().desired(DesiredState::Deleted)).decide(),
-        Step::Purge
-    );
+    let tombstone = |case: Case| case.with_metadata(|m| m.status.phase = Phase::Deleted);
+    let case = tombstone(Case::new().desired(DesiredState::Deleted));
+    case.decides(Step::Purge, "a tombstone with its spec deleted");
     for desired in [DesiredState::Running, DesiredState::Checkpointed] {
         // Its spec set back by hand: not started, not purged either.
-        let mut case = tombstone(Case::new().desired(desired).wanted_by("a"));
-        case.waiting_here = true;
-        assert_eq!(case.decide(), Step::Nothing, "{desired:?}");
+        let case = tombstone(Case::new().desired(desired).wanted_by("a"));
+        let case = case.with(|case| case.waiting_here = true);
+        case.decides(Step::Nothing, &format!("{desired:?}"));
     }
     // A hold taken for it (an attach's own write) is released, not adopted.
-    let mut case = tombstone(Case::new().held_by("a", 4).wanted_by("a"));
-    case.waiting_here = true;
+    let case = tombstone(Case::new().held_by("a", 4).wanted_by("a"));
+    let case = case.with(|case| case.waiting_here = true);
     assert_eq!(case.decide(), Step::ReleaseOrphan { epoch: 4 });
     // Tombstoned under a hold still kept here (its release failed): the
     // deletion finishes, the tombstone is not overwritten by `Failed`.
-    let mut case = tombstone(Case::held_here());
-    case.running_here = false;
+    let case = tombstone(Case::held_here()).with(|case| case.running_here = false);
     assert_eq!(case.decide(), Step::Delete);
     // Running here under a live hold, the phase can only be an edit of
     // `status`: it is recorded again, the sandbox keeps running.
@@ -271,73 +252,56 @@ fn desired_running_and_not_held_acquires_only_when_wanted_here() {
     assert_eq!(Case::new().wanted_by("a").decide(), Step::Acquire);
     assert_eq!(Case::new().wanted_by("b").decide(), Step::NotWantedHere);
     assert_eq!(Case::new().decide(), Step::NotWantedHere);
-    assert_eq!(
-        Case::new().held_by("b", 2).wanted_by("a").decide(),
-        Step::AwaitHandover {
-            holder: instance("b")
-        },
-        "a live holder hands it over"
-    );
-    let mut case = Case::new().held_by("b", 2).wanted_by("a");
-    case.holder_gone = true;
-    assert_eq!(
-        case.decide(),
+    let live_holder = Case::new().held_by("b", 2).wanted_by("a");
+    let await_b = Step::AwaitHandover {
+        holder: instance("b"),
+    };
+    live_holder.decides(await_b, "a live holder hands it over");
+    let case = live_holder.with(|case| case.holder_gone = true);
+    case.decides(
         Step::Acquire,
-        "a holder whose lock and instance lease both ran out is taken over"
+        "a holder whose lock and instance lease both ran out is taken over",
     );
-    assert_eq!(
-        Case::new().desired(DesiredState::Checkpointed).decide(),
-        Step::CheckpointedMeanwhile
-    );
+    let case = Case::new().desired(DesiredState::Checkpointed);
+    case.decides(Step::CheckpointedMeanwhile, "checkpointed meanwhile");
 }
 
 #[test]
 fn a_lock_naming_this_instance_is_adopted_when_a_client_here_waits() {
-    let mut case = Case::new().held_by("a", 4);
-    case.waiting_here = true;
-    assert_eq!(case.decide(), Step::Adopt, "a transfer or an own write");
-    let mut case = Case::new()
+    let waiting = Case::new()
         .held_by("a", 4)
-        .desired(DesiredState::Checkpointed);
-    case.waiting_here = true;
-    assert_eq!(
-        case.decide(),
+        .with(|case| case.waiting_here = true);
+    waiting.decides(Step::Adopt, "a transfer or an own write");
+    let case = waiting.desired(DesiredState::Checkpointed);
+    case.decides(
         Step::ReleaseOrphan { epoch: 4 },
-        "not wanted running any more"
+        "not wanted running any more",
     );
 }
 
 #[test]
 fn a_held_sandbox_whose_status_lags_is_recorded_before_anything_else_routine() {
-    let mut case = Case::held_here();
-    case.metadata.as_mut().unwrap().status.epoch = 2;
-    assert_eq!(case.decide(), Step::RecordRunning, "an older epoch");
-    let mut case = Case::held_here();
-    case.metadata.as_mut().unwrap().status.phase = Phase::Restoring;
-    assert_eq!(case.decide(), Step::RecordRunning, "not yet Running");
-    let mut case = Case::held_here();
-    case.lock.as_mut().unwrap().checkpoint = Some(checkpoint(3, 10));
-    assert_eq!(
-        case.decide(),
-        Step::RecordRunning,
-        "the lock carries a newer checkpoint"
-    );
-    let mut case = Case::held_here();
-    case.lock.as_mut().unwrap().checkpoint = Some(checkpoint(3, 10));
-    case.metadata.as_mut().unwrap().status.latest_checkpoint = Some(checkpoint(3, 10));
-    assert_eq!(case.decide(), Step::KeepRunning, "already recorded");
-    let mut case = Case::held_here().wanted_by("b");
-    case.metadata.as_mut().unwrap().status.epoch = 2;
-    assert_eq!(case.decide(), Step::HandOver, "a handover comes first");
+    let older = |case: Case| case.with_metadata(|metadata| metadata.status.epoch = 2);
+    let case = older(Case::held_here());
+    case.decides(Step::RecordRunning, "an older epoch");
+    let case = Case::held_here().with_metadata(|m| m.status.phase = Phase::Restoring);
+    case.decides(Step::RecordRunning, "not yet Running");
+    let carried = Case::held_here().with(|case| {
+        case.lock.as_mut().unwrap().checkpoint = Some(checkpoint(3, 10));
+    });
+    carried.decides(Step::RecordRunning, "the lock carries a newer checkpoint");
+    let case = carried.with_metadata(|m| m.status.latest_checkpoint = Some(checkpoint(3, 10)));
+    case.decides(Step::KeepRunning, "already recorded");
+    let case = older(Case::held_here().wanted_by("b"));
+    case.decides(Step::HandOver, "a handover comes first");
 }
 
 #[test]
 fn a_due_periodic_checkpoint_is_a_step_of_the_table() {
-    let mut case = Case::held_here();
-    case.checkpoint_due = true;
+    let mut case = Case::held_here().with(|case| case.checkpoint_due = true);
     assert_eq!(case.decide(), Step::PeriodicCheckpoint);
     case.vouched = false;
-    assert_eq!(case.decide(), Step::Reverify, "never on an unvouched hold");
+    case.decides(Step::Reverify, "never on an unvouched hold");
 }
 
 #[test]
@@ -379,6 +343,19 @@ fn quiet<'a>(case: &'a Case) -> Quiet<'a> {
     }
 }
 
+/// One way a pass differs from a quiet one, for a table of them.
+type QuietChange = fn(&mut Quiet<'_>);
+
+/// A departure watch's pass of `case`, with the lock as that pass read it
+/// (`None` before the read).
+fn watching<'a>(case: &'a Case, lock_read: Option<Option<&'a Lease>>) -> Quiet<'a> {
+    Quiet {
+        watching: true,
+        lock_read,
+        ..quiet(case)
+    }
+}
+
 #[test]
 fn a_held_sandbox_nothing_happened_to_stays_light() {
     let case = Case::held_here();
@@ -388,52 +365,28 @@ fn a_held_sandbox_nothing_happened_to_stays_light() {
 #[test]
 fn anything_the_full_table_acts_on_takes_a_full_pass() {
     let case = Case::held_here();
-    let not_held = Quiet {
-        held: None,
-        ..quiet(&case)
-    };
-    assert_eq!(decide_light(&not_held), LightStep::Full);
-    let wanted = Quiet {
-        full_pass_wanted: true,
-        ..quiet(&case)
-    };
-    assert_eq!(decide_light(&wanted), LightStep::Full);
-    let resync = Quiet {
-        resync_due: true,
-        ..quiet(&case)
-    };
-    assert_eq!(decide_light(&resync), LightStep::Full);
-    let checkpoint = Quiet {
-        checkpoint_due: true,
-        ..quiet(&case)
-    };
-    assert_eq!(decide_light(&checkpoint), LightStep::Full);
-    let died = Quiet {
-        running_here: false,
-        ..quiet(&case)
-    };
-    assert_eq!(decide_light(&died), LightStep::Full);
-    // A lapsed instance lease: the full table re-verifies the hold.
-    let lapsed = Quiet {
-        vouched: false,
-        ..quiet(&case)
-    };
-    assert_eq!(decide_light(&lapsed), LightStep::Full);
+    let changes: [(&str, QuietChange); 6] = [
+        ("not held", |pass| pass.held = None),
+        ("a full pass wanted", |pass| pass.full_pass_wanted = true),
+        ("a resync due", |pass| pass.resync_due = true),
+        ("a checkpoint due", |pass| pass.checkpoint_due = true),
+        ("died", |pass| pass.running_here = false),
+        // A lapsed instance lease: the full table re-verifies the hold.
+        ("lapsed", |pass| pass.vouched = false),
+    ];
+    for (why, change) in changes {
+        let mut pass = quiet(&case);
+        change(&mut pass);
+        assert_eq!(decide_light(&pass), LightStep::Full, "{why}");
+    }
 }
 
 #[test]
 fn the_departure_watch_reads_the_lock_and_goes_full_on_what_the_table_stops_or_hands_over_on() {
     let case = Case::held_here();
-    let watching = Quiet {
-        watching: true,
-        ..quiet(&case)
-    };
-    assert_eq!(decide_light(&watching), LightStep::ReadBoth);
+    assert_eq!(decide_light(&watching(&case, None)), LightStep::ReadBoth);
     // Nothing changed: upkeep, unless the lease lapsed during the read.
-    let read = Quiet {
-        lock_read: Some(case.lock.as_ref()),
-        ..watching.clone()
-    };
+    let read = watching(&case, Some(case.lock.as_ref()));
     assert_eq!(decide_light(&read), LightStep::Upkeep);
     let lapsed = Quiet {
         vouched: false,
@@ -442,27 +395,15 @@ fn the_departure_watch_reads_the_lock_and_goes_full_on_what_the_table_stops_or_h
     assert_eq!(decide_light(&lapsed), LightStep::Full);
     // Another holder or epoch: the table's StopLost.
     let lost = Case::held_here().held_by("b", 4);
-    let seen = Quiet {
-        watching: true,
-        lock_read: Some(lost.lock.as_ref()),
-        ..quiet(&lost)
-    };
+    let seen = watching(&lost, Some(lost.lock.as_ref()));
     assert_eq!(decide_light(&seen), LightStep::Changed);
     assert!(matches!(lost.decide(), Step::StopLost { .. }));
     // No lock at all: lost too.
-    let gone = Quiet {
-        watching: true,
-        lock_read: Some(None),
-        ..quiet(&case)
-    };
+    let gone = watching(&case, Some(None));
     assert_eq!(decide_light(&gone), LightStep::Changed);
     // Another instance's live intent: the table's HandOver.
     let wanted = Case::held_here().wanted_by("b");
-    let seen = Quiet {
-        watching: true,
-        lock_read: Some(wanted.lock.as_ref()),
-        ..quiet(&wanted)
-    };
+    let seen = watching(&wanted, Some(wanted.lock.as_ref()));
     assert_eq!(decide_light(&seen), LightStep::Changed);
     assert_eq!(wanted.decide(), Step::HandOver);
 }
@@ -491,12 +432,10 @@ fn the_drain_checkpoints_deletes_or_leaves_a_sandbox_to_its_pass() {
     let mut plain = Case::held_here().wanted_by("b");
     plain.metadata.as_mut().unwrap().spec.enable_checkpoint = false;
     assert_eq!(drain(&plain), Some(DesiredState::Deleted));
-    let mut vanished = Case::held_here();
-    vanished.metadata = None;
+    let vanished = Case::held_here().with(|case| case.metadata = None);
     assert_eq!(drain(&vanished), Some(DesiredState::Deleted));
     // Being deleted already: its pass finishes that.
-    let mut deleting = Case::held_here();
-    deleting.metadata.as_mut().unwrap().spec.desired_state = DesiredState::Deleted;
+    let deleting = Case::held_here().desired(DesiredState::Deleted);
     assert_eq!(drain(&deleting), None);
 }
 

@@ -146,15 +146,8 @@ async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay
     {
         a.run(&id, &format!("round {round}")).await;
         a.checkpoint(&id, name).await;
-        images.push(
-            world
-                .metadata(&id)
-                .await
-                .status
-                .latest_checkpoint
-                .unwrap()
-                .path,
-        );
+        let latest = world.metadata(&id).await.status.latest_checkpoint;
+        images.push(latest.unwrap().path);
         world.clock.advance(Duration::seconds(1));
         a.bring_here(&id, &world).await;
     }
@@ -219,8 +212,7 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
 async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_running() {
     let world = World::new();
     let a = world.instance("a");
-    let id = SandboxId::random();
-    let metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
+    let (id, metadata) = world.new_sandbox(false);
     a.create_from(&metadata).await.unwrap();
     a.reconcile(&id).await.unwrap();
     let mut events = a.controller.subscribe(&id);
@@ -277,9 +269,7 @@ pub(super) fn gated_world() -> (World, Arc<HookedStore<GatedMetadataWrites>>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     let (world, gated) = gated_world();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
-    a.run(&id, "x=1").await;
+    let (a, id) = world.a_running("x=1").await;
 
     // The intent's write hangs: the request returns, and the pass it
     // primed checkpoints meanwhile (decision 22).
@@ -293,17 +283,13 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     a.controller.reconciler().reconcile(&id).await.unwrap();
     let seen = drain(&mut events);
     assert!(
-        seen.iter()
-            .any(|e| matches!(e, SandboxEvent::Checkpointed { .. })),
+        heard!(seen, SandboxEvent::Checkpointed { .. }),
         "checkpointed while the intent was being written: {seen:?}"
     );
     assert!(a.runtime.memory(&id).is_none());
+    let carried = world.lease(&id).await.checkpoint;
     assert!(
-        world
-            .lease(&id)
-            .await
-            .checkpoint
-            .is_some_and(|c| c.path.ends_with("checkpoint.img")),
+        carried.is_some_and(|c| c.path.ends_with("checkpoint.img")),
         "the hand-back carries the checkpoint"
     );
 
@@ -312,12 +298,7 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     gated.hook.closed.store(false, Ordering::SeqCst);
     a.controller.reconciler().background_settled().await;
     let seen = drain(&mut events);
-    assert!(
-        !seen
-            .iter()
-            .any(|e| matches!(e, SandboxEvent::CheckpointFailed(_))),
-        "{seen:?}"
-    );
+    assert!(!heard!(seen, SandboxEvent::CheckpointFailed(_)), "{seen:?}");
 }
 
 /// A sandbox of `a` (memory `x=1`) checkpointed under `name` while the
@@ -338,11 +319,10 @@ pub(super) async fn checkpointed_before_its_record(
         .await
         .unwrap();
     a.controller.reconciler().reconcile(&id).await.unwrap();
-    assert!(
-        drain(&mut events)
-            .iter()
-            .any(|e| matches!(e, SandboxEvent::Checkpointed { .. }))
-    );
+    assert!(heard!(
+        drain(&mut events),
+        SandboxEvent::Checkpointed { .. }
+    ));
     let status = world.metadata(&id).await.status;
     assert!(
         status.latest_checkpoint.is_none() && status.named_checkpoints.is_empty(),
@@ -379,10 +359,8 @@ async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate() {
     let (world, gated) = gated_world();
-    let a = world.instance("a");
+    let (a, id) = world.a_running("state").await;
     let b = world.instance("b");
-    let id = a.create(&world).await;
-    a.run(&id, "state").await;
 
     // `status` is behind (an operator's edit), and every write of
     // `metadata.json` hangs, as one refused by GCS's write rate retries.
@@ -393,41 +371,25 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
     // A ring without an intent yet (the ringer's intent write was refused
     // and is retried): A's pass finds `status` behind and records that it
     // runs, in a task of its own; the pass ends.
-    crate::leasing::ring_doorbell(
-        world.store.as_ref(),
-        world.clock.now(),
-        &InstanceId::parse("a").unwrap(),
-        &id,
-        "b",
-    )
-    .await
-    .unwrap();
-    assert_eq!(
-        a.controller.answer_doorbell().await.unwrap(),
-        vec![id.clone()]
-    );
-    tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        a.controller.reconciler().reconcile(&id),
-    )
-    .await
-    .expect("the pass waited for its status record")
-    .unwrap();
+    let (store, holder) = (world.store.as_ref(), InstanceId::parse("a").unwrap());
+    crate::leasing::ring_doorbell(store, world.clock.now(), &holder, &id, "b")
+        .await
+        .unwrap();
+    assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
+    let within = std::time::Duration::from_secs(10);
+    tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
+        .await
+        .expect("the pass waited for its status record")
+        .unwrap();
 
     // B asks for it meanwhile; A's next pass hands it over at once.
     world.clock.advance(Duration::milliseconds(100));
     b.request_here(&id, None, world.clock.now()).await.unwrap();
-    assert_eq!(
-        a.controller.answer_doorbell().await.unwrap(),
-        vec![id.clone()]
-    );
-    tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        a.controller.reconciler().reconcile(&id),
-    )
-    .await
-    .expect("the hand-over waited for the status record")
-    .unwrap();
+    assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
+    tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
+        .await
+        .expect("the hand-over waited for the status record")
+        .unwrap();
     assert!(a.runtime.memory(&id).is_none(), "handed over");
     b.controller.reconciler().reconcile(&id).await.unwrap();
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
@@ -480,9 +442,7 @@ impl BeforeRequest for TakenOverDuringCheckpoint {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile() {
     let (world, wrapper) = World::hooked(TakenOverDuringCheckpoint::default());
-    let a = world.instance("a");
-    let id = a.create(&world).await;
-    a.run(&id, "x=1").await;
+    let (a, id) = world.a_running("x=1").await;
     let epoch = world.lease(&id).await.epoch;
 
     let mut events = a.controller.subscribe(&id);
@@ -492,16 +452,10 @@ async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile
     asked.await.unwrap().unwrap();
     let seen = drain(&mut events);
     assert!(
-        !seen
-            .iter()
-            .any(|event| matches!(event, SandboxEvent::Checkpointed { .. })),
+        !heard!(seen, SandboxEvent::Checkpointed { .. }),
         "acknowledged although the hold was taken over: {seen:?}"
     );
-    assert!(
-        seen.iter()
-            .any(|event| matches!(event, SandboxEvent::CheckpointFailed(_))),
-        "{seen:?}"
-    );
+    assert!(heard!(seen, SandboxEvent::CheckpointFailed(_)), "{seen:?}");
     assert_eq!(
         world.lease(&id).await.epoch,
         epoch + 1,
@@ -534,9 +488,7 @@ impl BeforeRequest for HeldMetadataReads {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
     let (world, held) = World::hooked(HeldMetadataReads::default());
-    let a = world.instance("a");
-    let id = a.create(&world).await;
-    a.run(&id, "x=1").await;
+    let (a, id) = world.a_running("x=1").await;
 
     held.hook.closed.store(true, Ordering::SeqCst);
     a.controller.reconciler().want_full_pass(&id);
@@ -549,13 +501,10 @@ async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
         tokio::task::yield_now().await;
     }
     // Sent by hand: the pass may serve it before a look at the inbox would.
-    let asked = tokio::spawn({
-        let (controller, id) = (Arc::clone(&a.controller), id.clone());
-        async move {
-            controller
-                .request_state(&id, DesiredState::Checkpointed, None)
-                .await
-        }
+    let (controller, sandbox) = (Arc::clone(&a.controller), id.clone());
+    let asked = tokio::spawn(async move {
+        let checkpointed = DesiredState::Checkpointed;
+        controller.request_state(&sandbox, checkpointed, None).await
     });
     let within = std::time::Duration::from_secs(10);
     tokio::time::timeout(within, asked)
@@ -569,9 +518,7 @@ async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
         .unwrap()
         .unwrap();
     assert!(
-        drain(&mut events)
-            .iter()
-            .any(|e| matches!(e, SandboxEvent::Checkpointed { .. })),
+        heard!(drain(&mut events), SandboxEvent::Checkpointed { .. }),
         "the same pass checkpointed"
     );
     assert_eq!(

@@ -22,9 +22,7 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     let b = world.instance("b");
     let mut forks = Vec::new();
     for _ in 0..3 {
-        let fork = SandboxId::random();
-        let mut metadata = SandboxMetadata::new(fork.clone(), world.clock.now(), TOKEN_HASH.into());
-        metadata.spec.enable_checkpoint = true;
+        let (fork, metadata) = world.new_sandbox(true);
         b.fork_from(&source_doc, &ForkPoint::Latest, metadata)
             .await
             .unwrap();
@@ -51,18 +49,14 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     // The source's retention may delete its checkpoint: every fork keeps
     // its own copy, and a later fork of the gone checkpoint fails clearly.
     let source_id = crate::layout::checkpoint_id_of_image(&source_ref.path).unwrap();
-    world
-        .store
-        .delete(&checkpoint_image_key(&source_id))
-        .await
-        .unwrap();
+    let source_image = checkpoint_image_key(&source_id);
+    world.store.delete(&source_image).await.unwrap();
     for fork in &forks {
         let own = world.metadata(fork).await.status.latest_checkpoint.unwrap();
         let image = crate::store::ObjectKey::new(own.path.as_str()).unwrap();
         assert_eq!(world.store.get(&image).await.unwrap().data.as_ref(), b"x=1");
     }
-    let late = SandboxId::random();
-    let metadata = SandboxMetadata::new(late.clone(), world.clock.now(), TOKEN_HASH.into());
+    let (late, metadata) = world.new_sandbox(false);
     let err = b
         .fork_from(&source_doc, &ForkPoint::Latest, metadata)
         .await
@@ -74,8 +68,7 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     assert!(world.store.get(&metadata_key(&late)).await.is_err());
 
     // By name, and the errors: no such name, no checkpoint at all.
-    let named = SandboxId::random();
-    let metadata = SandboxMetadata::new(named.clone(), world.clock.now(), TOKEN_HASH.into());
+    let (named, metadata) = world.new_sandbox(false);
     let err = b
         .fork_from(&source_doc, &ForkPoint::Named("nope".into()), metadata)
         .await
@@ -115,8 +108,7 @@ async fn a_fork_starts_from_a_checkpoint_whose_record_has_not_landed() {
         .unwrap()
         .unwrap();
     for point in [ForkPoint::Latest, ForkPoint::Named("base".into())] {
-        let fork = SandboxId::random();
-        let metadata = SandboxMetadata::new(fork.clone(), world.clock.now(), TOKEN_HASH.into());
+        let (fork, metadata) = world.new_sandbox(false);
         b.fork_from(&source_doc, &point, metadata)
             .await
             .unwrap_or_else(|err| panic!("{point:?}: {err}"));

@@ -27,7 +27,7 @@ async fn another_instance_asking_gets_the_sandbox_handed_over() {
         "the lock is not written"
     );
     let mut events = a.controller.subscribe(&id);
-    a.controller.answer_doorbell().await.unwrap();
+    a.answer_doorbell().await;
     a.reconcile(&id).await.unwrap();
     assert_eq!(drain(&mut events)[0], SandboxEvent::HandoffRequested);
     b.reconcile(&id).await.unwrap();
@@ -48,7 +48,7 @@ async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
     a.controller.client_attached(&id, false);
     a.runtime.lose_on_checkpoint(&id);
     b.request_here(&id, None, world.clock.now()).await.unwrap();
-    a.controller.answer_doorbell().await.unwrap();
+    a.answer_doorbell().await;
     a.reconcile(&id).await.unwrap();
     assert_eq!(world.lease(&id).await.holder, None, "let go");
     let mut events = b.controller.subscribe(&id);
@@ -80,10 +80,8 @@ async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_ag
     for edited in [false, true] {
         let counts = Arc::new(OperationCounts::default());
         let world = World::wrapped(|store| Arc::new(CountingStore::new(store, counts.clone())));
-        let a = world.instance("a");
+        let (a, id) = world.a_running("state").await;
         let b = world.instance("b");
-        let id = a.create(&world).await;
-        a.run(&id, "state").await;
         a.controller.client_attached(&id, false);
         if edited {
             let mut metadata = world.metadata(&id).await;
@@ -91,7 +89,7 @@ async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_ag
             world.edit_metadata(&metadata).await;
         }
         b.request_here(&id, None, world.clock.now()).await.unwrap();
-        a.controller.answer_doorbell().await.unwrap();
+        a.answer_doorbell().await;
         let reads = counts.count(Operation::Get);
         a.reconcile(&id).await.unwrap();
         assert!(a.runtime.memory(&id).is_none(), "handed over");
@@ -114,11 +112,9 @@ async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_ag
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it() {
     let world = World::new();
-    let a = world.instance("a");
+    let (a, id) = world.a_running("state").await;
     let b = world.instance("b");
     let config = ReconcilerConfig::default();
-    let id = a.create(&world).await;
-    a.run(&id, "state").await;
     a.controller.client_attached(&id, false);
     b.runtime.watch_images();
     b.request_here(&id, None, world.clock.now()).await.unwrap();
@@ -142,7 +138,7 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
         Requeue::After(config.acquire_poll),
         "the image landed: the transfer is next, look soon"
     );
-    a.controller.answer_doorbell().await.unwrap();
+    a.answer_doorbell().await;
     a.reconcile(&id).await.unwrap();
     b.reconcile(&id).await.unwrap();
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
@@ -163,7 +159,7 @@ async fn the_taker_asks_for_the_image_the_holder_hands_over_with_before_the_tran
         &InstanceId::parse("b").unwrap(),
     ));
     assert_eq!(b.runtime.prefetched(), vec![expected.clone()]);
-    a.controller.answer_doorbell().await.unwrap();
+    a.answer_doorbell().await;
     a.reconcile(&id).await.unwrap();
     b.reconcile(&id).await.unwrap();
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
@@ -181,14 +177,11 @@ async fn an_attach_intent_rings_the_holder_even_with_its_client_attached() {
     let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
     a.reconcile(&id).await.unwrap();
-    assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
+    assert_eq!(a.answer_doorbell().await, vec![]);
     b.request_here(&id, None, world.clock.now()).await.unwrap();
     // The doorbell names the sandbox once, however often it is read.
-    assert_eq!(
-        a.controller.answer_doorbell().await.unwrap(),
-        vec![id.clone()]
-    );
-    assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
+    assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
+    assert_eq!(a.answer_doorbell().await, vec![]);
     // The ring queued a full pass: the hand-over happens in it.
     a.reconcile(&id).await.unwrap();
     assert!(a.runtime.memory(&id).is_none(), "handed over at once");
@@ -222,16 +215,13 @@ async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
     let id = a.create(&world).await;
     a.live_through(&world, 10).await;
     b.request_here(&id, None, world.clock.now()).await.unwrap();
+    let intent = world.lease(&id).await.wanted_by;
     assert_eq!(
-        world
-            .lease(&id)
-            .await
-            .wanted_by
-            .map(|intent| intent.instance),
+        intent.map(|intent| intent.instance),
         Some(InstanceId::parse("b").unwrap()),
         "written into the lock"
     );
-    assert_eq!(a.controller.answer_doorbell().await.unwrap(), vec![]);
+    assert_eq!(a.answer_doorbell().await, vec![]);
     a.reconcile(&id).await.unwrap();
     assert!(a.runtime.memory(&id).is_some());
     a.live_through(&world, 51).await;
@@ -251,11 +241,7 @@ async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
     world.clock.advance(Duration::seconds(6));
     a.heartbeat().await;
     b.reconcile(&id).await.unwrap();
-    assert_eq!(
-        a.controller.answer_doorbell().await.unwrap(),
-        vec![id.clone()],
-        "rung again"
-    );
+    assert_eq!(a.answer_doorbell().await, vec![id.clone()], "rung again");
     a.reconcile(&id).await.unwrap();
     b.reconcile(&id).await.unwrap();
     assert!(b.runtime.memory(&id).is_some(), "handed over");
@@ -276,7 +262,7 @@ async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
     world.clock.advance(Duration::milliseconds(10));
     b.request_here(&id, None, world.clock.now()).await.unwrap();
     a.reconcile(&id).await.unwrap();
-    x.controller.answer_doorbell().await.unwrap();
+    x.answer_doorbell().await;
     x.reconcile(&id).await.unwrap();
     assert_eq!(
         world.lease(&id).await.holder.as_ref().map(|h| h.as_str()),
@@ -285,13 +271,13 @@ async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
     );
     a.reconcile(&id).await.unwrap();
     assert!(
-        drain(&mut waiting_on_a).iter().any(|event| matches!(
-            event,
+        heard!(
+            drain(&mut waiting_on_a),
             SandboxEvent::StartFailed {
                 kind: StartKind::Restore,
                 cause: StartFailure::WantedElsewhere(instance),
             } if instance.as_str() == "b"
-        )),
+        ),
         "A's waiting client learns it lost the race"
     );
     b.reconcile(&id).await.unwrap();
@@ -389,10 +375,7 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     };
     store.hook.paused.notified().await;
     // Meanwhile A hands over: records the checkpoint, releases.
-    assert_eq!(
-        a.controller.answer_doorbell().await.unwrap(),
-        vec![id.clone()]
-    );
+    assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
     a.reconcile(&id).await.unwrap();
     assert!(world.metadata(&id).await.status.latest_checkpoint.is_some());
     store.hook.resume.notify_one();
@@ -437,9 +420,7 @@ async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
     a.reconcile(&id).await.unwrap();
     let seen = drain(&mut events);
     assert!(
-        !seen
-            .iter()
-            .any(|e| matches!(e, SandboxEvent::StartFailed { .. })),
+        !heard!(seen, SandboxEvent::StartFailed { .. }),
         "the attaching client was failed: {seen:?}"
     );
     assert!(a.controller.is_held_here(&id));
@@ -488,9 +469,7 @@ async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
     );
     decided.extend(drain(&mut events));
     assert!(
-        !decided
-            .iter()
-            .any(|e| matches!(e, SandboxEvent::StartFailed { .. })),
+        !heard!(decided, SandboxEvent::StartFailed { .. }),
         "the waiting client was failed on the stale spec: {decided:?}"
     );
 }
@@ -537,7 +516,6 @@ impl BeforeRequest for FirstRingWaits {
 /// batch lands, not when the one without it does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_lands() {
-    use crate::leasing::{LeaseConfig, Leases};
     let memory = Arc::new(MemoryStore::new());
     let hooked = Arc::new(HookedStore::new(
         memory.clone(),
@@ -547,15 +525,15 @@ async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_land
             seen: AtomicBool::new(false),
         },
     ));
-    let ringer = Leases::new(
-        hooked.clone(),
-        Arc::new(crate::testing::ManualClock::new()),
+    let config = LeaseConfig {
+        ring_spacing: std::time::Duration::from_millis(300),
+        ..LeaseConfig::default()
+    };
+    let (clock, name) = (
+        Arc::new(ManualClock::new()),
         InstanceId::parse("b").unwrap(),
-        LeaseConfig {
-            ring_spacing: std::time::Duration::from_millis(300),
-            ..LeaseConfig::default()
-        },
     );
+    let ringer = Leases::new(hooked.clone(), clock, name, config);
     let holder = InstanceId::parse("a").unwrap();
     let (first, second) = (SandboxId::from_u128(1), SandboxId::from_u128(2));
     let ring = |sandbox: SandboxId| {
@@ -570,14 +548,8 @@ async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_land
     hooked.hook.go.add_permits(1);
     first_ring.await.unwrap().unwrap();
     second_ring.await.unwrap().unwrap();
-    let bell: crate::api::Doorbell = crate::api::decode(
-        &memory
-            .get(&crate::layout::doorbell_key(&holder))
-            .await
-            .unwrap()
-            .data,
-    )
-    .unwrap();
+    let bell = memory.get(&crate::layout::doorbell_key(&holder)).await;
+    let bell: crate::api::Doorbell = decode(&bell.unwrap().data).unwrap();
     for sandbox in [&first, &second] {
         assert!(
             bell.rings.iter().any(|ring| &ring.sandbox == sandbox),

@@ -93,8 +93,7 @@ async fn hooks_run_at_cold_start_after_each_execution_and_on_terminate() {
         hooks
     });
     let hooks = recorder.unwrap();
-    let id = SandboxId::random();
-    let mut metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
+    let (id, mut metadata) = world.new_sandbox(false);
     metadata.spec.workspace = Some(crate::api::WorkspaceSpec {
         id: "proj".into(),
         template: "default".into(),
@@ -120,9 +119,7 @@ async fn hooks_run_at_cold_start_after_each_execution_and_on_terminate() {
     }
     assert_eq!(hooks.calls().len(), 2);
 
-    a.request_state(&id, DesiredState::Deleted, None)
-        .await
-        .unwrap();
+    a.delete(&id).await;
     a.reconcile(&id).await.unwrap();
     assert_eq!(&hooks.calls()[2..], ["terminate running=true", "forget"]);
     assert!(a.runtime.memory(&id).is_none());
@@ -134,20 +131,19 @@ async fn a_failed_cold_start_hook_fails_the_create_and_leaves_nothing_running() 
     let a = world.instance_hooked("a", ReconcilerConfig::default(), |runtime| {
         RecordingHooks::new(runtime, true)
     });
-    let id = SandboxId::random();
+    let (id, metadata) = world.new_sandbox(false);
     let mut events = a.controller.subscribe(&id);
-    let metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
     a.create_from(&metadata).await.unwrap();
     let _ = a.reconcile(&id).await;
     let seen = drain(&mut events);
     assert!(
-        seen.iter().any(|p| matches!(
-            p,
+        heard!(
+            seen,
             SandboxEvent::StartFailed {
                 kind: StartKind::Create,
                 cause: StartFailure::ColdStartHook(detail),
             } if detail.contains("the bucket is on fire")
-        )),
+        ),
         "{seen:?}"
     );
     assert!(a.runtime.memory(&id).is_none(), "the sandbox still runs");

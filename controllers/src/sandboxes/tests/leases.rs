@@ -179,10 +179,7 @@ async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung
     let a2 = world.instance("a");
     a2.heartbeat().await;
     b.request_here(&id, None, world.clock.now()).await.unwrap();
-    assert_eq!(
-        a2.controller.answer_doorbell().await.unwrap(),
-        vec![id.clone()]
-    );
+    assert_eq!(a2.answer_doorbell().await, vec![id.clone()]);
     a2.reconcile(&id).await.unwrap();
     assert_eq!(world.lease(&id).await.holder, None, "released");
     drop(a);
@@ -194,15 +191,13 @@ async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung
 
 /// True when `events` held a start that failed for want of a checkpoint.
 fn said_no_checkpoint(events: &mut broadcast::Receiver<SandboxEvent>) -> bool {
-    drain(events).iter().any(|event| {
-        matches!(
-            event,
-            SandboxEvent::StartFailed {
-                kind: StartKind::Restore,
-                cause: StartFailure::NoCheckpoint
-            }
-        )
-    })
+    heard!(
+        drain(events),
+        SandboxEvent::StartFailed {
+            kind: StartKind::Restore,
+            cause: StartFailure::NoCheckpoint
+        }
+    )
 }
 
 /// A sandbox `holder` created and then died holding, its lease run out.
@@ -349,9 +344,7 @@ async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted
 
     let deleted = a.create(&world).await;
     let execution = a.controller.exec(&deleted, hold()).await.unwrap();
-    a.request_state(&deleted, DesiredState::Deleted, None)
-        .await
-        .unwrap();
+    a.delete(&deleted).await;
     a.reconcile(&deleted).await.unwrap();
     assert!(!a.controller.is_held_here(&deleted));
     let last = last_event(execution).await;

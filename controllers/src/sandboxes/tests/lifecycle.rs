@@ -7,9 +7,8 @@ use super::*;
 async fn create_runs_the_sandbox_under_a_new_lease() {
     let world = World::new();
     let a = world.instance("a");
-    let id = SandboxId::random();
+    let (id, metadata) = world.new_sandbox(false);
     let mut events = a.controller.subscribe(&id);
-    let metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
     a.create_from(&metadata).await.unwrap();
     let requeue = a.reconcile(&id).await.unwrap();
 
@@ -26,17 +25,11 @@ async fn create_runs_the_sandbox_under_a_new_lease() {
     );
     assert!(a.runtime.memory(&id).is_some());
     let status = world.metadata(&id).await.status;
+    let ready = status.condition("Ready").cloned().unwrap();
+    assert_eq!(ready.status, crate::api::ConditionStatus::True);
     assert_eq!(status.phase, Phase::Running);
     assert_eq!(status.holder.unwrap().as_str(), "a");
     assert_eq!(status.epoch, 1);
-    let ready = world
-        .metadata(&id)
-        .await
-        .status
-        .condition("Ready")
-        .cloned()
-        .unwrap();
-    assert_eq!(ready.status, crate::api::ConditionStatus::True);
     let lease = world.lease(&id).await;
     assert_eq!(lease.holder.unwrap().as_str(), "a");
     assert!(lease.wanted_by.is_none(), "the fulfilled intent is cleared");
@@ -58,9 +51,7 @@ async fn delete_destroys_tombstones_releases_and_purges_later() {
     let (world, a, id) = World::with_a_sandbox().await;
     let mut events = a.controller.subscribe(&id);
     // The pass that serves the request deletes it.
-    a.request_state(&id, DesiredState::Deleted, None)
-        .await
-        .unwrap();
+    a.delete(&id).await;
     assert_eq!(
         drain(&mut events),
         vec![
@@ -87,9 +78,7 @@ async fn delete_destroys_tombstones_releases_and_purges_later() {
 async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
     let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
-    a.request_state(&id, DesiredState::Deleted, None)
-        .await
-        .unwrap();
+    a.delete(&id).await;
     let refused = |outcome: Result<(), ControlError>| {
         matches!(outcome, Err(ControlError::Deleted(_)))
             .then_some(())
@@ -127,9 +116,7 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
     world.clock.advance(Duration::seconds(601));
     a.reconcile(&id).await.unwrap();
     assert!(world.store.get(&metadata_key(&id)).await.is_ok());
-    a.request_state(&id, DesiredState::Deleted, None)
-        .await
-        .unwrap();
+    a.delete(&id).await;
     a.reconcile(&id).await.unwrap();
     b.reconcile(&id).await.unwrap();
     assert!(world.store.get(&metadata_key(&id)).await.is_err());
@@ -139,13 +126,10 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
 #[tokio::test]
 async fn invalid_json_from_an_operator_is_reported_and_changes_nothing() {
     let (world, a, id) = World::with_a_sandbox().await;
+    let oops = Bytes::from_static(b"{\"apiVersion\": \"sandboxd.dev/v1\", oops");
     world
         .store
-        .put(
-            &metadata_key(&id),
-            Bytes::from_static(b"{\"apiVersion\": \"sandboxd.dev/v1\", oops"),
-            PutMode::Overwrite,
-        )
+        .put(&metadata_key(&id), oops, PutMode::Overwrite)
         .await
         .unwrap();
     // Between full passes only the lease is looked after.

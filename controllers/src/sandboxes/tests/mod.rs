@@ -3,6 +3,14 @@
 //! runtime and the domain events. This module holds the fixture (a shared
 //! bucket and clock, instances on it); the tests are grouped by topic.
 
+/// Whether the events `seen` hold one that matches `pattern`: the tests look
+/// for one event among the many a pass publishes.
+macro_rules! heard {
+    ($seen:expr, $pattern:pat $(if $guard:expr)?) => {
+        $seen.iter().any(|event| matches!(event, $pattern $(if $guard)?))
+    };
+}
+
 mod checkpoints;
 mod fork;
 mod handoff;
@@ -46,12 +54,7 @@ struct World {
 
 impl World {
     fn new() -> Self {
-        let store = Arc::new(MemoryStore::new());
-        Self {
-            bucket: store.clone(),
-            store,
-            clock: ManualClock::new(),
-        }
+        Self::wrapped(|store| store)
     }
 
     /// A world whose instances see the store through `wrap`.
@@ -69,14 +72,12 @@ impl World {
     fn hooked<H: hooked_store::BeforeRequest + 'static>(
         hook: H,
     ) -> (Self, Arc<hooked_store::HookedStore<H>>) {
-        let store = Arc::new(MemoryStore::new());
-        let hooked = Arc::new(hooked_store::HookedStore::new(store.clone(), hook));
-        let world = Self {
-            bucket: hooked.clone(),
-            store,
-            clock: ManualClock::new(),
-        };
-        (world, hooked)
+        let mut hooked = None;
+        let world = Self::wrapped(|store| {
+            let store = Arc::new(hooked_store::HookedStore::new(store, hook));
+            hooked.insert(store).clone()
+        });
+        (world, hooked.unwrap())
     }
 
     /// A world whose instance `a` holds a sandbox it created ([`Instance::create`]).
@@ -112,6 +113,24 @@ impl World {
         Instance::build(self.bucket.clone(), clock, name, lease, config, hooks)
     }
 
+    /// A new sandbox's id and record, made now; `checkpointable` sets
+    /// `enable_checkpoint`.
+    fn new_sandbox(&self, checkpointable: bool) -> (SandboxId, SandboxMetadata) {
+        let id = SandboxId::random();
+        let mut metadata = SandboxMetadata::new(id.clone(), self.clock.now(), TOKEN_HASH.into());
+        metadata.spec.enable_checkpoint = checkpointable;
+        (id, metadata)
+    }
+
+    /// Instance `a`, holding a sandbox it created and ran `code` in (the
+    /// state a checkpoint or a handoff carries).
+    async fn a_running(&self, code: &str) -> (Instance, SandboxId) {
+        let a = self.instance("a");
+        let id = a.create(self).await;
+        a.run(&id, code).await;
+        (a, id)
+    }
+
     async fn metadata(&self, id: &SandboxId) -> SandboxMetadata {
         decode(&self.store.get(&metadata_key(id)).await.unwrap().data).unwrap()
     }
@@ -134,12 +153,9 @@ impl World {
 
     /// Writes `metadata` as an operator's edit would (unconditionally).
     async fn edit_metadata(&self, metadata: &SandboxMetadata) {
+        let key = metadata_key(&metadata.sandbox_id);
         self.store
-            .put(
-                &metadata_key(&metadata.sandbox_id),
-                crate::api::encode(metadata),
-                PutMode::Overwrite,
-            )
+            .put(&key, encode(metadata), PutMode::Overwrite)
             .await
             .unwrap();
     }
@@ -268,12 +284,22 @@ impl Instance {
     }
 
     async fn create(&self, world: &World) -> SandboxId {
-        let id = SandboxId::random();
-        let mut metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
-        metadata.spec.enable_checkpoint = true;
+        let (id, metadata) = world.new_sandbox(true);
         self.create_from(&metadata).await.unwrap();
         self.reconcile(&id).await.unwrap();
         id
+    }
+
+    /// Reads the doorbell as the instance's loop does: the sandboxes it names.
+    async fn answer_doorbell(&self) -> Vec<SandboxId> {
+        self.controller.answer_doorbell().await.unwrap()
+    }
+
+    /// Asks for `id` to be deleted, with the pass that serves the ask.
+    async fn delete(&self, id: &SandboxId) {
+        self.request_state(id, DesiredState::Deleted, None)
+            .await
+            .unwrap();
     }
 
     /// What the instance lease loop does every `renew_interval`.

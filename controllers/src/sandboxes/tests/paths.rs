@@ -91,26 +91,14 @@ fn running(event: &SandboxEvent) -> bool {
 /// What the API layer does to attach on `instance`: read both objects,
 /// then write the intent (or take the free hold).
 async fn attach(instance: &Instance, id: &SandboxId, world: &World) {
-    let read = instance
-        .controller
-        .read_for_attach(id)
-        .await
-        .unwrap()
-        .unwrap();
     let controller = &instance.controller;
-    controller
-        .serving(
-            id,
-            controller.request_here_from(read, None, world.clock.now()),
-        )
-        .await
-        .unwrap();
+    let read = controller.read_for_attach(id).await.unwrap().unwrap();
+    let ask = controller.request_here_from(read, None, world.clock.now());
+    controller.serving(id, ask).await.unwrap();
 }
 
 async fn create(instance: &Instance, world: &World) -> (SandboxId, u128) {
-    let id = SandboxId::random();
-    let mut metadata = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
-    metadata.spec.enable_checkpoint = true;
+    let (id, metadata) = world.new_sandbox(true);
     let mut events = instance.controller.subscribe(&id);
     let start = Instant::now();
     instance.create_from(&metadata).await.unwrap();
@@ -182,7 +170,7 @@ async fn a_handoff_stays_within_its_request_budget() {
     // B's client attaches: intent written, A rung.
     attach(&b, &id, &world).await;
     // A notices the ring, checkpoints and transfers the hold to B.
-    a.controller.answer_doorbell().await.unwrap();
+    a.answer_doorbell().await;
     a.reconcile(&id).await.unwrap();
     // B's next poll finds the hold is its own and restores.
     let count = until_event(&b, &id, &mut events, start, running).await;
@@ -210,12 +198,11 @@ async fn concurrent_starts_share_one_renewal_of_the_instance_lease() {
     use crate::store::{CountingStore, Operation, OperationCounts};
     let counts = Arc::new(OperationCounts::default());
     let world = World::wrapped(|store| Arc::new(CountingStore::new(slow(store), counts.clone())));
-    let b = Leases::new(
-        world.bucket.clone(),
+    let (clock, name) = (
         Arc::new(world.clock.clone()),
         InstanceId::parse("b").unwrap(),
-        LeaseConfig::default(),
     );
+    let b = Leases::new(world.bucket.clone(), clock, name, LeaseConfig::default());
     let ensured = (0..20).map(|_| {
         let b = b.clone();
         tokio::spawn(async move { b.ensure_instance_lease().await })
