@@ -57,7 +57,9 @@ impl fmt::Display for Generation {
 /// How a write treats what is already stored under the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PutMode {
-    /// Write unconditionally.
+    /// Write unconditionally. The generation it answers may not be the
+    /// object's latest when the request was sent twice (a retry, or GCS's
+    /// hedge of a slow write): start no conditional write from it.
     Overwrite,
     /// Write only if no object exists (`ifGenerationMatch=0`).
     Create,

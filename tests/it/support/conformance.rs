@@ -46,8 +46,11 @@ pub async fn create_if_absent(store: Arc<dyn Store>) {
 
 pub async fn compare_and_swap(store: Arc<dyn Store>) {
     let k = key("sandboxes/b/metadata.json");
+    // Created, not overwritten: an overwrite sent twice (a hedge under
+    // load) may answer with the generation its twin replaced, so no
+    // conditional write starts from an overwrite's generation.
     let g1 = store
-        .put(&k, Bytes::from_static(b"one"), PutMode::Overwrite)
+        .put(&k, Bytes::from_static(b"one"), PutMode::Create)
         .await
         .unwrap();
     let g2 = store
