@@ -96,7 +96,8 @@ pub struct Reconnect {
 
 /// What a request was for: the instance whose proxy it went through, its
 /// kind, and its object's last name with the ids left out
-/// (`A read lock.json 404`), so a run shows which polls and writes it made.
+/// (`bench-a read lock.json 404`), so a run shows which polls and writes
+/// it made.
 fn class_of(record: &testkit::storage::RequestRecord) -> String {
     let name = record.object.rsplit('/').next().unwrap_or_default();
     let name = if name.is_empty() { "(listing)" } else { name };
