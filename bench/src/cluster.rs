@@ -339,7 +339,7 @@ pub async fn run(bench: &ClusterBench) -> anyhow::Result<(Vec<Series>, Figures)>
         sandbox.checkpoint(None).await?;
         checkpoint.samples.push(started.elapsed());
         let (id, token) = (sandbox.id().to_owned(), sandbox.token().to_owned());
-        drop(sandbox);
+        sandbox.close().await;
         let started = Instant::now();
         let (from, to) = if run % 2 == 0 {
             (&url_a, &url_b)

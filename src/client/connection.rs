@@ -291,15 +291,24 @@ fn route(shared: &Shared, event: Event, last: &mut Route) {
     let _ = shared.sandbox_events.send(event);
 }
 
+/// How long a close waits for the server's half of the close handshake.
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
 /// Runs the connection until the handle goes away or reconnecting is over.
+/// `close` fires when the handle asks for the close handshake
+/// ([`super::Sandbox::close`]); a handle dropped without asking closes when
+/// its last sender of frames goes.
 pub(crate) async fn drive(
     mut socket: Socket,
     shared: Arc<Shared>,
     mut outgoing: mpsc::UnboundedReceiver<String>,
     mut binary: mpsc::Receiver<Message>,
+    close: tokio::sync::oneshot::Receiver<()>,
 ) {
     let mut pending: VecDeque<String> = VecDeque::new();
     let mut last = Route::Sandbox;
+    let mut close = std::pin::pin!(close);
+    let mut close_asked_for = true;
     loop {
         while let Some(frame) = pending.pop_front() {
             if socket.send(Message::text(frame.clone())).await.is_err() {
@@ -330,6 +339,15 @@ pub(crate) async fn drive(
                         return;
                     }
                 },
+                asked = &mut close, if close_asked_for => match asked {
+                    Ok(()) => {
+                        close_handshake(&mut socket).await;
+                        finish(&shared, "closed by the client".to_owned());
+                        return;
+                    }
+                    // The handle went without asking: `outgoing` says when.
+                    Err(_) => close_asked_for = false,
+                },
             }
         };
         if !shared.reconnect.load(Ordering::Acquire) {
@@ -345,6 +363,18 @@ pub(crate) async fn drive(
             }
         }
     }
+}
+
+/// Sends a close frame and reads until the server's close frame or the end
+/// of the stream. The server lets go of the sandbox's one attach slot when
+/// it reads the client's close, before it answers it: once this returns, an
+/// attach from anywhere finds the slot free.
+async fn close_handshake(socket: &mut Socket) {
+    let _ = socket.close(None).await;
+    let _ = tokio::time::timeout(CLOSE_WAIT, async {
+        while let Some(Ok(_)) = socket.next().await {}
+    })
+    .await;
 }
 
 fn finish(shared: &Shared, why: String) {

@@ -13,6 +13,9 @@ use super::error::ClientError;
 #[path = "files.rs"]
 pub(super) mod files;
 
+/// How long [`Sandbox::close`] waits for the server to let the connection go.
+const CLOSE_WAIT: Duration = Duration::from_secs(10);
+
 /// How long an operation (create, restore, checkpoint) may take.
 const OPERATION_TIMEOUT: Duration = Duration::from_secs(180);
 
@@ -153,6 +156,9 @@ pub struct Sandbox {
     binary: mpsc::Sender<tokio_tungstenite::tungstenite::protocol::Message>,
     events: tokio::sync::Mutex<mpsc::UnboundedReceiver<Event>>,
     progress: Progress,
+    /// Asks the connection's driver for the close handshake.
+    close: tokio::sync::oneshot::Sender<()>,
+    driver: tokio::task::JoinHandle<()>,
 }
 
 fn ws_base(url: &str) -> String {
@@ -318,11 +324,13 @@ impl Sandbox {
             files: Mutex::new(std::collections::HashMap::new()),
             download: Mutex::new(None),
         });
-        tokio::spawn(drive(
+        let (close, close_receiver) = tokio::sync::oneshot::channel();
+        let driver = tokio::spawn(drive(
             socket,
             Arc::clone(&shared),
             outgoing_receiver,
             binary_receiver,
+            close_receiver,
         ));
         Self {
             id,
@@ -332,6 +340,23 @@ impl Sandbox {
             binary,
             events: tokio::sync::Mutex::new(events),
             progress: Progress::default(),
+            close,
+            driver,
+        }
+    }
+
+    /// Closes the connection and waits for the server to let it go (the
+    /// sandbox stays). After it returns the sandbox's one attach slot is
+    /// free, so the next attach (this process's or another's) is not refused
+    /// as in use. Dropping the handle instead closes in the background.
+    pub async fn close(self) {
+        let Self { close, driver, .. } = self;
+        let _ = close.send(());
+        let abort = driver.abort_handle();
+        // Bounded: a driver stuck reconnecting is stopped, which ends the
+        // socket without the handshake.
+        if tokio::time::timeout(CLOSE_WAIT, driver).await.is_err() {
+            abort.abort();
         }
     }
 

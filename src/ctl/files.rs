@@ -73,7 +73,9 @@ async fn connect(url: &str, id: &str, token: &str) -> Result<Sandbox, ClientErro
     Sandbox::attach(url, id, token, AttachOptions::default()).await
 }
 
-/// Runs the verb; what it prints goes to stdout.
+/// Runs the verb; what it prints goes to stdout. The connection is closed
+/// with the handshake before it returns, so the next command finds the
+/// sandbox free.
 pub async fn run_files_command(command: FilesCommand) -> Result<u8, ClientError> {
     match command {
         FilesCommand::Cat {
@@ -83,14 +85,9 @@ pub async fn run_files_command(command: FilesCommand) -> Result<u8, ClientError>
             path,
         } => {
             let sandbox = connect(&url, &id, &token).await?;
-            let data = sandbox.read_file(&path).await?;
-            use std::io::Write as _;
-            let mut stdout = std::io::stdout().lock();
-            stdout
-                .write_all(&data)
-                .and_then(|()| stdout.flush())
-                .map_err(|err| invalid(format!("writing stdout: {err}")))?;
-            Ok(0)
+            let result = cat(&sandbox, &path).await;
+            sandbox.close().await;
+            result.map(|()| 0)
         }
         FilesCommand::Ls {
             url,
@@ -100,55 +97,86 @@ pub async fn run_files_command(command: FilesCommand) -> Result<u8, ClientError>
             depth,
         } => {
             let sandbox = connect(&url, &id, &token).await?;
-            let entry = sandbox.stat(&path).await?;
-            let entries = if entry.kind == FileKind::Directory {
-                let listing = sandbox.list(&path, depth).await?;
-                if listing.truncated {
-                    eprintln!("(the listing was cut short: too many entries)");
-                }
-                listing.entries
-            } else {
-                vec![entry]
-            };
-            for entry in entries {
-                let kind = match entry.kind {
-                    FileKind::Directory => 'd',
-                    FileKind::Symlink => 'l',
-                    FileKind::File => '-',
-                    FileKind::Other => '?',
-                };
-                let target = entry
-                    .target
-                    .map(|target| format!(" -> {target}"))
-                    .unwrap_or_default();
-                println!(
-                    "{kind}{:04o} {:>12} {}{target}",
-                    entry.mode, entry.size, entry.name
-                );
-            }
-            Ok(0)
+            let result = ls(&sandbox, &path, depth).await;
+            sandbox.close().await;
+            result.map(|()| 0)
         }
         FilesCommand::Cp {
             url,
             token,
             from,
             to,
-        } => match (from, to) {
-            (CpSide::Local(local), CpSide::Remote { id, path }) => {
-                let sandbox = connect(&url, &id, &token).await?;
-                upload(&sandbox, &local, &path).await?;
-                Ok(0)
-            }
-            (CpSide::Remote { id, path }, CpSide::Local(local)) => {
-                let sandbox = connect(&url, &id, &token).await?;
-                download(&sandbox, &path, &local).await?;
-                Ok(0)
-            }
-            _ => Err(invalid(
-                "cp copies between this machine and a sandbox: one side must be ID:PATH, the other a local path",
-            )),
-        },
+        } => {
+            let (id, copy) = match (from, to) {
+                (CpSide::Local(local), CpSide::Remote { id, path }) => {
+                    (id, Copy::Up { local, path })
+                }
+                (CpSide::Remote { id, path }, CpSide::Local(local)) => {
+                    (id, Copy::Down { path, local })
+                }
+                _ => {
+                    return Err(invalid(
+                        "cp copies between this machine and a sandbox: one side must be ID:PATH, the other a local path",
+                    ));
+                }
+            };
+            let sandbox = connect(&url, &id, &token).await?;
+            let result = match &copy {
+                Copy::Up { local, path } => upload(&sandbox, local, path).await,
+                Copy::Down { path, local } => download(&sandbox, path, local).await,
+            };
+            sandbox.close().await;
+            result.map(|()| 0)
+        }
     }
+}
+
+/// One `cp`'s direction.
+enum Copy {
+    Up { local: PathBuf, path: String },
+    Down { path: String, local: PathBuf },
+}
+
+/// `cat ID PATH`.
+async fn cat(sandbox: &Sandbox, path: &str) -> Result<(), ClientError> {
+    let data = sandbox.read_file(path).await?;
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_all(&data)
+        .and_then(|()| stdout.flush())
+        .map_err(|err| invalid(format!("writing stdout: {err}")))
+}
+
+/// `ls ID PATH`.
+async fn ls(sandbox: &Sandbox, path: &str, depth: u32) -> Result<(), ClientError> {
+    let entry = sandbox.stat(path).await?;
+    let entries = if entry.kind == FileKind::Directory {
+        let listing = sandbox.list(path, depth).await?;
+        if listing.truncated {
+            eprintln!("(the listing was cut short: too many entries)");
+        }
+        listing.entries
+    } else {
+        vec![entry]
+    };
+    for entry in entries {
+        let kind = match entry.kind {
+            FileKind::Directory => 'd',
+            FileKind::Symlink => 'l',
+            FileKind::File => '-',
+            FileKind::Other => '?',
+        };
+        let target = entry
+            .target
+            .map(|target| format!(" -> {target}"))
+            .unwrap_or_default();
+        println!(
+            "{kind}{:04o} {:>12} {}{target}",
+            entry.mode, entry.size, entry.name
+        );
+    }
+    Ok(())
 }
 
 fn join_remote(base: &str, name: &str) -> String {

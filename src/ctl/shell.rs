@@ -107,9 +107,12 @@ pub async fn shell(url: &str, id: &str, token: &str, command: &str) -> Result<u8
     keys.abort();
     resizes.abort();
     drop(raw);
-    outcome?;
-    let status = process.wait().await?;
-    Ok(status
+    let status = match outcome {
+        Ok(()) => process.wait().await,
+        Err(err) => Err(err),
+    };
+    sandbox.close().await;
+    Ok(status?
         .code
         .and_then(|code| u8::try_from(code).ok())
         .unwrap_or(1))

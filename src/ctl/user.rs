@@ -113,6 +113,7 @@ pub async fn run_user_command(command: UserCommand) -> Result<u8, ClientError> {
                 "{}",
                 serde_json::json!({"sandbox_id": sandbox.id(), "sandbox_token": sandbox.token()})
             );
+            sandbox.close().await;
             Ok(0)
         }
         UserCommand::Attach {
@@ -125,7 +126,9 @@ pub async fn run_user_command(command: UserCommand) -> Result<u8, ClientError> {
         } => {
             let sandbox = Sandbox::attach(&url, &id, &token, attach_options(checkpoint)).await?;
             let process = sandbox.exec(language, &code).await?;
-            stream(process, true).await
+            let code = stream(process, true).await;
+            sandbox.close().await;
+            code
         }
         UserCommand::Checkpoint {
             url,
@@ -134,7 +137,9 @@ pub async fn run_user_command(command: UserCommand) -> Result<u8, ClientError> {
             name,
         } => {
             let sandbox = Sandbox::attach(&url, &id, &token, attach_options(None)).await?;
-            sandbox.checkpoint(name.as_deref()).await?;
+            let checkpointed = sandbox.checkpoint(name.as_deref()).await;
+            sandbox.close().await;
+            checkpointed?;
             eprintln!(
                 "checkpointed {id}{}",
                 name.map_or(String::new(), |n| format!(" as {n}"))
@@ -148,7 +153,9 @@ pub async fn run_user_command(command: UserCommand) -> Result<u8, ClientError> {
             name,
         } => {
             let sandbox = Sandbox::attach(&url, &id, &token, attach_options(None)).await?;
-            sandbox.snapshot_filesystem(&name).await?;
+            let saved = sandbox.snapshot_filesystem(&name).await;
+            sandbox.close().await;
+            saved?;
             eprintln!("filesystem snapshot {name} saved");
             Ok(0)
         }

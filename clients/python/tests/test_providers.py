@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import re
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,19 @@ async def test_openai_agents_sandbox_client_and_session(server):
     await client.delete(replacement)
 
 
+async def _polled_until(session, process_id: int, wanted: bytes, output: bytes, within_s: float = 60) -> bytes:
+    """`output` and what the running process prints next, polled (empty
+    writes) until `wanted` is in it: what an agent does when a yield ended
+    before the program answered, as it may on a loaded machine."""
+    deadline = time.monotonic() + within_s
+    while wanted not in output:
+        assert time.monotonic() < deadline, f"no {wanted!r} within {within_s} s: {output!r}"
+        update = await session.pty_write_stdin(session_id=process_id, chars="")
+        assert update.exit_code is None, (update, output)
+        output += update.output
+    return output
+
+
 async def test_openai_agents_pty_processes(server):
     """The SDK's PTY interface: a REPL on a terminal typed into, its exit
     code; a command without a terminal; the one-execution limit; terminate."""
@@ -98,9 +112,10 @@ async def test_openai_agents_pty_processes(server):
         started = await session.pty_exec_start("python3 -i -q", tty=True, yield_time_s=3)
         repl = started.process_id
         assert repl is not None and started.exit_code is None
-        assert b">>> " in started.output, started.output
+        await _polled_until(session, repl, b">>> ", started.output)
         update = await session.pty_write_stdin(session_id=repl, chars="print(6 * 7)\n", yield_time_s=1)
-        assert b"42\r\n" in update.output and update.process_id == repl and update.exit_code is None
+        assert update.process_id == repl and update.exit_code is None
+        await _polled_until(session, repl, b"42\r\n", update.output)
 
         # While it runs, it holds the sandbox's only execution: other starts and execs fail at once.
         with pytest.raises(ExecTransportError, match=f"one execution at a time.*PTY process {repl}") as busy:
@@ -109,25 +124,26 @@ async def test_openai_agents_pty_processes(server):
         with pytest.raises(ExecTransportError, match="python3 -i -q"):
             await session.pty_exec_start("echo hi", tty=True)
 
-        done = await session.pty_write_stdin(session_id=repl, chars="exit(7)\n", yield_time_s=5)
+        # A yield ends at the process's end: a long one costs nothing here.
+        done = await session.pty_write_stdin(session_id=repl, chars="exit(7)\n", yield_time_s=30)
         assert done.exit_code == 7 and done.process_id is None
         with pytest.raises(PtySessionNotFoundError):
             await session.pty_write_stdin(session_id=repl, chars="")
         assert (await session.exec("echo free")).stdout == b"free\n"
 
         # Without a terminal: stdout and stderr merged, in the workspace root, no stdin.
-        quick = await session.pty_exec_start("pwd; echo err >&2; exit 3", yield_time_s=5)
+        quick = await session.pty_exec_start("pwd; echo err >&2; exit 3", yield_time_s=30)
         assert quick.exit_code == 3 and quick.process_id is None
         assert b"/workspace\n" in quick.output and b"err\n" in quick.output
         slow = await session.pty_exec_start("echo begin; sleep 2; echo end", yield_time_s=0.5)
-        assert slow.process_id is not None and slow.exit_code is None and slow.output == b"begin\n"
+        assert slow.process_id is not None and slow.exit_code is None
         with pytest.raises(RuntimeError, match="stdin is not available for this process"):
             await session.pty_write_stdin(session_id=slow.process_id, chars="x")
-        polled = await session.pty_write_stdin(session_id=slow.process_id, chars="", yield_time_s=10)
-        assert polled.output == b"end\n" and polled.exit_code == 0 and polled.process_id is None
+        polled = await session.pty_write_stdin(session_id=slow.process_id, chars="", yield_time_s=30)
+        assert slow.output + polled.output == b"begin\nend\n" and polled.exit_code == 0 and polled.process_id is None
 
         # max_output_tokens truncates as the SDK's helper does.
-        long = await session.pty_exec_start("seq 1 5000", yield_time_s=5, max_output_tokens=20)
+        long = await session.pty_exec_start("seq 1 5000", yield_time_s=30, max_output_tokens=20)
         assert long.exit_code == 0 and long.original_token_count is not None and long.original_token_count > 20
         assert len(long.output) < 400 and b"truncated" in long.output.lower(), long.output
 
@@ -150,8 +166,12 @@ async def test_openai_agents_pty_processes(server):
         exec_tool, stdin_tool = ExecCommandTool(session=session), WriteStdinTool(session=session)
         opened = await exec_tool.run(ExecCommandArgs(cmd="python3 -i -q", tty=True, yield_time_ms=3000))
         match = re.search(r"Process running with session ID (\d+)", opened)
-        assert match is not None and ">>> " in opened, opened
-        answer = await stdin_tool.run(WriteStdinArgs(session_id=int(match.group(1)), chars="exit(4)\n", yield_time_ms=5000))
+        assert match is not None, opened
+        deadline = time.monotonic() + 60
+        while ">>> " not in opened:
+            assert time.monotonic() < deadline, opened
+            opened += await stdin_tool.run(WriteStdinArgs(session_id=int(match.group(1)), chars=""))
+        answer = await stdin_tool.run(WriteStdinArgs(session_id=int(match.group(1)), chars="exit(4)\n", yield_time_ms=30000))
         assert "Process exited with code 4" in answer, answer
         await client.delete(session)
 

@@ -6,8 +6,6 @@
 
 use crate::support;
 
-use std::time::Duration;
-
 use serde_json::json;
 use support::process::Launch;
 use support::proxy::Proxy;
@@ -59,8 +57,7 @@ async fn affinity_holds_with_the_cookie_and_a_miss_moves_the_sandbox() {
     );
     assert_eq!(ws.next().await, "SANDBOX_RUNNING");
     ws.exec("bash", "echo through-the-proxy > /tmp/p").await;
-    drop(ws);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    ws.close().await;
 
     // The client replays the whole Set-Cookie value (the Python client does,
     // attributes included): same instance, no restore.
@@ -71,8 +68,7 @@ async fn affinity_holds_with_the_cookie_and_a_miss_moves_the_sandbox() {
         "SANDBOX_RUNNING",
         "affinity kept it on {home}"
     );
-    drop(ws);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    ws.close().await;
 
     // Affinity misses: the front end picks the other instance.
     let other = if home == a.name { &b.name } else { &a.name };

@@ -46,8 +46,7 @@ async fn crash_during_handoff(failpoint: &str) -> String {
         "{failpoint}: {frames:?}"
     );
     ws.exec("bash", "echo v2 > /tmp/v").await;
-    drop(ws);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    ws.close().await;
 
     let mut moved = b.attach(&id, &token).await;
     let frames = moved.until_status("SANDBOX_RUNNING").await;

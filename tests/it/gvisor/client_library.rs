@@ -79,7 +79,7 @@ async fn the_library_drives_the_whole_api() {
     ));
     sandbox.checkpoint(Some("first")).await.unwrap();
     let (id, token) = (sandbox.id().to_owned(), sandbox.token().to_owned());
-    drop(sandbox);
+    sandbox.close().await;
 
     let seen = Arc::new(Mutex::new(Vec::<String>::new()));
     let recorder = Arc::clone(&seen);

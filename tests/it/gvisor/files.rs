@@ -354,8 +354,7 @@ async fn files_outlive_a_checkpoint_and_a_handoff_and_http_reaches_a_sandbox_hel
         .await
         .unwrap();
     assert_eq!(busy.status(), 409);
-    drop(ws);
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    ws.close().await;
 
     // Held by b: an HTTP call on a hands it over and reads the file there.
     let wrong = client

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
 
-use sandboxd::client::{AttachOptions, ClientError, Language, Sandbox};
+use sandboxd::client::{AttachOptions, Language, Sandbox};
 use sandboxd::ctl::{CpSide, FilesCommand, run_files_command};
 use serde_json::json;
 use support::ws::Server;
@@ -49,7 +49,7 @@ fn mkdir(path: &Path, mode: u32) {
 async fn cp_of_a_tree_both_ways_keeps_contents_and_modes() {
     let server = Server::start().await;
     let (ws, id, token) = server.create(json!({"idle_timeout": 300})).await;
-    drop(ws);
+    ws.close().await;
     let url = server.url("");
     let local = tempfile::tempdir().unwrap();
     let src = local.path().join("project");
@@ -69,23 +69,17 @@ async fn cp_of_a_tree_both_ways_keeps_contents_and_modes() {
         from: CpSide::parse(&from),
         to: CpSide::parse(&to),
     };
-    // Waits for the socket above to be let go (the one attach slot).
-    let mut attempts = 0;
-    loop {
-        match run_files_command(cp(
+    // Each command closes with the handshake before it returns: the next
+    // one, at once, finds the sandbox's one attach slot free.
+    assert_eq!(
+        run_files_command(cp(
             src.display().to_string(),
             format!("{id}:/home/sandbox/project"),
         ))
         .await
-        {
-            Ok(0) => break,
-            Err(ClientError::InUse) if attempts < 20 => {
-                attempts += 1;
-                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-            }
-            other => panic!("cp up: {other:?}"),
-        }
-    }
+        .unwrap(),
+        0
+    );
 
     // Inside the sandbox: the same modes, the same bytes, runnable.
     let sandbox = Sandbox::attach(&url, &id, &token, AttachOptions::default())
@@ -113,8 +107,7 @@ async fn cp_of_a_tree_both_ways_keeps_contents_and_modes() {
     // A file onto an existing directory lands inside it.
     write(&local.path().join("single.txt"), b"one", 0o604);
     let listing_before = sandbox.list("project", 1).await.unwrap().entries.len();
-    drop(sandbox);
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    sandbox.close().await;
     let single = local.path().join("single.txt").display().to_string();
     assert_eq!(
         run_files_command(cp(single, format!("{id}:project")))
@@ -125,7 +118,6 @@ async fn cp_of_a_tree_both_ways_keeps_contents_and_modes() {
 
     // And back: the tree that comes out is the tree that went in.
     let back = local.path().join("back");
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     assert_eq!(
         run_files_command(cp(
             format!("{id}:/home/sandbox/project"),
@@ -148,7 +140,6 @@ async fn cp_of_a_tree_both_ways_keeps_contents_and_modes() {
     );
 
     // The binary: ls and cat, as a user types them.
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     let ctl = |args: &[&str]| {
         std::process::Command::new(env!("CARGO_BIN_EXE_sandboxctl"))
             .args(args)
@@ -159,13 +150,11 @@ async fn cp_of_a_tree_both_ways_keeps_contents_and_modes() {
     let cat = ctl(&["cat", &id, "project/notes.txt"]);
     assert!(cat.status.success(), "{cat:?}");
     assert_eq!(cat.stdout, b"hello\n");
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     let ls = ctl(&["ls", &id, "project"]);
     assert!(ls.status.success(), "{ls:?}");
     let text = String::from_utf8(ls.stdout).unwrap();
     assert!(text.contains("d0700"), "{text}");
     assert!(text.contains("-0640            6 notes.txt"), "{text}");
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     let missing = ctl(&["cat", &id, "project/nothing"]);
     assert_eq!(missing.status.code(), Some(3), "{missing:?}");
     assert!(String::from_utf8_lossy(&missing.stderr).contains("ENOENT"));

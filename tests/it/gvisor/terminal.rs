@@ -102,8 +102,7 @@ print("exit", os.waitstatus_to_exitcode(status))
 async fn sandboxctl_shell_under_a_terminal_is_raw_and_follows_the_window() {
     let server = Server::start().await;
     let (ws, id, token) = server.create(json!({"idle_timeout": 300})).await;
-    drop(ws);
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    ws.close().await;
     let url = server.url("");
     let output = tokio::process::Command::new("python3")
         .args(["-c", DRIVER, env!("CARGO_BIN_EXE_sandboxctl")])

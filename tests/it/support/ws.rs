@@ -270,6 +270,18 @@ impl Ws {
         let _ = self.stream.close(None).await;
     }
 
+    /// Closes with the handshake: a close frame, then reads until the
+    /// server's. The server lets go of the attach slot when it reads the
+    /// close, so the next attach finds it free.
+    pub async fn close(mut self) {
+        let _ = self.stream.close(None).await;
+        let ended = tokio::time::timeout(Duration::from_secs(10), async {
+            while let Some(Ok(_)) = self.stream.next().await {}
+        })
+        .await;
+        assert!(ended.is_ok(), "the server did not answer the close in 10 s");
+    }
+
     /// Sends, ignoring a socket the server already closed.
     pub async fn try_send(&mut self, frame: Value) {
         let _ = self.stream.send(Message::text(frame.to_string())).await;
