@@ -236,7 +236,11 @@ impl Reconciler {
                     }
                 });
             }
-            Ended::ImageLanded => self.slots.update(sandbox, |slot| slot.image_wait = false),
+            Ended::ImageLanded => self.slots.update(sandbox, |slot| {
+                if let Some(acquiring) = slot.state.acquiring_mut() {
+                    acquiring.image_awaited = false;
+                }
+            }),
         }
     }
 

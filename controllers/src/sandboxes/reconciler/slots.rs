@@ -75,9 +75,6 @@ pub(super) struct Slot {
     /// A change of the spec a pass here is still writing (it outlasted
     /// that pass, `commands.rs`): later passes count it as written.
     pub(super) spec_in_flight: Option<super::commands::SpecChange>,
-    /// A wake is pending for the landing of the image a taker waits for
-    /// (one at a time).
-    pub(super) image_wait: bool,
     /// The transition its pass is in (`creating`, `restoring`,
     /// `checkpointing`, `deleting`: `sandboxd_sandboxes{phase}`), while it
     /// lasts ([`Slots::in_transition`]).
@@ -111,7 +108,6 @@ impl Slot {
             && self.write_turn.is_none()
             && self.inbox.is_empty()
             && self.spec_in_flight.is_none()
-            && !self.image_wait
             && self.transition.is_none()
             && self.progress.is_none()
             && self.rung.is_none()
@@ -186,6 +182,9 @@ pub(super) struct Acquiring {
     /// When this instance last rang the holder (`None`: not since the wait
     /// began; the first ring came with the attach intent).
     pub(super) rung_at: Option<DateTime<Utc>>,
+    /// A task waits for the landing of the image the holder hands over
+    /// with, to wake the pass (one at a time; decision 29).
+    pub(super) image_awaited: bool,
 }
 
 impl Acquiring {
@@ -612,7 +611,7 @@ mod tests {
         let state = state.begin_start();
         let mut state = state.start_ended();
         assert!(
-            matches!(state, LocalState::Acquiring(Acquiring { rung_at: Some(t) }) if t == at(0))
+            matches!(state, LocalState::Acquiring(Acquiring { rung_at: Some(t), .. }) if t == at(0))
         );
         assert!(state.acquiring_mut().unwrap().ring_due(at(5), every));
         let (state, said) = state.wait_to_acquire();

@@ -103,9 +103,14 @@ impl Reconciler {
             return;
         };
         let me = me.clone();
-        if self.slots.update(sandbox, |slot| {
-            std::mem::replace(&mut slot.image_wait, true)
-        }) {
+        // Only while it waits to acquire (`await_handover` made sure it
+        // does), and once per wait.
+        let already = self.slots.update(sandbox, |slot| {
+            slot.state
+                .acquiring_mut()
+                .is_none_or(|acquiring| std::mem::replace(&mut acquiring.image_awaited, true))
+        });
+        if already {
             return;
         }
         let sandbox = sandbox.clone();
