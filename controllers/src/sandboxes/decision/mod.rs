@@ -53,7 +53,8 @@ pub(crate) enum Step {
     StopVanished,
     /// Nothing here, nothing to do until something happens.
     Nothing,
-    /// The lock names another holder or epoch: stop without writing.
+    /// The lock names another holder or epoch, or `status` a newer
+    /// holder's record: stop without writing.
     StopLost { holder: Option<InstanceId> },
     /// The local sandbox died: record `Failed`, release.
     MarkDied,
@@ -116,9 +117,15 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
     // edit): it is never started again (decision 28).
     let tombstone = metadata.status.phase == Phase::Deleted;
     if let Some(held) = seen.held {
-        if !still_ours(seen.me, seen.lock, held) {
+        if !still_ours(seen.me, seen.lock, held) || metadata.status.epoch > held.epoch {
+            // Another holder or epoch in the lock, or a newer holder's
+            // record in `status` (its fence: it took the sandbox after this
+            // hold, whatever lock this pass read).
             return Step::StopLost {
-                holder: seen.lock.and_then(|lock| lock.holder.clone()),
+                holder: seen
+                    .lock
+                    .and_then(|lock| lock.holder.clone())
+                    .filter(|holder| holder != seen.me),
             };
         }
         if tombstone && !seen.running_here {

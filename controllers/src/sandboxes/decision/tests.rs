@@ -165,6 +165,15 @@ fn a_lock_naming_another_holder_or_epoch_means_lost() {
     );
     let case = Case::held_here().with(|case| case.lock = None);
     assert_eq!(case.decide(), Step::StopLost { holder: None });
+    // A newer holder's record fences this hold even in a lock read before
+    // that holder took it.
+    let case = Case::held_here().with(|case| {
+        let epoch = case.held.as_ref().map_or(0, |held| held.epoch);
+        if let Some(metadata) = case.metadata.as_mut() {
+            metadata.status.epoch = epoch + 1;
+        }
+    });
+    case.decides(Step::StopLost { holder: None }, "a newer record in status");
 }
 
 #[test]

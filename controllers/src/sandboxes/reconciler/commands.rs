@@ -143,7 +143,7 @@ impl Reconciler {
     /// wants it now ([`Ended::wants_a_pass_now`]; without a controller the
     /// next pass serves it): how a task that outlived its pass reports its
     /// end to the sandbox's owner.
-    pub(super) fn report(&self, sandbox: &SandboxId, ended: Ended) {
+    pub(in crate::sandboxes) fn report(&self, sandbox: &SandboxId, ended: Ended) {
         let now = ended.wants_a_pass_now();
         self.send(sandbox, Command::Ended(Box::new(ended)));
         if let Some(queue) = self.wake.get().filter(|_| now) {
@@ -215,8 +215,12 @@ impl Reconciler {
     /// Takes up the end of a step that outlived its pass.
     async fn serve_ended(&self, sandbox: &SandboxId, ended: Ended) {
         match ended {
+            // This pass is a full one (as for every command), on both
+            // objects: a record a newer holder fenced left that holder's
+            // epoch in `status`, on which the table stops the hold
+            // (`Step::StopLost`); after any other failure it records again.
             Ended::RecordFailed { epoch, error } => {
-                self.record_failed(sandbox, epoch, error).await;
+                tracing::warn!(%sandbox, epoch, %error, "a start's record failed; this pass decides on both objects");
             }
             Ended::SpecWritten {
                 change,

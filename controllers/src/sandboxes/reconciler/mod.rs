@@ -54,6 +54,8 @@ mod start;
 
 pub use checkpoint::{delete_checkpoint_objects, record_carried};
 pub use commands::AttachRead;
+#[cfg(test)]
+pub(crate) use commands::Ended;
 pub(crate) use commands::{Command, Reply};
 pub use config::{HandoffPolicy, ReconcilerConfig};
 pub use fork::{ForkError, ForkPoint};

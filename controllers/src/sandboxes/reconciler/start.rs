@@ -397,21 +397,6 @@ impl Reconciler {
         }));
     }
 
-    /// A start's record of itself failed: a newer holder fenced it (this
-    /// copy must stop), or anything else (the next full pass records it).
-    pub(super) async fn record_failed(&self, sandbox: &SandboxId, epoch: u64, err: ReconcileError) {
-        // Only the copy this record was for: a record that took long may be
-        // fenced after this instance has taken the sandbox back at a newer
-        // epoch, and that copy is not lost.
-        if !err.is_fenced() {
-            tracing::warn!(%sandbox, %err, "cannot record that the sandbox runs; the next full pass does");
-            self.want_full_pass(sandbox);
-        } else if self.held(sandbox).is_some_and(|held| held.epoch == epoch) {
-            self.stop_lost(sandbox, LossCause::TakenOver { holder: None })
-                .await;
-        }
-    }
-
     /// Creates or restores the sandbox under a freshly taken hold. Restores
     /// the requested named checkpoint, else the newer of the lock's and
     /// `status`'s latest (with the manifest the lock carries, if it is that

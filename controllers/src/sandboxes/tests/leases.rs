@@ -284,14 +284,50 @@ async fn an_attach_read_of_a_sandbox_held_here_makes_no_bucket_request() {
     );
 }
 
+/// Before the first `metadata.json` write after it is armed, a newer
+/// holder's record lands (epoch 99), as it would for a zombie holder whose
+/// pass read `status` just before.
+#[derive(Debug, Default)]
+struct RecordedByANewerHolder {
+    sandbox: std::sync::Mutex<Option<SandboxId>>,
+}
+
+#[async_trait::async_trait]
+impl super::hooked_store::BeforeRequest for RecordedByANewerHolder {
+    async fn before(
+        &self,
+        request: super::hooked_store::Request<'_>,
+        store: &crate::testing::MemoryStore,
+    ) -> Result<(), crate::store::StoreError> {
+        let armed = if request.writes("metadata.json") {
+            self.sandbox.lock().unwrap().take()
+        } else {
+            None
+        };
+        if let Some(id) = armed {
+            let key = metadata_key(&id);
+            let mut metadata: SandboxMetadata =
+                decode(&store.get(&key).await.unwrap().data).unwrap();
+            metadata.status.epoch = 99;
+            store
+                .put(&key, encode(&metadata), PutMode::Overwrite)
+                .await
+                .unwrap();
+        }
+        Ok(())
+    }
+}
+
 #[tokio::test]
 async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
-    let (world, a, id) = World::with_a_sandbox().await;
-    // A newer holder's record (as a zombie would find it), then a deletion.
+    let (world, hooked) = World::hooked(RecordedByANewerHolder::default());
+    let (a, id) = world.a_running("x=1").await;
+    // A deletion asked by hand; a newer holder records between the pass's
+    // read and its tombstone's write.
     let mut metadata = world.metadata(&id).await;
-    metadata.status.epoch = 99;
     metadata.spec.desired_state = DesiredState::Deleted;
     world.edit_metadata(&metadata).await;
+    *hooked.hook.sandbox.lock().unwrap() = Some(id.clone());
     a.controller.enqueue(&id);
     let err = a.reconcile(&id).await.unwrap_err();
     assert!(
@@ -312,6 +348,9 @@ async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
         Phase::Running,
         "the newer record is kept"
     );
+    // And the next pass sees that holder's record: the hold is lost.
+    a.reconcile(&id).await.unwrap();
+    assert!(!a.controller.is_held_here(&id));
 }
 
 /// An execution cut off by the loss of its hold ends with `HoldLost`: its
@@ -352,28 +391,41 @@ async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted
 }
 
 /// A start's record that a newer holder fenced, in its task of its own, is
-/// reported to the sandbox's pass, and that pass stops the copy: a loss is
-/// acted on by the sandbox's own pass, never beside it.
+/// reported to the sandbox's pass, which decides on both objects: the newer
+/// holder's epoch in `status` stops the copy there (the table's
+/// `StopLost`), never beside the pass.
 #[tokio::test]
 async fn a_record_fenced_by_a_newer_holder_stops_the_copy_in_its_own_pass() {
     let (world, a, id) = World::with_a_sandbox().await;
-    // A newer holder's record (an operator's edit stands in for it): a
-    // later epoch in `status` fences A's record, and the phase it names
-    // makes A's next full pass record again.
-    let mut metadata = world.metadata(&id).await;
-    metadata.status.epoch += 1;
-    metadata.status.phase = Phase::Pending;
-    world.edit_metadata(&metadata).await;
-    a.controller.reconciler().want_full_pass(&id);
+    // Past the departure watch and the resync: its next pass is light
+    // unless something asks for a full one.
+    a.live_through(&world, 61).await;
     a.reconcile(&id).await.unwrap();
+    // A newer holder's record (an operator's edit stands in for it).
+    let mut metadata = world.metadata(&id).await;
+    let epoch = metadata.status.epoch;
+    metadata.status.epoch += 1;
+    world.edit_metadata(&metadata).await;
+    let reconciler = a.controller.reconciler();
+    reconciler.report(
+        &id,
+        crate::sandboxes::reconciler::Ended::RecordFailed {
+            epoch,
+            error: ReconcileError::Fenced {
+                key: "metadata.json".into(),
+                recorded: epoch + 1,
+                writer: epoch,
+            },
+        },
+    );
     assert!(
         a.controller.is_held_here(&id) && a.runtime.memory(&id).is_some(),
-        "the record's task stops nothing itself"
+        "the report stops nothing itself"
     );
     assert_eq!(
-        a.controller.reconciler().commands_waiting(&id),
+        reconciler.commands_waiting(&id),
         1,
-        "its end waits for the sandbox's pass"
+        "it waits for the sandbox's pass"
     );
     a.reconcile(&id).await.unwrap();
     assert!(!a.controller.is_held_here(&id), "the pass stopped the hold");
