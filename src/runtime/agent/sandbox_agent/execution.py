@@ -604,18 +604,30 @@ def stdin_close(msg):
         execution.close_stdin()
 
 
-def descendants(root_pid):
-    """Pids of root_pid's process tree (by parent links in /proc)."""
-    children = {}
+# How long kill_tree sweeps for what its first kill missed.
+KILL_SWEEP_S = 1.0
+
+
+def processes():
+    """(pid, state, ppid, pgrp) of every process, from /proc."""
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open("/proc/%s/stat" % entry, "rb") as stat:
                 fields = stat.read().rsplit(b")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(entry))
+            found.append((int(entry), fields[0], int(fields[1]), int(fields[2])))
         except (OSError, IndexError, ValueError):
             continue
+    return found
+
+
+def descendants(root_pid, table=None):
+    """Pids of root_pid's process tree (by parent links in /proc)."""
+    children = {}
+    for pid, _, ppid, _ in processes() if table is None else table:
+        children.setdefault(ppid, []).append(pid)
     tree, todo = [], [root_pid]
     while todo:
         pid = todo.pop()
@@ -625,16 +637,39 @@ def descendants(root_pid):
     return tree
 
 
+def alive_in_tree(pid):
+    """What is still alive (not a zombie) of pid, its descendants and its
+    process group."""
+    table = processes()
+    tree = {pid} | set(descendants(pid, table))
+    return sorted(p for p, state, _, group in table
+                  if state != b"Z" and (p in tree or group == pid))
+
+
 def kill_tree(pid):
-    for victim in [pid] + descendants(pid):
+    """SIGKILL to pid, its descendants and its process group, swept again
+    until none of them is alive (at most KILL_SWEEP_S). A child forked
+    while the first kill was under way escapes one sweep: gVisor lets a
+    fork through with SIGKILL pending (Linux fails it), and the child is in
+    neither the tree walked before nor, if it was forked after the group's
+    kill, dead."""
+    deadline = time.time() + KILL_SWEEP_S
+    while True:
+        victims = alive_in_tree(pid)
+        if not victims:
+            return
+        for victim in victims:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except OSError:
+                pass
         try:
-            os.kill(victim, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
+        if time.time() >= deadline:
+            return
+        time.sleep(0.01)
 
 
 def kill(msg):

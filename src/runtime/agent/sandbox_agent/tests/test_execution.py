@@ -5,7 +5,7 @@ import signal
 import unittest
 
 from sandbox_agent import protocol, state
-from sandbox_agent.execution import split_utf8
+from sandbox_agent.execution import alive_in_tree, split_utf8
 
 from .support import AgentTest, output
 
@@ -38,6 +38,17 @@ class ExecutionTest(AgentTest):
         self.assertIn({"ev": "error", "id": second, "message": "another execution is running"}, events)
         self.send("kill", id=first)
         self.assertEqual(self.run_to_exit(first)[-1]["code"], 137)
+
+    def test_a_kill_leaves_nothing_of_the_tree_alive_when_it_returns(self):
+        # Background children, one in a session of its own (out of the group,
+        # found by its parent link), started while the kill may be under way.
+        run = self.send("exec", argv=["bash", "-c", "sleep 300 & setsid sleep 300 & sleep 300"])
+        [started] = self.events()
+        self.assertEqual(started["ev"], "started")
+        pid = state.EXECS[run].pid
+        self.send("kill", id=run)
+        self.assertEqual(alive_in_tree(pid), [], "alive after the kill returned")
+        self.assertEqual(self.run_to_exit(run)[-1]["code"], 137)
 
     def test_a_program_that_cannot_start_is_an_error(self):
         run = self.send("exec", argv=["/nonexistent/program"])
