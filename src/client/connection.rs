@@ -341,6 +341,14 @@ pub(crate) async fn drive(
                 },
                 asked = &mut close, if close_asked_for => match asked {
                     Ok(()) => {
+                        // What the handle queued before asking goes first
+                        // (a kill, stdin, an upload's bytes).
+                        while let Ok(frame) = outgoing.try_recv() {
+                            let _ = socket.send(Message::text(frame)).await;
+                        }
+                        while let Ok(message) = binary.try_recv() {
+                            let _ = socket.send(message).await;
+                        }
                         close_handshake(&mut socket).await;
                         finish(&shared, "closed by the client".to_owned());
                         return;
@@ -370,8 +378,8 @@ pub(crate) async fn drive(
 /// it reads the client's close, before it answers it: once this returns, an
 /// attach from anywhere finds the slot free.
 async fn close_handshake(socket: &mut Socket) {
-    let _ = socket.close(None).await;
     let _ = tokio::time::timeout(CLOSE_WAIT, async {
+        let _ = socket.close(None).await;
         while let Some(Ok(_)) = socket.next().await {}
     })
     .await;

@@ -350,13 +350,16 @@ impl Sandbox {
     /// free, so the next attach (this process's or another's) is not refused
     /// as in use. Dropping the handle instead closes in the background.
     pub async fn close(self) {
-        let Self { close, driver, .. } = self;
+        let Self {
+            close, mut driver, ..
+        } = self;
         let _ = close.send(());
-        let abort = driver.abort_handle();
-        // Bounded: a driver stuck reconnecting is stopped, which ends the
-        // socket without the handshake.
-        if tokio::time::timeout(CLOSE_WAIT, driver).await.is_err() {
-            abort.abort();
+        // Bounded: a driver that is reconnecting does not see the request;
+        // it is stopped, and its socket dropped (no handshake) before this
+        // returns.
+        if tokio::time::timeout(CLOSE_WAIT, &mut driver).await.is_err() {
+            driver.abort();
+            let _ = driver.await;
         }
     }
 

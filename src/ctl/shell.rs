@@ -62,7 +62,13 @@ impl Drop for RawMode {
 pub async fn shell(url: &str, id: &str, token: &str, command: &str) -> Result<u8, ClientError> {
     let sandbox = Sandbox::attach(url, id, token, AttachOptions::default()).await?;
     let (cols, rows) = window_size();
-    let mut process = sandbox.exec_terminal(command, cols, rows).await?;
+    let mut process = match sandbox.exec_terminal(command, cols, rows).await {
+        Ok(process) => process,
+        Err(err) => {
+            sandbox.close().await;
+            return Err(err);
+        }
+    };
     let raw = RawMode::enter();
     let handle = process.handle();
     let keys = {

@@ -125,8 +125,10 @@ pub async fn run_user_command(command: UserCommand) -> Result<u8, ClientError> {
             code,
         } => {
             let sandbox = Sandbox::attach(&url, &id, &token, attach_options(checkpoint)).await?;
-            let process = sandbox.exec(language, &code).await?;
-            let code = stream(process, true).await;
+            let code = match sandbox.exec(language, &code).await {
+                Ok(process) => stream(process, true).await,
+                Err(err) => Err(err),
+            };
             sandbox.close().await;
             code
         }
@@ -161,7 +163,9 @@ pub async fn run_user_command(command: UserCommand) -> Result<u8, ClientError> {
         }
         UserCommand::Kill { url, id, token } => {
             let sandbox = Sandbox::attach(&url, &id, &token, attach_options(None)).await?;
-            sandbox.kill().await?;
+            let killed = sandbox.kill().await;
+            sandbox.close().await;
+            killed?;
             eprintln!("killed {id}");
             Ok(0)
         }

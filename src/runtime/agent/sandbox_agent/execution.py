@@ -609,7 +609,7 @@ KILL_SWEEP_S = 1.0
 
 
 def processes():
-    """(pid, state, ppid, pgrp) of every process, from /proc."""
+    """(pid, state, ppid, pgrp, session) of every process, from /proc."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -617,7 +617,7 @@ def processes():
         try:
             with open("/proc/%s/stat" % entry, "rb") as stat:
                 fields = stat.read().rsplit(b")", 1)[1].split()
-            found.append((int(entry), fields[0], int(fields[1]), int(fields[2])))
+            found.append((int(entry), fields[0], int(fields[1]), int(fields[2]), int(fields[3])))
         except (OSError, IndexError, ValueError):
             continue
     return found
@@ -626,7 +626,7 @@ def processes():
 def descendants(root_pid, table=None):
     """Pids of root_pid's process tree (by parent links in /proc)."""
     children = {}
-    for pid, _, ppid, _ in processes() if table is None else table:
+    for pid, _, ppid, _, _ in processes() if table is None else table:
         children.setdefault(ppid, []).append(pid)
     tree, todo = [], [root_pid]
     while todo:
@@ -638,36 +638,41 @@ def descendants(root_pid, table=None):
 
 
 def alive_in_tree(pid):
-    """What is still alive (not a zombie) of pid, its descendants and its
-    process group."""
+    """What is still alive (not a zombie) of pid, its descendants, its
+    process group and its session (an execution leads both)."""
     table = processes()
     tree = {pid} | set(descendants(pid, table))
-    return sorted(p for p, state, _, group in table
-                  if state != b"Z" and (p in tree or group == pid))
+    return sorted(p for p, state, _, group, session in table
+                  if state != b"Z" and p != os.getpid()
+                  and (p in tree or group == pid or session == pid))
 
 
 def kill_tree(pid):
-    """SIGKILL to pid, its descendants and its process group, swept again
-    until none of them is alive (at most KILL_SWEEP_S). A child forked
-    while the first kill was under way escapes one sweep: gVisor lets a
-    fork through with SIGKILL pending (Linux fails it), and the child is in
-    neither the tree walked before nor, if it was forked after the group's
-    kill, dead."""
-    deadline = time.time() + KILL_SWEEP_S
+    """SIGKILL to pid, its descendants, its process group and its session,
+    swept again until none of them is alive (at most KILL_SWEEP_S). A child
+    forked while the first kill was under way escapes one sweep: gVisor lets
+    a fork through with SIGKILL pending (Linux fails it), and the child is
+    in neither the tree walked before nor, if it was forked after the
+    group's kill, dead. A process this agent may not signal is left after
+    its first refusal (it would hold the sweep for its whole bound)."""
+    deadline = time.monotonic() + KILL_SWEEP_S
+    refused = set()
     while True:
-        victims = alive_in_tree(pid)
+        victims = [victim for victim in alive_in_tree(pid) if victim not in refused]
         if not victims:
             return
         for victim in victims:
             try:
                 os.kill(victim, signal.SIGKILL)
+            except PermissionError:
+                refused.add(victim)
             except OSError:
                 pass
         try:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
-        if time.time() >= deadline:
+        if time.monotonic() >= deadline:
             return
         time.sleep(0.01)
 
