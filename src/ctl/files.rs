@@ -77,62 +77,54 @@ async fn connect(url: &str, id: &str, token: &str) -> Result<Sandbox, ClientErro
 /// with the handshake before it returns, so the next command finds the
 /// sandbox free.
 pub async fn run_files_command(command: FilesCommand) -> Result<u8, ClientError> {
-    match command {
+    let (url, id, token, verb) = match command {
         FilesCommand::Cat {
             url,
             id,
             token,
             path,
-        } => {
-            let sandbox = connect(&url, &id, &token).await?;
-            let result = cat(&sandbox, &path).await;
-            sandbox.close().await;
-            result.map(|()| 0)
-        }
+        } => (url, id, token, Verb::Cat { path }),
         FilesCommand::Ls {
             url,
             id,
             token,
             path,
             depth,
-        } => {
-            let sandbox = connect(&url, &id, &token).await?;
-            let result = ls(&sandbox, &path, depth).await;
-            sandbox.close().await;
-            result.map(|()| 0)
-        }
+        } => (url, id, token, Verb::Ls { path, depth }),
         FilesCommand::Cp {
             url,
             token,
             from,
             to,
-        } => {
-            let (id, copy) = match (from, to) {
-                (CpSide::Local(local), CpSide::Remote { id, path }) => {
-                    (id, Copy::Up { local, path })
-                }
-                (CpSide::Remote { id, path }, CpSide::Local(local)) => {
-                    (id, Copy::Down { path, local })
-                }
-                _ => {
-                    return Err(invalid(
-                        "cp copies between this machine and a sandbox: one side must be ID:PATH, the other a local path",
-                    ));
-                }
-            };
-            let sandbox = connect(&url, &id, &token).await?;
-            let result = match &copy {
-                Copy::Up { local, path } => upload(&sandbox, local, path).await,
-                Copy::Down { path, local } => download(&sandbox, path, local).await,
-            };
-            sandbox.close().await;
-            result.map(|()| 0)
-        }
-    }
+        } => match (from, to) {
+            (CpSide::Local(local), CpSide::Remote { id, path }) => {
+                (url, id, token, Verb::Up { local, path })
+            }
+            (CpSide::Remote { id, path }, CpSide::Local(local)) => {
+                (url, id, token, Verb::Down { path, local })
+            }
+            _ => {
+                return Err(invalid(
+                    "cp copies between this machine and a sandbox: one side must be ID:PATH, the other a local path",
+                ));
+            }
+        },
+    };
+    let sandbox = connect(&url, &id, &token).await?;
+    let result = match &verb {
+        Verb::Cat { path } => cat(&sandbox, path).await,
+        Verb::Ls { path, depth } => ls(&sandbox, path, *depth).await,
+        Verb::Up { local, path } => upload(&sandbox, local, path).await,
+        Verb::Down { path, local } => download(&sandbox, path, local).await,
+    };
+    sandbox.close().await;
+    result.map(|()| 0)
 }
 
-/// One `cp`'s direction.
-enum Copy {
+/// What one command does on the sandbox it attached to.
+enum Verb {
+    Cat { path: String },
+    Ls { path: String, depth: u32 },
     Up { local: PathBuf, path: String },
     Down { path: String, local: PathBuf },
 }
