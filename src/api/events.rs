@@ -64,26 +64,10 @@ pub fn checkpoint_failure(id: &SandboxId, cause: &CheckpointFailure) -> String {
 /// The message of the `SANDBOX_ERROR` that ends a session whose sandbox
 /// stopped here without being asked.
 pub fn loss(id: &SandboxId, cause: &LossCause) -> String {
-    let why = match cause {
-        LossCause::Died => return "the sandbox stopped unexpectedly on this instance".to_owned(),
-        LossCause::MetadataDeleted => "its metadata.json was deleted".to_owned(),
-        LossCause::TakenOver { holder } => format!(
-            "the lease was taken over (holder now {})",
-            holder
-                .as_ref()
-                .map_or_else(|| "nobody".to_owned(), ToString::to_string)
-        ),
-        LossCause::LeaseLost => "the lease was taken over".to_owned(),
-        LossCause::RenewalFailed(err) => format!("the lease could not be renewed: {err}"),
-        LossCause::PeriodicCheckpoint(err) => format!("a periodic checkpoint failed: {err}"),
-        LossCause::PeriodicRecord(err) => {
-            format!("after a periodic checkpoint, recording it failed: {err}")
-        }
-        LossCause::PeriodicRestore(err) => {
-            format!("after a periodic checkpoint, restoring it failed: {err}")
-        }
-    };
-    format!("Sandbox {id} stopped on this instance: {why}")
+    match cause {
+        LossCause::Died => cause.to_string(),
+        cause => format!("Sandbox {id} stopped on this instance: {cause}"),
+    }
 }
 
 /// Why a sandbox a client waits for did not start here.

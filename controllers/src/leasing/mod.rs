@@ -507,14 +507,37 @@ impl Leases {
     /// Extends a held lease. Fails with `Lost` if another instance took it or an
     /// operator cleared the holder.
     pub async fn renew(&self, held: &HeldLease) -> Result<HeldLease, LeaseError> {
-        self.modify(&held.sandbox, |existing, now| {
-            let mut lease = self.still_mine(held, existing)?;
-            lease.renewed_at = Some(now);
-            Ok(Step::Write(Box::new(lease), ()))
-        })
-        .await
-        .and_then(|((), lease, generation)| {
-            self.held(&held.sandbox, held.epoch, &lease, generation)
+        self.renew_or_found(held)
+            .await?
+            .map_err(|found| match found {
+                Some(lease) => Self::lost(held, lease),
+                None => LeaseError::Missing {
+                    sandbox: held.sandbox.clone(),
+                },
+            })
+    }
+
+    /// [`Self::renew`], but a lock that no longer names the hold (`None`:
+    /// no lock) comes back as found, for the caller to decide on.
+    pub async fn renew_or_found(
+        &self,
+        held: &HeldLease,
+    ) -> Result<Result<HeldLease, Option<Lease>>, LeaseError> {
+        let (mine, lease, generation) = self
+            .modify(&held.sandbox, |existing, now| match existing {
+                Some(mut lease)
+                    if lease.is_held_by(&self.instance) && lease.epoch == held.epoch =>
+                {
+                    lease.renewed_at = Some(now);
+                    Ok(Step::Write(Box::new(lease), Some(true)))
+                }
+                existing => Ok(Step::Done(existing.map(|_| false))),
+            })
+            .await?;
+        Ok(match mine {
+            Some(true) => Ok(self.held(&held.sandbox, held.epoch, &lease, generation)?),
+            Some(false) => Err(Some(lease)),
+            None => Err(None),
         })
     }
 
@@ -724,12 +747,17 @@ impl Leases {
         if lease.is_held_by(&self.instance) && lease.epoch == held.epoch {
             Ok(lease)
         } else {
-            Err(LeaseError::Lost {
-                sandbox: held.sandbox.clone(),
-                epoch: held.epoch,
-                holder: lease.holder,
-                current_epoch: lease.epoch,
-            })
+            Err(Self::lost(held, lease))
+        }
+    }
+
+    /// `held` is lost: `lease` names another holder or epoch.
+    fn lost(held: &HeldLease, lease: Lease) -> LeaseError {
+        LeaseError::Lost {
+            sandbox: held.sandbox.clone(),
+            epoch: held.epoch,
+            holder: lease.holder,
+            current_epoch: lease.epoch,
         }
     }
 

@@ -100,21 +100,14 @@ pub enum LossCause {
     Died,
     #[error("its metadata.json was deleted")]
     MetadataDeleted,
-    /// A lock read showed another holder (or none).
+    /// A lock read (or a re-verification's write) showed another holder or
+    /// epoch, or a newer holder's record in `status`.
     #[error("the lease was taken over (holder now {})", .holder.as_ref().map_or_else(|| "nobody".to_owned(), ToString::to_string))]
     TakenOver { holder: Option<InstanceId> },
-    /// Re-verifying the hold found it gone.
-    #[error("the lease was taken over")]
-    LeaseLost,
-    /// Re-verifying the hold failed: past what this instance can vouch for.
+    /// The bucket could not be reached to re-verify a hold no longer
+    /// vouched for: past what this instance can vouch for.
     #[error("the lease could not be renewed: {0}")]
     RenewalFailed(String),
-    #[error("a periodic checkpoint failed: {0}")]
-    PeriodicCheckpoint(String),
-    #[error("after a periodic checkpoint, recording it failed: {0}")]
-    PeriodicRecord(String),
-    #[error("after a periodic checkpoint, restoring it failed: {0}")]
-    PeriodicRestore(String),
 }
 
 /// What happened to one sandbox, as the reconciler saw it.

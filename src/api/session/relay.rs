@@ -368,12 +368,14 @@ mod tests {
         let id = SandboxId::random();
         let reply = reply(
             &id,
-            &SandboxEvent::Lost(LossCause::LeaseLost),
+            &SandboxEvent::Lost(LossCause::TakenOver { holder: None }),
             false,
             &Pending::default(),
             || false,
         );
-        let message = format!("Sandbox {id} stopped on this instance: the lease was taken over");
+        let message = format!(
+            "Sandbox {id} stopped on this instance: the lease was taken over (holder now nobody)"
+        );
         assert_eq!(reply.frames[1], ServerFrame::Error(message));
         assert_eq!(reply.close, Some(CLOSE_FATAL));
     }

@@ -44,11 +44,23 @@ pub(crate) struct Observed<'a> {
     pub waiting_here: bool,
     /// A periodic checkpoint of the held sandbox is due.
     pub checkpoint_due: bool,
+    /// Why the bucket could not be reached, if it could not: a read of
+    /// either object, or a re-verification's write of the lock, failed in
+    /// the store (not an operator's invalid document). `metadata` and
+    /// `lock` then say nothing.
+    pub unreachable: Option<&'a str>,
 }
 
 /// The one next step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Step {
+    /// The bucket cannot be reached and the hold here is no longer vouched
+    /// for: it cannot be re-verified, and another instance may take it
+    /// over meanwhile (two copies must never run). Stop, write nothing.
+    CutOff { why: String },
+    /// The bucket cannot be reached, and nothing held here is at risk: the
+    /// pass fails and is retried.
+    Retry { why: String },
     /// `metadata.json` is gone: stop what runs here, write nothing.
     StopVanished,
     /// Nothing here, nothing to do until something happens.
@@ -67,7 +79,8 @@ pub(crate) enum Step {
     /// Another instance's live intent: checkpoint (forced per policy), release.
     HandOver,
     /// The instance lease lapsed since the hold was taken: one conditional
-    /// write to the lock, or stop.
+    /// write to the lock. If it does not land, the table decides again on
+    /// what it found (the lock naming another, or the bucket unreachable).
     Reverify,
     /// Keep running; look again at the resync (or sooner while watching).
     KeepRunning,
@@ -106,6 +119,14 @@ pub(crate) enum Step {
 
 /// The decision table.
 pub(crate) fn decide(seen: &Observed<'_>) -> Step {
+    if let Some(why) = seen.unreachable {
+        let why = why.to_owned();
+        return if seen.held.is_some() && !seen.vouched {
+            Step::CutOff { why }
+        } else {
+            Step::Retry { why }
+        };
+    }
     let Some(metadata) = seen.metadata else {
         return if seen.held.is_some() || seen.running_here {
             Step::StopVanished
@@ -193,15 +214,6 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
             _ => Step::NotWantedHere,
         },
     }
-}
-
-/// When a full pass could not read the bucket: a hold here that its
-/// instance lease no longer vouches for cannot be re-verified, and another
-/// instance may take it over meanwhile: it is stopped as lost (two copies
-/// must never run). `false`: the pass fails and is retried (nothing held
-/// here, or the hold is still vouched for).
-pub(crate) fn cut_off(held: Option<&HeldLease>, vouched: bool) -> bool {
-    held.is_some() && !vouched
 }
 
 /// True while `lock` still names this instance's hold at its epoch (else

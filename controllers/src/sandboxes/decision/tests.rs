@@ -21,6 +21,7 @@ struct Case {
     holder_gone: bool,
     waiting_here: bool,
     checkpoint_due: bool,
+    unreachable: Option<&'static str>,
 }
 
 fn instance(name: &str) -> InstanceId {
@@ -45,6 +46,7 @@ impl Case {
             holder_gone: true,
             waiting_here: false,
             checkpoint_due: false,
+            unreachable: None,
         }
     }
 
@@ -139,6 +141,7 @@ impl Case {
             holder_gone: self.holder_gone,
             waiting_here: self.waiting_here,
             checkpoint_due: self.checkpoint_due,
+            unreachable: self.unreachable,
         })
     }
 }
@@ -449,15 +452,22 @@ fn the_drain_checkpoints_deletes_or_leaves_a_sandbox_to_its_pass() {
 }
 
 #[test]
-fn an_unreadable_bucket_stops_only_a_hold_no_longer_vouched_for() {
-    let held = Case::held_here();
-    assert!(
-        cut_off(held.held.as_ref(), false),
+fn an_unreachable_bucket_stops_only_a_hold_no_longer_vouched_for() {
+    let unreachable = |case: Case| case.with(|case| case.unreachable = Some("503")).decide();
+    let why = "503".to_owned();
+    assert_eq!(
+        unreachable(Case::held_here().with(|case| case.vouched = false)),
+        Step::CutOff { why: why.clone() },
         "unvouched: stopped as lost"
     );
-    assert!(
-        !cut_off(held.held.as_ref(), true),
+    assert_eq!(
+        unreachable(Case::held_here()),
+        Step::Retry { why: why.clone() },
         "vouched: the pass is retried"
     );
-    assert!(!cut_off(None, false), "nothing held here: retried");
+    assert_eq!(
+        unreachable(Case::new().with(|case| case.vouched = false)),
+        Step::Retry { why },
+        "nothing held here: retried"
+    );
 }

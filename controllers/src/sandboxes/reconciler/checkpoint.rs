@@ -109,6 +109,10 @@ impl Reconciler {
     /// Checkpoints a held sandbox in place (checkpoint, record, restore
     /// here, lease kept), so a crash of this instance loses at most one
     /// interval. Skipped while an execution runs. Silent to the client.
+    /// A failure decides nothing here: it is tried again an interval later,
+    /// and the next pass is a full one, whose table stops a sandbox the
+    /// failure left not running (`MarkDied`) or whose record a newer holder
+    /// fenced (`StopLost`).
     pub(super) async fn periodic_checkpoint(
         &self,
         sandbox: &SandboxId,
@@ -121,15 +125,15 @@ impl Reconciler {
             force: false,
             keep_executions: false,
         };
-        let manifest = match self.runtime.checkpoint(sandbox, request).await {
+        let checkpointed = self.runtime.checkpoint(sandbox, request).await;
+        let now = self.clock.now();
+        self.update_watch(sandbox, |watch| watch.last_checkpoint = now);
+        let manifest = match checkpointed {
             Ok(manifest) => manifest,
             Err(RuntimeError::ExecutionInProgress(_)) => return Ok(()),
             Err(err) => {
                 tracing::warn!(%sandbox, %err, "periodic checkpoint failed");
-                if !self.runtime.is_running(sandbox) {
-                    self.stop_lost(sandbox, LossCause::PeriodicCheckpoint(err.to_string()))
-                        .await;
-                }
+                self.want_full_pass(sandbox);
                 return Ok(());
             }
         };
@@ -146,22 +150,15 @@ impl Reconciler {
             (Ok(recorded), Ok(())) => {
                 self.delete_checkpoints(&unreferenced(superseded, &recorded.status))
                     .await;
-                let now = self.clock.now();
-                self.update_watch(sandbox, |watch| watch.last_checkpoint = now);
                 tracing::info!(%sandbox, size = manifest.image.size, "periodic checkpoint");
-                Ok(())
             }
-            (Err(err), _) => {
-                self.stop_lost(sandbox, LossCause::PeriodicRecord(err.to_string()))
-                    .await;
-                Ok(())
-            }
-            (Ok(_), Err(err)) => {
-                self.stop_lost(sandbox, LossCause::PeriodicRestore(err.to_string()))
-                    .await;
-                Ok(())
+            (recorded, restored) => {
+                let (recorded, restored) = (recorded.err(), restored.err());
+                tracing::warn!(%sandbox, ?recorded, ?restored, "periodic checkpoint not recorded or not restored");
+                self.want_full_pass(sandbox);
             }
         }
+        Ok(())
     }
 
     /// Fault tests: dies here if told to (a handoff only, not a client's

@@ -8,6 +8,16 @@ use std::time::Duration;
 
 use super::*;
 
+/// What a re-verification of a hold came to.
+pub(super) enum Reverified {
+    /// The write landed: the hold is vouched for again.
+    Renewed(Requeue),
+    /// The lock as found, naming another holder or epoch (`None`: no lock).
+    Found(Option<Box<Lease>>),
+    /// The write failed in the store (or the instance lease's did): why.
+    Failed(String),
+}
+
 impl Reconciler {
     /// The local sandbox died while held: record `Failed`, then release (as
     /// a deletion and a lost checkpoint do), so that no taker finds the lock
@@ -89,34 +99,21 @@ impl Reconciler {
 
     /// The instance lease lapsed since the hold was taken (`decide` saw it
     /// not vouched for): re-verifies the hold with one conditional write to
-    /// its lock (a taker's concurrent write then fails), or stops it.
-    pub(super) async fn reverify(
-        &self,
-        sandbox: &SandboxId,
-        held: HeldLease,
-    ) -> Result<Requeue, ReconcileError> {
-        let next = self.next_look(sandbox);
+    /// its lock (a taker's concurrent write then fails). What it found when
+    /// the write did not land is for the table to decide on.
+    pub(super) async fn reverify(&self, sandbox: &SandboxId, held: &HeldLease) -> Reverified {
         let reverified = async {
             self.leases.ensure_instance_lease().await?;
-            self.leases.renew(&held).await
+            self.leases.renew_or_found(held).await
         };
         match reverified.await {
-            Ok(renewed) => {
+            Ok(Ok(renewed)) => {
                 tracing::info!(%sandbox, epoch = renewed.epoch, "hold re-verified after the instance lease lapsed");
                 self.renewed(sandbox, renewed);
-                Ok(Requeue::After(next))
+                Reverified::Renewed(Requeue::After(self.next_look(sandbox)))
             }
-            Err(LeaseError::Lost { .. } | LeaseError::Missing { .. }) => {
-                self.stop_lost(sandbox, LossCause::LeaseLost).await;
-                Ok(Requeue::Never)
-            }
-            Err(err) => {
-                // Past the lease we can vouch for: another instance may
-                // start it; two copies must never run.
-                self.stop_lost(sandbox, LossCause::RenewalFailed(err.to_string()))
-                    .await;
-                Ok(Requeue::Never)
-            }
+            Ok(Err(found)) => Reverified::Found(found.map(Box::new)),
+            Err(err) => Reverified::Failed(format!("the hold could not be re-verified: {err}")),
         }
     }
 

@@ -100,6 +100,9 @@ pub enum ReconcileError {
     Invalid { key: String, detail: String },
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+    /// The bucket could not be reached (the table's `Retry`).
+    #[error("the bucket cannot be reached: {0}")]
+    Unreachable(String),
     #[error("internal error: the decision table chose a step without {0}")]
     Internal(&'static str),
     /// A step run in a task of its own ended abnormally (a panic).

@@ -10,6 +10,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use super::commands::Served;
+use super::hold::Reverified;
 use super::*;
 use crate::sandboxes::decision::{LightStep, Quiet, decide_light};
 
@@ -257,17 +258,23 @@ impl Reconciler {
         else {
             return Ok(None);
         };
-        if let Some(unreadable) = self.cut_off(sandbox, &metadata, &lease) {
-            // Held, past what the instance lease vouches for, and the bucket
-            // cannot be read to re-verify the hold: another instance may
-            // take it over meanwhile; two copies must never run.
-            self.stop_lost(sandbox, LossCause::RenewalFailed(unreadable))
-                .await;
-            return Ok(Some(Requeue::Never));
-        }
-        let metadata = match metadata {
-            Ok(metadata) => metadata,
-            Err(err) => {
+        // A read that failed in the store (not an operator's invalid
+        // document): the table decides what that means for a hold here.
+        let unreachable = match (&metadata, &lease) {
+            (Err(err @ ReconcileError::Store(_)), _) => Some(err.to_string()),
+            (_, Err(err @ LeaseError::Store(_))) => Some(err.to_string()),
+            _ => None,
+        };
+        let (metadata, mut lease) = match (unreachable.is_some(), metadata) {
+            (true, _) => (None, None),
+            (false, Ok(metadata)) => {
+                let lease = match &metadata {
+                    Some(_) => lease?,
+                    None => None,
+                };
+                (metadata, lease)
+            }
+            (false, Err(err)) => {
                 if let ReconcileError::Invalid { .. } = &err {
                     // An operator's typo: report it to whoever waits, keep
                     // running what runs, and look again later.
@@ -282,10 +289,6 @@ impl Reconciler {
                 return Err(err);
             }
         };
-        let lease = match &metadata {
-            Some(_) => lease?,
-            None => None,
-        };
         let held = self.held(sandbox);
         // A holder whose instance lease cannot be read counts as alive: the
         // taker waits and looks again rather than fail its pass.
@@ -296,45 +299,46 @@ impl Reconciler {
             }),
             None => true,
         };
-        let now = self.clock.now();
-        let step = decide(&Observed {
-            me: self.leases.instance(),
-            now,
-            metadata: metadata.as_ref().map(|(metadata, _)| metadata),
-            lock: lease.as_ref().map(|(lease, _)| lease),
-            held: held.as_ref(),
-            vouched: held.as_ref().is_some_and(|held| self.leases.is_safe(held)),
-            running_here: self.runtime.is_running(sandbox),
-            starting_here: self.is_starting(sandbox),
-            holder_gone,
-            waiting_here: self.is_waiting(sandbox),
-            checkpoint_due: self.checkpoint_due(sandbox),
-        });
+        let (running_here, starting_here) =
+            (self.runtime.is_running(sandbox), self.is_starting(sandbox));
+        let (waiting_here, checkpoint_due) =
+            (self.is_waiting(sandbox), self.checkpoint_due(sandbox));
+        let decide_on = |lock: Option<&Lease>, unreachable: Option<&str>| {
+            decide(&Observed {
+                me: self.leases.instance(),
+                now: self.clock.now(),
+                metadata: metadata.as_ref().map(|(metadata, _)| metadata),
+                lock,
+                held: held.as_ref(),
+                vouched: held.as_ref().is_some_and(|held| self.leases.is_safe(held)),
+                running_here,
+                starting_here,
+                holder_gone,
+                waiting_here,
+                checkpoint_due,
+                unreachable,
+            })
+        };
+        let mut step = decide_on(
+            lease.as_ref().map(|(lease, _)| lease),
+            unreachable.as_deref(),
+        );
+        if let (Step::Reverify, Some(hold)) = (&step, &held) {
+            // Its one write; if that does not land, the table decides
+            // again, on what it found.
+            step = match self.reverify(sandbox, hold).await {
+                Reverified::Renewed(requeue) => return Ok(Some(requeue)),
+                Reverified::Found(found) => {
+                    lease = None;
+                    decide_on(found.as_deref(), None)
+                }
+                Reverified::Failed(why) => decide_on(None, Some(&why)),
+            };
+        }
         tracing::debug!(%sandbox, ?step, "decided");
         self.perform(sandbox, step, metadata, lease, held)
             .await
             .map(Some)
-    }
-
-    /// Why the hold on `sandbox` can no longer be vouched for nor
-    /// re-verified (`decision::cut_off`): a read of its objects failed in
-    /// the store (not an operator's invalid document) while it is held here
-    /// and the instance lease lapsed.
-    fn cut_off<M, L>(
-        &self,
-        sandbox: &SandboxId,
-        metadata: &Result<M, ReconcileError>,
-        lease: &Result<L, LeaseError>,
-    ) -> Option<String> {
-        let failed = match (metadata, lease) {
-            (Err(err @ ReconcileError::Store(_)), _) => err.to_string(),
-            (_, Err(err @ LeaseError::Store(_))) => err.to_string(),
-            _ => return None,
-        };
-        let held = self.held(sandbox);
-        let vouched = held.as_ref().is_some_and(|held| self.leases.is_safe(held));
-        crate::sandboxes::decision::cut_off(held.as_ref(), vouched)
-            .then(|| format!("the bucket cannot be read to re-verify the hold: {failed}"))
     }
 
     /// Performs the step the decision table chose.
@@ -351,6 +355,11 @@ impl Reconciler {
         let needs = |what: &'static str| ReconcileError::Internal(what);
         match step {
             Step::Nothing => Ok(Requeue::Never),
+            Step::CutOff { why } => {
+                self.stop_lost(sandbox, LossCause::RenewalFailed(why)).await;
+                Ok(Requeue::Never)
+            }
+            Step::Retry { why } => Err(ReconcileError::Unreachable(why)),
             Step::StopVanished => {
                 self.stop_lost(sandbox, LossCause::MetadataDeleted).await;
                 Ok(Requeue::Never)
@@ -385,10 +394,8 @@ impl Reconciler {
                     .ok_or(needs("metadata and a hold to hand over"))?;
                 self.hand_over(sandbox, metadata, held, lock).await
             }
-            Step::Reverify => {
-                let held = held.ok_or(needs("a hold to re-verify"))?;
-                self.reverify(sandbox, held).await
-            }
+            // Performed by the full pass, which decides again on what it found.
+            Step::Reverify => Err(needs("a hold to re-verify")),
             Step::KeepRunning => Ok(Requeue::After(self.next_look(sandbox))),
             Step::RecordRunning => {
                 let held = held.ok_or(needs("a hold to record"))?;

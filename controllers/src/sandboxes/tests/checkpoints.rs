@@ -208,6 +208,67 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["saved".to_owned()]);
 }
 
+/// A periodic checkpoint that fails decides nothing itself: it is tried
+/// again an interval later (not at once), and the table marks a sandbox it
+/// took down as died in the next pass.
+#[tokio::test]
+async fn a_failed_periodic_checkpoint_waits_an_interval_and_the_table_marks_a_lost_sandbox_died() {
+    let world = World::new();
+    let a = world.instance_with(
+        "a",
+        ReconcilerConfig {
+            checkpoint_interval: Some(std::time::Duration::from_secs(60)),
+            ..ReconcilerConfig::default()
+        },
+    );
+    let id = a.create(&world).await;
+    a.live_through(&world, 61).await;
+    a.runtime.lose_on_checkpoint(&id);
+    let mut events = a.controller.subscribe(&id);
+    a.reconcile(&id).await.unwrap();
+    assert!(
+        a.runtime.memory(&id).is_none(),
+        "the checkpoint took it down"
+    );
+    assert_eq!(world.metadata(&id).await.status.phase, Phase::Running);
+    a.reconcile(&id).await.unwrap();
+    let status = world.metadata(&id).await.status;
+    assert_eq!(status.phase, Phase::Failed, "the table marked it died");
+    assert_eq!(world.lease(&id).await.holder, None, "and released it");
+    assert!(heard!(
+        drain(&mut events),
+        SandboxEvent::Lost(LossCause::Died)
+    ));
+
+    // One an execution defers is not tried again at once either (each try
+    // costs a read of both objects), but an interval later.
+    let id = a.create(&world).await;
+    let execution = a
+        .controller
+        .exec(&id, ExecRequest::new(Command::Bash("hold".into())))
+        .await
+        .unwrap();
+    a.live_through(&world, 61).await;
+    let restores = a.runtime.counts().1;
+    assert_eq!(
+        a.reconcile(&id).await.unwrap(),
+        Requeue::After(std::time::Duration::ZERO)
+    );
+    assert_ne!(
+        a.reconcile(&id).await.unwrap(),
+        Requeue::After(std::time::Duration::ZERO),
+        "not tried again at once"
+    );
+    execution.control.kill().await.unwrap();
+    a.live_through(&world, 61).await;
+    a.reconcile(&id).await.unwrap();
+    assert_eq!(
+        a.runtime.counts().1,
+        restores + 1,
+        "checkpointed an interval later"
+    );
+}
+
 #[tokio::test]
 async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_running() {
     let world = World::new();

@@ -3,6 +3,7 @@
 //! re-verifies or stops, an orphan lock is released.
 
 use super::*;
+use crate::testing::Fault;
 
 #[tokio::test]
 async fn a_holder_that_lost_its_lease_stops_without_writing() {
@@ -168,6 +169,32 @@ async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them
     a.reconcile(&taken).await.unwrap();
     assert!(a.runtime.memory(&taken).is_none(), "the lost one stops");
     assert_eq!(a.controller.reconciler().unvouched(), vec![]);
+}
+
+/// A pass that cannot read the bucket: a hold still vouched for keeps
+/// running and the pass is retried; one no longer vouched for cannot be
+/// re-verified, so it stops (another instance may take it meanwhile).
+#[tokio::test]
+async fn an_unreadable_bucket_stops_only_a_hold_no_longer_vouched_for() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create_checkpointed(&world).await;
+    let mut events = a.controller.subscribe(&id);
+    a.controller.reconciler().want_full_pass(&id);
+    world.store.inject([Fault::Transient, Fault::Transient]);
+    let failed = a.reconcile(&id).await.unwrap_err();
+    assert!(matches!(failed, ReconcileError::Unreachable(_)), "{failed}");
+    assert!(a.runtime.memory(&id).is_some(), "vouched: it keeps running");
+    // A freezes past its lease: its renewal starts a new era.
+    world.clock.advance(Duration::seconds(40));
+    a.heartbeat().await;
+    world.store.inject([Fault::Transient, Fault::Transient]);
+    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
+    assert!(a.runtime.memory(&id).is_none(), "unvouched: stopped");
+    assert!(heard!(
+        drain(&mut events),
+        SandboxEvent::Lost(LossCause::RenewalFailed(_))
+    ));
 }
 
 #[tokio::test]
