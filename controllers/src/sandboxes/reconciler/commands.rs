@@ -100,8 +100,9 @@ pub(crate) enum Ended {
         outcome: Result<(), ControlError>,
         what: &'static str,
     },
-    /// The image the waiting taker watches for landed, or its watch ended.
-    ImageLanded,
+    /// The image the hold at `epoch` is to be handed over with, which the
+    /// waiting taker watches for, landed, or its watch ended.
+    ImageLanded { epoch: u64 },
 }
 
 impl Ended {
@@ -112,7 +113,7 @@ impl Ended {
     fn wants_a_pass_now(&self) -> bool {
         match self {
             Self::RecordFailed { error, .. } => error.is_fenced(),
-            Self::SpecWritten { .. } | Self::ImageLanded => true,
+            Self::SpecWritten { .. } | Self::ImageLanded { .. } => true,
         }
     }
 }
@@ -240,9 +241,13 @@ impl Reconciler {
                     }
                 });
             }
-            Ended::ImageLanded => self.slots.update(sandbox, |slot| {
-                if let Some(acquiring) = slot.state.acquiring_mut() {
-                    acquiring.image_awaited = false;
+            // Only the wait for that image ends: a wait for a later hold's
+            // image has a task of its own.
+            Ended::ImageLanded { epoch } => self.slots.update(sandbox, |slot| {
+                if let Some(acquiring) = slot.state.acquiring_mut()
+                    && acquiring.image_awaited == Some(epoch)
+                {
+                    acquiring.image_awaited = None;
                 }
             }),
         }

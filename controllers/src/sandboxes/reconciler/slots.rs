@@ -182,9 +182,9 @@ pub(super) struct Acquiring {
     /// When this instance last rang the holder (`None`: not since the wait
     /// began; the first ring came with the attach intent).
     pub(super) rung_at: Option<DateTime<Utc>>,
-    /// A task waits for the landing of the image the holder hands over
-    /// with, to wake the pass (one at a time; decision 29).
-    pub(super) image_awaited: bool,
+    /// A task waits for the landing of the image the holder of this epoch
+    /// hands over with, to wake the pass (one per image; decision 29).
+    pub(super) image_awaited: Option<u64>,
 }
 
 impl Acquiring {

@@ -84,7 +84,7 @@ impl Reconciler {
                 .runtime
                 .prefetch_checkpoint(sandbox, &checkpoint_image_key(&id))
             {
-                self.wake_when_landed(sandbox, landed);
+                self.wake_when_landed(sandbox, lease.epoch, landed);
                 next = self.config.await_image_poll;
             }
         }
@@ -95,20 +95,21 @@ impl Reconciler {
         next
     }
 
-    /// Reports `landed` to `sandbox`'s pass once it completes (one wait per
-    /// sandbox at a time; the runtime's watch ends within its own limit).
+    /// Reports `landed`, the landing of the image the hold at `epoch` will
+    /// be handed over with, to `sandbox`'s pass once it completes (one wait
+    /// per image at a time; the runtime's watch ends within its own limit).
     /// Not a background step: a drain or a test need not wait for it.
-    fn wake_when_landed(&self, sandbox: &SandboxId, landed: ImageLanded) {
+    fn wake_when_landed(&self, sandbox: &SandboxId, epoch: u64, landed: ImageLanded) {
         let Some(me) = self.shared.get().filter(|_| self.wake.get().is_some()) else {
             return;
         };
         let me = me.clone();
         // Only while it waits to acquire (`await_handover` made sure it
-        // does), and once per wait.
+        // does), and once per image.
         let already = self.slots.update(sandbox, |slot| {
             slot.state
                 .acquiring_mut()
-                .is_none_or(|acquiring| std::mem::replace(&mut acquiring.image_awaited, true))
+                .is_none_or(|acquiring| acquiring.image_awaited.replace(epoch) == Some(epoch))
         });
         if already {
             return;
@@ -117,7 +118,7 @@ impl Reconciler {
         tokio::spawn(async move {
             landed.await;
             if let Some(me) = me.upgrade() {
-                me.report(&sandbox, Ended::ImageLanded);
+                me.report(&sandbox, Ended::ImageLanded { epoch });
             }
         });
     }
