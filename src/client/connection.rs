@@ -363,7 +363,28 @@ pub(crate) async fn drive(
             return;
         }
         tracing::debug!(%why, "connection lost; reconnecting");
-        match reconnect(&shared, &mut outgoing, &mut pending).await {
+        // A close asked for meanwhile ends the driver at once: there is no
+        // socket to hand-shake on, and frames queued while disconnected go
+        // unsent. An attempt under way is dropped with its socket, as a failed
+        // attempt's is: it is not attached yet (the server may be restoring
+        // and answer nothing until it is done), and the old connection went
+        // without a handshake anyway, so waiting would free no slot sooner.
+        let reconnected = {
+            let mut attempt = std::pin::pin!(reconnect(&shared, &mut outgoing, &mut pending));
+            loop {
+                tokio::select! {
+                    reconnected = &mut attempt => break reconnected,
+                    asked = &mut close, if close_asked_for => match asked {
+                        Ok(()) => {
+                            finish(&shared, "closed by the client".to_owned());
+                            return;
+                        }
+                        Err(_) => close_asked_for = false,
+                    },
+                }
+            }
+        };
+        match reconnected {
             Ok(new_socket) => socket = new_socket,
             Err(err) => {
                 finish(&shared, err.to_string());

@@ -354,9 +354,11 @@ impl Sandbox {
             close, mut driver, ..
         } = self;
         let _ = close.send(());
-        // Bounded: a driver that is reconnecting does not see the request;
-        // it is stopped, and its socket dropped (no handshake) before this
-        // returns.
+        // A connected driver sends what was queued, then the close frame, and
+        // reads until the server answers; a reconnecting one ends at once
+        // (no socket to close). Bounded all the same: a send to a server that
+        // stopped reading can stall, and then the driver is stopped, its
+        // socket dropped (no handshake), before this returns.
         if tokio::time::timeout(CLOSE_WAIT, &mut driver).await.is_err() {
             driver.abort();
             let _ = driver.await;

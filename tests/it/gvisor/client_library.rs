@@ -10,10 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sandboxd::client::{AttachOptions, ClientError, CreateOptions, Language, OutputChunk, Sandbox};
+use support::cutter::Cutter;
 use support::process::Launch;
 use support::ws::Server;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
 
 fn checkpointable() -> CreateOptions {
     CreateOptions {
@@ -154,44 +153,6 @@ async fn typed_errors_carry_the_servers_message() {
         .unwrap_err();
     // Answered as an unknown id: a wrong token learns nothing.
     assert_eq!(err, ClientError::NotFound);
-}
-
-/// A TCP forwarder whose connections the test can cut, like a network drop.
-struct Cutter {
-    addr: String,
-    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    _accept: JoinHandle<()>,
-}
-
-impl Cutter {
-    async fn to(target: String) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let connections: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let tracked = Arc::clone(&connections);
-        let accept = tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                let target = target.clone();
-                let handle = tokio::spawn(async move {
-                    if let Ok(mut outbound) = TcpStream::connect(target).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                    }
-                });
-                tracked.lock().unwrap().push(handle);
-            }
-        });
-        Self {
-            addr,
-            connections,
-            _accept: accept,
-        }
-    }
-
-    fn cut(&self) {
-        for connection in self.connections.lock().unwrap().drain(..) {
-            connection.abort();
-        }
-    }
 }
 
 #[tokio::test]

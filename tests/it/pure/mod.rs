@@ -1,6 +1,7 @@
 //! Tests that need nothing outside the process but python3 and the binaries
 //! this package builds: no root, no runsc, no emulator. The quick tier.
 
+mod client_library;
 mod deploy_files;
 mod fuzz_protocol;
 mod http_clients;

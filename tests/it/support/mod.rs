@@ -301,6 +301,7 @@ pub async fn serve(server: sandboxd::server::Server) -> String {
 }
 
 pub mod conformance;
+pub mod cutter;
 pub mod disk_emulator;
 pub mod process;
 pub mod proxy;

@@ -1,0 +1,48 @@
+//! The Rust client library against a real server on the fake runtime (no
+//! runsc): what the client does on its own side of a connection, such as a
+//! close while it is reconnecting.
+
+use crate::support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use controllers::api::InstanceId;
+use controllers::store::Store;
+use controllers::testing::{FakeRuntime, MemoryStore};
+use sandboxd::client::{CreateOptions, Sandbox};
+use sandboxd::server::{Parts, Server};
+use support::cutter::Cutter;
+
+/// A server on the in-memory store and the fake runtime; its address.
+async fn fake_server() -> String {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let runtime = FakeRuntime::new(Arc::clone(&store));
+    let parts = Parts::new(
+        InstanceId::parse("instance-a").unwrap(),
+        store,
+        Some(Arc::new(runtime)),
+    );
+    support::serve(Server::build(parts)).await
+}
+
+/// A close while the connection is down has no socket to close: it returns
+/// at once instead of waiting out `Sandbox::close`'s 10 s bound (the driver
+/// used to watch for the close only while connected).
+#[tokio::test]
+async fn a_close_while_reconnecting_returns_at_once() {
+    let cutter = Cutter::to(fake_server().await).await;
+    let sandbox = Sandbox::create(&format!("ws://{}", cutter.addr), CreateOptions::default())
+        .await
+        .unwrap();
+    cutter.refuse();
+    cutter.cut();
+    // A reconnect attempt was turned away: the driver is reconnecting.
+    tokio::time::timeout(Duration::from_secs(10), cutter.turned_away())
+        .await
+        .expect("the client tries to reconnect");
+    let started = Instant::now();
+    sandbox.close().await;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(3), "close took {took:?}");
+}
