@@ -445,26 +445,39 @@ async fn reconnect(
                 RECONNECT_FOR.as_secs()
             )));
         }
-        match open(&shared.attach_url, &shared.jar).await {
-            Ok(mut socket) => loop {
+        // One attempt, bounded by what is left of the window: a server that
+        // accepts and then says nothing must not stall the reconnect.
+        // `None`: try again after the back-off.
+        let attempt = async {
+            let mut socket = match open(&shared.attach_url, &shared.jar).await {
+                Ok(socket) => socket,
+                Err(err) => {
+                    tracing::debug!(%err, "reconnect attempt failed");
+                    return None;
+                }
+            };
+            loop {
                 match next_event(&mut socket).await {
                     Ok(Event::Status { status, .. }) if status == "SANDBOX_RUNNING" => {
-                        socket
-                            .send(Message::text(r#"{"action":"reconnect"}"#))
-                            .await
-                            .map_err(|err| ClientError::Closed(err.to_string()))?;
-                        return Ok(socket);
+                        let replay = Message::text(r#"{"action":"reconnect"}"#);
+                        return Some(match socket.send(replay).await {
+                            Ok(()) => Ok(socket),
+                            Err(err) => Err(ClientError::Closed(err.to_string())),
+                        });
                     }
                     Ok(Event::Status { status, message }) if ClientError::is_fatal(&status) => {
-                        return Err(ClientError::from_status(&status, message.as_deref()));
+                        return Some(Err(ClientError::from_status(&status, message.as_deref())));
                     }
                     // RESTORING, lock progress, IN_USE (the old connection is
                     // not noticed yet: try again): keep reading or retry.
                     Ok(_) => {}
-                    Err(_) => break,
+                    Err(_) => return None,
                 }
-            },
-            Err(err) => tracing::debug!(%err, "reconnect attempt failed"),
+            }
+        };
+        let left = RECONNECT_FOR.saturating_sub(started.elapsed());
+        if let Ok(Some(reconnected)) = tokio::time::timeout(left, attempt).await {
+            return reconnected;
         }
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(Duration::from_secs(5));
