@@ -32,7 +32,7 @@ use tokio::sync::broadcast;
 use super::tests::Instance;
 use super::tests::hooked_store::{BeforeRequest, HookedStore, Request};
 use super::*;
-use crate::api::{DesiredState, Lease, SandboxId, SandboxMetadata, decode};
+use crate::api::{CheckpointManifest, DesiredState, Lease, SandboxId, SandboxMetadata, decode};
 use crate::clock::Clock;
 use crate::layout::{checkpoint_id_of_image, checkpoint_manifest_key, lock_key, metadata_key};
 use crate::leasing::LeaseConfig;
@@ -195,16 +195,7 @@ impl Sim {
     async fn heartbeats(&mut self, step: usize, probability: f64) {
         for n in 0..self.nodes.len() {
             if self.nodes[n].paused_until <= step && self.rng.random_bool(probability) {
-                let controller = Arc::clone(&self.nodes[n].controller);
-                let _ = controller
-                    .reconciler()
-                    .leases()
-                    .instance_lease()
-                    .renew()
-                    .await;
-                for unvouched in controller.reconciler().unvouched() {
-                    controller.enqueue(&unvouched);
-                }
+                renew_instance_lease(&self.nodes[n].controller).await;
             }
         }
     }
@@ -221,15 +212,7 @@ impl Sim {
             }
             30..35 if awake => {
                 // The instance lease loop's renewal.
-                let _ = controller
-                    .reconciler()
-                    .leases()
-                    .instance_lease()
-                    .renew()
-                    .await;
-                for unvouched in controller.reconciler().unvouched() {
-                    controller.enqueue(&unvouched);
-                }
+                renew_instance_lease(&controller).await;
             }
             35..38 if awake => {
                 // The doorbell loop: answer, then run the passes it queued.
@@ -428,16 +411,7 @@ impl Sim {
                     "seed {seed} step {step}: {id} points at epoch {} below acknowledged {acknowledged}",
                     latest.epoch
                 );
-                let checkpoint = checkpoint_id_of_image(&latest.path).unwrap();
-                let manifest = decode(
-                    &self
-                        .store
-                        .get(&checkpoint_manifest_key(&checkpoint))
-                        .await
-                        .unwrap()
-                        .data,
-                )
-                .unwrap();
+                let manifest = self.manifest(&latest.path).await;
                 let scratch = FakeRuntime::new(self.store.clone());
                 scratch
                     .restore(&SandboxId::from_u128(u128::MAX), &manifest)
@@ -465,24 +439,42 @@ impl Sim {
             }
         }
         for (id, image) in images {
-            let checkpoint = checkpoint_id_of_image(&image).unwrap();
-            let manifest: crate::api::CheckpointManifest = decode(
-                &self
-                    .store
-                    .get(&checkpoint_manifest_key(&checkpoint))
-                    .await
-                    .unwrap()
-                    .data,
-            )
-            .unwrap();
+            let manifest = self.manifest(&image).await;
             let epoch = self.acknowledged.entry(id).or_insert(0);
             *epoch = (*epoch).max(manifest.epoch);
         }
     }
 
+    /// The manifest of the checkpoint whose image is `image`; both callers
+    /// need it present (an acknowledged or recorded checkpoint that is not is
+    /// itself the failure).
+    async fn manifest(&self, image: &str) -> CheckpointManifest {
+        let checkpoint = checkpoint_id_of_image(image).unwrap();
+        let object = self
+            .store
+            .get(&checkpoint_manifest_key(&checkpoint))
+            .await
+            .unwrap();
+        decode(&object.data).unwrap()
+    }
+
     async fn lock(&self, id: &SandboxId) -> Option<Lease> {
         let object = self.store.get(&lock_key(id)).await.ok()?;
         decode(&object.data).ok()
+    }
+}
+
+/// What the instance lease loop does on each renewal: renew, then queue a
+/// pass for every sandbox the instance can no longer vouch for.
+async fn renew_instance_lease(controller: &SandboxController) {
+    let _ = controller
+        .reconciler()
+        .leases()
+        .instance_lease()
+        .renew()
+        .await;
+    for unvouched in controller.reconciler().unvouched() {
+        controller.enqueue(&unvouched);
     }
 }
 
@@ -581,13 +573,19 @@ mod a_thousand_seeded_schedules_keep_the_invariants {
     }
 }
 
+/// The number in the environment variable `name`, or `default` when it is
+/// unset or not a number.
+fn env_seed(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 #[tokio::test]
 #[ignore = "soak: SIM_SEEDS=10000 cargo test -p controllers --release --features testing -- --ignored simulation_soak"]
 async fn simulation_soak() {
-    let seeds: u64 = std::env::var("SIM_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(10_000);
+    let seeds = env_seed("SIM_SEEDS", 10_000);
     for seed in 0..seeds {
         run_seed(seed).await;
     }
@@ -598,10 +596,7 @@ async fn simulation_soak() {
 /// default; `RUST_LOG` prints every pass's decision, step by step).
 #[tokio::test]
 async fn one_seed() {
-    let seed: u64 = std::env::var("SIM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
+    let seed = env_seed("SIM_SEED", 0);
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
