@@ -9,7 +9,7 @@ use super::*;
 use crate::store::StoreError;
 
 #[tokio::test]
-async fn another_instance_asking_gets_the_sandbox_handed_over() {
+async fn another_instance_asking_gets_the_sandbox_handed_over_with_the_image_it_prefetched() {
     let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
     a.run(&id, "state").await;
@@ -20,6 +20,13 @@ async fn another_instance_asking_gets_the_sandbox_handed_over() {
     // B waits: A holds a live lease.
     assert!(matches!(b.reconcile(&id).await.unwrap(), Requeue::After(_)));
     assert!(b.runtime.memory(&id).is_none());
+    // Waiting, B knows the image's name already: A holds at epoch 1.
+    let expected = checkpoint_image_key(&handoff_checkpoint_id(
+        &id,
+        1,
+        &InstanceId::parse("b").unwrap(),
+    ));
+    assert_eq!(b.runtime.prefetched(), vec![expected.clone()]);
     // The intent went by ring (decision 27): A hears it at its doorbell.
     assert_eq!(
         world.lease(&id).await.wanted_by,
@@ -34,6 +41,13 @@ async fn another_instance_asking_gets_the_sandbox_handed_over() {
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
     assert!(a.runtime.memory(&id).is_none());
     assert_eq!(world.metadata(&id).await.status.epoch, 2);
+    // The image A handed over with is the one B watched for.
+    let lock = world.lease(&id).await;
+    assert_eq!(
+        lock.checkpoint.map(|checkpoint| checkpoint.path),
+        Some(expected.as_str().to_owned())
+    );
+    assert!(a.runtime.prefetched().is_empty());
 }
 
 /// A handoff whose checkpoint loses the sandbox (runsc failing inside the
@@ -142,34 +156,6 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
     a.reconcile(&id).await.unwrap();
     b.reconcile(&id).await.unwrap();
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
-}
-
-#[tokio::test]
-async fn the_taker_asks_for_the_image_the_holder_hands_over_with_before_the_transfer() {
-    let (world, a, id) = World::with_a_sandbox().await;
-    let b = world.instance("b");
-    a.run(&id, "state").await;
-    a.controller.client_attached(&id, false);
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
-    assert!(matches!(b.reconcile(&id).await.unwrap(), Requeue::After(_)));
-    // Waiting, B knows the image's name already: A holds at epoch 1.
-    let expected = checkpoint_image_key(&handoff_checkpoint_id(
-        &id,
-        1,
-        &InstanceId::parse("b").unwrap(),
-    ));
-    assert_eq!(b.runtime.prefetched(), vec![expected.clone()]);
-    a.answer_doorbell().await;
-    a.reconcile(&id).await.unwrap();
-    b.reconcile(&id).await.unwrap();
-    assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
-    // The image A handed over with is the one B watched for.
-    let lock = world.lease(&id).await;
-    assert_eq!(
-        lock.checkpoint.map(|checkpoint| checkpoint.path),
-        Some(expected.as_str().to_owned())
-    );
-    assert!(a.runtime.prefetched().is_empty());
 }
 
 #[tokio::test]
