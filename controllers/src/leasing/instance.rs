@@ -219,12 +219,6 @@ impl InstanceLeases {
         Ok(era)
     }
 
-    /// Reads another instance's lease. `None`: it has none (never held
-    /// anything under instance leases, or was cleaned up).
-    pub async fn read(&self, instance: &InstanceId) -> Result<Option<InstanceLease>, LeaseError> {
-        read_instance_lease(self.store.as_ref(), instance).await
-    }
-
     /// True while `instance` must be treated as alive at this instance's
     /// `now`. A lease read live within [`LIVE_READ_REUSE`] that is still
     /// live at `now` answers without a read; "gone" is always read.
@@ -243,9 +237,11 @@ impl InstanceLeases {
         if remembered {
             return Ok(true);
         }
-        let live = self
-            .read(instance)
+        // No lease at all: it never held anything under instance leases, or
+        // was cleaned up.
+        let live = read_object::<InstanceLease>(self.store.as_ref(), &instance_lease_key(instance))
             .await?
+            .map(|(lease, _)| lease)
             .filter(|lease| lease.is_live(now, self.config.skew_tolerance));
         let mut seen = self
             .seen_live
@@ -398,15 +394,6 @@ impl InstanceLeases {
             }
         }
     }
-}
-
-/// Reads `instance`'s lease from `store`.
-pub async fn read_instance_lease(
-    store: &dyn Store,
-    instance: &InstanceId,
-) -> Result<Option<InstanceLease>, LeaseError> {
-    let read = read_object(store, &instance_lease_key(instance)).await?;
-    Ok(read.map(|(lease, _)| lease))
 }
 
 /// Reads and decodes the object at `key`, with its generation, if it exists.

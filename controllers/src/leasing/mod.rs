@@ -42,7 +42,7 @@ use crate::store::{
 
 mod instance;
 
-pub use instance::{InstanceLeases, read_instance_lease, ring_doorbell};
+pub use instance::{InstanceLeases, ring_doorbell};
 
 /// Lease timing for one deployment.
 #[derive(Debug, Clone)]
@@ -524,7 +524,7 @@ impl Leases {
         held: &HeldLease,
     ) -> Result<Result<HeldLease, Option<Lease>>, LeaseError> {
         let (mine, lease, generation) = self
-            .modify(&held.sandbox, |existing, now| match existing {
+            .modify_from(&held.sandbox, None, |existing, now| match existing {
                 Some(mut lease)
                     if lease.is_held_by(&self.instance) && lease.epoch == held.epoch =>
                 {
@@ -544,7 +544,7 @@ impl Leases {
     /// Gives the lease up: `holder: null`, epoch and intent kept. Releasing a lease
     /// already lost is reported as `Lost` (nothing is written).
     pub async fn release(&self, held: &HeldLease) -> Result<(), LeaseError> {
-        self.modify(&held.sandbox, |existing, _now| {
+        self.modify_from(&held.sandbox, None, |existing, _now| {
             let mut lease = self.still_mine(held, existing)?;
             lease.holder = None;
             Ok(Step::Write(Box::new(lease), ()))
@@ -559,7 +559,7 @@ impl Leases {
     /// about once a second.
     pub async fn release_and_withdraw(&self, held: &HeldLease) -> Result<(), LeaseError> {
         self.forget_own_intent(&held.sandbox);
-        self.modify(&held.sandbox, |existing, _now| {
+        self.modify_from(&held.sandbox, None, |existing, _now| {
             let mut lease = self.still_mine(held, existing)?;
             lease.holder = None;
             if lease
@@ -579,7 +579,7 @@ impl Leases {
     /// not run (see the reconciler's orphan row). Nothing is written if the
     /// lock moved on meanwhile.
     pub async fn release_orphan(&self, sandbox: &SandboxId, epoch: u64) -> Result<(), LeaseError> {
-        self.modify(sandbox, |existing, _now| match existing {
+        self.modify_from(sandbox, None, |existing, _now| match existing {
             Some(mut lease) if lease.is_held_by(&self.instance) && lease.epoch == epoch => {
                 lease.holder = None;
                 Ok(Step::Write(Box::new(lease), ()))
@@ -699,7 +699,7 @@ impl Leases {
     /// Withdraws this instance's attach intent, if it is still the current one.
     pub async fn withdraw_attach(&self, sandbox: &SandboxId) -> Result<(), LeaseError> {
         self.forget_own_intent(sandbox);
-        self.modify(sandbox, |existing, _now| match existing {
+        self.modify_from(sandbox, None, |existing, _now| match existing {
             Some(mut lease)
                 if lease
                     .wanted_by
@@ -783,15 +783,7 @@ impl Leases {
 
     /// The read-modify-write loop on `lock.json`: `decide` sees the current lease
     /// (or `None`) and the time, and returns what to write; a lost race re-reads.
-    async fn modify<T>(
-        &self,
-        sandbox: &SandboxId,
-        decide: impl FnMut(Option<Lease>, DateTime<Utc>) -> Result<Step<T>, LeaseError>,
-    ) -> Result<(T, Lease, Generation), LeaseError> {
-        self.modify_from(sandbox, None, decide).await
-    }
-
-    /// [`Self::modify`] starting from the lock as read moments ago.
+    /// Starts from `read`, the lock as read moments ago, when given.
     async fn modify_from<T>(
         &self,
         sandbox: &SandboxId,
