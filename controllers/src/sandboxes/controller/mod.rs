@@ -11,6 +11,7 @@ mod doorbell;
 mod executions;
 mod intents;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -134,51 +135,45 @@ impl SandboxController {
     /// [`MAX_CONCURRENT_RECONCILES`] at once (more wait in the queue), and
     /// aborted with the loop when the server stops its workers.
     async fn work(self: Arc<Self>) {
-        let controller = self;
-        {
-            let failures = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<
-                SandboxId,
-                u32,
-            >::new()));
-            let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_RECONCILES));
-            let mut reconciles = tokio::task::JoinSet::new();
-            loop {
-                // The semaphore is never closed.
-                let Ok(permit) = Arc::clone(&limit).acquire_owned().await else {
-                    return;
-                };
-                let sandbox = controller.queue.next().await;
-                while reconciles.try_join_next().is_some() {}
-                let controller = Arc::clone(&controller);
-                let failures = Arc::clone(&failures);
-                reconciles.spawn(async move {
-                    let _permit = permit;
-                    let outcome = controller.reconciler.reconcile(&sandbox).await;
-                    controller.queue.done(&sandbox);
-                    let mut failures = failures
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    match outcome {
-                        Ok(requeue) => {
-                            failures.remove(&sandbox);
-                            if let Requeue::After(delay) = requeue {
-                                controller.queue.add_after(&sandbox, delay);
-                            }
-                        }
-                        Err(err) => {
-                            controller
-                                .reconcile_errors
-                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            controller.reconciler.want_full_pass(&sandbox);
-                            let count = failures.entry(sandbox.clone()).or_insert(0);
-                            *count = count.saturating_add(1);
-                            let delay = backoff(*count);
-                            tracing::warn!(%sandbox, %err, retry_in = ?delay, "reconcile failed");
+        let failures: Arc<std::sync::Mutex<HashMap<SandboxId, u32>>> = Arc::default();
+        let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_RECONCILES));
+        let mut reconciles = tokio::task::JoinSet::new();
+        loop {
+            // The semaphore is never closed.
+            let Ok(permit) = Arc::clone(&limit).acquire_owned().await else {
+                return;
+            };
+            let sandbox = self.queue.next().await;
+            while reconciles.try_join_next().is_some() {}
+            let controller = Arc::clone(&self);
+            let failures = Arc::clone(&failures);
+            reconciles.spawn(async move {
+                let _permit = permit;
+                let outcome = controller.reconciler.reconcile(&sandbox).await;
+                controller.queue.done(&sandbox);
+                let mut failures = failures
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                match outcome {
+                    Ok(requeue) => {
+                        failures.remove(&sandbox);
+                        if let Requeue::After(delay) = requeue {
                             controller.queue.add_after(&sandbox, delay);
                         }
                     }
-                });
-            }
+                    Err(err) => {
+                        controller
+                            .reconcile_errors
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        controller.reconciler.want_full_pass(&sandbox);
+                        let count = failures.entry(sandbox.clone()).or_insert(0);
+                        *count = count.saturating_add(1);
+                        let delay = backoff(*count);
+                        tracing::warn!(%sandbox, %err, retry_in = ?delay, "reconcile failed");
+                        controller.queue.add_after(&sandbox, delay);
+                    }
+                }
+            });
         }
     }
 

@@ -380,7 +380,7 @@ impl Reconciler {
                 status.phase = Phase::Checkpointed;
                 status.holder = None;
                 status.last_error = None;
-                self.ready(status, ReadyReason::Checkpointed, "");
+                status.set_ready(ReadyReason::Checkpointed, "", self.clock.now());
             })
             .await;
         let written = match first {

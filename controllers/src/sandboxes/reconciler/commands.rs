@@ -29,14 +29,14 @@ use tokio::sync::oneshot;
 
 use crate::api::{
     DesiredState, RestoreRequest, RungIntent, SandboxId, SandboxMetadata, SandboxSpec, SnapshotRef,
-    decode, encode,
+    encode,
 };
 use crate::layout::metadata_key;
 use crate::leasing::LeaseError;
 use crate::sandboxes::controller::ControlError;
 use crate::store::{Decision, Generation, PutMode, RmwError, StoreError, read_modify_write_from};
 
-use super::{ReadLease, ReadMetadata, ReconcileError, Reconciler, create_options};
+use super::{ReadLease, ReadMetadata, ReconcileError, Reconciler, create_options, decode_at};
 
 /// Both objects as an attaching client's instance read them (at once).
 #[derive(Debug, Clone)]
@@ -168,8 +168,7 @@ impl Reconciler {
         for command in commands {
             match command {
                 Command::Create { metadata, reply } => {
-                    let outcome = self.serve_create(&metadata, &mut served).await;
-                    let _ = reply.send(outcome);
+                    let _ = reply.send(self.serve_create(&metadata, &mut served).await);
                 }
                 Command::Attach {
                     read,
@@ -177,16 +176,15 @@ impl Reconciler {
                     at,
                     reply,
                 } => {
-                    let outcome = self.serve_attach(*read, checkpoint, at, &mut served).await;
-                    let _ = reply.send(outcome);
+                    let _ = reply.send(self.serve_attach(*read, checkpoint, at, &mut served).await);
                 }
                 Command::Desire {
                     desired,
                     name,
                     reply,
                 } => {
-                    let outcome = self.serve_desire(sandbox, desired, name, &mut served).await;
-                    let _ = reply.send(outcome);
+                    let _ =
+                        reply.send(self.serve_desire(sandbox, desired, name, &mut served).await);
                 }
                 Command::Withdraw { reply } => {
                     // A hold transferred here after all is then an orphan,
@@ -197,8 +195,7 @@ impl Reconciler {
                     let _ = reply.send(outcome.map_err(Into::into));
                 }
                 Command::Drain { reply } => {
-                    let outcome = self.serve_drain(sandbox, &mut served).await;
-                    let _ = reply.send(outcome);
+                    let _ = reply.send(self.serve_drain(sandbox, &mut served).await);
                 }
                 Command::RecordSnapshot { snapshot, reply } => {
                     let outcome = self.record_snapshot(sandbox, *snapshot).await;
@@ -598,7 +595,7 @@ impl Reconciler {
         // A status write that held the turn before this one may have left
         // a newer generation: starting from the older costs a refused write
         // and a re-read.
-        let written_here = self.known_metadata(sandbox);
+        let written_here = self.slots.known(sandbox);
         let known = match read {
             Some((metadata, generation))
                 if written_here
@@ -614,11 +611,7 @@ impl Reconciler {
         };
         let outcome = read_modify_write_from(self.metadata.as_ref(), &key, known, |current| {
             let current = current.ok_or_else(|| ControlError::NotFound(sandbox.clone()))?;
-            let mut metadata: SandboxMetadata =
-                decode(&current.data).map_err(|err| ReconcileError::Invalid {
-                    key: key.to_string(),
-                    detail: err.to_string(),
-                })?;
+            let mut metadata: SandboxMetadata = decode_at(&key, &current.data)?;
             let before = metadata.spec.clone();
             let deleted = metadata.is_deleted();
             change(&mut metadata.spec);

@@ -26,8 +26,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::api::{
-    CheckpointManifest, CheckpointRef, DesiredState, ExtraFields, Lease, Phase, ReadyReason,
-    SandboxId, SandboxMetadata, SandboxStatus, decode,
+    ApiObject, CheckpointManifest, CheckpointRef, DesiredState, ExtraFields, Lease, Phase,
+    ReadyReason, SandboxId, SandboxMetadata, SandboxStatus, decode,
 };
 use crate::clock::Clock;
 use crate::fencing::{FenceError, fenced_update_from};
@@ -38,7 +38,7 @@ use crate::layout::{
 };
 use crate::leasing::{HeldLease, LeaseError, Leases, ReadLease};
 use crate::runtime::{CheckpointRequest, CreateOptions, RuntimeError, SandboxRuntime};
-use crate::store::{Generation, Store, StoreError, Versioned};
+use crate::store::{Generation, ObjectKey, Store, StoreError, Versioned};
 
 use super::decision::{Observed, Step, decide};
 
@@ -138,6 +138,16 @@ impl From<FenceError<Infallible>> for ReconcileError {
             FenceError::Rejected(never) => match never {},
         }
     }
+}
+
+/// Decodes the document read at `key`. One that does not decode is
+/// `Invalid`, named by its key: an operator's edit gone wrong, to be fixed
+/// in that object, not a storage failure.
+fn decode_at<T: ApiObject>(key: &ObjectKey, data: &[u8]) -> Result<T, ReconcileError> {
+    decode(data).map_err(|err| ReconcileError::Invalid {
+        key: key.to_string(),
+        detail: err.to_string(),
+    })
 }
 
 fn chrono_duration(duration: Duration) -> chrono::Duration {
@@ -282,16 +292,12 @@ impl Reconciler {
         let key = metadata_key(sandbox);
         match self.metadata.get(&key).await {
             Ok(object) => {
-                let metadata: SandboxMetadata =
-                    decode(&object.data).map_err(|err| ReconcileError::Invalid {
-                        key: key.to_string(),
-                        detail: err.to_string(),
-                    })?;
+                let metadata: SandboxMetadata = decode_at(&key, &object.data)?;
                 self.slots.remember(sandbox, &object);
                 Ok(Some((metadata, object.generation)))
             }
             Err(StoreError::NotFound { .. }) => {
-                self.slots.forget_known(sandbox);
+                self.slots.update(sandbox, |slot| slot.known = None);
                 Ok(None)
             }
             Err(err) => Err(err.into()),
@@ -314,23 +320,9 @@ impl Reconciler {
         self.shared.get().and_then(std::sync::Weak::upgrade)
     }
 
-    /// Runs `step` in a task of its own, counted until it ends.
-    pub(super) fn spawn_background<T: Send + 'static>(
-        &self,
-        step: impl std::future::Future<Output = T> + Send + 'static,
-    ) -> tokio::task::JoinHandle<T> {
-        self.background.send_modify(|running| *running += 1);
-        let running = BackgroundStep(Arc::clone(&self.background));
-        tokio::spawn(tracing::Instrument::in_current_span(async move {
-            let outcome = step.await;
-            drop(running);
-            outcome
-        }))
-    }
-
-    /// Runs `step` on this reconciler, shared, in a task of its own
-    /// ([`Self::spawn_background`]). Every reconciler is shared once its
-    /// controller is made (`SandboxController::new`), before any pass.
+    /// Runs `step` on this reconciler, shared, in a task of its own, counted
+    /// until it ends. Every reconciler is shared once its controller is made
+    /// (`SandboxController::new`), before any pass.
     pub(super) fn spawn_shared<T, F>(
         &self,
         step: impl FnOnce(Arc<Self>) -> F,
@@ -339,12 +331,17 @@ impl Reconciler {
         T: Send + 'static,
         F: std::future::Future<Output = Result<T, ReconcileError>> + Send + 'static,
     {
-        match self.shared() {
-            Some(me) => self.spawn_background(step(me)),
-            None => self.spawn_background(async {
-                Err(ReconcileError::Internal("the reconciler is not shared"))
-            }),
-        }
+        let step = self.shared().map(step);
+        self.background.send_modify(|running| *running += 1);
+        let running = BackgroundStep(Arc::clone(&self.background));
+        tokio::spawn(tracing::Instrument::in_current_span(async move {
+            let outcome = match step {
+                Some(step) => step.await,
+                None => Err(ReconcileError::Internal("the reconciler is not shared")),
+            };
+            drop(running);
+            outcome
+        }))
     }
 
     /// Waits until no step runs in a task of its own (a checkpoint's
@@ -357,13 +354,8 @@ impl Reconciler {
             .await;
     }
 
-    /// `metadata.json` as this instance last read or wrote it.
-    pub fn known_metadata(&self, sandbox: &SandboxId) -> Option<Versioned> {
-        self.slots.known(sandbox)
-    }
-
-    /// [`Self::known_metadata`], decoded, if its generation is `at_least`
-    /// that (it is not decoded otherwise).
+    /// `metadata.json` as this instance last read or wrote it, decoded, if
+    /// its generation is `at_least` that (it is not decoded otherwise).
     pub(super) fn known_read(
         &self,
         sandbox: &SandboxId,
@@ -393,11 +385,6 @@ impl Reconciler {
         );
     }
 
-    /// Sets the `Ready` condition.
-    fn ready(&self, status: &mut SandboxStatus, reason: ReadyReason, message: &str) {
-        status.set_ready(reason, message, self.clock.now());
-    }
-
     /// Records under `epoch` that the sandbox runs nowhere: `phase`, no
     /// holder, `Ready` for `reason`, and `error`, if any, as its last.
     async fn record_stopped(
@@ -413,7 +400,7 @@ impl Reconciler {
             if let Some(error) = error {
                 status.last_error = Some(error.to_owned());
             }
-            self.ready(status, reason, error.unwrap_or_default());
+            status.set_ready(reason, error.unwrap_or_default(), self.clock.now());
         })
         .await
     }

@@ -534,10 +534,6 @@ impl Slots {
         self.view(sandbox, |slot| slot.known.clone())
     }
 
-    pub(super) fn forget_known(&self, sandbox: &SandboxId) {
-        self.update(sandbox, |slot| slot.known = None);
-    }
-
     /// Waits until no other write of `sandbox`'s metadata by this instance
     /// is in flight; the turn lasts until the guard drops. Only an
     /// optimisation (module docs): a turn lost to the slots' bound costs at

@@ -351,7 +351,7 @@ impl Reconciler {
                     status.phase = Phase::Running;
                     status.holder = Some(instance.clone());
                     status.last_error = None;
-                    self.ready(status, ReadyReason::Running, "");
+                    status.set_ready(ReadyReason::Running, "", self.clock.now());
                 }
                 if served_request.is_some() {
                     status.last_restore_request = served_request;
@@ -525,11 +525,7 @@ impl Reconciler {
         })?;
         let key = checkpoint_manifest_key(&checkpoint_id);
         let object = self.checkpoints.get(&key).await?;
-        let manifest: CheckpointManifest =
-            decode(&object.data).map_err(|err| ReconcileError::Invalid {
-                key: key.to_string(),
-                detail: err.to_string(),
-            })?;
+        let manifest: CheckpointManifest = decode_at(&key, &object.data)?;
         if manifest.image.key != reference.path
             || manifest.image.sha256 != reference.sha256
             || manifest.image.size != reference.size
