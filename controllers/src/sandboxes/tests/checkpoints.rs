@@ -174,16 +174,21 @@ async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay
     }
 }
 
-#[tokio::test]
-async fn periodic_checkpoints_bound_what_a_crash_loses() {
-    let world = World::new();
-    let a = world.instance_with(
+/// An instance that checkpoints what it holds every 60 s.
+fn checkpointing_every_minute(world: &World) -> Instance {
+    world.instance_with(
         "a",
         ReconcilerConfig {
             checkpoint_interval: Some(std::time::Duration::from_secs(60)),
             ..ReconcilerConfig::default()
         },
-    );
+    )
+}
+
+#[tokio::test]
+async fn periodic_checkpoints_bound_what_a_crash_loses() {
+    let world = World::new();
+    let a = checkpointing_every_minute(&world);
     let id = a.create(&world).await;
     a.run(&id, "saved").await;
     let mut events = a.controller.subscribe(&id);
@@ -214,13 +219,7 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
 #[tokio::test]
 async fn a_failed_periodic_checkpoint_waits_an_interval_and_the_table_marks_a_lost_sandbox_died() {
     let world = World::new();
-    let a = world.instance_with(
-        "a",
-        ReconcilerConfig {
-            checkpoint_interval: Some(std::time::Duration::from_secs(60)),
-            ..ReconcilerConfig::default()
-        },
-    );
+    let a = checkpointing_every_minute(&world);
     let id = a.create(&world).await;
     a.live_through(&world, 61).await;
     a.runtime.lose_on_checkpoint(&id);
