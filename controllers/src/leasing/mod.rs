@@ -523,21 +523,20 @@ impl Leases {
         &self,
         held: &HeldLease,
     ) -> Result<Result<HeldLease, Option<Lease>>, LeaseError> {
-        let (mine, lease, generation) = self
+        let (found, lease, generation) = self
             .modify_from(&held.sandbox, None, |existing, now| match existing {
                 Some(mut lease)
                     if lease.is_held_by(&self.instance) && lease.epoch == held.epoch =>
                 {
                     lease.renewed_at = Some(now);
-                    Ok(Step::Write(Box::new(lease), Some(true)))
+                    Ok(Step::Write(Box::new(lease), None))
                 }
-                existing => Ok(Step::Done(existing.map(|_| false))),
+                existing => Ok(Step::Done(Some(existing))),
             })
             .await?;
-        Ok(match mine {
-            Some(true) => Ok(self.held(&held.sandbox, held.epoch, &lease, generation)?),
-            Some(false) => Err(Some(lease)),
-            None => Err(None),
+        Ok(match found {
+            None => Ok(self.held(&held.sandbox, held.epoch, &lease, generation)?),
+            Some(found) => Err(found),
         })
     }
 

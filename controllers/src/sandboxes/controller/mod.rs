@@ -135,6 +135,10 @@ impl SandboxController {
     /// [`MAX_CONCURRENT_RECONCILES`] at once (more wait in the queue), and
     /// aborted with the loop when the server stops its workers.
     async fn work(self: Arc<Self>) {
+        // Failed passes in a row, by sandbox: the queue's retry back-off,
+        // kept by this loop after a pass has returned. Not the sandbox's
+        // state (no pass reads it), so not in its slot: it would keep the
+        // slot of a sandbox whose last pass failed alive until one succeeds.
         let failures: Arc<std::sync::Mutex<HashMap<SandboxId, u32>>> = Arc::default();
         let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_RECONCILES));
         let mut reconciles = tokio::task::JoinSet::new();
