@@ -113,11 +113,16 @@ class IgnoredSignalsTest(AgentTest):
         self.assertEqual(output(self.run_to_exit(run), run), b"True True\n")
 
     def test_ctrl_c_on_a_terminal_interrupts_its_program(self):
+        # Short sleeps in a loop, not one long one: a SIGINT that lands after
+        # the print but before the sleep's syscall only trips CPython's flag,
+        # which one long sleep would not look at for its whole length (seen
+        # under load: the signal handled, nothing pending, no exit).
         exec_id = self.send("exec", argv=["python3", "-c",
                                           "import time\n"
                                           "try:\n"
                                           "    print('sleeping', flush=True)\n"
-                                          "    time.sleep(30)\n"
+                                          "    while True:\n"
+                                          "        time.sleep(0.05)\n"
                                           "except KeyboardInterrupt:\n    print('interrupted')\n"],
                             pty={"cols": 80, "rows": 24})
         seen = self.run_until(lambda events: b"sleeping" in output(events, exec_id))
