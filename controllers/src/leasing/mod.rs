@@ -155,6 +155,49 @@ enum Step<T> {
     Done(T),
 }
 
+/// Whether a lock lets this instance take its hold ([`grant`]).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Grant {
+    /// The lock names this instance already: renewed, same epoch.
+    Renew,
+    /// Nobody holds it, or the holder found gone still holds it at the
+    /// epoch found gone and its lock's own lease has run out: taken, at the
+    /// next epoch.
+    Take,
+    /// Another holder: live, or not the hold that was found gone.
+    HeldByOther,
+    /// Free, but another instance's live attach intent reserves it.
+    WantedByOther(AttachIntent),
+}
+
+/// The acquire write's guard, asked on the lock as the write finds it (and
+/// again on each re-read after a lost race). `decide` in
+/// `sandboxes::decision` chooses to acquire on the pass's read; this says
+/// whether the lock, as it is when the write is made, still allows it.
+/// `gone`: the holder and epoch whose instance lease was read expired (an
+/// I/O this table cannot make), for a takeover.
+pub(crate) fn grant(
+    lock: &Lease,
+    me: &InstanceId,
+    gone: Option<&(InstanceId, u64)>,
+    now: DateTime<Utc>,
+    skew_tolerance: Duration,
+) -> Grant {
+    if lock.is_held_by(me) {
+        return Grant::Renew;
+    }
+    let taken_over = gone.is_some_and(|(holder, epoch)| {
+        lock.holder.as_ref() == Some(holder) && lock.epoch == *epoch
+    });
+    if lock.holder.is_some() && !(taken_over && lock.is_free(now, skew_tolerance)) {
+        return Grant::HeldByOther;
+    }
+    match lock.wanted_elsewhere(me, now) {
+        Some(intent) => Grant::WantedByOther(intent.clone()),
+        None => Grant::Take,
+    }
+}
+
 /// Lease operations on behalf of one instance.
 #[derive(Debug, Clone)]
 pub struct Leases {
@@ -380,47 +423,40 @@ impl Leases {
         read: Option<ReadLease>,
         gone: Option<(InstanceId, u64)>,
     ) -> Result<(u64, Lease, Generation), LeaseError> {
+        let skew = self.config.skew_tolerance;
         self.modify_from(sandbox, read, |existing, now| {
             let mut lease = existing.unwrap_or_else(|| self.fresh_lease());
-            if lease.is_held_by(&self.instance) {
-                // Already ours: renew rather than trust a possibly expired lease.
-                lease.renewed_at = Some(now);
-                let epoch = lease.epoch;
-                return Ok(Step::Write(Box::new(lease), epoch));
+            match grant(&lease, &self.instance, gone.as_ref(), now, skew) {
+                Grant::Renew => {
+                    // Already ours: renew rather than trust a possibly expired lease.
+                    lease.renewed_at = Some(now);
+                }
+                Grant::HeldByOther => {
+                    return Err(LeaseError::HeldByOther {
+                        sandbox: sandbox.clone(),
+                        holder: lease
+                            .holder
+                            .clone()
+                            .unwrap_or_else(|| self.instance.clone()),
+                        expires_at: lease.expires_at().unwrap_or(now),
+                    });
+                }
+                Grant::WantedByOther(intent) => {
+                    return Err(LeaseError::WantedByOther {
+                        sandbox: sandbox.clone(),
+                        instance: intent.instance,
+                        expires_at: intent.expires_at,
+                    });
+                }
+                Grant::Take => {
+                    if lease.wanted_by.as_ref().is_some_and(|intent| {
+                        intent.instance == self.instance || intent.expires_at <= now
+                    }) {
+                        lease.wanted_by = None;
+                    }
+                    self.take_hold(&mut lease, self.instance.clone(), now);
+                }
             }
-            let taken_over = gone.as_ref().is_some_and(|(holder, epoch)| {
-                lease.holder.as_ref() == Some(holder) && lease.epoch == *epoch
-            });
-            let free = lease.holder.is_none()
-                || (taken_over && lease.is_free(now, self.config.skew_tolerance));
-            if !free {
-                let holder = lease
-                    .holder
-                    .clone()
-                    .unwrap_or_else(|| self.instance.clone());
-                return Err(LeaseError::HeldByOther {
-                    sandbox: sandbox.clone(),
-                    holder,
-                    expires_at: lease.expires_at().unwrap_or(now),
-                });
-            }
-            if let Some(intent) = lease.live_intent(now)
-                && intent.instance != self.instance
-            {
-                return Err(LeaseError::WantedByOther {
-                    sandbox: sandbox.clone(),
-                    instance: intent.instance.clone(),
-                    expires_at: intent.expires_at,
-                });
-            }
-            if lease
-                .wanted_by
-                .as_ref()
-                .is_some_and(|intent| intent.instance == self.instance || intent.expires_at <= now)
-            {
-                lease.wanted_by = None;
-            }
-            self.take_hold(&mut lease, self.instance.clone(), now);
             let epoch = lease.epoch;
             Ok(Step::Write(Box::new(lease), epoch))
         })

@@ -711,3 +711,85 @@ async fn an_attach_intent_whose_ring_fails_is_written_into_the_lock() {
         .unwrap();
     assert_eq!(stored_intent_of(&store).await, Some(instance("b")));
 }
+
+/// The acquire write's guard, row by row, on the lock as the write finds it.
+#[test]
+fn the_acquire_guard_takes_only_a_free_or_gone_hold_no_other_instance_wants() {
+    let (me, other) = (instance("a"), instance("b"));
+    let now = chrono::DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
+        .unwrap()
+        .to_utc();
+    let skew = Duration::seconds(2);
+    let held_by = |holder: &InstanceId, renewed_secs_ago: i64| Lease {
+        holder: Some(holder.clone()),
+        epoch: 4,
+        renewed_at: Some(now - Duration::seconds(renewed_secs_ago)),
+        ..Lease::unheld(15)
+    };
+    let wanted_by = |mut lease: Lease, instance: &InstanceId, expires_in: i64| {
+        lease.wanted_by = Some(AttachIntent {
+            instance: instance.clone(),
+            requested_at: now,
+            expires_at: now + Duration::seconds(expires_in),
+            extra: ExtraFields::new(),
+        });
+        lease
+    };
+    let gone = (other.clone(), 4);
+    let grant = |lock: &Lease, gone: Option<&(InstanceId, u64)>| grant(lock, &me, gone, now, skew);
+
+    assert_eq!(grant(&Lease::unheld(15), None), Grant::Take, "never held");
+    assert_eq!(
+        grant(&held_by(&me, 60), None),
+        Grant::Renew,
+        "ours, even expired"
+    );
+    assert_eq!(grant(&held_by(&other, 1), None), Grant::HeldByOther, "live");
+    assert_eq!(
+        grant(&held_by(&other, 60), None),
+        Grant::HeldByOther,
+        "expired, but its instance lease was not found gone"
+    );
+    assert_eq!(
+        grant(&held_by(&other, 60), Some(&gone)),
+        Grant::Take,
+        "gone"
+    );
+    assert_eq!(
+        grant(&held_by(&other, 16), Some(&gone)),
+        Grant::HeldByOther,
+        "the lock's own lease runs out only after the skew"
+    );
+    assert_eq!(
+        grant(&held_by(&other, 1), Some(&gone)),
+        Grant::HeldByOther,
+        "renewed since it was found gone"
+    );
+    let retaken = Lease {
+        epoch: 5,
+        ..held_by(&other, 60)
+    };
+    assert_eq!(
+        grant(&retaken, Some(&gone)),
+        Grant::HeldByOther,
+        "a later hold"
+    );
+    let wanted = wanted_by(Lease::unheld(15), &other, 30);
+    assert!(
+        matches!(grant(&wanted, None), Grant::WantedByOther(intent) if intent.instance == other)
+    );
+    assert_eq!(
+        grant(&wanted_by(Lease::unheld(15), &other, -1), None),
+        Grant::Take,
+        "expired intent"
+    );
+    assert_eq!(
+        grant(&wanted_by(Lease::unheld(15), &me, 30), None),
+        Grant::Take,
+        "our own intent"
+    );
+    assert!(matches!(
+        grant(&wanted_by(held_by(&other, 60), &other, 30), Some(&gone)),
+        Grant::WantedByOther(_)
+    ));
+}
