@@ -363,17 +363,28 @@ pub(crate) async fn drive(
             return;
         }
         tracing::debug!(%why, "connection lost; reconnecting");
-        // A close asked for meanwhile ends the driver at once: there is no
+        // A close asked for meanwhile, or every handle dropped, ends the
+        // driver at once: there is no
         // socket to hand-shake on, and frames queued while disconnected go
         // unsent. An attempt under way is dropped with its socket, as a failed
         // attempt's is: it is not attached yet (the server may be restoring
         // and answer nothing until it is done), and the old connection went
         // without a handshake anyway, so waiting would free no slot sooner.
         let reconnected = {
-            let mut attempt = std::pin::pin!(reconnect(&shared, &mut outgoing, &mut pending));
+            let mut attempt = std::pin::pin!(reconnect(&shared));
             loop {
                 tokio::select! {
                     reconnected = &mut attempt => break reconnected,
+                    // Frames written meanwhile (stdin) wait for the new
+                    // connection; with every handle gone there is nobody to
+                    // reconnect for.
+                    frame = outgoing.recv() => match frame {
+                        Some(frame) => pending.push_back(frame),
+                        None => {
+                            finish(&shared, "every handle was dropped".to_owned());
+                            return;
+                        }
+                    },
                     asked = &mut close, if close_asked_for => match asked {
                         Ok(()) => {
                             finish(&shared, "closed by the client".to_owned());
@@ -427,18 +438,10 @@ fn finish(shared: &Shared, why: String) {
     clippy::disallowed_methods,
     reason = "the client library runs in the client's process, outside any instance: its reconnect window is the host's time"
 )]
-async fn reconnect(
-    shared: &Shared,
-    outgoing: &mut mpsc::UnboundedReceiver<String>,
-    pending: &mut VecDeque<String>,
-) -> Result<Socket, ClientError> {
+async fn reconnect(shared: &Shared) -> Result<Socket, ClientError> {
     let started = tokio::time::Instant::now();
     let mut delay = Duration::from_millis(100);
     loop {
-        // Frames written meanwhile (stdin) wait for the new connection.
-        while let Ok(frame) = outgoing.try_recv() {
-            pending.push_back(frame);
-        }
         if started.elapsed() > RECONNECT_FOR {
             return Err(ClientError::Closed(format!(
                 "could not reconnect within {} s",

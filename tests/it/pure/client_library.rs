@@ -46,3 +46,31 @@ async fn a_close_while_reconnecting_returns_at_once() {
     let took = started.elapsed();
     assert!(took < Duration::from_secs(3), "close took {took:?}");
 }
+
+/// With every handle dropped while the connection is down, nobody is left
+/// to reconnect for: the driver stops trying at once (it used to go on for
+/// its whole two-minute window, one attempt every few seconds).
+#[tokio::test]
+async fn a_client_dropped_while_reconnecting_stops_trying() {
+    let cutter = Cutter::to(fake_server().await).await;
+    let sandbox = Sandbox::create(&format!("ws://{}", cutter.addr), CreateOptions::default())
+        .await
+        .unwrap();
+    cutter.refuse();
+    cutter.cut();
+    tokio::time::timeout(Duration::from_secs(10), cutter.turned_away())
+        .await
+        .expect("the client tries to reconnect");
+    drop(sandbox);
+    // An attempt already under way may still reach the forwarder.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let attempts = cutter.turned_away_so_far();
+    // The back-off starts at 100 ms and doubles: a driver still trying makes
+    // at least two attempts in this time.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert_eq!(
+        cutter.turned_away_so_far(),
+        attempts,
+        "the dropped client kept reconnecting"
+    );
+}

@@ -2,7 +2,7 @@
 //! and which can then turn every new connection away, like a server that is
 //! gone: what a client's reconnect logic is tested against.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::net::{TcpListener, TcpStream};
@@ -15,6 +15,8 @@ pub struct Cutter {
     refusing: Arc<AtomicBool>,
     /// Told of each connection turned away once refusing.
     turned_away: Arc<Notify>,
+    /// How many were turned away.
+    turned_away_count: Arc<AtomicUsize>,
     _accept: JoinHandle<()>,
 }
 
@@ -26,10 +28,12 @@ impl Cutter {
         let connections: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let refusing = Arc::new(AtomicBool::new(false));
         let turned_away = Arc::new(Notify::new());
-        let (tracked, refuse, told) = (
+        let turned_away_count = Arc::new(AtomicUsize::new(0));
+        let (tracked, refuse, told, counted) = (
             Arc::clone(&connections),
             Arc::clone(&refusing),
             Arc::clone(&turned_away),
+            Arc::clone(&turned_away_count),
         );
         let accept = tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
@@ -37,6 +41,7 @@ impl Cutter {
                     // Accepted, then closed before a byte: the client's
                     // WebSocket handshake fails at once.
                     drop(inbound);
+                    counted.fetch_add(1, Ordering::AcqRel);
                     told.notify_one();
                     continue;
                 }
@@ -54,6 +59,7 @@ impl Cutter {
             connections,
             refusing,
             turned_away,
+            turned_away_count,
             _accept: accept,
         }
     }
@@ -73,5 +79,10 @@ impl Cutter {
     /// Waits until a connection was turned away (since the last wait).
     pub async fn turned_away(&self) {
         self.turned_away.notified().await;
+    }
+
+    /// How many connections were turned away so far.
+    pub fn turned_away_so_far(&self) -> usize {
+        self.turned_away_count.load(Ordering::Acquire)
     }
 }
