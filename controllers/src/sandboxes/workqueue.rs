@@ -1,11 +1,14 @@
 //! A work queue of sandbox ids with client-go's guarantees: an id is queued at
 //! most once, never reconciled by two workers at once, and an id added while
-//! it is being reconciled runs again right after.
+//! it is being reconciled runs again right after. Like client-go's
+//! rate-limiting queue, it keeps each id's failed passes in a row and retries
+//! a failed one after a back-off that grows with them.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use rand::Rng;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -21,6 +24,22 @@ struct State {
     dirty: HashSet<SandboxId>,
     /// The earliest pending delayed add per id.
     scheduled: HashMap<SandboxId, Instant>,
+    /// Failed passes in a row per id (the retry back-off). Here, not in the
+    /// sandbox's slot: no pass reads it, and it would keep the slot of a
+    /// sandbox whose last pass failed alive until one succeeds.
+    failures: HashMap<SandboxId, u32>,
+}
+
+/// The longest wait before a failed pass is retried.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Exponential back-off with jitter: 0.5 s, 1 s, 2 s … up to 30 s.
+fn backoff(failures: u32) -> Duration {
+    let base = Duration::from_millis(500)
+        .saturating_mul(1 << failures.saturating_sub(1).min(6))
+        .min(MAX_BACKOFF);
+    let jitter = rand::rng().random_range(0.8..1.2);
+    base.mul_f64(jitter)
 }
 
 #[derive(Debug, Clone)]
@@ -120,16 +139,37 @@ impl WorkQueue {
         }
     }
 
-    /// Marks `id` done; queues it again if it was added meanwhile.
+    /// Marks `id` done after a pass that succeeded (its failures in a row
+    /// are forgotten); queues it again if it was added meanwhile.
     pub fn done(&self, id: &SandboxId) {
         let again = {
             let mut state = self.state();
+            state.failures.remove(id);
             state.active.remove(id);
             state.dirty.remove(id)
         };
         if again {
             self.add(id);
         }
+    }
+
+    /// Marks `id` done after a pass that failed: queues it again after a
+    /// back-off that grows with its failures in a row (at once if it was
+    /// added meanwhile); returns the back-off.
+    pub fn done_failed(&self, id: &SandboxId) -> Duration {
+        let (again, delay) = {
+            let mut state = self.state();
+            let count = state.failures.entry(id.clone()).or_insert(0);
+            *count = count.saturating_add(1);
+            let delay = backoff(*count);
+            state.active.remove(id);
+            (state.dirty.remove(id), delay)
+        };
+        if again {
+            self.add(id);
+        }
+        self.add_after(id, delay);
+        delay
     }
 }
 
@@ -155,6 +195,35 @@ mod tests {
         queue.done(&id(2));
         queue.done(&id(1));
         assert_eq!(queue.next().await, id(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_pass_is_retried_after_a_back_off_growing_with_its_failures_in_a_row() {
+        let queue = WorkQueue::new(Arc::new(SystemClock));
+        let mut delays = Vec::new();
+        queue.add(&id(3));
+        assert_eq!(queue.next().await, id(3));
+        for _ in 0..3 {
+            let delay = queue.done_failed(&id(3));
+            let started = SystemClock.instant();
+            assert_eq!(queue.next().await, id(3), "retried");
+            let waited = SystemClock.instant().duration_since(started);
+            assert!(waited >= delay && waited < delay + Duration::from_millis(10));
+            delays.push(delay);
+        }
+        queue.done(&id(3));
+        // 0.5 s, 1 s, 2 s, each within its jitter.
+        for (delay, base) in delays.iter().zip([500, 1_000, 2_000]) {
+            let base = Duration::from_millis(base);
+            assert!(
+                *delay >= base.mul_f64(0.8) && *delay <= base.mul_f64(1.2),
+                "{delays:?}"
+            );
+        }
+        // A pass that succeeded forgets them: the next failure starts over.
+        queue.add(&id(3));
+        assert_eq!(queue.next().await, id(3));
+        assert!(queue.done_failed(&id(3)) <= Duration::from_millis(600));
     }
 
     #[tokio::test(start_paused = true)]

@@ -11,11 +11,8 @@ mod doorbell;
 mod executions;
 mod intents;
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
-use rand::Rng;
 use tokio::sync::broadcast;
 
 use crate::api::{SandboxId, SandboxMetadata};
@@ -27,9 +24,6 @@ use super::events::{ProgressBus, SandboxEvent};
 use super::reconciler::{ForkError, ReconcileError, Reconciler, Requeue};
 use super::workqueue::WorkQueue;
 use doorbell::DoorbellState;
-
-/// Longest back-off between failed reconciles of one sandbox.
-const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
 /// Reconciles running at once on one instance (each is one sandbox; a
 /// checkpoint or restore among them may take seconds).
@@ -135,11 +129,6 @@ impl SandboxController {
     /// [`MAX_CONCURRENT_RECONCILES`] at once (more wait in the queue), and
     /// aborted with the loop when the server stops its workers.
     async fn work(self: Arc<Self>) {
-        // Failed passes in a row, by sandbox: the queue's retry back-off,
-        // kept by this loop after a pass has returned. Not the sandbox's
-        // state (no pass reads it), so not in its slot: it would keep the
-        // slot of a sandbox whose last pass failed alive until one succeeds.
-        let failures: Arc<std::sync::Mutex<HashMap<SandboxId, u32>>> = Arc::default();
         let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_RECONCILES));
         let mut reconciles = tokio::task::JoinSet::new();
         loop {
@@ -150,17 +139,12 @@ impl SandboxController {
             let sandbox = self.queue.next().await;
             while reconciles.try_join_next().is_some() {}
             let controller = Arc::clone(&self);
-            let failures = Arc::clone(&failures);
             reconciles.spawn(async move {
                 let _permit = permit;
                 let outcome = controller.reconciler.reconcile(&sandbox).await;
-                controller.queue.done(&sandbox);
-                let mut failures = failures
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 match outcome {
                     Ok(requeue) => {
-                        failures.remove(&sandbox);
+                        controller.queue.done(&sandbox);
                         if let Requeue::After(delay) = requeue {
                             controller.queue.add_after(&sandbox, delay);
                         }
@@ -170,11 +154,8 @@ impl SandboxController {
                             .reconcile_errors
                             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         controller.reconciler.want_full_pass(&sandbox);
-                        let count = failures.entry(sandbox.clone()).or_insert(0);
-                        *count = count.saturating_add(1);
-                        let delay = backoff(*count);
+                        let delay = controller.queue.done_failed(&sandbox);
                         tracing::warn!(%sandbox, %err, retry_in = ?delay, "reconcile failed");
-                        controller.queue.add_after(&sandbox, delay);
                     }
                 }
             });
@@ -263,13 +244,4 @@ impl SandboxController {
     pub async fn read(&self, sandbox: &SandboxId) -> Result<Option<SandboxMetadata>, ControlError> {
         Ok(self.reconciler.read_metadata(sandbox).await?)
     }
-}
-
-/// Exponential back-off with jitter: 0.5 s, 1 s, 2 s … up to 30 s.
-fn backoff(failures: u32) -> Duration {
-    let base = Duration::from_millis(500)
-        .saturating_mul(1 << failures.saturating_sub(1).min(6))
-        .min(MAX_BACKOFF);
-    let jitter = rand::rng().random_range(0.8..1.2);
-    base.mul_f64(jitter)
 }
