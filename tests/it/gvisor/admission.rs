@@ -66,7 +66,8 @@ async fn leave(server: &Server, ws: Ws, id: &str) {
 async fn metadata(server: &Server, id: &str) -> controllers::api::SandboxMetadata {
     let controller = server.state.controller.as_ref().unwrap();
     controller
-        .read(&SandboxId::parse(id).unwrap())
+        .reconciler()
+        .read_metadata(&SandboxId::parse(id).unwrap())
         .await
         .unwrap()
         .unwrap()

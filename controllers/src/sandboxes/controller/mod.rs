@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use tokio::sync::broadcast;
 
-use crate::api::{SandboxId, SandboxMetadata};
+use crate::api::SandboxId;
 use crate::leasing::LeaseError;
 use crate::runtime::RuntimeError;
 use crate::store::StoreError;
@@ -55,17 +55,6 @@ pub enum ControlError {
     /// A write this call started in a task of its own ended abnormally.
     #[error("{0}")]
     Internal(String),
-}
-
-impl ControlError {
-    /// A newer holder wrote the sandbox's metadata: this instance lost it.
-    pub fn is_fenced(&self) -> bool {
-        match self {
-            Self::Reconcile(err) => err.is_fenced(),
-            Self::Fork(ForkError::Copy(err)) => err.is_fenced(),
-            _ => false,
-        }
-    }
 }
 
 /// The controller: share it behind an `Arc`.
@@ -239,9 +228,5 @@ impl SandboxController {
 
     pub fn held_sandboxes(&self) -> Vec<SandboxId> {
         self.reconciler.held_sandboxes()
-    }
-
-    pub async fn read(&self, sandbox: &SandboxId) -> Result<Option<SandboxMetadata>, ControlError> {
-        Ok(self.reconciler.read_metadata(sandbox).await?)
     }
 }

@@ -369,7 +369,6 @@ async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
         "{err}"
     );
     assert!(err.is_fenced());
-    assert!(ControlError::from(err).is_fenced());
     assert_eq!(
         world.metadata(&id).await.status.phase,
         Phase::Running,
