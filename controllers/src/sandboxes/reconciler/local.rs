@@ -179,7 +179,7 @@ impl Reconciler {
         {
             let mut slots = self.slots.all();
             for slot in slots.values_mut() {
-                slot.forget_old_loss(now, LOST_MEMORY);
+                slot.lost = slot.lost.filter(|at| now.duration_since(*at) < LOST_MEMORY);
             }
         }
         self.slots.update(sandbox, |slot| slot.lost = Some(now));

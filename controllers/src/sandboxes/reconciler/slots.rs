@@ -126,20 +126,6 @@ impl Slot {
             self.write_turn = None;
         }
     }
-
-    /// Forgets a loss older than `lost_memory`.
-    pub(super) fn forget_old_loss(
-        &mut self,
-        now: tokio::time::Instant,
-        lost_memory: std::time::Duration,
-    ) {
-        if self
-            .lost
-            .is_some_and(|at| now.duration_since(at) >= lost_memory)
-        {
-            self.lost = None;
-        }
-    }
 }
 
 /// Where a sandbox is in its life on this instance: one phase at a time,
