@@ -8,7 +8,7 @@ use super::*;
 use crate::api::{SandboxMetadata, decode};
 use crate::fencing::{FenceError, fenced_update};
 use crate::layout::{doorbell_key, metadata_key};
-use crate::store::{CountingStore, ObjectKey, Operation, OperationCounts, PutMode};
+use crate::store::{CountingStore, Operation, OperationCounts, PutMode};
 use crate::testing::{Fault, ManualClock, MemoryStore};
 
 fn sandbox() -> SandboxId {
@@ -367,21 +367,16 @@ async fn an_acquire_whose_response_was_lost_is_recognised_on_retry() {
 
 /// A store whose only object is the sandbox's `metadata.json`, recording
 /// `epoch`: the fence tests' start. Returns the store, the key and the record.
-async fn stored_metadata_at(epoch: u64) -> (Arc<MemoryStore>, ObjectKey, SandboxMetadata) {
+#[tokio::test]
+async fn fenced_updates_refuse_writers_with_an_older_epoch() {
     let (store, clock) = store_and_clock();
     let key = metadata_key(&sandbox());
     let mut metadata = SandboxMetadata::new(sandbox(), clock.now(), "ab".repeat(32));
-    metadata.status.epoch = epoch;
+    metadata.status.epoch = 3;
     store
         .put(&key, encode(&metadata), PutMode::Create)
         .await
         .unwrap();
-    (store, key, metadata)
-}
-
-#[tokio::test]
-async fn fenced_updates_refuse_writers_with_an_older_epoch() {
-    let (store, key, _) = stored_metadata_at(3).await;
 
     let stale = fenced_update::<SandboxMetadata, String, _>(store.as_ref(), &key, 2, |m| {
         m.status.last_error = Some("from a zombie".into());
