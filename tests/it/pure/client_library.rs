@@ -26,21 +26,27 @@ async fn fake_server() -> String {
     support::serve(Server::build(parts)).await
 }
 
-/// A close while the connection is down has no socket to close: it returns
-/// at once instead of waiting out `Sandbox::close`'s 10 s bound (the driver
-/// used to watch for the close only while connected).
-#[tokio::test]
-async fn a_close_while_reconnecting_returns_at_once() {
+/// A client of a sandbox on the fake server whose connection was cut and
+/// whose first reconnect attempt was turned away: it is reconnecting.
+async fn reconnecting_client() -> (Cutter, Sandbox) {
     let cutter = Cutter::to(fake_server().await).await;
     let sandbox = Sandbox::create(&format!("ws://{}", cutter.addr), CreateOptions::default())
         .await
         .unwrap();
     cutter.refuse();
     cutter.cut();
-    // A reconnect attempt was turned away: the driver is reconnecting.
     tokio::time::timeout(Duration::from_secs(10), cutter.turned_away())
         .await
         .expect("the client tries to reconnect");
+    (cutter, sandbox)
+}
+
+/// A close while the connection is down has no socket to close: it returns
+/// at once instead of waiting out `Sandbox::close`'s 10 s bound (the driver
+/// used to watch for the close only while connected).
+#[tokio::test]
+async fn a_close_while_reconnecting_returns_at_once() {
+    let (_cutter, sandbox) = reconnecting_client().await;
     let started = Instant::now();
     sandbox.close().await;
     let took = started.elapsed();
@@ -52,15 +58,7 @@ async fn a_close_while_reconnecting_returns_at_once() {
 /// its whole two-minute window, one attempt every few seconds).
 #[tokio::test]
 async fn a_client_dropped_while_reconnecting_stops_trying() {
-    let cutter = Cutter::to(fake_server().await).await;
-    let sandbox = Sandbox::create(&format!("ws://{}", cutter.addr), CreateOptions::default())
-        .await
-        .unwrap();
-    cutter.refuse();
-    cutter.cut();
-    tokio::time::timeout(Duration::from_secs(10), cutter.turned_away())
-        .await
-        .expect("the client tries to reconnect");
+    let (cutter, sandbox) = reconnecting_client().await;
     drop(sandbox);
     // An attempt already under way may still reach the forwarder.
     tokio::time::sleep(Duration::from_millis(200)).await;
