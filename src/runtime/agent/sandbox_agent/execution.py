@@ -499,6 +499,7 @@ def start_exec(msg):
     if msg.get("pty"):
         start_terminal(msg, exec_id, resumable)
         return
+    load_prctl()
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -534,14 +535,41 @@ def set_size(fd, size):
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
+# prctl(2), looked up in the parent before the first execution's fork (an
+# import between fork and exec could wait on a lock held by another thread);
+# False where it cannot be had.
+PRCTL = None
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def load_prctl():
+    global PRCTL
+    if PRCTL is None:
+        try:
+            import ctypes
+            PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+        except (ImportError, OSError, AttributeError):
+            PRCTL = False
+
+
 def restore_default_signals():
-    """In the child, before exec: SIGINT and SIGTERM back to their defaults.
-    The agent (PID 1) ignores them, and an ignored signal stays ignored
-    across exec, so without this no program in the sandbox could be
-    interrupted: Ctrl-C on a terminal, `kill`, `timeout` would do nothing.
-    (Popen's restore_signals covers SIGPIPE only.)"""
+    """In the child, before exec: SIGINT and SIGTERM back to their defaults,
+    and the execution's program made a child subreaper.
+
+    The agent (PID 1) ignores SIGINT and SIGTERM, and an ignored signal
+    stays ignored across exec, so without this no program in the sandbox
+    could be interrupted: Ctrl-C on a terminal, `kill`, `timeout` would do
+    nothing. (Popen's restore_signals covers SIGPIPE only.)
+
+    As a subreaper (kept across exec), the program adopts what its children
+    orphan while it runs: a process that left the execution's session and
+    group with `setsid` and whose parent exited is still in the tree a kill
+    walks (`kill_tree`), instead of the agent's. A kernel without it (the
+    call fails) leaves the escape open, nothing else."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if PRCTL:
+        PRCTL(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def become_terminal_owner():
@@ -556,6 +584,7 @@ def become_terminal_owner():
 def start_terminal(msg, exec_id, resumable):
     """An execution on a pseudo-terminal of `pty`'s size: one stream of raw
     bytes each way (output as fd 1), resized with the `resize` op."""
+    load_prctl()
     master, slave = os.openpty()
     try:
         set_size(slave, msg["pty"])
@@ -657,6 +686,25 @@ def kill_tree(pid):
     its first refusal (it would hold the sweep for its whole bound)."""
     deadline = time.monotonic() + KILL_SWEEP_S
     refused = set()
+    # Stopped first, until every process of the tree is: a stopped process
+    # forks nothing, and a child it forked just before (that the walk of
+    # /proc may have missed) keeps it as parent, so the next walk finds the
+    # child even if it left the session. Killed at once instead, such a
+    # parent would hand the child to PID 1 and lose it.
+    stopped = set()
+    while time.monotonic() < deadline:
+        victims = [victim for victim in alive_in_tree(pid)
+                   if victim not in refused and victim not in stopped]
+        if not victims:
+            break
+        for victim in victims:
+            try:
+                os.kill(victim, signal.SIGSTOP)
+                stopped.add(victim)
+            except PermissionError:
+                refused.add(victim)
+            except OSError:
+                pass
     while True:
         victims = [victim for victim in alive_in_tree(pid) if victim not in refused]
         if not victims:

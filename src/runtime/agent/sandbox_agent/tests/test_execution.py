@@ -2,12 +2,26 @@
 stdin; kill; one at a time; the persistent Python session."""
 import json
 import signal
+import time
 import unittest
 
 from sandbox_agent import protocol, state
-from sandbox_agent.execution import alive_in_tree, split_utf8
+from sandbox_agent.execution import alive_in_tree, processes, split_utf8
 
 from .support import AgentTest, output
+
+
+def alive_running(cmdline):
+    """Pids of live (not zombie) processes whose command line is `cmdline`."""
+    found = []
+    for pid, state_, _, _, _ in processes():
+        try:
+            with open("/proc/%d/cmdline" % pid) as f:
+                if f.read() == cmdline and state_ != b"Z":
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
 
 
 class ExecutionTest(AgentTest):
@@ -42,12 +56,40 @@ class ExecutionTest(AgentTest):
     def test_a_kill_leaves_nothing_of_the_tree_alive_when_it_returns(self):
         # Background children, one in a session of its own (out of the group,
         # found by its parent link), started while the kill may be under way.
-        run = self.send("exec", argv=["bash", "-c", "sleep 300 & setsid sleep 300 & sleep 300"])
+        run = self.send("exec", argv=["bash", "-c", "sleep 311 & setsid sleep 311 & sleep 311"])
         [started] = self.events()
         self.assertEqual(started["ev"], "started")
         pid = state.EXECS[run].pid
         self.send("kill", id=run)
         self.assertEqual(alive_in_tree(pid), [], "alive after the kill returned")
+        # Nor anywhere else: a child forked as the kill began, missed by its
+        # walk and handed on by its dying parent, is found by its marker.
+        time.sleep(0.1)
+        self.assertEqual(alive_running("sleep\x00311\x00"), [], "escaped the kill")
+        self.assertEqual(self.run_to_exit(run)[-1]["code"], 137)
+
+    def test_a_kill_reaches_a_process_orphaned_into_a_session_of_its_own(self):
+        # The subshell exits at once: its `setsid sleep` is orphaned, in a
+        # session and group of its own, linked to the execution by nothing
+        # but the subreaper the execution's program is.
+        run = self.send("exec", argv=["bash", "-c", "(setsid sleep 300 &); echo forked; exec sleep 300"])
+        self.run_until(lambda events: b"forked" in output(events, run))
+        pid = state.EXECS[run].pid
+
+        def adopted():
+            """The orphan once its subshell exited: in a session of its own,
+            its parent the execution's program (the subreaper)."""
+            return [p for p, _, ppid, _, session in processes() if ppid == pid and session == p]
+
+        deadline = time.time() + 5
+        while not adopted() and time.time() < deadline:
+            time.sleep(0.01)
+        orphans = adopted()
+        self.assertEqual(len(orphans), 1, "the orphan, adopted by the execution's program")
+        self.send("kill", id=run)
+        self.assertEqual(alive_in_tree(pid), [], "alive after the kill returned")
+        alive = [p for p, state_, _, _, _ in processes() if p in orphans and state_ != b"Z"]
+        self.assertEqual(alive, [], "the orphan survived the kill")
         self.assertEqual(self.run_to_exit(run)[-1]["code"], 137)
 
     def test_a_program_that_cannot_start_is_an_error(self):
