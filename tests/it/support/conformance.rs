@@ -139,24 +139,34 @@ pub async fn concurrent_creates_have_one_winner(store: Arc<dyn Store>) {
     assert_eq!(read.generation, generation);
 }
 
+/// Eight writers add one to a counter five times each, by conditional
+/// writes. Each writer's bytes name it (`<count> by <writer>`), as every
+/// object the server writes names its writer: a write whose answer was lost
+/// and whose retry fails its precondition is recognised by its bytes
+/// (`GcsStore::landed_earlier`), which two writers of the same count would
+/// defeat.
 pub async fn concurrent_updates_lose_nothing(store: Arc<dyn Store>) {
     let k = key("counters/shared.json");
     store
-        .put(&k, Bytes::from_static(b"0"), PutMode::Create)
+        .put(&k, Bytes::from_static(b"0 by nobody"), PutMode::Create)
         .await
         .unwrap();
-    let workers = (0..8).map(|_| {
+    let count = |data: &[u8]| -> u64 {
+        let text = std::str::from_utf8(data).unwrap();
+        text.split(' ').next().unwrap().parse().unwrap()
+    };
+    let workers = (0..8).map(|writer| {
         let store = store.clone();
         let k = k.clone();
         tokio::spawn(async move {
             for _ in 0..5 {
                 loop {
                     let current = store.get(&k).await.unwrap();
-                    let n: u64 = std::str::from_utf8(&current.data).unwrap().parse().unwrap();
+                    let n = count(&current.data);
                     match store
                         .put(
                             &k,
-                            Bytes::from((n + 1).to_string()),
+                            Bytes::from(format!("{} by {writer}", n + 1)),
                             PutMode::Update(current.generation),
                         )
                         .await
@@ -172,7 +182,7 @@ pub async fn concurrent_updates_lose_nothing(store: Arc<dyn Store>) {
     for worker in futures::future::join_all(workers).await {
         worker.unwrap();
     }
-    assert_eq!(store.get(&k).await.unwrap().data, Bytes::from_static(b"40"));
+    assert_eq!(count(&store.get(&k).await.unwrap().data), 40);
 }
 
 pub async fn list_paginates(store: Arc<dyn Store>) {
