@@ -364,12 +364,12 @@ pub(crate) async fn drive(
         }
         tracing::debug!(%why, "connection lost; reconnecting");
         // A close asked for meanwhile, or every handle dropped, ends the
-        // driver at once: there is no
-        // socket to hand-shake on, and frames queued while disconnected go
-        // unsent. An attempt under way is dropped with its socket, as a failed
-        // attempt's is: it is not attached yet (the server may be restoring
-        // and answer nothing until it is done), and the old connection went
-        // without a handshake anyway, so waiting would free no slot sooner.
+        // driver at once: there is no socket to hand-shake on, and frames
+        // queued while disconnected go unsent. An attempt under way is
+        // dropped with its socket, as a failed attempt's is: it is not
+        // attached yet (the server may be restoring and answer nothing until
+        // it is done), and the old connection went without a handshake
+        // anyway, so waiting would free no slot sooner.
         let reconnected = {
             let mut attempt = std::pin::pin!(reconnect(&shared));
             loop {

@@ -142,33 +142,37 @@ impl WorkQueue {
     /// Marks `id` done after a pass that succeeded (its failures in a row
     /// are forgotten); queues it again if it was added meanwhile.
     pub fn done(&self, id: &SandboxId) {
-        let again = {
-            let mut state = self.state();
-            state.failures.remove(id);
-            state.active.remove(id);
-            state.dirty.remove(id)
-        };
-        if again {
-            self.add(id);
-        }
+        self.end_pass(id, false);
     }
 
     /// Marks `id` done after a pass that failed: queues it again after a
     /// back-off that grows with its failures in a row (at once if it was
     /// added meanwhile); returns the back-off.
     pub fn done_failed(&self, id: &SandboxId) -> Duration {
+        let delay = self.end_pass(id, true);
+        self.add_after(id, delay);
+        delay
+    }
+
+    /// Ends `id`'s pass, counting a failure or forgetting them; the
+    /// back-off the failures in a row call for (zero after a success).
+    fn end_pass(&self, id: &SandboxId, failed: bool) -> Duration {
         let (again, delay) = {
             let mut state = self.state();
-            let count = state.failures.entry(id.clone()).or_insert(0);
-            *count = count.saturating_add(1);
-            let delay = backoff(*count);
+            let delay = if failed {
+                let count = state.failures.entry(id.clone()).or_insert(0);
+                *count = count.saturating_add(1);
+                backoff(*count)
+            } else {
+                state.failures.remove(id);
+                Duration::ZERO
+            };
             state.active.remove(id);
             (state.dirty.remove(id), delay)
         };
         if again {
             self.add(id);
         }
-        self.add_after(id, delay);
         delay
     }
 }

@@ -496,10 +496,10 @@ def start_exec(msg):
             state.JOURNALS[exec_id] = execution
         protocol.emit({"ev": "started", "id": exec_id, "pid": execution.pid})
         return
+    load_prctl()
     if msg.get("pty"):
         start_terminal(msg, exec_id, resumable)
         return
-    load_prctl()
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -584,7 +584,6 @@ def become_terminal_owner():
 def start_terminal(msg, exec_id, resumable):
     """An execution on a pseudo-terminal of `pty`'s size: one stream of raw
     bytes each way (output as fd 1), resized with the `resize` op."""
-    load_prctl()
     master, slave = os.openpty()
     try:
         set_size(slave, msg["pty"])
@@ -697,25 +696,12 @@ def kill_tree(pid):
                    if victim not in refused and victim not in stopped]
         if not victims:
             break
-        for victim in victims:
-            try:
-                os.kill(victim, signal.SIGSTOP)
-                stopped.add(victim)
-            except PermissionError:
-                refused.add(victim)
-            except OSError:
-                pass
+        stopped.update(signal_each(victims, signal.SIGSTOP, refused))
     while True:
         victims = [victim for victim in alive_in_tree(pid) if victim not in refused]
         if not victims:
             return
-        for victim in victims:
-            try:
-                os.kill(victim, signal.SIGKILL)
-            except PermissionError:
-                refused.add(victim)
-            except OSError:
-                pass
+        signal_each(victims, signal.SIGKILL, refused)
         try:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
@@ -723,6 +709,21 @@ def kill_tree(pid):
         if time.monotonic() >= deadline:
             return
         time.sleep(0.01)
+
+
+def signal_each(victims, signum, refused):
+    """Sends `signum` to each of `victims`; those it may not signal go into
+    `refused`. Returns those signalled."""
+    signalled = []
+    for victim in victims:
+        try:
+            os.kill(victim, signum)
+            signalled.append(victim)
+        except PermissionError:
+            refused.add(victim)
+        except OSError:
+            pass
+    return signalled
 
 
 def kill(msg):
