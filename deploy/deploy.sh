@@ -44,5 +44,7 @@ gcloud run services replace "$here/cloudrun/service.rendered.yaml" --region "$re
 # Not public by default: anyone who can reach /create can run code. Grant
 # roles/run.invoker to your clients' identities, or (a deliberate choice) to
 # allUsers: gcloud run services add-iam-policy-binding sandboxd --member allUsers --role roles/run.invoker
+# (then set SANDBOXD_CALLER_IDENTITY_VERIFIED to "false" in service.yaml:
+# nobody checks the tokens of a public service).
 url=$(gcloud run services describe sandboxd --region "$region" --project "$project" --format 'value(status.url)')
 echo "deployed: ${url/https:/wss:}  (sandboxctl run --url ${url/https:/wss:} python 'print(1)')"

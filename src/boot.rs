@@ -152,5 +152,6 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
             .settings(args.runtime.sandbox_memory_mb, args.runtime.warm_pool)?;
     }
     parts.max_sandboxes_per_caller = args.tenant.sandboxes_per_caller(parts.admission.as_ref());
+    parts.caller_identity_verified = args.tenant.caller_identity_verified;
     Ok(Booted { parts, gvisor })
 }

@@ -1,11 +1,16 @@
 //! Who is calling, and what one caller may hold of an instance.
 //!
-//! The caller is the identity Cloud Run's IAM verified: the subject of the
-//! ID token in `Authorization: Bearer` (its `email`, else its `sub`). The
-//! platform checked the token's signature before the request reached the
-//! server, so the payload is only decoded here, never verified again. A
-//! request without such a token (a deployment without IAM, a local run) is
-//! known by its client address ([`ClientAddr`]), without the port.
+//! The caller is the identity Cloud Run's IAM verified, when the operator
+//! says one was (`--caller-identity-verified`, for a service whose invokers
+//! must present an ID token): the subject (its `email`, else its `sub`) of
+//! the bearer ID token the platform checked, which is the one in
+//! `X-Serverless-Authorization` when a client sends that header (Cloud Run
+//! then checks it and passes `Authorization` on untouched), else the one in
+//! `Authorization`. The platform checked the token's signature before the
+//! request reached the server, so the payload is only decoded here. Without
+//! that setting (a local run, a service open to `allUsers`) nobody checked
+//! a token, and anyone could name any identity: every request is known by
+//! its client address ([`ClientAddr`]), without the port.
 //!
 //! [`CallerQuota`] counts the sandboxes each caller created that this
 //! instance holds (and the creates in progress): a create past
@@ -55,20 +60,33 @@ impl std::fmt::Display for Caller {
 }
 
 impl Caller {
-    /// The caller of a request with `headers` from `client`.
-    pub fn of_request(headers: &HeaderMap, client: Option<&ClientAddr>) -> Self {
-        if let Some(identity) = bearer_identity(headers) {
+    /// The caller of a request with `headers` from `client`; its token's
+    /// identity counts only when `identity_verified` (see the module docs).
+    pub fn of_request(
+        headers: &HeaderMap,
+        client: Option<&ClientAddr>,
+        identity_verified: bool,
+    ) -> Self {
+        if identity_verified && let Some(identity) = bearer_identity(headers) {
             return Self::Identity(identity);
         }
         client.map_or(Self::Unknown, |addr| Self::Address(addr.0.ip()))
     }
 }
 
-/// The `email` (else `sub`) of the JWT in `Authorization: Bearer`, decoded
-/// without verification (Cloud Run verified it); `None` when there is no
-/// such token.
+/// The header Cloud Run checks instead of `Authorization` when a client
+/// sends both.
+const SERVERLESS_AUTHORIZATION: &str = "x-serverless-authorization";
+
+/// The `email` (else `sub`) of the bearer JWT Cloud Run checked (in
+/// `X-Serverless-Authorization` if sent, else in `Authorization`), decoded
+/// without verification; `None` when there is no such token.
 fn bearer_identity(headers: &HeaderMap) -> Option<String> {
-    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let value = headers
+        .get(SERVERLESS_AUTHORIZATION)
+        .or_else(|| headers.get(header::AUTHORIZATION))?
+        .to_str()
+        .ok()?;
     let (scheme, token) = value.trim().split_once(' ')?;
     if !scheme.eq_ignore_ascii_case("bearer") {
         return None;
@@ -103,15 +121,25 @@ pub struct QuotaExceeded {
 pub struct CallerQuota {
     /// Sandboxes one caller may hold here; `None`: no limit.
     max: Option<usize>,
+    /// Whether a bearer token's identity was verified by the platform
+    /// (`--caller-identity-verified`); else callers are their addresses.
+    identity_verified: bool,
     held: Mutex<HashMap<Caller, Vec<SandboxId>>>,
 }
 
 impl CallerQuota {
-    pub fn new(max: Option<usize>) -> Self {
+    pub fn new(max: Option<usize>, identity_verified: bool) -> Self {
         Self {
             max,
+            identity_verified,
             held: Mutex::default(),
         }
+    }
+
+    /// The caller of a request with `headers` from `client`, as this
+    /// deployment knows callers ([`Caller::of_request`]).
+    pub fn caller(&self, headers: &HeaderMap, client: Option<&ClientAddr>) -> Caller {
+        Caller::of_request(headers, client, self.identity_verified)
     }
 
     /// Counts `sandbox` against `caller`, unless the caller already holds
@@ -126,6 +154,9 @@ impl CallerQuota {
         let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
         let ids = held.entry(caller.clone()).or_default();
         ids.retain(|id| still_here(id));
+        if ids.contains(sandbox) {
+            return Ok(());
+        }
         if let Some(max) = self.max
             && ids.len() >= max
         {
@@ -165,11 +196,40 @@ mod tests {
     }
 
     #[test]
+    fn an_unverified_token_names_nobody_and_the_checked_header_wins() {
+        let client = ClientAddr("10.0.0.7:5555".parse().unwrap());
+        let address = Caller::Address("10.0.0.7".parse().unwrap());
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::AUTHORIZATION,
+            jwt(serde_json::json!({"email": "victim@example.com"}))
+                .parse()
+                .unwrap(),
+        );
+        // Nobody checked the token: its identity is anyone's to claim.
+        assert_eq!(Caller::of_request(&headers, Some(&client), false), address);
+        let quota = CallerQuota::new(Some(1), false);
+        assert_eq!(quota.caller(&headers, Some(&client)), address);
+        // Cloud Run checks X-Serverless-Authorization when both are sent,
+        // and passes Authorization on as the client wrote it.
+        headers.insert(
+            SERVERLESS_AUTHORIZATION,
+            jwt(serde_json::json!({"email": "me@example.com"}))
+                .parse()
+                .unwrap(),
+        );
+        assert_eq!(
+            Caller::of_request(&headers, Some(&client), true),
+            Caller::Identity("me@example.com".to_owned())
+        );
+    }
+
+    #[test]
     fn the_caller_is_the_tokens_identity_else_the_address() {
         let client = ClientAddr("10.0.0.7:5555".parse().unwrap());
         let mut headers = HeaderMap::new();
         assert_eq!(
-            Caller::of_request(&headers, Some(&client)),
+            Caller::of_request(&headers, Some(&client), true),
             Caller::Address("10.0.0.7".parse().unwrap())
         );
         headers.insert(
@@ -179,7 +239,7 @@ mod tests {
                 .unwrap(),
         );
         assert_eq!(
-            Caller::of_request(&headers, Some(&client)),
+            Caller::of_request(&headers, Some(&client), true),
             Caller::Identity("a@example.com".to_owned())
         );
         headers.insert(
@@ -187,16 +247,16 @@ mod tests {
             jwt(serde_json::json!({"sub": "1234"})).parse().unwrap(),
         );
         assert_eq!(
-            Caller::of_request(&headers, None),
+            Caller::of_request(&headers, None, true),
             Caller::Identity("1234".to_owned())
         );
         headers.insert(header::AUTHORIZATION, "Bearer not-a-jwt".parse().unwrap());
-        assert_eq!(Caller::of_request(&headers, None), Caller::Unknown);
+        assert_eq!(Caller::of_request(&headers, None, true), Caller::Unknown);
     }
 
     #[test]
     fn a_caller_at_its_quota_is_refused_and_others_are_not() {
-        let quota = CallerQuota::new(Some(2));
+        let quota = CallerQuota::new(Some(2), true);
         let (a, b) = (Caller::Identity("a".into()), Caller::Identity("b".into()));
         let ids: Vec<SandboxId> = (0..4).map(|_| SandboxId::random()).collect();
         quota.reserve(&a, &ids[0], |_| true).unwrap();

@@ -26,7 +26,7 @@ use tokio::sync::broadcast;
 use tracing::Instrument;
 
 use super::admission::{AtCapacity, Claim};
-use super::caller::{Caller, CallerQuota, ClientAddr};
+use super::caller::{Caller, CallerQuota, ClientAddr, QuotaExceeded};
 use super::events::{NotStarted, await_running};
 use super::live::{LiveSandbox, SandboxOptions};
 use super::output::ExecutionState;
@@ -46,7 +46,7 @@ pub async fn create(
     client: Option<axum::Extension<ClientAddr>>,
     State(state): State<AppState>,
 ) -> Response {
-    let caller = Caller::of_request(&headers, client.as_deref());
+    let caller = state.callers.caller(&headers, client.as_deref());
     ws.max_message_size(MAX_MESSAGE_BYTES)
         .max_frame_size(MAX_MESSAGE_BYTES)
         .on_upgrade(move |socket| serve_create(socket, state, caller))
@@ -67,6 +67,30 @@ impl Drop for Counted {
             self.quota.release(&self.caller, &self.id);
         }
     }
+}
+
+/// Counts `id`, about to start here, against `caller`'s quota: refused when
+/// the caller holds its quota of sandboxes held or live here already.
+fn count_against(
+    state: &AppState,
+    controller: &SandboxController,
+    caller: &Caller,
+    id: &SandboxId,
+) -> Result<Counted, QuotaExceeded> {
+    state
+        .callers
+        .reserve(caller, id, |held| {
+            controller.is_held_here(held) || state.live.get(held).is_some()
+        })
+        .inspect_err(|refused| {
+            tracing::info!(%caller, %refused, sandbox = %id, "start refused: the caller holds its quota");
+        })?;
+    Ok(Counted {
+        quota: Arc::clone(&state.callers),
+        caller: caller.clone(),
+        id: id.clone(),
+        started: false,
+    })
 }
 
 /// The attach's credential and where the request came from.
@@ -109,9 +133,12 @@ pub async fn attach(
         client: ClientAddr::describe(client.as_deref()),
     };
     let checkpoint = params.get("checkpoint").cloned();
+    let caller = state.callers.caller(&headers, client.as_deref());
     ws.max_message_size(MAX_MESSAGE_BYTES)
         .max_frame_size(MAX_MESSAGE_BYTES)
-        .on_upgrade(move |socket| serve_attach(socket, state, sandbox_id, credential, checkpoint))
+        .on_upgrade(move |socket| {
+            serve_attach(socket, state, sandbox_id, credential, checkpoint, caller)
+        })
 }
 
 pub(super) fn controller_or_error(state: &AppState) -> Result<Arc<SandboxController>, String> {
@@ -123,12 +150,22 @@ pub(super) fn controller_or_error(state: &AppState) -> Result<Arc<SandboxControl
 
 async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
     let (out, mut stream) = Out::spawn(socket, state.socket, Arc::clone(&state.clock));
-    let init = match next_text(&mut stream).await {
-        None => return,
-        Some(Err(err @ FrameError::MessageTooBig(_))) => {
+    let limit = state.socket.init_timeout;
+    let init = match tokio::time::timeout(limit, next_text(&mut stream)).await {
+        Err(_) => {
+            let message = format!(
+                "no init message within {} s of the connection (--ws-init-timeout-s)",
+                limit.as_secs()
+            );
+            out.error(Status::CreationError, &message).await;
+            out.close(CLOSE_FATAL).await;
+            return;
+        }
+        Ok(None) => return,
+        Ok(Some(Err(err @ FrameError::MessageTooBig(_)))) => {
             return refuse_too_big(&out, &mut stream, &err).await;
         }
-        Some(text) => text.and_then(|text| InitMessage::parse(&text)),
+        Ok(Some(text)) => text.and_then(|text| InitMessage::parse(&text)),
     };
     out.status(Status::Creating).await;
     let fail = |message: String| {
@@ -209,19 +246,12 @@ async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
         return fail(format!("sandbox id {id} is already in use")).await;
     };
     // The caller's quota: what it holds here, and its creates in progress.
-    let reserved = state.callers.reserve(&caller, &id, |held| {
-        controller.is_held_here(held) || state.live.get(held).is_some()
-    });
-    if let Err(refused) = reserved {
-        tracing::info!(%caller, %refused, "create refused: the caller holds its quota");
-        state.live.detach(&live, attachment);
-        return fail(format!("Failed to create gVisor container: {refused}")).await;
-    }
-    let mut counted = Counted {
-        quota: Arc::clone(&state.callers),
-        caller,
-        id: id.clone(),
-        started: false,
+    let mut counted = match count_against(&state, &controller, &caller, &id) {
+        Ok(counted) => counted,
+        Err(refused) => {
+            state.live.detach(&live, attachment);
+            return fail(format!("Failed to create gVisor container: {refused}")).await;
+        }
     };
     let source = match &init.from_checkpoint {
         Some(request) => match fork_source(&controller, request).await {
@@ -507,6 +537,7 @@ async fn serve_attach(
     raw_id: String,
     credential: Credential,
     checkpoint: Option<String>,
+    caller: Caller,
 ) {
     let token = credential.token;
     let (out, mut stream) = Out::spawn(socket, state.socket, Arc::clone(&state.clock));
@@ -602,6 +633,7 @@ async fn serve_attach(
                 &mut progress,
                 read,
                 checkpoint.as_deref(),
+                &caller,
             ))
             .await
     {
@@ -651,6 +683,8 @@ pub(super) enum RestoreRefused {
     CheckpointingDisabled,
     /// This instance has no room for it.
     AtCapacity(AtCapacity),
+    /// Its caller holds its quota of sandboxes here.
+    Quota(QuotaExceeded),
     /// The intent could not be written.
     Request(ControlError),
     NotStarted(NotStarted),
@@ -667,13 +701,16 @@ impl RestoreRefused {
             }
             Self::CheckpointingDisabled => failed(&"checkpointing is not enabled on this server"),
             Self::AtCapacity(refusal) => failed(refusal),
+            Self::Quota(refusal) => failed(refusal),
             Self::Request(err) => failed(err),
             Self::NotStarted(not_started) => not_started.restore_message(id),
         }
     }
 }
 
-/// Asks for the sandbox here and waits until it runs.
+/// Asks for the sandbox here and waits until it runs. It counts against
+/// `caller`'s quota of sandboxes here as a create does: a caller cannot
+/// fill an instance by restoring what it checkpointed.
 pub(super) async fn restore(
     state: &AppState,
     controller: &Arc<SandboxController>,
@@ -681,6 +718,7 @@ pub(super) async fn restore(
     events: &mut broadcast::Receiver<SandboxEvent>,
     read: AttachRead,
     checkpoint: Option<&str>,
+    caller: &Caller,
 ) -> Result<(), RestoreRefused> {
     let id = &read.metadata.0.sandbox_id.clone();
     let handoff = read.metadata.0.spec.enable_sandbox_handoff;
@@ -693,6 +731,8 @@ pub(super) async fn restore(
         return Err(RestoreRefused::CheckpointingDisabled);
     }
     out.status(Status::Restoring).await;
+    let mut counted =
+        count_against(state, controller, caller, id).map_err(RestoreRefused::Quota)?;
     // Claimed until it runs here (then its hold counts it).
     let _claim = admit(state, id).await.map_err(RestoreRefused::AtCapacity)?;
     controller
@@ -700,7 +740,10 @@ pub(super) async fn restore(
         .await
         .map_err(RestoreRefused::Request)?;
     match await_running(out, events, handoff).await {
-        Ok(()) => Ok(()),
+        Ok(()) => {
+            counted.started = true;
+            Ok(())
+        }
         Err(not_started) => {
             let _ = controller.withdraw_request(id).await;
             Err(RestoreRefused::NotStarted(not_started))

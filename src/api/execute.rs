@@ -314,7 +314,9 @@ fn stream(
                 )) => continue,
                 Some(Some(ExecEvent::Exited(_) | ExecEvent::HoldLost) | None) => break,
                 None => {
-                    let _ = tx.send(Ok(Bytes::from(limits.timed_out_marker()))).await;
+                    // The marker goes if the client left room for it: a
+                    // client that reads nothing must not hold the sandbox.
+                    let _ = tx.try_send(Ok(Bytes::from(limits.timed_out_marker())));
                     break;
                 }
             };
@@ -328,8 +330,14 @@ fn stream(
                 out.extend_from_slice(limits.truncated_marker().as_bytes());
             }
             // Past the budget the rest is read and discarded, never queued.
-            if !out.is_empty() && tx.send(Ok(Bytes::from(out))).await.is_err() {
-                break;
+            // A client that stops reading is held to the time limit too: a
+            // send still waiting at the deadline ends the script (its
+            // sandbox, slot and memory claim go with `_sandbox`).
+            if !out.is_empty() {
+                let sent = tokio::time::timeout_at(deadline, tx.send(Ok(Bytes::from(out))));
+                if !matches!(sent.await, Ok(Ok(()))) {
+                    break;
+                }
             }
         }
     });
@@ -341,4 +349,77 @@ fn stream(
         Body::from_stream(body),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use controllers::runtime::{ExecControl, Execution, RuntimeError};
+    use controllers::testing::FakeRuntime;
+
+    use super::*;
+
+    #[derive(Debug)]
+    struct NoControl;
+
+    #[async_trait::async_trait]
+    impl ExecControl for NoControl {
+        async fn write_stdin(&self, _data: Bytes) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+        async fn close_stdin(&self) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+        async fn kill(&self) -> Result<(), RuntimeError> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_reads_nothing_loses_the_sandbox_at_the_time_limit() {
+        let runtime = FakeRuntime::new(Arc::new(controllers::testing::MemoryStore::new()));
+        let id = SandboxId::random();
+        runtime
+            .create(&id, &CreateOptions::default())
+            .await
+            .unwrap();
+        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        let sandbox = Disposable {
+            runtime: Arc::new(runtime.clone()),
+            id: Some(id.clone()),
+            claim: None,
+            slot: Some(Arc::clone(&slots).try_acquire_owned().unwrap()),
+        };
+        // More output than the response's queue holds, and no exit: the
+        // script prints, then sleeps.
+        let (events_tx, events) = mpsc::channel(256);
+        for _ in 0..200 {
+            events_tx
+                .try_send(ExecEvent::Stdout(Bytes::from_static(b"0123456789")))
+                .unwrap();
+        }
+        let execution = Execution {
+            events,
+            control: Box::new(NoControl),
+        };
+        let limits = ExecuteLimits {
+            max_output_bytes: 1 << 20,
+            timeout: Duration::from_secs(1),
+        };
+        let deadline = deadline(tokio::time::Instant::now(), limits);
+        // The response is held and its body never read.
+        let _response = stream(sandbox, execution, limits, deadline);
+        let released = tokio::time::timeout(Duration::from_secs(5), async {
+            while slots.available_permits() == 0 || runtime.is_running(&id) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        assert!(
+            released.is_ok(),
+            "the sandbox and its slot outlived the time limit"
+        );
+        drop(events_tx);
+    }
 }

@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use controllers::api::InstanceId;
 use controllers::clock::Clock;
+use controllers::layout::SANDBOXES_PREFIX;
 use controllers::runtime::SandboxRuntime;
 use controllers::sandboxes::SandboxController;
-use controllers::store::{OperationCounts, Store};
+use controllers::store::{OperationCounts, Store, StoreError};
 
 use super::features::Features;
 use crate::workspace::WorkspaceHooks;
@@ -18,7 +19,10 @@ use crate::workspace::WorkspaceHooks;
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub instance: InstanceId,
-    pub metadata_store: Arc<dyn Store>,
+    /// Whether the bucket answers, for the readiness check: the API layer's
+    /// only reach into the bucket that holds the sandboxes' objects, and it
+    /// cannot write (every write of a sandbox's objects is its pass's).
+    pub bucket: BucketProbe,
     /// `None` when runsc is unusable here: the server still answers health
     /// checks, reports itself unready, and refuses work with a clear error.
     pub runtime: Option<Arc<dyn SandboxRuntime>>,
@@ -55,6 +59,23 @@ pub struct AppState {
     /// or monotonic time in the API goes through it (clippy's
     /// `disallowed-methods` refuses the host's clocks here).
     pub clock: Arc<dyn Clock>,
+}
+
+/// A read-only look at the bucket of the sandboxes' objects: whether it
+/// answers a listing. It holds the store privately, so a request handler
+/// cannot write `metadata.json` or `lock.json` through it.
+#[derive(Debug, Clone)]
+pub struct BucketProbe(Arc<dyn Store>);
+
+impl BucketProbe {
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Self(store)
+    }
+
+    /// Lists one page of the sandboxes' prefix: `Ok` when the bucket answers.
+    pub async fn answers(&self) -> Result<(), StoreError> {
+        self.0.list_page(SANDBOXES_PREFIX, None).await.map(drop)
+    }
 }
 
 /// The header that carries the operator credential.

@@ -28,6 +28,10 @@ pub struct TenantArgs {
     /// count) before it is closed with 1001.
     #[arg(long, env = "SANDBOXD_WS_PING_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=3600), default_value_t = crate::api::session::DEFAULT_PING_TIMEOUT.as_secs())]
     pub ws_ping_timeout_s: u64,
+    /// Seconds a `/create` WebSocket may take to send its init message
+    /// whole; a slower one is closed with `SANDBOX_CREATION_ERROR`.
+    #[arg(long, env = "SANDBOXD_WS_INIT_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=3600), default_value_t = crate::api::session::DEFAULT_INIT_TIMEOUT.as_secs())]
+    pub ws_init_timeout_s: u64,
     /// Seconds from a request's first byte to its complete headers; a
     /// slower connection is closed.
     #[arg(long, env = "SANDBOXD_HEADER_READ_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=3600), default_value_t = crate::server::DEFAULT_HEADER_READ_TIMEOUT.as_secs())]
@@ -54,12 +58,19 @@ pub struct TenantArgs {
     /// killed (the sandbox stays).
     #[arg(long, env = "SANDBOXD_MAX_DETACHED_EXECUTION_S", value_parser = clap::value_parser!(u64).range(1..=31_536_000), default_value_t = crate::api::live::DEFAULT_MAX_DETACHED_EXECUTION.as_secs())]
     pub max_detached_execution_s: u64,
-    /// Sandboxes one caller (the verified identity Cloud Run forwards, else
-    /// the client address) may hold on an instance. 0: the instance's
+    /// Sandboxes one caller (the identity Cloud Run verified, with
+    /// `--caller-identity-verified`, else the client address) may hold on
+    /// an instance. 0: the instance's
     /// sandbox capacity less one, so that no caller fills an instance alone
     /// (no limit without admission).
     #[arg(long, env = "SANDBOXD_MAX_SANDBOXES_PER_CALLER", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=100_000), default_value_t = 0)]
     pub max_sandboxes_per_caller: usize,
+    /// The platform verified the bearer ID token of every request (Cloud
+    /// Run with IAM: `roles/run.invoker` granted to identities, not to
+    /// `allUsers`): callers are the token's identity (`email`, else `sub`).
+    /// Off, a token is anyone's to write, and callers are their addresses.
+    #[arg(long, env = "SANDBOXD_CALLER_IDENTITY_VERIFIED", default_value_t = false, action = clap::ArgAction::Set)]
+    pub caller_identity_verified: bool,
     /// The operator credential: a client that sends it in `X-Operator-Token`
     /// may read `/list`, `/metrics`, `/images` and `/readyz`'s detail from
     /// anywhere (clients on this machine always may). Unset: only they may.
@@ -137,6 +148,7 @@ impl TenantArgs {
             stall_timeout: Duration::from_secs(self.ws_stall_timeout_s),
             ping_interval: Duration::from_secs(self.ws_ping_interval_s),
             ping_timeout: Duration::from_secs(self.ws_ping_timeout_s),
+            init_timeout: Duration::from_secs(self.ws_init_timeout_s),
         }
     }
 }

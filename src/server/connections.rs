@@ -10,9 +10,15 @@
 //! with no request in flight (it never sent one, or is between keep-alive
 //! requests) for the idle timeout, is closed. And when every permit is
 //! taken, the connection idle the longest is closed to make room, so idle
-//! sockets never keep a request out. A connection serving a request, or
-//! upgraded to a WebSocket (whose liveness its pings check,
-//! `api/session/out.rs`), has no deadline here.
+//! sockets never keep a request out. A connection serving a request has
+//! two deadlines of its own, so that a client cannot hold one by being
+//! slow: its request body must arrive at [`MIN_BODY_BYTES_PER_SECOND`],
+//! counted over the time the server waits for it, after an allowance of the
+//! header-read timeout ([`track_requests`]); and a response the client
+//! stops reading is cut off once a write has made no progress for the idle
+//! timeout. A connection upgraded to a WebSocket has no deadline here: its
+//! session checks its liveness by pings and its writes by their own stall
+//! timeout (`api/session/out.rs`).
 
 use std::future::Future;
 use std::io;
@@ -61,6 +67,13 @@ impl Default for ConnectionDeadlines {
         }
     }
 }
+
+/// The least rate at which a request's body must arrive, counted over the
+/// time the server waits for it (beyond the header-read timeout, allowed
+/// once): a body slower than this is cut off, the request fails and the
+/// connection closes. A client holding a connection by a trickling body
+/// must send this much every second on each.
+pub const MIN_BODY_BYTES_PER_SECOND: u64 = 4096;
 
 /// Milliseconds after the server's epoch; `NEVER` for "not set".
 const NEVER: u64 = u64::MAX;
@@ -289,6 +302,8 @@ impl axum::serve::Listener for Tracked {
                     activity,
                     deadlines: self.connections.deadlines,
                     timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
+                    write_stalled_since: None,
+                    write_timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
                     _permit: permit,
                 },
                 addr,
@@ -309,6 +324,9 @@ pub struct Connection {
     activity: Arc<Activity>,
     deadlines: ConnectionDeadlines,
     timer: Pin<Box<Sleep>>,
+    /// Since when writes have made no progress (`None`: the last one did).
+    write_stalled_since: Option<Instant>,
+    write_timer: Pin<Box<Sleep>>,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -326,6 +344,7 @@ impl Connection {
 pub struct Peer {
     pub addr: SocketAddr,
     activity: Arc<Activity>,
+    deadlines: ConnectionDeadlines,
 }
 
 impl Connected<IncomingStream<'_, Tracked>> for Peer {
@@ -333,29 +352,145 @@ impl Connected<IncomingStream<'_, Tracked>> for Peer {
         Self {
             addr: *stream.remote_addr(),
             activity: Arc::clone(&stream.io().activity),
+            deadlines: stream.io().deadlines,
         }
     }
 }
 
-/// Middleware: a request in flight suspends its connection's deadlines,
-/// and a WebSocket upgrade ends them.
+/// Middleware: a request in flight, until its response's body is sent,
+/// suspends its connection's idle and header deadlines (its body gets one
+/// of its own, [`body_at_least`], and stalled writes end it), and a
+/// WebSocket upgrade ends them.
 /// The request gets the client's address ([`ClientAddr`]) as an extension.
-pub async fn track_requests(mut request: Request, next: Next) -> Response {
+pub async fn track_requests(request: Request, next: Next) -> Response {
     let peer = request.extensions().get::<ConnectInfo<Peer>>().cloned();
     let Some(ConnectInfo(peer)) = peer else {
         return next.run(request).await;
     };
-    request.extensions_mut().insert(ClientAddr(peer.addr));
+    let (mut parts, body) = request.into_parts();
+    parts.extensions.insert(ClientAddr(peer.addr));
+    let clock = Arc::clone(&peer.activity.clock);
+    let body = body_at_least(body, clock, peer.deadlines.header_read);
+    let request = Request::from_parts(parts, body);
     let activity = peer.activity;
     activity.request_began.store(NEVER, Ordering::Release);
     activity.in_flight.fetch_add(1, Ordering::AcqRel);
+    let in_flight = InFlight(Arc::clone(&activity));
     let response = next.run(request).await;
     if response.status() == axum::http::StatusCode::SWITCHING_PROTOCOLS {
         activity.upgraded.store(true, Ordering::Release);
     }
-    activity.active();
-    activity.in_flight.fetch_sub(1, Ordering::AcqRel);
-    response
+    // In flight until its body is sent: a streamed answer (`/execute`'s
+    // output) may be quiet longer than the idle timeout.
+    response.map(|body| {
+        axum::body::Body::new(Sending {
+            body,
+            _in_flight: in_flight,
+        })
+    })
+}
+
+/// A request counted in flight on its connection until dropped (its
+/// response's body sent, or the request abandoned).
+struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.active();
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A response body that keeps its request in flight while it is sent.
+struct Sending {
+    body: axum::body::Body,
+    _in_flight: InFlight,
+}
+
+impl http_body::Body for Sending {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// `body`, cut off with an error once the time the server has waited for
+/// it exceeds `allowance` plus a second per [`MIN_BODY_BYTES_PER_SECOND`]
+/// received. Only waiting counts: a handler that reads its body late (after
+/// a restore, say) or slowly (writing each piece somewhere) costs the
+/// client nothing, and the client's bytes wait in TCP meanwhile.
+fn body_at_least(
+    body: axum::body::Body,
+    clock: Arc<dyn Clock>,
+    allowance: Duration,
+) -> axum::body::Body {
+    use futures::StreamExt as _;
+    struct Arriving {
+        stream: axum::body::BodyDataStream,
+        clock: Arc<dyn Clock>,
+        received: u64,
+        waited: Duration,
+        ended: bool,
+    }
+    let arriving = Arriving {
+        stream: body.into_data_stream(),
+        clock,
+        received: 0,
+        waited: Duration::ZERO,
+        ended: false,
+    };
+    let pieces = futures::stream::unfold(arriving, move |mut body| async move {
+        if body.ended {
+            return None;
+        }
+        let earned =
+            Duration::from_millis(body.received.saturating_mul(1000) / MIN_BODY_BYTES_PER_SECOND);
+        let left = (allowance + earned).saturating_sub(body.waited);
+        let asked = body.clock.instant();
+        let next = tokio::time::timeout_at(asked + left, body.stream.next()).await;
+        body.waited += body.clock.instant().saturating_duration_since(asked);
+        match next {
+            Ok(Some(Ok(piece))) => {
+                body.received = body
+                    .received
+                    .saturating_add(u64::try_from(piece.len()).unwrap_or(u64::MAX));
+                Some((Ok(piece), body))
+            }
+            Ok(Some(Err(err))) => {
+                body.ended = true;
+                Some((Err(err), body))
+            }
+            Ok(None) => None,
+            Err(_) => {
+                body.ended = true;
+                tracing::debug!(
+                    received = body.received,
+                    "a request body arrived too slowly"
+                );
+                let slow = io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "the request body arrived slower than {MIN_BODY_BYTES_PER_SECOND} bytes a second"
+                    ),
+                );
+                Some((Err(axum::Error::new(slow)), body))
+            }
+        }
+    });
+    axum::body::Body::from_stream(pieces)
 }
 
 impl AsyncRead for Connection {
@@ -403,6 +538,38 @@ impl AsyncRead for Connection {
     }
 }
 
+impl Connection {
+    /// Notes how a write went: progress ends a stall; a write that cannot
+    /// go on (the client reads nothing) fails once it has waited for the
+    /// idle timeout, unless the connection is a WebSocket's (its session
+    /// times its own writes).
+    fn write_went(
+        &mut self,
+        cx: &mut Context<'_>,
+        written: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match &written {
+            Poll::Ready(Ok(n)) if *n > 0 => {
+                self.activity.active();
+                self.write_stalled_since = None;
+            }
+            Poll::Pending if !self.activity.upgraded.load(Ordering::Acquire) => {
+                let now = self.activity.clock.instant();
+                let deadline = *self.write_stalled_since.get_or_insert(now) + self.deadlines.idle;
+                if now >= deadline {
+                    return Poll::Ready(Err(self.expired("write stall")));
+                }
+                self.write_timer.as_mut().reset(deadline);
+                if self.write_timer.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Err(self.expired("write stall")));
+                }
+            }
+            _ => {}
+        }
+        written
+    }
+}
+
 impl AsyncWrite for Connection {
     fn poll_write(
         mut self: Pin<&mut Self>,
@@ -410,10 +577,7 @@ impl AsyncWrite for Connection {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let written = Pin::new(&mut self.stream).poll_write(cx, buf);
-        if matches!(written, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.active();
-        }
-        written
+        self.write_went(cx, written)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -430,10 +594,7 @@ impl AsyncWrite for Connection {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let written = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
-        if matches!(written, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.active();
-        }
-        written
+        self.write_went(cx, written)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -445,6 +606,160 @@ impl AsyncWrite for Connection {
 mod tests {
     use super::*;
     use axum::serve::Listener as _;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    /// A server on `connections` whose `POST /echo` answers its body's
+    /// length and whose `GET /big` answers 256 MiB; its address.
+    async fn serve(connections: &Connections) -> SocketAddr {
+        use axum::routing::{get, post};
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = axum::Router::new()
+            .route(
+                "/echo",
+                post(|body: axum::body::Bytes| async move { body.len().to_string() }),
+            )
+            .route(
+                "/big",
+                get(|| async {
+                    let piece = axum::body::Bytes::from(vec![0_u8; 1 << 20]);
+                    let pieces = futures::stream::iter(
+                        (0..256).map(move |_| Ok::<_, io::Error>(piece.clone())),
+                    );
+                    axum::body::Body::from_stream(pieces)
+                }),
+            )
+            .route(
+                "/quiet",
+                get(|| async {
+                    let later = futures::stream::once(async {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                        Ok::<_, io::Error>(axum::body::Bytes::from_static(b"late"))
+                    });
+                    axum::body::Body::from_stream(later)
+                }),
+            )
+            .layer(axum::extract::DefaultBodyLimit::max(8 << 20))
+            .layer(axum::middleware::from_fn(track_requests))
+            .into_make_service_with_connect_info::<Peer>();
+        let tracked = connections.listen(listener);
+        tokio::spawn(async move { axum::serve(tracked, app).await });
+        addr
+    }
+
+    fn quick(limit: u32) -> Connections {
+        let deadlines = ConnectionDeadlines {
+            header_read: Duration::from_secs(1),
+            idle: Duration::from_secs(1),
+        };
+        Connections::with_deadlines(limit, deadlines, Arc::new(controllers::clock::SystemClock))
+    }
+
+    /// Everything `stream` still gives until it ends, within `within`.
+    async fn rest_of(stream: &mut TcpStream, within: Duration) -> Option<Vec<u8>> {
+        let mut all = Vec::new();
+        tokio::time::timeout(within, async {
+            let mut buf = [0_u8; 4096];
+            loop {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => all.extend_from_slice(&buf[..n]),
+                }
+            }
+        })
+        .await
+        .ok()?;
+        Some(all)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_trickling_request_body_is_cut_off_and_a_prompt_one_is_not() {
+        let connections = quick(8);
+        let addr = serve(&connections).await;
+        let mut slow = TcpStream::connect(addr).await.unwrap();
+        slow.write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let trickle = tokio::spawn(async move {
+            // Ten bytes a second, far below the least rate, for 20 s at most.
+            for _ in 0..200 {
+                if slow.write_all(b"x").await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            slow
+        });
+        let mut slow = trickle.await.unwrap();
+        let answer = rest_of(&mut slow, Duration::from_secs(5)).await;
+        let answer =
+            String::from_utf8_lossy(&answer.expect("the connection was closed")).into_owned();
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "a body at ten bytes a second held its connection for {:?}",
+            started.elapsed()
+        );
+        assert!(!answer.contains("200 OK"), "{answer}");
+
+        // A prompt body of 1 MiB is read whole.
+        let mut prompt = TcpStream::connect(addr).await.unwrap();
+        let body = vec![b'y'; 1 << 20];
+        prompt
+            .write_all(
+                format!("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len())
+                    .as_bytes(),
+            )
+            .await
+            .unwrap();
+        prompt.write_all(&body).await.unwrap();
+        let answer = rest_of(&mut prompt, Duration::from_secs(10)).await.unwrap();
+        let answer = String::from_utf8_lossy(&answer).into_owned();
+        assert!(
+            answer.contains("200 OK") && answer.ends_with("1048576"),
+            "{answer}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_quiet_response_its_client_waits_for_is_not_cut_off() {
+        let connections = quick(8);
+        let addr = serve(&connections).await;
+        let mut patient = TcpStream::connect(addr).await.unwrap();
+        patient
+            .write_all(b"GET /quiet HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = rest_of(&mut patient, Duration::from_secs(10))
+            .await
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer).into_owned();
+        assert!(answer.contains("late"), "{answer:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_response_its_client_does_not_read_is_cut_off_and_frees_the_connection() {
+        let connections = quick(8);
+        let addr = serve(&connections).await;
+        let mut deaf = TcpStream::connect(addr).await.unwrap();
+        deaf.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        // It reads nothing; the server's writes stall once the socket
+        // buffers are full, and the idle timeout (1 s) later it gives up.
+        let freed = tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            while connections.open() > 0 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        assert!(
+            freed.is_ok(),
+            "a client that reads nothing kept its connection"
+        );
+        drop(deaf);
+    }
 
     #[tokio::test]
     async fn a_socket_holds_its_permit_until_dropped_and_the_limit_makes_accept_wait() {

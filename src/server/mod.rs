@@ -99,6 +99,10 @@ pub struct Parts {
     pub lifetimes: crate::api::live::Lifetimes,
     /// Sandboxes one caller may hold here (`None`: no limit).
     pub max_sandboxes_per_caller: Option<usize>,
+    /// Whether the platform verified the bearer ID token callers send
+    /// (`--caller-identity-verified`): callers are then their identities,
+    /// else their addresses (`api/caller.rs`).
+    pub caller_identity_verified: bool,
     /// The credential that opens the operator surfaces to remote clients.
     pub operator_token: Option<String>,
     /// Where filesystem snapshots are kept (for their owners' quotas).
@@ -142,6 +146,7 @@ impl Parts {
             },
             lifetimes: crate::api::live::Lifetimes::default(),
             max_sandboxes_per_caller: None,
+            caller_identity_verified: false,
             operator_token: None,
             snapshot_store: Some(store),
         }
@@ -215,7 +220,7 @@ impl Server {
         let images = parts.runtime.as_ref().and(parts.images);
         let state = AppState {
             instance: parts.instance,
-            metadata_store: parts.metadata_store,
+            bucket: crate::api::state::BucketProbe::new(parts.metadata_store),
             runtime: parts.runtime,
             controller,
             live,
@@ -229,6 +234,7 @@ impl Server {
             socket: parts.socket,
             callers: Arc::new(crate::api::caller::CallerQuota::new(
                 parts.max_sandboxes_per_caller,
+                parts.caller_identity_verified,
             )),
             snapshot_store: parts.snapshot_store.clone(),
             operator_token_sha256: parts.operator_token.as_deref().map(crate::token::digest),

@@ -7,7 +7,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use controllers::layout::SANDBOXES_PREFIX;
 use serde_json::json;
 
 use crate::api::caller::ClientAddr;
@@ -194,7 +193,7 @@ async fn readyz(
             ),
         );
     }
-    match state.metadata_store.list_page(SANDBOXES_PREFIX, None).await {
+    match state.bucket.answers().await {
         Ok(_) => {
             let mut body = json!({"status": "ready"});
             if operator {

@@ -33,6 +33,7 @@ use serde_json::{Value, json};
 use super::call::{FsCall, FsOp, is_sha256_hex};
 use super::transfer::{Download, UploadTarget, upload};
 use super::{error_parts, http_status, run_simple};
+use crate::api::caller::{Caller, ClientAddr};
 use crate::api::connect::{adopt_resumed_execution, controller_or_error, restore};
 use crate::api::live::{LiveSandbox, SandboxOptions};
 use crate::api::session::Out;
@@ -83,6 +84,7 @@ async fn hold(
     state: &AppState,
     raw_id: &str,
     token: Option<(String, token::TokenSource)>,
+    caller: &Caller,
 ) -> Result<Held, Response> {
     let not_found = || refusal(StatusCode::NOT_FOUND, "ENOENT", "no such sandbox");
     let Some((token, source)) = token else {
@@ -132,8 +134,16 @@ async fn hold(
         return Err(not_found());
     }
     if !runs_here
-        && let Err(refused) =
-            restore(state, &controller, &Out::sink(), &mut progress, read, None).await
+        && let Err(refused) = restore(
+            state,
+            &controller,
+            &Out::sink(),
+            &mut progress,
+            read,
+            None,
+            caller,
+        )
+        .await
     {
         state.live.detach(&live, attachment);
         return Err(refusal(
@@ -163,6 +173,7 @@ pub async fn call(
     Query(query): Query<HashMap<String, String>>,
     State(state): State<AppState>,
     headers: HeaderMap,
+    client: Option<axum::Extension<ClientAddr>>,
     Json(body): Json<Value>,
 ) -> Response {
     let Some(map) = body.as_object() else {
@@ -187,7 +198,14 @@ pub async fn call(
         Ok(call) => call,
         Err(err) => return refusal(StatusCode::BAD_REQUEST, "EINVAL", err.to_string()),
     };
-    let held = match hold(&state, &sandbox_id, token_of(&headers, &query)).await {
+    let held = match hold(
+        &state,
+        &sandbox_id,
+        token_of(&headers, &query),
+        &state.callers.caller(&headers, client.as_deref()),
+    )
+    .await
+    {
         Ok(held) => held,
         Err(response) => return response,
     };
@@ -218,6 +236,7 @@ pub async fn put_content(
     Query(query): Query<HashMap<String, String>>,
     State(state): State<AppState>,
     headers: HeaderMap,
+    client: Option<axum::Extension<ClientAddr>>,
     body: Body,
 ) -> Response {
     let Some(path) = query_path(&query) else {
@@ -246,7 +265,14 @@ pub async fn put_content(
         }
     };
     let parents = query.get("parents").is_none_or(|value| value != "false");
-    let held = match hold(&state, &sandbox_id, token_of(&headers, &query)).await {
+    let held = match hold(
+        &state,
+        &sandbox_id,
+        token_of(&headers, &query),
+        &state.callers.caller(&headers, client.as_deref()),
+    )
+    .await
+    {
         Ok(held) => held,
         Err(response) => return response,
     };
@@ -271,11 +297,19 @@ pub async fn get_content(
     Query(query): Query<HashMap<String, String>>,
     State(state): State<AppState>,
     headers: HeaderMap,
+    client: Option<axum::Extension<ClientAddr>>,
 ) -> Response {
     let Some(path) = query_path(&query) else {
         return no_path();
     };
-    let held = match hold(&state, &sandbox_id, token_of(&headers, &query)).await {
+    let held = match hold(
+        &state,
+        &sandbox_id,
+        token_of(&headers, &query),
+        &state.callers.caller(&headers, client.as_deref()),
+    )
+    .await
+    {
         Ok(held) => held,
         Err(response) => return response,
     };

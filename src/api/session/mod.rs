@@ -32,9 +32,9 @@ use tokio::task::JoinHandle;
 pub use client_stream::ClientStream;
 pub use out::{
     CLOSE_FATAL, CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_STALLED, CLOSE_TOO_BIG, CLOSE_UNAVAILABLE,
-    DEFAULT_PING_INTERVAL, DEFAULT_PING_TIMEOUT, DEFAULT_REPLY_BUDGET_BYTES, DEFAULT_STALL_TIMEOUT,
-    Incoming, Out, Outgoing, SocketSettings, next_message, next_text, refuse_too_big,
-    report_frame_error,
+    DEFAULT_INIT_TIMEOUT, DEFAULT_PING_INTERVAL, DEFAULT_PING_TIMEOUT, DEFAULT_REPLY_BUDGET_BYTES,
+    DEFAULT_STALL_TIMEOUT, Incoming, Out, Outgoing, SocketSettings, next_message, next_text,
+    refuse_too_big, report_frame_error,
 };
 
 use super::features::Features;

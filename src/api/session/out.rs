@@ -48,10 +48,12 @@ pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(20);
 /// Default of [`SocketSettings::ping_timeout`].
 pub const DEFAULT_PING_TIMEOUT: Duration = Duration::from_secs(90);
+/// Default of [`SocketSettings::init_timeout`].
+pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What one client socket may hold of the server and how long it may stay
 /// silent (`--ws-reply-budget-bytes`, `--ws-stall-timeout-s`,
-/// `--ws-ping-interval-s`, `--ws-ping-timeout-s`).
+/// `--ws-ping-interval-s`, `--ws-ping-timeout-s`, `--ws-init-timeout-s`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SocketSettings {
     /// Bytes of frames waiting for the writer, at most (one frame larger
@@ -63,6 +65,10 @@ pub struct SocketSettings {
     pub ping_interval: Duration,
     /// A client that sent nothing for this long (pongs count) is closed.
     pub ping_timeout: Duration,
+    /// A `/create` socket whose init message has not come whole this long
+    /// after the upgrade is closed: pongs keep a socket alive, and a
+    /// message begun and never finished holds its bytes.
+    pub init_timeout: Duration,
 }
 
 impl Default for SocketSettings {
@@ -72,6 +78,7 @@ impl Default for SocketSettings {
             stall_timeout: DEFAULT_STALL_TIMEOUT,
             ping_interval: DEFAULT_PING_INTERVAL,
             ping_timeout: DEFAULT_PING_TIMEOUT,
+            init_timeout: DEFAULT_INIT_TIMEOUT,
         }
     }
 }

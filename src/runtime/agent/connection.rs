@@ -39,7 +39,7 @@ use super::protocol::{
 };
 use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::unix::pipe;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -73,14 +73,24 @@ pub fn check_version(agent: u32) -> Result<u32, AgentError> {
     }
 }
 
-/// A command line and the raw bytes that follow it, for the writer task.
-type Framed = (Vec<u8>, Bytes);
+/// The most bytes of commands queued for the agent's pipe at once. A
+/// sender past it waits for the writer (a client's stdin then holds its
+/// socket back), so an agent that reads slowly, or not at all while it is
+/// frozen, never makes the host hold what a client sends.
+pub const MAX_QUEUED_COMMAND_BYTES: usize = 8 << 20;
+
+/// A command line and the raw bytes that follow it, for the writer task,
+/// with their share of [`MAX_QUEUED_COMMAND_BYTES`] (none for the few tiny
+/// lines sent without waiting), given back once written.
+type Framed = (Vec<u8>, Bytes, Option<OwnedSemaphorePermit>);
 
 /// A connection to one sandbox's agent.
 pub struct AgentConnection {
     /// Whole command lines for the writer task: queuing a line cannot be
     /// interrupted half-way, so a cancelled caller never corrupts the stream.
     lines: mpsc::UnboundedSender<Framed>,
+    /// What is left of [`MAX_QUEUED_COMMAND_BYTES`].
+    queued_bytes: Arc<Semaphore>,
     routes: Arc<Mutex<Routes>>,
     /// The agent's protocol version, once its `hello` or `pong` told it
     /// (0 until then: nothing version-2 is sent).
@@ -121,6 +131,7 @@ impl AgentConnection {
         tokio::spawn(write_commands(commands, queued, routes.clone()));
         let connection = Arc::new(Self {
             lines,
+            queued_bytes: Arc::new(Semaphore::new(MAX_QUEUED_COMMAND_BYTES)),
             routes,
             version: std::sync::atomic::AtomicU32::new(0),
             next_id: std::sync::atomic::AtomicU64::new(1),
@@ -160,28 +171,42 @@ impl AgentConnection {
         self.version() >= RAW_BYTES_VERSION
     }
 
-    /// Sends one command.
+    /// Sends one command, once the queue for the agent has room for it.
     pub async fn send(&self, command: &Command) -> Result<(), AgentError> {
-        self.send_now(command)
+        self.send_framed(command, None).await
     }
 
-    /// Sends one command without waiting (the line is queued for the writer).
+    /// Sends one small command without waiting for room (a delivery's
+    /// acknowledgement, never a client's bytes).
     pub fn send_now(&self, command: &Command) -> Result<(), AgentError> {
-        self.send_framed(command, None)
+        if self.is_gone() {
+            return Err(AgentError::Gone);
+        }
+        let mut line = serde_json::to_vec(command).map_err(std::io::Error::other)?;
+        line.push(b'\n');
+        self.lines
+            .send((line, Bytes::new(), None))
+            .map_err(|_| AgentError::Gone)
     }
 
     /// Queues a command and the raw bytes that follow it (announced in its
-    /// line's `bytes`), for an agent that speaks them.
-    fn send_framed(&self, command: &Command, payload: Option<Bytes>) -> Result<(), AgentError> {
+    /// line's `bytes`), for an agent that speaks them, once the queue has
+    /// room for both.
+    async fn send_framed(
+        &self,
+        command: &Command,
+        payload: Option<Bytes>,
+    ) -> Result<(), AgentError> {
         if self.is_gone() {
             return Err(AgentError::Gone);
         }
         let Some(payload) = payload else {
             let mut line = serde_json::to_vec(command).map_err(std::io::Error::other)?;
             line.push(b'\n');
+            let room = self.room_for(line.len()).await;
             return self
                 .lines
-                .send((line, Bytes::new()))
+                .send((line, Bytes::new(), room))
                 .map_err(|_| AgentError::Gone);
         };
         let mut line = {
@@ -198,9 +223,21 @@ impl AgentConnection {
         }
         .map_err(std::io::Error::other)?;
         line.push(b'\n');
+        let room = self.room_for(line.len() + payload.len()).await;
         self.lines
-            .send((line, payload))
+            .send((line, payload, room))
             .map_err(|_| AgentError::Gone)
+    }
+
+    /// Waits until `bytes` more may be queued (a command larger than the
+    /// whole budget waits for all of it); the share is given back once
+    /// the writer wrote them. The semaphore is never closed.
+    async fn room_for(&self, bytes: usize) -> Option<OwnedSemaphorePermit> {
+        let share = u32::try_from(bytes.min(MAX_QUEUED_COMMAND_BYTES)).unwrap_or(u32::MAX);
+        Arc::clone(&self.queued_bytes)
+            .acquire_many_owned(share)
+            .await
+            .ok()
     }
 
     /// Sends a request under a fresh id and waits for the reply that carries it.
@@ -253,7 +290,10 @@ impl AgentConnection {
         timeout: Duration,
     ) -> Result<(Event, Bytes), AgentError> {
         let reply = self.expect_reply(id)?;
-        if let Err(err) = self.send_framed(&request.with_id(id), payload) {
+        // The wait for room in the queue counts in the timeout too.
+        let command = request.with_id(id);
+        let sent = tokio::time::timeout(timeout, self.send_framed(&command, payload)).await;
+        if let Err(err) = sent.unwrap_or(Err(AgentError::Timeout(timeout))) {
             self.routes().replies.remove(id);
             return Err(err);
         }
@@ -424,11 +464,12 @@ async fn write_commands(
     mut queued: mpsc::UnboundedReceiver<Framed>,
     routes: Arc<Mutex<Routes>>,
 ) {
-    while let Some((line, payload)) = queued.recv().await {
+    while let Some((line, payload, room)) = queued.recv().await {
         let mut written = commands.write_all(&line).await;
         if written.is_ok() && !payload.is_empty() {
             written = commands.write_all(&payload).await;
         }
+        drop(room);
         if let Err(err) = written {
             if err.kind() != std::io::ErrorKind::BrokenPipe {
                 tracing::warn!(%err, "writing to the sandbox agent failed");

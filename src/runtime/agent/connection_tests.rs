@@ -386,3 +386,31 @@ async fn file_bytes_take_the_form_the_agents_version_speaks() {
     );
     ping.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_an_agent_does_not_read_are_bounded_and_their_sender_waits() {
+    // The agent end reads nothing: the pipe fills, then the queue.
+    let (connection, _events, _commands) = connect();
+    let stdin = Request::Stdin {
+        data: BASE64.encode(vec![b'x'; 1 << 20]),
+    }
+    .with_id("e1");
+    let mut sent = 0_usize;
+    let waited = tokio::time::timeout(Duration::from_secs(5), async {
+        for _ in 0..64 {
+            connection.send(&stdin).await.unwrap();
+            sent += 1;
+        }
+    })
+    .await;
+    assert!(
+        waited.is_err(),
+        "64 MiB of stdin were queued for an agent that reads nothing"
+    );
+    // What was queued fits the budget (plus what the pipe took).
+    let line = serde_json::to_vec(&stdin).unwrap().len() + 1;
+    assert!(
+        sent * line <= MAX_QUEUED_COMMAND_BYTES + (1 << 20) + line,
+        "{sent} lines of {line} bytes were queued"
+    );
+}

@@ -793,27 +793,126 @@ fn id_token(email: &str) -> String {
 /// `/create` as `caller`: `Ok((socket, id))` at SANDBOX_RUNNING, or the
 /// refusal's message.
 async fn create_as(addr: &str, caller: &str) -> Result<(Socket, String), String> {
-    let mut socket = connect_with(
+    create_as_with(addr, caller, json!({}))
+        .await
+        .map(|(socket, id, _)| (socket, id))
+}
+
+/// [`create_as`] with the init message `init`; with the sandbox's token.
+async fn create_as_with(
+    addr: &str,
+    caller: &str,
+    init: serde_json::Value,
+) -> Result<(Socket, String, String), String> {
+    let socket = connect_with(
         &format!("ws://{addr}/create"),
         &[("authorization", id_token(caller))],
     )
     .await;
-    send_json(&mut socket, json!({})).await;
-    let mut id = String::new();
+    let mut socket = socket;
+    send_json(&mut socket, init).await;
+    let (mut id, mut token) = (String::new(), String::new());
     loop {
         let Some(frame) = next_json(&mut socket).await else {
             return Err("closed".to_owned());
         };
         if frame["event"] == "sandbox_id" {
             id = frame["sandbox_id"].as_str().unwrap().to_owned();
+            token = frame["sandbox_token"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
         }
         if frame["event"] == "error" {
             return Err(frame["message"].as_str().unwrap_or_default().to_owned());
         }
         if frame["status"] == "SANDBOX_RUNNING" {
-            return Ok((socket, id));
+            return Ok((socket, id, token));
         }
     }
+}
+
+/// The statuses and error messages of `socket` until it closes.
+async fn until_close(socket: &mut Socket) -> Vec<String> {
+    let mut seen = Vec::new();
+    while let Some(frame) = next_json(socket).await {
+        if let Some(status) = frame["status"].as_str() {
+            seen.push(status.to_owned());
+        }
+        if let Some(message) = frame["message"].as_str() {
+            seen.push(message.to_owned());
+        }
+    }
+    seen
+}
+
+/// A `/create` socket that never sends its init message (its client
+/// answering every ping) is told so and closed at the init timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_without_its_init_message_is_closed_at_the_init_timeout() {
+    let addr = plain_server(|parts| {
+        parts.socket.init_timeout = Duration::from_secs(1);
+        parts.socket.ping_interval = Duration::from_millis(300);
+    })
+    .await;
+    let started = Instant::now();
+    let mut silent = connect_with(&format!("ws://{addr}/create"), &[]).await;
+    let seen = tokio::time::timeout(Duration::from_secs(10), until_close(&mut silent))
+        .await
+        .expect("the silent socket was closed");
+    eprintln!("closed after {:?}: {seen:?}", started.elapsed());
+    assert!(
+        seen.iter().any(|s| s.contains("--ws-init-timeout-s")),
+        "{seen:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+/// Row 2, restores: a caller at its quota cannot restore a sandbox it
+/// checkpointed (it would hold two here), and can once it holds none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_counts_against_its_callers_quota() {
+    let store: std::sync::Arc<dyn controllers::store::Store> =
+        std::sync::Arc::new(controllers::testing::MemoryStore::new());
+    let server = support::ws::Server::sharing("quota-restore", store, |parts| {
+        parts.max_sandboxes_per_caller = Some(1);
+        parts.caller_identity_verified = true;
+    })
+    .await;
+    let addr = server.addr.clone();
+    let checkpointable = json!({"enable_checkpoint": true});
+    let (mut first, first_id, first_token) =
+        create_as_with(&addr, "carol@example.com", checkpointable.clone())
+            .await
+            .expect("carol's first create");
+    send_json(&mut first, json!({"action": "checkpoint"})).await;
+    let seen = until_close(&mut first).await;
+    assert!(seen.iter().any(|s| s == "SANDBOX_CHECKPOINTED"), "{seen:?}");
+    let (second, _, _) = create_as_with(&addr, "carol@example.com", checkpointable)
+        .await
+        .expect("carol holds nothing here: her second create is served");
+
+    // Restoring the first would make two.
+    let attach = format!("ws://{addr}/attach/{first_id}?sandbox_token={first_token}");
+    let mut restore =
+        connect_with(&attach, &[("authorization", id_token("carol@example.com"))]).await;
+    let seen = until_close(&mut restore).await;
+    assert!(
+        seen.iter()
+            .any(|s| s.contains("--max-sandboxes-per-caller")),
+        "a restore past the quota: {seen:?}"
+    );
+    assert!(!seen.iter().any(|s| s == "SANDBOX_RUNNING"), "{seen:?}");
+
+    // Another caller's restore of it is its own.
+    let mut other = connect_with(&attach, &[("authorization", id_token("dave@example.com"))]).await;
+    loop {
+        let frame = next_json(&mut other).await.expect("dave's restore runs");
+        if frame["status"] == "SANDBOX_RUNNING" {
+            break;
+        }
+    }
+    drop(second);
 }
 
 /// Row 2: a caller at its quota (one sandbox here) is refused naming the
@@ -827,6 +926,7 @@ async fn a_caller_at_its_quota_leaves_room_for_others_and_detached_executions_en
         std::sync::Arc::new(controllers::testing::MemoryStore::new());
     let server = support::ws::Server::sharing("quota", store, |parts| {
         parts.max_sandboxes_per_caller = Some(1);
+        parts.caller_identity_verified = true;
         parts.lifetimes.max_detached_execution = DETACHED;
     })
     .await;

@@ -126,7 +126,10 @@ impl SandboxController {
     }
 
     /// Asks for `sandbox` to run here, from the checkpoint named `checkpoint`
-    /// if given (else the latest).
+    /// if given (else the latest): a read, then [`Self::request_here_from`]
+    /// (the tests' and the simulation's shorthand; a session reads first
+    /// itself, to answer from what it read).
+    #[cfg(any(test, feature = "testing"))]
     pub async fn request_here(
         self: &Arc<Self>,
         sandbox: &SandboxId,

@@ -197,6 +197,16 @@ def unregister_outputs(execution):
             pass
 
 
+# The most input an execution may have waiting for its program to read it.
+# Past it the input is dropped, with a notice on the program's output: a
+# program that reads no input must not make the agent hold whatever the
+# client sends (the host does not wait for the program either).
+MAX_STDIN_PENDING = 8 << 20
+
+STDIN_DROPPED = (b"\n[sandboxd] input dropped: the program has not read the %d MiB "
+                 b"of input already waiting for it\n" % (MAX_STDIN_PENDING >> 20))
+
+
 class Execution:
     """One execution: a process (or a persistent-session cell) and its pipes."""
 
@@ -213,7 +223,8 @@ class Execution:
         self.pending_exit = None  # an exit held back while paused
         self.pid = pid
         self.stdin_fd = stdin_fd
-        self.stdin_pending = b""
+        self.stdin_pending = bytearray()
+        self.stdin_dropping = False  # input is being dropped (noticed once)
         self.stdin_close_requested = False
         self.out_fds = dict(out_fds)  # fd -> stream number (1 or 2)
         self.session = session
@@ -326,6 +337,12 @@ class Execution:
     def write_stdin(self, data):
         if self.stdin_fd is None:
             return
+        if len(self.stdin_pending) + len(data) > MAX_STDIN_PENDING:
+            if not self.stdin_dropping:
+                self.stdin_dropping = True
+                stream = 2 if 2 in self.out_fds.values() else 1
+                self.output(stream, STDIN_DROPPED)
+            return
         self.stdin_pending += data
         self.flush_stdin()
 
@@ -337,9 +354,10 @@ class Execution:
                 self.watch_stdin(True)
                 return
             except OSError:
-                self.stdin_pending = b""
+                self.stdin_pending.clear()
                 break
-            self.stdin_pending = self.stdin_pending[written:]
+            del self.stdin_pending[:written]
+        self.stdin_dropping = False
         self.watch_stdin(False)
         if self.stdin_close_requested and self.session is None:
             self.close_stdin_now()
@@ -383,12 +401,12 @@ class Execution:
         if self.session is None:
             for fd in list(self.out_fds):
                 self.close_out(fd)
-            self.stdin_pending = b""
+            self.stdin_pending.clear()
             self.stdin_close_requested = True
             self.close_stdin_now()
         else:
             # The session's stdin outlives the cell: drop what this cell left.
-            self.stdin_pending = b""
+            self.stdin_pending.clear()
             self.watch_stdin(False)
         state.EXECS.pop(self.id, None)
         self.event({"ev": "exit", "id": self.id, "code": code})

@@ -45,6 +45,21 @@ class ExecutionTest(AgentTest):
         self.send("stdin_close", id=run)
         self.assertEqual(output(self.run_to_exit(run), run), b"hello\nend\n")
 
+    def test_input_a_program_does_not_read_is_bounded_and_dropped_with_a_notice(self):
+        from sandbox_agent.execution import MAX_STDIN_PENDING
+        run = self.send("exec", argv=["bash", "-c", "sleep 30"])
+        self.events()
+        chunk = protocol.b64(b"x" * (1 << 20))
+        for _ in range(MAX_STDIN_PENDING // (1 << 20) + 4):
+            self.send("stdin", id=run, data=chunk)
+        events = self.events()
+        execution = state.EXECS[run]
+        self.assertLessEqual(len(execution.stdin_pending), MAX_STDIN_PENDING)
+        notices = output(events, run, 2)
+        self.assertEqual(notices.count(b"input dropped"), 1, notices)
+        self.send("kill", id=run)
+        self.assertEqual(self.run_to_exit(run)[-1]["code"], 137)
+
     def test_one_execution_at_a_time(self):
         first = self.send("exec", argv=["sleep", "30"])
         second = self.send("exec", argv=["true"])
