@@ -26,6 +26,11 @@ COMMAND_READ = 1 << 20
 # The most raw bytes one command may carry (the host sends 1 MiB chunks); a
 # command announcing more is refused and its bytes skipped, unkept.
 MAX_PAYLOAD = 8 << 20
+# The most bytes of commands read and not yet taken by the main loop: past
+# it the reader thread stops reading, so a host that writes faster than the
+# main loop works is held back by the pipe (and its own bound), never held
+# in the agent's memory.
+MAX_HANDED = 8 << 20
 # Where a command's raw bytes are handed to its handler (no JSON key can
 # collide: the reader removes any the host sent).
 PAYLOAD = "\0payload"
@@ -120,6 +125,10 @@ class CommandReader:
         self.fd = IN if fd is None else fd
         self.lines = []
         self.lock = threading.Lock()
+        # Told when the main loop takes what was handed over.
+        self.taken = threading.Condition(self.lock)
+        self.handed = 0  # bytes handed over and not yet taken
+        self.size = 0  # bytes of the last message read (line and payload)
         self.wake, self.wake_w = os.pipe()
         os.set_blocking(self.wake, False)
         self.pending = bytearray()
@@ -167,6 +176,7 @@ class CommandReader:
             self.scanned = 0
         msg = parse_command(line)
         length = payload_length(msg)
+        self.size = len(line) + 1 + (length or 0)
         if length is None:
             # No count: the stream cannot be framed past it.
             return BadCommand("bad command: \"bytes\" is no count", msg.get("id"))
@@ -202,29 +212,36 @@ class CommandReader:
         return True
 
     def read_forever(self):
-        batch = []
+        batch, size = [], 0
         while True:
             msg = self.next_message()
             if msg is None:
                 # The host closed our stdin (it is gone, or this sandbox is
                 # being checkpointed). A restore hands us a new one at the
                 # same fd, and a new stream: nothing half-read carries over.
-                self.hand_over(batch)
-                batch = []
+                self.hand_over(batch, size)
+                batch, size = [], 0
                 del self.pending[:]
                 self.scanned = 0
                 time.sleep(0.05)
                 continue
             batch.append(msg)
-            if self.pending.find(b"\n") < 0:
-                # Nothing more without a read: let the main loop have these.
-                self.hand_over(batch)
-                batch = []
+            size += self.size
+            if self.pending.find(b"\n") < 0 or size >= MAX_HANDED:
+                # Nothing more without a read, or a batch as large as the
+                # bound: let the main loop have these.
+                self.hand_over(batch, size)
+                batch, size = [], 0
 
-    def hand_over(self, messages):
+    def hand_over(self, messages, size=0):
+        """Hands `messages` (`size` bytes) to the main loop, once it has
+        taken enough of what was handed before (MAX_HANDED)."""
         if messages:
-            with self.lock:
+            with self.taken:
+                while self.handed and self.handed + size > MAX_HANDED:
+                    self.taken.wait()
                 self.lines.extend(messages)
+                self.handed += size
             os.write(self.wake_w, b"x")
 
     def take(self):
@@ -233,9 +250,11 @@ class CommandReader:
             os.read(self.wake, 4096)
         except BlockingIOError:
             pass
-        with self.lock:
+        with self.taken:
             messages = self.lines[:]
             del self.lines[:]
+            self.handed = 0
+            self.taken.notify_all()
         commands = []
         for msg in messages:
             if isinstance(msg, BadCommand):

@@ -3,6 +3,7 @@ commands are answered with an error, never a crash."""
 import json
 import os
 import threading
+import time
 import unittest
 
 from sandbox_agent import protocol
@@ -40,6 +41,38 @@ def read_all(stream, read_size=7):
     writer.join()
     os.close(r)
     return messages, reader
+
+
+class BackPressureTest(unittest.TestCase):
+    def test_commands_the_main_loop_has_not_taken_stop_the_reader_at_the_bound(self):
+        r, w = os.pipe()
+        line = b'{"op":"stdin","id":"e1","data":"%s"}\n' % (b"A" * ((1 << 20) - 40))
+        lines = 3 * protocol.MAX_HANDED // len(line)
+        done = threading.Event()
+
+        def write():
+            for _ in range(lines):
+                os.write(w, line)
+            done.set()
+
+        threading.Thread(target=write, daemon=True).start()
+        reader = protocol.CommandReader(fd=r)
+        reader.start()
+        time.sleep(1.0)
+        # Nothing taken: the reader holds at most the bound, and the writer
+        # waits on the pipe.
+        with reader.lock:
+            held = sum(len(m["data"]) for m in reader.lines)
+        self.assertLessEqual(held, protocol.MAX_HANDED)
+        self.assertFalse(done.is_set(), "all %d lines were read with none taken" % lines)
+        taken = []
+        deadline = time.monotonic() + 30
+        while len(taken) < lines and time.monotonic() < deadline:
+            taken += reader.take()
+            time.sleep(0.01)
+        self.assertEqual(len(taken), lines)
+        self.assertTrue(done.wait(5))
+        os.close(w)
 
 
 class FramingTest(unittest.TestCase):
