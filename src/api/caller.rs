@@ -144,18 +144,21 @@ impl CallerQuota {
 
     /// Counts `sandbox` against `caller`, unless the caller already holds
     /// its quota of sandboxes for which `still_here` is true (the others
-    /// are forgotten).
+    /// are forgotten). A sandbox counts against one caller at a time: the
+    /// last that created or restored it here. True when it was not counted
+    /// against `caller` already (the caller's to [`Self::release`] if its
+    /// start fails).
     pub fn reserve(
         &self,
         caller: &Caller,
         sandbox: &SandboxId,
         still_here: impl Fn(&SandboxId) -> bool,
-    ) -> Result<(), QuotaExceeded> {
+    ) -> Result<bool, QuotaExceeded> {
         let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
         let ids = held.entry(caller.clone()).or_default();
         ids.retain(|id| still_here(id));
         if ids.contains(sandbox) {
-            return Ok(());
+            return Ok(false);
         }
         if let Some(max) = self.max
             && ids.len() >= max
@@ -167,7 +170,13 @@ impl CallerQuota {
             });
         }
         ids.push(sandbox.clone());
-        Ok(())
+        for (other, ids) in held.iter_mut() {
+            if other != caller {
+                ids.retain(|id| id != sandbox);
+            }
+        }
+        held.retain(|_, ids| !ids.is_empty());
+        Ok(true)
     }
 
     /// Forgets `sandbox` (its create failed).
@@ -272,5 +281,21 @@ mod tests {
         quota.reserve(&a, &ids[2], |id| *id != gone).unwrap();
         quota.release(&a, &ids[2]);
         quota.reserve(&a, &ids[2], |id| *id != gone).unwrap();
+    }
+
+    #[test]
+    fn a_sandbox_counts_against_the_last_caller_that_brought_it_here() {
+        let quota = CallerQuota::new(Some(1), true);
+        let (a, b) = (Caller::Identity("a".into()), Caller::Identity("b".into()));
+        let sandbox = SandboxId::random();
+        assert!(quota.reserve(&a, &sandbox, |_| true).unwrap());
+        assert!(
+            !quota.reserve(&a, &sandbox, |_| true).unwrap(),
+            "counted once"
+        );
+        // b restores it: it is b's now, and a has room again.
+        assert!(quota.reserve(&b, &sandbox, |_| true).unwrap());
+        assert!(quota.reserve(&a, &SandboxId::random(), |_| true).unwrap());
+        assert!(quota.reserve(&b, &SandboxId::random(), |_| true).is_err());
     }
 }

@@ -77,7 +77,7 @@ fn count_against(
     caller: &Caller,
     id: &SandboxId,
 ) -> Result<Counted, QuotaExceeded> {
-    state
+    let counted = state
         .callers
         .reserve(caller, id, |held| {
             controller.is_held_here(held) || state.live.get(held).is_some()
@@ -89,7 +89,8 @@ fn count_against(
         quota: Arc::clone(&state.callers),
         caller: caller.clone(),
         id: id.clone(),
-        started: false,
+        // Counted already: nothing of this start's to take back.
+        started: !counted,
     })
 }
 
@@ -739,11 +740,12 @@ pub(super) async fn restore(
         .request_here_from(read, checkpoint, state.clock.now())
         .await
         .map_err(RestoreRefused::Request)?;
+    // Asked for: it comes here whether this wait ends or is cancelled (its
+    // client left), so it stays counted; one that never comes is forgotten
+    // by the caller's next count (`CallerQuota::reserve`).
+    counted.started = true;
     match await_running(out, events, handoff).await {
-        Ok(()) => {
-            counted.started = true;
-            Ok(())
-        }
+        Ok(()) => Ok(()),
         Err(not_started) => {
             let _ = controller.withdraw_request(id).await;
             Err(RestoreRefused::NotStarted(not_started))

@@ -295,11 +295,11 @@ fn stream(
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
     tokio::spawn(async move {
-        let _sandbox = sandbox;
         let mut budget = Budget {
             left: limits.max_output_bytes,
             truncated: false,
         };
+        let mut timed_out = false;
         loop {
             let event = tokio::select! {
                 event = next_event(&mut execution, deadline) => event,
@@ -314,9 +314,7 @@ fn stream(
                 )) => continue,
                 Some(Some(ExecEvent::Exited(_) | ExecEvent::HoldLost) | None) => break,
                 None => {
-                    // The marker goes if the client left room for it: a
-                    // client that reads nothing must not hold the sandbox.
-                    let _ = tx.try_send(Ok(Bytes::from(limits.timed_out_marker())));
+                    timed_out = true;
                     break;
                 }
             };
@@ -331,14 +329,24 @@ fn stream(
             }
             // Past the budget the rest is read and discarded, never queued.
             // A client that stops reading is held to the time limit too: a
-            // send still waiting at the deadline ends the script (its
-            // sandbox, slot and memory claim go with `_sandbox`).
+            // send still waiting at the deadline ends the script.
             if !out.is_empty() {
-                let sent = tokio::time::timeout_at(deadline, tx.send(Ok(Bytes::from(out))));
-                if !matches!(sent.await, Ok(Ok(()))) {
-                    break;
+                match tokio::time::timeout_at(deadline, tx.send(Ok(Bytes::from(out)))).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => break,
+                    Err(_) => {
+                        timed_out = true;
+                        break;
+                    }
                 }
             }
+        }
+        // The sandbox, its slot and its memory claim go first; the marker
+        // then waits for a slow reader (a client that reads nothing is
+        // closed by its connection's write deadline).
+        drop(sandbox);
+        if timed_out {
+            let _ = tx.send(Ok(Bytes::from(limits.timed_out_marker()))).await;
         }
     });
     let body = futures::stream::unfold(rx, |mut rx| async move {

@@ -427,11 +427,13 @@ impl http_body::Body for Sending {
     }
 }
 
-/// `body`, cut off with an error once the time the server has waited for
-/// it exceeds `allowance` plus a second per [`MIN_BODY_BYTES_PER_SECOND`]
-/// received. Only waiting counts: a handler that reads its body late (after
-/// a restore, say) or slowly (writing each piece somewhere) costs the
-/// client nothing, and the client's bytes wait in TCP meanwhile.
+/// `body`, cut off with an error once the time the server has spent
+/// reading it exceeds `allowance` plus a second per
+/// [`MIN_BODY_BYTES_PER_SECOND`] received. Time counts from the handler's
+/// first read of each piece to the piece: a handler that reads its body
+/// late (after a restore, say) costs the client nothing, the client's bytes
+/// waiting in TCP meanwhile; one that keeps reading while it writes earlier
+/// pieces elsewhere counts that time too, which at this rate is slack.
 fn body_at_least(
     body: axum::body::Body,
     clock: Arc<dyn Clock>,

@@ -34,7 +34,7 @@ use super::call::{FsCall, FsOp, is_sha256_hex};
 use super::transfer::{Download, UploadTarget, upload};
 use super::{error_parts, http_status, run_simple};
 use crate::api::caller::{Caller, ClientAddr};
-use crate::api::connect::{adopt_resumed_execution, controller_or_error, restore};
+use crate::api::connect::{RestoreRefused, adopt_resumed_execution, controller_or_error, restore};
 use crate::api::live::{LiveSandbox, SandboxOptions};
 use crate::api::session::Out;
 use crate::api::state::AppState;
@@ -146,11 +146,12 @@ async fn hold(
         .await
     {
         state.live.detach(&live, attachment);
-        return Err(refusal(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "EIO",
-            refused.message(&id),
-        ));
+        // A caller at its quota is told to wait, not that the server failed.
+        let (status, code) = match refused {
+            RestoreRefused::Quota(_) => (StatusCode::TOO_MANY_REQUESTS, "EAGAIN"),
+            _ => (StatusCode::SERVICE_UNAVAILABLE, "EIO"),
+        };
+        return Err(refusal(status, code, refused.message(&id)));
     }
     state
         .live

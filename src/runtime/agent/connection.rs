@@ -79,9 +79,16 @@ pub fn check_version(agent: u32) -> Result<u32, AgentError> {
 /// frozen, never makes the host hold what a client sends.
 pub const MAX_QUEUED_COMMAND_BYTES: usize = 8 << 20;
 
+/// The most bytes of control commands (a kill, a stdin close, a resize)
+/// queued at once. They never wait behind a client's stdin, so a kill
+/// returns at once even while the agent reads nothing; past this they are
+/// refused (a flood of them while the agent is frozen holds nothing).
+pub const MAX_QUEUED_CONTROL_BYTES: usize = 64 << 10;
+
 /// A command line and the raw bytes that follow it, for the writer task,
-/// with their share of [`MAX_QUEUED_COMMAND_BYTES`] (none for the few tiny
-/// lines sent without waiting), given back once written.
+/// with their share of [`MAX_QUEUED_COMMAND_BYTES`] or
+/// [`MAX_QUEUED_CONTROL_BYTES`] (none for a delivery's acknowledgement),
+/// given back once written.
 type Framed = (Vec<u8>, Bytes, Option<OwnedSemaphorePermit>);
 
 /// A connection to one sandbox's agent.
@@ -91,6 +98,8 @@ pub struct AgentConnection {
     lines: mpsc::UnboundedSender<Framed>,
     /// What is left of [`MAX_QUEUED_COMMAND_BYTES`].
     queued_bytes: Arc<Semaphore>,
+    /// What is left of [`MAX_QUEUED_CONTROL_BYTES`].
+    queued_control: Arc<Semaphore>,
     routes: Arc<Mutex<Routes>>,
     /// The agent's protocol version, once its `hello` or `pong` told it
     /// (0 until then: nothing version-2 is sent).
@@ -132,6 +141,7 @@ impl AgentConnection {
         let connection = Arc::new(Self {
             lines,
             queued_bytes: Arc::new(Semaphore::new(MAX_QUEUED_COMMAND_BYTES)),
+            queued_control: Arc::new(Semaphore::new(MAX_QUEUED_CONTROL_BYTES)),
             routes,
             version: std::sync::atomic::AtomicU32::new(0),
             next_id: std::sync::atomic::AtomicU64::new(1),
@@ -174,6 +184,26 @@ impl AgentConnection {
     /// Sends one command, once the queue for the agent has room for it.
     pub async fn send(&self, command: &Command) -> Result<(), AgentError> {
         self.send_framed(command, None).await
+    }
+
+    /// Sends a control command (a kill, a stdin close, a resize) without
+    /// waiting: it has a budget of its own, [`MAX_QUEUED_CONTROL_BYTES`],
+    /// and is refused past it.
+    pub fn send_control(&self, command: &Command) -> Result<(), AgentError> {
+        if self.is_gone() {
+            return Err(AgentError::Gone);
+        }
+        let mut line = serde_json::to_vec(command).map_err(std::io::Error::other)?;
+        line.push(b'\n');
+        let share = u32::try_from(line.len()).unwrap_or(u32::MAX);
+        let Ok(room) = Arc::clone(&self.queued_control).try_acquire_many_owned(share) else {
+            return Err(AgentError::Io(std::io::Error::other(format!(
+                "the sandbox agent has not read the last {MAX_QUEUED_CONTROL_BYTES} bytes of control commands"
+            ))));
+        };
+        self.lines
+            .send((line, Bytes::new(), Some(room)))
+            .map_err(|_| AgentError::Gone)
     }
 
     /// Sends one small command without waiting for room (a delivery's
@@ -290,19 +320,36 @@ impl AgentConnection {
         timeout: Duration,
     ) -> Result<(Event, Bytes), AgentError> {
         let reply = self.expect_reply(id)?;
-        // The wait for room in the queue counts in the timeout too.
         let command = request.with_id(id);
-        let sent = tokio::time::timeout(timeout, self.send_framed(&command, payload)).await;
-        if let Err(err) = sent.unwrap_or(Err(AgentError::Timeout(timeout))) {
-            self.routes().replies.remove(id);
-            return Err(err);
-        }
-        let outcome = wait_reply(reply, timeout).await;
-        if matches!(outcome, Err(AgentError::Timeout(_))) {
+        // The wait for room in the queue counts in the timeout too.
+        let outcome = self
+            .sent_then_answered(self.send_framed(&command, payload), reply, timeout)
+            .await;
+        if outcome.is_err() {
             // A reply that never came must not keep its route forever.
             self.routes().replies.remove(id);
         }
         outcome
+    }
+
+    /// `send`, then the reply to it, within `timeout` for both.
+    async fn sent_then_answered(
+        &self,
+        send: impl std::future::Future<Output = Result<(), AgentError>>,
+        reply: oneshot::Receiver<Reply>,
+        timeout: Duration,
+    ) -> Result<(Event, Bytes), AgentError> {
+        let answered = async {
+            send.await?;
+            match reply.await {
+                Ok(Ok(value)) => Ok(value),
+                Ok(Err(message)) => Err(AgentError::Refused(message)),
+                Err(_) => Err(AgentError::Gone),
+            }
+        };
+        tokio::time::timeout(timeout, answered)
+            .await
+            .unwrap_or(Err(AgentError::Timeout(timeout)))
     }
 
     fn expect_reply(&self, id: &str) -> Result<oneshot::Receiver<Reply>, AgentError> {
@@ -317,14 +364,20 @@ impl AgentConnection {
 
     /// Starts an execution; returns its event stream once the agent started it.
     pub async fn start_exec(&self, id: &str, request: Request) -> Result<ExecEvents, AgentError> {
+        const START_TIMEOUT: Duration = Duration::from_secs(30);
         let (route, rx) = ExecRoute::new();
         let started = self.expect_reply(id)?;
         self.routes().execs.insert(id.to_owned(), route);
-        self.send(&request.with_id(id)).await?;
-        match wait_reply(started, Duration::from_secs(30)).await {
+        let command = request.with_id(id);
+        let outcome = self
+            .sent_then_answered(self.send(&command), started, START_TIMEOUT)
+            .await;
+        match outcome {
             Ok(_) => Ok(rx),
             Err(err) => {
-                self.routes().execs.remove(id);
+                let mut routes = self.routes();
+                routes.execs.remove(id);
+                routes.replies.remove(id);
                 Err(err)
             }
         }
@@ -365,18 +418,6 @@ impl AgentConnection {
         self.routes().chunks.insert(id.clone(), tx);
         self.send(&request.with_id(id)).await?;
         Ok((rx, done))
-    }
-}
-
-async fn wait_reply(
-    reply: oneshot::Receiver<Reply>,
-    timeout: Duration,
-) -> Result<(Event, Bytes), AgentError> {
-    match tokio::time::timeout(timeout, reply).await {
-        Ok(Ok(Ok(value))) => Ok(value),
-        Ok(Ok(Err(message))) => Err(AgentError::Refused(message)),
-        Ok(Err(_)) => Err(AgentError::Gone),
-        Err(_) => Err(AgentError::Timeout(timeout)),
     }
 }
 

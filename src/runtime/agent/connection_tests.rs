@@ -233,7 +233,11 @@ async fn output_queued_for_a_slow_consumer_is_bounded_with_a_notice() {
         &mut agent,
         &json!({"ev": "pong", "id": "r9", "version": 1, "running": []}),
     );
-    wait_reply(routed, Duration::from_secs(30)).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), routed)
+        .await
+        .expect("the reply within 30 s")
+        .expect("a reply")
+        .expect("no refusal");
     let (mut bytes, mut notices, mut expected) = (0usize, 0, 1u64);
     loop {
         let (seq, event) = events.recv().await.unwrap();
@@ -406,6 +410,19 @@ async fn commands_an_agent_does_not_read_are_bounded_and_their_sender_waits() {
     assert!(
         waited.is_err(),
         "64 MiB of stdin were queued for an agent that reads nothing"
+    );
+    // A kill does not wait behind them; a flood of them stops at its own budget.
+    let kill = Request::Kill.with_id("e1");
+    connection
+        .send_control(&kill)
+        .expect("a kill is queued at once");
+    let kill_line = serde_json::to_vec(&kill).unwrap().len() + 1;
+    let accepted = (0..MAX_QUEUED_CONTROL_BYTES)
+        .take_while(|_| connection.send_control(&kill).is_ok())
+        .count();
+    assert!(
+        accepted < MAX_QUEUED_CONTROL_BYTES / kill_line,
+        "{accepted} kills were queued"
     );
     // What was queued fits the budget (plus what the pipe took).
     let line = serde_json::to_vec(&stdin).unwrap().len() + 1;

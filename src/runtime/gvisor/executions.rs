@@ -114,28 +114,25 @@ impl ExecControl for AgentExecControl {
 
     async fn close_stdin(&self) -> Result<(), RuntimeError> {
         self.agent
-            .send(&Request::StdinClose.with_id(&self.id))
-            .await
+            .send_control(&Request::StdinClose.with_id(&self.id))
             .map_err(|err| RuntimeError::Failed(err.to_string()))
     }
 
     async fn kill(&self) -> Result<(), RuntimeError> {
         self.agent
-            .send(&Request::Kill.with_id(&self.id))
-            .await
+            .send_control(&Request::Kill.with_id(&self.id))
             .map_err(|err| RuntimeError::Failed(err.to_string()))
     }
 
     async fn resize(&self, size: TerminalSize) -> Result<(), RuntimeError> {
         self.agent
-            .send(
+            .send_control(
                 &Request::Resize {
                     cols: size.cols,
                     rows: size.rows,
                 }
                 .with_id(&self.id),
             )
-            .await
             .map_err(|err| RuntimeError::Failed(err.to_string()))
     }
 

@@ -337,7 +337,9 @@ class Execution:
     def write_stdin(self, data):
         if self.stdin_fd is None:
             return
-        if len(self.stdin_pending) + len(data) > MAX_STDIN_PENDING:
+        # Once input is dropped, all of it is until the program has read
+        # what waits: one gap with its notice, not holes.
+        if self.stdin_dropping or len(self.stdin_pending) + len(data) > MAX_STDIN_PENDING:
             if not self.stdin_dropping:
                 self.stdin_dropping = True
                 stream = 2 if 2 in self.out_fds.values() else 1

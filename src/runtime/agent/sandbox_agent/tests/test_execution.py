@@ -55,6 +55,11 @@ class ExecutionTest(AgentTest):
         events = self.events()
         execution = state.EXECS[run]
         self.assertLessEqual(len(execution.stdin_pending), MAX_STDIN_PENDING)
+        # Once dropping, input that would fit is dropped too: one gap, no holes.
+        waiting = len(execution.stdin_pending)
+        self.send("stdin", id=run, data=protocol.b64(b"y"))
+        self.events()
+        self.assertEqual(len(execution.stdin_pending), waiting)
         notices = output(events, run, 2)
         self.assertEqual(notices.count(b"input dropped"), 1, notices)
         self.send("kill", id=run)
