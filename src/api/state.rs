@@ -61,20 +61,43 @@ pub struct AppState {
     pub clock: Arc<dyn Clock>,
 }
 
+/// How long a bucket that answered counts as answering: `/readyz` needs no
+/// authentication, and each listing is a billed Class A request, so a
+/// flood of probes costs at most one listing a second.
+const PROBE_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A read-only look at the bucket of the sandboxes' objects: whether it
 /// answers a listing. It holds the store privately, so a request handler
 /// cannot write `metadata.json` or `lock.json` through it.
 #[derive(Debug, Clone)]
-pub struct BucketProbe(Arc<dyn Store>);
+pub struct BucketProbe {
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    /// When the bucket last answered; held across a listing, so probes that
+    /// come meanwhile wait for its answer instead of listing too.
+    answered: Arc<tokio::sync::Mutex<Option<tokio::time::Instant>>>,
+}
 
 impl BucketProbe {
-    pub fn new(store: Arc<dyn Store>) -> Self {
-        Self(store)
+    pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
+        Self {
+            store,
+            clock,
+            answered: Arc::default(),
+        }
     }
 
-    /// Lists one page of the sandboxes' prefix: `Ok` when the bucket answers.
+    /// `Ok` when the bucket answers: it answered a listing of one page of
+    /// the sandboxes' prefix within the last [`PROBE_FRESH`], or does now.
     pub async fn answers(&self) -> Result<(), StoreError> {
-        self.0.list_page(SANDBOXES_PREFIX, None).await.map(drop)
+        let mut answered = self.answered.lock().await;
+        let now = self.clock.instant();
+        if answered.is_some_and(|at| now < at + PROBE_FRESH) {
+            return Ok(());
+        }
+        self.store.list_page(SANDBOXES_PREFIX, None).await?;
+        *answered = Some(self.clock.instant());
+        Ok(())
     }
 }
 
@@ -101,5 +124,37 @@ impl AppState {
             return false;
         };
         crate::token::matches(given.trim(), expected)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use controllers::clock::SystemClock;
+    use controllers::store::{CountingStore, Operation};
+    use controllers::testing::MemoryStore;
+
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_flood_of_readiness_probes_lists_the_bucket_once_a_second() {
+        let counts = Arc::new(OperationCounts::default());
+        let store = Arc::new(CountingStore::new(
+            Arc::new(MemoryStore::new()),
+            Arc::clone(&counts),
+        ));
+        let probe = BucketProbe::new(store, Arc::new(SystemClock));
+        let probes: Vec<_> = (0..100)
+            .map(|_| {
+                let probe = probe.clone();
+                tokio::spawn(async move { probe.answers().await })
+            })
+            .collect();
+        for probe in probes {
+            probe.await.unwrap().unwrap();
+        }
+        assert_eq!(counts.count(Operation::List), 1);
+        tokio::time::sleep(PROBE_FRESH).await;
+        probe.answers().await.unwrap();
+        assert_eq!(counts.count(Operation::List), 2);
     }
 }

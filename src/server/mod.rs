@@ -220,7 +220,10 @@ impl Server {
         let images = parts.runtime.as_ref().and(parts.images);
         let state = AppState {
             instance: parts.instance,
-            bucket: crate::api::state::BucketProbe::new(parts.metadata_store),
+            bucket: crate::api::state::BucketProbe::new(
+                parts.metadata_store,
+                Arc::clone(&parts.clock),
+            ),
             runtime: parts.runtime,
             controller,
             live,
