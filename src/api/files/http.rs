@@ -33,7 +33,7 @@ use serde_json::{Value, json};
 use super::call::{FsCall, FsOp, is_sha256_hex};
 use super::transfer::{Download, UploadTarget, upload};
 use super::{error_parts, http_status, run_simple};
-use crate::api::caller::{Caller, ClientAddr};
+use crate::api::caller::ClientAddr;
 use crate::api::connect::{RestoreRefused, adopt_resumed_execution, controller_or_error, restore};
 use crate::api::live::{LiveSandbox, SandboxOptions};
 use crate::api::session::Out;
@@ -72,20 +72,18 @@ fn fs_refusal(sandbox: &SandboxId, err: &FsError) -> Response {
 
 /// The token of the request: `X-Sandbox-Token`, else the bearer header,
 /// else the query parameter.
-fn token_of(
-    headers: &HeaderMap,
-    query: &HashMap<String, String>,
-) -> Option<(String, token::TokenSource)> {
-    token::of_request(headers, query, true)
+/// What a request says of itself: its sandbox token and its caller.
+struct Asker<'a> {
+    headers: &'a HeaderMap,
+    query: &'a HashMap<String, String>,
+    client: Option<&'a ClientAddr>,
 }
 
-/// Checks the token, takes the attach slot and brings the sandbox here.
-async fn hold(
-    state: &AppState,
-    raw_id: &str,
-    token: Option<(String, token::TokenSource)>,
-    caller: &Caller,
-) -> Result<Held, Response> {
+/// Checks the token, takes the attach slot and brings the sandbox here
+/// (counted against the caller's quota).
+async fn hold(state: &AppState, raw_id: &str, asker: Asker<'_>) -> Result<Held, Response> {
+    let token = token::of_request(asker.headers, asker.query, true);
+    let caller = &state.callers.caller(asker.headers, asker.client);
     let not_found = || refusal(StatusCode::NOT_FOUND, "ENOENT", "no such sandbox");
     let Some((token, source)) = token else {
         return Err(refusal(
@@ -199,14 +197,12 @@ pub async fn call(
         Ok(call) => call,
         Err(err) => return refusal(StatusCode::BAD_REQUEST, "EINVAL", err.to_string()),
     };
-    let held = match hold(
-        &state,
-        &sandbox_id,
-        token_of(&headers, &query),
-        &state.callers.caller(&headers, client.as_deref()),
-    )
-    .await
-    {
+    let asker = Asker {
+        headers: &headers,
+        query: &query,
+        client: client.as_deref(),
+    };
+    let held = match hold(&state, &sandbox_id, asker).await {
         Ok(held) => held,
         Err(response) => return response,
     };
@@ -266,14 +262,12 @@ pub async fn put_content(
         }
     };
     let parents = query.get("parents").is_none_or(|value| value != "false");
-    let held = match hold(
-        &state,
-        &sandbox_id,
-        token_of(&headers, &query),
-        &state.callers.caller(&headers, client.as_deref()),
-    )
-    .await
-    {
+    let asker = Asker {
+        headers: &headers,
+        query: &query,
+        client: client.as_deref(),
+    };
+    let held = match hold(&state, &sandbox_id, asker).await {
         Ok(held) => held,
         Err(response) => return response,
     };
@@ -303,14 +297,12 @@ pub async fn get_content(
     let Some(path) = query_path(&query) else {
         return no_path();
     };
-    let held = match hold(
-        &state,
-        &sandbox_id,
-        token_of(&headers, &query),
-        &state.callers.caller(&headers, client.as_deref()),
-    )
-    .await
-    {
+    let asker = Asker {
+        headers: &headers,
+        query: &query,
+        client: client.as_deref(),
+    };
+    let held = match hold(&state, &sandbox_id, asker).await {
         Ok(held) => held,
         Err(response) => return response,
     };
