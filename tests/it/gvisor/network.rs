@@ -525,14 +525,31 @@ async fn a_checkpoint_this_runsc_would_fail_is_refused_and_the_sandbox_keeps_run
     h.runtime.create(&id, &egress()).await.unwrap();
     // The sandbox closes first: its netstack keeps a TIME_WAIT endpoint for
     // 60 s, which this runsc cannot save and which no reset removes.
-    python(
+    let local = python(
         &h.runtime,
         &id,
         &format!(
-            "import socket\ns = socket.create_connection(('198.51.100.2', {HOLD_PORT}))\ns.recv(10)\ns.close()\nimport time\ntime.sleep(0.5)"
+            "import socket\ns = socket.create_connection(('198.51.100.2', {HOLD_PORT}))\ns.recv(10)\nprint('%s %d' % s.getsockname())\ns.close()\nimport time\ntime.sleep(0.5)"
         ),
     )
     .await;
+    // Under load the sandbox's FIN can leave after its program ended (one
+    // run in ten of the named suites): wait until the host's connection
+    // table shows the close, where the checkpoint's guard looks for it.
+    let (ip, port) = local.split_once(' ').expect("the connection's address");
+    let entry = format!("src={ip} dst=198.51.100.2 sport={port} dport={HOLD_PORT}");
+    let asked = Instant::now();
+    while !std::fs::read_to_string("/proc/net/nf_conntrack")
+        .unwrap_or_default()
+        .lines()
+        .any(|line| line.contains(&entry) && !line.contains("ESTABLISHED"))
+    {
+        assert!(
+            asked.elapsed() < Duration::from_secs(20),
+            "the host never saw the sandbox close {entry}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // Even a forced checkpoint, which kills a running execution, is refused
     // before it kills anything.
     let running = h
