@@ -13,7 +13,7 @@
 //! sockets never keep a request out. A connection serving a request has
 //! two deadlines of its own, so that a client cannot hold one by being
 //! slow: its request body must arrive at [`MIN_BODY_BYTES_PER_SECOND`],
-//! counted over the time the server waits for it, after an allowance of the
+//! counted over the time the server spends reading it, after an allowance of the
 //! header-read timeout ([`track_requests`]); and a response the client
 //! stops reading is cut off once a write has made no progress for the idle
 //! timeout. A connection upgraded to a WebSocket has no deadline here: its
@@ -69,7 +69,7 @@ impl Default for ConnectionDeadlines {
 }
 
 /// The least rate at which a request's body must arrive, counted over the
-/// time the server waits for it (beyond the header-read timeout, allowed
+/// time the server spends reading it (beyond the header-read timeout, allowed
 /// once): a body slower than this is cut off, the request fails and the
 /// connection closes. A client holding a connection by a trickling body
 /// must send this much every second on each.
