@@ -26,9 +26,7 @@ use controllers::clock::{Clock, SystemClock};
 use controllers::hooks::LifecycleHooks;
 use controllers::leasing::{LeaseConfig, Leases};
 use controllers::runtime::SandboxRuntime;
-use controllers::sandboxes::{
-    ProgressBus, Reconciler, ReconcilerConfig, ReconcilerParts, SandboxController,
-};
+use controllers::sandboxes::{Reconciler, ReconcilerConfig, ReconcilerParts, SandboxController};
 use controllers::store::{CountingStore, OperationCounts, Store};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -338,7 +336,6 @@ impl Drop for Server {
 
 /// The sandbox controller of an instance with a runtime.
 fn controller(parts: &Parts, runtime: Arc<dyn SandboxRuntime>) -> Arc<SandboxController> {
-    let bus = ProgressBus::default();
     let leases = Leases::new(
         Arc::clone(&parts.metadata_store),
         Arc::clone(&parts.clock),
@@ -353,12 +350,11 @@ fn controller(parts: &Parts, runtime: Arc<dyn SandboxRuntime>) -> Arc<SandboxCon
         runtime,
         leases,
         clock: Arc::clone(&parts.clock),
-        bus: bus.clone(),
         config: parts.reconciler.clone(),
     });
     let reconciler = match &parts.workspace_hooks {
         Some(hooks) => reconciler.with_hooks(Arc::clone(hooks) as Arc<dyn LifecycleHooks>),
         None => reconciler,
     };
-    SandboxController::new(reconciler, bus)
+    SandboxController::new(reconciler)
 }

@@ -12,10 +12,7 @@
 //! the sandbox never subscribe, so a rejected attach cannot steal the
 //! attached client's notifications (upstream bug B7).
 
-use tokio::sync::broadcast;
-
-use super::reconciler::Slots;
-use crate::api::{InstanceId, SandboxId};
+use crate::api::InstanceId;
 
 /// How a sandbox is started on this instance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -163,33 +160,5 @@ impl SandboxEvent {
             Self::CheckpointFailed(cause) => cause.sandbox_lost(),
             _ => false,
         }
-    }
-}
-
-/// The per-sandbox broadcast channels of one instance. Each sandbox's
-/// channel lives in its slot (`reconciler/slots.rs`), beside the rest of
-/// what this instance knows of it: the bus is a handle on those slots, and
-/// the reconciler built with it keeps its state in the same ones. Cheap to
-/// clone: clones share the slots.
-#[derive(Debug, Clone, Default)]
-pub struct ProgressBus {
-    slots: Slots,
-}
-
-impl ProgressBus {
-    pub fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<SandboxEvent> {
-        self.slots.subscribe(sandbox)
-    }
-
-    /// Sends `event` to the current subscribers (none is fine), and forgets
-    /// channels nobody listens to any more.
-    pub fn emit(&self, sandbox: &SandboxId, event: SandboxEvent) {
-        tracing::debug!(%sandbox, ?event, "sandbox event");
-        self.slots.publish(sandbox, event);
-    }
-
-    /// The slots the channels live in: the reconciler's.
-    pub(super) fn slots(&self) -> &Slots {
-        &self.slots
     }
 }

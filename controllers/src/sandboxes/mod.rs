@@ -11,9 +11,7 @@ mod reconciler;
 mod workqueue;
 
 pub use controller::{ControlError, SandboxController};
-pub use events::{
-    CheckpointFailure, LossCause, ProgressBus, SandboxEvent, StartFailure, StartKind,
-};
+pub use events::{CheckpointFailure, LossCause, SandboxEvent, StartFailure, StartKind};
 pub use metrics::{Census, Histogram, Metrics};
 pub use reconciler::{
     AttachRead, ForkError, ForkPoint, HandoffPolicy, ReadMetadata, ReconcileError, Reconciler,

@@ -23,9 +23,7 @@ use controllers::api::{InstanceId, SandboxId, SandboxMetadata};
 use controllers::clock::Clock as _;
 use controllers::layout::{doorbell_key, instance_lease_key, lock_key, metadata_key};
 use controllers::leasing::{LeaseConfig, Leases};
-use controllers::sandboxes::{
-    ProgressBus, Reconciler, ReconcilerConfig, ReconcilerParts, SandboxController,
-};
+use controllers::sandboxes::{Reconciler, ReconcilerConfig, ReconcilerParts, SandboxController};
 use controllers::store::{PutMode, Store};
 use controllers::testing::{FakeRuntime, ManualClock, MemoryStore, edit_json, mutate};
 use rand::rngs::StdRng;
@@ -209,7 +207,6 @@ async fn mutated_agent_lines_never_stop_the_connection() {
 /// One instance of a deployment on the in-memory store.
 fn instance(store: &Arc<MemoryStore>, clock: &ManualClock, name: &str) -> Arc<SandboxController> {
     let runtime = FakeRuntime::new(store.clone());
-    let bus = ProgressBus::default();
     let leases = Leases::new(
         store.clone(),
         Arc::new(clock.clone()),
@@ -229,10 +226,9 @@ fn instance(store: &Arc<MemoryStore>, clock: &ManualClock, name: &str) -> Arc<Sa
         runtime: Arc::new(runtime),
         leases,
         clock: Arc::new(clock.clone()),
-        bus: bus.clone(),
         config: ReconcilerConfig::default(),
     });
-    SandboxController::new(reconciler, bus)
+    SandboxController::new(reconciler)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

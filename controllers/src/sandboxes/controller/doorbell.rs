@@ -121,6 +121,7 @@ impl SandboxController {
                     Command::Rung {
                         intent: ring.intent,
                     },
+                    None,
                 );
                 if !rung.contains(&ring.sandbox) {
                     rung.push(ring.sandbox);

@@ -109,7 +109,7 @@ impl SandboxController {
         // Recorded by the sandbox's own pass, as every write of its objects.
         let snapshot = Box::new(reference.clone());
         let written = self
-            .command(sandbox, |reply| Command::RecordSnapshot { snapshot, reply })
+            .command(sandbox, Command::RecordSnapshot { snapshot })
             .await;
         if let Err(err) = written {
             // The snapshot exists; only its mention in the metadata is missing.

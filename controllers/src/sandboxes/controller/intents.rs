@@ -11,19 +11,19 @@ use tokio::sync::oneshot;
 
 use crate::api::{DesiredState, ForkOrigin, Phase, SandboxId, SandboxMetadata};
 
-use super::super::reconciler::{AttachRead, Command, ForkPoint, Reply, record_carried};
+use super::super::reconciler::{AttachRead, Command, ForkPoint, record_carried};
 use super::{ControlError, SandboxController};
 
 impl SandboxController {
-    /// Gives `sandbox`'s pass the command `make` builds around its reply,
-    /// queues the pass, and awaits the reply.
+    /// Gives `sandbox`'s pass `command`, queues the pass, and awaits its
+    /// reply.
     pub(super) async fn command(
         &self,
         sandbox: &SandboxId,
-        make: impl FnOnce(Reply) -> Command,
+        command: Command,
     ) -> Result<(), ControlError> {
         let (reply, replied) = oneshot::channel();
-        self.reconciler.send(sandbox, make(reply));
+        self.reconciler.send(sandbox, command, Some(reply));
         self.queue.add(sandbox);
         replied.await.unwrap_or_else(|_| {
             Err(ControlError::Internal(format!(
@@ -35,11 +35,9 @@ impl SandboxController {
     /// Records a new sandbox (desired running) and runs it here: its pass
     /// writes `metadata.json` and a lock held here at once (decision 18).
     pub async fn create(&self, metadata: &SandboxMetadata) -> Result<(), ControlError> {
-        self.command(&metadata.sandbox_id, |reply| Command::Create {
-            metadata: Box::new(metadata.clone()),
-            reply,
-        })
-        .await
+        let metadata = Box::new(metadata.clone());
+        self.command(&metadata.sandbox_id.clone(), Command::Create { metadata })
+            .await
     }
 
     /// Reads what an attach needs, both objects at once: `metadata.json`
@@ -154,19 +152,20 @@ impl SandboxController {
         now: chrono::DateTime<chrono::Utc>,
     ) -> Result<(), ControlError> {
         let sandbox = read.metadata.0.sandbox_id.clone();
-        self.command(&sandbox, |reply| Command::Attach {
-            read: Box::new(read),
-            checkpoint: checkpoint.map(str::to_owned),
-            at: now,
-            reply,
-        })
+        self.command(
+            &sandbox,
+            Command::Attach {
+                read: Box::new(read),
+                checkpoint: checkpoint.map(str::to_owned),
+                at: now,
+            },
+        )
         .await
     }
 
     /// Withdraws this instance's wish to run `sandbox` (its client gave up).
     pub async fn withdraw_request(&self, sandbox: &SandboxId) -> Result<(), ControlError> {
-        self.command(sandbox, |reply| Command::Withdraw { reply })
-            .await
+        self.command(sandbox, Command::Withdraw).await
     }
 
     /// Asks for `sandbox` to be checkpointed (under `name`, if given),
@@ -178,11 +177,13 @@ impl SandboxController {
         desired: DesiredState,
         checkpoint_name: Option<&str>,
     ) -> Result<(), ControlError> {
-        self.command(sandbox, |reply| Command::Desire {
-            desired,
-            name: checkpoint_name.map(str::to_owned),
-            reply,
-        })
+        self.command(
+            sandbox,
+            Command::Desire {
+                desired,
+                name: checkpoint_name.map(str::to_owned),
+            },
+        )
         .await
     }
 
@@ -197,9 +198,7 @@ impl SandboxController {
         // (`Command::Drain`); all at once.
         let held = self.held_sandboxes();
         let asked = held.iter().map(|sandbox| async move {
-            let asked = self
-                .command(sandbox, |reply| Command::Drain { reply })
-                .await;
+            let asked = self.command(sandbox, Command::Drain).await;
             if let Err(err) = asked {
                 tracing::warn!(%sandbox, %err, "cannot ask for the sandbox to stop at shutdown");
             }

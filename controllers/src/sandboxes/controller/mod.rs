@@ -20,7 +20,7 @@ use crate::leasing::LeaseError;
 use crate::runtime::RuntimeError;
 use crate::store::StoreError;
 
-use super::events::{ProgressBus, SandboxEvent};
+use super::events::SandboxEvent;
 use super::reconciler::{ForkError, ReconcileError, Reconciler, Requeue};
 use super::workqueue::WorkQueue;
 use doorbell::DoorbellState;
@@ -62,14 +62,12 @@ pub enum ControlError {
 pub struct SandboxController {
     reconciler: Arc<Reconciler>,
     queue: WorkQueue,
-    bus: ProgressBus,
     reconcile_errors: std::sync::atomic::AtomicU64,
     doorbell: std::sync::Mutex<DoorbellState>,
 }
 
 impl SandboxController {
-    /// `bus` must be the one the reconciler emits on.
-    pub fn new(reconciler: Reconciler, bus: ProgressBus) -> Arc<Self> {
+    pub fn new(reconciler: Reconciler) -> Arc<Self> {
         let reconciler = Arc::new(reconciler);
         Reconciler::share(&reconciler);
         let queue = WorkQueue::new(Arc::clone(reconciler.clock()));
@@ -77,7 +75,6 @@ impl SandboxController {
         Arc::new(Self {
             reconciler,
             queue,
-            bus,
             reconcile_errors: std::sync::atomic::AtomicU64::new(0),
             doorbell: std::sync::Mutex::new(DoorbellState::default()),
         })
@@ -219,7 +216,7 @@ impl SandboxController {
 
     /// The reconciler's progress on `sandbox`, from now on.
     pub fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<SandboxEvent> {
-        self.bus.subscribe(sandbox)
+        self.reconciler.subscribe(sandbox)
     }
 
     pub fn is_held_here(&self, sandbox: &SandboxId) -> bool {

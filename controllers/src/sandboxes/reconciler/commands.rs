@@ -51,36 +51,28 @@ pub(crate) type Reply = oneshot::Sender<Result<(), ControlError>>;
 /// What a caller asks of a sandbox's owner.
 pub(crate) enum Command {
     /// Record a new sandbox (desired running) and run it here.
-    Create {
-        metadata: Box<SandboxMetadata>,
-        reply: Reply,
-    },
+    Create { metadata: Box<SandboxMetadata> },
     /// Run it here (from the checkpoint named, else the latest), from the
     /// objects the caller read at `at`.
     Attach {
         read: Box<AttachRead>,
         checkpoint: Option<String>,
         at: DateTime<Utc>,
-        reply: Reply,
     },
     /// Checkpoint it (under `name`, if given), delete it, or run it.
     Desire {
         desired: DesiredState,
         name: Option<String>,
-        reply: Reply,
     },
     /// This instance's client gave up waiting for it.
-    Withdraw { reply: Reply },
+    Withdraw,
     /// The instance shuts down: checkpoint it, delete it if it cannot be,
     /// or let a hand-over under way serve the client waiting elsewhere
     /// (`decision::drain_to`).
-    Drain { reply: Reply },
+    Drain,
     /// Record a filesystem snapshot just taken of it, held here, in
     /// `status.latest_snapshot`.
-    RecordSnapshot {
-        snapshot: Box<SnapshotRef>,
-        reply: Reply,
-    },
+    RecordSnapshot { snapshot: Box<SnapshotRef> },
     /// This instance's doorbell was rung for it, with the attach intent
     /// the ring carried, if any (decision 27).
     Rung { intent: Option<RungIntent> },
@@ -131,11 +123,11 @@ pub(super) struct Served {
 pub(super) type SpecChange = Arc<dyn Fn(&mut SandboxSpec) + Send + Sync>;
 
 impl Reconciler {
-    /// Puts `command` in `sandbox`'s slot for its next pass (the caller
-    /// queues that pass).
-    pub(crate) fn send(&self, sandbox: &SandboxId, command: Command) {
+    /// Puts `command` in `sandbox`'s slot for its next pass, which answers
+    /// on `reply` (the caller queues that pass).
+    pub(crate) fn send(&self, sandbox: &SandboxId, command: Command, reply: Option<Reply>) {
         self.slots.update(sandbox, |slot| {
-            slot.inbox.push(command);
+            slot.inbox.push((command, reply));
             slot.full_pass_wanted = true;
         });
     }
@@ -146,7 +138,7 @@ impl Reconciler {
     /// end to the sandbox's owner.
     pub(in crate::sandboxes) fn report(&self, sandbox: &SandboxId, ended: Ended) {
         let now = ended.wants_a_pass_now();
-        self.send(sandbox, Command::Ended(Box::new(ended)));
+        self.send(sandbox, Command::Ended(Box::new(ended)), None);
         if let Some(queue) = self.wake.get().filter(|_| now) {
             queue.add(sandbox);
         }
@@ -165,46 +157,44 @@ impl Reconciler {
             .slots
             .update(sandbox, |slot| std::mem::take(&mut slot.inbox));
         let mut served = Served::default();
-        for command in commands {
-            match command {
-                Command::Create { metadata, reply } => {
-                    let _ = reply.send(self.serve_create(&metadata, &mut served).await);
-                }
+        for (command, reply) in commands {
+            let outcome = match command {
+                Command::Create { metadata } => self.serve_create(&metadata, &mut served).await,
                 Command::Attach {
                     read,
                     checkpoint,
                     at,
-                    reply,
-                } => {
-                    let _ = reply.send(self.serve_attach(*read, checkpoint, at, &mut served).await);
+                } => self.serve_attach(*read, checkpoint, at, &mut served).await,
+                Command::Desire { desired, name } => {
+                    self.serve_desire(sandbox, desired, name, &mut served).await
                 }
-                Command::Desire {
-                    desired,
-                    name,
-                    reply,
-                } => {
-                    let _ =
-                        reply.send(self.serve_desire(sandbox, desired, name, &mut served).await);
-                }
-                Command::Withdraw { reply } => {
+                Command::Withdraw => {
                     // A hold transferred here after all is then an orphan,
                     // released.
                     self.take_waiting(sandbox);
                     served.view = None;
-                    let outcome = self.leases.withdraw_attach(sandbox).await;
-                    let _ = reply.send(outcome.map_err(Into::into));
+                    self.leases
+                        .withdraw_attach(sandbox)
+                        .await
+                        .map_err(Into::into)
                 }
-                Command::Drain { reply } => {
-                    let _ = reply.send(self.serve_drain(sandbox, &mut served).await);
-                }
-                Command::RecordSnapshot { snapshot, reply } => {
-                    let outcome = self.record_snapshot(sandbox, *snapshot).await;
-                    // The status moved on: the pass reads what it decides on.
+                Command::Drain => self.serve_drain(sandbox, &mut served).await,
+                Command::RecordSnapshot { snapshot } => {
+                    // The status moves on: the pass reads what it decides on.
                     served.view = None;
-                    let _ = reply.send(outcome);
+                    self.record_snapshot(sandbox, *snapshot).await
                 }
-                Command::Rung { intent } => self.serve_ring(sandbox, intent, &mut served),
-                Command::Ended(ended) => self.serve_ended(sandbox, *ended).await,
+                Command::Rung { intent } => {
+                    self.serve_ring(sandbox, intent, &mut served);
+                    Ok(())
+                }
+                Command::Ended(ended) => {
+                    self.serve_ended(sandbox, *ended).await;
+                    Ok(())
+                }
+            };
+            if let Some(reply) = reply {
+                let _ = reply.send(outcome);
             }
         }
         served

@@ -24,6 +24,7 @@ use chrono::{DateTime, Utc};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::broadcast;
 
 use crate::api::{
     ApiObject, CheckpointManifest, CheckpointRef, DesiredState, ExtraFields, Lease, Phase,
@@ -56,7 +57,7 @@ pub use checkpoint::{delete_checkpoint_objects, record_carried};
 pub use commands::AttachRead;
 #[cfg(test)]
 pub(crate) use commands::Ended;
-pub(crate) use commands::{Command, Reply};
+pub(crate) use commands::Command;
 pub use config::{HandoffPolicy, ReconcilerConfig};
 pub use fork::{ForkError, ForkPoint};
 use local::Watch;
@@ -64,9 +65,7 @@ pub use slots::ReadMetadata;
 pub(super) use slots::Slots;
 pub(crate) use start::create_options;
 
-use super::events::{
-    CheckpointFailure, LossCause, ProgressBus, SandboxEvent, StartFailure, StartKind,
-};
+use super::events::{CheckpointFailure, LossCause, SandboxEvent, StartFailure, StartKind};
 
 /// How soon a tombstone waiting for a live holder is tried again.
 const TOMBSTONE_RETRY: Duration = Duration::from_secs(1);
@@ -86,16 +85,10 @@ pub enum ReconcileError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Lease(#[from] LeaseError),
-    /// A newer holder wrote `metadata.json`: this instance must stop acting
-    /// on the sandbox.
-    #[error("{key} was written at epoch {recorded}, newer than this writer's epoch {writer}")]
-    Fenced {
-        key: String,
-        recorded: u64,
-        writer: u64,
-    },
-    #[error("{key} kept changing under {attempts} attempts to update it")]
-    Contended { key: String, attempts: usize },
+    /// A fenced write of `metadata.json` failed; `Fenced` means a newer
+    /// holder wrote it and this instance must stop acting on the sandbox.
+    #[error(transparent)]
+    Fence(#[from] FenceError<Infallible>),
     #[error("{key} is not a valid document: {detail}")]
     Invalid { key: String, detail: String },
     #[error(transparent)]
@@ -113,30 +106,7 @@ pub enum ReconcileError {
 impl ReconcileError {
     /// A newer holder wrote: the writer lost the sandbox.
     pub fn is_fenced(&self) -> bool {
-        matches!(self, Self::Fenced { .. })
-    }
-}
-
-impl From<FenceError<Infallible>> for ReconcileError {
-    fn from(err: FenceError<Infallible>) -> Self {
-        match err {
-            FenceError::Store(err) => Self::Store(err),
-            FenceError::Invalid { key, source } => Self::Invalid {
-                key,
-                detail: source.to_string(),
-            },
-            FenceError::Fenced {
-                key,
-                recorded,
-                writer,
-            } => Self::Fenced {
-                key,
-                recorded,
-                writer,
-            },
-            FenceError::Contended { key, attempts } => Self::Contended { key, attempts },
-            FenceError::Rejected(never) => match never {},
-        }
+        matches!(self, Self::Fence(FenceError::Fenced { .. }))
     }
 }
 
@@ -164,7 +134,6 @@ pub struct Reconciler {
     runtime: Arc<dyn SandboxRuntime>,
     leases: Leases,
     clock: Arc<dyn Clock>,
-    bus: ProgressBus,
     config: ReconcilerConfig,
     /// Everything this instance knows only locally about each sandbox
     /// (`slots.rs`): its hold, its watch, a client waiting, a start in
@@ -200,15 +169,14 @@ pub struct ReconcilerParts {
     pub runtime: Arc<dyn SandboxRuntime>,
     pub leases: Leases,
     pub clock: Arc<dyn Clock>,
-    pub bus: ProgressBus,
     pub config: ReconcilerConfig,
 }
 
 impl Reconciler {
     pub fn new(parts: ReconcilerParts) -> Self {
-        // One map per sandbox: the bus's channels and the rung intents the
-        // leases count live in these slots too.
-        let slots = parts.bus.slots().clone();
+        // One map per sandbox: the progress channels and the rung intents
+        // the leases count live in these slots too.
+        let slots = Slots::default();
         let mut leases = parts.leases;
         leases.keep_rung_in(Arc::new(slots.clone()));
         Self {
@@ -219,7 +187,6 @@ impl Reconciler {
             runtime: parts.runtime,
             leases,
             clock: parts.clock,
-            bus: parts.bus,
             config: parts.config,
             slots,
             last_busy: Mutex::new(None),
@@ -268,8 +235,15 @@ impl Reconciler {
         &self.config
     }
 
+    /// Sends `event` to the sandbox's current subscribers (none is fine).
     fn emit(&self, sandbox: &SandboxId, event: SandboxEvent) {
-        self.bus.emit(sandbox, event);
+        tracing::debug!(%sandbox, ?event, "sandbox event");
+        self.slots.publish(sandbox, event);
+    }
+
+    /// The reconciler's progress on `sandbox`, from now on.
+    pub fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<SandboxEvent> {
+        self.slots.subscribe(sandbox)
     }
 
     /// Reads `metadata.json`; `None` if it does not exist.

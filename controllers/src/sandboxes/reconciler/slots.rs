@@ -71,7 +71,7 @@ pub(super) struct Slot {
     pub(super) write_turn: Option<Arc<tokio::sync::Mutex<()>>>,
     /// Commands for the sandbox's next pass (`commands.rs`), in the order
     /// they came.
-    pub(super) inbox: Vec<super::commands::Command>,
+    pub(super) inbox: Vec<(super::commands::Command, Option<super::commands::Reply>)>,
     /// A change of the spec a pass here is still writing (it outlasted
     /// that pass, `commands.rs`): later passes count it as written.
     pub(super) spec_in_flight: Option<super::commands::SpecChange>,

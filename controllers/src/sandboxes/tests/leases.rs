@@ -3,6 +3,7 @@
 //! re-verifies or stops, an orphan lock is released.
 
 use super::*;
+use crate::fencing::FenceError;
 use crate::testing::Fault;
 
 #[tokio::test]
@@ -360,11 +361,11 @@ async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
     assert!(
         matches!(
             err,
-            ReconcileError::Fenced {
+            ReconcileError::Fence(FenceError::Fenced {
                 recorded: 99,
                 writer: 1,
                 ..
-            }
+            })
         ),
         "{err}"
     );
@@ -437,11 +438,11 @@ async fn a_record_fenced_by_a_newer_holder_stops_the_copy_in_its_own_pass() {
         &id,
         crate::sandboxes::reconciler::Ended::RecordFailed {
             epoch,
-            error: ReconcileError::Fenced {
+            error: ReconcileError::Fence(FenceError::Fenced {
                 key: "metadata.json".into(),
                 recorded: epoch + 1,
                 writer: epoch,
-            },
+            }),
         },
     );
     assert!(

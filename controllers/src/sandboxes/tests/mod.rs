@@ -173,7 +173,6 @@ impl Instance {
         hooks: impl FnOnce(&FakeRuntime) -> Arc<dyn crate::hooks::LifecycleHooks>,
     ) -> Self {
         let runtime = FakeRuntime::new(bucket.clone());
-        let bus = ProgressBus::default();
         let name = InstanceId::parse(name).unwrap();
         let reconciler = Reconciler::new(ReconcilerParts {
             metadata: bucket.clone(),
@@ -183,12 +182,11 @@ impl Instance {
             runtime: Arc::new(runtime.clone()),
             leases: Leases::new(bucket, clock.clone(), name, lease),
             clock,
-            bus: bus.clone(),
             config,
         })
         .with_hooks(hooks(&runtime));
         Self {
-            controller: SandboxController::new(reconciler, bus),
+            controller: SandboxController::new(reconciler),
             runtime,
         }
     }
