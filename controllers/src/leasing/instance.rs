@@ -404,7 +404,7 @@ async fn read_object<T: crate::api::ApiObject>(
     match store.get(key).await {
         Ok(current) => decode::<T>(&current.data)
             .map(|object| Some((object, current.generation)))
-            .map_err(|source| LeaseError::InvalidObject {
+            .map_err(|source| LeaseError::Invalid {
                 key: key.to_string(),
                 source,
             }),
@@ -473,9 +473,7 @@ async fn ring_doorbell_many(
             attempts,
         }),
         Err(RmwError::Store(err)) => Err(err.into()),
-        Err(RmwError::Contended { key, attempts }) => {
-            Err(LeaseError::ContendedObject { key, attempts })
-        }
+        Err(RmwError::Contended { key, attempts }) => Err(LeaseError::Contended { key, attempts }),
         Err(RmwError::Rejected(never)) => match never {},
     }
 }

@@ -118,17 +118,11 @@ pub enum LeaseError {
     },
     #[error("sandbox {sandbox} has no lock.json")]
     Missing { sandbox: SandboxId },
-    #[error("lock.json of sandbox {sandbox} is invalid: {source}")]
-    Invalid {
-        sandbox: SandboxId,
-        source: DecodeError,
-    },
-    #[error("lock.json of sandbox {sandbox} kept changing under {attempts} attempts to write it")]
-    Contended { sandbox: SandboxId, attempts: usize },
+    /// A `lock.json` or instance lease that does not decode.
     #[error("{key} is invalid: {source}")]
-    InvalidObject { key: String, source: DecodeError },
+    Invalid { key: String, source: DecodeError },
     #[error("{key} kept changing under {attempts} attempts to write it")]
-    ContendedObject { key: String, attempts: usize },
+    Contended { key: String, attempts: usize },
     #[error("cannot ring {holder}'s doorbell: {detail}")]
     Ring { holder: InstanceId, detail: String },
     #[error(transparent)]
@@ -311,7 +305,7 @@ impl Leases {
     /// ([`Self::with_heard`]).
     fn decode_heard(&self, sandbox: &SandboxId, data: &[u8]) -> Result<Lease, LeaseError> {
         let lease = decode::<Lease>(data).map_err(|source| LeaseError::Invalid {
-            sandbox: sandbox.clone(),
+            key: lock_key(sandbox).to_string(),
             source,
         })?;
         Ok(self.with_heard(sandbox, lease))
@@ -850,10 +844,9 @@ impl Leases {
             }
             Err(RmwError::Rejected(err)) => Err(err),
             Err(RmwError::Store(err)) => Err(err.into()),
-            Err(RmwError::Contended { attempts, .. }) => Err(LeaseError::Contended {
-                sandbox: sandbox.clone(),
-                attempts,
-            }),
+            Err(RmwError::Contended { key, attempts }) => {
+                Err(LeaseError::Contended { key, attempts })
+            }
         }
     }
 }

@@ -22,26 +22,68 @@ impl SandboxController {
         if !self.is_held_here(sandbox) {
             return Err(ControlError::NotHere(sandbox.clone()));
         }
-        // A periodic checkpoint is taken in place and lasts about a second:
-        // an execution asked for meanwhile waits for it rather than fail. If
-        // the checkpoint moved the sandbox away, the wait ends with the hold.
+        let runtime = self.reconciler.runtime();
+        let execution = self
+            .past_checkpoints(
+                sandbox,
+                || runtime.exec(sandbox, request.clone()),
+                |err| {
+                    matches!(
+                        err,
+                        RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_)
+                    )
+                },
+            )
+            .await?;
+        Ok(self.relayed(sandbox, execution))
+    }
+
+    /// The execution a restore here brought back with the sandbox (created
+    /// with `keep_executions`), once, wrapped like one [`Self::exec`] started.
+    pub fn take_resumed(&self, sandbox: &SandboxId) -> Option<Execution> {
+        let execution = self.reconciler.runtime().take_resumed(sandbox)?;
+        Some(self.relayed(sandbox, execution))
+    }
+
+    /// `execution` with the sandbox's after-exec hooks, its end reported
+    /// only while the hold is vouched for ([`fence_exit`]).
+    fn relayed(&self, sandbox: &SandboxId, execution: Execution) -> Execution {
+        let execution = match self.reconciler.hook_binding(sandbox) {
+            Some(hooks) if hooks.wants_after_exec() => {
+                crate::hooks::run_after_exec(execution, hooks, sandbox.clone())
+            }
+            _ => execution,
+        };
+        fence_exit(execution, Arc::clone(&self.reconciler), sandbox.clone())
+    }
+
+    /// Runs `attempt` on a sandbox held here, waiting out a periodic
+    /// checkpoint in progress: one is taken in place and lasts about a
+    /// second, and between it and its restore the runtime has no sandbox
+    /// while the hold stays (`in_checkpoint` recognises that error). The
+    /// attempt is made again when the sandbox's state changes, until
+    /// [`CHECKPOINT_WAIT`]; if the checkpoint moved the sandbox away, the
+    /// wait ends with the hold.
+    async fn past_checkpoints<T, E, F>(
+        &self,
+        sandbox: &SandboxId,
+        attempt: impl Fn() -> F,
+        in_checkpoint: impl Fn(&E) -> bool,
+    ) -> Result<T, E>
+    where
+        F: std::future::Future<Output = Result<T, E>>,
+    {
         let give_up = self.reconciler.clock().instant() + CHECKPOINT_WAIT;
-        let execution = loop {
+        loop {
             // Armed before trying: the checkpoint's end (its restore here
             // noted in the slot, or the sandbox stopped) is not missed.
             let changed = self.reconciler.state_changed();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            match self
-                .reconciler
-                .runtime()
-                .exec(sandbox, request.clone())
-                .await
-            {
-                // Between a periodic checkpoint and its restore the runtime
-                // has no sandbox while the hold stays: wait that out too.
-                Err(RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_))
-                    if self.is_held_here(sandbox)
+            match attempt().await {
+                Err(err)
+                    if in_checkpoint(&err)
+                        && self.is_held_here(sandbox)
                         && self.reconciler.clock().instant() < give_up =>
                 {
                     tokio::select! {
@@ -49,37 +91,9 @@ impl SandboxController {
                         () = tokio::time::sleep_until(give_up) => {}
                     }
                 }
-                other => break other?,
+                other => return other,
             }
-        };
-        let execution = match self.reconciler.hook_binding(sandbox) {
-            Some(hooks) if hooks.wants_after_exec() => {
-                crate::hooks::run_after_exec(execution, hooks, sandbox.clone())
-            }
-            _ => execution,
-        };
-        Ok(fence_exit(
-            execution,
-            Arc::clone(&self.reconciler),
-            sandbox.clone(),
-        ))
-    }
-
-    /// The execution a restore here brought back with the sandbox (created
-    /// with `keep_executions`), once, wrapped like one [`Self::exec`] started.
-    pub fn take_resumed(&self, sandbox: &SandboxId) -> Option<Execution> {
-        let execution = self.reconciler.runtime().take_resumed(sandbox)?;
-        let execution = match self.reconciler.hook_binding(sandbox) {
-            Some(hooks) if hooks.wants_after_exec() => {
-                crate::hooks::run_after_exec(execution, hooks, sandbox.clone())
-            }
-            _ => execution,
-        };
-        Some(fence_exit(
-            execution,
-            Arc::clone(&self.reconciler),
-            sandbox.clone(),
-        ))
+        }
     }
 
     /// Saves the sandbox's changed files as snapshot `name` and records it in
@@ -117,37 +131,30 @@ impl SandboxController {
         }
         Ok(reference)
     }
-}
 
-impl SandboxController {
-    /// One filesystem request on a sandbox held here. Like an execution it
-    /// waits out a periodic checkpoint in progress (the runtime has no
-    /// sandbox between the checkpoint and its restore while the hold stays).
+    /// One filesystem request on a sandbox held here; like an execution it
+    /// waits out a periodic checkpoint in progress.
     pub async fn fs(&self, sandbox: &SandboxId, request: FsRequest) -> Result<FsReply, FsError> {
         if !self.is_held_here(sandbox) {
             return Err(FsError::Runtime(RuntimeError::NotFound(sandbox.clone())));
         }
-        let give_up = self.reconciler.clock().instant() + CHECKPOINT_WAIT;
-        loop {
-            let changed = self.reconciler.state_changed();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            match self.reconciler.runtime().fs(sandbox, request.clone()).await {
-                Err(FsError::Runtime(
-                    RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_),
-                )) if self.is_held_here(sandbox) && self.reconciler.clock().instant() < give_up => {
-                    tokio::select! {
-                        () = changed => {}
-                        () = tokio::time::sleep_until(give_up) => {}
-                    }
-                }
-                other => return other,
-            }
-        }
+        let runtime = self.reconciler.runtime();
+        self.past_checkpoints(
+            sandbox,
+            || runtime.fs(sandbox, request.clone()),
+            |err| {
+                matches!(
+                    err,
+                    FsError::Runtime(RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_))
+                )
+            },
+        )
+        .await
     }
 }
 
-/// How long an execution waits for a checkpoint in progress to end.
+/// How long an execution or a file request waits for a checkpoint in
+/// progress to end.
 const CHECKPOINT_WAIT: Duration = Duration::from_secs(30);
 
 /// How long an exit held back by [`fence_exit`] waits at most.

@@ -55,9 +55,9 @@ mod start;
 
 pub use checkpoint::{delete_checkpoint_objects, record_carried};
 pub use commands::AttachRead;
+pub(crate) use commands::Command;
 #[cfg(test)]
 pub(crate) use commands::Ended;
-pub(crate) use commands::Command;
 pub use config::{HandoffPolicy, ReconcilerConfig};
 pub use fork::{ForkError, ForkPoint};
 use local::Watch;

@@ -356,8 +356,8 @@ impl Drop for OnDrop {
 /// Cheap to clone: clones share the slots.
 ///
 /// The one per-sandbox map of the controllers: the reconciler's state, the
-/// progress channels (`events.rs`, whose bus is a handle on these slots) and
-/// the commands for each sandbox's pass all live here.
+/// progress channels its sessions subscribe to (`events.rs`) and the
+/// commands for each sandbox's pass all live here.
 #[derive(Debug, Default, Clone)]
 pub(in crate::sandboxes) struct Slots {
     map: Arc<Mutex<HashMap<SandboxId, Slot>>>,
