@@ -241,6 +241,12 @@ impl Reconciler {
         self.slots.publish(sandbox, event);
     }
 
+    /// Tells whoever waits for `sandbox` that it will not be restored here.
+    fn restore_failed(&self, sandbox: &SandboxId, cause: StartFailure) {
+        let kind = StartKind::Restore;
+        self.emit(sandbox, SandboxEvent::StartFailed { kind, cause });
+    }
+
     /// The reconciler's progress on `sandbox`, from now on.
     pub fn subscribe(&self, sandbox: &SandboxId) -> broadcast::Receiver<SandboxEvent> {
         self.slots.subscribe(sandbox)

@@ -278,13 +278,7 @@ impl Reconciler {
                 if let ReconcileError::Invalid { .. } = &err {
                     // An operator's typo: report it to whoever waits, keep
                     // running what runs, and look again later.
-                    self.emit(
-                        sandbox,
-                        SandboxEvent::StartFailed {
-                            kind: StartKind::Restore,
-                            cause: StartFailure::InvalidMetadata(err.to_string()),
-                        },
-                    );
+                    self.restore_failed(sandbox, StartFailure::InvalidMetadata(err.to_string()));
                 }
                 return Err(err);
             }
@@ -434,13 +428,7 @@ impl Reconciler {
             }
             Step::CheckpointedMeanwhile => {
                 if self.take_waiting(sandbox).is_some() {
-                    self.emit(
-                        sandbox,
-                        SandboxEvent::StartFailed {
-                            kind: StartKind::Restore,
-                            cause: StartFailure::CheckpointedMeanwhile,
-                        },
-                    );
+                    self.restore_failed(sandbox, StartFailure::CheckpointedMeanwhile);
                 }
                 Ok(Requeue::Never)
             }

@@ -44,13 +44,7 @@ impl Reconciler {
                 Some(instance) => StartFailure::WantedElsewhere(instance),
                 None => StartFailure::IntentExpired,
             };
-            self.emit(
-                sandbox,
-                SandboxEvent::StartFailed {
-                    kind: StartKind::Restore,
-                    cause,
-                },
-            );
+            self.restore_failed(sandbox, cause);
         }
     }
 
@@ -168,13 +162,7 @@ impl Reconciler {
             }
             Err(LeaseError::WantedByOther { instance, .. }) => {
                 self.done_acquiring(sandbox);
-                self.emit(
-                    sandbox,
-                    SandboxEvent::StartFailed {
-                        kind: StartKind::Restore,
-                        cause: StartFailure::WantedElsewhere(instance),
-                    },
-                );
+                self.restore_failed(sandbox, StartFailure::WantedElsewhere(instance));
                 return Ok(Requeue::Never);
             }
             Err(err) => {
