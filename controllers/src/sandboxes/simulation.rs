@@ -169,11 +169,6 @@ impl Sim {
         }
     }
 
-    fn pick_sandbox(&mut self) -> SandboxId {
-        let index = self.rng.random_range(0..self.sandboxes.len());
-        self.sandboxes[index].clone()
-    }
-
     /// Ends the pauses due at `step`: the frozen pass resumes and finishes.
     async fn wake(&mut self, step: usize) {
         for node in &mut self.nodes {
@@ -204,7 +199,8 @@ impl Sim {
         self.wake(step).await;
         let node = self.rng.random_range(0..self.nodes.len());
         let awake = self.nodes[node].paused_until <= step;
-        let id = self.pick_sandbox();
+        let index = self.rng.random_range(0..self.sandboxes.len());
+        let id = self.sandboxes[index].clone();
         let controller = Arc::clone(&self.nodes[node].controller);
         match self.rng.random_range(0..100) {
             0..30 if awake => {
@@ -255,28 +251,14 @@ impl Sim {
                     .serving(&id, controller.request_here(&id, None, self.clock.now()))
                     .await;
             }
-            52..58 if awake => {
+            roll @ 52..64 if awake => {
+                let desired = match roll {
+                    52..58 => DesiredState::Checkpointed,
+                    58..60 => DesiredState::Deleted,
+                    _ => DesiredState::Running,
+                };
                 let _ = controller
-                    .serving(
-                        &id,
-                        controller.request_state(&id, DesiredState::Checkpointed, None),
-                    )
-                    .await;
-            }
-            58..60 if awake => {
-                let _ = controller
-                    .serving(
-                        &id,
-                        controller.request_state(&id, DesiredState::Deleted, None),
-                    )
-                    .await;
-            }
-            60..64 if awake => {
-                let _ = controller
-                    .serving(
-                        &id,
-                        controller.request_state(&id, DesiredState::Running, None),
-                    )
+                    .serving(&id, controller.request_state(&id, desired, None))
                     .await;
             }
             64..72 if awake => {
