@@ -3,7 +3,7 @@
 //!
 //! A lease alone cannot stop a holder that was paused (GC, a frozen VM) past its
 //! expiry: it wakes up still believing it holds the sandbox. So every write a
-//! holder makes to `metadata.json` goes through [`fenced_update`]: it reads the
+//! holder makes to `metadata.json` goes through [`fenced_update_from`]: it reads the
 //! object with its generation, refuses if the recorded epoch is higher than the
 //! writer's, applies the change, stamps the writer's epoch, and writes with the
 //! generation as precondition. A zombie can waste work but never roll state back.
@@ -57,28 +57,15 @@ pub enum FenceError<E: fmt::Debug + fmt::Display> {
 /// writes it back under the read generation. Retries on a lost race, re-checking
 /// the fence each time. Returns the written object and its new generation.
 ///
+/// `known` is the object as the caller read (or wrote) it moments ago, with
+/// its generation, if it has it: the first try starts from it instead of a
+/// read. The fence is checked on exactly that content, and a write in
+/// between fails the precondition and sends the loop back to a fresh read,
+/// so the guarantee is the same with one round trip less.
+///
 /// `change` must be idempotent (set fields, do not increment them): after a lost
 /// response the store may report a precondition failure for this call's own
 /// write, and the retry then applies `change` to a document that already has it.
-pub async fn fenced_update<T, E, F>(
-    store: &dyn Store,
-    key: &ObjectKey,
-    writer_epoch: u64,
-    change: F,
-) -> Result<(T, Generation), FenceError<E>>
-where
-    T: Fenced,
-    E: fmt::Debug + fmt::Display,
-    F: FnMut(&mut T) -> Result<(), E>,
-{
-    fenced_update_from(store, key, None, writer_epoch, change).await
-}
-
-/// [`fenced_update`] starting from the object as the caller read (or wrote)
-/// it moments ago, with its generation: the fence is checked on exactly
-/// that content, and a write in between fails the precondition and sends
-/// the loop back to a fresh read, so the guarantee is the same with one
-/// round trip less.
 pub async fn fenced_update_from<T, E, F>(
     store: &dyn Store,
     key: &ObjectKey,

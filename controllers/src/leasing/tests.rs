@@ -5,9 +5,8 @@ use std::sync::Arc;
 use chrono::Duration;
 
 use super::*;
-use crate::api::{SandboxMetadata, decode};
-use crate::fencing::{FenceError, fenced_update};
-use crate::layout::{doorbell_key, metadata_key};
+use crate::api::decode;
+use crate::layout::doorbell_key;
 use crate::store::{CountingStore, Operation, OperationCounts, PutMode};
 use crate::testing::{Fault, ManualClock, MemoryStore};
 
@@ -362,55 +361,6 @@ async fn an_acquire_whose_response_was_lost_is_recognised_on_retry() {
     assert_eq!(
         held.epoch, 1,
         "the retry sees its own earlier write, no second epoch"
-    );
-}
-
-/// A store whose only object is the sandbox's `metadata.json`, recording
-/// `epoch`: the fence tests' start. Returns the store, the key and the record.
-#[tokio::test]
-async fn fenced_updates_refuse_writers_with_an_older_epoch() {
-    let (store, clock) = store_and_clock();
-    let key = metadata_key(&sandbox());
-    let mut metadata = SandboxMetadata::new(sandbox(), clock.now(), "ab".repeat(32));
-    metadata.status.epoch = 3;
-    store
-        .put(&key, encode(&metadata), PutMode::Create)
-        .await
-        .unwrap();
-
-    let stale = fenced_update::<SandboxMetadata, String, _>(store.as_ref(), &key, 2, |m| {
-        m.status.last_error = Some("from a zombie".into());
-        Ok(())
-    })
-    .await;
-    assert!(matches!(
-        stale,
-        Err(FenceError::Fenced {
-            recorded: 3,
-            writer: 2,
-            ..
-        })
-    ));
-
-    let (written, _) = fenced_update::<SandboxMetadata, String, _>(store.as_ref(), &key, 4, |m| {
-        m.status.last_error = Some("from the new holder".into());
-        Ok(())
-    })
-    .await
-    .unwrap();
-    assert_eq!(written.status.epoch, 4);
-    let stored: SandboxMetadata = decode(&store.get(&key).await.unwrap().data).unwrap();
-    assert_eq!(stored.status.epoch, 4);
-    assert_eq!(
-        stored.status.last_error.as_deref(),
-        Some("from the new holder")
-    );
-
-    // Now epoch 3 is stale too.
-    assert!(
-        fenced_update::<SandboxMetadata, String, _>(store.as_ref(), &key, 3, |_| Ok(()))
-            .await
-            .is_err()
     );
 }
 
