@@ -630,20 +630,6 @@ async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write(
     assert_eq!((after_a.wanted_by, after_b.wanted_by), (None, None));
 }
 
-/// A ring that cannot be written leaves the intent to the lock, as before.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_attach_intent_whose_ring_fails_is_written_into_the_lock() {
-    let (store, _, [a, b]) = leases_on_one_store(["a", "b"]);
-    a.acquire(&sandbox()).await.unwrap();
-    let read = b.read(&sandbox()).await.unwrap();
-    // The ring's read of the doorbell fails.
-    store.inject([Fault::Transient]);
-    b.request_attach_writing(&sandbox(), read, None)
-        .await
-        .unwrap();
-    assert_eq!(stored_intent_of(&store).await, Some(instance("b")));
-}
-
 /// The acquire write's guard, row by row, on the lock as the write finds it.
 #[test]
 fn the_acquire_guard_takes_only_a_free_or_gone_hold_no_other_instance_wants() {
