@@ -633,81 +633,56 @@ async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write(
 /// The acquire write's guard, row by row, on the lock as the write finds it.
 #[test]
 fn the_acquire_guard_takes_only_a_free_or_gone_hold_no_other_instance_wants() {
+    use Grant::{HeldByOther, Renew, Take, WantedByOther};
     let (me, other) = (instance("a"), instance("b"));
     let now = chrono::DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
         .unwrap()
         .to_utc();
-    let skew = Duration::seconds(2);
     let held_by = |holder: &InstanceId, renewed_secs_ago: i64| Lease {
         holder: Some(holder.clone()),
         epoch: 4,
         renewed_at: Some(now - Duration::seconds(renewed_secs_ago)),
         ..Lease::unheld(15)
     };
-    let wanted_by = |mut lease: Lease, instance: &InstanceId, expires_in: i64| {
-        lease.wanted_by = Some(AttachIntent {
-            instance: instance.clone(),
-            requested_at: now,
-            expires_at: now + Duration::seconds(expires_in),
-            extra: ExtraFields::new(),
-        });
-        lease
+    let intent = |instance: &InstanceId, expires_in: i64| AttachIntent {
+        instance: instance.clone(),
+        requested_at: now,
+        expires_at: now + Duration::seconds(expires_in),
+        extra: ExtraFields::new(),
     };
-    let gone = (other.clone(), 4);
-    let grant = |lock: &Lease, gone: Option<&(InstanceId, u64)>| grant(lock, &me, gone, now, skew);
-
-    assert_eq!(grant(&Lease::unheld(15), None), Grant::Take, "never held");
-    assert_eq!(
-        grant(&held_by(&me, 60), None),
-        Grant::Renew,
-        "ours, even expired"
-    );
-    assert_eq!(grant(&held_by(&other, 1), None), Grant::HeldByOther, "live");
-    assert_eq!(
-        grant(&held_by(&other, 60), None),
-        Grant::HeldByOther,
-        "expired, but its instance lease was not found gone"
-    );
-    assert_eq!(
-        grant(&held_by(&other, 60), Some(&gone)),
-        Grant::Take,
-        "gone"
-    );
-    assert_eq!(
-        grant(&held_by(&other, 16), Some(&gone)),
-        Grant::HeldByOther,
-        "the lock's own lease runs out only after the skew"
-    );
-    assert_eq!(
-        grant(&held_by(&other, 1), Some(&gone)),
-        Grant::HeldByOther,
-        "renewed since it was found gone"
-    );
+    let wanted_by = |lease: Lease, instance: &InstanceId, expires_in: i64| Lease {
+        wanted_by: Some(intent(instance, expires_in)),
+        ..lease
+    };
+    let found_gone = (other.clone(), 4);
+    let gone = Some(&found_gone);
+    let free = Lease::unheld(15);
     let retaken = Lease {
         epoch: 5,
         ..held_by(&other, 60)
     };
-    assert_eq!(
-        grant(&retaken, Some(&gone)),
-        Grant::HeldByOther,
-        "a later hold"
-    );
-    let wanted = wanted_by(Lease::unheld(15), &other, 30);
-    assert!(
-        matches!(grant(&wanted, None), Grant::WantedByOther(intent) if intent.instance == other)
-    );
-    assert_eq!(
-        grant(&wanted_by(Lease::unheld(15), &other, -1), None),
-        Grant::Take,
-        "expired intent"
-    );
-    assert_eq!(
-        grant(&wanted_by(Lease::unheld(15), &me, 30), None),
-        Grant::Take,
-        "our own intent"
-    );
-    assert!(matches!(
-        grant(&wanted_by(held_by(&other, 60), &other, 30), Some(&gone)),
-        Grant::WantedByOther(_)
-    ));
+    let wanted = wanted_by(free.clone(), &other, 30);
+    let gone_but_wanted = wanted_by(held_by(&other, 60), &other, 30);
+    let stale_intent = wanted_by(free.clone(), &other, -1);
+    let own_intent = wanted_by(free.clone(), &me, 30);
+    let wanted_by_other = WantedByOther(intent(&other, 30));
+    // Each row: the lock, the hold found gone (if any), the answer, why.
+    let rows = [
+        (free, None, Take, "never held"),
+        (held_by(&me, 60), None, Renew, "ours, even expired"),
+        (held_by(&other, 1), None, HeldByOther, "live"),
+        (held_by(&other, 60), None, HeldByOther, "not found gone"),
+        (held_by(&other, 60), gone, Take, "gone"),
+        (held_by(&other, 16), gone, HeldByOther, "within the skew"),
+        (held_by(&other, 1), gone, HeldByOther, "renewed since"),
+        (retaken, gone, HeldByOther, "a later hold"),
+        (wanted, None, wanted_by_other.clone(), "another's intent"),
+        (stale_intent, None, Take, "expired intent"),
+        (own_intent, None, Take, "our own intent"),
+        (gone_but_wanted, gone, wanted_by_other, "gone, but wanted"),
+    ];
+    for (lock, gone, expected, why) in rows {
+        let skew = Duration::seconds(2);
+        assert_eq!(grant(&lock, &me, gone, now, skew), expected, "{why}");
+    }
 }
