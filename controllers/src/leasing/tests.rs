@@ -29,7 +29,7 @@ fn leases_on_one_store<const N: usize>(
     names: [&str; N],
 ) -> (Arc<MemoryStore>, ManualClock, [Leases; N]) {
     let (store, clock) = store_and_clock();
-    let leases = names.map(|name| leases(&store, &clock, name));
+    let leases = names.map(|name| leases(store.clone(), &clock, name, 0));
     (store, clock, leases)
 }
 
@@ -55,15 +55,17 @@ async fn reads_and_writes_of(
     )
 }
 
-fn leases(store: &Arc<MemoryStore>, clock: &ManualClock, name: &str) -> Leases {
+/// Instance `name`'s leases on `store`: 30 s leases, 5 s skew, 60 s intents,
+/// and one doorbell written to at most once per `spacing_ms`.
+fn leases(store: Arc<dyn Store>, clock: &ManualClock, name: &str, spacing_ms: u64) -> Leases {
     let config = LeaseConfig {
         duration: Duration::seconds(30),
         skew_tolerance: Duration::seconds(5),
         intent_ttl: Duration::seconds(60),
-        ring_spacing: std::time::Duration::ZERO,
+        ring_spacing: std::time::Duration::from_millis(spacing_ms),
     };
     let clock = Arc::new(clock.clone());
-    let mut leases = Leases::new(store.clone(), clock, instance(name), config);
+    let mut leases = Leases::new(store, clock, instance(name), config);
     leases.keep_rung_in(Arc::new(Heard::default()));
     leases
 }
@@ -115,17 +117,6 @@ async fn stored_intent_of(store: &MemoryStore) -> Option<InstanceId> {
         .await
         .wanted_by
         .map(|intent| intent.instance)
-}
-
-/// Instance `name`'s leases on `store`, writing to one doorbell at most once
-/// per `spacing_ms`.
-fn ringer(store: &Arc<dyn Store>, clock: &ManualClock, name: &str, spacing_ms: u64) -> Leases {
-    let config = LeaseConfig {
-        ring_spacing: std::time::Duration::from_millis(spacing_ms),
-        ..LeaseConfig::default()
-    };
-    let clock = Arc::new(clock.clone());
-    Leases::new(store.clone(), clock, instance(name), config)
 }
 
 /// Checks that `holder`'s doorbell in `store` has a ring for each of `sandboxes`.
@@ -267,8 +258,8 @@ async fn withdrawing_an_intent_only_removes_ones_own() {
 async fn instances_whose_clocks_disagree_by_three_seconds_never_overlap() {
     let (store, clock_a) = store_and_clock();
     let clock_b = clock_a.skewed(Duration::seconds(3)); // B runs 3 s ahead
-    let a = leases(&store, &clock_a, "a");
-    let b = leases(&store, &clock_b, "b");
+    let a = leases(store.clone(), &clock_a, "a", 0);
+    let b = leases(store.clone(), &clock_b, "b", 0);
     let advance = |secs| {
         clock_a.advance(Duration::seconds(secs));
         clock_b.advance(Duration::seconds(secs));
@@ -322,7 +313,7 @@ async fn an_invalid_lock_is_reported_by_field_and_never_overwritten() {
 async fn of_ten_concurrent_acquirers_exactly_one_wins() {
     let (store, clock) = store_and_clock();
     let attempts = (0..10).map(|i| {
-        let leases = leases(&store, &clock, &format!("i{i}"));
+        let leases = leases(store.clone(), &clock, &format!("i{i}"), 0);
         tokio::spawn(async move { leases.acquire(&sandbox()).await })
     });
     let results = futures::future::join_all(attempts).await;
@@ -357,7 +348,7 @@ async fn an_acquire_whose_response_was_lost_is_recognised_on_retry() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
     let (memory, counts, store) = counted_store();
-    let ringer = ringer(&store, &ManualClock::new(), "b", 300);
+    let ringer = leases(store, &ManualClock::new(), "b", 300);
     let sandboxes: Vec<SandboxId> = (0..30u128).map(SandboxId::from_u128).collect();
     #[allow(clippy::disallowed_methods, reason = "the test measures its own run")]
     let started = std::time::Instant::now();
@@ -394,7 +385,7 @@ async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
 async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
     let (memory, counts, store) = counted_store();
     let clock = ManualClock::new();
-    let ringer = ringer(&store, &clock, "b", 0);
+    let ringer = leases(store, &clock, "b", 0);
     let rings = ringer.instance_lease();
     let [first, second, third, other] = [1u128, 2, 3, 4].map(SandboxId::from_u128);
     rings.ring(&instance("a"), &first, None).await.unwrap();
@@ -441,7 +432,7 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
 async fn a_batch_of_a_burst_reads_first_and_no_write_is_refused() {
     let (memory, counts, store) = counted_store();
     let clock = ManualClock::new();
-    let [b, c] = ["b", "c"].map(|name| ringer(&store, &clock, name, 200));
+    let [b, c] = ["b", "c"].map(|name| leases(store.clone(), &clock, name, 200));
     let (b, c) = (b.instance_lease(), c.instance_lease());
     let [first, second, third] = [1u128, 2, 3].map(SandboxId::from_u128);
     let holder = instance("a");
