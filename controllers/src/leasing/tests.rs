@@ -55,14 +55,25 @@ async fn reads_and_writes_of(
     )
 }
 
-/// Instance `name`'s leases on `store`: 30 s leases, 5 s skew, 60 s intents,
-/// and one doorbell written to at most once per `spacing_ms`.
+impl LeaseConfig {
+    /// The lease settings of these tests and the reconciler's: 30 s leases,
+    /// 5 s skew, 60 s intents, rings written at once.
+    pub(crate) fn for_tests() -> Self {
+        Self {
+            duration: Duration::seconds(30),
+            skew_tolerance: Duration::seconds(5),
+            intent_ttl: Duration::seconds(60),
+            ring_spacing: std::time::Duration::ZERO,
+        }
+    }
+}
+
+/// Instance `name`'s leases on `store` ([`LeaseConfig::for_tests`]), writing
+/// to one doorbell at most once per `spacing_ms`.
 fn leases(store: Arc<dyn Store>, clock: &ManualClock, name: &str, spacing_ms: u64) -> Leases {
     let config = LeaseConfig {
-        duration: Duration::seconds(30),
-        skew_tolerance: Duration::seconds(5),
-        intent_ttl: Duration::seconds(60),
         ring_spacing: std::time::Duration::from_millis(spacing_ms),
+        ..LeaseConfig::for_tests()
     };
     let clock = Arc::new(clock.clone());
     let mut leases = Leases::new(store, clock, instance(name), config);

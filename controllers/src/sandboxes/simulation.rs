@@ -29,8 +29,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::broadcast;
 
-use super::tests::Instance;
 use super::tests::hooked_store::{BeforeRequest, HookedStore, Request};
+use super::tests::{Instance, TOKEN_HASH};
 use super::*;
 use crate::api::{CheckpointManifest, DesiredState, Lease, SandboxId, SandboxMetadata, decode};
 use crate::clock::Clock;
@@ -65,7 +65,6 @@ impl BeforeRequest for Gate {
     }
 }
 
-const TOKEN_HASH: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 const STEPS: usize = 150;
 const SANDBOXES: u128 = 2;
 

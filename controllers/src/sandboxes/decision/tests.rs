@@ -5,9 +5,7 @@ use chrono::{Duration, TimeZone, Utc};
 
 use super::*;
 use crate::api::{AttachIntent, ExtraFields, SandboxId};
-use crate::store::Generation;
-
-const TOKEN_HASH: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+use crate::sandboxes::tests::{TOKEN_HASH, held_lease};
 
 struct Case {
     me: InstanceId,
@@ -58,14 +56,7 @@ impl Case {
         lock.epoch = 3;
         lock.acquired_at = Some(case.now);
         lock.renewed_at = Some(case.now);
-        case.held = Some(HeldLease {
-            sandbox: SandboxId::from_u128(1),
-            epoch: 3,
-            renewed_at: case.now,
-            generation: Generation(1),
-            lease: lock.clone(),
-            era: 1,
-        });
+        case.held = Some(held_lease(lock.clone(), case.now));
         case.lock = Some(lock);
         let status = &mut case.metadata.as_mut().unwrap().status;
         status.phase = Phase::Running;

@@ -538,7 +538,7 @@ mod tests {
 
     use super::*;
     use crate::api::Lease;
-    use crate::store::Generation;
+    use crate::sandboxes::tests::held_lease;
 
     fn at(seconds: i64) -> DateTime<Utc> {
         Utc.timestamp_opt(1_800_000_000 + seconds, 0).unwrap()
@@ -547,14 +547,7 @@ mod tests {
     fn held(epoch: u64) -> HeldLease {
         let mut lease = Lease::unheld(15);
         lease.epoch = epoch;
-        HeldLease {
-            sandbox: SandboxId::from_u128(1),
-            epoch,
-            renewed_at: at(0),
-            generation: Generation(1),
-            lease,
-            era: 1,
-        }
+        held_lease(lease, at(0))
     }
 
     fn watch() -> Watch {

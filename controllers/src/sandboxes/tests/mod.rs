@@ -32,12 +32,30 @@ use crate::api::{
 };
 use crate::clock::Clock;
 use crate::layout::{checkpoint_image_key, handoff_checkpoint_id, lock_key, metadata_key};
-use crate::leasing::{LeaseConfig, Leases};
+use crate::leasing::{HeldLease, LeaseConfig, Leases};
 use crate::runtime::{Command, ExecRequest};
 use crate::store::{PutMode, Store};
 use crate::testing::{FakeRuntime, ManualClock, MemoryStore};
 
-const TOKEN_HASH: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+/// The token hash of the sandboxes these tests, the table's and the simulation make.
+pub(in crate::sandboxes) const TOKEN_HASH: &str =
+    "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+
+/// A hold of sandbox 1 on `lease`, at its epoch, renewed at `renewed_at`:
+/// the fixture of the decision table's and the slots' tests.
+pub(in crate::sandboxes) fn held_lease(
+    lease: Lease,
+    renewed_at: chrono::DateTime<chrono::Utc>,
+) -> HeldLease {
+    HeldLease {
+        sandbox: SandboxId::from_u128(1),
+        epoch: lease.epoch,
+        renewed_at,
+        generation: crate::store::Generation(1),
+        lease,
+        era: 1,
+    }
+}
 
 /// An instance: its controller and the fake runtime it runs sandboxes on.
 pub(super) struct Instance {
@@ -103,13 +121,7 @@ impl World {
         config: ReconcilerConfig,
         hooks: impl FnOnce(&FakeRuntime) -> Arc<dyn crate::hooks::LifecycleHooks>,
     ) -> Instance {
-        let lease = LeaseConfig {
-            duration: Duration::seconds(30),
-            skew_tolerance: Duration::seconds(5),
-            intent_ttl: Duration::seconds(60),
-            ring_spacing: std::time::Duration::ZERO,
-        };
-        let clock = Arc::new(self.clock.clone());
+        let (clock, lease) = (Arc::new(self.clock.clone()), LeaseConfig::for_tests());
         Instance::build(self.bucket.clone(), clock, name, lease, config, hooks)
     }
 
