@@ -43,7 +43,7 @@ async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
 
     // Another instance restores it: same memory, next epoch.
     let b = world.instance("b");
-    b.bring_here(&id, &world).await;
+    b.bring_here(&id).await;
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["x=1".to_owned()]);
     let status = world.metadata(&id).await.status;
     assert_eq!((status.phase, status.epoch), (Phase::Running, 2));
@@ -55,14 +55,12 @@ async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
     let (world, a, id) = World::with_a_sandbox().await;
     a.run(&id, "one").await;
     a.checkpoint(&id, Some("early")).await;
-    a.bring_here(&id, &world).await;
+    a.bring_here(&id).await;
     a.run(&id, "two").await;
     a.checkpoint(&id, None).await;
 
     // Ask for the early one by name.
-    a.request_here(&id, Some("early"), world.clock.now())
-        .await
-        .unwrap();
+    a.request_here(&id, Some("early")).await.unwrap();
     a.reconcile(&id).await.unwrap();
     assert_eq!(a.runtime.memory(&id).unwrap(), vec!["one".to_owned()]);
 
@@ -70,7 +68,7 @@ async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
     a.run(&id, "three").await;
     a.checkpoint(&id, None).await;
     world.clock.advance(Duration::seconds(1));
-    a.bring_here(&id, &world).await;
+    a.bring_here(&id).await;
     assert_eq!(
         a.runtime.memory(&id).unwrap(),
         vec!["one".to_owned(), "three".to_owned()]
@@ -82,9 +80,7 @@ async fn an_unknown_checkpoint_name_fails_the_restore_and_keeps_the_sandbox() {
     let (world, a, id) = World::with_a_sandbox().await;
     a.checkpoint(&id, None).await;
     let mut events = a.controller.subscribe(&id);
-    a.request_here(&id, Some("nope"), world.clock.now())
-        .await
-        .unwrap();
+    a.request_here(&id, Some("nope")).await.unwrap();
     a.reconcile(&id).await.unwrap();
     let seen = drain(&mut events);
     assert!(
@@ -149,7 +145,7 @@ async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay
         let latest = world.metadata(&id).await.status.latest_checkpoint;
         images.push(latest.unwrap().path);
         world.clock.advance(Duration::seconds(1));
-        a.bring_here(&id, &world).await;
+        a.bring_here(&id).await;
     }
     let status = world.metadata(&id).await.status;
     let previous: Vec<&str> = status
@@ -209,7 +205,7 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
     a.runtime.crash(&id);
     let b = world.instance("b");
     world.clock.advance(Duration::seconds(40));
-    b.bring_here(&id, &world).await;
+    b.bring_here(&id).await;
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["saved".to_owned()]);
 }
 
@@ -401,7 +397,7 @@ async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
     let a = world.instance("a");
     let id = checkpointed_before_its_record(&world, &gated, &a, "base").await;
     let within = std::time::Duration::from_secs(10);
-    tokio::time::timeout(within, a.request_here(&id, Some("base"), world.clock.now()))
+    tokio::time::timeout(within, a.request_here(&id, Some("base")))
         .await
         .expect("the attach waited for the record")
         .unwrap();
@@ -444,7 +440,7 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
 
     // B asks for it meanwhile; A's next pass hands it over at once.
     world.clock.advance(Duration::milliseconds(100));
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.request_here(&id, None).await.unwrap();
     assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
     tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
         .await

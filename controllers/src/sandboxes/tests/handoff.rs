@@ -16,7 +16,7 @@ async fn another_instance_asking_gets_the_sandbox_handed_over_with_the_image_it_
 
     // A's client left: A watches the lock closely.
     a.controller.client_attached(&id, false);
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.request_here(&id, None).await.unwrap();
     // B waits: A holds a live lease.
     assert!(matches!(b.reconcile(&id).await.unwrap(), Requeue::After(_)));
     assert!(b.runtime.memory(&id).is_none());
@@ -61,7 +61,7 @@ async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
     a.run(&id, "state").await;
     a.controller.client_attached(&id, false);
     a.runtime.lose_on_checkpoint(&id);
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.request_here(&id, None).await.unwrap();
     a.answer_doorbell().await;
     a.reconcile(&id).await.unwrap();
     assert_eq!(world.lease(&id).await.holder, None, "let go");
@@ -102,7 +102,7 @@ async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_ag
             metadata.spec.labels.insert("team".into(), "blue".into());
             world.edit_metadata(&metadata).await;
         }
-        b.request_here(&id, None, world.clock.now()).await.unwrap();
+        b.request_here(&id, None).await.unwrap();
         a.answer_doorbell().await;
         let reads = counts.count(Operation::Get);
         a.reconcile(&id).await.unwrap();
@@ -131,7 +131,7 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
     let config = ReconcilerConfig::default();
     a.controller.client_attached(&id, false);
     b.runtime.watch_images();
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.request_here(&id, None).await.unwrap();
     b.controller.drain_queue();
     assert_eq!(
         b.reconcile(&id).await.unwrap(),
@@ -164,7 +164,7 @@ async fn an_attach_intent_rings_the_holder_even_with_its_client_attached() {
     let b = world.instance("b");
     a.reconcile(&id).await.unwrap();
     assert_eq!(a.answer_doorbell().await, vec![]);
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.request_here(&id, None).await.unwrap();
     // The doorbell names the sandbox once, however often it is read.
     assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
     assert_eq!(a.answer_doorbell().await, vec![]);
@@ -200,7 +200,7 @@ async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
     let b = world.instance("b");
     let id = a.create(&world).await;
     a.live_through(&world, 10).await;
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.request_here(&id, None).await.unwrap();
     let intent = world.lease(&id).await.wanted_by;
     assert_eq!(
         intent.map(|intent| intent.instance),
@@ -219,7 +219,7 @@ async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
 async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
     let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.request_here(&id, None).await.unwrap();
     let doorbell = crate::layout::doorbell_key(&InstanceId::parse("a").unwrap());
     world.store.delete(&doorbell).await.unwrap();
     b.reconcile(&id).await.unwrap();
@@ -243,10 +243,10 @@ async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
     let b = world.instance("b");
     let id = x.create(&world).await;
     let mut waiting_on_a = a.controller.subscribe(&id);
-    a.request_here(&id, None, world.clock.now()).await.unwrap();
+    a.request_here(&id, None).await.unwrap();
     // A client on B asks too, after A's, before X handed over.
     world.clock.advance(Duration::milliseconds(10));
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.request_here(&id, None).await.unwrap();
     a.reconcile(&id).await.unwrap();
     x.answer_doorbell().await;
     x.reconcile(&id).await.unwrap();
@@ -279,7 +279,7 @@ async fn an_attach_to_a_free_lock_takes_it_in_its_own_write() {
     let (world, a, id) = World::with_a_sandbox().await;
     a.checkpoint(&id, None).await;
     let epoch = world.lease(&id).await.epoch;
-    a.request_here(&id, None, world.clock.now()).await.unwrap();
+    a.request_here(&id, None).await.unwrap();
     let lock = world.lease(&id).await;
     assert_eq!(lock.holder.as_ref().map(|h| h.as_str()), Some("a"));
     assert_eq!(lock.epoch, epoch + 1);
@@ -352,7 +352,7 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     // B's pass reads metadata (no checkpoint yet), then stops before the lock.
     let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
     let b = PauseBeforeLockRead::instance(&store, &world);
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.request_here(&id, None).await.unwrap();
     store.hook.armed.store(true, Ordering::Release);
     let pass = {
         let b = Arc::clone(&b.controller);

@@ -73,7 +73,7 @@ async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
     let a = world.instance("a");
     let b = world.instance("b");
     let id = a.create_checkpointed(&world).await;
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.request_here(&id, None).await.unwrap();
     // A ignores the ring (say it is busy); far past the lock's own lease,
     // A's instance lease keeps the hold.
     for _ in 0..6 {
@@ -88,7 +88,7 @@ async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
     b.reconcile(&id).await.unwrap();
     assert!(b.runtime.memory(&id).is_none(), "not before lease + skew");
     world.clock.advance(Duration::seconds(2));
-    b.bring_here(&id, &world).await;
+    b.bring_here(&id).await;
     assert!(b.runtime.memory(&id).is_some(), "taken over");
     assert_eq!(world.lease(&id).await.epoch, 3);
 }
@@ -105,7 +105,7 @@ async fn a_taker_waiting_for_a_quiet_live_holder_writes_nothing() {
     let a = world.instance("a");
     let b = world.instance("b");
     let id = a.create_checkpointed(&world).await;
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.request_here(&id, None).await.unwrap();
     let before = counted.hook.seen();
     // Past the lock's own lease (30 s and the skew), within the intent's.
     for _ in 0..5 {
@@ -145,9 +145,7 @@ async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them
     let taken = a.create_checkpointed(&world).await;
     // A freezes past its lease; B takes `taken` meanwhile.
     world.clock.advance(Duration::seconds(40));
-    b.request_here(&taken, None, world.clock.now())
-        .await
-        .unwrap();
+    b.request_here(&taken, None).await.unwrap();
     b.reconcile(&taken).await.unwrap();
     assert!(b.runtime.memory(&taken).is_some());
     // A resumes: its renewal starts a new era, so neither hold is vouched for.
@@ -206,7 +204,7 @@ async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung
     // instance lease keeps the old hold alive.
     let a2 = world.instance("a");
     a2.heartbeat().await;
-    b.request_here(&id, None, world.clock.now()).await.unwrap();
+    b.request_here(&id, None).await.unwrap();
     assert_eq!(a2.answer_doorbell().await, vec![id.clone()]);
     a2.reconcile(&id).await.unwrap();
     assert_eq!(world.lease(&id).await.holder, None, "released");
@@ -253,7 +251,7 @@ async fn a_sandbox_whose_holder_died_before_recording_it_runs_is_not_created_afr
     metadata.status.holder = None;
     world.edit_metadata(&metadata).await;
     let mut events = b.controller.subscribe(&id);
-    b.bring_here(&id, &world).await;
+    b.bring_here(&id).await;
     assert!(b.runtime.memory(&id).is_none(), "nothing created");
     assert!(said_no_checkpoint(&mut events), "a clear error");
 }
@@ -269,7 +267,7 @@ async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
     let b = world.instance("b");
     let id = created_by_a_dead_holder(&world, a).await;
     let before = counted.hook.seen();
-    b.bring_here(&id, &world).await;
+    b.bring_here(&id).await;
     assert!(
         b.runtime.memory(&id).is_none(),
         "no checkpoint: nothing runs"

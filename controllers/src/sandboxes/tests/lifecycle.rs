@@ -89,7 +89,7 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
     refused(b.request_state(&id, DesiredState::Checkpointed, None).await).unwrap();
     // An attach whose ring lands before its spec write is answered returns
     // at once; the refusal of that write then comes in the background.
-    let attach = b.request_here(&id, None, world.clock.now()).await;
+    let attach = b.request_here(&id, None).await;
     assert!(
         matches!(attach, Ok(()) | Err(ControlError::Deleted(_))),
         "{attach:?}"
@@ -106,7 +106,7 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
     let mut edited = world.metadata(&id).await;
     edited.spec.desired_state = DesiredState::Running;
     world.edit_metadata(&edited).await;
-    let _ = b.request_here(&id, None, world.clock.now()).await;
+    let _ = b.request_here(&id, None).await;
     for _ in 0..3 {
         b.reconcile(&id).await.unwrap();
         a.reconcile(&id).await.unwrap();

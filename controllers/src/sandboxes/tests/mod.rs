@@ -210,14 +210,15 @@ impl Instance {
         outcome
     }
 
-    /// Asks for `id` here, with the pass that serves the ask.
+    /// Asks for `id` here (now, by the instance's clock), with the pass that
+    /// serves the ask.
     async fn request_here(
         &self,
         id: &SandboxId,
         checkpoint: Option<&str>,
-        now: chrono::DateTime<chrono::Utc>,
     ) -> Result<(), ControlError> {
         let controller = &self.controller;
+        let now = controller.reconciler().clock().now();
         controller
             .serving(id, controller.request_here(id, checkpoint, now))
             .await
@@ -263,10 +264,8 @@ impl Instance {
 
     /// Asks for `id` here (from its latest checkpoint, if any) with the pass
     /// that serves the ask, then runs one more pass.
-    async fn bring_here(&self, id: &SandboxId, world: &World) {
-        self.request_here(id, None, world.clock.now())
-            .await
-            .unwrap();
+    async fn bring_here(&self, id: &SandboxId) {
+        self.request_here(id, None).await.unwrap();
         self.reconcile(id).await.unwrap();
     }
 
@@ -339,7 +338,7 @@ impl Instance {
     async fn create_checkpointed(&self, world: &World) -> SandboxId {
         let id = self.create(world).await;
         self.checkpoint(&id, None).await;
-        self.bring_here(&id, world).await;
+        self.bring_here(&id).await;
         assert!(self.controller.is_held_here(&id));
         id
     }
