@@ -230,10 +230,7 @@ async fn a_failed_periodic_checkpoint_waits_an_interval_and_the_table_marks_a_lo
     let status = world.metadata(&id).await.status;
     assert_eq!(status.phase, Phase::Failed, "the table marked it died");
     assert_eq!(world.lease(&id).await.holder, None, "and released it");
-    assert!(heard!(
-        drain(&mut events),
-        SandboxEvent::Lost(LossCause::Died)
-    ));
+    assert_eq!(drain(&mut events), [SandboxEvent::Lost(LossCause::Died)]);
 
     // One an execution defers is not tried again at once either (each try
     // costs a read of both objects), but an interval later.

@@ -1,5 +1,5 @@
-//! Create, delete (tombstone, purge), a sandbox that died, and an operator's
-//! invalid `metadata.json`: one instance, no handoff.
+//! Create, delete (tombstone, purge) and an operator's invalid
+//! `metadata.json`: one instance, no handoff.
 
 use super::*;
 
@@ -139,16 +139,4 @@ async fn invalid_json_from_an_operator_is_reported_and_changes_nothing() {
     assert!(err.to_string().contains("metadata.json"), "{err}");
     assert!(a.runtime.memory(&id).is_some(), "the sandbox keeps running");
     assert!(a.controller.is_held_here(&id));
-}
-
-#[tokio::test]
-async fn a_sandbox_that_died_is_marked_failed_and_released() {
-    let (world, a, id) = World::with_a_sandbox().await;
-    a.runtime.crash(&id);
-    let mut events = a.controller.subscribe(&id);
-    a.reconcile(&id).await.unwrap();
-    assert_eq!(drain(&mut events), [SandboxEvent::Lost(LossCause::Died)]);
-    let metadata = world.metadata(&id).await;
-    assert_eq!(metadata.status.phase, Phase::Failed);
-    assert_eq!(world.lease(&id).await.holder, None);
 }
