@@ -198,13 +198,6 @@ fn another_instances_live_intent_is_a_handover_if_checkpointable() {
 }
 
 #[test]
-fn an_unvouched_hold_is_reverified_a_vouched_one_kept() {
-    assert_eq!(Case::held_here().decide(), Step::KeepRunning);
-    let case = Case::held_here().with(|case| case.vouched = false);
-    assert_eq!(case.decide(), Step::Reverify);
-}
-
-#[test]
 fn a_lock_naming_this_instance_without_a_hold_is_an_orphan_unless_starting() {
     let case = Case::new().held_by("a", 7);
     assert_eq!(case.decide(), Step::ReleaseOrphan { epoch: 7 });
@@ -300,11 +293,13 @@ fn a_held_sandbox_whose_status_lags_is_recorded_before_anything_else_routine() {
 }
 
 #[test]
-fn a_due_periodic_checkpoint_is_a_step_of_the_table() {
+fn a_due_periodic_checkpoint_is_taken_and_an_unvouched_hold_reverified_due_or_not() {
     let mut case = Case::held_here().with(|case| case.checkpoint_due = true);
     assert_eq!(case.decide(), Step::PeriodicCheckpoint);
     case.vouched = false;
     case.decides(Step::Reverify, "never on an unvouched hold");
+    case.checkpoint_due = false;
+    case.decides(Step::Reverify, "unvouched, nothing due");
 }
 
 #[test]
