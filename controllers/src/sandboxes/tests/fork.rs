@@ -9,13 +9,8 @@ use super::*;
 async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     use super::reconciler::ForkPoint;
     let world = World::new();
-    let a = world.instance("a");
-    let source = a.create(&world).await;
-    a.run(&source, "x=1").await;
-    a.request_state(&source, DesiredState::Checkpointed, Some("first"))
-        .await
-        .unwrap();
-    a.reconcile(&source).await.unwrap();
+    let (a, source) = world.a_running("x=1").await;
+    a.checkpoint(&source, Some("first")).await;
     let source_doc = world.metadata(&source).await;
     let source_ref = source_doc.status.latest_checkpoint.clone().unwrap();
 
@@ -47,7 +42,7 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     assert_eq!(world.lease(&source).await.holder, None);
 
     // The source's retention may delete its checkpoint: every fork keeps
-    // its own copy, and a later fork of the gone checkpoint fails clearly.
+    // its own copy.
     let source_id = crate::layout::checkpoint_id_of_image(&source_ref.path).unwrap();
     let source_image = checkpoint_image_key(&source_id);
     world.store.delete(&source_image).await.unwrap();
@@ -56,36 +51,22 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
         let image = crate::store::ObjectKey::new(own.path.as_str()).unwrap();
         assert_eq!(world.store.get(&image).await.unwrap().data.as_ref(), b"x=1");
     }
-    let (late, metadata) = world.new_sandbox(false);
-    let err = b
-        .fork_from(&source_doc, &ForkPoint::Latest, metadata)
-        .await
-        .unwrap_err();
-    assert!(
-        err.to_string().contains("cannot copy the checkpoint"),
-        "{err}"
-    );
-    assert!(world.store.get(&metadata_key(&late)).await.is_err());
-
-    // By name, and the errors: no such name, no checkpoint at all.
-    let (named, metadata) = world.new_sandbox(false);
-    let err = b
-        .fork_from(&source_doc, &ForkPoint::Named("nope".into()), metadata)
-        .await
-        .unwrap_err();
-    assert!(
-        err.to_string().contains("no checkpoint named \"nope\""),
-        "{err}"
-    );
-    assert!(world.store.get(&metadata_key(&named)).await.is_err());
+    // A fork of the gone checkpoint, by a name there is none of, or of a
+    // sandbox with no checkpoint at all fails clearly and records nothing.
     let fresh = a.create(&world).await;
     let fresh_doc = world.metadata(&fresh).await;
-    let metadata = SandboxMetadata::new(named.clone(), world.clock.now(), TOKEN_HASH.into());
-    let err = b
-        .fork_from(&fresh_doc, &ForkPoint::Latest, metadata)
-        .await
-        .unwrap_err();
-    assert!(err.to_string().contains("has no checkpoint yet"), "{err}");
+    let nope = ForkPoint::Named("nope".into());
+    for (from, point, why) in [
+        (&source_doc, ForkPoint::Latest, "cannot copy the checkpoint"),
+        (&source_doc, nope, "no checkpoint named \"nope\""),
+        (&fresh_doc, ForkPoint::Latest, "has no checkpoint yet"),
+    ] {
+        let (fork, metadata) = world.new_sandbox(false);
+        let err = b.fork_from(from, &point, metadata).await.unwrap_err();
+        assert!(err.to_string().contains(why), "{err}");
+        let recorded = world.store.get(&metadata_key(&fork)).await;
+        assert!(recorded.is_err(), "{why}: the fork was recorded");
+    }
 }
 
 /// A client that heard CHECKPOINTED may fork that checkpoint at once, on
