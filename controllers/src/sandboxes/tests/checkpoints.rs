@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::hooked_store::{BeforeRequest, HookedStore, Request};
+use super::hooked_store::{BeforeRequest, EditBeforeWrite, HookedStore, Request};
 use super::*;
 use crate::store::StoreError;
 
@@ -453,38 +453,6 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
     b.controller.reconciler().background_settled().await;
 }
 
-/// The first checkpoint image written after it is armed is preceded by a
-/// takeover of the sandbox's lock by `b` at the next epoch (the holder was
-/// cut off past its lease while it checkpointed, and `b` took the sandbox
-/// over from an older checkpoint; `b`'s own record of it has not landed).
-#[derive(Debug, Default)]
-struct TakenOverDuringCheckpoint {
-    sandbox: std::sync::Mutex<Option<SandboxId>>,
-}
-
-#[async_trait::async_trait]
-impl BeforeRequest for TakenOverDuringCheckpoint {
-    async fn before(&self, request: Request<'_>, store: &MemoryStore) -> Result<(), StoreError> {
-        let armed = if request.writes("checkpoint.img") {
-            self.sandbox.lock().unwrap().take()
-        } else {
-            None
-        };
-        if let Some(id) = armed {
-            let lock = lock_key(&id);
-            let mut lease: Lease = decode(&store.get(&lock).await.unwrap().data).unwrap();
-            lease.holder = Some(InstanceId::parse("b").unwrap());
-            lease.epoch += 1;
-            lease.checkpoint = None;
-            store
-                .put(&lock, encode(&lease), PutMode::Overwrite)
-                .await
-                .unwrap();
-        }
-        Ok(())
-    }
-}
-
 /// Found by the 10-minute chaos run: a holder cut off the
 /// bucket while it checkpointed for its client lost the hold to a taker;
 /// back, its hand-back failed, its record at its own epoch was accepted
@@ -494,13 +462,26 @@ impl BeforeRequest for TakenOverDuringCheckpoint {
 /// the hold over meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile() {
-    let (world, wrapper) = World::hooked(TakenOverDuringCheckpoint::default());
+    // Armed, `b` takes the lock over at the next epoch before the next image
+    // is written (the holder was cut off past its lease while it
+    // checkpointed; `b` restored an older checkpoint, its record not landed).
+    let taken_over = EditBeforeWrite {
+        before: "checkpoint.img",
+        object: lock_key,
+        edit: |lease: &mut Lease| {
+            lease.holder = Some(InstanceId::parse("b").unwrap());
+            lease.epoch += 1;
+            lease.checkpoint = None;
+        },
+        armed: Default::default(),
+    };
+    let (world, wrapper) = World::hooked(taken_over);
     let (a, id) = world.a_running("x=1").await;
     let epoch = world.lease(&id).await.epoch;
 
     let mut events = a.controller.subscribe(&id);
     let asked = a.send_state(&id, DesiredState::Checkpointed).await;
-    *wrapper.hook.sandbox.lock().unwrap() = Some(id.clone());
+    wrapper.hook.arm(&id);
     let _ = a.reconcile(&id).await;
     asked.await.unwrap().unwrap();
     let seen = drain(&mut events);

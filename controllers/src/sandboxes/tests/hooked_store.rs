@@ -9,6 +9,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bytes::Bytes;
 
+use crate::api::{ApiObject, SandboxId, decode, encode};
 use crate::store::{
     BlobReader, BlobSource, Generation, ListPage, ObjectInfo, ObjectKey, PutMode, Store,
     StoreError, Versioned,
@@ -155,4 +156,42 @@ pub(super) fn counted_world(
         counts,
         seen: std::sync::atomic::AtomicUsize::new(0),
     })
+}
+
+/// Once armed with a sandbox, changes that sandbox's object (at the key
+/// `object` gives) with `edit` just before the next write of an object
+/// whose key ends with `before`: another instance's write, landing in the
+/// middle of a pass.
+#[derive(Debug)]
+pub(super) struct EditBeforeWrite<T> {
+    pub(super) before: &'static str,
+    pub(super) object: fn(&SandboxId) -> ObjectKey,
+    pub(super) edit: fn(&mut T),
+    pub(super) armed: std::sync::Mutex<Option<SandboxId>>,
+}
+
+impl<T> EditBeforeWrite<T> {
+    /// Edits `id`'s object before the next write of `before`.
+    pub(super) fn arm(&self, id: &SandboxId) {
+        *self.armed.lock().unwrap() = Some(id.clone());
+    }
+}
+
+#[async_trait]
+impl<T: ApiObject + std::fmt::Debug + Send + Sync> BeforeRequest for EditBeforeWrite<T> {
+    async fn before(&self, request: Request<'_>, store: &MemoryStore) -> Result<(), StoreError> {
+        let armed = request
+            .writes(self.before)
+            .then(|| self.armed.lock().unwrap().take());
+        if let Some(id) = armed.flatten() {
+            let key = (self.object)(&id);
+            let mut object: T = decode(&store.get(&key).await.unwrap().data).unwrap();
+            (self.edit)(&mut object);
+            store
+                .put(&key, encode(&object), PutMode::Overwrite)
+                .await
+                .unwrap();
+        }
+        Ok(())
+    }
 }

@@ -2,6 +2,7 @@
 //! holds live on the instance lease (one renewal for all), a lapsed instance
 //! re-verifies or stops, an orphan lock is released.
 
+use super::hooked_store::EditBeforeWrite;
 use super::*;
 use crate::fencing::FenceError;
 use crate::testing::Fault;
@@ -310,50 +311,24 @@ async fn an_attach_read_of_a_sandbox_held_here_makes_no_bucket_request() {
     );
 }
 
-/// Before the first `metadata.json` write after it is armed, a newer
-/// holder's record lands (epoch 99), as it would for a zombie holder whose
-/// pass read `status` just before.
-#[derive(Debug, Default)]
-struct RecordedByANewerHolder {
-    sandbox: std::sync::Mutex<Option<SandboxId>>,
-}
-
-#[async_trait::async_trait]
-impl super::hooked_store::BeforeRequest for RecordedByANewerHolder {
-    async fn before(
-        &self,
-        request: super::hooked_store::Request<'_>,
-        store: &crate::testing::MemoryStore,
-    ) -> Result<(), crate::store::StoreError> {
-        let armed = if request.writes("metadata.json") {
-            self.sandbox.lock().unwrap().take()
-        } else {
-            None
-        };
-        if let Some(id) = armed {
-            let key = metadata_key(&id);
-            let mut metadata: SandboxMetadata =
-                decode(&store.get(&key).await.unwrap().data).unwrap();
-            metadata.status.epoch = 99;
-            store
-                .put(&key, encode(&metadata), PutMode::Overwrite)
-                .await
-                .unwrap();
-        }
-        Ok(())
-    }
-}
-
 #[tokio::test]
 async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
-    let (world, hooked) = World::hooked(RecordedByANewerHolder::default());
+    // Armed, a newer holder's record (epoch 99) lands before the next
+    // `metadata.json` write, as for a zombie whose pass read `status` first.
+    let newer_record = EditBeforeWrite {
+        before: "metadata.json",
+        object: metadata_key,
+        edit: |metadata: &mut SandboxMetadata| metadata.status.epoch = 99,
+        armed: Default::default(),
+    };
+    let (world, hooked) = World::hooked(newer_record);
     let (a, id) = world.a_running("x=1").await;
     // A deletion asked by hand; a newer holder records between the pass's
     // read and its tombstone's write.
     let mut metadata = world.metadata(&id).await;
     metadata.spec.desired_state = DesiredState::Deleted;
     world.edit_metadata(&metadata).await;
-    *hooked.hook.sandbox.lock().unwrap() = Some(id.clone());
+    hooked.hook.arm(&id);
     a.controller.enqueue(&id);
     let err = a.reconcile(&id).await.unwrap_err();
     assert!(
