@@ -118,7 +118,7 @@ pub enum LeaseError {
     },
     #[error("sandbox {sandbox} has no lock.json")]
     Missing { sandbox: SandboxId },
-    /// A `lock.json` or instance lease that does not decode.
+    /// A `lock.json`, instance lease or doorbell that does not decode.
     #[error("{key} is invalid: {source}")]
     Invalid { key: String, source: DecodeError },
     #[error("{key} kept changing under {attempts} attempts to write it")]

@@ -85,10 +85,12 @@ pub enum ReconcileError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Lease(#[from] LeaseError),
-    /// A fenced write of `metadata.json` failed; `Fenced` means a newer
-    /// holder wrote it and this instance must stop acting on the sandbox.
+    /// A fenced write of `metadata.json` was refused: `Fenced`, a newer
+    /// holder wrote it and this instance must stop acting on the sandbox,
+    /// or `Contended`. (Its store and decoding failures are `Store` and
+    /// `Invalid`, as a read's are.)
     #[error(transparent)]
-    Fence(#[from] FenceError<Infallible>),
+    Fence(FenceError<Infallible>),
     #[error("{key} is not a valid document: {detail}")]
     Invalid { key: String, detail: String },
     #[error(transparent)]
@@ -107,6 +109,19 @@ impl ReconcileError {
     /// A newer holder wrote: the writer lost the sandbox.
     pub fn is_fenced(&self) -> bool {
         matches!(self, Self::Fence(FenceError::Fenced { .. }))
+    }
+}
+
+impl From<FenceError<Infallible>> for ReconcileError {
+    fn from(err: FenceError<Infallible>) -> Self {
+        match err {
+            FenceError::Store(err) => Self::Store(err),
+            FenceError::Invalid { key, source } => Self::Invalid {
+                key,
+                detail: source.to_string(),
+            },
+            refused => Self::Fence(refused),
+        }
     }
 }
 
