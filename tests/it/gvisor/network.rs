@@ -535,8 +535,7 @@ async fn a_checkpoint_this_runsc_would_fail_is_refused_and_the_sandbox_keeps_run
     .await;
     // The forced checkpoint below must find the close: wait until the
     // host's connection table shows it, where the checkpoint's guard looks
-    // for it. (This test still fails now and then: an execution killed by
-    // a forced checkpoint that was then refused, cause not found yet.)
+    // for it.
     let (ip, port) = local.split_once(' ').expect("the connection's address");
     let entry = format!("src={ip} dst=198.51.100.2 sport={port} dport={HOLD_PORT}");
     let asked = Instant::now();
@@ -577,12 +576,20 @@ async fn a_checkpoint_this_runsc_would_fail_is_refused_and_the_sandbox_keeps_run
         )
         .await
         .expect_err("a checkpoint now would stop the sandbox");
+    let message = err.to_string();
+    // What the guard saw, should the execution not survive.
+    let table: Vec<String> = std::fs::read_to_string("/proc/net/nf_conntrack")
+        .unwrap_or_default()
+        .lines()
+        .filter(|line| line.contains(&format!("src={ip} ")))
+        .map(str::to_owned)
+        .collect();
     assert_eq!(
         finish(running).await,
         "survived",
-        "the refused checkpoint killed the execution"
+        "the refused checkpoint killed the execution; refused with {message:?}; the sandbox's \
+         connections now: {table:#?}"
     );
-    let message = err.to_string();
     // TIME_WAIT once the close is over; FIN_WAIT while the world's FIN is
     // still on its way (a slow machine). Both are refused the same way.
     assert!(
