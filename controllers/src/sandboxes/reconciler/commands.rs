@@ -507,7 +507,14 @@ impl Reconciler {
         let (Some(read), Some(held)) = (rung.read, self.held(sandbox)) else {
             return;
         };
-        if held.epoch != rung.epoch || held.generation != Generation(read.lock) {
+        // What the taker read is as fresh as a read of this pass only while
+        // nobody else can have written the lock since: while this hold is
+        // vouched for. One that lapsed (a freeze) may have been taken over
+        // after the ring was sent; the pass reads.
+        if held.epoch != rung.epoch
+            || held.generation != Generation(read.lock)
+            || !self.leases.is_safe(&held)
+        {
             return;
         }
         if let Some(known) = self.known_read(sandbox, Generation(read.metadata)) {

@@ -171,6 +171,39 @@ async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them
     assert_eq!(a.controller.reconciler().unvouched(), vec![]);
 }
 
+/// A holder frozen past its lease hears, when it resumes, the ring its
+/// taker sent before taking the sandbox over. The ring's generations match
+/// what the holder knows, but they are what the taker read then, and a hold
+/// no longer vouched for may have been taken since: the holder reads both
+/// objects and stops, rather than "hand over" a sandbox it lost (the chaos
+/// run's frozen holder did, killing its execution for the checkpoint and
+/// reporting its end after the taker had acknowledged one of its own).
+#[tokio::test]
+async fn a_ring_heard_after_a_freeze_is_not_taken_for_a_read() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create_checkpointed(&world).await;
+    let b = world.instance("b");
+    a.controller.client_attached(&id, false);
+    let mut on_a = a.controller.subscribe(&id);
+    // B rings A with what it read; A freezes before it hears the ring.
+    b.request_here(&id, None).await.unwrap();
+    world.clock.advance(Duration::seconds(40));
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some(), "B took the sandbox over");
+    // A resumes: the ring, then its pass.
+    a.answer_doorbell().await;
+    let _ = a.reconcile(&id).await;
+    let seen = drain(&mut on_a);
+    assert!(!heard!(seen, SandboxEvent::HandoffRequested), "{seen:?}");
+    assert!(
+        heard!(seen, SandboxEvent::Lost(LossCause::TakenOver { .. })),
+        "{seen:?}"
+    );
+    assert!(a.runtime.memory(&id).is_none(), "the lost copy stops");
+    assert_eq!(world.lease(&id).await.holder.unwrap().as_str(), "b");
+}
+
 /// A pass that cannot read the bucket: a hold still vouched for keeps
 /// running and the pass is retried; one no longer vouched for cannot be
 /// re-verified, so it stops (another instance may take it meanwhile).
