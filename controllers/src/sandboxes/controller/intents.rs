@@ -35,9 +35,10 @@ impl SandboxController {
     /// Records a new sandbox (desired running) and runs it here: its pass
     /// writes `metadata.json` and a lock held here at once (decision 18).
     pub async fn create(&self, metadata: &SandboxMetadata) -> Result<(), ControlError> {
-        let metadata = Box::new(metadata.clone());
-        self.command(&metadata.sandbox_id.clone(), Command::Create { metadata })
-            .await
+        let command = Command::Create {
+            metadata: Box::new(metadata.clone()),
+        };
+        self.command(&metadata.sandbox_id, command).await
     }
 
     /// Reads what an attach needs, both objects at once: `metadata.json`
