@@ -79,8 +79,10 @@ pub(crate) enum Step {
     /// Another instance's live intent: checkpoint (forced per policy), release.
     HandOver,
     /// The instance lease lapsed since the hold was taken: one conditional
-    /// write to the lock. If it does not land, the table decides again on
-    /// what it found (the lock naming another, or the bucket unreachable).
+    /// write to the lock before anything else is done to the sandbox. The
+    /// table then decides again, on the renewed hold if the write landed,
+    /// else on what it found (the lock naming another, or the bucket
+    /// unreachable).
     Reverify,
     /// Keep running; look again at the resync (or sooner while watching).
     KeepRunning,
@@ -156,6 +158,14 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
         if !seen.running_here {
             return Step::MarkDied;
         }
+        if !seen.vouched {
+            // Another instance may take the hold over from now on, and the
+            // steps below stop or kill what runs here before their fenced
+            // write could fail: the hold is renewed first (a hand-over
+            // taken from a stale view once killed an execution and
+            // reported its end on an instance that had lost the sandbox).
+            return Step::Reverify;
+        }
         return match metadata.spec.desired_state {
             DesiredState::Deleted => Step::Delete,
             DesiredState::Checkpointed if !metadata.spec.enable_checkpoint => {
@@ -166,8 +176,6 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
                 if wanted_elsewhere(seen.me, seen.lock, seen.now) && metadata.spec.enable_checkpoint
                 {
                     Step::HandOver
-                } else if !seen.vouched {
-                    Step::Reverify
                 } else if status_behind(seen.me, metadata, held, seen.lock) {
                     Step::RecordRunning
                 } else if seen.checkpoint_due {

@@ -302,6 +302,36 @@ fn a_due_periodic_checkpoint_is_taken_and_an_unvouched_hold_reverified_due_or_no
     case.decides(Step::Reverify, "unvouched, nothing due");
 }
 
+/// An unvouched hold may be taken over at any moment, and a hand-over, a
+/// checkpoint or a delete stop or kill what runs before their fenced write
+/// could fail: each waits for the hold's renewal. Only what the read shows
+/// already (a loss, a death) is acted on at once.
+#[test]
+fn an_unvouched_hold_is_renewed_before_it_is_handed_over_checkpointed_or_deleted() {
+    let unvouched = |case: Case| case.with(|case| case.vouched = false);
+    let cases = [
+        (Case::held_here().wanted_by("b"), "wanted elsewhere"),
+        (
+            Case::held_here().desired(DesiredState::Checkpointed),
+            "checkpointed",
+        ),
+        (Case::held_here().desired(DesiredState::Deleted), "deleted"),
+    ];
+    for (case, why) in cases {
+        assert_ne!(case.decide(), Step::Reverify, "{why}, vouched");
+        unvouched(case).decides(Step::Reverify, why);
+    }
+    let died = unvouched(Case::held_here().with(|case| case.running_here = false));
+    died.decides(Step::MarkDied, "its record is fenced and kills nothing");
+    let lost = unvouched(Case::held_here().held_by("b", 4));
+    lost.decides(
+        Step::StopLost {
+            holder: Some(instance("b")),
+        },
+        "lost",
+    );
+}
+
 #[test]
 fn newer_checkpoints_order_by_epoch_then_time() {
     assert!(is_newer(&checkpoint(2, 0), None));

@@ -10,8 +10,8 @@ use super::*;
 
 /// What a re-verification of a hold came to.
 pub(super) enum Reverified {
-    /// The write landed: the hold is vouched for again.
-    Renewed(Requeue),
+    /// The write landed: the hold is vouched for again, as renewed.
+    Renewed(Box<HeldLease>),
     /// The lock as found, naming another holder or epoch (`None`: no lock).
     Found(Option<Box<Lease>>),
     /// The write failed in the store (or the instance lease's did): why.
@@ -109,8 +109,8 @@ impl Reconciler {
         match reverified.await {
             Ok(Ok(renewed)) => {
                 tracing::info!(%sandbox, epoch = renewed.epoch, "hold re-verified after the instance lease lapsed");
-                self.renewed(sandbox, renewed);
-                Reverified::Renewed(Requeue::After(self.next_look(sandbox)))
+                self.renewed(sandbox, renewed.clone());
+                Reverified::Renewed(Box::new(renewed))
             }
             Ok(Err(found)) => Reverified::Found(found.map(Box::new)),
             Err(err) => Reverified::Failed(format!("the hold could not be re-verified: {err}")),

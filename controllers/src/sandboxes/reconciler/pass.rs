@@ -283,7 +283,7 @@ impl Reconciler {
                 return Err(err);
             }
         };
-        let held = self.held(sandbox);
+        let mut held = self.held(sandbox);
         // A holder whose instance lease cannot be read counts as alive: the
         // taker waits and looks again rather than fail its pass.
         let holder_gone = match &lease {
@@ -297,36 +297,43 @@ impl Reconciler {
             (self.runtime.is_running(sandbox), self.is_starting(sandbox));
         let (waiting_here, checkpoint_due) =
             (self.is_waiting(sandbox), self.checkpoint_due(sandbox));
-        let decide_on = |lock: Option<&Lease>, unreachable: Option<&str>| {
-            decide(&Observed {
-                me: self.leases.instance(),
-                now: self.clock.now(),
-                metadata: metadata.as_ref().map(|(metadata, _)| metadata),
-                lock,
-                held: held.as_ref(),
-                vouched: held.as_ref().is_some_and(|held| self.leases.is_safe(held)),
-                running_here,
-                starting_here,
-                holder_gone,
-                waiting_here,
-                checkpoint_due,
-                unreachable,
-            })
-        };
+        let decide_on =
+            |held: Option<&HeldLease>, lock: Option<&Lease>, unreachable: Option<&str>| {
+                decide(&Observed {
+                    me: self.leases.instance(),
+                    now: self.clock.now(),
+                    metadata: metadata.as_ref().map(|(metadata, _)| metadata),
+                    lock,
+                    held,
+                    vouched: held.is_some_and(|held| self.leases.is_safe(held)),
+                    running_here,
+                    starting_here,
+                    holder_gone,
+                    waiting_here,
+                    checkpoint_due,
+                    unreachable,
+                })
+            };
         let mut step = decide_on(
+            held.as_ref(),
             lease.as_ref().map(|(lease, _)| lease),
             unreachable.as_deref(),
         );
         if let (Step::Reverify, Some(hold)) = (&step, &held) {
-            // Its one write; if that does not land, the table decides
-            // again, on what it found.
+            // Its one write; the table then decides again, on the renewed
+            // hold and the lock as written, or on what the write found.
             step = match self.reverify(sandbox, hold).await {
-                Reverified::Renewed(requeue) => return Ok(Some(requeue)),
+                Reverified::Renewed(renewed) => {
+                    let step = decide_on(Some(&renewed), Some(&renewed.lease), None);
+                    lease = Some((renewed.lease.clone(), renewed.generation));
+                    held = Some(*renewed);
+                    step
+                }
                 Reverified::Found(found) => {
                     lease = None;
-                    decide_on(found.as_deref(), None)
+                    decide_on(held.as_ref(), found.as_deref(), None)
                 }
-                Reverified::Failed(why) => decide_on(None, Some(&why)),
+                Reverified::Failed(why) => decide_on(held.as_ref(), None, Some(&why)),
             };
         }
         tracing::debug!(%sandbox, ?step, "decided");

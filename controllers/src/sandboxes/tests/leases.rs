@@ -171,6 +171,31 @@ async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them
     assert_eq!(a.controller.reconciler().unvouched(), vec![]);
 }
 
+/// A holder whose instance lease lapsed (frozen, not taken over) is asked
+/// for the sandbox: it renews the hold first, then hands the sandbox over
+/// in the same pass, without waiting for its next look.
+#[tokio::test]
+async fn an_unvouched_holder_renews_its_hold_then_hands_over_in_one_pass() {
+    let world = World::new();
+    let a = world.instance("a");
+    let id = a.create_checkpointed(&world).await;
+    let b = world.instance("b");
+    world.clock.advance(Duration::seconds(40));
+    a.heartbeat().await;
+    assert_eq!(a.controller.reconciler().unvouched(), vec![id.clone()]);
+    let mut on_a = a.controller.subscribe(&id);
+    b.request_here(&id, None).await.unwrap();
+    a.answer_doorbell().await;
+    a.reconcile(&id).await.unwrap();
+    let seen = drain(&mut on_a);
+    assert!(heard!(seen, SandboxEvent::HandoffRequested), "{seen:?}");
+    assert!(a.runtime.memory(&id).is_none(), "handed over");
+    let lock = world.lease(&id).await;
+    assert_eq!(lock.holder.unwrap().as_str(), "b", "transferred to B");
+    b.reconcile(&id).await.unwrap();
+    assert!(b.runtime.memory(&id).is_some());
+}
+
 /// A holder frozen past its lease hears, when it resumes, the ring its
 /// taker sent before taking the sandbox over. The ring's generations match
 /// what the holder knows, but they are what the taker read then, and a hold
