@@ -132,8 +132,9 @@ impl Lease {
     /// Counts `rung` (an attach intent a ring carried, decision 27) as
     /// this lock's `wanted_by` when it is about this very hold (its epoch),
     /// live at `now`, not from the holder itself, and newer than the intent
-    /// the lock records. Only ever in memory: the next write of the lock
-    /// (the holder's transfer) is what makes it count for everybody.
+    /// the lock records. In memory until this instance next writes the
+    /// lock (the holder's transfer, or a renewal of its hold), which then
+    /// carries it for everybody.
     pub fn hear(&mut self, rung: &RungIntent, now: DateTime<Utc>) {
         let intent = &rung.intent;
         if rung.epoch == self.epoch

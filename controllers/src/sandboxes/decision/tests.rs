@@ -316,6 +316,12 @@ fn an_unvouched_hold_is_renewed_before_it_is_handed_over_checkpointed_or_deleted
             "checkpointed",
         ),
         (Case::held_here().desired(DesiredState::Deleted), "deleted"),
+        (
+            Case::held_here()
+                .desired(DesiredState::Checkpointed)
+                .with_metadata(|metadata| metadata.spec.enable_checkpoint = false),
+            "a checkpoint refused",
+        ),
     ];
     for (case, why) in cases {
         assert_ne!(case.decide(), Step::Reverify, "{why}, vouched");

@@ -325,6 +325,11 @@ impl Reconciler {
             step = match self.reverify(sandbox, hold).await {
                 Reverified::Renewed(renewed) => {
                     let step = decide_on(Some(&renewed), Some(&renewed.lease), None);
+                    if step == Step::Reverify {
+                        // A write slower than the lease it renewed: look
+                        // again later rather than write the lock in a loop.
+                        return Ok(Some(Requeue::After(self.next_look(sandbox))));
+                    }
                     lease = Some((renewed.lease.clone(), renewed.generation));
                     held = Some(*renewed);
                     step
