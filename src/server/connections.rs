@@ -429,7 +429,11 @@ impl http_body::Body for Sending {
 
 /// `body`, cut off with an error once the time the server has spent
 /// reading it exceeds `allowance` plus a second per
-/// [`MIN_BODY_BYTES_PER_SECOND`] received. Time counts from the handler's
+/// [`MIN_BODY_BYTES_PER_SECOND`] received, or once it waited `allowance`
+/// for the next piece: time earned by a prompt start is not banked for a
+/// silence (a client that sent 2 MiB at once and then nothing would
+/// otherwise hold its request, and what it sent, for eight and a half
+/// minutes). Time counts from the handler's
 /// first read of each piece to the piece: a handler that reads its body
 /// late (after a restore, say) costs the client nothing, the client's bytes
 /// waiting in TCP meanwhile; one that keeps reading while it writes earlier
@@ -460,7 +464,9 @@ fn body_at_least(
         }
         let earned =
             Duration::from_millis(body.received.saturating_mul(1000) / MIN_BODY_BYTES_PER_SECOND);
-        let left = (allowance + earned).saturating_sub(body.waited);
+        let left = (allowance + earned)
+            .saturating_sub(body.waited)
+            .min(allowance);
         let asked = body.clock.instant();
         let next = tokio::time::timeout_at(asked + left, body.stream.next()).await;
         body.waited += body.clock.instant().saturating_duration_since(asked);
@@ -721,6 +727,31 @@ mod tests {
             answer.contains("200 OK") && answer.ends_with("1048576"),
             "{answer}"
         );
+    }
+
+    /// A body that starts promptly and then goes silent is cut off one
+    /// allowance into the silence, not when the time its first bytes
+    /// earned runs out (64 KiB earn 16 s).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_body_that_stops_halfway_is_cut_off_one_allowance_into_its_silence() {
+        let connections = quick(8);
+        let addr = serve(&connections).await;
+        let mut stalled = TcpStream::connect(addr).await.unwrap();
+        stalled
+            .write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
+            .await
+            .unwrap();
+        stalled.write_all(&[b'x'; 64 << 10]).await.unwrap();
+        let started = std::time::Instant::now();
+        let answer = rest_of(&mut stalled, Duration::from_secs(10)).await;
+        let answer =
+            String::from_utf8_lossy(&answer.expect("the connection was not closed")).into_owned();
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "a silent body held its connection for {:?}",
+            started.elapsed()
+        );
+        assert!(!answer.contains("200 OK"), "{answer}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,6 +24,7 @@ use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use bytes::BytesMut;
 use controllers::api::SandboxId;
 use controllers::files::FsError;
 use controllers::sandboxes::SandboxController;
@@ -173,8 +174,24 @@ pub async fn call(
     State(state): State<AppState>,
     headers: HeaderMap,
     client: Option<axum::Extension<ClientAddr>>,
-    Json(body): Json<Value>,
+    body: BytesMut,
 ) -> Response {
+    // Read into one buffer (axum's `Json` keeps every piece of a chunked
+    // body apart until the end: a body sent a byte a chunk cost some 30
+    // times its size), and the parsed document dropped before the sandbox
+    // is held: only the call waits for a restore.
+    let parsed = serde_json::from_slice::<Value>(&body);
+    drop(body);
+    let body = match parsed {
+        Ok(body) => body,
+        Err(err) => {
+            return refusal(
+                StatusCode::BAD_REQUEST,
+                "EINVAL",
+                format!("the body is not JSON: {err}"),
+            );
+        }
+    };
     let Some(map) = body.as_object() else {
         return refusal(
             StatusCode::BAD_REQUEST,
@@ -183,7 +200,9 @@ pub async fn call(
         );
     };
     let op = map.get("op").and_then(Value::as_str).unwrap_or_default();
-    let call = match FsCall::parse(op, map) {
+    let parsed = FsCall::parse(op, map);
+    drop(body);
+    let call = match parsed {
         Ok(FsCall {
             op: FsOp::Upload { .. } | FsOp::Download { .. },
             ..

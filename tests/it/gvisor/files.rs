@@ -386,6 +386,18 @@ async fn files_outlive_a_checkpoint_and_a_handoff_and_http_reaches_a_sandbox_hel
         .unwrap();
     assert_eq!(missing.status(), 404);
     assert_eq!(missing.json::<Value>().await.unwrap()["code"], "ENOENT");
+    // A body that is no JSON is refused before the sandbox is held.
+    let garbled = client
+        .post(http(&a, &format!("/sandboxes/{id}/files")))
+        .bearer_auth(&token)
+        .body("{\"op\": \"read\", ")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(garbled.status(), 400);
+    let refusal = garbled.json::<Value>().await.unwrap();
+    assert_eq!(refusal["code"], "EINVAL", "{refusal}");
+    assert!(refusal.to_string().contains("not JSON"), "{refusal}");
 
     // Streamed content over HTTP, both ways.
     let data = pseudo_random(5 << 20 | 17);
