@@ -30,8 +30,8 @@ use serde::de::DeserializeOwned;
 use super::routes::{ExecEvents, ExecRoute, Reply, Routes};
 
 use super::lines::{
-    AgentLine, MAX_AGENT_LINE_BYTES, MAX_AGENT_PAYLOAD_BYTES, Payload, next_line, payload_length,
-    read_payload,
+    AgentLine, MAX_AGENT_LINE_BYTES, MAX_AGENT_LINE_VALUES, MAX_AGENT_PAYLOAD_BYTES, Payload,
+    json_values, named_id, next_line, payload_length, read_payload,
 };
 use super::protocol::{
     AGENT_PROTOCOL_VERSION, Command, Event, MalformedReply, OLDEST_AGENT_PROTOCOL_VERSION,
@@ -477,6 +477,22 @@ async fn read_events(
                 }
             }
         };
+        let values = json_values(&line);
+        if values > MAX_AGENT_LINE_VALUES {
+            // What parsing it would cost the host, not its bytes, is the
+            // bound here (docs/security.md).
+            tracing::warn!(
+                values,
+                limit = MAX_AGENT_LINE_VALUES,
+                "skipped a line from the sandbox agent holding too many values"
+            );
+            fail_request(
+                &routes,
+                &line,
+                "the sandbox agent sent a reply of too many values",
+            );
+            continue;
+        }
         match serde_json::from_str::<Event>(&line) {
             Ok(event) => route(&routes, &mut hello, event, payload),
             Err(err) => unreadable(&routes, &line, &err),
@@ -533,10 +549,7 @@ fn unreadable(routes: &Mutex<Routes>, line: &str, err: &serde_json::Error) {
 /// Fails the request the event `line` names (if one waits) with `problem`;
 /// whether one did.
 fn fail_request(routes: &Mutex<Routes>, line: &str, problem: &str) -> bool {
-    let id = serde_json::from_str::<serde_json::Value>(line)
-        .ok()
-        .and_then(|value| value.get("id")?.as_str().map(str::to_owned));
-    let waiting = id.and_then(|id| {
+    let waiting = named_id(line).and_then(|id| {
         let mut routes = routes.lock().unwrap_or_else(PoisonError::into_inner);
         routes.chunks.remove(&id);
         routes.replies.remove(&id)

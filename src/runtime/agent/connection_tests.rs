@@ -292,6 +292,51 @@ async fn an_over_long_agent_line_is_skipped_and_the_connection_goes_on() {
     drop(writer.join().unwrap());
 }
 
+/// A line of many tiny values (user code writing to the agent's pipe) is
+/// refused before it is parsed, whose cost is many times its bytes: the
+/// request it names fails at once, saying why, and the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_line_of_too_many_values_is_refused_unparsed_and_the_connection_goes_on() {
+    use super::super::lines::MAX_AGENT_LINE_VALUES;
+    let (connection, mut agent, commands) = connect();
+    let asked = {
+        let connection = Arc::clone(&connection);
+        tokio::spawn(async move {
+            connection
+                .request(Request::Ping, Duration::from_secs(30))
+                .await
+        })
+    };
+    let writer = std::thread::spawn(move || {
+        // Answered only once it was asked (its reply is routed then).
+        let mut commands = std::io::BufReader::new(commands);
+        let (command, _) = next_command(&mut commands);
+        assert_eq!(command["id"], "r1", "{command}");
+        let flood = "0,".repeat(MAX_AGENT_LINE_VALUES);
+        let line = format!("{{\"ev\":\"done\",\"id\":\"r1\",\"a\":[{flood}0]}}\n");
+        agent.write_all(line.as_bytes()).unwrap();
+        (agent, commands)
+    });
+    let started = std::time::Instant::now();
+    let refused = asked.await.unwrap();
+    let err = refused.expect_err("the flooded reply was taken");
+    assert!(err.to_string().contains("too many values"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "it waited for its timeout"
+    );
+    let (mut agent, _commands) = writer.join().unwrap();
+    emit(
+        &mut agent,
+        &json!({"ev": "pong", "id": "r2", "version": 1, "running": []}),
+    );
+    let reply = connection
+        .request(Request::Ping, Duration::from_secs(30))
+        .await;
+    assert!(reply.is_ok(), "{reply:?}");
+    assert!(!connection.is_gone());
+}
+
 /// The next command line the host wrote, as JSON, and the raw bytes its
 /// `bytes` announces.
 fn next_command(commands: &mut std::io::BufReader<std::io::PipeReader>) -> (Value, Vec<u8>) {

@@ -22,6 +22,52 @@ pub const MAX_AGENT_PAYLOAD_BYTES: usize = 8 << 20;
 /// archive chunk's (64 KiB of data, base64-encoded).
 pub const MAX_AGENT_LINE_BYTES: usize = 64 << 20;
 
+/// Most JSON values (and keys) one agent line may hold. Parsing a line
+/// costs the host far more than its bytes when they are many small values:
+/// a 64 MiB line of `0,` held 2.1 GB while it was parsed as an event (one
+/// tree of serde's buffered content, then one of `serde_json::Value`, some
+/// 66 bytes a value). At this bound a line cost at most 230 MB (measured:
+/// 130 MB for `0,`, 190 MB for an object of empty arrays, 230 MB for
+/// `[[]],`); a workspace scan's reply holds about 9 a file (so up to some
+/// 220,000 files, about 900,000 values at the default limit of 100,000).
+pub const MAX_AGENT_LINE_VALUES: usize = 2_000_000;
+
+/// An upper bound on how many values and keys the JSON `line` holds: its
+/// `[`, `{`, `,` and `:` outside strings (each value or key follows one,
+/// but for the outermost). One pass, nothing allocated.
+pub fn json_values(line: &str) -> usize {
+    let (mut count, mut in_string, mut escaped) = (0_usize, false, false);
+    for byte in line.bytes() {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+        } else {
+            match byte {
+                b'"' => in_string = true,
+                b'[' | b'{' | b',' | b':' => count += 1,
+                _ => {}
+            }
+        }
+    }
+    count
+}
+
+/// The `id` a line names, read without building the rest of it (unknown
+/// fields are skipped, not kept): what a line that cannot be parsed
+/// answered, if anything.
+pub fn named_id(line: &str) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Named {
+        #[serde(default)]
+        id: Option<String>,
+    }
+    serde_json::from_str::<Named>(line).ok()?.id
+}
+
 /// One read of [`next_line`].
 #[derive(Debug, PartialEq, Eq)]
 pub enum AgentLine {
@@ -143,6 +189,21 @@ fn whole(bytes: Vec<u8>) -> AgentLine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn values_are_counted_outside_strings_only() {
+        assert_eq!(json_values(r#"{"ev":"out","id":"e1"}"#), 4);
+        assert_eq!(json_values("[0,0,0]"), 3);
+        // Brackets, commas and colons inside strings, escaped quotes too.
+        assert_eq!(json_values(r#"{"a":"[,:{\"}]"}"#), 2);
+        let flood = format!(
+            "{{\"ev\":\"done\",\"id\":\"r1\",\"a\":[{}0]}}",
+            "0,".repeat(10)
+        );
+        assert_eq!(json_values(&flood), 7 + 10);
+        assert_eq!(named_id(&flood).as_deref(), Some("r1"));
+        assert_eq!(named_id(r#"{"id":7}"#), None);
+    }
 
     async fn read_all(input: &[u8], limit: usize) -> Vec<AgentLine> {
         let mut reader = tokio::io::BufReader::with_capacity(7, input);
