@@ -267,7 +267,7 @@ async fn output_queued_for_a_slow_consumer_is_bounded_with_a_notice() {
     assert_eq!(notices, 1);
 }
 
-/// A line longer than the limit (user code writing to the agent's
+/// A line longer than the limit (an agent gone wrong writing to its
 /// pipe) is skipped, not buffered whole, and the connection goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_over_long_agent_line_is_skipped_and_the_connection_goes_on() {
@@ -292,7 +292,7 @@ async fn an_over_long_agent_line_is_skipped_and_the_connection_goes_on() {
     drop(writer.join().unwrap());
 }
 
-/// A line of many tiny values (user code writing to the agent's pipe) is
+/// A line of many tiny values (an agent gone wrong) is
 /// refused before it is parsed, whose cost is many times its bytes: the
 /// request it names fails at once, saying why, and the connection goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

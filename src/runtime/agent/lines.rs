@@ -2,8 +2,11 @@
 //! the raw bytes a line may announce (protocol version 2), at most
 //! [`MAX_AGENT_PAYLOAD_BYTES`].
 //!
-//! The agent runs inside the sandbox, next to user code that may write to the
-//! same pipe: its lines are untrusted input. `BufReader::lines` would keep
+//! The agent runs inside the sandbox, as the uid user code runs as. It makes
+//! itself undumpable, so user code cannot open its host pipe
+//! (`/proc/1/fd/1`: EACCES on runsc), but the host does not rely on that:
+//! an agent user code subverted, or one with a bug, writes what it likes,
+//! so its lines are untrusted input. `BufReader::lines` would keep
 //! growing one `String` for a line that never ends; this reader keeps at most
 //! the limit and skips the rest of a longer line (up to its newline), so the
 //! host's memory per sandbox stays bounded whatever the sandbox writes. Raw
