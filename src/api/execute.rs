@@ -66,8 +66,8 @@ pub async fn execute(
     State(state): State<AppState>,
     Query(params): Query<ExecuteParams>,
     // One buffer (not `Bytes`, which keeps every piece of a chunked body
-    // apart until the end: a body sent a byte a chunk cost some 30 times
-    // its size before any check below).
+    // apart until the end: 2 MB sent a byte a chunk held 75 MB of the
+    // server, before any check below).
     body: BytesMut,
 ) -> Response {
     let Some(runtime) = state.runtime.clone() else {
