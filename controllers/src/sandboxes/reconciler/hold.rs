@@ -142,7 +142,6 @@ impl Reconciler {
         // DONE before the loss does (another instance may hold it now).
         self.emit(sandbox, SandboxEvent::Lost(why));
         self.note_lost(sandbox);
-        self.forget(sandbox);
         if let Err(err) = self.runtime.destroy(sandbox).await
             && !matches!(err, RuntimeError::NotFound(_))
         {

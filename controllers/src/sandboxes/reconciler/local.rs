@@ -172,25 +172,22 @@ impl Reconciler {
         })
     }
 
-    /// Remembers that `sandbox` was just stopped as lost to another
-    /// instance.
+    /// `sandbox` was just stopped as lost to another instance: its hold here
+    /// is over, and the loss is remembered (`LocalState::Lost`). Losses
+    /// older than [`LOST_MEMORY`] are forgotten meanwhile.
     pub(super) fn note_lost(&self, sandbox: &SandboxId) {
         let now = self.clock.instant();
-        {
-            let mut slots = self.slots.all();
-            for slot in slots.values_mut() {
-                slot.lost = slot.lost.filter(|at| now.duration_since(*at) < LOST_MEMORY);
-            }
-        }
-        self.slots.update(sandbox, |slot| slot.lost = Some(now));
+        self.slots.forget_losses(now, LOST_MEMORY);
+        self.slots
+            .update(sandbox, |slot| slot.step(|state| (state.lost(now), ())));
     }
 
     /// True if this instance stopped `sandbox` as lost within
-    /// [`LOST_MEMORY`].
+    /// [`LOST_MEMORY`] (and has not waited for or started it since).
     pub fn was_lost(&self, sandbox: &SandboxId) -> bool {
+        let now = self.clock.instant();
         self.slots
-            .view(sandbox, |slot| slot.lost)
-            .is_some_and(|at| self.clock.instant().duration_since(at) < LOST_MEMORY)
+            .view(sandbox, |slot| slot.state.lost_within(now, LOST_MEMORY))
     }
 
     /// The API layer's news: a client attached to (or left) a sandbox held here.

@@ -11,11 +11,11 @@
 //! field empties.
 //!
 //! The sandbox's phase here is one [`LocalState`]: idle, waiting to acquire,
-//! starting, or held, each variant carrying what that phase needs, with
-//! every transition one method returning the next state. A sandbox cannot
-//! be held and starting at once, nor watched without being held. What is
-//! not a phase (a client waiting, a loss remembered, records in flight,
-//! the commands waiting for the next pass) sits beside it.
+//! starting, held, or lost to another instance, each variant carrying what
+//! that phase needs, with every transition one method returning the next
+//! state. A sandbox cannot be held and starting at once, nor watched without
+//! being held, nor lost while held. What is not a phase (a client waiting,
+//! records in flight, the commands waiting for the next pass) sits beside it.
 //!
 //! The sandbox's own pass changes its state; others put commands in its
 //! inbox (`commands.rs`), read it, or bring news that decides nothing by
@@ -57,10 +57,6 @@ pub(super) struct Slot {
     pub(super) waiting: Option<DateTime<Utc>>,
     /// The epochs of holds whose RecordRunning runs in a task right now.
     pub(super) recording: BTreeSet<u64>,
-    /// When this instance last stopped the sandbox as lost to another (kept
-    /// `LOST_MEMORY`): an execution's relay must not report an end the loss
-    /// cut off.
-    pub(super) lost: Option<tokio::time::Instant>,
     /// The next pass must be a full one (an intent was written).
     pub(super) full_pass_wanted: bool,
     /// The last `metadata.json` this instance read or wrote, with its
@@ -102,7 +98,6 @@ impl Slot {
         matches!(self.state, LocalState::Idle)
             && self.waiting.is_none()
             && self.recording.is_empty()
-            && self.lost.is_none()
             && !self.full_pass_wanted
             && self.known.is_none()
             && self.write_turn.is_none()
@@ -114,7 +109,7 @@ impl Slot {
     }
 
     /// Drops what is only a hint (see [`MAX_SLOTS`]); old losses go with
-    /// the next loss (`note_lost`).
+    /// the next loss (`Reconciler::note_lost`).
     fn drop_hints(&mut self) {
         self.known = None;
         // Only turns nobody holds or waits for go.
@@ -160,6 +155,14 @@ pub(super) enum LocalState {
         /// What its lifecycle hooks keep for it while it runs here.
         hooks: Option<HookBinding>,
     },
+    /// Stopped here as lost to another instance (or to a renewal that
+    /// failed, or to a deletion of its metadata), at `at`: an execution's
+    /// relay must not report an end the loss cut off. Remembered for
+    /// `LOST_MEMORY`; a new wait or start here ends it.
+    Lost {
+        /// When the loss was seen.
+        at: tokio::time::Instant,
+    },
 }
 
 /// A wait to acquire a sandbox.
@@ -193,7 +196,7 @@ impl LocalState {
     /// stays held.
     pub(super) fn wait_to_acquire(self) -> (Self, bool) {
         match self {
-            Self::Idle => (Self::Acquiring(Acquiring::default()), true),
+            Self::Idle | Self::Lost { .. } => (Self::Acquiring(Acquiring::default()), true),
             Self::Starting { acquiring: None } => (
                 Self::Starting {
                     acquiring: Some(Acquiring::default()),
@@ -217,7 +220,7 @@ impl LocalState {
     /// held (the decision table never starts one).
     pub(super) fn begin_start(self) -> Self {
         match self {
-            Self::Idle => Self::Starting { acquiring: None },
+            Self::Idle | Self::Lost { .. } => Self::Starting { acquiring: None },
             Self::Acquiring(acquiring) => Self::Starting {
                 acquiring: Some(acquiring),
             },
@@ -260,12 +263,27 @@ impl LocalState {
         }
     }
 
-    /// The hold ended (released, handed over, lost, died or deleted).
+    /// The hold ended (released, handed over, died or deleted).
     pub(super) fn released(self) -> Self {
         match self {
             Self::Held { .. } => Self::Idle,
             state => state,
         }
+    }
+
+    /// The sandbox was stopped here as lost, at `at`: whatever this
+    /// instance had of it (a hold, a wait, a start) is over.
+    pub(super) fn lost(self, at: tokio::time::Instant) -> Self {
+        Self::Lost { at }
+    }
+
+    /// True if the sandbox was lost here less than `memory` before `now`.
+    pub(super) fn lost_within(
+        &self,
+        now: tokio::time::Instant,
+        memory: std::time::Duration,
+    ) -> bool {
+        matches!(self, Self::Lost { at } if now.duration_since(*at) < memory)
     }
 
     /// The hooks' binding of a sandbox held here.
@@ -436,6 +454,18 @@ impl Slots {
         drop(slots);
         self.changed.notify_waiters();
         outcome
+    }
+
+    /// Forgets every loss seen `memory` or longer before `now`.
+    pub(super) fn forget_losses(&self, now: tokio::time::Instant, memory: std::time::Duration) {
+        let mut slots = self.all();
+        for slot in slots.values_mut() {
+            if matches!(slot.state, LocalState::Lost { .. }) && !slot.state.lost_within(now, memory)
+            {
+                slot.state = LocalState::Idle;
+            }
+        }
+        slots.retain(|_, slot| !slot.is_empty());
     }
 
     /// Subscribes to `sandbox`'s progress channel (made if it has none).
@@ -616,6 +646,43 @@ mod tests {
         assert!(
             matches!(state, LocalState::Idle),
             "a renewal after a stop holds nothing"
+        );
+    }
+
+    #[test]
+    fn a_loss_ends_the_hold_and_is_remembered_until_a_new_wait_or_its_memory_ends() {
+        let memory = std::time::Duration::from_secs(600);
+        let t0 = tokio::time::Instant::now();
+        let state = LocalState::hold(held(3), watch(), None).lost(t0);
+        assert!(state.held().is_none() && state.watch().is_none() && !state.is_busy());
+        assert!(state.lost_within(t0 + memory / 2, memory));
+        assert!(!state.lost_within(t0 + memory, memory));
+        // A renewal or a release that comes after the loss holds nothing.
+        let state = state.renewed(held(4)).released();
+        assert!(state.lost_within(t0, memory));
+        let (state, said) = state.wait_to_acquire();
+        assert!(
+            said && !state.lost_within(t0, memory),
+            "a new wait ends the loss"
+        );
+        assert!(matches!(
+            state.lost(t0).begin_start(),
+            LocalState::Starting { acquiring: None }
+        ));
+
+        let slots = Slots::default();
+        let (old, new) = (SandboxId::from_u128(1), SandboxId::from_u128(2));
+        slots.update(&old, |slot| slot.step(|state| (state.lost(t0), ())));
+        slots.forget_losses(t0 + memory / 2, memory);
+        assert_eq!(slots.all().len(), 1, "a recent loss is kept");
+        slots.update(&new, |slot| {
+            slot.step(|state| (state.lost(t0 + memory), ()))
+        });
+        slots.forget_losses(t0 + memory, memory);
+        assert!(slots.view(&new, |slot| slot.state.lost_within(t0 + memory, memory)));
+        assert!(
+            !slots.all().contains_key(&old),
+            "an old loss goes with its slot"
         );
     }
 
