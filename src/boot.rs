@@ -147,9 +147,12 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
         .clone()
         .filter(|token| !token.is_empty());
     if gvisor.is_some() {
-        parts.admission = args
-            .admission
-            .settings(args.runtime.sandbox_memory_mb, args.runtime.warm_pool)?;
+        let buffers = crate::api::admission::session_buffer_bytes(parts.socket.reply_budget_bytes);
+        parts.admission = args.admission.settings(
+            args.runtime.sandbox_memory_mb,
+            buffers,
+            args.runtime.warm_pool,
+        )?;
     }
     parts.max_sandboxes_per_caller = args.tenant.sandboxes_per_caller(parts.admission.as_ref());
     parts.caller_identity_verified = args.tenant.caller_identity_verified;

@@ -41,13 +41,15 @@ pub struct AdmissionArgs {
 #[derive(Debug, thiserror::Error)]
 #[error(
     "the instance's {capacity_mib} MiB ({measured_by}) minus --memory-reserve-mb {reserve_mib} leave \
-     less than one sandbox's --sandbox-memory-mb {sandbox_mib}: every create would be refused"
+     less than one sandbox's --sandbox-memory-mb {sandbox_mib} and {buffers_mib} MiB of the server's \
+     buffers for its session: every create would be refused"
 )]
 pub struct CapacityError {
     capacity_mib: u64,
     measured_by: String,
     reserve_mib: u64,
     sandbox_mib: u64,
+    buffers_mib: u64,
 }
 
 impl AdmissionArgs {
@@ -60,11 +62,13 @@ impl AdmissionArgs {
     }
 
     /// The ledger's settings for sandboxes of `sandbox_mb` each (0: no
-    /// limit, so nothing to count: admission is off, logged) and a warm
-    /// pool of `warm_pool`.
+    /// limit, so nothing to count: admission is off, logged), each counted
+    /// with `buffer_bytes` of the server's buffers for its session
+    /// (`admission::session_buffer_bytes`), and a warm pool of `warm_pool`.
     pub fn settings(
         &self,
         sandbox_mb: u64,
+        buffer_bytes: u64,
         warm_pool: usize,
     ) -> Result<Option<AdmissionSettings>, CapacityError> {
         if sandbox_mb == 0 {
@@ -85,13 +89,15 @@ impl AdmissionArgs {
                 }
             },
         };
-        let usable = capacity_mib.saturating_sub(self.memory_reserve_mb);
-        if usable < sandbox_mb {
+        let usable = capacity_mib.saturating_sub(self.memory_reserve_mb) << 20;
+        let sandbox_bytes = (sandbox_mb << 20).saturating_add(buffer_bytes);
+        if usable < sandbox_bytes {
             return Err(CapacityError {
                 capacity_mib,
                 measured_by: source,
                 reserve_mib: self.memory_reserve_mb,
                 sandbox_mib: sandbox_mb,
+                buffers_mib: buffer_bytes >> 20,
             });
         }
         tracing::info!(
@@ -99,12 +105,13 @@ impl AdmissionArgs {
             %source,
             reserve_mib = self.memory_reserve_mb,
             sandbox_mib = sandbox_mb,
-            sandboxes = usable / sandbox_mb,
+            buffers_mib = buffer_bytes >> 20,
+            sandboxes = usable / sandbox_bytes,
             "admission: sandbox memory capacity"
         );
         Ok(Some(AdmissionSettings {
-            capacity_bytes: usable << 20,
-            sandbox_bytes: sandbox_mb << 20,
+            capacity_bytes: usable,
+            sandbox_bytes,
             wait: Duration::from_secs(self.admission_wait_s),
             warm_pool,
         }))

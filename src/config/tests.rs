@@ -145,18 +145,31 @@ fn numeric_flags_out_of_range_are_refused_when_parsed() {
 #[test]
 fn admission_settings_come_from_the_capacity_minus_the_reserve() {
     let args = parse(&["--memory-capacity-mb", "4608", "--memory-reserve-mb", "512"]);
-    let settings = args.admission.settings(2048, 2).unwrap().unwrap();
+    let buffers = 60 << 20;
+    let settings = args.admission.settings(2048, buffers, 2).unwrap().unwrap();
     assert_eq!(settings.capacity_bytes, 4096 << 20);
-    assert_eq!(settings.sandbox_bytes, 2048 << 20);
+    assert_eq!(settings.sandbox_bytes, (2048 << 20) + buffers);
     assert_eq!(settings.wait, std::time::Duration::from_secs(30));
-    let err = args.admission.settings(8192, 2).unwrap_err().to_string();
+    let err = args
+        .admission
+        .settings(8192, buffers, 2)
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("--memory-reserve-mb") && err.contains("--sandbox-memory-mb 8192"),
         "{err}"
     );
-    assert!(args.admission.settings(0, 2).unwrap().is_none());
+    // A sandbox that fits only without its session's buffers does not fit.
+    let err = args
+        .admission
+        .settings(4096, buffers, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("60 MiB of the server's buffers"), "{err}");
+    assert!(args.admission.settings(4096, 0, 2).is_ok());
+    assert!(args.admission.settings(0, buffers, 2).unwrap().is_none());
     // Unset: detected from this machine (a cgroup limit or MemTotal).
-    let detected = parse(&[]).admission.settings(1, 0).unwrap().unwrap();
+    let detected = parse(&[]).admission.settings(1, 0, 0).unwrap().unwrap();
     assert!(detected.capacity_bytes > 0);
 }
 

@@ -40,6 +40,38 @@ use controllers::runtime::WarmPoolStats;
 pub use ledger::{Candidate, Ledger, Plan, PoolUsage, Usage};
 pub use residents::LocalResidents;
 
+/// The most memory the server's own buffers for one sandbox held here can
+/// pin, each at its bound, with replies budgeted `reply_budget_bytes`: the
+/// client's message being read (`MAX_MESSAGE_BYTES`), its frames queued for
+/// the session (`QUEUED_BYTES`), the replies it has not read, the output of
+/// its execution queued by the agent's reader (`MAX_QUEUED_OUTPUT_BYTES`)
+/// and kept for replay (`MAX_BUFFERED_BYTES`), the commands queued for the
+/// agent (`MAX_QUEUED_COMMAND_BYTES`) and one agent message's raw bytes
+/// (`MAX_AGENT_PAYLOAD_BYTES`). A sandbox runs one execution at a time and
+/// has one attached session, so its tenant can fill each of them once.
+/// Admission counts it with each sandbox's memory: the reserve alone would
+/// cover a few sandboxes' buffers, not a full instance's.
+pub fn session_buffer_bytes(reply_budget_bytes: usize) -> u64 {
+    use crate::api::output::MAX_BUFFERED_BYTES;
+    use crate::api::protocol::MAX_MESSAGE_BYTES;
+    use crate::api::session::QUEUED_BYTES;
+    use crate::runtime::agent::{
+        MAX_AGENT_PAYLOAD_BYTES, MAX_QUEUED_COMMAND_BYTES, MAX_QUEUED_OUTPUT_BYTES,
+    };
+    [
+        MAX_MESSAGE_BYTES,
+        QUEUED_BYTES,
+        reply_budget_bytes,
+        MAX_QUEUED_OUTPUT_BYTES,
+        MAX_BUFFERED_BYTES,
+        MAX_QUEUED_COMMAND_BYTES,
+        MAX_AGENT_PAYLOAD_BYTES,
+    ]
+    .into_iter()
+    .map(|bytes| bytes as u64)
+    .sum()
+}
+
 /// How often a waiting admission looks again.
 const POLL: Duration = Duration::from_millis(50);
 /// How long a start that nothing could make room for still looks for

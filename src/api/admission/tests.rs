@@ -215,3 +215,19 @@ async fn an_eviction_that_does_not_complete_in_time_is_a_refusal() {
     assert!(started.elapsed() >= SHORT);
     assert_eq!(residents.evicted(), vec![id(1)], "evicted once, not again");
 }
+
+/// The buffers counted with each sandbox are the sum of their bounds: 60 MiB
+/// at the default reply budget (the figure docs/security.md gives).
+#[test]
+fn a_sandbox_counts_its_sessions_buffers_at_their_bounds() {
+    use crate::api::session::DEFAULT_REPLY_BUDGET_BYTES;
+    assert_eq!(
+        super::session_buffer_bytes(DEFAULT_REPLY_BUDGET_BYTES),
+        60 << 20
+    );
+    assert_eq!(
+        super::session_buffer_bytes(1 << 20),
+        super::session_buffer_bytes(0) + (1 << 20),
+        "the reply budget is counted as set"
+    );
+}

@@ -46,8 +46,8 @@ use pending::Pending;
 /// Client frames waiting for the session's worker, in arrival order.
 const QUEUED_FRAMES: usize = 1024;
 
-/// Bytes of client frames waiting for the session's worker, at most (issue
-/// 25: 1,024 frames of up to 1 MiB each could wait while a checkpoint ran).
+/// Bytes of client frames waiting for the session's worker, at most (without
+/// it, 1,024 frames of up to 1 MiB each could wait while a checkpoint ran).
 /// When they are used up the socket is not read until the worker catches up,
 /// and TCP holds the client back. At least one frame of the largest size fits.
 pub const QUEUED_BYTES: usize = 8 * super::protocol::MAX_FRAME_BYTES;
