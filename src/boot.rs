@@ -139,6 +139,8 @@ pub async fn from_args(args: &ServeArgs) -> anyhow::Result<Booted> {
     parts.limits = args.admission.limits();
     parts.socket = args.tenant.socket();
     parts.connection_deadlines = args.tenant.connection_deadlines();
+    parts.max_connections = args.tenant.max_connections;
+    parts.early_frames_budget_bytes = args.tenant.ws_early_frames_budget_bytes;
     parts.origins = args.tenant.origins();
     parts.lifetimes = args.tenant.lifetimes();
     parts.operator_token = args

@@ -150,7 +150,12 @@ pub(super) fn controller_or_error(state: &AppState) -> Result<Arc<SandboxControl
 }
 
 async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
-    let (out, mut stream) = Out::spawn(socket, state.socket, Arc::clone(&state.clock));
+    let (out, mut stream) = Out::spawn(
+        socket,
+        state.socket,
+        Arc::clone(&state.clock),
+        state.early_frames.clone(),
+    );
     let limit = state.socket.init_timeout;
     let init = match tokio::time::timeout(limit, next_text(&mut stream)).await {
         Err(_) => {
@@ -541,7 +546,12 @@ async fn serve_attach(
     caller: Caller,
 ) {
     let token = credential.token;
-    let (out, mut stream) = Out::spawn(socket, state.socket, Arc::clone(&state.clock));
+    let (out, mut stream) = Out::spawn(
+        socket,
+        state.socket,
+        Arc::clone(&state.clock),
+        state.early_frames.clone(),
+    );
     let fatal = |status: Status, message: String| {
         let out = out.clone();
         async move {

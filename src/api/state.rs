@@ -46,6 +46,9 @@ pub struct AppState {
     pub limits: Arc<crate::api::limits::Limits>,
     /// What one client socket may hold and how long it may stay silent.
     pub socket: crate::api::session::SocketSettings,
+    /// The bytes of client frames all sockets together may keep while
+    /// their handshakes wait (`--ws-early-frames-budget-bytes`).
+    pub early_frames: crate::api::session::EarlyBudget,
     /// The sandboxes each caller holds here, and how many it may.
     pub callers: Arc<crate::api::caller::CallerQuota>,
     /// Where filesystem snapshots are kept (their owners' quotas are

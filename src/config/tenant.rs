@@ -1,7 +1,9 @@
 //! What one tenant may hold of an instance: each client socket's reply
 //! budget and deadlines (`api/session/out.rs`), the deadlines of
-//! connections that never become a request (`server/connections.rs`), and
-//! the other per-tenant limits (origins, callers' quotas, lifetimes,
+//! connections that never become a request (`server/connections.rs`), the
+//! instance-wide bounds that many tenants together meet (the connection
+//! limit, the budget of frames kept while handshakes wait), and the other
+//! per-tenant limits (origins, callers' quotas, lifetimes,
 //! snapshot quotas, the operator credential). `docs/security.md` says why
 //! each exists and how it is tested.
 
@@ -32,6 +34,18 @@ pub struct TenantArgs {
     /// whole; a slower one is closed with `SANDBOX_CREATION_ERROR`.
     #[arg(long, env = "SANDBOXD_WS_INIT_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=3600), default_value_t = crate::api::session::DEFAULT_INIT_TIMEOUT.as_secs())]
     pub ws_init_timeout_s: u64,
+    /// Bytes of client frames that all WebSockets whose create or attach
+    /// waits may keep between them for their sessions; a socket whose frame
+    /// does not fit is not read until others' sessions take theirs or its
+    /// own starts. At least one message of the largest size (4 MiB).
+    #[arg(long, env = "SANDBOXD_WS_EARLY_FRAMES_BUDGET_BYTES", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(4_194_304..=68_719_476_736), default_value_t = crate::api::session::DEFAULT_EARLY_FRAMES_BUDGET_BYTES)]
+    pub ws_early_frames_budget_bytes: usize,
+    /// Connections open at once (WebSocket sessions included); more wait
+    /// at `accept`, and at the limit the one idle the longest is closed.
+    /// Each WebSocket may hold a few MiB while it reads a message, so size
+    /// this to the instance's memory.
+    #[arg(long, env = "SANDBOXD_MAX_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..=1_048_576), default_value_t = crate::server::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: u32,
     /// Seconds from a request's first byte to its complete headers; a
     /// slower connection is closed.
     #[arg(long, env = "SANDBOXD_HEADER_READ_TIMEOUT_S", value_parser = clap::value_parser!(u64).range(1..=3600), default_value_t = crate::server::DEFAULT_HEADER_READ_TIMEOUT.as_secs())]

@@ -127,6 +127,10 @@ fn numeric_flags_out_of_range_are_refused_when_parsed() {
         ("--max-concurrent-executes", "0"),
         ("--max-concurrent-forks", "0"),
         ("--max-named-checkpoints", "18446744073709551615"),
+        ("--max-connections", "0"),
+        ("--max-connections", "4294967295"),
+        ("--ws-early-frames-budget-bytes", "1048576"),
+        ("--ws-early-frames-budget-bytes", "18446744073709551615"),
     ] {
         let err = Cli::try_parse_from(["sandboxd".to_owned(), format!("{flag}={value}")])
             .err()
@@ -191,4 +195,27 @@ fn the_workspace_syncs_no_more_than_its_mount_holds() {
     ]);
     let limits = args.workspace.limits(args.runtime.workspace_size_mb());
     assert_eq!(limits.max_total_bytes, 3000 << 20);
+}
+
+/// The connection limit and the budget of frames kept while handshakes
+/// wait are the operator's to size to the instance's memory.
+#[test]
+fn the_connection_limit_and_the_early_frames_budget_are_flags() {
+    let defaults = parse(&[]);
+    assert_eq!(defaults.tenant.max_connections, 4096);
+    assert_eq!(defaults.tenant.ws_early_frames_budget_bytes, 64 << 20);
+    let args = parse(&[
+        "--max-connections",
+        "512",
+        "--ws-early-frames-budget-bytes",
+        "8388608",
+    ]);
+    assert_eq!(args.tenant.max_connections, 512);
+    assert_eq!(args.tenant.ws_early_frames_budget_bytes, 8 << 20);
+    // The smallest budget still fits one message of the largest size.
+    let least = parse(&["--ws-early-frames-budget-bytes", "4194304"]);
+    assert_eq!(
+        least.tenant.ws_early_frames_budget_bytes,
+        crate::api::protocol::MAX_MESSAGE_BYTES
+    );
 }

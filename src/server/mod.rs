@@ -91,6 +91,9 @@ pub struct Parts {
     pub limits: crate::api::limits::LimitSettings,
     /// What one client socket may hold and how long it may stay silent.
     pub socket: crate::api::session::SocketSettings,
+    /// Bytes of client frames the sockets whose create or attach waits may
+    /// keep between them.
+    pub early_frames_budget_bytes: usize,
     /// Which browser origins may call the server.
     pub origins: origin::OriginPolicy,
     /// How long a sandbox may run here, and an execution with no client.
@@ -138,6 +141,7 @@ impl Parts {
             admission: None,
             limits: crate::api::limits::LimitSettings::default(),
             socket: crate::api::session::SocketSettings::default(),
+            early_frames_budget_bytes: crate::api::session::DEFAULT_EARLY_FRAMES_BUDGET_BYTES,
             origins: origin::OriginPolicy {
                 allowed: Vec::new(),
                 same_origin: true,
@@ -233,6 +237,7 @@ impl Server {
             admission,
             limits: Arc::new(crate::api::limits::Limits::new(parts.limits)),
             socket: parts.socket,
+            early_frames: crate::api::session::EarlyBudget::new(parts.early_frames_budget_bytes),
             callers: Arc::new(crate::api::caller::CallerQuota::new(
                 parts.max_sandboxes_per_caller,
                 parts.caller_identity_verified,

@@ -13,6 +13,7 @@
 //! each frame in its own task, which reordered a burst of stdin frames.
 
 mod client_stream;
+mod early_budget;
 mod files;
 mod frames;
 mod heard;
@@ -30,6 +31,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, broadcast, mpsc};
 use tokio::task::JoinHandle;
 
 pub use client_stream::ClientStream;
+pub use early_budget::{DEFAULT_EARLY_FRAMES_BUDGET_BYTES, EarlyBudget};
 pub use out::{
     CLOSE_FATAL, CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_STALLED, CLOSE_TOO_BIG, CLOSE_UNAVAILABLE,
     DEFAULT_INIT_TIMEOUT, DEFAULT_PING_INTERVAL, DEFAULT_PING_TIMEOUT, DEFAULT_REPLY_BUDGET_BYTES,

@@ -26,6 +26,7 @@ use futures::{SinkExt, StreamExt};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 
 use super::client_stream::ClientStream;
+use super::early_budget::EarlyBudget;
 use super::heard::Heard;
 use crate::api::protocol::{FrameError, MAX_FRAME_BYTES, ServerFrame, Status};
 
@@ -125,11 +126,13 @@ enum Stop {
 
 impl Out {
     /// Spawns the writer task for `socket`'s sending half; its silences and
-    /// pings are timed by `clock`.
+    /// pings are timed by `clock`. The reading half keeps what it reads
+    /// during a handshake's wait within `early` (the instance's budget).
     pub fn spawn(
         socket: WebSocket,
         settings: SocketSettings,
         clock: Arc<dyn Clock>,
+        early: EarlyBudget,
     ) -> (Self, ClientStream) {
         let (mut sink, stream) = socket.split();
         let (sender, mut receiver) = mpsc::channel::<Outgoing>(QUEUED_REPLIES);
@@ -143,7 +146,7 @@ impl Out {
             budget_bytes,
         };
         let heard = Heard::new(clock);
-        let stream = ClientStream::new(stream, Arc::clone(&heard));
+        let stream = ClientStream::new(stream, Arc::clone(&heard), early);
         let closing = Arc::clone(&out.closing);
         tokio::spawn(async move {
             let stop = write(&mut sink, &mut receiver, &heard, settings).await;
@@ -352,14 +355,25 @@ pub async fn next_message(stream: &mut ClientStream) -> Option<Result<Incoming, 
             }
             Ok(Message::Ping(_) | Message::Pong(_)) => {}
             Ok(Message::Close(_)) => return None,
-            Err(err) => return too_big(err).map(|reason| Err(FrameError::MessageTooBig(reason))),
+            Err(err) => return Some(Err(read_failed(err)?)),
         }
     }
 }
 
-/// The reason, when a read failed because the message exceeds the limits.
-fn too_big(err: axum::Error) -> Option<String> {
+/// What a failed read is to report: a frame too large that a wait read
+/// and dropped ([`super::client_stream::DroppedTooLarge`]), as if read now;
+/// a message beyond the limits; `None` for anything else (the socket is
+/// done).
+fn read_failed(err: axum::Error) -> Option<FrameError> {
     let inner = err.into_inner();
+    if let Some(dropped) = inner.downcast_ref::<super::client_stream::DroppedTooLarge>() {
+        return Some(FrameError::TooLarge(dropped.0));
+    }
+    too_big(&*inner).map(FrameError::MessageTooBig)
+}
+
+/// The reason, when a read failed because the message exceeds the limits.
+fn too_big(inner: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<String> {
     match inner.downcast_ref::<tungstenite::Error>() {
         Some(tungstenite::Error::Capacity(capacity)) => Some(capacity.to_string()),
         _ => None,
