@@ -78,6 +78,47 @@ pub const MIN_BODY_BYTES_PER_SECOND: u64 = 4096;
 /// Milliseconds after the server's epoch; `NEVER` for "not set".
 const NEVER: u64 = u64::MAX;
 
+/// The most bytes of a request's headers (request line included, up to the
+/// blank line). hyper buffers up to about 400 KiB of them per connection,
+/// and every connection at the limit could hold that for the header-read
+/// timeout; clients here send a few KiB (an ID token, the sandbox token). A
+/// connection whose headers run past it is closed without an answer.
+pub const MAX_HEADER_BYTES: usize = 64 << 10;
+
+/// How far a connection's current request's headers have come: their bytes
+/// so far, and the end of the last read (the blank line that ends them may
+/// straddle two reads). Kept by the connection's reader alone.
+#[derive(Debug, Default)]
+struct HeaderScan {
+    bytes: usize,
+    tail: [u8; 3],
+    ended: bool,
+}
+
+impl HeaderScan {
+    /// Counts `read` as header bytes up to the blank line that ends them;
+    /// false once they run past [`MAX_HEADER_BYTES`].
+    fn count(&mut self, read: &[u8]) -> bool {
+        if self.ended {
+            return true;
+        }
+        let mut window = self.tail.to_vec();
+        window.extend_from_slice(read);
+        let taken = match window.windows(4).position(|four| four == b"\r\n\r\n") {
+            Some(at) => {
+                self.ended = true;
+                (at + 4).saturating_sub(self.tail.len())
+            }
+            None => read.len(),
+        };
+        self.bytes = self.bytes.saturating_add(taken);
+        if let Some(last) = window.len().checked_sub(3) {
+            self.tail.copy_from_slice(&window[last..]);
+        }
+        self.bytes <= MAX_HEADER_BYTES
+    }
+}
+
 /// What a connection's request handling and its socket share.
 #[derive(Debug)]
 struct Activity {
@@ -304,6 +345,7 @@ impl axum::serve::Listener for Tracked {
                     timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
                     write_stalled_since: None,
                     write_timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
+                    headers: HeaderScan::default(),
                     _permit: permit,
                 },
                 addr,
@@ -327,6 +369,8 @@ pub struct Connection {
     /// Since when writes have made no progress (`None`: the last one did).
     write_stalled_since: Option<Instant>,
     write_timer: Pin<Box<Sleep>>,
+    /// The headers of the request being read ([`MAX_HEADER_BYTES`]).
+    headers: HeaderScan,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -514,12 +558,25 @@ impl AsyncRead for Connection {
         match Pin::new(&mut self.stream).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before {
-                    let activity = &self.activity;
+                    let this = &mut *self;
+                    let activity = &this.activity;
                     activity.active();
-                    if !activity.busy() && activity.request_began.load(Ordering::Acquire) == NEVER {
-                        activity
-                            .request_began
-                            .store(activity.now(), Ordering::Release);
+                    if !activity.busy() {
+                        if activity.request_began.load(Ordering::Acquire) == NEVER {
+                            activity
+                                .request_began
+                                .store(activity.now(), Ordering::Release);
+                            this.headers = HeaderScan::default();
+                        }
+                        if !this.headers.count(&buf.filled()[before..]) {
+                            tracing::debug!(
+                                "closing a connection whose request headers are too large"
+                            );
+                            return Poll::Ready(Err(io::Error::new(
+                                io::ErrorKind::InvalidData,
+                                format!("request headers larger than {MAX_HEADER_BYTES} bytes"),
+                            )));
+                        }
                     }
                 }
                 Poll::Ready(Ok(()))
@@ -678,6 +735,75 @@ mod tests {
         .await
         .ok()?;
         Some(all)
+    }
+
+    #[test]
+    fn headers_are_counted_to_their_blank_line_also_across_reads() {
+        let mut scan = HeaderScan::default();
+        assert!(scan.count(b"GET / HTTP/1.1\r\nHost: x\r"));
+        assert!(scan.count(b"\n\r"));
+        assert!(!scan.ended);
+        assert!(scan.count(b"\nbody bytes"));
+        assert!(scan.ended);
+        assert_eq!(scan.bytes, "GET / HTTP/1.1\r\nHost: x\r\n\r\n".len());
+        assert!(
+            scan.count(&vec![b'y'; 2 * MAX_HEADER_BYTES]),
+            "a body is not counted"
+        );
+
+        let mut scan = HeaderScan::default();
+        assert!(scan.count(&vec![b'h'; MAX_HEADER_BYTES]));
+        assert!(!scan.count(b"h"), "one byte past the bound");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn headers_past_the_bound_close_the_connection_and_large_ones_within_it_are_served() {
+        let deadlines = ConnectionDeadlines {
+            header_read: Duration::from_secs(30),
+            idle: Duration::from_secs(30),
+        };
+        let clock = Arc::new(controllers::clock::SystemClock);
+        let connections = Connections::with_deadlines(8, deadlines, clock);
+        let addr = serve(&connections).await;
+        let request = |header_bytes: usize, body: usize| {
+            let mut request = b"POST /echo HTTP/1.1\r\nHost: x\r\n".to_vec();
+            let line = format!("X-Filler: {}\r\n", "f".repeat(1000));
+            for _ in 0..header_bytes / line.len() {
+                request.extend_from_slice(line.as_bytes());
+            }
+            request.extend_from_slice(
+                format!("Content-Length: {body}\r\nConnection: close\r\n\r\n").as_bytes(),
+            );
+            request.extend(std::iter::repeat_n(b'y', body));
+            request
+        };
+
+        // Headers of 60 KiB, a body of 1 MiB sent with them: answered.
+        let mut within = TcpStream::connect(addr).await.unwrap();
+        within.write_all(&request(60 << 10, 1 << 20)).await.unwrap();
+        let answer = rest_of(&mut within, Duration::from_secs(10)).await.unwrap();
+        let answer = String::from_utf8_lossy(&answer).into_owned();
+        assert!(
+            answer.contains("200 OK") && answer.ends_with(&(1 << 20).to_string()),
+            "{answer}"
+        );
+
+        // Headers past the bound: closed without an answer, at once (not at
+        // the header-read timeout).
+        let mut past = TcpStream::connect(addr).await.unwrap();
+        let started = std::time::Instant::now();
+        // The server may close before every byte is written.
+        let _ = past
+            .write_all(&request(MAX_HEADER_BYTES + (8 << 10), 0))
+            .await;
+        let answer = rest_of(&mut past, Duration::from_secs(10)).await;
+        let answer = String::from_utf8_lossy(&answer.unwrap_or_default()).into_owned();
+        assert!(!answer.contains("200 OK"), "{answer}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "closed after {:?}: at the header-read timeout (30 s), not at the bound",
+            started.elapsed()
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
