@@ -11,7 +11,10 @@
 //!   since the hold was acquired, has not. A renewal that completes after the
 //!   previous one's safe window ends starts a new *era*: holds of an older era
 //!   are vouched for only after a conditional write to their `lock.json`
-//!   (`Leases::renew`), which makes a taker's concurrent write fail.
+//!   (`Leases::renew`), which makes a taker's concurrent write fail. A hold
+//!   whose lock was written before a lapse (the write's answer may come
+//!   after it, from a freeze) gets no era at all ([`InstanceLeases::era_for`]):
+//!   only an era that began while the lock's own lease still held vouches.
 //!
 //! # Caveats
 //! A ring is a hint. It can be lost (the ringer gave up under contention) or
@@ -43,7 +46,14 @@ struct OwnLease {
     /// Grows by one whenever a renewal lands after the previous one's safe
     /// window ended: holds acquired in an older era are not vouched for.
     era: u64,
+    /// When the renewal that began the current era landed: the instance
+    /// lease vouches without a gap from then on.
+    era_began: Option<DateTime<Utc>>,
 }
+
+/// The era of a hold no era vouches for ([`InstanceLeases::era_for`]):
+/// eras start at 1, with the first renewal.
+pub const NO_ERA: u64 = 0;
 
 /// Rings waiting to be written to one other instance's doorbell.
 #[derive(Debug, Default)]
@@ -148,6 +158,20 @@ impl InstanceLeases {
         self.own().era
     }
 
+    /// The era that vouches for a hold whose lock was last written with
+    /// `renewed_at`: the current one if it began while the lock's own lease
+    /// still vouched (no gap between the two), else [`NO_ERA`]. A write that
+    /// landed before a lapse and whose answer came after it (a freeze while
+    /// it was in flight) must not borrow the era that began after the lapse:
+    /// the sandbox may have been taken over in the gap.
+    pub fn era_for(&self, renewed_at: DateTime<Utc>) -> u64 {
+        let own = self.own();
+        let covered = own.era_began.is_some_and(|began| {
+            began <= renewed_at + self.config.duration - self.config.skew_tolerance
+        });
+        if covered { own.era } else { NO_ERA }
+    }
+
     /// True while this instance may act on holds of `era` on the strength of
     /// its instance lease.
     pub fn vouches_for(&self, era: u64) -> bool {
@@ -209,6 +233,7 @@ impl InstanceLeases {
         });
         if lapsed {
             own.era += 1;
+            own.era_began = Some(landed);
         }
         own.started_at = Some(started_at);
         // Another renewal may have landed meanwhile; keep the newest.

@@ -42,7 +42,7 @@ use crate::store::{
 
 mod instance;
 
-pub use instance::{InstanceLeases, ring_doorbell};
+pub use instance::{InstanceLeases, NO_ERA, ring_doorbell};
 
 /// Lease timing for one deployment.
 #[derive(Debug, Clone)]
@@ -89,7 +89,9 @@ pub struct HeldLease {
     pub generation: Generation,
     /// The lease as this instance last wrote or read it at `generation`.
     pub lease: Lease,
-    /// The instance-lease era the hold was acquired or re-verified in.
+    /// The instance-lease era that vouches for the hold: the one current
+    /// when its lock was last written or read, if that era began before the
+    /// lock's own lease ran out; [`NO_ERA`] (none) otherwise.
     pub era: u64,
 }
 
@@ -797,16 +799,17 @@ impl Leases {
         lease: &Lease,
         generation: Generation,
     ) -> Result<HeldLease, LeaseError> {
+        let renewed_at = lease
+            .renewed_at
+            .or(lease.acquired_at)
+            .unwrap_or(chrono::DateTime::<Utc>::UNIX_EPOCH);
         Ok(HeldLease {
             sandbox: sandbox.clone(),
             epoch,
-            renewed_at: lease
-                .renewed_at
-                .or(lease.acquired_at)
-                .unwrap_or(chrono::DateTime::<Utc>::UNIX_EPOCH),
+            renewed_at,
             generation,
             lease: lease.clone(),
-            era: self.instance_lease.era(),
+            era: self.instance_lease.era_for(renewed_at),
         })
     }
 

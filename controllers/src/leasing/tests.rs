@@ -688,3 +688,46 @@ fn the_acquire_guard_takes_only_a_free_or_gone_hold_no_other_instance_wants() {
         assert_eq!(grant(&lock, &me, gone, now, skew), expected, "{why}");
     }
 }
+
+/// A lock written before this instance's lease lapsed, whose answer came
+/// after the lapse (a freeze while the write was in flight), is not vouched
+/// for by the era the lapse began: another instance may have taken the
+/// sandbox over in the gap. A hold written after the lapse is, beyond its
+/// lock's own lease, as long as the instance lease is renewed.
+#[tokio::test]
+async fn an_era_that_began_after_a_holds_lock_lease_ran_out_does_not_vouch_for_it() {
+    let (_store, clock, [a, b]) = leases_on_one_store(["inst-a", "inst-b"]);
+    let held = a.acquire(&sandbox()).await.unwrap();
+    assert!(a.is_safe(&held));
+    let written = held.lease.clone();
+
+    // A freezes past both of its leases; B takes the sandbox over.
+    clock.advance(Duration::seconds(40));
+    let taken = b.acquire(&sandbox()).await.unwrap();
+    assert_eq!(taken.epoch, held.epoch + 1);
+
+    // A thaws: its instance lease is renewed (a new era), then the answer
+    // of a write that landed before the freeze is taken up.
+    a.instance_lease().renew().await.unwrap();
+    let late = a
+        .adopt(&sandbox(), &written, held.generation)
+        .await
+        .unwrap();
+    assert_eq!(late.era, NO_ERA);
+    assert!(
+        !a.is_safe(&late),
+        "a hold written before the lapse was vouched for by the era after it"
+    );
+
+    // A hold taken after the lapse is vouched for past its lock's own lease
+    // (25 s) while the instance lease is renewed.
+    let other = SandboxId::parse("fedcba9876543210fedcba9876543210").unwrap();
+    let fresh = a.acquire(&other).await.unwrap();
+    clock.advance(Duration::seconds(20));
+    a.instance_lease().renew().await.unwrap();
+    clock.advance(Duration::seconds(10));
+    assert!(
+        a.is_safe(&fresh),
+        "a hold taken after the lapse lost its era"
+    );
+}
