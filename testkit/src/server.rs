@@ -30,6 +30,8 @@ pub struct Launch {
     /// The port to listen on (a free one without).
     pub port: Option<u16>,
     pub log_level: String,
+    /// Runs in a process group of its own ([`Launch::frozen_by_tests`]).
+    pub own_process_group: bool,
 }
 
 impl Launch {
@@ -47,7 +49,21 @@ impl Launch {
             args: Vec::new(),
             port: None,
             log_level: "info".to_owned(),
+            own_process_group: false,
         }
+    }
+
+    /// For a server a test freezes (SIGSTOP): it runs in a process group of
+    /// its own, whose parent, the test, lives in another group. In the
+    /// test's group, it would be resumed by the kernel whenever that group
+    /// becomes orphaned while it is stopped (SIGHUP, then SIGCONT to every
+    /// member), which happens to a test run in the background of a shell
+    /// that then exits: the freeze the test relies on ends early. Not the
+    /// default: a server in a group of its own does not get the interrupt
+    /// a terminal or a test runner sends to the test's group.
+    pub fn frozen_by_tests(mut self) -> Self {
+        self.own_process_group = true;
+        self
     }
 
     /// Shares `bucket` on the emulator at `endpoint` for every artifact.
@@ -112,7 +128,11 @@ impl Launch {
         };
         let addr = format!("127.0.0.1:{port}");
         let log_path = self.cwd.join("sandboxd.log");
-        let child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        if self.own_process_group {
+            std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        }
+        let child = command
             .args([
                 "serve",
                 "--listen",

@@ -943,7 +943,8 @@ async fn start_instance(
         *generation += 1;
         let mut launch = Launch::new(&name, dir)
             .on_emulator(&endpoints[slot], BUCKET)
-            .fast_leases();
+            .fast_leases()
+            .frozen_by_tests();
         launch.port = Some(port);
         match launch.try_start().await {
             Ok(server) => return server,
@@ -1386,6 +1387,7 @@ async fn an_attach_on_another_instance_during_a_drain_is_answered() {
     let mut a = Launch::new("drain-a", dir.path())
         .on_bucket(&bucket)
         .fast_leases()
+        .frozen_by_tests()
         .start()
         .await;
     let b = Launch::new("drain-b", dir.path())
@@ -1432,6 +1434,7 @@ async fn a_holder_frozen_past_its_lease_acknowledges_nothing_after_the_taker() {
     let a = Launch::new("frozen-a", dir.path())
         .on_bucket(&bucket)
         .fast_leases()
+        .frozen_by_tests()
         .start()
         .await;
     let b = Launch::new("frozen-b", dir.path())

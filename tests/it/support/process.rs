@@ -71,6 +71,11 @@ impl Launch {
         Self(self.0.with_args(args))
     }
 
+    /// A server the test will freeze (`testkit::Launch::frozen_by_tests`).
+    pub fn frozen_by_tests(self) -> Self {
+        Self(self.0.frozen_by_tests())
+    }
+
     pub async fn start(self) -> ServerProcess {
         self.try_start().await.unwrap_or_else(|err| panic!("{err}"))
     }
