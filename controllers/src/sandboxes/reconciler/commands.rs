@@ -231,10 +231,8 @@ impl Reconciler {
             // Only the wait for that image ends: a wait for a later hold's
             // image has a task of its own.
             Ended::ImageLanded { epoch } => self.slots.update(sandbox, |slot| {
-                if let Some(acquiring) = slot.state.acquiring_mut()
-                    && acquiring.image_awaited == Some(epoch)
-                {
-                    acquiring.image_awaited = None;
+                if let Some(handoff) = slot.state.handoff_mut() {
+                    handoff.image_landed(epoch);
                 }
             }),
         }

@@ -137,14 +137,15 @@ pub(super) enum LocalState {
     /// Nothing in flight here.
     #[default]
     Idle,
-    /// Waiting to acquire the sandbox (LOCK_ACQUIRING was said).
-    Acquiring(Acquiring),
+    /// Waiting to acquire the sandbox (LOCK_ACQUIRING was said): from its
+    /// holder, by a [`Handoff`] (a free lock is taken within one pass).
+    Acquiring(Handoff),
     /// A pass acquires and starts the sandbox right now: its lock may name
     /// this instance before it is held.
     Starting {
         /// The wait that led here, until the start takes it up: a start
         /// that ends without a hold goes back to it.
-        acquiring: Option<Acquiring>,
+        handoff: Option<Handoff>,
     },
     /// Held and running here.
     Held {
@@ -165,18 +166,39 @@ pub(super) enum LocalState {
     },
 }
 
-/// A wait to acquire a sandbox.
+/// A handoff this instance waits to take, on the taker: from its attach
+/// intent (the first ring went with it) until the hold is taken up or the
+/// wait ends without it. What the holder does in between shows here as two
+/// phases: its checkpoint image lands in the store ([`HandoffImage`]), then
+/// the lock names this instance (the transfer; the next pass adopts it and
+/// starts, [`LocalState::Starting`], which gives this value back should the
+/// start fail). Staging the image for the restore is the runtime's
+/// (`SandboxRuntime::prefetch_checkpoint`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(super) struct Acquiring {
+pub(super) struct Handoff {
     /// When this instance last rang the holder (`None`: not since the wait
     /// began; the first ring came with the attach intent).
     pub(super) rung_at: Option<DateTime<Utc>>,
-    /// A task waits for the landing of the image the holder of this epoch
-    /// hands over with, to wake the pass (one per image; decision 29).
-    pub(super) image_awaited: Option<u64>,
+    /// Where the image the holder hands over with is.
+    pub(super) image: HandoffImage,
 }
 
-impl Acquiring {
+/// The image a taker waits for, named by the epoch of the hold that hands
+/// it over (a later hold hands over with another image; decision 29).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) enum HandoffImage {
+    /// Not watched for (no live intent of this instance in the lock read,
+    /// or a runtime that does not prefetch).
+    #[default]
+    Unwatched,
+    /// The runtime watches for it, and a task waits for its landing to
+    /// wake the pass.
+    Awaited { epoch: u64 },
+    /// In the store (or the runtime's watch ended): the transfer is next.
+    Landed { epoch: u64 },
+}
+
+impl Handoff {
     /// True when the holder is due another ring at `now` (every `every`,
     /// counted from the first look); remembers the ring.
     pub(super) fn ring_due(&mut self, now: DateTime<Utc>, every: chrono::Duration) -> bool {
@@ -188,6 +210,22 @@ impl Acquiring {
             false
         }
     }
+
+    /// The image of the hold at `epoch` is awaited from now on; true if it
+    /// was not already (one waiting task per image).
+    pub(super) fn await_image(&mut self, epoch: u64) -> bool {
+        let fresh = self.image != HandoffImage::Awaited { epoch };
+        self.image = HandoffImage::Awaited { epoch };
+        fresh
+    }
+
+    /// The image of the hold at `epoch` landed. A late landing of an
+    /// earlier hold's image leaves a later hold's wait alone.
+    pub(super) fn image_landed(&mut self, epoch: u64) {
+        if self.image == (HandoffImage::Awaited { epoch }) {
+            self.image = HandoffImage::Landed { epoch };
+        }
+    }
 }
 
 impl LocalState {
@@ -196,10 +234,10 @@ impl LocalState {
     /// stays held.
     pub(super) fn wait_to_acquire(self) -> (Self, bool) {
         match self {
-            Self::Idle | Self::Lost { .. } => (Self::Acquiring(Acquiring::default()), true),
-            Self::Starting { acquiring: None } => (
+            Self::Idle | Self::Lost { .. } => (Self::Acquiring(Handoff::default()), true),
+            Self::Starting { handoff: None } => (
                 Self::Starting {
-                    acquiring: Some(Acquiring::default()),
+                    handoff: Some(Handoff::default()),
                 },
                 true,
             ),
@@ -211,7 +249,7 @@ impl LocalState {
     pub(super) fn done_acquiring(self) -> Self {
         match self {
             Self::Acquiring(_) => Self::Idle,
-            Self::Starting { .. } => Self::Starting { acquiring: None },
+            Self::Starting { .. } => Self::Starting { handoff: None },
             state => state,
         }
     }
@@ -220,9 +258,9 @@ impl LocalState {
     /// held (the decision table never starts one).
     pub(super) fn begin_start(self) -> Self {
         match self {
-            Self::Idle | Self::Lost { .. } => Self::Starting { acquiring: None },
-            Self::Acquiring(acquiring) => Self::Starting {
-                acquiring: Some(acquiring),
+            Self::Idle | Self::Lost { .. } => Self::Starting { handoff: None },
+            Self::Acquiring(handoff) => Self::Starting {
+                handoff: Some(handoff),
             },
             state => state,
         }
@@ -234,9 +272,9 @@ impl LocalState {
     pub(super) fn start_ended(self) -> Self {
         match self {
             Self::Starting {
-                acquiring: Some(acquiring),
-            } => Self::Acquiring(acquiring),
-            Self::Starting { acquiring: None } => Self::Idle,
+                handoff: Some(handoff),
+            } => Self::Acquiring(handoff),
+            Self::Starting { handoff: None } => Self::Idle,
             state => state,
         }
     }
@@ -315,13 +353,13 @@ impl LocalState {
         }
     }
 
-    /// The wait to acquire, if this instance waits (or starts after one).
-    pub(super) fn acquiring_mut(&mut self) -> Option<&mut Acquiring> {
+    /// The handoff this instance waits for (or starts after).
+    pub(super) fn handoff_mut(&mut self) -> Option<&mut Handoff> {
         match self {
-            Self::Acquiring(acquiring)
+            Self::Acquiring(handoff)
             | Self::Starting {
-                acquiring: Some(acquiring),
-            } => Some(acquiring),
+                handoff: Some(handoff),
+            } => Some(handoff),
             _ => None,
         }
     }
@@ -607,21 +645,38 @@ mod tests {
     fn a_start_that_gives_way_goes_back_to_its_wait_with_its_rings() {
         let mut state = LocalState::Idle.wait_to_acquire().0;
         let every = chrono::Duration::seconds(5);
-        let acquiring = state.acquiring_mut().unwrap();
+        let handoff = state.handoff_mut().unwrap();
         assert!(
-            !acquiring.ring_due(at(0), every),
+            !handoff.ring_due(at(0), every),
             "the first ring came with the intent"
         );
-        assert!(!acquiring.ring_due(at(4), every));
+        assert!(!handoff.ring_due(at(4), every));
         let state = state.begin_start();
         let mut state = state.start_ended();
         assert!(
-            matches!(state, LocalState::Acquiring(Acquiring { rung_at: Some(t), .. }) if t == at(0))
+            matches!(state, LocalState::Acquiring(Handoff { rung_at: Some(t), .. }) if t == at(0))
         );
-        assert!(state.acquiring_mut().unwrap().ring_due(at(5), every));
+        assert!(state.handoff_mut().unwrap().ring_due(at(5), every));
         let (state, said) = state.wait_to_acquire();
         assert!(!said, "LOCK_ACQUIRING is said once per wait");
         assert!(!state.is_busy());
+    }
+
+    #[test]
+    fn a_handoff_awaits_each_image_once_and_a_late_landing_leaves_a_later_wait() {
+        let mut handoff = Handoff::default();
+        assert!(handoff.await_image(3), "the first wait for epoch 3's image");
+        assert!(!handoff.await_image(3), "one task per image");
+        handoff.image_landed(2);
+        assert_eq!(handoff.image, HandoffImage::Awaited { epoch: 3 });
+        handoff.image_landed(3);
+        assert_eq!(handoff.image, HandoffImage::Landed { epoch: 3 });
+        assert!(handoff.await_image(4), "a later hold's image is awaited");
+        // The phases travel with the wait through a start that gives way.
+        let state = LocalState::Acquiring(handoff).begin_start().start_ended();
+        assert!(
+            matches!(state, LocalState::Acquiring(h) if h.image == HandoffImage::Awaited { epoch: 4 })
+        );
     }
 
     #[test]
@@ -667,7 +722,7 @@ mod tests {
         );
         assert!(matches!(
             state.lost(t0).begin_start(),
-            LocalState::Starting { acquiring: None }
+            LocalState::Starting { handoff: None }
         ));
 
         let slots = Slots::default();

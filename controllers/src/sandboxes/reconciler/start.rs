@@ -65,8 +65,8 @@ impl Reconciler {
         let now = self.clock.now();
         let due = self.slots.update(sandbox, |slot| {
             slot.state
-                .acquiring_mut()
-                .is_some_and(|acquiring| acquiring.ring_due(now, chrono_duration(RERING_INTERVAL)))
+                .handoff_mut()
+                .is_some_and(|handoff| handoff.ring_due(now, chrono_duration(RERING_INTERVAL)))
         });
         let mut next = self.config.acquire_poll;
         if let Some(lease) = lease
@@ -100,12 +100,12 @@ impl Reconciler {
         let me = me.clone();
         // Only while it waits to acquire (`await_handover` made sure it
         // does), and once per image.
-        let already = self.slots.update(sandbox, |slot| {
+        let fresh = self.slots.update(sandbox, |slot| {
             slot.state
-                .acquiring_mut()
-                .is_none_or(|acquiring| acquiring.image_awaited.replace(epoch) == Some(epoch))
+                .handoff_mut()
+                .is_some_and(|handoff| handoff.await_image(epoch))
         });
-        if already {
+        if !fresh {
             return;
         }
         let sandbox = sandbox.clone();
