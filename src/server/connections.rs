@@ -86,12 +86,21 @@ const NEVER: u64 = u64::MAX;
 pub const MAX_HEADER_BYTES: usize = 64 << 10;
 
 /// How far a connection's current request's headers have come: their bytes
-/// so far, and the end of the last read (the blank line that ends them may
-/// straddle two reads). Kept by the connection's reader alone.
+/// so far, and where the last read left off in its line (the blank line
+/// that ends them may straddle two reads). Kept by the connection's reader
+/// alone, one byte at a time, without copying a read.
+///
+/// A line ends at `\n`, with or without `\r` (the HTTP parser takes both).
+/// Empty lines before the request line do not end the headers: the parser
+/// skips any number of them, so counting stopped there would let the
+/// headers after them past the bound.
 #[derive(Debug, Default)]
 struct HeaderScan {
     bytes: usize,
-    tail: [u8; 3],
+    /// A byte other than `\r` and `\n` came: the request line began.
+    began: bool,
+    /// No such byte since the last `\n`.
+    at_line_start: bool,
     ended: bool,
 }
 
@@ -99,23 +108,22 @@ impl HeaderScan {
     /// Counts `read` as header bytes up to the blank line that ends them;
     /// false once they run past [`MAX_HEADER_BYTES`].
     fn count(&mut self, read: &[u8]) -> bool {
-        if self.ended {
-            return true;
-        }
-        let mut window = self.tail.to_vec();
-        window.extend_from_slice(read);
-        let taken = match window.windows(4).position(|four| four == b"\r\n\r\n") {
-            Some(at) => {
-                self.ended = true;
-                (at + 4).saturating_sub(self.tail.len())
+        for &byte in read {
+            if self.ended {
+                break;
             }
-            None => read.len(),
-        };
-        self.bytes = self.bytes.saturating_add(taken);
-        if let Some(last) = window.len().checked_sub(3) {
-            self.tail.copy_from_slice(&window[last..]);
+            self.bytes = self.bytes.saturating_add(1);
+            match byte {
+                b'\n' if self.began && self.at_line_start => self.ended = true,
+                b'\n' => self.at_line_start = true,
+                b'\r' => {}
+                _ => (self.began, self.at_line_start) = (true, false),
+            }
+            if self.bytes > MAX_HEADER_BYTES {
+                return false;
+            }
         }
-        self.bytes <= MAX_HEADER_BYTES
+        true
     }
 }
 
@@ -754,6 +762,18 @@ mod tests {
         let mut scan = HeaderScan::default();
         assert!(scan.count(&vec![b'h'; MAX_HEADER_BYTES]));
         assert!(!scan.count(b"h"), "one byte past the bound");
+
+        // Lines ended by a bare `\n` end their headers the same way.
+        let mut scan = HeaderScan::default();
+        assert!(scan.count(b"GET / HTTP/1.1\nHost: x\n\nbody"));
+        assert_eq!(scan.bytes, "GET / HTTP/1.1\nHost: x\n\n".len());
+
+        // Empty lines before the request line (the parser skips them) end
+        // nothing: what follows them is counted.
+        let mut scan = HeaderScan::default();
+        assert!(scan.count(b"\r\n\r\n\n"));
+        assert!(!scan.ended);
+        assert!(!scan.count(&vec![b'h'; MAX_HEADER_BYTES]));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -804,6 +824,16 @@ mod tests {
             "closed after {:?}: at the header-read timeout (30 s), not at the bound",
             started.elapsed()
         );
+
+        // Empty lines before the request line, which the parser skips, do
+        // not let the headers after them past the bound.
+        let mut prefixed = TcpStream::connect(addr).await.unwrap();
+        let mut bytes = b"\r\n\r\n".to_vec();
+        bytes.extend(request(MAX_HEADER_BYTES + (8 << 10), 0));
+        let _ = prefixed.write_all(&bytes).await;
+        let answer = rest_of(&mut prefixed, Duration::from_secs(10)).await;
+        let answer = String::from_utf8_lossy(&answer.unwrap_or_default()).into_owned();
+        assert!(!answer.contains("200 OK"), "{answer}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
