@@ -58,14 +58,10 @@ impl Case {
 
     /// Held and run here at epoch 3, vouched for.
     fn held_here() -> Self {
-        let mut case = Self::new();
-        let mut lock = Lease::unheld(15);
-        lock.holder = Some(instance("a"));
-        lock.epoch = 3;
+        let mut case = Self::new().held_by("a", 3);
+        let lock = case.lock.as_mut().unwrap();
         lock.acquired_at = Some(case.now);
-        lock.renewed_at = Some(case.now);
         case.held = Some(held_lease(lock.clone(), case.now));
-        case.lock = Some(lock);
         let status = &mut case.metadata.as_mut().unwrap().status;
         status.phase = Phase::Running;
         status.holder = Some(instance("a"));
@@ -170,7 +166,7 @@ fn a_lock_naming_another_holder_or_epoch_means_lost() {
 }
 
 #[test]
-fn a_held_sandbox_that_died_is_marked_failed_else_converges_to_deleted_or_checkpointed() {
+fn a_held_sandbox_that_died_is_marked_failed_else_converges_or_is_handed_over() {
     let case = Case::held_here().with(|case| case.running_here = false);
     assert_eq!(case.decide(), Step::MarkDied);
     let case = Case::held_here().desired(Deleted);
@@ -179,10 +175,7 @@ fn a_held_sandbox_that_died_is_marked_failed_else_converges_to_deleted_or_checkp
     case.decides(Step::CheckpointAndRelease, "checkpointed");
     let case = case.with_metadata(|metadata| metadata.spec.enable_checkpoint = false);
     assert_eq!(case.decide(), Step::RefuseCheckpoint);
-}
-
-#[test]
-fn another_instances_live_intent_is_a_handover_if_checkpointable() {
+    // Another instance's live intent is a handover if checkpointable.
     assert_eq!(Case::held_here().wanted_by("b").decide(), Step::HandOver);
     let expired = Case::held_here().wanted_by_for("b", Duration::zero());
     expired.decides(Step::KeepRunning, "an expired intent is ignored");
@@ -294,16 +287,13 @@ fn a_due_periodic_checkpoint_is_taken_and_an_unvouched_hold_reverified_due_or_no
 #[test]
 fn an_unvouched_hold_is_renewed_before_it_is_handed_over_checkpointed_or_deleted() {
     let unvouched = |case: Case| case.with(|case| case.vouched = false);
+    let refused = Case::held_here().desired(Checkpointed);
+    let refused = refused.with_metadata(|metadata| metadata.spec.enable_checkpoint = false);
     let cases = [
         (Case::held_here().wanted_by("b"), "wanted elsewhere"),
         (Case::held_here().desired(Checkpointed), "checkpointed"),
         (Case::held_here().desired(Deleted), "deleted"),
-        (
-            Case::held_here()
-                .desired(Checkpointed)
-                .with_metadata(|metadata| metadata.spec.enable_checkpoint = false),
-            "a checkpoint refused",
-        ),
+        (refused, "a checkpoint refused"),
     ];
     for (case, why) in cases {
         assert_ne!(case.decide(), Step::Reverify, "{why}, vouched");
