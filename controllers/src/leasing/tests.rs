@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use chrono::Duration;
+use chrono::{Duration, TimeZone, Utc};
 
 use super::*;
 use crate::api::decode;
@@ -299,14 +299,12 @@ async fn instances_whose_clocks_disagree_by_three_seconds_never_overlap() {
 async fn an_invalid_lock_is_reported_by_field_and_never_overwritten() {
     let (store, _, [a]) = leases_on_one_store(["a"]);
     let text = "{\n  \"apiVersion\": \"sandboxd.dev/v1\",\n  \"holder\": null,\n  \"epoch\": \"three\",\n  \"lease_duration_s\": 30\n}\n";
-    store
-        .put(&lock_key(&sandbox()), text.into(), PutMode::Create)
-        .await
-        .unwrap();
+    let key = lock_key(&sandbox());
+    store.put(&key, text.into(), PutMode::Create).await.unwrap();
     let err = a.acquire(&sandbox()).await.unwrap_err();
     assert_matches!(&err, LeaseError::Invalid { source, .. } if source.field() == Some("epoch"));
     assert!(err.to_string().contains("epoch"), "{err}");
-    assert_eq!(store.get(&lock_key(&sandbox())).await.unwrap().data, text);
+    assert_eq!(store.get(&key).await.unwrap().data, text);
 }
 
 #[tokio::test]
@@ -584,9 +582,7 @@ async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write(
 fn the_acquire_guard_takes_only_a_free_or_gone_hold_no_other_instance_wants() {
     use Grant::{HeldByOther, Renew, Take, WantedByOther};
     let (me, other) = (instance("a"), instance("b"));
-    let now = chrono::DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
-        .unwrap()
-        .to_utc();
+    let now = Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap();
     let held_by = |holder: &InstanceId, renewed_secs_ago: i64| Lease {
         holder: Some(holder.clone()),
         epoch: 4,
