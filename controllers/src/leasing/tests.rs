@@ -95,15 +95,11 @@ fn leases(store: Arc<dyn Store>, clock: &ManualClock, name: &str, spacing_ms: u6
 /// Where these tests' leases keep the intents rings carry (a reconciler's
 /// slots, in the server).
 #[derive(Debug, Default)]
-struct Heard(std::sync::Mutex<Vec<(SandboxId, RungIntent)>>);
+struct Heard(std::sync::Mutex<std::collections::HashMap<SandboxId, RungIntent>>);
 
 impl RungIntents for Heard {
     fn rung(&self, sandbox: &SandboxId) -> Option<RungIntent> {
-        let heard = self.0.lock().unwrap();
-        heard
-            .iter()
-            .find(|(id, _)| id == sandbox)
-            .map(|(_, rung)| rung.clone())
+        self.0.lock().unwrap().get(sandbox).cloned()
     }
 
     fn change_rung(
@@ -112,20 +108,14 @@ impl RungIntents for Heard {
         change: &mut dyn FnMut(Option<RungIntent>) -> Option<RungIntent>,
     ) {
         let mut heard = self.0.lock().unwrap();
-        let old = heard
-            .iter()
-            .position(|(id, _)| id == sandbox)
-            .map(|at| heard.remove(at).1);
-        if let Some(rung) = change(old) {
-            heard.push((sandbox.clone(), rung));
+        if let Some(rung) = change(heard.remove(sandbox)) {
+            heard.insert(sandbox.clone(), rung);
         }
     }
 
     fn forget_expired(&self, now: chrono::DateTime<chrono::Utc>) {
-        self.0
-            .lock()
-            .unwrap()
-            .retain(|(_, rung)| rung.intent.expires_at > now);
+        let mut heard = self.0.lock().unwrap();
+        heard.retain(|_, rung| rung.intent.expires_at > now);
     }
 }
 
