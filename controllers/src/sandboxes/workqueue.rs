@@ -192,8 +192,7 @@ mod tests {
         queue.add(&id(1));
         queue.add(&id(1));
         queue.add(&id(2));
-        let first = queue.next().await;
-        assert_eq!(first, id(1));
+        assert_eq!(queue.next().await, id(1));
         queue.add(&id(1)); // while active: deferred, not a second worker
         assert_eq!(queue.next().await, id(2));
         queue.done(&id(2));
@@ -219,10 +218,8 @@ mod tests {
         // 0.5 s, 1 s, 2 s, each within its jitter.
         for (delay, base) in delays.iter().zip([500, 1_000, 2_000]) {
             let base = Duration::from_millis(base);
-            assert!(
-                *delay >= base.mul_f64(0.8) && *delay <= base.mul_f64(1.2),
-                "{delays:?}"
-            );
+            let jitter = base.mul_f64(0.8)..=base.mul_f64(1.2);
+            assert!(jitter.contains(delay), "{delays:?}");
         }
         // A pass that succeeded forgets them: the next failure starts over.
         queue.add(&id(3));

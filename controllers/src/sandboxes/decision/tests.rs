@@ -1,6 +1,7 @@
 //! The decision table, row by row, with builder fixtures
 //! (`Case::held_here().wanted_by("b")`).
 
+use DesiredState::{Checkpointed, Deleted};
 use chrono::{Duration, TimeZone, Utc};
 
 use super::*;
@@ -24,6 +25,13 @@ struct Case {
 
 fn instance(name: &str) -> InstanceId {
     InstanceId::parse(name).unwrap()
+}
+
+/// The table's `StopLost` naming `holder`.
+fn lost_to(holder: &str) -> Step {
+    Step::StopLost {
+        holder: Some(instance(holder)),
+    }
 }
 
 impl Case {
@@ -50,14 +58,10 @@ impl Case {
 
     /// Held and run here at epoch 3, vouched for.
     fn held_here() -> Self {
-        let mut case = Self::new();
-        let mut lock = Lease::unheld(15);
-        lock.holder = Some(instance("a"));
-        lock.epoch = 3;
+        let mut case = Self::new().held_by("a", 3);
+        let lock = case.lock.as_mut().unwrap();
         lock.acquired_at = Some(case.now);
-        lock.renewed_at = Some(case.now);
         case.held = Some(held_lease(lock.clone(), case.now));
-        case.lock = Some(lock);
         let status = &mut case.metadata.as_mut().unwrap().status;
         status.phase = Phase::Running;
         status.holder = Some(instance("a"));
@@ -146,12 +150,8 @@ fn metadata_gone_stops_what_runs_here_else_nothing() {
 
 #[test]
 fn a_lock_naming_another_holder_or_epoch_means_lost() {
-    let lost_to_b = Step::StopLost {
-        holder: Some(instance("b")),
-    };
-    Case::held_here()
-        .held_by("b", 4)
-        .decides(lost_to_b, "another holder");
+    let case = Case::held_here().held_by("b", 4);
+    case.decides(lost_to("b"), "another holder");
     let case = Case::held_here().held_by("a", 4);
     assert!(
         matches!(case.decide(), Step::StopLost { .. }),
@@ -159,35 +159,23 @@ fn a_lock_naming_another_holder_or_epoch_means_lost() {
     );
     let case = Case::held_here().with(|case| case.lock = None);
     assert_eq!(case.decide(), Step::StopLost { holder: None });
-    // A newer holder's record fences this hold even in a lock read before
-    // that holder took it.
-    let case = Case::held_here().with(|case| {
-        let epoch = case.held.as_ref().map_or(0, |held| held.epoch);
-        if let Some(metadata) = case.metadata.as_mut() {
-            metadata.status.epoch = epoch + 1;
-        }
-    });
+    // A newer holder's record (the hold's epoch 3, plus one) fences this
+    // hold even in a lock read before that holder took it.
+    let case = Case::held_here().with_metadata(|metadata| metadata.status.epoch = 4);
     case.decides(Step::StopLost { holder: None }, "a newer record in status");
 }
 
 #[test]
-fn a_held_sandbox_that_died_is_marked_failed() {
+fn a_held_sandbox_that_died_is_marked_failed_else_converges_or_is_handed_over() {
     let case = Case::held_here().with(|case| case.running_here = false);
     assert_eq!(case.decide(), Step::MarkDied);
-}
-
-#[test]
-fn desired_deleted_and_checkpointed_converge_when_held() {
-    let case = Case::held_here().desired(DesiredState::Deleted);
+    let case = Case::held_here().desired(Deleted);
     case.decides(Step::Delete, "deleted");
-    let case = Case::held_here().desired(DesiredState::Checkpointed);
+    let case = Case::held_here().desired(Checkpointed);
     case.decides(Step::CheckpointAndRelease, "checkpointed");
     let case = case.with_metadata(|metadata| metadata.spec.enable_checkpoint = false);
     assert_eq!(case.decide(), Step::RefuseCheckpoint);
-}
-
-#[test]
-fn another_instances_live_intent_is_a_handover_if_checkpointable() {
+    // Another instance's live intent is a handover if checkpointable.
     assert_eq!(Case::held_here().wanted_by("b").decide(), Step::HandOver);
     let expired = Case::held_here().wanted_by_for("b", Duration::zero());
     expired.decides(Step::KeepRunning, "an expired intent is ignored");
@@ -198,33 +186,38 @@ fn another_instances_live_intent_is_a_handover_if_checkpointable() {
 }
 
 #[test]
-fn a_lock_naming_this_instance_without_a_hold_is_an_orphan_unless_starting() {
+fn a_lock_naming_this_instance_without_a_hold_is_an_orphan_unless_starting_or_adopted() {
     let case = Case::new().held_by("a", 7);
     assert_eq!(case.decide(), Step::ReleaseOrphan { epoch: 7 });
     let case = Case::new().held_by("a", 7).wanted_by("a");
     let case = case.with(|case| case.starting_here = true);
     case.decides(Step::Acquire, "its own start in flight is no orphan");
+    // A client here waits for it: adopted.
+    let waiting = Case::new().held_by("a", 4);
+    let waiting = waiting.with(|case| case.waiting_here = true);
+    waiting.decides(Step::Adopt, "a transfer or an own write");
+    let case = waiting.desired(Checkpointed);
+    case.decides(Step::ReleaseOrphan { epoch: 4 }, "no longer wanted running");
 }
 
 #[test]
 fn desired_deleted_and_not_held_purges_awaits_or_tombstones() {
-    let case = Case::new().desired(DesiredState::Deleted);
+    let case = Case::new().desired(Deleted);
     let case = case.with_metadata(|metadata| metadata.status.phase = Phase::Deleted);
     assert_eq!(case.decide(), Step::Purge);
-    let case = Case::new().desired(DesiredState::Deleted).held_by("b", 2);
+    let case = Case::new().desired(Deleted).held_by("b", 2);
     assert_eq!(case.decide(), Step::AwaitHolder);
     let case = case.with(|case| case.holder_gone = true);
     assert_eq!(case.decide(), Step::Tombstone);
-    let case = Case::new().desired(DesiredState::Deleted);
+    let case = Case::new().desired(Deleted);
     case.decides(Step::Tombstone, "nobody holds it");
 }
 
 #[test]
 fn a_tombstone_is_never_started_again_whatever_its_spec_says() {
     let tombstone = |case: Case| case.with_metadata(|m| m.status.phase = Phase::Deleted);
-    let case = tombstone(Case::new().desired(DesiredState::Deleted));
-    case.decides(Step::Purge, "a tombstone with its spec deleted");
-    for desired in [DesiredState::Running, DesiredState::Checkpointed] {
+    // With its spec deleted it is purged (`desired_deleted_and_not_held_...`).
+    for desired in [DesiredState::Running, Checkpointed] {
         // Its spec set back by hand: not started, not purged either.
         let case = tombstone(Case::new().desired(desired).wanted_by("a"));
         let case = case.with(|case| case.waiting_here = true);
@@ -253,26 +246,11 @@ fn desired_running_and_not_held_acquires_only_when_wanted_here() {
         holder: instance("b"),
     };
     live_holder.decides(await_b, "a live holder hands it over");
+    // A holder whose lock and instance lease both ran out is taken over.
     let case = live_holder.with(|case| case.holder_gone = true);
-    case.decides(
-        Step::Acquire,
-        "a holder whose lock and instance lease both ran out is taken over",
-    );
-    let case = Case::new().desired(DesiredState::Checkpointed);
+    case.decides(Step::Acquire, "its holder gone");
+    let case = Case::new().desired(Checkpointed);
     case.decides(Step::CheckpointedMeanwhile, "checkpointed meanwhile");
-}
-
-#[test]
-fn a_lock_naming_this_instance_is_adopted_when_a_client_here_waits() {
-    let waiting = Case::new()
-        .held_by("a", 4)
-        .with(|case| case.waiting_here = true);
-    waiting.decides(Step::Adopt, "a transfer or an own write");
-    let case = waiting.desired(DesiredState::Checkpointed);
-    case.decides(
-        Step::ReleaseOrphan { epoch: 4 },
-        "not wanted running any more",
-    );
 }
 
 #[test]
@@ -309,19 +287,13 @@ fn a_due_periodic_checkpoint_is_taken_and_an_unvouched_hold_reverified_due_or_no
 #[test]
 fn an_unvouched_hold_is_renewed_before_it_is_handed_over_checkpointed_or_deleted() {
     let unvouched = |case: Case| case.with(|case| case.vouched = false);
+    let refused = Case::held_here().desired(Checkpointed);
+    let refused = refused.with_metadata(|metadata| metadata.spec.enable_checkpoint = false);
     let cases = [
         (Case::held_here().wanted_by("b"), "wanted elsewhere"),
-        (
-            Case::held_here().desired(DesiredState::Checkpointed),
-            "checkpointed",
-        ),
-        (Case::held_here().desired(DesiredState::Deleted), "deleted"),
-        (
-            Case::held_here()
-                .desired(DesiredState::Checkpointed)
-                .with_metadata(|metadata| metadata.spec.enable_checkpoint = false),
-            "a checkpoint refused",
-        ),
+        (Case::held_here().desired(Checkpointed), "checkpointed"),
+        (Case::held_here().desired(Deleted), "deleted"),
+        (refused, "a checkpoint refused"),
     ];
     for (case, why) in cases {
         assert_ne!(case.decide(), Step::Reverify, "{why}, vouched");
@@ -330,12 +302,7 @@ fn an_unvouched_hold_is_renewed_before_it_is_handed_over_checkpointed_or_deleted
     let died = unvouched(Case::held_here().with(|case| case.running_here = false));
     died.decides(Step::MarkDied, "its record is fenced and kills nothing");
     let lost = unvouched(Case::held_here().held_by("b", 4));
-    lost.decides(
-        Step::StopLost {
-            holder: Some(instance("b")),
-        },
-        "lost",
-    );
+    lost.decides(lost_to("b"), "lost");
 }
 
 #[test]
@@ -391,14 +358,9 @@ fn watching<'a>(case: &'a Case, lock_read: Option<Option<&'a Lease>>) -> Quiet<'
 }
 
 #[test]
-fn a_held_sandbox_nothing_happened_to_stays_light() {
+fn a_held_sandbox_stays_light_until_anything_the_full_table_acts_on_takes_a_full_pass() {
     let case = Case::held_here();
-    assert_eq!(decide_light(&quiet(&case)), LightStep::Upkeep);
-}
-
-#[test]
-fn anything_the_full_table_acts_on_takes_a_full_pass() {
-    let case = Case::held_here();
+    assert_eq!(decide_light(&quiet(&case)), LightStep::Upkeep, "quiet");
     let changes: [(&str, QuietChange); 6] = [
         ("not held", |pass| pass.held = None),
         ("a full pass wanted", |pass| pass.full_pass_wanted = true),
@@ -422,10 +384,8 @@ fn the_departure_watch_reads_the_lock_and_goes_full_on_what_the_table_stops_or_h
     // Nothing changed: upkeep, unless the lease lapsed during the read.
     let read = watching(&case, Some(case.lock.as_ref()));
     assert_eq!(decide_light(&read), LightStep::Upkeep);
-    let lapsed = Quiet {
-        vouched: false,
-        ..read.clone()
-    };
+    let mut lapsed = read.clone();
+    lapsed.vouched = false;
     assert_eq!(decide_light(&lapsed), LightStep::Full);
     // Another holder or epoch: the table's StopLost.
     let lost = Case::held_here().held_by("b", 4);
@@ -444,52 +404,34 @@ fn the_departure_watch_reads_the_lock_and_goes_full_on_what_the_table_stops_or_h
 
 #[test]
 fn the_drain_checkpoints_deletes_or_leaves_a_sandbox_to_its_pass() {
-    let drain = |case: &Case| {
-        drain_to(
-            &case.me,
-            case.metadata.as_ref(),
-            case.lock.as_ref(),
-            case.now,
-        )
-    };
-    let held = Case::held_here();
-    assert_eq!(drain(&held), Some(DesiredState::Checkpointed));
+    let drain = |c: &Case| drain_to(&c.me, c.metadata.as_ref(), c.lock.as_ref(), c.now);
+    assert_eq!(drain(&Case::held_here()), Some(Checkpointed));
     // Wanted elsewhere: the hand-over serves that client.
     assert_eq!(drain(&Case::held_here().wanted_by("b")), None);
     // Its own intent is no reason to leave it running.
-    assert_eq!(
-        drain(&Case::held_here().wanted_by("a")),
-        Some(DesiredState::Checkpointed)
-    );
+    assert_eq!(drain(&Case::held_here().wanted_by("a")), Some(Checkpointed));
     // Not checkpointable (wanted elsewhere or not), or its metadata gone:
     // deleted.
     let mut plain = Case::held_here().wanted_by("b");
     plain.metadata.as_mut().unwrap().spec.enable_checkpoint = false;
-    assert_eq!(drain(&plain), Some(DesiredState::Deleted));
+    assert_eq!(drain(&plain), Some(Deleted));
     let vanished = Case::held_here().with(|case| case.metadata = None);
-    assert_eq!(drain(&vanished), Some(DesiredState::Deleted));
+    assert_eq!(drain(&vanished), Some(Deleted));
     // Being deleted already: its pass finishes that.
-    let deleting = Case::held_here().desired(DesiredState::Deleted);
+    let deleting = Case::held_here().desired(Deleted);
     assert_eq!(drain(&deleting), None);
 }
 
 #[test]
 fn an_unreachable_bucket_stops_only_a_hold_no_longer_vouched_for() {
-    let unreachable = |case: Case| case.with(|case| case.unreachable = Some("503")).decide();
-    let why = "503".to_owned();
-    assert_eq!(
-        unreachable(Case::held_here().with(|case| case.vouched = false)),
-        Step::CutOff { why: why.clone() },
-        "unvouched: stopped as lost"
-    );
-    assert_eq!(
-        unreachable(Case::held_here()),
-        Step::Retry { why: why.clone() },
-        "vouched: the pass is retried"
-    );
-    assert_eq!(
-        unreachable(Case::new().with(|case| case.vouched = false)),
-        Step::Retry { why },
-        "nothing held here: retried"
-    );
+    let unreachable = |case: Case| case.with(|case| case.unreachable = Some("503"));
+    let unvouched = |case: Case| case.with(|case| case.vouched = false);
+    let cut_off = Step::CutOff { why: "503".into() };
+    let retry = Step::Retry { why: "503".into() };
+    let case = unreachable(unvouched(Case::held_here()));
+    case.decides(cut_off, "unvouched: stopped as lost");
+    let case = unreachable(Case::held_here());
+    case.decides(retry.clone(), "vouched: the pass is retried");
+    let case = unreachable(unvouched(Case::new()));
+    case.decides(retry, "nothing held here: retried");
 }

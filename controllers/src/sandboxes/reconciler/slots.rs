@@ -651,8 +651,7 @@ mod tests {
             "the first ring came with the intent"
         );
         assert!(!handoff.ring_due(at(4), every));
-        let state = state.begin_start();
-        let mut state = state.start_ended();
+        let mut state = state.begin_start().start_ended();
         assert!(
             matches!(state, LocalState::Acquiring(Handoff { rung_at: Some(t), .. }) if t == at(0))
         );
@@ -684,16 +683,13 @@ mod tests {
         let state = LocalState::Idle.wait_to_acquire().0.begin_start();
         let state = state.done_acquiring().start_ended();
         assert!(matches!(state, LocalState::Idle));
-        assert!(matches!(
-            LocalState::Idle.begin_start().start_ended(),
-            LocalState::Idle
-        ));
+        let state = LocalState::Idle.begin_start().start_ended();
+        assert!(matches!(state, LocalState::Idle));
     }
 
     #[test]
     fn a_hold_is_never_started_again_nor_renewed_back_after_it_ended() {
-        let state = LocalState::hold(held(3), watch(), None);
-        let state = state.begin_start();
+        let state = LocalState::hold(held(3), watch(), None).begin_start();
         assert!(!state.is_starting(), "a held sandbox is not started");
         let state = state.renewed(held(4));
         assert_eq!(state.held().map(|held| held.epoch), Some(4));
@@ -730,11 +726,10 @@ mod tests {
         slots.update(&old, |slot| slot.step(|state| (state.lost(t0), ())));
         slots.forget_losses(t0 + memory / 2, memory);
         assert_eq!(slots.all().len(), 1, "a recent loss is kept");
-        slots.update(&new, |slot| {
-            slot.step(|state| (state.lost(t0 + memory), ()))
-        });
-        slots.forget_losses(t0 + memory, memory);
-        assert!(slots.view(&new, |slot| slot.state.lost_within(t0 + memory, memory)));
+        let later = t0 + memory;
+        slots.update(&new, |slot| slot.step(|state| (state.lost(later), ())));
+        slots.forget_losses(later, memory);
+        assert!(slots.view(&new, |slot| slot.state.lost_within(later, memory)));
         assert!(
             !slots.all().contains_key(&old),
             "an old loss goes with its slot"
@@ -743,24 +738,20 @@ mod tests {
 
     #[test]
     fn a_slot_goes_when_its_last_field_empties() {
-        let slots = Slots::default();
-        let sandbox = SandboxId::from_u128(7);
-        slots.update(&sandbox, |slot| {
-            slot.step(|state| (state.begin_start(), ()))
-        });
+        let (slots, id) = (Slots::default(), SandboxId::from_u128(7));
+        slots.update(&id, |slot| slot.step(|state| (state.begin_start(), ())));
         assert_eq!(slots.all().len(), 1);
-        slots.update(&sandbox, |slot| slot.waiting = Some(at(0)));
-        slots.update(&sandbox, |slot| {
-            slot.step(|state| (state.start_ended(), ()))
-        });
+        slots.update(&id, |slot| slot.waiting = Some(at(0)));
+        slots.update(&id, |slot| slot.step(|state| (state.start_ended(), ())));
         assert_eq!(slots.all().len(), 1, "a client still waits");
-        slots.update(&sandbox, |slot| slot.waiting = None);
+        slots.update(&id, |slot| slot.waiting = None);
         assert!(slots.all().is_empty());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_second_write_of_one_sandbox_waits_its_turn_and_another_sandbox_does_not() {
-        let known = Slots::default();
+        use tokio::time::timeout;
+        let (known, limit) = (Slots::default(), std::time::Duration::from_secs(5));
         let (one, other) = (SandboxId::random(), SandboxId::random());
         let first = known.write_turn(&one).await;
         let waiting = tokio::spawn({
@@ -770,14 +761,13 @@ mod tests {
             }
         });
         // Another sandbox's writes never wait for this one's.
-        let _other =
-            tokio::time::timeout(std::time::Duration::from_secs(5), known.write_turn(&other))
-                .await
-                .expect("another sandbox's turn is free");
+        let _other = timeout(limit, known.write_turn(&other))
+            .await
+            .expect("another sandbox's turn is free");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         assert!(!waiting.is_finished(), "the second write did not wait");
         drop(first);
-        tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+        timeout(limit, waiting)
             .await
             .expect("the second write got its turn")
             .expect("no panic");
