@@ -14,10 +14,8 @@ async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
     a.run(&id, "x=1").await;
 
     let mut events = a.controller.subscribe(&id);
-    a.request_state(&id, DesiredState::Checkpointed, Some("first"))
-        .await
-        .unwrap();
-    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
+    a.ask(&id, DesiredState::Checkpointed, Some("first")).await;
+    assert_eq!(a.pass(&id).await, Requeue::Never);
     let seen = drain(&mut events);
     assert_eq!(
         seen[..4],
@@ -32,7 +30,7 @@ async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
         matches!(&seen[4..], [SandboxEvent::Checkpointed { image }] if image.ends_with("checkpoint.img")),
         "{seen:?}"
     );
-    assert!(a.runtime.memory(&id).is_none());
+    assert!(!a.runs(&id));
     let status = world.metadata(&id).await.status;
     assert_eq!(status.phase, Phase::Checkpointed);
     assert_eq!(status.holder, None);
@@ -61,7 +59,7 @@ async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
 
     // Ask for the early one by name.
     a.request_here(&id, Some("early")).await.unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert_eq!(a.runtime.memory(&id).unwrap(), vec!["one".to_owned()]);
 
     // The request was one-shot: the next checkpoint/restore uses the latest.
@@ -69,10 +67,7 @@ async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
     a.checkpoint(&id, None).await;
     world.clock.advance(Duration::seconds(1));
     a.bring_here(&id).await;
-    assert_eq!(
-        a.runtime.memory(&id).unwrap(),
-        vec!["one".to_owned(), "three".to_owned()]
-    );
+    assert_eq!(a.runtime.memory(&id).unwrap(), vec!["one", "three"]);
 }
 
 #[tokio::test]
@@ -81,7 +76,7 @@ async fn an_unknown_checkpoint_name_fails_the_restore_and_keeps_the_sandbox() {
     a.checkpoint(&id, None).await;
     let mut events = a.controller.subscribe(&id);
     a.request_here(&id, Some("nope")).await.unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     let seen = drain(&mut events);
     assert!(
         matches!(
@@ -97,27 +92,19 @@ async fn an_unknown_checkpoint_name_fails_the_restore_and_keeps_the_sandbox() {
         ),
         "{seen:?}"
     );
-    let metadata = world.metadata(&id).await;
-    assert_eq!(
-        metadata.status.phase,
-        Phase::Checkpointed,
-        "not left Restoring"
-    );
-    assert!(metadata.status.latest_checkpoint.is_some());
+    let status = world.metadata(&id).await.status;
+    assert_eq!(status.phase, Phase::Checkpointed, "not left Restoring");
+    assert!(status.latest_checkpoint.is_some());
     assert_eq!(world.lease(&id).await.holder, None);
 }
 
 #[tokio::test]
 async fn a_checkpoint_waits_for_a_running_execution() {
     let (world, a, id) = World::with_a_sandbox().await;
-    let execution = a
-        .controller
-        .exec(&id, ExecRequest::new(Command::Bash("hold".into())))
-        .await
-        .unwrap();
+    let execution = a.exec(&id, "hold").await;
     let mut events = a.controller.subscribe(&id);
     let asked = a.send_state(&id, DesiredState::Checkpointed).await;
-    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert!(matches!(a.pass(&id).await, Requeue::After(_)));
     asked.await.unwrap().unwrap();
     assert_eq!(
         drain(&mut events),
@@ -126,9 +113,9 @@ async fn a_checkpoint_waits_for_a_running_execution() {
             SandboxEvent::CheckpointWaitsForExecution
         ]
     );
-    assert!(a.runtime.memory(&id).is_some());
+    assert!(a.runs(&id));
     execution.control.kill().await.unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert_eq!(world.metadata(&id).await.status.phase, Phase::Checkpointed);
 }
 
@@ -147,22 +134,11 @@ async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay
         world.clock.advance(Duration::seconds(1));
         a.bring_here(&id).await;
     }
-    let status = world.metadata(&id).await.status;
-    let previous: Vec<&str> = status
-        .previous_checkpoints
-        .iter()
-        .map(|c| c.path.as_str())
-        .collect();
-    assert_eq!(
-        previous,
-        vec![images[3].as_str(), images[2].as_str()],
-        "newest first, two kept"
-    );
-    let exists = |path: &str| {
-        let key = crate::store::ObjectKey::new(path).unwrap();
-        let store = world.store.clone();
-        async move { store.get(&key).await.is_ok() }
-    };
+    let previous = world.metadata(&id).await.status.previous_checkpoints;
+    let previous: Vec<_> = previous.into_iter().map(|c| c.path).collect();
+    let kept = [images[3].clone(), images[2].clone()];
+    assert_eq!(previous, kept, "newest first, two kept");
+    let exists = |path: &str| world.exists(ObjectKey::new(path).unwrap());
     assert!(exists(&images[0]).await, "the named checkpoint stays");
     assert!(!exists(&images[1]).await, "the oldest unnamed one is gone");
     for kept in &images[2..] {
@@ -189,13 +165,10 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
     a.run(&id, "saved").await;
     let mut events = a.controller.subscribe(&id);
     a.live_through(&world, 61).await;
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert!(drain(&mut events).is_empty(), "silent to the client");
-    assert_eq!(
-        a.runtime.memory(&id).unwrap(),
-        vec!["saved".to_owned()],
-        "still running here"
-    );
+    let memory = a.runtime.memory(&id).unwrap();
+    assert_eq!(memory, vec!["saved"], "still running here");
     let status = world.metadata(&id).await.status;
     assert_eq!(status.phase, Phase::Running);
     assert!(status.latest_checkpoint.is_some());
@@ -220,13 +193,10 @@ async fn a_failed_periodic_checkpoint_waits_an_interval_and_the_table_marks_a_lo
     a.live_through(&world, 61).await;
     a.runtime.lose_on_checkpoint(&id);
     let mut events = a.controller.subscribe(&id);
-    a.reconcile(&id).await.unwrap();
-    assert!(
-        a.runtime.memory(&id).is_none(),
-        "the checkpoint took it down"
-    );
+    a.pass(&id).await;
+    assert!(!a.runs(&id), "the checkpoint took it down");
     assert_eq!(world.metadata(&id).await.status.phase, Phase::Running);
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     let status = world.metadata(&id).await.status;
     assert_eq!(status.phase, Phase::Failed, "the table marked it died");
     assert_eq!(world.lease(&id).await.holder, None, "and released it");
@@ -235,30 +205,17 @@ async fn a_failed_periodic_checkpoint_waits_an_interval_and_the_table_marks_a_lo
     // One an execution defers is not tried again at once either (each try
     // costs a read of both objects), but an interval later.
     let id = a.create(&world).await;
-    let execution = a
-        .controller
-        .exec(&id, ExecRequest::new(Command::Bash("hold".into())))
-        .await
-        .unwrap();
+    let execution = a.exec(&id, "hold").await;
     a.live_through(&world, 61).await;
     let restores = a.runtime.counts().1;
-    assert_eq!(
-        a.reconcile(&id).await.unwrap(),
-        Requeue::After(std::time::Duration::ZERO)
-    );
-    assert_ne!(
-        a.reconcile(&id).await.unwrap(),
-        Requeue::After(std::time::Duration::ZERO),
-        "not tried again at once"
-    );
+    let at_once = Requeue::After(std::time::Duration::ZERO);
+    assert_eq!(a.pass(&id).await, at_once);
+    assert_ne!(a.pass(&id).await, at_once, "not tried again at once");
     execution.control.kill().await.unwrap();
     a.live_through(&world, 61).await;
-    a.reconcile(&id).await.unwrap();
-    assert_eq!(
-        a.runtime.counts().1,
-        restores + 1,
-        "checkpointed an interval later"
-    );
+    a.pass(&id).await;
+    let restored = a.runtime.counts().1;
+    assert_eq!(restored, restores + 1, "checkpointed an interval later");
 }
 
 #[tokio::test]
@@ -267,24 +224,19 @@ async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_runni
     let a = world.instance("a");
     let (id, metadata) = world.new_sandbox(false);
     a.create_from(&metadata).await.unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     let mut events = a.controller.subscribe(&id);
     let asked = a.send_state(&id, DesiredState::Checkpointed).await;
-    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert!(matches!(a.pass(&id).await, Requeue::After(_)));
     asked.await.unwrap().unwrap();
-    assert_eq!(
-        drain(&mut events),
-        [SandboxEvent::CheckpointFailed(
-            CheckpointFailure::NotConfigured
-        )]
-    );
-    assert!(a.runtime.memory(&id).is_some());
+    let refused = SandboxEvent::CheckpointFailed(CheckpointFailure::NotConfigured);
+    assert_eq!(drain(&mut events), [refused]);
+    assert!(a.runs(&id));
     let status = world.metadata(&id).await.status;
     assert_eq!(status.phase, Phase::Running);
+    let error = status.last_error.unwrap_or_default();
     assert!(
-        status
-            .last_error
-            .is_some_and(|error| error.contains("without enable_checkpoint")),
+        error.contains("without enable_checkpoint"),
         "recorded for operators"
     );
 }
@@ -329,27 +281,23 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     gated.hook.closed.store(true, Ordering::SeqCst);
     let mut events = a.controller.subscribe(&id);
     let request = a.request_state(&id, DesiredState::Checkpointed, None);
-    tokio::time::timeout(std::time::Duration::from_secs(10), request)
-        .await
-        .expect("the request waited for its intent's write")
-        .unwrap();
-    a.controller.reconciler().reconcile(&id).await.unwrap();
+    let waited = "the request waited for its intent's write";
+    within_10s(waited, request).await.unwrap();
+    a.reconciler().reconcile(&id).await.unwrap();
     let seen = drain(&mut events);
     assert!(
         heard!(seen, SandboxEvent::Checkpointed { .. }),
         "checkpointed while the intent was being written: {seen:?}"
     );
-    assert!(a.runtime.memory(&id).is_none());
-    let carried = world.lease(&id).await.checkpoint;
-    assert!(
-        carried.is_some_and(|c| c.path.ends_with("checkpoint.img")),
-        "the hand-back carries the checkpoint"
-    );
+    assert!(!a.runs(&id));
+    let carried = world.lease(&id).await.checkpoint.map(|c| c.path);
+    let carried = carried.is_some_and(|path| path.ends_with("checkpoint.img"));
+    assert!(carried, "the hand-back carries the checkpoint");
 
     // The write then fails: the checkpoint stands, nobody is told it failed.
     gated.hook.gate.add_permits(1000);
     gated.hook.closed.store(false, Ordering::SeqCst);
-    a.controller.reconciler().background_settled().await;
+    a.reconciler().background_settled().await;
     let seen = drain(&mut events);
     assert!(!heard!(seen, SandboxEvent::CheckpointFailed(_)), "{seen:?}");
 }
@@ -368,14 +316,10 @@ pub(super) async fn checkpointed_before_its_record(
     a.run(&id, "x=1").await;
     gated.hook.closed.store(true, Ordering::SeqCst);
     let mut events = a.controller.subscribe(&id);
-    a.request_state(&id, DesiredState::Checkpointed, Some(name))
-        .await
-        .unwrap();
-    a.controller.reconciler().reconcile(&id).await.unwrap();
-    assert!(heard!(
-        drain(&mut events),
-        SandboxEvent::Checkpointed { .. }
-    ));
+    a.ask(&id, DesiredState::Checkpointed, Some(name)).await;
+    a.reconciler().reconcile(&id).await.unwrap();
+    let seen = drain(&mut events);
+    assert!(heard!(seen, SandboxEvent::Checkpointed { .. }));
     let status = world.metadata(&id).await.status;
     assert!(
         status.latest_checkpoint.is_none() && status.named_checkpoints.is_empty(),
@@ -393,18 +337,16 @@ async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
     let (world, gated) = gated_world();
     let a = world.instance("a");
     let id = checkpointed_before_its_record(&world, &gated, &a, "base").await;
-    let within = std::time::Duration::from_secs(10);
-    tokio::time::timeout(within, a.request_here(&id, Some("base")))
+    let attach = a.request_here(&id, Some("base"));
+    within_10s("the attach waited for the record", attach)
         .await
-        .expect("the attach waited for the record")
         .unwrap();
-    let restored = tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
-        .await
-        .expect("the pass waited for the record");
+    let pass = a.reconciler().reconcile(&id);
+    let restored = within_10s("the pass waited for the record", pass).await;
     assert!(restored.is_ok(), "{restored:?}");
     assert_eq!(a.runtime.memory(&id).unwrap(), vec!["x=1".to_owned()]);
     gated.hook.gate.add_permits(1000);
-    a.controller.reconciler().background_settled().await;
+    a.reconciler().background_settled().await;
     let status = world.metadata(&id).await.status;
     assert!(status.named_checkpoints.contains_key("base"), "{status:?}");
 }
@@ -417,40 +359,34 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
 
     // `status` is behind (an operator's edit), and every write of
     // `metadata.json` hangs, as one refused by GCS's write rate retries.
-    let mut metadata = world.metadata(&id).await;
-    metadata.status.phase = Phase::Pending;
-    world.edit_metadata(&metadata).await;
+    world.edit(&id, |m| m.status.phase = Phase::Pending).await;
     gated.hook.closed.store(true, Ordering::SeqCst);
     // A ring without an intent yet (the ringer's intent write was refused
     // and is retried): A's pass finds `status` behind and records that it
     // runs, in a task of its own; the pass ends.
-    let (store, holder) = (world.store.as_ref(), InstanceId::parse("a").unwrap());
-    crate::leasing::ring_doorbell(store, world.clock.now(), &holder, &id, "b")
-        .await
-        .unwrap();
+    let (store, now, holder) = (world.store.as_ref(), world.clock.now(), named("a"));
+    let ring = crate::leasing::ring_doorbell(store, now, &holder, &id, "b");
+    ring.await.unwrap();
     assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
-    let within = std::time::Duration::from_secs(10);
-    tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
-        .await
-        .expect("the pass waited for its status record")
-        .unwrap();
+    let pass = a.reconciler().reconcile(&id);
+    let waited = "the pass waited for its status record";
+    within_10s(waited, pass).await.unwrap();
 
     // B asks for it meanwhile; A's next pass hands it over at once.
     world.clock.advance(Duration::milliseconds(100));
     b.request_here(&id, None).await.unwrap();
     assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
-    tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
-        .await
-        .expect("the hand-over waited for the status record")
-        .unwrap();
-    assert!(a.runtime.memory(&id).is_none(), "handed over");
-    b.controller.reconciler().reconcile(&id).await.unwrap();
+    let pass = a.reconciler().reconcile(&id);
+    let waited = "the hand-over waited for the status record";
+    within_10s(waited, pass).await.unwrap();
+    assert!(!a.runs(&id), "handed over");
+    b.reconciler().reconcile(&id).await.unwrap();
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
 
     gated.hook.gate.add_permits(1000);
     gated.hook.closed.store(false, Ordering::SeqCst);
-    a.controller.reconciler().background_settled().await;
-    b.controller.reconciler().background_settled().await;
+    a.reconciler().background_settled().await;
+    b.reconciler().background_settled().await;
 }
 
 /// Found by the 10-minute chaos run: a holder cut off the
@@ -469,7 +405,7 @@ async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile
         before: "checkpoint.img",
         object: lock_key,
         edit: |lease: &mut Lease| {
-            lease.holder = Some(InstanceId::parse("b").unwrap());
+            lease.holder = Some(named("b"));
             lease.epoch += 1;
             lease.checkpoint = None;
         },
@@ -490,11 +426,8 @@ async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile
         "acknowledged although the hold was taken over: {seen:?}"
     );
     assert!(heard!(seen, SandboxEvent::CheckpointFailed(_)), "{seen:?}");
-    assert_eq!(
-        world.lease(&id).await.epoch,
-        epoch + 1,
-        "the takeover stands"
-    );
+    let taken = world.lease(&id).await.epoch;
+    assert_eq!(taken, epoch + 1, "the takeover stands");
 }
 
 /// A `metadata.json` read waits while `closed` (counted in `waiting`).
@@ -525,7 +458,7 @@ async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
     let (a, id) = world.a_running("x=1").await;
 
     held.hook.closed.store(true, Ordering::SeqCst);
-    a.controller.reconciler().want_full_pass(&id);
+    a.reconciler().want_full_pass(&id);
     let mut events = a.controller.subscribe(&id);
     let pass = tokio::spawn({
         let (controller, id) = (Arc::clone(&a.controller), id.clone());
@@ -540,26 +473,17 @@ async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
         let checkpointed = DesiredState::Checkpointed;
         controller.request_state(&sandbox, checkpointed, None).await
     });
-    let within = std::time::Duration::from_secs(10);
-    tokio::time::timeout(within, asked)
+    let served = within_10s("the command waited for the pass's read", asked);
+    served.await.unwrap().unwrap();
+    within_10s("the pass waited for its read", pass)
         .await
-        .expect("the command waited for the pass's read")
         .unwrap()
         .unwrap();
-    tokio::time::timeout(within, pass)
-        .await
-        .expect("the pass waited for its read")
-        .unwrap()
-        .unwrap();
-    assert!(
-        heard!(drain(&mut events), SandboxEvent::Checkpointed { .. }),
-        "the same pass checkpointed"
-    );
-    assert_eq!(
-        held.hook.waiting.load(Ordering::SeqCst),
-        1,
-        "one read, dropped"
-    );
+    let seen = drain(&mut events);
+    let checkpointed = heard!(seen, SandboxEvent::Checkpointed { .. });
+    assert!(checkpointed, "the same pass checkpointed");
+    let reads = held.hook.waiting.load(Ordering::SeqCst);
+    assert_eq!(reads, 1, "one read, dropped");
     held.hook.closed.store(false, Ordering::SeqCst);
     held.hook.gate.notify_waiters();
 }

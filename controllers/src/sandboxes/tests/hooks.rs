@@ -100,18 +100,14 @@ async fn hooks_run_at_cold_start_after_each_execution_and_on_terminate() {
         extra: crate::api::ExtraFields::new(),
     });
     a.create_from(&metadata).await.unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert_eq!(
         hooks.calls(),
         ["cold_start Created running=true workspace=Some(\"proj\")"]
     );
 
     // The hook has run by the time the exit is reported.
-    let mut execution = a
-        .controller
-        .exec(&id, ExecRequest::new(Command::Bash("true".into())))
-        .await
-        .unwrap();
+    let mut execution = a.exec(&id, "true").await;
     while let Some(event) = execution.events.recv().await {
         if let crate::runtime::ExecEvent::Exited(_) = event {
             assert_eq!(hooks.calls().last().unwrap(), "after_exec");
@@ -120,9 +116,9 @@ async fn hooks_run_at_cold_start_after_each_execution_and_on_terminate() {
     assert_eq!(hooks.calls().len(), 2);
 
     a.delete(&id).await;
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert_eq!(&hooks.calls()[2..], ["terminate running=true", "forget"]);
-    assert!(a.runtime.memory(&id).is_none());
+    assert!(!a.runs(&id));
 }
 
 #[tokio::test]
@@ -146,6 +142,6 @@ async fn a_failed_cold_start_hook_fails_the_create_and_leaves_nothing_running() 
         ),
         "{seen:?}"
     );
-    assert!(a.runtime.memory(&id).is_none(), "the sandbox still runs");
+    assert!(!a.runs(&id), "the sandbox still runs");
     assert_ne!(world.metadata(&id).await.status.phase, Phase::Running);
 }

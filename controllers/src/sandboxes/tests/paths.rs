@@ -175,7 +175,7 @@ async fn a_handoff_stays_within_its_request_budget() {
     // B's next poll finds the hold is its own and restores.
     let count = until_event(&b, &id, &mut events, start, running).await;
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["x=1"]);
-    assert!(a.runtime.memory(&id).is_none());
+    assert!(!a.runs(&id));
     println!("sequential store requests: handoff {count}");
     assert!(count <= 10, "the handoff took {count} sequential requests");
     // The transfer is one fenced write: B holds at the next epoch, and its
