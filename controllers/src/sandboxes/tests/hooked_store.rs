@@ -5,6 +5,7 @@
 //! an error it returns is that request's answer.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -76,74 +77,48 @@ impl<H> HookedStore<H> {
     }
 }
 
-#[async_trait]
-impl<H: BeforeRequest> Store for HookedStore<H> {
-    async fn get(&self, key: &ObjectKey) -> Result<Versioned, StoreError> {
-        self.hook.before(Request::Get(key), &self.store).await?;
-        self.store.get(key).await
-    }
+/// The [`Store`] methods of [`HookedStore`]: each asks the hook about its
+/// request (named by the expression after `=>`), then the memory store.
+macro_rules! hooked {
+    ($($method:ident($($arg:ident: $type:ty),*) -> $answer:ty => $request:expr;)*) => {
+        #[async_trait]
+        impl<H: BeforeRequest> Store for HookedStore<H> {
+            $(async fn $method(&self, $($arg: $type),*) -> Result<$answer, StoreError> {
+                self.hook.before($request, &self.store).await?;
+                self.store.$method($($arg),*).await
+            })*
+        }
+    };
+}
 
-    async fn put(
-        &self,
-        key: &ObjectKey,
-        data: Bytes,
-        mode: PutMode,
-    ) -> Result<Generation, StoreError> {
-        self.hook.before(Request::Put(key), &self.store).await?;
-        self.store.put(key, data, mode).await
-    }
-
-    async fn list_page(
-        &self,
-        prefix: &str,
-        page_token: Option<String>,
-    ) -> Result<ListPage, StoreError> {
-        self.hook.before(Request::List, &self.store).await?;
-        self.store.list_page(prefix, page_token).await
-    }
-
-    async fn delete(&self, key: &ObjectKey) -> Result<(), StoreError> {
-        self.hook.before(Request::Delete(key), &self.store).await?;
-        self.store.delete(key).await
-    }
-
-    async fn upload_blob(
-        &self,
-        key: &ObjectKey,
-        source: BlobSource,
-    ) -> Result<ObjectInfo, StoreError> {
-        self.hook.before(Request::Upload(key), &self.store).await?;
-        self.store.upload_blob(key, source).await
-    }
-
-    async fn download_blob(&self, key: &ObjectKey) -> Result<BlobReader, StoreError> {
-        self.hook
-            .before(Request::Download(key), &self.store)
-            .await?;
-        self.store.download_blob(key).await
-    }
+hooked! {
+    get(key: &ObjectKey) -> Versioned => Request::Get(key);
+    put(key: &ObjectKey, data: Bytes, mode: PutMode) -> Generation => Request::Put(key);
+    list_page(prefix: &str, page_token: Option<String>) -> ListPage => Request::List;
+    delete(key: &ObjectKey) -> () => Request::Delete(key);
+    upload_blob(key: &ObjectKey, source: BlobSource) -> ObjectInfo => Request::Upload(key);
+    download_blob(key: &ObjectKey) -> BlobReader => Request::Download(key);
 }
 
 /// Counts the requests `counts` picks, and lets every one through.
 #[derive(Debug)]
 pub(super) struct Counted {
     counts: fn(&Request<'_>) -> bool,
-    seen: std::sync::atomic::AtomicUsize,
+    seen: AtomicUsize,
 }
 
 impl Counted {
     /// How many requests were counted so far.
     pub(super) fn seen(&self) -> usize {
-        self.seen.load(std::sync::atomic::Ordering::SeqCst)
+        self.seen.load(SeqCst)
     }
 }
 
 #[async_trait]
 impl BeforeRequest for Counted {
     async fn before(&self, request: Request<'_>, _store: &MemoryStore) -> Result<(), StoreError> {
-        if (self.counts)(&request) {
-            self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        }
+        self.seen
+            .fetch_add(usize::from((self.counts)(&request)), SeqCst);
         Ok(())
     }
 }
@@ -152,10 +127,8 @@ impl BeforeRequest for Counted {
 pub(super) fn counted_world(
     counts: fn(&Request<'_>) -> bool,
 ) -> (super::World, Arc<HookedStore<Counted>>) {
-    super::World::hooked(Counted {
-        counts,
-        seen: std::sync::atomic::AtomicUsize::new(0),
-    })
+    let seen = AtomicUsize::new(0);
+    super::World::hooked(Counted { counts, seen })
 }
 
 /// Once armed with a sandbox, changes that sandbox's object (at the key
@@ -187,10 +160,8 @@ impl<T: ApiObject + std::fmt::Debug + Send + Sync> BeforeRequest for EditBeforeW
             let key = (self.object)(&id);
             let mut object: T = decode(&store.get(&key).await.unwrap().data).unwrap();
             (self.edit)(&mut object);
-            store
-                .put(&key, encode(&object), PutMode::Overwrite)
-                .await
-                .unwrap();
+            let written = store.put(&key, encode(&object), PutMode::Overwrite).await;
+            written.unwrap();
         }
         Ok(())
     }
