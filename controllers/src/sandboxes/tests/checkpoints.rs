@@ -245,9 +245,11 @@ async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_runni
 /// fails (a bucket that refuses the intent's write).
 #[derive(Debug)]
 pub(super) struct GatedMetadataWrites {
-    pub(super) closed: AtomicBool,
+    closed: AtomicBool,
     pub(super) gate: tokio::sync::Semaphore,
 }
+
+type Gated = Arc<HookedStore<GatedMetadataWrites>>;
 
 #[async_trait::async_trait]
 impl BeforeRequest for GatedMetadataWrites {
@@ -264,11 +266,9 @@ impl BeforeRequest for GatedMetadataWrites {
 }
 
 /// A world whose `metadata.json` writes can be held and failed.
-pub(super) fn gated_world() -> (World, Arc<HookedStore<GatedMetadataWrites>>) {
-    World::hooked(GatedMetadataWrites {
-        closed: AtomicBool::new(false),
-        gate: tokio::sync::Semaphore::new(0),
-    })
+fn gated_world() -> (World, Gated) {
+    let (closed, gate) = (AtomicBool::new(false), tokio::sync::Semaphore::new(0));
+    World::hooked(GatedMetadataWrites { closed, gate })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -302,17 +302,16 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     assert!(!heard!(seen, SandboxEvent::CheckpointFailed(_)), "{seen:?}");
 }
 
-/// A sandbox of `a` (memory `x=1`) checkpointed under `name` while the
-/// record's write waits at the gate: its client heard CHECKPOINTED, and
-/// `metadata.json` records no checkpoint yet. New writes pass again when it
-/// returns; the record still waits (until the gate gets permits).
+/// A [`gated_world`] whose `a` checkpointed a sandbox (memory `x=1`) as
+/// `name` while the record's write waits at the gate: its client heard
+/// CHECKPOINTED, `metadata.json` records no checkpoint yet. New writes pass
+/// again when it returns; the record still waits (until the gate opens).
 pub(super) async fn checkpointed_before_its_record(
-    world: &World,
-    gated: &HookedStore<GatedMetadataWrites>,
-    a: &Instance,
     name: &str,
-) -> SandboxId {
-    let id = a.create(world).await;
+) -> (World, Gated, Instance, SandboxId) {
+    let (world, gated) = gated_world();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
     a.run(&id, "x=1").await;
     gated.hook.closed.store(true, Ordering::SeqCst);
     let mut events = a.controller.subscribe(&id);
@@ -326,7 +325,7 @@ pub(super) async fn checkpointed_before_its_record(
         "the record has not landed: {status:?}"
     );
     gated.hook.closed.store(false, Ordering::SeqCst);
-    id
+    (world, gated, a, id)
 }
 
 /// A client that heard CHECKPOINTED may attach asking for that checkpoint
@@ -334,9 +333,7 @@ pub(super) async fn checkpointed_before_its_record(
 /// carries it, decision 18): the restore finds it in the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
-    let (world, gated) = gated_world();
-    let a = world.instance("a");
-    let id = checkpointed_before_its_record(&world, &gated, &a, "base").await;
+    let (world, gated, a, id) = checkpointed_before_its_record("base").await;
     let attach = a.request_here(&id, Some("base"));
     within_10s("the attach waited for the record", attach)
         .await

@@ -75,12 +75,10 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
 /// the lock carries, the latest or by its name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_starts_from_a_checkpoint_whose_record_has_not_landed() {
-    use super::checkpoints::{checkpointed_before_its_record, gated_world};
     use super::reconciler::ForkPoint;
-    let (world, gated) = gated_world();
-    let a = world.instance("a");
     // New writes pass (the fork's own); the record still waits.
-    let source = checkpointed_before_its_record(&world, &gated, &a, "base").await;
+    let (world, gated, a, source) =
+        super::checkpoints::checkpointed_before_its_record("base").await;
     let b = world.instance("b");
     let read = b.controller.read_with_carried(&source).await;
     let source_doc = read.unwrap().unwrap();
