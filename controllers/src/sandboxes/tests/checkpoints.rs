@@ -123,12 +123,9 @@ async fn a_checkpoint_waits_for_a_running_execution() {
 async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay() {
     let (world, a, id) = World::with_a_sandbox().await;
     let mut images = Vec::new();
-    for (round, name) in [Some("keep-me"), None, None, None, None]
-        .into_iter()
-        .enumerate()
-    {
+    for (round, name) in [Some("keep-me"), None, None, None, None].iter().enumerate() {
         a.run(&id, &format!("round {round}")).await;
-        a.checkpoint(&id, name).await;
+        a.checkpoint(&id, *name).await;
         let latest = world.metadata(&id).await.status.latest_checkpoint;
         images.push(latest.unwrap().path);
         world.clock.advance(Duration::seconds(1));
@@ -256,7 +253,7 @@ impl BeforeRequest for GatedMetadataWrites {
     async fn before(&self, request: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
         if request.writes("metadata.json")
             && self.closed.load(Ordering::SeqCst)
-            && let Some(key) = request.key()
+            && let Some(key) = request.key
         {
             let _passed = self.gate.acquire().await;
             return Err(StoreError::transient(key, "the bucket is unreachable"));

@@ -149,7 +149,7 @@ struct NoDoorbell;
 #[async_trait::async_trait]
 impl BeforeRequest for NoDoorbell {
     async fn before(&self, request: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
-        match request.key() {
+        match request.key {
             Some(key) if request.writes("doorbell.json") => {
                 Err(StoreError::transient(key, "the bucket is unreachable"))
             }
@@ -344,9 +344,8 @@ async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
     let asks = {
         let (controller, id, now) = (Arc::clone(&a.controller), id.clone(), world.clock.now());
         tokio::spawn(async move {
-            let checkpointed = controller
-                .request_state(&id, DesiredState::Checkpointed, None)
-                .await;
+            let wanted = DesiredState::Checkpointed;
+            let checkpointed = controller.request_state(&id, wanted, None).await;
             let attached = controller.request_here(&id, None, now).await;
             checkpointed.and(attached)
         })
@@ -367,10 +366,8 @@ async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
     asks.await.unwrap().unwrap();
     a.pass(&id).await;
     let seen = drain(&mut events);
-    assert!(
-        !heard!(seen, SandboxEvent::StartFailed { .. }),
-        "the attaching client was failed: {seen:?}"
-    );
+    let failed = heard!(seen, SandboxEvent::StartFailed { .. });
+    assert!(!failed, "the attaching client was failed: {seen:?}");
     assert!(a.controller.is_held_here(&id));
     assert_eq!(a.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
 }
@@ -457,20 +454,14 @@ impl BeforeRequest for FirstRingWaits {
 /// batch lands, not when the one without it does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_lands() {
-    let memory = Arc::new(MemoryStore::new());
-    let hooked = Arc::new(HookedStore::new(
-        memory.clone(),
-        FirstRingWaits {
-            started: tokio::sync::Notify::new(),
-            go: tokio::sync::Semaphore::new(0),
-            seen: AtomicBool::new(false),
-        },
-    ));
+    let (started, go) = (tokio::sync::Notify::new(), tokio::sync::Semaphore::new(0));
+    let seen = AtomicBool::new(false);
+    let (world, hooked) = World::hooked(FirstRingWaits { started, go, seen });
     let config = LeaseConfig {
         ring_spacing: std::time::Duration::from_millis(300),
         ..LeaseConfig::default()
     };
-    let clock = Arc::new(ManualClock::new());
+    let clock = Arc::new(world.clock.clone());
     let ringer = Leases::new(hooked.clone(), clock, named("b"), config);
     let holder = named("a");
     let (first, second) = (SandboxId::from_u128(1), SandboxId::from_u128(2));
@@ -486,7 +477,7 @@ async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_land
     hooked.hook.go.add_permits(1);
     first_ring.await.unwrap().unwrap();
     second_ring.await.unwrap().unwrap();
-    let bell = memory.get(&crate::layout::doorbell_key(&holder)).await;
+    let bell = world.store.get(&crate::layout::doorbell_key(&holder)).await;
     let bell: crate::api::Doorbell = decode(&bell.unwrap().data).unwrap();
     for sandbox in [&first, &second] {
         assert!(

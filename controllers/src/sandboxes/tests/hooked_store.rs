@@ -12,47 +12,33 @@ use bytes::Bytes;
 
 use crate::api::{ApiObject, SandboxId, decode, encode};
 use crate::store::{
-    BlobReader, BlobSource, Generation, ListPage, ObjectInfo, ObjectKey, PutMode, Store,
+    BlobReader, BlobSource, Generation, ListPage, ObjectInfo, ObjectKey, Operation, PutMode, Store,
     StoreError, Versioned,
 };
 use crate::testing::MemoryStore;
 
-/// A request about to reach the memory store.
+/// A request about to reach the memory store: what it does (as the
+/// counting store tells them apart), and the object it names (a listing
+/// names none).
 #[derive(Debug, Clone, Copy)]
-pub(in crate::sandboxes) enum Request<'a> {
-    Get(&'a ObjectKey),
-    Put(&'a ObjectKey),
-    List,
-    Delete(&'a ObjectKey),
-    Upload(&'a ObjectKey),
-    Download(&'a ObjectKey),
+pub(in crate::sandboxes) struct Request<'a> {
+    pub(super) operation: Operation,
+    pub(super) key: Option<&'a ObjectKey>,
 }
 
 impl Request<'_> {
-    /// The object the request names (a listing names none).
-    pub(super) fn key(&self) -> Option<&ObjectKey> {
-        match self {
-            Request::Get(key)
-            | Request::Put(key)
-            | Request::Delete(key)
-            | Request::Upload(key)
-            | Request::Download(key) => Some(key),
-            Request::List => None,
-        }
-    }
-
     fn names(&self, suffix: &str) -> bool {
-        self.key().is_some_and(|key| key.as_str().ends_with(suffix))
+        self.key.is_some_and(|key| key.as_str().ends_with(suffix))
     }
 
     /// A read of the object whose key ends with `suffix`.
     pub(super) fn reads(&self, suffix: &str) -> bool {
-        matches!(self, Request::Get(_)) && self.names(suffix)
+        self.operation == Operation::Get && self.names(suffix)
     }
 
     /// A write (of a document) of the object whose key ends with `suffix`.
     pub(super) fn writes(&self, suffix: &str) -> bool {
-        matches!(self, Request::Put(_)) && self.names(suffix)
+        self.operation == Operation::Put && self.names(suffix)
     }
 }
 
@@ -78,13 +64,14 @@ impl<H> HookedStore<H> {
 }
 
 /// The [`Store`] methods of [`HookedStore`]: each asks the hook about its
-/// request (named by the expression after `=>`), then the memory store.
+/// request (the operation and the key after `=>`), then the memory store.
 macro_rules! hooked {
-    ($($method:ident($($arg:ident: $type:ty),*) -> $answer:ty => $request:expr;)*) => {
+    ($($method:ident($($arg:ident: $type:ty),*) -> $answer:ty => $operation:ident, $key:expr;)*) => {
         #[async_trait]
         impl<H: BeforeRequest> Store for HookedStore<H> {
             $(async fn $method(&self, $($arg: $type),*) -> Result<$answer, StoreError> {
-                self.hook.before($request, &self.store).await?;
+                let request = Request { operation: Operation::$operation, key: $key };
+                self.hook.before(request, &self.store).await?;
                 self.store.$method($($arg),*).await
             })*
         }
@@ -92,12 +79,12 @@ macro_rules! hooked {
 }
 
 hooked! {
-    get(key: &ObjectKey) -> Versioned => Request::Get(key);
-    put(key: &ObjectKey, data: Bytes, mode: PutMode) -> Generation => Request::Put(key);
-    list_page(prefix: &str, page_token: Option<String>) -> ListPage => Request::List;
-    delete(key: &ObjectKey) -> () => Request::Delete(key);
-    upload_blob(key: &ObjectKey, source: BlobSource) -> ObjectInfo => Request::Upload(key);
-    download_blob(key: &ObjectKey) -> BlobReader => Request::Download(key);
+    get(key: &ObjectKey) -> Versioned => Get, Some(key);
+    put(key: &ObjectKey, data: Bytes, mode: PutMode) -> Generation => Put, Some(key);
+    list_page(prefix: &str, page_token: Option<String>) -> ListPage => List, None;
+    delete(key: &ObjectKey) -> () => Delete, Some(key);
+    upload_blob(key: &ObjectKey, source: BlobSource) -> ObjectInfo => Upload, Some(key);
+    download_blob(key: &ObjectKey) -> BlobReader => Download, Some(key);
 }
 
 /// Counts the requests `counts` picks, and lets every one through.
