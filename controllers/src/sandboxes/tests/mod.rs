@@ -386,10 +386,7 @@ impl Instance {
     }
 }
 
+/// The events `events` holds now.
 fn drain(events: &mut broadcast::Receiver<SandboxEvent>) -> Vec<SandboxEvent> {
-    let mut seen = Vec::new();
-    while let Ok(event) = events.try_recv() {
-        seen.push(event);
-    }
-    seen
+    std::iter::from_fn(|| events.try_recv().ok()).collect()
 }

@@ -46,10 +46,6 @@ fn slow(store: Arc<MemoryStore>) -> Arc<HookedStore<Slow>> {
     Arc::new(HookedStore::new(store, Slow))
 }
 
-fn slow_world() -> World {
-    World::wrapped(|store| slow(store))
-}
-
 /// Sequential requests since `start`.
 fn requests_since(start: Instant) -> u128 {
     start.elapsed().as_millis() / TICK.as_millis()
@@ -110,7 +106,7 @@ fn within_budget(what: &str, count: u128, budget: u128) {
 
 #[tokio::test(start_paused = true)]
 async fn create_checkpoint_and_restore_stay_within_their_request_budgets() {
-    let world = slow_world();
+    let (world, _) = World::hooked(Slow);
     let a = world.instance("a");
     // The instance's first create also writes its instance lease: measure
     // one that does not (the lease is renewed by its own loop).
@@ -137,7 +133,7 @@ async fn create_checkpoint_and_restore_stay_within_their_request_budgets() {
 
 #[tokio::test(start_paused = true)]
 async fn a_handoff_stays_within_its_request_budget() {
-    let world = slow_world();
+    let (world, _) = World::hooked(Slow);
     let a = world.instance("a");
     let b = world.instance("b");
     let (id, _) = create(&a, &world).await;
