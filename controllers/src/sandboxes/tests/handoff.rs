@@ -41,9 +41,8 @@ async fn another_instance_asking_gets_the_sandbox_handed_over_with_the_image_it_
 }
 
 /// A handoff whose checkpoint loses the sandbox (runsc failing inside the
-/// sentry stops the container): the holder records the failure and lets go,
-/// and the taker says why there is nothing to restore instead of blaming a
-/// stopped instance.
+/// sentry stops the container): the holder records the failure and lets go;
+/// the taker says why there is nothing to restore, not blaming the instance.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
     let (world, a, id) = World::with_a_sandbox().await;
@@ -57,15 +56,14 @@ async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
     assert_eq!(world.lease(&id).await.holder, None, "let go");
     let mut events = b.controller.subscribe(&id);
     b.pass(&id).await;
-    let failed = drain(&mut events)
-        .into_iter()
-        .find_map(|event| match event {
-            SandboxEvent::StartFailed {
-                kind: StartKind::Restore,
-                cause: StartFailure::FailedWithoutCheckpoint(cause),
-            } => Some(cause),
-            _ => None,
-        });
+    let seen = drain(&mut events);
+    let failed = seen.into_iter().find_map(|event| match event {
+        SandboxEvent::StartFailed {
+            kind: StartKind::Restore,
+            cause: StartFailure::FailedWithoutCheckpoint(cause),
+        } => Some(cause),
+        _ => None,
+    });
     let cause = failed.expect("the taker names the holder's failure");
     let why = "checkpoint failed and stopped the sandbox";
     assert!(cause.contains(why), "{cause}");
@@ -73,9 +71,8 @@ async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
 }
 
 /// A ring carries the generations its taker read both objects at: a holder
-/// that knows both that new hands over without reading either; one that
-/// knows less (an operator edited the metadata since its last look) reads
-/// them once, in the pass that hands over.
+/// that knows both hands over without reading either; one that knows less
+/// (an operator edited the metadata) reads them once, in that pass.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_again() {
     use crate::store::{CountingStore, Operation, OperationCounts};
@@ -86,9 +83,8 @@ async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_ag
         let b = world.instance("b");
         a.controller.client_attached(&id, false);
         if edited {
-            world
-                .edit(&id, |m| m.spec.labels.insert("team".into(), "blue".into()))
-                .await;
+            let blue = |m: &mut SandboxMetadata| m.spec.labels.insert("team".into(), "blue".into());
+            world.edit(&id, blue).await;
         }
         b.request_here(&id, None).await.unwrap();
         a.answer_doorbell().await;
@@ -224,13 +220,10 @@ async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
         "X transferred the hold to the later intent's instance"
     );
     a.pass(&id).await;
-    let told = heard!(
-        drain(&mut waiting_on_a),
-        SandboxEvent::StartFailed {
-            kind: StartKind::Restore,
-            cause: StartFailure::WantedElsewhere(instance),
-        } if instance.as_str() == "b"
-    );
+    let kind = StartKind::Restore;
+    let cause = StartFailure::WantedElsewhere(named("b"));
+    let lost_the_race = SandboxEvent::StartFailed { kind, cause };
+    let told = drain(&mut waiting_on_a).contains(&lost_the_race);
     assert!(told, "A's waiting client learns it lost the race");
     b.pass(&id).await;
     assert!(b.runs(&id));
@@ -331,11 +324,10 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     );
 }
 
-/// A client that attaches right after its checkpoint was asked is not
-/// failed by the checkpoint ("checkpointed meanwhile"): its attach is
-/// served by a pass before that pass decides. Found by the paths benchmark
-/// on loopback: the attach right after `CHECKPOINTED` got
-/// `SANDBOX_RESTORE_ERROR` and its hold was released as an orphan.
+/// A client that attaches right after asking for a checkpoint is not failed
+/// by it ("checkpointed meanwhile"): a pass serves the attach before it
+/// decides. Found by the paths benchmark on loopback: the attach right after
+/// `CHECKPOINTED` got `SANDBOX_RESTORE_ERROR`, its hold released as an orphan.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
     let (world, a, id) = World::with_a_sandbox().await;
@@ -373,11 +365,10 @@ async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
 }
 
 /// An attach whose spec write is slowed (GCS's write rate) while its lock
-/// write lands: the pass decides on the spec as it is being written, not
-/// on the older state in the bucket. Found by the paths benchmark under
-/// `gcs-regional`: the client attached through B right after a checkpoint
-/// and an attach on A got `SANDBOX_RESTORE_ERROR` ("checkpointed by its
-/// instance ... attach again").
+/// write lands: the pass decides on the spec being written, not on the
+/// older one in the bucket. Found by the paths benchmark (`gcs-regional`):
+/// an attach through B right after a checkpoint and an attach on A got
+/// `SANDBOX_RESTORE_ERROR` ("checkpointed by its instance ... attach again").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
     let (world, a, id) = World::with_a_sandbox().await;
