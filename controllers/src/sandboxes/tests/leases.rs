@@ -20,11 +20,9 @@ async fn a_holder_that_lost_its_lease_stops_without_writing() {
     assert!(a.runs(&id), "not before the resync");
     a.live_through(&world, 31).await;
     assert_eq!(a.pass(&id).await, Requeue::Never);
-    let seen = drain(&mut events);
-    assert!(
-        matches!(&seen[..], [SandboxEvent::Lost(LossCause::TakenOver { holder: Some(holder) })] if holder.as_str() == "c"),
-        "{seen:?}"
-    );
+    let holder = Some(named("c"));
+    let lost = SandboxEvent::Lost(LossCause::TakenOver { holder });
+    assert_eq!(drain(&mut events), [lost]);
     assert!(!a.runs(&id));
     assert!(!a.controller.is_held_here(&id));
     let after = world.generation(&metadata_key(&id)).await;
@@ -83,9 +81,8 @@ async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
 }
 
 /// A quiet hold's lock has long run out, its holder's instance lease has
-/// not: the taker's passes decide to wait for the handover (the holder's
-/// liveness is judged before `decide`), with no attempt to acquire and no
-/// renewal of the taker's own instance lease on each poll.
+/// not: the taker's passes wait for the handover (liveness is judged before
+/// `decide`), neither acquiring nor renewing their own instance lease.
 #[tokio::test]
 async fn a_taker_waiting_for_a_quiet_live_holder_writes_nothing() {
     let (world, counted) = super::hooked_store::counted_world(|request| {
@@ -168,11 +165,10 @@ async fn an_unvouched_holder_renews_its_hold_then_hands_over_in_one_pass() {
 
 /// A holder frozen past its lease hears, when it resumes, the ring its
 /// taker sent before taking the sandbox over. The ring's generations match
-/// what the holder knows, but they are what the taker read then, and a hold
-/// no longer vouched for may have been taken since: the holder reads both
-/// objects and stops, rather than "hand over" a sandbox it lost (the chaos
-/// run's frozen holder did, killing its execution for the checkpoint and
-/// reporting its end after the taker had acknowledged one of its own).
+/// what the holder knows, but a hold no longer vouched for may have been
+/// taken since: the holder reads both objects and stops rather than "hand
+/// over" a sandbox it lost (the chaos run's frozen holder did, killing its
+/// execution and reporting its end after the taker acknowledged its own).
 #[tokio::test]
 async fn a_ring_heard_after_a_freeze_is_not_taken_for_a_read() {
     let world = World::new();
@@ -360,9 +356,8 @@ async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
 }
 
 /// An execution cut off by the loss of its hold ends with `HoldLost`: its
-/// relay must report no end (another instance holds the sandbox and may
-/// have acknowledged work of its own; the chaos run's frozen holder). An
-/// execution ended by a delete ends as a stop, as before.
+/// relay must report no end (the new holder may have acknowledged work of
+/// its own; the chaos run's frozen holder). One ended by a delete stops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted_does_not() {
     use crate::runtime::ExecEvent;
@@ -395,10 +390,9 @@ async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted
     assert!(last.is_none(), "{last:?}");
 }
 
-/// A start's record that a newer holder fenced, in its task of its own, is
-/// reported to the sandbox's pass, which decides on both objects: the newer
-/// holder's epoch in `status` stops the copy there (the table's
-/// `StopLost`), never beside the pass.
+/// A start's record fenced by a newer holder (in its own task) is reported
+/// to the sandbox's pass, which decides on both objects: the newer epoch in
+/// `status` stops the copy there (the table's `StopLost`), not beside it.
 #[tokio::test]
 async fn a_record_fenced_by_a_newer_holder_stops_the_copy_in_its_own_pass() {
     let (world, a, id) = World::with_a_sandbox().await;
