@@ -41,11 +41,8 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     // The source's retention may delete its checkpoint: every fork keeps
     // its own copy.
     let source_id = crate::layout::checkpoint_id_of_image(&source_ref.path).unwrap();
-    world
-        .store
-        .delete(&checkpoint_image_key(&source_id))
-        .await
-        .unwrap();
+    let source_image = checkpoint_image_key(&source_id);
+    world.store.delete(&source_image).await.unwrap();
     for fork in &forks {
         let own = world.metadata(fork).await.status.latest_checkpoint.unwrap();
         let image = ObjectKey::new(own.path.as_str()).unwrap();

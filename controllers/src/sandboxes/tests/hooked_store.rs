@@ -66,11 +66,11 @@ impl<H> HookedStore<H> {
 /// The [`Store`] methods of [`HookedStore`]: each asks the hook about its
 /// request (the operation and the key after `=>`), then the memory store.
 macro_rules! hooked {
-    ($($method:ident($($arg:ident: $type:ty),*) -> $answer:ty => $operation:ident, $key:expr;)*) => {
+    ($($method:ident($($arg:ident: $type:ty),*) -> $answer:ty => $kind:ident, $key:expr;)*) => {
         #[async_trait]
         impl<H: BeforeRequest> Store for HookedStore<H> {
             $(async fn $method(&self, $($arg: $type),*) -> Result<$answer, StoreError> {
-                let request = Request { operation: Operation::$operation, key: $key };
+                let request = Request { operation: Operation::$kind, key: $key };
                 self.hook.before(request, &self.store).await?;
                 self.store.$method($($arg),*).await
             })*
@@ -118,10 +118,9 @@ pub(super) fn counted_world(
     super::World::hooked(Counted { counts, seen })
 }
 
-/// Once armed with a sandbox, changes that sandbox's object (at the key
-/// `object` gives) with `edit` just before the next write of an object
-/// whose key ends with `before`: another instance's write, landing in the
-/// middle of a pass.
+/// Once armed with a sandbox, changes its object (at the key `object` gives)
+/// with `edit` just before the next write of a key ending with `before`:
+/// another instance's write, landing in the middle of a pass.
 #[derive(Debug)]
 pub(super) struct EditBeforeWrite<T> {
     pub(super) before: &'static str,

@@ -185,8 +185,7 @@ impl World {
 
     /// Sets `id`'s desired state as an operator's edit would.
     async fn set_desired(&self, id: &SandboxId, desired: DesiredState) {
-        self.edit(id, |metadata| metadata.spec.desired_state = desired)
-            .await;
+        self.edit(id, |m| m.spec.desired_state = desired).await;
     }
 }
 
