@@ -103,10 +103,8 @@ async fn hooks_run_at_cold_start_after_each_execution_and_on_terminate() {
     });
     a.create_from(&metadata).await.unwrap();
     a.pass(&id).await;
-    assert_eq!(
-        hooks.calls(),
-        ["cold_start Created running=true workspace=Some(\"proj\")"]
-    );
+    let cold_start = "cold_start Created running=true workspace=Some(\"proj\")";
+    assert_eq!(hooks.calls(), [cold_start]);
 
     // The hook has run by the time the exit is reported.
     let mut execution = a.exec(&id, "true").await;

@@ -45,8 +45,8 @@ async fn an_idle_held_sandbox_costs_no_write_its_instance_renews_once_for_all() 
     // 5 heartbeats (one write each, for both sandboxes); the passes are
     // light: nothing read, nothing written, until the resync at 60 s.
     assert_eq!(world.store.operations() - operations, 5);
-    let untouched = world.generation(&lock_key(&first)).await == lock;
-    assert!(untouched, "lock.json untouched");
+    let after = world.generation(&lock_key(&first)).await;
+    assert_eq!(after, lock, "lock.json untouched");
     world.clock.advance(Duration::seconds(11));
     a.heartbeat().await;
     let operations = world.store.operations();
@@ -131,8 +131,8 @@ async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them
     let generation = world.generation(&lock_key(&kept)).await;
     a.pass(&kept).await;
     assert!(a.runs(&kept));
-    let rewritten = world.generation(&lock_key(&kept)).await != generation;
-    assert!(rewritten, "re-verified with a conditional write");
+    let after = world.generation(&lock_key(&kept)).await;
+    assert_ne!(after, generation, "re-verified with a conditional write");
     a.pass(&taken).await;
     assert!(!a.runs(&taken), "the lost one stops");
     assert_eq!(a.reconciler().unvouched(), vec![]);
@@ -415,10 +415,8 @@ async fn a_record_fenced_by_a_newer_holder_stops_the_copy_in_its_own_pass() {
             }),
         },
     );
-    assert!(
-        a.controller.is_held_here(&id) && a.runs(&id),
-        "the report stops nothing itself"
-    );
+    let (held, runs) = (a.controller.is_held_here(&id), a.runs(&id));
+    assert!(held && runs, "the report stops nothing itself");
     let waiting = reconciler.commands_waiting(&id);
     assert_eq!(waiting, 1, "it waits for the sandbox's pass");
     a.pass(&id).await;
