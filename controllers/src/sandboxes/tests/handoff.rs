@@ -159,8 +159,7 @@ impl BeforeRequest for NoDoorbell {
 #[tokio::test]
 async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
     let world = World::wrapped(|store| Arc::new(HookedStore::new(store, NoDoorbell)));
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = a.create(&world).await;
     a.live_through(&world, 10).await;
     b.request_here(&id, None).await.unwrap();
@@ -202,8 +201,7 @@ async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
 async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
     let world = World::new();
     let x = world.instance("x");
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = x.create(&world).await;
     let mut waiting_on_a = a.controller.subscribe(&id);
     a.request_here(&id, None).await.unwrap();

@@ -58,8 +58,7 @@ async fn an_idle_held_sandbox_costs_no_write_its_instance_renews_once_for_all() 
 #[tokio::test]
 async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
     let world = World::new();
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = a.create_checkpointed(&world).await;
     b.request_here(&id, None).await.unwrap();
     // A ignores the ring (say it is busy); far past the lock's own lease,
@@ -88,8 +87,7 @@ async fn a_taker_waiting_for_a_quiet_live_holder_writes_nothing() {
     let (world, counted) = super::hooked_store::counted_world(|request| {
         request.writes("lock.json") || request.writes("instances/b/lease.json")
     });
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = a.create_checkpointed(&world).await;
     b.request_here(&id, None).await.unwrap();
     let before = counted.hook.seen();
@@ -110,8 +108,7 @@ async fn a_taker_waiting_for_a_quiet_live_holder_writes_nothing() {
 #[tokio::test]
 async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them() {
     let world = World::new();
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let kept = a.create_checkpointed(&world).await;
     let taken = a.create_checkpointed(&world).await;
     // A freezes past its lease; B takes `taken` meanwhile.
@@ -260,8 +257,7 @@ async fn created_by_a_dead_holder(world: &World, holder: Instance) -> SandboxId 
 #[tokio::test]
 async fn a_sandbox_whose_holder_died_before_recording_it_runs_is_not_created_afresh() {
     let world = World::new();
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = created_by_a_dead_holder(&world, a).await;
     // The record of RUNNING never landed.
     world
@@ -283,8 +279,7 @@ async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
     let (world, counted) = super::hooked_store::counted_world(|request| {
         request.reads("/lock.json") || request.writes("/lock.json")
     });
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = created_by_a_dead_holder(&world, a).await;
     let before = counted.hook.seen();
     b.bring_here(&id).await;
@@ -303,8 +298,7 @@ async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
 #[tokio::test]
 async fn an_attach_read_of_a_sandbox_held_here_makes_no_bucket_request() {
     let (world, counted) = super::hooked_store::counted_world(|_| true);
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = a.create(&world).await;
     let before = counted.hook.seen();
     let read = a.controller.read_for_attach(&id).await.unwrap().unwrap();

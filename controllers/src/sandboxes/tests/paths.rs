@@ -134,8 +134,7 @@ async fn create_checkpoint_and_restore_stay_within_their_request_budgets() {
 #[tokio::test(start_paused = true)]
 async fn a_handoff_stays_within_its_request_budget() {
     let (world, _) = World::hooked(Slow);
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let (id, _) = create(&a, &world).await;
     a.run(&id, "x=1").await;
     let mut events = b.controller.subscribe(&id);
