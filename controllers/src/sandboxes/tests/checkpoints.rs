@@ -14,10 +14,8 @@ async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
     a.run(&id, "x=1").await;
 
     let mut events = a.controller.subscribe(&id);
-    a.request_state(&id, DesiredState::Checkpointed, Some("first"))
-        .await
-        .unwrap();
-    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
+    a.ask(&id, DesiredState::Checkpointed, Some("first")).await;
+    assert_eq!(a.pass(&id).await, Requeue::Never);
     let seen = drain(&mut events);
     assert_eq!(
         seen[..4],
@@ -32,7 +30,7 @@ async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
         matches!(&seen[4..], [SandboxEvent::Checkpointed { image }] if image.ends_with("checkpoint.img")),
         "{seen:?}"
     );
-    assert!(a.runtime.memory(&id).is_none());
+    assert!(!a.runs(&id));
     let status = world.metadata(&id).await.status;
     assert_eq!(status.phase, Phase::Checkpointed);
     assert_eq!(status.holder, None);
@@ -61,7 +59,7 @@ async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
 
     // Ask for the early one by name.
     a.request_here(&id, Some("early")).await.unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert_eq!(a.runtime.memory(&id).unwrap(), vec!["one".to_owned()]);
 
     // The request was one-shot: the next checkpoint/restore uses the latest.
@@ -69,10 +67,7 @@ async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
     a.checkpoint(&id, None).await;
     world.clock.advance(Duration::seconds(1));
     a.bring_here(&id).await;
-    assert_eq!(
-        a.runtime.memory(&id).unwrap(),
-        vec!["one".to_owned(), "three".to_owned()]
-    );
+    assert_eq!(a.runtime.memory(&id).unwrap(), vec!["one", "three"]);
 }
 
 #[tokio::test]
@@ -81,43 +76,25 @@ async fn an_unknown_checkpoint_name_fails_the_restore_and_keeps_the_sandbox() {
     a.checkpoint(&id, None).await;
     let mut events = a.controller.subscribe(&id);
     a.request_here(&id, Some("nope")).await.unwrap();
-    a.reconcile(&id).await.unwrap();
-    let seen = drain(&mut events);
-    assert!(
-        matches!(
-            &seen[..],
-            [
-                SandboxEvent::LeaseAcquiring,
-                SandboxEvent::LeaseAcquired,
-                SandboxEvent::StartFailed {
-                    kind: StartKind::Restore,
-                    cause: StartFailure::NoNamedCheckpoint(name),
-                },
-            ] if name == "nope"
-        ),
-        "{seen:?}"
-    );
-    let metadata = world.metadata(&id).await;
-    assert_eq!(
-        metadata.status.phase,
-        Phase::Checkpointed,
-        "not left Restoring"
-    );
-    assert!(metadata.status.latest_checkpoint.is_some());
+    a.pass(&id).await;
+    let kind = StartKind::Restore;
+    let cause = StartFailure::NoNamedCheckpoint("nope".into());
+    let failed = SandboxEvent::StartFailed { kind, cause };
+    let (acquiring, acquired) = (SandboxEvent::LeaseAcquiring, SandboxEvent::LeaseAcquired);
+    assert_eq!(drain(&mut events), [acquiring, acquired, failed]);
+    let status = world.metadata(&id).await.status;
+    assert_eq!(status.phase, Phase::Checkpointed, "not left Restoring");
+    assert!(status.latest_checkpoint.is_some());
     assert_eq!(world.lease(&id).await.holder, None);
 }
 
 #[tokio::test]
 async fn a_checkpoint_waits_for_a_running_execution() {
     let (world, a, id) = World::with_a_sandbox().await;
-    let execution = a
-        .controller
-        .exec(&id, ExecRequest::new(Command::Bash("hold".into())))
-        .await
-        .unwrap();
+    let execution = a.exec(&id, "hold").await;
     let mut events = a.controller.subscribe(&id);
     let asked = a.send_state(&id, DesiredState::Checkpointed).await;
-    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert!(matches!(a.pass(&id).await, Requeue::After(_)));
     asked.await.unwrap().unwrap();
     assert_eq!(
         drain(&mut events),
@@ -126,9 +103,9 @@ async fn a_checkpoint_waits_for_a_running_execution() {
             SandboxEvent::CheckpointWaitsForExecution
         ]
     );
-    assert!(a.runtime.memory(&id).is_some());
+    assert!(a.runs(&id));
     execution.control.kill().await.unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert_eq!(world.metadata(&id).await.status.phase, Phase::Checkpointed);
 }
 
@@ -136,33 +113,19 @@ async fn a_checkpoint_waits_for_a_running_execution() {
 async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay() {
     let (world, a, id) = World::with_a_sandbox().await;
     let mut images = Vec::new();
-    for (round, name) in [Some("keep-me"), None, None, None, None]
-        .into_iter()
-        .enumerate()
-    {
+    for (round, name) in [Some("keep-me"), None, None, None, None].iter().enumerate() {
         a.run(&id, &format!("round {round}")).await;
-        a.checkpoint(&id, name).await;
+        a.checkpoint(&id, *name).await;
         let latest = world.metadata(&id).await.status.latest_checkpoint;
         images.push(latest.unwrap().path);
         world.clock.advance(Duration::seconds(1));
         a.bring_here(&id).await;
     }
-    let status = world.metadata(&id).await.status;
-    let previous: Vec<&str> = status
-        .previous_checkpoints
-        .iter()
-        .map(|c| c.path.as_str())
-        .collect();
-    assert_eq!(
-        previous,
-        vec![images[3].as_str(), images[2].as_str()],
-        "newest first, two kept"
-    );
-    let exists = |path: &str| {
-        let key = crate::store::ObjectKey::new(path).unwrap();
-        let store = world.store.clone();
-        async move { store.get(&key).await.is_ok() }
-    };
+    let previous = world.metadata(&id).await.status.previous_checkpoints;
+    let previous: Vec<_> = previous.into_iter().map(|c| c.path).collect();
+    let kept = [images[3].clone(), images[2].clone()];
+    assert_eq!(previous, kept, "newest first, two kept");
+    let exists = |path: &str| world.exists(ObjectKey::new(path).unwrap());
     assert!(exists(&images[0]).await, "the named checkpoint stays");
     assert!(!exists(&images[1]).await, "the oldest unnamed one is gone");
     for kept in &images[2..] {
@@ -189,13 +152,10 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
     a.run(&id, "saved").await;
     let mut events = a.controller.subscribe(&id);
     a.live_through(&world, 61).await;
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert!(drain(&mut events).is_empty(), "silent to the client");
-    assert_eq!(
-        a.runtime.memory(&id).unwrap(),
-        vec!["saved".to_owned()],
-        "still running here"
-    );
+    let memory = a.runtime.memory(&id).unwrap();
+    assert_eq!(memory, vec!["saved"], "still running here");
     let status = world.metadata(&id).await.status;
     assert_eq!(status.phase, Phase::Running);
     assert!(status.latest_checkpoint.is_some());
@@ -220,13 +180,10 @@ async fn a_failed_periodic_checkpoint_waits_an_interval_and_the_table_marks_a_lo
     a.live_through(&world, 61).await;
     a.runtime.lose_on_checkpoint(&id);
     let mut events = a.controller.subscribe(&id);
-    a.reconcile(&id).await.unwrap();
-    assert!(
-        a.runtime.memory(&id).is_none(),
-        "the checkpoint took it down"
-    );
+    a.pass(&id).await;
+    assert!(!a.runs(&id), "the checkpoint took it down");
     assert_eq!(world.metadata(&id).await.status.phase, Phase::Running);
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     let status = world.metadata(&id).await.status;
     assert_eq!(status.phase, Phase::Failed, "the table marked it died");
     assert_eq!(world.lease(&id).await.holder, None, "and released it");
@@ -235,30 +192,17 @@ async fn a_failed_periodic_checkpoint_waits_an_interval_and_the_table_marks_a_lo
     // One an execution defers is not tried again at once either (each try
     // costs a read of both objects), but an interval later.
     let id = a.create(&world).await;
-    let execution = a
-        .controller
-        .exec(&id, ExecRequest::new(Command::Bash("hold".into())))
-        .await
-        .unwrap();
+    let execution = a.exec(&id, "hold").await;
     a.live_through(&world, 61).await;
     let restores = a.runtime.counts().1;
-    assert_eq!(
-        a.reconcile(&id).await.unwrap(),
-        Requeue::After(std::time::Duration::ZERO)
-    );
-    assert_ne!(
-        a.reconcile(&id).await.unwrap(),
-        Requeue::After(std::time::Duration::ZERO),
-        "not tried again at once"
-    );
+    let at_once = Requeue::After(std::time::Duration::ZERO);
+    assert_eq!(a.pass(&id).await, at_once);
+    assert_ne!(a.pass(&id).await, at_once, "not tried again at once");
     execution.control.kill().await.unwrap();
     a.live_through(&world, 61).await;
-    a.reconcile(&id).await.unwrap();
-    assert_eq!(
-        a.runtime.counts().1,
-        restores + 1,
-        "checkpointed an interval later"
-    );
+    a.pass(&id).await;
+    let restored = a.runtime.counts().1;
+    assert_eq!(restored, restores + 1, "checkpointed an interval later");
 }
 
 #[tokio::test]
@@ -267,24 +211,19 @@ async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_runni
     let a = world.instance("a");
     let (id, metadata) = world.new_sandbox(false);
     a.create_from(&metadata).await.unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     let mut events = a.controller.subscribe(&id);
     let asked = a.send_state(&id, DesiredState::Checkpointed).await;
-    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
+    assert!(matches!(a.pass(&id).await, Requeue::After(_)));
     asked.await.unwrap().unwrap();
-    assert_eq!(
-        drain(&mut events),
-        [SandboxEvent::CheckpointFailed(
-            CheckpointFailure::NotConfigured
-        )]
-    );
-    assert!(a.runtime.memory(&id).is_some());
+    let refused = SandboxEvent::CheckpointFailed(CheckpointFailure::NotConfigured);
+    assert_eq!(drain(&mut events), [refused]);
+    assert!(a.runs(&id));
     let status = world.metadata(&id).await.status;
     assert_eq!(status.phase, Phase::Running);
+    let error = status.last_error.unwrap_or_default();
     assert!(
-        status
-            .last_error
-            .is_some_and(|error| error.contains("without enable_checkpoint")),
+        error.contains("without enable_checkpoint"),
         "recorded for operators"
     );
 }
@@ -293,16 +232,18 @@ async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_runni
 /// fails (a bucket that refuses the intent's write).
 #[derive(Debug)]
 pub(super) struct GatedMetadataWrites {
-    pub(super) closed: AtomicBool,
+    closed: AtomicBool,
     pub(super) gate: tokio::sync::Semaphore,
 }
+
+type Gated = Arc<HookedStore<GatedMetadataWrites>>;
 
 #[async_trait::async_trait]
 impl BeforeRequest for GatedMetadataWrites {
     async fn before(&self, request: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
         if request.writes("metadata.json")
             && self.closed.load(Ordering::SeqCst)
-            && let Some(key) = request.key()
+            && let Some(key) = request.key
         {
             let _passed = self.gate.acquire().await;
             return Err(StoreError::transient(key, "the bucket is unreachable"));
@@ -312,11 +253,9 @@ impl BeforeRequest for GatedMetadataWrites {
 }
 
 /// A world whose `metadata.json` writes can be held and failed.
-pub(super) fn gated_world() -> (World, Arc<HookedStore<GatedMetadataWrites>>) {
-    World::hooked(GatedMetadataWrites {
-        closed: AtomicBool::new(false),
-        gate: tokio::sync::Semaphore::new(0),
-    })
+fn gated_world() -> (World, Gated) {
+    let (closed, gate) = (AtomicBool::new(false), tokio::sync::Semaphore::new(0));
+    World::hooked(GatedMetadataWrites { closed, gate })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -329,60 +268,51 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     gated.hook.closed.store(true, Ordering::SeqCst);
     let mut events = a.controller.subscribe(&id);
     let request = a.request_state(&id, DesiredState::Checkpointed, None);
-    tokio::time::timeout(std::time::Duration::from_secs(10), request)
-        .await
-        .expect("the request waited for its intent's write")
-        .unwrap();
-    a.controller.reconciler().reconcile(&id).await.unwrap();
+    let waited = "the request waited for its intent's write";
+    within_10s(waited, request).await.unwrap();
+    a.reconciler().reconcile(&id).await.unwrap();
     let seen = drain(&mut events);
     assert!(
         heard!(seen, SandboxEvent::Checkpointed { .. }),
         "checkpointed while the intent was being written: {seen:?}"
     );
-    assert!(a.runtime.memory(&id).is_none());
-    let carried = world.lease(&id).await.checkpoint;
-    assert!(
-        carried.is_some_and(|c| c.path.ends_with("checkpoint.img")),
-        "the hand-back carries the checkpoint"
-    );
+    assert!(!a.runs(&id));
+    let carried = world.lease(&id).await.checkpoint.map(|c| c.path);
+    let carried = carried.is_some_and(|path| path.ends_with("checkpoint.img"));
+    assert!(carried, "the hand-back carries the checkpoint");
 
     // The write then fails: the checkpoint stands, nobody is told it failed.
     gated.hook.gate.add_permits(1000);
     gated.hook.closed.store(false, Ordering::SeqCst);
-    a.controller.reconciler().background_settled().await;
+    a.reconciler().background_settled().await;
     let seen = drain(&mut events);
     assert!(!heard!(seen, SandboxEvent::CheckpointFailed(_)), "{seen:?}");
 }
 
-/// A sandbox of `a` (memory `x=1`) checkpointed under `name` while the
-/// record's write waits at the gate: its client heard CHECKPOINTED, and
-/// `metadata.json` records no checkpoint yet. New writes pass again when it
-/// returns; the record still waits (until the gate gets permits).
+/// A [`gated_world`] whose `a` checkpointed a sandbox (memory `x=1`) as
+/// `name` while the record's write waits at the gate: its client heard
+/// CHECKPOINTED, `metadata.json` records no checkpoint yet. New writes pass
+/// again when it returns; the record still waits (until the gate opens).
 pub(super) async fn checkpointed_before_its_record(
-    world: &World,
-    gated: &HookedStore<GatedMetadataWrites>,
-    a: &Instance,
     name: &str,
-) -> SandboxId {
-    let id = a.create(world).await;
+) -> (World, Gated, Instance, SandboxId) {
+    let (world, gated) = gated_world();
+    let a = world.instance("a");
+    let id = a.create(&world).await;
     a.run(&id, "x=1").await;
     gated.hook.closed.store(true, Ordering::SeqCst);
     let mut events = a.controller.subscribe(&id);
-    a.request_state(&id, DesiredState::Checkpointed, Some(name))
-        .await
-        .unwrap();
-    a.controller.reconciler().reconcile(&id).await.unwrap();
-    assert!(heard!(
-        drain(&mut events),
-        SandboxEvent::Checkpointed { .. }
-    ));
+    a.ask(&id, DesiredState::Checkpointed, Some(name)).await;
+    a.reconciler().reconcile(&id).await.unwrap();
+    let seen = drain(&mut events);
+    assert!(heard!(seen, SandboxEvent::Checkpointed { .. }));
     let status = world.metadata(&id).await.status;
     assert!(
         status.latest_checkpoint.is_none() && status.named_checkpoints.is_empty(),
         "the record has not landed: {status:?}"
     );
     gated.hook.closed.store(false, Ordering::SeqCst);
-    id
+    (world, gated, a, id)
 }
 
 /// A client that heard CHECKPOINTED may attach asking for that checkpoint
@@ -390,21 +320,16 @@ pub(super) async fn checkpointed_before_its_record(
 /// carries it, decision 18): the restore finds it in the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
-    let (world, gated) = gated_world();
-    let a = world.instance("a");
-    let id = checkpointed_before_its_record(&world, &gated, &a, "base").await;
-    let within = std::time::Duration::from_secs(10);
-    tokio::time::timeout(within, a.request_here(&id, Some("base")))
-        .await
-        .expect("the attach waited for the record")
-        .unwrap();
-    let restored = tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
-        .await
-        .expect("the pass waited for the record");
+    let (world, gated, a, id) = checkpointed_before_its_record("base").await;
+    let attach = a.request_here(&id, Some("base"));
+    let waited = "the attach waited for the record";
+    within_10s(waited, attach).await.unwrap();
+    let pass = a.reconciler().reconcile(&id);
+    let restored = within_10s("the pass waited for the record", pass).await;
     assert!(restored.is_ok(), "{restored:?}");
     assert_eq!(a.runtime.memory(&id).unwrap(), vec!["x=1".to_owned()]);
     gated.hook.gate.add_permits(1000);
-    a.controller.reconciler().background_settled().await;
+    a.reconciler().background_settled().await;
     let status = world.metadata(&id).await.status;
     assert!(status.named_checkpoints.contains_key("base"), "{status:?}");
 }
@@ -417,49 +342,42 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
 
     // `status` is behind (an operator's edit), and every write of
     // `metadata.json` hangs, as one refused by GCS's write rate retries.
-    let mut metadata = world.metadata(&id).await;
-    metadata.status.phase = Phase::Pending;
-    world.edit_metadata(&metadata).await;
+    world.edit(&id, |m| m.status.phase = Phase::Pending).await;
     gated.hook.closed.store(true, Ordering::SeqCst);
     // A ring without an intent yet (the ringer's intent write was refused
     // and is retried): A's pass finds `status` behind and records that it
     // runs, in a task of its own; the pass ends.
-    let (store, holder) = (world.store.as_ref(), InstanceId::parse("a").unwrap());
-    crate::leasing::ring_doorbell(store, world.clock.now(), &holder, &id, "b")
-        .await
-        .unwrap();
+    let (store, now, holder) = (world.store.as_ref(), world.clock.now(), named("a"));
+    let ring = crate::leasing::ring_doorbell(store, now, &holder, &id, "b");
+    ring.await.unwrap();
     assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
-    let within = std::time::Duration::from_secs(10);
-    tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
-        .await
-        .expect("the pass waited for its status record")
-        .unwrap();
+    let pass = a.reconciler().reconcile(&id);
+    let waited = "the pass waited for its status record";
+    within_10s(waited, pass).await.unwrap();
 
     // B asks for it meanwhile; A's next pass hands it over at once.
     world.clock.advance(Duration::milliseconds(100));
     b.request_here(&id, None).await.unwrap();
     assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
-    tokio::time::timeout(within, a.controller.reconciler().reconcile(&id))
-        .await
-        .expect("the hand-over waited for the status record")
-        .unwrap();
-    assert!(a.runtime.memory(&id).is_none(), "handed over");
-    b.controller.reconciler().reconcile(&id).await.unwrap();
+    let pass = a.reconciler().reconcile(&id);
+    let waited = "the hand-over waited for the status record";
+    within_10s(waited, pass).await.unwrap();
+    assert!(!a.runs(&id), "handed over");
+    b.reconciler().reconcile(&id).await.unwrap();
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
 
     gated.hook.gate.add_permits(1000);
     gated.hook.closed.store(false, Ordering::SeqCst);
-    a.controller.reconciler().background_settled().await;
-    b.controller.reconciler().background_settled().await;
+    a.reconciler().background_settled().await;
+    b.reconciler().background_settled().await;
 }
 
-/// Found by the 10-minute chaos run: a holder cut off the
-/// bucket while it checkpointed for its client lost the hold to a taker;
-/// back, its hand-back failed, its record at its own epoch was accepted
-/// (the taker records its epoch only after its client hears RUNNING), and
-/// its client heard CHECKPOINTED of a state the taker never restored. A
-/// checkpoint whose hand-back failed is acknowledged only if nobody took
-/// the hold over meanwhile.
+/// Found by the 10-minute chaos run: a holder cut off the bucket while it
+/// checkpointed lost the hold to a taker; back, its hand-back failed, its
+/// record at its own epoch was accepted (the taker records its epoch only
+/// after its client hears RUNNING), and its client heard CHECKPOINTED of a
+/// state the taker never restored. Such a checkpoint is acknowledged only
+/// if nobody took the hold over meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile() {
     // Armed, `b` takes the lock over at the next epoch before the next image
@@ -469,7 +387,7 @@ async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile
         before: "checkpoint.img",
         object: lock_key,
         edit: |lease: &mut Lease| {
-            lease.holder = Some(InstanceId::parse("b").unwrap());
+            lease.holder = Some(named("b"));
             lease.epoch += 1;
             lease.checkpoint = None;
         },
@@ -490,11 +408,8 @@ async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile
         "acknowledged although the hold was taken over: {seen:?}"
     );
     assert!(heard!(seen, SandboxEvent::CheckpointFailed(_)), "{seen:?}");
-    assert_eq!(
-        world.lease(&id).await.epoch,
-        epoch + 1,
-        "the takeover stands"
-    );
+    let taken = world.lease(&id).await.epoch;
+    assert_eq!(taken, epoch + 1, "the takeover stands");
 }
 
 /// A `metadata.json` read waits while `closed` (counted in `waiting`).
@@ -525,7 +440,7 @@ async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
     let (a, id) = world.a_running("x=1").await;
 
     held.hook.closed.store(true, Ordering::SeqCst);
-    a.controller.reconciler().want_full_pass(&id);
+    a.reconciler().want_full_pass(&id);
     let mut events = a.controller.subscribe(&id);
     let pass = tokio::spawn({
         let (controller, id) = (Arc::clone(&a.controller), id.clone());
@@ -540,26 +455,15 @@ async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
         let checkpointed = DesiredState::Checkpointed;
         controller.request_state(&sandbox, checkpointed, None).await
     });
-    let within = std::time::Duration::from_secs(10);
-    tokio::time::timeout(within, asked)
-        .await
-        .expect("the command waited for the pass's read")
-        .unwrap()
-        .unwrap();
-    tokio::time::timeout(within, pass)
-        .await
-        .expect("the pass waited for its read")
-        .unwrap()
-        .unwrap();
-    assert!(
-        heard!(drain(&mut events), SandboxEvent::Checkpointed { .. }),
-        "the same pass checkpointed"
-    );
-    assert_eq!(
-        held.hook.waiting.load(Ordering::SeqCst),
-        1,
-        "one read, dropped"
-    );
+    let served = within_10s("the command waited for the pass's read", asked);
+    served.await.unwrap().unwrap();
+    let waited = "the pass waited for its read";
+    within_10s(waited, pass).await.unwrap().unwrap();
+    let seen = drain(&mut events);
+    let checkpointed = heard!(seen, SandboxEvent::Checkpointed { .. });
+    assert!(checkpointed, "the same pass checkpointed");
+    let reads = held.hook.waiting.load(Ordering::SeqCst);
+    assert_eq!(reads, 1, "one read, dropped");
     held.hook.closed.store(false, Ordering::SeqCst);
     held.hook.gate.notify_waiters();
 }

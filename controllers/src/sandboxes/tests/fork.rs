@@ -18,18 +18,16 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     let mut forks = Vec::new();
     for _ in 0..3 {
         let (fork, metadata) = world.new_sandbox(true);
-        b.fork_from(&source_doc, &ForkPoint::Latest, metadata)
-            .await
-            .unwrap();
-        b.reconcile(&fork).await.unwrap();
+        let forked = b.fork_from(&source_doc, &ForkPoint::Latest, metadata);
+        forked.await.unwrap();
+        b.pass(&fork).await;
         assert_eq!(b.runtime.memory(&fork).unwrap(), vec!["x=1".to_owned()]);
         let status = world.metadata(&fork).await.status;
         assert_eq!(status.phase, Phase::Running);
         let own = status.latest_checkpoint.unwrap();
         assert_ne!(own.path, source_ref.path, "a fork never shares an image");
         assert_eq!(own.sha256, source_ref.sha256);
-        let origin = status.forked_from.unwrap();
-        assert_eq!(origin.sandbox_id, source);
+        assert_eq!(status.forked_from.unwrap().sandbox_id, source);
         forks.push(fork);
     }
     // Each diverges on its own.
@@ -37,8 +35,7 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     assert_eq!(b.runtime.memory(&forks[0]).unwrap().len(), 2);
     assert_eq!(b.runtime.memory(&forks[1]).unwrap(), vec!["x=1".to_owned()]);
     // The source is as it was: checkpointed, nobody holds it.
-    let after = world.metadata(&source).await;
-    assert_eq!(after.status, source_doc.status);
+    assert_eq!(world.metadata(&source).await.status, source_doc.status);
     assert_eq!(world.lease(&source).await.holder, None);
 
     // The source's retention may delete its checkpoint: every fork keeps
@@ -48,7 +45,7 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     world.store.delete(&source_image).await.unwrap();
     for fork in &forks {
         let own = world.metadata(fork).await.status.latest_checkpoint.unwrap();
-        let image = crate::store::ObjectKey::new(own.path.as_str()).unwrap();
+        let image = ObjectKey::new(own.path.as_str()).unwrap();
         assert_eq!(world.store.get(&image).await.unwrap().data.as_ref(), b"x=1");
     }
     // A fork of the gone checkpoint, by a name there is none of, or of a
@@ -64,8 +61,8 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
         let (fork, metadata) = world.new_sandbox(false);
         let err = b.fork_from(from, &point, metadata).await.unwrap_err();
         assert!(err.to_string().contains(why), "{err}");
-        let recorded = world.store.get(&metadata_key(&fork)).await;
-        assert!(recorded.is_err(), "{why}: the fork was recorded");
+        let recorded = world.exists(metadata_key(&fork)).await;
+        assert!(!recorded, "{why}: the fork was recorded");
     }
 }
 
@@ -75,27 +72,20 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
 /// the lock carries, the latest or by its name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_starts_from_a_checkpoint_whose_record_has_not_landed() {
-    use super::checkpoints::{checkpointed_before_its_record, gated_world};
     use super::reconciler::ForkPoint;
-    let (world, gated) = gated_world();
-    let a = world.instance("a");
     // New writes pass (the fork's own); the record still waits.
-    let source = checkpointed_before_its_record(&world, &gated, &a, "base").await;
+    let (world, gated, a, source) =
+        super::checkpoints::checkpointed_before_its_record("base").await;
     let b = world.instance("b");
-    let source_doc = b
-        .controller
-        .read_with_carried(&source)
-        .await
-        .unwrap()
-        .unwrap();
+    let read = b.controller.read_with_carried(&source).await;
+    let source_doc = read.unwrap().unwrap();
     for point in [ForkPoint::Latest, ForkPoint::Named("base".into())] {
         let (fork, metadata) = world.new_sandbox(false);
-        b.fork_from(&source_doc, &point, metadata)
-            .await
-            .unwrap_or_else(|err| panic!("{point:?}: {err}"));
-        b.reconcile(&fork).await.unwrap();
+        let forked = b.fork_from(&source_doc, &point, metadata).await;
+        forked.unwrap_or_else(|err| panic!("{point:?}: {err}"));
+        b.pass(&fork).await;
         assert_eq!(b.runtime.memory(&fork).unwrap(), vec!["x=1".to_owned()]);
     }
     gated.hook.gate.add_permits(1000);
-    a.controller.reconciler().background_settled().await;
+    a.reconciler().background_settled().await;
 }

@@ -18,42 +18,31 @@ async fn another_instance_asking_gets_the_sandbox_handed_over_with_the_image_it_
     a.controller.client_attached(&id, false);
     b.request_here(&id, None).await.unwrap();
     // B waits: A holds a live lease.
-    assert!(matches!(b.reconcile(&id).await.unwrap(), Requeue::After(_)));
-    assert!(b.runtime.memory(&id).is_none());
+    assert!(matches!(b.pass(&id).await, Requeue::After(_)));
+    assert!(!b.runs(&id));
     // Waiting, B knows the image's name already: A holds at epoch 1.
-    let expected = checkpoint_image_key(&handoff_checkpoint_id(
-        &id,
-        1,
-        &InstanceId::parse("b").unwrap(),
-    ));
+    let expected = checkpoint_image_key(&handoff_checkpoint_id(&id, 1, &named("b")));
     assert_eq!(b.runtime.prefetched(), vec![expected.clone()]);
     // The intent went by ring (decision 27): A hears it at its doorbell.
-    assert_eq!(
-        world.lease(&id).await.wanted_by,
-        None,
-        "the lock is not written"
-    );
+    let intent = world.lease(&id).await.wanted_by;
+    assert_eq!(intent, None, "the lock is not written");
     let mut events = a.controller.subscribe(&id);
     a.answer_doorbell().await;
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert_eq!(drain(&mut events)[0], SandboxEvent::HandoffRequested);
-    b.reconcile(&id).await.unwrap();
+    b.pass(&id).await;
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
-    assert!(a.runtime.memory(&id).is_none());
+    assert!(!a.runs(&id));
     assert_eq!(world.metadata(&id).await.status.epoch, 2);
     // The image A handed over with is the one B watched for.
-    let lock = world.lease(&id).await;
-    assert_eq!(
-        lock.checkpoint.map(|checkpoint| checkpoint.path),
-        Some(expected.as_str().to_owned())
-    );
+    let carried = world.lease(&id).await.checkpoint.map(|c| c.path);
+    assert_eq!(carried.as_deref(), Some(expected.as_str()));
     assert!(a.runtime.prefetched().is_empty());
 }
 
 /// A handoff whose checkpoint loses the sandbox (runsc failing inside the
-/// sentry stops the container): the holder records the failure and lets go,
-/// and the taker says why there is nothing to restore instead of blaming a
-/// stopped instance.
+/// sentry stops the container): the holder records the failure and lets go;
+/// the taker says why there is nothing to restore, not blaming the instance.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
     let (world, a, id) = World::with_a_sandbox().await;
@@ -63,31 +52,27 @@ async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
     a.runtime.lose_on_checkpoint(&id);
     b.request_here(&id, None).await.unwrap();
     a.answer_doorbell().await;
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert_eq!(world.lease(&id).await.holder, None, "let go");
     let mut events = b.controller.subscribe(&id);
-    b.reconcile(&id).await.unwrap();
-    let failed = drain(&mut events)
-        .into_iter()
-        .find_map(|event| match event {
-            SandboxEvent::StartFailed {
-                kind: StartKind::Restore,
-                cause: StartFailure::FailedWithoutCheckpoint(cause),
-            } => Some(cause),
-            _ => None,
-        });
+    b.pass(&id).await;
+    let seen = drain(&mut events);
+    let failed = seen.into_iter().find_map(|event| match event {
+        SandboxEvent::StartFailed {
+            kind: StartKind::Restore,
+            cause: StartFailure::FailedWithoutCheckpoint(cause),
+        } => Some(cause),
+        _ => None,
+    });
     let cause = failed.expect("the taker names the holder's failure");
-    assert!(
-        cause.contains("checkpoint failed and stopped the sandbox"),
-        "{cause}"
-    );
-    assert!(b.runtime.memory(&id).is_none());
+    let why = "checkpoint failed and stopped the sandbox";
+    assert!(cause.contains(why), "{cause}");
+    assert!(!b.runs(&id));
 }
 
 /// A ring carries the generations its taker read both objects at: a holder
-/// that knows both that new hands over without reading either; one that
-/// knows less (an operator edited the metadata since its last look) reads
-/// them once, in the pass that hands over.
+/// that knows both hands over without reading either; one that knows less
+/// (an operator edited the metadata) reads them once, in that pass.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_again() {
     use crate::store::{CountingStore, Operation, OperationCounts};
@@ -98,21 +83,17 @@ async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_ag
         let b = world.instance("b");
         a.controller.client_attached(&id, false);
         if edited {
-            let mut metadata = world.metadata(&id).await;
-            metadata.spec.labels.insert("team".into(), "blue".into());
-            world.edit_metadata(&metadata).await;
+            let blue = |m: &mut SandboxMetadata| m.spec.labels.insert("team".into(), "blue".into());
+            world.edit(&id, blue).await;
         }
         b.request_here(&id, None).await.unwrap();
         a.answer_doorbell().await;
         let reads = counts.count(Operation::Get);
-        a.reconcile(&id).await.unwrap();
-        assert!(a.runtime.memory(&id).is_none(), "handed over");
-        assert_eq!(
-            counts.count(Operation::Get) - reads,
-            if edited { 2 } else { 0 },
-            "edited: {edited}"
-        );
-        b.reconcile(&id).await.unwrap();
+        a.pass(&id).await;
+        assert!(!a.runs(&id), "handed over");
+        let read = counts.count(Operation::Get) - reads;
+        assert_eq!(read, if edited { 2 } else { 0 }, "edited: {edited}");
+        b.pass(&id).await;
         assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
         if edited {
             assert_eq!(world.metadata(&id).await.spec.labels["team"], "blue");
@@ -128,33 +109,32 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
     let world = World::new();
     let (a, id) = world.a_running("state").await;
     let b = world.instance("b");
-    let config = ReconcilerConfig::default();
+    let image_poll = Requeue::After(ReconcilerConfig::default().await_image_poll);
     a.controller.client_attached(&id, false);
     b.runtime.watch_images();
     b.request_here(&id, None).await.unwrap();
     b.controller.drain_queue();
+    let requeue = b.pass(&id).await;
     assert_eq!(
-        b.reconcile(&id).await.unwrap(),
-        Requeue::After(config.await_image_poll),
+        requeue, image_poll,
         "the image is not in the store: look less often"
     );
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let settle = std::time::Duration::from_millis(50);
+    tokio::time::sleep(settle).await;
     assert!(b.controller.drain_queue().is_empty(), "nothing woke it yet");
     b.runtime.land_images();
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    tokio::time::sleep(settle).await;
+    let woken = b.controller.drain_queue();
+    assert_eq!(woken, std::slice::from_ref(&id), "the landing woke it");
+    let requeue = b.pass(&id).await;
     assert_eq!(
-        b.controller.drain_queue(),
-        std::slice::from_ref(&id),
-        "the landing woke it"
-    );
-    assert_eq!(
-        b.reconcile(&id).await.unwrap(),
-        Requeue::After(config.acquire_poll),
+        requeue,
+        b.acquire_poll(),
         "the image landed: the transfer is next, look soon"
     );
     a.answer_doorbell().await;
-    a.reconcile(&id).await.unwrap();
-    b.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
+    b.pass(&id).await;
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
 }
 
@@ -165,7 +145,7 @@ struct NoDoorbell;
 #[async_trait::async_trait]
 impl BeforeRequest for NoDoorbell {
     async fn before(&self, request: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
-        match request.key() {
+        match request.key {
             Some(key) if request.writes("doorbell.json") => {
                 Err(StoreError::transient(key, "the bucket is unreachable"))
             }
@@ -179,23 +159,19 @@ impl BeforeRequest for NoDoorbell {
 #[tokio::test]
 async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
     let world = World::wrapped(|store| Arc::new(HookedStore::new(store, NoDoorbell)));
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = a.create(&world).await;
     a.live_through(&world, 10).await;
     b.request_here(&id, None).await.unwrap();
-    let intent = world.lease(&id).await.wanted_by;
-    assert_eq!(
-        intent.map(|intent| intent.instance),
-        Some(InstanceId::parse("b").unwrap()),
-        "written into the lock"
-    );
+    let lock = world.lease(&id).await;
+    let intent = lock.wanted_by.map(|intent| intent.instance);
+    assert_eq!(intent, Some(named("b")), "written into the lock");
     assert_eq!(a.answer_doorbell().await, vec![]);
-    a.reconcile(&id).await.unwrap();
-    assert!(a.runtime.memory(&id).is_some());
+    a.pass(&id).await;
+    assert!(a.runs(&id));
     a.live_through(&world, 51).await;
-    a.reconcile(&id).await.unwrap();
-    assert!(a.runtime.memory(&id).is_none(), "handed over at the resync");
+    a.pass(&id).await;
+    assert!(!a.runs(&id), "handed over at the resync");
 }
 
 /// The holder's client stays attached: the ring alone gets the hand-over.
@@ -204,19 +180,19 @@ async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
     let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
     b.request_here(&id, None).await.unwrap();
-    let doorbell = crate::layout::doorbell_key(&InstanceId::parse("a").unwrap());
+    let doorbell = crate::layout::doorbell_key(&named("a"));
     world.store.delete(&doorbell).await.unwrap();
-    b.reconcile(&id).await.unwrap();
-    assert!(world.store.get(&doorbell).await.is_err(), "not at once");
+    b.pass(&id).await;
+    assert!(!world.exists(doorbell).await, "not at once");
     world.clock.advance(Duration::seconds(6));
     a.heartbeat().await;
-    b.reconcile(&id).await.unwrap();
+    b.pass(&id).await;
     assert_eq!(a.answer_doorbell().await, vec![id.clone()], "rung again");
     // The doorbell names the sandbox once, however often it is read.
     assert_eq!(a.answer_doorbell().await, vec![]);
-    a.reconcile(&id).await.unwrap();
-    b.reconcile(&id).await.unwrap();
-    assert!(b.runtime.memory(&id).is_some(), "handed over");
+    a.pass(&id).await;
+    b.pass(&id).await;
+    assert!(b.runs(&id), "handed over");
 }
 
 /// Two instances ask for one sandbox: the holder hands it to the later
@@ -225,37 +201,32 @@ async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
 async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
     let world = World::new();
     let x = world.instance("x");
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = x.create(&world).await;
     let mut waiting_on_a = a.controller.subscribe(&id);
     a.request_here(&id, None).await.unwrap();
     // A client on B asks too, after A's, before X handed over.
     world.clock.advance(Duration::milliseconds(10));
     b.request_here(&id, None).await.unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     x.answer_doorbell().await;
-    x.reconcile(&id).await.unwrap();
+    x.pass(&id).await;
+    let holder = world.lease(&id).await.holder;
     assert_eq!(
-        world.lease(&id).await.holder.as_ref().map(|h| h.as_str()),
-        Some("b"),
+        holder,
+        Some(named("b")),
         "X transferred the hold to the later intent's instance"
     );
-    a.reconcile(&id).await.unwrap();
-    assert!(
-        heard!(
-            drain(&mut waiting_on_a),
-            SandboxEvent::StartFailed {
-                kind: StartKind::Restore,
-                cause: StartFailure::WantedElsewhere(instance),
-            } if instance.as_str() == "b"
-        ),
-        "A's waiting client learns it lost the race"
-    );
-    b.reconcile(&id).await.unwrap();
-    assert!(b.runtime.memory(&id).is_some());
-    assert!(x.runtime.memory(&id).is_none());
-    assert!(a.runtime.memory(&id).is_none());
+    a.pass(&id).await;
+    let kind = StartKind::Restore;
+    let cause = StartFailure::WantedElsewhere(named("b"));
+    let lost_the_race = SandboxEvent::StartFailed { kind, cause };
+    let told = drain(&mut waiting_on_a).contains(&lost_the_race);
+    assert!(told, "A's waiting client learns it lost the race");
+    b.pass(&id).await;
+    assert!(b.runs(&id));
+    assert!(!x.runs(&id));
+    assert!(!a.runs(&id));
 }
 
 /// A free lock is taken by the attach's own write: the pass that follows
@@ -267,12 +238,12 @@ async fn an_attach_to_a_free_lock_takes_it_in_its_own_write() {
     let epoch = world.lease(&id).await.epoch;
     a.request_here(&id, None).await.unwrap();
     let lock = world.lease(&id).await;
-    assert_eq!(lock.holder.as_ref().map(|h| h.as_str()), Some("a"));
+    assert_eq!(lock.holder, Some(named("a")));
     assert_eq!(lock.epoch, epoch + 1);
     assert!(lock.wanted_by.is_none(), "no intent left behind");
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert!(a.controller.is_held_here(&id));
-    assert!(a.runtime.memory(&id).is_some());
+    assert!(a.runs(&id));
     assert_eq!(world.metadata(&id).await.status.epoch, epoch + 1);
 }
 
@@ -290,27 +261,21 @@ struct PauseBeforeLockRead {
 }
 
 impl PauseBeforeLockRead {
-    fn over(store: Arc<MemoryStore>) -> HookedStore<Self> {
-        HookedStore::new(
-            store,
-            Self {
-                paused: tokio::sync::Notify::new(),
-                resume: tokio::sync::Notify::new(),
-                armed: AtomicBool::new(false),
-                hold_metadata: AtomicBool::new(false),
-                metadata_gate: tokio::sync::Semaphore::new(0),
-            },
-        )
-    }
-
-    /// Instance `b` of the world whose store this wraps, seeing the bucket
-    /// through it.
-    fn instance(store: &Arc<HookedStore<Self>>, world: &World) -> Instance {
-        let clock = Arc::new(world.clock.clone());
-        let (lease, config) = (LeaseConfig::default(), ReconcilerConfig::default());
-        Instance::build(store.clone(), clock, "b", lease, config, |_| {
-            Arc::new(crate::hooks::NoHooks)
-        })
+    /// `world`'s store paused, and instance `b` seeing the bucket through it.
+    fn b(world: &World) -> (Arc<HookedStore<Self>>, Instance) {
+        let hook = Self {
+            paused: tokio::sync::Notify::new(),
+            resume: tokio::sync::Notify::new(),
+            armed: AtomicBool::new(false),
+            hold_metadata: AtomicBool::new(false),
+            metadata_gate: tokio::sync::Semaphore::new(0),
+        };
+        let store = Arc::new(HookedStore::new(world.store.clone(), hook));
+        let (clock, lease) = (Arc::new(world.clock.clone()), LeaseConfig::default());
+        let config = ReconcilerConfig::default();
+        let no_hooks = |_: &FakeRuntime| Arc::new(crate::hooks::NoHooks) as _;
+        let b = Instance::build(store.clone(), clock, "b", lease, config, no_hooks);
+        (store, b)
     }
 }
 
@@ -336,19 +301,17 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     let (world, a, id) = World::with_a_sandbox().await;
     a.run(&id, "state").await;
     // B's pass reads metadata (no checkpoint yet), then stops before the lock.
-    let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
-    let b = PauseBeforeLockRead::instance(&store, &world);
+    let (store, b) = PauseBeforeLockRead::b(&world);
     b.request_here(&id, None).await.unwrap();
     store.hook.armed.store(true, Ordering::Release);
     let pass = {
-        let b = Arc::clone(&b.controller);
-        let id = id.clone();
+        let (b, id) = (Arc::clone(&b.controller), id.clone());
         tokio::spawn(async move { b.reconciler().reconcile(&id).await })
     };
     store.hook.paused.notified().await;
     // Meanwhile A hands over: records the checkpoint, releases.
     assert_eq!(a.answer_doorbell().await, vec![id.clone()]);
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert!(world.metadata(&id).await.status.latest_checkpoint.is_some());
     store.hook.resume.notify_one();
     pass.await.unwrap().unwrap();
@@ -359,11 +322,10 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     );
 }
 
-/// A client that attaches right after its checkpoint was asked is not
-/// failed by the checkpoint ("checkpointed meanwhile"): its attach is
-/// served by a pass before that pass decides. Found by the paths benchmark
-/// on loopback: the attach right after `CHECKPOINTED` got
-/// `SANDBOX_RESTORE_ERROR` and its hold was released as an orphan.
+/// A client that attaches right after asking for a checkpoint is not failed
+/// by it ("checkpointed meanwhile"): a pass serves the attach before it
+/// decides. Found by the paths benchmark on loopback: the attach right after
+/// `CHECKPOINTED` got `SANDBOX_RESTORE_ERROR`, its hold released as an orphan.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
     let (world, a, id) = World::with_a_sandbox().await;
@@ -372,54 +334,48 @@ async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
     let asks = {
         let (controller, id, now) = (Arc::clone(&a.controller), id.clone(), world.clock.now());
         tokio::spawn(async move {
-            let checkpointed = controller
-                .request_state(&id, DesiredState::Checkpointed, None)
-                .await;
+            let wanted = DesiredState::Checkpointed;
+            let checkpointed = controller.request_state(&id, wanted, None).await;
             let attached = controller.request_here(&id, None, now).await;
             checkpointed.and(attached)
         })
     };
-    while a.controller.reconciler().commands_waiting(&id) < 1 {
+    while a.reconciler().commands_waiting(&id) < 1 {
         tokio::task::yield_now().await;
     }
     // The checkpoint's pass; the attach is asked as it ends and served by a
     // later pass. The checkpoint's spec write reports its end as a command
     // too, and may come first: passes run until the attach is answered.
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     while !asks.is_finished() {
-        while a.controller.reconciler().commands_waiting(&id) < 1 && !asks.is_finished() {
+        while a.reconciler().commands_waiting(&id) < 1 && !asks.is_finished() {
             tokio::task::yield_now().await;
         }
-        a.reconcile(&id).await.unwrap();
+        a.pass(&id).await;
     }
     asks.await.unwrap().unwrap();
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     let seen = drain(&mut events);
-    assert!(
-        !heard!(seen, SandboxEvent::StartFailed { .. }),
-        "the attaching client was failed: {seen:?}"
-    );
+    let failed = heard!(seen, SandboxEvent::StartFailed { .. });
+    assert!(!failed, "the attaching client was failed: {seen:?}");
     assert!(a.controller.is_held_here(&id));
     assert_eq!(a.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
 }
 
 /// An attach whose spec write is slowed (GCS's write rate) while its lock
-/// write lands: the pass decides on the spec as it is being written, not
-/// on the older state in the bucket. Found by the paths benchmark under
-/// `gcs-regional`: the client attached through B right after a checkpoint
-/// and an attach on A got `SANDBOX_RESTORE_ERROR` ("checkpointed by its
-/// instance ... attach again").
+/// write lands: the pass decides on the spec being written, not on the
+/// older one in the bucket. Found by the paths benchmark (`gcs-regional`):
+/// an attach through B right after a checkpoint and an attach on A got
+/// `SANDBOX_RESTORE_ERROR` ("checkpointed by its instance ... attach again").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
     let (world, a, id) = World::with_a_sandbox().await;
     a.run(&id, "state").await;
     // The bucket says `checkpointed` while A holds and runs it (A's own
     // `running`, written by an attach there, still on its way).
-    let mut metadata = world.metadata(&id).await;
-    metadata.spec.desired_state = DesiredState::Checkpointed;
-    world.edit_metadata(&metadata).await;
-    let store = Arc::new(PauseBeforeLockRead::over(world.store.clone()));
-    let b = PauseBeforeLockRead::instance(&store, &world);
+    let checkpointed = DesiredState::Checkpointed;
+    world.set_desired(&id, checkpointed).await;
+    let (store, b) = PauseBeforeLockRead::b(&world);
     let mut events = b.controller.subscribe(&id);
     // B's attach: its `running` is held back; its pass decides meanwhile.
     store.hook.hold_metadata.store(true, Ordering::Release);
@@ -431,18 +387,13 @@ async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
     while !decided.contains(&SandboxEvent::LeaseAcquiring) {
         decided.push(events.recv().await.unwrap());
     }
-    assert_eq!(
-        world.metadata(&id).await.spec.desired_state,
-        DesiredState::Checkpointed,
-        "the spec write is still held back"
-    );
+    let desired = world.metadata(&id).await.spec.desired_state;
+    assert_eq!(desired, checkpointed, "the spec write is still held back");
     store.hook.metadata_gate.add_permits(100);
     pass.await.unwrap().unwrap();
-    b.controller.reconciler().background_settled().await;
-    assert_eq!(
-        world.metadata(&id).await.spec.desired_state,
-        DesiredState::Running
-    );
+    b.reconciler().background_settled().await;
+    let desired = world.metadata(&id).await.spec.desired_state;
+    assert_eq!(desired, DesiredState::Running);
     decided.extend(drain(&mut events));
     assert!(
         !heard!(decided, SandboxEvent::StartFailed { .. }),
@@ -492,25 +443,16 @@ impl BeforeRequest for FirstRingWaits {
 /// batch lands, not when the one without it does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_lands() {
-    let memory = Arc::new(MemoryStore::new());
-    let hooked = Arc::new(HookedStore::new(
-        memory.clone(),
-        FirstRingWaits {
-            started: tokio::sync::Notify::new(),
-            go: tokio::sync::Semaphore::new(0),
-            seen: AtomicBool::new(false),
-        },
-    ));
+    let (started, go) = (tokio::sync::Notify::new(), tokio::sync::Semaphore::new(0));
+    let seen = AtomicBool::new(false);
+    let (world, hooked) = World::hooked(FirstRingWaits { started, go, seen });
     let config = LeaseConfig {
         ring_spacing: std::time::Duration::from_millis(300),
         ..LeaseConfig::default()
     };
-    let (clock, name) = (
-        Arc::new(ManualClock::new()),
-        InstanceId::parse("b").unwrap(),
-    );
-    let ringer = Leases::new(hooked.clone(), clock, name, config);
-    let holder = InstanceId::parse("a").unwrap();
+    let clock = Arc::new(world.clock.clone());
+    let ringer = Leases::new(hooked.clone(), clock, named("b"), config);
+    let holder = named("a");
     let (first, second) = (SandboxId::from_u128(1), SandboxId::from_u128(2));
     let ring = |sandbox: SandboxId| {
         let (ringer, holder) = (ringer.clone(), holder.clone());
@@ -524,7 +466,7 @@ async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_land
     hooked.hook.go.add_permits(1);
     first_ring.await.unwrap().unwrap();
     second_ring.await.unwrap().unwrap();
-    let bell = memory.get(&crate::layout::doorbell_key(&holder)).await;
+    let bell = world.store.get(&crate::layout::doorbell_key(&holder)).await;
     let bell: crate::api::Doorbell = decode(&bell.unwrap().data).unwrap();
     for sandbox in [&first, &second] {
         assert!(

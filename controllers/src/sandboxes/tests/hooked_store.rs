@@ -5,53 +5,40 @@
 //! an error it returns is that request's answer.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::api::{ApiObject, SandboxId, decode, encode};
 use crate::store::{
-    BlobReader, BlobSource, Generation, ListPage, ObjectInfo, ObjectKey, PutMode, Store,
+    BlobReader, BlobSource, Generation, ListPage, ObjectInfo, ObjectKey, Operation, PutMode, Store,
     StoreError, Versioned,
 };
 use crate::testing::MemoryStore;
 
-/// A request about to reach the memory store.
+/// A request about to reach the memory store: what it does (as the
+/// counting store tells them apart), and the object it names (a listing
+/// names none).
 #[derive(Debug, Clone, Copy)]
-pub(in crate::sandboxes) enum Request<'a> {
-    Get(&'a ObjectKey),
-    Put(&'a ObjectKey),
-    List,
-    Delete(&'a ObjectKey),
-    Upload(&'a ObjectKey),
-    Download(&'a ObjectKey),
+pub(in crate::sandboxes) struct Request<'a> {
+    pub(super) operation: Operation,
+    pub(super) key: Option<&'a ObjectKey>,
 }
 
 impl Request<'_> {
-    /// The object the request names (a listing names none).
-    pub(super) fn key(&self) -> Option<&ObjectKey> {
-        match self {
-            Request::Get(key)
-            | Request::Put(key)
-            | Request::Delete(key)
-            | Request::Upload(key)
-            | Request::Download(key) => Some(key),
-            Request::List => None,
-        }
-    }
-
     fn names(&self, suffix: &str) -> bool {
-        self.key().is_some_and(|key| key.as_str().ends_with(suffix))
+        self.key.is_some_and(|key| key.as_str().ends_with(suffix))
     }
 
     /// A read of the object whose key ends with `suffix`.
     pub(super) fn reads(&self, suffix: &str) -> bool {
-        matches!(self, Request::Get(_)) && self.names(suffix)
+        self.operation == Operation::Get && self.names(suffix)
     }
 
     /// A write (of a document) of the object whose key ends with `suffix`.
     pub(super) fn writes(&self, suffix: &str) -> bool {
-        matches!(self, Request::Put(_)) && self.names(suffix)
+        self.operation == Operation::Put && self.names(suffix)
     }
 }
 
@@ -76,74 +63,49 @@ impl<H> HookedStore<H> {
     }
 }
 
-#[async_trait]
-impl<H: BeforeRequest> Store for HookedStore<H> {
-    async fn get(&self, key: &ObjectKey) -> Result<Versioned, StoreError> {
-        self.hook.before(Request::Get(key), &self.store).await?;
-        self.store.get(key).await
-    }
+/// The [`Store`] methods of [`HookedStore`]: each asks the hook about its
+/// request (the operation and the key after `=>`), then the memory store.
+macro_rules! hooked {
+    ($($method:ident($($arg:ident: $type:ty),*) -> $answer:ty => $kind:ident, $key:expr;)*) => {
+        #[async_trait]
+        impl<H: BeforeRequest> Store for HookedStore<H> {
+            $(async fn $method(&self, $($arg: $type),*) -> Result<$answer, StoreError> {
+                let request = Request { operation: Operation::$kind, key: $key };
+                self.hook.before(request, &self.store).await?;
+                self.store.$method($($arg),*).await
+            })*
+        }
+    };
+}
 
-    async fn put(
-        &self,
-        key: &ObjectKey,
-        data: Bytes,
-        mode: PutMode,
-    ) -> Result<Generation, StoreError> {
-        self.hook.before(Request::Put(key), &self.store).await?;
-        self.store.put(key, data, mode).await
-    }
-
-    async fn list_page(
-        &self,
-        prefix: &str,
-        page_token: Option<String>,
-    ) -> Result<ListPage, StoreError> {
-        self.hook.before(Request::List, &self.store).await?;
-        self.store.list_page(prefix, page_token).await
-    }
-
-    async fn delete(&self, key: &ObjectKey) -> Result<(), StoreError> {
-        self.hook.before(Request::Delete(key), &self.store).await?;
-        self.store.delete(key).await
-    }
-
-    async fn upload_blob(
-        &self,
-        key: &ObjectKey,
-        source: BlobSource,
-    ) -> Result<ObjectInfo, StoreError> {
-        self.hook.before(Request::Upload(key), &self.store).await?;
-        self.store.upload_blob(key, source).await
-    }
-
-    async fn download_blob(&self, key: &ObjectKey) -> Result<BlobReader, StoreError> {
-        self.hook
-            .before(Request::Download(key), &self.store)
-            .await?;
-        self.store.download_blob(key).await
-    }
+hooked! {
+    get(key: &ObjectKey) -> Versioned => Get, Some(key);
+    put(key: &ObjectKey, data: Bytes, mode: PutMode) -> Generation => Put, Some(key);
+    list_page(prefix: &str, page_token: Option<String>) -> ListPage => List, None;
+    delete(key: &ObjectKey) -> () => Delete, Some(key);
+    upload_blob(key: &ObjectKey, source: BlobSource) -> ObjectInfo => Upload, Some(key);
+    download_blob(key: &ObjectKey) -> BlobReader => Download, Some(key);
 }
 
 /// Counts the requests `counts` picks, and lets every one through.
 #[derive(Debug)]
 pub(super) struct Counted {
     counts: fn(&Request<'_>) -> bool,
-    seen: std::sync::atomic::AtomicUsize,
+    seen: AtomicUsize,
 }
 
 impl Counted {
     /// How many requests were counted so far.
     pub(super) fn seen(&self) -> usize {
-        self.seen.load(std::sync::atomic::Ordering::SeqCst)
+        self.seen.load(SeqCst)
     }
 }
 
 #[async_trait]
 impl BeforeRequest for Counted {
     async fn before(&self, request: Request<'_>, _store: &MemoryStore) -> Result<(), StoreError> {
-        if (self.counts)(&request) {
-            self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        }
+        self.seen
+            .fetch_add(usize::from((self.counts)(&request)), SeqCst);
         Ok(())
     }
 }
@@ -152,16 +114,13 @@ impl BeforeRequest for Counted {
 pub(super) fn counted_world(
     counts: fn(&Request<'_>) -> bool,
 ) -> (super::World, Arc<HookedStore<Counted>>) {
-    super::World::hooked(Counted {
-        counts,
-        seen: std::sync::atomic::AtomicUsize::new(0),
-    })
+    let seen = AtomicUsize::new(0);
+    super::World::hooked(Counted { counts, seen })
 }
 
-/// Once armed with a sandbox, changes that sandbox's object (at the key
-/// `object` gives) with `edit` just before the next write of an object
-/// whose key ends with `before`: another instance's write, landing in the
-/// middle of a pass.
+/// Once armed with a sandbox, changes its object (at the key `object` gives)
+/// with `edit` just before the next write of a key ending with `before`:
+/// another instance's write, landing in the middle of a pass.
 #[derive(Debug)]
 pub(super) struct EditBeforeWrite<T> {
     pub(super) before: &'static str,
@@ -187,10 +146,8 @@ impl<T: ApiObject + std::fmt::Debug + Send + Sync> BeforeRequest for EditBeforeW
             let key = (self.object)(&id);
             let mut object: T = decode(&store.get(&key).await.unwrap().data).unwrap();
             (self.edit)(&mut object);
-            store
-                .put(&key, encode(&object), PutMode::Overwrite)
-                .await
-                .unwrap();
+            let written = store.put(&key, encode(&object), PutMode::Overwrite).await;
+            written.unwrap();
         }
         Ok(())
     }

@@ -12,27 +12,21 @@ async fn a_holder_that_lost_its_lease_stops_without_writing() {
     let (world, a, id) = World::with_a_sandbox().await;
     // An operator hands the lease to someone else.
     world.hand_lock_to(&id, "c").await;
-    let before = world.store.get(&metadata_key(&id)).await.unwrap();
+    let before = world.generation(&metadata_key(&id)).await;
     let mut events = a.controller.subscribe(&id);
     // A raw edit without a ring: noticed at the next resync.
     a.live_through(&world, 30).await;
-    assert!(matches!(a.reconcile(&id).await.unwrap(), Requeue::After(_)));
-    assert!(a.runtime.memory(&id).is_some(), "not before the resync");
+    assert!(matches!(a.pass(&id).await, Requeue::After(_)));
+    assert!(a.runs(&id), "not before the resync");
     a.live_through(&world, 31).await;
-
-    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
-    let seen = drain(&mut events);
-    assert!(
-        matches!(&seen[..], [SandboxEvent::Lost(LossCause::TakenOver { holder: Some(holder) })] if holder.as_str() == "c"),
-        "{seen:?}"
-    );
-    assert!(a.runtime.memory(&id).is_none());
+    assert_eq!(a.pass(&id).await, Requeue::Never);
+    let holder = Some(named("c"));
+    let lost = SandboxEvent::Lost(LossCause::TakenOver { holder });
+    assert_eq!(drain(&mut events), [lost]);
+    assert!(!a.runs(&id));
     assert!(!a.controller.is_held_here(&id));
-    let after = world.store.get(&metadata_key(&id)).await.unwrap();
-    assert_eq!(
-        before.generation, after.generation,
-        "a loser writes nothing"
-    );
+    let after = world.generation(&metadata_key(&id)).await;
+    assert_eq!(before, after, "a loser writes nothing");
 }
 
 #[tokio::test]
@@ -41,134 +35,104 @@ async fn an_idle_held_sandbox_costs_no_write_its_instance_renews_once_for_all() 
     let a = world.instance("a");
     let first = a.create(&world).await;
     let second = a.create(&world).await;
-    let lock = world.store.get(&lock_key(&first)).await.unwrap().generation;
+    let lock = world.generation(&lock_key(&first)).await;
     let operations = world.store.operations();
     for _ in 0..5 {
-        world.clock.advance(Duration::seconds(10));
-        a.heartbeat().await;
-        a.reconcile(&first).await.unwrap();
-        a.reconcile(&second).await.unwrap();
+        a.live_through(&world, 10).await;
+        a.pass(&first).await;
+        a.pass(&second).await;
     }
     // 5 heartbeats (one write each, for both sandboxes); the passes are
     // light: nothing read, nothing written, until the resync at 60 s.
     assert_eq!(world.store.operations() - operations, 5);
-    assert_eq!(
-        world.store.get(&lock_key(&first)).await.unwrap().generation,
-        lock,
-        "lock.json untouched"
-    );
+    let after = world.generation(&lock_key(&first)).await;
+    assert_eq!(after, lock, "lock.json untouched");
     world.clock.advance(Duration::seconds(11));
     a.heartbeat().await;
     let operations = world.store.operations();
-    a.reconcile(&first).await.unwrap();
-    assert_eq!(
-        world.store.operations() - operations,
-        2,
-        "the resync reads metadata and lock"
-    );
+    a.pass(&first).await;
+    let reads = world.store.operations() - operations;
+    assert_eq!(reads, 2, "the resync reads metadata and lock");
 }
 
 #[tokio::test]
 async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
     let world = World::new();
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = a.create_checkpointed(&world).await;
     b.request_here(&id, None).await.unwrap();
     // A ignores the ring (say it is busy); far past the lock's own lease,
     // A's instance lease keeps the hold.
     for _ in 0..6 {
-        world.clock.advance(Duration::seconds(10));
-        a.heartbeat().await;
-        b.reconcile(&id).await.unwrap();
-        assert!(b.runtime.memory(&id).is_none(), "A is alive");
+        a.live_through(&world, 10).await;
+        b.pass(&id).await;
+        assert!(!b.runs(&id), "A is alive");
     }
     // A dies (no more heartbeats): after its lease and the skew, B takes over.
     a.runtime.crash(&id);
     world.clock.advance(Duration::seconds(34));
-    b.reconcile(&id).await.unwrap();
-    assert!(b.runtime.memory(&id).is_none(), "not before lease + skew");
+    b.pass(&id).await;
+    assert!(!b.runs(&id), "not before lease + skew");
     world.clock.advance(Duration::seconds(2));
     b.bring_here(&id).await;
-    assert!(b.runtime.memory(&id).is_some(), "taken over");
+    assert!(b.runs(&id), "taken over");
     assert_eq!(world.lease(&id).await.epoch, 3);
 }
 
 /// A quiet hold's lock has long run out, its holder's instance lease has
-/// not: the taker's passes decide to wait for the handover (the holder's
-/// liveness is judged before `decide`), with no attempt to acquire and no
-/// renewal of the taker's own instance lease on each poll.
+/// not: the taker's passes wait for the handover (liveness is judged before
+/// `decide`), neither acquiring nor renewing their own instance lease.
 #[tokio::test]
 async fn a_taker_waiting_for_a_quiet_live_holder_writes_nothing() {
     let (world, counted) = super::hooked_store::counted_world(|request| {
         request.writes("lock.json") || request.writes("instances/b/lease.json")
     });
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = a.create_checkpointed(&world).await;
     b.request_here(&id, None).await.unwrap();
     let before = counted.hook.seen();
     // Past the lock's own lease (30 s and the skew), within the intent's.
     for _ in 0..5 {
-        world.clock.advance(Duration::seconds(10));
-        a.heartbeat().await;
-        assert_eq!(
-            b.reconcile(&id).await.unwrap(),
-            Requeue::After(b.controller.reconciler().config().acquire_poll),
-            "it waits for the handover"
-        );
+        a.live_through(&world, 10).await;
+        assert_eq!(b.pass(&id).await, b.acquire_poll(), "waits for handover");
     }
     assert_eq!(counted.hook.seen(), before, "no lock or lease write");
     // A holder whose instance lease cannot be read counts as alive.
-    world
-        .store
-        .put(
-            &crate::layout::instance_lease_key(&InstanceId::parse("a").unwrap()),
-            Bytes::from_static(b"{not json"),
-            PutMode::Overwrite,
-        )
-        .await
-        .unwrap();
+    let a_lease = crate::layout::instance_lease_key(&named("a"));
+    world.overwrite(&a_lease, &b"{not json"[..]).await;
     world.clock.advance(Duration::seconds(2));
-    assert_eq!(
-        b.reconcile(&id).await.unwrap(),
-        Requeue::After(b.controller.reconciler().config().acquire_poll),
-        "it still waits, and its pass does not fail"
-    );
+    let still = b.reconcile(&id).await.expect("its pass does not fail");
+    assert_eq!(still, b.acquire_poll(), "it still waits");
 }
 
 #[tokio::test]
 async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them() {
     let world = World::new();
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let kept = a.create_checkpointed(&world).await;
     let taken = a.create_checkpointed(&world).await;
     // A freezes past its lease; B takes `taken` meanwhile.
     world.clock.advance(Duration::seconds(40));
     b.request_here(&taken, None).await.unwrap();
-    b.reconcile(&taken).await.unwrap();
-    assert!(b.runtime.memory(&taken).is_some());
+    b.pass(&taken).await;
+    assert!(b.runs(&taken));
     // A resumes: its renewal starts a new era, so neither hold is vouched for.
     a.heartbeat().await;
-    let mut unvouched = a.controller.reconciler().unvouched();
+    let mut unvouched = a.reconciler().unvouched();
     unvouched.sort();
     let mut expected = vec![kept.clone(), taken.clone()];
     expected.sort();
     assert_eq!(unvouched, expected);
-    let held = a.controller.reconciler().held(&taken).unwrap();
-    assert!(!a.controller.reconciler().leases().is_safe(&held));
-    let generation = world.store.get(&lock_key(&kept)).await.unwrap().generation;
-    a.reconcile(&kept).await.unwrap();
-    assert!(a.runtime.memory(&kept).is_some());
-    assert_ne!(
-        world.store.get(&lock_key(&kept)).await.unwrap().generation,
-        generation,
-        "re-verified with a conditional write"
-    );
-    a.reconcile(&taken).await.unwrap();
-    assert!(a.runtime.memory(&taken).is_none(), "the lost one stops");
-    assert_eq!(a.controller.reconciler().unvouched(), vec![]);
+    let held = a.reconciler().held(&taken).unwrap();
+    assert!(!a.reconciler().leases().is_safe(&held));
+    let generation = world.generation(&lock_key(&kept)).await;
+    a.pass(&kept).await;
+    assert!(a.runs(&kept));
+    let after = world.generation(&lock_key(&kept)).await;
+    assert_ne!(after, generation, "re-verified with a conditional write");
+    a.pass(&taken).await;
+    assert!(!a.runs(&taken), "the lost one stops");
+    assert_eq!(a.reconciler().unvouched(), vec![]);
 }
 
 /// A holder whose instance lease lapsed (frozen, not taken over) is asked
@@ -182,27 +146,26 @@ async fn an_unvouched_holder_renews_its_hold_then_hands_over_in_one_pass() {
     let b = world.instance("b");
     world.clock.advance(Duration::seconds(40));
     a.heartbeat().await;
-    assert_eq!(a.controller.reconciler().unvouched(), vec![id.clone()]);
+    assert_eq!(a.reconciler().unvouched(), vec![id.clone()]);
     let mut on_a = a.controller.subscribe(&id);
     b.request_here(&id, None).await.unwrap();
     a.answer_doorbell().await;
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     let seen = drain(&mut on_a);
     assert!(heard!(seen, SandboxEvent::HandoffRequested), "{seen:?}");
-    assert!(a.runtime.memory(&id).is_none(), "handed over");
-    let lock = world.lease(&id).await;
-    assert_eq!(lock.holder.unwrap().as_str(), "b", "transferred to B");
-    b.reconcile(&id).await.unwrap();
-    assert!(b.runtime.memory(&id).is_some());
+    assert!(!a.runs(&id), "handed over");
+    let holder = world.lease(&id).await.holder;
+    assert_eq!(holder, Some(named("b")), "transferred to B");
+    b.pass(&id).await;
+    assert!(b.runs(&id));
 }
 
 /// A holder frozen past its lease hears, when it resumes, the ring its
 /// taker sent before taking the sandbox over. The ring's generations match
-/// what the holder knows, but they are what the taker read then, and a hold
-/// no longer vouched for may have been taken since: the holder reads both
-/// objects and stops, rather than "hand over" a sandbox it lost (the chaos
-/// run's frozen holder did, killing its execution for the checkpoint and
-/// reporting its end after the taker had acknowledged one of its own).
+/// what the holder knows, but a hold no longer vouched for may have been
+/// taken since: the holder reads both objects and stops rather than "hand
+/// over" a sandbox it lost (the chaos run's frozen holder did, killing its
+/// execution and reporting its end after the taker acknowledged its own).
 #[tokio::test]
 async fn a_ring_heard_after_a_freeze_is_not_taken_for_a_read() {
     let world = World::new();
@@ -214,19 +177,17 @@ async fn a_ring_heard_after_a_freeze_is_not_taken_for_a_read() {
     // B rings A with what it read; A freezes before it hears the ring.
     b.request_here(&id, None).await.unwrap();
     world.clock.advance(Duration::seconds(40));
-    b.reconcile(&id).await.unwrap();
-    assert!(b.runtime.memory(&id).is_some(), "B took the sandbox over");
+    b.pass(&id).await;
+    assert!(b.runs(&id), "B took the sandbox over");
     // A resumes: the ring, then its pass.
     a.answer_doorbell().await;
     let _ = a.reconcile(&id).await;
     let seen = drain(&mut on_a);
     assert!(!heard!(seen, SandboxEvent::HandoffRequested), "{seen:?}");
-    assert!(
-        heard!(seen, SandboxEvent::Lost(LossCause::TakenOver { .. })),
-        "{seen:?}"
-    );
-    assert!(a.runtime.memory(&id).is_none(), "the lost copy stops");
-    assert_eq!(world.lease(&id).await.holder.unwrap().as_str(), "b");
+    let lost = heard!(seen, SandboxEvent::Lost(LossCause::TakenOver { .. }));
+    assert!(lost, "{seen:?}");
+    assert!(!a.runs(&id), "the lost copy stops");
+    assert_eq!(world.lease(&id).await.holder, Some(named("b")));
 }
 
 /// A pass that cannot read the bucket: a hold still vouched for keeps
@@ -238,17 +199,17 @@ async fn an_unreadable_bucket_stops_only_a_hold_no_longer_vouched_for() {
     let a = world.instance("a");
     let id = a.create_checkpointed(&world).await;
     let mut events = a.controller.subscribe(&id);
-    a.controller.reconciler().want_full_pass(&id);
+    a.reconciler().want_full_pass(&id);
     world.store.inject([Fault::Transient, Fault::Transient]);
     let failed = a.reconcile(&id).await.unwrap_err();
     assert!(matches!(failed, ReconcileError::Unreachable(_)), "{failed}");
-    assert!(a.runtime.memory(&id).is_some(), "vouched: it keeps running");
+    assert!(a.runs(&id), "vouched: it keeps running");
     // A freezes past its lease: its renewal starts a new era.
     world.clock.advance(Duration::seconds(40));
     a.heartbeat().await;
     world.store.inject([Fault::Transient, Fault::Transient]);
-    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
-    assert!(a.runtime.memory(&id).is_none(), "unvouched: stopped");
+    assert_eq!(a.pass(&id).await, Requeue::Never);
+    assert!(!a.runs(&id), "unvouched: stopped");
     assert!(heard!(
         drain(&mut events),
         SandboxEvent::Lost(LossCause::RenewalFailed(_))
@@ -265,24 +226,19 @@ async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung
     a2.heartbeat().await;
     b.request_here(&id, None).await.unwrap();
     assert_eq!(a2.answer_doorbell().await, vec![id.clone()]);
-    a2.reconcile(&id).await.unwrap();
+    a2.pass(&id).await;
     assert_eq!(world.lease(&id).await.holder, None, "released");
     drop(a);
     // No checkpoint was ever taken: B says so instead of hanging.
     let mut events = b.controller.subscribe(&id);
-    b.reconcile(&id).await.unwrap();
+    b.pass(&id).await;
     assert!(said_no_checkpoint(&mut events), "a clear error");
 }
 
 /// True when `events` held a start that failed for want of a checkpoint.
 fn said_no_checkpoint(events: &mut broadcast::Receiver<SandboxEvent>) -> bool {
-    heard!(
-        drain(events),
-        SandboxEvent::StartFailed {
-            kind: StartKind::Restore,
-            cause: StartFailure::NoCheckpoint
-        }
-    )
+    let (kind, cause) = (StartKind::Restore, StartFailure::NoCheckpoint);
+    drain(events).contains(&SandboxEvent::StartFailed { kind, cause })
 }
 
 /// A sandbox `holder` created and then died holding, its lease run out.
@@ -301,17 +257,18 @@ async fn created_by_a_dead_holder(world: &World, holder: Instance) -> SandboxId 
 #[tokio::test]
 async fn a_sandbox_whose_holder_died_before_recording_it_runs_is_not_created_afresh() {
     let world = World::new();
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = created_by_a_dead_holder(&world, a).await;
     // The record of RUNNING never landed.
-    let mut metadata = world.metadata(&id).await;
-    metadata.status.phase = Phase::Creating;
-    metadata.status.holder = None;
-    world.edit_metadata(&metadata).await;
+    world
+        .edit(&id, |metadata| {
+            metadata.status.phase = Phase::Creating;
+            metadata.status.holder = None;
+        })
+        .await;
     let mut events = b.controller.subscribe(&id);
     b.bring_here(&id).await;
-    assert!(b.runtime.memory(&id).is_none(), "nothing created");
+    assert!(!b.runs(&id), "nothing created");
     assert!(said_no_checkpoint(&mut events), "a clear error");
 }
 
@@ -322,26 +279,18 @@ async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
     let (world, counted) = super::hooked_store::counted_world(|request| {
         request.reads("/lock.json") || request.writes("/lock.json")
     });
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = created_by_a_dead_holder(&world, a).await;
     let before = counted.hook.seen();
     b.bring_here(&id).await;
-    assert!(
-        b.runtime.memory(&id).is_none(),
-        "no checkpoint: nothing runs"
-    );
+    assert!(!b.runs(&id), "no checkpoint: nothing runs");
     let lease = world.lease(&id).await;
-    assert_eq!(
-        (lease.holder, lease.wanted_by),
-        (None, None),
-        "released and withdrawn"
-    );
+    let left = (lease.holder, lease.wanted_by);
+    assert_eq!(left, (None, None), "released and withdrawn");
     // The attach's read and intent, the pass's read and acquisition, and
     // one write that releases and withdraws (a release and a separate
     // withdrawal made six).
-    let requests = counted.hook.seen() - before;
-    assert_eq!(requests, 5);
+    assert_eq!(counted.hook.seen() - before, 5);
 }
 
 /// An attach to a sandbox held here (and vouched for) is answered from what
@@ -349,24 +298,18 @@ async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
 #[tokio::test]
 async fn an_attach_read_of_a_sandbox_held_here_makes_no_bucket_request() {
     let (world, counted) = super::hooked_store::counted_world(|_| true);
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let id = a.create(&world).await;
     let before = counted.hook.seen();
     let read = a.controller.read_for_attach(&id).await.unwrap().unwrap();
     assert_eq!(counted.hook.seen(), before, "no request");
     assert_eq!(read.metadata.0, world.metadata(&id).await);
-    assert_eq!(
-        read.lock.map(|(lease, _)| lease),
-        Some(world.lease(&id).await)
-    );
+    let lock = read.lock.map(|(lease, _)| lease);
+    assert_eq!(lock, Some(world.lease(&id).await));
     // Elsewhere it is read from the bucket.
     b.controller.read_for_attach(&id).await.unwrap().unwrap();
-    assert_eq!(
-        counted.hook.seen(),
-        before + 2,
-        "metadata and lock, at once"
-    );
+    let read = counted.hook.seen();
+    assert_eq!(read, before + 2, "metadata and lock, at once");
 }
 
 #[tokio::test]
@@ -383,9 +326,7 @@ async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
     let (a, id) = world.a_running("x=1").await;
     // A deletion asked by hand; a newer holder records between the pass's
     // read and its tombstone's write.
-    let mut metadata = world.metadata(&id).await;
-    metadata.spec.desired_state = DesiredState::Deleted;
-    world.edit_metadata(&metadata).await;
+    world.set_desired(&id, DesiredState::Deleted).await;
     hooked.hook.arm(&id);
     a.controller.enqueue(&id);
     let err = a.reconcile(&id).await.unwrap_err();
@@ -401,26 +342,21 @@ async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
         "{err}"
     );
     assert!(err.is_fenced());
-    assert_eq!(
-        world.metadata(&id).await.status.phase,
-        Phase::Running,
-        "the newer record is kept"
-    );
+    let phase = world.metadata(&id).await.status.phase;
+    assert_eq!(phase, Phase::Running, "the newer record is kept");
     // And the next pass sees that holder's record: the hold is lost.
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     assert!(!a.controller.is_held_here(&id));
 }
 
 /// An execution cut off by the loss of its hold ends with `HoldLost`: its
-/// relay must report no end (another instance holds the sandbox and may
-/// have acknowledged work of its own; the chaos run's frozen holder). An
-/// execution ended by a delete ends as a stop, as before.
+/// relay must report no end (the new holder may have acknowledged work of
+/// its own; the chaos run's frozen holder). One ended by a delete stops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted_does_not() {
     use crate::runtime::ExecEvent;
     let world = World::new();
     let a = world.instance("a");
-    let hold = || ExecRequest::new(Command::Bash("hold".into()));
     let last_event = |mut execution: crate::runtime::Execution| async move {
         let mut last = None;
         while let Some(event) = execution.events.recv().await {
@@ -430,41 +366,38 @@ async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted
     };
 
     let lost = a.create(&world).await;
-    let execution = a.controller.exec(&lost, hold()).await.unwrap();
+    let execution = a.exec(&lost, "hold").await;
     // Another instance holds it now (as after A froze past its lease).
     world.hand_lock_to(&lost, "b").await;
     a.controller.enqueue(&lost);
-    a.reconcile(&lost).await.unwrap();
+    a.pass(&lost).await;
     assert!(!a.controller.is_held_here(&lost));
     let last = last_event(execution).await;
     assert!(matches!(last, Some(ExecEvent::HoldLost)), "{last:?}");
 
     let deleted = a.create(&world).await;
-    let execution = a.controller.exec(&deleted, hold()).await.unwrap();
+    let execution = a.exec(&deleted, "hold").await;
     a.delete(&deleted).await;
-    a.reconcile(&deleted).await.unwrap();
+    a.pass(&deleted).await;
     assert!(!a.controller.is_held_here(&deleted));
     let last = last_event(execution).await;
     assert!(last.is_none(), "{last:?}");
 }
 
-/// A start's record that a newer holder fenced, in its task of its own, is
-/// reported to the sandbox's pass, which decides on both objects: the newer
-/// holder's epoch in `status` stops the copy there (the table's
-/// `StopLost`), never beside the pass.
+/// A start's record fenced by a newer holder (in its own task) is reported
+/// to the sandbox's pass, which decides on both objects: the newer epoch in
+/// `status` stops the copy there (the table's `StopLost`), not beside it.
 #[tokio::test]
 async fn a_record_fenced_by_a_newer_holder_stops_the_copy_in_its_own_pass() {
     let (world, a, id) = World::with_a_sandbox().await;
     // Past the departure watch and the resync: its next pass is light
     // unless something asks for a full one.
     a.live_through(&world, 61).await;
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     // A newer holder's record (an operator's edit stands in for it).
-    let mut metadata = world.metadata(&id).await;
-    let epoch = metadata.status.epoch;
-    metadata.status.epoch += 1;
-    world.edit_metadata(&metadata).await;
-    let reconciler = a.controller.reconciler();
+    let epoch = world.metadata(&id).await.status.epoch;
+    world.edit(&id, |m| m.status.epoch += 1).await;
+    let reconciler = a.reconciler();
     reconciler.report(
         &id,
         crate::sandboxes::reconciler::Ended::RecordFailed {
@@ -476,16 +409,11 @@ async fn a_record_fenced_by_a_newer_holder_stops_the_copy_in_its_own_pass() {
             }),
         },
     );
-    assert!(
-        a.controller.is_held_here(&id) && a.runtime.memory(&id).is_some(),
-        "the report stops nothing itself"
-    );
-    assert_eq!(
-        reconciler.commands_waiting(&id),
-        1,
-        "it waits for the sandbox's pass"
-    );
-    a.reconcile(&id).await.unwrap();
+    let (held, runs) = (a.controller.is_held_here(&id), a.runs(&id));
+    assert!(held && runs, "the report stops nothing itself");
+    let waiting = reconciler.commands_waiting(&id);
+    assert_eq!(waiting, 1, "it waits for the sandbox's pass");
+    a.pass(&id).await;
     assert!(!a.controller.is_held_here(&id), "the pass stopped the hold");
-    assert!(a.runtime.memory(&id).is_none(), "and the copy");
+    assert!(!a.runs(&id), "and the copy");
 }

@@ -10,9 +10,7 @@ async fn create_runs_the_sandbox_under_a_new_lease() {
     let (id, metadata) = world.new_sandbox(false);
     let mut events = a.controller.subscribe(&id);
     a.create_from(&metadata).await.unwrap();
-    let requeue = a.reconcile(&id).await.unwrap();
-
-    assert!(matches!(requeue, Requeue::After(_)));
+    assert!(matches!(a.pass(&id).await, Requeue::After(_)));
     // Lease events are published whatever the sandbox's handoff flag: the
     // API layer decides which of them a client sees.
     assert_eq!(
@@ -23,15 +21,15 @@ async fn create_runs_the_sandbox_under_a_new_lease() {
             SandboxEvent::Running { epoch: 1 }
         ]
     );
-    assert!(a.runtime.memory(&id).is_some());
+    assert!(a.runs(&id));
     let status = world.metadata(&id).await.status;
     let ready = status.condition("Ready").cloned().unwrap();
     assert_eq!(ready.status, crate::api::ConditionStatus::True);
     assert_eq!(status.phase, Phase::Running);
-    assert_eq!(status.holder.unwrap().as_str(), "a");
+    assert_eq!(status.holder, Some(named("a")));
     assert_eq!(status.epoch, 1);
     let lease = world.lease(&id).await;
-    assert_eq!(lease.holder.unwrap().as_str(), "a");
+    assert_eq!(lease.holder, Some(named("a")));
     assert!(lease.wanted_by.is_none(), "the fulfilled intent is cleared");
     assert_eq!(a.runtime.counts(), (1, 0));
 }
@@ -40,10 +38,8 @@ async fn create_runs_the_sandbox_under_a_new_lease() {
 async fn a_second_create_with_the_same_id_is_refused() {
     let (world, a, id) = World::with_a_sandbox().await;
     let again = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
-    assert!(matches!(
-        a.create_from(&again).await,
-        Err(ControlError::AlreadyExists(_))
-    ));
+    let refused = a.create_from(&again).await;
+    assert!(matches!(refused, Err(ControlError::AlreadyExists(_))));
 }
 
 #[tokio::test]
@@ -61,17 +57,17 @@ async fn delete_destroys_tombstones_releases_and_purges_later() {
             SandboxEvent::Deleted
         ]
     );
-    assert!(a.runtime.memory(&id).is_none());
+    assert!(!a.runs(&id));
     assert_eq!(world.metadata(&id).await.status.phase, Phase::Deleted);
     assert_eq!(world.lease(&id).await.holder, None);
     // The tombstone stays for the retention, then everything goes.
     let retention = std::time::Duration::from_secs(600);
-    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::After(retention));
-    assert!(world.store.get(&metadata_key(&id)).await.is_ok());
+    assert_eq!(a.pass(&id).await, Requeue::After(retention));
+    assert!(world.exists(metadata_key(&id)).await);
     world.clock.advance(Duration::seconds(601));
-    assert_eq!(a.reconcile(&id).await.unwrap(), Requeue::Never);
-    assert!(world.store.get(&metadata_key(&id)).await.is_err());
-    assert!(world.store.get(&lock_key(&id)).await.is_err());
+    assert_eq!(a.pass(&id).await, Requeue::Never);
+    assert!(!world.exists(metadata_key(&id)).await);
+    assert!(!world.exists(lock_key(&id)).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -90,11 +86,9 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
     // An attach whose ring lands before its spec write is answered returns
     // at once; the refusal of that write then comes in the background.
     let attach = b.request_here(&id, None).await;
-    assert!(
-        matches!(attach, Ok(()) | Err(ControlError::Deleted(_))),
-        "{attach:?}"
-    );
-    a.reconcile(&id).await.unwrap();
+    let answered = matches!(attach, Ok(()) | Err(ControlError::Deleted(_)));
+    assert!(answered, "{attach:?}");
+    a.pass(&id).await;
     let tombstone = world.metadata(&id).await;
     assert_eq!(tombstone.status.phase, Phase::Deleted);
     assert_eq!(tombstone.spec.desired_state, DesiredState::Deleted);
@@ -103,40 +97,34 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
     // An operator sets it running again and a client attaches: the hold
     // that attach takes is released and nothing starts; `sandboxctl
     // delete` (desired `deleted` again) lets the purge go on.
-    let mut edited = world.metadata(&id).await;
-    edited.spec.desired_state = DesiredState::Running;
-    world.edit_metadata(&edited).await;
+    world.set_desired(&id, DesiredState::Running).await;
     let _ = b.request_here(&id, None).await;
     for _ in 0..3 {
-        b.reconcile(&id).await.unwrap();
-        a.reconcile(&id).await.unwrap();
+        b.pass(&id).await;
+        a.pass(&id).await;
     }
-    assert!(b.runtime.memory(&id).is_none() && a.runtime.memory(&id).is_none());
+    assert!(!b.runs(&id) && !a.runs(&id));
     assert_eq!(world.lease(&id).await.holder, None);
     world.clock.advance(Duration::seconds(601));
-    a.reconcile(&id).await.unwrap();
-    assert!(world.store.get(&metadata_key(&id)).await.is_ok());
+    a.pass(&id).await;
+    assert!(world.exists(metadata_key(&id)).await);
     a.delete(&id).await;
-    a.reconcile(&id).await.unwrap();
-    b.reconcile(&id).await.unwrap();
-    assert!(world.store.get(&metadata_key(&id)).await.is_err());
-    assert!(b.runtime.memory(&id).is_none() && a.runtime.memory(&id).is_none());
+    a.pass(&id).await;
+    b.pass(&id).await;
+    assert!(!world.exists(metadata_key(&id)).await);
+    assert!(!b.runs(&id) && !a.runs(&id));
 }
 
 #[tokio::test]
 async fn invalid_json_from_an_operator_is_reported_and_changes_nothing() {
     let (world, a, id) = World::with_a_sandbox().await;
-    let oops = Bytes::from_static(b"{\"apiVersion\": \"sandboxd.dev/v1\", oops");
-    world
-        .store
-        .put(&metadata_key(&id), oops, PutMode::Overwrite)
-        .await
-        .unwrap();
+    let oops = &b"{\"apiVersion\": \"sandboxd.dev/v1\", oops"[..];
+    world.overwrite(&metadata_key(&id), oops).await;
     // Between full passes only the lease is looked after.
     assert!(a.reconcile(&id).await.is_ok());
     world.clock.advance(Duration::seconds(121));
     let err = a.reconcile(&id).await.unwrap_err();
     assert!(err.to_string().contains("metadata.json"), "{err}");
-    assert!(a.runtime.memory(&id).is_some(), "the sandbox keeps running");
+    assert!(a.runs(&id), "the sandbox keeps running");
     assert!(a.controller.is_held_here(&id));
 }

@@ -34,7 +34,7 @@ use crate::clock::Clock;
 use crate::layout::{checkpoint_image_key, handoff_checkpoint_id, lock_key, metadata_key};
 use crate::leasing::{HeldLease, LeaseConfig, Leases};
 use crate::runtime::{Command, ExecRequest};
-use crate::store::{PutMode, Store};
+use crate::store::{Generation, ObjectKey, PutMode, Store};
 use crate::testing::{FakeRuntime, ManualClock, MemoryStore};
 
 /// The token hash of the sandboxes these tests, the table's and the simulation make.
@@ -151,26 +151,53 @@ impl World {
         decode(&self.store.get(&lock_key(id)).await.unwrap().data).unwrap()
     }
 
+    /// The generation of the object at `key` (which must exist).
+    async fn generation(&self, key: &ObjectKey) -> Generation {
+        self.store.get(key).await.unwrap().generation
+    }
+
+    async fn exists(&self, key: ObjectKey) -> bool {
+        self.store.get(&key).await.is_ok()
+    }
+
+    /// Writes `data` at `key` as an operator's edit would (unconditionally).
+    async fn overwrite(&self, key: &ObjectKey, data: impl Into<Bytes>) {
+        let data = data.into();
+        self.store.put(key, data, PutMode::Overwrite).await.unwrap();
+    }
+
     /// Hands `id`'s lock to `holder` at the next epoch, as an operator's
     /// edit would (unconditionally).
     async fn hand_lock_to(&self, id: &SandboxId, holder: &str) {
         let mut lease = self.lease(id).await;
-        lease.holder = Some(InstanceId::parse(holder).unwrap());
+        lease.holder = Some(named(holder));
         lease.epoch += 1;
-        self.store
-            .put(&lock_key(id), encode(&lease), PutMode::Overwrite)
-            .await
-            .unwrap();
+        self.overwrite(&lock_key(id), encode(&lease)).await;
     }
 
-    /// Writes `metadata` as an operator's edit would (unconditionally).
-    async fn edit_metadata(&self, metadata: &SandboxMetadata) {
-        let key = metadata_key(&metadata.sandbox_id);
-        self.store
-            .put(&key, encode(metadata), PutMode::Overwrite)
-            .await
-            .unwrap();
+    /// Changes `id`'s metadata with `edit` as an operator's edit would
+    /// (unconditionally).
+    async fn edit<R>(&self, id: &SandboxId, edit: impl FnOnce(&mut SandboxMetadata) -> R) {
+        let mut metadata = self.metadata(id).await;
+        edit(&mut metadata);
+        self.overwrite(&metadata_key(id), encode(&metadata)).await;
     }
+
+    /// Sets `id`'s desired state as an operator's edit would.
+    async fn set_desired(&self, id: &SandboxId, desired: DesiredState) {
+        self.edit(id, |m| m.spec.desired_state = desired).await;
+    }
+}
+
+/// The id of the instance named `name`.
+fn named(name: &str) -> InstanceId {
+    InstanceId::parse(name).unwrap()
+}
+
+/// Waits at most 10 s for `future`; `what` says what waited too long.
+async fn within_10s<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
+    let within = std::time::Duration::from_secs(10);
+    tokio::time::timeout(within, future).await.expect(what)
 }
 
 impl Instance {
@@ -210,18 +237,31 @@ impl Instance {
         outcome
     }
 
+    /// Whether `id` runs here (the runtime has its memory).
+    fn runs(&self, id: &SandboxId) -> bool {
+        self.runtime.memory(id).is_some()
+    }
+
+    /// [`Self::reconcile`], which must succeed: when to look again.
+    async fn pass(&self, id: &SandboxId) -> Requeue {
+        self.reconcile(id).await.unwrap()
+    }
+
+    fn reconciler(&self) -> &Reconciler {
+        self.controller.reconciler()
+    }
+
+    /// The requeue of a pass that waits for the lock (it looks again soon).
+    fn acquire_poll(&self) -> Requeue {
+        Requeue::After(self.reconciler().config().acquire_poll)
+    }
+
     /// Asks for `id` here (now, by the instance's clock), with the pass that
     /// serves the ask.
-    async fn request_here(
-        &self,
-        id: &SandboxId,
-        checkpoint: Option<&str>,
-    ) -> Result<(), ControlError> {
-        let controller = &self.controller;
-        let now = controller.reconciler().clock().now();
-        controller
-            .serving(id, controller.request_here(id, checkpoint, now))
-            .await
+    async fn request_here(&self, id: &SandboxId, at: Option<&str>) -> Result<(), ControlError> {
+        let (controller, now) = (&self.controller, self.reconciler().clock().now());
+        let ask = controller.request_here(id, at, now);
+        controller.serving(id, ask).await
     }
 
     /// Asks for `id` to be in `desired`, with the pass that serves the ask.
@@ -231,10 +271,13 @@ impl Instance {
         desired: DesiredState,
         name: Option<&str>,
     ) -> Result<(), ControlError> {
-        let controller = &self.controller;
-        controller
-            .serving(id, controller.request_state(id, desired, name))
-            .await
+        let ask = self.controller.request_state(id, desired, name);
+        self.controller.serving(id, ask).await
+    }
+
+    /// [`Self::request_state`], which must succeed.
+    async fn ask(&self, id: &SandboxId, desired: DesiredState, name: Option<&str>) {
+        self.request_state(id, desired, name).await.unwrap();
     }
 
     /// Asks for `id` to be in `desired` without running a pass: the next
@@ -256,17 +299,15 @@ impl Instance {
     /// Asks for `id` to be checkpointed (as `name`) with the pass that
     /// serves the ask, then runs one more pass.
     async fn checkpoint(&self, id: &SandboxId, name: Option<&str>) {
-        self.request_state(id, DesiredState::Checkpointed, name)
-            .await
-            .unwrap();
-        self.reconcile(id).await.unwrap();
+        self.ask(id, DesiredState::Checkpointed, name).await;
+        self.pass(id).await;
     }
 
     /// Asks for `id` here (from its latest checkpoint, if any) with the pass
     /// that serves the ask, then runs one more pass.
     async fn bring_here(&self, id: &SandboxId) {
         self.request_here(id, None).await.unwrap();
-        self.reconcile(id).await.unwrap();
+        self.pass(id).await;
     }
 
     /// Forks `source` at `point` as `metadata`, with the pass that serves
@@ -277,25 +318,21 @@ impl Instance {
         point: &ForkPoint,
         metadata: SandboxMetadata,
     ) -> Result<(), ControlError> {
-        let controller = &self.controller;
         let id = metadata.sandbox_id.clone();
-        controller
-            .serving(&id, controller.fork(source, point, metadata))
-            .await
+        let fork = self.controller.fork(source, point, metadata);
+        self.controller.serving(&id, fork).await
     }
 
     /// Records `metadata` as a new sandbox, with the pass that serves it.
     async fn create_from(&self, metadata: &SandboxMetadata) -> Result<(), ControlError> {
-        let controller = &self.controller;
-        controller
-            .serving(&metadata.sandbox_id, controller.create(metadata))
-            .await
+        let create = self.controller.create(metadata);
+        self.controller.serving(&metadata.sandbox_id, create).await
     }
 
     async fn create(&self, world: &World) -> SandboxId {
         let (id, metadata) = world.new_sandbox(true);
         self.create_from(&metadata).await.unwrap();
-        self.reconcile(&id).await.unwrap();
+        self.pass(&id).await;
         id
     }
 
@@ -306,20 +343,13 @@ impl Instance {
 
     /// Asks for `id` to be deleted, with the pass that serves the ask.
     async fn delete(&self, id: &SandboxId) {
-        self.request_state(id, DesiredState::Deleted, None)
-            .await
-            .unwrap();
+        self.ask(id, DesiredState::Deleted, None).await;
     }
 
     /// What the instance lease loop does every `renew_interval`.
     async fn heartbeat(&self) {
-        self.controller
-            .reconciler()
-            .leases()
-            .instance_lease()
-            .renew()
-            .await
-            .unwrap();
+        let lease = self.reconciler().leases().instance_lease();
+        lease.renew().await.unwrap();
     }
 
     /// Lets `seconds` pass with the instance alive (heartbeats every 10 s).
@@ -343,20 +373,19 @@ impl Instance {
         id
     }
 
+    /// Starts `code` in `id`; the execution runs until it is read or killed.
+    async fn exec(&self, id: &SandboxId, code: &str) -> crate::runtime::Execution {
+        let request = ExecRequest::new(Command::Bash(code.into()));
+        self.controller.exec(id, request).await.unwrap()
+    }
+
     async fn run(&self, id: &SandboxId, code: &str) {
-        let mut execution = self
-            .controller
-            .exec(id, ExecRequest::new(Command::Bash(code.into())))
-            .await
-            .unwrap();
+        let mut execution = self.exec(id, code).await;
         while execution.events.recv().await.is_some() {}
     }
 }
 
+/// The events `events` holds now.
 fn drain(events: &mut broadcast::Receiver<SandboxEvent>) -> Vec<SandboxEvent> {
-    let mut seen = Vec::new();
-    while let Ok(event) = events.try_recv() {
-        seen.push(event);
-    }
-    seen
+    std::iter::from_fn(|| events.try_recv().ok()).collect()
 }

@@ -46,10 +46,6 @@ fn slow(store: Arc<MemoryStore>) -> Arc<HookedStore<Slow>> {
     Arc::new(HookedStore::new(store, Slow))
 }
 
-fn slow_world() -> World {
-    World::wrapped(|store| slow(store))
-}
-
 /// Sequential requests since `start`.
 fn requests_since(start: Instant) -> u128 {
     start.elapsed().as_millis() / TICK.as_millis()
@@ -64,24 +60,13 @@ async fn until_event(
     start: Instant,
     done: impl Fn(&SandboxEvent) -> bool,
 ) -> u128 {
-    let pass = instance.controller.reconciler().reconcile(id);
-    tokio::pin!(pass);
-    let mut count = None;
-    let mut pass_done = false;
-    while count.is_none() || !pass_done {
-        tokio::select! {
-            event = events.recv(), if count.is_none() => {
-                if done(&event.unwrap()) {
-                    count = Some(requests_since(start));
-                }
-            }
-            outcome = &mut pass, if !pass_done => {
-                outcome.unwrap();
-                pass_done = true;
-            }
-        }
-    }
-    count.unwrap_or_default()
+    let counted = async {
+        while !done(&events.recv().await.unwrap()) {}
+        requests_since(start)
+    };
+    let (count, outcome) = tokio::join!(counted, instance.reconciler().reconcile(id));
+    outcome.unwrap();
+    count
 }
 
 fn running(event: &SandboxEvent) -> bool {
@@ -109,19 +94,19 @@ async fn create(instance: &Instance, world: &World) -> (SandboxId, u128) {
 async fn checkpoint(instance: &Instance, id: &SandboxId) -> u128 {
     let mut events = instance.controller.subscribe(id);
     let start = Instant::now();
-    instance
-        .request_state(id, DesiredState::Checkpointed, None)
-        .await
-        .unwrap();
-    until_event(instance, id, &mut events, start, |event| {
-        matches!(event, SandboxEvent::Checkpointed { .. })
-    })
-    .await
+    instance.ask(id, DesiredState::Checkpointed, None).await;
+    let checkpointed = |event: &_| matches!(event, SandboxEvent::Checkpointed { .. });
+    until_event(instance, id, &mut events, start, checkpointed).await
+}
+
+/// Fails unless the path `what` took at most `budget` sequential requests.
+fn within_budget(what: &str, count: u128, budget: u128) {
+    assert!(count <= budget, "{what} took {count} sequential requests");
 }
 
 #[tokio::test(start_paused = true)]
 async fn create_checkpoint_and_restore_stay_within_their_request_budgets() {
-    let world = slow_world();
+    let (world, _) = World::hooked(Slow);
     let a = world.instance("a");
     // The instance's first create also writes its instance lease: measure
     // one that does not (the lease is renewed by its own loop).
@@ -134,35 +119,22 @@ async fn create_checkpoint_and_restore_stay_within_their_request_budgets() {
     let start = Instant::now();
     attach(&a, &id, &world).await;
     let restore_count = until_event(&a, &id, &mut events, start, running).await;
-    assert_eq!(
-        a.runtime.memory(&id).unwrap(),
-        vec!["x=1"],
-        "the checkpoint's state came back"
-    );
+    let memory = a.runtime.memory(&id).unwrap();
+    assert_eq!(memory, vec!["x=1"], "the checkpoint's state came back");
     println!(
         "sequential store requests: create {create_count}, checkpoint {checkpoint_count}, attach + restore {restore_count}"
     );
-    assert!(
-        create_count <= 3,
-        "create took {create_count} sequential requests"
-    );
+    within_budget("create", create_count, 3);
     // The budget is 4; the upload and the hand-back are all it needs since
     // its intent's write no longer precedes it (decision 22).
-    assert!(
-        checkpoint_count <= 2,
-        "checkpoint took {checkpoint_count} sequential requests"
-    );
-    assert!(
-        restore_count <= 4,
-        "attach + restore took {restore_count} sequential requests"
-    );
+    within_budget("checkpoint", checkpoint_count, 2);
+    within_budget("attach + restore", restore_count, 4);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_handoff_stays_within_its_request_budget() {
-    let world = slow_world();
-    let a = world.instance("a");
-    let b = world.instance("b");
+    let (world, _) = World::hooked(Slow);
+    let (a, b) = (world.instance("a"), world.instance("b"));
     let (id, _) = create(&a, &world).await;
     a.run(&id, "x=1").await;
     let mut events = b.controller.subscribe(&id);
@@ -171,21 +143,21 @@ async fn a_handoff_stays_within_its_request_budget() {
     attach(&b, &id, &world).await;
     // A notices the ring, checkpoints and transfers the hold to B.
     a.answer_doorbell().await;
-    a.reconcile(&id).await.unwrap();
+    a.pass(&id).await;
     // B's next poll finds the hold is its own and restores.
     let count = until_event(&b, &id, &mut events, start, running).await;
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["x=1"]);
-    assert!(a.runtime.memory(&id).is_none());
+    assert!(!a.runs(&id));
     println!("sequential store requests: handoff {count}");
-    assert!(count <= 10, "the handoff took {count} sequential requests");
+    within_budget("the handoff", count, 10);
     // The transfer is one fenced write: B holds at the next epoch, and its
     // record followed the client's `RUNNING` (in a task of its own).
-    b.controller.reconciler().background_settled().await;
+    b.reconciler().background_settled().await;
     let lock = world.lease(&id).await;
-    assert_eq!(lock.holder.as_ref().map(|h| h.as_str()), Some("b"));
+    assert_eq!(lock.holder, Some(named("b")));
     let status = world.metadata(&id).await.status;
     assert_eq!(status.epoch, lock.epoch);
-    assert_eq!(status.holder.as_ref().map(|h| h.as_str()), Some("b"));
+    assert_eq!(status.holder, Some(named("b")));
     assert_eq!(status.latest_checkpoint, lock.checkpoint);
 }
 
@@ -198,11 +170,8 @@ async fn concurrent_starts_share_one_renewal_of_the_instance_lease() {
     use crate::store::{CountingStore, Operation, OperationCounts};
     let counts = Arc::new(OperationCounts::default());
     let world = World::wrapped(|store| Arc::new(CountingStore::new(slow(store), counts.clone())));
-    let (clock, name) = (
-        Arc::new(world.clock.clone()),
-        InstanceId::parse("b").unwrap(),
-    );
-    let b = Leases::new(world.bucket.clone(), clock, name, LeaseConfig::default());
+    let (clock, config) = (Arc::new(world.clock.clone()), LeaseConfig::default());
+    let b = Leases::new(world.bucket.clone(), clock, named("b"), config);
     let ensured = (0..20).map(|_| {
         let b = b.clone();
         tokio::spawn(async move { b.ensure_instance_lease().await })
@@ -210,11 +179,8 @@ async fn concurrent_starts_share_one_renewal_of_the_instance_lease() {
     for outcome in futures::future::join_all(ensured).await {
         outcome.unwrap().unwrap();
     }
-    assert_eq!(
-        counts.count(Operation::Put),
-        1,
-        "one renewal for twenty starts"
-    );
+    let renewals = counts.count(Operation::Put);
+    assert_eq!(renewals, 1, "one renewal for twenty starts");
     let lease = b.instance_lease();
     assert!(lease.vouches_for(lease.era()));
 }
