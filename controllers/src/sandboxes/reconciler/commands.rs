@@ -1,26 +1,19 @@
-//! Commands: how the API and this instance's other loops (the doorbell, the
-//! drain, the idle timer, admission's eviction) ask a sandbox's owner for
-//! something. Nothing outside a sandbox's own pass writes its
-//! `metadata.json` or `lock.json`: a caller puts a [`Command`] in the
-//! sandbox's slot, queues the sandbox, and awaits the reply; the pass
-//! serves its commands first (their writes, each conditional on what the
-//! caller read or this owner wrote), replies, and then decides on what
-//! those writes left ([`Served`]). The work queue never runs two passes of
-//! one sandbox at once, so a pass never meets a write of its sandbox
-//! halfway done, and decides on the objects as its own commands left
-//! them, as fresh as a read made at that moment and without one.
+//! Commands: how the API and this instance's other loops (doorbell, drain,
+//! idle timer, admission's eviction) ask a sandbox's owner for something.
+//! Only the sandbox's own pass writes its `metadata.json` and `lock.json`:
+//! a caller puts a [`Command`] in its slot, queues it and awaits the reply;
+//! the pass serves its commands first (each write conditional on what the
+//! caller read or this owner wrote), replies, then decides on what they
+//! left ([`Served`]): as fresh as a read, since the work queue never runs
+//! two passes of one sandbox at once.
 //!
 //! Two writes may outlast their pass (`docs/handoff.md`, "Commands"): an
-//! attach whose lock write took the hold does not wait for its spec write,
-//! which GCS's per-object rate can hold up for a second or more, and a
-//! checkpoint of a sandbox held here does not wait for its intent's write
-//! (the hold is fenced by the lock; the checkpoint is acknowledged once
-//! the hand-back that carries it lands). The pass decides on the spec as
-//! it is being written; until the write ends, the owner's later passes
-//! apply the change to what they read (`Slot::spec_in_flight`, applied in
-//! `pass.rs`'s one view), and its end is reported to the pass
-//! (`Ended::SpecWritten`), as every task that outlives its pass reports its
-//! end ([`Reconciler::report`]).
+//! attach's spec write once its lock write took the hold (GCS's per-object
+//! rate can delay it a second or more), and a held sandbox's checkpoint
+//! intent (the lock fences the hold; the hand-back carrying the checkpoint
+//! acknowledges it). Passes decide on the change as written
+//! (`Slot::spec_in_flight`, in `pass.rs`'s one view) until its end is
+//! reported (`Ended::SpecWritten`, [`Reconciler::report`]).
 
 use std::sync::Arc;
 
@@ -52,8 +45,7 @@ pub(crate) type Reply = oneshot::Sender<Result<(), ControlError>>;
 pub(crate) enum Command {
     /// Record a new sandbox (desired running) and run it here.
     Create { metadata: Box<SandboxMetadata> },
-    /// Run it here (from the checkpoint named, else the latest), from the
-    /// objects the caller read at `at`.
+    /// Run it here from the named checkpoint (else the latest) as read at `at`.
     Attach {
         read: Box<AttachRead>,
         checkpoint: Option<String>,
@@ -66,25 +58,20 @@ pub(crate) enum Command {
     },
     /// This instance's client gave up waiting for it.
     Withdraw,
-    /// The instance shuts down: checkpoint it, delete it if it cannot be,
-    /// or let a hand-over under way serve the client waiting elsewhere
-    /// (`decision::drain_to`).
+    /// Shutdown: checkpoint it, else delete it, or let a hand-over under way
+    /// serve the client waiting elsewhere (`decision::drain_to`).
     Drain,
-    /// Record a filesystem snapshot just taken of it, held here, in
-    /// `status.latest_snapshot`.
+    /// Record a snapshot just taken of it (held here) as its latest.
     RecordSnapshot { snapshot: Box<SnapshotRef> },
-    /// This instance's doorbell was rung for it, with the attach intent
-    /// the ring carried, if any (decision 27).
+    /// The doorbell rang for it, with its attach intent if any (decision 27).
     Rung { intent: Option<RungIntent> },
-    /// A step that outlived its pass ended (sent by its task,
-    /// [`Reconciler::report`]): what it changes here, its pass changes.
+    /// A step that outlived its pass ended ([`Reconciler::report`]).
     Ended(Box<Ended>),
 }
 
 /// The end of a step that outlived its pass.
 pub(crate) enum Ended {
-    /// The record of the hold at `epoch` (a start's, in a task of its own)
-    /// failed with `error`.
+    /// A start's record of the hold at `epoch`, in its own task, failed.
     RecordFailed { epoch: u64, error: ReconcileError },
     /// The write of `change` (`Slot::spec_in_flight`), for the intent `what`.
     SpecWritten {
@@ -92,16 +79,13 @@ pub(crate) enum Ended {
         outcome: Result<(), ControlError>,
         what: &'static str,
     },
-    /// The image the hold at `epoch` is to be handed over with, which the
-    /// waiting taker watches for, landed, or its watch ended.
+    /// The hand-over image of the hold at `epoch` landed, or its watch ended.
     ImageLanded { epoch: u64 },
 }
 
 impl Ended {
-    /// Whether the sandbox's pass must run for it now, or may wait for its
-    /// next look: a record that failed for any reason but a newer holder's
-    /// fence is retried by that look, not at once (a store refusing fast
-    /// would otherwise make a record and its report go round and round).
+    /// Whether the pass must run now: a record not fenced by a newer holder
+    /// waits for the next look (a fast-refusing store would loop it).
     fn wants_a_pass_now(&self) -> bool {
         match self {
             Self::RecordFailed { error, .. } => error.is_fenced(),
@@ -113,9 +97,7 @@ impl Ended {
 /// What serving a pass's commands left for it.
 #[derive(Default)]
 pub(super) struct Served {
-    /// Both objects as the commands' writes left them (the spec as it is
-    /// being written, while that write is under way): the pass decides on
-    /// these instead of reading them.
+    /// Both objects as the commands left them: the pass decides on these.
     pub(super) view: Option<(ReadMetadata, Option<ReadLease>)>,
 }
 
@@ -123,8 +105,7 @@ pub(super) struct Served {
 pub(super) type SpecChange = Arc<dyn Fn(&mut SandboxSpec) + Send + Sync>;
 
 impl Reconciler {
-    /// Puts `command` in `sandbox`'s slot for its next pass, which answers
-    /// on `reply` (the caller queues that pass).
+    /// Leaves `command` for `sandbox`'s next pass (the caller queues it).
     pub(crate) fn send(&self, sandbox: &SandboxId, command: Command, reply: Option<Reply>) {
         self.slots.update(sandbox, |slot| {
             slot.inbox.push((command, reply));
@@ -132,10 +113,8 @@ impl Reconciler {
         });
     }
 
-    /// Sends `ended` to `sandbox`'s pass, and queues that pass when the end
-    /// wants it now ([`Ended::wants_a_pass_now`]; without a controller the
-    /// next pass serves it): how a task that outlived its pass reports its
-    /// end to the sandbox's owner.
+    /// How a task that outlived its pass reports its end: queues the pass if
+    /// wanted now ([`Ended::wants_a_pass_now`]) and a controller is set.
     pub(in crate::sandboxes) fn report(&self, sandbox: &SandboxId, ended: Ended) {
         let now = ended.wants_a_pass_now();
         self.send(sandbox, Command::Ended(Box::new(ended)), None);
@@ -144,14 +123,12 @@ impl Reconciler {
         }
     }
 
-    /// How many commands wait for `sandbox`'s next pass.
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn commands_waiting(&self, sandbox: &SandboxId) -> usize {
         self.slots.view(sandbox, |slot| slot.inbox.len())
     }
 
-    /// Serves the commands waiting in `sandbox`'s slot, in the order they
-    /// came, and replies to each.
+    /// Serves `sandbox`'s waiting commands in arrival order, replying to each.
     pub(super) async fn serve(&self, sandbox: &SandboxId) -> Served {
         let commands = self
             .slots
@@ -169,8 +146,7 @@ impl Reconciler {
                     self.serve_desire(sandbox, desired, name, &mut served).await
                 }
                 Command::Withdraw => {
-                    // A hold transferred here after all is then an orphan,
-                    // released.
+                    // A hold transferred here anyway is an orphan, released.
                     self.take_waiting(sandbox);
                     served.view = None;
                     self.leases
@@ -200,13 +176,10 @@ impl Reconciler {
         served
     }
 
-    /// Takes up the end of a step that outlived its pass.
     async fn serve_ended(&self, sandbox: &SandboxId, ended: Ended) {
         match ended {
-            // This pass is a full one (as for every command), on both
-            // objects: a record a newer holder fenced left that holder's
-            // epoch in `status`, on which the table stops the hold
-            // (`Step::StopLost`); after any other failure it records again.
+            // A full pass: a fenced record left the newer holder's epoch in
+            // `status` (so `Step::StopLost`); any other failure records again.
             Ended::RecordFailed { epoch, error } => {
                 tracing::warn!(%sandbox, epoch, %error, "a start's record failed; this pass decides on both objects");
             }
@@ -228,8 +201,7 @@ impl Reconciler {
                     }
                 });
             }
-            // Only the wait for that image ends: a wait for a later hold's
-            // image has a task of its own.
+            // Only that image's wait ends: a later hold's has its own task.
             Ended::ImageLanded { epoch } => self.slots.update(sandbox, |slot| {
                 if let Some(handoff) = slot.state.handoff_mut() {
                     handoff.image_landed(epoch);
@@ -238,9 +210,7 @@ impl Reconciler {
         }
     }
 
-    /// Decides, on both objects, what the drain asks of the sandbox, and
-    /// asks it (`decision::drain_to`). Deciding on nothing new leaves the
-    /// pass what was read.
+    /// Asks what `decision::drain_to` picks, if anything (else keeps the read).
     async fn serve_drain(
         &self,
         sandbox: &SandboxId,
@@ -280,11 +250,9 @@ impl Reconciler {
     }
 
     /// A create is its own acquisition (decision 18): `metadata.json` and a
-    /// `lock.json` held by this instance at epoch 1 are written at once,
-    /// each only if absent, while a fresh sandbox's container boots beside
-    /// them (decision 23). If a lock exists already (nothing else could
-    /// have written one for a fresh id but an operator), the create falls
-    /// back to an attach intent.
+    /// `lock.json` held here at epoch 1 are written at once, each if absent,
+    /// as a fresh container boots (decision 23); an existing lock (only an
+    /// operator's, for a fresh id) turns it into an attach intent.
     async fn serve_create(
         &self,
         metadata: &SandboxMetadata,
@@ -340,13 +308,10 @@ impl Reconciler {
         Ok(())
     }
 
-    /// Asks for the sandbox here from the objects the caller read: the spec
-    /// and the lock are written at once, each conditional on what was read.
-    /// A lock nobody holds or wants is taken in the same write (the pass
-    /// adopts it); a held lock is left alone and its holder is rung with
-    /// the intent. A hold taken while the spec's write is under way does
-    /// not wait for it (decision 21): the pass decides on the spec as it is
-    /// being written.
+    /// Asks for the sandbox here: spec and lock are written at once, each
+    /// conditional on the caller's read. A lock nobody holds or wants is
+    /// taken (the pass adopts it), else its holder is rung with the intent;
+    /// a hold taken does not wait for the spec's write (decision 21).
     async fn serve_attach(
         &self,
         read: AttachRead,
@@ -369,21 +334,18 @@ impl Reconciler {
         let leases = &self.leases;
         let me = leases.instance().clone();
         self.mark_waiting(sandbox);
-        // The metadata as this owner sees it: what it wrote since the
-        // caller's read, or is still writing (a checkpoint asked just
-        // before), counts.
+        // As this owner sees it: its writes since the caller's read count,
+        // even one under way (a checkpoint asked just before).
         let seen = self.as_owner_sees(sandbox, read.metadata.clone());
         let mut intended = seen.clone();
         change(&mut intended.0.spec);
-        // The spec already says so (the usual attach to a running
-        // sandbox): the holder may decide on what it knows of it.
+        // Spec unchanged (the usual attach): the holder may use what it knows.
         let spec_unchanged = intended.0.spec == seen.0.spec;
         let metadata_read = spec_unchanged.then_some(read.metadata.1);
         let free = read.lock.as_ref().is_none_or(|(lease, _)| {
             lease.holder.is_none() && lease.wanted_elsewhere(&me, at).is_none()
         });
-        // The lock as it stands after the write: taken, or with the intent
-        // written into it, or as read (the intent went by ring alone).
+        // The lock after: taken, with the intent in it, or as read (ring only).
         let lock_write = async {
             if free {
                 match leases.acquire_from(sandbox, read.lock.clone()).await {
@@ -397,8 +359,7 @@ impl Reconciler {
                 .await?;
             Ok(written.or_else(|| read.lock.clone()))
         };
-        // This instance is about to hold it: its lease must vouch by then
-        // (a no-op when it was renewed lately).
+        // About to hold it: its lease must vouch by then (no-op if fresh).
         let lock_and_lease = async {
             let (lock, ensured) = tokio::join!(lock_write, leases.ensure_instance_lease());
             if let Err(err) = ensured {
@@ -422,13 +383,11 @@ impl Reconciler {
                 served.view = Some((written, lock));
                 Ok(())
             }
-            // A hold taken for a spec that could not be written is released
-            // by the pass (an orphan).
+            // The pass releases a hold taken for an unwritten spec (orphan).
             (Some(Err(err)), _) => Err(err),
             (Some(Ok(_)), Err(err)) => Err(err.into()),
             (None, Ok(lock)) => {
-                // The lock write landed; the spec is still on its way. The
-                // pass decides on it as being written.
+                // The lock write landed; the spec is still being written.
                 served.view = Some((intended, lock));
                 self.spec_in_flight(sandbox, Arc::new(change), spec_write, "attach");
                 Ok(())
@@ -441,10 +400,8 @@ impl Reconciler {
         }
     }
 
-    /// Writes the desired state. A checkpoint of a sandbox held here whose
-    /// metadata this instance knows does not wait for its write (decision
-    /// 22): the pass decides on it at once. Any other change is written
-    /// first; the holder elsewhere, if any, is rung.
+    /// Writes the desired state, then rings a holder elsewhere; a checkpoint
+    /// of a sandbox held here, metadata known, does not wait (decision 22).
     async fn serve_desire(
         &self,
         sandbox: &SandboxId,
@@ -478,22 +435,18 @@ impl Reconciler {
         served.view = None;
         let written = self.write_spec(sandbox, None, change).await?;
         match held {
-            // Held here: the pass decides on what was just written and the
-            // lock as this instance holds it (a change since fails the
-            // precondition of the pass's next write, which then reads it).
+            // Held here: the pass decides on this and the lock as held (a
+            // change since fails its next write's precondition; it re-reads).
             Some(held) => served.view = Some((written, Some((held.lease, held.generation)))),
             None => self.ring_holder(sandbox).await,
         }
         Ok(())
     }
 
-    /// The doorbell rang for `sandbox`. A ring's attach intent counts in
-    /// this instance's reads of the lock from now on; when it came with the
-    /// generations its ringer read both objects at, and this instance holds
-    /// the sandbox at that lock generation and knows its metadata at least
-    /// that new, the pass decides on what it knows (as fresh as the
-    /// ringer's read, the intent heard) instead of reading both again: a
-    /// round trip off every handoff.
+    /// The doorbell rang: its attach intent counts in lock reads from now
+    /// on. If the ringer read this hold's lock generation and metadata this
+    /// instance knows (or older), the pass decides on what it knows without
+    /// re-reading: a round trip off every handoff.
     fn serve_ring(&self, sandbox: &SandboxId, intent: Option<RungIntent>, served: &mut Served) {
         let Some(rung) = intent else {
             return;
@@ -505,10 +458,8 @@ impl Reconciler {
         let (Some(read), Some(held)) = (rung.read, self.held(sandbox)) else {
             return;
         };
-        // What the taker read is as fresh as a read of this pass only while
-        // nobody else can have written the lock since: while this hold is
-        // vouched for. One that lapsed (a freeze) may have been taken over
-        // after the ring was sent; the pass reads.
+        // The taker's read stands for this pass's only while this hold is
+        // vouched for: a lapsed one (a freeze) may have been taken over since.
         if held.epoch != rung.epoch
             || held.generation != Generation(read.lock)
             || !self.leases.is_safe(&held)
@@ -520,9 +471,8 @@ impl Reconciler {
         }
     }
 
-    /// Rings the doorbell of `sandbox`'s holder when that is another
-    /// instance, so a change written here takes effect there at once.
-    /// Failures are logged: the holder's resync catches up.
+    /// Rings `sandbox`'s holder if another instance, so a change written here
+    /// applies at once; failures are logged (its resync catches up).
     async fn ring_holder(&self, sandbox: &SandboxId) {
         match self.leases.read(sandbox).await {
             Ok(Some((lease, _))) => self.leases.ring_holder(sandbox, &lease).await,
@@ -531,10 +481,7 @@ impl Reconciler {
         }
     }
 
-    /// `change` is being written by `write`, which outlasts this pass:
-    /// later passes apply it to what they read until the write ends, whose
-    /// end is reported to the sandbox's pass (which then reads it landed,
-    /// or the spec as stored).
+    /// Marks `change` in flight (module docs) until `write` reports its end.
     fn spec_in_flight(
         &self,
         sandbox: &SandboxId,
@@ -560,7 +507,6 @@ impl Reconciler {
         }));
     }
 
-    /// [`Self::write_spec`] from `read` in a task of its own.
     fn spawn_spec_write(
         &self,
         sandbox: &SandboxId,
@@ -576,9 +522,8 @@ impl Reconciler {
         })
     }
 
-    /// Read-modify-write of the spec under the object's generation,
-    /// starting from the newer of `read` and what this instance last read
-    /// or wrote of it. Returns the metadata as stored after it.
+    /// Read-modify-write of the spec, from the newer of `read` and what this
+    /// instance last read or wrote; returns the metadata as stored after.
     pub(super) async fn write_spec(
         &self,
         sandbox: &SandboxId,
@@ -587,9 +532,8 @@ impl Reconciler {
     ) -> Result<ReadMetadata, ControlError> {
         let key = metadata_key(sandbox);
         let _turn = self.slots.write_turn(sandbox).await;
-        // A status write that held the turn before this one may have left
-        // a newer generation: starting from the older costs a refused write
-        // and a re-read.
+        // An earlier status write may have left a newer generation; starting
+        // from the older costs a refused write and a re-read.
         let written_here = self.slots.known(sandbox);
         let known = match read {
             Some((metadata, generation))
@@ -614,8 +558,7 @@ impl Reconciler {
                 return Ok(Decision::Keep(metadata));
             }
             if deleted && metadata.spec.desired_state != DesiredState::Deleted {
-                // Deletion is final: a checkpoint or attach written after
-                // it would bring the sandbox back from its checkpoint.
+                // Deletion is final: a later checkpoint or attach revives it.
                 return Err(ControlError::Deleted(sandbox.clone()));
             }
             Ok(Decision::Write(encode(&metadata), metadata))
@@ -634,7 +577,6 @@ impl Reconciler {
     }
 }
 
-/// The outcome of a spec write that ran in a task of its own.
 fn spec_written(
     joined: Result<Result<ReadMetadata, ControlError>, tokio::task::JoinError>,
 ) -> Result<ReadMetadata, ControlError> {

@@ -1,9 +1,7 @@
-//! What one instance knows only locally about the sandboxes it holds or
-//! waits for: its holds, when each was last fully reconciled and checkpointed,
-//! whether its client is attached or active (which sets how closely it is
-//! watched and how often the doorbell is read), which starts are in flight
-//! and which clients here wait. None of it is in the bucket; it is rebuilt
-//! from it after a restart.
+//! What this instance knows only locally about sandboxes it holds or waits
+//! for: holds, last full pass and checkpoint, whether the client is attached
+//! or active (how closely watched; doorbell pace), starts, waiting clients.
+//! None of it is in the bucket; it is rebuilt from it after a restart.
 
 use std::sync::PoisonError;
 use std::time::Duration;
@@ -39,14 +37,12 @@ impl Reconciler {
         self.slots.view(sandbox, |slot| slot.state.held().cloned())
     }
 
-    /// The hooks' binding of a sandbox held here (`None`: not held, or no
-    /// hook keeps anything for it).
+    /// The hooks' binding of a sandbox held here, if a hook keeps anything.
     pub fn hook_binding(&self, sandbox: &SandboxId) -> Option<crate::hooks::HookBinding> {
         self.slots.view(sandbox, |slot| slot.state.hooks().cloned())
     }
 
-    /// The sandboxes held here and their transitions, for
-    /// `sandboxd_sandboxes{phase}`.
+    /// Held sandboxes and transitions, for `sandboxd_sandboxes{phase}`.
     pub fn census(&self) -> crate::sandboxes::metrics::Census {
         self.slots.census()
     }
@@ -66,24 +62,20 @@ impl Reconciler {
             .collect()
     }
 
-    /// The hold on `sandbox` was renewed: held under `held` from now on
-    /// (unless it stopped meanwhile).
+    /// Renewed: held under `held` from now on (unless it stopped meanwhile).
     pub(super) fn renewed(&self, sandbox: &SandboxId, held: HeldLease) {
         self.slots
             .update(sandbox, |slot| slot.step(|state| (state.renewed(held), ())));
     }
 
-    /// True while a pass acquires and starts `sandbox`.
     pub(super) fn is_starting(&self, sandbox: &SandboxId) -> bool {
         self.slots.view(sandbox, |slot| slot.state.is_starting())
     }
 
-    /// How the held `sandbox` is watched, if it is held here.
     pub(super) fn watch(&self, sandbox: &SandboxId) -> Option<Watch> {
         self.slots.view(sandbox, |slot| slot.state.watch().copied())
     }
 
-    /// Changes the watch of `sandbox`, if it is held here.
     pub(super) fn update_watch(&self, sandbox: &SandboxId, change: impl FnOnce(&mut Watch)) {
         self.slots.update(sandbox, |slot| {
             if let Some(watch) = slot.state.watch_mut() {
@@ -92,9 +84,8 @@ impl Reconciler {
         });
     }
 
-    /// True while this instance's lease must be kept: it holds or starts a
-    /// sandbox, or did within the last lease duration (a release in flight,
-    /// a lock still naming it).
+    /// Whether the instance lease must be kept: a hold or start here now or
+    /// within a lease duration (a release in flight, a lock naming it).
     pub fn needs_instance_lease(&self) -> bool {
         let now = self.clock.now();
         let busy = self.slots.all().values().any(|slot| slot.state.is_busy());
@@ -109,8 +100,7 @@ impl Reconciler {
         last.is_some_and(|at| now < at + self.leases.config().duration)
     }
 
-    /// Held sandboxes whose hold the instance lease does not vouch for (its
-    /// renewal lapsed): each must be re-verified or stopped.
+    /// Holds the instance lease no longer vouches for: re-verify or stop each.
     pub fn unvouched(&self) -> Vec<SandboxId> {
         let instance_lease = self.leases.instance_lease();
         self.slots
@@ -149,19 +139,16 @@ impl Reconciler {
         });
     }
 
-    /// Since when a client here waited for `sandbox`, if one did; it no
-    /// longer waits.
+    /// Since when a client here waited for `sandbox`, if any; ends the wait.
     pub(crate) fn take_waiting(&self, sandbox: &SandboxId) -> Option<DateTime<Utc>> {
         self.slots.update(sandbox, |slot| slot.waiting.take())
     }
 
-    /// True while a client here waits for `sandbox` to start.
     pub(crate) fn is_waiting(&self, sandbox: &SandboxId) -> bool {
         self.slots.view(sandbox, |slot| slot.waiting.is_some())
     }
 
-    /// True when the periodic checkpoint of a held, checkpointable sandbox
-    /// is due.
+    /// Whether a held, checkpointable sandbox's periodic checkpoint is due.
     pub(super) fn checkpoint_due(&self, sandbox: &SandboxId) -> bool {
         let Some(interval) = self.config.checkpoint_interval else {
             return false;
@@ -172,9 +159,7 @@ impl Reconciler {
         })
     }
 
-    /// `sandbox` was just stopped as lost to another instance: its hold here
-    /// is over, and the loss is remembered (`LocalState::Lost`). Losses
-    /// older than [`LOST_MEMORY`] are forgotten meanwhile.
+    /// Stopped as lost: remembered (`LocalState::Lost`), forgetting old losses.
     pub(super) fn note_lost(&self, sandbox: &SandboxId) {
         let now = self.clock.instant();
         self.slots.forget_losses(now, LOST_MEMORY);
@@ -182,15 +167,14 @@ impl Reconciler {
             .update(sandbox, |slot| slot.step(|state| (state.lost(now), ())));
     }
 
-    /// True if this instance stopped `sandbox` as lost within
-    /// [`LOST_MEMORY`] (and has not waited for or started it since).
+    /// Lost here within [`LOST_MEMORY`], with no wait or start since.
     pub fn was_lost(&self, sandbox: &SandboxId) -> bool {
         let now = self.clock.instant();
         self.slots
             .view(sandbox, |slot| slot.state.lost_within(now, LOST_MEMORY))
     }
 
-    /// The API layer's news: a client attached to (or left) a sandbox held here.
+    /// API news: a client attached to (or left) a sandbox held here.
     pub fn client_attached(&self, sandbox: &SandboxId, attached: bool) {
         let now = self.clock.now();
         self.update_watch(sandbox, |watch| {
@@ -207,11 +191,10 @@ impl Reconciler {
         self.update_watch(sandbox, |watch| watch.last_active = Some(now));
     }
 
-    /// How long the doorbell loop sleeps before its next read: the
-    /// departure watch's interval while a client left a sandbox held here
-    /// within the fast window (its next attach, likely elsewhere, sends its
-    /// intent in a ring: decision 27), the active interval while any client
-    /// attached here sent something within it, the idle one otherwise.
+    /// The doorbell loop's sleep: the departure watch's interval while a
+    /// client left a sandbox held here within the fast window (its next
+    /// attach, likely elsewhere, rings its intent: decision 27), the active
+    /// one while an attached client sent something within it, else idle.
     pub fn doorbell_interval(&self) -> Duration {
         let now = self.clock.now();
         let window = chrono_duration(self.config.detached_window);

@@ -1,9 +1,8 @@
 //! One pass for one sandbox: first the commands callers left for it
-//! (`commands.rs`), then one step. A held sandbox nothing happened to gets
-//! a light pass (lease upkeep; in the minute after its client left, the
-//! departure watch's read of both objects); anything else gets a full
-//! pass: what the pass decides on ([`Reconciler::observe`]), the decision
-//! table's one step, performed.
+//! (`commands.rs`), then one step: a light pass for a held sandbox nothing
+//! happened to (lease upkeep; in the minute after its client left, the
+//! departure watch's read of both objects), else a full pass (what it
+//! decides on, [`Reconciler::observe`]; the table's one step, performed).
 
 use std::time::Duration;
 
@@ -14,8 +13,7 @@ use super::hold::Reverified;
 use super::*;
 use crate::sandboxes::decision::{LightStep, Quiet, decide_light};
 
-/// Both objects as a pass decides on them: as its commands' writes left
-/// them, else as read.
+/// Both objects as a pass decides on them: as its commands left them or read.
 type View = (ReadMetadata, Option<ReadLease>);
 
 /// How many times one pass drops a read for a command that came meanwhile.
@@ -27,16 +25,12 @@ enum Light {
     Done(Requeue),
     /// A command came while it read: serve it first.
     Commanded,
-    /// Something changed or is due: a full pass, on both objects if this
-    /// pass read them.
+    /// Something changed or is due: a full pass (on both objects, if read).
     Full(Option<Box<View>>),
 }
 
 impl Reconciler {
-    /// One step toward the desired state of `sandbox`, after serving the
-    /// commands waiting for it. A held sandbox with nothing new gets a
-    /// light pass (lease upkeep, maybe one read of both objects); a full
-    /// pass decides on what its commands wrote, or on both objects read.
+    /// One step toward `sandbox`'s desired state (module docs).
     #[tracing::instrument(skip(self), fields(instance = %self.leases.instance()))]
     pub async fn reconcile(&self, sandbox: &SandboxId) -> Result<Requeue, ReconcileError> {
         let mut rounds = 0_u32;
@@ -66,12 +60,9 @@ impl Reconciler {
         }
     }
 
-    /// `read`, unless a command for `sandbox` comes first (`None`): a pass
-    /// that is only reading gives way to it, so a caller's command is
-    /// served at once rather than after a read its writes make stale. The
-    /// read is dropped; nothing was written. A pass that gave way
-    /// [`GIVE_WAY_AT_MOST`] times reads to the end (commands that come
-    /// faster than a read do not starve it).
+    /// `read`, unless a command comes first (`None`; only a read is dropped):
+    /// the command is served before a read its writes make stale, at most
+    /// [`GIVE_WAY_AT_MOST`] times a pass (fast commands must not starve it).
     async fn unless_commanded<T>(
         &self,
         sandbox: &SandboxId,
@@ -99,15 +90,13 @@ impl Reconciler {
         }
     }
 
-    /// The hold on `sandbox` and how it is watched, if it is held here.
     pub(super) fn held_and_watch(&self, sandbox: &SandboxId) -> Option<(HeldLease, Watch)> {
         self.slots.view(sandbox, |slot| {
             slot.state.held().cloned().zip(slot.state.watch().copied())
         })
     }
 
-    /// Lease upkeep for a held sandbox nothing happened to, as the light
-    /// table (`decide_light`) says.
+    /// Lease upkeep for a held sandbox nothing happened to (`decide_light`).
     async fn light_pass(
         &self,
         sandbox: &SandboxId,
@@ -135,9 +124,8 @@ impl Reconciler {
         let mut step = decide_light(&seen);
         let mut view = None;
         if step == LightStep::ReadBoth {
-            // Both objects at once: the full pass a change calls for (an
-            // attach elsewhere) decides on these reads, not on a second
-            // round trip (decision 7, the departure watch).
+            // Both at once: the full pass a change (an attach elsewhere)
+            // calls for decides on these (decision 7, the departure watch).
             let both = async {
                 tokio::join!(
                     self.read_metadata_versioned(sandbox),
@@ -177,14 +165,9 @@ impl Reconciler {
         }
     }
 
-    /// What a full pass decides on, its rules in one place: `view` (what
-    /// this pass's commands wrote, or what its light pass read), else both
-    /// objects read at once (one round trip, not two); the lock with the
-    /// intent a ring carried counted in it; the metadata replaced by what
-    /// this owner wrote since if that is newer (a record that landed while
-    /// the read was on its way), with the spec change this owner is still
-    /// writing applied (`commands.rs`), unless the sandbox is being deleted
-    /// (that write will be refused).
+    /// What a full pass decides on: `view` (its commands' writes, or its
+    /// light pass's read) or both objects read at once; the lock counting a
+    /// ring's intent; the metadata as [`Self::as_owner_sees`] it.
     pub(super) async fn observe(
         &self,
         sandbox: &SandboxId,
@@ -210,9 +193,9 @@ impl Reconciler {
         (metadata, lock)
     }
 
-    /// `read` as this owner sees it: replaced by what it wrote since if
-    /// that is newer, with the spec change it is still writing applied
-    /// unless the sandbox is being deleted (that write will be refused).
+    /// `read` as this owner sees it: its own newer write instead (a record
+    /// landed while the read travelled), with the spec change still being
+    /// written applied (`commands.rs`) unless deleting (it will be refused).
     pub(super) fn as_owner_sees(
         &self,
         sandbox: &SandboxId,
@@ -228,11 +211,8 @@ impl Reconciler {
         read
     }
 
-    /// What an attach reads, answered from what this owner knows of a
-    /// sandbox it holds and its instance lease vouches for: the metadata it
-    /// last read or wrote (as [`Self::as_owner_sees`] it) and the lock as
-    /// held, with no bucket request. `None`: not held here, not vouched
-    /// for, or its metadata not known (the caller reads the bucket).
+    /// An attach's read, answered without a bucket request for a vouched hold
+    /// with known metadata ([`Self::as_owner_sees`]); `None`: read the bucket.
     pub fn owner_read(&self, sandbox: &SandboxId) -> Option<super::AttachRead> {
         let held = self
             .held(sandbox)
@@ -284,8 +264,7 @@ impl Reconciler {
             }
         };
         let mut held = self.held(sandbox);
-        // A holder whose instance lease cannot be read counts as alive: the
-        // taker waits and looks again rather than fail its pass.
+        // A holder's unreadable instance lease counts as alive: wait, not fail.
         let holder_gone = match &lease {
             Some((lease, _)) => self.leases.holder_gone(lease).await.unwrap_or_else(|err| {
                 tracing::warn!(%sandbox, %err, "cannot read the holder's instance lease");
@@ -320,14 +299,12 @@ impl Reconciler {
             unreachable.as_deref(),
         );
         if let (Step::Reverify, Some(hold)) = (&step, &held) {
-            // Its one write; the table then decides again, on the renewed
-            // hold and the lock as written, or on what the write found.
+            // Its one write; then the table decides again on what it left.
             step = match self.reverify(sandbox, hold).await {
                 Reverified::Renewed(renewed) => {
                     let step = decide_on(Some(&renewed), Some(&renewed.lease), None);
                     if step == Step::Reverify {
-                        // A write slower than the lease it renewed: look
-                        // again later rather than write the lock in a loop.
+                        // Slower than the lease it renewed: no write loop.
                         return Ok(Some(Requeue::After(self.next_look(sandbox))));
                     }
                     lease = Some((renewed.lease.clone(), renewed.generation));
@@ -347,7 +324,6 @@ impl Reconciler {
             .map(Some)
     }
 
-    /// Performs the step the decision table chose.
     async fn perform(
         &self,
         sandbox: &SandboxId,
@@ -405,9 +381,8 @@ impl Reconciler {
             Step::KeepRunning => Ok(Requeue::After(self.next_look(sandbox))),
             Step::RecordRunning => {
                 let held = held.ok_or(needs("a hold to record"))?;
-                // Bookkeeping off the pass (decision 21): a ring that comes
-                // while the record meets the write rate is answered by the
-                // next pass, not after the record.
+                // Off the pass (decision 21): a ring during a rate-limited
+                // record is answered by the next pass, not after it.
                 self.record_running_in_background(sandbox, &held, lease.clone(), None);
                 Ok(Requeue::After(self.next_look(sandbox)))
             }

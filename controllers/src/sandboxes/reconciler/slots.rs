@@ -1,28 +1,17 @@
-//! Everything this instance keeps about one sandbox, in one place: a
-//! [`Slot`] per sandbox, all of them behind one lock ([`Slots`]).
+//! Everything this instance keeps about one sandbox: a [`Slot`] each, all
+//! behind one lock ([`Slots`]), so one acquisition sees and changes all of
+//! its local state at once. A slot exists only while something is in it.
 //!
-//! A sandbox's life on this instance (a client waiting, the lease being
-//! acquired, the start, the hold, its checkpoints, its loss) used to be
-//! membership in a dozen maps and sets, each behind its own lock: nothing tied one
-//! sandbox's entries together, and a reader could see one map changed and
-//! the next not yet. One slot per sandbox gathers them, so one lock
-//! acquisition sees (and changes) all of a sandbox's local state at once.
-//! A slot exists only while something is in it; it is removed when its last
-//! field empties.
+//! The sandbox's phase is one [`LocalState`], each variant carrying what it
+//! needs: a sandbox cannot be held and starting at once, nor watched unless
+//! held, nor lost while held. What is not a phase (a client waiting,
+//! records in flight, commands) sits beside it.
 //!
-//! The sandbox's phase here is one [`LocalState`]: idle, waiting to acquire,
-//! starting, held, or lost to another instance, each variant carrying what
-//! that phase needs, with every transition one method returning the next
-//! state. A sandbox cannot be held and starting at once, nor watched without
-//! being held, nor lost while held. What is not a phase (a client waiting,
-//! records in flight, the commands waiting for the next pass) sits beside it.
-//!
-//! The sandbox's own pass changes its state; others put commands in its
-//! inbox (`commands.rs`), read it, or bring news that decides nothing by
-//! itself (a client attached or active, a progress subscription). A task
-//! that outlives its pass (a start's record, a spec write, a wait for an
-//! image's landing) reports its end as a command too (`Command::Ended`);
-//! it only takes back, when it ends, the mark it set (`Slots::on_drop`).
+//! Only its own pass changes a sandbox's state; others put commands in its
+//! inbox (`commands.rs`), read it, or bring news that decides nothing alone
+//! (a client attached or active, a progress subscription). A task outliving
+//! its pass (a start's record, a spec write, an image wait) reports its end
+//! as `Command::Ended`, taking back only its own mark (`Slots::on_drop`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -39,9 +28,7 @@ use crate::store::{Generation, Versioned};
 
 use super::local::Watch;
 
-/// The most sandboxes with a slot before the hints in them (remembered
-/// metadata, idle write turns, settled intent counts) are dropped: they are
-/// only ever hints.
+/// Slots beyond which their hints (known metadata, idle write turns) go.
 const MAX_SLOTS: usize = 10_000;
 
 /// How many events a slow subscriber may fall behind before it misses some.
@@ -50,43 +37,32 @@ const CHANNEL_CAPACITY: usize = 64;
 /// What this instance knows only locally about one sandbox.
 #[derive(Default)]
 pub(super) struct Slot {
-    /// Where the sandbox is in its life here.
     pub(super) state: LocalState,
-    /// Since when a client here waits for the sandbox (an attach intent was
-    /// written).
+    /// Since when a client here waits for it (an attach intent was written).
     pub(super) waiting: Option<DateTime<Utc>>,
     /// The epochs of holds whose RecordRunning runs in a task right now.
     pub(super) recording: BTreeSet<u64>,
     /// The next pass must be a full one (an intent was written).
     pub(super) full_pass_wanted: bool,
-    /// The last `metadata.json` this instance read or wrote, with its
-    /// generation: the first read of its next read-modify-write (a change
-    /// in between fails the precondition and is read afresh).
+    /// The last `metadata.json` read or written here; writes start from it.
     pub(super) known: Option<Versioned>,
     /// The turn of this instance's writes of the sandbox's metadata.
     pub(super) write_turn: Option<Arc<tokio::sync::Mutex<()>>>,
-    /// Commands for the sandbox's next pass (`commands.rs`), in the order
-    /// they came.
+    /// Commands for the sandbox's next pass (`commands.rs`), in arrival order.
     pub(super) inbox: Vec<(super::commands::Command, Option<super::commands::Reply>)>,
-    /// A change of the spec a pass here is still writing (it outlasted
-    /// that pass, `commands.rs`): later passes count it as written.
+    /// A spec change still being written after its pass (`commands.rs`).
     pub(super) spec_in_flight: Option<super::commands::SpecChange>,
-    /// The transition its pass is in (`creating`, `restoring`,
-    /// `checkpointing`, `deleting`: `sandboxd_sandboxes{phase}`), while it
-    /// lasts ([`Slots::in_transition`]).
+    /// The phase [`Slots::in_transition`] set, for `sandboxd_sandboxes{phase}`.
     transition: Option<&'static str>,
-    /// The sandbox's progress channel (`events.rs`), while sessions here
-    /// subscribe to it.
+    /// Its progress channel (`events.rs`), while sessions here subscribe.
     progress: Option<broadcast::Sender<SandboxEvent>>,
-    /// The attach intent a ring carried for it (decision 27): on a holder,
-    /// the one its doorbell brought; on a ringer, its own. The leases count
-    /// it in every lock they read (`Leases::with_heard`).
+    /// The attach intent a ring carried (decision 27), heard or sent here;
+    /// the leases count it in every lock they read (`Leases::with_heard`).
     rung: Option<RungIntent>,
 }
 
 impl Slot {
-    /// Moves the sandbox's state on by `transition` (one of
-    /// [`LocalState`]'s), with what the transition says besides.
+    /// Moves the state on by `transition`, returning what it says besides.
     pub(super) fn step<T>(&mut self, transition: impl FnOnce(LocalState) -> (LocalState, T)) -> T {
         let (next, outcome) = transition(std::mem::take(&mut self.state));
         self.state = next;
@@ -108,8 +84,7 @@ impl Slot {
             && self.rung.is_none()
     }
 
-    /// Drops what is only a hint (see [`MAX_SLOTS`]); old losses go with
-    /// the next loss (`Reconciler::note_lost`).
+    /// Drops hints ([`MAX_SLOTS`]); old losses go in `Reconciler::note_lost`.
     fn drop_hints(&mut self) {
         self.known = None;
         // Only turns nobody holds or waits for go.
@@ -123,11 +98,7 @@ impl Slot {
     }
 }
 
-/// Where a sandbox is in its life on this instance: one phase at a time,
-/// each with what it needs, so that a sandbox cannot be held and starting
-/// at once. The transitions are the methods below, each returning the next
-/// state; a sandbox in [`LocalState::Idle`] with nothing else in its slot
-/// has no slot.
+/// Where a sandbox is in its life here; each method below is a transition.
 #[derive(Debug, Clone, Default)]
 #[allow(
     clippy::large_enum_variant,
@@ -140,44 +111,34 @@ pub(super) enum LocalState {
     /// Waiting to acquire the sandbox (LOCK_ACQUIRING was said): from its
     /// holder, by a [`Handoff`] (a free lock is taken within one pass).
     Acquiring(Handoff),
-    /// A pass acquires and starts the sandbox right now: its lock may name
-    /// this instance before it is held.
+    /// A pass acquires and starts it now (its lock may name us, not yet held).
     Starting {
-        /// The wait that led here, until the start takes it up: a start
-        /// that ends without a hold goes back to it.
+        /// The wait that led here, which a start ending unheld goes back to.
         handoff: Option<Handoff>,
     },
     /// Held and running here.
     Held {
-        /// The lease this instance holds on it.
         lease: HeldLease,
-        /// How closely it is watched.
         watch: Watch,
         /// What its lifecycle hooks keep for it while it runs here.
         hooks: Option<HookBinding>,
     },
-    /// Stopped here as lost to another instance (or to a renewal that
-    /// failed, or to a deletion of its metadata), at `at`: an execution's
-    /// relay must not report an end the loss cut off. Remembered for
-    /// `LOST_MEMORY`; a new wait or start here ends it.
+    /// Stopped as lost (taken over, renewal failed, metadata deleted) at `at`,
+    /// kept `LOST_MEMORY` lest an execution's relay report an end it cut off.
     Lost {
         /// When the loss was seen.
         at: tokio::time::Instant,
     },
 }
 
-/// A handoff this instance waits to take, on the taker: from its attach
-/// intent (the first ring went with it) until the hold is taken up or the
-/// wait ends without it. What the holder does in between shows here as two
-/// phases: its checkpoint image lands in the store ([`HandoffImage`]), then
-/// the lock names this instance (the transfer; the next pass adopts it and
-/// starts, [`LocalState::Starting`], which gives this value back should the
-/// start fail). Staging the image for the restore is the runtime's
-/// (`SandboxRuntime::prefetch_checkpoint`).
+/// A handoff this instance waits to take, from its attach intent (sent with
+/// the first ring) until the hold is taken up or the wait ends: the holder
+/// lands its image ([`HandoffImage`], staged by the runtime), then names this
+/// instance in the lock, and the next pass adopts and starts
+/// ([`LocalState::Starting`], which gives this back if the start fails).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(super) struct Handoff {
-    /// When this instance last rang the holder (`None`: not since the wait
-    /// began; the first ring came with the attach intent).
+    /// When this instance last rang the holder (`None`: not since the intent).
     pub(super) rung_at: Option<DateTime<Utc>>,
     /// Where the image the holder hands over with is.
     pub(super) image: HandoffImage,
@@ -187,20 +148,17 @@ pub(super) struct Handoff {
 /// it over (a later hold hands over with another image; decision 29).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(super) enum HandoffImage {
-    /// Not watched for (no live intent of this instance in the lock read,
-    /// or a runtime that does not prefetch).
+    /// Not watched for (no live intent of ours in the lock, or no prefetch).
     #[default]
     Unwatched,
-    /// The runtime watches for it, and a task waits for its landing to
-    /// wake the pass.
+    /// The runtime watches for it; a task awaits its landing to wake the pass.
     Awaited { epoch: u64 },
     /// In the store (or the runtime's watch ended): the transfer is next.
     Landed { epoch: u64 },
 }
 
 impl Handoff {
-    /// True when the holder is due another ring at `now` (every `every`,
-    /// counted from the first look); remembers the ring.
+    /// Whether a ring is due (every `every` from the first look); notes it.
     pub(super) fn ring_due(&mut self, now: DateTime<Utc>, every: chrono::Duration) -> bool {
         let last = self.rung_at.get_or_insert(now);
         if now >= *last + every {
@@ -211,16 +169,14 @@ impl Handoff {
         }
     }
 
-    /// The image of the hold at `epoch` is awaited from now on; true if it
-    /// was not already (one waiting task per image).
+    /// Awaits the hold at `epoch`'s image; true if new (one task per image).
     pub(super) fn await_image(&mut self, epoch: u64) -> bool {
         let fresh = self.image != HandoffImage::Awaited { epoch };
         self.image = HandoffImage::Awaited { epoch };
         fresh
     }
 
-    /// The image of the hold at `epoch` landed. A late landing of an
-    /// earlier hold's image leaves a later hold's wait alone.
+    /// The image of the hold at `epoch` landed (a late one leaves later waits).
     pub(super) fn image_landed(&mut self, epoch: u64) {
         if self.image == (HandoffImage::Awaited { epoch }) {
             self.image = HandoffImage::Landed { epoch };
@@ -229,9 +185,7 @@ impl Handoff {
 }
 
 impl LocalState {
-    /// This instance waits to acquire the sandbox; with true when it did
-    /// not already (the client is told LOCK_ACQUIRING once). A held sandbox
-    /// stays held.
+    /// Waits to acquire (a held one stays held); true if new (LOCK_ACQUIRING).
     pub(super) fn wait_to_acquire(self) -> (Self, bool) {
         match self {
             Self::Idle | Self::Lost { .. } => (Self::Acquiring(Handoff::default()), true),
@@ -254,8 +208,7 @@ impl LocalState {
         }
     }
 
-    /// A pass begins to acquire and start the sandbox. A held sandbox stays
-    /// held (the decision table never starts one).
+    /// A pass begins a start; held stays held (the table never starts one).
     pub(super) fn begin_start(self) -> Self {
         match self {
             Self::Idle | Self::Lost { .. } => Self::Starting { handoff: None },
@@ -266,9 +219,7 @@ impl LocalState {
         }
     }
 
-    /// The start ended without a hold taken up (failed, gave way to
-    /// another holder, or was cancelled): back to the wait it came from, if
-    /// any. Anything but a start is left as it is.
+    /// A start ended unheld (failed, gave way, cancelled): back to its wait.
     pub(super) fn start_ended(self) -> Self {
         match self {
             Self::Starting {
@@ -288,8 +239,7 @@ impl LocalState {
         }
     }
 
-    /// The hold was renewed: held under `lease` from now on. A sandbox no
-    /// longer held (stopped meanwhile) is not held again by a renewal.
+    /// Renewed: held under `lease` now; a sandbox stopped meanwhile stays so.
     pub(super) fn renewed(self, lease: HeldLease) -> Self {
         match self {
             Self::Held { watch, hooks, .. } => Self::Held {
@@ -309,13 +259,11 @@ impl LocalState {
         }
     }
 
-    /// The sandbox was stopped here as lost, at `at`: whatever this
-    /// instance had of it (a hold, a wait, a start) is over.
+    /// Stopped here as lost at `at`: any hold, wait or start is over.
     pub(super) fn lost(self, at: tokio::time::Instant) -> Self {
         Self::Lost { at }
     }
 
-    /// True if the sandbox was lost here less than `memory` before `now`.
     pub(super) fn lost_within(
         &self,
         now: tokio::time::Instant,
@@ -324,7 +272,6 @@ impl LocalState {
         matches!(self, Self::Lost { at } if now.duration_since(*at) < memory)
     }
 
-    /// The hooks' binding of a sandbox held here.
     pub(super) fn hooks(&self) -> Option<&HookBinding> {
         match self {
             Self::Held { hooks, .. } => hooks.as_ref(),
@@ -390,9 +337,8 @@ impl std::fmt::Debug for Slot {
 /// What an [`OnDrop`] does to its slot.
 type Undo = Box<dyn FnOnce(&mut Slot) + Send>;
 
-/// A change of a sandbox's slot made when dropped: what a phase set (a
-/// start, a transition, a record in flight) is undone however its holder
-/// ends (done, failed, or cancelled with its pass).
+/// A slot change made on drop: what a phase set (a start, a transition, a
+/// record in flight) is undone however it ends, cancelled with its pass too.
 #[must_use = "the change is undone when the guard drops"]
 pub(super) struct OnDrop {
     slots: Slots,
@@ -408,18 +354,13 @@ impl Drop for OnDrop {
     }
 }
 
-/// The slots of every sandbox this instance knows locally, behind one lock.
-/// Cheap to clone: clones share the slots.
-///
-/// The one per-sandbox map of the controllers: the reconciler's state, the
-/// progress channels its sessions subscribe to (`events.rs`) and the
-/// commands for each sandbox's pass all live here.
+/// Every slot this instance knows, behind one lock (clones share them): the
+/// controllers' one per-sandbox map (state, progress channels, commands).
 #[derive(Debug, Default, Clone)]
 pub(in crate::sandboxes) struct Slots {
     map: Arc<Mutex<HashMap<SandboxId, Slot>>>,
-    /// Told after every change of a slot: what waits for a sandbox's state
-    /// to move (an execution's end waiting for its hold to be vouched for)
-    /// looks again then, instead of polling.
+    /// Told after every slot change, so what waits for a sandbox's state
+    /// (an execution's end, for its hold to be vouched for) needn't poll.
     changed: Arc<tokio::sync::Notify>,
 }
 
@@ -429,7 +370,7 @@ impl Slots {
         self.map.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Resolves at the next change of any slot (see [`Slots::changed`]).
+    /// Resolves at the next change of any slot.
     pub(super) fn changed(&self) -> tokio::sync::futures::Notified<'_> {
         self.changed.notified()
     }
@@ -518,9 +459,7 @@ impl Slots {
         })
     }
 
-    /// Sends `event` on `sandbox`'s progress channel, if it has one, and
-    /// forgets a channel nobody listens to any more. A sandbox without a
-    /// slot gets none.
+    /// Sends `event` on its progress channel, if any (dropped when unheard).
     pub(in crate::sandboxes) fn publish(&self, sandbox: &SandboxId, event: SandboxEvent) {
         let mut slots = self.all();
         let Some(slot) = slots.get_mut(sandbox) else {
@@ -570,12 +509,10 @@ impl RungIntents for Slots {
 /// `metadata.json` as read or written, with its generation.
 pub type ReadMetadata = (SandboxMetadata, Generation);
 
-/// What this instance knows of a sandbox's metadata, and whose turn it is
-/// to write it.
+/// What this instance knows of a sandbox's metadata, and whose turn to write.
 impl Slots {
-    /// Remembers `object` as `sandbox`'s metadata unless a newer generation
-    /// is remembered already: a read answered after this instance's own
-    /// write landed (the two travel apart) must not stand in for that write.
+    /// Remembers `object` unless a newer generation is: a read answered after
+    /// this instance's own write landed must not stand in for that write.
     pub(super) fn remember(&self, sandbox: &SandboxId, object: &Versioned) {
         self.update(sandbox, |slot| match &mut slot.known {
             Some(current) if current.generation > object.generation => {}
@@ -588,10 +525,8 @@ impl Slots {
         self.view(sandbox, |slot| slot.known.clone())
     }
 
-    /// Waits until no other write of `sandbox`'s metadata by this instance
-    /// is in flight; the turn lasts until the guard drops. Only an
-    /// optimisation (module docs): a turn lost to the slots' bound costs at
-    /// most a failed precondition.
+    /// Waits for this instance's turn to write `sandbox`'s metadata, until the
+    /// guard drops. Only an optimisation (a lost turn costs a refused write).
     pub(super) async fn write_turn(&self, sandbox: &SandboxId) -> tokio::sync::OwnedMutexGuard<()> {
         let turn = self.update(sandbox, |slot| {
             Arc::clone(slot.write_turn.get_or_insert_with(Arc::default))

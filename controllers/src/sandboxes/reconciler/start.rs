@@ -13,24 +13,21 @@ use crate::runtime::ImageLanded;
 /// How often an instance waiting for a sandbox rings its holder again.
 const RERING_INTERVAL: Duration = Duration::from_secs(5);
 
-/// A start in flight: the sandbox is [`LocalState::Starting`] from now
-/// until the start takes the hold up; dropped before that (a failure, an
-/// early return, the pass cancelled), it goes back to the state it started
-/// from (`LocalState::start_ended`).
+/// A start in flight: [`LocalState::Starting`] until the start takes the
+/// hold up; dropped before (failure, early return, pass cancelled), back to
+/// the state it started from (`LocalState::start_ended`).
 fn begin_start(slots: &Slots, sandbox: &SandboxId) -> OnDrop {
     slots.update(sandbox, |slot| slot.step(|state| (state.begin_start(), ())));
     slots.on_drop(sandbox, |slot| slot.step(|state| (state.start_ended(), ())))
 }
 
 impl Reconciler {
-    /// Desired running, not wanted here: a client here that waits for it
-    /// (its intent was replaced by another instance's, or expired) is told
-    /// now rather than left waiting for a start that will not come.
+    /// Desired running, not wanted here: a client here still waiting (its
+    /// intent replaced or expired) is told now, not left waiting.
     pub(super) fn tell_waiter_not_wanted(&self, sandbox: &SandboxId, lease: Option<&Lease>) {
         let now = self.clock.now();
         if self.take_waiting(sandbox).is_some() {
-            // Another live intent won, or (an intent that went by ring,
-            // decision 27) the holder handed it to another instance.
+            // A live intent won, or the holder passed it on (decision 27).
             let elsewhere = lease.and_then(|l| {
                 l.live_intent(now)
                     .map(|intent| intent.instance.clone())
@@ -48,13 +45,10 @@ impl Reconciler {
         }
     }
 
-    /// Desired running here, held by another live holder: it hands the
-    /// sandbox over in one write naming this instance (the next pass adopts
-    /// it). Says so to the waiting client once, and rings the holder again
-    /// every [`RERING_INTERVAL`] in case a ring was lost (the first came
-    /// with the attach intent). Returns when to look again: soon, or less
-    /// often while the image the holder will hand over with is not in the
-    /// store yet (its landing wakes this taker, decision 29).
+    /// Desired running here, held by another live holder, which hands it
+    /// over naming this instance (the next pass adopts it). Tells the client
+    /// once, re-rings every [`RERING_INTERVAL`] lest a ring was lost; look
+    /// again soon, or later until the hand-over image lands (decision 29).
     pub(super) async fn await_handover(
         &self,
         sandbox: &SandboxId,
@@ -89,17 +83,15 @@ impl Reconciler {
         next
     }
 
-    /// Reports `landed`, the landing of the image the hold at `epoch` will
-    /// be handed over with, to `sandbox`'s pass once it completes (one wait
-    /// per image at a time; the runtime's watch ends within its own limit).
-    /// Not a background step: a drain or a test need not wait for it.
+    /// Reports the landing of the hold at `epoch`'s hand-over image to the
+    /// pass (one wait per image; the runtime's watch has its own limit). Not
+    /// a background step: a drain or a test need not wait for it.
     fn wake_when_landed(&self, sandbox: &SandboxId, epoch: u64, landed: ImageLanded) {
         let Some(me) = self.shared.get().filter(|_| self.wake.get().is_some()) else {
             return;
         };
         let me = me.clone();
-        // Only while it waits to acquire (`await_handover` made sure it
-        // does), and once per image.
+        // Only while waiting to acquire (see `await_handover`), once per image.
         let fresh = self.slots.update(sandbox, |slot| {
             slot.state
                 .handoff_mut()
@@ -117,8 +109,7 @@ impl Reconciler {
         });
     }
 
-    /// Remembers that this instance waits to acquire `sandbox`; the first
-    /// time, the client is told `LOCK_ACQUIRING`.
+    /// Notes the wait to acquire, telling the client `LOCK_ACQUIRING` once.
     fn note_acquiring(&self, sandbox: &SandboxId) {
         if self
             .slots
@@ -128,15 +119,13 @@ impl Reconciler {
         }
     }
 
-    /// Forgets the waiting-to-acquire bookkeeping of `sandbox`.
     fn done_acquiring(&self, sandbox: &SandboxId) {
         self.slots.update(sandbox, |slot| {
             slot.step(|state| (state.done_acquiring(), ()))
         });
     }
 
-    /// Desired running and wanted here, the lock free or expired: acquire it
-    /// (from the lock as this pass read it), then start.
+    /// Wanted here, the lock free or expired: acquire it (as read), then start.
     pub(super) async fn acquire_and_start(
         &self,
         sandbox: &SandboxId,
@@ -145,16 +134,14 @@ impl Reconciler {
     ) -> Result<Requeue, ReconcileError> {
         self.note_acquiring(sandbox);
         let starting = begin_start(&self.slots, sandbox);
-        // Taken over from a holder that died holding it (its lease ran out):
-        // it may have run the sandbox without recording so.
+        // Its holder died holding it: it may have run it without recording so.
         let holder_died = lock.as_ref().is_some_and(|(lease, _)| {
             lease.holder.is_some() && !lease.is_held_by(self.leases.instance())
         });
         let held = match self.leases.acquire_from(sandbox, lock.clone()).await {
             Ok(held) => held,
             Err(LeaseError::HeldByOther { holder, .. }) => {
-                // Its holder's instance lease is live after all: it hands it
-                // over (or its lease expires). Look again soon.
+                // Holder live after all: await its hand-over (or expiry).
                 drop(starting);
                 let lease = lock.map(|(lease, _)| lease);
                 let next = self.await_handover(sandbox, &holder, lease.as_ref()).await;
@@ -170,11 +157,9 @@ impl Reconciler {
                 return Err(err.into());
             }
         };
-        // A lock released by this version carries the checkpoint it was
-        // released at, so the metadata this pass read is enough (the newer
-        // of the two is restored). A lock without one (released by hand, or
-        // by an older version) may have been released after this pass read
-        // the metadata: read it again, ordered after the acquisition.
+        // A lock this version released carries its checkpoint, so this pass's
+        // read suffices (the newer is restored); one without (by hand, older
+        // versions) may postdate it: read again, after the acquisition.
         let metadata = if held.lease.checkpoint.is_some() {
             metadata
         } else {
@@ -198,9 +183,8 @@ impl Reconciler {
             .await
     }
 
-    /// The lock names this instance and a client here waits: a transfer
-    /// from the previous holder, or a create or attach here that took the
-    /// hold in its own write. Take it up and start it.
+    /// The lock names this instance and a client here waits (a transfer, or
+    /// a create or attach here that took the hold in its write): start it.
     pub(super) async fn adopt_and_start(
         &self,
         sandbox: &SandboxId,
@@ -220,9 +204,8 @@ impl Reconciler {
             .await
     }
 
-    /// Restores or creates the sandbox under `held`, tells the waiting
-    /// client it runs, and only then records it in `status` (the hold is
-    /// fenced by the lock's epoch already; the record is bookkeeping).
+    /// Starts it under `held`, tells the client, only then records it in
+    /// `status` (the lock's epoch already fences the hold: bookkeeping).
     async fn start_held(
         &self,
         sandbox: &SandboxId,
@@ -264,12 +247,9 @@ impl Reconciler {
                     slot.step(|_| (LocalState::hold(held.clone(), watch, hooks), ()));
                 });
                 self.emit(sandbox, SandboxEvent::Running { epoch: held.epoch });
-                // The record after the client hears it runs, in its own
-                // task: GCS's per-object write rate can hold it up for a
-                // second or more, and the sandbox's next pass (a handoff's
-                // checkpoint) must not wait for bookkeeping. Should the
-                // hold's checkpoint be recorded first, the record leaves
-                // the phase alone (`record_running`).
+                // Recorded after RUNNING, in its own task: GCS's per-object
+                // write rate can delay it a second or more, and the next pass
+                // (a handoff's checkpoint) must not wait (`record_running`).
                 let lock = Some(held.lease.clone());
                 self.record_running_in_background(sandbox, &held, lock, served_request);
                 Ok(Requeue::After(self.config.resync_interval))
@@ -283,8 +263,7 @@ impl Reconciler {
                 }
                 let previous_phase = metadata.status.phase;
                 let message = format!("{kind} failed: {cause}");
-                // A failed restore leaves the checkpoint as it was: the next
-                // attach may try again.
+                // A failed restore keeps the checkpoint for the next attach.
                 let ended = match kind {
                     StartKind::Create => (Phase::Failed, ReadyReason::Failed),
                     StartKind::Restore => (previous_phase, ReadyReason::RestoreFailed),
@@ -294,8 +273,7 @@ impl Reconciler {
                     .await;
                 match self.leases.release_and_withdraw(&held).await {
                     Ok(()) => {}
-                    // Not ours any more: the intent may still name this
-                    // instance.
+                    // No longer ours: the intent may still name us.
                     Err(LeaseError::Lost { .. }) => {
                         if let Err(err) = self.leases.withdraw_attach(sandbox).await {
                             tracing::warn!(%sandbox, %err, "cannot withdraw the attach intent after a failed start");
@@ -311,10 +289,9 @@ impl Reconciler {
         }
     }
 
-    /// Records in `status` that the sandbox runs here at `held`'s epoch,
-    /// with the checkpoint the lock carries if it is newer than the one
-    /// recorded (the previous holder's record may not have landed, or
-    /// landed after it was read), and the restore request served.
+    /// Records it running here at `held`'s epoch, with the restore request
+    /// served and the lock's checkpoint if newer than `status`'s (the last
+    /// holder's record may be missing, or landed after the read).
     pub(super) async fn record_running(
         &self,
         sandbox: &SandboxId,
@@ -328,8 +305,7 @@ impl Reconciler {
         let mut superseded = Vec::new();
         let written = self
             .write_status(sandbox, held.epoch, |status| {
-                // The hold ended with a checkpoint recorded first (this
-                // record ran late, in its own task): the phase stays.
+                // This hold's checkpoint was recorded first: the phase stays.
                 let ended = status.phase == Phase::Checkpointed
                     && status
                         .latest_checkpoint
@@ -354,8 +330,7 @@ impl Reconciler {
         Ok(())
     }
 
-    /// Runs [`Self::record_running`] of `held` in a task of its own, unless
-    /// one for that hold is at work already.
+    /// [`Self::record_running`] in its own task, unless one for that hold runs.
     pub(super) fn record_running_in_background(
         &self,
         sandbox: &SandboxId,
@@ -386,15 +361,11 @@ impl Reconciler {
         }));
     }
 
-    /// Creates or restores the sandbox under a freshly taken hold. Restores
-    /// the requested named checkpoint, else the newer of the lock's and
-    /// `status`'s latest (with the manifest the lock carries, if it is that
-    /// one's: no read). A sandbox never recorded as running is created,
-    /// unless its hold was taken over from a holder that died holding it
-    /// (`holder_died`): that one may have run it and told its client so
-    /// before its record landed (the record follows RUNNING), and a fresh
-    /// sandbox under the same id would hide the loss. Returns what it did and
-    /// the restore request served, and the hooks' binding for it.
+    /// Restores the requested named checkpoint, else the newer of the lock's
+    /// and `status`'s latest (the lock's manifest if it is that one's: no
+    /// read), or creates one never recorded running, unless `holder_died`:
+    /// the dead holder may have said RUNNING before its record landed, and a
+    /// fresh sandbox would hide the loss. Returns kind, request served, hooks.
     pub(super) async fn start(
         &self,
         sandbox: &SandboxId,
