@@ -2,24 +2,20 @@
 //! doorbells (`docs/decisions/0007-instance-leases-and-doorbells.md`).
 //!
 //! # Guarantees
-//! - A hold in a sandbox's `lock.json` is live for a taker while the lock's own
-//!   `renewed_at + lease_duration_s + skew` has not passed, or while the
-//!   holder's instance lease is live ([`InstanceLease::is_live`]). The taker
-//!   needs both to have passed.
-//! - The holder vouches for a hold while the lock's own lease minus the skew
-//!   has not passed, or while its instance lease, renewed without a lapse
-//!   since the hold was acquired, has not. A renewal that completes after the
-//!   previous one's safe window ends starts a new *era*: holds of an older era
-//!   are vouched for only after a conditional write to their `lock.json`
-//!   (`Leases::renew`), which makes a taker's concurrent write fail. A hold
-//!   whose lock was written before a lapse (the write's answer may come
-//!   after it, from a freeze) gets no era at all ([`InstanceLeases::era_for`]):
-//!   only an era that began while the lock's own lease still held vouches.
+//! - A hold in a sandbox's `lock.json` is live for a taker until both the
+//!   lock's own `renewed_at + lease_duration_s + skew` and the holder's
+//!   instance lease ([`InstanceLease::is_live`]) have passed.
+//! - The holder vouches for a hold until both the lock's own lease minus the
+//!   skew and its instance lease (unlapsed since the hold was acquired)
+//!   have passed. A renewal landing after the previous one's safe window
+//!   starts a new *era*; older-era holds are vouched for only after a
+//!   conditional write to their `lock.json` (`Leases::renew`), which fails a
+//!   taker's concurrent one. A lock written before a lapse (answered after
+//!   it, from a freeze) gets no era ([`InstanceLeases::era_for`]).
 //!
 //! # Caveats
-//! A ring is a hint. It can be lost (the ringer gave up under contention) or
-//! arrive twice; the holder's periodic resync reads every held sandbox's JSON
-//! anyway, so a lost ring costs time, never correctness.
+//! A ring is a hint, maybe lost (ringer gave up under contention) or doubled;
+//! the holder's periodic resync rereads all it holds, so loss costs only time.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -43,51 +39,41 @@ struct OwnLease {
     /// The `renewed_at` of the last renewal that was written.
     renewed_at: Option<DateTime<Utc>>,
     started_at: Option<DateTime<Utc>>,
-    /// Grows by one whenever a renewal lands after the previous one's safe
-    /// window ended: holds acquired in an older era are not vouched for.
+    /// Bumped when a renewal lands after the previous one's safe window.
     era: u64,
-    /// When the renewal that began the current era landed: the instance
-    /// lease vouches without a gap from then on.
+    /// When the current era's first renewal landed (no gap since then).
     era_began: Option<DateTime<Utc>>,
 }
 
-/// The era of a hold no era vouches for ([`InstanceLeases::era_for`]):
-/// eras start at 1, with the first renewal.
+/// No era vouches for the hold; eras start at 1, with the first renewal.
 pub const NO_ERA: u64 = 0;
 
 /// Rings waiting to be written to one other instance's doorbell.
 #[derive(Debug, Default)]
 struct Outbox {
-    /// Sandboxes rung since the last write began, with the intent each
-    /// ring carries (decision 27).
+    /// Sandboxes rung since the last write began, with intents (decision 27).
     pending: Vec<(SandboxId, Option<RungIntent>)>,
     /// A ringer is writing (or waiting for the spacing): it takes `pending`.
     writing: bool,
-    /// Batches taken for writing so far: a sandbox added to `pending` now
+    /// Batches taken for writing so far: a sandbox now added to `pending`
     /// goes into batch `taken + 1`, even while batch `taken` is in flight.
     taken: u64,
-    /// Batches written so far; a ringer whose sandbox went into batch `n`
-    /// is done when this reaches `n`.
+    /// Batches written so far: batch `n`'s ringers are done at `n`.
     written: u64,
     /// When the last batch was written (tokio time: spacing only).
     last_write: Option<tokio::time::Instant>,
     /// The outcome of the latest batch, for the ringers that joined it.
     last_error: Option<String>,
-    /// The holder's doorbell as this instance last wrote it: the first
-    /// batch after a quiet spell starts from it, one conditional write and
-    /// no read when nobody rang in between (a failed precondition reads
-    /// afresh, as before); a batch of a burst reads first.
+    /// The doorbell as last written here: a quiet spell's next batch writes
+    /// on it unread (a failed precondition re-reads); a burst's reads first.
     doorbell: Option<Versioned>,
-    /// Until when the next batches read first: a remembered doorbell was
-    /// found stale (another instance rings this holder too), and a refused
-    /// write counts against the object's write rate like any other.
+    /// Until when batches read first (a remembered doorbell proved stale).
     read_first_until: Option<tokio::time::Instant>,
 }
 
-/// How long a ringer whose remembered doorbell was stale reads before it
-/// writes: in a mass reconnect two instances ring one holder in turn, and
-/// each stale copy would cost a refused write (decision 22's withdrawn
-/// attempt); one refused write a minute per holder is the most it costs.
+/// How long batches read first after a stale remembered doorbell: otherwise
+/// two instances ringing one holder in turn (mass reconnect) each pay a
+/// refused write per stale copy (decision 22's withdrawn attempt).
 const READ_FIRST_AFTER_STALE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// This instance's lease and doorbell.
@@ -102,8 +88,7 @@ pub struct InstanceLeases {
     outboxes: Arc<Mutex<HashMap<InstanceId, Outbox>>>,
     /// Signalled whenever a batch of rings is written.
     rings_written: Arc<tokio::sync::Notify>,
-    /// Per other instance: its lease as last read live, and when (this
-    /// instance's clock). See [`Self::is_live`].
+    /// Per other instance: its lease as last read live ([`Self::is_live`]).
     seen_live: Arc<Mutex<HashMap<InstanceId, SeenLive>>>,
     /// Held by the renewal [`Self::renew_if_needed`] has in flight.
     renewing: Arc<tokio::sync::Mutex<()>>,
@@ -114,13 +99,10 @@ pub struct InstanceLeases {
 /// Another instance's lease as read live, and when (this instance's clock).
 type SeenLive = (DateTime<Utc>, InstanceLease);
 
-/// How long a lease read live answers "live" without another read. A taker
-/// waiting for a holder whose lock's own lease ran out (the hold lives on
-/// the instance lease, as every quiet hold does) asks at each of its polls;
-/// without this each poll would read the holder's lease after the lock, a
-/// second round trip per poll. Only "live" is remembered: a holder found
-/// gone is always found so on a read of that moment, so the cache can delay
-/// a takeover by at most this long, never allow one.
+/// How long a lease read live answers "live" without a read: a taker waiting
+/// out a quiet hold (lock's own lease out, instance lease live) asks each
+/// poll, else paying a second round trip. "Gone" is always read, so this can
+/// delay a takeover by at most this long, never allow one.
 const LIVE_READ_REUSE: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl InstanceLeases {
@@ -153,17 +135,14 @@ impl InstanceLeases {
         self.own.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The current era (see the module docs).
     pub fn era(&self) -> u64 {
         self.own().era
     }
 
-    /// The era that vouches for a hold whose lock was last written with
+    /// The era vouching for a hold whose lock was last written with
     /// `renewed_at`: the current one if it began while the lock's own lease
-    /// still vouched (no gap between the two), else [`NO_ERA`]. A write that
-    /// landed before a lapse and whose answer came after it (a freeze while
-    /// it was in flight) must not borrow the era that began after the lapse:
-    /// the sandbox may have been taken over in the gap.
+    /// still held, else [`NO_ERA`]. A write answered after a lapse (a freeze)
+    /// must not borrow the later era: the gap may have seen a takeover.
     pub fn era_for(&self, renewed_at: DateTime<Utc>) -> u64 {
         let own = self.own();
         let covered = own.era_began.is_some_and(|began| {
@@ -172,8 +151,7 @@ impl InstanceLeases {
         if covered { own.era } else { NO_ERA }
     }
 
-    /// True while this instance may act on holds of `era` on the strength of
-    /// its instance lease.
+    /// True while the instance lease lets this instance act on holds of `era`.
     pub fn vouches_for(&self, era: u64) -> bool {
         let own = self.own();
         own.era == era
@@ -189,11 +167,8 @@ impl InstanceLeases {
             .is_none_or(|renewed| self.clock.now() >= renewed + every)
     }
 
-    /// Renews while `needed` says so, one renewal at a time: a caller that
-    /// finds one in flight waits for it and writes only if it did not do.
-    /// A burst of attaches on an instance whose lease is stale (it held
-    /// nothing) then writes the lease once, not once per attach, which GCS
-    /// would answer with 429s (one object, about one write a second).
+    /// Renews while `needed`, one at a time (a caller finding one in flight
+    /// waits, then re-checks), so an attach burst writes once (GCS would 429).
     pub async fn renew_if_needed(&self, needed: impl Fn() -> bool) -> Result<(), LeaseError> {
         if !needed() {
             return Ok(());
@@ -244,9 +219,7 @@ impl InstanceLeases {
         Ok(era)
     }
 
-    /// True while `instance` must be treated as alive at this instance's
-    /// `now`. A lease read live within [`LIVE_READ_REUSE`] that is still
-    /// live at `now` answers without a read; "gone" is always read.
+    /// True while `instance` must count as alive; see [`LIVE_READ_REUSE`].
     pub async fn is_live(&self, instance: &InstanceId) -> Result<bool, LeaseError> {
         let now = self.clock.now();
         let reuse = Duration::from_std(LIVE_READ_REUSE).unwrap_or_else(|_| Duration::zero());
@@ -262,8 +235,7 @@ impl InstanceLeases {
         if remembered {
             return Ok(true);
         }
-        // No lease at all: it never held anything under instance leases, or
-        // was cleaned up.
+        // No lease: it never held under instance leases, or was cleaned up.
         let live = read_object::<InstanceLease>(self.store.as_ref(), &instance_lease_key(instance))
             .await?
             .map(|(lease, _)| lease)
@@ -289,14 +261,11 @@ impl InstanceLeases {
         read_object(self.store.as_ref(), &doorbell_key(&self.instance)).await
     }
 
-    /// Rings `holder`'s doorbell for `sandbox`, as this instance. Rings to
-    /// one holder are coalesced: while a write to its doorbell is in flight,
-    /// or within `ring_spacing` of the last one, further rings join the
-    /// next write (one write for all of them), so a burst of attaches never
-    /// writes one object faster than GCS allows. Returns once a write that
-    /// includes `sandbox` has landed (or failed). `intent`: the attach
-    /// intent the ring carries (decision 27); a later ring of the same
-    /// sandbox in the same batch replaces it.
+    /// Rings `holder`'s doorbell for `sandbox`; returns once a write including
+    /// it landed (or failed). Rings to one holder coalesce: while a write is in
+    /// flight or within `ring_spacing` of the last, they join the next, so a
+    /// burst never outpaces GCS's object write rate. `intent` (decision 27),
+    /// if any, replaces one an earlier ring of `sandbox` put in the batch.
     pub async fn ring(
         &self,
         holder: &InstanceId,
@@ -321,8 +290,7 @@ impl InstanceLeases {
             (outbox.taken + 1, writer)
         };
         if writer {
-            // Its own task: a ringer that is cancelled must not leave the
-            // others waiting for a write nobody makes.
+            // Own task: a cancelled ringer must not strand the others.
             let (leases, holder) = (self.clone(), holder.clone());
             tokio::spawn(async move { leases.write_rings(&holder).await });
         }
@@ -348,8 +316,7 @@ impl InstanceLeases {
         }
     }
 
-    /// The writer's loop: waits for the spacing, writes everything pending
-    /// in one ring, and goes on while more arrived meanwhile.
+    /// Writer loop: waits out the spacing, writes all pending, repeats if more.
     async fn write_rings(&self, holder: &InstanceId) {
         loop {
             let last_write = self
@@ -358,11 +325,9 @@ impl InstanceLeases {
                 .unwrap_or_else(PoisonError::into_inner)
                 .get(holder)
                 .and_then(|outbox| outbox.last_write);
-            // A batch that had to wait for the spacing is a burst of
-            // attaches: other instances may be ringing this holder too (a
-            // mass reconnect through several), and a write from a copy one
-            // of them made stale is refused yet spends the object's write
-            // rate when it is scarcest. Such a batch reads first.
+            // A batch that waited for the spacing is a burst: other instances
+            // may ring this holder too (a mass reconnect), and a write from a
+            // copy they staled is refused yet costs scarce rate. Read first.
             let burst = last_write
                 .is_some_and(|last| self.clock.instant() < last + self.config.ring_spacing);
             if let Some(last) = last_write {
@@ -421,7 +386,6 @@ impl InstanceLeases {
     }
 }
 
-/// Reads and decodes the object at `key`, with its generation, if it exists.
 async fn read_object<T: crate::api::ApiObject>(
     store: &dyn Store,
     key: &ObjectKey,
@@ -438,10 +402,8 @@ async fn read_object<T: crate::api::ApiObject>(
     }
 }
 
-/// Appends a ring for `sandbox` to `holder`'s doorbell (read, append,
-/// conditional write; a lost race re-reads). `by` names the ringer. An
-/// unreadable doorbell (an operator's typo) is replaced: it only ever holds
-/// hints.
+/// Appends a ring for `sandbox` to `holder`'s doorbell as `by` (a lost race
+/// re-reads); an unreadable doorbell (a typo) is replaced: it holds only hints.
 pub async fn ring_doorbell(
     store: &dyn Store,
     now: DateTime<Utc>,
@@ -454,16 +416,13 @@ pub async fn ring_doorbell(
         .map(|_| ())
 }
 
-/// A ring as written: the doorbell (with its generation) and how many
-/// attempts it took (more than one: the doorbell it started from was
-/// stale, or another ringer won a race).
+/// A ring as written, and its attempts (>1: a stale start or a lost race).
 struct Rung {
     written: Option<Versioned>,
     attempts: u32,
 }
 
-/// [`ring_doorbell`] for several sandboxes in one write, starting from
-/// `known` (the doorbell as last written here) when given.
+/// [`ring_doorbell`] for several sandboxes in one write, from `known` if given.
 async fn ring_doorbell_many(
     store: &dyn Store,
     now: DateTime<Utc>,

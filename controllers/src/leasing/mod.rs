@@ -1,30 +1,22 @@
-//! Lease operations over the Store: acquire, renew, release, detect loss, and
-//! write the attach intent.
-//!
-//! Every operation is a read-modify-write of `lock.json` under its generation,
-//! so two instances never both believe a write of theirs won. Time comes from
-//! the injected [`Clock`]; instances' clocks may disagree, so a lease counts as
-//! expired for a taker only `skew_tolerance` after its holder's own expiry, and
-//! a holder treats itself as unsafe `skew_tolerance` *before* it.
+//! Lease operations over the Store: acquire, renew, release, detect loss,
+//! write the attach intent; each a read-modify-write of `lock.json` under
+//! its generation, so two instances never both believe their write won.
+//! [`Clock`]s may disagree: a lease expires for a taker `skew_tolerance`
+//! after its holder's expiry, and for the holder that much *before* it.
 //!
 //! # Guarantees
-//! - Acquisition increments `epoch`: each holder gets a unique, increasing
-//!   fencing token.
-//! - Release writes `holder: null` and keeps the epoch and any intent; the lock
-//!   object is never deleted (the emulator ignores conditional deletes).
-//! - A live `wanted_by` naming another instance blocks acquisition: the instance
-//!   a client asked for gets the sandbox, not whoever polls first.
-//!
-//! # Instance leases
-//! A hold is kept live by its holder's instance lease ([`InstanceLeases`]),
-//! not by rewriting `lock.json`: an idle held sandbox costs no writes. The
-//! lock's own `renewed_at` is written at acquisition (and when a hold is
-//! re-verified after a lapse) and keeps the hold live for one lease duration
-//! by itself. A taker needs both to have expired.
+//! - Acquisition increments `epoch`: a unique, increasing fencing token.
+//! - Release writes `holder: null`, keeping epoch and intent; the lock is
+//!   never deleted (the emulator ignores conditional deletes).
+//! - A live `wanted_by` naming another instance blocks acquisition: the
+//!   instance a client asked for gets the sandbox, not the first poller.
+//! - A hold lives on its holder's [`InstanceLeases`] (idle holds cost no
+//!   writes) and, for one lease duration, on the lock's own `renewed_at`
+//!   (set at acquisition and re-verification); a taker needs both expired.
 //!
 //! # Errors
-//! An unreadable `lock.json` (an operator's typo) is reported as
-//! [`LeaseError::Invalid`] and never overwritten.
+//! An unreadable `lock.json` (an operator's typo) is [`LeaseError::Invalid`]
+//! and never overwritten.
 
 use std::sync::Arc;
 
@@ -53,15 +45,12 @@ pub struct LeaseConfig {
     pub skew_tolerance: Duration,
     /// How long an attach intent stays live.
     pub intent_ttl: Duration,
-    /// The least time between two writes of this instance to one other
-    /// instance's doorbell: rings in between are coalesced into the next
-    /// write, so a mass reconnect stays under GCS's per-object write rate
-    /// (about one a second). The first ring after a quiet spell goes at once.
+    /// Least time between this instance's writes to one doorbell (GCS allows
+    /// ~1/s per object): rings meanwhile join the next; after a lull, at once.
     pub ring_spacing: std::time::Duration,
 }
 
 impl LeaseConfig {
-    /// The lease's duration in whole seconds, at least one.
     pub fn duration_secs(&self) -> u64 {
         u64::try_from(self.duration.num_seconds())
             .unwrap_or(1)
@@ -89,9 +78,8 @@ pub struct HeldLease {
     pub generation: Generation,
     /// The lease as this instance last wrote or read it at `generation`.
     pub lease: Lease,
-    /// The instance-lease era that vouches for the hold: the one current
-    /// when its lock was last written or read, if that era began before the
-    /// lock's own lease ran out; [`NO_ERA`] (none) otherwise.
+    /// Era vouching for the hold: current at the lock's last write or read,
+    /// if begun before the lock's own lease ran out; else [`NO_ERA`].
     pub era: u64,
 }
 
@@ -131,9 +119,7 @@ pub enum LeaseError {
     Store(#[from] StoreError),
 }
 
-/// A `lock.json` as read moments ago, with its generation: the lease
-/// operations start from it instead of reading again (the write's
-/// precondition catches any change in between).
+/// A `lock.json` just read and its generation, for a write's precondition.
 pub type ReadLease = (Lease, Generation);
 
 /// What became of a hold given back after its checkpoint.
@@ -145,7 +131,6 @@ pub enum HandBack {
     TransferredTo { instance: InstanceId, epoch: u64 },
 }
 
-/// What a read-modify-write step decided.
 enum Step<T> {
     Write(Box<Lease>, T),
     Done(T),
@@ -156,9 +141,7 @@ enum Step<T> {
 pub(crate) enum Grant {
     /// The lock names this instance already: renewed, same epoch.
     Renew,
-    /// Nobody holds it, or the holder found gone still holds it at the
-    /// epoch found gone and its lock's own lease has run out: taken, at the
-    /// next epoch.
+    /// Unheld, or the gone hold unchanged, its lock's lease out: next epoch.
     Take,
     /// Another holder: live, or not the hold that was found gone.
     HeldByOther,
@@ -166,12 +149,9 @@ pub(crate) enum Grant {
     WantedByOther(AttachIntent),
 }
 
-/// The acquire write's guard, asked on the lock as the write finds it (and
-/// again on each re-read after a lost race). `decide` in
-/// `sandboxes::decision` chooses to acquire on the pass's read; this says
-/// whether the lock, as it is when the write is made, still allows it.
-/// `gone`: the holder and epoch whose instance lease was read expired (an
-/// I/O this table cannot make), for a takeover.
+/// The acquire write's guard, on the lock as each write attempt finds it:
+/// does it still allow what `decide` (`sandboxes::decision`) chose on the
+/// pass's read? `gone`: the holder and epoch the caller found gone.
 pub(crate) fn grant(
     lock: &Lease,
     me: &InstanceId,
@@ -202,30 +182,21 @@ pub struct Leases {
     instance: InstanceId,
     config: LeaseConfig,
     instance_lease: InstanceLeases,
-    /// Attach intents carried by rings instead of `lock.json` (decision
-    /// 27), by sandbox: on a holder, those its doorbell brought; on a
-    /// ringer, its own. Every lock this instance reads counts them
-    /// ([`Lease::hear`]), so both see the same `wanted_by` the lock will
-    /// carry after the holder's transfer. Kept in the reconciler's slots
-    /// once a reconciler takes these leases ([`Leases::keep_rung_in`]);
-    /// leases used alone (`sandboxctl`'s verbs) hear nothing.
+    /// Rung intents (decision 27): on a holder, those its doorbell brought;
+    /// on a ringer, its own. Lock reads here count them ([`Lease::hear`]) so
+    /// both see the lock's next `wanted_by`. Set by [`Leases::keep_rung_in`].
     heard: Option<Arc<dyn RungIntents>>,
 }
 
-/// Where an instance keeps the attach intents rings carried (decision 27),
-/// at most one per sandbox: the reconciler's per-sandbox slots
-/// (`sandboxes/reconciler/slots.rs`), beside everything else the instance
-/// knows of the sandbox.
+/// Where an instance keeps rung intents (decision 27), at most one per
+/// sandbox: the reconciler's slots (`sandboxes/reconciler/slots.rs`).
 pub trait RungIntents: Send + Sync + std::fmt::Debug {
-    /// The intent kept for `sandbox`, if any.
     fn rung(&self, sandbox: &SandboxId) -> Option<RungIntent>;
-    /// Replaces the intent kept for `sandbox` with what `change` makes of it.
     fn change_rung(
         &self,
         sandbox: &SandboxId,
         change: &mut dyn FnMut(Option<RungIntent>) -> Option<RungIntent>,
     );
-    /// Forgets every intent expired at `now`.
     fn forget_expired(&self, now: DateTime<Utc>);
 }
 
@@ -252,16 +223,14 @@ impl Leases {
         }
     }
 
-    /// Keeps the intents rings carry in `intents` from now on (the
-    /// reconciler's slots; see [`RungIntents`]). Call before any is heard,
-    /// on the copy every user shares.
+    /// Keeps rung intents in `intents` (the reconciler's slots) from now on.
+    /// Call before any is heard, on the copy every user shares.
     pub fn keep_rung_in(&mut self, intents: Arc<dyn RungIntents>) {
         self.heard = Some(intents);
     }
 
-    /// Remembers an attach intent a ring carried for `sandbox` (the newest
-    /// one per sandbox, the later heard of two as new; expired ones are
-    /// dropped).
+    /// Remembers an intent a ring carried for `sandbox`: the newest per
+    /// sandbox (of two as new, the later heard); expired ones are dropped.
     pub fn hear(&self, sandbox: &SandboxId, rung: RungIntent) {
         let Some(heard) = &self.heard else {
             return;
@@ -273,8 +242,7 @@ impl Leases {
         });
     }
 
-    /// Forgets this instance's own rung intent for `sandbox` (its client
-    /// gave up).
+    /// Forgets this instance's own rung intent for `sandbox` (client gave up).
     fn forget_own_intent(&self, sandbox: &SandboxId) {
         let Some(heard) = &self.heard else {
             return;
@@ -294,8 +262,7 @@ impl Leases {
         })
     }
 
-    /// `lease` as this instance sees it: with the intent a ring carried for
-    /// it, if any applies ([`Lease::hear`]).
+    /// `lease` with the intent a ring carried for it, if any ([`Lease::hear`]).
     pub fn with_heard(&self, sandbox: &SandboxId, mut lease: Lease) -> Lease {
         if let Some(rung) = self.rung(sandbox) {
             lease.hear(&rung, self.clock.now());
@@ -303,8 +270,6 @@ impl Leases {
         lease
     }
 
-    /// `sandbox`'s `lock.json` as stored in `data`, as this instance sees it
-    /// ([`Self::with_heard`]).
     fn decode_heard(&self, sandbox: &SandboxId, data: &[u8]) -> Result<Lease, LeaseError> {
         let lease = decode::<Lease>(data).map_err(|source| LeaseError::Invalid {
             key: lock_key(sandbox).to_string(),
@@ -313,7 +278,6 @@ impl Leases {
         Ok(self.with_heard(sandbox, lease))
     }
 
-    /// The intent a ring carried for `sandbox`, if one is kept.
     fn rung(&self, sandbox: &SandboxId) -> Option<RungIntent> {
         self.heard.as_ref().and_then(|heard| heard.rung(sandbox))
     }
@@ -322,15 +286,12 @@ impl Leases {
         &self.instance
     }
 
-    /// This instance's own lease and doorbell.
     pub fn instance_lease(&self) -> &InstanceLeases {
         &self.instance_lease
     }
 
-    /// Makes sure this instance's lease vouches for holds acquired now:
-    /// renews it unless a renewal of the current era is less than a third of
-    /// the lease old.
-    /// Concurrent callers share one renewal.
+    /// Makes the instance lease vouch for holds acquired now (one shared
+    /// renewal, skipped if this era's last is under a third of a lease old).
     pub async fn ensure_instance_lease(&self) -> Result<(), LeaseError> {
         let lease = &self.instance_lease;
         lease
@@ -340,10 +301,8 @@ impl Leases {
             .await
     }
 
-    /// True if `lease`'s hold may be taken over now: it names no holder, or
-    /// the lock's own lease has expired and so has the holder's instance
-    /// lease. Reads the holder's instance lease only when the lock's has
-    /// expired (a live one is remembered for a moment, `is_live`).
+    /// True if `lease`'s hold may be taken over now: no holder, or the lock's
+    /// own lease and then the holder's instance lease (read only then) expired.
     pub(crate) async fn holder_gone(&self, lease: &Lease) -> Result<bool, LeaseError> {
         let now = self.clock.now();
         match &lease.holder {
@@ -362,7 +321,7 @@ impl Leases {
         &self.config
     }
 
-    /// Reads the lease, if the sandbox has one.
+    /// Reads the lock, if any, as this instance sees it ([`Self::with_heard`]).
     pub async fn read(
         &self,
         sandbox: &SandboxId,
@@ -377,27 +336,23 @@ impl Leases {
         }
     }
 
-    /// Takes the lease: creates it, or takes it over when it is free or expired,
-    /// with `epoch + 1`. Holding it already is not an error: it is renewed and
-    /// the same epoch comes back.
-    /// Clears `wanted_by` when it names this instance (the intent is fulfilled).
+    /// Takes the lease (creating it, or taking it over if free or expired)
+    /// at `epoch + 1`; already held here, it is renewed at the same epoch.
+    /// Clears `wanted_by` if it names this instance (fulfilled) or expired.
     pub async fn acquire(&self, sandbox: &SandboxId) -> Result<HeldLease, LeaseError> {
         let read = self.read(sandbox).await?;
         self.acquire_from(sandbox, read).await
     }
 
-    /// [`Self::acquire`] from the lock as read moments ago (`None`: it did
-    /// not exist). The instance lease is made to vouch at the same time: the
-    /// lock's own `renewed_at` covers the hold until it does.
+    /// [`Self::acquire`] from the lock as just read (`None`: absent), making
+    /// the instance lease vouch meanwhile (the lock's own covers until then).
     pub async fn acquire_from(
         &self,
         sandbox: &SandboxId,
         read: Option<ReadLease>,
     ) -> Result<HeldLease, LeaseError> {
-        // Whose hold may be taken: a holder whose lock and instance lease
-        // have both expired. Decided on the lock as read; the write below
-        // only takes over that same, still-expired hold (a change in between
-        // fails its precondition and it decides again on a fresh read).
+        // Take over only a hold whose lock and instance lease both expired as
+        // read; the write re-decides if it changed since (its precondition).
         let gone = match &read {
             Some((lease, _)) if self.holder_gone(lease).await? => {
                 lease.holder.clone().map(|holder| (holder, lease.epoch))
@@ -459,10 +414,9 @@ impl Leases {
         .await
     }
 
-    /// Writes the lock of a brand-new sandbox already held by this instance
-    /// at epoch 1, only if no lock exists (`ifGenerationMatch=0`): a create
-    /// is its own acquisition. `None`: a lock exists (the caller falls back
-    /// to an intent). The instance lease is made to vouch at the same time.
+    /// Creates a new sandbox's lock held here at epoch 1 (a create is its
+    /// own acquisition) while making the instance lease vouch; `None` if a
+    /// lock exists (`ifGenerationMatch=0`; the caller falls back to an intent).
     pub async fn create_held(&self, sandbox: &SandboxId) -> Result<Option<HeldLease>, LeaseError> {
         let now = self.clock.now();
         let mut lease = self.fresh_lease();
@@ -481,8 +435,7 @@ impl Leases {
         self.held(sandbox, 1, &lease, generation).map(Some)
     }
 
-    /// Takes up a hold another instance transferred to this one (or that a
-    /// create or attach of this instance wrote), as read at `generation`.
+    /// Takes up a hold naming this instance (a transfer, create or attach).
     pub async fn adopt(
         &self,
         sandbox: &SandboxId,
@@ -501,10 +454,9 @@ impl Leases {
         self.held(sandbox, lease.epoch, lease, generation)
     }
 
-    /// Gives a hold back after its checkpoint, carrying the checkpoint in
-    /// the lock: to the instance whose live intent names it (a transfer:
-    /// `holder` = that instance, `epoch + 1`, in this one write), or to
-    /// nobody. Starts from `read` (the lock as this pass read it) when given.
+    /// Gives a hold back after its checkpoint, recording it in the lock, to
+    /// the instance whose live intent names it (a transfer: `holder` = it,
+    /// `epoch + 1`, in this one write) or to nobody. From `read` if given.
     pub async fn hand_back(
         &self,
         held: &HeldLease,
@@ -536,8 +488,7 @@ impl Leases {
         .map(|(outcome, _, _)| outcome)
     }
 
-    /// Extends a held lease. Fails with `Lost` if another instance took it or an
-    /// operator cleared the holder.
+    /// Extends a hold: `Lost` if taken over or cleared by an operator.
     pub async fn renew(&self, held: &HeldLease) -> Result<HeldLease, LeaseError> {
         self.renew_or_found(held)
             .await?
@@ -549,8 +500,7 @@ impl Leases {
             })
     }
 
-    /// [`Self::renew`], but a lock that no longer names the hold (`None`:
-    /// no lock) comes back as found, for the caller to decide on.
+    /// [`Self::renew`], but a lock not naming the hold comes back as found.
     pub async fn renew_or_found(
         &self,
         held: &HeldLease,
@@ -572,8 +522,7 @@ impl Leases {
         })
     }
 
-    /// Gives the lease up: `holder: null`, epoch and intent kept. Releasing a lease
-    /// already lost is reported as `Lost` (nothing is written).
+    /// Sets `holder: null`, keeping epoch and intent; `Lost` if already lost.
     pub async fn release(&self, held: &HeldLease) -> Result<(), LeaseError> {
         self.modify_from(&held.sandbox, None, |existing, _now| {
             let mut lease = self.still_mine(held, existing)?;
@@ -584,10 +533,8 @@ impl Leases {
         .map(|_| ())
     }
 
-    /// Gives up a hold whose start failed, and this instance's attach intent
-    /// in the same write (its waiting client was told): one write where a
-    /// release and a withdrawal would make two to an object GCS lets change
-    /// about once a second.
+    /// Gives up a hold whose start failed and withdraws this instance's intent
+    /// (its client was told) in one write: GCS allows ~1 write/s per object.
     pub async fn release_and_withdraw(&self, held: &HeldLease) -> Result<(), LeaseError> {
         self.forget_own_intent(&held.sandbox);
         self.modify_from(&held.sandbox, None, |existing, _now| {
@@ -606,9 +553,8 @@ impl Leases {
         .map(|_| ())
     }
 
-    /// Gives up a hold at `epoch` that names this instance but that it does
-    /// not run (see the reconciler's orphan row). Nothing is written if the
-    /// lock moved on meanwhile.
+    /// Gives up a hold at `epoch` naming this instance, which does not run it
+    /// (the reconciler's orphan row); no write if the lock moved on.
     pub async fn release_orphan(&self, sandbox: &SandboxId, epoch: u64) -> Result<(), LeaseError> {
         self.modify_from(sandbox, None, |existing, _now| match existing {
             Some(mut lease) if lease.is_held_by(&self.instance) && lease.epoch == epoch => {
@@ -622,34 +568,27 @@ impl Leases {
     }
 
     /// True while this instance may act on `held`: its lock was renewed less
-    /// than a lease ago (minus the tolerated skew), or this instance's lease
-    /// vouches for the hold's era.
+    /// than a lease minus skew ago, or the instance lease vouches for its era.
     pub fn is_safe(&self, held: &HeldLease) -> bool {
         self.clock.now() < held.renewed_at + self.config.duration - self.config.skew_tolerance
             || self.instance_lease.vouches_for(held.era)
     }
 
-    /// Writes the attach intent `wanted_by = this instance`, valid for the
-    /// configured TTL. Creates an unheld lock if the sandbox has none.
-    /// Rings the holder's doorbell so it hands the sandbox over at once.
+    /// Writes `wanted_by` = this instance for the intent TTL (creating an
+    /// unheld lock if none) and rings the holder to hand over at once.
     pub async fn request_attach(&self, sandbox: &SandboxId) -> Result<AttachIntent, LeaseError> {
         Ok(self.request_attach_writing(sandbox, None, None).await?.0)
     }
 
-    /// [`Self::request_attach`] from the lock as read moments ago, with the
-    /// lock as written (`None`: the intent went by ring alone, the lock is
-    /// as read).
+    /// [`Self::request_attach`] from the lock as just read; returns the lock
+    /// as written (`None`: the intent went by ring alone, lock as read).
     ///
-    /// When `read` names another holder, the intent goes to it in the ring
-    /// alone, not into `lock.json` (decision 27): the holder's transfer is
-    /// then the lock's next write, one fewer on an object GCS lets change
-    /// about once a second (a sandbox moved right after a restore met that
-    /// limit). The intent counts in this instance's own reads of the lock
-    /// from now on ([`Self::hear`]). A ring that fails falls back to the
-    /// written intent; so does a lock nobody holds (the intent is then the
-    /// only thing to write). `metadata`: the generation of `metadata.json`
-    /// read with `read`, if the caller does not write it; the ring then
-    /// tells the holder both generations.
+    /// If `read` names another holder, the intent only rings it (decision
+    /// 27): its transfer is the lock's next write, saving one at GCS's ~1/s
+    /// per object (a move right after a restore hit that). Own reads count
+    /// it from now ([`Self::hear`]); a failed ring or unheld lock writes it
+    /// instead. `metadata`: the `metadata.json` generation read with `read`
+    /// if the caller won't write it, for the ring to tell the holder.
     pub async fn request_attach_writing(
         &self,
         sandbox: &SandboxId,
@@ -681,8 +620,7 @@ impl Leases {
         Ok((intent, Some((lease, generation))))
     }
 
-    /// Rings `holder` with this instance's attach intent for `sandbox`,
-    /// held at `epoch`, and counts it here at once.
+    /// Rings `holder` with this instance's intent; counts it here at once.
     async fn ring_intent(
         &self,
         sandbox: &SandboxId,
@@ -704,12 +642,9 @@ impl Leases {
         Ok(intent)
     }
 
-    /// Rings the doorbell of `lease`'s holder for `sandbox` when that is
-    /// another instance, so an intent written here takes effect there at
-    /// once: the one place an intent's writer rings. The ring carries this
-    /// instance's live intent, if `lease` has it (a waiter's re-ring of an
-    /// intent that went by ring). A failure is logged: the holder's resync
-    /// (or the waiter's re-ring) catches up.
+    /// Rings `lease`'s holder if another instance (the one place an intent's
+    /// writer rings), with this instance's live intent if any (a re-ring). A
+    /// failure is logged: the holder's resync or a later re-ring catches up.
     pub async fn ring_holder(&self, sandbox: &SandboxId, lease: &Lease) {
         let Some(holder) = lease.holder.as_ref().filter(|h| *h != &self.instance) else {
             return;
@@ -746,7 +681,6 @@ impl Leases {
         .map(|_| ())
     }
 
-    /// This instance's attach intent, written or rung at `now`.
     fn own_intent(&self, now: DateTime<Utc>) -> AttachIntent {
         AttachIntent {
             instance: self.instance.clone(),
@@ -756,7 +690,6 @@ impl Leases {
         }
     }
 
-    /// Makes `instance` the holder of `lease` at its next epoch, from `now`.
     fn take_hold(&self, lease: &mut Lease, instance: InstanceId, now: DateTime<Utc>) {
         lease.holder = Some(instance);
         lease.epoch += 1;
@@ -782,7 +715,6 @@ impl Leases {
         }
     }
 
-    /// `held` is lost: `lease` names another holder or epoch.
     fn lost(held: &HeldLease, lease: Lease) -> LeaseError {
         LeaseError::Lost {
             sandbox: held.sandbox.clone(),
@@ -813,9 +745,8 @@ impl Leases {
         })
     }
 
-    /// The read-modify-write loop on `lock.json`: `decide` sees the current lease
-    /// (or `None`) and the time, and returns what to write; a lost race re-reads.
-    /// Starts from `read`, the lock as read moments ago, when given.
+    /// Read-modify-write of `lock.json` from `read` if given: `decide` gets
+    /// the lease (or `None`) and time, returns the write; lost races re-read.
     async fn modify_from<T>(
         &self,
         sandbox: &SandboxId,

@@ -1,8 +1,6 @@
-//! A work queue of sandbox ids with client-go's guarantees: an id is queued at
-//! most once, never reconciled by two workers at once, and an id added while
-//! it is being reconciled runs again right after. Like client-go's
-//! rate-limiting queue, it keeps each id's failed passes in a row and retries
-//! a failed one after a back-off that grows with them.
+//! A work queue of sandbox ids with client-go's guarantees: queued at most
+//! once, never reconciled by two workers at once, re-run if added while
+//! active; a failed pass retries after a back-off growing with failures.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -24,13 +22,11 @@ struct State {
     dirty: HashSet<SandboxId>,
     /// The earliest pending delayed add per id.
     scheduled: HashMap<SandboxId, Instant>,
-    /// Failed passes in a row per id (the retry back-off). Here, not in the
-    /// sandbox's slot: no pass reads it, and it would keep the slot of a
-    /// sandbox whose last pass failed alive until one succeeds.
+    /// Failed passes in a row per id. Here, not in the sandbox's slot: no
+    /// pass reads it, and it would keep a failing sandbox's slot alive.
     failures: HashMap<SandboxId, u32>,
 }
 
-/// The longest wait before a failed pass is retried.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
 /// Exponential back-off with jitter: 0.5 s, 1 s, 2 s … up to 30 s.
@@ -46,7 +42,6 @@ fn backoff(failures: u32) -> Duration {
 pub struct WorkQueue {
     state: Arc<Mutex<State>>,
     ready: Arc<Notify>,
-    /// Reads the time delayed adds are due at.
     clock: Arc<dyn Clock>,
 }
 
@@ -64,7 +59,6 @@ impl WorkQueue {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Queues `id` now.
     pub fn add(&self, id: &SandboxId) {
         let mut state = self.state();
         if state.active.contains(id) {
@@ -78,8 +72,8 @@ impl WorkQueue {
 
     /// Queues `id` after `delay`, unless an earlier add is already scheduled.
     pub fn add_after(&self, id: &SandboxId, delay: Duration) {
-        // A day at most: a delay computed from an operator's timestamp must
-        // not overflow the clock (nothing waits that long without a resync).
+        // A day at most (resyncs come sooner): a delay computed from an
+        // operator's timestamp must not overflow the clock.
         let delay = delay.min(Duration::from_secs(86_400));
         let now = self.clock.instant();
         let due = now.checked_add(delay).unwrap_or(now);
@@ -139,23 +133,20 @@ impl WorkQueue {
         }
     }
 
-    /// Marks `id` done after a pass that succeeded (its failures in a row
-    /// are forgotten); queues it again if it was added meanwhile.
+    /// Ends a successful pass (forgets its failures); requeues if re-added.
     pub fn done(&self, id: &SandboxId) {
         self.end_pass(id, false);
     }
 
-    /// Marks `id` done after a pass that failed: queues it again after a
-    /// back-off that grows with its failures in a row (at once if it was
-    /// added meanwhile); returns the back-off.
+    /// Ends a failed pass: requeues `id` after a back-off growing with its
+    /// failures in a row (at once if added meanwhile); returns the back-off.
     pub fn done_failed(&self, id: &SandboxId) -> Duration {
         let delay = self.end_pass(id, true);
         self.add_after(id, delay);
         delay
     }
 
-    /// Ends `id`'s pass, counting a failure or forgetting them; the
-    /// back-off the failures in a row call for (zero after a success).
+    /// Ends the pass; returns the back-off for its failures (zero on success).
     fn end_pass(&self, id: &SandboxId, failed: bool) -> Duration {
         let (again, delay) = {
             let mut state = self.state();

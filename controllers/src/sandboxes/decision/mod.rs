@@ -1,17 +1,12 @@
 //! The reconciler's decision table: a pure function from what a full pass
-//! observed (the sandbox's `metadata.json` and `lock.json`, this instance's
-//! hold and runtime) to the ONE next step toward the desired state
-//! (`docs/architecture.md`, "The reconcile loop"). The reconciler reads, asks
-//! [`decide`], and performs the step; nothing here does I/O, so each row is a
-//! unit test below (kube-runtime's `watcher` keeps its `State` + `step()` the
-//! same way).
+//! observed (`metadata.json`, `lock.json`, this instance's hold and runtime)
+//! to the ONE next step (`docs/architecture.md`, "The reconcile loop"). No
+//! I/O here, so each row is a unit test (as kube-runtime's `watcher` keeps
+//! `State` + `step()`). Rows are tried top to bottom; the first match wins.
 //!
-//! Rows are tried top to bottom; the first that matches wins.
-//!
-//! A held sandbox nothing happened to is not read in full on every pass:
-//! [`decide_light`] says whether its pass may stay light (lease upkeep, and
-//! in the departure watch one read of the lock), on the same conditions the
-//! full table stops or hands over on ([`still_ours`], [`wanted_elsewhere`]).
+//! [`decide_light`] lets a quiet held sandbox skip the full read (upkeep
+//! only; the departure watch reads both objects once) on the full table's
+//! stop and hand-over conditions ([`still_ours`], [`wanted_elsewhere`]).
 
 use chrono::{DateTime, Utc};
 
@@ -21,7 +16,6 @@ use crate::leasing::HeldLease;
 /// What a full pass saw.
 #[derive(Debug, Clone)]
 pub(crate) struct Observed<'a> {
-    /// This instance.
     pub me: &'a InstanceId,
     pub now: DateTime<Utc>,
     /// `None`: `metadata.json` does not exist (purged, or deleted by hand).
@@ -36,37 +30,32 @@ pub(crate) struct Observed<'a> {
     pub running_here: bool,
     /// A pass of this instance is acquiring and starting it right now.
     pub starting_here: bool,
-    /// The lock's hold may be taken over: it names no holder, or its own
-    /// lease (plus the skew) and its holder's instance lease have both run
-    /// out (`Leases::holder_gone`).
+    /// The lock's hold may be taken over (`Leases::holder_gone`): no holder,
+    /// or its own lease (plus skew) and its holder's instance lease ran out.
     pub holder_gone: bool,
     /// A client here waits for the sandbox to start (it asked for it here).
     pub waiting_here: bool,
     /// A periodic checkpoint of the held sandbox is due.
     pub checkpoint_due: bool,
-    /// Why the bucket could not be reached, if it could not: a read of
-    /// either object, or a re-verification's write of the lock, failed in
-    /// the store (not an operator's invalid document). `metadata` and
-    /// `lock` then say nothing.
+    /// Why the bucket could not be reached, if so: a read of either object,
+    /// or a re-verification's write of the lock, failed in the store (not an
+    /// operator's invalid document). `metadata` and `lock` then mean nothing.
     pub unreachable: Option<&'a str>,
 }
 
 /// The one next step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Step {
-    /// The bucket cannot be reached and the hold here is no longer vouched
-    /// for: it cannot be re-verified, and another instance may take it
-    /// over meanwhile (two copies must never run). Stop, write nothing.
+    /// Bucket unreachable, the hold here unvouched: it may be taken over
+    /// meanwhile (two copies must never run). Stop, write nothing.
     CutOff { why: String },
-    /// The bucket cannot be reached, and nothing held here is at risk: the
-    /// pass fails and is retried.
+    /// Bucket unreachable, nothing held here at risk: fail the pass, retry.
     Retry { why: String },
     /// `metadata.json` is gone: stop what runs here, write nothing.
     StopVanished,
     /// Nothing here, nothing to do until something happens.
     Nothing,
-    /// The lock names another holder or epoch, or `status` a newer
-    /// holder's record: stop without writing.
+    /// Hold lost (lock: another holder/epoch; `status`: newer): stop, no write.
     StopLost { holder: Option<InstanceId> },
     /// The local sandbox died: record `Failed`, release.
     MarkDied,
@@ -79,22 +68,17 @@ pub(crate) enum Step {
     /// Another instance's live intent: checkpoint (forced per policy), release.
     HandOver,
     /// The instance lease lapsed since the hold was taken: one conditional
-    /// write to the lock before anything else is done to the sandbox. The
-    /// table then decides again, on the renewed hold if the write landed,
-    /// else on what it found (the lock naming another, or the bucket
-    /// unreachable).
+    /// lock write first, then decide again on what it renewed or found.
     Reverify,
     /// Keep running; look again at the resync (or sooner while watching).
     KeepRunning,
-    /// Held and running here, but `status` does not say so yet (a start
-    /// writes it after `SANDBOX_RUNNING`, or that write failed), or the lock
-    /// carries a newer checkpoint than `status` records: record it.
+    /// Running here but `status` lags (its write after `SANDBOX_RUNNING` is
+    /// pending or failed, or the lock has a newer checkpoint): record it.
     RecordRunning,
     /// The periodic checkpoint in place is due.
     PeriodicCheckpoint,
-    /// The lock names this instance, which a client here asked for it on:
-    /// a transfer from the previous holder, or a create or attach that took
-    /// the hold in its own write. Take the hold up and start it.
+    /// The lock names this instance and a client here asked for it (a
+    /// transfer, or a create or attach that took the hold): adopt and start.
     Adopt,
     /// The lock names this instance, which does not run the sandbox.
     ReleaseOrphan { epoch: u64 },
@@ -106,20 +90,17 @@ pub(crate) enum Step {
     Tombstone,
     /// Desired `running`, not wanted here: tell a waiting client, if any.
     NotWantedHere,
-    /// Desired `checkpointed`, not held here: a client here that asked for it
-    /// (its `running` was overwritten, e.g. by its holder's shutdown) is told
-    /// to attach again rather than left waiting.
+    /// Desired `checkpointed`, not held here: tell a client waiting here (its
+    /// `running` overwritten, e.g. by the holder's shutdown) to attach again.
     CheckpointedMeanwhile,
     /// Desired `running`, wanted here, and the hold free or its holder
     /// gone: acquire, then restore or create.
     Acquire,
-    /// Desired `running`, wanted here, held by another live holder: it hands
-    /// the sandbox over (in one write naming this instance); look again soon,
-    /// ringing it again now and then in case a ring was lost.
+    /// Desired `running`, wanted here, another live holder: it hands over in
+    /// one write naming this instance; poll soon, re-ring lest a ring was lost.
     AwaitHandover { holder: InstanceId },
 }
 
-/// The decision table.
 pub(crate) fn decide(seen: &Observed<'_>) -> Step {
     if let Some(why) = seen.unreachable {
         let why = why.to_owned();
@@ -136,14 +117,12 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
             Step::Nothing
         };
     };
-    // A tombstone is final, whatever its spec says now (an operator's
-    // edit): it is never started again (decision 28).
+    // A tombstone is final, even if its spec is edited (decision 28).
     let tombstone = metadata.status.phase == Phase::Deleted;
     if let Some(held) = seen.held {
         if !still_ours(seen.me, seen.lock, held) || metadata.status.epoch > held.epoch {
-            // Another holder or epoch in the lock, or a newer holder's
-            // record in `status` (its fence: it took the sandbox after this
-            // hold, whatever lock this pass read).
+            // The lock names another holder or epoch, or `status` a newer
+            // holder's record (its fence, whatever lock this pass read).
             return Step::StopLost {
                 holder: seen
                     .lock
@@ -159,11 +138,9 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
             return Step::MarkDied;
         }
         if !seen.vouched {
-            // Another instance may take the hold over from now on, and the
-            // steps below stop or kill what runs here before their fenced
-            // write could fail: the hold is renewed first (a hand-over
-            // taken from a stale view once killed an execution and
-            // reported its end on an instance that had lost the sandbox).
+            // Another instance may take the hold from now on, and the steps
+            // below may stop or kill the sandbox before a fenced write fails:
+            // renew first (a stale-view hand-over once killed an execution).
             return Step::Reverify;
         }
         return match metadata.spec.desired_state {
@@ -199,9 +176,8 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
         };
     }
     if tombstone {
-        // Its spec set back by hand: neither started nor purged here (an
-        // operator's edit of `status` must not cost a sandbox its data);
-        // `sandboxctl delete` or `gc` finish it.
+        // Spec set back by hand: neither started nor purged here (an edit of
+        // `status` must not cost data); `sandboxctl delete` or `gc` finish it.
         return if metadata.spec.desired_state == DesiredState::Deleted {
             Step::Purge
         } else {
@@ -224,24 +200,20 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
     }
 }
 
-/// True while `lock` still names this instance's hold at its epoch (else
-/// the hold was lost: [`Step::StopLost`]).
+/// `lock` still names this hold at its epoch (if not: [`Step::StopLost`]).
 pub(crate) fn still_ours(me: &InstanceId, lock: Option<&Lease>, held: &HeldLease) -> bool {
     lock.is_some_and(|lock| lock.is_held_by(me) && lock.epoch == held.epoch)
 }
 
-/// True when `lock` carries another instance's live intent (a holder hands
-/// the sandbox over: [`Step::HandOver`]).
+/// `lock` carries another instance's live intent ([`Step::HandOver`]).
 pub(crate) fn wanted_elsewhere(me: &InstanceId, lock: Option<&Lease>, now: DateTime<Utc>) -> bool {
     lock.is_some_and(|lock| lock.wanted_elsewhere(me, now).is_some())
 }
 
-/// What a sandbox held here asks for at shutdown (the drain): `None` when
-/// its pass finishes what is under way by itself (being deleted already,
-/// decision 28; or wanted by a client elsewhere, which a hand-over serves:
-/// overwriting that attach's `running` with `checkpointed` would leave it
-/// waiting for a start that never comes); else a checkpoint, or a deletion
-/// for a sandbox that cannot be checkpointed (or whose metadata is gone).
+/// What a sandbox held here asks for at the shutdown drain: `None` if its
+/// pass finishes by itself (being deleted, decision 28; or wanted elsewhere:
+/// `checkpointed` over that attach's `running` would strand it); else a
+/// checkpoint, or deletion if not checkpointable (or its metadata is gone).
 pub(crate) fn drain_to(
     me: &InstanceId,
     metadata: Option<&SandboxMetadata>,
@@ -257,29 +229,23 @@ pub(crate) fn drain_to(
     }
 }
 
-/// What a pass of a sandbox knows before it reads both objects.
+/// What a pass of a sandbox knows before it reads both objects; fields
+/// named as in [`Observed`] mean the same.
 #[derive(Debug, Clone)]
 pub(crate) struct Quiet<'a> {
     pub me: &'a InstanceId,
     pub now: DateTime<Utc>,
-    /// Something asked for a full pass (an intent was written, a step
-    /// wants to decide again).
+    /// Something asked for a full pass (an intent written, a step re-deciding).
     pub full_pass_wanted: bool,
-    /// This instance's hold, if it runs the sandbox.
     pub held: Option<&'a HeldLease>,
     /// The resync is due (the last full pass was a resync interval ago).
     pub resync_due: bool,
-    /// A periodic checkpoint of the held sandbox is due.
     pub checkpoint_due: bool,
-    /// The local runtime runs the sandbox.
     pub running_here: bool,
-    /// Its client left within the detached window: the departure watch
-    /// reads the lock on each pass (decision 7).
+    /// Client left within the detached window: departure watch (decision 7).
     pub watching: bool,
-    /// The departure watch's read of the lock, once made (`Some(None)`: no
-    /// lock).
+    /// The departure watch's read of the lock, once made (`Some(None)`: none).
     pub lock_read: Option<Option<&'a Lease>>,
-    /// This instance may act on `held` (its instance lease vouches for it).
     pub vouched: bool,
 }
 
@@ -288,21 +254,17 @@ pub(crate) struct Quiet<'a> {
 pub(crate) enum LightStep {
     /// Read both objects and ask [`decide`].
     Full,
-    /// The departure watch: read both objects at once, then ask again with
-    /// the lock read.
+    /// Departure watch: read both objects at once, then ask again with them.
     ReadBoth,
-    /// The departure watch's read shows the hold lost or wanted elsewhere:
-    /// a full pass decides on those reads (not on a second round trip).
+    /// The watch's read shows a lost hold or another's intent: full pass on it.
     Changed,
-    /// Nothing changed: lease upkeep only, look again at the resync (or at
-    /// the watch's next poll).
+    /// Nothing changed: upkeep; look again at the resync or next watch poll.
     Upkeep,
 }
 
 /// The light pass's table: a held sandbox nothing happened to stays light
-/// until its resync; anything the full table would act on (another holder
-/// or epoch, another instance's intent, a lapsed instance lease, a death,
-/// a due checkpoint) takes a full pass.
+/// until its resync; what the full table acts on (a lost hold, another's
+/// intent, a lapsed instance lease, a death, a due checkpoint) goes full.
 pub(crate) fn decide_light(seen: &Quiet<'_>) -> LightStep {
     let Some(held) = seen.held else {
         return LightStep::Full;
@@ -325,9 +287,8 @@ pub(crate) fn decide_light(seen: &Quiet<'_>) -> LightStep {
     LightStep::Upkeep
 }
 
-/// True when `status` does not yet record what runs here: this holder's
-/// epoch, phase `Running` with this instance as holder, and the newest
-/// checkpoint (the lock may carry one newer than `status` records).
+/// True while `status` lacks what runs here: this epoch, `Running` under
+/// this holder, the newest checkpoint (the lock may carry a newer one).
 pub(crate) fn status_behind(
     me: &InstanceId,
     metadata: &SandboxMetadata,

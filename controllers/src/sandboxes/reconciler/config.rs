@@ -1,69 +1,56 @@
-//! The reconciler's timing and policy, with the defaults priced in
-//! `docs/decisions/0007-instance-leases-and-doorbells.md`.
+//! The reconciler's timing and policy; defaults priced in decision 7.
 
 use std::time::Duration;
 
-/// What a holder does when another instance asks for a sandbox whose
-/// execution is still running.
+/// What a holder does when asked for a sandbox whose execution still runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HandoffPolicy {
-    /// Kill the execution and move the sandbox at once (the earlier server's
-    /// behaviour): the new client gets its sandbox fast, the execution is lost.
+    /// Kill the execution and move the sandbox at once (as the earlier server
+    /// did): the new client gets it fast, the execution is lost.
     #[default]
     Force,
     /// Let the execution finish first; the attach waits (up to its timeout).
     Wait,
 }
 
-/// Timing and policy of the reconciler. The defaults (priced in
-/// `docs/decisions/0007-instance-leases-and-doorbells.md`) keep an idle held
+/// Timing and policy of the reconciler. The defaults keep an idle held
 /// sandbox at two reads a minute (its resync) and no writes: its hold lives
-/// on the instance lease, renewed once for every sandbox of the instance, and
-/// the instance learns of intents from its doorbell, read every 400 ms.
+/// on the instance lease (one renewal for all), and intents arrive by the
+/// doorbell, read every 400 ms.
 #[derive(Debug, Clone)]
 pub struct ReconcilerConfig {
     /// How often a held sandbox gets a full pass (re-reads metadata and lock:
     /// operators' raw edits take effect within this, rings or not).
     pub resync_interval: Duration,
-    /// How often the instance lease is renewed while the instance holds
-    /// sandboxes (one write for all of them).
+    /// How often the instance lease is renewed while holding sandboxes.
     pub renew_interval: Duration,
     /// How often the instance reads its doorbell while it holds sandboxes.
     pub doorbell_poll: Duration,
-    /// How often it reads it instead while a client attached here has sent
-    /// something within `detached_window`: a client whose network drops
-    /// mid-use reconnects through another instance within seconds, and this
-    /// is when an instance serves requests anyway.
+    /// Doorbell poll while a client here sent something in `detached_window`:
+    /// a dropped client reconnects elsewhere in seconds; it's busy then anyway.
     pub doorbell_poll_active: Duration,
-    /// How often the lock of a held sandbox whose client just left is read,
-    /// to notice an attach on another instance quickly.
+    /// Lock poll of a held sandbox whose client left: spots attaches elsewhere.
     pub detached_poll: Duration,
-    /// For how long after the client left (or last sent a frame while
-    /// attached) that fast polling lasts.
+    /// How long fast polling lasts after the client left or last sent a frame.
     pub detached_window: Duration,
     /// How often an instance waiting for another's lease looks again.
     pub acquire_poll: Duration,
-    /// How often it looks while the handoff's image it watches for is not
-    /// in the store yet: the holder is still checkpointing, and its
-    /// transfer comes after the image; the image's landing wakes the
-    /// waiter at once (decision 29).
+    /// Acquire poll while the handoff's image is not stored yet (the transfer
+    /// follows it; its landing wakes the waiter at once: decision 29).
     pub await_image_poll: Duration,
     /// How soon a checkpoint refused for a running execution is tried again.
     pub checkpoint_retry: Duration,
     pub handoff: HandoffPolicy,
-    /// Superseded unnamed checkpoints kept per sandbox besides the latest;
-    /// older ones are deleted.
+    /// Superseded unnamed checkpoints kept per sandbox besides the latest.
     pub keep_checkpoints: usize,
-    /// How long a deleted sandbox's tombstone stays before its objects
-    /// (metadata, lock, checkpoints) are removed.
+    /// How long a tombstone stays before its metadata, lock and checkpoints go.
     pub tombstone_retention: Duration,
     /// Fault tests only: abort the process at this step of a handoff
     /// (`handoff:before-checkpoint`, `handoff:after-upload`,
     /// `handoff:after-record`), as a crash there would.
     pub failpoint: Option<String>,
-    /// Checkpoint held checkpointable sandboxes this often (between
-    /// executions), bounding what a crash of this instance can lose. Each
-    /// costs a checkpoint and a restore (about a second of pause).
+    /// Checkpoint period for held checkpointable sandboxes between executions,
+    /// bounding a crash's loss; each checkpoint + restore pauses ~1 s.
     pub checkpoint_interval: Option<Duration>,
 }
 
