@@ -1,9 +1,8 @@
-//! The storage economy of idle held sandboxes in dollars, measured on the real
-//! worker, instance lease and doorbell loops in virtual time (tokio's paused
-//! clock drives the timers and the lease timestamps). GCS bills a write
-//! (Class A) 12.5 times a read (Class B). The earlier server spent $0.0013 per
-//! idle sandbox-hour whatever the count; the targets are at most $0.006 per
-//! instance-hour fixed and $0.0006 per sandbox-hour with 10 held
+//! Storage cost of idle held sandboxes in dollars, on the real worker, instance
+//! lease and doorbell loops in virtual time (tokio's paused clock drives timers
+//! and lease timestamps). GCS bills a write (Class A) as 12.5 reads (Class B).
+//! The earlier server spent $0.0013 per idle sandbox-hour at any count; targets:
+//! at most $0.006/instance-hour fixed, $0.0006/sandbox-hour with 10 held
 //! (`docs/principles.md`, `docs/decisions/0007-instance-leases-and-doorbells.md`).
 
 use std::sync::Arc;
@@ -43,9 +42,8 @@ enum Clients {
     Active,
 }
 
-/// What one instance holding `held` sandboxes spends per hour of virtual
-/// time, after a setup phase (create them, attached as a session would, then
-/// let the fast windows pass). Returns (per hour, during the detach window).
+/// What an instance holding `held` sandboxes spends per virtual hour after a
+/// setup (create, attach, let fast windows pass): (per hour, detach window).
 async fn idle_bill(held: usize, clients: Clients, hours: u64) -> (StorageBill, StorageBill) {
     let counts = Arc::new(OperationCounts::default());
     let memory: Arc<dyn Store> = Arc::new(MemoryStore::new());
@@ -157,8 +155,7 @@ async fn idle_held_sandboxes_cost_what_the_targets_allow_in_dollars() {
         ten.class_a, one.class_a,
         "an idle held sandbox writes nothing of its own"
     );
-    // An active client doubles the doorbell reads, nothing else: the
-    // fast interval ends with the activity (the quiet case above is idle).
+    // An active client only doubles doorbell reads (fast polling ends with it).
     assert!(
         active.class_b >= one.class_b + 8_000 && active.class_b <= one.class_b + 10_000,
         "active {} vs quiet {} reads an hour",

@@ -1,16 +1,11 @@
 //! What the reconciler tells the sessions waiting on a sandbox: what happened
-//! to it, in the order it happened, with typed causes, on a per-sandbox
-//! broadcast channel.
+//! to it, in order, with typed causes, on a per-sandbox broadcast channel.
 //!
-//! These are domain events, not the wire: the API layer (`src/api`) decides
-//! which status frames and messages the earlier server's clients get for each
-//! (their order, their words, whether a sandbox's lock events are shown).
-//! Nothing here knows those clients.
-//!
-//! The API layer writes an intent, subscribes here (before writing, so
-//! nothing is missed) and maps the events. Sessions that are not attached to
-//! the sandbox never subscribe, so a rejected attach cannot steal the
-//! attached client's notifications (upstream bug B7).
+//! Domain events, not the wire: the API layer (`src/api`) decides the status
+//! frames and messages the earlier server's clients get for each. It writes an
+//! intent, subscribes here (before writing, so nothing is missed) and maps the
+//! events. Sessions not attached never subscribe, so a rejected attach cannot
+//! steal the attached client's notifications (upstream bug B7).
 
 use crate::api::InstanceId;
 
@@ -35,31 +30,24 @@ impl std::fmt::Display for StartKind {
 /// Why a sandbox did not start here (or will not).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StartFailure {
-    /// The restore asked for a checkpoint name the sandbox does not have.
     #[error("no checkpoint named {0:?}")]
     NoNamedCheckpoint(String),
     /// Not new, yet no checkpoint recorded: its instance stopped while it ran.
     #[error("it has no checkpoint to restore (its instance stopped while it ran)")]
     NoCheckpoint,
-    /// No checkpoint recorded, and its holder recorded it failed (a
-    /// checkpoint that lost it, say): that failure, from `last_error`.
+    /// No checkpoint; recorded failed (e.g. a checkpoint lost it): `last_error`.
     #[error("it failed on its last instance and has no checkpoint to restore: {0}")]
     FailedWithoutCheckpoint(String),
-    /// A step of the start failed (recording it, reading the manifest, the
-    /// runtime): that step's error.
+    /// A start step failed (recording, reading the manifest, the runtime).
     #[error("{0}")]
     Step(String),
-    /// The cold start hook refused the sandbox.
     #[error("the cold start hook failed: {0}")]
     ColdStartHook(String),
-    /// Another instance asked for the sandbox after this one.
     #[error("instance {0} asked for the sandbox meanwhile")]
     WantedElsewhere(InstanceId),
-    /// This instance's attach intent expired before the start.
     #[error("the attach request expired before the sandbox could be started")]
     IntentExpired,
-    /// The holder checkpointed it instead of handing it over (an operator,
-    /// a shutdown): a new attach restores it.
+    /// Checkpointed instead of handed over (operator, shutdown): attach again.
     #[error("its holder checkpointed it before it could move here")]
     CheckpointedMeanwhile,
     /// `metadata.json` is not a valid document (an operator's typo).
@@ -76,8 +64,7 @@ pub enum CheckpointFailure {
     /// The runtime failed; the sandbox keeps running.
     #[error("{0}")]
     Runtime(String),
-    /// The runtime failed and lost the sandbox: it no longer runs anywhere
-    /// (recorded as failed, its lease released).
+    /// The runtime failed and lost the sandbox: recorded failed, lease released.
     #[error("{0}")]
     SandboxLost(String),
 }
@@ -97,12 +84,10 @@ pub enum LossCause {
     Died,
     #[error("its metadata.json was deleted")]
     MetadataDeleted,
-    /// A lock read (or a re-verification's write) showed another holder or
-    /// epoch, or a newer holder's record in `status`.
+    /// A lock (read or re-verified) or `status` shows another holder or epoch.
     #[error("the lease was taken over (holder now {})", .holder.as_ref().map_or_else(|| "nobody".to_owned(), ToString::to_string))]
     TakenOver { holder: Option<InstanceId> },
-    /// The bucket could not be reached to re-verify a hold no longer
-    /// vouched for: past what this instance can vouch for.
+    /// The bucket could not be reached to re-verify a hold no longer vouched for.
     #[error("the lease could not be renewed: {0}")]
     RenewalFailed(String),
 }
@@ -110,8 +95,7 @@ pub enum LossCause {
 /// What happened to one sandbox, as the reconciler saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SandboxEvent {
-    /// This instance started acquiring the sandbox's lease (said once per
-    /// acquisition, however many tries it takes).
+    /// Acquiring the lease started (once per acquisition, however many tries).
     LeaseAcquiring,
     LeaseAcquired,
     /// A checkpoint is being restored here.
@@ -122,24 +106,20 @@ pub enum SandboxEvent {
     },
     /// Another instance asked for the sandbox: it is being handed over.
     HandoffRequested,
-    /// A checkpoint started (for a handoff, a client, an idle timer, a
-    /// shutdown).
+    /// A checkpoint started (handoff, client, idle timer, shutdown).
     CheckpointStarted,
-    /// The sandbox stops running here: it is being deleted, or the
-    /// checkpoint just taken (or failed) removed it.
+    /// Stops running here: deleted, or removed by a checkpoint (taken or failed).
     Stopping,
     LeaseReleasing,
     LeaseReleased,
-    /// The sandbox is deleted: its tombstone is written (or it already was
-    /// one).
+    /// Deleted: its tombstone is written (or it already was one).
     Deleted,
-    /// The checkpoint is recorded (its image key) and the lease released:
-    /// the sandbox runs nowhere until it is restored.
+    /// The checkpoint (its image key) is safe, carried by the lock or recorded,
+    /// and the hold ended: the sandbox runs nowhere until restored.
     Checkpointed {
         image: String,
     },
-    /// A checkpoint waits for the running execution; the sandbox keeps
-    /// running and the checkpoint is tried again.
+    /// A checkpoint waits for a running execution (the sandbox runs; retried).
     CheckpointWaitsForExecution,
     StartFailed {
         kind: StartKind,

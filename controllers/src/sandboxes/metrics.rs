@@ -1,6 +1,5 @@
-//! What the reconciler counts and times. The series are `prometheus-client`
-//! metrics; the server registers them ([`Metrics::register`]) in the registry
-//! its `/metrics` encodes, so no exposition text is written by hand here.
+//! What the reconciler counts and times, as `prometheus-client` metrics the
+//! server registers ([`Metrics::register`]) in the registry `/metrics` encodes.
 
 use std::time::Duration;
 
@@ -34,9 +33,7 @@ impl Histogram {
     }
 }
 
-/// What `sandboxd_sandboxes{phase}` counts, taken from the sandboxes'
-/// slots at each scrape: the sandboxes held here, and the transition each
-/// sandbox in one is in.
+/// What `sandboxd_sandboxes{phase}` counts, from the slots at each scrape.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Census {
     pub held: usize,
@@ -50,11 +47,9 @@ pub struct Metrics {
     pub checkpoint_seconds: Histogram,
     pub checkpoint_bytes: Counter,
     pub restore_seconds: Histogram,
-    /// Sandboxes handed to another instance, timed from noticing the intent
-    /// to the release.
+    /// Handoffs to another instance, from noticing the intent to the release.
     pub handoff_out_seconds: Histogram,
-    /// Sandboxes taken over from another instance (or a dead one), timed from
-    /// the attach intent to running here.
+    /// Takeovers (from a live or dead instance), from attach intent to running.
     pub handoff_in_seconds: Histogram,
     pub lost: Counter,
     pub deletes: Counter,
@@ -66,10 +61,8 @@ impl Metrics {
         counter.inc_by(value);
     }
 
-    /// Registers every series in `registry`. `census` says, at each scrape,
-    /// how many sandboxes this instance holds and which transitions are
-    /// under way: held ones not checkpointing or deleting count as running
-    /// in `sandboxd_sandboxes{phase}`.
+    /// Registers every series in `registry`; `census` gives the held count and
+    /// transitions at each scrape (held, not checkpointing or deleting: running).
     pub fn register(
         &self,
         registry: &mut Registry,

@@ -1,7 +1,6 @@
-//! The sandbox lifecycle controller: a level-triggered reconcile loop per
-//! instance that converges each sandbox's actual state (running here,
-//! checkpointed, deleted) to the desired state written in the bucket by the
-//! API layer and by operators (`docs/principles.md`).
+//! The sandbox lifecycle controller: per instance, a level-triggered reconcile
+//! loop converging each sandbox (running here, checkpointed, deleted) to the
+//! desired state the API and operators write in the bucket (`docs/principles.md`).
 
 mod controller;
 mod decision;

@@ -1,6 +1,5 @@
-//! The instance's two background loops besides the workers: the instance
-//! lease loop (the one renewal that keeps every hold of this instance alive)
-//! and the doorbell loop (intents written elsewhere for sandboxes held here).
+//! The instance lease loop (the one renewal keeping every hold here alive) and
+//! the doorbell loop (intents written elsewhere for sandboxes held here).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -23,11 +22,9 @@ pub(super) struct DoorbellState {
 const LEASE_TICK: Duration = Duration::from_millis(250);
 
 impl SandboxController {
-    /// Renews the instance lease every `renew_interval` while the instance
-    /// holds (or just held) sandboxes. This loop is the only thing that keeps
-    /// holds alive, so a long checkpoint or upload never delays it. Holds the
-    /// lease stops vouching for (a lapse) are queued: they are re-verified or
-    /// stopped.
+    /// Renews the instance lease every `renew_interval` while anything is (or
+    /// just was) held: the only keeper of holds, never delayed by a checkpoint
+    /// or upload. Holds a lapse left unvouched are queued (re-verify or stop).
     pub(super) async fn keep_instance_lease(self: Arc<Self>) {
         let every = chrono::Duration::from_std(self.reconciler.config().renew_interval)
             .unwrap_or(chrono::Duration::MAX);
@@ -63,11 +60,9 @@ impl SandboxController {
         }
     }
 
-    /// Reads the doorbell every `doorbell_poll` while the instance holds
-    /// sandboxes (nobody rings an instance that holds none), every
-    /// `doorbell_poll_active` while a client attached here is active. The
-    /// interval runs from one read's start to the next (a read's own round
-    /// trip, tens of milliseconds on GCS, is not added to a ring's wait).
+    /// Reads the doorbell every `doorbell_poll` while anything is held (nobody
+    /// rings otherwise), `doorbell_poll_active` while a client here is active,
+    /// start to start (a read's round trip, tens of ms on GCS, adds no wait).
     pub(super) async fn watch_doorbell(self: Arc<Self>) {
         let mut last_read = self.reconciler.clock().instant();
         loop {
@@ -82,8 +77,7 @@ impl SandboxController {
         }
     }
 
-    /// Reads the doorbell once and queues a full pass of every sandbox rung
-    /// for since the last read. Returns them.
+    /// Reads the doorbell once; queues and returns the sandboxes newly rung.
     pub async fn answer_doorbell(&self) -> Result<Vec<SandboxId>, ControlError> {
         let Some((bell, generation)) = self
             .reconciler
@@ -114,8 +108,7 @@ impl SandboxController {
                 if !state.answered.insert((ring.sandbox.clone(), ring.rung_at)) {
                     continue;
                 }
-                // The sandbox's pass hears the attach intent that came by
-                // ring only (decision 27).
+                // Its pass hears of a ring-only attach intent (decision 27).
                 self.reconciler.send(
                     &ring.sandbox,
                     Command::Rung {

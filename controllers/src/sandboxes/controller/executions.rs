@@ -1,6 +1,5 @@
-//! Executions and filesystem snapshots, passed through to the runtime for a
-//! sandbox this instance holds: an execution waits out a periodic checkpoint
-//! in progress, and its exit is reported only while the hold is vouched for.
+//! Executions and snapshots on a sandbox held here: they wait out a periodic
+//! checkpoint, and an exit is reported only while the hold is vouched for.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,8 +44,7 @@ impl SandboxController {
         Some(self.relayed(sandbox, execution))
     }
 
-    /// `execution` with the sandbox's after-exec hooks, its end reported
-    /// only while the hold is vouched for ([`fence_exit`]).
+    /// `execution` with the sandbox's after-exec hooks, fenced by [`fence_exit`].
     fn relayed(&self, sandbox: &SandboxId, execution: Execution) -> Execution {
         let execution = match self.reconciler.hook_binding(sandbox) {
             Some(hooks) if hooks.wants_after_exec() => {
@@ -57,13 +55,9 @@ impl SandboxController {
         fence_exit(execution, Arc::clone(&self.reconciler), sandbox.clone())
     }
 
-    /// Runs `attempt` on a sandbox held here, waiting out a periodic
-    /// checkpoint in progress: one is taken in place and lasts about a
-    /// second, and between it and its restore the runtime has no sandbox
-    /// while the hold stays (`in_checkpoint` recognises that error). The
-    /// attempt is made again when the sandbox's state changes, until
-    /// [`CHECKPOINT_WAIT`]; if the checkpoint moved the sandbox away, the
-    /// wait ends with the hold.
+    /// Runs `attempt` on a sandbox held here, retrying on state changes until
+    /// [`CHECKPOINT_WAIT`] or the hold ends while a periodic checkpoint (about a
+    /// second, no runtime sandbox, hold kept) makes it fail `in_checkpoint`.
     async fn past_checkpoints<T, E, F>(
         &self,
         sandbox: &SandboxId,
@@ -75,8 +69,7 @@ impl SandboxController {
     {
         let give_up = self.reconciler.clock().instant() + CHECKPOINT_WAIT;
         loop {
-            // Armed before trying: the checkpoint's end (its restore here
-            // noted in the slot, or the sandbox stopped) is not missed.
+            // Armed first, not to miss the checkpoint's end (restore or stop).
             let changed = self.reconciler.state_changed();
             tokio::pin!(changed);
             changed.as_mut().enable();
@@ -96,8 +89,7 @@ impl SandboxController {
         }
     }
 
-    /// Saves the sandbox's changed files as snapshot `name` and records it in
-    /// `status.latest_snapshot`.
+    /// Snapshots changed files as `name`, recorded in `status.latest_snapshot`.
     pub async fn snapshot_filesystem(
         &self,
         sandbox: &SandboxId,
@@ -132,8 +124,7 @@ impl SandboxController {
         Ok(reference)
     }
 
-    /// One filesystem request on a sandbox held here; like an execution it
-    /// waits out a periodic checkpoint in progress.
+    /// One filesystem request on a sandbox held here; waits out a checkpoint too.
     pub async fn fs(&self, sandbox: &SandboxId, request: FsRequest) -> Result<FsReply, FsError> {
         if !self.is_held_here(sandbox) {
             return Err(FsError::Runtime(RuntimeError::NotFound(sandbox.clone())));
@@ -153,30 +144,22 @@ impl SandboxController {
     }
 }
 
-/// How long an execution or a file request waits for a checkpoint in
-/// progress to end.
+/// How long an execution or file request waits for a checkpoint to end.
 const CHECKPOINT_WAIT: Duration = Duration::from_secs(30);
 
 /// How long an exit held back by [`fence_exit`] waits at most.
 const FENCE_EXIT_GIVE_UP: Duration = Duration::from_secs(600);
 
-/// Relays an execution's events, but reports its end only while this
-/// instance can vouch for its hold. A holder frozen past its lease (the runsc
-/// sandbox kept running) may find, when it resumes, an execution that ended
-/// meanwhile, while another instance already took the sandbox over and
-/// acknowledged executions of its own: reporting that end would acknowledge
-/// work on two instances at once. The end (its exit, or its events ending
-/// without one: the sandbox stopped) is held back until the hold is vouched
-/// for again (re-verified) and then reported, or until the sandbox is no
-/// longer held here (lost: the loss is reported to the session first, then
-/// [`ExecEvent::HoldLost`] tells the relay that no end may be reported:
-/// without it, a relay that saw the events end would report the execution
-/// done, and under load it can reach the socket before the loss does). The
-/// reconciler settles an unvouched hold one way or the other within a lease
-/// or so (a pass that cannot read the bucket stops it after the store's
-/// deadline), so no time bound is needed for safety;
-/// [`FENCE_EXIT_GIVE_UP`] only keeps a task from living for ever if it
-/// never does.
+/// Relays an execution's events, reporting its end only while this instance
+/// vouches for its hold: a holder frozen past its lease (runsc ran on) may
+/// resume to an exit that came after another instance took over, and
+/// reporting it would acknowledge work on two instances at once. The end
+/// (exit, or events ending) waits until the hold is re-verified or is no
+/// longer held here: if lost, the session hears the loss first, then
+/// [`ExecEvent::HoldLost`] stops the relay reporting an end (which under load
+/// could beat the loss to the socket). The reconciler settles an unvouched
+/// hold within about a lease (a pass that cannot read the bucket stops it past
+/// the store's deadline); [`FENCE_EXIT_GIVE_UP`] only bounds the task's life.
 fn fence_exit(
     mut execution: Execution,
     reconciler: Arc<Reconciler>,
@@ -189,8 +172,7 @@ fn fence_exit(
                 Some(event @ ExecEvent::Exited(_)) => break Some(event),
                 Some(event) => {
                     if tx.send(event).await.is_err() {
-                        // Nobody listens; keep draining so the runtime
-                        // never blocks.
+                        // Nobody listens; drain so the runtime never blocks.
                         while execution.events.recv().await.is_some() {}
                         return;
                     }
@@ -200,8 +182,7 @@ fn fence_exit(
         };
         let give_up = reconciler.clock().instant() + FENCE_EXIT_GIVE_UP;
         loop {
-            // Armed before looking: a change between the look and the wait
-            // is not missed.
+            // Armed before looking, so a change in between is not missed.
             let changed = reconciler.state_changed();
             let renewed = reconciler.leases().instance_lease().renewed();
             tokio::pin!(changed, renewed);
@@ -215,9 +196,7 @@ fn fence_exit(
                     return;
                 }
                 Some(_) if reconciler.clock().instant() < give_up => {
-                    // Vouched for again by a renewal of the instance lease
-                    // or a re-verification (a change of the slot), or lost
-                    // (a change of the slot too).
+                    // Renewed, or re-verified or lost (both slot changes).
                     tokio::select! {
                         () = changed => {}
                         () = renewed => {}
@@ -225,10 +204,9 @@ fn fence_exit(
                     }
                 }
                 held => {
-                    // Lost to another instance, or never vouched for again:
-                    // no end may be reported. Not held any more without a
-                    // loss (the sandbox died, was deleted or checkpointed):
-                    // the events' end is the stop it was, as before.
+                    // Lost to another instance, or never vouched for again: no
+                    // end may be reported. No longer held without a loss (died,
+                    // deleted, checkpointed): the events' end is that stop.
                     if held.is_some() || reconciler.was_lost(&sandbox) {
                         tracing::warn!(%sandbox, "an execution ended while this instance could not vouch for its hold: its end is not reported");
                         let _ = tx.send(ExecEvent::HoldLost).await;

@@ -1,8 +1,6 @@
-//! What the API layer asks of the controller: create, fork, ask for a
-//! sandbox here (or withdraw), ask for a checkpoint or deletion, and the
-//! shutdown drain. Each is a command to the sandbox's own pass
-//! (`reconciler/commands.rs`), which makes its writes and replies; none
-//! writes a sandbox's objects or touches the runtime itself.
+//! What the API layer asks of the controller (create, fork, attach, withdraw,
+//! checkpoint, delete, drain): each a command to the sandbox's own pass
+//! (`reconciler/commands.rs`), which makes the writes and replies.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,8 +13,7 @@ use super::super::reconciler::{AttachRead, Command, ForkPoint, record_carried};
 use super::{ControlError, SandboxController};
 
 impl SandboxController {
-    /// Gives `sandbox`'s pass `command`, queues the pass, and awaits its
-    /// reply.
+    /// Gives `sandbox`'s pass `command`, queues the pass, awaits its reply.
     pub(super) async fn command(
         &self,
         sandbox: &SandboxId,
@@ -41,15 +38,13 @@ impl SandboxController {
         self.command(&metadata.sandbox_id, command).await
     }
 
-    /// Reads what an attach needs, both objects at once: `metadata.json`
-    /// (the token, the options) and `lock.json` (who holds it); for a
-    /// sandbox held here, what its owner knows of both instead
-    /// (`Reconciler::owner_read`). `None`: the sandbox does not exist.
+    /// Reads `metadata.json` and `lock.json` at once for an attach or, held
+    /// here, what the owner knows, with no request (`Reconciler::owner_read`).
+    /// `None`: no such sandbox.
     pub async fn read_for_attach(
         &self,
         sandbox: &SandboxId,
     ) -> Result<Option<AttachRead>, ControlError> {
-        // Held here: its owner knows both (no bucket request).
         if let Some(read) = self.reconciler.owner_read(sandbox) {
             return Ok(Some(read));
         }
@@ -66,11 +61,9 @@ impl SandboxController {
         }))
     }
 
-    /// `metadata.json` with the checkpoint `lock.json` carries folded in
-    /// (both read at once): what a fork starts from. A client hears
-    /// CHECKPOINTED once the hand-back carries the checkpoint, before its
-    /// record lands in the metadata (decision 18), and may fork it at once,
-    /// on any instance. `None`: the sandbox does not exist.
+    /// `metadata.json` with `lock.json`'s carried checkpoint folded in: what a
+    /// fork starts from, as a client hears CHECKPOINTED before the record lands
+    /// (decision 18) and may fork at once, anywhere. `None`: no such sandbox.
     pub async fn read_with_carried(
         &self,
         sandbox: &SandboxId,
@@ -90,9 +83,8 @@ impl SandboxController {
         Ok(Some(metadata))
     }
 
-    /// Records `metadata` (a new sandbox) as a fork of `source` at `point`
-    /// and asks for it here: it is restored from its own copy of that
-    /// checkpoint, on the image and kind of network the checkpoint needs.
+    /// Records `metadata` as a fork of `source` at `point` and asks for it here,
+    /// restored from its own copy on the checkpoint's image and network kind.
     pub async fn fork(
         &self,
         source: &SandboxMetadata,
@@ -124,10 +116,8 @@ impl SandboxController {
         self.create(&metadata).await
     }
 
-    /// Asks for `sandbox` to run here, from the checkpoint named `checkpoint`
-    /// if given (else the latest): a read, then [`Self::request_here_from`]
-    /// (the tests' and the simulation's shorthand; a session reads first
-    /// itself, to answer from what it read).
+    /// Asks for `sandbox` here from `checkpoint` (else the latest): a read, then
+    /// [`Self::request_here_from`] (tests, simulation; a session reads first).
     #[cfg(any(test, feature = "testing"))]
     pub async fn request_here(
         self: &Arc<Self>,
@@ -140,12 +130,9 @@ impl SandboxController {
         self.request_here_from(read, checkpoint, now).await
     }
 
-    /// [`Self::request_here`] from the objects the caller just read (with
-    /// [`Self::read_for_attach`]): the pass writes the spec and the lock at
-    /// once, each conditional on what was read, taking a lock nobody holds
-    /// or wants in the same write, or ringing its holder with the intent.
-    /// The reply comes once the lock is written: a hold taken does not
-    /// wait for the spec's write (decision 21).
+    /// [`Self::request_here`] on a fresh read: the pass writes spec and lock at
+    /// once, each conditional on it, taking a lock nobody holds or wants, or
+    /// ringing its holder; replies as the lock lands, not the spec (decision 21).
     pub async fn request_here_from(
         self: &Arc<Self>,
         read: AttachRead,
@@ -169,9 +156,8 @@ impl SandboxController {
         self.command(sandbox, Command::Withdraw).await
     }
 
-    /// Asks for `sandbox` to be checkpointed (under `name`, if given),
-    /// deleted or run. A checkpoint of a sandbox held here is answered
-    /// before its intent's write lands (decision 22).
+    /// Asks for `sandbox` to be checkpointed (named if given), deleted or run;
+    /// a checkpoint held here is answered before its intent lands (decision 22).
     pub async fn request_state(
         &self,
         sandbox: &SandboxId,
@@ -188,15 +174,12 @@ impl SandboxController {
         .await
     }
 
-    /// Shutdown: asks for every sandbox held here to be checkpointed (or
-    /// deleted, if it cannot be), forcing checkpoints past running executions,
-    /// and waits until none is held or `grace` has passed. Returns how many
-    /// were still held at the end.
+    /// Shutdown: checkpoints (else deletes) every sandbox held here, forcing past
+    /// executions, until none is held or `grace` passed; returns how many remain.
     pub async fn drain(&self, grace: Duration) -> usize {
         self.reconciler.start_draining();
         let deadline = self.reconciler.clock().instant() + grace;
-        // Each sandbox's own pass decides what the drain asks of it
-        // (`Command::Drain`); all at once.
+        // All at once; each pass decides what `Command::Drain` means for it.
         let held = self.held_sandboxes();
         let asked = held.iter().map(|sandbox| async move {
             let asked = self.command(sandbox, Command::Drain).await;
@@ -208,8 +191,7 @@ impl SandboxController {
         loop {
             let left = self.held_sandboxes().len();
             if left == 0 || self.reconciler.clock().instant() >= deadline {
-                // The checkpoints' records still under way land before the
-                // process ends (the locks carry them if they cannot).
+                // Let pending checkpoint records land (else the locks carry them).
                 let _ =
                     tokio::time::timeout_at(deadline, self.reconciler.background_settled()).await;
                 return left;

@@ -1,11 +1,8 @@
-//! The sandbox controller of one instance: the work queue, its worker loop,
-//! and the narrow surface the API layer may use. That surface sends
-//! commands to a sandbox's pass (a create, an attach, a desired state) and
-//! awaits their replies; it never writes a sandbox's objects, nor creates,
-//! checkpoints or restores a sandbox itself. Executions and
-//! filesystem snapshots pass through to the runtime, but only for a sandbox
-//! this instance holds. A fork copies its source's checkpoint (data, not
-//! state) before recording the new sandbox.
+//! The sandbox controller of one instance: work queue, worker loop, and the
+//! narrow API-layer surface: commands to a sandbox's pass (create, attach,
+//! desired state), awaiting replies, never writing its objects nor creating,
+//! checkpointing or restoring it. Executions and snapshots reach the runtime
+//! only for sandboxes held here; a fork copies the source's checkpoint first.
 
 mod doorbell;
 mod executions;
@@ -25,8 +22,7 @@ use super::reconciler::{ForkError, ReconcileError, Reconciler, Requeue};
 use super::workqueue::WorkQueue;
 use doorbell::DoorbellState;
 
-/// Reconciles running at once on one instance (each is one sandbox; a
-/// checkpoint or restore among them may take seconds).
+/// Concurrent reconciles here, one per sandbox (checkpoints take seconds).
 const MAX_CONCURRENT_RECONCILES: usize = 64;
 
 #[derive(Debug, thiserror::Error)]
@@ -80,8 +76,7 @@ impl SandboxController {
         })
     }
 
-    /// The reconciler itself, for tests and the simulation only: outside
-    /// them nothing reaches a sandbox's passes but the work queue.
+    /// The reconciler, for tests and the simulation only (else: the queue).
     #[cfg(any(test, feature = "testing"))]
     pub fn reconciler(&self) -> &Reconciler {
         &self.reconciler
@@ -92,16 +87,13 @@ impl SandboxController {
         self.reconciler.metrics()
     }
 
-    /// The sandboxes held here and their transitions, for
-    /// `sandboxd_sandboxes{phase}`.
+    /// Sandboxes held here and their transitions, for `sandboxd_sandboxes{phase}`.
     pub fn census(&self) -> super::Census {
         self.reconciler.census()
     }
 
-    /// Runs the worker loop (each queued sandbox is reconciled in its own
-    /// task, one reconcile per sandbox at a time, failures retried with
-    /// back-off), the instance lease loop and the doorbell loop. Aborting the
-    /// handle stops all three.
+    /// Runs the worker loop (a task per reconcile, one per sandbox at a time,
+    /// failures backed off), lease and doorbell loops; aborting stops all three.
     pub fn spawn_workers(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let workers = Arc::clone(self).work();
         let lease = Arc::clone(self).keep_instance_lease();
@@ -111,9 +103,7 @@ impl SandboxController {
         })
     }
 
-    /// The worker loop proper. Its reconciles are its own tasks: at most
-    /// [`MAX_CONCURRENT_RECONCILES`] at once (more wait in the queue), and
-    /// aborted with the loop when the server stops its workers.
+    /// Reconciles in tasks, at most [`MAX_CONCURRENT_RECONCILES`] at once.
     async fn work(self: Arc<Self>) {
         let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_RECONCILES));
         let mut reconciles = tokio::task::JoinSet::new();
@@ -154,15 +144,13 @@ impl SandboxController {
         self.queue.add(sandbox);
     }
 
-    /// Something local happened to `sandbox` (an execution ended): look at
-    /// it soon. Costs nothing in storage unless a step is due.
+    /// Look at `sandbox` soon (an execution ended); storage only if a step is due.
     pub fn poke(&self, sandbox: &SandboxId) {
         self.queue.add(sandbox);
     }
 
-    /// Runs `command` (a create, an attach, a desired state) with the pass
-    /// of `sandbox` that serves it, as a worker would: for callers that
-    /// run no workers and drive passes by hand (tests, the simulation).
+    /// Runs `command` (create, attach, desired state) with the pass serving it,
+    /// as a worker would, for callers driving passes by hand (tests, simulation).
     #[cfg(any(test, feature = "testing"))]
     pub async fn serving<T>(
         &self,
@@ -197,9 +185,8 @@ impl SandboxController {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// A client attached to (`true`) or left a sandbox held here. A sandbox
-    /// whose client left is watched closely for a while: the client may be
-    /// reconnecting through another instance.
+    /// A client attached to (`true`) or left a sandbox held here; one left is
+    /// watched closely a while (it may reconnect through another instance).
     pub fn client_attached(&self, sandbox: &SandboxId, attached: bool) {
         self.reconciler.client_attached(sandbox, attached);
         if !attached {
@@ -207,9 +194,8 @@ impl SandboxController {
         }
     }
 
-    /// The client attached to `sandbox` sent a frame: for a while the
-    /// doorbell is read at the active interval (a client whose network drops
-    /// mid-use reconnects through another instance within seconds).
+    /// The client of `sandbox` sent a frame: the doorbell is read at the active
+    /// interval a while (a dropped client reconnects elsewhere within seconds).
     pub fn client_active(&self, sandbox: &SandboxId) {
         self.reconciler.client_active(sandbox);
     }

@@ -1,6 +1,5 @@
-//! Checkpoint steps: a handoff's or a client's checkpoint and release, the
-//! periodic checkpoint in place, recording the latest checkpoint (and which
-//! superseded ones to delete), and purging a tombstone's objects.
+//! Checkpoint steps: handoff and client checkpoint-and-release, periodic
+//! checkpoints in place, recording the latest checkpoint, tombstone purges.
 
 use std::time::Duration;
 
@@ -8,9 +7,8 @@ use super::*;
 use crate::leasing::HandBack;
 use crate::sandboxes::decision::is_newer;
 
-/// Makes `reference` the latest checkpoint, moving the previous latest into
-/// `previous_checkpoints` (newest first, `keep` kept). Returns what fell off.
-/// Idempotent: applying it again (a retried write) changes nothing more.
+/// Makes `reference` the latest, moving the previous into `previous_checkpoints`
+/// (newest first, `keep` kept); returns what fell off. Idempotent on retry.
 pub(super) fn record_latest(
     status: &mut SandboxStatus,
     reference: &CheckpointRef,
@@ -32,13 +30,10 @@ pub(super) fn record_latest(
     }
 }
 
-/// Folds the checkpoint a lock carries into `status` if it is newer than
-/// the recorded latest: a hand-back's record that has not landed yet, or
-/// never will (decision 18). It becomes the latest, and its name's
-/// checkpoint if it has one. Returns what fell off, as [`record_latest`].
-/// Whoever reads `status` to find a checkpoint folds the lock in first: a
-/// client hears CHECKPOINTED before the record lands, and may fork or
-/// restore that checkpoint at once.
+/// Folds the checkpoint a lock carries (its record not landed yet, or never:
+/// decision 18) into `status` if newer, also under its name; returns what fell
+/// off. Readers of `status` fold the lock in first: a client hears CHECKPOINTED
+/// before the record lands and may fork or restore it at once.
 pub fn record_carried(
     status: &mut SandboxStatus,
     carried: &CheckpointRef,
@@ -67,11 +62,9 @@ pub(super) fn unreferenced(
         .collect()
 }
 
-/// Deletes the image and manifest of the checkpoint whose image key is
-/// `image_path` (missing ones are fine); a path that is not a checkpoint
-/// image key (an operator's edit) deletes nothing. The one place checkpoint
-/// objects are removed: the reconciler's retention, tombstone purges and
-/// `sandboxctl` all come here.
+/// Deletes a checkpoint's image and manifest by image key (missing ones are
+/// fine; a non-checkpoint key, e.g. an operator's edit, deletes nothing): the
+/// one place they are removed (retention, tombstone purges, `sandboxctl`).
 pub async fn delete_checkpoint_objects(
     store: &dyn Store,
     image_path: &str,
@@ -89,8 +82,7 @@ pub async fn delete_checkpoint_objects(
 }
 
 impl Reconciler {
-    /// Records a checkpoint that could not be taken in `status.last_error`
-    /// (fenced by `epoch`) and tells whoever waits.
+    /// Records the failure in `status.last_error` (fenced by `epoch`), emits it.
     pub(super) async fn report_checkpoint_failure(
         &self,
         sandbox: &SandboxId,
@@ -106,13 +98,10 @@ impl Reconciler {
         Ok(())
     }
 
-    /// Checkpoints a held sandbox in place (checkpoint, record, restore
-    /// here, lease kept), so a crash of this instance loses at most one
-    /// interval. Skipped while an execution runs. Silent to the client.
-    /// A failure decides nothing here: it is tried again an interval later,
-    /// and the next pass is a full one, whose table stops a sandbox the
-    /// failure left not running (`MarkDied`) or whose record a newer holder
-    /// fenced (`StopLost`).
+    /// Checkpoints a held sandbox in place (record, restore here, lease kept)
+    /// so a crash loses at most one interval; skipped during an execution,
+    /// silent to the client. A failure retries next interval; the next full
+    /// pass stops a sandbox left not running (`MarkDied`) or fenced (`StopLost`).
     pub(super) async fn periodic_checkpoint(
         &self,
         sandbox: &SandboxId,
@@ -161,8 +150,7 @@ impl Reconciler {
         Ok(())
     }
 
-    /// Fault tests: dies here if told to (a handoff only, not a client's
-    /// checkpoint).
+    /// Fault tests: aborts at `step` if configured (handoffs only).
     pub(super) fn failpoint(&self, metadata: &SandboxMetadata, step: &str) {
         if metadata.spec.desired_state == DesiredState::Running
             && self.config.failpoint.as_deref() == Some(step)
@@ -192,8 +180,7 @@ impl Reconciler {
             DesiredState::Checkpointed => metadata.spec.checkpoint_name.clone(),
             _ => None,
         };
-        // Handed over (a live intent elsewhere): an id the taker knows, so it
-        // fetches the image while the hold is transferred (decision 24).
+        // Handed over: an id the taker knows, to prefetch the image (decision 24).
         let taker = lock.as_ref().and_then(|(lease, _)| {
             lease.wanted_elsewhere(self.leases.instance(), self.clock.now())
         });
@@ -250,17 +237,13 @@ impl Reconciler {
         self.forget(sandbox);
         self.emit(sandbox, SandboxEvent::Stopping);
         let reference = self.checkpoint_ref(&manifest, held.epoch, name.clone());
-        // The record and the hand-back at once (decision 18): the lock
-        // carries the checkpoint, so whoever takes the hold next restores
-        // it even if this record lands later, or never (it then records it
-        // itself, and this one is refused by the fence).
+        // Record and hand-back at once (decision 18): the lock carries the
+        // checkpoint, so the next holder restores it even if this record lands
+        // late or never (it then records it itself; the fence refuses this).
         self.emit(sandbox, SandboxEvent::LeaseReleasing);
         let hand_back = self.leases.hand_back(&held, lock, &reference, &manifest);
-        // The record in a task of its own: GCS's per-object write rate can
-        // hold it up for a second or more, and this pass (the sandbox's turn
-        // in the work queue) must not wait for it once the hand-back carries
-        // the checkpoint: an attach right after the checkpoint would wait
-        // for the record, not for the lock.
+        // Recorded in its own task: GCS may delay it a second or more, and this
+        // pass (the sandbox's queue turn) must not, or an attach waits for it.
         let recording = self.spawn_shared({
             let (sandbox, reference, epoch) = (sandbox.clone(), reference.clone(), held.epoch);
             move |me| async move {
@@ -277,9 +260,8 @@ impl Reconciler {
             }
             Ok(HandBack::Released) => Ok(()),
             Err(err) => {
-                // The lock still names this instance, which no longer runs
-                // it: a pass soon releases that orphan (the next holder
-                // waits until then). The checkpoint is safe if recorded.
+                // The lock still names this instance, no longer running it: a
+                // pass soon releases it (the next holder waits). Safe if recorded.
                 tracing::warn!(%sandbox, %err, "cannot release the lease after a checkpoint");
                 let recorded = recording.await.unwrap_or_else(|err| {
                     Err(ReconcileError::Interrupted(format!(
@@ -298,9 +280,8 @@ impl Reconciler {
             self.emit(sandbox, SandboxEvent::CheckpointFailed(cause));
             return Err(err);
         }
-        // Safe, in the lock or in the record, and the hold is gone: the
-        // client hears CHECKPOINTED (its session here ends, freeing the
-        // sandbox for its next attach) without waiting for the record.
+        // Safe (lock or record), hold gone: the client hears CHECKPOINTED, its
+        // session ending to free the next attach, without waiting for the record.
         self.emit(sandbox, SandboxEvent::LeaseReleased);
         self.emit(
             sandbox,
@@ -314,13 +295,10 @@ impl Reconciler {
         })
     }
 
-    /// After a recorded checkpoint whose hand-back failed: true (`Ok`) only
-    /// if nobody took the hold over since `epoch`, or the lock carries this
-    /// very checkpoint. The record is fenced by the epoch `status` shows,
-    /// and a taker records its own epoch only after its client hears
-    /// `RUNNING` (decision 21): a record that lands meanwhile is accepted
-    /// although the taker restored an older checkpoint and runs on from
-    /// it, so the record alone must not make the client hear CHECKPOINTED.
+    /// After a recorded checkpoint whose hand-back failed: `Ok` only if nobody
+    /// took the hold over since `epoch` or the lock carries this checkpoint. The
+    /// record proves nothing: a taker records its epoch only once its client
+    /// hears `RUNNING` (decision 21), so ours may land while it runs an older one.
     async fn not_taken_over(
         &self,
         sandbox: &SandboxId,
@@ -352,11 +330,9 @@ impl Reconciler {
         }
     }
 
-    /// Records a checkpoint just taken in `status` under `epoch` (and
-    /// under `name`), retrying once with the checkpoint alone if the first
-    /// write fails, then deletes the checkpoints it superseded. A fenced
-    /// write (a newer holder recorded it from the lock) is an error the
-    /// caller may ignore once the hand-back carried the checkpoint.
+    /// Records a checkpoint just taken under `epoch` (and `name`), retrying once
+    /// with the checkpoint alone, then deletes what it superseded. Fenced (a
+    /// newer holder recorded it from the lock): ignorable once the lock has it.
     pub(super) async fn record_checkpoint(
         &self,
         sandbox: &SandboxId,
@@ -387,8 +363,7 @@ impl Reconciler {
             Ok(written) => written,
             Err(err) if err.is_fenced() => return Err(err),
             Err(err) => {
-                // The lock carries it; try once more so `status` does not
-                // lag meanwhile.
+                // The lock carries it; retry once so `status` does not lag.
                 tracing::warn!(%sandbox, %err, "cannot record the checkpoint; trying once more");
                 self.write_status(sandbox, epoch, &mut record_in)
                     .await
@@ -423,8 +398,7 @@ impl Reconciler {
         }
     }
 
-    /// Deletes checkpoint images and manifests nothing points at any more.
-    /// Failures only leave garbage behind; they are logged.
+    /// Deletes checkpoints nothing points at; failures leave garbage (logged).
     pub(super) async fn delete_checkpoints(&self, checkpoints: &[CheckpointRef]) {
         for checkpoint in checkpoints {
             if let Err(err) =

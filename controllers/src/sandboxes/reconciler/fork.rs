@@ -1,13 +1,8 @@
-//! Forks: a new sandbox started from another one's checkpoint.
-//!
-//! The fork gets its own copy of the checkpoint (image and manifest under a
-//! fresh checkpoint id), never a reference to the source's: each sandbox's
-//! reconciler deletes its own superseded checkpoints, so a shared image
-//! would vanish under the fork when the source moved on (or the other way
-//! round). A copy is one server-side request on GCS and a file copy on a
-//! directory store. If the fork is never recorded (its metadata write
-//! fails), the copy is garbage that `sandboxctl gc` removes: nothing points
-//! at it.
+//! Forks: a new sandbox started from its own copy of another one's checkpoint
+//! (fresh id), never a reference: each reconciler deletes its own superseded
+//! checkpoints, so a shared image would vanish under one. A copy is one GCS
+//! server-side request (a file copy on a directory store); one whose fork is
+//! never recorded is garbage for `sandboxctl gc`.
 
 use super::*;
 use crate::api::encode;
@@ -16,9 +11,7 @@ use crate::store::{ObjectKey, PutMode};
 /// Which checkpoint of the source a fork starts from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ForkPoint {
-    /// The source's latest checkpoint.
     Latest,
-    /// The source's checkpoint with this name.
     Named(String),
 }
 
@@ -45,9 +38,8 @@ pub struct ForkedCheckpoint {
 }
 
 impl Reconciler {
-    /// Copies the checkpoint `point` of `source` for the new sandbox `fork`
-    /// and returns the reference its metadata records as its latest
-    /// checkpoint (epoch 0: the fork has held no lease yet).
+    /// Copies checkpoint `point` of `source` for the new sandbox `fork`;
+    /// returns what its metadata records as latest (epoch 0: no lease yet).
     pub async fn copy_checkpoint_for_fork(
         &self,
         source: &SandboxMetadata,
@@ -98,8 +90,8 @@ impl Reconciler {
         copy.epoch = 0;
         copy.name = None;
         copy.image.key = image_key.to_string();
-        // The copy's own age: `gc` must not take a fresh copy whose fork is
-        // being recorded right now for an old orphan.
+        // Its own age: `gc` must not take a fresh copy whose fork is being
+        // recorded right now for an old orphan.
         copy.created_at = self.clock.now();
         self.checkpoints
             .put(

@@ -1,8 +1,6 @@
-//! The steps of a sandbox this instance holds that do not checkpoint it:
-//! keep it (re-verifying the hold after an instance-lease lapse), stop it when
-//! lost or vanished, record it died, delete it, refuse a checkpoint it was not
-//! created for; and the two steps for locks it does not hold: release an
-//! orphan, write a tombstone.
+//! Held-sandbox steps besides checkpoints: keep (re-verify after an
+//! instance-lease lapse), stop when lost or vanished, record it died, delete,
+//! refuse an unconfigured checkpoint; unheld locks: release orphans, tombstone.
 
 use std::time::Duration;
 
@@ -20,8 +18,7 @@ pub(super) enum Reverified {
 
 impl Reconciler {
     /// The local sandbox died while held: record `Failed`, then release (as
-    /// a deletion and a lost checkpoint do), so that no taker finds the lock
-    /// free while the status still says the sandbox runs.
+    /// deletions and lost checkpoints do): no taker finds it free but running.
     pub(super) async fn mark_died(
         &self,
         sandbox: &SandboxId,
@@ -43,8 +40,7 @@ impl Reconciler {
         Ok(Requeue::Never)
     }
 
-    /// `desired_state: checkpointed` on a sandbox created without
-    /// `enable_checkpoint`: say so, keep it running.
+    /// `checkpointed` wanted without `enable_checkpoint`: say so, keep running.
     pub(super) async fn refuse_checkpoint(
         &self,
         sandbox: &SandboxId,
@@ -55,8 +51,7 @@ impl Reconciler {
         Ok(Requeue::After(self.next_look(sandbox)))
     }
 
-    /// Another instance wants the sandbox: checkpoint (forced unless the
-    /// policy waits for a running execution) and release.
+    /// Wanted elsewhere: checkpoint (forced unless the policy waits) and release.
     pub(super) async fn hand_over(
         &self,
         sandbox: &SandboxId,
@@ -79,9 +74,8 @@ impl Reconciler {
     }
 
     /// The lock names this instance, which does not run the sandbox (a start
-    /// that failed half-way, a release that did not land, an earlier
-    /// incarnation with this id). The instance lease would keep that hold
-    /// alive for ever: give it up.
+    /// failed half-way, a release not landed, an earlier incarnation of the
+    /// id): the instance lease would keep it alive for ever, so give it up.
     pub(super) async fn release_orphan(
         &self,
         sandbox: &SandboxId,
@@ -97,10 +91,9 @@ impl Reconciler {
         Ok(Requeue::After(Duration::ZERO))
     }
 
-    /// The instance lease lapsed since the hold was taken (`decide` saw it
-    /// not vouched for): re-verifies the hold with one conditional write to
-    /// its lock (a taker's concurrent write then fails). What it found when
-    /// the write did not land is for the table to decide on.
+    /// After an instance-lease lapse (`decide` saw the hold not vouched for):
+    /// one conditional write to the lock re-verifies it (a taker's concurrent
+    /// write then fails); what it found if refused is for the table to decide.
     pub(super) async fn reverify(&self, sandbox: &SandboxId, held: &HeldLease) -> Reverified {
         let reverified = async {
             self.leases.ensure_instance_lease().await?;
@@ -117,8 +110,7 @@ impl Reconciler {
         }
     }
 
-    /// When a held sandbox is looked at again: the departure watch's poll
-    /// while the client left within the detached window, else the resync.
+    /// Next look: the detached poll in the window after a leave, else resync.
     pub(super) fn next_look(&self, sandbox: &SandboxId) -> Duration {
         let now = self.clock.now();
         let watching = self
@@ -136,10 +128,9 @@ impl Reconciler {
     pub(super) async fn stop_lost(&self, sandbox: &SandboxId, why: LossCause) {
         tracing::warn!(%sandbox, %why, "stopping a sandbox this instance lost");
         crate::sandboxes::Metrics::add(&self.metrics.lost, 1);
-        // The client is told first: forgetting the hold releases an
-        // execution exit held back by the fence, and destroying the sandbox
-        // ends its running execution; neither may reach the client as a
-        // DONE before the loss does (another instance may hold it now).
+        // The client hears first: forgetting the hold releases an execution
+        // exit the fence held back, and destroying ends a running execution;
+        // neither may reach it as DONE before the loss (another may hold it).
         self.emit(sandbox, SandboxEvent::Lost(why));
         self.note_lost(sandbox);
         if let Err(err) = self.runtime.destroy(sandbox).await
@@ -180,16 +171,14 @@ impl Reconciler {
         Ok(Requeue::After(self.config.tombstone_retention))
     }
 
-    /// `desired_state: deleted` on a sandbox nobody runs: write the tombstone
-    /// under a lease of our own so no holder is overwritten.
+    /// Deleted and unheld: tombstone under our own lease, overwriting no holder.
     pub(super) async fn tombstone_unheld(
         &self,
         sandbox: &SandboxId,
     ) -> Result<Requeue, ReconcileError> {
         let held = match self.leases.acquire(sandbox).await {
             Ok(held) => held,
-            // Held elsewhere after all (its instance lease is live): its
-            // holder was rung and converges it; look again shortly.
+            // Held elsewhere after all: its rung holder converges it; retry soon.
             Err(LeaseError::HeldByOther { .. } | LeaseError::WantedByOther { .. }) => {
                 return Ok(Requeue::After(TOMBSTONE_RETRY));
             }

@@ -1,24 +1,18 @@
-//! One reconcile pass for one sandbox on this instance: read desired state
-//! (`metadata.json` spec, the lease's `wanted_by` or a rung intent) and
-//! observed state (the lease, the local runtime), perform the step the
-//! decision table picks, and say when to look again (`docs/principles.md`).
-//! A pass first serves the commands callers left for it (`commands`: a
-//! create, an attach, a desired state, a ring), whose writes are the only
-//! writes of the sandbox's objects not made by a step; a create or an
-//! attach may take the hold in its own write (the pass then adopts it). A
-//! step may make several writes (a handover checkpoints, uploads and
-//! transfers the hold in one fenced write), and bookkeeping records run in
-//! tasks of their own, off the queue (decision 21).
+//! One reconcile pass for one sandbox here: read desired state (`metadata.json`
+//! spec, the lease's `wanted_by`, a rung intent) and observed state (lease,
+//! local runtime), perform the step the decision table picks, say when to look
+//! again (`docs/principles.md`). A pass first serves callers' `commands`
+//! (create, attach, desired state, ring), the only writes not made by a step;
+//! a create or attach may take the hold itself (the pass adopts it). A step may
+//! write several times (a handover: checkpoint, upload, one fenced transfer);
+//! bookkeeping records run in tasks off the queue (decision 21).
 //!
-//! A held sandbox nothing happened to gets a light pass (no storage request)
-//! until its resync, as the light table (`super::decision::decide_light`)
-//! says; otherwise a full pass reads metadata and lock, the decision table
-//! (`super::decision::decide`) picks the one step, and [`Reconciler`]
-//! performs it (`pass`). The steps live by concept: `hold` (keep, re-verify, stop,
-//! delete, orphans, tombstones), `checkpoint` (handoff, client and periodic
-//! checkpoints, purge), `start` (acquire, restore or create), `fork`; its
-//! settings in `config` and what the instance knows only locally in `local`.
-//! Each step publishes what happened as domain events (`super::events`).
+//! A held sandbox nothing happened to gets a light pass (no storage request;
+//! `super::decision::decide_light`) until its resync; else a full pass reads
+//! metadata and lock, `super::decision::decide` picks the step and
+//! [`Reconciler`] performs it (`pass`). Steps live in `hold`, `checkpoint`,
+//! `start` and `fork`, settings in `config`, local-only state in `local`;
+//! steps publish what happened as domain events (`super::events`).
 
 use chrono::{DateTime, Utc};
 use std::convert::Infallible;
@@ -70,11 +64,9 @@ use super::events::{CheckpointFailure, LossCause, SandboxEvent, StartFailure, St
 /// How soon a tombstone waiting for a live holder is tried again.
 const TOMBSTONE_RETRY: Duration = Duration::from_secs(1);
 
-/// When to reconcile the sandbox again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Requeue {
-    /// Only when something happens (an intent, an operator's edit noticed by
-    /// the caller).
+    /// Only when something happens (an intent, an operator's edit noticed).
     Never,
     After(Duration),
 }
@@ -85,10 +77,8 @@ pub enum ReconcileError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Lease(#[from] LeaseError),
-    /// A fenced write of `metadata.json` was refused: `Fenced`, a newer
-    /// holder wrote it and this instance must stop acting on the sandbox,
-    /// or `Contended`. (Its store and decoding failures are `Store` and
-    /// `Invalid`, as a read's are.)
+    /// A refused fenced `metadata.json` write: `Fenced` (a newer holder wrote:
+    /// stop acting on it) or `Contended` (else `Store`, `Invalid`, as for reads).
     #[error(transparent)]
     Fence(FenceError<Infallible>),
     #[error("{key} is not a valid document: {detail}")]
@@ -125,9 +115,8 @@ impl From<FenceError<Infallible>> for ReconcileError {
     }
 }
 
-/// Decodes the document read at `key`. One that does not decode is
-/// `Invalid`, named by its key: an operator's edit gone wrong, to be fixed
-/// in that object, not a storage failure.
+/// Decodes the document read at `key`; one that does not is `Invalid`, named
+/// by its key: an operator's edit to fix in that object, not a store failure.
 fn decode_at<T: ApiObject>(key: &ObjectKey, data: &[u8]) -> Result<T, ReconcileError> {
     decode(data).map_err(|err| ReconcileError::Invalid {
         key: key.to_string(),
@@ -150,21 +139,15 @@ pub struct Reconciler {
     leases: Leases,
     clock: Arc<dyn Clock>,
     config: ReconcilerConfig,
-    /// Everything this instance knows only locally about each sandbox
-    /// (`slots.rs`): its hold, its watch, a client waiting, a start in
-    /// flight, what intent writers here left for its next pass.
+    /// Per-sandbox local state (`slots.rs`): hold, watch, waiters, start, intents.
     slots: Slots,
-    /// When this instance last held or started anything: its instance lease
-    /// is renewed until a lease after that.
+    /// Last hold or start here: the instance lease is renewed a lease past it.
     last_busy: Mutex<Option<DateTime<Utc>>>,
-    /// This reconciler, once shared behind an `Arc` (by its controller):
-    /// steps that must outlive a pass (a checkpoint's record) run in tasks
-    /// of their own on it.
+    /// Weak self, set once shared (by the controller): steps outliving a pass.
     shared: std::sync::OnceLock<std::sync::Weak<Reconciler>>,
     /// Those tasks still at work, so a drain (and a test) can wait for them.
     background: Arc<tokio::sync::watch::Sender<usize>>,
-    /// The controller's queue, to wake a waiting taker when its handoff's
-    /// image lands (`await_handover`); unset without a controller.
+    /// Controller's queue: wakes a taker when its image lands (`await_handover`).
     wake: std::sync::OnceLock<super::workqueue::WorkQueue>,
     metrics: Arc<super::metrics::Metrics>,
     /// Shutting down: checkpoints kill running executions instead of waiting.
@@ -189,8 +172,7 @@ pub struct ReconcilerParts {
 
 impl Reconciler {
     pub fn new(parts: ReconcilerParts) -> Self {
-        // One map per sandbox: the progress channels and the rung intents
-        // the leases count live in these slots too.
+        // One map per sandbox; progress channels and the leases' rung intents too.
         let slots = Slots::default();
         let mut leases = parts.leases;
         leases.keep_rung_in(Arc::new(slots.clone()));
@@ -278,8 +260,7 @@ impl Reconciler {
             .map(|(metadata, _)| metadata))
     }
 
-    /// Reads `metadata.json` with its generation (remembered as the first
-    /// read of the next read-modify-write); `None` if it does not exist.
+    /// Reads `metadata.json` and its generation (remembered for the next update).
     pub async fn read_metadata_versioned(
         &self,
         sandbox: &SandboxId,
@@ -304,20 +285,17 @@ impl Reconciler {
         let _ = this.shared.set(Arc::downgrade(this));
     }
 
-    /// Queues a pass of a sandbox on `queue` when something it waits for
-    /// happens outside a pass (a handoff's image landing).
+    /// Wakes passes on `queue` for events outside one (a handoff's image landing).
     pub(super) fn wake_with(&self, queue: super::workqueue::WorkQueue) {
         let _ = self.wake.set(queue);
     }
 
-    /// This reconciler as shared, if it is.
     pub(super) fn shared(&self) -> Option<Arc<Self>> {
         self.shared.get().and_then(std::sync::Weak::upgrade)
     }
 
-    /// Runs `step` on this reconciler, shared, in a task of its own, counted
-    /// until it ends. Every reconciler is shared once its controller is made
-    /// (`SandboxController::new`), before any pass.
+    /// Runs `step` on the shared reconciler in a task of its own, counted until
+    /// it ends. Shared once its controller is made (`SandboxController::new`).
     pub(super) fn spawn_shared<T, F>(
         &self,
         step: impl FnOnce(Arc<Self>) -> F,
@@ -339,8 +317,7 @@ impl Reconciler {
         }))
     }
 
-    /// Waits until no step runs in a task of its own (a checkpoint's
-    /// record that outlived its pass).
+    /// Waits until no step runs in a task of its own (a checkpoint's record).
     pub async fn background_settled(&self) {
         let _ = self
             .background
@@ -349,8 +326,7 @@ impl Reconciler {
             .await;
     }
 
-    /// `metadata.json` as this instance last read or wrote it, decoded, if
-    /// its generation is `at_least` that (it is not decoded otherwise).
+    /// Last `metadata.json` read or written here, decoded if `at_least` that new.
     pub(super) fn known_read(
         &self,
         sandbox: &SandboxId,
@@ -380,8 +356,7 @@ impl Reconciler {
         );
     }
 
-    /// Records under `epoch` that the sandbox runs nowhere: `phase`, no
-    /// holder, `Ready` for `reason`, and `error`, if any, as its last.
+    /// Records it runs nowhere (fenced by `epoch`): `phase`, `reason`, `error`.
     async fn record_stopped(
         &self,
         sandbox: &SandboxId,
@@ -400,8 +375,7 @@ impl Reconciler {
         .await
     }
 
-    /// Writes `status` fields under `epoch`, refusing if a newer holder
-    /// wrote: the one writer of a sandbox's `status` on this instance.
+    /// Writes `status` fenced by `epoch`: the one writer of `status` here.
     pub(crate) async fn write_status(
         &self,
         sandbox: &SandboxId,
