@@ -18,8 +18,7 @@ fn instance(name: &str) -> InstanceId {
     InstanceId::parse(name).unwrap()
 }
 
-/// Checks that `$value` matches `$pattern` (and its guard), showing the
-/// value if not.
+/// Asserts that `$value` matches `$pattern` (and its guard), showing it if not.
 macro_rules! assert_matches {
     ($value:expr, $pattern:pat $(if $guard:expr)?) => {
         match $value {
@@ -29,13 +28,11 @@ macro_rules! assert_matches {
     };
 }
 
-/// An empty store and a clock at its start: where every test here begins.
 fn store_and_clock() -> (Arc<MemoryStore>, ManualClock) {
     (Arc::new(MemoryStore::new()), ManualClock::new())
 }
 
-/// Leases of the instances `names` on one empty store, and that store and
-/// its clock: most tests here set two or three instances against each other.
+/// Leases of the instances `names` on one empty store, that store, its clock.
 fn leases_on_one_store<const N: usize>(
     names: [&str; N],
 ) -> (Arc<MemoryStore>, ManualClock, [Leases; N]) {
@@ -44,8 +41,7 @@ fn leases_on_one_store<const N: usize>(
     (store, clock, leases)
 }
 
-/// A memory store seen through an operation counter, for the ring tests that
-/// count requests: the store, its counts, and the counted view of it.
+/// A memory store, its operation counts, and the counted view of it.
 fn counted_store() -> (Arc<MemoryStore>, Arc<OperationCounts>, Arc<dyn Store>) {
     let memory = Arc::new(MemoryStore::new());
     let counts = Arc::new(OperationCounts::default());
@@ -67,8 +63,7 @@ async fn reads_and_writes_of(
 }
 
 impl LeaseConfig {
-    /// The lease settings of these tests and the reconciler's: 30 s leases,
-    /// 5 s skew, 60 s intents, rings written at once.
+    /// The lease settings of these tests and the reconciler's.
     pub(crate) fn for_tests() -> Self {
         Self {
             duration: Duration::seconds(30),
@@ -79,8 +74,8 @@ impl LeaseConfig {
     }
 }
 
-/// Instance `name`'s leases on `store` ([`LeaseConfig::for_tests`]), writing
-/// to one doorbell at most once per `spacing_ms`.
+/// Instance `name`'s leases ([`LeaseConfig::for_tests`]), writing to one
+/// doorbell at most once per `spacing_ms`.
 fn leases(store: Arc<dyn Store>, clock: &ManualClock, name: &str, spacing_ms: u64) -> Leases {
     let config = LeaseConfig {
         ring_spacing: std::time::Duration::from_millis(spacing_ms),
@@ -92,8 +87,7 @@ fn leases(store: Arc<dyn Store>, clock: &ManualClock, name: &str, spacing_ms: u6
     leases
 }
 
-/// Where these tests' leases keep the intents rings carry (a reconciler's
-/// slots, in the server).
+/// Keeps the intents rings carry (in the server, a reconciler's slots).
 #[derive(Debug, Default)]
 struct Heard(std::sync::Mutex<std::collections::HashMap<SandboxId, RungIntent>>);
 
@@ -123,7 +117,6 @@ async fn stored_lease(store: &MemoryStore) -> Lease {
     decode(&store.get(&lock_key(&sandbox())).await.unwrap().data).unwrap()
 }
 
-/// The instance the stored lock's attach intent names, if any.
 async fn intent_in(store: &MemoryStore) -> Option<InstanceId> {
     stored_lease(store)
         .await
@@ -131,7 +124,7 @@ async fn intent_in(store: &MemoryStore) -> Option<InstanceId> {
         .map(|intent| intent.instance)
 }
 
-/// Checks that `holder`'s doorbell in `store` has a ring for each of `sandboxes`.
+/// Checks that `holder`'s doorbell has a ring for each of `sandboxes`.
 async fn assert_rung(store: &MemoryStore, holder: &InstanceId, sandboxes: &[SandboxId]) {
     let bell: crate::api::Doorbell =
         decode(&store.get(&doorbell_key(holder)).await.unwrap().data).unwrap();
@@ -194,8 +187,7 @@ async fn release_clears_the_holder_and_keeps_the_object_and_epoch() {
     let lease = stored_lease(&store).await;
     assert_eq!(lease.holder, None);
     assert_eq!(lease.epoch, 1);
-    // A lock with no holder at the hold's own epoch (as after an operator
-    // cleared it) is a loss to the hold's renewal.
+    // No holder at the hold's own epoch (an operator cleared it): lost.
     let lost = a.renew(&held).await;
     assert_matches!(lost, Err(LeaseError::Lost { holder: None, .. }));
     // Free at once, no expiry wait.
@@ -253,8 +245,7 @@ async fn instances_whose_clocks_disagree_by_three_seconds_never_overlap() {
     };
 
     let mut held = a.acquire(&sandbox()).await.unwrap();
-    // A renews every 10 s, as a holder does at a third of the lease. By B's
-    // fast clock the lease is never expired, so B never takes over.
+    // A renews every 10 s (a third of the lease): B never sees it expire.
     for _ in 0..6 {
         advance(10);
         assert!(a.is_safe(&held));
@@ -262,12 +253,10 @@ async fn instances_whose_clocks_disagree_by_three_seconds_never_overlap() {
         held = a.renew(&held).await.unwrap();
     }
 
-    // A stops renewing (crash or pause). A's own view: unsafe after 25 s, so it
-    // stops acting before anyone else may take over.
+    // A stops renewing: unsafe by its clock after 25 s, before any takeover.
     advance(26);
     assert!(!a.is_safe(&held));
-    // B's clock runs 3 s ahead, so B sees the expiry 3 s early, but the 5 s
-    // tolerance holds B off until A's +32 (30 - 3 + 5): 7 s after A stopped.
+    // B sees it 3 s early, held off until A's +32 (30 - 3 + 5) by the skew.
     assert!(b.acquire(&sandbox()).await.is_err());
     advance(5); // A's +31
     assert!(b.acquire(&sandbox()).await.is_err());
@@ -318,9 +307,8 @@ async fn an_acquire_whose_response_was_lost_is_recognised_on_retry() {
     );
 }
 
-/// A mass reconnect: 30 attaches ring one holder within a second. The
-/// rings are coalesced, so the holder's doorbell is written at most once
-/// per `ring_spacing` (plus the first), and every sandbox is in it.
+/// A mass reconnect (30 rings to one holder in a second) is coalesced: at
+/// most one doorbell write per `ring_spacing` plus the first, naming all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
     let (memory, counts, store) = counted_store();
@@ -347,10 +335,8 @@ async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
     assert_rung(&memory, &instance("a"), &sandboxes).await;
 }
 
-/// A ringer that rang a holder before starts its next ring from the
-/// doorbell as it wrote it: one write, no read. Somebody else's ring in
-/// between fails that write's precondition; the ring then reads and keeps
-/// both.
+/// A ringer's next ring to a holder is one write from its own copy, no read;
+/// another's ring in between fails its precondition: it reads, keeps both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
     let (memory, counts, store) = counted_store();
@@ -367,15 +353,13 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
         (0, 1),
         "a second ring is one write, no read"
     );
-    // Another instance rings the same holder: the remembered doorbell is
-    // stale, and the next ring must not drop that ring.
+    // C's ring makes the remembered doorbell stale; it must not be dropped.
     ring_by_c().await.unwrap();
     rings.ring(&holder, &third, None).await.unwrap();
     let all = [first.clone(), second, third, other.clone()];
     assert_rung(&memory, &holder, &all).await;
-    // Found stale once, the ringer reads first for a while: another
-    // instance ringing the same holder in turn (a mass reconnect) would
-    // otherwise cost a refused write per ring.
+    // Found stale once, the ringer reads first for a while: rings in turn
+    // with another ringer would otherwise cost a refused write each.
     let ring_in_turn = async {
         ring_by_c().await.unwrap();
         rings.ring(&holder, &first, None).await.unwrap();
@@ -387,11 +371,8 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
     );
 }
 
-/// Two instances ring one holder in a burst (a mass reconnect through
-/// both): a batch that waited for the spacing reads the doorbell first
-/// rather than writing from the copy it wrote itself, which the other
-/// ringer made stale. A write refused for a stale precondition still
-/// spends the object's write rate, at the moment it is scarcest.
+/// Two ringers in a burst: a batch that waited for the spacing reads first,
+/// not writing its own stale copy (a refused write spends the write rate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_a_burst_reads_first_and_no_write_is_refused() {
     let (memory, counts, store) = counted_store();
@@ -414,8 +395,7 @@ async fn a_batch_of_a_burst_reads_first_and_no_write_is_refused() {
     assert_rung(&memory, &holder, &[first, second, third]).await;
 }
 
-/// A handoff's hand-back transfers the hold to the instance whose live
-/// intent names it, in one write that carries the checkpoint.
+/// A hand-back is one write: the hold to the live intent, with the checkpoint.
 #[tokio::test]
 async fn a_hand_back_transfers_the_hold_to_the_live_intent_with_the_checkpoint() {
     let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
@@ -465,9 +445,7 @@ async fn a_holder_read_live_is_not_read_again_within_a_second_unless_run_out_gon
     }
 }
 
-/// Hands `held` back from `a` (starting from `read`, if given) with
-/// [`handed_checkpoint`], checks that the hold went to B at the next epoch,
-/// and returns the stored lock.
+/// Hands `held` back from `a` (from `read`), checks B got it; the stored lock.
 async fn handed_to_b(
     a: &Leases,
     held: &HeldLease,
@@ -508,11 +486,8 @@ fn handed_checkpoint(
     (manifest, reference)
 }
 
-/// An attach on an instance that does not hold the sandbox sends its
-/// intent in the ring and leaves `lock.json` alone (decision 27): the
-/// ringer counts it at once, the holder once its doorbell brings it, and
-/// the holder's transfer is the lock's next write. The intent is spent
-/// with the hold it was about.
+/// A non-holder's attach sends its intent by ring, not `lock.json` (decision
+/// 27): the ringer counts it at once, the holder once its doorbell brings it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write() {
     let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
@@ -550,8 +525,7 @@ async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write(
         .map(|intent| intent.instance.clone());
     assert_eq!(wanted, Some(instance("b")));
 
-    // Heard again on a lock read afresh (the write's precondition failed
-    // and the loop re-read): the transfer still goes to B.
+    // Heard again on a re-read lock (a failed precondition): still to B.
     let lease = handed_to_b(&a, &held, None, &store, &clock).await;
     assert_eq!(lease.holder, Some(instance("b")));
     assert_eq!(lease.wanted_by, None);
@@ -616,11 +590,8 @@ fn the_acquire_guard_takes_only_a_free_or_gone_hold_no_other_instance_wants() {
     }
 }
 
-/// A lock written before this instance's lease lapsed, whose answer came
-/// after the lapse (a freeze while the write was in flight), is not vouched
-/// for by the era the lapse began: another instance may have taken the
-/// sandbox over in the gap. A hold written after the lapse is, beyond its
-/// lock's own lease, as long as the instance lease is renewed.
+/// A lock written before the lease lapsed but answered after (a freeze
+/// mid-write) isn't vouched for by the new era (a takeover may lie between).
 #[tokio::test]
 async fn an_era_that_began_after_a_holds_lock_lease_ran_out_does_not_vouch_for_it() {
     let (_store, clock, [a, b]) = leases_on_one_store(["inst-a", "inst-b"]);
@@ -634,8 +605,7 @@ async fn an_era_that_began_after_a_holds_lock_lease_ran_out_does_not_vouch_for_i
     let taken = b.acquire(&id).await.unwrap();
     assert_eq!(taken.epoch, held.epoch + 1);
 
-    // A thaws: its instance lease is renewed (a new era), then the answer
-    // of a write that landed before the freeze is taken up.
+    // A thaws: renews (a new era), then takes up a pre-freeze write's answer.
     a.instance_lease().renew().await.unwrap();
     let late = a.adopt(&id, &written, held.generation).await.unwrap();
     assert_eq!(late.era, NO_ERA);
@@ -644,8 +614,7 @@ async fn an_era_that_began_after_a_holds_lock_lease_ran_out_does_not_vouch_for_i
         "a hold written before the lapse was vouched for by the era after it"
     );
 
-    // A hold taken after the lapse is vouched for past its lock's own lease
-    // (25 s) while the instance lease is renewed.
+    // A hold taken after the lapse outlives its lock's lease (25 s) on renewal.
     let other = SandboxId::parse("fedcba9876543210fedcba9876543210").unwrap();
     let hold = a.acquire(&other).await.unwrap();
     clock.advance(Duration::seconds(20));

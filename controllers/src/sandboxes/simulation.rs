@@ -1,25 +1,15 @@
-//! Deterministic simulation of several instances converging the same
-//! sandboxes: one in-memory store, a fake runtime per instance, one manual
-//! clock, and a seeded schedule of reconcile passes, client intents,
-//! executions, clock jumps past the lease, crashes, pauses (zombie holders)
-//! and storage faults (transient errors, lost responses that still landed),
-//! each instance's clock off by up to ±1 s (two instances disagree by at most
-//! the 2 s tolerance). Instances renew their instance lease and answer their
-//! doorbell at random steps (never while paused); rings are lost (the doorbell
-//! deleted), duplicated (rung again) and delayed (answered steps later, or
-//! never, leaving it to the resync).
-//!
-//! After every step the invariants must hold:
+//! Deterministic simulation of instances converging the same sandboxes on
+//! one in-memory store and manual clock (each instance's clock off by up to
+//! ±1 s, within the 2 s tolerance): a seeded schedule of passes, intents,
+//! executions, clock jumps past the lease, crashes, pauses (zombie holders),
+//! storage faults (transient, lost responses that landed), renewals and
+//! doorbell answers (never while paused), and rings lost, duplicated or
+//! delayed (to never, leaving it to the resync). Invariants after each step:
 //! 1. never two instances running a sandbox while both can vouch for their
-//!    lease (a paused zombie may still run it, but its lease has expired);
-//! 2. `status.epoch` and `status.latest_checkpoint.epoch` never go down: a
-//!    newer checkpoint pointer is never overwritten by a lower epoch;
-//! 3. every acknowledged checkpoint stays covered until the sandbox is
-//!    deleted: the recorded latest checkpoint is at least as new and is
-//!    restorable (manifest and image present, digest matching).
-//!
-//! CI runs 1,000 seeds; `SIM_SEEDS=10000 cargo test -p controllers --release
-//! --features testing -- --ignored simulation_soak` runs more.
+//!    lease (a paused zombie may still run it, its lease expired);
+//! 2. `status.epoch` and `status.latest_checkpoint.epoch` never go down;
+//! 3. until deletion, the latest checkpoint is at least as new as every
+//!    acknowledged one and restorable (manifest, image, digest).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -40,9 +30,7 @@ use crate::runtime::{Command, ExecRequest, SandboxRuntime};
 use crate::store::{Store, StoreError};
 use crate::testing::{FakeRuntime, Fault, ManualClock, MemoryStore};
 
-/// One node's view of the shared store: after a countdown set by a pause, its
-/// requests block until the pause ends, so a reconcile pass can stop halfway
-/// (a holder frozen between reading its lease and writing its checkpoint).
+/// A node's store: past a pause's countdown, requests block until it ends.
 #[derive(Debug)]
 struct Gate {
     /// Requests left before blocking; negative: not pausing.
@@ -115,7 +103,6 @@ impl Sim {
     fn node(&mut self) -> Node {
         self.next_name += 1;
         let name = format!("node-{}", self.next_name);
-        // Hosts' clocks disagree, within the tolerated skew (2 s).
         let skew_ms = self.rng.random_range(-1_000..=1_000);
         let clock: Arc<dyn Clock> = Arc::new(self.clock.offset(Duration::milliseconds(skew_ms)));
         let (open, open_receiver) = tokio::sync::watch::channel(true);
@@ -184,8 +171,7 @@ impl Sim {
         }
     }
 
-    /// Each awake instance renews its instance lease with `probability`, as
-    /// its lease loop would have while the clock moved.
+    /// Awake nodes renew their instance lease with `probability` (their loop).
     async fn heartbeats(&mut self, step: usize, probability: f64) {
         for n in 0..self.nodes.len() {
             if self.nodes[n].paused_until <= step && self.rng.random_bool(probability) {
@@ -206,7 +192,6 @@ impl Sim {
                 let _ = controller.reconciler().reconcile(&id).await;
             }
             30..35 if awake => {
-                // The instance lease loop's renewal.
                 renew_instance_lease(&controller).await;
             }
             35..38 if awake => {
@@ -265,8 +250,7 @@ impl Sim {
                     .exec(&id, ExecRequest::new(Command::Bash(format!("step {step}"))))
                     .await
                 {
-                    // Drained aside: an exit the instance cannot vouch for is
-                    // held back until a later step re-verifies or loses the hold.
+                    // An unvouched exit is held back until re-verified or lost.
                     tokio::spawn(async move { while execution.events.recv().await.is_some() {} });
                 }
             }
@@ -286,8 +270,7 @@ impl Sim {
                 self.heartbeats(step, 0.3).await;
             }
             87..90 => {
-                // A crash: the process and its sandboxes vanish; a new one
-                // (new instance id, as a restarted server gets) takes its place.
+                // A crash: a new process (new instance id) takes its place.
                 if let Some(frozen) = self.nodes[node].frozen.take() {
                     frozen.abort();
                 }
@@ -369,15 +352,13 @@ impl Sim {
             );
             self.seen
                 .insert(id.clone(), (metadata.status.epoch, checkpoint_epoch));
-            // 3. Acknowledged checkpoints stay covered and restorable,
-            // until the sandbox is deleted (a tombstone's purge removes its
-            // checkpoints before its metadata; it is never started again).
+            // 3. Acknowledged checkpoints stay covered and restorable until
+            // deletion (a purge removes checkpoints before the metadata).
             if let Some(&acknowledged) = self.acknowledged.get(&id)
                 && metadata.status.phase != crate::api::Phase::Deleted
             {
-                // Covered by the record, or by the lock that carries the
-                // checkpoint while the record is under way (decision 18):
-                // the next holder restores the newer of the two.
+                // Or by the lock carrying it until the record lands (decision
+                // 18): the next holder restores the newer of the two.
                 let carried = self.lock(&id).await.and_then(|lock| lock.checkpoint);
                 let latest = match (metadata.status.latest_checkpoint.as_ref(), carried.as_ref()) {
                     (Some(recorded), Some(carried)) if carried.epoch > recorded.epoch => carried,
@@ -426,9 +407,7 @@ impl Sim {
         }
     }
 
-    /// The manifest of the checkpoint whose image is `image`; both callers
-    /// need it present (an acknowledged or recorded checkpoint that is not is
-    /// itself the failure).
+    /// The manifest of `image`'s checkpoint; a missing one is itself a failure.
     async fn manifest(&self, image: &str) -> CheckpointManifest {
         let checkpoint = checkpoint_id_of_image(image).unwrap();
         let object = self
@@ -445,8 +424,7 @@ impl Sim {
     }
 }
 
-/// What the instance lease loop does on each renewal: renew, then queue a
-/// pass for every sandbox the instance can no longer vouch for.
+/// The instance lease loop's renewal: renew, then queue the unvouched.
 async fn renew_instance_lease(controller: &SandboxController) {
     let _ = controller
         .reconciler()
@@ -467,9 +445,7 @@ async fn run_seed(seed: u64) {
         sim.step(step).await;
         sim.check(seed, step).await;
     }
-    // Heal: faults off, everyone awake, the lease long expired; one instance
-    // asks for each sandbox. It must end up running in exactly one place or
-    // be reported with a reason.
+    // Heal: no faults, all awake; each sandbox runs in one place or says why.
     sim.store.take_faults();
     for node in &mut sim.nodes {
         node.paused_until = 0;
@@ -521,9 +497,7 @@ async fn run_seed(seed: u64) {
     }
 }
 
-/// Seeds 0 to 999, in four quarters of their own so that the test runner
-/// spreads them over its threads (one test of a thousand seeds was the quick
-/// tier's long pole).
+/// Seeds 0 to 999 (CI's) in four tests, spread over the runner's threads.
 mod a_thousand_seeded_schedules_keep_the_invariants {
     use super::run_seed;
 
@@ -554,8 +528,7 @@ mod a_thousand_seeded_schedules_keep_the_invariants {
     }
 }
 
-/// The number in the environment variable `name`, or `default` when it is
-/// unset or not a number.
+/// The number in the environment variable `name`, else `default`.
 fn env_seed(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()

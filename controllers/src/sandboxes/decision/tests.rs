@@ -1,5 +1,4 @@
-//! The decision table, row by row, with builder fixtures
-//! (`Case::held_here().wanted_by("b")`).
+//! The decision table, row by row, on builder fixtures (`Case::held_here()`).
 
 use DesiredState::{Checkpointed, Deleted};
 use chrono::{Duration, TimeZone, Utc};
@@ -97,8 +96,7 @@ impl Case {
         self
     }
 
-    /// `self` after `change`: a fixture with one field set apart, in one
-    /// expression.
+    /// `self` after `change`: one field set apart, in one expression.
     fn with(mut self, change: impl FnOnce(&mut Self)) -> Self {
         change(&mut self);
         self
@@ -116,8 +114,7 @@ impl Case {
         self
     }
 
-    /// Checks that the table decides `expected` for this case; `why` names
-    /// the row. A failure points at the caller's line.
+    /// Checks that the table decides `expected`; `why` names the row.
     #[track_caller]
     fn decides(&self, expected: Step, why: &str) {
         assert_eq!(self.decide(), expected, "{why}");
@@ -159,8 +156,7 @@ fn a_lock_naming_another_holder_or_epoch_means_lost() {
     );
     let case = Case::held_here().with(|case| case.lock = None);
     assert_eq!(case.decide(), Step::StopLost { holder: None });
-    // A newer holder's record (the hold's epoch 3, plus one) fences this
-    // hold even in a lock read before that holder took it.
+    // A newer record (epoch 4) fences the hold even if the lock predates it.
     let case = Case::held_here().with_metadata(|metadata| metadata.status.epoch = 4);
     case.decides(Step::StopLost { holder: None }, "a newer record in status");
 }
@@ -227,12 +223,10 @@ fn a_tombstone_is_never_started_again_whatever_its_spec_says() {
     let case = tombstone(Case::new().held_by("a", 4).wanted_by("a"));
     let case = case.with(|case| case.waiting_here = true);
     assert_eq!(case.decide(), Step::ReleaseOrphan { epoch: 4 });
-    // Tombstoned under a hold still kept here (its release failed): the
-    // deletion finishes, the tombstone is not overwritten by `Failed`.
+    // Tombstoned under a kept hold (release failed): deleted, not `Failed`.
     let case = tombstone(Case::held_here()).with(|case| case.running_here = false);
     assert_eq!(case.decide(), Step::Delete);
-    // Running here under a live hold, the phase can only be an edit of
-    // `status`: it is recorded again, the sandbox keeps running.
+    // Running under a live hold, the phase is an edit: it is recorded again.
     assert_eq!(tombstone(Case::held_here()).decide(), Step::RecordRunning);
 }
 
@@ -280,10 +274,9 @@ fn a_due_periodic_checkpoint_is_taken_and_an_unvouched_hold_reverified_due_or_no
     case.decides(Step::Reverify, "unvouched, nothing due");
 }
 
-/// An unvouched hold may be taken over at any moment, and a hand-over, a
-/// checkpoint or a delete stop or kill what runs before their fenced write
-/// could fail: each waits for the hold's renewal. Only what the read shows
-/// already (a loss, a death) is acted on at once.
+/// An unvouched hold may be taken over any moment, and a hand-over, checkpoint
+/// or delete stops what runs before its fenced write: each waits for the
+/// renewal. Only what the read shows (a loss, a death) is acted on at once.
 #[test]
 fn an_unvouched_hold_is_renewed_before_it_is_handed_over_checkpointed_or_deleted() {
     let unvouched = |case: Case| case.with(|case| case.vouched = false);
@@ -327,8 +320,7 @@ fn checkpoint(epoch: u64, second: u32) -> CheckpointRef {
     }
 }
 
-/// A quiet pass of the sandbox `Case::held_here` holds: running, vouched,
-/// nothing due, its client attached.
+/// A quiet pass of `Case::held_here`: running, vouched, nothing due, attached.
 fn quiet<'a>(case: &'a Case) -> Quiet<'a> {
     Quiet {
         me: &case.me,
@@ -347,8 +339,7 @@ fn quiet<'a>(case: &'a Case) -> Quiet<'a> {
 /// One way a pass differs from a quiet one, for a table of them.
 type QuietChange = fn(&mut Quiet<'_>);
 
-/// A departure watch's pass of `case`, with the lock as that pass read it
-/// (`None` before the read).
+/// A departure watch's pass of `case`, the lock as read (`None` before).
 fn watching<'a>(case: &'a Case, lock_read: Option<Option<&'a Lease>>) -> Quiet<'a> {
     Quiet {
         watching: true,
@@ -410,8 +401,7 @@ fn the_drain_checkpoints_deletes_or_leaves_a_sandbox_to_its_pass() {
     assert_eq!(drain(&Case::held_here().wanted_by("b")), None);
     // Its own intent is no reason to leave it running.
     assert_eq!(drain(&Case::held_here().wanted_by("a")), Some(Checkpointed));
-    // Not checkpointable (wanted elsewhere or not), or its metadata gone:
-    // deleted.
+    // Not checkpointable (wanted elsewhere or not), or gone: deleted.
     let mut plain = Case::held_here().wanted_by("b");
     plain.metadata.as_mut().unwrap().spec.enable_checkpoint = false;
     assert_eq!(drain(&plain), Some(Deleted));

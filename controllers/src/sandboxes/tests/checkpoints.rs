@@ -1,6 +1,5 @@
-//! Checkpoints: a client's checkpoint and its restore, named checkpoints,
-//! one refused for a running execution or a sandbox not made for it, the
-//! retention of superseded ones and periodic checkpoints.
+//! Checkpoints: taken and restored, named, deferred or refused, superseded
+//! ones' retention, periodic ones, and ones whose record has not landed.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -57,7 +56,6 @@ async fn a_named_checkpoint_is_restored_once_then_the_latest_again() {
     a.run(&id, "two").await;
     a.checkpoint(&id, None).await;
 
-    // Ask for the early one by name.
     a.request_here(&id, Some("early")).await.unwrap();
     a.pass(&id).await;
     assert_eq!(a.runtime.memory(&id).unwrap(), vec!["one".to_owned()]);
@@ -133,7 +131,6 @@ async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay
     }
 }
 
-/// An instance that checkpoints what it holds every 60 s.
 fn checkpointing_every_minute(world: &World) -> Instance {
     world.instance_with(
         "a",
@@ -169,9 +166,8 @@ async fn periodic_checkpoints_bound_what_a_crash_loses() {
     assert_eq!(b.runtime.memory(&id).unwrap(), vec!["saved".to_owned()]);
 }
 
-/// A periodic checkpoint that fails decides nothing itself: it is tried
-/// again an interval later (not at once), and the table marks a sandbox it
-/// took down as died in the next pass.
+/// A failed periodic checkpoint decides nothing: it is retried an interval
+/// later (not at once); the next pass's table marks a sandbox it lost died.
 #[tokio::test]
 async fn a_failed_periodic_checkpoint_waits_an_interval_and_the_table_marks_a_lost_sandbox_died() {
     let world = World::new();
@@ -189,8 +185,7 @@ async fn a_failed_periodic_checkpoint_waits_an_interval_and_the_table_marks_a_lo
     assert_eq!(world.lease(&id).await.holder, None, "and released it");
     assert_eq!(drain(&mut events), [SandboxEvent::Lost(LossCause::Died)]);
 
-    // One an execution defers is not tried again at once either (each try
-    // costs a read of both objects), but an interval later.
+    // One an execution defers waits an interval too (each try reads both).
     let id = a.create(&world).await;
     let execution = a.exec(&id, "hold").await;
     a.live_through(&world, 61).await;
@@ -228,8 +223,7 @@ async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_runni
     );
 }
 
-/// A `metadata.json` write waits for the gate while it is closed and then
-/// fails (a bucket that refuses the intent's write).
+/// While `closed`, a `metadata.json` write waits for the gate, then fails.
 #[derive(Debug)]
 pub(super) struct GatedMetadataWrites {
     closed: AtomicBool,
@@ -263,8 +257,7 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     let (world, gated) = gated_world();
     let (a, id) = world.a_running("x=1").await;
 
-    // The intent's write hangs: the request returns, and the pass it
-    // primed checkpoints meanwhile (decision 22).
+    // The intent's write hangs; its pass checkpoints meanwhile (decision 22).
     gated.hook.closed.store(true, Ordering::SeqCst);
     let mut events = a.controller.subscribe(&id);
     let request = a.request_state(&id, DesiredState::Checkpointed, None);
@@ -289,10 +282,8 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
     assert!(!heard!(seen, SandboxEvent::CheckpointFailed(_)), "{seen:?}");
 }
 
-/// A [`gated_world`] whose `a` checkpointed a sandbox (memory `x=1`) as
-/// `name` while the record's write waits at the gate: its client heard
-/// CHECKPOINTED, `metadata.json` records no checkpoint yet. New writes pass
-/// again when it returns; the record still waits (until the gate opens).
+/// A [`gated_world`] whose `a` checkpointed `x=1` as `name` and said so, its
+/// record held at the gate (until it opens); other writes pass again.
 pub(super) async fn checkpointed_before_its_record(
     name: &str,
 ) -> (World, Gated, Instance, SandboxId) {
@@ -315,9 +306,8 @@ pub(super) async fn checkpointed_before_its_record(
     (world, gated, a, id)
 }
 
-/// A client that heard CHECKPOINTED may attach asking for that checkpoint
-/// by name before its record lands in `metadata.json` (the hand-back
-/// carries it, decision 18): the restore finds it in the lock.
+/// An attach by the name a client heard CHECKPOINTED for, before its record
+/// lands, restores it from the lock (the hand-back carries it, decision 18).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
     let (world, gated, a, id) = checkpointed_before_its_record("base").await;
@@ -340,13 +330,11 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
     let (a, id) = world.a_running("state").await;
     let b = world.instance("b");
 
-    // `status` is behind (an operator's edit), and every write of
-    // `metadata.json` hangs, as one refused by GCS's write rate retries.
+    // `status` is behind (an edit); `metadata.json` writes hang (write rate).
     world.edit(&id, |m| m.status.phase = Phase::Pending).await;
     gated.hook.closed.store(true, Ordering::SeqCst);
-    // A ring without an intent yet (the ringer's intent write was refused
-    // and is retried): A's pass finds `status` behind and records that it
-    // runs, in a task of its own; the pass ends.
+    // A ring without an intent (its write refused, retried): A's pass finds
+    // `status` behind, records it in a task of its own, and ends.
     let (store, now, holder) = (world.store.as_ref(), world.clock.now(), named("a"));
     let ring = crate::leasing::ring_doorbell(store, now, &holder, &id, "b");
     ring.await.unwrap();
@@ -372,17 +360,13 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
     b.reconciler().background_settled().await;
 }
 
-/// Found by the 10-minute chaos run: a holder cut off the bucket while it
-/// checkpointed lost the hold to a taker; back, its hand-back failed, its
-/// record at its own epoch was accepted (the taker records its epoch only
-/// after its client hears RUNNING), and its client heard CHECKPOINTED of a
-/// state the taker never restored. Such a checkpoint is acknowledged only
-/// if nobody took the hold over meanwhile.
+/// Found by the 10-minute chaos run: a holder cut off mid-checkpoint lost the
+/// hold, its hand-back failed, its record landed (the taker records after
+/// RUNNING): its client heard CHECKPOINTED of a state the taker never had.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile() {
-    // Armed, `b` takes the lock over at the next epoch before the next image
-    // is written (the holder was cut off past its lease while it
-    // checkpointed; `b` restored an older checkpoint, its record not landed).
+    // Armed, `b` takes the lock at the next epoch before the image is written
+    // (having restored an older checkpoint; its record not landed).
     let taken_over = EditBeforeWrite {
         before: "checkpoint.img",
         object: lock_key,
@@ -431,9 +415,8 @@ impl BeforeRequest for HeldMetadataReads {
     }
 }
 
-/// A pass that is reading both objects gives way to a command that comes
-/// meanwhile: the command is served at once, not after the read (whose
-/// result its writes would make stale).
+/// A command arriving while a pass reads both objects is served at once, not
+/// after the read (which its writes would make stale).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
     let (world, held) = World::hooked(HeldMetadataReads::default());

@@ -2,9 +2,8 @@
 
 use super::*;
 
-/// A fork restores its own copy of the source's checkpoint: same memory,
-/// own id, lease and checkpoint objects; the source and its history are
-/// untouched, and the fork keeps running when the source's checkpoint goes.
+/// A fork restores its own copy of the source's checkpoint (same memory, own
+/// objects), leaves the source untouched, and outlives the source's image.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     use super::reconciler::ForkPoint;
@@ -38,8 +37,7 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     assert_eq!(world.metadata(&source).await.status, source_doc.status);
     assert_eq!(world.lease(&source).await.holder, None);
 
-    // The source's retention may delete its checkpoint: every fork keeps
-    // its own copy.
+    // The source's retention may delete its checkpoint: each fork has a copy.
     let source_id = crate::layout::checkpoint_id_of_image(&source_ref.path).unwrap();
     let source_image = checkpoint_image_key(&source_id);
     world.store.delete(&source_image).await.unwrap();
@@ -48,8 +46,7 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
         let image = ObjectKey::new(own.path.as_str()).unwrap();
         assert_eq!(world.store.get(&image).await.unwrap().data.as_ref(), b"x=1");
     }
-    // A fork of the gone checkpoint, by a name there is none of, or of a
-    // sandbox with no checkpoint at all fails clearly and records nothing.
+    // A gone checkpoint, an unknown name, or none: fails, recording nothing.
     let fresh = a.create(&world).await;
     let fresh_doc = world.metadata(&fresh).await;
     let nope = ForkPoint::Named("nope".into());
@@ -66,10 +63,8 @@ async fn a_fork_restores_its_own_copy_of_the_sources_checkpoint() {
     }
 }
 
-/// A client that heard CHECKPOINTED may fork that checkpoint at once, on
-/// another instance, before its record lands in the source's metadata (the
-/// hand-back carries it, decision 18): the fork starts from the checkpoint
-/// the lock carries, the latest or by its name.
+/// A client told CHECKPOINTED may fork it at once elsewhere, before its record
+/// lands: from the lock's checkpoint (decision 18), latest or by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_starts_from_a_checkpoint_whose_record_has_not_landed() {
     use super::reconciler::ForkPoint;

@@ -1,6 +1,5 @@
-//! Moving a sandbox between instances: the holder hands it over when asked,
-//! rings and re-rings, a waiting attach that lost the race, and a start that
-//! reads the previous holder's last record.
+//! Moving a sandbox between instances: hand-over on request, rings and
+//! re-rings, an attach that lost the race, a start reading the last record.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -40,9 +39,8 @@ async fn another_instance_asking_gets_the_sandbox_handed_over_with_the_image_it_
     assert!(a.runtime.prefetched().is_empty());
 }
 
-/// A handoff whose checkpoint loses the sandbox (runsc failing inside the
-/// sentry stops the container): the holder records the failure and lets go;
-/// the taker says why there is nothing to restore, not blaming the instance.
+/// A handoff's checkpoint loses the sandbox (runsc failing in the sentry):
+/// the holder records it and lets go; the taker says why, blaming no instance.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
     let (world, a, id) = World::with_a_sandbox().await;
@@ -70,9 +68,8 @@ async fn a_taker_whose_holder_lost_the_sandbox_to_its_checkpoint_says_so() {
     assert!(!b.runs(&id));
 }
 
-/// A ring carries the generations its taker read both objects at: a holder
-/// that knows both hands over without reading either; one that knows less
-/// (an operator edited the metadata) reads them once, in that pass.
+/// A ring carries the generations its taker read: a holder knowing both hands
+/// over reading neither; one knowing less (an edit) reads them once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_again() {
     use crate::store::{CountingStore, Operation, OperationCounts};
@@ -101,9 +98,8 @@ async fn a_holder_rung_with_what_its_taker_read_hands_over_without_reading_it_ag
     }
 }
 
-/// While the image the holder will hand over with is not in the store, the
-/// taker looks at the lock less often (the transfer comes after the image),
-/// and the image's landing wakes it at once (decision 29).
+/// Until the hand-over image is stored the taker looks at the lock less often
+/// (the transfer follows the image); its landing wakes it (decision 29).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it() {
     let world = World::new();
@@ -154,8 +150,7 @@ impl BeforeRequest for NoDoorbell {
     }
 }
 
-/// A ring that cannot be written leaves the intent in the lock (decision
-/// 27's fallback), where the holder's resync finds it.
+/// An unwritable ring leaves the intent in the lock (decision 27's fallback).
 #[tokio::test]
 async fn without_a_ring_an_intent_is_noticed_at_the_resync() {
     let world = World::wrapped(|store| Arc::new(HookedStore::new(store, NoDoorbell)));
@@ -195,8 +190,7 @@ async fn a_waiting_instance_rings_the_holder_again_when_a_ring_was_lost() {
     assert!(b.runs(&id), "handed over");
 }
 
-/// Two instances ask for one sandbox: the holder hands it to the later
-/// intent, and the other's waiting client is told who got it.
+/// Two instances ask for one sandbox: the holder hands it to the later one.
 #[tokio::test]
 async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
     let world = World::new();
@@ -229,8 +223,7 @@ async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
     assert!(!a.runs(&id));
 }
 
-/// A free lock is taken by the attach's own write: the pass that follows
-/// starts the sandbox without acquiring it again.
+/// An attach takes a free lock in its own write; the next pass just starts it.
 #[tokio::test]
 async fn an_attach_to_a_free_lock_takes_it_in_its_own_write() {
     let (world, a, id) = World::with_a_sandbox().await;
@@ -247,15 +240,13 @@ async fn an_attach_to_a_free_lock_takes_it_in_its_own_write() {
     assert_eq!(world.metadata(&id).await.status.epoch, epoch + 1);
 }
 
-/// A store that stops before its first read of `lock.json` until told to go
-/// on: a reconcile pass frozen between reading metadata and reading the lock.
+/// Pauses before its first read of `lock.json` until told to go on.
 #[derive(Debug)]
 struct PauseBeforeLockRead {
     paused: tokio::sync::Notify,
     resume: tokio::sync::Notify,
     armed: AtomicBool,
-    /// While set, a write of `metadata.json` waits for a permit of
-    /// `metadata_gate`, then lands (a write slowed by the write rate).
+    /// While set, `metadata.json` writes wait for a `metadata_gate` permit.
     hold_metadata: AtomicBool,
     metadata_gate: tokio::sync::Semaphore,
 }
@@ -322,10 +313,8 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     );
 }
 
-/// A client that attaches right after asking for a checkpoint is not failed
-/// by it ("checkpointed meanwhile"): a pass serves the attach before it
-/// decides. Found by the paths benchmark on loopback: the attach right after
-/// `CHECKPOINTED` got `SANDBOX_RESTORE_ERROR`, its hold released as an orphan.
+/// An attach right after asking for a checkpoint is served before the pass
+/// decides (the paths benchmark saw `SANDBOX_RESTORE_ERROR`, an orphan).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
     let (world, a, id) = World::with_a_sandbox().await;
@@ -343,9 +332,8 @@ async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
     while a.reconciler().commands_waiting(&id) < 1 {
         tokio::task::yield_now().await;
     }
-    // The checkpoint's pass; the attach is asked as it ends and served by a
-    // later pass. The checkpoint's spec write reports its end as a command
-    // too, and may come first: passes run until the attach is answered.
+    // The checkpoint's pass; a later one serves the attach. The spec write's
+    // end is a command too and may come first: pass until answered.
     a.pass(&id).await;
     while !asks.is_finished() {
         while a.reconciler().commands_waiting(&id) < 1 && !asks.is_finished() {
@@ -362,17 +350,13 @@ async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
     assert_eq!(a.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
 }
 
-/// An attach whose spec write is slowed (GCS's write rate) while its lock
-/// write lands: the pass decides on the spec being written, not on the
-/// older one in the bucket. Found by the paths benchmark (`gcs-regional`):
-/// an attach through B right after a checkpoint and an attach on A got
-/// `SANDBOX_RESTORE_ERROR` ("checkpointed by its instance ... attach again").
+/// An attach whose spec write is slowed while its lock write lands is decided
+/// on as written, not as in the bucket (found by the `gcs-regional` bench).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
     let (world, a, id) = World::with_a_sandbox().await;
     a.run(&id, "state").await;
-    // The bucket says `checkpointed` while A holds and runs it (A's own
-    // `running`, written by an attach there, still on its way).
+    // The bucket says `checkpointed` while A runs it: its `running` is late.
     let checkpointed = DesiredState::Checkpointed;
     world.set_desired(&id, checkpointed).await;
     let (store, b) = PauseBeforeLockRead::b(&world);
@@ -401,9 +385,8 @@ async fn an_attach_whose_spec_write_is_slow_is_decided_on_as_written() {
     );
 }
 
-/// The doorbell is read at the departure watch's pace for the minute after
-/// a client left (its next attach sends its intent by ring), at the active
-/// pace while a client here is active, and at the idle pace otherwise.
+/// Doorbell pace: the departure watch's for a minute after a client left (its
+/// next attach rings), active while a client here is, else idle.
 #[tokio::test]
 async fn the_doorbell_is_read_fastest_just_after_a_client_left() {
     let (world, a, id) = World::with_a_sandbox().await;
@@ -438,9 +421,8 @@ impl BeforeRequest for FirstRingWaits {
     }
 }
 
-/// A ring that arrives while an earlier batch to the same holder is being
-/// written goes into the next batch, and its ringer is answered when that
-/// batch lands, not when the one without it does.
+/// A ring joining while an earlier batch to the holder is written goes into
+/// the next batch; its ringer is answered when that one lands.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_lands() {
     let (started, go) = (tokio::sync::Notify::new(), tokio::sync::Semaphore::new(0));

@@ -1,8 +1,6 @@
-//! The memory store with a hook before every request: how a test slows,
-//! pauses, fails or races one request of the reconciler's without writing a
-//! store of its own. The hook sees which request is about to be made and the
-//! store under it (to change the bucket first, as another instance would);
-//! an error it returns is that request's answer.
+//! The memory store with a hook before every request, to slow, pause, fail or
+//! race one of the reconciler's. The hook sees the request and the store (to
+//! change the bucket first, as another instance would); an error is the answer.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
@@ -17,9 +15,8 @@ use crate::store::{
 };
 use crate::testing::MemoryStore;
 
-/// A request about to reach the memory store: what it does (as the
-/// counting store tells them apart), and the object it names (a listing
-/// names none).
+/// A request about to reach the memory store: its operation, and the object
+/// it names (a listing names none).
 #[derive(Debug, Clone, Copy)]
 pub(in crate::sandboxes) struct Request<'a> {
     pub(super) operation: Operation,
@@ -42,7 +39,6 @@ impl Request<'_> {
     }
 }
 
-/// What runs before each request.
 #[async_trait]
 pub(in crate::sandboxes) trait BeforeRequest:
     Send + Sync + std::fmt::Debug
@@ -63,8 +59,7 @@ impl<H> HookedStore<H> {
     }
 }
 
-/// The [`Store`] methods of [`HookedStore`]: each asks the hook about its
-/// request (the operation and the key after `=>`), then the memory store.
+/// Each [`Store`] method of [`HookedStore`] asks the hook, then the store.
 macro_rules! hooked {
     ($($method:ident($($arg:ident: $type:ty),*) -> $answer:ty => $kind:ident, $key:expr;)*) => {
         #[async_trait]
@@ -95,7 +90,6 @@ pub(super) struct Counted {
 }
 
 impl Counted {
-    /// How many requests were counted so far.
     pub(super) fn seen(&self) -> usize {
         self.seen.load(SeqCst)
     }
@@ -118,9 +112,8 @@ pub(super) fn counted_world(
     super::World::hooked(Counted { counts, seen })
 }
 
-/// Once armed with a sandbox, changes its object (at the key `object` gives)
-/// with `edit` just before the next write of a key ending with `before`:
-/// another instance's write, landing in the middle of a pass.
+/// Once armed with a sandbox, `edit`s its object (at `object`'s key) just
+/// before the next write ending with `before`: another's write, mid-pass.
 #[derive(Debug)]
 pub(super) struct EditBeforeWrite<T> {
     pub(super) before: &'static str,

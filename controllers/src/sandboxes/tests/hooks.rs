@@ -30,8 +30,7 @@ struct RecordingHooks {
     fail_cold_start: bool,
 }
 
-/// A sandbox's binding: records the later points, and its own drop (the
-/// reconciler lets go of it when the hold ends).
+/// A sandbox's binding: records the later points and its drop (hold's end).
 #[derive(Debug)]
 struct RecordingBinding(Recorder);
 

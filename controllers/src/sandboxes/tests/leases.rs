@@ -1,6 +1,5 @@
-//! Holds and leases: a holder that lost its lease stops without writing,
-//! holds live on the instance lease (one renewal for all), a lapsed instance
-//! re-verifies or stops, an orphan lock is released.
+//! Holds and leases: a loser stops without writing, holds live on one
+//! instance lease, a lapsed instance re-verifies or stops, orphans go.
 
 use super::hooked_store::EditBeforeWrite;
 use super::*;
@@ -61,8 +60,7 @@ async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
     let (a, b) = (world.instance("a"), world.instance("b"));
     let id = a.create_checkpointed(&world).await;
     b.request_here(&id, None).await.unwrap();
-    // A ignores the ring (say it is busy); far past the lock's own lease,
-    // A's instance lease keeps the hold.
+    // A ignores the ring; its instance lease keeps the hold past the lock's.
     for _ in 0..6 {
         a.live_through(&world, 10).await;
         b.pass(&id).await;
@@ -79,9 +77,8 @@ async fn a_hold_lives_on_the_instance_lease_and_dies_with_it() {
     assert_eq!(world.lease(&id).await.epoch, 3);
 }
 
-/// A quiet hold's lock has long run out, its holder's instance lease has
-/// not: the taker's passes wait for the handover (liveness is judged before
-/// `decide`), neither acquiring nor renewing their own instance lease.
+/// A quiet live holder's lock ran out long ago: the taker's passes wait
+/// (liveness is judged before `decide`), writing no lock or instance lease.
 #[tokio::test]
 async fn a_taker_waiting_for_a_quiet_live_holder_writes_nothing() {
     let (world, counted) = super::hooked_store::counted_world(|request| {
@@ -135,9 +132,7 @@ async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them
     assert_eq!(a.reconciler().unvouched(), vec![]);
 }
 
-/// A holder whose instance lease lapsed (frozen, not taken over) is asked
-/// for the sandbox: it renews the hold first, then hands the sandbox over
-/// in the same pass, without waiting for its next look.
+/// A lapsed (frozen) holder asked for it renews, then hands over, in one pass.
 #[tokio::test]
 async fn an_unvouched_holder_renews_its_hold_then_hands_over_in_one_pass() {
     let world = World::new();
@@ -160,12 +155,9 @@ async fn an_unvouched_holder_renews_its_hold_then_hands_over_in_one_pass() {
     assert!(b.runs(&id));
 }
 
-/// A holder frozen past its lease hears, when it resumes, the ring its
-/// taker sent before taking the sandbox over. The ring's generations match
-/// what the holder knows, but a hold no longer vouched for may have been
-/// taken since: the holder reads both objects and stops rather than "hand
-/// over" a sandbox it lost (the chaos run's frozen holder did, killing its
-/// execution and reporting its end after the taker acknowledged its own).
+/// A holder frozen past its lease resumes to its taker's ring, generations
+/// matching; but an unvouched hold may be taken: it reads both objects and
+/// stops, not "hands over" a lost sandbox (as the chaos run's did).
 #[tokio::test]
 async fn a_ring_heard_after_a_freeze_is_not_taken_for_a_read() {
     let world = World::new();
@@ -190,9 +182,8 @@ async fn a_ring_heard_after_a_freeze_is_not_taken_for_a_read() {
     assert_eq!(world.lease(&id).await.holder, Some(named("b")));
 }
 
-/// A pass that cannot read the bucket: a hold still vouched for keeps
-/// running and the pass is retried; one no longer vouched for cannot be
-/// re-verified, so it stops (another instance may take it meanwhile).
+/// Bucket unreadable: a vouched hold keeps running, the pass retried; an
+/// unvouched one cannot be re-verified, so it stops (it may be taken).
 #[tokio::test]
 async fn an_unreadable_bucket_stops_only_a_hold_no_longer_vouched_for() {
     let world = World::new();
@@ -220,8 +211,7 @@ async fn an_unreadable_bucket_stops_only_a_hold_no_longer_vouched_for() {
 async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung() {
     let (world, a, id) = World::with_a_sandbox().await;
     let b = world.instance("b");
-    // A restarts with the same id: the new incarnation holds nothing, but its
-    // instance lease keeps the old hold alive.
+    // A restarts (same id): it holds nothing; its lease keeps the old hold.
     let a2 = world.instance("a");
     a2.heartbeat().await;
     b.request_here(&id, None).await.unwrap();
@@ -250,10 +240,8 @@ async fn created_by_a_dead_holder(world: &World, holder: Instance) -> SandboxId 
     id
 }
 
-/// The holder tells its client RUNNING before its record of it lands (the
-/// record follows, in its own write). Should it die in between, the bucket
-/// still says the sandbox is being created: the taker must not create a
-/// fresh one under the same id, which would hide that its state is lost.
+/// RUNNING is told before its record lands; should the holder die between,
+/// the taker must not create it afresh, hiding that its state is lost.
 #[tokio::test]
 async fn a_sandbox_whose_holder_died_before_recording_it_runs_is_not_created_afresh() {
     let world = World::new();
@@ -272,8 +260,7 @@ async fn a_sandbox_whose_holder_died_before_recording_it_runs_is_not_created_afr
     assert!(said_no_checkpoint(&mut events), "a clear error");
 }
 
-/// A start that fails gives up the hold and this instance's intent in one
-/// request: each request to the lock is a sequential round trip.
+/// One request, not two: each request to the lock is a sequential round trip.
 #[tokio::test]
 async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
     let (world, counted) = super::hooked_store::counted_world(|request| {
@@ -287,14 +274,12 @@ async fn a_failed_start_releases_and_withdraws_in_one_lock_request() {
     let lease = world.lease(&id).await;
     let left = (lease.holder, lease.wanted_by);
     assert_eq!(left, (None, None), "released and withdrawn");
-    // The attach's read and intent, the pass's read and acquisition, and
-    // one write that releases and withdraws (a release and a separate
-    // withdrawal made six).
+    // The attach's read and intent, the pass's read and acquisition, and one
+    // write that releases and withdraws (separately, six).
     assert_eq!(counted.hook.seen() - before, 5);
 }
 
-/// An attach to a sandbox held here (and vouched for) is answered from what
-/// its owner knows: no bucket request.
+/// An attach read of a sandbox held and vouched for here is answered locally.
 #[tokio::test]
 async fn an_attach_read_of_a_sandbox_held_here_makes_no_bucket_request() {
     let (world, counted) = super::hooked_store::counted_world(|_| true);
@@ -324,8 +309,7 @@ async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
     };
     let (world, hooked) = World::hooked(newer_record);
     let (a, id) = world.a_running("x=1").await;
-    // A deletion asked by hand; a newer holder records between the pass's
-    // read and its tombstone's write.
+    // A deletion by hand; a newer record lands before the tombstone's write.
     world.set_desired(&id, DesiredState::Deleted).await;
     hooked.hook.arm(&id);
     a.controller.enqueue(&id);
@@ -349,9 +333,8 @@ async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
     assert!(!a.controller.is_held_here(&id));
 }
 
-/// An execution cut off by the loss of its hold ends with `HoldLost`: its
-/// relay must report no end (the new holder may have acknowledged work of
-/// its own; the chaos run's frozen holder). One ended by a delete stops.
+/// An execution cut off by a lost hold ends with `HoldLost`, reporting no
+/// end (the new holder may have acknowledged its own); a deleted one, none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted_does_not() {
     use crate::runtime::ExecEvent;
@@ -384,14 +367,12 @@ async fn an_execution_cut_off_by_a_lost_hold_ends_with_hold_lost_and_one_deleted
     assert!(last.is_none(), "{last:?}");
 }
 
-/// A start's record fenced by a newer holder (in its own task) is reported
-/// to the sandbox's pass, which decides on both objects: the newer epoch in
-/// `status` stops the copy there (the table's `StopLost`), not beside it.
+/// A start's record fenced by a newer holder (in its own task) is reported to
+/// the pass, which decides on both objects: `StopLost` stops the copy there.
 #[tokio::test]
 async fn a_record_fenced_by_a_newer_holder_stops_the_copy_in_its_own_pass() {
     let (world, a, id) = World::with_a_sandbox().await;
-    // Past the departure watch and the resync: its next pass is light
-    // unless something asks for a full one.
+    // Past the departure watch and the resync: its next pass is light.
     a.live_through(&world, 61).await;
     a.pass(&id).await;
     // A newer holder's record (an operator's edit stands in for it).

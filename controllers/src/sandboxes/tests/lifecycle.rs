@@ -1,5 +1,4 @@
-//! Create, delete (tombstone, purge) and an operator's invalid
-//! `metadata.json`: one instance, no handoff.
+//! Create, delete, an operator's invalid `metadata.json`: one instance.
 
 use super::*;
 
@@ -11,8 +10,7 @@ async fn create_runs_the_sandbox_under_a_new_lease() {
     let mut events = a.controller.subscribe(&id);
     a.create_from(&metadata).await.unwrap();
     assert!(matches!(a.pass(&id).await, Requeue::After(_)));
-    // Lease events are published whatever the sandbox's handoff flag: the
-    // API layer decides which of them a client sees.
+    // Lease events go out whatever the handoff flag; the API layer filters.
     assert_eq!(
         drain(&mut events),
         vec![
@@ -80,8 +78,7 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
             .then_some(())
             .ok_or(outcome)
     };
-    // Before its holder acts: a checkpoint or an attach elsewhere does not
-    // take the delete back.
+    // Before its holder acts, a checkpoint or attach elsewhere can't undo it.
     refused(b.request_state(&id, DesiredState::Checkpointed, None).await).unwrap();
     // An attach whose ring lands before its spec write is answered returns
     // at once; the refusal of that write then comes in the background.
@@ -94,9 +91,8 @@ async fn a_deleted_sandbox_takes_no_other_intent_and_never_comes_back() {
     assert_eq!(tombstone.spec.desired_state, DesiredState::Deleted);
     // The tombstone takes none either.
     refused(b.request_state(&id, DesiredState::Running, None).await).unwrap();
-    // An operator sets it running again and a client attaches: the hold
-    // that attach takes is released and nothing starts; `sandboxctl
-    // delete` (desired `deleted` again) lets the purge go on.
+    // Set running by hand, then attached: that hold is released, nothing
+    // starts; `sandboxctl delete` (desired `deleted`) lets the purge go on.
     world.set_desired(&id, DesiredState::Running).await;
     let _ = b.request_here(&id, None).await;
     for _ in 0..3 {

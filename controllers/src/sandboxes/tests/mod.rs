@@ -1,10 +1,7 @@
-//! The reconciler on the in-memory store, the fake runtime and a manual clock:
-//! each test drives reconcile passes by hand and checks the bucket's JSON, the
-//! runtime and the domain events. This module holds the fixture (a shared
-//! bucket and clock, instances on it); the tests are grouped by topic.
+//! The reconciler on the in-memory store, fake runtime and manual clock:
+//! passes driven by hand, checking the bucket's JSON, runtime and events.
 
-/// Whether the events `seen` hold one that matches `pattern`: the tests look
-/// for one event among the many a pass publishes.
+/// Whether the events `seen` hold one that matches `pattern`.
 macro_rules! heard {
     ($seen:expr, $pattern:pat $(if $guard:expr)?) => {
         $seen.iter().any(|event| matches!(event, $pattern $(if $guard)?))
@@ -37,12 +34,11 @@ use crate::runtime::{Command, ExecRequest};
 use crate::store::{Generation, ObjectKey, PutMode, Store};
 use crate::testing::{FakeRuntime, ManualClock, MemoryStore};
 
-/// The token hash of the sandboxes these tests, the table's and the simulation make.
+/// The token hash of the sandboxes made here, in the table's tests and the sim.
 pub(in crate::sandboxes) const TOKEN_HASH: &str =
     "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 
-/// A hold of sandbox 1 on `lease`, at its epoch, renewed at `renewed_at`:
-/// the fixture of the decision table's and the slots' tests.
+/// A hold of sandbox 1 on `lease` renewed at `renewed_at` (table, slot tests).
 pub(in crate::sandboxes) fn held_lease(
     lease: Lease,
     renewed_at: chrono::DateTime<chrono::Utc>,
@@ -75,7 +71,6 @@ impl World {
         Self::wrapped(|store| store)
     }
 
-    /// A world whose instances see the store through `wrap`.
     fn wrapped(wrap: impl FnOnce(Arc<MemoryStore>) -> Arc<dyn Store>) -> Self {
         let store = Arc::new(MemoryStore::new());
         Self {
@@ -85,8 +80,7 @@ impl World {
         }
     }
 
-    /// A world whose instances see the store through `hook`, and the hooked
-    /// store (to reach the hook).
+    /// A world whose instances see the store through `hook`, and that store.
     fn hooked<H: hooked_store::BeforeRequest + 'static>(
         hook: H,
     ) -> (Self, Arc<hooked_store::HookedStore<H>>) {
@@ -125,8 +119,7 @@ impl World {
         Instance::build(self.bucket.clone(), clock, name, lease, config, hooks)
     }
 
-    /// A new sandbox's id and record, made now; `checkpointable` sets
-    /// `enable_checkpoint`.
+    /// A new sandbox's id and record; `checkpointable`: `enable_checkpoint`.
     fn new_sandbox(&self, checkpointable: bool) -> (SandboxId, SandboxMetadata) {
         let id = SandboxId::random();
         let mut metadata = SandboxMetadata::new(id.clone(), self.clock.now(), TOKEN_HASH.into());
@@ -134,8 +127,7 @@ impl World {
         (id, metadata)
     }
 
-    /// Instance `a`, holding a sandbox it created and ran `code` in (the
-    /// state a checkpoint or a handoff carries).
+    /// Instance `a`, holding a sandbox it created and ran `code` in.
     async fn a_running(&self, code: &str) -> (Instance, SandboxId) {
         let a = self.instance("a");
         let id = a.create(self).await;
@@ -166,8 +158,7 @@ impl World {
         self.store.put(key, data, PutMode::Overwrite).await.unwrap();
     }
 
-    /// Hands `id`'s lock to `holder` at the next epoch, as an operator's
-    /// edit would (unconditionally).
+    /// Hands `id`'s lock to `holder` at the next epoch, as an operator's edit.
     async fn hand_lock_to(&self, id: &SandboxId, holder: &str) {
         let mut lease = self.lease(id).await;
         lease.holder = Some(named(holder));
@@ -175,8 +166,7 @@ impl World {
         self.overwrite(&lock_key(id), encode(&lease)).await;
     }
 
-    /// Changes `id`'s metadata with `edit` as an operator's edit would
-    /// (unconditionally).
+    /// Changes `id`'s metadata with `edit`, as an operator's edit would.
     async fn edit<R>(&self, id: &SandboxId, edit: impl FnOnce(&mut SandboxMetadata) -> R) {
         let mut metadata = self.metadata(id).await;
         edit(&mut metadata);
@@ -189,7 +179,6 @@ impl World {
     }
 }
 
-/// The id of the instance named `name`.
 fn named(name: &str) -> InstanceId {
     InstanceId::parse(name).unwrap()
 }
@@ -201,8 +190,7 @@ async fn within_10s<T>(what: &str, future: impl std::future::Future<Output = T>)
 }
 
 impl Instance {
-    /// Instance `name` on `bucket` and `clock`, with a fake runtime on
-    /// `bucket` and the hooks `hooks` builds (given that runtime).
+    /// Instance `name` with a fake runtime on `bucket` and `hooks`' hooks.
     pub(super) fn build(
         bucket: Arc<dyn Store>,
         clock: Arc<dyn Clock>,
@@ -256,8 +244,7 @@ impl Instance {
         Requeue::After(self.reconciler().config().acquire_poll)
     }
 
-    /// Asks for `id` here (now, by the instance's clock), with the pass that
-    /// serves the ask.
+    /// Asks for `id` here (now, by its clock), with the pass serving the ask.
     async fn request_here(&self, id: &SandboxId, at: Option<&str>) -> Result<(), ControlError> {
         let (controller, now) = (&self.controller, self.reconciler().clock().now());
         let ask = controller.request_here(id, at, now);
@@ -296,22 +283,19 @@ impl Instance {
         asked
     }
 
-    /// Asks for `id` to be checkpointed (as `name`) with the pass that
-    /// serves the ask, then runs one more pass.
+    /// Asks for `id` checkpointed (as `name`), served by a pass, then one more.
     async fn checkpoint(&self, id: &SandboxId, name: Option<&str>) {
         self.ask(id, DesiredState::Checkpointed, name).await;
         self.pass(id).await;
     }
 
-    /// Asks for `id` here (from its latest checkpoint, if any) with the pass
-    /// that serves the ask, then runs one more pass.
+    /// Asks for `id` here (from its latest checkpoint), then one more pass.
     async fn bring_here(&self, id: &SandboxId) {
         self.request_here(id, None).await.unwrap();
         self.pass(id).await;
     }
 
-    /// Forks `source` at `point` as `metadata`, with the pass that serves
-    /// the fork's create.
+    /// Forks `source` at `point` as `metadata`, with the pass serving it.
     async fn fork_from(
         &self,
         source: &SandboxMetadata,
@@ -363,8 +347,7 @@ impl Instance {
         }
     }
 
-    /// A sandbox held here that has a checkpoint to restore (checkpointed,
-    /// then asked back here).
+    /// A sandbox held here with a checkpoint to restore (checkpointed, back).
     async fn create_checkpointed(&self, world: &World) -> SandboxId {
         let id = self.create(world).await;
         self.checkpoint(&id, None).await;

@@ -1,16 +1,11 @@
-//! The critical paths, counted in sequential store requests (decision 18).
-//!
-//! On GCS every request on a client's path costs tens of milliseconds, so
-//! each path has a budget of requests made one after another (`docs/principles.md`,
-//! "Performance targets"): create ≤ 3, checkpoint ≤ 4, attach + restore ≤ 4, handoff ≤ 10.
-//! Here every request of the shared store takes one tick of paused tokio
-//! time, requests in flight at once overlap, and a path's length in ticks,
-//! from the first call the API layer makes to the event the client is told
-//! of, is its number of sequential requests. The instances are driven by
-//! hand with no waiting between steps, so the count includes every read a
-//! holder or a waiter needs to notice what happened (the doorbell read, the
-//! waiter's poll), and no poll interval. The in-memory store takes one
-//! request for a blob upload where GCS's resumable upload takes two.
+//! The critical paths, counted in sequential store requests (decision 18),
+//! tens of ms each on GCS. Budgets (`docs/principles.md`, "Performance
+//! targets"): create ≤ 3, checkpoint ≤ 4, attach + restore ≤ 4, handoff ≤ 10.
+//! Each request takes a tick of paused tokio time (concurrent ones overlap),
+//! so a path's ticks from the API layer's first call to the client's event
+//! are its sequential requests. Driven by hand with no waits, the count has
+//! every read needed to notice (doorbell, poll) but no poll interval. A blob
+//! upload is one request here, two on GCS (resumable).
 
 #![allow(
     clippy::disallowed_methods,
@@ -51,8 +46,7 @@ fn requests_since(start: Instant) -> u128 {
     start.elapsed().as_millis() / TICK.as_millis()
 }
 
-/// Runs a reconcile pass of `id` on `instance` to its end, and returns the
-/// sequential requests from `start` to the event `done` recognises.
+/// Runs a pass of `id` to its end; the requests from `start` to `done`'s event.
 async fn until_event(
     instance: &Instance,
     id: &SandboxId,
@@ -73,8 +67,7 @@ fn running(event: &SandboxEvent) -> bool {
     matches!(event, SandboxEvent::Running { .. })
 }
 
-/// What the API layer does to attach on `instance`: read both objects,
-/// then write the intent (or take the free hold).
+/// The API layer's attach: read both, write the intent (or take a free hold).
 async fn attach(instance: &Instance, id: &SandboxId, world: &World) {
     let controller = &instance.controller;
     let read = controller.read_for_attach(id).await.unwrap().unwrap();
@@ -99,7 +92,6 @@ async fn checkpoint(instance: &Instance, id: &SandboxId) -> u128 {
     until_event(instance, id, &mut events, start, checkpointed).await
 }
 
-/// Fails unless the path `what` took at most `budget` sequential requests.
 fn within_budget(what: &str, count: u128, budget: u128) {
     assert!(count <= budget, "{what} took {count} sequential requests");
 }
@@ -108,8 +100,7 @@ fn within_budget(what: &str, count: u128, budget: u128) {
 async fn create_checkpoint_and_restore_stay_within_their_request_budgets() {
     let (world, _) = World::hooked(Slow);
     let a = world.instance("a");
-    // The instance's first create also writes its instance lease: measure
-    // one that does not (the lease is renewed by its own loop).
+    // The first create also writes the instance lease: measure a second.
     create(&a, &world).await;
     let (id, create_count) = create(&a, &world).await;
     a.run(&id, "x=1").await;
@@ -125,8 +116,7 @@ async fn create_checkpoint_and_restore_stay_within_their_request_budgets() {
         "sequential store requests: create {create_count}, checkpoint {checkpoint_count}, attach + restore {restore_count}"
     );
     within_budget("create", create_count, 3);
-    // The budget is 4; the upload and the hand-back are all it needs since
-    // its intent's write no longer precedes it (decision 22).
+    // Budget 4; the upload and the hand-back are all it needs (decision 22).
     within_budget("checkpoint", checkpoint_count, 2);
     within_budget("attach + restore", restore_count, 4);
 }
@@ -161,10 +151,9 @@ async fn a_handoff_stays_within_its_request_budget() {
     assert_eq!(status.latest_checkpoint, lock.checkpoint);
 }
 
-/// Twenty attaches at once on an instance whose lease is stale (it held
-/// nothing) write that lease once: each waits for the renewal in flight
-/// instead of writing its own, which GCS would answer with 429s (one
-/// object, about one write a second).
+/// Twenty attaches at once on an instance with a stale lease (it held
+/// nothing) write it once: each waits for the renewal in flight rather than
+/// write its own, which GCS would answer with 429s (one write/s per object).
 #[tokio::test(start_paused = true)]
 async fn concurrent_starts_share_one_renewal_of_the_instance_lease() {
     use crate::store::{CountingStore, Operation, OperationCounts};
