@@ -163,11 +163,14 @@ async fn a_held_lease_refuses_others_until_it_expires() {
     let held_a = a.renew(&held_a).await.unwrap();
     clock.advance(Duration::seconds(20));
     let refused = b.acquire(&sandbox()).await;
-    assert!(refused.is_err(), "renewed 20 s ago, lease is 30 s");
+    assert_matches!(refused, Err(LeaseError::HeldByOther { .. })); // renewed 20 s ago, lease 30 s
 
     // Expiry alone is not enough: the skew tolerance must pass too.
     clock.advance(Duration::seconds(12)); // 32 s after the renewal
-    assert!(b.acquire(&sandbox()).await.is_err());
+    assert_matches!(
+        b.acquire(&sandbox()).await,
+        Err(LeaseError::HeldByOther { .. })
+    );
     clock.advance(Duration::seconds(3)); // 35 s: expired + 5 s tolerance
     let held_b = b.acquire(&sandbox()).await.unwrap();
     assert_eq!(held_b.epoch, held_a.epoch + 1);
@@ -217,7 +220,10 @@ async fn an_attach_intent_reserves_the_sandbox_for_the_asking_instance() {
 async fn a_stale_intent_stops_blocking() {
     let (store, clock, [b, c]) = leases_on_one_store(["b", "c"]);
     b.request_attach(&sandbox()).await.unwrap();
-    assert!(c.acquire(&sandbox()).await.is_err());
+    assert_matches!(
+        c.acquire(&sandbox()).await,
+        Err(LeaseError::WantedByOther { .. })
+    );
     clock.advance(Duration::seconds(61));
     assert_eq!(c.acquire(&sandbox()).await.unwrap().epoch, 1);
     assert_eq!(intent_in(&store).await, None, "expired intent is cleared");
@@ -249,7 +255,10 @@ async fn instances_whose_clocks_disagree_by_three_seconds_never_overlap() {
     for _ in 0..6 {
         advance(10);
         assert!(a.is_safe(&held));
-        assert!(b.acquire(&sandbox()).await.is_err());
+        assert_matches!(
+            b.acquire(&sandbox()).await,
+            Err(LeaseError::HeldByOther { .. })
+        );
         held = a.renew(&held).await.unwrap();
     }
 
@@ -257,9 +266,15 @@ async fn instances_whose_clocks_disagree_by_three_seconds_never_overlap() {
     advance(26);
     assert!(!a.is_safe(&held));
     // B sees it 3 s early, held off until A's +32 (30 - 3 + 5) by the skew.
-    assert!(b.acquire(&sandbox()).await.is_err());
+    assert_matches!(
+        b.acquire(&sandbox()).await,
+        Err(LeaseError::HeldByOther { .. })
+    );
     advance(5); // A's +31
-    assert!(b.acquire(&sandbox()).await.is_err());
+    assert_matches!(
+        b.acquire(&sandbox()).await,
+        Err(LeaseError::HeldByOther { .. })
+    );
     advance(1); // A's +32
     let held_b = b.acquire(&sandbox()).await.unwrap();
     assert_eq!(held_b.epoch, 2);

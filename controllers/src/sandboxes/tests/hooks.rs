@@ -107,11 +107,14 @@ async fn hooks_run_at_cold_start_after_each_execution_and_on_terminate() {
 
     // The hook has run by the time the exit is reported.
     let mut execution = a.exec(&id, "true").await;
+    let mut exited = false;
     while let Some(event) = execution.events.recv().await {
         if let crate::runtime::ExecEvent::Exited(_) = event {
             assert_eq!(hooks.calls().last().unwrap(), "after_exec");
+            exited = true;
         }
     }
+    assert!(exited, "the execution reported its exit");
     assert_eq!(hooks.calls().len(), 2);
 
     a.delete(&id).await;
