@@ -422,6 +422,9 @@ impl Reconciler {
         let _transition = self.slots.in_transition(sandbox, transition);
         match &source {
             Some(reference) => {
+                // Which checkpoint a hold restores, and of which epoch: what
+                // a lost state that came back is traced to.
+                tracing::info!(%sandbox, epoch = held.epoch, checkpoint = %reference.path, checkpoint_epoch = reference.epoch, "restoring");
                 self.emit(sandbox, SandboxEvent::Restoring);
                 let carried = held
                     .lease
