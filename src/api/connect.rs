@@ -155,6 +155,7 @@ async fn serve_create(socket: WebSocket, state: AppState, caller: Caller) {
         state.socket,
         Arc::clone(&state.clock),
         state.early_frames.clone(),
+        state.shutdown.subscribe(),
     );
     let limit = state.socket.init_timeout;
     let init = match tokio::time::timeout(limit, next_text(&mut stream)).await {
@@ -551,6 +552,7 @@ async fn serve_attach(
         state.socket,
         Arc::clone(&state.clock),
         state.early_frames.clone(),
+        state.shutdown.subscribe(),
     );
     let fatal = |status: Status, message: String| {
         let out = out.clone();

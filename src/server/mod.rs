@@ -238,6 +238,7 @@ impl Server {
             limits: Arc::new(crate::api::limits::Limits::new(parts.limits)),
             socket: parts.socket,
             early_frames: crate::api::session::EarlyBudget::new(parts.early_frames_budget_bytes),
+            shutdown: Arc::new(tokio::sync::watch::channel(false).0),
             callers: Arc::new(crate::api::caller::CallerQuota::new(
                 parts.max_sandboxes_per_caller,
                 parts.caller_identity_verified,
@@ -313,7 +314,9 @@ impl Server {
             }
         }
         // The sessions end with their sandboxes; what is left of the grace
-        // (a moment at least) lets them send their last frames.
+        // (a moment at least) lets them send their last frames. Sockets
+        // still open (a start the drain could not finish) are told 1001.
+        self.state.shutdown.send_replace(true);
         let left = deadline.saturating_duration_since(clock.instant());
         let open = self
             .connections
@@ -362,4 +365,49 @@ fn controller(parts: &Parts, runtime: Arc<dyn SandboxRuntime>) -> Arc<SandboxCon
         None => reconciler,
     };
     SandboxController::new(reconciler)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use futures::StreamExt;
+    use tokio_tungstenite::tungstenite::Message;
+
+    /// A socket still open when the server shuts down (here one waiting for
+    /// its init; in a drain, a start the grace did not cover) is told 1001
+    /// with a reason, not dropped without a word when the process ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_socket_still_open_at_shutdown_is_closed_with_going_away() {
+        let instance = controllers::api::InstanceId::parse("shutting-down").unwrap();
+        let store: Arc<dyn controllers::store::Store> =
+            Arc::new(controllers::testing::MemoryStore::new());
+        let server = super::Server::build(super::Parts::new(instance, store, None));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(server.run(listener, async {
+            let _ = stopped.await;
+        }));
+        let url = format!("ws://{addr}/create");
+        let (mut socket, _) = tokio_tungstenite::connect_async(url).await.unwrap();
+        // No init sent: the server waits for it (its init timeout is 10 s).
+        stop.send(()).unwrap();
+        let close = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match socket.next().await {
+                    Some(Ok(Message::Close(frame))) => return frame,
+                    Some(Ok(_)) => {}
+                    other => panic!("the socket ended without a close frame: {other:?}"),
+                }
+            }
+        })
+        .await
+        .expect("closed at the shutdown, not at the init timeout");
+        let close = close.expect("a close frame with a code");
+        assert_eq!(u16::from(close.code), 1001);
+        assert!(close.reason.contains("shutting down"), "{}", close.reason);
+        serving.await.unwrap().unwrap();
+    }
 }

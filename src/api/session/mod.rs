@@ -35,8 +35,8 @@ pub use early_budget::{DEFAULT_EARLY_FRAMES_BUDGET_BYTES, EarlyBudget};
 pub use out::{
     CLOSE_FATAL, CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_STALLED, CLOSE_TOO_BIG, CLOSE_UNAVAILABLE,
     DEFAULT_INIT_TIMEOUT, DEFAULT_PING_INTERVAL, DEFAULT_PING_TIMEOUT, DEFAULT_REPLY_BUDGET_BYTES,
-    DEFAULT_STALL_TIMEOUT, Incoming, Out, Outgoing, SocketSettings, next_message, next_text,
-    refuse_too_big, report_frame_error,
+    DEFAULT_STALL_TIMEOUT, Incoming, Out, Outgoing, ShutdownNotice, SocketSettings, next_message,
+    next_text, refuse_too_big, report_frame_error,
 };
 
 use super::features::Features;

@@ -122,6 +122,20 @@ enum Stop {
     Stalled,
     /// The client sent nothing for the ping timeout.
     Silent,
+    /// The server shuts down ([`ShutdownNotice`]).
+    ShuttingDown,
+}
+
+/// Set once the server shuts down, after its drain: every socket still
+/// open then is closed with [`CLOSE_GOING_AWAY`] after what its session
+/// queued, rather than dropped without a word when the process ends.
+pub type ShutdownNotice = tokio::sync::watch::Receiver<bool>;
+
+/// Completes once `notice` is set; never if its sender is gone unset.
+async fn announced(notice: &mut ShutdownNotice) {
+    if notice.wait_for(|down| *down).await.is_err() {
+        std::future::pending::<()>().await;
+    }
 }
 
 impl Out {
@@ -133,6 +147,7 @@ impl Out {
         settings: SocketSettings,
         clock: Arc<dyn Clock>,
         early: EarlyBudget,
+        shutdown: ShutdownNotice,
     ) -> (Self, ClientStream) {
         let (mut sink, stream) = socket.split();
         let (sender, mut receiver) = mpsc::channel::<Outgoing>(QUEUED_REPLIES);
@@ -149,9 +164,14 @@ impl Out {
         let stream = ClientStream::new(stream, Arc::clone(&heard), early);
         let closing = Arc::clone(&out.closing);
         tokio::spawn(async move {
-            let stop = write(&mut sink, &mut receiver, &heard, settings).await;
+            let stop = write(&mut sink, &mut receiver, &heard, settings, shutdown).await;
             let (code, reason) = match stop {
                 Stop::Done => (None, String::new()),
+                Stop::ShuttingDown => (
+                    Some(CLOSE_GOING_AWAY),
+                    "the server is shutting down: attach again (another instance takes over)"
+                        .to_owned(),
+                ),
                 Stop::Stalled => (
                     Some(CLOSE_STALLED),
                     format!(
@@ -284,6 +304,7 @@ async fn write(
     receiver: &mut mpsc::Receiver<Outgoing>,
     heard: &Heard,
     settings: SocketSettings,
+    mut shutdown: ShutdownNotice,
 ) -> Stop {
     let mut ping = tokio::time::interval_at(
         heard.clock.instant() + settings.ping_interval,
@@ -302,6 +323,26 @@ async fn write(
                     return Stop::Done;
                 }
             },
+            () = announced(&mut shutdown) => {
+                // What the session queued before goes first (its last
+                // frames); the close follows.
+                while let Ok(outgoing) = receiver.try_recv() {
+                    let message = match outgoing {
+                        Outgoing::Text(text, _) => Message::Text(Utf8Bytes::from(text)),
+                        Outgoing::Binary(data, _) => Message::Binary(data),
+                        Outgoing::Close(code, reason) => {
+                            let close = Message::Close(Some(CloseFrame { code, reason: Utf8Bytes::from(reason) }));
+                            let _ = tokio::time::timeout(settings.stall_timeout, sink.send(close)).await;
+                            return Stop::Done;
+                        }
+                    };
+                    let sent = tokio::time::timeout(settings.stall_timeout, sink.send(message)).await;
+                    if !matches!(sent, Ok(Ok(()))) {
+                        return Stop::Done;
+                    }
+                }
+                return Stop::ShuttingDown;
+            }
             _ = ping.tick() => {
                 if heard.silent_for() > settings.ping_timeout {
                     return Stop::Silent;
