@@ -315,13 +315,17 @@ impl Server {
         }
         // The sessions end with their sandboxes; what is left of the grace
         // (a moment at least) lets them send their last frames. Sockets
-        // still open (a start the drain could not finish) are told 1001.
-        self.state.shutdown.send_replace(true);
+        // still open then (a start the drain could not finish, a handshake
+        // still waiting) are told 1001 rather than dropped with the process.
         let left = deadline.saturating_duration_since(clock.instant());
-        let open = self
+        let mut open = self
             .connections
             .closed(left.max(Duration::from_millis(200)))
             .await;
+        if open > 0 {
+            self.state.shutdown.send_replace(true);
+            open = self.connections.closed(Duration::from_millis(500)).await;
+        }
         if open > 0 {
             tracing::warn!(open, "closing with connections still open");
         }
@@ -375,15 +379,18 @@ mod tests {
     use futures::StreamExt;
     use tokio_tungstenite::tungstenite::Message;
 
-    /// A socket still open when the server shuts down (here one waiting for
-    /// its init; in a drain, a start the grace did not cover) is told 1001
-    /// with a reason, not dropped without a word when the process ends.
+    /// A socket still open when the server's grace has run out (here one
+    /// waiting for its init; in a drain, a start the grace did not cover) is
+    /// told 1001 with a reason, not dropped without a word when the process
+    /// ends.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_socket_still_open_at_shutdown_is_closed_with_going_away() {
         let instance = controllers::api::InstanceId::parse("shutting-down").unwrap();
         let store: Arc<dyn controllers::store::Store> =
             Arc::new(controllers::testing::MemoryStore::new());
-        let server = super::Server::build(super::Parts::new(instance, store, None));
+        let mut parts = super::Parts::new(instance, store, None);
+        parts.shutdown_grace = Duration::from_secs(1);
+        let server = super::Server::build(parts);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
