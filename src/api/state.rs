@@ -49,8 +49,8 @@ pub struct AppState {
     /// The bytes of client frames all sockets together may keep while
     /// their handshakes wait (`--ws-early-frames-budget-bytes`).
     pub early_frames: crate::api::session::EarlyBudget,
-    /// Set by the server's shutdown after its drain: open sockets close
-    /// with 1001 ([`crate::api::session::ShutdownNotice`]).
+    /// Set by the server's shutdown once its grace has run out: sockets
+    /// still open close with 1001 ([`crate::api::session::ShutdownNotice`]).
     pub shutdown: Arc<tokio::sync::watch::Sender<bool>>,
     /// The sandboxes each caller holds here, and how many it may.
     pub callers: Arc<crate::api::caller::CallerQuota>,

@@ -126,8 +126,8 @@ enum Stop {
     ShuttingDown,
 }
 
-/// Set once the server shuts down, after its drain: every socket still
-/// open then is closed with [`CLOSE_GOING_AWAY`] after what its session
+/// Set when the server's shutdown grace has run out with sockets still
+/// open: each is closed with [`CLOSE_GOING_AWAY`] after what its session
 /// queued, rather than dropped without a word when the process ends.
 pub type ShutdownNotice = tokio::sync::watch::Receiver<bool>;
 
