@@ -163,16 +163,20 @@ async fn a_bad_archive_chunk_fails_the_archive() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_reply_fails_its_request_at_once() {
-    let (connection, mut agent, _commands) = connect();
+    let (connection, mut agent, commands) = connect();
     let started = std::time::Instant::now();
-    let (reply, ()) = tokio::join!(
-        connection.request(Request::Ping, Duration::from_secs(20)),
-        async {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            // A pong without its version: no message of the protocol.
-            emit(&mut agent, &json!({"ev": "pong", "id": "r1"}));
-        }
-    );
+    // Answered once asked, so the reply has its route.
+    let answerer = std::thread::spawn(move || {
+        let (command, _) = next_command(&mut std::io::BufReader::new(commands));
+        assert_eq!(command["id"], "r1", "{command}");
+        // A pong without its version: no message of the protocol.
+        emit(&mut agent, &json!({"ev": "pong", "id": "r1"}));
+        agent
+    });
+    let reply = connection
+        .request(Request::Ping, Duration::from_secs(20))
+        .await;
+    drop(answerer.join().unwrap());
     assert!(
         matches!(&reply, Err(AgentError::Refused(message)) if message.contains("malformed")),
         "{reply:?}"
@@ -325,16 +329,24 @@ async fn a_line_of_too_many_values_is_refused_unparsed_and_the_connection_goes_o
         started.elapsed() < Duration::from_secs(20),
         "it waited for its timeout"
     );
-    let (mut agent, _commands) = writer.join().unwrap();
-    emit(
-        &mut agent,
-        &json!({"ev": "pong", "id": "r2", "version": 1, "running": []}),
-    );
+    let (mut agent, mut commands) = writer.join().unwrap();
+    // Answered only once it was asked, as above: a reply to a request not
+    // yet routed is dropped as unknown.
+    let answerer = std::thread::spawn(move || {
+        let (command, _) = next_command(&mut commands);
+        assert_eq!(command["id"], "r2", "{command}");
+        emit(
+            &mut agent,
+            &json!({"ev": "pong", "id": "r2", "version": 1, "running": []}),
+        );
+        agent
+    });
     let reply = connection
         .request(Request::Ping, Duration::from_secs(30))
         .await;
     assert!(reply.is_ok(), "{reply:?}");
     assert!(!connection.is_gone());
+    drop(answerer.join().unwrap());
 }
 
 /// The next command line the host wrote, as JSON, and the raw bytes its
