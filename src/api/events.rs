@@ -40,6 +40,7 @@ pub fn start_failure(id: &SandboxId, kind: StartKind, cause: &StartFailure) -> S
         StartFailure::IntentExpired => {
             "the attach request expired before the sandbox could be started".to_owned()
         }
+        StartFailure::ShuttingDown => cause.to_string(),
         StartFailure::CheckpointedMeanwhile => format!(
             "Sandbox {id} was checkpointed by its instance (shutting down, or an operator) \
              before it could move here; attach again to restore it"

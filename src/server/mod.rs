@@ -315,7 +315,7 @@ impl Server {
         }
         // The sessions end with their sandboxes; what is left of the grace
         // (a moment at least) lets them send their last frames. Sockets
-        // still open then (a start the drain could not finish, a handshake
+        // still open then (a checkpoint the grace did not cover, a handshake
         // still waiting) are told 1001 rather than dropped with the process.
         let left = deadline.saturating_duration_since(clock.instant());
         let mut open = self

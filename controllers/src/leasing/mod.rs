@@ -540,13 +540,7 @@ impl Leases {
         self.modify_from(&held.sandbox, None, |existing, _now| {
             let mut lease = self.still_mine(held, existing)?;
             lease.holder = None;
-            if lease
-                .wanted_by
-                .as_ref()
-                .is_some_and(|intent| intent.instance == self.instance)
-            {
-                lease.wanted_by = None;
-            }
+            self.clear_own_intent(&mut lease);
             Ok(Step::Write(Box::new(lease), ()))
         })
         .await
@@ -556,9 +550,12 @@ impl Leases {
     /// Gives up a hold at `epoch` naming this instance, which does not run it
     /// (the reconciler's orphan row); no write if the lock moved on.
     pub async fn release_orphan(&self, sandbox: &SandboxId, epoch: u64) -> Result<(), LeaseError> {
+        self.forget_own_intent(sandbox);
         self.modify_from(sandbox, None, |existing, _now| match existing {
             Some(mut lease) if lease.is_held_by(&self.instance) && lease.epoch == epoch => {
                 lease.holder = None;
+                // Nobody here waits for it: an own intent goes too.
+                self.clear_own_intent(&mut lease);
                 Ok(Step::Write(Box::new(lease), ()))
             }
             _ => Ok(Step::Done(())),
@@ -666,19 +663,27 @@ impl Leases {
     pub async fn withdraw_attach(&self, sandbox: &SandboxId) -> Result<(), LeaseError> {
         self.forget_own_intent(sandbox);
         self.modify_from(sandbox, None, |existing, _now| match existing {
-            Some(mut lease)
-                if lease
-                    .wanted_by
-                    .as_ref()
-                    .is_some_and(|intent| intent.instance == self.instance) =>
-            {
-                lease.wanted_by = None;
-                Ok(Step::Write(Box::new(lease), ()))
-            }
-            _ => Ok(Step::Done(())),
+            Some(mut lease) => Ok(if self.clear_own_intent(&mut lease) {
+                Step::Write(Box::new(lease), ())
+            } else {
+                Step::Done(())
+            }),
+            None => Ok(Step::Done(())),
         })
         .await
         .map(|_| ())
+    }
+
+    /// Clears `lease`'s intent if it is this instance's; true if it was.
+    fn clear_own_intent(&self, lease: &mut Lease) -> bool {
+        let own = lease
+            .wanted_by
+            .as_ref()
+            .is_some_and(|intent| intent.instance == self.instance);
+        if own {
+            lease.wanted_by = None;
+        }
+        own
     }
 
     fn own_intent(&self, now: DateTime<Utc>) -> AttachIntent {

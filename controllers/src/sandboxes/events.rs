@@ -47,6 +47,9 @@ pub enum StartFailure {
     WantedElsewhere(InstanceId),
     #[error("the attach request expired before the sandbox could be started")]
     IntentExpired,
+    /// This instance began shutting down before it could start it here.
+    #[error("this instance is shutting down: attach again (another instance takes over)")]
+    ShuttingDown,
     /// Checkpointed instead of handed over (operator, shutdown): attach again.
     #[error("its holder checkpointed it before it could move here")]
     CheckpointedMeanwhile,

@@ -4,12 +4,16 @@
 //! executions, clock jumps past the lease, crashes, pauses (zombie holders),
 //! storage faults (transient, lost responses that landed), renewals and
 //! doorbell answers (never while paused), and rings lost, duplicated or
-//! delayed (to never, leaving it to the resync). Invariants after each step:
+//! delayed (to never, leaving it to the resync), and drains (SIGTERM: the
+//! instance checkpoints what it holds and starts nothing more). Invariants
+//! after each step:
 //! 1. never two instances running a sandbox while both can vouch for their
 //!    lease (a paused zombie may still run it, its lease expired);
 //! 2. `status.epoch` and `status.latest_checkpoint.epoch` never go down;
 //! 3. until deletion, the latest checkpoint is at least as new as every
-//!    acknowledged one and restorable (manifest, image, digest).
+//!    acknowledged one and restorable (manifest, image, digest);
+//! 4. a draining instance starts nothing: what it runs, it ran or was
+//!    starting when its drain began.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -66,6 +70,9 @@ struct Node {
     open: tokio::sync::watch::Sender<bool>,
     /// A reconcile pass frozen by the pause, finished when it ends.
     frozen: Option<tokio::task::JoinHandle<()>>,
+    /// Draining since its SIGTERM: what it ran or was starting then, and
+    /// still runs (nothing else may run there).
+    draining: Option<Vec<SandboxId>>,
 }
 
 struct Sim {
@@ -137,6 +144,7 @@ impl Sim {
             store,
             open,
             frozen: None,
+            draining: None,
         }
     }
 
@@ -269,6 +277,16 @@ impl Sim {
                     .advance(Duration::seconds(self.rng.random_range(30..70)));
                 self.heartbeats(step, 0.3).await;
             }
+            89..90 if awake && self.nodes[node].draining.is_none() => {
+                // A SIGTERM: the drain asks what is held here to checkpoint
+                // (served by its later passes) and starts nothing more.
+                let reconciler = controller.reconciler();
+                let kept = self.sandboxes.iter().filter(|id| {
+                    self.nodes[node].runtime.is_running(id) || reconciler.is_starting(id)
+                });
+                self.nodes[node].draining = Some(kept.cloned().collect());
+                let _ = controller.drain(std::time::Duration::ZERO).await;
+            }
             87..90 => {
                 // A crash: a new process (new instance id) takes its place.
                 if let Some(frozen) = self.nodes[node].frozen.take() {
@@ -315,6 +333,20 @@ impl Sim {
     async fn check(&mut self, seed: u64, step: usize) {
         let faults = self.store.take_faults();
         self.collect_acknowledgements().await;
+        // 4. A draining instance starts nothing.
+        for node in &mut self.nodes {
+            let Some(kept) = &mut node.draining else {
+                continue;
+            };
+            for id in &self.sandboxes {
+                assert!(
+                    kept.contains(id) || !node.runtime.is_running(id),
+                    "seed {seed} step {step}: {id} started on an instance draining since before"
+                );
+            }
+            let reconciler = node.controller.reconciler();
+            kept.retain(|id| node.runtime.is_running(id) || reconciler.is_starting(id));
+        }
         for id in self.sandboxes.clone() {
             // 1. One vouching runner at most.
             let runners: Vec<usize> = (0..self.nodes.len())
@@ -445,8 +477,17 @@ async fn run_seed(seed: u64) {
         sim.step(step).await;
         sim.check(seed, step).await;
     }
-    // Heal: no faults, all awake; each sandbox runs in one place or says why.
+    // Heal: no faults, all awake, drained instances gone; each sandbox runs
+    // in one place or says why.
     sim.store.take_faults();
+    for n in 0..sim.nodes.len() {
+        if sim.nodes[n].draining.is_some() {
+            if let Some(frozen) = sim.nodes[n].frozen.take() {
+                frozen.abort();
+            }
+            sim.nodes[n] = sim.node();
+        }
+    }
     for node in &mut sim.nodes {
         node.paused_until = 0;
     }

@@ -176,19 +176,28 @@ impl SandboxController {
 
     /// Shutdown: checkpoints (else deletes) every sandbox held here, forcing past
     /// executions, until none is held or `grace` passed; returns how many remain.
+    /// Nothing more starts here; one whose start was under way is asked too,
+    /// once it is held.
     pub async fn drain(&self, grace: Duration) -> usize {
         self.reconciler.start_draining();
         let deadline = self.reconciler.clock().instant() + grace;
-        // All at once; each pass decides what `Command::Drain` means for it.
-        let held = self.held_sandboxes();
-        let asked = held.iter().map(|sandbox| async move {
-            let asked = self.command(sandbox, Command::Drain).await;
-            if let Err(err) = asked {
-                tracing::warn!(%sandbox, %err, "cannot ask for the sandbox to stop at shutdown");
-            }
-        });
-        let _ = tokio::time::timeout_at(deadline, futures::future::join_all(asked)).await;
+        let mut asked: Vec<SandboxId> = Vec::new();
         loop {
+            let held = self.held_sandboxes();
+            let ask: Vec<SandboxId> = held
+                .iter()
+                .filter(|sandbox| !asked.contains(sandbox))
+                .cloned()
+                .collect();
+            // All at once; each pass decides what `Command::Drain` means for it.
+            let asking = ask.iter().map(|sandbox| async move {
+                let asked = self.command(sandbox, Command::Drain).await;
+                if let Err(err) = asked {
+                    tracing::warn!(%sandbox, %err, "cannot ask for the sandbox to stop at shutdown");
+                }
+            });
+            let _ = tokio::time::timeout_at(deadline, futures::future::join_all(asking)).await;
+            asked.extend(ask);
             let left = self.held_sandboxes().len();
             if left == 0 || self.reconciler.clock().instant() >= deadline {
                 // Let pending checkpoint records land (else the locks carry them).

@@ -37,6 +37,8 @@ pub(crate) struct Observed<'a> {
     pub waiting_here: bool,
     /// A periodic checkpoint of the held sandbox is due.
     pub checkpoint_due: bool,
+    /// This instance is shutting down: it starts nothing more.
+    pub draining: bool,
     /// Why the bucket could not be reached, if so: a read of either object,
     /// or a re-verification's write of the lock, failed in the store (not an
     /// operator's invalid document). `metadata` and `lock` then mean nothing.
@@ -96,6 +98,11 @@ pub(crate) enum Step {
     /// Desired `running`, wanted here, and the hold free or its holder
     /// gone: acquire, then restore or create.
     Acquire,
+    /// Desired `running`, wanted here, but this instance is shutting down:
+    /// tell a client waiting here to attach again (another instance takes
+    /// over), withdraw the intent, and release a hold transferred here at
+    /// `release` (the checkpoint it carries stays for the next holder).
+    ShuttingDown { release: Option<u64> },
     /// Desired `running`, wanted here, another live holder: it hands over in
     /// one write naming this instance; poll soon, re-ring lest a ring was lost.
     AwaitHandover { holder: InstanceId },
@@ -166,13 +173,14 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
     if let Some(lock) = seen.lock.filter(|lock| lock.is_held_by(seen.me))
         && !seen.starting_here
     {
-        return if metadata.spec.desired_state == DesiredState::Running
-            && seen.waiting_here
-            && !tombstone
-        {
-            Step::Adopt
-        } else {
-            Step::ReleaseOrphan { epoch: lock.epoch }
+        let wanted =
+            metadata.spec.desired_state == DesiredState::Running && seen.waiting_here && !tombstone;
+        return match (wanted, seen.draining) {
+            (true, false) => Step::Adopt,
+            (true, true) => Step::ShuttingDown {
+                release: Some(lock.epoch),
+            },
+            (false, _) => Step::ReleaseOrphan { epoch: lock.epoch },
         };
     }
     if tombstone {
@@ -189,6 +197,14 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
         DesiredState::Deleted => Step::Tombstone,
         DesiredState::Checkpointed => Step::CheckpointedMeanwhile,
         DesiredState::Running => match seen.lock {
+            // A start already under way finishes; the drain checkpoints it.
+            Some(lock)
+                if seen.draining
+                    && !seen.starting_here
+                    && (seen.waiting_here || lock.wanted_by_me(seen.me, seen.now)) =>
+            {
+                Step::ShuttingDown { release: None }
+            }
             Some(lock) if lock.wanted_by_me(seen.me, seen.now) => match &lock.holder {
                 Some(holder) if holder != seen.me && !seen.holder_gone => Step::AwaitHandover {
                     holder: holder.clone(),

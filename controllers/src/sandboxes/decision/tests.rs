@@ -19,6 +19,7 @@ struct Case {
     holder_gone: bool,
     waiting_here: bool,
     checkpoint_due: bool,
+    draining: bool,
     unreachable: Option<&'static str>,
 }
 
@@ -51,6 +52,7 @@ impl Case {
             holder_gone: true,
             waiting_here: false,
             checkpoint_due: false,
+            draining: false,
             unreachable: None,
         }
     }
@@ -133,6 +135,7 @@ impl Case {
             holder_gone: self.holder_gone,
             waiting_here: self.waiting_here,
             checkpoint_due: self.checkpoint_due,
+            draining: self.draining,
             unreachable: self.unreachable,
         })
     }
@@ -194,6 +197,34 @@ fn a_lock_naming_this_instance_without_a_hold_is_an_orphan_unless_starting_or_ad
     waiting.decides(Step::Adopt, "a transfer or an own write");
     let case = waiting.desired(Checkpointed);
     case.decides(Step::ReleaseOrphan { epoch: 4 }, "no longer wanted running");
+}
+
+#[test]
+fn a_draining_instance_starts_nothing_more_and_tells_its_waiting_client() {
+    let draining = |case: Case| case.with(|case| case.draining = true);
+    let waiting = |case: Case| case.with(|case| case.waiting_here = true);
+    // A transfer (or a create's own hold) landing during the drain.
+    let case = draining(waiting(Case::new().held_by("a", 4)));
+    let release = Step::ShuttingDown { release: Some(4) };
+    case.decides(release, "a hold transferred here is given back");
+    let case = draining(Case::new().held_by("a", 4));
+    case.decides(Step::ReleaseOrphan { epoch: 4 }, "nobody waits: an orphan");
+    // Its own intent, free or held by a live holder: withdrawn, not pursued.
+    let told = Step::ShuttingDown { release: None };
+    for case in [
+        Case::new().wanted_by("a"),
+        Case::new().held_by("b", 2).wanted_by("a"),
+    ] {
+        draining(case).decides(told.clone(), "no acquisition while draining");
+    }
+    draining(waiting(Case::new())).decides(told, "its client is told");
+    // A start already under way finishes (the drain then checkpoints it),
+    // and what is held here is the drain's: decided as before.
+    let case = draining(Case::new().held_by("a", 7).wanted_by("a"));
+    let case = case.with(|case| case.starting_here = true);
+    case.decides(Step::Acquire, "its own start in flight");
+    assert_eq!(draining(Case::held_here()).decide(), Step::KeepRunning);
+    assert_eq!(draining(Case::new()).decide(), Step::NotWantedHere);
 }
 
 #[test]

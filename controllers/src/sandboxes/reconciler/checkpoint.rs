@@ -192,7 +192,7 @@ impl Reconciler {
             checkpoint_id,
             epoch: held.epoch,
             name: name.clone(),
-            force: force || self.draining.load(std::sync::atomic::Ordering::Acquire),
+            force: force || self.draining(),
             keep_executions: metadata.spec.keep_executions,
         };
         self.failpoint(metadata, "handoff:before-checkpoint");

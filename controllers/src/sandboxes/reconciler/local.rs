@@ -68,7 +68,7 @@ impl Reconciler {
             .update(sandbox, |slot| slot.step(|state| (state.renewed(held), ())));
     }
 
-    pub(super) fn is_starting(&self, sandbox: &SandboxId) -> bool {
+    pub(crate) fn is_starting(&self, sandbox: &SandboxId) -> bool {
         self.slots.view(sandbox, |slot| slot.state.is_starting())
     }
 

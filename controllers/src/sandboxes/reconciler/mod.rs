@@ -206,10 +206,15 @@ impl Reconciler {
         &self.metrics
     }
 
-    /// From now on checkpoints do not wait for running executions.
+    /// From now on checkpoints do not wait for running executions, and
+    /// nothing more starts here (`Step::ShuttingDown`).
     pub fn start_draining(&self) {
         self.draining
             .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    pub(super) fn draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Acquire)
     }
 
     pub fn runtime(&self) -> &Arc<dyn SandboxRuntime> {

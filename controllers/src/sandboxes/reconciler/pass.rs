@@ -290,6 +290,7 @@ impl Reconciler {
                     holder_gone,
                     waiting_here,
                     checkpoint_due,
+                    draining: self.draining(),
                     unreachable,
                 })
             };
@@ -401,6 +402,7 @@ impl Reconciler {
                 self.await_handover(sandbox, &holder, lease.as_ref()).await,
             )),
             Step::ReleaseOrphan { epoch } => self.release_orphan(sandbox, epoch).await,
+            Step::ShuttingDown { release } => self.refuse_while_draining(sandbox, release).await,
             Step::Purge => {
                 let metadata = metadata.ok_or(needs("metadata to purge"))?;
                 self.emit(sandbox, SandboxEvent::Deleted);

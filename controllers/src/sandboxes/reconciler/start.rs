@@ -45,6 +45,28 @@ impl Reconciler {
         }
     }
 
+    /// Starts nothing while draining (`Step::ShuttingDown`): tells a client
+    /// waiting here, then gives back a hold transferred here (its checkpoint
+    /// stays in the lock for the next holder) or withdraws the intent.
+    pub(super) async fn refuse_while_draining(
+        &self,
+        sandbox: &SandboxId,
+        release: Option<u64>,
+    ) -> Result<Requeue, ReconcileError> {
+        if self.take_waiting(sandbox).is_some() {
+            self.done_acquiring(sandbox);
+            self.restore_failed(sandbox, StartFailure::ShuttingDown);
+        }
+        match release {
+            Some(epoch) => {
+                tracing::info!(%sandbox, epoch, "shutting down: giving back a hold transferred here");
+                self.leases.release_orphan(sandbox, epoch).await?;
+            }
+            None => self.leases.withdraw_attach(sandbox).await?,
+        }
+        Ok(Requeue::Never)
+    }
+
     /// Desired running here, held by another live holder, which hands it
     /// over naming this instance (the next pass adopts it). Tells the client
     /// once, re-rings every [`RERING_INTERVAL`] lest a ring was lost; look

@@ -39,6 +39,47 @@ async fn another_instance_asking_gets_the_sandbox_handed_over_with_the_image_it_
     assert!(a.runtime.prefetched().is_empty());
 }
 
+/// A hand-over landing on an instance that began shutting down meanwhile is
+/// not started there: its client is told to attach again, and the hold goes
+/// back with the checkpoint, which the next instance asking restores.
+#[tokio::test]
+async fn a_hand_over_landing_on_a_draining_instance_is_given_back_with_its_checkpoint() {
+    let (world, a, id) = World::with_a_sandbox().await;
+    let b = world.instance("b");
+    a.run(&id, "state").await;
+    a.controller.client_attached(&id, false);
+    b.request_here(&id, None).await.unwrap();
+    assert!(matches!(b.pass(&id).await, Requeue::After(_)), "B waits");
+    let mut waiting_on_b = b.controller.subscribe(&id);
+    a.answer_doorbell().await;
+    a.pass(&id).await;
+    assert_eq!(world.lease(&id).await.holder, Some(named("b")));
+    // SIGTERM on B, which holds nothing yet.
+    let grace = std::time::Duration::from_secs(1);
+    assert_eq!(b.controller.drain(grace).await, 0);
+    b.pass(&id).await;
+    assert!(!b.runs(&id), "a draining instance starts nothing");
+    let cause = StartFailure::ShuttingDown;
+    let told = SandboxEvent::StartFailed {
+        kind: StartKind::Restore,
+        cause,
+    };
+    assert!(
+        drain(&mut waiting_on_b).contains(&told),
+        "B's client is told"
+    );
+    let lock = world.lease(&id).await;
+    assert_eq!((lock.holder, lock.wanted_by), (None, None));
+    assert!(
+        lock.checkpoint.is_some(),
+        "the hand-over image stays carried"
+    );
+    let c = world.instance("c");
+    c.request_here(&id, None).await.unwrap();
+    c.pass(&id).await;
+    assert_eq!(c.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
+}
+
 /// A handoff's checkpoint loses the sandbox (runsc failing in the sentry):
 /// the holder records it and lets go; the taker says why, blaming no instance.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
