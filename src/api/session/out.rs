@@ -94,6 +94,21 @@ pub enum Outgoing {
     Close(u16, String),
 }
 
+impl Outgoing {
+    /// The frame to write, the budget it holds, and whether it closes.
+    fn into_message(self) -> (Message, Vec<OwnedSemaphorePermit>, bool) {
+        match self {
+            Self::Text(text, permits) => (Message::Text(Utf8Bytes::from(text)), permits, false),
+            Self::Binary(data, permits) => (Message::Binary(data), permits, false),
+            Self::Close(code, reason) => {
+                let reason = Utf8Bytes::from(reason);
+                let close = Message::Close(Some(CloseFrame { code, reason }));
+                (close, Vec::new(), true)
+            }
+        }
+    }
+}
+
 /// How long a socket closed for a too-big frame is still drained, so the
 /// client reads the close frame instead of a reset connection.
 const DRAIN_AFTER_CLOSE: Duration = Duration::from_secs(2);
@@ -312,32 +327,18 @@ async fn write(
     );
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let (message, permits) = tokio::select! {
+        let (message, permits, closes) = tokio::select! {
             outgoing = receiver.recv() => match outgoing {
                 None => return Stop::Done,
-                Some(Outgoing::Text(text, permits)) => (Message::Text(Utf8Bytes::from(text)), permits),
-                Some(Outgoing::Binary(data, permits)) => (Message::Binary(data), permits),
-                Some(Outgoing::Close(code, reason)) => {
-                    let close = Message::Close(Some(CloseFrame { code, reason: Utf8Bytes::from(reason) }));
-                    let _ = tokio::time::timeout(settings.stall_timeout, sink.send(close)).await;
-                    return Stop::Done;
-                }
+                Some(outgoing) => outgoing.into_message(),
             },
             () = announced(&mut shutdown) => {
                 // What the session queued before goes first (its last
                 // frames); the close follows.
                 while let Ok(outgoing) = receiver.try_recv() {
-                    let message = match outgoing {
-                        Outgoing::Text(text, _) => Message::Text(Utf8Bytes::from(text)),
-                        Outgoing::Binary(data, _) => Message::Binary(data),
-                        Outgoing::Close(code, reason) => {
-                            let close = Message::Close(Some(CloseFrame { code, reason: Utf8Bytes::from(reason) }));
-                            let _ = tokio::time::timeout(settings.stall_timeout, sink.send(close)).await;
-                            return Stop::Done;
-                        }
-                    };
+                    let (message, _, closes) = outgoing.into_message();
                     let sent = tokio::time::timeout(settings.stall_timeout, sink.send(message)).await;
-                    if !matches!(sent, Ok(Ok(()))) {
+                    if closes || !matches!(sent, Ok(Ok(()))) {
                         return Stop::Done;
                     }
                 }
@@ -347,12 +348,13 @@ async fn write(
                 if heard.silent_for() > settings.ping_timeout {
                     return Stop::Silent;
                 }
-                (Message::Ping(Bytes::new()), Vec::new())
+                (Message::Ping(Bytes::new()), Vec::new(), false)
             }
         };
         let sent = tokio::time::timeout(settings.stall_timeout, sink.send(message)).await;
         drop(permits);
         match sent {
+            _ if closes => return Stop::Done,
             Ok(Ok(())) => {}
             Ok(Err(_)) => return Stop::Done,
             Err(_) => return Stop::Stalled,
