@@ -237,39 +237,45 @@ impl Reconciler {
         self.forget(sandbox);
         self.emit(sandbox, SandboxEvent::Stopping);
         let reference = self.checkpoint_ref(&manifest, held.epoch, name.clone());
-        // Record and hand-back at once (decision 18): the lock carries the
-        // checkpoint, so the next holder restores it even if this record lands
-        // late or never (it then records it itself; the fence refuses this).
+        // The hand-back carries the checkpoint (decision 18): the next holder
+        // restores it even if the record lands late or never. The record
+        // follows once the lock proved this hold current (the hand-back
+        // landed, or `not_taken_over`): a frozen holder's record would
+        // otherwise land before its taker's first record moves `status.epoch`
+        // on, and a later takeover restore a state the taker never started
+        // from (a lost state back; `docs/handoff.md`, "A zombie's record").
         self.emit(sandbox, SandboxEvent::LeaseReleasing);
-        let hand_back = self.leases.hand_back(&held, lock, &reference, &manifest);
-        // Recorded in its own task: GCS may delay it a second or more, and this
-        // pass (the sandbox's queue turn) must not, or an attach waits for it.
-        let recording = self.spawn_shared({
+        let handed = self
+            .leases
+            .hand_back(&held, lock, &reference, &manifest)
+            .await;
+        self.failpoint(metadata, "handoff:after-record");
+        let record = || {
             let (sandbox, reference, epoch) = (sandbox.clone(), reference.clone(), held.epoch);
-            move |me| async move {
+            let name = name.clone();
+            self.spawn_shared(move |me| async move {
                 me.record_checkpoint(&sandbox, epoch, &reference, name)
                     .await
-            }
-        });
-        let handed = hand_back.await;
-        self.failpoint(metadata, "handoff:after-record");
+            })
+        };
         let safe = match &handed {
-            Ok(HandBack::TransferredTo { instance, epoch }) => {
-                tracing::info!(%sandbox, to = %instance, epoch, "hold transferred with the checkpoint");
+            Ok(outcome) => {
+                if let HandBack::TransferredTo { instance, epoch } = outcome {
+                    tracing::info!(%sandbox, to = %instance, epoch, "hold transferred with the checkpoint");
+                }
+                drop(record());
                 Ok(())
             }
-            Ok(HandBack::Released) => Ok(()),
             Err(err) => {
                 // The lock still names this instance, no longer running it: a
-                // pass soon releases it (the next holder waits). Safe if recorded.
+                // pass soon releases it (the next holder waits).
                 tracing::warn!(%sandbox, %err, "cannot release the lease after a checkpoint");
-                let recorded = recording.await.unwrap_or_else(|err| {
-                    Err(ReconcileError::Interrupted(format!(
-                        "the checkpoint's record ended abnormally: {err}"
-                    )))
-                });
-                match recorded {
-                    Ok(()) => self.not_taken_over(sandbox, held.epoch, &reference).await,
+                match self.not_taken_over(sandbox, held.epoch, &reference).await {
+                    Ok(()) => record().await.unwrap_or_else(|err| {
+                        Err(ReconcileError::Interrupted(format!(
+                            "the checkpoint's record ended abnormally: {err}"
+                        )))
+                    }),
                     Err(err) => Err(err),
                 }
             }
@@ -295,10 +301,10 @@ impl Reconciler {
         })
     }
 
-    /// After a recorded checkpoint whose hand-back failed: `Ok` only if nobody
-    /// took the hold over since `epoch` or the lock carries this checkpoint. The
-    /// record proves nothing: a taker records its epoch only once its client
-    /// hears `RUNNING` (decision 21), so ours may land while it runs an older one.
+    /// After a checkpoint whose hand-back failed, before its record: `Ok` only
+    /// if nobody took the hold over since `epoch` or the lock carries this
+    /// checkpoint. A record's fence proves nothing: a taker records its epoch
+    /// only once its client hears `RUNNING` (decision 21).
     async fn not_taken_over(
         &self,
         sandbox: &SandboxId,

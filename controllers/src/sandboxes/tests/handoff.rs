@@ -498,3 +498,75 @@ async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_land
         );
     }
 }
+
+/// Stalls an instance's checkpoint upload until thawed (a holder frozen in
+/// its checkpoint) and, once armed, its `metadata.json` writes for good (a
+/// holder killed before its record landed).
+#[derive(Debug, Default)]
+struct FreezeAndHold {
+    freeze_upload: AtomicBool,
+    frozen: tokio::sync::Notify,
+    thaw: tokio::sync::Notify,
+    hold_metadata: AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl BeforeRequest for FreezeAndHold {
+    async fn before(&self, request: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
+        if request.writes("/checkpoint.img") && self.freeze_upload.swap(false, Ordering::AcqRel) {
+            self.frozen.notify_one();
+            self.thaw.notified().await;
+        }
+        if request.writes("/metadata.json") && self.hold_metadata.load(Ordering::Acquire) {
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+}
+
+/// A holder frozen in its hand-over checkpoint thaws after a taker started
+/// from the lock's older checkpoint (what ran since is lost, as in a crash),
+/// before the taker's record landed: its hand-back fails, and its record
+/// must not land either, or a later takeover restores the lost state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_holders_checkpoint_is_not_recorded_once_it_was_taken_over() {
+    let world = World::new();
+    let (a_store, a) = world.instance_through("a", FreezeAndHold::default());
+    let (b_store, b) = world.instance_through("b", FreezeAndHold::default());
+    let id = a.create(&world).await;
+    a.run(&id, "s1").await;
+    a.checkpoint(&id, None).await; // epoch 1's, carried by the lock
+    a.bring_here(&id).await;
+    a.run(&id, "s2").await;
+    a_store.hook.freeze_upload.store(true, Ordering::Release);
+    let zombie = {
+        let (controller, id) = (Arc::clone(&a.controller), id.clone());
+        tokio::spawn(async move {
+            let ask = controller.request_state(&id, DesiredState::Checkpointed, None);
+            let _ = controller.serving(&id, ask).await;
+        })
+    };
+    a_store.hook.frozen.notified().await;
+    // A's leases run out; B takes over from epoch 1's checkpoint.
+    world.clock.advance(Duration::seconds(40));
+    b_store.hook.hold_metadata.store(true, Ordering::Release);
+    b.request_here(&id, None).await.unwrap();
+    for _ in 0..20 {
+        if b.runs(&id) {
+            break;
+        }
+        let _ = b.reconcile(&id).await;
+    }
+    assert_eq!(b.runtime.memory(&id), Some(vec!["s1".to_owned()]));
+    a_store.hook.thaw.notify_one();
+    zombie.await.unwrap();
+    a.controller.reconciler().background_settled().await;
+    // B dies before its record landed; C takes over.
+    b.runtime.crash(&id);
+    drop(b);
+    world.clock.advance(Duration::seconds(40));
+    let c = world.instance("c");
+    c.bring_here(&id).await;
+    let lost = "\"s2\" was lost when B started: it never comes back";
+    assert_eq!(c.runtime.memory(&id), Some(vec!["s1".to_owned()]), "{lost}");
+}

@@ -119,6 +119,20 @@ impl World {
         Instance::build(self.bucket.clone(), clock, name, lease, config, hooks)
     }
 
+    /// Instance `name`, seeing the bucket through `hook`.
+    fn instance_through<H: hooked_store::BeforeRequest + 'static>(
+        &self,
+        name: &str,
+        hook: H,
+    ) -> (Arc<hooked_store::HookedStore<H>>, Instance) {
+        let store = Arc::new(hooked_store::HookedStore::new(self.store.clone(), hook));
+        let (clock, lease) = (Arc::new(self.clock.clone()), LeaseConfig::for_tests());
+        let no_hooks = |_: &FakeRuntime| Arc::new(crate::hooks::NoHooks) as _;
+        let config = ReconcilerConfig::default();
+        let instance = Instance::build(store.clone(), clock, name, lease, config, no_hooks);
+        (store, instance)
+    }
+
     /// A new sandbox's id and record; `checkpointable`: `enable_checkpoint`.
     fn new_sandbox(&self, checkpointable: bool) -> (SandboxId, SandboxMetadata) {
         let id = SandboxId::random();
