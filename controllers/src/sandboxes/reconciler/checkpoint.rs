@@ -129,11 +129,19 @@ impl Reconciler {
         let reference = self.checkpoint_ref(&manifest, held.epoch, None);
         let keep = self.config.keep_checkpoints;
         let mut superseded = Vec::new();
-        let recorded = self
-            .write_status(sandbox, held.epoch, |status| {
+        // Frozen past its lease meanwhile, the hold may have been taken over
+        // from an older checkpoint: no record ("A zombie's record"); the full
+        // pass re-verifies the hold or stops it.
+        let recorded = if self.leases.is_safe(&held) {
+            self.write_status(sandbox, held.epoch, |status| {
                 superseded = record_latest(status, &reference, keep);
             })
-            .await;
+            .await
+        } else {
+            Err(ReconcileError::Interrupted(
+                "the hold was not vouched for once the checkpoint was taken".to_owned(),
+            ))
+        };
         let restored = self.runtime.restore(sandbox, &manifest).await;
         match (recorded, restored) {
             (Ok(recorded), Ok(())) => {

@@ -524,26 +524,46 @@ impl BeforeRequest for FreezeAndHold {
     }
 }
 
-/// A holder frozen in its hand-over checkpoint thaws after a taker started
-/// from the lock's older checkpoint (what ran since is lost, as in a crash),
-/// before the taker's record landed: its hand-back fails, and its record
-/// must not land either, or a later takeover restores the lost state.
+/// A holder frozen in its hand-over (or periodic) checkpoint thaws after a
+/// taker started from the lock's older checkpoint (what ran since is lost,
+/// as in a crash), before the taker's record landed: its hand-back fails,
+/// and its record must not land either, or a later takeover restores the
+/// lost state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_holders_checkpoint_is_not_recorded_once_it_was_taken_over() {
+    for periodic in [false, true] {
+        frozen_holders_checkpoint(periodic).await;
+    }
+}
+
+async fn frozen_holders_checkpoint(periodic: bool) {
     let world = World::new();
-    let (a_store, a) = world.instance_through("a", FreezeAndHold::default());
-    let (b_store, b) = world.instance_through("b", FreezeAndHold::default());
+    let interval = periodic.then_some(std::time::Duration::from_secs(60));
+    let config = ReconcilerConfig {
+        checkpoint_interval: interval,
+        ..ReconcilerConfig::default()
+    };
+    let (a_store, a) = world.instance_through("a", FreezeAndHold::default(), config);
+    let config = ReconcilerConfig::default();
+    let (b_store, b) = world.instance_through("b", FreezeAndHold::default(), config);
     let id = a.create(&world).await;
     a.run(&id, "s1").await;
     a.checkpoint(&id, None).await; // epoch 1's, carried by the lock
     a.bring_here(&id).await;
     a.run(&id, "s2").await;
+    if periodic {
+        a.live_through(&world, 61).await;
+    }
     a_store.hook.freeze_upload.store(true, Ordering::Release);
     let zombie = {
         let (controller, id) = (Arc::clone(&a.controller), id.clone());
         tokio::spawn(async move {
-            let ask = controller.request_state(&id, DesiredState::Checkpointed, None);
-            let _ = controller.serving(&id, ask).await;
+            if periodic {
+                let _ = controller.reconciler().reconcile(&id).await;
+            } else {
+                let ask = controller.request_state(&id, DesiredState::Checkpointed, None);
+                let _ = controller.serving(&id, ask).await;
+            }
         })
     };
     a_store.hook.frozen.notified().await;
@@ -567,6 +587,6 @@ async fn a_frozen_holders_checkpoint_is_not_recorded_once_it_was_taken_over() {
     world.clock.advance(Duration::seconds(40));
     let c = world.instance("c");
     c.bring_here(&id).await;
-    let lost = "\"s2\" was lost when B started: it never comes back";
+    let lost = format!("\"s2\" was lost when B started: it never comes back ({periodic})");
     assert_eq!(c.runtime.memory(&id), Some(vec!["s1".to_owned()]), "{lost}");
 }

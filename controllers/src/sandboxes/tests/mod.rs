@@ -124,11 +124,11 @@ impl World {
         &self,
         name: &str,
         hook: H,
+        config: ReconcilerConfig,
     ) -> (Arc<hooked_store::HookedStore<H>>, Instance) {
         let store = Arc::new(hooked_store::HookedStore::new(self.store.clone(), hook));
         let (clock, lease) = (Arc::new(self.clock.clone()), LeaseConfig::for_tests());
         let no_hooks = |_: &FakeRuntime| Arc::new(crate::hooks::NoHooks) as _;
-        let config = ReconcilerConfig::default();
         let instance = Instance::build(store.clone(), clock, name, lease, config, no_hooks);
         (store, instance)
     }
