@@ -13,9 +13,11 @@
 //! 3. until deletion, the latest checkpoint is at least as new as every
 //!    acknowledged one and restorable (manifest, image, digest);
 //! 4. a draining instance starts nothing: what it runs, it ran or was
-//!    starting when its drain began.
+//!    starting when its drain began;
+//! 5. a state once lost never comes back: what a vouched runner's memory
+//!    lacks of what an earlier one had never appears in a later one.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use chrono::Duration;
@@ -86,6 +88,9 @@ struct Sim {
     seen: HashMap<SandboxId, (u64, u64)>,
     /// Epoch of the newest acknowledged checkpoint per sandbox.
     acknowledged: HashMap<SandboxId, u64>,
+    /// Per sandbox: what vouched runners' memories held, and what of it a
+    /// later one lacked (lost for good).
+    memories: HashMap<SandboxId, (HashSet<String>, HashSet<String>)>,
 }
 
 impl Sim {
@@ -99,6 +104,7 @@ impl Sim {
             sandboxes: (1..=SANDBOXES).map(SandboxId::from_u128).collect(),
             seen: HashMap::new(),
             acknowledged: HashMap::new(),
+            memories: HashMap::new(),
         };
         for _ in 0..3 {
             let node = sim.node();
@@ -362,6 +368,21 @@ impl Sim {
                 runners.len() <= 1,
                 "seed {seed} step {step}: {id} runs on {runners:?} with valid leases"
             );
+            // 5. A lost state never comes back.
+            if let Some(&runner) = runners.first() {
+                let memory = self.nodes[runner].runtime.memory(&id).unwrap_or_default();
+                let (held, lost) = self.memories.entry(id.clone()).or_default();
+                let back: Vec<_> = memory
+                    .iter()
+                    .filter(|entry| lost.contains(*entry))
+                    .collect();
+                assert!(
+                    back.is_empty(),
+                    "seed {seed} step {step}: {id}: {back:?} came back"
+                );
+                lost.extend(held.iter().filter(|entry| !memory.contains(entry)).cloned());
+                held.extend(memory);
+            }
             // 2. Epochs never go down.
             let Ok(object) = self.store.get(&metadata_key(&id)).await else {
                 continue;
