@@ -18,7 +18,7 @@
 //! the holder's periodic resync rereads all it holds, so loss costs only time.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use chrono::{DateTime, Duration, Utc};
 
@@ -131,8 +131,8 @@ impl InstanceLeases {
         self.renewed.notified()
     }
 
-    fn own(&self) -> std::sync::MutexGuard<'_, OwnLease> {
-        self.own.lock().unwrap_or_else(PoisonError::into_inner)
+    fn own(&self) -> MutexGuard<'_, OwnLease> {
+        locked(&self.own)
     }
 
     pub fn era(&self) -> u64 {
@@ -224,10 +224,7 @@ impl InstanceLeases {
         let now = self.clock.now();
         let reuse = Duration::from_std(LIVE_READ_REUSE).unwrap_or_else(|_| Duration::zero());
         let remembered = {
-            let mut seen = self
-                .seen_live
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut seen = locked(&self.seen_live);
             seen.retain(|_, (read_at, _)| now < *read_at + reuse && *read_at <= now);
             seen.get(instance)
                 .is_some_and(|(_, lease)| lease.is_live(now, self.config.skew_tolerance))
@@ -240,20 +237,13 @@ impl InstanceLeases {
             .await?
             .map(|(lease, _)| lease)
             .filter(|lease| lease.is_live(now, self.config.skew_tolerance));
-        let mut seen = self
-            .seen_live
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let is_live = live.is_some();
+        let mut seen = locked(&self.seen_live);
         match live {
-            Some(lease) => {
-                seen.insert(instance.clone(), (now, lease));
-                Ok(true)
-            }
-            None => {
-                seen.remove(instance);
-                Ok(false)
-            }
-        }
+            Some(lease) => seen.insert(instance.clone(), (now, lease)),
+            None => seen.remove(instance),
+        };
+        Ok(is_live)
     }
 
     /// Reads this instance's doorbell: `None` when nobody ever rang.
@@ -273,7 +263,7 @@ impl InstanceLeases {
         intent: Option<RungIntent>,
     ) -> Result<(), LeaseError> {
         let (batch, writer) = {
-            let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut outboxes = locked(&self.outboxes);
             let outbox = outboxes.entry(holder.clone()).or_default();
             match outbox.pending.iter_mut().find(|(rung, _)| rung == sandbox) {
                 Some(queued) => {
@@ -297,7 +287,7 @@ impl InstanceLeases {
         loop {
             let notified = self.rings_written.notified();
             {
-                let outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
+                let outboxes = locked(&self.outboxes);
                 match outboxes.get(holder) {
                     Some(outbox) if outbox.written >= batch => {
                         return match &outbox.last_error {
@@ -319,10 +309,7 @@ impl InstanceLeases {
     /// Writer loop: waits out the spacing, writes all pending, repeats if more.
     async fn write_rings(&self, holder: &InstanceId) {
         loop {
-            let last_write = self
-                .outboxes
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
+            let last_write = locked(&self.outboxes)
                 .get(holder)
                 .and_then(|outbox| outbox.last_write);
             // A batch that waited for the spacing is a burst: other instances
@@ -334,7 +321,7 @@ impl InstanceLeases {
                 tokio::time::sleep_until(last + self.config.ring_spacing).await;
             }
             let (pending, known) = {
-                let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut outboxes = locked(&self.outboxes);
                 let outbox = outboxes.entry(holder.clone()).or_default();
                 let read_first = burst
                     || outbox
@@ -355,7 +342,7 @@ impl InstanceLeases {
             )
             .await;
             let more = {
-                let mut outboxes = self.outboxes.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut outboxes = locked(&self.outboxes);
                 let outbox = outboxes.entry(holder.clone()).or_default();
                 outbox.written += 1;
                 outbox.last_write = Some(self.clock.instant());
@@ -371,12 +358,8 @@ impl InstanceLeases {
                 };
                 outbox.doorbell = written;
                 outbox.last_error = error;
-                if outbox.pending.is_empty() {
-                    outbox.writing = false;
-                    false
-                } else {
-                    true
-                }
+                outbox.writing = !outbox.pending.is_empty();
+                outbox.writing
             };
             self.rings_written.notify_waiters();
             if !more {
@@ -386,7 +369,12 @@ impl InstanceLeases {
     }
 }
 
-async fn read_object<T: crate::api::ApiObject>(
+/// `mutex`'s guard, even if a holder panicked (its data stays consistent).
+fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+pub(super) async fn read_object<T: crate::api::ApiObject>(
     store: &dyn Store,
     key: &ObjectKey,
 ) -> Result<Option<(T, Generation)>, LeaseError> {

@@ -232,9 +232,7 @@ impl Leases {
     /// Remembers an intent a ring carried for `sandbox`: the newest per
     /// sandbox (of two as new, the later heard); expired ones are dropped.
     pub fn hear(&self, sandbox: &SandboxId, rung: RungIntent) {
-        let Some(heard) = &self.heard else {
-            return;
-        };
+        let Some(heard) = &self.heard else { return };
         heard.forget_expired(self.clock.now());
         heard.change_rung(sandbox, &mut |old| match old {
             Some(old) if old.intent.requested_at > rung.intent.requested_at => Some(old),
@@ -244,9 +242,7 @@ impl Leases {
 
     /// Forgets this instance's own rung intent for `sandbox` (client gave up).
     fn forget_own_intent(&self, sandbox: &SandboxId) {
-        let Some(heard) = &self.heard else {
-            return;
-        };
+        let Some(heard) = &self.heard else { return };
         heard.change_rung(sandbox, &mut |rung| {
             rung.filter(|rung| rung.intent.instance != self.instance)
         });
@@ -326,14 +322,8 @@ impl Leases {
         &self,
         sandbox: &SandboxId,
     ) -> Result<Option<(Lease, Generation)>, LeaseError> {
-        match self.store.get(&lock_key(sandbox)).await {
-            Ok(current) => Ok(Some((
-                self.decode_heard(sandbox, &current.data)?,
-                current.generation,
-            ))),
-            Err(StoreError::NotFound { .. }) => Ok(None),
-            Err(err) => Err(err.into()),
-        }
+        let read = instance::read_object(self.store.as_ref(), &lock_key(sandbox)).await?;
+        Ok(read.map(|(lease, generation)| (self.with_heard(sandbox, lease), generation)))
     }
 
     /// Takes the lease (creating it, or taking it over if free or expired)
@@ -662,13 +652,13 @@ impl Leases {
     /// Withdraws this instance's attach intent, if it is still the current one.
     pub async fn withdraw_attach(&self, sandbox: &SandboxId) -> Result<(), LeaseError> {
         self.forget_own_intent(sandbox);
-        self.modify_from(sandbox, None, |existing, _now| match existing {
-            Some(mut lease) => Ok(if self.clear_own_intent(&mut lease) {
-                Step::Write(Box::new(lease), ())
-            } else {
-                Step::Done(())
-            }),
-            None => Ok(Step::Done(())),
+        self.modify_from(sandbox, None, |mut existing, _now| {
+            Ok(
+                match existing.take_if(|lease| self.clear_own_intent(lease)) {
+                    Some(lease) => Step::Write(Box::new(lease), ()),
+                    None => Step::Done(()),
+                },
+            )
         })
         .await
         .map(|_| ())

@@ -79,13 +79,8 @@ impl SandboxController {
 
     /// Reads the doorbell once; queues and returns the sandboxes newly rung.
     pub async fn answer_doorbell(&self) -> Result<Vec<SandboxId>, ControlError> {
-        let Some((bell, generation)) = self
-            .reconciler
-            .leases()
-            .instance_lease()
-            .read_doorbell()
-            .await?
-        else {
+        let doorbell = self.reconciler.leases().instance_lease().read_doorbell();
+        let Some((bell, generation)) = doorbell.await? else {
             return Ok(Vec::new());
         };
         let rung = {
@@ -109,13 +104,9 @@ impl SandboxController {
                     continue;
                 }
                 // Its pass hears of a ring-only attach intent (decision 27).
-                self.reconciler.send(
-                    &ring.sandbox,
-                    Command::Rung {
-                        intent: ring.intent,
-                    },
-                    None,
-                );
+                let intent = ring.intent;
+                self.reconciler
+                    .send(&ring.sandbox, Command::Rung { intent }, None);
                 if !rung.contains(&ring.sandbox) {
                     rung.push(ring.sandbox);
                 }

@@ -22,17 +22,9 @@ impl SandboxController {
             return Err(ControlError::NotHere(sandbox.clone()));
         }
         let runtime = self.reconciler.runtime();
+        let attempt = || runtime.exec(sandbox, request.clone());
         let execution = self
-            .past_checkpoints(
-                sandbox,
-                || runtime.exec(sandbox, request.clone()),
-                |err| {
-                    matches!(
-                        err,
-                        RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_)
-                    )
-                },
-            )
+            .past_checkpoints(sandbox, attempt, checkpointing)
             .await?;
         Ok(self.relayed(sandbox, execution))
     }
@@ -114,10 +106,8 @@ impl SandboxController {
         };
         // Recorded by the sandbox's own pass, as every write of its objects.
         let snapshot = Box::new(reference.clone());
-        let written = self
-            .command(sandbox, Command::RecordSnapshot { snapshot })
-            .await;
-        if let Err(err) = written {
+        let written = self.command(sandbox, Command::RecordSnapshot { snapshot });
+        if let Err(err) = written.await {
             // The snapshot exists; only its mention in the metadata is missing.
             tracing::warn!(%sandbox, %err, "cannot record the snapshot in metadata.json");
         }
@@ -130,18 +120,19 @@ impl SandboxController {
             return Err(FsError::Runtime(RuntimeError::NotFound(sandbox.clone())));
         }
         let runtime = self.reconciler.runtime();
-        self.past_checkpoints(
-            sandbox,
-            || runtime.fs(sandbox, request.clone()),
-            |err| {
-                matches!(
-                    err,
-                    FsError::Runtime(RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_))
-                )
-            },
-        )
-        .await
+        let attempt = || runtime.fs(sandbox, request.clone());
+        let in_checkpoint =
+            |err: &FsError| matches!(err, FsError::Runtime(err) if checkpointing(err));
+        self.past_checkpoints(sandbox, attempt, in_checkpoint).await
     }
+}
+
+/// How an attempt on a sandbox fails while a periodic checkpoint runs.
+fn checkpointing(err: &RuntimeError) -> bool {
+    matches!(
+        err,
+        RuntimeError::Checkpointing(_) | RuntimeError::NotFound(_)
+    )
 }
 
 /// How long an execution or file request waits for a checkpoint to end.

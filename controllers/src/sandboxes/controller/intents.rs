@@ -55,10 +55,8 @@ impl SandboxController {
         let Some(metadata) = metadata? else {
             return Ok(None);
         };
-        Ok(Some(AttachRead {
-            metadata,
-            lock: lock?,
-        }))
+        let lock = lock?;
+        Ok(Some(AttachRead { metadata, lock }))
     }
 
     /// `metadata.json` with `lock.json`'s carried checkpoint folded in: what a
@@ -107,12 +105,7 @@ impl SandboxController {
             },
         });
         metadata.status.latest_checkpoint = Some(forked.reference);
-        tracing::info!(
-            fork = %metadata.sandbox_id,
-            source = %source.sandbox_id,
-            ?point,
-            "forking a sandbox"
-        );
+        tracing::info!(fork = %metadata.sandbox_id, source = %source.sandbox_id, ?point, "forking a sandbox");
         self.create(&metadata).await
     }
 
@@ -140,15 +133,12 @@ impl SandboxController {
         now: chrono::DateTime<chrono::Utc>,
     ) -> Result<(), ControlError> {
         let sandbox = read.metadata.0.sandbox_id.clone();
-        self.command(
-            &sandbox,
-            Command::Attach {
-                read: Box::new(read),
-                checkpoint: checkpoint.map(str::to_owned),
-                at: now,
-            },
-        )
-        .await
+        let command = Command::Attach {
+            read: Box::new(read),
+            checkpoint: checkpoint.map(str::to_owned),
+            at: now,
+        };
+        self.command(&sandbox, command).await
     }
 
     /// Withdraws this instance's wish to run `sandbox` (its client gave up).
@@ -164,14 +154,9 @@ impl SandboxController {
         desired: DesiredState,
         checkpoint_name: Option<&str>,
     ) -> Result<(), ControlError> {
-        self.command(
-            sandbox,
-            Command::Desire {
-                desired,
-                name: checkpoint_name.map(str::to_owned),
-            },
-        )
-        .await
+        let name = checkpoint_name.map(str::to_owned);
+        self.command(sandbox, Command::Desire { desired, name })
+            .await
     }
 
     /// Shutdown: checkpoints (else deletes) every sandbox held here, forcing past
@@ -183,12 +168,8 @@ impl SandboxController {
         let deadline = self.reconciler.clock().instant() + grace;
         let mut asked: Vec<SandboxId> = Vec::new();
         loop {
-            let held = self.held_sandboxes();
-            let ask: Vec<SandboxId> = held
-                .iter()
-                .filter(|sandbox| !asked.contains(sandbox))
-                .cloned()
-                .collect();
+            let mut ask = self.held_sandboxes();
+            ask.retain(|sandbox| !asked.contains(sandbox));
             // All at once; each pass decides what `Command::Drain` means for it.
             let asking = ask.iter().map(|sandbox| async move {
                 let asked = self.command(sandbox, Command::Drain).await;

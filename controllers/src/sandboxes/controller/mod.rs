@@ -9,6 +9,7 @@ mod executions;
 mod intents;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::sync::broadcast;
 
@@ -58,7 +59,7 @@ pub enum ControlError {
 pub struct SandboxController {
     reconciler: Arc<Reconciler>,
     queue: WorkQueue,
-    reconcile_errors: std::sync::atomic::AtomicU64,
+    reconcile_errors: AtomicU64,
     doorbell: std::sync::Mutex<DoorbellState>,
 }
 
@@ -71,7 +72,7 @@ impl SandboxController {
         Arc::new(Self {
             reconciler,
             queue,
-            reconcile_errors: std::sync::atomic::AtomicU64::new(0),
+            reconcile_errors: AtomicU64::new(0),
             doorbell: std::sync::Mutex::new(DoorbellState::default()),
         })
     }
@@ -117,8 +118,7 @@ impl SandboxController {
             let controller = Arc::clone(&self);
             reconciles.spawn(async move {
                 let _permit = permit;
-                let outcome = controller.reconciler.reconcile(&sandbox).await;
-                match outcome {
+                match controller.reconciler.reconcile(&sandbox).await {
                     Ok(requeue) => {
                         controller.queue.done(&sandbox);
                         if let Requeue::After(delay) = requeue {
@@ -126,9 +126,7 @@ impl SandboxController {
                         }
                     }
                     Err(err) => {
-                        controller
-                            .reconcile_errors
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        controller.reconcile_errors.fetch_add(1, Ordering::Relaxed);
                         controller.reconciler.want_full_pass(&sandbox);
                         let delay = controller.queue.done_failed(&sandbox);
                         tracing::warn!(%sandbox, %err, retry_in = ?delay, "reconcile failed");
@@ -181,8 +179,7 @@ impl SandboxController {
 
     /// Failed reconcile passes so far (each is logged with its reason).
     pub fn reconcile_errors(&self) -> u64 {
-        self.reconcile_errors
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.reconcile_errors.load(Ordering::Relaxed)
     }
 
     /// A client attached to (`true`) or left a sandbox held here; one left is

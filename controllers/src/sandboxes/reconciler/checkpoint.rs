@@ -42,11 +42,20 @@ pub fn record_carried(
     if !is_newer(carried, status.latest_checkpoint.as_ref()) {
         return Vec::new();
     }
-    let superseded = record_latest(status, carried, keep);
-    if let Some(name) = &carried.name {
+    record_named(status, carried, keep)
+}
+
+/// [`record_latest`], and the checkpoint of its name if it has one.
+fn record_named(
+    status: &mut SandboxStatus,
+    reference: &CheckpointRef,
+    keep: usize,
+) -> Vec<CheckpointRef> {
+    let superseded = record_latest(status, reference, keep);
+    if let Some(name) = &reference.name {
         status
             .named_checkpoints
-            .insert(name.clone(), carried.clone());
+            .insert(name.clone(), reference.clone());
     }
     superseded
 }
@@ -244,7 +253,7 @@ impl Reconciler {
         // The runtime removed the local sandbox with the checkpoint.
         self.forget(sandbox);
         self.emit(sandbox, SandboxEvent::Stopping);
-        let reference = self.checkpoint_ref(&manifest, held.epoch, name.clone());
+        let reference = self.checkpoint_ref(&manifest, held.epoch, name);
         // The hand-back carries the checkpoint (decision 18): the next holder
         // restores it even if the record lands late or never. The record
         // follows once the lock proved this hold current (the hand-back
@@ -260,10 +269,8 @@ impl Reconciler {
         self.failpoint(metadata, "handoff:after-record");
         let record = || {
             let (sandbox, reference, epoch) = (sandbox.clone(), reference.clone(), held.epoch);
-            let name = name.clone();
             self.spawn_shared(move |me| async move {
-                me.record_checkpoint(&sandbox, epoch, &reference, name)
-                    .await
+                me.record_checkpoint(&sandbox, epoch, &reference).await
             })
         };
         let safe = match &handed {
@@ -297,12 +304,8 @@ impl Reconciler {
         // Safe (lock or record), hold gone: the client hears CHECKPOINTED, its
         // session ending to free the next attach, without waiting for the record.
         self.emit(sandbox, SandboxEvent::LeaseReleased);
-        self.emit(
-            sandbox,
-            SandboxEvent::Checkpointed {
-                image: manifest.image.key,
-            },
-        );
+        let image = manifest.image.key;
+        self.emit(sandbox, SandboxEvent::Checkpointed { image });
         Ok(match handed {
             Ok(_) => Requeue::Never,
             Err(_) => Requeue::After(TOMBSTONE_RETRY),
@@ -319,8 +322,7 @@ impl Reconciler {
         epoch: u64,
         reference: &CheckpointRef,
     ) -> Result<(), ReconcileError> {
-        let lock = self.leases.read(sandbox).await?;
-        match lock {
+        match self.leases.read(sandbox).await? {
             Some((lock, _))
                 if lock.epoch == epoch
                     || lock
@@ -344,7 +346,7 @@ impl Reconciler {
         }
     }
 
-    /// Records a checkpoint just taken under `epoch` (and `name`), retrying once
+    /// Records a checkpoint just taken under `epoch` (and its name), retrying once
     /// with the checkpoint alone, then deletes what it superseded. Fenced (a
     /// newer holder recorded it from the lock): ignorable once the lock has it.
     pub(super) async fn record_checkpoint(
@@ -352,18 +354,11 @@ impl Reconciler {
         sandbox: &SandboxId,
         epoch: u64,
         reference: &CheckpointRef,
-        name: Option<String>,
     ) -> Result<(), ReconcileError> {
         let keep = self.config.keep_checkpoints;
         let mut superseded = Vec::new();
-        let mut record_in = |status: &mut SandboxStatus| {
-            superseded = record_latest(status, reference, keep);
-            if let Some(name) = &name {
-                status
-                    .named_checkpoints
-                    .insert(name.clone(), reference.clone());
-            }
-        };
+        let mut record_in =
+            |status: &mut SandboxStatus| superseded = record_named(status, reference, keep);
         let first = self
             .write_status(sandbox, epoch, |status| {
                 record_in(status);
@@ -437,13 +432,8 @@ impl Reconciler {
             .checked_add_signed(retention)
             .unwrap_or(DateTime::<Utc>::MAX_UTC);
         if now < purge_at {
-            return Ok(Requeue::After(
-                purge_at
-                    .signed_duration_since(now)
-                    .to_std()
-                    .unwrap_or(Duration::ZERO)
-                    .min(Duration::from_secs(3600)),
-            ));
+            let wait = (purge_at - now).to_std().unwrap_or(Duration::ZERO);
+            return Ok(Requeue::After(wait.min(Duration::from_secs(3600))));
         }
         let status = &metadata.status;
         let mut checkpoints: Vec<CheckpointRef> = status.previous_checkpoints.clone();

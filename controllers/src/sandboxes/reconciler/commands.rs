@@ -319,8 +319,7 @@ impl Reconciler {
         at: DateTime<Utc>,
         served: &mut Served,
     ) -> Result<(), ControlError> {
-        let sandbox = read.metadata.0.sandbox_id.clone();
-        let sandbox = &sandbox;
+        let sandbox = &read.metadata.0.sandbox_id.clone();
         let restore_request = checkpoint.map(|name| RestoreRequest {
             checkpoint: name,
             requested_at: at,
@@ -448,9 +447,7 @@ impl Reconciler {
     /// instance knows (or older), the pass decides on what it knows without
     /// re-reading: a round trip off every handoff.
     fn serve_ring(&self, sandbox: &SandboxId, intent: Option<RungIntent>, served: &mut Served) {
-        let Some(rung) = intent else {
-            return;
-        };
+        let Some(rung) = intent else { return };
         self.leases.hear(sandbox, rung.clone());
         if served.view.is_some() {
             return;
@@ -558,7 +555,7 @@ impl Reconciler {
                 return Ok(Decision::Keep(metadata));
             }
             if deleted && metadata.spec.desired_state != DesiredState::Deleted {
-                // Deletion is final: a later checkpoint or attach revives it.
+                // Deletion is final: a later checkpoint or attach would revive it.
                 return Err(ControlError::Deleted(sandbox.clone()));
             }
             Ok(Decision::Write(encode(&metadata), metadata))

@@ -69,11 +69,8 @@ impl Reconciler {
             })?;
         let checkpoint_id = SandboxId::random();
         let image_key = checkpoint_image_key(&checkpoint_id);
-        let copied = self
-            .checkpoints
-            .copy_blob(&source_image, &image_key)
-            .await
-            .map_err(ReconcileError::from)?;
+        let copying = self.checkpoints.copy_blob(&source_image, &image_key);
+        let copied = copying.await.map_err(ReconcileError::from)?;
         if copied.size != manifest.image.size {
             return Err(ForkError::Copy(ReconcileError::Invalid {
                 key: image_key.to_string(),
@@ -93,14 +90,11 @@ impl Reconciler {
         // Its own age: `gc` must not take a fresh copy whose fork is being
         // recorded right now for an old orphan.
         copy.created_at = self.clock.now();
-        self.checkpoints
-            .put(
-                &checkpoint_manifest_key(&checkpoint_id),
-                encode(&copy),
-                PutMode::Create,
-            )
-            .await
-            .map_err(ReconcileError::from)?;
+        let manifest_key = checkpoint_manifest_key(&checkpoint_id);
+        let put = self
+            .checkpoints
+            .put(&manifest_key, encode(&copy), PutMode::Create);
+        put.await.map_err(ReconcileError::from)?;
         Ok(ForkedCheckpoint {
             reference: self.checkpoint_ref(&copy, 0, None),
             manifest: copy,

@@ -199,12 +199,8 @@ impl Reconciler {
         let now = self.clock.now();
         let window = chrono_duration(self.config.detached_window);
         let (mut watching, mut active) = (false, false);
-        for watch in self
-            .slots
-            .all()
-            .values()
-            .filter_map(|slot| slot.state.watch())
-        {
+        let slots = self.slots.all();
+        for watch in slots.values().filter_map(|slot| slot.state.watch()) {
             match watch.detached_since {
                 Some(since) => watching |= now < since + window,
                 None => active |= watch.last_active.is_some_and(|at| now < at + window),

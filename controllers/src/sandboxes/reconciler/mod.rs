@@ -259,10 +259,8 @@ impl Reconciler {
         &self,
         sandbox: &SandboxId,
     ) -> Result<Option<SandboxMetadata>, ReconcileError> {
-        Ok(self
-            .read_metadata_versioned(sandbox)
-            .await?
-            .map(|(metadata, _)| metadata))
+        let read = self.read_metadata_versioned(sandbox).await?;
+        Ok(read.map(|(metadata, _)| metadata))
     }
 
     /// Reads `metadata.json` and its generation (remembered for the next update).
@@ -324,11 +322,8 @@ impl Reconciler {
 
     /// Waits until no step runs in a task of its own (a checkpoint's record).
     pub async fn background_settled(&self) {
-        let _ = self
-            .background
-            .subscribe()
-            .wait_for(|running| *running == 0)
-            .await;
+        let mut running = self.background.subscribe();
+        let _ = running.wait_for(|running| *running == 0).await;
     }
 
     /// Last `metadata.json` read or written here, decoded if `at_least` that new.
@@ -352,13 +347,9 @@ impl Reconciler {
         metadata: &SandboxMetadata,
         generation: Generation,
     ) {
-        self.slots.remember(
-            sandbox,
-            &Versioned {
-                data: crate::api::encode(metadata),
-                generation,
-            },
-        );
+        let data = crate::api::encode(metadata);
+        self.slots
+            .remember(sandbox, &Versioned { data, generation });
     }
 
     /// Records it runs nowhere (fenced by `epoch`): `phase`, `reason`, `error`.

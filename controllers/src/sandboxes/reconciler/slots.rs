@@ -88,13 +88,10 @@ impl Slot {
     fn drop_hints(&mut self) {
         self.known = None;
         // Only turns nobody holds or waits for go.
-        if self
+        self.write_turn = self
             .write_turn
-            .as_ref()
-            .is_some_and(|turn| Arc::strong_count(turn) <= 1)
-        {
-            self.write_turn = None;
-        }
+            .take()
+            .filter(|turn| Arc::strong_count(turn) > 1);
     }
 }
 
@@ -408,11 +405,7 @@ impl Slots {
 
     /// Reads `sandbox`'s slot (an empty one if it has none).
     pub(super) fn view<T>(&self, sandbox: &SandboxId, read: impl FnOnce(&Slot) -> T) -> T {
-        let slots = self.all();
-        match slots.get(sandbox) {
-            Some(slot) => read(slot),
-            None => read(&Slot::default()),
-        }
+        read(self.all().get(sandbox).unwrap_or(&Slot::default()))
     }
 
     /// Changes `sandbox`'s slot (made if it has none, removed if left
@@ -494,13 +487,7 @@ impl RungIntents for Slots {
     fn forget_expired(&self, now: DateTime<Utc>) {
         let mut slots = self.all();
         for slot in slots.values_mut() {
-            if slot
-                .rung
-                .as_ref()
-                .is_some_and(|rung| rung.intent.expires_at <= now)
-            {
-                slot.rung = None;
-            }
+            slot.rung = slot.rung.take().filter(|rung| rung.intent.expires_at > now);
         }
         slots.retain(|_, slot| !slot.is_empty());
     }

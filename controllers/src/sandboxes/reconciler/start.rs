@@ -133,10 +133,10 @@ impl Reconciler {
 
     /// Notes the wait to acquire, telling the client `LOCK_ACQUIRING` once.
     fn note_acquiring(&self, sandbox: &SandboxId) {
-        if self
+        let first = self
             .slots
-            .update(sandbox, |slot| slot.step(LocalState::wait_to_acquire))
-        {
+            .update(sandbox, |slot| slot.step(LocalState::wait_to_acquire));
+        if first {
             self.emit(sandbox, SandboxEvent::LeaseAcquiring);
         }
     }
@@ -215,13 +215,8 @@ impl Reconciler {
     ) -> Result<Requeue, ReconcileError> {
         self.note_acquiring(sandbox);
         let starting = begin_start(&self.slots, sandbox);
-        let held = match self.leases.adopt(sandbox, &lease, generation).await {
-            Ok(held) => held,
-            Err(err) => {
-                self.done_acquiring(sandbox);
-                return Err(err.into());
-            }
-        };
+        let adopted = self.leases.adopt(sandbox, &lease, generation).await;
+        let held = adopted.inspect_err(|_| self.done_acquiring(sandbox))?;
         self.start_held(sandbox, &metadata, held, false, starting)
             .await
     }
@@ -242,18 +237,16 @@ impl Reconciler {
         let started = self.clock.instant();
         let outcome = self.start(sandbox, metadata, &held, holder_died).await;
         match &outcome {
-            Ok((kind, _, _)) => match kind {
-                StartKind::Create => crate::sandboxes::Metrics::add(&self.metrics.creates, 1),
-                StartKind::Restore => {
-                    self.metrics
-                        .restore_seconds
-                        .observe(self.clock.instant().duration_since(started));
-                    if let Some(since) = waited_since {
-                        let waited = (self.clock.now() - since).to_std().unwrap_or_default();
-                        self.metrics.handoff_in_seconds.observe(waited);
-                    }
+            Ok((StartKind::Create, ..)) => crate::sandboxes::Metrics::add(&self.metrics.creates, 1),
+            Ok((StartKind::Restore, ..)) => {
+                self.metrics
+                    .restore_seconds
+                    .observe(self.clock.instant().duration_since(started));
+                if let Some(since) = waited_since {
+                    let waited = (self.clock.now() - since).to_std().unwrap_or_default();
+                    self.metrics.handoff_in_seconds.observe(waited);
                 }
-            },
+            }
             Err(_) => crate::sandboxes::Metrics::add(&self.metrics.failures, 1),
         }
         match outcome {
@@ -361,10 +354,10 @@ impl Reconciler {
         served_request: Option<DateTime<Utc>>,
     ) {
         let epoch = held.epoch;
-        if !self
+        let fresh = self
             .slots
-            .update(sandbox, |slot| slot.recording.insert(epoch))
-        {
+            .update(sandbox, |slot| slot.recording.insert(epoch));
+        if !fresh {
             return;
         }
         let recording = self.slots.on_drop(sandbox, move |slot| {
@@ -437,12 +430,12 @@ impl Reconciler {
             (None, _) => return Err((StartKind::Restore, StartFailure::NoCheckpoint)),
         };
         let fail = |err: String| (kind, StartFailure::Step(err));
-        let transition = match kind {
-            StartKind::Create => "creating",
-            StartKind::Restore => "restoring",
+        let (transition, start) = match kind {
+            StartKind::Create => ("creating", ColdStart::Created),
+            StartKind::Restore => ("restoring", ColdStart::Restored),
         };
         let _transition = self.slots.in_transition(sandbox, transition);
-        match &source {
+        let started = match &source {
             Some(reference) => {
                 // Which checkpoint a hold restores, and of which epoch: what
                 // a lost state that came back is traced to.
@@ -459,28 +452,16 @@ impl Reconciler {
                         .await
                         .map_err(|err| fail(err.to_string()))?,
                 };
-                self.runtime
-                    .restore(sandbox, &manifest)
-                    .await
-                    .map_err(|err| fail(err.to_string()))?;
+                self.runtime.restore(sandbox, &manifest).await
             }
             None => {
                 let options = create_options(&metadata.spec);
-                self.runtime
-                    .create(sandbox, &options)
-                    .await
-                    .map_err(|err| fail(err.to_string()))?;
+                self.runtime.create(sandbox, &options).await
             }
-        }
-        let start = match kind {
-            StartKind::Create => ColdStart::Created,
-            StartKind::Restore => ColdStart::Restored,
         };
-        match self
-            .hooks
-            .on_cold_start(sandbox, &metadata.spec, start)
-            .await
-        {
+        started.map_err(|err| fail(err.to_string()))?;
+        let hooked = self.hooks.on_cold_start(sandbox, &metadata.spec, start);
+        match hooked.await {
             Ok(hooks) => Ok((kind, served_request, hooks)),
             Err(err) => {
                 if let Err(destroy) = self.runtime.destroy(sandbox).await {
