@@ -589,8 +589,8 @@ mod tests {
                 };
                 async move {
                     if let Some(released) = first {
-                        // Err if no twin was ever sent: then it answers now.
-                        let _ = released.await;
+                        // Bounded: never hedged, it answers (alone) after 10 s.
+                        let _ = tokio::time::timeout(Duration::from_secs(10), released).await;
                         return late;
                     }
                     if let Some(answered) = twin {
