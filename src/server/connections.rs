@@ -934,10 +934,18 @@ mod tests {
         deaf.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
             .await
             .unwrap();
+        // The answer has begun (peeked, so nothing is read): the connection
+        // was served, and its closing below is not that of one never opened.
+        let mut head = [0_u8; 12];
+        let peeked = tokio::time::timeout(Duration::from_secs(10), deaf.peek(&mut head))
+            .await
+            .expect("no answer began")
+            .unwrap();
+        let head = String::from_utf8_lossy(&head[..peeked]).into_owned();
+        assert!(peeked > 0 && "HTTP/1.1 200".starts_with(&head), "{head:?}");
         // It reads nothing; the server's writes stall once the socket
         // buffers are full, and the idle timeout (1 s) later it gives up.
         let freed = tokio::time::timeout(Duration::from_secs(10), async {
-            tokio::time::sleep(Duration::from_millis(200)).await;
             while connections.open() > 0 {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }

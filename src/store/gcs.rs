@@ -569,28 +569,40 @@ mod tests {
 
     type Answer = Result<u32, &'static str>;
 
-    /// A hedged write whose first attempt answers `late` after 300 ms and
-    /// whose twin (sent after 50 ms) answers `early` at once: what it
-    /// returns, and how many attempts it sent.
+    /// A hedged write whose first attempt answers `late`, only once its
+    /// twin (sent after 50 ms) has answered `early`: what it returns, and
+    /// how many attempts it sent. The order is made, not timed, so a loaded
+    /// machine cannot let the first answer before the twin is sent.
     async fn hedged_write(late: Answer, early: Answer) -> (Answer, usize) {
-        let sent = std::sync::atomic::AtomicUsize::new(0);
+        let (twin_answered, first_released) = tokio::sync::oneshot::channel::<()>();
+        let (mut twin_answered, mut first_released) = (Some(twin_answered), Some(first_released));
+        let mut sent = 0;
         let outcome = hedged(
             Duration::from_millis(50),
             || {
-                let n = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                sent += 1;
+                let first = first_released.take();
+                let twin = if first.is_none() {
+                    twin_answered.take()
+                } else {
+                    None
+                };
                 async move {
-                    if n == 0 {
-                        tokio::time::sleep(Duration::from_millis(300)).await;
-                        late
-                    } else {
-                        early
+                    if let Some(released) = first {
+                        // Bounded: never hedged, it answers (alone) after 10 s.
+                        let _ = tokio::time::timeout(Duration::from_secs(10), released).await;
+                        return late;
                     }
+                    if let Some(answered) = twin {
+                        let _ = answered.send(());
+                    }
+                    early
                 }
             },
             Result::is_ok,
         )
         .await;
-        (outcome, sent.load(std::sync::atomic::Ordering::Relaxed))
+        (outcome, sent)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

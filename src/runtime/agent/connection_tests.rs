@@ -275,8 +275,12 @@ async fn output_queued_for_a_slow_consumer_is_bounded_with_a_notice() {
 /// pipe) is skipped, not buffered whole, and the connection goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_over_long_agent_line_is_skipped_and_the_connection_goes_on() {
-    let (connection, mut agent, _commands) = connect();
+    let (connection, mut agent, commands) = connect();
     let writer = std::thread::spawn(move || {
+        // Answered only once it was asked: a reply to a request not yet
+        // routed is dropped as unknown.
+        let (command, _) = next_command(&mut std::io::BufReader::new(commands));
+        assert_eq!(command["id"], "r1", "{command}");
         let block = vec![b'x'; 1 << 20];
         for _ in 0..(MAX_AGENT_LINE_BYTES >> 20) + 2 {
             agent.write_all(&block).unwrap();

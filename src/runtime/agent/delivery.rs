@@ -203,6 +203,13 @@ mod tests {
             let gate = Arc::clone(&gate);
             tokio::spawn(async move { gate.freeze().await })
         };
+        // Once the freeze has begun (the gate is frozen), a freeze that did
+        // not wait would end within these 50 ms.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !gate.state().frozen && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(gate.state().frozen, "the freeze never began");
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(
             !freezing.is_finished(),

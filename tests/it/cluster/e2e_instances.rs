@@ -100,13 +100,20 @@ async fn an_attach_on_another_instance_moves_files_processes_and_memory() {
         .trim()
         .parse()
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    let second: u64 = ws
-        .stdout_of("bash", "cat /tmp/counter")
-        .await
-        .trim()
-        .parse()
-        .unwrap();
+    // Polled, not timed: a loaded host may run the 0.1 s loop late.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let second = loop {
+        let second: u64 = ws
+            .stdout_of("bash", "cat /tmp/counter")
+            .await
+            .trim()
+            .parse()
+            .unwrap();
+        if second > first || Instant::now() > deadline {
+            break second;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     assert!(
         first > 0 && second > first,
         "the counter kept counting: {first} then {second}"
@@ -307,8 +314,26 @@ async fn with_periodic_checkpoints_a_crash_loses_at_most_one_interval() {
     let (mut ws, id, token) = a.create(init()).await;
     ws.exec("bash", "echo periodic > /tmp/p").await;
     session(&mut ws, "kept = 'memory too'").await;
-    // Idle long enough for a periodic checkpoint (2 s, noticed within a renewal).
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // A checkpoint made after this holds the file and the variable: none
+    // overlaps an execution (a periodic one is skipped during one).
+    let since = chrono::Utc::now();
+    let key = format!("sandboxes/{id}/metadata.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let recorded = loop {
+        let metadata: Value = serde_json::from_str(&read_object(&bucket, &key).await).unwrap();
+        let recorded = metadata["status"]["latest_checkpoint"]["created_at"]
+            .as_str()
+            .and_then(|at| chrono::DateTime::parse_from_rfc3339(at).ok())
+            .map(|at| at.with_timezone(&chrono::Utc));
+        if recorded.is_some_and(|at| at > since) || Instant::now() > deadline {
+            break recorded;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        recorded.is_some_and(|at| at > since),
+        "no periodic checkpoint recorded after {since} (the latest: {recorded:?})"
+    );
     assert_eq!(
         ws.stdout_of("bash", "cat /tmp/p").await,
         "periodic\n",

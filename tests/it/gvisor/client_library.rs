@@ -7,7 +7,7 @@
 use crate::support;
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sandboxd::client::{AttachOptions, ClientError, CreateOptions, Language, OutputChunk, Sandbox};
 use support::cutter::Cutter;
@@ -241,10 +241,21 @@ async fn an_instance_going_away_behind_the_proxy_is_invisible_to_the_client() {
     } else {
         (b, a)
     };
+    // Returns once the drain is over and the process has exited.
     home.signal("-TERM");
-    // The library reconnects through the proxy, lands on the other instance,
-    // which restores the drained checkpoint.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The library reconnects through the proxy on its own, lands on the
+    // other instance, which restores the drained checkpoint. Waited for, so
+    // the exec below follows the library's reading of the close: a frame
+    // written to the dead socket before that can be lost (a gap of the
+    // library's, not this test's subject).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while listed(&other).await != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the library never reconnected to the other instance"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let output = sandbox
         .exec(Language::PythonSession, "print(where)")
         .await
@@ -253,7 +264,7 @@ async fn an_instance_going_away_behind_the_proxy_is_invisible_to_the_client() {
         .await
         .unwrap();
     assert_eq!(output.stdout, "remembered\n");
-    assert_eq!(listed(&other).await, 1);
+    assert_eq!(support::eventually(|| listed(&other), |n| *n == 1).await, 1);
 }
 
 #[tokio::test]

@@ -405,13 +405,20 @@ async fn a_checkpoint_restores_on_another_host_with_processes_files_and_python_s
         after >= before,
         "the counter continues from where it was ({before} -> {after})"
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let later: u64 = run(&b.runtime, &id, bash("cat /tmp/counter"))
-        .await
-        .stdout
-        .trim()
-        .parse()
-        .unwrap();
+    // Polled, not timed: a loaded host may run the loop late.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let later = loop {
+        let later: u64 = run(&b.runtime, &id, bash("cat /tmp/counter"))
+            .await
+            .stdout
+            .trim()
+            .parse()
+            .unwrap();
+        if later > after || Instant::now() > deadline {
+            break later;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     assert!(
         later > after,
         "the background process keeps running after restore ({after} -> {later})"
@@ -515,7 +522,10 @@ async fn restores_use_the_image_kept_where_it_was_taken_or_fetched_ahead_by_the_
     // B is told the key of the next image before A takes it.
     let handoff_id = support::new_id();
     let key = controllers::layout::checkpoint_image_key(&handoff_id);
-    b.runtime.prefetch_checkpoint(&id, &key);
+    let landed = b
+        .runtime
+        .prefetch_checkpoint(&id, &key)
+        .expect("not in the store yet: watched for");
     let manifest = a
         .runtime
         .checkpoint(
@@ -530,18 +540,12 @@ async fn restores_use_the_image_kept_where_it_was_taken_or_fetched_ahead_by_the_
         )
         .await
         .unwrap();
-    // B's watch finds it within a few polls and downloads it.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut settled = memory.operations();
-    loop {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let now = memory.operations();
-        if now == settled {
-            break;
-        }
-        settled = now;
-        assert!(Instant::now() < deadline, "B's watch never settled");
-    }
+    // B's watch finds it within a few polls: its last request is the one
+    // that found it, and the restore waits for the download under way.
+    tokio::time::timeout(Duration::from_secs(10), landed)
+        .await
+        .expect("B's watch never ended");
+    let settled = memory.operations();
     b.runtime.restore(&id, &manifest).await.unwrap();
     assert_eq!(
         memory.operations(),

@@ -686,6 +686,19 @@ mod tests {
         let _other = timeout(limit, known.write_turn(&other))
             .await
             .expect("another sandbox's turn is free");
+        // The second writer holds the turn's mutex once it asked for it (the
+        // slot, the first guard and its own); one that did not wait for it
+        // would end within the 50 ms after.
+        let asked = || known.view(&one, |slot| slot.write_turn.as_ref().map(Arc::strong_count));
+        let deadline = std::time::Instant::now() + limit;
+        while asked() != Some(3) && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            asked(),
+            Some(3),
+            "the second write never asked for its turn, or took it at once"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         assert!(!waiting.is_finished(), "the second write did not wait");
         drop(first);

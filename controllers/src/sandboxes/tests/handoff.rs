@@ -160,8 +160,15 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
     tokio::time::sleep(settle).await;
     assert!(b.controller.drain_queue().is_empty(), "nothing woke it yet");
     b.runtime.land_images();
-    tokio::time::sleep(settle).await;
-    let woken = b.controller.drain_queue();
+    // The wake comes from a task watching the landing: polled, not timed.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let woken = loop {
+        let woken = b.controller.drain_queue();
+        if !woken.is_empty() || std::time::Instant::now() > deadline {
+            break woken;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    };
     assert_eq!(woken, std::slice::from_ref(&id), "the landing woke it");
     let requeue = b.pass(&id).await;
     assert_eq!(
