@@ -781,4 +781,4 @@ impl Leases {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

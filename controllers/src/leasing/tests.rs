@@ -125,7 +125,7 @@ async fn intent_in(store: &MemoryStore) -> Option<InstanceId> {
 }
 
 /// Checks that `holder`'s doorbell has a ring for each of `sandboxes`.
-async fn assert_rung(store: &MemoryStore, holder: &InstanceId, sandboxes: &[SandboxId]) {
+pub(crate) async fn assert_rung(store: &MemoryStore, holder: &InstanceId, sandboxes: &[SandboxId]) {
     let bell: crate::api::Doorbell =
         decode(&store.get(&doorbell_key(holder)).await.unwrap().data).unwrap();
     for sandbox in sandboxes {

@@ -19,6 +19,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 
 use chrono::Duration;
 use rand::rngs::StdRng;
@@ -40,14 +41,13 @@ use crate::testing::{FakeRuntime, Fault, ManualClock, MemoryStore};
 #[derive(Debug)]
 struct Gate {
     /// Requests left before blocking; negative: not pausing.
-    countdown: std::sync::atomic::AtomicI64,
+    countdown: AtomicI64,
     open: tokio::sync::watch::Receiver<bool>,
 }
 
 #[async_trait::async_trait]
 impl BeforeRequest for Gate {
     async fn before(&self, _: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
-        use std::sync::atomic::Ordering;
         let left = self.countdown.load(Ordering::Acquire);
         if left > 0 {
             self.countdown.fetch_sub(1, Ordering::AcqRel);
@@ -118,25 +118,20 @@ impl Sim {
         let name = format!("node-{}", self.next_name);
         let skew_ms = self.rng.random_range(-1_000..=1_000);
         let clock: Arc<dyn Clock> = Arc::new(self.clock.offset(Duration::milliseconds(skew_ms)));
-        let (open, open_receiver) = tokio::sync::watch::channel(true);
-        let store = Arc::new(HookedStore::new(
-            self.store.clone(),
-            Gate {
-                countdown: std::sync::atomic::AtomicI64::new(-1),
-                open: open_receiver,
-            },
-        ));
+        let (open, receiver) = tokio::sync::watch::channel(true);
+        let gate = Gate {
+            countdown: AtomicI64::new(-1),
+            open: receiver,
+        };
+        let store = Arc::new(HookedStore::new(self.store.clone(), gate));
         let lease = LeaseConfig {
             ring_spacing: std::time::Duration::ZERO,
             ..LeaseConfig::default()
         };
         let config = ReconcilerConfig::default();
-        let Instance {
-            controller,
-            runtime,
-        } = Instance::build(store.clone(), clock, &name, lease, config, |_| {
-            Arc::new(crate::hooks::NoHooks)
-        });
+        let no_hooks = |_: &FakeRuntime| Arc::new(crate::hooks::NoHooks) as _;
+        let node = Instance::build(store.clone(), clock, &name, lease, config, no_hooks);
+        let (controller, runtime) = (node.controller, node.runtime);
         let progress = self
             .sandboxes
             .iter()
@@ -173,10 +168,7 @@ impl Sim {
     async fn wake(&mut self, step: usize) {
         for node in &mut self.nodes {
             if node.paused_until <= step {
-                node.store
-                    .hook
-                    .countdown
-                    .store(-1, std::sync::atomic::Ordering::Release);
+                node.store.hook.countdown.store(-1, Ordering::Release);
                 let _ = node.open.send(true);
                 if let Some(frozen) = node.frozen.take() {
                     let _ = frozen.await;
@@ -218,12 +210,7 @@ impl Sim {
             }
             38..39 => {
                 // A ring lost: the doorbell object is gone.
-                let instance = self.nodes[node]
-                    .controller
-                    .reconciler()
-                    .leases()
-                    .instance()
-                    .clone();
+                let instance = controller.reconciler().leases().instance().clone();
                 let _ = self
                     .store
                     .delete(&crate::layout::doorbell_key(&instance))
@@ -234,20 +221,13 @@ impl Sim {
                 if let Some(lock) = self.lock(&id).await
                     && let Some(holder) = lock.holder
                 {
-                    let _ = crate::leasing::ring_doorbell(
-                        self.store.as_ref(),
-                        self.clock.now(),
-                        &holder,
-                        &id,
-                        "sim",
-                    )
-                    .await;
+                    let (store, now) = (self.store.as_ref(), self.clock.now());
+                    let _ = crate::leasing::ring_doorbell(store, now, &holder, &id, "sim").await;
                 }
             }
             40..52 if awake => {
-                let _ = controller
-                    .serving(&id, controller.request_here(&id, None, self.clock.now()))
-                    .await;
+                let ask = controller.request_here(&id, None, self.clock.now());
+                let _ = controller.serving(&id, ask).await;
             }
             roll @ 52..64 if awake => {
                 let desired = match roll {
@@ -255,15 +235,12 @@ impl Sim {
                     58..60 => DesiredState::Deleted,
                     _ => DesiredState::Running,
                 };
-                let _ = controller
-                    .serving(&id, controller.request_state(&id, desired, None))
-                    .await;
+                let ask = controller.request_state(&id, desired, None);
+                let _ = controller.serving(&id, ask).await;
             }
             64..72 if awake => {
-                if let Ok(mut execution) = controller
-                    .exec(&id, ExecRequest::new(Command::Bash(format!("step {step}"))))
-                    .await
-                {
+                let request = ExecRequest::new(Command::Bash(format!("step {step}")));
+                if let Ok(mut execution) = controller.exec(&id, request).await {
                     // An unvouched exit is held back until re-verified or lost.
                     tokio::spawn(async move { while execution.events.recv().await.is_some() {} });
                 }
@@ -303,19 +280,13 @@ impl Sim {
             }
             90..94 if awake => {
                 // Freeze the node partway through a pass on `id`.
-                let countdown = self.rng.random_range(0..6);
+                let left = self.rng.random_range(0..6);
                 let target = &mut self.nodes[node];
                 target.paused_until = step + self.rng.random_range(5..40);
                 let _ = target.open.send(false);
-                target
-                    .store
-                    .hook
-                    .countdown
-                    .store(countdown, std::sync::atomic::Ordering::Release);
-                let pass_controller = Arc::clone(&target.controller);
-                let pass_id = id.clone();
+                target.store.hook.countdown.store(left, Ordering::Release);
                 target.frozen = Some(tokio::spawn(async move {
-                    let _ = pass_controller.reconciler().reconcile(&pass_id).await;
+                    let _ = controller.reconciler().reconcile(&id).await;
                 }));
                 // Let the pass run up to its gate.
                 for _ in 0..8 {
@@ -355,14 +326,13 @@ impl Sim {
         }
         for id in self.sandboxes.clone() {
             // 1. One vouching runner at most.
+            let vouching = |node: &Node| {
+                let reconciler = node.controller.reconciler();
+                let safe = |held| reconciler.leases().is_safe(&held);
+                node.runtime.is_running(&id) && reconciler.held(&id).is_some_and(safe)
+            };
             let runners: Vec<usize> = (0..self.nodes.len())
-                .filter(|&n| {
-                    let node = &self.nodes[n];
-                    node.runtime.is_running(&id)
-                        && node.controller.reconciler().held(&id).is_some_and(|held| {
-                            node.controller.reconciler().leases().is_safe(&held)
-                        })
-                })
+                .filter(|&n| vouching(&self.nodes[n]))
                 .collect();
             assert!(
                 runners.len() <= 1,
@@ -372,10 +342,7 @@ impl Sim {
             if let Some(&runner) = runners.first() {
                 let memory = self.nodes[runner].runtime.memory(&id).unwrap_or_default();
                 let (held, lost) = self.memories.entry(id.clone()).or_default();
-                let back: Vec<_> = memory
-                    .iter()
-                    .filter(|entry| lost.contains(*entry))
-                    .collect();
+                let back: Vec<_> = memory.iter().filter(|e| lost.contains(*e)).collect();
                 assert!(
                     back.is_empty(),
                     "seed {seed} step {step}: {id}: {back:?} came back"
@@ -462,13 +429,8 @@ impl Sim {
 
     /// The manifest of `image`'s checkpoint; a missing one is itself a failure.
     async fn manifest(&self, image: &str) -> CheckpointManifest {
-        let checkpoint = checkpoint_id_of_image(image).unwrap();
-        let object = self
-            .store
-            .get(&checkpoint_manifest_key(&checkpoint))
-            .await
-            .unwrap();
-        decode(&object.data).unwrap()
+        let key = checkpoint_manifest_key(&checkpoint_id_of_image(image).unwrap());
+        decode(&self.store.get(&key).await.unwrap().data).unwrap()
     }
 
     async fn lock(&self, id: &SandboxId) -> Option<Lease> {
@@ -479,13 +441,9 @@ impl Sim {
 
 /// The instance lease loop's renewal: renew, then queue the unvouched.
 async fn renew_instance_lease(controller: &SandboxController) {
-    let _ = controller
-        .reconciler()
-        .leases()
-        .instance_lease()
-        .renew()
-        .await;
-    for unvouched in controller.reconciler().unvouched() {
+    let reconciler = controller.reconciler();
+    let _ = reconciler.leases().instance_lease().renew().await;
+    for unvouched in reconciler.unvouched() {
         controller.enqueue(&unvouched);
     }
 }
@@ -516,15 +474,10 @@ async fn run_seed(seed: u64) {
     sim.clock.advance(Duration::seconds(120));
     for id in sim.sandboxes.clone() {
         let controller = &sim.nodes[0].controller;
-        let _ = controller
-            .serving(
-                &id,
-                controller.request_state(&id, DesiredState::Running, None),
-            )
-            .await;
-        let _ = controller
-            .serving(&id, controller.request_here(&id, None, sim.clock.now()))
-            .await;
+        let ask = controller.request_state(&id, DesiredState::Running, None);
+        let _ = controller.serving(&id, ask).await;
+        let ask = controller.request_here(&id, None, sim.clock.now());
+        let _ = controller.serving(&id, ask).await;
         for _ in 0..6 {
             for node in &sim.nodes {
                 let _ = node.controller.reconciler().reconcile(&id).await;

@@ -75,9 +75,7 @@ async fn an_unknown_checkpoint_name_fails_the_restore_and_keeps_the_sandbox() {
     let mut events = a.controller.subscribe(&id);
     a.request_here(&id, Some("nope")).await.unwrap();
     a.pass(&id).await;
-    let kind = StartKind::Restore;
-    let cause = StartFailure::NoNamedCheckpoint("nope".into());
-    let failed = SandboxEvent::StartFailed { kind, cause };
+    let failed = restore_failed(StartFailure::NoNamedCheckpoint("nope".into()));
     let (acquiring, acquired) = (SandboxEvent::LeaseAcquiring, SandboxEvent::LeaseAcquired);
     assert_eq!(drain(&mut events), [acquiring, acquired, failed]);
     let status = world.metadata(&id).await.status;
@@ -132,13 +130,7 @@ async fn superseded_checkpoints_beyond_the_kept_ones_are_deleted_named_ones_stay
 }
 
 fn checkpointing_every_minute(world: &World) -> Instance {
-    world.instance_with(
-        "a",
-        ReconcilerConfig {
-            checkpoint_interval: Some(std::time::Duration::from_secs(60)),
-            ..ReconcilerConfig::default()
-        },
-    )
+    world.instance_with("a", checkpointing(true))
 }
 
 #[tokio::test]
@@ -425,18 +417,16 @@ async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
     held.hook.closed.store(true, Ordering::SeqCst);
     a.reconciler().want_full_pass(&id);
     let mut events = a.controller.subscribe(&id);
-    let pass = tokio::spawn({
-        let (controller, id) = (Arc::clone(&a.controller), id.clone());
-        async move { controller.reconciler().reconcile(&id).await }
-    });
+    let pass = a.spawn(
+        &id,
+        |a, id| async move { a.reconciler().reconcile(&id).await },
+    );
     while held.hook.waiting.load(Ordering::SeqCst) == 0 {
         tokio::task::yield_now().await;
     }
     // Sent by hand: the pass may serve it before a look at the inbox would.
-    let (controller, sandbox) = (Arc::clone(&a.controller), id.clone());
-    let asked = tokio::spawn(async move {
-        let checkpointed = DesiredState::Checkpointed;
-        controller.request_state(&sandbox, checkpointed, None).await
+    let asked = a.spawn(&id, |a, id| async move {
+        a.request_state(&id, DesiredState::Checkpointed, None).await
     });
     let served = within_10s("the command waited for the pass's read", asked);
     served.await.unwrap().unwrap();

@@ -227,8 +227,7 @@ async fn a_lock_naming_this_instance_that_it_does_not_hold_is_released_when_rung
 
 /// True when `events` held a start that failed for want of a checkpoint.
 fn said_no_checkpoint(events: &mut broadcast::Receiver<SandboxEvent>) -> bool {
-    let (kind, cause) = (StartKind::Restore, StartFailure::NoCheckpoint);
-    drain(events).contains(&SandboxEvent::StartFailed { kind, cause })
+    drain(events).contains(&restore_failed(StartFailure::NoCheckpoint))
 }
 
 /// A sandbox `holder` created and then died holding, its lease run out.

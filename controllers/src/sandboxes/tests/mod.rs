@@ -193,6 +193,15 @@ impl World {
     }
 }
 
+/// The reconciler's settings, with a checkpoint every minute if `periodic`.
+fn checkpointing(periodic: bool) -> ReconcilerConfig {
+    let checkpoint_interval = periodic.then_some(std::time::Duration::from_secs(60));
+    ReconcilerConfig {
+        checkpoint_interval,
+        ..ReconcilerConfig::default()
+    }
+}
+
 fn named(name: &str) -> InstanceId {
     InstanceId::parse(name).unwrap()
 }
@@ -288,9 +297,9 @@ impl Instance {
         id: &SandboxId,
         desired: DesiredState,
     ) -> tokio::task::JoinHandle<Result<(), ControlError>> {
-        let (controller, sandbox) = (Arc::clone(&self.controller), id.clone());
-        let asked =
-            tokio::spawn(async move { controller.request_state(&sandbox, desired, None).await });
+        let asked = self.spawn(id, move |c, id| async move {
+            c.request_state(&id, desired, None).await
+        });
         while self.controller.reconciler().commands_waiting(id) == 0 {
             tokio::task::yield_now().await;
         }
@@ -370,6 +379,15 @@ impl Instance {
         id
     }
 
+    /// `task` on this instance's controller and `id`, in a task of its own.
+    fn spawn<F: std::future::Future<Output: Send> + Send + 'static>(
+        &self,
+        id: &SandboxId,
+        task: impl FnOnce(Arc<SandboxController>, SandboxId) -> F,
+    ) -> tokio::task::JoinHandle<F::Output> {
+        tokio::spawn(task(Arc::clone(&self.controller), id.clone()))
+    }
+
     /// Starts `code` in `id`; the execution runs until it is read or killed.
     async fn exec(&self, id: &SandboxId, code: &str) -> crate::runtime::Execution {
         let request = ExecRequest::new(Command::Bash(code.into()));
@@ -380,6 +398,12 @@ impl Instance {
         let mut execution = self.exec(id, code).await;
         while execution.events.recv().await.is_some() {}
     }
+}
+
+/// A restore's failure for `cause`, as its waiting clients hear it.
+fn restore_failed(cause: StartFailure) -> SandboxEvent {
+    let kind = StartKind::Restore;
+    SandboxEvent::StartFailed { kind, cause }
 }
 
 /// The events `events` holds now.
