@@ -99,10 +99,9 @@ pub struct InstanceLeases {
 /// Another instance's lease as read live, and when (this instance's clock).
 type SeenLive = (DateTime<Utc>, InstanceLease);
 
-/// How long a lease read live answers "live" without a read: a taker waiting
-/// out a quiet hold (lock's own lease out, instance lease live) asks each
-/// poll, else paying a second round trip. "Gone" is always read, so this can
-/// delay a takeover by at most this long, never allow one.
+/// How long a lease read live answers "live" without a read: a taker waiting out a quiet hold
+/// (lock's own lease out, instance lease live) asks each poll, else paying a second round trip.
+/// "Gone" is always read, so this can delay a takeover by at most this long, never allow one.
 const LIVE_READ_REUSE: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl InstanceLeases {
@@ -251,11 +250,10 @@ impl InstanceLeases {
         read_object(self.store.as_ref(), &doorbell_key(&self.instance)).await
     }
 
-    /// Rings `holder`'s doorbell for `sandbox`; returns once a write including
-    /// it landed (or failed). Rings to one holder coalesce: while a write is in
-    /// flight or within `ring_spacing` of the last, they join the next, so a
-    /// burst never outpaces GCS's object write rate. `intent` (decision 27),
-    /// if any, replaces one an earlier ring of `sandbox` put in the batch.
+    /// Rings `holder`'s doorbell for `sandbox`; returns once a write including it landed (or
+    /// failed). Rings to one holder coalesce: while a write is in flight or within `ring_spacing`
+    /// of the last, they join the next, so a burst never outpaces GCS's object write rate. `intent`
+    /// (decision 27), if any, replaces one an earlier ring of `sandbox` put in the batch.
     pub async fn ring(
         &self,
         holder: &InstanceId,

@@ -1,7 +1,6 @@
-//! Lease operations over the Store: acquire, renew, release, detect loss,
-//! write the attach intent; each a read-modify-write of `lock.json` under
-//! its generation, so two instances never both believe their write won.
-//! [`Clock`]s may disagree: a lease expires for a taker `skew_tolerance`
+//! Lease operations over the Store: acquire, renew, release, detect loss, write the attach intent;
+//! each a read-modify-write of `lock.json` under its generation, so two instances never both
+//! believe their write won. [`Clock`]s may disagree: a lease expires for a taker `skew_tolerance`
 //! after its holder's expiry, and for the holder that much *before* it.
 //!
 //! # Guarantees
@@ -15,8 +14,7 @@
 //!   (set at acquisition and re-verification); a taker needs both expired.
 //!
 //! # Errors
-//! An unreadable `lock.json` (an operator's typo) is [`LeaseError::Invalid`]
-//! and never overwritten.
+//! An unreadable `lock.json` (an operator's typo) is [`LeaseError::Invalid`] and never overwritten.
 
 use std::sync::Arc;
 

@@ -1,11 +1,10 @@
 //! What the reconciler tells the sessions waiting on a sandbox: what happened
 //! to it, in order, with typed causes, on a per-sandbox broadcast channel.
 //!
-//! Domain events, not the wire: the API layer (`src/api`) decides the status
-//! frames and messages the earlier server's clients get for each. It writes an
-//! intent, subscribes here (before writing, so nothing is missed) and maps the
-//! events. Sessions not attached never subscribe, so a rejected attach cannot
-//! steal the attached client's notifications (upstream bug B7).
+//! Domain events, not the wire: the API layer (`src/api`) decides the status frames and messages
+//! the earlier server's clients get for each. It writes an intent, subscribes here (before writing,
+//! so nothing is missed) and maps the events. Sessions not attached never subscribe, so a rejected
+//! attach cannot steal the attached client's notifications (upstream bug B7).
 
 use crate::api::InstanceId;
 

@@ -141,16 +141,14 @@ const CHECKPOINT_WAIT: Duration = Duration::from_secs(30);
 /// How long an exit held back by [`fence_exit`] waits at most.
 const FENCE_EXIT_GIVE_UP: Duration = Duration::from_secs(600);
 
-/// Relays an execution's events, reporting its end only while this instance
-/// vouches for its hold: a holder frozen past its lease (runsc ran on) may
-/// resume to an exit that came after another instance took over, and
-/// reporting it would acknowledge work on two instances at once. The end
-/// (exit, or events ending) waits until the hold is re-verified or is no
-/// longer held here: if lost, the session hears the loss first, then
-/// [`ExecEvent::HoldLost`] stops the relay reporting an end (which under load
-/// could beat the loss to the socket). The reconciler settles an unvouched
-/// hold within about a lease (a pass that cannot read the bucket stops it past
-/// the store's deadline); [`FENCE_EXIT_GIVE_UP`] only bounds the task's life.
+/// Relays an execution's events, reporting its end only while this instance vouches for its hold: a
+/// holder frozen past its lease (runsc ran on) may resume to an exit that came after another
+/// instance took over, and reporting it would acknowledge work on two instances at once. The end
+/// (exit, or events ending) waits until the hold is re-verified or is no longer held here: if lost,
+/// the session hears the loss first, then [`ExecEvent::HoldLost`] stops the relay reporting an end
+/// (which under load could beat the loss to the socket). The reconciler settles an unvouched hold
+/// within about a lease (a pass that cannot read the bucket stops it past the store's deadline);
+/// [`FENCE_EXIT_GIVE_UP`] only bounds the task's life.
 fn fence_exit(
     mut execution: Execution,
     reconciler: Arc<Reconciler>,

@@ -1,8 +1,7 @@
-//! The sandbox controller of one instance: work queue, worker loop, and the
-//! narrow API-layer surface: commands to a sandbox's pass (create, attach,
-//! desired state), awaiting replies, never writing its objects nor creating,
-//! checkpointing or restoring it. Executions and snapshots reach the runtime
-//! only for sandboxes held here; a fork copies the source's checkpoint first.
+//! The sandbox controller of one instance: work queue, worker loop, and the narrow API-layer
+//! surface: commands to a sandbox's pass (create, attach, desired state), awaiting replies, never
+//! writing its objects nor creating, checkpointing or restoring it. Executions and snapshots reach
+//! the runtime only for sandboxes held here; a fork copies the source's checkpoint first.
 
 mod doorbell;
 mod executions;

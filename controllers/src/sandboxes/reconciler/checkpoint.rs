@@ -254,13 +254,12 @@ impl Reconciler {
         self.forget(sandbox);
         self.emit(sandbox, SandboxEvent::Stopping);
         let reference = self.checkpoint_ref(&manifest, held.epoch, name);
-        // The hand-back carries the checkpoint (decision 18): the next holder
-        // restores it even if the record lands late or never. The record
-        // follows once the lock proved this hold current (the hand-back
-        // landed, or `not_taken_over`): a frozen holder's record would
-        // otherwise land before its taker's first record moves `status.epoch`
-        // on, and a later takeover restore a state the taker never started
-        // from (a lost state back; `docs/handoff.md`, "A zombie's record").
+        // The hand-back carries the checkpoint (decision 18): the next holder restores it even if
+        // the record lands late or never. The record follows once the lock proved this hold current
+        // (the hand-back landed, or `not_taken_over`): a frozen holder's record would otherwise
+        // land before its taker's first record moves `status.epoch` on, and a later takeover
+        // restore a state the taker never started from (a lost state back; `docs/handoff.md`, "A
+        // zombie's record").
         self.emit(sandbox, SandboxEvent::LeaseReleasing);
         let handed = self
             .leases
@@ -312,10 +311,9 @@ impl Reconciler {
         })
     }
 
-    /// After a checkpoint whose hand-back failed, before its record: `Ok` only
-    /// if nobody took the hold over since `epoch` or the lock carries this
-    /// checkpoint. A record's fence proves nothing: a taker records its epoch
-    /// only once its client hears `RUNNING` (decision 21).
+    /// After a checkpoint whose hand-back failed, before its record: `Ok` only if nobody took the
+    /// hold over since `epoch` or the lock carries this checkpoint. A record's fence proves
+    /// nothing: a taker records its epoch only once its client hears `RUNNING` (decision 21).
     async fn not_taken_over(
         &self,
         sandbox: &SandboxId,

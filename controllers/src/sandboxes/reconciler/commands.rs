@@ -1,19 +1,15 @@
-//! Commands: how the API and this instance's other loops (doorbell, drain,
-//! idle timer, admission's eviction) ask a sandbox's owner for something.
-//! Only the sandbox's own pass writes its `metadata.json` and `lock.json`:
-//! a caller puts a [`Command`] in its slot, queues it and awaits the reply;
-//! the pass serves its commands first (each write conditional on what the
-//! caller read or this owner wrote), replies, then decides on what they
-//! left ([`Served`]): as fresh as a read, since the work queue never runs
-//! two passes of one sandbox at once.
+//! Commands: how the API and this instance's other loops (doorbell, drain, idle timer, admission's
+//! eviction) ask a sandbox's owner for something. Only the sandbox's own pass writes its
+//! `metadata.json` and `lock.json`: a caller puts a [`Command`] in its slot, queues it and awaits
+//! the reply; the pass serves its commands first (each write conditional on what the caller read or
+//! this owner wrote), replies, then decides on what they left ([`Served`]): as fresh as a read,
+//! since the work queue never runs two passes of one sandbox at once.
 //!
-//! Two writes may outlast their pass (`docs/handoff.md`, "Commands"): an
-//! attach's spec write once its lock write took the hold (GCS's per-object
-//! rate can delay it a second or more), and a held sandbox's checkpoint
-//! intent (the lock fences the hold; the hand-back carrying the checkpoint
-//! acknowledges it). Passes decide on the change as written
-//! (`Slot::spec_in_flight`, in `pass.rs`'s one view) until its end is
-//! reported (`Ended::SpecWritten`, [`Reconciler::report`]).
+//! Two writes may outlast their pass (`docs/handoff.md`, "Commands"): an attach's spec write once
+//! its lock write took the hold (GCS's per-object rate can delay it a second or more), and a held
+//! sandbox's checkpoint intent (the lock fences the hold; the hand-back carrying the checkpoint
+//! acknowledges it). Passes decide on the change as written (`Slot::spec_in_flight`, in `pass.rs`'s
+//! one view) until its end is reported (`Ended::SpecWritten`, [`Reconciler::report`]).
 
 use std::sync::Arc;
 
@@ -308,10 +304,9 @@ impl Reconciler {
         Ok(())
     }
 
-    /// Asks for the sandbox here: spec and lock are written at once, each
-    /// conditional on the caller's read. A lock nobody holds or wants is
-    /// taken (the pass adopts it), else its holder is rung with the intent;
-    /// a hold taken does not wait for the spec's write (decision 21).
+    /// Asks for the sandbox here: spec and lock are written at once, each conditional on the
+    /// caller's read. A lock nobody holds or wants is taken (the pass adopts it), else its holder
+    /// is rung with the intent; a hold taken does not wait for the spec's write (decision 21).
     async fn serve_attach(
         &self,
         read: AttachRead,
@@ -442,10 +437,9 @@ impl Reconciler {
         Ok(())
     }
 
-    /// The doorbell rang: its attach intent counts in lock reads from now
-    /// on. If the ringer read this hold's lock generation and metadata this
-    /// instance knows (or older), the pass decides on what it knows without
-    /// re-reading: a round trip off every handoff.
+    /// The doorbell rang: its attach intent counts in lock reads from now on. If the ringer read
+    /// this hold's lock generation and metadata this instance knows (or older), the pass decides on
+    /// what it knows without re-reading: a round trip off every handoff.
     fn serve_ring(&self, sandbox: &SandboxId, intent: Option<RungIntent>, served: &mut Served) {
         let Some(rung) = intent else { return };
         self.leases.hear(sandbox, rung.clone());

@@ -13,10 +13,9 @@ pub enum HandoffPolicy {
     Wait,
 }
 
-/// Timing and policy of the reconciler. The defaults keep an idle held
-/// sandbox at two reads a minute (its resync) and no writes: its hold lives
-/// on the instance lease (one renewal for all), and intents arrive by the
-/// doorbell, read every 400 ms.
+/// Timing and policy of the reconciler. The defaults keep an idle held sandbox at two reads a
+/// minute (its resync) and no writes: its hold lives on the instance lease (one renewal for all),
+/// and intents arrive by the doorbell, read every 400 ms.
 #[derive(Debug, Clone)]
 pub struct ReconcilerConfig {
     /// How often a held sandbox gets a full pass (re-reads metadata and lock:

@@ -1,8 +1,7 @@
-//! Forks: a new sandbox started from its own copy of another one's checkpoint
-//! (fresh id), never a reference: each reconciler deletes its own superseded
-//! checkpoints, so a shared image would vanish under one. A copy is one GCS
-//! server-side request (a file copy on a directory store); one whose fork is
-//! never recorded is garbage for `sandboxctl gc`.
+//! Forks: a new sandbox started from its own copy of another one's checkpoint (fresh id), never a
+//! reference: each reconciler deletes its own superseded checkpoints, so a shared image would
+//! vanish under one. A copy is one GCS server-side request (a file copy on a directory store); one
+//! whose fork is never recorded is garbage for `sandboxctl gc`.
 
 use super::*;
 use crate::api::encode;

@@ -191,10 +191,9 @@ impl Reconciler {
         self.update_watch(sandbox, |watch| watch.last_active = Some(now));
     }
 
-    /// The doorbell loop's sleep: the departure watch's interval while a
-    /// client left a sandbox held here within the fast window (its next
-    /// attach, likely elsewhere, rings its intent: decision 27), the active
-    /// one while an attached client sent something within it, else idle.
+    /// The doorbell loop's sleep: the departure watch's interval while a client left a sandbox held
+    /// here within the fast window (its next attach, likely elsewhere, rings its intent: decision
+    /// 27), the active one while an attached client sent something within it, else idle.
     pub fn doorbell_interval(&self) -> Duration {
         let now = self.clock.now();
         let window = chrono_duration(self.config.detached_window);

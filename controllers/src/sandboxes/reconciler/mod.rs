@@ -1,11 +1,10 @@
-//! One reconcile pass for one sandbox here: read desired state (`metadata.json`
-//! spec, the lease's `wanted_by`, a rung intent) and observed state (lease,
-//! local runtime), perform the step the decision table picks, say when to look
-//! again (`docs/principles.md`). A pass first serves callers' `commands`
-//! (create, attach, desired state, ring), the only writes not made by a step;
-//! a create or attach may take the hold itself (the pass adopts it). A step may
-//! write several times (a handover: checkpoint, upload, one fenced transfer);
-//! bookkeeping records run in tasks off the queue (decision 21).
+//! One reconcile pass for one sandbox here: read desired state (`metadata.json` spec, the lease's
+//! `wanted_by`, a rung intent) and observed state (lease, local runtime), perform the step the
+//! decision table picks, say when to look again (`docs/principles.md`). A pass first serves
+//! callers' `commands` (create, attach, desired state, ring), the only writes not made by a step; a
+//! create or attach may take the hold itself (the pass adopts it). A step may write several times
+//! (a handover: checkpoint, upload, one fenced transfer); bookkeeping records run in tasks off the
+//! queue (decision 21).
 //!
 //! A held sandbox nothing happened to gets a light pass (no storage request;
 //! `super::decision::decide_light`) until its resync; else a full pass reads

@@ -1,8 +1,7 @@
-//! One pass for one sandbox: first the commands callers left for it
-//! (`commands.rs`), then one step: a light pass for a held sandbox nothing
-//! happened to (lease upkeep; in the minute after its client left, the
-//! departure watch's read of both objects), else a full pass (what it
-//! decides on, [`Reconciler::observe`]; the table's one step, performed).
+//! One pass for one sandbox: first the commands callers left for it (`commands.rs`), then one step:
+//! a light pass for a held sandbox nothing happened to (lease upkeep; in the minute after its
+//! client left, the departure watch's read of both objects), else a full pass (what it decides on,
+//! [`Reconciler::observe`]; the table's one step, performed).
 
 use std::time::Duration;
 

@@ -2,16 +2,14 @@
 //! behind one lock ([`Slots`]), so one acquisition sees and changes all of
 //! its local state at once. A slot exists only while something is in it.
 //!
-//! The sandbox's phase is one [`LocalState`], each variant carrying what it
-//! needs: a sandbox cannot be held and starting at once, nor watched unless
-//! held, nor lost while held. What is not a phase (a client waiting,
-//! records in flight, commands) sits beside it.
+//! The sandbox's phase is one [`LocalState`], each variant carrying what it needs: a sandbox cannot
+//! be held and starting at once, nor watched unless held, nor lost while held. What is not a phase
+//! (a client waiting, records in flight, commands) sits beside it.
 //!
-//! Only its own pass changes a sandbox's state; others put commands in its
-//! inbox (`commands.rs`), read it, or bring news that decides nothing alone
-//! (a client attached or active, a progress subscription). A task outliving
-//! its pass (a start's record, a spec write, an image wait) reports its end
-//! as `Command::Ended`, taking back only its own mark (`Slots::on_drop`).
+//! Only its own pass changes a sandbox's state; others put commands in its inbox (`commands.rs`),
+//! read it, or bring news that decides nothing alone (a client attached or active, a progress
+//! subscription). A task outliving its pass (a start's record, a spec write, an image wait) reports
+//! its end as `Command::Ended`, taking back only its own mark (`Slots::on_drop`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -128,10 +126,9 @@ pub(super) enum LocalState {
     },
 }
 
-/// A handoff this instance waits to take, from its attach intent (sent with
-/// the first ring) until the hold is taken up or the wait ends: the holder
-/// lands its image ([`HandoffImage`], staged by the runtime), then names this
-/// instance in the lock, and the next pass adopts and starts
+/// A handoff this instance waits to take, from its attach intent (sent with the first ring) until
+/// the hold is taken up or the wait ends: the holder lands its image ([`HandoffImage`], staged by
+/// the runtime), then names this instance in the lock, and the next pass adopts and starts
 /// ([`LocalState::Starting`], which gives this back if the start fails).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(super) struct Handoff {

@@ -67,10 +67,9 @@ impl Reconciler {
         Ok(Requeue::Never)
     }
 
-    /// Desired running here, held by another live holder, which hands it
-    /// over naming this instance (the next pass adopts it). Tells the client
-    /// once, re-rings every [`RERING_INTERVAL`] lest a ring was lost; look
-    /// again soon, or later until the hand-over image lands (decision 29).
+    /// Desired running here, held by another live holder, which hands it over naming this instance
+    /// (the next pass adopts it). Tells the client once, re-rings every [`RERING_INTERVAL`] lest a
+    /// ring was lost; look again soon, or later until the hand-over image lands (decision 29).
     pub(super) async fn await_handover(
         &self,
         sandbox: &SandboxId,
@@ -376,10 +375,9 @@ impl Reconciler {
         }));
     }
 
-    /// Restores the requested named checkpoint, else the newer of the lock's
-    /// and `status`'s latest (the lock's manifest if it is that one's: no
-    /// read), or creates one never recorded running, unless `holder_died`:
-    /// the dead holder may have said RUNNING before its record landed, and a
+    /// Restores the requested named checkpoint, else the newer of the lock's and `status`'s latest
+    /// (the lock's manifest if it is that one's: no read), or creates one never recorded running,
+    /// unless `holder_died`: the dead holder may have said RUNNING before its record landed, and a
     /// fresh sandbox would hide the loss. Returns kind, request served, hooks.
     pub(super) async fn start(
         &self,
