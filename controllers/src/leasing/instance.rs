@@ -36,7 +36,6 @@ use crate::store::{
 /// What this instance knows of its own lease.
 #[derive(Debug, Default)]
 struct OwnLease {
-    /// The `renewed_at` of the last renewal that was written.
     renewed_at: Option<DateTime<Utc>>,
     started_at: Option<DateTime<Utc>>,
     /// Bumped when a renewal lands after the previous one's safe window.
@@ -86,7 +85,6 @@ pub struct InstanceLeases {
     own: Arc<Mutex<OwnLease>>,
     /// Per other instance: rings not yet written, coalesced.
     outboxes: Arc<Mutex<HashMap<InstanceId, Outbox>>>,
-    /// Signalled whenever a batch of rings is written.
     rings_written: Arc<tokio::sync::Notify>,
     /// Per other instance: its lease as last read live ([`Self::is_live`]).
     seen_live: Arc<Mutex<HashMap<InstanceId, SeenLive>>>,
@@ -125,7 +123,6 @@ impl InstanceLeases {
         }
     }
 
-    /// Resolves at the next renewal that lands.
     pub fn renewed(&self) -> tokio::sync::futures::Notified<'_> {
         self.renewed.notified()
     }

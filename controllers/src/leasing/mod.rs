@@ -147,9 +147,8 @@ pub(crate) enum Grant {
     WantedByOther(AttachIntent),
 }
 
-/// The acquire write's guard, on the lock as each write attempt finds it:
-/// does it still allow what `decide` (`sandboxes::decision`) chose on the
-/// pass's read? `gone`: the holder and epoch the caller found gone.
+/// The acquire write's guard on the lock each attempt finds: does it still allow what `decide`
+/// (`sandboxes::decision`) chose on the pass's read? `gone`: holder and epoch found gone.
 pub(crate) fn grant(
     lock: &Lease,
     me: &InstanceId,
@@ -172,7 +171,6 @@ pub(crate) fn grant(
     }
 }
 
-/// Lease operations on behalf of one instance.
 #[derive(Debug, Clone)]
 pub struct Leases {
     store: Arc<dyn Store>,
@@ -238,7 +236,6 @@ impl Leases {
         });
     }
 
-    /// Forgets this instance's own rung intent for `sandbox` (client gave up).
     fn forget_own_intent(&self, sandbox: &SandboxId) {
         let Some(heard) = &self.heard else { return };
         heard.change_rung(sandbox, &mut |rung| {
@@ -324,9 +321,8 @@ impl Leases {
         Ok(read.map(|(lease, generation)| (self.with_heard(sandbox, lease), generation)))
     }
 
-    /// Takes the lease (creating it, or taking it over if free or expired)
-    /// at `epoch + 1`; already held here, it is renewed at the same epoch.
-    /// Clears `wanted_by` if it names this instance (fulfilled) or expired.
+    /// Takes the lease at `epoch + 1`, creating it or taking it over if free or expired (held here:
+    /// renewed, same epoch). Clears `wanted_by` naming this instance (fulfilled) or expired.
     pub async fn acquire(&self, sandbox: &SandboxId) -> Result<HeldLease, LeaseError> {
         let read = self.read(sandbox).await?;
         self.acquire_from(sandbox, read).await

@@ -130,7 +130,6 @@ pub enum SandboxEvent {
     CheckpointFailed(CheckpointFailure),
     /// Destroying the sandbox failed (the runtime's error); it is tried again.
     DeleteFailed(String),
-    /// The sandbox stopped here without being asked.
     Lost(LossCause),
 }
 

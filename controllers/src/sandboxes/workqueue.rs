@@ -72,8 +72,7 @@ impl WorkQueue {
 
     /// Queues `id` after `delay`, unless an earlier add is already scheduled.
     pub fn add_after(&self, id: &SandboxId, delay: Duration) {
-        // A day at most (resyncs come sooner): a delay computed from an
-        // operator's timestamp must not overflow the clock.
+        // A day at most (resyncs come sooner): an operator's timestamp must not overflow the clock.
         let delay = delay.min(Duration::from_secs(86_400));
         let now = self.clock.instant();
         let due = now.checked_add(delay).unwrap_or(now);

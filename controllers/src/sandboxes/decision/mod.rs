@@ -22,11 +22,9 @@ pub(crate) struct Observed<'a> {
     pub metadata: Option<&'a SandboxMetadata>,
     /// `None`: no `lock.json`.
     pub lock: Option<&'a Lease>,
-    /// This instance's hold, if it runs the sandbox.
     pub held: Option<&'a HeldLease>,
     /// This instance may act on `held` (its instance lease vouches for it).
     pub vouched: bool,
-    /// The local runtime runs the sandbox.
     pub running_here: bool,
     /// A pass of this instance is acquiring and starting it right now.
     pub starting_here: bool,
@@ -35,7 +33,6 @@ pub(crate) struct Observed<'a> {
     pub holder_gone: bool,
     /// A client here waits for the sandbox to start (it asked for it here).
     pub waiting_here: bool,
-    /// A periodic checkpoint of the held sandbox is due.
     pub checkpoint_due: bool,
     /// This instance is shutting down: it starts nothing more.
     pub draining: bool,
@@ -95,8 +92,7 @@ pub(crate) enum Step {
     /// Desired `checkpointed`, not held here: tell a client waiting here (its
     /// `running` overwritten, e.g. by the holder's shutdown) to attach again.
     CheckpointedMeanwhile,
-    /// Desired `running`, wanted here, and the hold free or its holder
-    /// gone: acquire, then restore or create.
+    /// Desired `running`, wanted here, hold free or holder gone: acquire, then restore or create.
     Acquire,
     /// Desired `running`, wanted here, but this instance is shutting down:
     /// tell a client waiting here to attach again (another instance takes
@@ -245,8 +241,7 @@ pub(crate) fn drain_to(
     }
 }
 
-/// What a pass of a sandbox knows before it reads both objects; fields
-/// named as in [`Observed`] mean the same.
+/// What a pass knows before it reads both objects; fields named as in [`Observed`] mean the same.
 #[derive(Debug, Clone)]
 pub(crate) struct Quiet<'a> {
     pub me: &'a InstanceId,

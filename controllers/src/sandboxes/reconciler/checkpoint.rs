@@ -138,9 +138,8 @@ impl Reconciler {
         let reference = self.checkpoint_ref(&manifest, held.epoch, None);
         let keep = self.config.keep_checkpoints;
         let mut superseded = Vec::new();
-        // Frozen past its lease meanwhile, the hold may have been taken over
-        // from an older checkpoint: no record ("A zombie's record"); the full
-        // pass re-verifies the hold or stops it.
+        // Frozen past its lease meanwhile, the hold may have been taken over from an older
+        // checkpoint: no record ("A zombie's record"); the full pass re-verifies or stops the hold.
         let recorded = if self.leases.is_safe(&held) {
             self.write_status(sandbox, held.epoch, |status| {
                 superseded = record_latest(status, &reference, keep);
@@ -386,7 +385,6 @@ impl Reconciler {
         Ok(())
     }
 
-    /// The record of a checkpoint the runtime just took.
     pub(super) fn checkpoint_ref(
         &self,
         manifest: &CheckpointManifest,

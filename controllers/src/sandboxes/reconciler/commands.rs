@@ -34,7 +34,6 @@ pub struct AttachRead {
     pub lock: Option<ReadLease>,
 }
 
-/// Where a command's outcome goes.
 pub(crate) type Reply = oneshot::Sender<Result<(), ControlError>>;
 
 /// What a caller asks of a sandbox's owner.
@@ -65,7 +64,6 @@ pub(crate) enum Command {
     Ended(Box<Ended>),
 }
 
-/// The end of a step that outlived its pass.
 pub(crate) enum Ended {
     /// A start's record of the hold at `epoch`, in its own task, failed.
     RecordFailed { epoch: u64, error: ReconcileError },

@@ -32,7 +32,6 @@ pub struct ForkedCheckpoint {
     pub reference: CheckpointRef,
     /// The copy's manifest (the fork's id, epoch 0).
     pub manifest: CheckpointManifest,
-    /// The source's checkpoint id.
     pub source_checkpoint: String,
 }
 
@@ -86,8 +85,7 @@ impl Reconciler {
         copy.epoch = 0;
         copy.name = None;
         copy.image.key = image_key.to_string();
-        // Its own age: `gc` must not take a fresh copy whose fork is being
-        // recorded right now for an old orphan.
+        // Its own age, lest `gc` take a fresh copy whose fork is being recorded for an old orphan.
         copy.created_at = self.clock.now();
         let manifest_key = checkpoint_manifest_key(&checkpoint_id);
         let put = self

@@ -32,7 +32,6 @@ pub(super) struct Watch {
 }
 
 impl Reconciler {
-    /// The lease this instance holds on `sandbox`, if it runs here.
     pub fn held(&self, sandbox: &SandboxId) -> Option<HeldLease> {
         self.slots.view(sandbox, |slot| slot.state.held().cloned())
     }
@@ -47,12 +46,10 @@ impl Reconciler {
         self.slots.census()
     }
 
-    /// Resolves at the next change of any sandbox's state here.
     pub fn state_changed(&self) -> tokio::sync::futures::Notified<'_> {
         self.slots.changed()
     }
 
-    /// Every sandbox this instance holds.
     pub fn held_sandboxes(&self) -> Vec<SandboxId> {
         self.slots
             .all()
@@ -185,7 +182,6 @@ impl Reconciler {
         });
     }
 
-    /// The attached client of `sandbox` sent a frame.
     pub fn client_active(&self, sandbox: &SandboxId) {
         let now = self.clock.now();
         self.update_watch(sandbox, |watch| watch.last_active = Some(now));

@@ -205,8 +205,7 @@ impl Reconciler {
         &self.metrics
     }
 
-    /// From now on checkpoints do not wait for running executions, and
-    /// nothing more starts here (`Step::ShuttingDown`).
+    /// Checkpoints no longer wait for executions; nothing more starts here (`Step::ShuttingDown`).
     pub fn start_draining(&self) {
         self.draining
             .store(true, std::sync::atomic::Ordering::Release);

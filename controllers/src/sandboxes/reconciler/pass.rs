@@ -164,9 +164,8 @@ impl Reconciler {
         }
     }
 
-    /// What a full pass decides on: `view` (its commands' writes, or its
-    /// light pass's read) or both objects read at once; the lock counting a
-    /// ring's intent; the metadata as [`Self::as_owner_sees`] it.
+    /// What a full pass decides on: `view` (its commands' writes, or its light pass's read) or both
+    /// objects read at once; the lock with a ring's intent; metadata as [`Self::as_owner_sees`] it.
     pub(super) async fn observe(
         &self,
         sandbox: &SandboxId,
@@ -255,8 +254,7 @@ impl Reconciler {
             }
             (false, Err(err)) => {
                 if let ReconcileError::Invalid { .. } = &err {
-                    // An operator's typo: report it to whoever waits, keep
-                    // running what runs, and look again later.
+                    // An operator's typo: tell whoever waits, keep running what runs, retry later.
                     self.restore_failed(sandbox, StartFailure::InvalidMetadata(err.to_string()));
                 }
                 return Err(err);

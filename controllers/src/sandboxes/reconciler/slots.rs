@@ -44,7 +44,6 @@ pub(super) struct Slot {
     pub(super) full_pass_wanted: bool,
     /// The last `metadata.json` read or written here; writes start from it.
     pub(super) known: Option<Versioned>,
-    /// The turn of this instance's writes of the sandbox's metadata.
     pub(super) write_turn: Option<Arc<tokio::sync::Mutex<()>>>,
     /// Commands for the sandbox's next pass (`commands.rs`), in arrival order.
     pub(super) inbox: Vec<(super::commands::Command, Option<super::commands::Reply>)>,
@@ -60,14 +59,12 @@ pub(super) struct Slot {
 }
 
 impl Slot {
-    /// Moves the state on by `transition`, returning what it says besides.
     pub(super) fn step<T>(&mut self, transition: impl FnOnce(LocalState) -> (LocalState, T)) -> T {
         let (next, outcome) = transition(std::mem::take(&mut self.state));
         self.state = next;
         outcome
     }
 
-    /// Nothing left in it: the slot can go.
     fn is_empty(&self) -> bool {
         matches!(self.state, LocalState::Idle)
             && self.waiting.is_none()
@@ -224,7 +221,6 @@ impl LocalState {
         }
     }
 
-    /// The start took the hold up: the sandbox runs here.
     pub(super) fn hold(lease: HeldLease, watch: Watch, hooks: Option<HookBinding>) -> Self {
         Self::Held {
             lease,
@@ -328,7 +324,6 @@ impl std::fmt::Debug for Slot {
     }
 }
 
-/// What an [`OnDrop`] does to its slot.
 type Undo = Box<dyn FnOnce(&mut Slot) + Send>;
 
 /// A slot change made on drop: what a phase set (a start, a transition, a
@@ -364,12 +359,10 @@ impl Slots {
         self.map.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Resolves at the next change of any slot.
     pub(super) fn changed(&self) -> tokio::sync::futures::Notified<'_> {
         self.changed.notified()
     }
 
-    /// Changes `sandbox`'s slot by `undo` when the guard returned drops.
     pub(super) fn on_drop(
         &self,
         sandbox: &SandboxId,
@@ -382,7 +375,6 @@ impl Slots {
         }
     }
 
-    /// Marks `sandbox` as in transition `phase` until the guard is dropped.
     pub(super) fn in_transition(&self, sandbox: &SandboxId, phase: &'static str) -> OnDrop {
         self.update(sandbox, |slot| slot.transition = Some(phase));
         self.on_drop(sandbox, |slot| slot.transition = None)
@@ -490,7 +482,6 @@ impl RungIntents for Slots {
     }
 }
 
-/// `metadata.json` as read or written, with its generation.
 pub type ReadMetadata = (SandboxMetadata, Generation);
 
 /// What this instance knows of a sandbox's metadata, and whose turn to write.
@@ -504,7 +495,6 @@ impl Slots {
         });
     }
 
-    /// `sandbox`'s metadata as last read or written here.
     pub(super) fn known(&self, sandbox: &SandboxId) -> Option<Versioned> {
         self.view(sandbox, |slot| slot.known.clone())
     }

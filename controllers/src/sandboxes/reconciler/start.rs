@@ -1,6 +1,5 @@
-//! Starting a sandbox here: tell a waiting client it is not wanted here any
-//! more, ring a slow holder again, acquire the lease, then restore the
-//! requested or latest checkpoint (manifest checked) or create it.
+//! Starting a sandbox here: tell a waiting client it is unwanted, re-ring a slow holder, acquire
+//! the lease, restore the requested or latest checkpoint (manifest checked) or create it.
 
 use std::time::Duration;
 
@@ -13,9 +12,8 @@ use crate::runtime::ImageLanded;
 /// How often an instance waiting for a sandbox rings its holder again.
 const RERING_INTERVAL: Duration = Duration::from_secs(5);
 
-/// A start in flight: [`LocalState::Starting`] until the start takes the
-/// hold up; dropped before (failure, early return, pass cancelled), back to
-/// the state it started from (`LocalState::start_ended`).
+/// A start in flight: [`LocalState::Starting`] until it takes the hold up; dropped before (failure,
+/// early return, pass cancelled), back to the state it started from (`LocalState::start_ended`).
 fn begin_start(slots: &Slots, sandbox: &SandboxId) -> OnDrop {
     slots.update(sandbox, |slot| slot.step(|state| (state.begin_start(), ())));
     slots.on_drop(sandbox, |slot| slot.step(|state| (state.start_ended(), ())))
@@ -303,9 +301,8 @@ impl Reconciler {
         }
     }
 
-    /// Records it running here at `held`'s epoch, with the restore request
-    /// served and the lock's checkpoint if newer than `status`'s (the last
-    /// holder's record may be missing, or landed after the read).
+    /// Records it running at `held`'s epoch, restore request served, with the lock's checkpoint if
+    /// newer than `status`'s (the last holder's record may be missing or postdate the read).
     pub(super) async fn record_running(
         &self,
         sandbox: &SandboxId,
@@ -435,8 +432,7 @@ impl Reconciler {
         let _transition = self.slots.in_transition(sandbox, transition);
         let started = match &source {
             Some(reference) => {
-                // Which checkpoint a hold restores, and of which epoch: what
-                // a lost state that came back is traced to.
+                // Traces a lost state that came back to the checkpoint (and epoch) restored.
                 tracing::info!(%sandbox, epoch = held.epoch, checkpoint = %reference.path, checkpoint_epoch = reference.epoch, "restoring");
                 self.emit(sandbox, SandboxEvent::Restoring);
                 let carried = held
@@ -501,7 +497,6 @@ impl Reconciler {
     }
 }
 
-/// What the runtime is asked to create for `spec`.
 pub(crate) fn create_options(spec: &crate::api::SandboxSpec) -> CreateOptions {
     CreateOptions {
         snapshot_name: spec.filesystem_snapshot_name.clone(),
