@@ -135,10 +135,9 @@ impl InstanceLeases {
         self.own().era
     }
 
-    /// The era vouching for a hold whose lock was last written with
-    /// `renewed_at`: the current one if it began while the lock's own lease
-    /// still held, else [`NO_ERA`]. A write answered after a lapse (a freeze)
-    /// must not borrow the later era: the gap may have seen a takeover.
+    /// The era vouching for a hold whose lock was last written with `renewed_at`: the current one
+    /// if it began while the lock's own lease still held, else [`NO_ERA`]. A write answered after a
+    /// lapse (a freeze) must not borrow the later era: the gap may have seen a takeover.
     pub fn era_for(&self, renewed_at: DateTime<Utc>) -> u64 {
         let own = self.own();
         let covered = own.era_began.is_some_and(|began| {

@@ -38,9 +38,8 @@ impl SandboxController {
         self.command(&metadata.sandbox_id, command).await
     }
 
-    /// Reads `metadata.json` and `lock.json` at once for an attach or, held
-    /// here, what the owner knows, with no request (`Reconciler::owner_read`).
-    /// `None`: no such sandbox.
+    /// Reads `metadata.json` and `lock.json` at once for an attach or, held here, what the owner
+    /// knows, with no request (`Reconciler::owner_read`). `None`: no such sandbox.
     pub async fn read_for_attach(
         &self,
         sandbox: &SandboxId,

@@ -94,10 +94,9 @@ pub(crate) enum Step {
     CheckpointedMeanwhile,
     /// Desired `running`, wanted here, hold free or holder gone: acquire, then restore or create.
     Acquire,
-    /// Desired `running`, wanted here, but this instance is shutting down:
-    /// tell a client waiting here to attach again (another instance takes
-    /// over), withdraw the intent, and release a hold transferred here at
-    /// `release` (the checkpoint it carries stays for the next holder).
+    /// Desired `running`, wanted here, but this instance is shutting down: tell a client waiting
+    /// here to attach again (another instance takes over), withdraw the intent, and release a hold
+    /// transferred here at `release` (the checkpoint it carries stays for the next holder).
     ShuttingDown { release: Option<u64> },
     /// Desired `running`, wanted here, another live holder: it hands over in
     /// one write naming this instance; poll soon, re-ring lest a ring was lost.

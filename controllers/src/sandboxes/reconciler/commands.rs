@@ -243,10 +243,9 @@ impl Reconciler {
         Ok(())
     }
 
-    /// A create is its own acquisition (decision 18): `metadata.json` and a
-    /// `lock.json` held here at epoch 1 are written at once, each if absent,
-    /// as a fresh container boots (decision 23); an existing lock (only an
-    /// operator's, for a fresh id) turns it into an attach intent.
+    /// A create is its own acquisition (decision 18): `metadata.json` and a `lock.json` held here
+    /// at epoch 1 are written at once, each if absent, as a fresh container boots (decision 23); an
+    /// existing lock (only an operator's, for a fresh id) turns it into an attach intent.
     async fn serve_create(
         &self,
         metadata: &SandboxMetadata,

@@ -44,9 +44,8 @@ pub struct ReconcilerConfig {
     pub keep_checkpoints: usize,
     /// How long a tombstone stays before its metadata, lock and checkpoints go.
     pub tombstone_retention: Duration,
-    /// Fault tests only: abort the process at this step of a handoff
-    /// (`handoff:before-checkpoint`, `handoff:after-upload`,
-    /// `handoff:after-record`), as a crash there would.
+    /// Fault tests only: abort the process at this step of a handoff (`handoff:before-checkpoint`,
+    /// `handoff:after-upload`, `handoff:after-record`), as a crash there would.
     pub failpoint: Option<String>,
     /// Checkpoint period for held checkpointable sandboxes between executions,
     /// bounding a crash's loss; each checkpoint + restore pauses ~1 s.
