@@ -269,8 +269,7 @@ impl InstanceLeases {
             }
             let writer = !outbox.writing;
             outbox.writing = true;
-            // Not `written + 1`: with a batch in flight that would return
-            // when the batch without this ring lands.
+            // Not `written + 1`: that would return when an in-flight batch without this ring lands.
             (outbox.taken + 1, writer)
         };
         if writer {

@@ -40,7 +40,6 @@ pub struct Census {
     pub in_transition: Vec<&'static str>,
 }
 
-/// The reconciler's counters.
 #[derive(Debug, Default)]
 pub struct Metrics {
     pub creates: Counter,

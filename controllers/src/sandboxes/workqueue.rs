@@ -1,6 +1,5 @@
-//! A work queue of sandbox ids with client-go's guarantees: queued at most
-//! once, never reconciled by two workers at once, re-run if added while
-//! active; a failed pass retries after a back-off growing with failures.
+//! A work queue of sandbox ids with client-go's guarantees: queued at most once, never run by two
+//! workers at once, re-run if added while active; a failed pass retries after a growing back-off.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};

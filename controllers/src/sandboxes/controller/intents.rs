@@ -1,6 +1,5 @@
-//! What the API layer asks of the controller (create, fork, attach, withdraw,
-//! checkpoint, delete, drain): each a command to the sandbox's own pass
-//! (`reconciler/commands.rs`), which makes the writes and replies.
+//! What the API layer asks of the controller (create, fork, attach, withdraw, checkpoint, delete,
+//! drain), each a command its sandbox's own pass writes and replies to (`reconciler/commands.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;

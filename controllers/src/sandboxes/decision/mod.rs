@@ -314,7 +314,7 @@ pub(crate) fn status_behind(
             .is_some_and(|carried| is_newer(carried, status.latest_checkpoint.as_ref()))
 }
 
-/// True when `checkpoint` is newer than `than` (by epoch, then time taken).
+/// True when `checkpoint` is newer than `than` (by epoch, then time taken) at another path.
 pub(crate) fn is_newer(checkpoint: &CheckpointRef, than: Option<&CheckpointRef>) -> bool {
     than.is_none_or(|than| {
         (checkpoint.epoch, checkpoint.created_at) > (than.epoch, than.created_at)

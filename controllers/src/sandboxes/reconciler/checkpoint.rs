@@ -176,7 +176,6 @@ impl Reconciler {
         }
     }
 
-    /// Checkpoints a held sandbox, records the checkpoint, and releases it.
     pub(super) async fn checkpoint_and_release(
         &self,
         sandbox: &SandboxId,

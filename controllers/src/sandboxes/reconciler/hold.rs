@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use super::*;
 
-/// What a re-verification of a hold came to.
 pub(super) enum Reverified {
     /// The write landed: the hold is vouched for again, as renewed.
     Renewed(Box<HeldLease>),

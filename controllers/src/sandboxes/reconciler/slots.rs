@@ -1,6 +1,5 @@
-//! Everything this instance keeps about one sandbox: a [`Slot`] each, all
-//! behind one lock ([`Slots`]), so one acquisition sees and changes all of
-//! its local state at once. A slot exists only while something is in it.
+//! Everything this instance keeps about a sandbox: a [`Slot`] each, behind one lock ([`Slots`]), so
+//! one acquisition sees and changes all its local state at once. Empty slots are removed.
 //!
 //! The sandbox's phase is one [`LocalState`], each variant carrying what it needs: a sandbox cannot
 //! be held and starting at once, nor watched unless held, nor lost while held. What is not a phase

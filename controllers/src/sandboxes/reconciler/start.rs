@@ -102,9 +102,8 @@ impl Reconciler {
         next
     }
 
-    /// Reports the landing of the hold at `epoch`'s hand-over image to the
-    /// pass (one wait per image; the runtime's watch has its own limit). Not
-    /// a background step: a drain or a test need not wait for it.
+    /// Wakes the pass when the hold at `epoch`'s hand-over image lands (one wait per image; the
+    /// runtime's watch has its own limit). Not a background step: drains, tests don't await it.
     fn wake_when_landed(&self, sandbox: &SandboxId, epoch: u64, landed: ImageLanded) {
         let Some(me) = self.shared.get().filter(|_| self.wake.get().is_some()) else {
             return;
