@@ -406,19 +406,11 @@ async fn a_checkpoint_restores_on_another_host_with_processes_files_and_python_s
         "the counter continues from where it was ({before} -> {after})"
     );
     // Polled, not timed: a loaded host may run the loop late.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let later = loop {
-        let later: u64 = run(&b.runtime, &id, bash("cat /tmp/counter"))
-            .await
-            .stdout
-            .trim()
-            .parse()
-            .unwrap();
-        if later > after || Instant::now() > deadline {
-            break later;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let counter = || async {
+        let out = run(&b.runtime, &id, bash("cat /tmp/counter")).await;
+        out.stdout.trim().parse::<u64>().unwrap()
     };
+    let later = support::eventually(counter, |later| *later > after).await;
     assert!(
         later > after,
         "the background process keeps running after restore ({after} -> {later})"
