@@ -47,16 +47,8 @@ impl Session {
                 results,
             } => self.exec(language, code, session, pty, results).await,
             ClientFrame::Resize(size) => {
-                if let Some(execution) = self.live.execution()
-                    && execution.is_running()
-                    && let Err(err) = execution.resize(size).await
-                {
-                    self.out
-                        .send(crate::api::protocol::ServerFrame::Error(format!(
-                            "Cannot resize: {err}"
-                        )))
-                        .await;
-                }
+                *self.resizes.latest.lock().await = Some(size);
+                self.apply_resize().await;
             }
             ClientFrame::Stdin { data } => self.stdin(data).await,
             ClientFrame::KillProcess => self.kill_process().await,

@@ -9,7 +9,8 @@
 //! an execution is taken before it runs). Only the control frames that must act
 //! while an execution streams (`kill_process`, `kill_sandbox`, `reconnect`,
 //! `resize`) bypass the queue and act at once, on a second task of their own
-//! (in their order; resizes coalesced to the latest size). Upstream handled
+//! (in their order; resizes coalesced to the latest size, and applied before
+//! any queued frame that arrived after them). Upstream handled
 //! each frame in its own task, which reordered a burst of stdin frames.
 
 mod client_stream;
@@ -41,7 +42,7 @@ pub use out::{
 
 use super::features::Features;
 use super::live::{LiveSandbox, LiveSandboxes};
-use super::protocol::{ClientFrame, FrameError};
+use super::protocol::{ClientFrame, FrameError, ServerFrame};
 use super::snapshot_owner::SnapshotProof;
 use pending::Pending;
 
@@ -83,6 +84,7 @@ pub struct Session {
     /// upstream's order. Written by the relay only.
     checkpoint_said: AtomicBool,
     ended: AtomicBool,
+    resizes: Resizes,
 }
 
 /// A parsed client frame, or why it could not be.
@@ -112,61 +114,15 @@ fn try_reserve(budget: &Arc<Semaphore>, bytes: usize) -> Option<OwnedSemaphorePe
 /// not read while they are full).
 const URGENT_FRAMES: usize = 64;
 
-/// The latest terminal size a client asked for, not yet applied.
+/// The latest terminal size a client asked for, not yet applied. Either
+/// worker applies it, under its lock: the urgent one at once, the queued one
+/// before the next frame it handles, so a resize the client sent before its
+/// stdin reaches the terminal before that stdin does (the urgent worker may
+/// have taken it first: the lock is held until it is sent).
 #[derive(Debug, Default)]
 struct Resizes {
-    latest: std::sync::Mutex<Option<controllers::runtime::TerminalSize>>,
+    latest: tokio::sync::Mutex<Option<controllers::runtime::TerminalSize>>,
     pending: Notify,
-}
-
-impl Resizes {
-    fn take(&self) -> Option<controllers::runtime::TerminalSize> {
-        self.latest
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take()
-    }
-}
-
-/// The reader's side of the frames that act at once.
-#[derive(Debug)]
-struct Urgent {
-    frames: mpsc::Sender<Queued>,
-    resizes: Arc<Resizes>,
-}
-
-/// The task's side of the frames that act at once.
-#[derive(Debug)]
-struct UrgentWork {
-    frames: mpsc::Receiver<Queued>,
-    resizes: Arc<Resizes>,
-}
-
-impl Urgent {
-    fn new() -> (Self, UrgentWork) {
-        let (frames, receiver) = mpsc::channel(URGENT_FRAMES);
-        let resizes = Arc::new(Resizes::default());
-        (
-            Self {
-                frames,
-                resizes: Arc::clone(&resizes),
-            },
-            UrgentWork {
-                frames: receiver,
-                resizes,
-            },
-        )
-    }
-
-    /// Replaces the size waiting to be applied.
-    fn resize(&self, size: controllers::runtime::TerminalSize) {
-        *self
-            .resizes
-            .latest
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(size);
-        self.resizes.pending.notify_one();
-    }
 }
 
 /// The frames that must act while an execution streams, ahead of the queue.
@@ -206,6 +162,7 @@ impl Session {
             settled: Notify::new(),
             checkpoint_said: AtomicBool::new(false),
             ended: AtomicBool::new(false),
+            resizes: Resizes::default(),
         })
     }
 
@@ -220,7 +177,7 @@ impl Session {
         let (queue, queued) = mpsc::channel::<Work>(QUEUED_FRAMES);
         let budget = Arc::new(Semaphore::new(QUEUED_BYTES));
         let worker = tokio::spawn(Arc::clone(&self).work(queued));
-        let (urgent, urgent_work) = Urgent::new();
+        let (urgent, urgent_work) = mpsc::channel(URGENT_FRAMES);
         let urgent_worker = tokio::spawn(Arc::clone(&self).work_urgent(urgent_work));
         let mut relay = tokio::spawn(Arc::clone(&self).relay_events(events));
         let mut uploads = files::UploadIntake::default();
@@ -249,11 +206,12 @@ impl Session {
                     let frame_bytes = frame.as_ref().map_or(0, String::len);
                     let parsed = frame.and_then(|text| ClientFrame::parse(&text));
                     if let Ok(ClientFrame::Resize(size)) = &parsed {
-                        urgent.resize(*size);
+                        *self.resizes.latest.lock().await = Some(*size);
+                        self.resizes.pending.notify_one();
                         continue;
                     }
                     if acts_at_once(&parsed) {
-                        if urgent.frames.send(parsed).await.is_err() {
+                        if urgent.send(parsed).await.is_err() {
                             break;
                         }
                         continue;
@@ -311,6 +269,7 @@ impl Session {
             // The frame's bytes are handed over (to the agent, to the
             // execution): its share of the budget is free again.
             drop(permit);
+            self.apply_resize().await;
             Arc::clone(&self).handle(frame, bytes).await;
             if checkpoint {
                 self.checkpoint_settled().await;
@@ -321,20 +280,17 @@ impl Session {
     /// Handles the frames that act at once, in arrival order, on one task:
     /// a resize is applied as the latest size asked for (a burst of them
     /// costs one resize each time the task gets to it), the others in turn.
-    async fn work_urgent(self: Arc<Self>, mut work: UrgentWork) {
+    async fn work_urgent(self: Arc<Self>, mut frames: mpsc::Receiver<Queued>) {
         loop {
-            let pending = work.resizes.pending.notified();
+            let pending = self.resizes.pending.notified();
             tokio::pin!(pending);
             pending.as_mut().enable();
-            if let Some(size) = work.resizes.take() {
-                Arc::clone(&self)
-                    .handle(Ok(ClientFrame::Resize(size)), None)
-                    .await;
+            if self.apply_resize().await {
                 continue;
             }
             tokio::select! {
                 biased;
-                frame = work.frames.recv() => match frame {
+                frame = frames.recv() => match frame {
                     Some(frame) => Arc::clone(&self).handle(frame, None).await,
                     None => break,
                 },
@@ -342,11 +298,32 @@ impl Session {
             }
         }
         // The socket is done: a resize it sent last still applies.
-        if let Some(size) = work.resizes.take() {
-            Arc::clone(&self)
-                .handle(Ok(ClientFrame::Resize(size)), None)
+        self.apply_resize().await;
+    }
+
+    /// Applies the size waiting to be applied, if any, to the running
+    /// execution; true if there was one. The lock is held until the resize
+    /// is queued for the agent, so a worker that finds nothing waiting knows
+    /// every resize received so far is ahead of what it sends next.
+    async fn apply_resize(&self) -> bool {
+        let failed = {
+            let mut latest = self.resizes.latest.lock().await;
+            let Some(size) = latest.take() else {
+                return false;
+            };
+            match self.live.execution() {
+                Some(execution) if execution.is_running() => execution.resize(size).await.err(),
+                _ => None,
+            }
+        };
+        if let Some(err) = failed
+            && !self.out.is_closing()
+        {
+            self.out
+                .send(ServerFrame::Error(format!("Cannot resize: {err}")))
                 .await;
         }
+        true
     }
 
     /// Waits until no checkpoint request of this session is pending.
