@@ -39,6 +39,16 @@ pub struct Lease {
     /// `checkpoint`'s image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_manifest: Option<Box<CheckpointManifest>>,
+    /// The epoch of the hold that took `checkpoint` over as the sandbox's
+    /// latest: its acquisition (or the transfer to it) wrote both, from what
+    /// it read. While it is `epoch`, a `status.latest_checkpoint` of an
+    /// earlier epoch that is not `checkpoint` landed after the hold began (a
+    /// former holder frozen past its lease recorded it late) and does not
+    /// count ([`Self::outdates`]). Absent, or of an earlier epoch (a lock an
+    /// earlier release wrote, which keeps the field unread): the newer of the
+    /// two counts, as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_taken_over_at: Option<u64>,
     #[serde(flatten)]
     pub extra: ExtraFields,
 }
@@ -76,6 +86,7 @@ impl Lease {
             wanted_by: None,
             checkpoint: None,
             checkpoint_manifest: None,
+            checkpoint_taken_over_at: None,
             extra: ExtraFields::new(),
         }
     }
@@ -147,6 +158,18 @@ impl Lease {
         {
             self.wanted_by = Some(intent.clone());
         }
+    }
+
+    /// True if `recorded` (a `status.latest_checkpoint`) was recorded after
+    /// this lock's hold took its `checkpoint` over, by an earlier hold: a
+    /// late record that must not count (see `checkpoint_taken_over_at`).
+    pub fn outdates(&self, recorded: &CheckpointRef) -> bool {
+        self.checkpoint_taken_over_at == Some(self.epoch)
+            && recorded.epoch < self.epoch
+            && self
+                .checkpoint
+                .as_ref()
+                .is_some_and(|carried| carried.path != recorded.path)
     }
 
     /// The manifest carried with `checkpoint`, if it describes that image.

@@ -181,6 +181,16 @@ pub struct CheckpointRef {
     pub extra: ExtraFields,
 }
 
+impl CheckpointRef {
+    /// True when this is newer than `than` (by epoch, then time taken) at
+    /// another path.
+    pub fn is_newer_than(&self, than: Option<&CheckpointRef>) -> bool {
+        than.is_none_or(|than| {
+            (self.epoch, self.created_at) > (than.epoch, than.created_at) && self.path != than.path
+        })
+    }
+}
+
 /// Where a forked sandbox came from: the source and the checkpoint copied
 /// (by the source's checkpoint id; the name it was asked for by, if any).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -325,15 +325,20 @@ impl Leases {
     /// renewed, same epoch). Clears `wanted_by` naming this instance (fulfilled) or expired.
     pub async fn acquire(&self, sandbox: &SandboxId) -> Result<HeldLease, LeaseError> {
         let read = self.read(sandbox).await?;
-        self.acquire_from(sandbox, read).await
+        self.acquire_from(sandbox, read, None).await
     }
 
     /// [`Self::acquire`] from the lock as just read (`None`: absent), making
     /// the instance lease vouch meanwhile (the lock's own covers until then).
+    /// `latest` is the latest checkpoint `status` recorded as the caller read
+    /// it: a take-over writes the newer of it and the lock's as the checkpoint
+    /// the new hold took over (`Lease::checkpoint_taken_over_at`), so a
+    /// former holder's late record never counts after.
     pub async fn acquire_from(
         &self,
         sandbox: &SandboxId,
         read: Option<ReadLease>,
+        latest: Option<&CheckpointRef>,
     ) -> Result<HeldLease, LeaseError> {
         // Take over only a hold whose lock and instance lease both expired as
         // read; the write re-decides if it changed since (its precondition).
@@ -345,7 +350,7 @@ impl Leases {
         };
         let (ensured, acquired) = tokio::join!(
             self.ensure_instance_lease(),
-            self.acquire_write(sandbox, read, gone)
+            self.acquire_write(sandbox, read, gone, latest)
         );
         ensured?;
         let (epoch, lease, generation) = acquired?;
@@ -357,6 +362,7 @@ impl Leases {
         sandbox: &SandboxId,
         read: Option<ReadLease>,
         gone: Option<(InstanceId, u64)>,
+        latest: Option<&CheckpointRef>,
     ) -> Result<(u64, Lease, Generation), LeaseError> {
         let skew = self.config.skew_tolerance;
         self.modify_from(sandbox, read, |existing, now| {
@@ -389,7 +395,17 @@ impl Leases {
                     }) {
                         lease.wanted_by = None;
                     }
+                    // The latest as this lock's readers see it: a late
+                    // record of the hold before it does not count.
+                    let latest = latest.filter(|latest| {
+                        !lease.outdates(latest) && latest.is_newer_than(lease.checkpoint.as_ref())
+                    });
                     self.take_hold(&mut lease, self.instance.clone(), now);
+                    if let Some(latest) = latest {
+                        lease.checkpoint = Some(latest.clone());
+                        lease.checkpoint_manifest = None;
+                    }
+                    lease.checkpoint_taken_over_at = Some(lease.epoch);
                 }
             }
             let epoch = lease.epoch;
@@ -455,6 +471,7 @@ impl Leases {
             let outcome = match lease.wanted_elsewhere(&self.instance, now).cloned() {
                 Some(intent) => {
                     self.take_hold(&mut lease, intent.instance.clone(), now);
+                    lease.checkpoint_taken_over_at = Some(lease.epoch);
                     lease.wanted_by = None;
                     HandBack::TransferredTo {
                         instance: intent.instance,

@@ -9,7 +9,8 @@
 //! after each step:
 //! 1. never two instances running a sandbox while both can vouch for their
 //!    lease (a paused zombie may still run it, its lease expired);
-//! 2. `status.epoch` and `status.latest_checkpoint.epoch` never go down;
+//! 2. `status.epoch` and the latest checkpoint's epoch (`status`'s with
+//!    the lock's folded in, as every reader counts it) never go down;
 //! 3. until deletion, the latest checkpoint is at least as new as every
 //!    acknowledged one and restorable (manifest, image, digest);
 //! 4. a draining instance starts nothing: what it runs, it ran or was
@@ -355,11 +356,13 @@ impl Sim {
                 continue;
             };
             let metadata: SandboxMetadata = decode(&object.data).unwrap();
-            let checkpoint_epoch = metadata
-                .status
-                .latest_checkpoint
-                .as_ref()
-                .map_or(0, |c| c.epoch);
+            // The latest every reader counts: with the lock's checkpoint folded
+            // in (decision 18), a former holder's late record not counted.
+            let mut folded = metadata.status.clone();
+            if let Some(lock) = self.lock(&id).await {
+                record_carried(&mut folded, &lock, usize::MAX);
+            }
+            let checkpoint_epoch = folded.latest_checkpoint.as_ref().map_or(0, |c| c.epoch);
             let (seen_epoch, seen_checkpoint) = self.seen.get(&id).copied().unwrap_or((0, 0));
             assert!(
                 metadata.status.epoch >= seen_epoch,
@@ -377,16 +380,8 @@ impl Sim {
             if let Some(&acknowledged) = self.acknowledged.get(&id)
                 && metadata.status.phase != crate::api::Phase::Deleted
             {
-                // Or by the lock carrying it until the record lands (decision
-                // 18): the next holder restores the newer of the two.
-                let carried = self.lock(&id).await.and_then(|lock| lock.checkpoint);
-                let latest = match (metadata.status.latest_checkpoint.as_ref(), carried.as_ref()) {
-                    (Some(recorded), Some(carried)) if carried.epoch > recorded.epoch => carried,
-                    (Some(recorded), _) => recorded,
-                    (None, Some(carried)) => carried,
-                    (None, None) => {
-                        panic!("seed {seed} step {step}: {id} lost its acknowledged checkpoint")
-                    }
+                let Some(latest) = folded.latest_checkpoint.as_ref() else {
+                    panic!("seed {seed} step {step}: {id} lost its acknowledged checkpoint")
                 };
                 assert!(
                     latest.epoch >= acknowledged,

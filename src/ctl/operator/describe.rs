@@ -140,23 +140,29 @@ pub async fn describe(
     }
     let _ = writeln!(out, "\nCheckpoints:");
     // A checkpoint the lock carries and `status` does not record yet (a
-    // hand-back's record that has not landed, or never did): it is the
+    // hand-back's record that has not landed, or never did), or that its
+    // hold took over before a former holder's late record: it is the
     // latest, and what the next holder restores (decision 18).
-    let carried = lease
-        .as_ref()
-        .and_then(|(lease, _)| lease.checkpoint.as_ref())
-        .filter(|carried| {
+    let lock = lease.as_ref().map(|(lease, _)| lease);
+    let carried = lock
+        .and_then(|lock| lock.checkpoint.as_ref().map(|carried| (lock, carried)))
+        .filter(|(lock, _)| {
             let mut folded = status.clone();
-            controllers::sandboxes::record_carried(&mut folded, carried, usize::MAX);
+            controllers::sandboxes::record_carried(&mut folded, lock, usize::MAX);
             folded.latest_checkpoint.as_ref() != status.latest_checkpoint.as_ref()
         });
     let mut lines: Vec<(String, &controllers::api::CheckpointRef, &str)> = Vec::new();
-    if let Some(carried) = carried {
-        lines.push((
-            "latest".to_owned(),
-            carried,
-            "  (carried by lock.json: its record in metadata.json has not landed)",
-        ));
+    if let Some((lock, carried)) = carried {
+        let recorded_late = status
+            .latest_checkpoint
+            .as_ref()
+            .is_some_and(|latest| lock.outdates(latest));
+        let note = if recorded_late {
+            "  (carried by lock.json: its hold started from it; the record below came late from an earlier hold)"
+        } else {
+            "  (carried by lock.json: its record in metadata.json has not landed)"
+        };
+        lines.push(("latest".to_owned(), carried, note));
     }
     if let Some(latest) = &status.latest_checkpoint {
         let label = if carried.is_some() {

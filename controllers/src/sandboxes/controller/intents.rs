@@ -68,13 +68,9 @@ impl SandboxController {
             return Ok(None);
         };
         let (mut metadata, _) = read.metadata;
-        if let Some(carried) = read
-            .lock
-            .as_ref()
-            .and_then(|(lock, _)| lock.checkpoint.as_ref())
-        {
+        if let Some((lock, _)) = &read.lock {
             // A view, not a record: nothing falls off the history.
-            record_carried(&mut metadata.status, carried, usize::MAX);
+            record_carried(&mut metadata.status, lock, usize::MAX);
         }
         Ok(Some(metadata))
     }

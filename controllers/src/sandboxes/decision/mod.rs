@@ -10,7 +10,7 @@
 
 use chrono::{DateTime, Utc};
 
-use crate::api::{CheckpointRef, DesiredState, InstanceId, Lease, Phase, SandboxMetadata};
+use crate::api::{DesiredState, InstanceId, Lease, Phase, SandboxMetadata};
 use crate::leasing::HeldLease;
 
 /// What a full pass saw.
@@ -309,17 +309,11 @@ pub(crate) fn status_behind(
     status.epoch < held.epoch
         || status.phase != Phase::Running
         || status.holder.as_ref() != Some(me)
-        || lock
-            .and_then(|lock| lock.checkpoint.as_ref())
-            .is_some_and(|carried| is_newer(carried, status.latest_checkpoint.as_ref()))
-}
-
-/// True when `checkpoint` is newer than `than` (by epoch, then time taken) at another path.
-pub(crate) fn is_newer(checkpoint: &CheckpointRef, than: Option<&CheckpointRef>) -> bool {
-    than.is_none_or(|than| {
-        (checkpoint.epoch, checkpoint.created_at) > (than.epoch, than.created_at)
-            && checkpoint.path != than.path
-    })
+        || lock.is_some_and(|lock| {
+            let mut folded = status.clone();
+            crate::sandboxes::record_carried(&mut folded, lock, usize::MAX);
+            folded.latest_checkpoint != status.latest_checkpoint
+        })
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@ use DesiredState::{Checkpointed, Deleted};
 use chrono::{Duration, TimeZone, Utc};
 
 use super::*;
-use crate::api::{AttachIntent, ExtraFields, SandboxId};
+use crate::api::{AttachIntent, CheckpointRef, ExtraFields, SandboxId};
 use crate::sandboxes::tests::{TOKEN_HASH, held_lease};
 
 struct Case {
@@ -331,11 +331,55 @@ fn an_unvouched_hold_is_renewed_before_it_is_handed_over_checkpointed_or_deleted
 
 #[test]
 fn newer_checkpoints_order_by_epoch_then_time() {
-    assert!(is_newer(&checkpoint(2, 0), None));
-    assert!(is_newer(&checkpoint(3, 0), Some(&checkpoint(2, 9))));
-    assert!(is_newer(&checkpoint(2, 5), Some(&checkpoint(2, 4))));
-    assert!(!is_newer(&checkpoint(2, 4), Some(&checkpoint(2, 5))));
-    assert!(!is_newer(&checkpoint(2, 4), Some(&checkpoint(2, 4))));
+    assert!(checkpoint(2, 0).is_newer_than(None));
+    assert!(checkpoint(3, 0).is_newer_than(Some(&checkpoint(2, 9))));
+    assert!(checkpoint(2, 5).is_newer_than(Some(&checkpoint(2, 4))));
+    assert!(!checkpoint(2, 4).is_newer_than(Some(&checkpoint(2, 5))));
+    assert!(!checkpoint(2, 4).is_newer_than(Some(&checkpoint(2, 4))));
+}
+
+/// The latest checkpoint every reader counts, `status`'s folded with the
+/// lock's: the newer of the two, unless the lock's hold took its checkpoint
+/// over (`checkpoint_taken_over_at` at its epoch) and `status`'s is a later
+/// record of an earlier epoch. Locks an earlier release wrote (no field, or
+/// the field kept from an earlier epoch) read as before.
+#[test]
+fn a_late_record_of_an_earlier_hold_does_not_count_against_the_lock() {
+    let counted = |lock: &str, recorded: CheckpointRef| {
+        let mut lock: Lease = crate::api::decode(lock.as_bytes()).unwrap();
+        lock.checkpoint = Some(checkpoint(1, 5));
+        let mut status = crate::api::SandboxStatus {
+            latest_checkpoint: Some(recorded),
+            ..Default::default()
+        };
+        crate::sandboxes::record_carried(&mut status, &lock, usize::MAX);
+        status.latest_checkpoint.unwrap()
+    };
+    let lock = |epoch: u64, taken_over_at: Option<u64>| {
+        let field = taken_over_at.map_or(String::new(), |at| {
+            format!(r#", "checkpoint_taken_over_at": {at}"#)
+        });
+        format!(
+            r#"{{"apiVersion": "sandboxd.dev/v1", "holder": "b", "epoch": {epoch},
+                "acquired_at": "2026-11-22T12:00:00Z", "lease_duration_s": 30{field}}}"#
+        )
+    };
+    // This release's take-over at epoch 2 of the checkpoint of second 5.
+    assert_eq!(
+        counted(&lock(2, Some(2)), checkpoint(1, 9)),
+        checkpoint(1, 5)
+    );
+    assert_eq!(
+        counted(&lock(2, Some(2)), checkpoint(2, 1)),
+        checkpoint(2, 1)
+    );
+    // An earlier release's lock: no field, or one an earlier hold wrote.
+    assert_eq!(counted(&lock(2, None), checkpoint(1, 9)), checkpoint(1, 9));
+    assert_eq!(
+        counted(&lock(3, Some(2)), checkpoint(1, 9)),
+        checkpoint(1, 9)
+    );
+    assert_eq!(counted(&lock(2, None), checkpoint(1, 1)), checkpoint(1, 5));
 }
 
 fn checkpoint(epoch: u64, second: u32) -> CheckpointRef {

@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use super::*;
 use crate::leasing::HandBack;
-use crate::sandboxes::decision::is_newer;
 
 /// Makes `reference` the latest, moving the previous into `previous_checkpoints`
 /// (newest first, `keep` kept); returns what fell off. Idempotent on retry.
@@ -30,16 +29,18 @@ pub(super) fn record_latest(
     }
 }
 
-/// Folds the checkpoint a lock carries (its record not landed yet, or never:
-/// decision 18) into `status` if newer, also under its name; returns what fell
-/// off. Readers of `status` fold the lock in first: a client hears CHECKPOINTED
-/// before the record lands and may fork or restore it at once.
-pub fn record_carried(
-    status: &mut SandboxStatus,
-    carried: &CheckpointRef,
-    keep: usize,
-) -> Vec<CheckpointRef> {
-    if !is_newer(carried, status.latest_checkpoint.as_ref()) {
+/// Folds the checkpoint `lock` carries (its record not landed yet, or never:
+/// decision 18) into `status` if newer, or if `status`'s latest is a late
+/// record of an earlier hold ([`Lease::outdates`]), also under its name;
+/// returns what fell off. Every reader of `status` folds the lock in first: a
+/// client hears CHECKPOINTED before the record lands and may fork or restore
+/// it at once, and a frozen former holder's record must not win.
+pub fn record_carried(status: &mut SandboxStatus, lock: &Lease, keep: usize) -> Vec<CheckpointRef> {
+    let Some(carried) = &lock.checkpoint else {
+        return Vec::new();
+    };
+    let latest = status.latest_checkpoint.as_ref();
+    if !carried.is_newer_than(latest) && !latest.is_some_and(|latest| lock.outdates(latest)) {
         return Vec::new();
     }
     record_named(status, carried, keep)

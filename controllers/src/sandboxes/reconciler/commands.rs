@@ -336,10 +336,14 @@ impl Reconciler {
         let free = read.lock.as_ref().is_none_or(|(lease, _)| {
             lease.holder.is_none() && lease.wanted_elsewhere(&me, at).is_none()
         });
+        let latest = seen.0.status.latest_checkpoint.clone();
         // The lock after: taken, with the intent in it, or as read (ring only).
         let lock_write = async {
             if free {
-                match leases.acquire_from(sandbox, read.lock.clone()).await {
+                match leases
+                    .acquire_from(sandbox, read.lock.clone(), latest.as_ref())
+                    .await
+                {
                     Ok(held) => return Ok(Some((held.lease, held.generation))),
                     Err(LeaseError::HeldByOther { .. } | LeaseError::WantedByOther { .. }) => {}
                     Err(err) => return Err(err),

@@ -156,7 +156,34 @@ impl Reconciler {
         let holder_died = lock.as_ref().is_some_and(|(lease, _)| {
             lease.holder.is_some() && !lease.is_held_by(self.leases.instance())
         });
-        let held = match self.leases.acquire_from(sandbox, lock.clone()).await {
+        // A lock this version released carries its checkpoint, so this pass's
+        // read suffices (the newer is restored); one without (by hand, older
+        // versions) may postdate it: read again, after the lock was read
+        // (that read comes before the write, which names what it took over).
+        let metadata = if lock
+            .as_ref()
+            .is_some_and(|(lease, _)| lease.checkpoint.is_some())
+        {
+            metadata
+        } else {
+            match self.read_metadata(sandbox).await {
+                Ok(Some(fresh)) => fresh,
+                Ok(None) => {
+                    self.done_acquiring(sandbox);
+                    return Ok(Requeue::Never);
+                }
+                Err(err) => {
+                    self.done_acquiring(sandbox);
+                    return Err(err);
+                }
+            }
+        };
+        let latest = metadata.status.latest_checkpoint.as_ref();
+        let held = match self
+            .leases
+            .acquire_from(sandbox, lock.clone(), latest)
+            .await
+        {
             Ok(held) => held,
             Err(LeaseError::HeldByOther { holder, .. }) => {
                 // Holder live after all: await its hand-over (or expiry).
@@ -173,28 +200,6 @@ impl Reconciler {
             Err(err) => {
                 self.done_acquiring(sandbox);
                 return Err(err.into());
-            }
-        };
-        // A lock this version released carries its checkpoint, so this pass's
-        // read suffices (the newer is restored); one without (by hand, older
-        // versions) may postdate it: read again, after the acquisition.
-        let metadata = if held.lease.checkpoint.is_some() {
-            metadata
-        } else {
-            match self.read_metadata(sandbox).await {
-                Ok(Some(fresh)) => fresh,
-                Ok(None) => {
-                    self.done_acquiring(sandbox);
-                    self.leases.release(&held).await?;
-                    return Ok(Requeue::Never);
-                }
-                Err(err) => {
-                    self.done_acquiring(sandbox);
-                    if let Err(release) = self.leases.release(&held).await {
-                        tracing::warn!(%sandbox, %release, "cannot release after failing to re-read metadata");
-                    }
-                    return Err(err);
-                }
             }
         };
         self.start_held(sandbox, &metadata, held, holder_died, starting)
@@ -310,7 +315,6 @@ impl Reconciler {
         served_request: Option<DateTime<Utc>>,
     ) -> Result<(), ReconcileError> {
         let instance = self.leases.instance().clone();
-        let carried = lock.and_then(|lock| lock.checkpoint.clone());
         let keep = self.config.keep_checkpoints;
         let mut superseded = Vec::new();
         let written = self
@@ -330,8 +334,8 @@ impl Reconciler {
                 if served_request.is_some() {
                     status.last_restore_request = served_request;
                 }
-                if let Some(carried) = &carried {
-                    superseded = record_carried(status, carried, keep);
+                if let Some(lock) = lock {
+                    superseded = record_carried(status, lock, keep);
                 }
             })
             .await?;
@@ -391,9 +395,7 @@ impl Reconciler {
         // With the lock's checkpoint when its record has not landed yet: the
         // client heard CHECKPOINTED and may ask for it by name at once.
         let mut status = metadata.status.clone();
-        if let Some(carried) = &held.lease.checkpoint {
-            record_carried(&mut status, carried, usize::MAX);
-        }
+        record_carried(&mut status, &held.lease, usize::MAX);
         let source = match restore_request {
             Some(request) => match status.named_checkpoints.remove(&request.checkpoint) {
                 Some(found) => Some(found),

@@ -489,12 +489,15 @@ async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_land
     crate::leasing::tests::assert_rung(&world.store, &holder, &[first, second]).await;
 }
 
-/// Stalls an instance's checkpoint upload until thawed (a holder frozen in
-/// its checkpoint) and, once armed, its `metadata.json` writes for good (a
-/// holder killed before its record landed).
+/// Stalls an instance's checkpoint upload, or once armed its next
+/// `metadata.json` write, until thawed (a holder frozen in its checkpoint,
+/// or between its checks and its record) and, once armed, its
+/// `metadata.json` writes for good (a holder killed before its record
+/// landed).
 #[derive(Debug, Default)]
 struct FreezeAndHold {
     freeze_upload: AtomicBool,
+    freeze_record: AtomicBool,
     frozen: tokio::sync::Notify,
     thaw: tokio::sync::Notify,
     hold_metadata: AtomicBool,
@@ -503,7 +506,14 @@ struct FreezeAndHold {
 #[async_trait::async_trait]
 impl BeforeRequest for FreezeAndHold {
     async fn before(&self, request: Request<'_>, _: &MemoryStore) -> Result<(), StoreError> {
-        if request.writes("/checkpoint.img") && self.freeze_upload.swap(false, Ordering::AcqRel) {
+        let freeze = if request.writes("/checkpoint.img") {
+            &self.freeze_upload
+        } else if request.writes("/metadata.json") {
+            &self.freeze_record
+        } else {
+            return Ok(());
+        };
+        if freeze.swap(false, Ordering::AcqRel) {
             self.frozen.notify_one();
             self.thaw.notified().await;
         }
@@ -564,4 +574,56 @@ async fn a_frozen_holders_checkpoint_is_not_recorded_once_it_was_taken_over() {
         let lost = format!("\"s2\" was lost when B started: it never comes back ({periodic})");
         assert_eq!(c.runtime.memory(&id), Some(vec!["s1".to_owned()]), "{lost}");
     }
+}
+
+/// The reading side of the above: a periodic checkpoint's record that passed
+/// every check, then froze past the lease, lands after a taker started from
+/// the checkpoint before it; the taker dies before its own record. The
+/// taker's acquisition named the checkpoint it took over
+/// (`checkpoint_taken_over_at`), so the late record does not count: the next
+/// takeover restores what the taker started from, and `describe`'s fold
+/// says so. Without that field (a lock of an earlier release) the newer of
+/// the two counts, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_holders_late_record_does_not_count_after_a_take_over() {
+    let world = World::new();
+    let (a_store, a) = world.instance_through("a", FreezeAndHold::default(), checkpointing(true));
+    let (b_store, b) = world.instance_through("b", FreezeAndHold::default(), checkpointing(false));
+    let id = a.create(&world).await;
+    a.run(&id, "s1").await;
+    a.live_through(&world, 61).await;
+    a.pass(&id).await; // a periodic checkpoint of s1, recorded
+    let first = world.metadata(&id).await.status.latest_checkpoint.unwrap();
+    a.run(&id, "s2").await;
+    a.live_through(&world, 61).await;
+    a_store.hook.freeze_record.store(true, Ordering::Release);
+    let zombie = a.spawn(&id, |controller, id| async move {
+        let _ = controller.reconciler().reconcile(&id).await;
+    });
+    a_store.hook.frozen.notified().await;
+    // A's leases run out; B takes over from s1's checkpoint.
+    world.clock.advance(Duration::seconds(40));
+    b_store.hook.hold_metadata.store(true, Ordering::Release);
+    b.request_here(&id, None).await.unwrap();
+    for _ in (0..20).take_while(|_| !b.runs(&id)) {
+        let _ = b.reconcile(&id).await;
+    }
+    assert_eq!(b.runtime.memory(&id), Some(vec!["s1".to_owned()]));
+    let lock = world.lease(&id).await;
+    assert_eq!(lock.checkpoint.as_ref().map(|c| &c.path), Some(&first.path));
+    assert_eq!(lock.checkpoint_taken_over_at, Some(lock.epoch));
+    // A thaws: its record of s1 and s2 lands (B's never does).
+    a_store.hook.thaw.notify_one();
+    zombie.await.unwrap();
+    a.controller.reconciler().background_settled().await;
+    let late = world.metadata(&id).await.status.latest_checkpoint.unwrap();
+    assert_ne!(late.path, first.path, "the frozen holder's record landed");
+    assert!(lock.outdates(&late));
+    b.runtime.crash(&id);
+    drop(b);
+    world.clock.advance(Duration::seconds(40));
+    let c = world.instance("c");
+    c.bring_here(&id).await;
+    let lost = "\"s2\" was lost when B started: it never comes back";
+    assert_eq!(c.runtime.memory(&id), Some(vec!["s1".to_owned()]), "{lost}");
 }
