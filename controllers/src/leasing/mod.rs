@@ -120,6 +120,17 @@ pub enum LeaseError {
 /// A `lock.json` just read and its generation, for a write's precondition.
 pub type ReadLease = (Lease, Generation);
 
+/// What `status` recorded as the latest checkpoint, as an acquiring caller
+/// read it (the lock is read by the acquisition itself).
+#[derive(Debug, Clone, Copy)]
+pub enum Recorded<'a> {
+    /// Not read: the acquisition names no checkpoint it took over (a
+    /// tombstone's, which restores nothing).
+    Unread,
+    /// `status.latest_checkpoint` as read.
+    Latest(Option<&'a CheckpointRef>),
+}
+
 /// What became of a hold given back after its checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HandBack {
@@ -325,20 +336,20 @@ impl Leases {
     /// renewed, same epoch). Clears `wanted_by` naming this instance (fulfilled) or expired.
     pub async fn acquire(&self, sandbox: &SandboxId) -> Result<HeldLease, LeaseError> {
         let read = self.read(sandbox).await?;
-        self.acquire_from(sandbox, read, None).await
+        self.acquire_from(sandbox, read, Recorded::Unread).await
     }
 
     /// [`Self::acquire`] from the lock as just read (`None`: absent), making
     /// the instance lease vouch meanwhile (the lock's own covers until then).
-    /// `latest` is the latest checkpoint `status` recorded as the caller read
-    /// it: a take-over writes the newer of it and the lock's as the checkpoint
-    /// the new hold took over (`Lease::checkpoint_taken_over_at`), so a
-    /// former holder's late record never counts after.
+    /// With what `status` recorded as the caller read it, a take-over writes
+    /// the newer of its latest and the lock's as the checkpoint the new hold
+    /// took over (`Lease::checkpoint_taken_over_at`), so a former holder's
+    /// late record never counts after.
     pub async fn acquire_from(
         &self,
         sandbox: &SandboxId,
         read: Option<ReadLease>,
-        latest: Option<&CheckpointRef>,
+        recorded: Recorded<'_>,
     ) -> Result<HeldLease, LeaseError> {
         // Take over only a hold whose lock and instance lease both expired as
         // read; the write re-decides if it changed since (its precondition).
@@ -350,7 +361,7 @@ impl Leases {
         };
         let (ensured, acquired) = tokio::join!(
             self.ensure_instance_lease(),
-            self.acquire_write(sandbox, read, gone, latest)
+            self.acquire_write(sandbox, read, gone, recorded)
         );
         ensured?;
         let (epoch, lease, generation) = acquired?;
@@ -362,7 +373,7 @@ impl Leases {
         sandbox: &SandboxId,
         read: Option<ReadLease>,
         gone: Option<(InstanceId, u64)>,
-        latest: Option<&CheckpointRef>,
+        recorded: Recorded<'_>,
     ) -> Result<(u64, Lease, Generation), LeaseError> {
         let skew = self.config.skew_tolerance;
         self.modify_from(sandbox, read, |existing, now| {
@@ -395,6 +406,13 @@ impl Leases {
                     }) {
                         lease.wanted_by = None;
                     }
+                    let Recorded::Latest(latest) = recorded else {
+                        // What it took over is unknown: the field, of an
+                        // earlier epoch now, stops counting.
+                        self.take_hold(&mut lease, self.instance.clone(), now);
+                        let epoch = lease.epoch;
+                        return Ok(Step::Write(Box::new(lease), epoch));
+                    };
                     // The latest as this lock's readers see it: a late
                     // record of the hold before it does not count.
                     let latest = latest.filter(|latest| {

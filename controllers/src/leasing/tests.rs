@@ -431,6 +431,56 @@ async fn a_hand_back_transfers_the_hold_to_the_live_intent_with_the_checkpoint()
     assert!(matches!(again, Err(LeaseError::Lost { .. })));
 }
 
+/// What a hold took over: a transfer names its checkpoint at the new epoch;
+/// an acquisition that read `status` the newer of its latest and the lock's
+/// (the manifest dropped if it no longer describes it); one that read
+/// nothing (a tombstone's) names nothing, and the field stops counting.
+#[tokio::test]
+async fn a_new_hold_names_the_checkpoint_it_took_over_only_when_it_knows_it() {
+    let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
+    let held = a.acquire(&sandbox()).await.unwrap();
+    b.request_attach(&sandbox()).await.unwrap();
+    let read = a.read(&sandbox()).await.unwrap();
+    let lease = handed_to_b(&a, &held, read, &store, &clock).await;
+    assert_eq!(lease.checkpoint_taken_over_at, Some(2));
+    let carried = lease.checkpoint.clone().unwrap();
+    let held_b = b.adopt(&sandbox(), &lease, Generation(0)).await.unwrap();
+    b.release(&held_b).await.unwrap();
+
+    // `status` recorded a newer one (a periodic checkpoint of B's hold).
+    let newer = crate::api::CheckpointRef {
+        path: "sandbox_checkpoints/c2/checkpoint.img".into(),
+        epoch: 2,
+        ..carried.clone()
+    };
+    let read = a.read(&sandbox()).await.unwrap();
+    a.acquire_from(&sandbox(), read, Recorded::Latest(Some(&newer)))
+        .await
+        .unwrap();
+    let lease = stored_lease(&store).await;
+    assert_eq!((lease.epoch, lease.checkpoint_taken_over_at), (3, Some(3)));
+    assert_eq!(lease.checkpoint.as_ref(), Some(&newer));
+    assert_eq!(
+        lease.carried_manifest(),
+        None,
+        "the manifest was the older one's"
+    );
+    // An older one recorded: the lock's stays.
+    clock.advance(Duration::seconds(120));
+    let read = b.read(&sandbox()).await.unwrap();
+    b.acquire_from(&sandbox(), read, Recorded::Latest(Some(&carried)))
+        .await
+        .unwrap();
+    let lease = stored_lease(&store).await;
+    assert_eq!(lease.checkpoint.as_ref(), Some(&newer));
+    assert_eq!(lease.checkpoint_taken_over_at, Some(4));
+
+    clock.advance(Duration::seconds(120));
+    a.acquire(&sandbox()).await.unwrap();
+    let lease = stored_lease(&store).await;
+    assert_eq!((lease.epoch, lease.checkpoint_taken_over_at), (5, Some(4)));
+}
+
 #[tokio::test]
 async fn a_holder_read_live_is_not_read_again_within_a_second_unless_run_out_gone_is_always_read() {
     let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);

@@ -21,7 +21,7 @@ use crate::api::{
     encode,
 };
 use crate::layout::metadata_key;
-use crate::leasing::LeaseError;
+use crate::leasing::{LeaseError, Recorded};
 use crate::sandboxes::controller::ControlError;
 use crate::store::{Decision, Generation, PutMode, RmwError, StoreError, read_modify_write_from};
 
@@ -341,7 +341,11 @@ impl Reconciler {
         let lock_write = async {
             if free {
                 match leases
-                    .acquire_from(sandbox, read.lock.clone(), latest.as_ref())
+                    .acquire_from(
+                        sandbox,
+                        read.lock.clone(),
+                        Recorded::Latest(latest.as_ref()),
+                    )
                     .await
                 {
                     Ok(held) => return Ok(Some((held.lease, held.generation))),

@@ -29,7 +29,7 @@ use crate::layout::{
     checkpoint_id_of_image, checkpoint_image_key, checkpoint_manifest_key, handoff_checkpoint_id,
     lock_key, metadata_key,
 };
-use crate::leasing::{HeldLease, LeaseError, Leases, ReadLease};
+use crate::leasing::{HeldLease, LeaseError, Leases, ReadLease, Recorded};
 use crate::runtime::{CheckpointRequest, CreateOptions, RuntimeError, SandboxRuntime};
 use crate::store::{Generation, ObjectKey, Store, StoreError, Versioned};
 

@@ -178,10 +178,10 @@ impl Reconciler {
                 }
             }
         };
-        let latest = metadata.status.latest_checkpoint.as_ref();
+        let recorded = Recorded::Latest(metadata.status.latest_checkpoint.as_ref());
         let held = match self
             .leases
-            .acquire_from(sandbox, lock.clone(), latest)
+            .acquire_from(sandbox, lock.clone(), recorded)
             .await
         {
             Ok(held) => held,
