@@ -622,6 +622,40 @@ mod tests {
         assert_eq!(hedged_write(Err("late"), Ok(8)).await, (Ok(8), 2));
     }
 
+    /// A call whose attempt answers after `answers_after` (virtual time),
+    /// hedged after 250 ms: how many attempts it sent.
+    async fn attempts_answering_after(answers_after: Duration) -> usize {
+        let mut sent = 0;
+        let answer: Answer = hedged(
+            Duration::from_millis(250),
+            || {
+                sent += 1;
+                async move {
+                    tokio::time::sleep(answers_after).await;
+                    Ok(1)
+                }
+            },
+            Result::is_ok,
+        )
+        .await;
+        assert_eq!(answer, Ok(1));
+        sent
+    }
+
+    /// Only a call still unanswered at the hedge's delay gets a twin. The
+    /// clock is tokio's paused one: a loaded machine cannot make a prompt
+    /// answer look slow (the store tests against the emulator measure the
+    /// slow side only, for that reason).
+    #[tokio::test(start_paused = true)]
+    async fn a_call_answered_in_time_is_sent_once_a_slow_one_twice() {
+        assert_eq!(attempts_answering_after(Duration::from_millis(20)).await, 1);
+        assert_eq!(
+            attempts_answering_after(Duration::from_millis(249)).await,
+            1
+        );
+        assert_eq!(attempts_answering_after(Duration::from_secs(3)).await, 2);
+    }
+
     #[test]
     fn emulator_hosts_become_endpoints() {
         assert_eq!(emulator_endpoint("127.0.0.3:80"), "http://127.0.0.3");

@@ -261,14 +261,9 @@ async fn a_slow_read_is_asked_again_and_the_first_answer_serves() {
         "waited for the slow read: {took:?}"
     );
     // Held 3 s, answered in under one: a second read answered it (the
-    // first, dropped, is never recorded).
-
-    // A read answered in time is not asked twice.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    model.clear_records();
-    store.get(&k).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(requests_for(&model, "sandboxes/0d/lock.json"), ["GET 200"]);
+    // first, dropped, is never recorded). That a read answered in time is
+    // not asked twice is `store::gcs`'s unit test, on a paused clock: here
+    // a loaded machine could delay a prompt answer past the hedge.
 }
 
 /// A write whose answer is slow (GCS's tail: the instance lease's renewal,
@@ -334,7 +329,7 @@ async fn a_slow_write_is_sent_again_conditional_or_not_and_lands_once() {
 
 /// A small blob's upload whose answer is slow (GCS's tail on a checkpoint's
 /// image, on every handoff's path) is sent again and the first success
-/// serves; an upload answered in time goes once.
+/// serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_small_upload_is_sent_again_and_the_first_success_serves() {
     let (store, model, _proxy) = modelled(Profile::loopback(), RetrySettings::default()).await;
@@ -361,15 +356,5 @@ async fn a_slow_small_upload_is_sent_again_and_the_first_success_serves() {
         .await
         .unwrap();
     assert!(read == data, "the content came back different");
-
-    // Answered in time: one request.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    model.clear_records();
-    let again = key("sandbox_checkpoints/prompt/checkpoint.img");
-    store
-        .upload_blob(&again, controllers::store::BlobSource::File(path))
-        .await
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(requests_for(&model, again.as_str()), ["POST 200"]);
+    // An upload answered in time goes once: `store::gcs`'s unit test.
 }
