@@ -165,14 +165,15 @@ async fn until_closed(mut stream: tokio::net::TcpStream, within: Duration) -> Op
 }
 
 /// Row 3: 4,100 connections that send nothing (more than the server's
-/// 4,096 connection permits) leave `/status` answering within a second (the
-/// connection idle the longest makes room), and all of them are closed
+/// 4,096 connection permits) leave `/status` answering before any of them
+/// reached its idle deadline (the connection idle the longest makes room;
+/// without that, the request would wait for that deadline), and all of them are closed
 /// after the idle timeout; a client that dribbles its headers is closed at
 /// the header-read timeout; a WebSocket client that answers no ping is
 /// closed at the ping timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_never_keep_a_request_out_and_are_closed_at_their_deadlines() {
-    const IDLE: Duration = Duration::from_secs(4);
+    const IDLE: Duration = Duration::from_secs(8);
     const HEADERS: Duration = Duration::from_secs(2);
     const IDLE_SOCKETS: usize = 4_100;
     let (soft, _) = rlimit_nofile();
@@ -204,15 +205,18 @@ async fn idle_connections_never_keep_a_request_out_and_are_closed_at_their_deadl
         client.get(format!("http://{addr}/status")).send(),
     )
     .await;
-    let answered = asked.elapsed();
+    let (answered, since_first) = (asked.elapsed(), opened.elapsed());
     eprintln!(
         "{IDLE_SOCKETS} idle connections opened in {opening:?}; /status answered in {answered:?}"
     );
     let status = status.expect("/status answered within 5 s").unwrap();
     assert!(status.status().is_success());
+    // Measured against the deadline it would otherwise have waited for,
+    // not a fixed second: a loaded machine may be slow to open the sockets.
     assert!(
-        answered < Duration::from_secs(1),
-        "/status took {answered:?} with {IDLE_SOCKETS} idle connections open"
+        since_first < IDLE - Duration::from_secs(1),
+        "/status took {answered:?} with {IDLE_SOCKETS} idle connections open, \
+         {since_first:?} after the first opened: it waited for an idle deadline ({IDLE:?})"
     );
 
     // A client that dribbles a request's headers, one byte at a time.
