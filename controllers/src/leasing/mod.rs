@@ -334,7 +334,7 @@ impl Leases {
 
     /// Takes the lease at `epoch + 1`, creating it or taking it over if free or expired (held here:
     /// renewed, same epoch). Clears `wanted_by` naming this instance (fulfilled) or expired.
-    pub async fn acquire(&self, sandbox: &SandboxId) -> Result<HeldLease, LeaseError> {
+    pub(crate) async fn acquire(&self, sandbox: &SandboxId) -> Result<HeldLease, LeaseError> {
         let read = self.read(sandbox).await?;
         self.acquire_from(sandbox, read, Recorded::Unread).await
     }
@@ -345,7 +345,7 @@ impl Leases {
     /// the newer of its latest and the lock's as the checkpoint the new hold
     /// took over (`Lease::checkpoint_taken_over_at`), so a former holder's
     /// late record never counts after.
-    pub async fn acquire_from(
+    pub(crate) async fn acquire_from(
         &self,
         sandbox: &SandboxId,
         read: Option<ReadLease>,
@@ -435,7 +435,10 @@ impl Leases {
     /// Creates a new sandbox's lock held here at epoch 1 (a create is its
     /// own acquisition) while making the instance lease vouch; `None` if a
     /// lock exists (`ifGenerationMatch=0`; the caller falls back to an intent).
-    pub async fn create_held(&self, sandbox: &SandboxId) -> Result<Option<HeldLease>, LeaseError> {
+    pub(crate) async fn create_held(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<Option<HeldLease>, LeaseError> {
         let now = self.clock.now();
         let mut lease = self.fresh_lease();
         self.take_hold(&mut lease, self.instance.clone(), now);
@@ -454,7 +457,7 @@ impl Leases {
     }
 
     /// Takes up a hold naming this instance (a transfer, create or attach).
-    pub async fn adopt(
+    pub(crate) async fn adopt(
         &self,
         sandbox: &SandboxId,
         lease: &Lease,
@@ -475,7 +478,7 @@ impl Leases {
     /// Gives a hold back after its checkpoint, recording it in the lock, to
     /// the instance whose live intent names it (a transfer: `holder` = it,
     /// `epoch + 1`, in this one write) or to nobody. From `read` if given.
-    pub async fn hand_back(
+    pub(crate) async fn hand_back(
         &self,
         held: &HeldLease,
         read: Option<ReadLease>,
@@ -508,7 +511,7 @@ impl Leases {
     }
 
     /// Extends a hold: `Lost` if taken over or cleared by an operator.
-    pub async fn renew(&self, held: &HeldLease) -> Result<HeldLease, LeaseError> {
+    pub(crate) async fn renew(&self, held: &HeldLease) -> Result<HeldLease, LeaseError> {
         self.renew_or_found(held)
             .await?
             .map_err(|found| match found {
@@ -520,7 +523,7 @@ impl Leases {
     }
 
     /// [`Self::renew`], but a lock not naming the hold comes back as found.
-    pub async fn renew_or_found(
+    pub(crate) async fn renew_or_found(
         &self,
         held: &HeldLease,
     ) -> Result<Result<HeldLease, Option<Lease>>, LeaseError> {
@@ -542,7 +545,7 @@ impl Leases {
     }
 
     /// Sets `holder: null`, keeping epoch and intent; `Lost` if already lost.
-    pub async fn release(&self, held: &HeldLease) -> Result<(), LeaseError> {
+    pub(crate) async fn release(&self, held: &HeldLease) -> Result<(), LeaseError> {
         self.modify_from(&held.sandbox, None, |existing, _now| {
             let mut lease = self.still_mine(held, existing)?;
             lease.holder = None;
@@ -554,7 +557,7 @@ impl Leases {
 
     /// Gives up a hold whose start failed and withdraws this instance's intent
     /// (its client was told) in one write: GCS allows ~1 write/s per object.
-    pub async fn release_and_withdraw(&self, held: &HeldLease) -> Result<(), LeaseError> {
+    pub(crate) async fn release_and_withdraw(&self, held: &HeldLease) -> Result<(), LeaseError> {
         self.forget_own_intent(&held.sandbox);
         self.modify_from(&held.sandbox, None, |existing, _now| {
             let mut lease = self.still_mine(held, existing)?;
@@ -568,7 +571,11 @@ impl Leases {
 
     /// Gives up a hold at `epoch` naming this instance, which does not run it
     /// (the reconciler's orphan row); no write if the lock moved on.
-    pub async fn release_orphan(&self, sandbox: &SandboxId, epoch: u64) -> Result<(), LeaseError> {
+    pub(crate) async fn release_orphan(
+        &self,
+        sandbox: &SandboxId,
+        epoch: u64,
+    ) -> Result<(), LeaseError> {
         self.forget_own_intent(sandbox);
         self.modify_from(sandbox, None, |existing, _now| match existing {
             Some(mut lease) if lease.is_held_by(&self.instance) && lease.epoch == epoch => {
@@ -592,7 +599,10 @@ impl Leases {
 
     /// Writes `wanted_by` = this instance for the intent TTL (creating an
     /// unheld lock if none) and rings the holder to hand over at once.
-    pub async fn request_attach(&self, sandbox: &SandboxId) -> Result<AttachIntent, LeaseError> {
+    pub(crate) async fn request_attach(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<AttachIntent, LeaseError> {
         Ok(self.request_attach_writing(sandbox, None, None).await?.0)
     }
 
@@ -605,7 +615,7 @@ impl Leases {
     /// it from now ([`Self::hear`]); a failed ring or unheld lock writes it
     /// instead. `metadata`: the `metadata.json` generation read with `read`
     /// if the caller won't write it, for the ring to tell the holder.
-    pub async fn request_attach_writing(
+    pub(crate) async fn request_attach_writing(
         &self,
         sandbox: &SandboxId,
         read: Option<ReadLease>,
@@ -679,7 +689,7 @@ impl Leases {
     }
 
     /// Withdraws this instance's attach intent, if it is still the current one.
-    pub async fn withdraw_attach(&self, sandbox: &SandboxId) -> Result<(), LeaseError> {
+    pub(crate) async fn withdraw_attach(&self, sandbox: &SandboxId) -> Result<(), LeaseError> {
         self.forget_own_intent(sandbox);
         self.modify_from(sandbox, None, |mut existing, _now| {
             Ok(

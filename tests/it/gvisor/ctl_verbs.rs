@@ -38,15 +38,15 @@ async fn populate(store: Arc<dyn Store>) {
         .put(&metadata_key(&id(HELD)), encode(&held), PutMode::Create)
         .await
         .unwrap();
-    Leases::new(
+    let leases = Leases::new(
         store.clone(),
         Arc::new(SystemClock),
         InstanceId::parse("instance-a").unwrap(),
         LeaseConfig::default(),
-    )
-    .acquire(&id(HELD))
-    .await
-    .unwrap();
+    );
+    controllers::testing::hold(&leases, &id(HELD))
+        .await
+        .unwrap();
     let plain = SandboxMetadata::new(id(PLAIN), Utc::now(), "ab".repeat(32));
     store
         .put(&metadata_key(&id(PLAIN)), encode(&plain), PutMode::Create)

@@ -30,7 +30,7 @@ async fn populate(store: Arc<dyn Store>) {
         InstanceId::parse("instance-a").unwrap(),
         LeaseConfig::default(),
     );
-    leases.acquire(&held).await.unwrap();
+    controllers::testing::hold(&leases, &held).await.unwrap();
     let broken = SandboxId::parse(BROKEN).unwrap();
     store
         .put(
