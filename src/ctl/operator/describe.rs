@@ -198,3 +198,51 @@ pub async fn describe(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use controllers::api::{CheckpointRef, SandboxMetadata, encode};
+    use controllers::layout::{lock_key, metadata_key};
+    use controllers::store::PutMode;
+    use controllers::testing::MemoryStore;
+
+    use super::*;
+
+    fn checkpoint(id: &str, epoch: u64, at: DateTime<Utc>) -> CheckpointRef {
+        serde_json::from_value(serde_json::json!({
+            "bucket": "b", "path": format!("sandbox_checkpoints/{id}/checkpoint.img"),
+            "epoch": epoch, "sha256": "ab".repeat(32), "size": 1, "created_at": at,
+        }))
+        .unwrap()
+    }
+
+    /// A former holder's record that landed after the lock's hold took its
+    /// checkpoint over is shown as what it is, under the lock's latest.
+    #[tokio::test]
+    async fn a_late_record_of_an_earlier_hold_is_shown_as_such() {
+        let (store, now, id) = (MemoryStore::new(), Utc::now(), SandboxId::random());
+        let mut metadata = SandboxMetadata::new(id.clone(), now, "ab".repeat(32));
+        metadata.status.epoch = 1;
+        metadata.status.latest_checkpoint = Some(checkpoint("late", 1, now));
+        let mut lock = Lease::unheld(30);
+        (lock.epoch, lock.checkpoint_taken_over_at) = (2, Some(2));
+        lock.checkpoint = Some(checkpoint("taken", 1, now - chrono::Duration::minutes(1)));
+        for (key, data) in [
+            (metadata_key(&id), encode(&metadata)),
+            (lock_key(&id), encode(&lock)),
+        ] {
+            store.put(&key, data, PutMode::Create).await.unwrap();
+        }
+        let out = describe(&store, id.as_str(), now).await.unwrap();
+        let latest = out.lines().find(|line| line.contains("latest")).unwrap();
+        assert!(latest.contains("sandbox_checkpoints/taken/"), "{out}");
+        assert!(
+            latest.contains("the record below came late from an earlier hold"),
+            "{out}"
+        );
+        assert!(
+            out.contains("recorded   sandbox_checkpoints/late/"),
+            "{out}"
+        );
+    }
+}
