@@ -92,13 +92,8 @@ async fn a_checkpoint_waits_for_a_running_execution() {
     let asked = a.send_state(&id, DesiredState::Checkpointed).await;
     assert!(matches!(a.pass(&id).await, Requeue::After(_)));
     asked.await.unwrap().unwrap();
-    assert_eq!(
-        drain(&mut events),
-        vec![
-            SandboxEvent::CheckpointStarted,
-            SandboxEvent::CheckpointWaitsForExecution
-        ]
-    );
+    let waits = SandboxEvent::CheckpointWaitsForExecution;
+    assert_eq!(drain(&mut events), [SandboxEvent::CheckpointStarted, waits]);
     assert!(a.runs(&id));
     execution.control.kill().await.unwrap();
     a.pass(&id).await;
@@ -209,10 +204,8 @@ async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_runni
     let status = world.metadata(&id).await.status;
     assert_eq!(status.phase, Phase::Running);
     let error = status.last_error.unwrap_or_default();
-    assert!(
-        error.contains("without enable_checkpoint"),
-        "recorded for operators"
-    );
+    let recorded = error.contains("without enable_checkpoint");
+    assert!(recorded, "recorded for operators");
 }
 
 /// While `closed`, a `metadata.json` write waits for the gate, then fails.
@@ -290,10 +283,8 @@ pub(super) async fn checkpointed_before_its_record(
     let seen = drain(&mut events);
     assert!(heard!(seen, SandboxEvent::Checkpointed { .. }));
     let status = world.metadata(&id).await.status;
-    assert!(
-        status.latest_checkpoint.is_none() && status.named_checkpoints.is_empty(),
-        "the record has not landed: {status:?}"
-    );
+    let unrecorded = status.latest_checkpoint.is_none() && status.named_checkpoints.is_empty();
+    assert!(unrecorded, "the record has not landed: {status:?}");
     gated.hook.closed.store(false, Ordering::SeqCst);
     (world, gated, a, id)
 }

@@ -23,11 +23,8 @@ async fn another_instance_asking_gets_the_sandbox_handed_over_with_the_image_it_
     let expected = checkpoint_image_key(&handoff_checkpoint_id(&id, 1, &named("b")));
     assert_eq!(b.runtime.prefetched(), vec![expected.clone()]);
     // The intent went by ring (decision 27): A hears it at its doorbell.
-    assert_eq!(
-        world.lease(&id).await.wanted_by,
-        None,
-        "the lock is not written"
-    );
+    let intent = world.lease(&id).await.wanted_by;
+    assert_eq!(intent, None, "the lock is not written");
     let mut events = a.controller.subscribe(&id);
     a.answer_doorbell().await;
     a.pass(&id).await;
@@ -58,20 +55,16 @@ async fn a_hand_over_landing_on_a_draining_instance_is_given_back_with_its_check
     a.pass(&id).await;
     assert_eq!(world.lease(&id).await.holder, Some(named("b")));
     // SIGTERM on B, which holds nothing yet.
-    assert_eq!(
-        b.controller.drain(std::time::Duration::from_secs(1)).await,
-        0
-    );
+    let left = b.controller.drain(std::time::Duration::from_secs(1)).await;
+    assert_eq!(left, 0);
     b.pass(&id).await;
     assert!(!b.runs(&id), "a draining instance starts nothing");
     let told = drain(&mut waiting_on_b).contains(&restore_failed(StartFailure::ShuttingDown));
     assert!(told, "B's client is told");
     let lock = world.lease(&id).await;
     assert_eq!((lock.holder, lock.wanted_by), (None, None));
-    assert!(
-        lock.checkpoint.is_some(),
-        "the hand-over image stays carried"
-    );
+    let carried = lock.checkpoint.is_some();
+    assert!(carried, "the hand-over image stays carried");
     let c = world.instance("c");
     c.bring_here(&id).await;
     assert_eq!(c.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
@@ -149,10 +142,8 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
     b.request_here(&id, None).await.unwrap();
     b.controller.drain_queue();
     let requeue = b.pass(&id).await;
-    assert_eq!(
-        requeue, image_poll,
-        "the image is not in the store: look less often"
-    );
+    let less_often = "the image is not in the store: look less often";
+    assert_eq!(requeue, image_poll, "{less_often}");
     let settle = std::time::Duration::from_millis(50);
     tokio::time::sleep(settle).await;
     assert!(b.controller.drain_queue().is_empty(), "nothing woke it yet");
@@ -168,11 +159,8 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
     };
     assert_eq!(woken, std::slice::from_ref(&id), "the landing woke it");
     let requeue = b.pass(&id).await;
-    assert_eq!(
-        requeue,
-        b.acquire_poll(),
-        "the image landed: the transfer is next, look soon"
-    );
+    let soon = "the image landed: the transfer is next, look soon";
+    assert_eq!(requeue, b.acquire_poll(), "{soon}");
     a.answer_doorbell().await;
     a.pass(&id).await;
     b.pass(&id).await;
@@ -251,11 +239,8 @@ async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
     x.answer_doorbell().await;
     x.pass(&id).await;
     let holder = world.lease(&id).await.holder;
-    assert_eq!(
-        holder,
-        Some(named("b")),
-        "X transferred the hold to the later intent's instance"
-    );
+    let later = "X transferred the hold to the later intent's instance";
+    assert_eq!(holder, Some(named("b")), "{later}");
     a.pass(&id).await;
     let lost_the_race = restore_failed(StartFailure::WantedElsewhere(named("b")));
     let told = drain(&mut waiting_on_a).contains(&lost_the_race);
@@ -344,11 +329,8 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     assert!(world.metadata(&id).await.status.latest_checkpoint.is_some());
     store.hook.resume.notify_one();
     pass.await.unwrap().unwrap();
-    assert_eq!(
-        b.runtime.memory(&id),
-        Some(vec!["state".to_owned()]),
-        "restored from the checkpoint recorded after the pass read metadata"
-    );
+    let why = "restored from the checkpoint recorded after the pass read metadata";
+    assert_eq!(b.runtime.memory(&id), Some(vec!["state".into()]), "{why}");
 }
 
 /// An attach right after asking for a checkpoint is served before the pass
