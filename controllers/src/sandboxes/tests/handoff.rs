@@ -39,9 +39,8 @@ async fn another_instance_asking_gets_the_sandbox_handed_over_with_the_image_it_
     assert!(a.runtime.prefetched().is_empty());
 }
 
-/// A hand-over landing on an instance that began shutting down meanwhile is
-/// not started there: its client is told to attach again, and the hold goes
-/// back with the checkpoint, which the next instance asking restores.
+/// A hand-over landing on an instance shutting down is not started: its client is told to attach
+/// again, and the hold goes back with the checkpoint, which the next instance asking restores.
 #[tokio::test]
 async fn a_hand_over_landing_on_a_draining_instance_is_given_back_with_its_checkpoint() {
     let (world, a, id) = World::with_a_sandbox().await;
@@ -333,8 +332,7 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     assert_eq!(b.runtime.memory(&id), Some(vec!["state".into()]), "{why}");
 }
 
-/// An attach right after asking for a checkpoint is served before the pass
-/// decides (the paths benchmark saw `SANDBOX_RESTORE_ERROR`, an orphan).
+/// An attach right after asking for a checkpoint is served before the pass decides.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
     let (world, a, id) = World::with_a_sandbox().await;
@@ -471,11 +469,9 @@ async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_land
     crate::leasing::tests::assert_rung(&world.store, &holder, &[first, second]).await;
 }
 
-/// Stalls an instance's checkpoint upload, or once armed its next
-/// `metadata.json` write, until thawed (a holder frozen in its checkpoint,
-/// or between its checks and its record) and, once armed, its
-/// `metadata.json` writes for good (a holder killed before its record
-/// landed).
+/// Once armed: stalls an instance's checkpoint upload or next `metadata.json` write until thawed (a
+/// holder frozen in its checkpoint, or between its checks and its record), or its `metadata.json`
+/// writes for good (a holder killed before its record landed).
 #[derive(Debug, Default)]
 struct FreezeAndHold {
     freeze_upload: AtomicBool,
@@ -506,11 +502,9 @@ impl BeforeRequest for FreezeAndHold {
     }
 }
 
-/// A holder frozen in its hand-over (or periodic) checkpoint thaws after a
-/// taker started from the lock's older checkpoint (what ran since is lost,
-/// as in a crash), before the taker's record landed: its hand-back fails,
-/// and its record must not land either, or a later takeover restores the
-/// lost state.
+/// A holder frozen in its hand-over (or periodic) checkpoint thaws after a taker started from the
+/// lock's older checkpoint (losing what ran since), before the taker's record landed: its hand-back
+/// fails, and its record must not land either, or a later takeover restores the lost state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_holders_checkpoint_is_not_recorded_once_it_was_taken_over() {
     for periodic in [false, true] {
@@ -558,14 +552,11 @@ async fn a_frozen_holders_checkpoint_is_not_recorded_once_it_was_taken_over() {
     }
 }
 
-/// The reading side of the above: a periodic checkpoint's record that passed
-/// every check, then froze past the lease, lands after a taker started from
-/// the checkpoint before it; the taker dies before its own record. The
-/// taker's acquisition named the checkpoint it took over
-/// (`checkpoint_taken_over_at`), so the late record does not count: the next
-/// takeover restores what the taker started from, and `describe`'s fold
-/// says so. Without that field (a lock of an earlier release) the newer of
-/// the two counts, as before.
+/// The reading side of the above: a periodic checkpoint's record that passed every check, then
+/// froze past the lease, lands after a taker started from the checkpoint before it; the taker dies
+/// before its own record. The taker's acquisition named the checkpoint it took over
+/// (`checkpoint_taken_over_at`), so the late record does not count: the next takeover restores what
+/// the taker started from, and `describe`'s fold says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_holders_late_record_does_not_count_after_a_take_over() {
     let world = World::new();

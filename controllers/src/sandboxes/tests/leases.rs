@@ -152,9 +152,8 @@ async fn an_unvouched_holder_renews_its_hold_then_hands_over_in_one_pass() {
     assert!(b.runs(&id));
 }
 
-/// A holder frozen past its lease resumes to its taker's ring, generations
-/// matching; but an unvouched hold may be taken: it reads both objects and
-/// stops, not "hands over" a lost sandbox (as the chaos run's did).
+/// A holder frozen past its lease resumes to its taker's ring, generations matching; but an
+/// unvouched hold may be taken: it reads both objects and stops, not "hands over" a lost sandbox.
 #[tokio::test]
 async fn a_ring_heard_after_a_freeze_is_not_taken_for_a_read() {
     let world = World::new();
