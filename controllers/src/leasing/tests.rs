@@ -74,8 +74,7 @@ impl LeaseConfig {
     }
 }
 
-/// Instance `name`'s leases ([`LeaseConfig::for_tests`]), writing to one
-/// doorbell at most once per `spacing_ms`.
+/// `name`'s leases ([`LeaseConfig::for_tests`]) writing a doorbell at most once per `spacing_ms`.
 fn leases(store: Arc<dyn Store>, clock: &ManualClock, name: &str, spacing_ms: u64) -> Leases {
     let config = LeaseConfig {
         ring_spacing: std::time::Duration::from_millis(spacing_ms),
@@ -379,11 +378,10 @@ async fn a_batch_of_a_burst_reads_first_and_no_write_is_refused() {
     assert_rung(&memory, &holder, &[first, second, third]).await;
 }
 
-/// A hand-back is one write: the hold to the live intent, with the checkpoint.
-/// What a hold took over: a transfer names its checkpoint at the new epoch;
-/// an acquisition that read `status` the newer of its latest and the lock's
-/// (the manifest dropped if it no longer describes it); one that read
-/// nothing (a tombstone's) names nothing, and the field stops counting.
+/// A hand-back is one write: the hold to the live intent, with the checkpoint it took over at the
+/// new epoch. A later acquisition that read `status` names the newer of its latest and the lock's
+/// (the manifest dropped if it no longer describes it); one that read nothing (a tombstone's) names
+/// nothing, and the field stops counting.
 #[tokio::test]
 async fn a_hand_back_transfers_hold_and_checkpoint_and_a_new_hold_names_what_it_took_over() {
     let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
@@ -489,16 +487,11 @@ fn handed_checkpoint(
         "image": {"key": "sandbox_checkpoints/c1/checkpoint.img", "size": 3, "sha256": "ab"}
     }))
     .unwrap();
-    let reference = crate::api::CheckpointRef {
-        bucket: "b".into(),
-        path: manifest.image.key.clone(),
-        epoch: 1,
-        sha256: "ab".into(),
-        size: 3,
-        created_at: clock.now(),
-        name: None,
-        extra: Default::default(),
-    };
+    let reference = serde_json::from_value(serde_json::json!({
+        "bucket": "b", "path": manifest.image.key, "epoch": 1, "sha256": "ab", "size": 3,
+        "created_at": clock.now()
+    }))
+    .unwrap();
     (manifest, reference)
 }
 
@@ -521,22 +514,16 @@ async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write(
 
     // The holder's doorbell carries it; until heard, the holder sees none.
     let (bell, _) = a.instance_lease().read_doorbell().await.unwrap().unwrap();
-    let rung = bell
-        .rings
-        .iter()
-        .find(|ring| ring.sandbox == sandbox())
-        .and_then(|ring| ring.intent.clone())
-        .expect("the ring carries the intent");
+    let ring = bell.rings.iter().find(|ring| ring.sandbox == sandbox());
+    let carried = ring.and_then(|ring| ring.intent.clone());
+    let rung = carried.expect("the ring carries the intent");
     assert_eq!((rung.epoch, &rung.intent), (held.epoch, &intent));
     let (unheard, _) = a.read(&sandbox()).await.unwrap().unwrap();
     assert!(unheard.wanted_elsewhere(&me, clock.now()).is_none());
     a.hear(&sandbox(), rung.clone());
-    let read = a.read(&sandbox()).await.unwrap();
-    let wanted = read
-        .as_ref()
-        .and_then(|(lock, _)| lock.wanted_elsewhere(&me, clock.now()))
-        .map(|intent| intent.instance.clone());
-    assert_eq!(wanted, Some(instance("b")));
+    let (heard, _) = a.read(&sandbox()).await.unwrap().unwrap();
+    let wanted = heard.wanted_elsewhere(&me, clock.now());
+    assert_eq!(wanted.map(|intent| &intent.instance), Some(&instance("b")));
 
     // Heard again on a re-read lock (a failed precondition): still to B.
     let lease = handed_to_b(&a, &held, None, &store, &clock).await;

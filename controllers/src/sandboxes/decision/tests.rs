@@ -109,11 +109,8 @@ impl Case {
         self.with(|case| change(case.metadata.as_mut().unwrap()))
     }
 
-    fn desired(mut self, desired: DesiredState) -> Self {
-        if let Some(metadata) = &mut self.metadata {
-            metadata.spec.desired_state = desired;
-        }
-        self
+    fn desired(self, desired: DesiredState) -> Self {
+        self.with_metadata(|metadata| metadata.spec.desired_state = desired)
     }
 
     /// Checks that the table decides `expected`; `why` names the row.

@@ -143,8 +143,7 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
     let requeue = b.pass(&id).await;
     let less_often = "the image is not in the store: look less often";
     assert_eq!(requeue, image_poll, "{less_often}");
-    let settle = std::time::Duration::from_millis(50);
-    tokio::time::sleep(settle).await;
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     assert!(b.controller.drain_queue().is_empty(), "nothing woke it yet");
     b.runtime.land_images();
     // The wake comes from a task watching the landing: polled, not timed.
