@@ -70,9 +70,8 @@ struct Outbox {
     read_first_until: Option<tokio::time::Instant>,
 }
 
-/// How long batches read first after a stale remembered doorbell: otherwise
-/// two instances ringing one holder in turn (mass reconnect) each pay a
-/// refused write per stale copy (decision 22's withdrawn attempt).
+/// How long batches read first after a stale remembered doorbell: two instances ringing one holder
+/// in turn (mass reconnect) would otherwise each pay a refused write per stale copy.
 const READ_FIRST_AFTER_STALE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// This instance's lease and doorbell.
@@ -175,8 +174,7 @@ impl InstanceLeases {
         self.renew().await.map(|_| ())
     }
 
-    /// Rewrites this instance's lease: ONE unconditional write (nobody else
-    /// writes it). Returns the era the renewal belongs to.
+    /// Renews this instance's lease: ONE unconditional write (only it writes it). Returns its era.
     pub async fn renew(&self) -> Result<u64, LeaseError> {
         let now = self.clock.now();
         let (previous, started_at) = {
@@ -305,9 +303,8 @@ impl InstanceLeases {
             let last_write = locked(&self.outboxes)
                 .get(holder)
                 .and_then(|outbox| outbox.last_write);
-            // A batch that waited for the spacing is a burst: other instances
-            // may ring this holder too (a mass reconnect), and a write from a
-            // copy they staled is refused yet costs scarce rate. Read first.
+            // A batch that waited for the spacing is a burst: others may ring this holder too, and
+            // a write from a copy they staled is refused yet costs scarce rate. Read first.
             let burst = last_write
                 .is_some_and(|last| self.clock.instant() < last + self.config.ring_spacing);
             if let Some(last) = last_write {

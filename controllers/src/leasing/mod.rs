@@ -120,12 +120,10 @@ pub enum LeaseError {
 /// A `lock.json` just read and its generation, for a write's precondition.
 pub type ReadLease = (Lease, Generation);
 
-/// What `status` recorded as the latest checkpoint, as an acquiring caller
-/// read it (the lock is read by the acquisition itself).
+/// `status`'s latest checkpoint as an acquiring caller read it (the acquisition reads the lock).
 #[derive(Debug, Clone, Copy)]
 pub enum Recorded<'a> {
-    /// Not read: the acquisition names no checkpoint it took over (a
-    /// tombstone's, which restores nothing).
+    /// Not read (a tombstone's, which restores nothing): the hold names no checkpoint it took over.
     Unread,
     /// `status.latest_checkpoint` as read.
     Latest(Option<&'a CheckpointRef>),
@@ -189,14 +187,12 @@ pub struct Leases {
     instance: InstanceId,
     config: LeaseConfig,
     instance_lease: InstanceLeases,
-    /// Rung intents (decision 27): on a holder, those its doorbell brought;
-    /// on a ringer, its own. Lock reads here count them ([`Lease::hear`]) so
-    /// both see the lock's next `wanted_by`. Set by [`Leases::keep_rung_in`].
+    /// Rung intents (decision 27): on a holder, those its doorbell brought; on a ringer, its own.
+    /// Lock reads here count them ([`Lease::hear`]) so both see the lock's next `wanted_by`.
     heard: Option<Arc<dyn RungIntents>>,
 }
 
-/// Where an instance keeps rung intents (decision 27), at most one per
-/// sandbox: the reconciler's slots (`sandboxes/reconciler/slots.rs`).
+/// Where rung intents are kept (decision 27), at most one per sandbox: the reconciler's slots.
 pub trait RungIntents: Send + Sync + std::fmt::Debug {
     fn rung(&self, sandbox: &SandboxId) -> Option<RungIntent>;
     fn change_rung(
@@ -339,12 +335,10 @@ impl Leases {
         self.acquire_from(sandbox, read, Recorded::Unread).await
     }
 
-    /// [`Self::acquire`] from the lock as just read (`None`: absent), making
-    /// the instance lease vouch meanwhile (the lock's own covers until then).
-    /// With what `status` recorded as the caller read it, a take-over writes
-    /// the newer of its latest and the lock's as the checkpoint the new hold
-    /// took over (`Lease::checkpoint_taken_over_at`), so a former holder's
-    /// late record never counts after.
+    /// [`Self::acquire`] from the lock as just read (`None`: absent), making the instance lease
+    /// vouch meanwhile (the lock's own covers until then). A take-over names the newer of
+    /// `recorded` and the lock's checkpoint as the one it took over
+    /// (`Lease::checkpoint_taken_over_at`): a former holder's late record never counts after.
     pub(crate) async fn acquire_from(
         &self,
         sandbox: &SandboxId,
@@ -407,14 +401,12 @@ impl Leases {
                         lease.wanted_by = None;
                     }
                     let Recorded::Latest(latest) = recorded else {
-                        // What it took over is unknown: the field, of an
-                        // earlier epoch now, stops counting.
+                        // Unknown what it took over: the old epoch's field stops counting.
                         self.take_hold(&mut lease, self.instance.clone(), now);
                         let epoch = lease.epoch;
                         return Ok(Step::Write(Box::new(lease), epoch));
                     };
-                    // The latest as this lock's readers see it: a late
-                    // record of the hold before it does not count.
+                    // As the lock's readers see it: the last hold's late record does not count.
                     let latest = latest.filter(|latest| {
                         !lease.outdates(latest) && latest.is_newer_than(lease.checkpoint.as_ref())
                     });
@@ -432,9 +424,8 @@ impl Leases {
         .await
     }
 
-    /// Creates a new sandbox's lock held here at epoch 1 (a create is its
-    /// own acquisition) while making the instance lease vouch; `None` if a
-    /// lock exists (`ifGenerationMatch=0`; the caller falls back to an intent).
+    /// Creates a new sandbox's lock held here at epoch 1 (a create is its own acquisition) while
+    /// making the instance lease vouch; `None` if a lock exists (the caller then writes an intent).
     pub(crate) async fn create_held(
         &self,
         sandbox: &SandboxId,
@@ -475,9 +466,8 @@ impl Leases {
         self.held(sandbox, lease.epoch, lease, generation)
     }
 
-    /// Gives a hold back after its checkpoint, recording it in the lock, to
-    /// the instance whose live intent names it (a transfer: `holder` = it,
-    /// `epoch + 1`, in this one write) or to nobody. From `read` if given.
+    /// Gives a hold back after its checkpoint, recorded in the lock, to the instance whose live
+    /// intent names it (a transfer at `epoch + 1` in one write) or to nobody; from `read` if given.
     pub(crate) async fn hand_back(
         &self,
         held: &HeldLease,
@@ -609,12 +599,11 @@ impl Leases {
     /// [`Self::request_attach`] from the lock as just read; returns the lock
     /// as written (`None`: the intent went by ring alone, lock as read).
     ///
-    /// If `read` names another holder, the intent only rings it (decision
-    /// 27): its transfer is the lock's next write, saving one at GCS's ~1/s
-    /// per object (a move right after a restore hit that). Own reads count
-    /// it from now ([`Self::hear`]); a failed ring or unheld lock writes it
-    /// instead. `metadata`: the `metadata.json` generation read with `read`
-    /// if the caller won't write it, for the ring to tell the holder.
+    /// If `read` names another holder, the intent only rings it (decision 27): its transfer is the
+    /// lock's next write, saving one at GCS's ~1/s per object. Own reads count it from now
+    /// ([`Self::hear`]); a failed ring or unheld lock writes it instead. `metadata`: the
+    /// `metadata.json` generation read with `read` if the caller won't write it, for the ring to
+    /// tell the holder.
     pub(crate) async fn request_attach_writing(
         &self,
         sandbox: &SandboxId,

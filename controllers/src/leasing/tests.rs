@@ -74,8 +74,7 @@ impl LeaseConfig {
     }
 }
 
-/// Instance `name`'s leases ([`LeaseConfig::for_tests`]), writing to one
-/// doorbell at most once per `spacing_ms`.
+/// `name`'s leases ([`LeaseConfig::for_tests`]) writing a doorbell at most once per `spacing_ms`.
 fn leases(store: Arc<dyn Store>, clock: &ManualClock, name: &str, spacing_ms: u64) -> Leases {
     let config = LeaseConfig {
         ring_spacing: std::time::Duration::from_millis(spacing_ms),
@@ -129,10 +128,8 @@ pub(crate) async fn assert_rung(store: &MemoryStore, holder: &InstanceId, sandbo
     let bell: crate::api::Doorbell =
         decode(&store.get(&doorbell_key(holder)).await.unwrap().data).unwrap();
     for sandbox in sandboxes {
-        assert!(
-            bell.rings.iter().any(|ring| &ring.sandbox == sandbox),
-            "{sandbox} was rung"
-        );
+        let rung = bell.rings.iter().any(|ring| &ring.sandbox == sandbox);
+        assert!(rung, "{sandbox} was rung");
     }
 }
 
@@ -167,10 +164,8 @@ async fn a_held_lease_refuses_others_until_it_expires() {
 
     // Expiry alone is not enough: the skew tolerance must pass too.
     clock.advance(Duration::seconds(12)); // 32 s after the renewal
-    assert_matches!(
-        b.acquire(&sandbox()).await,
-        Err(LeaseError::HeldByOther { .. })
-    );
+    let refused = b.acquire(&sandbox()).await;
+    assert_matches!(refused, Err(LeaseError::HeldByOther { .. }));
     clock.advance(Duration::seconds(3)); // 35 s: expired + 5 s tolerance
     let held_b = b.acquire(&sandbox()).await.unwrap();
     assert_eq!(held_b.epoch, held_a.epoch + 1);
@@ -217,26 +212,19 @@ async fn an_attach_intent_reserves_the_sandbox_for_the_asking_instance() {
 }
 
 #[tokio::test]
-async fn a_stale_intent_stops_blocking() {
+async fn an_intent_is_withdrawn_only_by_its_instance_and_a_stale_one_stops_blocking() {
     let (store, clock, [b, c]) = leases_on_one_store(["b", "c"]);
-    b.request_attach(&sandbox()).await.unwrap();
-    assert_matches!(
-        c.acquire(&sandbox()).await,
-        Err(LeaseError::WantedByOther { .. })
-    );
-    clock.advance(Duration::seconds(61));
-    assert_eq!(c.acquire(&sandbox()).await.unwrap().epoch, 1);
-    assert_eq!(intent_in(&store).await, None, "expired intent is cleared");
-}
-
-#[tokio::test]
-async fn withdrawing_an_intent_only_removes_ones_own() {
-    let (store, _, [b, c]) = leases_on_one_store(["b", "c"]);
     b.request_attach(&sandbox()).await.unwrap();
     c.withdraw_attach(&sandbox()).await.unwrap();
     assert_eq!(intent_in(&store).await, Some(instance("b")));
     b.withdraw_attach(&sandbox()).await.unwrap();
     assert_eq!(intent_in(&store).await, None);
+    b.request_attach(&sandbox()).await.unwrap();
+    let refused = c.acquire(&sandbox()).await;
+    assert_matches!(refused, Err(LeaseError::WantedByOther { .. }));
+    clock.advance(Duration::seconds(61));
+    assert_eq!(c.acquire(&sandbox()).await.unwrap().epoch, 1);
+    assert_eq!(intent_in(&store).await, None, "expired intent is cleared");
 }
 
 #[tokio::test]
@@ -255,10 +243,8 @@ async fn instances_whose_clocks_disagree_by_three_seconds_never_overlap() {
     for _ in 0..6 {
         advance(10);
         assert!(a.is_safe(&held));
-        assert_matches!(
-            b.acquire(&sandbox()).await,
-            Err(LeaseError::HeldByOther { .. })
-        );
+        let refused = b.acquire(&sandbox()).await;
+        assert_matches!(refused, Err(LeaseError::HeldByOther { .. }));
         held = a.renew(&held).await.unwrap();
     }
 
@@ -266,15 +252,11 @@ async fn instances_whose_clocks_disagree_by_three_seconds_never_overlap() {
     advance(26);
     assert!(!a.is_safe(&held));
     // B sees it 3 s early, held off until A's +32 (30 - 3 + 5) by the skew.
-    assert_matches!(
-        b.acquire(&sandbox()).await,
-        Err(LeaseError::HeldByOther { .. })
-    );
+    let refused = b.acquire(&sandbox()).await;
+    assert_matches!(refused, Err(LeaseError::HeldByOther { .. }));
     advance(5); // A's +31
-    assert_matches!(
-        b.acquire(&sandbox()).await,
-        Err(LeaseError::HeldByOther { .. })
-    );
+    let refused = b.acquire(&sandbox()).await;
+    assert_matches!(refused, Err(LeaseError::HeldByOther { .. }));
     advance(1); // A's +32
     let held_b = b.acquire(&sandbox()).await.unwrap();
     assert_eq!(held_b.epoch, 2);
@@ -316,10 +298,8 @@ async fn an_acquire_whose_response_was_lost_is_recognised_on_retry() {
     let err = a.acquire(&sandbox()).await;
     assert_matches!(err, Err(LeaseError::Store(ref e)) if e.is_transient());
     let held = a.acquire(&sandbox()).await.unwrap();
-    assert_eq!(
-        held.epoch, 1,
-        "the retry sees its own earlier write, no second epoch"
-    );
+    let once = "the retry sees its own earlier write, no second epoch";
+    assert_eq!(held.epoch, 1, "{once}");
 }
 
 /// A mass reconnect (30 rings to one holder in a second) is coalesced: at
@@ -339,14 +319,10 @@ async fn a_burst_of_rings_to_one_holder_is_coalesced_under_the_write_rate() {
         ring.unwrap().unwrap();
     }
     let writes = counts.count(Operation::Put);
-    assert!(
-        (1..=3).contains(&writes),
-        "30 rings: {writes} doorbell writes"
-    );
-    assert!(
-        started.elapsed() < std::time::Duration::from_secs(2),
-        "every ringer was answered within the spacing"
-    );
+    let coalesced = (1..=3).contains(&writes);
+    assert!(coalesced, "30 rings: {writes} doorbell writes");
+    let answered = started.elapsed() < std::time::Duration::from_secs(2);
+    assert!(answered, "every ringer was answered within the spacing");
     assert_rung(&memory, &instance("a"), &sandboxes).await;
 }
 
@@ -363,11 +339,8 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
     let ring_by_c = || ring_doorbell(memory.as_ref(), clock.now(), &holder, &other, "c");
     rings.ring(&holder, &first, None).await.unwrap();
     let second_ring = async { rings.ring(&holder, &second, None).await.unwrap() };
-    assert_eq!(
-        reads_and_writes_of(&counts, second_ring).await,
-        (0, 1),
-        "a second ring is one write, no read"
-    );
+    let cost = reads_and_writes_of(&counts, second_ring).await;
+    assert_eq!(cost, (0, 1), "a second ring is one write, no read");
     // C's ring makes the remembered doorbell stale; it must not be dropped.
     ring_by_c().await.unwrap();
     rings.ring(&holder, &third, None).await.unwrap();
@@ -379,11 +352,8 @@ async fn a_second_ring_to_one_holder_is_one_write_and_keeps_other_rings() {
         ring_by_c().await.unwrap();
         rings.ring(&holder, &first, None).await.unwrap();
     };
-    assert_eq!(
-        reads_and_writes_of(&counts, ring_in_turn).await,
-        (1, 1),
-        "a read and one write, no refused write"
-    );
+    let cost = reads_and_writes_of(&counts, ring_in_turn).await;
+    assert_eq!(cost, (1, 1), "a read and one write, no refused write");
 }
 
 /// Two ringers in a burst: a batch that waited for the spacing reads first,
@@ -402,17 +372,18 @@ async fn a_batch_of_a_burst_reads_first_and_no_write_is_refused() {
     assert_eq!(writes, 2, "each first ring is one write");
     // B again within its spacing: a batch of the burst.
     b.ring(&holder, &third, None).await.unwrap();
-    assert_eq!(
-        counts.count(Operation::Put) - writes,
-        1,
-        "the batch was written once, not refused and written again"
-    );
+    let batch = counts.count(Operation::Put) - writes;
+    let once = "the batch was written once, not refused and written again";
+    assert_eq!(batch, 1, "{once}");
     assert_rung(&memory, &holder, &[first, second, third]).await;
 }
 
-/// A hand-back is one write: the hold to the live intent, with the checkpoint.
+/// A hand-back is one write: the hold to the live intent, with the checkpoint it took over at the
+/// new epoch. A later acquisition that read `status` names the newer of its latest and the lock's
+/// (the manifest dropped if it no longer describes it); one that read nothing (a tombstone's) names
+/// nothing, and the field stops counting.
 #[tokio::test]
-async fn a_hand_back_transfers_the_hold_to_the_live_intent_with_the_checkpoint() {
+async fn a_hand_back_transfers_hold_and_checkpoint_and_a_new_hold_names_what_it_took_over() {
     let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
     let held = a.acquire(&sandbox()).await.unwrap();
     b.request_attach(&sandbox()).await.unwrap();
@@ -424,26 +395,12 @@ async fn a_hand_back_transfers_the_hold_to_the_live_intent_with_the_checkpoint()
     assert!(lease.wanted_by.is_none());
     assert_eq!(lease.checkpoint.as_ref(), Some(&reference));
     assert_eq!(lease.carried_manifest(), Some(&manifest));
+    assert_eq!(lease.checkpoint_taken_over_at, Some(2));
     // The old holder can no longer act on it.
     assert!(matches!(a.renew(&held).await, Err(LeaseError::Lost { .. })));
     // A second hand-back of the same hold is refused: it is not A's.
     let again = a.hand_back(&held, None, &reference, &manifest).await;
     assert!(matches!(again, Err(LeaseError::Lost { .. })));
-}
-
-/// What a hold took over: a transfer names its checkpoint at the new epoch;
-/// an acquisition that read `status` the newer of its latest and the lock's
-/// (the manifest dropped if it no longer describes it); one that read
-/// nothing (a tombstone's) names nothing, and the field stops counting.
-#[tokio::test]
-async fn a_new_hold_names_the_checkpoint_it_took_over_only_when_it_knows_it() {
-    let (store, clock, [a, b]) = leases_on_one_store(["a", "b"]);
-    let held = a.acquire(&sandbox()).await.unwrap();
-    b.request_attach(&sandbox()).await.unwrap();
-    let read = a.read(&sandbox()).await.unwrap();
-    let lease = handed_to_b(&a, &held, read, &store, &clock).await;
-    assert_eq!(lease.checkpoint_taken_over_at, Some(2));
-    let carried = lease.checkpoint.clone().unwrap();
     let held_b = b.adopt(&sandbox(), &lease, Generation(0)).await.unwrap();
     b.release(&held_b).await.unwrap();
 
@@ -451,26 +408,21 @@ async fn a_new_hold_names_the_checkpoint_it_took_over_only_when_it_knows_it() {
     let newer = crate::api::CheckpointRef {
         path: "sandbox_checkpoints/c2/checkpoint.img".into(),
         epoch: 2,
-        ..carried.clone()
+        ..reference.clone()
     };
-    let read = a.read(&sandbox()).await.unwrap();
-    a.acquire_from(&sandbox(), read, Recorded::Latest(Some(&newer)))
-        .await
-        .unwrap();
+    let (id, latest) = (sandbox(), Recorded::Latest(Some(&newer)));
+    let read = a.read(&id).await.unwrap();
+    a.acquire_from(&id, read, latest).await.unwrap();
     let lease = stored_lease(&store).await;
     assert_eq!((lease.epoch, lease.checkpoint_taken_over_at), (3, Some(3)));
     assert_eq!(lease.checkpoint.as_ref(), Some(&newer));
-    assert_eq!(
-        lease.carried_manifest(),
-        None,
-        "the manifest was the older one's"
-    );
+    let manifest = lease.carried_manifest();
+    assert_eq!(manifest, None, "the manifest was the older one's");
     // An older one recorded: the lock's stays.
     clock.advance(Duration::seconds(120));
-    let read = b.read(&sandbox()).await.unwrap();
-    b.acquire_from(&sandbox(), read, Recorded::Latest(Some(&carried)))
-        .await
-        .unwrap();
+    let older = Recorded::Latest(Some(&reference));
+    let read = b.read(&id).await.unwrap();
+    b.acquire_from(&id, read, older).await.unwrap();
     let lease = stored_lease(&store).await;
     assert_eq!(lease.checkpoint.as_ref(), Some(&newer));
     assert_eq!(lease.checkpoint_taken_over_at, Some(4));
@@ -501,11 +453,8 @@ async fn a_holder_read_live_is_not_read_again_within_a_second_unless_run_out_gon
         (0, false, 6, "gone again, read again"),
     ] {
         clock.advance(Duration::milliseconds(passed_ms));
-        assert_eq!(
-            watcher.is_live(&instance("a")).await.unwrap(),
-            live,
-            "{why}"
-        );
+        let answer = watcher.is_live(&instance("a")).await.unwrap();
+        assert_eq!(answer, live, "{why}");
         assert_eq!(store.operations(), before + reads, "{why}");
     }
 }
@@ -538,16 +487,11 @@ fn handed_checkpoint(
         "image": {"key": "sandbox_checkpoints/c1/checkpoint.img", "size": 3, "sha256": "ab"}
     }))
     .unwrap();
-    let reference = crate::api::CheckpointRef {
-        bucket: "b".into(),
-        path: manifest.image.key.clone(),
-        epoch: 1,
-        sha256: "ab".into(),
-        size: 3,
-        created_at: clock.now(),
-        name: None,
-        extra: Default::default(),
-    };
+    let reference = serde_json::from_value(serde_json::json!({
+        "bucket": "b", "path": manifest.image.key, "epoch": 1, "sha256": "ab", "size": 3,
+        "created_at": clock.now()
+    }))
+    .unwrap();
     (manifest, reference)
 }
 
@@ -562,33 +506,24 @@ async fn an_attach_intent_goes_by_ring_and_the_transfer_is_the_locks_next_write(
     let (id, me) = (sandbox(), instance("a"));
     let read = b.read(&id).await.unwrap();
     let (intent, _) = b.request_attach_writing(&id, read, None).await.unwrap();
-    assert_eq!(
-        store.get(&lock_key(&sandbox())).await.unwrap().generation,
-        before,
-        "the lock is not written"
-    );
+    let generation = store.get(&lock_key(&sandbox())).await.unwrap().generation;
+    assert_eq!(generation, before, "the lock is not written");
     assert_eq!(stored_lease(&store).await.wanted_by, None);
     let (seen_by_b, _) = b.read(&sandbox()).await.unwrap().unwrap();
     assert!(seen_by_b.wanted_by_me(&instance("b"), clock.now()));
 
     // The holder's doorbell carries it; until heard, the holder sees none.
     let (bell, _) = a.instance_lease().read_doorbell().await.unwrap().unwrap();
-    let rung = bell
-        .rings
-        .iter()
-        .find(|ring| ring.sandbox == sandbox())
-        .and_then(|ring| ring.intent.clone())
-        .expect("the ring carries the intent");
+    let ring = bell.rings.iter().find(|ring| ring.sandbox == sandbox());
+    let carried = ring.and_then(|ring| ring.intent.clone());
+    let rung = carried.expect("the ring carries the intent");
     assert_eq!((rung.epoch, &rung.intent), (held.epoch, &intent));
     let (unheard, _) = a.read(&sandbox()).await.unwrap().unwrap();
     assert!(unheard.wanted_elsewhere(&me, clock.now()).is_none());
     a.hear(&sandbox(), rung.clone());
-    let read = a.read(&sandbox()).await.unwrap();
-    let wanted = read
-        .as_ref()
-        .and_then(|(lock, _)| lock.wanted_elsewhere(&me, clock.now()))
-        .map(|intent| intent.instance.clone());
-    assert_eq!(wanted, Some(instance("b")));
+    let (heard, _) = a.read(&sandbox()).await.unwrap().unwrap();
+    let wanted = heard.wanted_elsewhere(&me, clock.now());
+    assert_eq!(wanted.map(|intent| &intent.instance), Some(&instance("b")));
 
     // Heard again on a re-read lock (a failed precondition): still to B.
     let lease = handed_to_b(&a, &held, None, &store, &clock).await;
@@ -685,8 +620,6 @@ async fn an_era_that_began_after_a_holds_lock_lease_ran_out_does_not_vouch_for_i
     clock.advance(Duration::seconds(20));
     a.instance_lease().renew().await.unwrap();
     clock.advance(Duration::seconds(10));
-    assert!(
-        a.is_safe(&hold),
-        "a hold taken after the lapse lost its era"
-    );
+    let kept = a.is_safe(&hold);
+    assert!(kept, "a hold taken after the lapse lost its era");
 }

@@ -73,8 +73,7 @@ struct Node {
     open: tokio::sync::watch::Sender<bool>,
     /// A reconcile pass frozen by the pause, finished when it ends.
     frozen: Option<tokio::task::JoinHandle<()>>,
-    /// Draining since its SIGTERM: what it ran or was starting then, and
-    /// still runs (nothing else may run there).
+    /// Draining since SIGTERM: what it ran or was starting then and still runs (nothing else may).
     draining: Option<Vec<SandboxId>>,
 }
 
@@ -89,8 +88,7 @@ struct Sim {
     seen: HashMap<SandboxId, (u64, u64)>,
     /// Epoch of the newest acknowledged checkpoint per sandbox.
     acknowledged: HashMap<SandboxId, u64>,
-    /// Per sandbox: what vouched runners' memories held, and what of it a
-    /// later one lacked (lost for good).
+    /// Per sandbox: what vouched runners had in memory and what a later one lacked (lost for good).
     memories: HashMap<SandboxId, (HashSet<String>, HashSet<String>)>,
 }
 
@@ -451,8 +449,7 @@ async fn run_seed(seed: u64) {
         sim.step(step).await;
         sim.check(seed, step).await;
     }
-    // Heal: no faults, all awake, drained instances gone; each sandbox runs
-    // in one place or says why.
+    // Heal (no faults, all awake, drained ones gone): each sandbox runs in one place or says why.
     sim.store.take_faults();
     for n in 0..sim.nodes.len() {
         if sim.nodes[n].draining.is_some() {
@@ -555,9 +552,8 @@ async fn simulation_soak() {
     }
 }
 
-/// One seed, to study a failure: `SIM_SEED=686 RUST_LOG=controllers=debug
-/// cargo test -p controllers --features testing --lib one_seed` (seed 0 by
-/// default; `RUST_LOG` prints every pass's decision, step by step).
+/// One seed, to study a failure: `SIM_SEED=686 RUST_LOG=controllers=debug cargo test -p controllers
+/// --features testing --lib one_seed` (seed 0 by default; `RUST_LOG` prints each pass's decision).
 #[tokio::test]
 async fn one_seed() {
     let seed = env_seed("SIM_SEED", 0);

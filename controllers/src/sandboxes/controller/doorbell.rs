@@ -60,9 +60,8 @@ impl SandboxController {
         }
     }
 
-    /// Reads the doorbell every `doorbell_poll` while anything is held (nobody
-    /// rings otherwise), `doorbell_poll_active` while a client here is active,
-    /// start to start (a read's round trip, tens of ms on GCS, adds no wait).
+    /// Reads the doorbell every `doorbell_poll` while anything is held (nobody rings otherwise),
+    /// `doorbell_poll_active` while a client here is active, start to start (a read adds no wait).
     pub(super) async fn watch_doorbell(self: Arc<Self>) {
         let mut last_read = self.reconciler.clock().instant();
         loop {

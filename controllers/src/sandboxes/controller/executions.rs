@@ -193,9 +193,8 @@ fn fence_exit(
                     }
                 }
                 held => {
-                    // Lost to another instance, or never vouched for again: no
-                    // end may be reported. No longer held without a loss (died,
-                    // deleted, checkpointed): the events' end is that stop.
+                    // Lost, or never vouched for again: no end may be reported. Unheld without a
+                    // loss (died, deleted, checkpointed): the events' end is that stop.
                     if held.is_some() || reconciler.was_lost(&sandbox) {
                         tracing::warn!(%sandbox, "an execution ended while this instance could not vouch for its hold: its end is not reported");
                         let _ = tx.send(ExecEvent::HoldLost).await;

@@ -57,9 +57,8 @@ impl SandboxController {
         Ok(Some(AttachRead { metadata, lock }))
     }
 
-    /// `metadata.json` with `lock.json`'s carried checkpoint folded in: what a
-    /// fork starts from, as a client hears CHECKPOINTED before the record lands
-    /// (decision 18) and may fork at once, anywhere. `None`: no such sandbox.
+    /// `metadata.json` with `lock.json`'s carried checkpoint folded in (decision 18): what a fork
+    /// starts from, as the record may lag CHECKPOINTED. `None`: no such sandbox.
     pub async fn read_with_carried(
         &self,
         sandbox: &SandboxId,
@@ -117,9 +116,8 @@ impl SandboxController {
         self.request_here_from(read, checkpoint, now).await
     }
 
-    /// [`Self::request_here`] on a fresh read: the pass writes spec and lock at
-    /// once, each conditional on it, taking a lock nobody holds or wants, or
-    /// ringing its holder; replies as the lock lands, not the spec (decision 21).
+    /// [`Self::request_here`] on a fresh read: the pass writes spec and lock at once, each
+    /// conditional on it; replies as the lock lands, not the spec (decision 21).
     pub async fn request_here_from(
         self: &Arc<Self>,
         read: AttachRead,

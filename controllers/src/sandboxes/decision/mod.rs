@@ -36,9 +36,8 @@ pub(crate) struct Observed<'a> {
     pub checkpoint_due: bool,
     /// This instance is shutting down: it starts nothing more.
     pub draining: bool,
-    /// Why the bucket could not be reached, if so: a read of either object,
-    /// or a re-verification's write of the lock, failed in the store (not an
-    /// operator's invalid document). `metadata` and `lock` then mean nothing.
+    /// Why the bucket was unreachable, if so: a read of either object or a re-verifying lock write
+    /// failed in the store (not an invalid document); `metadata` and `lock` then mean nothing.
     pub unreachable: Option<&'a str>,
 }
 
@@ -95,8 +94,7 @@ pub(crate) enum Step {
     /// Desired `running`, wanted here, hold free or holder gone: acquire, then restore or create.
     Acquire,
     /// Desired `running`, wanted here, but this instance is shutting down: tell a client waiting
-    /// here to attach again (another instance takes over), withdraw the intent, and release a hold
-    /// transferred here at `release` (the checkpoint it carries stays for the next holder).
+    /// here to attach again, withdraw the intent, release a hold transferred here at `release`.
     ShuttingDown { release: Option<u64> },
     /// Desired `running`, wanted here, another live holder: it hands over in
     /// one write naming this instance; poll soon, re-ring lest a ring was lost.
@@ -140,9 +138,8 @@ pub(crate) fn decide(seen: &Observed<'_>) -> Step {
             return Step::MarkDied;
         }
         if !seen.vouched {
-            // Another instance may take the hold from now on, and the steps
-            // below may stop or kill the sandbox before a fenced write fails:
-            // renew first (a stale-view hand-over once killed an execution).
+            // Another instance may take the hold from now on, and the steps below may stop or kill
+            // the sandbox before a fenced write fails: renew first.
             return Step::Reverify;
         }
         return match metadata.spec.desired_state {
@@ -221,10 +218,9 @@ pub(crate) fn wanted_elsewhere(me: &InstanceId, lock: Option<&Lease>, now: DateT
     lock.is_some_and(|lock| lock.wanted_elsewhere(me, now).is_some())
 }
 
-/// What a sandbox held here asks for at the shutdown drain: `None` if its
-/// pass finishes by itself (being deleted, decision 28; or wanted elsewhere:
-/// `checkpointed` over that attach's `running` would strand it); else a
-/// checkpoint, or deletion if not checkpointable (or its metadata is gone).
+/// What a sandbox held here asks for at the shutdown drain: `None` if its pass finishes by itself
+/// (being deleted, decision 28; or wanted elsewhere: `checkpointed` over that attach's `running`
+/// would strand it); else a checkpoint, or deletion if not checkpointable (or gone).
 pub(crate) fn drain_to(
     me: &InstanceId,
     metadata: Option<&SandboxMetadata>,

@@ -109,11 +109,8 @@ impl Case {
         self.with(|case| change(case.metadata.as_mut().unwrap()))
     }
 
-    fn desired(mut self, desired: DesiredState) -> Self {
-        if let Some(metadata) = &mut self.metadata {
-            metadata.spec.desired_state = desired;
-        }
-        self
+    fn desired(self, desired: DesiredState) -> Self {
+        self.with_metadata(|metadata| metadata.spec.desired_state = desired)
     }
 
     /// Checks that the table decides `expected`; `why` names the row.
@@ -153,10 +150,8 @@ fn a_lock_naming_another_holder_or_epoch_means_lost() {
     let case = Case::held_here().held_by("b", 4);
     case.decides(lost_to("b"), "another holder");
     let case = Case::held_here().held_by("a", 4);
-    assert!(
-        matches!(case.decide(), Step::StopLost { .. }),
-        "a newer epoch of ours is not ours"
-    );
+    let lost = matches!(case.decide(), Step::StopLost { .. });
+    assert!(lost, "a newer epoch of ours is not ours");
     let case = Case::held_here().with(|case| case.lock = None);
     assert_eq!(case.decide(), Step::StopLost { holder: None });
     // A newer record (epoch 4) fences the hold even if the lock predates it.
@@ -365,21 +360,14 @@ fn a_late_record_of_an_earlier_hold_does_not_count_against_the_lock() {
         )
     };
     // This release's take-over at epoch 2 of the checkpoint of second 5.
-    assert_eq!(
-        counted(&lock(2, Some(2)), checkpoint(1, 9)),
-        checkpoint(1, 5)
-    );
-    assert_eq!(
-        counted(&lock(2, Some(2)), checkpoint(2, 1)),
-        checkpoint(2, 1)
-    );
+    let taken_over = lock(2, Some(2));
+    assert_eq!(counted(&taken_over, checkpoint(1, 9)), checkpoint(1, 5));
+    assert_eq!(counted(&taken_over, checkpoint(2, 1)), checkpoint(2, 1));
     // An earlier release's lock: no field, or one an earlier hold wrote.
-    assert_eq!(counted(&lock(2, None), checkpoint(1, 9)), checkpoint(1, 9));
-    assert_eq!(
-        counted(&lock(3, Some(2)), checkpoint(1, 9)),
-        checkpoint(1, 9)
-    );
-    assert_eq!(counted(&lock(2, None), checkpoint(1, 1)), checkpoint(1, 5));
+    let (unmarked, marked_earlier) = (lock(2, None), lock(3, Some(2)));
+    assert_eq!(counted(&unmarked, checkpoint(1, 9)), checkpoint(1, 9));
+    assert_eq!(counted(&marked_earlier, checkpoint(1, 9)), checkpoint(1, 9));
+    assert_eq!(counted(&unmarked, checkpoint(1, 1)), checkpoint(1, 5));
 }
 
 fn checkpoint(epoch: u64, second: u32) -> CheckpointRef {

@@ -72,9 +72,8 @@ pub(super) fn unreferenced(
         .collect()
 }
 
-/// Deletes a checkpoint's image and manifest by image key (missing ones are
-/// fine; a non-checkpoint key, e.g. an operator's edit, deletes nothing): the
-/// one place they are removed (retention, tombstone purges, `sandboxctl`).
+/// Deletes a checkpoint's image and manifest by image key (missing ones are fine; a non-checkpoint
+/// key deletes nothing): the one place they are removed (retention, purges, `sandboxctl`).
 pub async fn delete_checkpoint_objects(
     store: &dyn Store,
     image_path: &str,
@@ -108,10 +107,9 @@ impl Reconciler {
         Ok(())
     }
 
-    /// Checkpoints a held sandbox in place (record, restore here, lease kept)
-    /// so a crash loses at most one interval; skipped during an execution,
-    /// silent to the client. A failure retries next interval; the next full
-    /// pass stops a sandbox left not running (`MarkDied`) or fenced (`StopLost`).
+    /// Checkpoints a held sandbox in place (record, restore, lease kept) so a crash loses at most
+    /// one interval; skipped during an execution, silent to the client. A failure retries next
+    /// interval; the next full pass stops one left not running (`MarkDied`) or fenced (`StopLost`).
     pub(super) async fn periodic_checkpoint(
         &self,
         sandbox: &SandboxId,
@@ -255,10 +253,9 @@ impl Reconciler {
         let reference = self.checkpoint_ref(&manifest, held.epoch, name);
         // The hand-back carries the checkpoint (decision 18): the next holder restores it even if
         // the record lands late or never. The record follows once the lock proved this hold current
-        // (the hand-back landed, or `not_taken_over`): a frozen holder's record would otherwise
-        // land before its taker's first record moves `status.epoch` on, and a later takeover
-        // restore a state the taker never started from (a lost state back; `docs/handoff.md`, "A
-        // zombie's record").
+        // (the hand-back landed, or `not_taken_over`): else a frozen holder's record could land
+        // before its taker's first record moves `status.epoch` on, and a later takeover restore a
+        // state the taker never started from (`docs/handoff.md`, "A zombie's record").
         self.emit(sandbox, SandboxEvent::LeaseReleasing);
         let handed = self
             .leases

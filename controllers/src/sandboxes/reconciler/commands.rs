@@ -325,8 +325,7 @@ impl Reconciler {
         let leases = &self.leases;
         let me = leases.instance().clone();
         self.mark_waiting(sandbox);
-        // As this owner sees it: its writes since the caller's read count,
-        // even one under way (a checkpoint asked just before).
+        // As this owner sees it: its writes since the caller's read count, even one under way.
         let seen = self.as_owner_sees(sandbox, read.metadata.clone());
         let mut intended = seen.clone();
         change(&mut intended.0.spec);

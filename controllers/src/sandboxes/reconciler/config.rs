@@ -5,8 +5,7 @@ use std::time::Duration;
 /// What a holder does when asked for a sandbox whose execution still runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HandoffPolicy {
-    /// Kill the execution and move the sandbox at once (as the earlier server
-    /// did): the new client gets it fast, the execution is lost.
+    /// Kill the execution and move the sandbox: the new client gets it fast; the execution is lost.
     #[default]
     Force,
     /// Let the execution finish first; the attach waits (up to its timeout).

@@ -90,9 +90,8 @@ impl Reconciler {
         Ok(Requeue::After(Duration::ZERO))
     }
 
-    /// After an instance-lease lapse (`decide` saw the hold not vouched for):
-    /// one conditional write to the lock re-verifies it (a taker's concurrent
-    /// write then fails); what it found if refused is for the table to decide.
+    /// After an instance-lease lapse: one conditional lock write re-verifies the hold (a taker's
+    /// concurrent write then fails); if refused, the table decides on what it found.
     pub(super) async fn reverify(&self, sandbox: &SandboxId, held: &HeldLease) -> Reverified {
         let reverified = async {
             self.leases.ensure_instance_lease().await?;

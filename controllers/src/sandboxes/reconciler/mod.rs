@@ -6,11 +6,9 @@
 //! (a handover: checkpoint, upload, one fenced transfer); bookkeeping records run in tasks off the
 //! queue (decision 21).
 //!
-//! A held sandbox nothing happened to gets a light pass (no storage request;
-//! `super::decision::decide_light`) until its resync; else a full pass reads metadata and lock,
-//! `super::decision::decide` picks the step and [`Reconciler`] performs it (`pass`). Steps live in
-//! `hold`, `checkpoint`, `start` and `fork`, settings in `config`, local-only state in `local`;
-//! steps publish what happened as domain events (`super::events`).
+//! A pass is light or full (`pass`: `super::decision` picks the step, [`Reconciler`] performs it).
+//! Steps live in `hold`, `checkpoint`, `start` and `fork`, settings in `config`, local-only state
+//! in `local`; steps publish what happened as domain events (`super::events`).
 
 use chrono::{DateTime, Utc};
 use std::convert::Infallible;

@@ -191,9 +191,8 @@ impl Reconciler {
         (metadata, lock)
     }
 
-    /// `read` as this owner sees it: its own newer write instead (a record
-    /// landed while the read travelled), with the spec change still being
-    /// written applied (`commands.rs`) unless deleting (it will be refused).
+    /// `read` as this owner sees it: its own newer write instead (landed while the read travelled),
+    /// with the spec change being written applied (`commands.rs`) unless deleting (then refused).
     pub(super) fn as_owner_sees(
         &self,
         sandbox: &SandboxId,
@@ -236,8 +235,7 @@ impl Reconciler {
         else {
             return Ok(None);
         };
-        // A read that failed in the store (not an operator's invalid
-        // document): the table decides what that means for a hold here.
+        // A read failed in the store (not an invalid document): the table decides for a hold here.
         let unreachable = match (&metadata, &lease) {
             (Err(err @ ReconcileError::Store(_)), _) => Some(err.to_string()),
             (_, Err(err @ LeaseError::Store(_))) => Some(err.to_string()),

@@ -554,10 +554,8 @@ mod tests {
         let mut state = LocalState::Idle.wait_to_acquire().0;
         let every = chrono::Duration::seconds(5);
         let handoff = state.handoff_mut().unwrap();
-        assert!(
-            !handoff.ring_due(at(0), every),
-            "the first ring came with the intent"
-        );
+        let due = handoff.ring_due(at(0), every);
+        assert!(!due, "the first ring came with the intent");
         assert!(!handoff.ring_due(at(4), every));
         let mut state = state.begin_start().start_ended();
         assert!(
@@ -602,10 +600,8 @@ mod tests {
         let state = state.renewed(held(4));
         assert_eq!(state.held().map(|held| held.epoch), Some(4));
         let state = state.released().renewed(held(5));
-        assert!(
-            matches!(state, LocalState::Idle),
-            "a renewal after a stop holds nothing"
-        );
+        let idle = matches!(state, LocalState::Idle);
+        assert!(idle, "a renewal after a stop holds nothing");
     }
 
     #[test]
@@ -620,10 +616,8 @@ mod tests {
         let state = state.renewed(held(4)).released();
         assert!(state.lost_within(t0, memory));
         let (state, said) = state.wait_to_acquire();
-        assert!(
-            said && !state.lost_within(t0, memory),
-            "a new wait ends the loss"
-        );
+        let ended = said && !state.lost_within(t0, memory);
+        assert!(ended, "a new wait ends the loss");
         assert!(matches!(
             state.lost(t0).begin_start(),
             LocalState::Starting { handoff: None }
@@ -638,10 +632,8 @@ mod tests {
         slots.update(&new, |slot| slot.step(|state| (state.lost(later), ())));
         slots.forget_losses(later, memory);
         assert!(slots.view(&new, |slot| slot.state.lost_within(later, memory)));
-        assert!(
-            !slots.all().contains_key(&old),
-            "an old loss goes with its slot"
-        );
+        let kept = slots.all().contains_key(&old);
+        assert!(!kept, "an old loss goes with its slot");
     }
 
     #[test]
@@ -680,11 +672,8 @@ mod tests {
         while asked() != Some(3) && std::time::Instant::now() < deadline {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
-        assert_eq!(
-            asked(),
-            Some(3),
-            "the second write never asked for its turn, or took it at once"
-        );
+        let waited = "the second write never asked for its turn, or took it at once";
+        assert_eq!(asked(), Some(3), "{waited}");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         assert!(!waiting.is_finished(), "the second write did not wait");
         drop(first);

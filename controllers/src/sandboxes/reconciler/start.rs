@@ -43,9 +43,8 @@ impl Reconciler {
         }
     }
 
-    /// Starts nothing while draining (`Step::ShuttingDown`): tells a client
-    /// waiting here, then gives back a hold transferred here (its checkpoint
-    /// stays in the lock for the next holder) or withdraws the intent.
+    /// Starts nothing while draining (`Step::ShuttingDown`): tells a client waiting here, gives
+    /// back a hold transferred here (its checkpoint stays in the lock) or withdraws the intent.
     pub(super) async fn refuse_while_draining(
         &self,
         sandbox: &SandboxId,
@@ -156,10 +155,9 @@ impl Reconciler {
         let holder_died = lock.as_ref().is_some_and(|(lease, _)| {
             lease.holder.is_some() && !lease.is_held_by(self.leases.instance())
         });
-        // A lock this version released carries its checkpoint, so this pass's
-        // read suffices (the newer is restored); one without (by hand, older
-        // versions) may postdate it: read again, after the lock was read
-        // (that read comes before the write, which names what it took over).
+        // A lock this version released carries its checkpoint, so this pass's read suffices (the
+        // newer is restored); one without (by hand, older versions) may postdate it: read again,
+        // after the lock (read before the write, which names what it took over).
         let metadata = if lock
             .as_ref()
             .is_some_and(|(lease, _)| lease.checkpoint.is_some())
@@ -263,9 +261,8 @@ impl Reconciler {
                     slot.step(|_| (LocalState::hold(held.clone(), watch, hooks), ()));
                 });
                 self.emit(sandbox, SandboxEvent::Running { epoch: held.epoch });
-                // Recorded after RUNNING, in its own task: GCS's per-object
-                // write rate can delay it a second or more, and the next pass
-                // (a handoff's checkpoint) must not wait (`record_running`).
+                // Recorded after RUNNING, in its own task: GCS's per-object write rate can delay it
+                // a second or more, and the next pass (a handoff's checkpoint) must not wait.
                 let lock = Some(held.lease.clone());
                 self.record_running_in_background(sandbox, &held, lock, served_request);
                 Ok(Requeue::After(self.config.resync_interval))

@@ -9,6 +9,7 @@ use crate::store::StoreError;
 
 #[tokio::test]
 async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
+    use SandboxEvent::{CheckpointStarted, LeaseReleased, LeaseReleasing, Stopping};
     let (world, a, id) = World::with_a_sandbox().await;
     a.run(&id, "x=1").await;
 
@@ -16,15 +17,8 @@ async fn checkpoint_is_recorded_and_restore_brings_the_memory_back() {
     a.ask(&id, DesiredState::Checkpointed, Some("first")).await;
     assert_eq!(a.pass(&id).await, Requeue::Never);
     let seen = drain(&mut events);
-    assert_eq!(
-        seen[..4],
-        [
-            SandboxEvent::CheckpointStarted,
-            SandboxEvent::Stopping,
-            SandboxEvent::LeaseReleasing,
-            SandboxEvent::LeaseReleased,
-        ]
-    );
+    assert_eq!(seen[..2], [CheckpointStarted, Stopping]);
+    assert_eq!(seen[2..4], [LeaseReleasing, LeaseReleased]);
     assert!(
         matches!(&seen[4..], [SandboxEvent::Checkpointed { image }] if image.ends_with("checkpoint.img")),
         "{seen:?}"
@@ -92,13 +86,8 @@ async fn a_checkpoint_waits_for_a_running_execution() {
     let asked = a.send_state(&id, DesiredState::Checkpointed).await;
     assert!(matches!(a.pass(&id).await, Requeue::After(_)));
     asked.await.unwrap().unwrap();
-    assert_eq!(
-        drain(&mut events),
-        vec![
-            SandboxEvent::CheckpointStarted,
-            SandboxEvent::CheckpointWaitsForExecution
-        ]
-    );
+    let waits = SandboxEvent::CheckpointWaitsForExecution;
+    assert_eq!(drain(&mut events), [SandboxEvent::CheckpointStarted, waits]);
     assert!(a.runs(&id));
     execution.control.kill().await.unwrap();
     a.pass(&id).await;
@@ -209,10 +198,8 @@ async fn a_checkpoint_of_a_sandbox_not_made_for_it_is_refused_and_it_keeps_runni
     let status = world.metadata(&id).await.status;
     assert_eq!(status.phase, Phase::Running);
     let error = status.last_error.unwrap_or_default();
-    assert!(
-        error.contains("without enable_checkpoint"),
-        "recorded for operators"
-    );
+    let recorded = error.contains("without enable_checkpoint");
+    assert!(recorded, "recorded for operators");
 }
 
 /// While `closed`, a `metadata.json` write waits for the gate, then fails.
@@ -246,13 +233,30 @@ fn gated_world() -> (World, Gated) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
+    let (world, gated, a, id) = checkpointed_before_its_record(None).await;
+    let mut events = a.controller.subscribe(&id);
+    assert!(!a.runs(&id));
+    let carried = world.lease(&id).await.checkpoint.map(|c| c.path);
+    let carried = carried.is_some_and(|path| path.ends_with("checkpoint.img"));
+    assert!(carried, "the hand-back carries the checkpoint");
+
+    // The write then fails: the checkpoint stands, nobody is told it failed.
+    gated.hook.gate.add_permits(1000);
+    a.reconciler().background_settled().await;
+    let seen = drain(&mut events);
+    assert!(!heard!(seen, SandboxEvent::CheckpointFailed(_)), "{seen:?}");
+}
+
+/// A [`gated_world`] whose `a` checkpointed `x=1` (as `name`) and said so while its intent's
+/// write hung (decision 22), its record held at the gate (until it opens); other writes pass again.
+pub(super) async fn checkpointed_before_its_record(
+    name: Option<&str>,
+) -> (World, Gated, Instance, SandboxId) {
     let (world, gated) = gated_world();
     let (a, id) = world.a_running("x=1").await;
-
-    // The intent's write hangs; its pass checkpoints meanwhile (decision 22).
     gated.hook.closed.store(true, Ordering::SeqCst);
     let mut events = a.controller.subscribe(&id);
-    let request = a.request_state(&id, DesiredState::Checkpointed, None);
+    let request = a.request_state(&id, DesiredState::Checkpointed, name);
     let waited = "the request waited for its intent's write";
     within_10s(waited, request).await.unwrap();
     a.reconciler().reconcile(&id).await.unwrap();
@@ -261,39 +265,9 @@ async fn a_checkpoint_here_does_not_wait_for_its_intent_write() {
         heard!(seen, SandboxEvent::Checkpointed { .. }),
         "checkpointed while the intent was being written: {seen:?}"
     );
-    assert!(!a.runs(&id));
-    let carried = world.lease(&id).await.checkpoint.map(|c| c.path);
-    let carried = carried.is_some_and(|path| path.ends_with("checkpoint.img"));
-    assert!(carried, "the hand-back carries the checkpoint");
-
-    // The write then fails: the checkpoint stands, nobody is told it failed.
-    gated.hook.gate.add_permits(1000);
-    gated.hook.closed.store(false, Ordering::SeqCst);
-    a.reconciler().background_settled().await;
-    let seen = drain(&mut events);
-    assert!(!heard!(seen, SandboxEvent::CheckpointFailed(_)), "{seen:?}");
-}
-
-/// A [`gated_world`] whose `a` checkpointed `x=1` as `name` and said so, its
-/// record held at the gate (until it opens); other writes pass again.
-pub(super) async fn checkpointed_before_its_record(
-    name: &str,
-) -> (World, Gated, Instance, SandboxId) {
-    let (world, gated) = gated_world();
-    let a = world.instance("a");
-    let id = a.create(&world).await;
-    a.run(&id, "x=1").await;
-    gated.hook.closed.store(true, Ordering::SeqCst);
-    let mut events = a.controller.subscribe(&id);
-    a.ask(&id, DesiredState::Checkpointed, Some(name)).await;
-    a.reconciler().reconcile(&id).await.unwrap();
-    let seen = drain(&mut events);
-    assert!(heard!(seen, SandboxEvent::Checkpointed { .. }));
     let status = world.metadata(&id).await.status;
-    assert!(
-        status.latest_checkpoint.is_none() && status.named_checkpoints.is_empty(),
-        "the record has not landed: {status:?}"
-    );
+    let unrecorded = status.latest_checkpoint.is_none() && status.named_checkpoints.is_empty();
+    assert!(unrecorded, "the record has not landed: {status:?}");
     gated.hook.closed.store(false, Ordering::SeqCst);
     (world, gated, a, id)
 }
@@ -302,7 +276,7 @@ pub(super) async fn checkpointed_before_its_record(
 /// lands, restores it from the lock (the hand-back carries it, decision 18).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_by_name_finds_a_checkpoint_whose_record_has_not_landed() {
-    let (world, gated, a, id) = checkpointed_before_its_record("base").await;
+    let (world, gated, a, id) = checkpointed_before_its_record(Some("base")).await;
     let attach = a.request_here(&id, Some("base"));
     let waited = "the attach waited for the record";
     within_10s(waited, attach).await.unwrap();
@@ -352,9 +326,8 @@ async fn a_handoff_does_not_wait_for_a_status_record_held_up_by_the_write_rate()
     b.reconciler().background_settled().await;
 }
 
-/// Found by the 10-minute chaos run: a holder cut off mid-checkpoint lost the
-/// hold, its hand-back failed, its record landed (the taker records after
-/// RUNNING): its client heard CHECKPOINTED of a state the taker never had.
+/// A holder cut off mid-checkpoint lost the hold, its hand-back failed, its record landed (the
+/// taker records after RUNNING): its client heard CHECKPOINTED of a state the taker never had.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_is_not_acknowledged_when_the_hold_was_taken_over_meanwhile() {
     // Armed, `b` takes the lock at the next epoch before the image is written
@@ -407,8 +380,7 @@ impl BeforeRequest for HeldMetadataReads {
     }
 }
 
-/// A command arriving while a pass reads both objects is served at once, not
-/// after the read (which its writes would make stale).
+/// A command arriving while a pass reads both objects is served at once, not after the read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_is_served_at_once_while_its_sandboxs_pass_reads() {
     let (world, held) = World::hooked(HeldMetadataReads::default());

@@ -70,7 +70,7 @@ async fn a_fork_starts_from_a_checkpoint_whose_record_has_not_landed() {
     use super::reconciler::ForkPoint;
     // New writes pass (the fork's own); the record still waits.
     let (world, gated, a, source) =
-        super::checkpoints::checkpointed_before_its_record("base").await;
+        super::checkpoints::checkpointed_before_its_record(Some("base")).await;
     let b = world.instance("b");
     let read = b.controller.read_with_carried(&source).await;
     let source_doc = read.unwrap().unwrap();

@@ -23,11 +23,8 @@ async fn another_instance_asking_gets_the_sandbox_handed_over_with_the_image_it_
     let expected = checkpoint_image_key(&handoff_checkpoint_id(&id, 1, &named("b")));
     assert_eq!(b.runtime.prefetched(), vec![expected.clone()]);
     // The intent went by ring (decision 27): A hears it at its doorbell.
-    assert_eq!(
-        world.lease(&id).await.wanted_by,
-        None,
-        "the lock is not written"
-    );
+    let intent = world.lease(&id).await.wanted_by;
+    assert_eq!(intent, None, "the lock is not written");
     let mut events = a.controller.subscribe(&id);
     a.answer_doorbell().await;
     a.pass(&id).await;
@@ -42,9 +39,8 @@ async fn another_instance_asking_gets_the_sandbox_handed_over_with_the_image_it_
     assert!(a.runtime.prefetched().is_empty());
 }
 
-/// A hand-over landing on an instance that began shutting down meanwhile is
-/// not started there: its client is told to attach again, and the hold goes
-/// back with the checkpoint, which the next instance asking restores.
+/// A hand-over landing on an instance shutting down is not started: its client is told to attach
+/// again, and the hold goes back with the checkpoint, which the next instance asking restores.
 #[tokio::test]
 async fn a_hand_over_landing_on_a_draining_instance_is_given_back_with_its_checkpoint() {
     let (world, a, id) = World::with_a_sandbox().await;
@@ -58,20 +54,16 @@ async fn a_hand_over_landing_on_a_draining_instance_is_given_back_with_its_check
     a.pass(&id).await;
     assert_eq!(world.lease(&id).await.holder, Some(named("b")));
     // SIGTERM on B, which holds nothing yet.
-    assert_eq!(
-        b.controller.drain(std::time::Duration::from_secs(1)).await,
-        0
-    );
+    let left = b.controller.drain(std::time::Duration::from_secs(1)).await;
+    assert_eq!(left, 0);
     b.pass(&id).await;
     assert!(!b.runs(&id), "a draining instance starts nothing");
     let told = drain(&mut waiting_on_b).contains(&restore_failed(StartFailure::ShuttingDown));
     assert!(told, "B's client is told");
     let lock = world.lease(&id).await;
     assert_eq!((lock.holder, lock.wanted_by), (None, None));
-    assert!(
-        lock.checkpoint.is_some(),
-        "the hand-over image stays carried"
-    );
+    let carried = lock.checkpoint.is_some();
+    assert!(carried, "the hand-over image stays carried");
     let c = world.instance("c");
     c.bring_here(&id).await;
     assert_eq!(c.runtime.memory(&id).unwrap(), vec!["state".to_owned()]);
@@ -149,12 +141,9 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
     b.request_here(&id, None).await.unwrap();
     b.controller.drain_queue();
     let requeue = b.pass(&id).await;
-    assert_eq!(
-        requeue, image_poll,
-        "the image is not in the store: look less often"
-    );
-    let settle = std::time::Duration::from_millis(50);
-    tokio::time::sleep(settle).await;
+    let less_often = "the image is not in the store: look less often";
+    assert_eq!(requeue, image_poll, "{less_often}");
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     assert!(b.controller.drain_queue().is_empty(), "nothing woke it yet");
     b.runtime.land_images();
     // The wake comes from a task watching the landing: polled, not timed.
@@ -168,11 +157,8 @@ async fn a_taker_looks_less_often_until_the_image_lands_and_the_landing_wakes_it
     };
     assert_eq!(woken, std::slice::from_ref(&id), "the landing woke it");
     let requeue = b.pass(&id).await;
-    assert_eq!(
-        requeue,
-        b.acquire_poll(),
-        "the image landed: the transfer is next, look soon"
-    );
+    let soon = "the image landed: the transfer is next, look soon";
+    assert_eq!(requeue, b.acquire_poll(), "{soon}");
     a.answer_doorbell().await;
     a.pass(&id).await;
     b.pass(&id).await;
@@ -251,11 +237,8 @@ async fn a_waiting_attach_that_lost_the_race_is_told_who_got_the_sandbox() {
     x.answer_doorbell().await;
     x.pass(&id).await;
     let holder = world.lease(&id).await.holder;
-    assert_eq!(
-        holder,
-        Some(named("b")),
-        "X transferred the hold to the later intent's instance"
-    );
+    let later = "X transferred the hold to the later intent's instance";
+    assert_eq!(holder, Some(named("b")), "{later}");
     a.pass(&id).await;
     let lost_the_race = restore_failed(StartFailure::WantedElsewhere(named("b")));
     let told = drain(&mut waiting_on_a).contains(&lost_the_race);
@@ -344,15 +327,11 @@ async fn a_start_restores_the_checkpoint_recorded_after_its_pass_read_metadata()
     assert!(world.metadata(&id).await.status.latest_checkpoint.is_some());
     store.hook.resume.notify_one();
     pass.await.unwrap().unwrap();
-    assert_eq!(
-        b.runtime.memory(&id),
-        Some(vec!["state".to_owned()]),
-        "restored from the checkpoint recorded after the pass read metadata"
-    );
+    let why = "restored from the checkpoint recorded after the pass read metadata";
+    assert_eq!(b.runtime.memory(&id), Some(vec!["state".into()]), "{why}");
 }
 
-/// An attach right after asking for a checkpoint is served before the pass
-/// decides (the paths benchmark saw `SANDBOX_RESTORE_ERROR`, an orphan).
+/// An attach right after asking for a checkpoint is served before the pass decides.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_asked_right_after_a_checkpoint_is_not_failed_by_it() {
     let (world, a, id) = World::with_a_sandbox().await;
@@ -489,11 +468,9 @@ async fn a_ring_joining_while_a_batch_is_written_returns_once_its_own_batch_land
     crate::leasing::tests::assert_rung(&world.store, &holder, &[first, second]).await;
 }
 
-/// Stalls an instance's checkpoint upload, or once armed its next
-/// `metadata.json` write, until thawed (a holder frozen in its checkpoint,
-/// or between its checks and its record) and, once armed, its
-/// `metadata.json` writes for good (a holder killed before its record
-/// landed).
+/// Once armed: stalls an instance's checkpoint upload or next `metadata.json` write until thawed (a
+/// holder frozen in its checkpoint, or between its checks and its record), or its `metadata.json`
+/// writes for good (a holder killed before its record landed).
 #[derive(Debug, Default)]
 struct FreezeAndHold {
     freeze_upload: AtomicBool,
@@ -524,11 +501,9 @@ impl BeforeRequest for FreezeAndHold {
     }
 }
 
-/// A holder frozen in its hand-over (or periodic) checkpoint thaws after a
-/// taker started from the lock's older checkpoint (what ran since is lost,
-/// as in a crash), before the taker's record landed: its hand-back fails,
-/// and its record must not land either, or a later takeover restores the
-/// lost state.
+/// A holder frozen in its hand-over (or periodic) checkpoint thaws after a taker started from the
+/// lock's older checkpoint (losing what ran since), before the taker's record landed: its hand-back
+/// fails, and its record must not land either, or a later takeover restores the lost state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_holders_checkpoint_is_not_recorded_once_it_was_taken_over() {
     for periodic in [false, true] {
@@ -576,14 +551,11 @@ async fn a_frozen_holders_checkpoint_is_not_recorded_once_it_was_taken_over() {
     }
 }
 
-/// The reading side of the above: a periodic checkpoint's record that passed
-/// every check, then froze past the lease, lands after a taker started from
-/// the checkpoint before it; the taker dies before its own record. The
-/// taker's acquisition named the checkpoint it took over
-/// (`checkpoint_taken_over_at`), so the late record does not count: the next
-/// takeover restores what the taker started from, and `describe`'s fold
-/// says so. Without that field (a lock of an earlier release) the newer of
-/// the two counts, as before.
+/// The reading side of the above: a periodic checkpoint's record that passed every check, then
+/// froze past the lease, lands after a taker started from the checkpoint before it; the taker dies
+/// before its own record. The taker's acquisition named the checkpoint it took over
+/// (`checkpoint_taken_over_at`), so the late record does not count: the next takeover restores what
+/// the taker started from, and `describe`'s fold says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_holders_late_record_does_not_count_after_a_take_over() {
     let world = World::new();

@@ -15,8 +15,7 @@ use crate::store::{
 };
 use crate::testing::MemoryStore;
 
-/// A request about to reach the memory store: its operation, and the object
-/// it names (a listing names none).
+/// A request about to reach the memory store: its operation and object (a listing names none).
 #[derive(Debug, Clone, Copy)]
 pub(in crate::sandboxes) struct Request<'a> {
     pub(super) operation: Operation,

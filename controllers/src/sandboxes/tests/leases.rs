@@ -115,11 +115,8 @@ async fn a_lapsed_instance_re_verifies_its_holds_with_a_lock_write_or_stops_them
     assert!(b.runs(&taken));
     // A resumes: its renewal starts a new era, so neither hold is vouched for.
     a.heartbeat().await;
-    let mut unvouched = a.reconciler().unvouched();
-    unvouched.sort();
-    let mut expected = vec![kept.clone(), taken.clone()];
-    expected.sort();
-    assert_eq!(unvouched, expected);
+    let unvouched = std::collections::BTreeSet::from_iter(a.reconciler().unvouched());
+    assert_eq!(unvouched, [kept.clone(), taken.clone()].into());
     let held = a.reconciler().held(&taken).unwrap();
     assert!(!a.reconciler().leases().is_safe(&held));
     let generation = world.generation(&lock_key(&kept)).await;
@@ -155,9 +152,8 @@ async fn an_unvouched_holder_renews_its_hold_then_hands_over_in_one_pass() {
     assert!(b.runs(&id));
 }
 
-/// A holder frozen past its lease resumes to its taker's ring, generations
-/// matching; but an unvouched hold may be taken: it reads both objects and
-/// stops, not "hands over" a lost sandbox (as the chaos run's did).
+/// A holder frozen past its lease resumes to its taker's ring, generations matching; but an
+/// unvouched hold may be taken: it reads both objects and stops, not "hands over" a lost sandbox.
 #[tokio::test]
 async fn a_ring_heard_after_a_freeze_is_not_taken_for_a_read() {
     let world = World::new();
@@ -313,17 +309,13 @@ async fn a_write_refused_by_the_fence_reaches_the_caller_as_fenced() {
     hooked.hook.arm(&id);
     a.controller.enqueue(&id);
     let err = a.reconcile(&id).await.unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ReconcileError::Fence(FenceError::Fenced {
-                recorded: 99,
-                writer: 1,
-                ..
-            })
-        ),
-        "{err}"
-    );
+    let fenced = match &err {
+        ReconcileError::Fence(FenceError::Fenced {
+            recorded, writer, ..
+        }) => (*recorded, *writer),
+        _ => panic!("{err}"),
+    };
+    assert_eq!(fenced, (99, 1), "{err}");
     assert!(err.is_fenced());
     let phase = world.metadata(&id).await.status.phase;
     assert_eq!(phase, Phase::Running, "the newer record is kept");

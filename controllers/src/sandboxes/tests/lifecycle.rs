@@ -3,7 +3,8 @@
 use super::*;
 
 #[tokio::test]
-async fn create_runs_the_sandbox_under_a_new_lease() {
+async fn create_runs_the_sandbox_under_a_new_lease_and_a_second_with_its_id_is_refused() {
+    use SandboxEvent::{LeaseAcquired, LeaseAcquiring, Running};
     let world = World::new();
     let a = world.instance("a");
     let (id, metadata) = world.new_sandbox(false);
@@ -11,14 +12,8 @@ async fn create_runs_the_sandbox_under_a_new_lease() {
     a.create_from(&metadata).await.unwrap();
     assert!(matches!(a.pass(&id).await, Requeue::After(_)));
     // Lease events go out whatever the handoff flag; the API layer filters.
-    assert_eq!(
-        drain(&mut events),
-        vec![
-            SandboxEvent::LeaseAcquiring,
-            SandboxEvent::LeaseAcquired,
-            SandboxEvent::Running { epoch: 1 }
-        ]
-    );
+    let expected = [LeaseAcquiring, LeaseAcquired, Running { epoch: 1 }];
+    assert_eq!(drain(&mut events), expected);
     assert!(a.runs(&id));
     let status = world.metadata(&id).await.status;
     let ready = status.condition("Ready").cloned().unwrap();
@@ -30,31 +25,19 @@ async fn create_runs_the_sandbox_under_a_new_lease() {
     assert_eq!(lease.holder, Some(named("a")));
     assert!(lease.wanted_by.is_none(), "the fulfilled intent is cleared");
     assert_eq!(a.runtime.counts(), (1, 0));
-}
-
-#[tokio::test]
-async fn a_second_create_with_the_same_id_is_refused() {
-    let (world, a, id) = World::with_a_sandbox().await;
-    let again = SandboxMetadata::new(id.clone(), world.clock.now(), TOKEN_HASH.into());
-    let refused = a.create_from(&again).await;
+    let refused = a.create_from(&metadata).await;
     assert!(matches!(refused, Err(ControlError::AlreadyExists(_))));
 }
 
 #[tokio::test]
 async fn delete_destroys_tombstones_releases_and_purges_later() {
+    use SandboxEvent::{Deleted, LeaseReleased, LeaseReleasing, Stopping};
     let (world, a, id) = World::with_a_sandbox().await;
     let mut events = a.controller.subscribe(&id);
     // The pass that serves the request deletes it.
     a.delete(&id).await;
-    assert_eq!(
-        drain(&mut events),
-        vec![
-            SandboxEvent::Stopping,
-            SandboxEvent::LeaseReleasing,
-            SandboxEvent::LeaseReleased,
-            SandboxEvent::Deleted
-        ]
-    );
+    let expected = [Stopping, LeaseReleasing, LeaseReleased, Deleted];
+    assert_eq!(drain(&mut events), expected);
     assert!(!a.runs(&id));
     assert_eq!(world.metadata(&id).await.status.phase, Phase::Deleted);
     assert_eq!(world.lease(&id).await.holder, None);

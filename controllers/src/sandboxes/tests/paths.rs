@@ -151,9 +151,8 @@ async fn a_handoff_stays_within_its_request_budget() {
     assert_eq!(status.latest_checkpoint, lock.checkpoint);
 }
 
-/// Twenty attaches at once on an instance with a stale lease (it held
-/// nothing) write it once: each waits for the renewal in flight rather than
-/// write its own, which GCS would answer with 429s (one write/s per object).
+/// Twenty attaches at once on an instance with a stale lease (it held nothing) write it once: each
+/// waits for the renewal in flight, not writing its own (GCS: one write/s per object).
 #[tokio::test(start_paused = true)]
 async fn concurrent_starts_share_one_renewal_of_the_instance_lease() {
     use crate::store::{CountingStore, Operation, OperationCounts};
