@@ -529,26 +529,44 @@ async fn a_frozen_holders_checkpoint_is_not_recorded_once_it_was_taken_over() {
             }
         });
         a_store.hook.frozen.notified().await;
-        // A's leases run out; B takes over from epoch 1's checkpoint.
-        world.clock.advance(Duration::seconds(40));
-        b_store.hook.hold_metadata.store(true, Ordering::Release);
-        b.request_here(&id, None).await.unwrap();
-        for _ in (0..20).take_while(|_| !b.runs(&id)) {
-            let _ = b.reconcile(&id).await;
-        }
-        assert_eq!(b.runtime.memory(&id), Some(vec!["s1".to_owned()]));
+        b_takes_over_from_s1(&world, &b, &b_store, &id).await;
         a_store.hook.thaw.notify_one();
         zombie.await.unwrap();
         a.controller.reconciler().background_settled().await;
-        // B dies before its record landed; C takes over.
-        b.runtime.crash(&id);
-        drop(b);
-        world.clock.advance(Duration::seconds(40));
-        let c = world.instance("c");
-        c.bring_here(&id).await;
         let lost = format!("\"s2\" was lost when B started: it never comes back ({periodic})");
-        assert_eq!(c.runtime.memory(&id), Some(vec!["s1".to_owned()]), "{lost}");
+        assert_eq!(
+            c_after_b_died(&world, b, &id).await,
+            Some(vec!["s1".to_owned()]),
+            "{lost}"
+        );
     }
+}
+
+/// A's leases run out (it is frozen); B takes over, its `metadata.json` writes held for good (it
+/// dies before its record), and starts from the checkpoint of "s1" alone.
+async fn b_takes_over_from_s1(
+    world: &World,
+    b: &Instance,
+    b_store: &hooked_store::HookedStore<FreezeAndHold>,
+    id: &SandboxId,
+) {
+    world.clock.advance(Duration::seconds(40));
+    b_store.hook.hold_metadata.store(true, Ordering::Release);
+    b.request_here(id, None).await.unwrap();
+    for _ in (0..20).take_while(|_| !b.runs(id)) {
+        let _ = b.reconcile(id).await;
+    }
+    assert_eq!(b.runtime.memory(id), Some(vec!["s1".to_owned()]));
+}
+
+/// B dies before its record landed; C takes over: what C runs.
+async fn c_after_b_died(world: &World, b: Instance, id: &SandboxId) -> Option<Vec<String>> {
+    b.runtime.crash(id);
+    drop(b);
+    world.clock.advance(Duration::seconds(40));
+    let c = world.instance("c");
+    c.bring_here(id).await;
+    c.runtime.memory(id)
 }
 
 /// The reading side of the above: a periodic checkpoint's record that passed every check, then
@@ -573,14 +591,7 @@ async fn a_frozen_holders_late_record_does_not_count_after_a_take_over() {
         let _ = controller.reconciler().reconcile(&id).await;
     });
     a_store.hook.frozen.notified().await;
-    // A's leases run out; B takes over from s1's checkpoint.
-    world.clock.advance(Duration::seconds(40));
-    b_store.hook.hold_metadata.store(true, Ordering::Release);
-    b.request_here(&id, None).await.unwrap();
-    for _ in (0..20).take_while(|_| !b.runs(&id)) {
-        let _ = b.reconcile(&id).await;
-    }
-    assert_eq!(b.runtime.memory(&id), Some(vec!["s1".to_owned()]));
+    b_takes_over_from_s1(&world, &b, &b_store, &id).await;
     let lock = world.lease(&id).await;
     assert_eq!(lock.checkpoint.as_ref().map(|c| &c.path), Some(&first.path));
     assert_eq!(lock.checkpoint_taken_over_at, Some(lock.epoch));
@@ -591,11 +602,10 @@ async fn a_frozen_holders_late_record_does_not_count_after_a_take_over() {
     let late = world.metadata(&id).await.status.latest_checkpoint.unwrap();
     assert_ne!(late.path, first.path, "the frozen holder's record landed");
     assert!(lock.outdates(&late));
-    b.runtime.crash(&id);
-    drop(b);
-    world.clock.advance(Duration::seconds(40));
-    let c = world.instance("c");
-    c.bring_here(&id).await;
     let lost = "\"s2\" was lost when B started: it never comes back";
-    assert_eq!(c.runtime.memory(&id), Some(vec!["s1".to_owned()]), "{lost}");
+    assert_eq!(
+        c_after_b_died(&world, b, &id).await,
+        Some(vec!["s1".to_owned()]),
+        "{lost}"
+    );
 }
