@@ -167,6 +167,13 @@ if [ ! -x "$PY_VENV/bin/python" ] || [ "$(cat "$PY_VENV/.inputs" 2>/dev/null)" !
   echo "$py_inputs" > "$PY_VENV/.inputs"
 fi
 
+# The previous release's server, for cluster::versions (a deploy runs it
+# beside this one on one bucket): built beside the quick tier, once per
+# release (cached outside the clone: scripts/build-previous-release.sh).
+mkdir -p target
+scripts/build-previous-release.sh > target/previous-release.path 2> target/previous-release.log &
+previous_job=$!
+
 # Quick tier first: a broken build or a broken pure test fails in minutes.
 status=0
 beside_job=
@@ -189,6 +196,15 @@ if [ -n "$beside_job" ]; then
   echo "== beside the quick tier: exit ${beside_status}, waited for $(( $(date +%s) - beside_started )) s after the tier"
   [ "$beside_status" = 0 ] || status=$beside_status
 fi
+previous_status=0
+wait "$previous_job" || previous_status=$?
+if [ "$previous_status" != 0 ]; then
+  tail -n 30 target/previous-release.log
+  echo "error: the previous release's server did not build (scripts/build-previous-release.sh)" >&2
+  [ "$status" = 0 ] && status=$previous_status
+fi
+SANDBOXD_PREVIOUS_RELEASE=$(cat target/previous-release.path)
+export SANDBOXD_PREVIOUS_RELEASE
 if [ "$status" = 0 ]; then
   python_client_tests > target/python-client.log 2>&1 & python_job=$!
   # The fuzz targets (pure::fuzz_protocol) run FUZZ_SECS each here, side by side.

@@ -9,3 +9,4 @@ mod e2e_proxy;
 mod fault_handoff;
 mod fault_partition;
 mod handoff_gcs_latency;
+mod versions;
