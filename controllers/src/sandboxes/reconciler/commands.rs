@@ -378,6 +378,7 @@ impl Reconciler {
         };
         match (spec, lock) {
             (Some(Ok(written)), Ok(lock)) => {
+                self.spec_landed(sandbox);
                 served.view = Some((written, lock));
                 Ok(())
             }
@@ -432,6 +433,7 @@ impl Reconciler {
         }
         served.view = None;
         let written = self.write_spec(sandbox, None, change).await?;
+        self.spec_landed(sandbox);
         match held {
             // Held here: the pass decides on this and the lock as held (a
             // change since fails its next write's precondition; it re-reads).
@@ -476,7 +478,8 @@ impl Reconciler {
         }
     }
 
-    /// Marks `change` in flight (module docs) until `write` reports its end.
+    /// Marks `change` in flight (module docs) until `write` reports its end. A change still in
+    /// flight from before is kept, applied first: its write had its turn first.
     fn spec_in_flight(
         &self,
         sandbox: &SandboxId,
@@ -484,8 +487,16 @@ impl Reconciler {
         write: tokio::task::JoinHandle<Result<ReadMetadata, ControlError>>,
         what: &'static str,
     ) {
-        self.slots.update(sandbox, |slot| {
+        let change = self.slots.update(sandbox, |slot| {
+            let change: SpecChange = match slot.spec_in_flight.take() {
+                Some(earlier) => Arc::new(move |spec: &mut SandboxSpec| {
+                    earlier(spec);
+                    change(spec);
+                }),
+                None => change,
+            };
             slot.spec_in_flight = Some(Arc::clone(&change));
+            change
         });
         let sandbox = sandbox.clone();
         drop(self.spawn_shared(move |me| async move {
@@ -502,6 +513,13 @@ impl Reconciler {
         }));
     }
 
+    /// A spec write this pass awaited landed: every change in flight was issued before it (the
+    /// pass serves one command at a time) and had its turn first, so none is in flight any more.
+    fn spec_landed(&self, sandbox: &SandboxId) {
+        self.slots
+            .update(sandbox, |slot| slot.spec_in_flight = None);
+    }
+
     fn spawn_spec_write(
         &self,
         sandbox: &SandboxId,
@@ -510,10 +528,13 @@ impl Reconciler {
     ) -> tokio::task::JoinHandle<Result<ReadMetadata, ControlError>> {
         let this = self.shared();
         let sandbox = sandbox.clone();
+        // In the queue before the task runs: writes land in the order issued.
+        let turn = self.slots.queue_for_write_turn(&sandbox);
         tokio::spawn(async move {
             let this = this
                 .ok_or_else(|| ControlError::Internal("the reconciler is not shared".to_owned()))?;
-            this.write_spec(&sandbox, Some(&read), change).await
+            this.write_spec_in_turn(turn, &sandbox, Some(&read), change)
+                .await
         })
     }
 
@@ -523,10 +544,22 @@ impl Reconciler {
         &self,
         sandbox: &SandboxId,
         read: Option<&ReadMetadata>,
+        change: impl FnMut(&mut SandboxSpec),
+    ) -> Result<ReadMetadata, ControlError> {
+        let turn = self.slots.queue_for_write_turn(sandbox);
+        self.write_spec_in_turn(turn, sandbox, read, change).await
+    }
+
+    /// [`Self::write_spec`] in `turn` (taken when the write was issued).
+    async fn write_spec_in_turn(
+        &self,
+        turn: super::slots::WriteTurn,
+        sandbox: &SandboxId,
+        read: Option<&ReadMetadata>,
         mut change: impl FnMut(&mut SandboxSpec),
     ) -> Result<ReadMetadata, ControlError> {
         let key = metadata_key(sandbox);
-        let _turn = self.slots.write_turn(sandbox).await;
+        let _turn = turn.wait().await;
         // An earlier status write may have left a newer generation; starting
         // from the older costs a refused write and a re-read.
         let written_here = self.slots.known(sandbox);

@@ -499,12 +499,41 @@ impl Slots {
     }
 
     /// Waits for this instance's turn to write `sandbox`'s metadata, until the
-    /// guard drops. Only an optimisation (a lost turn costs a refused write).
+    /// guard drops ([`Self::queue_for_write_turn`], then its wait).
     pub(super) async fn write_turn(&self, sandbox: &SandboxId) -> tokio::sync::OwnedMutexGuard<()> {
+        self.queue_for_write_turn(sandbox).wait().await
+    }
+
+    /// Takes a place in the queue for this instance's turn to write `sandbox`'s metadata, now:
+    /// turns come in the order they were asked for (tokio's mutex is fair), so a spec write issued
+    /// after another, in a task of its own, still lands after it (an attach's `running` after the
+    /// checkpoint intent before it). A lost turn otherwise costs only a refused write.
+    pub(super) fn queue_for_write_turn(&self, sandbox: &SandboxId) -> WriteTurn {
         let turn = self.update(sandbox, |slot| {
             Arc::clone(slot.write_turn.get_or_insert_with(Arc::default))
         });
-        turn.lock_owned().await
+        let mut queued = Box::pin(turn.lock_owned());
+        let mut now = std::task::Context::from_waker(std::task::Waker::noop());
+        match queued.as_mut().poll(&mut now) {
+            std::task::Poll::Ready(guard) => WriteTurn::Taken(guard),
+            std::task::Poll::Pending => WriteTurn::Queued(queued),
+        }
+    }
+}
+
+/// A place in the queue for a sandbox's write turn ([`Slots::queue_for_write_turn`]).
+pub(super) enum WriteTurn {
+    Taken(tokio::sync::OwnedMutexGuard<()>),
+    Queued(std::pin::Pin<Box<dyn Future<Output = tokio::sync::OwnedMutexGuard<()>> + Send>>),
+}
+
+impl WriteTurn {
+    /// The turn, once the writes queued before it are done.
+    pub(super) async fn wait(self) -> tokio::sync::OwnedMutexGuard<()> {
+        match self {
+            Self::Taken(guard) => guard,
+            Self::Queued(queued) => queued.await,
+        }
     }
 }
 
@@ -646,6 +675,37 @@ mod tests {
         assert_eq!(slots.all().len(), 1, "a client still waits");
         slots.update(&id, |slot| slot.waiting = None);
         assert!(slots.all().is_empty());
+    }
+
+    /// Turns come in the order they were asked for, not the order their
+    /// tasks run: an attach's spec write issued after a checkpoint intent's
+    /// lands after it, even when its task runs first.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn write_turns_come_in_the_order_they_were_asked_for() {
+        let (known, one) = (Slots::default(), SandboxId::random());
+        let held = known.write_turn(&one).await;
+        let (first, second) = (
+            known.queue_for_write_turn(&one),
+            known.queue_for_write_turn(&one),
+        );
+        let (order, order_rx) = tokio::sync::mpsc::unbounded_channel();
+        let run = |turn: WriteTurn, name: &'static str| {
+            let order = order.clone();
+            async move {
+                let _turn = turn.wait().await;
+                order.send(name).unwrap();
+            }
+        };
+        let second = tokio::spawn(run(second, "second"));
+        tokio::task::yield_now().await;
+        let first = tokio::spawn(run(first, "first"));
+        drop(held);
+        first.await.unwrap();
+        second.await.unwrap();
+        drop(order);
+        let mut order_rx = order_rx;
+        let (a, b) = (order_rx.recv().await, order_rx.recv().await);
+        assert_eq!((a, b), (Some("first"), Some("second")));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
