@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use support::process::{Launch, ServerProcess};
-use support::ws::merge_chunks;
 
 const CHECKPOINTABLE: &str =
     r#"{"idle_timeout": 300, "enable_checkpoint": true, "enable_sandbox_handoff": true}"#;
@@ -53,17 +52,6 @@ async fn write_object(bucket: &str, key: &str, body: String) {
     assert!(response.status().is_success(), "{}", response.status());
 }
 
-async fn session(ws: &mut support::ws::Ws, code: &str) -> String {
-    ws.send(json!({"language": "python", "code": code, "session": true}))
-        .await;
-    let frames = merge_chunks(ws.until_status("SANDBOX_EXECUTION_DONE").await);
-    frames
-        .iter()
-        .find_map(|f| f.strip_prefix("stdout:"))
-        .unwrap_or_default()
-        .to_owned()
-}
-
 // The counter replaces its file atomically: a reader never sees it half-written.
 const START_COUNTER: &str = "setsid nohup bash -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 </dev/null & echo started";
 
@@ -74,7 +62,7 @@ async fn an_attach_on_another_instance_moves_files_processes_and_memory() {
     let (mut ws, id, token) = a.create(init()).await;
     ws.exec("bash", "echo moved > /tmp/file").await;
     assert_eq!(ws.stdout_of("bash", START_COUNTER).await, "started\n");
-    session(&mut ws, "answer = 41").await;
+    ws.session_stdout("answer = 41").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     drop(ws);
 
@@ -93,7 +81,7 @@ async fn an_attach_on_another_instance_moves_files_processes_and_memory() {
     );
     eprintln!("handoff A -> B took {took:?}");
     assert_eq!(ws.stdout_of("bash", "cat /tmp/file").await, "moved\n");
-    assert_eq!(session(&mut ws, "print(answer + 1)").await, "42\n");
+    assert_eq!(ws.session_stdout("print(answer + 1)").await, "42\n");
     let first: u64 = ws
         .stdout_of("bash", "cat /tmp/counter")
         .await
@@ -140,7 +128,7 @@ async fn an_attach_on_another_instance_moves_files_processes_and_memory() {
         back.until_status("SANDBOX_RUNNING").await.last().unwrap(),
         "SANDBOX_RUNNING"
     );
-    assert_eq!(session(&mut back, "print(answer)").await, "41\n");
+    assert_eq!(back.session_stdout("print(answer)").await, "41\n");
 }
 
 #[tokio::test]
@@ -313,7 +301,7 @@ async fn with_periodic_checkpoints_a_crash_loses_at_most_one_interval() {
         .await;
     let (mut ws, id, token) = a.create(init()).await;
     ws.exec("bash", "echo periodic > /tmp/p").await;
-    session(&mut ws, "kept = 'memory too'").await;
+    ws.session_stdout("kept = 'memory too'").await;
     // A checkpoint made after this holds the file and the variable: none
     // overlaps an execution (a periodic one is skipped during one).
     let since = chrono::Utc::now();
@@ -345,7 +333,7 @@ async fn with_periodic_checkpoints_a_crash_loses_at_most_one_interval() {
     let frames = ws.until_status("SANDBOX_RUNNING").await;
     assert_eq!(frames.last().unwrap(), "SANDBOX_RUNNING", "{frames:?}");
     assert_eq!(ws.stdout_of("bash", "cat /tmp/p").await, "periodic\n");
-    assert_eq!(session(&mut ws, "print(kept)").await, "memory too\n");
+    assert_eq!(ws.session_stdout("print(kept)").await, "memory too\n");
 }
 
 #[tokio::test]

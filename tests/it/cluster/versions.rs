@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use support::process::{Launch, ServerProcess};
-use support::ws::merge_chunks;
 
 fn init() -> Value {
     json!({"idle_timeout": 300, "enable_checkpoint": true, "enable_sandbox_handoff": true})
@@ -60,17 +59,6 @@ async fn previous_and_this(
     (dir, bucket, previous, this)
 }
 
-async fn session(ws: &mut support::ws::Ws, code: &str) -> String {
-    ws.send(json!({"language": "python", "code": code, "session": true}))
-        .await;
-    let frames = merge_chunks(ws.until_status("SANDBOX_EXECUTION_DONE").await);
-    frames
-        .iter()
-        .find_map(|f| f.strip_prefix("stdout:"))
-        .unwrap_or_default()
-        .to_owned()
-}
-
 /// Attaches on `to` and waits for RUNNING: the sandbox moved there.
 async fn moved_to(to: &ServerProcess, id: &str, token: &str) -> support::ws::Ws {
     let mut ws = to.attach(id, token).await;
@@ -84,17 +72,17 @@ async fn a_sandbox_moves_each_way_between_the_previous_release_and_this_one() {
     let (_dir, _bucket, previous, this) = previous_and_this(None).await;
     let (mut ws, id, token) = previous.create(init()).await;
     ws.exec("bash", "echo from-previous > /tmp/f").await;
-    session(&mut ws, "kept = ['previous']").await;
+    ws.session_stdout("kept = ['previous']").await;
     drop(ws);
 
     let mut ws = moved_to(&this, &id, &token).await;
     assert_eq!(ws.stdout_of("bash", "cat /tmp/f").await, "from-previous\n");
-    session(&mut ws, "kept.append('this')").await;
+    ws.session_stdout("kept.append('this')").await;
     drop(ws);
 
     let mut ws = moved_to(&previous, &id, &token).await;
     assert_eq!(
-        session(&mut ws, "print(kept)").await,
+        ws.session_stdout("print(kept)").await,
         "['previous', 'this']\n"
     );
     drop(ws);

@@ -422,6 +422,18 @@ impl Ws {
     }
 
     /// Nothing arrives for `quiet`.
+    /// Runs `code` in the sandbox's persistent Python session: its stdout.
+    pub async fn session_stdout(&mut self, code: &str) -> String {
+        self.send(serde_json::json!({"language": "python", "code": code, "session": true}))
+            .await;
+        let frames = merge_chunks(self.until_status("SANDBOX_EXECUTION_DONE").await);
+        frames
+            .iter()
+            .find_map(|f| f.strip_prefix("stdout:"))
+            .unwrap_or_default()
+            .to_owned()
+    }
+
     pub async fn expect_silence(&mut self, quiet: Duration) {
         if let Ok(Some(Ok(message))) = tokio::time::timeout(quiet, self.stream.next()).await {
             panic!("expected silence, got {message:?}");
