@@ -400,22 +400,23 @@ impl Leases {
                     }) {
                         lease.wanted_by = None;
                     }
-                    let Recorded::Latest(latest) = recorded else {
-                        // Unknown what it took over: the old epoch's field stops counting.
-                        self.take_hold(&mut lease, self.instance.clone(), now);
-                        let epoch = lease.epoch;
-                        return Ok(Step::Write(Box::new(lease), epoch));
-                    };
                     // As the lock's readers see it: the last hold's late record does not count.
-                    let latest = latest.filter(|latest| {
-                        !lease.outdates(latest) && latest.is_newer_than(lease.checkpoint.as_ref())
-                    });
+                    let newer = match recorded {
+                        Recorded::Latest(latest) => latest.filter(|latest| {
+                            !lease.outdates(latest)
+                                && latest.is_newer_than(lease.checkpoint.as_ref())
+                        }),
+                        Recorded::Unread => None,
+                    };
                     self.take_hold(&mut lease, self.instance.clone(), now);
-                    if let Some(latest) = latest {
-                        lease.checkpoint = Some(latest.clone());
+                    if let Some(newer) = newer {
+                        lease.checkpoint = Some(newer.clone());
                         lease.checkpoint_manifest = None;
                     }
-                    lease.checkpoint_taken_over_at = Some(lease.epoch);
+                    // Unread, what it took over is unknown: the old epoch's field stops counting.
+                    if let Recorded::Latest(_) = recorded {
+                        lease.checkpoint_taken_over_at = Some(lease.epoch);
+                    }
                 }
             }
             let epoch = lease.epoch;
@@ -545,36 +546,28 @@ impl Leases {
         .map(|_| ())
     }
 
-    /// Gives up a hold whose start failed and withdraws this instance's intent
-    /// (its client was told) in one write: GCS allows ~1 write/s per object.
-    pub(crate) async fn release_and_withdraw(&self, held: &HeldLease) -> Result<(), LeaseError> {
-        self.forget_own_intent(&held.sandbox);
-        self.modify_from(&held.sandbox, None, |existing, _now| {
-            let mut lease = self.still_mine(held, existing)?;
-            lease.holder = None;
-            self.clear_own_intent(&mut lease);
-            Ok(Step::Write(Box::new(lease), ()))
-        })
-        .await
-        .map(|_| ())
-    }
-
-    /// Gives up a hold at `epoch` naming this instance, which does not run it
-    /// (the reconciler's orphan row); no write if the lock moved on.
-    pub(crate) async fn release_orphan(
+    /// Gives up a hold at `epoch` naming this instance, which does not run it (the reconciler's
+    /// orphan row, or a start that failed), and withdraws this instance's intent (nobody here waits
+    /// for it any more) in one write: GCS allows ~1 write/s per object. A lock that moved on loses
+    /// only that intent, if it still has it; no write if neither is there.
+    pub(crate) async fn release_and_withdraw(
         &self,
         sandbox: &SandboxId,
         epoch: u64,
     ) -> Result<(), LeaseError> {
         self.forget_own_intent(sandbox);
-        self.modify_from(sandbox, None, |existing, _now| match existing {
-            Some(mut lease) if lease.is_held_by(&self.instance) && lease.epoch == epoch => {
+        self.modify_from(sandbox, None, |existing, _now| {
+            let Some(mut lease) = existing else {
+                return Ok(Step::Done(()));
+            };
+            let released = lease.is_held_by(&self.instance) && lease.epoch == epoch;
+            if released {
                 lease.holder = None;
-                // Nobody here waits for it: an own intent goes too.
-                self.clear_own_intent(&mut lease);
-                Ok(Step::Write(Box::new(lease), ()))
             }
-            _ => Ok(Step::Done(())),
+            Ok(match self.clear_own_intent(&mut lease) || released {
+                true => Step::Write(Box::new(lease), ()),
+                false => Step::Done(()),
+            })
         })
         .await
         .map(|_| ())

@@ -71,6 +71,7 @@ async fn metadata(server: &Server, id: &str) -> controllers::api::SandboxMetadat
         .await
         .unwrap()
         .unwrap()
+        .0
 }
 
 /// Waits (60 s at most) until the warm pool's stats satisfy `done`.

@@ -47,7 +47,7 @@ impl SandboxController {
             return Ok(Some(read));
         }
         let (metadata, lock) = tokio::join!(
-            self.reconciler.read_metadata_versioned(sandbox),
+            self.reconciler.read_metadata(sandbox),
             self.reconciler.leases().read(sandbox)
         );
         let Some(metadata) = metadata? else {
@@ -159,6 +159,8 @@ impl SandboxController {
         let deadline = self.reconciler.clock().instant() + grace;
         let mut asked: Vec<SandboxId> = Vec::new();
         loop {
+            // Told of every slot change from now on: a hold ending, a start becoming one.
+            let changed = self.reconciler.state_changed();
             let mut ask = self.held_sandboxes();
             ask.retain(|sandbox| !asked.contains(sandbox));
             // All at once; each pass decides what `Command::Drain` means for it.
@@ -177,7 +179,7 @@ impl SandboxController {
                     tokio::time::timeout_at(deadline, self.reconciler.background_settled()).await;
                 return left;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            let _ = tokio::time::timeout_at(deadline, changed).await;
         }
     }
 }

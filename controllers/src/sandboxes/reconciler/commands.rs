@@ -316,12 +316,12 @@ impl Reconciler {
             checkpoint: name,
             requested_at: at,
         });
-        let change = move |spec: &mut SandboxSpec| {
+        let change: SpecChange = Arc::new(move |spec: &mut SandboxSpec| {
             spec.desired_state = DesiredState::Running;
             if let Some(request) = &restore_request {
                 spec.restore_request = Some(request.clone());
             }
-        };
+        });
         let leases = &self.leases;
         let me = leases.instance().clone();
         self.mark_waiting(sandbox);
@@ -370,7 +370,7 @@ impl Reconciler {
             served.view = Some((intended, lock_and_lease.await?));
             return Ok(());
         }
-        let mut spec_write = self.spawn_spec_write(sandbox, read.metadata.clone(), change.clone());
+        let mut spec_write = self.spawn_spec_write(sandbox, read.metadata.clone(), &change);
         tokio::pin!(lock_and_lease);
         let (spec, lock) = tokio::select! {
             spec = &mut spec_write => (Some(spec_written(spec)), (&mut lock_and_lease).await),
@@ -388,7 +388,7 @@ impl Reconciler {
             (None, Ok(lock)) => {
                 // The lock write landed; the spec is still being written.
                 served.view = Some((intended, lock));
-                self.spec_in_flight(sandbox, Arc::new(change), spec_write, "attach");
+                self.spec_in_flight(sandbox, change, spec_write, "attach");
                 Ok(())
             }
             (None, Err(err)) => {
@@ -424,10 +424,7 @@ impl Reconciler {
             change(&mut intended.0.spec);
             served.view = Some((intended, Some((held.lease.clone(), held.generation))));
             let change: SpecChange = Arc::new(change);
-            let write = self.spawn_spec_write(sandbox, stored, {
-                let change = Arc::clone(&change);
-                move |spec: &mut SandboxSpec| change(spec)
-            });
+            let write = self.spawn_spec_write(sandbox, stored, &change);
             self.spec_in_flight(sandbox, change, write, "checkpoint");
             return Ok(());
         }
@@ -524,16 +521,16 @@ impl Reconciler {
         &self,
         sandbox: &SandboxId,
         read: ReadMetadata,
-        change: impl FnMut(&mut SandboxSpec) + Send + 'static,
+        change: &SpecChange,
     ) -> tokio::task::JoinHandle<Result<ReadMetadata, ControlError>> {
-        let this = self.shared();
+        let (this, change) = (self.shared(), Arc::clone(change));
         let sandbox = sandbox.clone();
         // In the queue before the task runs: writes land in the order issued.
         let turn = self.slots.queue_for_write_turn(&sandbox);
         tokio::spawn(async move {
             let this = this
                 .ok_or_else(|| ControlError::Internal("the reconciler is not shared".to_owned()))?;
-            this.write_spec_in_turn(turn, &sandbox, Some(&read), change)
+            this.write_spec_in_turn(turn, &sandbox, Some(&read), |spec| change(spec))
                 .await
         })
     }

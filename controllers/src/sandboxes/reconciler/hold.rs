@@ -86,7 +86,7 @@ impl Reconciler {
             tracing::warn!(%sandbox, %err, "cannot destroy an unheld sandbox");
         }
         tracing::warn!(%sandbox, epoch, "releasing a lock that names this instance but is not held here");
-        self.leases.release_orphan(sandbox, epoch).await?;
+        self.leases.release_and_withdraw(sandbox, epoch).await?;
         Ok(Requeue::After(Duration::ZERO))
     }
 

@@ -51,12 +51,16 @@ impl Reconciler {
     }
 
     pub fn held_sandboxes(&self) -> Vec<SandboxId> {
-        self.slots
-            .all()
+        self.held_where(|_| true)
+    }
+
+    /// The sandboxes held here whose hold `keep` picks.
+    fn held_where(&self, keep: impl Fn(&HeldLease) -> bool) -> Vec<SandboxId> {
+        let slots = self.slots.all();
+        let held = slots
             .iter()
-            .filter(|(_, slot)| slot.state.held().is_some())
-            .map(|(id, _)| id.clone())
-            .collect()
+            .filter(|(_, slot)| slot.state.held().is_some_and(&keep));
+        held.map(|(id, _)| id.clone()).collect()
     }
 
     /// Renewed: held under `held` from now on (unless it stopped meanwhile).
@@ -100,16 +104,7 @@ impl Reconciler {
     /// Holds the instance lease no longer vouches for: re-verify or stop each.
     pub fn unvouched(&self) -> Vec<SandboxId> {
         let instance_lease = self.leases.instance_lease();
-        self.slots
-            .all()
-            .iter()
-            .filter(|(_, slot)| {
-                slot.state
-                    .held()
-                    .is_some_and(|held| !instance_lease.vouches_for(held.era))
-            })
-            .map(|(id, _)| id.clone())
-            .collect()
+        self.held_where(|held| !instance_lease.vouches_for(held.era))
     }
 
     pub(super) fn forget(&self, sandbox: &SandboxId) {

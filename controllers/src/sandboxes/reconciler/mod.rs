@@ -249,17 +249,9 @@ impl Reconciler {
         self.slots.subscribe(sandbox)
     }
 
-    /// Reads `metadata.json`; `None` if it does not exist.
+    /// Reads `metadata.json` and its generation (remembered for the next update); `None` if it
+    /// does not exist.
     pub async fn read_metadata(
-        &self,
-        sandbox: &SandboxId,
-    ) -> Result<Option<SandboxMetadata>, ReconcileError> {
-        let read = self.read_metadata_versioned(sandbox).await?;
-        Ok(read.map(|(metadata, _)| metadata))
-    }
-
-    /// Reads `metadata.json` and its generation (remembered for the next update).
-    pub async fn read_metadata_versioned(
         &self,
         sandbox: &SandboxId,
     ) -> Result<Option<ReadMetadata>, ReconcileError> {

@@ -125,12 +125,8 @@ impl Reconciler {
         if step == LightStep::ReadBoth {
             // Both at once: the full pass a change (an attach elsewhere)
             // calls for decides on these (decision 7, the departure watch).
-            let both = async {
-                tokio::join!(
-                    self.read_metadata_versioned(sandbox),
-                    self.leases.read(sandbox)
-                )
-            };
+            let both =
+                async { tokio::join!(self.read_metadata(sandbox), self.leases.read(sandbox)) };
             let Some((metadata, lock)) = self.unless_commanded(sandbox, give_way, both).await
             else {
                 return Ok(Light::Commanded);
@@ -180,10 +176,7 @@ impl Reconciler {
                 Ok(lock
                     .map(|(lock, generation)| (self.leases.with_heard(sandbox, lock), generation))),
             ),
-            None => tokio::join!(
-                self.read_metadata_versioned(sandbox),
-                self.leases.read(sandbox)
-            ),
+            None => tokio::join!(self.read_metadata(sandbox), self.leases.read(sandbox)),
         };
         if let Ok(Some(read)) = &mut metadata {
             *read = self.as_owner_sees(sandbox, read.clone());

@@ -57,7 +57,7 @@ impl Reconciler {
         match release {
             Some(epoch) => {
                 tracing::info!(%sandbox, epoch, "shutting down: giving back a hold transferred here");
-                self.leases.release_orphan(sandbox, epoch).await?;
+                self.leases.release_and_withdraw(sandbox, epoch).await?;
             }
             None => self.leases.withdraw_attach(sandbox).await?,
         }
@@ -165,7 +165,7 @@ impl Reconciler {
             metadata
         } else {
             match self.read_metadata(sandbox).await {
-                Ok(Some(fresh)) => fresh,
+                Ok(Some((fresh, _))) => fresh,
                 Ok(None) => {
                     self.done_acquiring(sandbox);
                     return Ok(Requeue::Never);
@@ -284,17 +284,8 @@ impl Reconciler {
                 let recorded = self
                     .record_stopped(sandbox, held.epoch, ended, Some(&message))
                     .await;
-                match self.leases.release_and_withdraw(&held).await {
-                    Ok(()) => {}
-                    // No longer ours: the intent may still name us.
-                    Err(LeaseError::Lost { .. }) => {
-                        if let Err(err) = self.leases.withdraw_attach(sandbox).await {
-                            tracing::warn!(%sandbox, %err, "cannot withdraw the attach intent after a failed start");
-                        }
-                    }
-                    Err(err) => {
-                        tracing::warn!(%sandbox, %err, "cannot release the lease after a failed start");
-                    }
+                if let Err(err) = self.leases.release_and_withdraw(sandbox, held.epoch).await {
+                    tracing::warn!(%sandbox, %err, "cannot release the lease after a failed start");
                 }
                 self.emit(sandbox, SandboxEvent::StartFailed { kind, cause });
                 recorded.map(|_| Requeue::Never)

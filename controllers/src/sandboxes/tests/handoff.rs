@@ -501,12 +501,15 @@ impl BeforeRequest for FreezeAndHold {
     }
 }
 
-/// A holder frozen in its hand-over (or periodic) checkpoint thaws after a taker started from the
-/// lock's older checkpoint (losing what ran since), before the taker's record landed: its hand-back
-/// fails, and its record must not land either, or a later takeover restores the lost state.
+/// A holder frozen in its hand-over or periodic checkpoint (in the upload, or in the record after
+/// every check passed) thaws after a taker started from the lock's older checkpoint (losing what
+/// ran since), before the taker's record landed. An upload's hand-back and record fail; a record
+/// that lands late does not count, since the taker's acquisition named the checkpoint it took over
+/// (`checkpoint_taken_over_at`). Either way the next takeover restores what the taker started from.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frozen_holders_checkpoint_is_not_recorded_once_it_was_taken_over() {
-    for periodic in [false, true] {
+async fn a_frozen_holders_checkpoint_does_not_count_once_it_was_taken_over() {
+    for (periodic, in_record) in [(false, false), (true, false), (true, true)] {
+        let case = format!("periodic {periodic}, frozen in the record {in_record}");
         let world = World::new();
         let hook = FreezeAndHold::default;
         let (a_store, a) = world.instance_through("a", hook(), checkpointing(periodic));
@@ -514,12 +517,15 @@ async fn a_frozen_holders_checkpoint_is_not_recorded_once_it_was_taken_over() {
         let id = a.create(&world).await;
         a.run(&id, "s1").await;
         a.checkpoint(&id, None).await; // epoch 1's, carried by the lock
+        let first = world.metadata(&id).await.status.latest_checkpoint.unwrap();
         a.bring_here(&id).await;
         a.run(&id, "s2").await;
         if periodic {
             a.live_through(&world, 61).await;
         }
-        a_store.hook.freeze_upload.store(true, Ordering::Release);
+        let hook = &a_store.hook;
+        let freeze = [&hook.freeze_upload, &hook.freeze_record][usize::from(in_record)];
+        freeze.store(true, Ordering::Release);
         let zombie = a.spawn(&id, move |controller, id| async move {
             if periodic {
                 let _ = controller.reconciler().reconcile(&id).await;
@@ -528,12 +534,22 @@ async fn a_frozen_holders_checkpoint_is_not_recorded_once_it_was_taken_over() {
                 let _ = controller.serving(&id, ask).await;
             }
         });
-        a_store.hook.frozen.notified().await;
+        hook.frozen.notified().await;
         b_takes_over_from_s1(&world, &b, &b_store, &id).await;
-        a_store.hook.thaw.notify_one();
+        let lock = world.lease(&id).await;
+        assert_eq!(lock.checkpoint.as_ref().map(|c| &c.path), Some(&first.path));
+        assert_eq!(lock.checkpoint_taken_over_at, Some(lock.epoch), "{case}");
+        hook.thaw.notify_one();
         zombie.await.unwrap();
         a.controller.reconciler().background_settled().await;
-        let lost = format!("\"s2\" was lost when B started: it never comes back ({periodic})");
+        let recorded = world.metadata(&id).await.status.latest_checkpoint.unwrap();
+        let landed = recorded.path != first.path;
+        assert_eq!(
+            landed, in_record,
+            "only a record frozen after its checks lands: {case}"
+        );
+        assert!(!landed || lock.outdates(&recorded), "{case}");
+        let lost = format!("\"s2\" was lost when B started: it never comes back ({case})");
         assert_eq!(
             c_after_b_died(&world, b, &id).await,
             Some(vec!["s1".to_owned()]),
@@ -567,45 +583,4 @@ async fn c_after_b_died(world: &World, b: Instance, id: &SandboxId) -> Option<Ve
     let c = world.instance("c");
     c.bring_here(id).await;
     c.runtime.memory(id)
-}
-
-/// The reading side of the above: a periodic checkpoint's record that passed every check, then
-/// froze past the lease, lands after a taker started from the checkpoint before it; the taker dies
-/// before its own record. The taker's acquisition named the checkpoint it took over
-/// (`checkpoint_taken_over_at`), so the late record does not count: the next takeover restores what
-/// the taker started from, and `describe`'s fold says so.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frozen_holders_late_record_does_not_count_after_a_take_over() {
-    let world = World::new();
-    let (a_store, a) = world.instance_through("a", FreezeAndHold::default(), checkpointing(true));
-    let (b_store, b) = world.instance_through("b", FreezeAndHold::default(), checkpointing(false));
-    let id = a.create(&world).await;
-    a.run(&id, "s1").await;
-    a.live_through(&world, 61).await;
-    a.pass(&id).await; // a periodic checkpoint of s1, recorded
-    let first = world.metadata(&id).await.status.latest_checkpoint.unwrap();
-    a.run(&id, "s2").await;
-    a.live_through(&world, 61).await;
-    a_store.hook.freeze_record.store(true, Ordering::Release);
-    let zombie = a.spawn(&id, |controller, id| async move {
-        let _ = controller.reconciler().reconcile(&id).await;
-    });
-    a_store.hook.frozen.notified().await;
-    b_takes_over_from_s1(&world, &b, &b_store, &id).await;
-    let lock = world.lease(&id).await;
-    assert_eq!(lock.checkpoint.as_ref().map(|c| &c.path), Some(&first.path));
-    assert_eq!(lock.checkpoint_taken_over_at, Some(lock.epoch));
-    // A thaws: its record of s1 and s2 lands (B's never does).
-    a_store.hook.thaw.notify_one();
-    zombie.await.unwrap();
-    a.controller.reconciler().background_settled().await;
-    let late = world.metadata(&id).await.status.latest_checkpoint.unwrap();
-    assert_ne!(late.path, first.path, "the frozen holder's record landed");
-    assert!(lock.outdates(&late));
-    let lost = "\"s2\" was lost when B started: it never comes back";
-    assert_eq!(
-        c_after_b_died(&world, b, &id).await,
-        Some(vec!["s1".to_owned()]),
-        "{lost}"
-    );
 }
