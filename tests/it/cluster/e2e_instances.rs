@@ -212,6 +212,30 @@ async fn sigterm_drains_to_a_checkpoint_the_other_instance_restores_at_once() {
     assert_eq!(ws.stdout_of("bash", "cat /tmp/d").await, "drained\n");
 }
 
+/// As above with the client gone before the SIGTERM: no session waits for CHECKPOINTED, so the
+/// process exits once the drain returns, which must be after the checkpoint's hand-back landed.
+/// (The drain once returned as soon as the local sandbox was gone, before that lock write, which
+/// the exit cut off: the other instance took the lock over with nothing to restore.)
+#[tokio::test]
+async fn sigterm_with_its_client_gone_exits_only_after_the_hand_back_landed() {
+    let (_dir, bucket, mut servers) = servers(&["gone-a", "gone-b"]).await;
+    let (mut ws, id, token) = servers[0].create(init()).await;
+    ws.exec("bash", "echo drained > /tmp/d").await;
+    ws.close().await;
+    servers[0].signal("-TERM");
+    let lock: Value =
+        serde_json::from_str(&read_object(&bucket, &format!("sandboxes/{id}/lock.json")).await)
+            .unwrap();
+    assert_eq!(lock["holder"], Value::Null, "released at shutdown: {lock}");
+    assert!(
+        lock["checkpoint"].is_object(),
+        "handed back with its checkpoint: {lock}"
+    );
+    let mut ws = servers[1].attach(&id, &token).await;
+    ws.until_status("SANDBOX_RUNNING").await;
+    assert_eq!(ws.stdout_of("bash", "cat /tmp/d").await, "drained\n");
+}
+
 #[tokio::test]
 async fn an_operator_edit_in_the_bucket_takes_effect_and_bad_json_is_left_alone() {
     let (_dir, bucket, servers) = servers(&["ops-a"]).await;

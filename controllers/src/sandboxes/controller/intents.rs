@@ -152,7 +152,8 @@ impl SandboxController {
     }
 
     /// Shutdown: checkpoints (else deletes) every sandbox held here, forcing past executions, until
-    /// none is held or `grace` passed; returns how many remain. Nothing more starts here; one whose
+    /// none is held or in a transition (`Reconciler::unsettled`) or `grace` passed; returns how
+    /// many remain. Nothing more starts here; one whose
     /// start was under way is asked too, once it is held.
     pub async fn drain(&self, grace: Duration) -> usize {
         self.reconciler.start_draining();
@@ -172,7 +173,8 @@ impl SandboxController {
             });
             let _ = tokio::time::timeout_at(deadline, futures::future::join_all(asking)).await;
             asked.extend(ask);
-            let left = self.held_sandboxes().len();
+            // Not only held: a checkpoint's hand-back lands after its local sandbox is gone.
+            let left = self.reconciler.unsettled();
             if left == 0 || self.reconciler.clock().instant() >= deadline {
                 // Let pending checkpoint records land (else the locks carry them).
                 let _ =

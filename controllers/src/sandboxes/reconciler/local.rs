@@ -63,6 +63,12 @@ impl Reconciler {
         held.map(|(id, _)| id.clone()).collect()
     }
 
+    /// Sandboxes held here or in a transition whose lock write is still under way: what a drain
+    /// waits for, lest the process exit before a checkpoint's hand-back lands.
+    pub fn unsettled(&self) -> usize {
+        self.slots.unsettled()
+    }
+
     /// Renewed: held under `held` from now on (unless it stopped meanwhile).
     pub(super) fn renewed(&self, sandbox: &SandboxId, held: HeldLease) {
         self.slots

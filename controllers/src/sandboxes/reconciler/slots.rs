@@ -391,6 +391,14 @@ impl Slots {
         }
     }
 
+    /// How many sandboxes are held here or in a transition: a start, or a checkpoint or delete
+    /// whose lock write has not landed (the local sandbox is gone before it).
+    pub(super) fn unsettled(&self) -> usize {
+        let slots = self.all();
+        let unsettled = |slot: &&Slot| slot.state.held().is_some() || slot.transition.is_some();
+        slots.values().filter(unsettled).count()
+    }
+
     /// Reads `sandbox`'s slot (an empty one if it has none).
     pub(super) fn view<T>(&self, sandbox: &SandboxId, read: impl FnOnce(&Slot) -> T) -> T {
         read(self.all().get(sandbox).unwrap_or(&Slot::default()))
