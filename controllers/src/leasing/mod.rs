@@ -564,9 +564,10 @@ impl Leases {
             if released {
                 lease.holder = None;
             }
-            Ok(match self.clear_own_intent(&mut lease) || released {
-                true => Step::Write(Box::new(lease), ()),
-                false => Step::Done(()),
+            Ok(if self.clear_own_intent(&mut lease) || released {
+                Step::Write(Box::new(lease), ())
+            } else {
+                Step::Done(())
             })
         })
         .await

@@ -153,8 +153,8 @@ impl SandboxController {
 
     /// Shutdown: checkpoints (else deletes) every sandbox held here, forcing past executions, until
     /// none is held or in a transition (`Reconciler::unsettled`) or `grace` passed; returns how
-    /// many remain. Nothing more starts here; one whose
-    /// start was under way is asked too, once it is held.
+    /// many remain. Nothing more starts here; one whose start was under way is asked too, once it
+    /// is held.
     pub async fn drain(&self, grace: Duration) -> usize {
         self.reconciler.start_draining();
         let deadline = self.reconciler.clock().instant() + grace;
