@@ -3,7 +3,8 @@
 //! message of [`super::protocol`], some followed by raw bytes (an
 //! agent of version 2 on; see [`AgentConnection::exchange`]).
 //!
-//! One writer (commands, serialised by a mutex) and one reader task that routes
+//! One writer task (commands, in the order queued; a terminal's size as it
+//! is when its turn comes, [`LatestCommand`]) and one reader task that routes
 //! each event by its `id`: execution output to that execution's channel, replies
 //! to the request waiting for them, archive chunks to their sink. When the agent
 //! goes away (the sandbox stopped or was checkpointed) every waiter is told.
@@ -79,17 +80,44 @@ pub fn check_version(agent: u32) -> Result<u32, AgentError> {
 /// frozen, never makes the host hold what a client sends.
 pub const MAX_QUEUED_COMMAND_BYTES: usize = 8 << 20;
 
-/// The most bytes of control commands (a kill, a stdin close, a resize)
-/// queued at once. They never wait behind a client's stdin, so a kill
-/// returns at once even while the agent reads nothing; past this they are
-/// refused (a flood of them while the agent is frozen holds nothing).
+/// The most bytes of control commands (a kill, a stdin close) queued at
+/// once. They never wait behind a client's stdin, so a kill returns at once
+/// even while the agent reads nothing; past this they are refused (a flood
+/// of them while the agent is frozen holds nothing). A resize has no share
+/// of it: it is a [`LatestCommand`].
 pub const MAX_QUEUED_CONTROL_BYTES: usize = 64 << 10;
 
-/// A command line and the raw bytes that follow it, for the writer task,
-/// with their share of [`MAX_QUEUED_COMMAND_BYTES`] or
-/// [`MAX_QUEUED_CONTROL_BYTES`] (none for a delivery's acknowledgement),
-/// given back once written.
-type Framed = (Vec<u8>, Bytes, Option<OwnedSemaphorePermit>);
+/// What the writer task takes in turn.
+enum Framed {
+    /// A command line and the raw bytes that follow it, with their share of
+    /// [`MAX_QUEUED_COMMAND_BYTES`] or [`MAX_QUEUED_CONTROL_BYTES`] (none for
+    /// a delivery's acknowledgement), given back once written.
+    Line(Vec<u8>, Bytes, Option<OwnedSemaphorePermit>),
+    /// The turn of a [`LatestCommand`]: its line as it is when written.
+    Latest(Arc<LatestCommand>),
+}
+
+/// A command of which only the latest matters (a terminal's size). A newer
+/// one replaces the one not yet written, in its place in the queue, so a
+/// burst of them queues one line at a time, never refuses one, and the last
+/// always reaches the agent.
+#[derive(Debug, Default)]
+pub struct LatestCommand(Mutex<Option<Vec<u8>>>);
+
+impl LatestCommand {
+    /// Puts `line` in; true if no earlier line was waiting (it needs a turn).
+    fn replace(&self, line: Vec<u8>) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(line)
+            .is_none()
+    }
+
+    fn take(&self) -> Option<Vec<u8>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+}
 
 /// A connection to one sandbox's agent.
 pub struct AgentConnection {
@@ -202,7 +230,27 @@ impl AgentConnection {
             ))));
         };
         self.lines
-            .send((line, Bytes::new(), Some(room)))
+            .send(Framed::Line(line, Bytes::new(), Some(room)))
+            .map_err(|_| AgentError::Gone)
+    }
+
+    /// Sends `command` through `slot`: it replaces the slot's command if
+    /// that is not written yet, else it queues a turn for it. Never waits.
+    pub fn send_latest(
+        &self,
+        slot: &Arc<LatestCommand>,
+        command: &Command,
+    ) -> Result<(), AgentError> {
+        if self.is_gone() {
+            return Err(AgentError::Gone);
+        }
+        let mut line = serde_json::to_vec(command).map_err(std::io::Error::other)?;
+        line.push(b'\n');
+        if !slot.replace(line) {
+            return Ok(());
+        }
+        self.lines
+            .send(Framed::Latest(Arc::clone(slot)))
             .map_err(|_| AgentError::Gone)
     }
 
@@ -215,7 +263,7 @@ impl AgentConnection {
         let mut line = serde_json::to_vec(command).map_err(std::io::Error::other)?;
         line.push(b'\n');
         self.lines
-            .send((line, Bytes::new(), None))
+            .send(Framed::Line(line, Bytes::new(), None))
             .map_err(|_| AgentError::Gone)
     }
 
@@ -236,7 +284,7 @@ impl AgentConnection {
             let room = self.room_for(line.len()).await;
             return self
                 .lines
-                .send((line, Bytes::new(), room))
+                .send(Framed::Line(line, Bytes::new(), room))
                 .map_err(|_| AgentError::Gone);
         };
         let mut line = {
@@ -255,7 +303,7 @@ impl AgentConnection {
         line.push(b'\n');
         let room = self.room_for(line.len() + payload.len()).await;
         self.lines
-            .send((line, payload, room))
+            .send(Framed::Line(line, payload, room))
             .map_err(|_| AgentError::Gone)
     }
 
@@ -524,7 +572,14 @@ async fn write_commands(
     mut queued: mpsc::UnboundedReceiver<Framed>,
     routes: Arc<Mutex<Routes>>,
 ) {
-    while let Some((line, payload, room)) = queued.recv().await {
+    while let Some(framed) = queued.recv().await {
+        let (line, payload, room) = match framed {
+            Framed::Line(line, payload, room) => (line, payload, room),
+            Framed::Latest(slot) => match slot.take() {
+                Some(line) => (line, Bytes::new(), None),
+                None => continue,
+            },
+        };
         let mut written = commands.write_all(&line).await;
         if written.is_ok() && !payload.is_empty() {
             written = commands.write_all(&payload).await;

@@ -492,3 +492,54 @@ async fn commands_an_agent_does_not_read_are_bounded_and_their_sender_waits() {
         "{sent} lines of {line} bytes were queued"
     );
 }
+
+/// A burst of resizes to an agent that reads nothing yet: none is refused,
+/// none takes the control budget (a kill still goes), the lines queued stop
+/// at what the pipe holds plus one, and the last written is the last size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_resizes_queues_one_line_at_a_time_and_ends_at_the_last() {
+    const BURST: u16 = 20_000;
+    let (connection, _events, commands) = connect();
+    let size = Arc::new(LatestCommand::default());
+    let resize = |n: u16| {
+        Request::Resize {
+            cols: 10 + n % 900,
+            rows: 3 + n % 90,
+        }
+        .with_id("e1")
+    };
+    for n in 0..BURST {
+        connection
+            .send_latest(&size, &resize(n))
+            .unwrap_or_else(|err| panic!("resize {n} was refused: {err}"));
+    }
+    // Every turn of the burst is queued ahead of the kill.
+    connection
+        .send_control(&Request::Kill.with_id("e1"))
+        .expect("a kill is queued at once after the burst");
+    let read = tokio::task::spawn_blocking(move || {
+        let mut commands = std::io::BufReader::new(commands);
+        let mut resizes = Vec::new();
+        loop {
+            let (command, _) = next_command(&mut commands);
+            if command["op"] == "kill" {
+                return resizes;
+            }
+            resizes.push(command);
+        }
+    });
+    let resizes = tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("the queued lines are readable")
+        .unwrap();
+    let last = serde_json::to_value(resize(BURST - 1)).unwrap();
+    // The shortest line a size of the burst makes, as a bound.
+    let shortest = serde_json::to_vec(&resize(0)).unwrap().len() + 1;
+    let pipe_lines = (64 << 10) / shortest;
+    assert!(
+        resizes.len() <= pipe_lines + 2,
+        "{} resize lines were queued for {pipe_lines} lines of pipe",
+        resizes.len()
+    );
+    assert_eq!(resizes.last(), Some(&last));
+}

@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 use super::{GvisorRuntime, Local, LocalSandbox};
 use crate::runtime::agent::delivery::DeliveryGate;
 use crate::runtime::agent::protocol::{JournalEntry, JournalsReply, Request};
-use crate::runtime::agent::{AgentConnection, ExecEvents};
+use crate::runtime::agent::{AgentConnection, ExecEvents, LatestCommand};
 
 impl GvisorRuntime {
     /// After a restore: takes up the execution the checkpoint kept (its
@@ -96,6 +96,9 @@ struct AgentExecControl {
     id: String,
     /// Resumable executions only.
     gate: Option<Arc<DeliveryGate>>,
+    /// The terminal size not yet written to the agent: a burst of resizes
+    /// queues one line at a time and ends at its last size.
+    size: Arc<LatestCommand>,
 }
 
 #[async_trait]
@@ -126,7 +129,8 @@ impl ExecControl for AgentExecControl {
 
     async fn resize(&self, size: TerminalSize) -> Result<(), RuntimeError> {
         self.agent
-            .send_control(
+            .send_latest(
+                &self.size,
                 &Request::Resize {
                     cols: size.cols,
                     rows: size.rows,
@@ -232,6 +236,7 @@ pub(super) fn relay_execution(
             agent: local.agent.clone(),
             id,
             gate,
+            size: Arc::default(),
         }),
     }
 }

@@ -1083,9 +1083,10 @@ async fn a_burst_of_resizes_ends_at_the_last_size() {
         .await;
     eprintln!("20,001 resizes sent in {:?}", sent.elapsed());
     // Ask for the size until it is the last one (the stdin queue and the
-    // resizes are separate tasks); 60 s at most.
+    // resizes are separate tasks); 60 s at most. No resize is refused.
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut seen = String::new();
+    let mut others = Vec::new();
     while Instant::now() < deadline {
         ws.send(json!({"event": "stdin", "data": "\n"})).await;
         let frame = ws.next().await;
@@ -1094,6 +1095,8 @@ async fn a_burst_of_resizes_ends_at_the_last_size() {
             if seen.contains("45 123\r\n") {
                 break;
             }
+        } else {
+            others.push(frame);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -1102,6 +1105,12 @@ async fn a_burst_of_resizes_ends_at_the_last_size() {
         .rfind(|line| !line.trim().is_empty())
         .map(str::to_owned);
     eprintln!("the terminal's size after the burst: {last:?}");
+    assert!(
+        others.is_empty(),
+        "frames other than output after the burst ({}), first {:?}",
+        others.len(),
+        others.first()
+    );
     assert!(
         seen.contains("45 123\r\n"),
         "the terminal never reached 45 123: {seen:?}"
