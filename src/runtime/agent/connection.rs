@@ -28,7 +28,7 @@ use bytes::Bytes;
 use controllers::runtime::ExecEvent;
 use serde::de::DeserializeOwned;
 
-use super::routes::{ExecEvents, ExecRoute, Reply, Routes};
+use super::routes::{ExecEvents, ExecRoute, Reply, Routes, StdinWindow};
 
 use super::lines::{
     AgentLine, MAX_AGENT_LINE_BYTES, MAX_AGENT_LINE_VALUES, MAX_AGENT_PAYLOAD_BYTES, Payload,
@@ -254,6 +254,33 @@ impl AgentConnection {
             .map_err(|_| AgentError::Gone)
     }
 
+    /// Sends bytes for execution `id`'s stdin: once its window (if the agent
+    /// granted one) has room for them, then once the queue for the agent
+    /// has. So a program that reads slowly holds its client back (through
+    /// the session, then TCP) instead of losing input; one that has ended
+    /// holds nobody (its window is closed).
+    pub async fn send_stdin(&self, id: &str, data: &[u8]) -> Result<(), AgentError> {
+        let window = self
+            .routes()
+            .execs
+            .get(id)
+            .and_then(|route| route.stdin_window.clone());
+        if let Some(window) = window {
+            let share = u32::try_from(data.len().min(window.size)).unwrap_or(u32::MAX);
+            if let Ok(room) = window.room.acquire_many(share).await {
+                // Given back by the agent's `stdin_taken`, not by a drop.
+                room.forget();
+            }
+        }
+        self.send(
+            &Request::Stdin {
+                data: BASE64.encode(data),
+            }
+            .with_id(id),
+        )
+        .await
+    }
+
     /// Sends one small command without waiting for room (a delivery's
     /// acknowledgement, never a client's bytes).
     pub fn send_now(&self, command: &Command) -> Result<(), AgentError> {
@@ -416,11 +443,24 @@ impl AgentConnection {
         let (route, rx) = ExecRoute::new();
         let started = self.expect_reply(id)?;
         self.routes().execs.insert(id.to_owned(), route);
+        let asked = match &request {
+            Request::Exec { stdin_window, .. } => stdin_window.unwrap_or(0),
+            _ => 0,
+        };
         let command = request.with_id(id);
         let outcome = self
             .sent_then_answered(self.send(&command), started, START_TIMEOUT)
             .await;
         match outcome {
+            Ok((Event::Started { stdin_window, .. }, _)) => {
+                // A window the agent granted, never larger than asked for.
+                if let Some(granted) = stdin_window
+                    && let Some(route) = self.routes().execs.get_mut(id)
+                {
+                    route.stdin_window = Some(StdinWindow::new(granted.min(asked)));
+                }
+                Ok(rx)
+            }
             Ok(_) => Ok(rx),
             Err(err) => {
                 let mut routes = self.routes();
@@ -648,6 +688,15 @@ fn route(
             };
             if let Some(route) = lock().execs.get_mut(&id) {
                 route.output(seq.unwrap_or(0), fd, data);
+            }
+        }
+        Event::StdinTaken { id, count } => {
+            if let Some(window) = lock()
+                .execs
+                .get(&id)
+                .and_then(|route| route.stdin_window.as_ref())
+            {
+                window.taken(count);
             }
         }
         Event::Exit { id, code, seq } => {

@@ -94,6 +94,7 @@ async fn bad_base64_output_is_reported_not_silently_empty() {
                     resumable: false,
                     pty: None,
                     results: false,
+                    stdin_window: None,
                 },
             )
             .await
@@ -542,4 +543,100 @@ async fn a_burst_of_resizes_queues_one_line_at_a_time_and_ends_at_the_last() {
         resizes.len()
     );
     assert_eq!(resizes.last(), Some(&last));
+}
+
+/// Stdin to an execution whose agent granted a window: the sender waits
+/// once the window is full, goes on when the agent reports what the program
+/// took (never past the window, whatever the report says), and goes on at
+/// once when the execution ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdin_waits_for_its_window_and_an_ended_execution_holds_no_sender() {
+    const WINDOW: u64 = 64 << 10;
+    const CHUNK: usize = 16 << 10;
+    let (connection, mut agent, _commands) = connect();
+    let starting = Arc::clone(&connection);
+    let started = tokio::spawn(async move {
+        starting
+            .start_exec(
+                "e1",
+                Request::Exec {
+                    argv: Some(vec!["cat".into()]),
+                    session: false,
+                    code: None,
+                    env: None,
+                    cwd: None,
+                    resumable: false,
+                    pty: None,
+                    results: false,
+                    stdin_window: Some(WINDOW),
+                },
+            )
+            .await
+    });
+    while !connection.routes().replies.contains_key("e1") {
+        tokio::task::yield_now().await;
+    }
+    // A larger window than asked for is not taken.
+    emit(
+        &mut agent,
+        &json!({"ev": "started", "id": "e1", "pid": 2, "stdin_window": WINDOW * 16}),
+    );
+    let _events = started.await.unwrap().unwrap();
+    let chunk = vec![b'x'; CHUNK];
+    let fill = |connection: Arc<AgentConnection>| {
+        let chunk = chunk.clone();
+        async move {
+            for _ in 0..WINDOW as usize / CHUNK {
+                connection.send_stdin("e1", &chunk).await.unwrap();
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), fill(Arc::clone(&connection)))
+        .await
+        .expect("a window's worth is sent at once");
+    let sending = Arc::clone(&connection);
+    let chunk_again = chunk.clone();
+    let mut over = tokio::spawn(async move { sending.send_stdin("e1", &chunk_again).await });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut over)
+            .await
+            .is_err(),
+        "stdin past the window was sent before the program took any"
+    );
+    emit(
+        &mut agent,
+        &json!({"ev": "stdin_taken", "id": "e1", "count": CHUNK}),
+    );
+    tokio::time::timeout(Duration::from_secs(5), over)
+        .await
+        .expect("room the program made lets the sender go on")
+        .unwrap()
+        .unwrap();
+    // A report of more than was ever sent gives back the window, no more.
+    emit(
+        &mut agent,
+        &json!({"ev": "stdin_taken", "id": "e1", "count": u64::MAX}),
+    );
+    let room = || {
+        connection.routes().execs["e1"]
+            .stdin_window
+            .as_ref()
+            .map(|window| window.room.available_permits())
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while room() != Some(WINDOW as usize) {
+        assert!(std::time::Instant::now() < deadline, "room: {:?}", room());
+        tokio::task::yield_now().await;
+    }
+    tokio::time::timeout(Duration::from_secs(5), fill(Arc::clone(&connection)))
+        .await
+        .expect("the window's worth again");
+    let sending = Arc::clone(&connection);
+    let over = tokio::spawn(async move { sending.send_stdin("e1", &chunk).await });
+    emit(&mut agent, &json!({"ev": "exit", "id": "e1", "code": 0}));
+    tokio::time::timeout(Duration::from_secs(5), over)
+        .await
+        .expect("an ended execution holds no sender")
+        .unwrap()
+        .unwrap();
 }

@@ -81,6 +81,12 @@ pub enum Request {
         /// A session cell reports rich results (`out` events on fd 3).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         results: bool,
+        /// Bytes of stdin the host may send ahead of what the program has
+        /// read: an agent that grants it (`started`'s `stdin_window`) reports
+        /// what the program takes (`stdin_taken`), so the host waits instead
+        /// of the agent dropping input. An agent that does not ignores it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stdin_window: Option<u64>,
     },
     /// Resizes the execution's terminal. No reply.
     Resize { cols: u16, rows: u16 },
@@ -285,6 +291,17 @@ pub enum Event {
     Started {
         id: String,
         pid: u32,
+        /// The stdin window granted (the `exec` asked for one, the agent
+        /// knows them); absent: input flows without one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stdin_window: Option<u64>,
+    },
+    /// Bytes of an execution's stdin its program took (or that were let go:
+    /// stdin closed, the program gone), handed back to its window.
+    StdinTaken {
+        id: String,
+        /// Not `bytes`: that names raw bytes following a line.
+        count: u64,
     },
     /// Output of an execution; `data` is base64 (absent: reported as lost).
     Out {
@@ -351,6 +368,7 @@ impl Event {
             Self::Started { .. } => "started",
             Self::Out { .. } => "out",
             Self::Exit { .. } => "exit",
+            Self::StdinTaken { .. } => "stdin_taken",
             Self::Chunk { .. } => "chunk",
             Self::Error { .. } => "error",
             Self::Pong { .. } => "pong",
@@ -369,6 +387,7 @@ impl Event {
             Self::Started { id, .. }
             | Self::Out { id, .. }
             | Self::Exit { id, .. }
+            | Self::StdinTaken { id, .. }
             | Self::Chunk { id, .. }
             | Self::Ready { id, .. }
             | Self::Journals { id, .. }

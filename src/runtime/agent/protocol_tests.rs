@@ -91,6 +91,7 @@ fn every_request() -> Vec<Command> {
             resumable: false,
             pty: None,
             results: false,
+            stdin_window: Some(8 << 20),
         }),
         id(Request::Resize { cols: 80, rows: 24 }),
         id(Request::Stdin {

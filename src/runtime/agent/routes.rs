@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use controllers::runtime::ExecEvent;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::protocol::Event;
 
@@ -35,6 +35,45 @@ pub(super) struct ExecRoute {
     queued: Arc<AtomicUsize>,
     /// Output is being dropped (the notice was sent).
     dropping: bool,
+    /// The stdin the agent granted: bytes the host may still send ahead of
+    /// the program (none: the agent keeps no window).
+    pub(super) stdin_window: Option<StdinWindow>,
+}
+
+/// An execution's stdin window: what the host may send ahead of what the
+/// program read. Closed with its route, so a sender waiting for room goes on
+/// once the execution is gone.
+#[derive(Clone)]
+pub(super) struct StdinWindow {
+    pub(super) room: Arc<Semaphore>,
+    pub(super) size: usize,
+}
+
+impl StdinWindow {
+    pub(super) fn new(size: u64) -> Self {
+        let size = usize::try_from(size)
+            .unwrap_or(usize::MAX)
+            .min(Semaphore::MAX_PERMITS);
+        Self {
+            room: Arc::new(Semaphore::new(size)),
+            size,
+        }
+    }
+
+    /// Gives back room the program made; never more than the window.
+    pub(super) fn taken(&self, bytes: u64) {
+        let full = self.size.saturating_sub(self.room.available_permits());
+        let bytes = usize::try_from(bytes).unwrap_or(usize::MAX).min(full);
+        self.room.add_permits(bytes);
+    }
+}
+
+impl Drop for ExecRoute {
+    fn drop(&mut self) {
+        if let Some(window) = &self.stdin_window {
+            window.room.close();
+        }
+    }
 }
 
 impl ExecRoute {
@@ -50,6 +89,7 @@ impl ExecRoute {
                 sender,
                 queued,
                 dropping: false,
+                stdin_window: None,
             },
             events,
         )

@@ -8,8 +8,6 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use base64::Engine as _;
-use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
 use controllers::api::SandboxId;
 use controllers::runtime::{
@@ -89,6 +87,11 @@ impl GvisorRuntime {
     }
 }
 
+/// Bytes of stdin sent ahead of what the program read, at most: the agent's
+/// own bound on input waiting for a program (`MAX_STDIN_PENDING`), so an
+/// agent that grants the window never drops input.
+const STDIN_WINDOW_BYTES: u64 = 8 << 20;
+
 /// Controls one execution through the agent.
 #[derive(Debug)]
 struct AgentExecControl {
@@ -105,12 +108,7 @@ struct AgentExecControl {
 impl ExecControl for AgentExecControl {
     async fn write_stdin(&self, data: Bytes) -> Result<(), RuntimeError> {
         self.agent
-            .send(
-                &Request::Stdin {
-                    data: BASE64.encode(&data),
-                }
-                .with_id(&self.id),
-            )
+            .send_stdin(&self.id, &data)
             .await
             .map_err(|err| RuntimeError::Failed(err.to_string()))
     }
@@ -263,6 +261,7 @@ pub(super) fn exec_command(request: &ExecRequest, python: &str) -> Request {
         cwd: request.cwd.clone(),
         resumable: request.resumable,
         results: request.results,
+        stdin_window: Some(STDIN_WINDOW_BYTES),
         pty: request.pty.map(|size| {
             std::collections::BTreeMap::from([
                 ("cols".to_owned(), size.cols),

@@ -220,7 +220,14 @@ async fn a_flood_of_frames_is_held_back_by_tcp_and_none_is_lost() {
         .unwrap();
     let accepted = sent.load(Ordering::Acquire);
     send(&mut sink, json!({"event": "stdin", "data": "!"})).await;
-    let frames = until_status(&mut stream, "SANDBOX_EXECUTION_DONE").await;
+    // Pings keep the socket's reads alive: a program that never got its
+    // '!' would keep this waiting for ever without a bound of its own.
+    let frames = tokio::time::timeout(
+        Duration::from_secs(120),
+        until_status(&mut stream, "SANDBOX_EXECUTION_DONE"),
+    )
+    .await
+    .expect("the program got every frame and its '!', and ended");
     assert_eq!(
         stdout(&frames),
         format!("read {}\n", accepted * CHUNK),
@@ -236,6 +243,52 @@ async fn a_flood_of_frames_is_held_back_by_tcp_and_none_is_lost() {
         frames.contains(&format!("stdout:{DOWNLOAD_BYTES}\n")),
         "{frames:?}"
     );
+}
+
+/// A program that reads its stdin slower than the client sends it gets all
+/// of it: the agent reports what the program took, the server sends no more
+/// than the agent holds for it (8 MiB) and holds the client back instead.
+/// Before, the agent dropped what was past its 8 MiB, with a notice (and a
+/// flood whose last frame fell in the gap never ended).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_program_that_reads_slowly_gets_all_its_stdin() {
+    const FRAMES: usize = 24;
+    let server = Server::start().await;
+    let (mut ws, _, _) = server.create(json!({})).await;
+    // At most 64 KiB each 10 ms: a few MiB a second.
+    let slow_counter = "import sys, time\nn = 0\nwhile True:\n    \
+                        chunk = sys.stdin.buffer.read1(1 << 16)\n    \
+                        if not chunk:\n        break\n    n += len(chunk)\n    \
+                        if chunk.endswith(b'!'):\n        n -= 1\n        break\n    \
+                        time.sleep(0.01)\nprint('read', n, flush=True)\n";
+    ws.send(json!({"language": "python", "code": slow_counter}))
+        .await;
+    assert_eq!(ws.next().await, "SANDBOX_EXECUTION_RUNNING");
+    let started = Instant::now();
+    let frames = tokio::time::timeout(Duration::from_secs(60), async {
+        for _ in 0..FRAMES {
+            ws.send(json!({"event": "stdin", "data": "x".repeat(CHUNK)}))
+                .await;
+        }
+        ws.send(json!({"event": "stdin", "data": "!"})).await;
+        ws.until_status("SANDBOX_EXECUTION_DONE").await
+    })
+    .await
+    .expect("the program read everything and ended (input dropped, its '!' with it?)");
+    eprintln!(
+        "{FRAMES} frames of stdin read by a slow program in {:?}",
+        started.elapsed()
+    );
+    let out: String = frames
+        .iter()
+        .filter_map(|frame| frame.strip_prefix("stdout:"))
+        .collect();
+    let errors: Vec<&String> = frames
+        .iter()
+        .filter(|frame| frame.starts_with("stderr:") || frame.starts_with("error:"))
+        .collect();
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(out, format!("read {}\n", FRAMES * CHUNK));
 }
 
 /// Attaches once the previous socket's session has let go.

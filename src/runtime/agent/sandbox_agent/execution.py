@@ -200,8 +200,15 @@ def unregister_outputs(execution):
 # The most input an execution may have waiting for its program to read it.
 # Past it the input is dropped, with a notice on the program's output: a
 # program that reads no input must not make the agent hold whatever the
-# client sends (the host does not wait for the program either).
+# client sends. A host that asks for a stdin window (`exec`'s
+# `stdin_window`) gets at most this, and waits for the `stdin_taken` reports
+# instead of sending more: its input is never dropped.
 MAX_STDIN_PENDING = 8 << 20
+
+# Input taken by a program is reported to the host once this much (or a
+# quarter of the window, if less) has been: a report per megabyte, not per
+# write.
+STDIN_REPORT_BYTES = 1 << 20
 
 STDIN_DROPPED = (b"\n[sandboxd] input dropped: the program has not read the %d MiB "
                  b"of input already waiting for it\n" % (MAX_STDIN_PENDING >> 20))
@@ -211,6 +218,8 @@ class Execution:
     """One execution: a process (or a persistent-session cell) and its pipes."""
 
     flow = None  # a terminal's flow control (`flow.TerminalFlow`)
+    stdin_window = None  # the stdin window granted to the host, if any
+    stdin_taken = 0  # input taken (or let go) and not yet reported
 
     def __init__(self, exec_id, pid, stdin_fd, out_fds, session=None, resumable=False):
         self.id = exec_id
@@ -334,8 +343,29 @@ class Execution:
                 pass
             os.close(fd)
 
+    def grant_stdin_window(self, asked):
+        """The stdin window for a host that `asked` for one (None if it did
+        not, or asked for no number)."""
+        if isinstance(asked, bool) or not isinstance(asked, int) or asked <= 0:
+            return None
+        self.stdin_window = min(asked, MAX_STDIN_PENDING)
+        return self.stdin_window
+
+    def took_stdin(self, count):
+        """Counts input the program took, or that was let go; reports it to a
+        host that keeps a window, a batch at a time (never while paused: the
+        host is being swapped)."""
+        if self.stdin_window is None or count <= 0:
+            return
+        self.stdin_taken += count
+        batch = max(1, min(STDIN_REPORT_BYTES, self.stdin_window // 4))
+        if self.stdin_taken >= batch and not state.PAUSED:
+            protocol.emit({"ev": "stdin_taken", "id": self.id, "count": self.stdin_taken})
+            self.stdin_taken = 0
+
     def write_stdin(self, data):
         if self.stdin_fd is None:
+            self.took_stdin(len(data))
             return
         # Once input is dropped, all of it is until the program has read
         # what waits: one gap with its notice, not holes.
@@ -344,6 +374,7 @@ class Execution:
                 self.stdin_dropping = True
                 stream = 2 if 2 in self.out_fds.values() else 1
                 self.output(stream, STDIN_DROPPED)
+            self.took_stdin(len(data))
             return
         self.stdin_pending += data
         self.flush_stdin()
@@ -356,9 +387,11 @@ class Execution:
                 self.watch_stdin(True)
                 return
             except OSError:
+                self.took_stdin(len(self.stdin_pending))
                 self.stdin_pending.clear()
                 break
             del self.stdin_pending[:written]
+            self.took_stdin(written)
         self.stdin_dropping = False
         self.watch_stdin(False)
         if self.stdin_close_requested and self.session is None:
@@ -514,7 +547,7 @@ def start_exec(msg):
         state.EXECS[exec_id] = execution
         if resumable:
             state.JOURNALS[exec_id] = execution
-        protocol.emit({"ev": "started", "id": exec_id, "pid": execution.pid})
+        announce_start(msg, execution)
         return
     load_prctl()
     if msg.get("pty"):
@@ -543,7 +576,16 @@ def start_exec(msg):
     if resumable:
         state.JOURNALS[exec_id] = execution
     state.PIDS[proc.pid] = execution
-    protocol.emit({"ev": "started", "id": exec_id, "pid": proc.pid})
+    announce_start(msg, execution)
+
+
+def announce_start(msg, execution):
+    """`started`, with the stdin window granted if the host asked for one."""
+    event = {"ev": "started", "id": execution.id, "pid": execution.pid}
+    window = execution.grant_stdin_window(msg.get("stdin_window"))
+    if window is not None:
+        event["stdin_window"] = window
+    protocol.emit(event)
 
 
 def set_size(fd, size):
@@ -627,7 +669,7 @@ def start_terminal(msg, exec_id, resumable):
     if resumable:
         state.JOURNALS[exec_id] = execution
     state.PIDS[proc.pid] = execution
-    protocol.emit({"ev": "started", "id": exec_id, "pid": proc.pid})
+    announce_start(msg, execution)
 
 
 def resize(msg):

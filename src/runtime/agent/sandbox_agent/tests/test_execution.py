@@ -65,6 +65,37 @@ class ExecutionTest(AgentTest):
         self.send("kill", id=run)
         self.assertEqual(self.run_to_exit(run)[-1]["code"], 137)
 
+    def test_a_granted_stdin_window_reports_what_the_program_took(self):
+        from sandbox_agent.execution import MAX_STDIN_PENDING, STDIN_REPORT_BYTES
+        # More than the agent keeps is asked for: it grants its own bound.
+        run = self.send("exec", argv=["python3", "-c",
+                                      "import sys; print(len(sys.stdin.buffer.read()))"],
+                        stdin_window=MAX_STDIN_PENDING * 2)
+        [started] = self.events()
+        self.assertEqual(started["stdin_window"], MAX_STDIN_PENDING)
+        sent = 3 * STDIN_REPORT_BYTES + 5
+        chunk = protocol.b64(b"x" * STDIN_REPORT_BYTES)
+        for _ in range(3):
+            self.send("stdin", id=run, data=chunk)
+        self.send("stdin", id=run, data=protocol.b64(b"y" * 5))
+        self.send("stdin_close", id=run)
+        events = self.run_to_exit(run)
+        self.assertEqual(output(events, run), b"%d\n" % sent)
+        reports = [e["count"] for e in events if e["ev"] == "stdin_taken"]
+        # A report a batch, never one per write; the rest waits for a batch.
+        self.assertTrue(all(n >= STDIN_REPORT_BYTES for n in reports), reports)
+        self.assertLessEqual(sum(reports), sent)
+        self.assertGreater(sum(reports), sent - STDIN_REPORT_BYTES, reports)
+
+    def test_without_a_stdin_window_nothing_is_reported(self):
+        run = self.send("exec", argv=["bash", "-c", "cat >/dev/null"])
+        [started] = self.events()
+        self.assertNotIn("stdin_window", started)
+        self.send("stdin", id=run, data=protocol.b64(b"x" * (2 << 20)))
+        self.send("stdin_close", id=run)
+        events = self.run_to_exit(run)
+        self.assertEqual([e for e in events if e["ev"] == "stdin_taken"], [])
+
     def test_one_execution_at_a_time(self):
         first = self.send("exec", argv=["sleep", "30"])
         second = self.send("exec", argv=["true"])
