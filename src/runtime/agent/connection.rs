@@ -87,6 +87,11 @@ pub const MAX_QUEUED_COMMAND_BYTES: usize = 8 << 20;
 /// of it: it is a [`LatestCommand`].
 pub const MAX_QUEUED_CONTROL_BYTES: usize = 64 << 10;
 
+/// The most stdin this host sends ahead of what a program read: the agent's
+/// own bound on input waiting for a program (`MAX_STDIN_PENDING`), so an
+/// agent that grants the window never drops input.
+pub const STDIN_WINDOW_BYTES: u64 = 8 << 20;
+
 /// What the writer task takes in turn.
 enum Framed {
     /// A command line and the raw bytes that follow it, with their share of
@@ -457,7 +462,8 @@ impl AgentConnection {
                 if let Some(granted) = stdin_window
                     && let Some(route) = self.routes().execs.get_mut(id)
                 {
-                    route.stdin_window = Some(StdinWindow::new(granted.min(asked)));
+                    let size = granted.min(asked);
+                    route.stdin_window = Some(StdinWindow::with_room(size, size));
                 }
                 Ok(rx)
             }
@@ -472,9 +478,17 @@ impl AgentConnection {
     }
 
     /// Routes the events of an execution the agent already runs (one a
-    /// restore brought back) to the returned stream.
-    pub fn adopt_exec(&self, id: &str) -> Result<ExecEvents, AgentError> {
-        let (route, rx) = ExecRoute::new();
+    /// restore brought back) to the returned stream; with the stdin window
+    /// it had (its size and the room left in it, as the agent's journal
+    /// says), at most the window this host asks for.
+    pub fn adopt_exec(
+        &self,
+        id: &str,
+        stdin_window: Option<(u64, u64)>,
+    ) -> Result<ExecEvents, AgentError> {
+        let (mut route, rx) = ExecRoute::new();
+        route.stdin_window = stdin_window
+            .map(|(size, room)| StdinWindow::with_room(size.min(STDIN_WINDOW_BYTES), room));
         let mut routes = self.routes();
         if routes.gone {
             return Err(AgentError::Gone);

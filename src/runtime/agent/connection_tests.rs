@@ -125,8 +125,8 @@ async fn bad_base64_output_is_reported_not_silently_empty() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_suspended_execution_is_not_ended_when_the_agent_goes_away() {
     let (connection, mut agent, _commands) = connect();
-    let mut kept = connection.adopt_exec("kept").unwrap();
-    let mut other = connection.adopt_exec("other").unwrap();
+    let mut kept = connection.adopt_exec("kept", None).unwrap();
+    let mut other = connection.adopt_exec("other", None).unwrap();
     emit(
         &mut agent,
         &json!({"ev": "out", "id": "kept", "fd": 1, "data": "eA==", "seq": 7}),
@@ -219,7 +219,7 @@ fn another_protocol_version_is_refused_naming_both() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn output_queued_for_a_slow_consumer_is_bounded_with_a_notice() {
     let (connection, mut agent, _commands) = connect();
-    let mut events = connection.adopt_exec("e1").unwrap();
+    let mut events = connection.adopt_exec("e1", None).unwrap();
     // A reply after the output: once it arrived, the reader has routed all
     // of it (and nobody read any).
     let routed = connection.expect_reply("r9").unwrap();
@@ -639,4 +639,16 @@ async fn stdin_waits_for_its_window_and_an_ended_execution_holds_no_sender() {
         .expect("an ended execution holds no sender")
         .unwrap()
         .unwrap();
+}
+
+/// An execution a restore brought back keeps the room its journal reports,
+/// in a window no larger than this host's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopted_execution_starts_from_the_room_its_journal_reports() {
+    let (connection, _agent, _commands) = connect();
+    let _events = connection.adopt_exec("e1", Some((u64::MAX, 100))).unwrap();
+    let routes = connection.routes();
+    let window = routes.execs["e1"].stdin_window.as_ref().unwrap();
+    assert_eq!(window.room.available_permits(), 100);
+    assert_eq!(window.size as u64, STDIN_WINDOW_BYTES);
 }

@@ -17,7 +17,8 @@ pub mod protocol;
 mod routes;
 
 pub use connection::{
-    AgentConnection, AgentError, DataError, LatestCommand, MAX_QUEUED_COMMAND_BYTES, check_version,
+    AgentConnection, AgentError, DataError, LatestCommand, MAX_QUEUED_COMMAND_BYTES,
+    STDIN_WINDOW_BYTES, check_version,
 };
 pub use lines::MAX_AGENT_PAYLOAD_BYTES;
 pub use routes::{ExecEvents, MAX_QUEUED_OUTPUT_BYTES, Sequenced};

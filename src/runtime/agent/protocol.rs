@@ -421,6 +421,13 @@ pub struct JournalEntry {
     pub id: String,
     pub acked: u64,
     pub running: bool,
+    /// The stdin window the execution's host was granted, and the room
+    /// left in it (the window less the input waiting for the program):
+    /// what the next host may send ahead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin_window: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin_room: Option<u64>,
 }
 
 /// `pong`.

@@ -50,12 +50,14 @@ pub(super) struct StdinWindow {
 }
 
 impl StdinWindow {
-    pub(super) fn new(size: u64) -> Self {
+    /// A window of `size` bytes with `room` of them free.
+    pub(super) fn with_room(size: u64, room: u64) -> Self {
         let size = usize::try_from(size)
             .unwrap_or(usize::MAX)
             .min(Semaphore::MAX_PERMITS);
+        let room = usize::try_from(room).unwrap_or(usize::MAX).min(size);
         Self {
-            room: Arc::new(Semaphore::new(size)),
+            room: Arc::new(Semaphore::new(room)),
             size,
         }
     }

@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 use super::{GvisorRuntime, Local, LocalSandbox};
 use crate::runtime::agent::delivery::DeliveryGate;
 use crate::runtime::agent::protocol::{JournalEntry, JournalsReply, Request};
-use crate::runtime::agent::{AgentConnection, ExecEvents, LatestCommand};
+use crate::runtime::agent::{AgentConnection, ExecEvents, LatestCommand, STDIN_WINDOW_BYTES};
 
 impl GvisorRuntime {
     /// After a restore: takes up the execution the checkpoint kept (its
@@ -40,9 +40,16 @@ impl GvisorRuntime {
         if !reply.paused {
             return;
         }
-        if let Some(JournalEntry { id, acked, running }) = reply.executions.into_iter().next_back()
+        if let Some(JournalEntry {
+            id,
+            acked,
+            running,
+            stdin_window,
+            stdin_room,
+        }) = reply.executions.into_iter().next_back()
         {
-            match local.agent.adopt_exec(&id) {
+            let window = stdin_window.map(|size| (size, stdin_room.unwrap_or(0)));
+            match local.agent.adopt_exec(&id, window) {
                 Ok(events) => {
                     if running {
                         local
@@ -86,11 +93,6 @@ impl GvisorRuntime {
         }
     }
 }
-
-/// Bytes of stdin sent ahead of what the program read, at most: the agent's
-/// own bound on input waiting for a program (`MAX_STDIN_PENDING`), so an
-/// agent that grants the window never drops input.
-const STDIN_WINDOW_BYTES: u64 = 8 << 20;
 
 /// Controls one execution through the agent.
 #[derive(Debug)]

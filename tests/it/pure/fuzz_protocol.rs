@@ -47,12 +47,13 @@ const FRAMES: [&str; 10] = [
     r#"{"idle_timeout": 0, "network": "egress", "image": "default", "enable_workspace_sync": true, "workspace_id": "w", "workspace_token": "0123456789abcdef", "keep_executions": true, "labels": {"team": "ml"}, "from_checkpoint": {"sandbox_id": "a", "sandbox_token": "b", "name": "c"}}"#,
 ];
 
-const AGENT_LINES: [&str; 13] = [
+const AGENT_LINES: [&str; 14] = [
     r#"{"ev":"hello","version":1,"pid":1}"#,
     r#"{"ev":"started","id":"e1","pid":7}"#,
     r#"{"ev":"out","id":"e1","fd":1,"data":"aGVsbG8K","seq":1}"#,
     r#"{"ev":"out","id":"e1","fd":2,"data":"/w=="}"#,
     r#"{"ev":"exit","id":"e1","code":0,"seq":2}"#,
+    r#"{"ev":"stdin_taken","id":"e2","count":65536}"#,
     r#"{"ev":"chunk","id":"a1","data":"eA=="}"#,
     r#"{"ev":"error","id":"r1","message":"no"}"#,
     r#"{"ev":"pong","id":null,"version":1,"running":["e1"]}"#,
@@ -164,9 +165,10 @@ async fn mutated_agent_lines_never_stop_the_connection() {
     let started = Instant::now();
     let (mut lines, mut batches, mut typed) = (0usize, 0usize, 0usize);
     while started.elapsed() < budget() {
-        // Routes for the ids the seeds use, read by a drain task.
-        for id in ["e1", "e2"] {
-            if let Ok(mut events) = connection.adopt_exec(id) {
+        // Routes for the ids the seeds use, read by a drain task; one with
+        // a stdin window for `stdin_taken` to fill.
+        for (id, window) in [("e1", None), ("e2", Some((1 << 20, 0)))] {
+            if let Ok(mut events) = connection.adopt_exec(id, window) {
                 tokio::spawn(async move { while events.recv().await.is_some() {} });
             }
         }

@@ -19,10 +19,19 @@ def ack(msg):
 
 
 def journals(msg):
-    """What a restore brings back: the journaled executions and whether paused."""
-    protocol.emit({"ev": "journals", "id": msg["id"], "paused": state.PAUSED, "executions": [
-        {"id": e.id, "acked": e.acked, "running": e.id in state.EXECS}
-        for e in state.JOURNALS.values()]})
+    """What a restore brings back: the journaled executions and whether paused,
+    with each one's stdin window and the room left in it (the new host starts
+    from that room: what the old one was not told yet is not reported)."""
+    executions = []
+    for e in state.JOURNALS.values():
+        entry = {"id": e.id, "acked": e.acked, "running": e.id in state.EXECS}
+        if e.stdin_window is not None:
+            entry["stdin_window"] = e.stdin_window
+            entry["stdin_room"] = max(0, e.stdin_window - len(e.stdin_pending))
+            e.stdin_taken = 0
+        executions.append(entry)
+    protocol.emit({"ev": "journals", "id": msg["id"], "paused": state.PAUSED,
+                   "executions": executions})
 
 
 def resume(msg):

@@ -42,6 +42,28 @@ class JournalTest(AgentTest):
         self.assertEqual(output(events, run), b"two\n")
         self.assertEqual(events[-1], {"ev": "exit", "id": run, "code": 4, "seq": 3})
 
+    def test_the_journal_tells_the_next_host_the_room_left_in_the_stdin_window(self):
+        # A program that reads nothing: its input waits in the agent.
+        run = self.send("exec", argv=["bash", "-c", "sleep 30"], resumable=True,
+                        stdin_window=1 << 20)
+        [started] = self.events()
+        self.assertEqual(started["stdin_window"], 1 << 20)
+        self.send("stdin", id=run, data="eHh4" * 70000)  # 210,000 bytes: more than a pipe holds
+        self.events()
+        waiting = len(state.EXECS[run].stdin_pending)
+        self.assertGreater(waiting, 0, "the pipe took it all: nothing to count")
+        self.send("prepare_checkpoint", force=False, keep=True, acked={})
+        self.events()
+        journals = self.send("journals")
+        [reply] = self.events()
+        self.assertEqual(reply["id"], journals)
+        self.assertEqual(reply["executions"], [{
+            "id": run, "acked": 0, "running": True,
+            "stdin_window": 1 << 20, "stdin_room": (1 << 20) - waiting}])
+        self.send("resume", replay=True)
+        self.send("kill", id=run)
+        self.assertEqual(self.run_to_exit(run)[-1]["code"], 137)
+
     def test_a_checkpoint_that_keeps_nothing_refuses_a_running_execution_unless_forced(self):
         run = self.send("exec", argv=["sleep", "30"])
         refused = self.send("prepare_checkpoint", force=False, keep=False)
