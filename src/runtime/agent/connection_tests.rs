@@ -30,6 +30,21 @@ fn connect() -> (Arc<AgentConnection>, std::fs::File, std::io::PipeReader) {
     )
 }
 
+/// An `exec` of `argv` on pipes, with the stdin window asked for.
+fn exec_of(argv: &[&str], stdin_window: Option<u64>) -> Request {
+    Request::Exec {
+        argv: Some(argv.iter().map(|arg| (*arg).to_owned()).collect()),
+        session: false,
+        code: None,
+        env: None,
+        cwd: None,
+        resumable: false,
+        pty: None,
+        results: false,
+        stdin_window,
+    }
+}
+
 fn emit(agent: &mut std::fs::File, event: &Value) {
     let mut line = serde_json::to_vec(event).unwrap();
     line.push(b'\n');
@@ -81,24 +96,8 @@ async fn a_slow_archive_consumer_does_not_stall_replies() {
 async fn bad_base64_output_is_reported_not_silently_empty() {
     let (connection, mut agent, _commands) = connect();
     let starting = Arc::clone(&connection);
-    let started = tokio::spawn(async move {
-        starting
-            .start_exec(
-                "e1",
-                Request::Exec {
-                    argv: Some(vec!["true".into()]),
-                    session: false,
-                    code: None,
-                    env: None,
-                    cwd: None,
-                    resumable: false,
-                    pty: None,
-                    results: false,
-                    stdin_window: None,
-                },
-            )
-            .await
-    });
+    let started =
+        tokio::spawn(async move { starting.start_exec("e1", exec_of(&["true"], None)).await });
     // `started` only once the request waits for it (it would be dropped).
     while !connection.routes().replies.contains_key("e1") {
         tokio::task::yield_now().await;
@@ -557,20 +556,7 @@ async fn stdin_waits_for_its_window_and_an_ended_execution_holds_no_sender() {
     let starting = Arc::clone(&connection);
     let started = tokio::spawn(async move {
         starting
-            .start_exec(
-                "e1",
-                Request::Exec {
-                    argv: Some(vec!["cat".into()]),
-                    session: false,
-                    code: None,
-                    env: None,
-                    cwd: None,
-                    resumable: false,
-                    pty: None,
-                    results: false,
-                    stdin_window: Some(WINDOW),
-                },
-            )
+            .start_exec("e1", exec_of(&["cat"], Some(WINDOW)))
             .await
     });
     while !connection.routes().replies.contains_key("e1") {
